@@ -1,0 +1,34 @@
+"""The explicit registry of eviction policies: name -> policy dataclass.
+
+The CLI, the README and the tests all read this dict. One policy per file.
+"""
+from __future__ import annotations
+
+from .base import Policy
+from .full import Full
+from .scissorhands import Scissorhands
+
+POLICIES: dict[str, type[Policy]] = {
+    "full": Full,
+    "scissorhands": Scissorhands,
+}
+
+__all__ = ["POLICIES", "Policy", "get_policy"]
+
+
+def get_policy(name: str, **params) -> Policy:
+    """Instantiate policy ``name`` with ``params``.
+
+    Raises:
+        ValueError: unknown name (lists the valid ones) or unknown/invalid parameter (names it).
+    """
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)}")
+    cls = POLICIES[name]
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(params) - fields)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown} for policy {name!r}; accepted: {sorted(fields)}")
+    return cls(**params)
