@@ -1,0 +1,1 @@
+"""The Ray side: model replicas (plain classes + thin Ray actor wrappers)."""

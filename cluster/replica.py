@@ -1,0 +1,336 @@
+"""One model replica: a model + tokenizer that runs static batches with a budgeted KV cache.
+
+`ModelReplica` is a plain class (no Ray here) so it can be unit-tested directly; the Ray actor
+in `cluster.ray_replica` is a thin wrapper around it.
+
+A *point* (one static batch) is a mapping with these keys (units in the names):
+
+| key | type | meaning |
+|---|---|---|
+| `policy` | str | a key of `scissorhands.POLICIES` (`"full"`, `"scissorhands"`, ...) |
+| `policy_params` | dict | keyword arguments of the policy (`recent_window`, `history_window`, ...) |
+| `compression_ratio` | float or None | budget B = ceil((prompt + new) / ratio); ignored for `full` |
+| `budget_tokens` | int or None | absolute budget B (slots per KV head); wins over the ratio |
+| `batch_size` | int | sequences in the batch |
+| `prompt_tokens` | int | exact prompt length of every sequence (no padding) |
+| `new_tokens` | int | tokens generated greedily per sequence (>= 1) |
+| `seed` | int | prompt selection seed |
+| `prompt_ids` | list[list[int]], optional | the prompts; built by the replica's prompt source otherwise |
+
+`run_batch(point)` runs two named phases under `torch.inference_mode()`:
+`prefill` (one forward over the prompts, first token = argmax of the last logits) and
+`decode_step` (one forward per further token), timing each with a wall clock, and returns
+a flat dict of metrics (see `run_batch`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import psutil
+import torch
+
+#: Test-only model names a suite may use instead of a real model (tiny random weights, no
+#: tokenizer: prompts are random ids drawn with the point's seed). Not for benchmarking.
+TEST_MODEL_NAMES = ("tiny-llama",)
+
+PromptFn = Callable[[Any, int, int, int], list]  # (tokenizer, n, prompt_tokens, seed) -> ids
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        value = getattr(torch, str(dtype))
+    except AttributeError:
+        value = None
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype: unknown torch dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
+    return value
+
+
+def load_replica_model(model_spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """Load `(model, tokenizer)` for a model spec.
+
+    `model_spec` is `"embedded"`, a Hugging Face model id, a local folder, or a test-only name
+    from `TEST_MODEL_NAMES` (tokenizer is then None). Raises FileNotFoundError naming the path
+    when `model_spec` is a filesystem path (absolute, or starting with `.` or `~`) that does
+    not exist.
+    """
+    torch_dtype = _dtype(dtype)
+    if model_spec == "tiny-llama":
+        from scissorhands.testing import tiny_llama
+
+        model = tiny_llama(seed=0).to(device=device, dtype=torch_dtype)
+        model.eval()
+        return model, None
+    expanded = os.path.expanduser(model_spec)
+    if model_spec.startswith((os.sep, ".", "~")) and not os.path.exists(expanded):
+        raise FileNotFoundError(f"model: path does not exist: {expanded}")
+    from scissorhands.models import load_model
+
+    model, tokenizer = load_model(expanded, dtype=torch_dtype, device=device)
+    model.eval()
+    return model, tokenizer
+
+
+def _peak_rss_bytes(current_peak: int) -> int:
+    return max(current_peak, psutil.Process().memory_info().rss)
+
+
+@dataclass
+class _Timer:
+    """Wall-clock timer that waits for queued accelerator work before reading the clock."""
+
+    device: torch.device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+class ModelReplica:
+    """A model replica that runs static batches with a given KV-cache policy and budget.
+
+    Args:
+        model_spec: `"embedded"`, an HF id, a local folder, or a test-only name
+            (`TEST_MODEL_NAMES`); ignored when `model` is given.
+        dtype: torch dtype name of the weights (`"float32"`).
+        device: torch device string (`"cpu"`, `"cuda"`).
+        replica_id: label recorded with every result.
+        num_threads: torch intra-op threads for this process (`torch.set_num_threads`), so that
+            several replicas on one machine don't oversubscribe the cores. None keeps torch's.
+        model, tokenizer: an already loaded model (injection for tests); tokenizer may be None.
+        prompt_fn: `(tokenizer, n, prompt_tokens, seed) -> list[list[int]]` building prompts
+            when a point carries no `prompt_ids` and the replica has a tokenizer.
+        node_id: the cluster node id to record (the Ray wrapper fills it in).
+        warmup: run one tiny prefill + decode at construction so one-time costs don't land in
+            the first point.
+
+    Raises:
+        FileNotFoundError: `model_spec` is a path that does not exist (the message names it).
+    """
+
+    def __init__(
+        self,
+        model_spec: str = "embedded",
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        replica_id: str = "replica-0",
+        num_threads: int | None = None,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        prompt_fn: PromptFn | None = None,
+        node_id: str | None = None,
+        warmup: bool = True,
+    ):
+        if num_threads is not None:
+            torch.set_num_threads(int(num_threads))
+        self.replica_id = replica_id
+        self.node_id = node_id
+        self.hostname = socket.gethostname()
+        self.model_spec = model_spec
+        self.device = torch.device(device)
+        if model is None:
+            model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.prompt_fn = prompt_fn
+        self.model_id = self._model_id()
+        self.load_peak_rss_bytes = _peak_rss_bytes(0)
+        if warmup:
+            self._warmup()
+
+    def _model_id(self) -> str:
+        if self.model_spec in TEST_MODEL_NAMES:
+            return self.model_spec
+        name = getattr(self.model.config, "name_or_path", None) or getattr(self.model, "name_or_path", None)
+        if self.model_spec == "embedded":
+            try:
+                from scissorhands.models import EMBEDDED_MODEL_ID
+
+                return EMBEDDED_MODEL_ID
+            except ImportError:
+                pass
+        return str(name or self.model_spec)
+
+    def info(self) -> dict:
+        """Who this replica is: ids, host, torch threads, model id, peak RSS after loading (bytes)."""
+        return {
+            "replica_id": self.replica_id,
+            "node_id": self.node_id,
+            "hostname": self.hostname,
+            "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "model_id": self.model_id,
+            "model_spec": self.model_spec,
+            "device": str(self.device),
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "load_peak_rss_bytes": self.load_peak_rss_bytes,
+        }
+
+    def _warmup(self) -> None:
+        self.run_batch(
+            {"policy": "full", "batch_size": 1, "prompt_tokens": 8, "new_tokens": 2, "seed": 0},
+            _warmup=True,
+        )
+
+    # -- prompts --------------------------------------------------------------------------
+    def _prompt_ids(self, point: Mapping[str, Any]) -> torch.Tensor:
+        """Return the prompts as a LongTensor of shape [batch_size, prompt_tokens]."""
+        batch, prompt_tokens, seed = int(point["batch_size"]), int(point["prompt_tokens"]), int(point.get("seed", 0))
+        ids = point.get("prompt_ids")
+        if ids is None and self.tokenizer is not None and self.prompt_fn is not None and not point.get("_random_ids"):
+            ids = self.prompt_fn(self.tokenizer, batch, prompt_tokens, seed)
+        if ids is None:
+            # Tokenizer-free path (tiny test models, warm-up): random ids with the point's seed.
+            gen = torch.Generator().manual_seed(seed)
+            vocab = int(self.model.config.vocab_size)
+            return torch.randint(0, vocab, (batch, prompt_tokens), generator=gen).to(self.device)
+        if len(ids) != batch or any(len(row) != prompt_tokens for row in ids):
+            raise ValueError(
+                f"prompt_ids: expected {batch} prompts of exactly {prompt_tokens} tokens, "
+                f"got lengths {[len(row) for row in ids]}"
+            )
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    # -- cache ----------------------------------------------------------------------------
+    def _make_cache(self, point: Mapping[str, Any], max_length: int):
+        from scissorhands import make_cache
+
+        policy = point["policy"]
+        params = dict(point.get("policy_params") or {})
+        if policy == "full":
+            return make_cache("full", self.model, **params)
+        if point.get("budget_tokens") is not None:
+            return make_cache(policy, self.model, budget_tokens=int(point["budget_tokens"]), **params)
+        return make_cache(
+            policy, self.model, compression_ratio=float(point["compression_ratio"]), max_length=max_length, **params
+        )
+
+    # -- the two phases -------------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        """Forward the prompts [batch, prompt] into `cache`; return the first tokens [batch, 1]."""
+        seen = cache.get_seq_length()
+        # position_ids: [1, prompt] absolute positions (tokens seen so far + offset)
+        position_ids = torch.arange(seen, seen + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)  # [batch, vocab] -> [batch, 1]
+
+    def decode_step(self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        """Forward one token per sequence ([batch, 1]); return the next greedy tokens [batch, 1]."""
+        seen = cache.get_seq_length()  # tokens seen, not the physical kept count
+        position_ids = torch.tensor([[seen]], device=tokens.device)  # [1, 1] true absolute position
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+    def generate_ids(self, point: Mapping[str, Any]) -> torch.Tensor:
+        """Greedy output ids [batch, new_tokens] of a point (no timing); for checks and tests."""
+        return self._run(point)[0]
+
+    def run_batch(self, point: Mapping[str, Any], _warmup: bool = False) -> dict:
+        """Run one static batch and return its metrics.
+
+        Returns a dict with: `prefill_s`, `ttft_s` (= prefill; the first token comes from the
+        prefill logits), `decode_s` (sum of decode steps), `decode_step_s` (list, one per
+        decode step, s), `tpot_s`, `e2e_latency_s`, `decode_tokens_per_s`
+        (batch * (new_tokens - 1) / decode_s; None when new_tokens == 1),
+        `output_throughput_tok_per_s` (output tokens / e2e), `total_throughput_tok_per_s`
+        ((input + output) / e2e), `input_tokens` / `output_tokens` (counted from the id
+        tensors actually sent / generated), `kv_cache_bytes` (peak, bookkeeping included),
+        `kv_cache_bytes_final`, `budget_tokens` (slots per KV head used; None for `full`),
+        `peak_rss_bytes` (max process RSS sampled during the point), `process_max_rss_bytes`
+        (process lifetime max), and the replica's identity (`replica_id`, `node_id`,
+        `hostname`, `torch_threads`, `model_id`).
+
+        Raises ValueError (from `make_cache`) for an invalid policy / budget, naming the field.
+        """
+        if _warmup:
+            point = {**point, "_random_ids": True}
+        _, metrics = self._run(point)
+        return metrics
+
+    def _run(self, point: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
+        batch, prompt_tokens, new_tokens = int(point["batch_size"]), int(point["prompt_tokens"]), int(point["new_tokens"])
+        if batch < 1 or prompt_tokens < 1 or new_tokens < 1:
+            raise ValueError("batch_size, prompt_tokens and new_tokens must all be >= 1")
+        timer = _Timer(self.device)
+        peak_rss = _peak_rss_bytes(0)
+        with torch.inference_mode():
+            input_ids = self._prompt_ids(point)  # [batch, prompt]
+            cache = self._make_cache(point, max_length=prompt_tokens + new_tokens)
+            mask = torch.ones(batch, prompt_tokens + new_tokens, dtype=torch.long, device=self.device)
+            generated = torch.empty(batch, new_tokens, dtype=torch.long, device=self.device)
+
+            t0 = timer.now()
+            token = self.prefill(input_ids, mask[:, :prompt_tokens], cache)
+            t1 = timer.now()
+            generated[:, 0:1] = token
+            peak_rss = _peak_rss_bytes(peak_rss)
+
+            step_s: list[float] = []
+            for i in range(1, new_tokens):
+                ts = timer.now()
+                token = self.decode_step(token, mask[:, : prompt_tokens + i], cache)
+                step_s.append(timer.now() - ts)
+                generated[:, i : i + 1] = token
+                peak_rss = _peak_rss_bytes(peak_rss)
+
+        prefill_s = t1 - t0
+        decode_s = float(sum(step_s))
+        e2e_s = prefill_s + decode_s
+        input_count = int(input_ids.numel())
+        output_count = int(generated.numel())
+        decode_count = batch * (new_tokens - 1)
+        metrics = {
+            "prefill_s": prefill_s,
+            "ttft_s": prefill_s,
+            "decode_s": decode_s,
+            "decode_step_s": step_s,
+            "tpot_s": decode_s / (new_tokens - 1) if new_tokens > 1 else None,
+            "e2e_latency_s": e2e_s,
+            "decode_tokens_per_s": decode_count / decode_s if decode_count and decode_s > 0 else None,
+            "output_throughput_tok_per_s": output_count / e2e_s if e2e_s > 0 else None,
+            "total_throughput_tok_per_s": (input_count + output_count) / e2e_s if e2e_s > 0 else None,
+            "input_tokens": input_count,
+            "output_tokens": output_count,
+            "kv_cache_bytes": int(cache.peak_kv_cache_bytes),
+            "kv_cache_bytes_final": int(cache.kv_cache_bytes()),
+            "budget_tokens": cache.budget_tokens,
+            "cache_seq_length": int(cache.get_seq_length()),
+            "peak_rss_bytes": int(peak_rss),
+            # ru_maxrss is KiB on Linux
+            "process_max_rss_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
+            "replica_id": self.replica_id,
+            "node_id": self.node_id,
+            "hostname": self.hostname,
+            "torch_threads": torch.get_num_threads(),
+            "model_id": self.model_id,
+        }
+        return generated, metrics
+
+
+def budget_from_ratio(prompt_tokens: int, new_tokens: int, compression_ratio: float) -> int:
+    """B = ceil((prompt + new) / ratio): the budget the library derives from a ratio."""
+    return math.ceil((prompt_tokens + new_tokens) / compression_ratio)

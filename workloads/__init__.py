@@ -1,0 +1,1 @@
+"""Workloads: suites, the sweep runner, prompts from real text, results and reports."""

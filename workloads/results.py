@@ -1,0 +1,189 @@
+"""Results of a sweep run: `results/<run_id>/points.jsonl`, `points.csv` and `table.md`.
+
+`points.jsonl` holds one JSON object per line, one line per finished point (ok or error).
+Each line is appended with a single `os.write` of the complete line on an `O_APPEND` file
+descriptor, then fsync'ed, so a killed sweep leaves complete lines only (a torn tail, possible
+only if the machine dies mid-write, is cut off before the file is appended to again).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import warnings
+from typing import Iterable
+
+SCHEMA_VERSION = 1
+MIB = 1024 * 1024
+
+
+def append_record(path: str, record: dict) -> None:
+    """Append one record as one JSON line: a single write of the whole line, flush, fsync.
+
+    Raises OSError when the line could not be written whole.
+    """
+    line = (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, line)
+        if written != len(line):
+            raise OSError(f"{path}: short write ({written} of {len(line)} bytes)")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def repair_tail(path: str) -> int:
+    """Cut an incomplete last line (no trailing newline) off `path`; return bytes removed."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+        return len(data) - keep
+
+
+def read_records(path: str) -> list[dict]:
+    """All complete, valid records of a points file (invalid lines are skipped with a warning)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                warnings.warn(f"{path}:{n}: incomplete last line ignored")
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{n}: invalid JSON line ignored")
+                continue
+            if isinstance(rec, dict) and "point_id" in rec and "status" in rec:
+                out.append(rec)
+    return out
+
+
+def latest_by_point(records: Iterable[dict]) -> dict[str, dict]:
+    """The last record of every point id (a resumed run may hold an error, then an ok)."""
+    latest: dict[str, dict] = {}
+    for rec in records:
+        latest[rec["point_id"]] = rec
+    return latest
+
+
+def completed_point_ids(records: Iterable[dict], model: str | None = None) -> set[str]:
+    """Point ids that have an `ok` record (for `model`, the suite's model spec, when given)."""
+    return {r["point_id"] for r in records if r.get("status") == "ok" and (model is None or r.get("model") == model)}
+
+
+# -- table --------------------------------------------------------------------------------
+COLUMNS = [  # (header with unit, record key, format)
+    ("policy", "policy", "s"),
+    ("ratio (x)", "compression_ratio", "g"),
+    ("batch", "batch_size", "d"),
+    ("prompt (tok)", "prompt_tokens", "d"),
+    ("new (tok)", "new_tokens", "d"),
+    ("budget (tok)", "budget_tokens", "d"),
+    ("prefill (s)", "prefill_s", ".3f"),
+    ("TTFT (s)", "ttft_s", ".3f"),
+    ("decode (tok/s)", "decode_tokens_per_s", ".1f"),
+    ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
+    ("KV cache (MiB)", "kv_cache_mib", ".2f"),
+    ("KV saved vs full (x)", "kv_saved_vs_full_x", ".2f"),
+    ("peak RSS (MiB)", "peak_rss_mib", ".0f"),
+    ("replica", "replica_id", "s"),
+    ("status", "status", "s"),
+]
+
+CSV_FIELDS = [
+    "schema_version", "run_id", "point_index", "point_id", "status", "error", "git_commit", "suite", "model_id",
+    "dtype", "device", "policy", "policy_params", "compression_ratio", "budget_tokens_requested", "budget_tokens",
+    "batch_size", "prompt_tokens", "new_tokens", "seed", "prefill_s", "ttft_s", "decode_s", "tpot_s",
+    "e2e_latency_s", "decode_tokens_per_s", "output_throughput_tok_per_s", "total_throughput_tok_per_s",
+    "input_tokens", "output_tokens", "kv_cache_bytes", "kv_cache_bytes_final", "kv_saved_vs_full_x",
+    "peak_rss_bytes", "process_max_rss_bytes", "replica_id", "node_id", "hostname", "torch_threads",
+    "started_at_unix_s", "finished_at_unix_s",
+]
+
+
+def _sort_key(rec: dict):
+    return (
+        rec.get("batch_size", 0), rec.get("prompt_tokens", 0), rec.get("new_tokens", 0),
+        rec.get("policy") != "full", rec.get("policy", ""),
+        -(rec.get("compression_ratio") or 0), rec.get("budget_tokens_requested") or 0,
+    )
+
+
+def table_rows(records: Iterable[dict]) -> list[dict]:
+    """One row per point (latest record), sorted, with derived MiB and 'KV saved vs full' columns.
+
+    `kv_saved_vs_full_x` = kv_cache_bytes of the `full` point with the same batch, prompt,
+    new tokens and seed divided by this point's kv_cache_bytes (None without a full point).
+    """
+    latest = list(latest_by_point(records).values())
+    full = {
+        (r["batch_size"], r["prompt_tokens"], r["new_tokens"], r.get("seed")): r["kv_cache_bytes"]
+        for r in latest
+        if r.get("policy") == "full" and r.get("status") == "ok" and r.get("kv_cache_bytes")
+    }
+    rows = []
+    for r in sorted(latest, key=_sort_key):
+        row = dict(r)
+        kv = r.get("kv_cache_bytes")
+        ref = full.get((r.get("batch_size"), r.get("prompt_tokens"), r.get("new_tokens"), r.get("seed")))
+        row["kv_cache_mib"] = kv / MIB if kv is not None else None
+        row["kv_saved_vs_full_x"] = ref / kv if (ref and kv) else None
+        rss = r.get("peak_rss_bytes")
+        row["peak_rss_mib"] = rss / MIB if rss is not None else None
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    try:
+        return format(value, fmt)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The sweep table as aligned Markdown; every numeric column carries its unit in the header."""
+    header = [h for h, _, _ in COLUMNS]
+    body = [[_fmt(r.get(k), f) for _, k, f in COLUMNS] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for b in body:
+        lines.append("| " + " | ".join(c.rjust(w) if i > 0 else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict]) -> str:
+    """The points as CSV (fields in `CSV_FIELDS`; policy_params as JSON)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        row = dict(r)
+        row["policy_params"] = json.dumps(r.get("policy_params") or {}, sort_keys=True)
+        w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write a whole file via a temporary file and rename (readers never see half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,337 @@
+"""Run a sweep suite on Ray replicas and record every point.
+
+    python -m workloads.sweep SUITE.yaml [--replicas N] [--results-dir results] [--run-id ID]
+                              [--resume RUN_ID] [--address ADDR]
+
+* The suite (see `workloads.suite`) expands into points (policy x budget x batch x prompt x new).
+* Ray: joins `--address` (or `$RAY_ADDRESS`, as inside `ray job submit`) when given, otherwise
+  starts an embedded local Ray on loopback. `N` replicas (default: the suite's `replicas`, 2)
+  each load the model once; each gets `max(1, cluster CPUs // N)` torch threads and reserves as
+  many Ray CPUs, so replicas on one machine don't fight over cores. Idle replicas take the next
+  point in suite order, so points run in parallel.
+* Every finished point is appended as one JSON line to `<results-dir>/<run_id>/points.jsonl`
+  (status `ok`, or `error` with the message; the sweep goes on after an error). `--resume RUN_ID`
+  skips the points already `ok` in that file. At the end the table is printed and written to
+  `table.md` and `points.csv` next to it.
+
+Exit status: 0 all points ok; 1 a point failed or no replica could start (e.g. a missing model
+path); 2 the suite or the arguments are invalid (nothing is recorded); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from workloads import results as res
+from workloads.suite import Point, Suite, SuiteError, load_suite
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GIT_COMMIT_ENV = "SCISSORHANDS_GIT_COMMIT"
+
+
+class SweepError(Exception):
+    """An error that stops the sweep before or between points (exit status `code`)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def git_commit() -> str:
+    """`git rev-parse HEAD` of the repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get(GIT_COMMIT_ENV) or "unknown"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m workloads.sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", help="suite YAML file, e.g. workloads/suites/smoke.yaml")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (overrides the suite's `replicas`)")
+    p.add_argument("--results-dir", default="results", help="folder of run folders (default: results)")
+    p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
+    p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
+    return p.parse_args(argv)
+
+
+def _run_dir(args: argparse.Namespace, suite: Suite) -> tuple[str, Path]:
+    if args.resume and args.run_id and args.resume != args.run_id:
+        raise SweepError("--run-id and --resume name different runs; pass only --resume RUN_ID", 2)
+    root = Path(args.results_dir)
+    if args.resume:
+        run_dir = root / args.resume
+        if not (run_dir / "points.jsonl").exists() and not (run_dir / "run.json").exists():
+            raise SweepError(f"--resume: no run {args.resume!r} under {root}/ (no points.jsonl)", 2)
+        return args.resume, run_dir
+    run_id = args.run_id or f"{suite.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    if "/" in run_id or run_id in ("", ".", ".."):
+        raise SweepError(f"--run-id: not a valid folder name: {run_id!r}", 2)
+    run_dir = root / run_id
+    if (run_dir / "points.jsonl").exists():
+        raise SweepError(f"--run-id: run {run_id!r} already exists in {run_dir}; use --resume {run_id}", 2)
+    return run_id, run_dir
+
+
+def _init_ray(address: str | None):
+    """Join a cluster or start an embedded local one on loopback; return (ray, started_here)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return ray, False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    return ray, True
+
+
+def _resources(ray, replicas: int, device: str) -> tuple[int, float, float]:
+    """(torch threads, Ray CPUs, Ray GPUs) per replica."""
+    total = ray.cluster_resources()
+    cpus = float(total.get("CPU", 1.0))
+    threads = max(1, int(cpus // replicas))
+    num_cpus = float(threads) if threads * replicas <= cpus else cpus / replicas
+    num_gpus = 0.0
+    if device.startswith("cuda"):
+        gpus = float(total.get("GPU", 0.0))
+        if gpus <= 0:
+            raise SweepError("device: 'cuda' requested but the Ray cluster has no GPU", 2)
+        num_gpus = min(1.0, gpus / replicas)
+    return threads, num_cpus, num_gpus
+
+
+def _error_message(exc: BaseException) -> str:
+    """`Type: message` of the original exception (Ray wraps it; `.cause` holds it)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text[:2000]}"
+
+
+def _resolved_params(point: Point, budget_used: int | None) -> dict:
+    """The policy's full parameter set (defaults filled in), plus effective r and m for the budget."""
+    try:
+        from scissorhands import POLICIES
+
+        policy = POLICIES[point.policy](**point.policy_params)
+        params = policy.params() if hasattr(policy, "params") else dataclasses.asdict(policy)
+        if budget_used is not None and hasattr(policy, "resolve"):
+            params["effective_recent_window"], params["effective_drop_tokens"] = policy.resolve(int(budget_used))
+        return params
+    except Exception:  # recording must never fail a point
+        return dict(point.policy_params)
+
+
+def _record(run_id, commit, suite, point, inventory, info, status, metrics=None, error=None, t0=None, t1=None) -> dict:
+    metrics = dict(metrics or {})
+    rec = {
+        "schema_version": res.SCHEMA_VERSION,
+        "run_id": run_id,
+        "point_index": point.index,
+        "point_id": point.point_id,
+        "status": status,
+        "error": error,
+        "git_commit": commit,
+        "suite": suite.name,
+        "model": suite.model,
+        "model_id": metrics.pop("model_id", None) or (info or {}).get("model_id") or suite.model,
+        "dtype": suite.dtype,
+        "device": suite.device,
+        "policy": point.policy,
+        "policy_params": _resolved_params(point, metrics.get("budget_tokens")),
+        "compression_ratio": point.compression_ratio,
+        "budget_tokens_requested": point.budget_tokens,
+        "budget_tokens": None,
+        "batch_size": point.batch_size,
+        "prompt_tokens": point.prompt_tokens,
+        "new_tokens": point.new_tokens,
+        "seed": point.seed,
+        "replica_id": (info or {}).get("replica_id"),
+        "node_id": (info or {}).get("node_id"),
+        "hostname": (info or {}).get("hostname"),
+        "torch_threads": (info or {}).get("torch_threads"),
+        "ray_nodes": inventory,
+        "started_at_unix_s": t0,
+        "finished_at_unix_s": t1,
+    }
+    rec.update(metrics)
+    return rec
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    try:
+        suite = load_suite(args.suite)
+    except SuiteError as e:
+        raise SweepError(str(e), 2) from None
+    replicas = args.replicas if args.replicas is not None else suite.replicas
+    if replicas < 1:
+        raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
+    run_id, run_dir = _run_dir(args, suite)
+    points = suite.points()
+    points_path = str(run_dir / "points.jsonl")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cut = res.repair_tail(points_path)
+    if cut:
+        print(f"sweep: cut an incomplete last line ({cut} bytes) off {points_path}", file=sys.stderr)
+    # A point counts as done only for the same model spec (a resumed run may point at another model).
+    done = res.completed_point_ids(res.read_records(points_path), model=suite.model)
+    pending = [p for p in points if p.point_id not in done]
+    commit = git_commit()
+    if not (run_dir / "run.json").exists():
+        meta = {"run_id": run_id, "suite_file": args.suite, "suite": dataclasses.asdict(suite), "git_commit": commit,
+                "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
+        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    print(f"sweep: run {run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
+          f"{len(pending)} to run on {replicas} replica(s); results in {run_dir}/", file=sys.stderr)
+
+    failed, stop = 0, None
+    if pending:
+        try:
+            failed = _run_points(args, suite, run_id, commit, pending, replicas, points_path)
+        except SweepError as e:  # still write the table of what is on disk
+            stop = e
+
+    ids = {p.point_id for p in points}
+    rows = res.table_rows(r for r in res.read_records(points_path) if r["point_id"] in ids and r.get("model") == suite.model)
+    table = res.markdown_table(rows)
+    res.write_atomic(str(run_dir / "table.md"), table)
+    res.write_atomic(str(run_dir / "points.csv"), res.csv_text(rows))
+    print(table, end="")
+    print(f"sweep: wrote {points_path}, {run_dir / 'table.md'}, {run_dir / 'points.csv'}", file=sys.stderr)
+    if stop is not None:
+        raise stop
+    failed_total = sum(1 for r in rows if r.get("status") != "ok")
+    missing = len(points) - len(rows)
+    if failed_total or missing:
+        print(f"sweep: {failed_total} point(s) failed, {missing} not run", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Point], replicas: int, points_path: str) -> int:
+    from tqdm import tqdm
+
+    ray, started_here = _init_ray(args.address)
+    from cluster.ray_replica import cluster_inventory, create_replicas, wait_ready
+
+    try:
+        from workloads.prompts import make_prompts
+    except ImportError:  # prompts module not available: tokenizer-free random prompts
+        make_prompts = None
+
+    actors: list = []
+    try:
+        threads, num_cpus, num_gpus = _resources(ray, replicas, suite.device)
+        inventory = cluster_inventory()
+        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, prompt_fn=make_prompts)
+
+        def start(n: int, prefix: str) -> list:
+            return create_replicas(n, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
+                                   name_prefix=prefix, **kwargs)
+
+        actors = start(replicas, "replica")
+        try:
+            infos = wait_ready(actors)
+        except Exception as e:  # a replica could not load its model
+            raise SweepError(f"replica failed to start: {_error_message(e)}", 1) from None
+        info_of = {a: i for a, i in zip(actors, infos)}
+        print(f"sweep: {replicas} replica(s) ready ({threads} torch thread(s), {num_cpus:g} CPU(s) each): "
+              + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
+
+        idle = list(actors)
+        queue = collections.deque(pending)
+        inflight: dict = {}
+        failed = 0
+        restarts = 0
+        bar = tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True)
+        try:
+            while queue or inflight:
+                while idle and queue:
+                    actor, point = idle.pop(0), queue.popleft()
+                    inflight[actor.run_batch.remote(point.as_dict())] = (point, actor, time.time())
+                if not inflight:
+                    break  # no live replica left
+                ready, _ = ray.wait(list(inflight), num_returns=1)
+                for ref in ready:
+                    point, actor, t0 = inflight.pop(ref)
+                    info = info_of.get(actor)
+                    try:
+                        metrics = ray.get(ref)
+                        rec = _record(run_id, commit, suite, point, inventory, info, "ok", metrics, None, t0, time.time())
+                        idle.append(actor)
+                    except ray.exceptions.RayActorError as e:
+                        failed += 1
+                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
+                                      f"replica died: {_error_message(e)}", t0, time.time())
+                        if restarts < replicas:  # replace the dead replica
+                            restarts += 1
+                            new = start(1, f"replica-r{restarts}")[0]
+                            try:
+                                info_of[new] = wait_ready([new])[0]
+                                idle.append(new)
+                            except Exception as e2:
+                                bar.write(f"sweep: could not replace a dead replica: {_error_message(e2)}")
+                    except Exception as e:  # the point raised inside the replica
+                        failed += 1
+                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
+                                      _error_message(e), t0, time.time())
+                        idle.append(actor)
+                    res.append_record(points_path, rec)
+                    bar.update(1)
+                    bar.write(_one_line(rec))
+        finally:
+            bar.close()
+        if queue:
+            raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
+        return failed
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if started_here:
+            ray.shutdown()
+
+
+def _one_line(rec: dict) -> str:
+    what = f"{rec['point_id']} on {rec.get('replica_id')}"
+    if rec["status"] != "ok":
+        return f"  error  {what}: {rec['error']}"
+    kv = rec.get("kv_cache_bytes") or 0
+    return (f"  ok     {what}: prefill {rec['prefill_s']:.2f} s, decode {rec.get('decode_tokens_per_s') or 0:.1f} tok/s, "
+            f"KV {kv / res.MIB:.1f} MiB, budget {rec.get('budget_tokens')} tok")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run_sweep(args)
+    except SweepError as e:
+        print(f"sweep: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("sweep: interrupted; finished points are in the points file (use --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
