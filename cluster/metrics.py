@@ -1,0 +1,378 @@
+"""Prometheus metrics of the benchmark: the one catalogue, and the live replica metrics.
+
+Two exporters publish metrics, and every name either of them publishes is listed once, in
+`METRICS` (name, type, help, labels, source); tests and dashboards check against it.
+
+* Live replica metrics (`source="ray"`) go through `ray.util.metrics`; Ray exports them on
+  every node's metrics port, and Prometheus finds the nodes through the service-discovery file
+  Ray writes (`/tmp/ray/prom_metrics_service_discovery.json`). Ray 2.60 prefixes application
+  metrics with ``ray_`` on export, and appends ``_total`` to counters itself, so the counter
+  ``scissorhands_generated_tokens_total`` is created in Ray as ``scissorhands_generated_tokens``
+  and scraped as ``ray_scissorhands_generated_tokens_total``. `MetricSpec.exported_name` gives
+  the name Prometheus stores; dashboards use that.
+* Sweep summaries (`source="pushgateway"`) are pushed with `prometheus_client` by
+  `workloads.push.SweepPusher`, under exactly the names listed here (no prefix added).
+
+Naming (see DESIGN.md): prefix ``scissorhands_``, base units in the name (``_seconds``,
+``_bytes``, ``_tokens``), counters end in ``_total``, ratios lie in 0..1, labels are low
+cardinality only.
+
+`ReplicaMetrics` is what a replica calls::
+
+    from cluster.metrics import ReplicaMetrics
+    m = ReplicaMetrics(policy="scissorhands", compression_ratio=5, replica="r0",
+                       model="tiny-llama", run_id="run-1")   # no-op recorder when Ray is not initialised
+    m.observe_prefill(0.120, tokens=4 * 128)     # one prefill forward: seconds, prompt tokens
+    m.observe_decode_step(0.015, batch_size=4)   # one decode forward: seconds, sequences
+    m.observe_ttft(0.120); m.add_generated_tokens(4); m.set_kv_cache(bytes=1 << 20, slots=4 * 32)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+#: Prefix of every metric this project defines.
+PREFIX = "scissorhands_"
+#: Prefix Ray 2.60 puts in front of every `ray.util.metrics` name when it exports it.
+RAY_EXPORT_PREFIX = "ray_"
+
+#: Labels of every live replica metric (all low cardinality; no request ids).
+REPLICA_LABELS: tuple[str, ...] = ("policy", "compression_ratio", "replica", "model", "run_id")
+#: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key).
+POINT_LABELS: tuple[str, ...] = (
+    "policy",
+    "compression_ratio",
+    "batch_size",
+    "concurrency",
+    "request_rate",
+    "model",
+)
+
+
+def _e12_buckets(low_s: float, high_s: float) -> tuple[float, ...]:
+    """Upper bounds from the E12 preferred-number series (IEC 60063) between low and high.
+
+    Neighbouring bounds differ by at most 25%, so `histogram_quantile` lands within a bucket of
+    that width around the true value (case L11: within 20% for 5 ms and 150 ms).
+    """
+    mantissas = (1.0, 1.2, 1.5, 1.8, 2.2, 2.7, 3.3, 3.9, 4.7, 5.6, 6.8, 8.2)
+    out = []
+    exponent = math.floor(math.log10(low_s))
+    while True:
+        for m in mantissas:
+            value = float(f"{m * 10.0**exponent:.6g}")  # 0.0012, not 0.0012000000000000001
+            if value > high_s * 1.0000001:
+                return tuple(out)
+            if value >= low_s * 0.9999999:
+                out.append(value)
+        exponent += 1
+
+
+#: Latency buckets in seconds: 1 ms .. 68 s, E12 steps (59 bounds; +Inf is implicit).
+LATENCY_BUCKETS_S: tuple[float, ...] = _e12_buckets(0.001, 68.0)
+#: Batch-size buckets in sequences: powers of two, 1 .. 1024.
+BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(11))
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    `name` is the name this project gives it (ends in ``_total`` for counters); `kind` is
+    ``counter``, ``gauge`` or ``histogram``; `source` is ``ray`` (live, `ray.util.metrics`) or
+    ``pushgateway`` (sweep summaries); `buckets` are histogram upper bounds in the metric's unit.
+    """
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...]
+    source: str
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def ray_name(self) -> str:
+        """The name to pass to `ray.util.metrics` (Ray adds ``_total`` to counters itself)."""
+        if self.kind == "counter":
+            return self.name.removesuffix("_total")
+        return self.name
+
+    @property
+    def exported_name(self) -> str:
+        """The metric name as Prometheus stores it (what a dashboard's PromQL must use)."""
+        if self.source == "ray":
+            return RAY_EXPORT_PREFIX + self.name
+        return self.name
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        """Every sample name in the exposition text (``_bucket``/``_sum``/``_count`` for histograms)."""
+        if self.kind == "histogram":
+            return tuple(self.exported_name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.exported_name,)
+
+
+def _replica(name: str, kind: str, help: str, buckets: tuple[float, ...] = ()) -> MetricSpec:
+    return MetricSpec(PREFIX + name, kind, help, REPLICA_LABELS, "ray", buckets)
+
+
+def _point(name: str, help: str, extra_labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(PREFIX + "sweep_" + name, "gauge", help, POINT_LABELS + extra_labels, "pushgateway")
+
+
+#: Every metric the project exports, live and pushed. Tests and dashboards read this list.
+METRICS: tuple[MetricSpec, ...] = (
+    # live, per replica, through ray.util.metrics
+    _replica("running_sequences", "gauge", "Sequences in the batch the replica is running now."),
+    _replica("queued_sequences", "gauge", "Sequences waiting in the replica's queue."),
+    _replica("generated_tokens_total", "counter", "Output tokens generated (counted from generated ids)."),
+    _replica("prefill_tokens_total", "counter", "Prompt tokens processed by prefill forwards."),
+    _replica("prefill_seconds", "histogram", "Wall time of one prefill forward.", LATENCY_BUCKETS_S),
+    _replica("decode_step_seconds", "histogram", "Wall time of one decode-step forward (whole batch).", LATENCY_BUCKETS_S),
+    _replica("decode_batch_size", "histogram", "Sequences in one decode-step forward.", BATCH_SIZE_BUCKETS),
+    _replica("ttft_seconds", "histogram", "Time to first token: request start to first generated token.", LATENCY_BUCKETS_S),
+    _replica("tpot_seconds", "histogram", "Time per output token: (e2e - ttft) / (output tokens - 1).", LATENCY_BUCKETS_S),
+    _replica("kv_cache_bytes", "gauge", "Bytes of every tensor the replica's KV caches hold now, bookkeeping included."),
+    _replica("kv_cache_slots", "gauge", "KV slots in use now (token positions kept per KV head, summed over sequences)."),
+    _replica("evicted_tokens_total", "counter", "Token slots evicted from the KV cache by the policy."),
+    _replica("model_load_seconds", "gauge", "Wall time of the replica's last model load."),
+    # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id)
+    _point("output_throughput_tokens_per_second", "Output tokens finished in the window / window length."),
+    _point("total_throughput_tokens_per_second", "(Input + output tokens) / window length."),
+    _point("ttft_seconds", "Time to first token at the given quantile of the point's requests.", ("quantile",)),
+    _point("tpot_seconds", "Time per output token at the given quantile of the point's requests.", ("quantile",)),
+    _point("e2e_latency_seconds", "Request latency (start to last token) at the given quantile.", ("quantile",)),
+    _point("kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
+    _point("completed_requests", "Requests of the point that completed."),
+    _point("failed_requests", "Requests of the point that failed."),
+    _point("perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),
+    _point("accuracy_ratio", "Accuracy in 0..1 of the policy's cache on the evaluation task (quality runs)."),
+    # per (policy, ratio, model) of a run
+    MetricSpec(
+        PREFIX + "sweep_max_batch_size",
+        "gauge",
+        "Largest batch size that completed without error (the batch that fits at the memory limit).",
+        ("policy", "compression_ratio", "model"),
+        "pushgateway",
+    ),
+    # progress of a run
+    MetricSpec(PREFIX + "sweep_points_completed", "gauge", "Points of the sweep finished so far.", (), "pushgateway"),
+    MetricSpec(PREFIX + "sweep_points_planned", "gauge", "Points the sweep will run in all.", (), "pushgateway"),
+    MetricSpec(
+        PREFIX + "sweep_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time at which the last point finished successfully.",
+        (),
+        "pushgateway",
+    ),
+)
+
+METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+
+def metric(name: str) -> MetricSpec:
+    """The spec of `name` (project name, e.g. ``scissorhands_ttft_seconds``); KeyError lists valid names."""
+    try:
+        return METRICS_BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown metric {name!r}; known: {sorted(METRICS_BY_NAME)}") from None
+
+
+def exported_metric_names(source: str | None = None) -> set[str]:
+    """Names as Prometheus stores them (``ray_``-prefixed for live metrics), optionally of one source."""
+    return {m.exported_name for m in METRICS if source is None or m.source == source}
+
+
+def label_value(value) -> str:
+    """A label value as this project writes it: ints plainly, floats with `%g`, None as ``""``.
+
+    ``5`` and ``5.0`` both give ``"5"``, so live and pushed series join on `compression_ratio`.
+    """
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def ratio_label(policy: str, compression_ratio) -> str:
+    """`compression_ratio` label: the ratio, or ``"1"`` when there is none (the uncompressed cache)."""
+    if compression_ratio is None or compression_ratio == "":
+        return "1"
+    return label_value(float(compression_ratio))
+
+
+class _LocalMetric:
+    """Stand-in for a `ray.util.metrics` object when Ray is not initialised: keeps values in memory.
+
+    `values` maps a label tuple to the counter sum, the last gauge value, or for histograms
+    ``[count, sum]``; plain-class unit tests read them through `ReplicaMetrics.snapshot()`.
+    """
+
+    def __init__(self, spec: MetricSpec, tags: Mapping[str, str]):
+        self.spec = spec
+        self.key = tuple(tags[k] for k in spec.labels)
+        self.values: dict[tuple, object] = {}
+
+    def inc(self, value: float) -> None:
+        self.values[self.key] = self.values.get(self.key, 0.0) + value
+
+    def set(self, value: float) -> None:
+        self.values[self.key] = value
+
+    def observe(self, value: float) -> None:
+        count, total = self.values.get(self.key, (0, 0.0))
+        self.values[self.key] = (count + 1, total + value)
+
+
+class _RayMetric:
+    """A `ray.util.metrics` metric bound to one replica's tags (methods mirror `_LocalMetric`)."""
+
+    def __init__(self, spec: MetricSpec, tags: Mapping[str, str]):
+        from ray.util import metrics as ray_metrics
+
+        self.spec = spec
+        if spec.kind == "counter":
+            m = ray_metrics.Counter(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+        elif spec.kind == "gauge":
+            m = ray_metrics.Gauge(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+        else:
+            m = ray_metrics.Histogram(
+                spec.ray_name, description=spec.help, boundaries=list(spec.buckets), tag_keys=spec.labels
+            )
+        self._m = m.set_default_tags(dict(tags))
+
+    def inc(self, value: float) -> None:
+        self._m.inc(value)
+
+    def set(self, value: float) -> None:
+        self._m.set(value)
+
+    def observe(self, value: float) -> None:
+        self._m.observe(value)
+
+
+def _ray_is_initialized() -> bool:
+    try:
+        import ray
+    except ImportError:
+        return False
+    return ray.is_initialized()
+
+
+class ReplicaMetrics:
+    """Live metrics of one replica, exported through `ray.util.metrics` (see the module docstring).
+
+    Args:
+        policy: cache policy name (a key of `scissorhands.POLICIES`).
+        compression_ratio: the ratio, or None for the uncompressed cache (label ``"1"``).
+        replica: replica id (low cardinality: one per actor, not per request).
+        model: model id.
+        run_id: the sweep run this replica serves.
+        use_ray: True forces Ray metrics, False forces the in-memory recorder; None (default)
+            uses Ray when `ray.is_initialized()` and the in-memory recorder otherwise.
+
+    Every method takes base units (seconds, bytes, tokens). A zero increment is ignored;
+    a negative or NaN value raises ValueError naming the argument.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        compression_ratio: float | None,
+        replica: str,
+        model: str,
+        run_id: str,
+        use_ray: bool | None = None,
+    ):
+        self.tags = {
+            "policy": str(policy),
+            "compression_ratio": ratio_label(policy, compression_ratio),
+            "replica": str(replica),
+            "model": str(model),
+            "run_id": str(run_id),
+        }
+        self.uses_ray = _ray_is_initialized() if use_ray is None else bool(use_ray)
+        factory = _RayMetric if self.uses_ray else _LocalMetric
+        self._metrics = {m.name: factory(m, self.tags) for m in METRICS if m.source == "ray"}
+
+    def _get(self, short: str):
+        return self._metrics[PREFIX + short]
+
+    @staticmethod
+    def _check(field: str, value: float) -> float:
+        value = float(value)
+        if value < 0 or math.isnan(value):
+            raise ValueError(f"{field} must be a number >= 0, got {value!r}")
+        return value
+
+    def observe_prefill(self, seconds: float, tokens: int) -> None:
+        """One prefill forward: its wall time (s) and the prompt tokens it processed (all sequences)."""
+        self._get("prefill_seconds").observe(self._check("seconds", seconds))
+        if self._check("tokens", tokens) > 0:
+            self._get("prefill_tokens_total").inc(float(tokens))
+
+    def observe_decode_step(self, seconds: float, batch_size: int) -> None:
+        """One decode-step forward: its wall time (s) and the sequences in it."""
+        self._get("decode_step_seconds").observe(self._check("seconds", seconds))
+        self._get("decode_batch_size").observe(self._check("batch_size", batch_size))
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Time to first token of one request (s)."""
+        self._get("ttft_seconds").observe(self._check("seconds", seconds))
+
+    def observe_tpot(self, seconds: float) -> None:
+        """Time per output token of one request (s): (e2e - ttft) / (output tokens - 1)."""
+        self._get("tpot_seconds").observe(self._check("seconds", seconds))
+
+    def set_running(self, n: int) -> None:
+        """Sequences in the batch running now."""
+        self._get("running_sequences").set(self._check("n", n))
+
+    def set_queued(self, n: int) -> None:
+        """Sequences waiting in the queue now."""
+        self._get("queued_sequences").set(self._check("n", n))
+
+    def add_generated_tokens(self, n: int) -> None:
+        """Add `n` output tokens (count generated ids, never re-tokenized text)."""
+        if self._check("n", n) > 0:
+            self._get("generated_tokens_total").inc(float(n))
+
+    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - the field term
+        """KV cache size now: `bytes` of every cache tensor (bookkeeping included), `slots` in use."""
+        self._get("kv_cache_bytes").set(self._check("bytes", bytes))
+        self._get("kv_cache_slots").set(self._check("slots", slots))
+
+    def add_evictions(self, n: int) -> None:
+        """Add `n` token slots evicted by the policy (summed as the cache reports them)."""
+        if self._check("n", n) > 0:
+            self._get("evicted_tokens_total").inc(float(n))
+
+    def observe_model_load(self, seconds: float) -> None:
+        """Wall time of the model load (s); a gauge holding the last load."""
+        self._get("model_load_seconds").set(self._check("seconds", seconds))
+
+    def snapshot(self) -> dict[str, object]:
+        """In-memory values by project metric name (only without Ray; {} when Ray records them).
+
+        Counters give their sum, gauges their last value, histograms ``(count, sum)``.
+        """
+        if self.uses_ray:
+            return {}
+        out = {}
+        for name, m in self._metrics.items():
+            if m.key in m.values:
+                out[name] = m.values[m.key]
+        return out
+
+
+def strip_sample_suffix(name: str) -> str:
+    """Drop one ``_bucket``/``_sum``/``_count``/``_total`` suffix (case L9's normalisation)."""
+    for suffix in ("_bucket", "_sum", "_count", "_total"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
