@@ -18,6 +18,7 @@ A suite file (YAML, read with `yaml.safe_load`) looks like::
     new_tokens: [64]
     seed: 0
     replicas: 2
+    placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
 
 Points are policy x budget (every ratio and every absolute budget) x batch size x prompt
 tokens x new tokens; `full` runs once per batch/prompt/new combination, not once per budget.
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+from cluster.placement import PlacementConfig, PlacementError, parse_placement
 
 class SuiteError(ValueError):
     """A suite that cannot run; the message names the field."""
@@ -103,6 +106,8 @@ class Suite:
     budget_tokens: tuple[int, ...] = ()
     seed: int = 0
     replicas: int = 2
+    # resources and node placement of each replica (see cluster.placement)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def points(self) -> list[Point]:
         """Expand into points, in suite order (batch, prompt, new, policy, budget)."""
@@ -226,6 +231,10 @@ def parse_suite(data: Any, source: str = "<suite>") -> Suite:
             kw[key] = _str(key, data[key])
     kw["seed"] = _int("seed", data.get("seed", 0), 0)
     kw["replicas"] = _int("replicas", data.get("replicas", 2), 1)
+    try:
+        kw["placement"] = parse_placement(data.get("placement"))
+    except PlacementError as e:
+        raise SuiteError(str(e)) from None
     for key in ("batch_sizes", "prompt_tokens", "new_tokens"):
         kw[key] = tuple(_int(f"{key}[{i}]", v, 1) for i, v in enumerate(_list(key, data[key], allow_empty=False)))
     ratios = []

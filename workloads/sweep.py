@@ -165,6 +165,9 @@ def _record(run_id, commit, suite, point, inventory, info, status, metrics=None,
         "seed": point.seed,
         "replica_id": (info or {}).get("replica_id"),
         "node_id": (info or {}).get("node_id"),
+        "node_ip": (info or {}).get("node_ip"),
+        "accelerator_ids": (info or {}).get("accelerator_ids"),
+        "devices": (info or {}).get("devices"),
         "hostname": (info or {}).get("hostname"),
         "torch_threads": (info or {}).get("torch_threads"),
         "ray_nodes": inventory,
@@ -230,26 +233,30 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
     from tqdm import tqdm
 
     ray, started_here = _init_ray(args.address)
-    from cluster.ray_replica import cluster_inventory, create_replicas, wait_ready
+    from cluster.placement import PlacementError, ReplicaSet, wait_placed
+    from cluster.ray_replica import cluster_inventory
 
     try:
         from workloads.prompts import make_prompts
     except ImportError:  # prompts module not available: tokenizer-free random prompts
         make_prompts = None
 
-    actors: list = []
+    rset = None
     try:
         threads, num_cpus, num_gpus = _resources(ray, replicas, suite.device)
         inventory = cluster_inventory()
         kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, prompt_fn=make_prompts)
 
-        def start(n: int, prefix: str) -> list:
-            return create_replicas(n, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
-                                   name_prefix=prefix, **kwargs)
-
-        actors = start(replicas, "replica")
+        # one placement-group bundle per replica; resources/strategy from the suite's `placement:`
+        rset = ReplicaSet(replicas, suite.placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
+                          replica_kwargs=kwargs)
         try:
-            infos = wait_ready(actors)
+            actors = rset.start()
+        except PlacementError as e:
+            raise SweepError(str(e), 1) from None
+        threads, num_cpus = rset.num_threads, rset.num_cpus
+        try:
+            infos = wait_placed(actors)
         except Exception as e:  # a replica could not load its model
             raise SweepError(f"replica failed to start: {_error_message(e)}", 1) from None
         info_of = {a: i for a, i in zip(actors, infos)}
@@ -283,9 +290,9 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                                       f"replica died: {_error_message(e)}", t0, time.time())
                         if restarts < replicas:  # replace the dead replica
                             restarts += 1
-                            new = start(1, f"replica-r{restarts}")[0]
+                            new = rset.replace(actor)
                             try:
-                                info_of[new] = wait_ready([new])[0]
+                                info_of[new] = wait_placed([new])[0]
                                 idle.append(new)
                             except Exception as e2:
                                 bar.write(f"sweep: could not replace a dead replica: {_error_message(e2)}")
@@ -303,11 +310,8 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
             raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
         return failed
     finally:
-        for a in actors:
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
+        if rset is not None:
+            rset.shutdown()
         if started_here:
             ray.shutdown()
 

@@ -1,0 +1,473 @@
+"""Placement of model replicas on a Ray cluster: resources, placement group, sharding over GPUs.
+
+A suite may carry a ``placement:`` mapping (all keys optional)::
+
+    placement:
+      strategy: SPREAD          # SPREAD | STRICT_SPREAD | PACK | STRICT_PACK (how replicas share nodes)
+      num_cpus: 4               # Ray CPUs per replica (default: the sweep's share of the cluster's CPUs)
+      num_gpus: 2               # GPUs per replica (default: 1 for device cuda, else 0); > 1 shards the model
+      resources: {a100: 1}      # custom Ray resources per replica (node types, fake GPUs in tests)
+      gpu_memory_fraction: 0.9  # cap of each GPU's memory given to weights (accelerate max_memory)
+      max_memory_per_gpu_bytes: null   # explicit weight cap per GPU (wins over the fraction)
+      max_restarts: 2           # Ray restarts of a replica whose process died
+      max_task_retries: 1       # a point in flight on a dead replica runs again on the restarted one
+      ready_timeout_s: 600      # wait this long for the cluster to fit every replica
+
+How replicas are placed. The replica set reserves **one placement group with one bundle per
+replica**; a bundle holds every resource of its replica (CPUs, GPUs, custom resources). Ray never
+splits a bundle across nodes, so a replica with several GPUs always gets them on one node (what a
+per-replica ``STRICT_PACK`` group would give), and the group's ``strategy`` decides how the
+replicas share nodes: ``SPREAD`` (default) puts them on as many nodes as it can, ``STRICT_SPREAD``
+demands one node per replica, ``PACK``/``STRICT_PACK`` fill nodes first. Each replica actor is
+scheduled into its own bundle (`PlacementGroupSchedulingStrategy`), created with
+``.options(num_cpus=, num_gpus=, resources=)``, and restarted in place by Ray when its process
+dies (``max_restarts``; a point in flight is retried once, ``max_task_retries``).
+
+A replica that Ray gave several GPUs loads its model on the CPU, plans an accelerate
+``device_map`` over exactly those GPUs (``CUDA_VISIBLE_DEVICES`` set by Ray, so ``0..n-1``) with
+an explicit ``max_memory`` per GPU (balanced, so every GPU keeps room for its layers' KV cache),
+and dispatches the layers; the Scissorhands cache allocates each layer's slots on that layer's
+device. Every point records ``node_id``, ``node_ip``, ``accelerator_ids`` (Ray's GPU ids),
+``devices`` (the torch devices of the weights) and ``replica_pid``.
+
+Ray is imported lazily so that suites can be validated without it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from cluster.replica import ModelReplica, load_replica_model
+
+#: Placement-group strategies Ray accepts, in the order the docs list them.
+PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
+#: Resource names a suite may not use as custom resources (they have their own keys).
+_RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+class PlacementError(ValueError):
+    """Replicas cannot be placed as asked; the message names the field or the missing resource."""
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Resources and placement of each replica (the suite's ``placement:`` mapping).
+
+    Fields: see the module docstring. ``num_cpus``/``num_gpus`` None mean "the sweep decides"
+    (a share of the cluster's CPUs; 1 GPU for ``device: cuda``, else 0).
+    """
+
+    strategy: str = "SPREAD"
+    num_cpus: float | None = None
+    num_gpus: float | None = None
+    resources: dict = field(default_factory=dict)
+    gpu_memory_fraction: float = 0.9
+    max_memory_per_gpu_bytes: int | None = None
+    max_restarts: int = 2
+    max_task_retries: int = 1
+    ready_timeout_s: float = 600.0
+
+
+def _number(name: str, value: Any, minimum: float, *, integer: bool = False, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    ok_type = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok_type) or not math.isfinite(value):
+        kind = "an integer" if integer else "a number"
+        raise PlacementError(f"placement.{name}: expected {kind} >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise PlacementError(f"placement.{name}: must be >= {minimum}, got {value}")
+    return value
+
+
+def parse_placement(data: Any) -> PlacementConfig:
+    """Validate a suite's ``placement:`` mapping (None gives the defaults).
+
+    Raises:
+        PlacementError: unknown key, unknown strategy (lists the accepted ones), a negative or
+            non-numeric amount, a fractional GPU count above 1, a reserved resource name.
+    """
+    if data is None:
+        return PlacementConfig()
+    if isinstance(data, PlacementConfig):
+        return data
+    if not isinstance(data, Mapping):
+        raise PlacementError(f"placement: expected a mapping, got {data!r} ({type(data).__name__})")
+    accepted = [f.name for f in fields(PlacementConfig)]
+    unknown = sorted(set(data) - set(accepted))
+    if unknown:
+        raise PlacementError(f"placement: unknown key(s) {unknown} (accepted: {', '.join(accepted)})")
+    kw: dict[str, Any] = {}
+    if "strategy" in data:
+        strategy = data["strategy"]
+        if not isinstance(strategy, str) or strategy.upper() not in PLACEMENT_STRATEGIES:
+            raise PlacementError(
+                f"placement.strategy: unknown strategy {strategy!r} (accepted: {', '.join(PLACEMENT_STRATEGIES)})"
+            )
+        kw["strategy"] = strategy.upper()
+    kw["num_cpus"] = _number("num_cpus", data.get("num_cpus"), 0, allow_none=True)
+    gpus = _number("num_gpus", data.get("num_gpus"), 0, allow_none=True)
+    if gpus is not None and gpus > 1 and gpus != int(gpus):
+        raise PlacementError(f"placement.num_gpus: a replica on several GPUs needs a whole number, got {gpus}")
+    kw["num_gpus"] = gpus
+    resources = data.get("resources") or {}
+    if not isinstance(resources, Mapping):
+        raise PlacementError(f"placement.resources: expected a mapping of resource name to amount, got {resources!r}")
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not name or name in _RESERVED_RESOURCES:
+            raise PlacementError(
+                f"placement.resources: invalid resource name {name!r} (use num_cpus / num_gpus for "
+                f"{', '.join(_RESERVED_RESOURCES[:2])}; reserved: {', '.join(_RESERVED_RESOURCES)})"
+            )
+        _number(f"resources.{name}", amount, 0)
+    kw["resources"] = {str(k): float(v) for k, v in resources.items()}
+    if "gpu_memory_fraction" in data:
+        frac = _number("gpu_memory_fraction", data["gpu_memory_fraction"], 0)
+        if not 0 < frac <= 1:
+            raise PlacementError(f"placement.gpu_memory_fraction: must lie in (0, 1], got {frac}")
+        kw["gpu_memory_fraction"] = float(frac)
+    kw["max_memory_per_gpu_bytes"] = _number(
+        "max_memory_per_gpu_bytes", data.get("max_memory_per_gpu_bytes"), 1, integer=True, allow_none=True
+    )
+    for name in ("max_restarts", "max_task_retries"):
+        if name in data:
+            kw[name] = _number(name, data[name], 0, integer=True)
+    if "ready_timeout_s" in data:
+        kw["ready_timeout_s"] = float(_number("ready_timeout_s", data["ready_timeout_s"], 0))
+    return PlacementConfig(**kw)
+
+
+def replica_bundle(num_cpus: float, num_gpus: float, resources: Mapping[str, float]) -> dict:
+    """The placement-group bundle of one replica: {"CPU": .., "GPU": .., custom: ..} (zeros left out)."""
+    bundle = {"CPU": float(num_cpus)}
+    if num_gpus:
+        bundle["GPU"] = float(num_gpus)
+    bundle.update({k: float(v) for k, v in resources.items() if v})
+    return {k: v for k, v in bundle.items() if v}
+
+
+def _alive_nodes(ray) -> list[dict]:
+    return [n for n in ray.nodes() if n.get("Alive", n.get("alive", False))]
+
+
+def check_fits(bundle: Mapping[str, float], replicas: int, strategy: str, nodes: list[dict]) -> None:
+    """Fail fast when no node (or, for STRICT_SPREAD, too few nodes) can ever hold a bundle.
+
+    `nodes` are `ray.nodes()` entries (their total `Resources`). Raises PlacementError naming the
+    resource, the amount asked for, and the largest amount any node has.
+    """
+    fitting = [n for n in nodes if all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in bundle.items())]
+    if not fitting:
+        short = []
+        for k, v in bundle.items():
+            most = max((n.get("Resources", {}).get(k, 0.0) for n in nodes), default=0.0)
+            if most < v:
+                short.append(f"{k}: asks {v:g}, the largest node has {most:g}")
+        raise PlacementError(
+            f"placement: no node can hold one replica {dict(bundle)} ({'; '.join(short) or 'resources split over nodes'}); "
+            "a replica never spans nodes: lower placement.num_gpus / num_cpus / resources or add bigger nodes"
+        )
+    if strategy == "STRICT_SPREAD" and len(fitting) < replicas:
+        raise PlacementError(
+            f"placement.strategy: STRICT_SPREAD needs {replicas} nodes that each hold {dict(bundle)}, "
+            f"the cluster has {len(fitting)}; use SPREAD or fewer replicas"
+        )
+
+
+class ReplicaSet:
+    """`n` replica actors in one placement group (one bundle per replica).
+
+    Args:
+        n: number of replicas.
+        placement: the suite's `PlacementConfig`.
+        num_cpus, num_gpus: the sweep's default resources per replica; the config's values win.
+        num_threads: torch threads per replica (default: the replica's CPUs, at least 1).
+        replica_kwargs: keyword arguments of `PlacedReplica` / `ModelReplica`
+            (model_spec, dtype, device, prompt_fn, ...).
+        name_prefix: replica ids are ``<prefix>-<i>``.
+
+    `start()` returns the actor handles; `replace(actor)` starts a new actor in the same bundle
+    (for a replica whose restarts are used up); `shutdown()` kills the actors and frees the group.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        placement: PlacementConfig | None = None,
+        *,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        num_threads: int | None = None,
+        replica_kwargs: Mapping[str, Any] | None = None,
+        name_prefix: str = "replica",
+    ):
+        if n < 1:
+            raise PlacementError(f"replicas: must be >= 1, got {n}")
+        self.n = n
+        self.placement = placement or PlacementConfig()
+        cfg = self.placement
+        self.num_cpus = float(cfg.num_cpus if cfg.num_cpus is not None else num_cpus)
+        self.num_gpus = float(cfg.num_gpus if cfg.num_gpus is not None else num_gpus)
+        self.resources = dict(cfg.resources)
+        self.num_threads = num_threads if cfg.num_cpus is None and num_threads else max(1, int(self.num_cpus))
+        self.replica_kwargs = dict(replica_kwargs or {})
+        self.name_prefix = name_prefix
+        self.bundle = replica_bundle(self.num_cpus, self.num_gpus, self.resources)
+        self.pg = None
+        self.actors: list = []
+        self._bundle_of: dict = {}
+        self._replacements = 0
+
+    def start(self) -> list:
+        """Reserve the placement group (waits up to `ready_timeout_s`) and start the actors.
+
+        Raises:
+            PlacementError: no node can hold a replica, or the group could not be placed in
+                time (the message lists what each node has free).
+        """
+        import ray
+        from ray.util.placement_group import placement_group
+
+        check_fits(self.bundle, self.n, self.placement.strategy, _alive_nodes(ray))
+        self.pg = placement_group([dict(self.bundle) for _ in range(self.n)], strategy=self.placement.strategy)
+        if not self.pg.wait(timeout_seconds=self.placement.ready_timeout_s):
+            free = ray.available_resources()
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None
+            raise PlacementError(
+                f"placement: {self.n} replica(s) of {self.bundle} ({self.placement.strategy}) could not be placed "
+                f"within {self.placement.ready_timeout_s:g} s; free now: {free}"
+            )
+        self.actors = [self._actor(i, f"{self.name_prefix}-{i}") for i in range(self.n)]
+        return list(self.actors)
+
+    def _actor(self, bundle_index: int, replica_id: str):
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cfg = self.placement
+        actor = PlacedReplicaActor.options(
+            num_cpus=self.num_cpus,
+            num_gpus=self.num_gpus,
+            resources=self.resources or None,
+            max_restarts=cfg.max_restarts,
+            max_task_retries=cfg.max_task_retries,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg,
+                placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=True,
+            ),
+        ).remote(
+            replica_id=replica_id,
+            num_threads=self.num_threads,
+            gpu_memory_fraction=cfg.gpu_memory_fraction,
+            max_memory_per_gpu_bytes=cfg.max_memory_per_gpu_bytes,
+            **self.replica_kwargs,
+        )
+        self._bundle_of[actor] = bundle_index
+        return actor
+
+    def replace(self, actor):
+        """Kill `actor` (if still there) and start a new one in its bundle; return the new handle."""
+        import ray
+
+        index = self._bundle_of.pop(actor)
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:
+            pass
+        self._replacements += 1
+        new = self._actor(index, f"{self.name_prefix}-{index}-r{self._replacements}")
+        self.actors = [new if a is actor else a for a in self.actors]
+        return new
+
+    def shutdown(self) -> None:
+        """Kill every actor and remove the placement group (safe to call twice)."""
+        import ray
+
+        for a in list(self._bundle_of):
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self._bundle_of.clear()
+        self.actors = []
+        if self.pg is not None:
+            try:
+                ray.util.remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+
+
+# -- sharding a replica over its GPUs ------------------------------------------------------
+def gpu_max_memory(
+    n_gpus: int, *, fraction: float = 0.9, per_gpu_bytes: int | None = None, totals_bytes: list[int] | None = None
+) -> dict[int, int]:
+    """Explicit accelerate ``max_memory`` {gpu index: bytes} for GPUs ``0..n_gpus-1``.
+
+    `per_gpu_bytes` wins; otherwise `fraction` of each GPU's total memory (`totals_bytes`, read
+    from torch.cuda when None).
+    """
+    if per_gpu_bytes is not None:
+        return {i: int(per_gpu_bytes) for i in range(n_gpus)}
+    if totals_bytes is None:
+        import torch
+
+        totals_bytes = [torch.cuda.get_device_properties(i).total_memory for i in range(n_gpus)]
+    return {i: int(totals_bytes[i] * fraction) for i in range(n_gpus)}
+
+
+def plan_device_map(model, max_memory: Mapping[int, int]) -> dict[str, int]:
+    """An accelerate ``device_map`` (module name -> GPU index) spreading `model` over the GPUs.
+
+    Weights are balanced over the GPUs (`accelerate.utils.get_balanced_memory`, capped by
+    `max_memory`) so each GPU keeps free memory for its layers' KV cache; decoder layers are
+    never split (`model._no_split_modules`).
+
+    Raises:
+        PlacementError: the weights do not fit in `max_memory` (some module would go to the CPU
+            or disk); the message gives the weight bytes and the caps.
+    """
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    caps = {int(k): int(v) for k, v in max_memory.items()}
+    balanced = get_balanced_memory(model, max_memory=dict(caps), no_split_module_classes=no_split)
+    balanced = {k: min(int(v), caps[k]) for k, v in balanced.items() if k in caps}
+    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split)
+    if any(d not in caps for d in device_map.values()):
+        device_map = infer_auto_device_map(model, max_memory=dict(caps), no_split_module_classes=no_split)
+    spilled = sorted(name for name, d in device_map.items() if d not in caps)
+    if spilled:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        raise PlacementError(
+            f"placement: the model's weights ({weight_bytes / 2**30:.2f} GiB) do not fit in max_memory "
+            f"{ {k: f'{v / 2**30:.2f} GiB' for k, v in caps.items()} }; left over: {', '.join(spilled[:5])}; "
+            "raise placement.num_gpus or placement.gpu_memory_fraction / max_memory_per_gpu_bytes"
+        )
+    return {name: int(d) for name, d in device_map.items()}
+
+
+def load_sharded(model_spec: str, dtype: str, max_memory: Mapping[int, int]):
+    """Load a model on the CPU, then dispatch its layers over GPUs ``0..n-1``.
+
+    Returns ``(model, tokenizer, device_map)``. The model's inputs go to GPU 0 (the embedding);
+    accelerate's hooks move activations between GPUs and bring the logits back to GPU 0.
+    Raises PlacementError (does not fit), FileNotFoundError (model path missing).
+    """
+    from accelerate import dispatch_model
+
+    model, tokenizer = load_replica_model(model_spec, dtype=dtype, device="cpu")
+    device_map = plan_device_map(model, max_memory)
+    model = dispatch_model(model, device_map=device_map)
+    model.eval()
+    return model, tokenizer, device_map
+
+
+class PlacedReplica(ModelReplica):
+    """`ModelReplica` inside a Ray actor: records where it runs; shards over several GPUs.
+
+    Extra args: `gpu_memory_fraction`, `max_memory_per_gpu_bytes` (see `gpu_max_memory`).
+    `info()` and every `run_batch` result add `node_id`, `node_ip`, `accelerator_ids`,
+    `devices`, `replica_pid` and `replica_restarted` (True after Ray restarted the actor).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        gpu_memory_fraction: float = 0.9,
+        max_memory_per_gpu_bytes: int | None = None,
+        **kwargs: Any,
+    ):
+        import ray
+
+        ctx = ray.get_runtime_context()
+        kwargs.setdefault("node_id", ctx.get_node_id())
+        self.node_ip = ray.util.get_node_ip_address()
+        self.accelerator_ids = [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])]
+        with warnings.catch_warnings():  # Ray 2.60 warns about an internal deprecated call here
+            warnings.simplefilter("ignore")
+            self.replica_restarted = bool(ctx.was_current_actor_reconstructed)
+        self.device_map = None
+        device = str(kwargs.get("device", "cpu"))
+        if device.startswith("cuda") and kwargs.get("model") is None:
+            import torch
+
+            visible = torch.cuda.device_count()
+            if visible > 1:
+                if num_threads := kwargs.get("num_threads"):
+                    torch.set_num_threads(int(num_threads))
+                max_memory = gpu_max_memory(visible, fraction=gpu_memory_fraction, per_gpu_bytes=max_memory_per_gpu_bytes)
+                model, tokenizer, self.device_map = load_sharded(
+                    kwargs.get("model_spec", "embedded"), kwargs.get("dtype", "float32"), max_memory
+                )
+                kwargs.update(model=model, tokenizer=tokenizer, device="cuda:0")
+        super().__init__(*args, **kwargs)
+        self.devices = sorted({str(p.device) for p in self.model.parameters()})
+
+    def _placement_fields(self) -> dict:
+        return {
+            "node_id": self.node_id,
+            "node_ip": self.node_ip,
+            "accelerator_ids": list(self.accelerator_ids),
+            "devices": list(getattr(self, "devices", [str(self.device)])),
+            "replica_pid": os.getpid(),
+            "replica_restarted": self.replica_restarted,
+        }
+
+    def info(self) -> dict:
+        return {**super().info(), **self._placement_fields(), "device_map_layers": _count_by_device(self.device_map)}
+
+    def run_batch(self, point: Mapping[str, Any], _warmup: bool = False) -> dict:
+        metrics = super().run_batch(point, _warmup=_warmup)
+        metrics.update(self._placement_fields())
+        return metrics
+
+
+def _count_by_device(device_map: Mapping[str, int] | None) -> dict | None:
+    if not device_map:
+        return None
+    counts: dict[str, int] = {}
+    for d in device_map.values():
+        counts[f"cuda:{d}"] = counts.get(f"cuda:{d}", 0) + 1
+    return counts
+
+
+def _remote_class():
+    import ray
+
+    return ray.remote(PlacedReplica)
+
+
+class _LazyActorClass:
+    """`ray.remote(PlacedReplica)`, built on first use so importing this module needs no Ray."""
+
+    _cls = None
+
+    def __getattr__(self, name: str):
+        if _LazyActorClass._cls is None:
+            _LazyActorClass._cls = _remote_class()
+        return getattr(_LazyActorClass._cls, name)
+
+
+PlacedReplicaActor = _LazyActorClass()
+
+
+def wait_placed(actors: list, timeout_s: float | None = None) -> list[dict]:
+    """`info()` of every actor (model loaded); raises the first load error as the actor raised it."""
+    import ray
+
+    return ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+
+
+def nodes_of(infos: list[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """{node_id: [replica_id, ...]} from `info()` dicts or point records."""
+    out: dict[str, list[str]] = {}
+    for i in infos:
+        out.setdefault(i.get("node_id"), []).append(i.get("replica_id"))
+    return out
