@@ -245,6 +245,16 @@ class ModelReplica:
         )
         return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run `fn(model, tokenizer, *args, **kwargs)` on this replica's loaded model; return its result.
+
+        A generic hook for work other than timed batches (e.g. the quality evaluation in
+        `workloads.quality`), so `cluster` never imports `workloads`. Runs under
+        `torch.inference_mode()`; exceptions propagate unchanged.
+        """
+        with torch.inference_mode():
+            return fn(self.model, self.tokenizer, *args, **kwargs)
+
     def generate_ids(self, point: Mapping[str, Any]) -> torch.Tensor:
         """Greedy output ids [batch, new_tokens] of a point (no timing); for checks and tests."""
         return self._run(point)[0]
