@@ -20,8 +20,9 @@ cardinality only.
 `ReplicaMetrics` is what a replica calls::
 
     from cluster.metrics import ReplicaMetrics
-    m = ReplicaMetrics(policy="scissorhands", compression_ratio=5, replica="r0",
-                       model="tiny-llama", run_id="run-1")   # no-op recorder when Ray is not initialised
+    base = ReplicaMetrics(policy="full", compression_ratio=None, replica="replica-0",
+                          model="embedded", run_id="smoke-20260101T000000Z")  # in-memory when Ray is off
+    m = base.for_point("scissorhands", 5)        # labels of the point being run
     m.observe_prefill(0.120, tokens=4 * 128)     # one prefill forward: seconds, prompt tokens
     m.observe_decode_step(0.015, batch_size=4)   # one decode forward: seconds, sequences
     m.observe_ttft(0.120); m.add_generated_tokens(4); m.set_kv_cache(bytes=1 << 20, slots=4 * 32)
@@ -30,6 +31,8 @@ cardinality only.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -41,10 +44,15 @@ RAY_EXPORT_PREFIX = "ray_"
 #: Labels of every live replica metric (all low cardinality; no request ids).
 REPLICA_LABELS: tuple[str, ...] = ("policy", "compression_ratio", "replica", "model", "run_id")
 #: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key).
+#: Every sweep axis is a label, so no two points of a run share a series; `budget_tokens` is
+#: the requested absolute budget ("" when the budget comes from `compression_ratio`).
 POINT_LABELS: tuple[str, ...] = (
     "policy",
     "compression_ratio",
+    "budget_tokens",
     "batch_size",
+    "prompt_tokens",
+    "new_tokens",
     "concurrency",
     "request_rate",
     "model",
@@ -145,8 +153,6 @@ METRICS: tuple[MetricSpec, ...] = (
     _point("tpot_seconds", "Time per output token at the given quantile of the point's requests.", ("quantile",)),
     _point("e2e_latency_seconds", "Request latency (start to last token) at the given quantile.", ("quantile",)),
     _point("kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
-    _point("completed_requests", "Requests of the point that completed."),
-    _point("failed_requests", "Requests of the point that failed."),
     _point("perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),
     _point("accuracy_ratio", "Accuracy in 0..1 of the policy's cache on the evaluation task (quality runs)."),
     # per (policy, ratio, model) of a run
@@ -199,61 +205,104 @@ def label_value(value) -> str:
     return str(value)
 
 
+#: Policy name of the uncompressed reference cache.
+FULL_POLICY = "full"
+
+
 def ratio_label(policy: str, compression_ratio) -> str:
-    """`compression_ratio` label: the ratio, or ``"1"`` when there is none (the uncompressed cache)."""
+    """`compression_ratio` label: the ratio (``%g``); ``"1"`` for the full cache without a ratio;
+    ``""`` for a compressed cache whose budget is absolute (no ratio)."""
     if compression_ratio is None or compression_ratio == "":
-        return "1"
+        return "1" if policy == FULL_POLICY else ""
     return label_value(float(compression_ratio))
 
 
-class _LocalMetric:
-    """Stand-in for a `ray.util.metrics` object when Ray is not initialised: keeps values in memory.
+class _LocalRecorder:
+    """Stand-in for `ray.util.metrics` when Ray is not initialised: keeps values in memory.
 
-    `values` maps a label tuple to the counter sum, the last gauge value, or for histograms
-    ``[count, sum]``; plain-class unit tests read them through `ReplicaMetrics.snapshot()`.
+    `values[name][label tuple]` is the counter sum, the last gauge value, or for histograms
+    ``(count, sum)``; plain-class unit tests read them through `ReplicaMetrics.snapshot()`.
     """
 
-    def __init__(self, spec: MetricSpec, tags: Mapping[str, str]):
-        self.spec = spec
-        self.key = tuple(tags[k] for k in spec.labels)
-        self.values: dict[tuple, object] = {}
+    def __init__(self):
+        self.values: dict[str, dict[tuple, object]] = {}
 
-    def inc(self, value: float) -> None:
-        self.values[self.key] = self.values.get(self.key, 0.0) + value
-
-    def set(self, value: float) -> None:
-        self.values[self.key] = value
-
-    def observe(self, value: float) -> None:
-        count, total = self.values.get(self.key, (0, 0.0))
-        self.values[self.key] = (count + 1, total + value)
-
-
-class _RayMetric:
-    """A `ray.util.metrics` metric bound to one replica's tags (methods mirror `_LocalMetric`)."""
-
-    def __init__(self, spec: MetricSpec, tags: Mapping[str, str]):
-        from ray.util import metrics as ray_metrics
-
-        self.spec = spec
+    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        series = self.values.setdefault(spec.name, {})
+        key = tuple(tags[k] for k in spec.labels)
         if spec.kind == "counter":
-            m = ray_metrics.Counter(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+            series[key] = series.get(key, 0.0) + value
         elif spec.kind == "gauge":
-            m = ray_metrics.Gauge(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+            series[key] = value
         else:
-            m = ray_metrics.Histogram(
-                spec.ray_name, description=spec.help, boundaries=list(spec.buckets), tag_keys=spec.labels
-            )
-        self._m = m.set_default_tags(dict(tags))
+            count, total = series.get(key, (0, 0.0))
+            series[key] = (count + 1, total + value)
 
-    def inc(self, value: float) -> None:
-        self._m.inc(value)
 
-    def set(self, value: float) -> None:
-        self._m.set(value)
+#: Seconds between re-records of every gauge's last value (see `_RayRecorder`).
+GAUGE_REFRESH_S = 1.0
 
-    def observe(self, value: float) -> None:
-        self._m.observe(value)
+
+class _RayRecorder:
+    """Records into `ray.util.metrics` objects, created once per process and metric name.
+
+    Ray 2.60 exports a gauge only while it is being set: a value set once disappears from the
+    exporter after two export intervals (verified: `ray_<gauge>` is gone 2 s after the last
+    `set` with a 1 s interval). So the recorder keeps every gauge series' last value and a
+    daemon thread re-records them every `GAUGE_REFRESH_S`; an idle replica still shows
+    running 0 and its KV bytes, and the model load time stays visible.
+    """
+
+    _objects: dict[str, object] = {}
+    _gauge_values: dict[tuple[str, tuple], tuple[object, dict, float]] = {}
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    def _object(self, spec: MetricSpec):
+        m = self._objects.get(spec.name)
+        if m is None:
+            from ray.util import metrics as ray_metrics
+
+            if spec.kind == "counter":
+                m = ray_metrics.Counter(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+            elif spec.kind == "gauge":
+                m = ray_metrics.Gauge(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+            else:
+                m = ray_metrics.Histogram(
+                    spec.ray_name, description=spec.help, boundaries=list(spec.buckets), tag_keys=spec.labels
+                )
+            self._objects[spec.name] = m
+        return m
+
+    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        tags = dict(tags)
+        with self._lock:
+            m = self._object(spec)
+            if spec.kind == "counter":
+                m.inc(value, tags=tags)
+            elif spec.kind == "gauge":
+                m.set(value, tags=tags)
+                self._gauge_values[(spec.name, tuple(sorted(tags.items())))] = (m, tags, value)
+                self._ensure_refresher()
+            else:
+                m.observe(value, tags=tags)
+
+    @classmethod
+    def _ensure_refresher(cls) -> None:
+        if cls._thread is None or not cls._thread.is_alive():
+            cls._thread = threading.Thread(target=cls._refresh_forever, name="scissorhands-gauges", daemon=True)
+            cls._thread.start()
+
+    @classmethod
+    def _refresh_forever(cls) -> None:
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            with cls._lock:
+                for m, tags, value in list(cls._gauge_values.values()):
+                    try:
+                        m.set(value, tags=tags)
+                    except Exception:  # noqa: BLE001 - metrics must never break a replica
+                        pass
 
 
 def _ray_is_initialized() -> bool:
@@ -264,20 +313,27 @@ def _ray_is_initialized() -> bool:
     return ray.is_initialized()
 
 
+_REPLICA_SPECS = {m.name: m for m in METRICS if m.source == "ray"}
+
+
 class ReplicaMetrics:
     """Live metrics of one replica, exported through `ray.util.metrics` (see the module docstring).
 
     Args:
         policy: cache policy name (a key of `scissorhands.POLICIES`).
-        compression_ratio: the ratio, or None for the uncompressed cache (label ``"1"``).
+        compression_ratio: the ratio; None gives label ``"1"`` for ``full`` and ``""`` for an
+            absolute budget.
         replica: replica id (low cardinality: one per actor, not per request).
         model: model id.
         run_id: the sweep run this replica serves.
         use_ray: True forces Ray metrics, False forces the in-memory recorder; None (default)
-            uses Ray when `ray.is_initialized()` and the in-memory recorder otherwise.
+            uses Ray when `ray.is_initialized()` (always true inside an actor) and the
+            in-memory recorder otherwise.
 
-    Every method takes base units (seconds, bytes, tokens). A zero increment is ignored;
-    a negative or NaN value raises ValueError naming the argument.
+    A replica that runs points of several policies calls `for_point(policy, ratio)` per point;
+    the children share the replica's labels and recorder. Every method takes base units
+    (seconds, bytes, tokens). A zero increment is ignored; a negative or NaN value raises
+    ValueError naming the argument.
     """
 
     def __init__(
@@ -291,17 +347,24 @@ class ReplicaMetrics:
     ):
         self.tags = {
             "policy": str(policy),
-            "compression_ratio": ratio_label(policy, compression_ratio),
+            "compression_ratio": ratio_label(str(policy), compression_ratio),
             "replica": str(replica),
             "model": str(model),
             "run_id": str(run_id),
         }
         self.uses_ray = _ray_is_initialized() if use_ray is None else bool(use_ray)
-        factory = _RayMetric if self.uses_ray else _LocalMetric
-        self._metrics = {m.name: factory(m, self.tags) for m in METRICS if m.source == "ray"}
+        self._recorder = _RayRecorder() if self.uses_ray else _LocalRecorder()
 
-    def _get(self, short: str):
-        return self._metrics[PREFIX + short]
+    def for_point(self, policy: str, compression_ratio: float | None) -> "ReplicaMetrics":
+        """A recorder with this replica's labels but another policy and ratio (same recorder)."""
+        child = object.__new__(ReplicaMetrics)
+        child.tags = {**self.tags, "policy": str(policy), "compression_ratio": ratio_label(str(policy), compression_ratio)}
+        child.uses_ray = self.uses_ray
+        child._recorder = self._recorder
+        return child
+
+    def _record(self, short: str, value: float) -> None:
+        self._recorder.record(_REPLICA_SPECS[PREFIX + short], float(value), self.tags)
 
     @staticmethod
     def _check(field: str, value: float) -> float:
@@ -312,61 +375,62 @@ class ReplicaMetrics:
 
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         """One prefill forward: its wall time (s) and the prompt tokens it processed (all sequences)."""
-        self._get("prefill_seconds").observe(self._check("seconds", seconds))
+        self._record("prefill_seconds", self._check("seconds", seconds))
         if self._check("tokens", tokens) > 0:
-            self._get("prefill_tokens_total").inc(float(tokens))
+            self._record("prefill_tokens_total", tokens)
 
     def observe_decode_step(self, seconds: float, batch_size: int) -> None:
         """One decode-step forward: its wall time (s) and the sequences in it."""
-        self._get("decode_step_seconds").observe(self._check("seconds", seconds))
-        self._get("decode_batch_size").observe(self._check("batch_size", batch_size))
+        self._record("decode_step_seconds", self._check("seconds", seconds))
+        self._record("decode_batch_size", self._check("batch_size", batch_size))
 
     def observe_ttft(self, seconds: float) -> None:
         """Time to first token of one request (s)."""
-        self._get("ttft_seconds").observe(self._check("seconds", seconds))
+        self._record("ttft_seconds", self._check("seconds", seconds))
 
     def observe_tpot(self, seconds: float) -> None:
         """Time per output token of one request (s): (e2e - ttft) / (output tokens - 1)."""
-        self._get("tpot_seconds").observe(self._check("seconds", seconds))
+        self._record("tpot_seconds", self._check("seconds", seconds))
 
     def set_running(self, n: int) -> None:
         """Sequences in the batch running now."""
-        self._get("running_sequences").set(self._check("n", n))
+        self._record("running_sequences", self._check("n", n))
 
     def set_queued(self, n: int) -> None:
         """Sequences waiting in the queue now."""
-        self._get("queued_sequences").set(self._check("n", n))
+        self._record("queued_sequences", self._check("n", n))
 
     def add_generated_tokens(self, n: int) -> None:
         """Add `n` output tokens (count generated ids, never re-tokenized text)."""
         if self._check("n", n) > 0:
-            self._get("generated_tokens_total").inc(float(n))
+            self._record("generated_tokens_total", n)
 
     def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - the field term
         """KV cache size now: `bytes` of every cache tensor (bookkeeping included), `slots` in use."""
-        self._get("kv_cache_bytes").set(self._check("bytes", bytes))
-        self._get("kv_cache_slots").set(self._check("slots", slots))
+        self._record("kv_cache_bytes", self._check("bytes", bytes))
+        self._record("kv_cache_slots", self._check("slots", slots))
 
     def add_evictions(self, n: int) -> None:
         """Add `n` token slots evicted by the policy (summed as the cache reports them)."""
         if self._check("n", n) > 0:
-            self._get("evicted_tokens_total").inc(float(n))
+            self._record("evicted_tokens_total", n)
 
     def observe_model_load(self, seconds: float) -> None:
         """Wall time of the model load (s); a gauge holding the last load."""
-        self._get("model_load_seconds").set(self._check("seconds", seconds))
+        self._record("model_load_seconds", self._check("seconds", seconds))
 
     def snapshot(self) -> dict[str, object]:
-        """In-memory values by project metric name (only without Ray; {} when Ray records them).
+        """In-memory values of this recorder's labels, by project metric name ({} under Ray).
 
         Counters give their sum, gauges their last value, histograms ``(count, sum)``.
         """
         if self.uses_ray:
             return {}
         out = {}
-        for name, m in self._metrics.items():
-            if m.key in m.values:
-                out[name] = m.values[m.key]
+        for name, series in self._recorder.values.items():
+            key = tuple(self.tags[k] for k in _REPLICA_SPECS[name].labels)
+            if key in series:
+                out[name] = series[key]
         return out
 
 

@@ -114,10 +114,18 @@ class SweepPusher:
         """The label values of a record's series: policy, compression_ratio, batch_size, ... ("" when absent)."""
         r = _Record(record)
         policy = str(r.get("policy") or "")
+        ratio = ratio_label(policy, r.get("compression_ratio"))
+        if any("budget_tokens_requested" in layer for layer in r.layers):
+            budget = r.get("budget_tokens_requested")  # a results record: `budget_tokens` is the one used
+        else:
+            budget = r.get("budget_tokens") if ratio == "" else None
         labels = {
             "policy": policy,
-            "compression_ratio": ratio_label(policy, r.get("compression_ratio")),
+            "compression_ratio": ratio,
+            "budget_tokens": label_value(budget),
             "batch_size": label_value(r.get("batch_size")),
+            "prompt_tokens": label_value(r.get("prompt_tokens")),
+            "new_tokens": label_value(r.get("new_tokens")),
             "concurrency": label_value(r.get("concurrency")),
             "request_rate": label_value(r.get("request_rate", "target_rate_req_per_s", "rate_req_per_s")),
             "model": label_value(r.get("model", "model_id")),
@@ -132,8 +140,6 @@ class SweepPusher:
             "output_throughput_tokens_per_second": ("output_throughput_tok_per_s",),
             "total_throughput_tokens_per_second": ("total_throughput_tok_per_s",),
             "kv_cache_bytes": ("kv_cache_bytes", "peak_kv_cache_bytes"),
-            "completed_requests": ("completed_requests", "completed", "n_completed"),
-            "failed_requests": ("failed_requests", "failed", "n_failed"),
             "perplexity": ("perplexity",),
             "accuracy_ratio": ("accuracy_ratio", "accuracy"),
         }
@@ -177,11 +183,12 @@ class SweepPusher:
     def push_point(self, record: Mapping[str, Any]) -> bool:
         """Add one finished point (a results record) to the run's group and push it.
 
-        Label values come from the record's `policy`, `compression_ratio` (``"1"`` when None),
-        `batch_size`, `concurrency`, `request_rate`, `model`/`model_id`; values from
+        Label values come from the record's `policy`, `compression_ratio` (``"1"`` for `full`
+        without one), `budget_tokens_requested`, `batch_size`, `prompt_tokens`, `new_tokens`,
+        `concurrency`, `request_rate`, `model`/`model_id`; values from
         `output_throughput_tok_per_s`, `total_throughput_tok_per_s`, `ttft_s`/`tpot_s`/
-        `e2e_latency_s` (number or percentile dict), `kv_cache_bytes`, completed/failed
-        request counts, `perplexity`, `accuracy`. Missing values are skipped. A point without
+        `e2e_latency_s` (number or percentile dict), `kv_cache_bytes`, `perplexity`,
+        `accuracy`. Missing values are skipped. A point without
         error also updates `scissorhands_sweep_max_batch_size` and the last-success time.
         Returns True when the push reached the Pushgateway.
         """

@@ -1,0 +1,1 @@
+"""Prometheus config, Grafana dashboards and provisioning, and helpers to run and check them (stdlib only)."""

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""List the Grafana panels and their PromQL, and check every query against a live Prometheus.
+
+    python3 dashboards/check.py list                                  # Markdown: dashboard, panel, query
+    python3 dashboards/check.py query [--prometheus http://127.0.0.1:9090] [--run-id ID]
+
+`query` substitutes the dashboards' template variables the way Grafana does (``$run_id`` ->
+the run, the newest by default; multi-value ``All`` -> ``.*``; ``$__rate_interval`` -> 30s),
+asks Prometheus' HTTP API for every target of every panel, and prints which return data.
+Exit status 1 when a query returns no data. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+HERE = Path(__file__).resolve().parent
+DASHBOARD_DIR = HERE / "grafana" / "dashboards"
+
+PROMQL_KEYWORDS = {
+    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
+    "offset", "inf", "nan", "atan2",
+}
+
+
+def load_dashboards(folder: Path = DASHBOARD_DIR) -> dict[str, dict]:
+    """{file name: dashboard JSON} of every ``*.json`` in `folder`, sorted by name."""
+    return {p.name: json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))}
+
+
+def iter_panels(dashboard: dict) -> Iterator[dict]:
+    """Every panel that is not a row, including the panels of collapsed rows."""
+    for panel in dashboard.get("panels", []):
+        if panel.get("type") == "row":
+            yield from (p for p in panel.get("panels", []) if p.get("type") != "row")
+        else:
+            yield panel
+
+
+def iter_targets(dashboard: dict) -> Iterator[tuple[dict, dict]]:
+    """(panel, target) for every query target of every panel."""
+    for panel in iter_panels(dashboard):
+        for target in panel.get("targets", []):
+            yield panel, target
+
+
+def variable_queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(variable name, query) of the dashboard's query variables (e.g. ``label_values(...)``)."""
+    out = []
+    for var in dashboard.get("templating", {}).get("list", []):
+        if var.get("type") == "query":
+            q = var.get("query")
+            out.append((var["name"], q.get("query") if isinstance(q, dict) else q))
+    return out
+
+
+def substitute(expr: str, values: dict[str, str], rate_interval: str = "30s") -> str:
+    """Replace Grafana variables in `expr`: ``$__rate_interval``/``$__interval``/``$__range``,
+    then ``${name}``/``${name:fmt}``/``$name`` from `values`. KeyError for an unknown variable."""
+    builtins = {"__rate_interval": rate_interval, "__interval": "15s", "__range": "1h", "__range_s": "3600"}
+
+    def repl(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        if name in builtins:
+            return builtins[name]
+        if name not in values:
+            raise KeyError(f"template variable ${name} has no value (known: {sorted(values)})")
+        return values[name]
+
+    return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", repl, expr)
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (functions, keywords, labels and numbers dropped)."""
+    text = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', '""', expr)  # string literals
+    text = re.sub(r"\{[^}]*\}", " ", text)  # label matchers
+    text = re.sub(r"\[[^\]]*\]", " ", text)  # range and subquery durations
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)  # label lists
+    text = re.sub(r"\boffset\s+-?[\w.$]+", " ", text)  # offset durations
+    text = re.sub(r"(?<![\w:])\d+(\.\d*)?([eE][+-]?\d+)?", " ", text)  # numbers
+    names = set()
+    for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
+        word = m.group(0)
+        rest = text[m.end():].lstrip()
+        if rest.startswith("(") or word.lower() in PROMQL_KEYWORDS:
+            continue  # a function or an aggregation, or a keyword
+        names.add(word)
+    return names
+
+
+def dashboard_metric_names(dashboards: dict[str, dict]) -> set[str]:
+    """Every metric name in every panel target and variable query of `dashboards`."""
+    names: set[str] = set()
+    for board in dashboards.values():
+        for _, target in iter_targets(board):
+            names |= metric_names(target.get("expr", ""))
+        for _, query in variable_queries(board):
+            inner = re.fullmatch(r"\s*label_values\((.*),\s*\w+\s*\)\s*", query or "")
+            if inner:
+                names |= metric_names(inner.group(1))
+    return names
+
+
+def prom_get(prometheus: str, path: str, params: dict) -> dict:
+    """GET `path` of Prometheus' HTTP API; returns the ``data`` field. RuntimeError on an API error."""
+    url = prometheus.rstrip("/") + path + "?" + urllib.parse.urlencode(params, doseq=True)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read() or b"{}")
+        raise RuntimeError(f"{path} {params}: {body.get('error', exc)}") from None
+    if body.get("status") != "success":
+        raise RuntimeError(f"{path} {params}: {body.get('error')}")
+    return body["data"]
+
+
+def query(prometheus: str, expr: str) -> list[dict]:
+    """Instant query; the result list (``[{"metric": {...}, "value": [t, "v"]}, ...]``)."""
+    data = prom_get(prometheus, "/api/v1/query", {"query": expr})
+    if data["resultType"] == "scalar":
+        return [{"metric": {}, "value": data["result"]}]
+    return data["result"]
+
+
+def finite_values(result: list[dict]) -> list[float]:
+    out = []
+    for series in result:
+        v = float(series["value"][1])
+        if math.isfinite(v):
+            out.append(v)
+    return out
+
+
+def label_values(prometheus: str, query_text: str) -> list[str]:
+    """Values of a ``label_values(selector, label)`` variable query, asked of Prometheus."""
+    m = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*", query_text)
+    if not m:
+        raise ValueError(f"not a label_values(selector, label) query: {query_text!r}")
+    return prom_get(prometheus, f"/api/v1/label/{m.group(2)}/values", {"match[]": m.group(1)})
+
+
+def default_values(dashboard: dict, prometheus: str | None, run_id: str | None) -> dict[str, str]:
+    """Variable values as Grafana would pick them: `run_id` given, or the newest run; All -> ``.*``."""
+    values: dict[str, str] = {}
+    for var in dashboard.get("templating", {}).get("list", []):
+        name = var["name"]
+        if var.get("type") == "datasource":
+            values[name] = "prometheus"
+        elif name == "run_id" and run_id:
+            values[name] = run_id  # run ids are [A-Za-z0-9_.:-]: the same as a string and as a regex
+        elif var.get("includeAll"):
+            values[name] = var.get("allValue") or ".*"
+        elif prometheus is not None:
+            q = var.get("query")
+            q = substitute(q.get("query") if isinstance(q, dict) else q, values)
+            found = sorted(label_values(prometheus, q), reverse=var.get("sort") in (2, 4, 6))
+            values[name] = found[0] if found else ""
+    return values
+
+
+def check(prometheus: str, run_id: str | None = None, folder: Path = DASHBOARD_DIR, rate_interval: str = "30s"):
+    """[(dashboard file, panel title, refId, expr as sent, finite values)] for every target."""
+    rows = []
+    for file, board in load_dashboards(folder).items():
+        values = default_values(board, prometheus, run_id)
+        for panel, target in iter_targets(board):
+            expr = substitute(target["expr"], values, rate_interval)
+            rows.append((file, panel["title"], target["refId"], expr, finite_values(query(prometheus, expr))))
+    return rows
+
+
+def markdown(folder: Path = DASHBOARD_DIR) -> str:
+    """The panel list of every dashboard as Markdown (what the README shows)."""
+    lines = []
+    for file, board in load_dashboards(folder).items():
+        lines += [f"**{board['title']}** (`dashboards/grafana/dashboards/{file}`)", ""]
+        lines += ["| panel | query |", "|---|---|"]
+        for panel in iter_panels(board):
+            exprs = "<br>".join(f"`{t['expr'].replace('|', chr(92) + '|')}`" for t in panel.get("targets", []))
+            lines.append(f"| {panel['title']} | {exprs} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=("list", "query"))
+    p.add_argument("--prometheus", default="http://127.0.0.1:9090")
+    p.add_argument("--run-id", default=None, help="sweep run to check (default: the newest)")
+    p.add_argument("--rate-interval", default="30s")
+    args = p.parse_args(argv)
+    if args.command == "list":
+        print(markdown())
+        return 0
+    empty = 0
+    for file, title, ref, expr, values in check(args.prometheus, args.run_id, rate_interval=args.rate_interval):
+        status = f"{len(values)} series" if values else "NO DATA"
+        empty += not values
+        print(f"{status:>10}  {file}  {title} [{ref}]\n            {expr}")
+    print(f"{empty} quer{'y' if empty == 1 else 'ies'} without data")
+    return 1 if empty else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

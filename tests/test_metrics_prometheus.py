@@ -1,0 +1,290 @@
+"""The metrics stack for real: a Ray head, Prometheus and the Pushgateway on loopback.
+
+One module-scoped stack: `ray.init` (local, loopback, dashboard on so Ray writes its
+Prometheus service-discovery file, metrics exported every second), then Prometheus and the
+Pushgateway started by `dashboards/serve.py` on free ports, scraping every second, with Ray's
+service-discovery file of this session. A Ray actor records replica metrics through
+`cluster.metrics.ReplicaMetrics`, and `workloads.push.SweepPusher` pushes the points of a sweep.
+Then every target of every panel of every dashboard must return data (cases L9, L10's sibling
+checks live in test_dashboards.py), and the histogram quantiles must be accurate (L11).
+
+Needs the binaries `prometheus` and `prometheus-pushgateway` (Debian packages of the same
+names; `.ci/run` installs them); skipped with that reason when they are missing.
+"""
+
+import math
+import os
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.metrics import METRICS, strip_sample_suffix
+from dashboards import check, serve
+from workloads.push import SweepPusher
+
+_missing = [k for k, v in serve.binaries().items() if not v]
+pytestmark = [
+    pytest.mark.prometheus,
+    pytest.mark.ray,
+    pytest.mark.skipif(
+        bool(_missing),
+        reason=f"missing {', '.join(_missing)}: apt-get install -y --no-install-recommends prometheus "
+        "prometheus-pushgateway (`.ci/run` and `make dashboards-up` do this)",
+    ),
+]
+
+RUN_ID = "test-metrics-run"
+LIVE_SECONDS = 8.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+class _FakeReplica:
+    """Stands in for a replica actor: calls ReplicaMetrics as the replica does."""
+
+    def load(self, run_id: str, seconds: float) -> int:
+        return _replica_load(run_id, seconds)
+
+    def l11(self, run_id: str) -> None:
+        _l11_samples(run_id)
+
+
+def _replica_load(run_id: str, seconds: float) -> int:
+    """Record every replica metric for `seconds` (several scrapes) from inside a Ray actor."""
+    from cluster.metrics import ReplicaMetrics
+
+    base = ReplicaMetrics("full", None, "replica-0", "tiny-llama", run_id)
+    assert base.uses_ray
+    base.observe_model_load(1.25)
+    points = [base, base.for_point("scissorhands", 2), base.for_point("scissorhands", 5)]
+    steps = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for i, m in enumerate(points):
+            batch = 2 ** (i + 1)
+            m.set_running(batch)
+            m.set_queued(i)
+            m.observe_prefill(0.02 * (i + 1), tokens=64 * batch)
+            m.observe_ttft(0.02 * (i + 1))
+            for _ in range(4):
+                m.observe_decode_step(0.004 * (i + 1), batch_size=batch)
+            m.observe_tpot(0.004 * (i + 1))
+            m.add_generated_tokens(5 * batch)
+            m.set_kv_cache(bytes=4096 * batch // (i + 1), slots=32 * batch // (i + 1))
+            m.add_evictions(3 * i if i else 0)
+        steps += 1
+        time.sleep(0.1)
+    return steps
+
+
+def _l11_samples(run_id: str) -> None:
+    """Case L11: 1,000 latencies of 5 ms and 1,000 of 150 ms into the exported TTFT histogram."""
+    from cluster.metrics import ReplicaMetrics
+
+    base = ReplicaMetrics("l11", None, "replica-l11", "tiny-llama", run_id)
+    only5, only150, mixed = (base.for_point(p, None) for p in ("l11-5ms", "l11-150ms", "l11-mixed"))
+    for _ in range(1000):
+        only5.observe_ttft(0.005)
+        only150.observe_ttft(0.150)
+        mixed.observe_ttft(0.005)
+        mixed.observe_ttft(0.150)
+
+
+def _sweep_records(run_id: str) -> list[dict]:
+    """Points as `workloads.sweep` writes them (full, scissorhands 2x and 5x; batch 1 and 4)."""
+    records = []
+    for policy, ratio, bytes_factor in (("full", None, 1.0), ("scissorhands", 2.0, 0.5), ("scissorhands", 5.0, 0.2)):
+        for batch in (1, 4):
+            records.append({
+                "run_id": run_id, "status": "ok", "error": None, "model": "tiny-llama", "model_id": "tiny-llama",
+                "policy": policy, "compression_ratio": ratio, "budget_tokens_requested": None,
+                "batch_size": batch, "prompt_tokens": 64, "new_tokens": 8,
+                "ttft_s": 0.01 * batch, "tpot_s": 0.002 * batch, "e2e_latency_s": 0.01 * batch + 7 * 0.002 * batch,
+                "output_throughput_tok_per_s": 100.0 * batch, "total_throughput_tok_per_s": 900.0 * batch,
+                "kv_cache_bytes": int(65536 * batch * bytes_factor),
+                "perplexity": 12.0 / bytes_factor ** 0.1, "accuracy": 0.9 * bytes_factor ** 0.05,
+            })
+    failed = {k: v for k, v in records[-1].items() if not k.endswith(("_s", "_tok_per_s", "_bytes", "perplexity", "accuracy"))}
+    records.append({**failed, "batch_size": 16, "status": "error", "error": "RuntimeError: out of memory"})
+    return records
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    saved = {k: os.environ.get(k) for k in ("RAY_metrics_report_interval_ms", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    os.environ["RAY_metrics_report_interval_ms"] = "1000"  # export every second (default 10 s)
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray is first imported: keep loopback
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    metrics_port = _free_port()
+    data_dir = tmp_path_factory.mktemp("dashboards-data")
+    prom_port, pg_port = _free_port(), _free_port()
+    try:
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=True,  # its reporter module writes the service-discovery file
+            dashboard_host="127.0.0.1",
+            dashboard_port=_free_port(),
+            _metrics_export_port=metrics_port,
+            _node_ip_address="127.0.0.1",
+        )
+        session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
+        sd_file = session_dir / "prom_metrics_service_discovery.json"
+        _wait(lambda: sd_file.exists(), 60, f"Ray to write {sd_file}")
+        serve.up(data_dir, prom_port, pg_port, (str(sd_file),), "1s", install=False)
+        prom = f"http://127.0.0.1:{prom_port}"
+        pushgateway = f"127.0.0.1:{pg_port}"
+
+        # live replica metrics, recorded in an actor while Prometheus scrapes; this module is not
+        # importable in Ray's workers, so its functions travel by value
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+        actor = ray.remote(num_cpus=0)(_FakeReplica).remote()
+        load = actor.load.remote(RUN_ID, LIVE_SECONDS)
+        ray.get(actor.l11.remote(RUN_ID))
+        # sweep summaries, pushed point by point
+        records = _sweep_records(RUN_ID)
+        pusher = SweepPusher(pushgateway, RUN_ID)
+        assert pusher.push_progress(0, len(records))
+        for i, rec in enumerate(records, 1):
+            assert pusher.push_point(rec), "push to the live Pushgateway failed"
+            assert pusher.push_progress(i, len(records))
+        assert ray.get(load) > 10
+        _wait(
+            lambda: check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{RUN_ID}"}}')
+            and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
+            and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="l11-mixed"} == 2000'),
+            60,
+            "Prometheus to scrape the replica metrics and the pushed sweep",
+        )
+        time.sleep(2.0)  # one more scrape of the final values
+        yield {
+            "prometheus": prom,
+            "pushgateway": f"http://{pushgateway}",
+            "sd_file": sd_file,
+            "metrics_port": metrics_port,
+            "records": records,
+        }
+    finally:
+        serve.down(data_dir)
+        ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_prometheus_finds_ray_through_the_service_discovery_file(stack):
+    targets = check.prom_get(stack["prometheus"], "/api/v1/targets", {"state": "active"})["activeTargets"]
+    ray_targets = [t for t in targets if t["scrapePool"] == "ray"]
+    assert any(t["labels"]["instance"] == f"127.0.0.1:{stack['metrics_port']}" for t in ray_targets), ray_targets
+    assert all(t["health"] == "up" for t in ray_targets if t["labels"]["instance"].endswith(f":{stack['metrics_port']}"))
+    pools = {t["scrapePool"]: t["health"] for t in targets}
+    assert pools.get("pushgateway") == "up" and pools.get("prometheus") == "up"
+
+
+def test_every_panel_of_every_dashboard_returns_data(stack):
+    rows = check.check(stack["prometheus"], RUN_ID, rate_interval="30s")
+    assert len(rows) >= 25
+    empty = [f"{file} / {title} [{ref}]: {expr}" for file, title, ref, expr, values in rows if not values]
+    assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+def test_every_variable_query_returns_values(stack):
+    for file, board in check.load_dashboards().items():
+        values = check.default_values(board, stack["prometheus"], RUN_ID)
+        for name, query in check.variable_queries(board):
+            found = check.label_values(stack["prometheus"], check.substitute(query, values))
+            assert found, f"{file}: variable ${name} ({query}) has no values"
+            if name == "run_id":
+                assert RUN_ID in found
+
+
+def _published_sample_names(stack) -> set[str]:
+    """Sample names in the exposition text of every exporter: Ray's targets and the Pushgateway."""
+    import json
+
+    urls = [f"http://{t}/metrics" for group in json.loads(stack["sd_file"].read_text()) for t in group["targets"]]
+    urls.append(stack["pushgateway"] + "/metrics")
+    names = set()
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            continue  # a Ray target that does not serve metrics right now
+        for family in text_string_to_metric_families(text):
+            names |= {s.name for s in family.samples}
+    return names
+
+
+def test_l9_every_dashboard_metric_is_published_by_the_exporters(stack):
+    published = _published_sample_names(stack)
+    stripped = {strip_sample_suffix(n) for n in published}
+    used = {strip_sample_suffix(n) for n in check.dashboard_metric_names(check.load_dashboards())}
+    assert used and used <= stripped, f"dashboards name metrics nobody publishes: {sorted(used - stripped)}"
+    # the catalogue states the exported names as they really are (ray_ prefix, counters' _total)
+    for spec in METRICS:
+        for name in spec.sample_names:
+            assert name in published, f"{spec.name}: {name} is not in the exporters' output"
+    ours = {n for n in published if "scissorhands_" in n}
+    known = {n for spec in METRICS for n in spec.sample_names}
+    assert ours <= known, f"exported but not in the catalogue: {sorted(ours - known)}"
+
+
+def _nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+@pytest.mark.parametrize(
+    "policy, samples",
+    [("l11-5ms", [0.005] * 1000), ("l11-150ms", [0.150] * 1000), ("l11-mixed", [0.005] * 1000 + [0.150] * 1000)],
+)
+@pytest.mark.parametrize("q", [0.5, 0.99])
+def test_l11_histogram_quantiles_within_twenty_percent(stack, policy, samples, q):
+    expr = (f'histogram_quantile({q}, sum by (le) '
+            f'(ray_scissorhands_ttft_seconds_bucket{{run_id="{RUN_ID}", policy="{policy}"}}))')
+    [estimate] = check.finite_values(check.query(stack["prometheus"], expr))
+    exact = _nearest_rank(samples, q)
+    assert abs(estimate - exact) <= 0.2 * exact, f"p{q * 100:g} of {policy}: {estimate} vs exact {exact}"
+
+
+def test_pushed_points_keep_job_and_run_id_and_values(stack):
+    result = check.query(stack["prometheus"], f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}"}}')
+    assert len(result) == 6  # the failed point has no kv value
+    assert {r["metric"]["job"] for r in result} == {"scissorhands_sweep"}
+    by_key = {(r["metric"]["policy"], r["metric"]["compression_ratio"], r["metric"]["batch_size"]): float(r["value"][1])
+              for r in result}
+    assert by_key[("full", "1", "4")] == 65536 * 4
+    assert by_key[("scissorhands", "5", "4")] == int(65536 * 4 * 0.2)
+    [saved] = check.query(stack["prometheus"], (
+        f'1 - (scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="scissorhands", compression_ratio="5", '
+        f'batch_size="4"}} / ignoring(policy, compression_ratio, budget_tokens) group_left '
+        f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="full"}})'))
+    assert float(saved["value"][1]) == pytest.approx(0.8, abs=1e-4)
+    [max_batch] = check.query(stack["prometheus"],
+                              f'scissorhands_sweep_max_batch_size{{run_id="{RUN_ID}", compression_ratio="5"}}')
+    assert float(max_batch["value"][1]) == 4  # batch 16 failed
