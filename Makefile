@@ -13,6 +13,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: install sweep test test-fast cluster-up cluster-down clean
+.PHONY: dashboards-up dashboards-down
 
 install: $(VENV)/.installed
 
@@ -39,6 +40,16 @@ cluster-up: install
 
 cluster-down:
 	-$(VENV)/bin/ray stop --force
+
+# Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
+# missing). Data, logs and pid files in dashboards/data/. Grafana: see the README.
+PROMETHEUS_PORT ?= 9090
+PUSHGATEWAY_PORT ?= 9091
+dashboards-up:
+	$(PYTHON) dashboards/serve.py up --prometheus-port $(PROMETHEUS_PORT) --pushgateway-port $(PUSHGATEWAY_PORT)
+
+dashboards-down:
+	$(PYTHON) dashboards/serve.py down
 
 clean:
 	rm -rf $(VENV) results .cache
