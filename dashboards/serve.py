@@ -151,6 +151,11 @@ def _start(name: str, cmd: list[str], data_dir: Path, ready_url: str) -> int:
     pid = _read_pid(pid_file)
     if pid and _pid_alive(pid, cmd[0]):
         print(f"{name}: already running (pid {pid})")
+        if name == "prometheus":  # pick up the config just written
+            try:
+                urllib.request.urlopen(urllib.request.Request(ready_url.replace("/-/ready", "/-/reload"), method="POST"), timeout=5)
+            except OSError as exc:
+                print(f"prometheus: config reload failed ({exc}); run `down` then `up`")
         return pid
     log_file = open(data_dir / f"{name}.log", "ab")
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
