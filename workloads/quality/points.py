@@ -1,0 +1,54 @@
+"""One quality point, run where the model is: ``run_point(model, tokenizer, point) -> metrics``.
+
+The runner sends it to a replica with ``ModelReplica.apply(run_point, point)`` (or calls it
+in-process with ``--local``). ``point`` is :meth:`workloads.quality.suite.QualityPoint.as_dict`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _clean(value):
+    """JSON-safe copy: NaN/inf become None (results lines are strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def run_point(model, tokenizer, point: dict) -> dict:
+    """Evaluate one point; return its metrics (kind-specific, units in the names).
+
+    Raises:
+        ValueError: an unknown kind, or an invalid policy / parameter (from ``make_cache``).
+    """
+    device = next(model.parameters()).device
+    kind, s, seed = point["kind"], point.get("settings") or {}, int(point.get("seed", 0))
+    vocab = int(model.config.vocab_size)
+    if kind == "perplexity":
+        from .perplexity import heldout_windows, perplexity
+
+        windows = heldout_windows(tokenizer, int(s["tokens"]), int(s["windows"]), seed, vocab_size=vocab)
+        out = perplexity(model, windows, point["policy"], point["compression_ratio"], point.get("kv_bits"),
+                         point.get("policy_params"), device=device)
+    elif kind == "fewshot":
+        from .fewshot import evaluate_task
+
+        out = evaluate_task(model, tokenizer, point["task"], point["policy"], point["compression_ratio"],
+                            point.get("kv_bits"), point.get("policy_params"), docs=s.get("docs"), seed=seed,
+                            device=device)
+    elif kind == "persistence":
+        from .perplexity import heldout_windows
+        from .persistence import persistence_ratio
+
+        windows = heldout_windows(tokenizer, int(s["tokens"]) - 1, int(s["windows"]), seed, vocab_size=vocab)
+        out = persistence_ratio(model, windows, float(s["split_fraction"]), device=device)
+    else:
+        raise ValueError(f"kind: unknown point kind {kind!r} (valid: perplexity, fewshot, persistence)")
+    out["torch_threads"] = torch.get_num_threads()
+    return _clean(out)

@@ -1,0 +1,249 @@
+"""Run a quality suite on Ray replicas: ``python -m workloads.quality.runner SUITE [options]``.
+
+Each point (a perplexity, few-shot or persistence evaluation) runs as a task on one of N model
+replicas (``cluster.ray_replica``; ``ModelReplica.apply(run_point, point)``), exactly like the
+throughput sweep: replicas load the model once, idle replicas take the next point, and every
+finished point is appended as one JSON line (a single ``O_APPEND`` write, fsync'ed) to
+``<results-dir>/<run_id>/points.jsonl`` with the schema version, git commit, model id, policy and
+its resolved parameters, seed and the Ray node inventory. ``--resume RUN_ID`` skips the points
+already ``ok``. At the end the report (``table.md`` and PNG plots) is written next to the points.
+``--local`` runs the points in this process without Ray (debugging, tests).
+
+Exit status: 0 all points ok; 1 a point failed or no replica could start; 2 invalid suite or
+arguments (nothing recorded); 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from workloads import results as res
+from workloads.sweep import SweepError, _error_message, _init_ray, _resources, _run_dir, git_commit
+
+from .points import run_point
+from .suite import QualityPoint, QualitySuite, QualitySuiteError, load_suite
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m workloads.quality.runner", description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", help="quality suite YAML, e.g. workloads/suites/quality.yaml")
+    p.add_argument("--replicas", type=int, default=None, help="replicas (overrides the suite's `replicas`)")
+    p.add_argument("--results-dir", default="results", help="folder of run folders (default: results)")
+    p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
+    p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
+    p.add_argument("--local", action="store_true", help="run the points in this process, without Ray")
+    return p.parse_args(argv)
+
+
+def _resolved_params(point: QualityPoint, budget: int | None) -> dict | None:
+    if point.policy is None:
+        return None
+    try:
+        from scissorhands import POLICIES
+
+        pol = POLICIES[point.policy](**point.policy_params)
+        params = pol.params()
+        if budget is not None:
+            params["effective_recent_window"], params["effective_drop_tokens"] = pol.resolve(int(budget))
+        return params
+    except Exception:  # recording must never fail a point
+        return dict(point.policy_params)
+
+
+def _record(run_id, commit, suite: QualitySuite, point: QualityPoint, inventory, info, status, metrics=None,
+            error=None, t0=None, t1=None) -> dict:
+    metrics = dict(metrics or {})
+    ratio, bits = point.compression_ratio, point.kv_bits
+    rec = {
+        "schema_version": res.SCHEMA_VERSION,
+        "run_id": run_id,
+        "point_index": point.index,
+        "point_id": point.point_id,
+        "status": status,
+        "error": error,
+        "git_commit": commit,
+        "suite": suite.name,
+        "kind": point.kind,
+        "model": suite.model,
+        "model_id": (info or {}).get("model_id") or suite.model,
+        "dtype": suite.dtype,
+        "device": suite.device,
+        "policy": point.policy,
+        "policy_params": _resolved_params(point, metrics.get("budget_tokens")),
+        "compression_ratio": ratio,
+        "kv_bits": bits,
+        # nominal KV compression against a 16-bit cache (the paper's convention; scales/zero points not counted)
+        "compression_vs_16bit_x": None if ratio is None else ratio * (16 / bits if bits else 1),
+        "task": point.task,
+        "settings": point.settings,
+        "seed": point.seed,
+        "replica_id": (info or {}).get("replica_id"),
+        "node_id": (info or {}).get("node_id"),
+        "hostname": (info or {}).get("hostname"),
+        "ray_nodes": inventory,
+        "started_at_unix_s": t0,
+        "finished_at_unix_s": t1,
+    }
+    rec.update(metrics)
+    return rec
+
+
+def _one_line(rec: dict) -> str:
+    what = f"{rec['point_id']} on {rec.get('replica_id')}"
+    if rec["status"] != "ok":
+        return f"  error  {what}: {rec['error']}"
+    if rec["kind"] == "perplexity":
+        return f"  ok     {what}: perplexity {rec['perplexity']:.3f}, budget {rec.get('budget_tokens')} tok"
+    if rec["kind"] == "fewshot":
+        acc = rec.get("accuracy")
+        return f"  ok     {what}: accuracy {acc if acc is None else round(acc, 3)} over {rec['docs_scored']} docs"
+    return f"  ok     {what}: mean persistence ratio {rec.get('persistence_ratio_mean')}"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        suite = load_suite(args.suite)
+    except QualitySuiteError as e:
+        raise SweepError(str(e), 2) from None
+    replicas = args.replicas if args.replicas is not None else suite.replicas
+    if replicas < 1:
+        raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
+    run_id, run_dir = _run_dir(args, suite)
+    points = suite.points()
+    points_path = str(run_dir / "points.jsonl")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cut = res.repair_tail(points_path)
+    if cut:
+        print(f"quality: cut an incomplete last line ({cut} bytes) off {points_path}", file=sys.stderr)
+    done = res.completed_point_ids(res.read_records(points_path))
+    pending = [p for p in points if p.point_id not in done]
+    commit = git_commit()
+    if not (run_dir / "run.json").exists():
+        meta = {"run_id": run_id, "suite_file": args.suite, "suite": dataclasses.asdict(suite), "git_commit": commit,
+                "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
+        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    where = "this process" if args.local else f"{replicas} replica(s)"
+    print(f"quality: run {run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
+          f"{len(pending)} to run on {where}; results in {run_dir}/", file=sys.stderr)
+    failed = 0
+    if pending:
+        runner = _run_local if args.local else _run_ray
+        failed = runner(args, suite, run_id, commit, pending, replicas, points_path)
+
+    from .report import write_report
+
+    ids = {p.point_id for p in points}
+    written = write_report(run_dir, [r for r in res.read_records(points_path) if r["point_id"] in ids])
+    print(Path(written["table"]).read_text(encoding="utf-8"), end="")
+    print("quality: wrote " + ", ".join(str(v) for v in written.values()), file=sys.stderr)
+    latest = res.latest_by_point(r for r in res.read_records(points_path) if r["point_id"] in ids)
+    bad = sum(1 for r in latest.values() if r["status"] != "ok")
+    missing = len(points) - len(latest)
+    if bad or missing:
+        print(f"quality: {bad} point(s) failed, {missing} not run", file=sys.stderr)
+        return 1
+    return 1 if failed else 0
+
+
+def _run_local(args, suite, run_id, commit, pending, replicas, points_path) -> int:
+    from tqdm import tqdm
+
+    from cluster.replica import ModelReplica
+
+    replica = ModelReplica(suite.model, dtype=suite.dtype, device=suite.device, replica_id="local", warmup=False)
+    info = replica.info()
+    failed = 0
+    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
+        for point in pending:
+            t0 = time.time()
+            try:
+                metrics = replica.apply(run_point, point.as_dict())
+                rec = _record(run_id, commit, suite, point, None, info, "ok", metrics, None, t0, time.time())
+            except Exception as e:  # the point failed; record it and go on
+                failed += 1
+                rec = _record(run_id, commit, suite, point, None, info, "error", None, _error_message(e), t0, time.time())
+            res.append_record(points_path, rec)
+            bar.update(1)
+            bar.write(_one_line(rec))
+    return failed
+
+
+def _run_ray(args, suite, run_id, commit, pending, replicas, points_path) -> int:
+    from tqdm import tqdm
+
+    ray, started_here = _init_ray(args.address)
+    from cluster.ray_replica import cluster_inventory, create_replicas, wait_ready
+
+    actors: list = []
+    try:
+        threads, num_cpus, num_gpus = _resources(ray, replicas, suite.device)
+        inventory = cluster_inventory()
+        actors = create_replicas(replicas, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
+                                 name_prefix="quality", model_spec=suite.model, dtype=suite.dtype,
+                                 device=suite.device, warmup=False)
+        try:
+            infos = wait_ready(actors)
+        except Exception as e:
+            raise SweepError(f"replica failed to start: {_error_message(e)}", 1) from None
+        info_of = dict(zip(actors, infos))
+        idle, queue, inflight, failed = list(actors), collections.deque(pending), {}, 0
+        with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
+            while queue or inflight:
+                while idle and queue:
+                    actor, point = idle.pop(0), queue.popleft()
+                    inflight[actor.apply.remote(run_point, point.as_dict())] = (point, actor, time.time())
+                if not inflight:
+                    break
+                ready, _ = ray.wait(list(inflight), num_returns=1)
+                for ref in ready:
+                    point, actor, t0 = inflight.pop(ref)
+                    info = info_of.get(actor)
+                    try:
+                        metrics = ray.get(ref)
+                        rec = _record(run_id, commit, suite, point, inventory, info, "ok", metrics, None, t0, time.time())
+                        idle.append(actor)
+                    except ray.exceptions.RayActorError as e:   # the replica died: its point fails, no respawn
+                        failed += 1
+                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
+                                      f"replica died: {_error_message(e)}", t0, time.time())
+                    except Exception as e:
+                        failed += 1
+                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
+                                      _error_message(e), t0, time.time())
+                        idle.append(actor)
+                    res.append_record(points_path, rec)
+                    bar.update(1)
+                    bar.write(_one_line(rec))
+        if queue:
+            raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
+        return failed
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+        if started_here:
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except SweepError as e:
+        print(f"quality: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print("quality: interrupted; finished points are in the points file (use --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

