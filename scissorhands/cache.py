@@ -13,6 +13,10 @@ Storage layout of one layer (stated once, used everywhere):
   (tokens seen before it, padding included); ``-1`` marks a padding slot (never a token, always
   masked), ``-2`` a slot evicted in simulation mode.
 * ``state``: ``(batch_size, num_kv_heads, num_slots, policy.state_width)`` per-slot policy statistics.
+* ``row_time``: ``None`` (every row shares the clock ``tokens_seen``), or ``(batch_size,)`` int64, the
+  token index of each row's next token (per-row clocks, set by ``scissorhands.batching`` when rows that
+  started at different times share one batch). Slot times, query times and the times a policy sees are
+  then each row's own, exactly as if the row ran alone.
 
 When evictions happen (Algorithm 1 of Scissorhands, SCISSORHANDS.md):
 
@@ -104,6 +108,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.state: torch.Tensor | None = None
         self.tokens_seen = 0          # tokens this layer has seen (padding included)
         self.held: torch.Tensor | None = None   # (batch_size,) int64 tokens held per sequence
+        self.row_time: torch.Tensor | None = None  # (batch_size,) int64 per-row clocks, or None (shared)
         self.evicted_tokens = 0       # tokens evicted so far, summed over sequences
         self._pending_q: int | None = None
 
@@ -141,7 +146,12 @@ class BudgetedLayer(CacheLayerMixin):
             if q == 1:                                                  # Algorithm 1: full -> drop m, then append
                 self.evict(torch.where(self.held >= budget, self.budget.drop_tokens, 0))
         b, h = key_states.shape[:2]
-        times = torch.arange(self.tokens_seen, self.tokens_seen + q, dtype=torch.int32, device=self.device)
+        times = torch.arange(q, dtype=torch.int32, device=self.device)
+        if self.row_time is None:                                        # (1, 1, q): one shared clock
+            times = (times + self.tokens_seen)[None, None, :]
+        else:                                                            # (b, 1, q): each row's clock
+            times = (times + self.row_time[:, None].to(torch.int32))[:, None, :]
+            self.row_time += q
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.slot_time = torch.cat([self.slot_time, times.expand(b, h, q)], dim=-1)
@@ -175,13 +185,15 @@ class BudgetedLayer(CacheLayerMixin):
                 tail = self.slot_time[:, :, -q_len:]
                 self.slot_time[:, :, -q_len:] = torch.where(new_valid[:, None, :], tail, tail.new_full((), PAD))
                 self.held -= (~new_valid).sum(-1)
-        qt = torch.arange(self.tokens_seen - q_len, self.tokens_seen, device=self.device)  # (q,) query times
+        qt = torch.arange(-q_len, 0, device=self.device)                                  # (q,)
+        # (1 or b, q) query times: the shared clock, or each row's own clock
+        qt = (qt + self.tokens_seen)[None] if self.row_time is None else qt + self.row_time[:, None]
         out = query.new_empty(b, hq, q_len, d)
         for s in range(0, q_len, query_chunk):
             e = min(q_len, s + query_chunk)
             st = self.slot_time[:, :, None, :]                                          # (b, hkv, 1, S)
-            visible = (st >= 0) & (st <= qt[s:e, None])                                  # (b, hkv, q_c, S)
-            out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], visible, scaling, qt[s:e], group)
+            visible = (st >= 0) & (st <= qt[:, None, s:e, None])                         # (b, hkv, q_c, S)
+            out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], visible, scaling, qt[:, s:e], group)
         if self.policy.evicts:                                                       # prompt / chunk: compress to B
             self.evict((self.held - self.budget.tokens).clamp(min=0))
         return out.transpose(1, 2).contiguous()
@@ -201,8 +213,24 @@ class BudgetedLayer(CacheLayerMixin):
         probs = torch.softmax(scores, dim=-1)
         probs = torch.where(visible[:, :, None].any(-1, keepdim=True), probs, probs.new_zeros(()))  # padded queries
         o = torch.matmul(probs.to(self.values.dtype), self.values[:, :, None])          # (b, hkv, g, q_c, d)
-        self.policy.observe(self.state, probs.mean(2), visible, qt)                     # GQA: average the group
+        self._observe(probs.mean(2), visible, qt)                                       # GQA: average the group
         return o.view(b, hq, qc, d)
+
+    def _observe(self, probs: torch.Tensor, visible: torch.Tensor, qt: torch.Tensor) -> None:
+        """Hand the policy this chunk's probabilities; ``qt`` is ``(1 or batch_size, q_c)`` query times.
+
+        Rows on different clocks (per-row clocks) are observed in groups of rows sharing a clock, so a
+        policy always sees the ``(q_c,)`` query times of the rows it updates.
+        """
+        if qt.shape[0] == 1 or bool((qt[:, 0] == qt[0, 0]).all()):
+            self.policy.observe(self.state, probs, visible, qt[0])
+            return
+        starts = qt[:, 0]
+        for t in torch.unique(starts).tolist():
+            rows = (starts == t).nonzero().squeeze(1)                                   # (n_rows,)
+            sub = self.state[rows]                                                      # (n_rows, hkv, S, w) copy
+            self.policy.observe(sub, probs[rows], visible[rows], qt[rows[0]])
+            self.state[rows] = sub
 
     # ------------------------------------------------------------------ eviction
     def evict(self, n_drop: torch.Tensor) -> None:
@@ -262,6 +290,8 @@ class BudgetedLayer(CacheLayerMixin):
             self.slot_time, self.held = fn(self.slot_time), fn(self.held)
             if self.state is not None:
                 self.state = fn(self.state)
+            if self.row_time is not None:
+                self.row_time = fn(self.row_time)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder keys, values, slot times and every per-slot statistic."""
@@ -289,7 +319,7 @@ class BudgetedLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.slot_time = self.state = None
         self.is_initialized = False
-        self.held = None
+        self.held = self.row_time = None
         self.tokens_seen = self.evicted_tokens = 0
         self._pending_q = None
 
