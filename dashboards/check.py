@@ -123,9 +123,10 @@ def prom_get(prometheus: str, path: str, params: dict) -> dict:
     return body["data"]
 
 
-def query(prometheus: str, expr: str) -> list[dict]:
-    """Instant query; the result list (``[{"metric": {...}, "value": [t, "v"]}, ...]``)."""
-    data = prom_get(prometheus, "/api/v1/query", {"query": expr})
+def query(prometheus: str, expr: str, at: float | None = None) -> list[dict]:
+    """Instant query (now, or at unix time `at`); the result list (``[{"metric": {...}, "value": [t, "v"]}]``)."""
+    params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+    data = prom_get(prometheus, "/api/v1/query", params)
     if data["resultType"] == "scalar":
         return [{"metric": {}, "value": data["result"]}]
     return data["result"]
@@ -167,14 +168,24 @@ def default_values(dashboard: dict, prometheus: str | None, run_id: str | None) 
     return values
 
 
-def check(prometheus: str, run_id: str | None = None, folder: Path = DASHBOARD_DIR, rate_interval: str = "30s"):
-    """[(dashboard file, panel title, refId, expr as sent, finite values)] for every target."""
+def check(
+    prometheus: str,
+    run_id: str | None = None,
+    folder: Path = DASHBOARD_DIR,
+    rate_interval: str = "30s",
+    at: dict[str, float] | None = None,
+):
+    """[(dashboard file, panel title, refId, expr as sent, finite values)] for every target.
+
+    `at` maps a dashboard file to the unix time to evaluate its queries at (default: now).
+    """
     rows = []
     for file, board in load_dashboards(folder).items():
         values = default_values(board, prometheus, run_id)
+        when = (at or {}).get(file)
         for panel, target in iter_targets(board):
             expr = substitute(target["expr"], values, rate_interval)
-            rows.append((file, panel["title"], target["refId"], expr, finite_values(query(prometheus, expr))))
+            rows.append((file, panel["title"], target["refId"], expr, finite_values(query(prometheus, expr, when))))
     return rows
 
 
