@@ -1,0 +1,505 @@
+"""Continuous batching for one model replica: a scheduler over a budgeted KV cache (no Ray here).
+
+`ContinuousBatchingEngine` is a plain class; the model is injected, so tests pass a tiny one.
+Requests join the running batch after their prefill and leave it when they finish, between decode
+steps. One `step()`:
+
+1. `admit`: take queued requests in arrival order (first come, first served; the head of the queue
+   is never skipped) while the batch stays within `max_batch` and the KV memory limit;
+2. `prefill`: forward the admitted prompts (requests of equal prompt length together) into a cache
+   of their own; the first token of each is the argmax of its last logits; then merge those rows
+   into the running cache (`scissorhands.batching.merge_rows`);
+3. `decode_step`: one forward of every running sequence (each row at its own position);
+4. finished sequences (their `max_new_tokens` reached, or EOS unless ignored) leave the batch.
+
+Memory accounting, known before admission. The cache of a batch holds `rows * S` slots per layer
+and head, where `S` is the largest number of tokens any row holds (rows are padded to it), and one
+slot in every layer costs `slot_bytes` (measured once, bookkeeping included). A sequence of
+`prompt_tokens` and `max_new_tokens` ends up holding `final_slots = min(B, prompt + max_new - 1)`
+tokens (`B` = budget; no `min` for the full cache). A set of rows is admitted only when
+
+* steady state: `rows * max(final_slots) * slot_bytes <= kv_memory_limit_bytes`, and
+* during each prefill: the bytes the running rows hold now plus that prefill's peak
+  (`n * ((layers - 1) * min(L, B) + L)` slots of one layer: a budgeted prefill compresses one
+  layer at a time) stay within the limit.
+
+So the cache never holds more than the limit between forward calls (the transient copies a
+`torch.cat` makes during an update are not counted; they are at most one layer's tensors).
+A request that could not fit even alone is rejected (`error_kind="rejected"`), never queued forever.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["EngineConfig", "GenerationRequest", "GenerationResult", "ContinuousBatchingEngine", "EngineLoop",
+           "device_memory_bytes"]
+
+
+@dataclass
+class EngineConfig:
+    """What a replica's engine runs: the cache policy and budget, and the memory it may use.
+
+    Attributes:
+        policy: a key of `scissorhands.POLICIES`.
+        policy_params: the policy's keyword parameters.
+        budget_tokens: slots per KV head per sequence (B); wins over `compression_ratio`.
+        compression_ratio: `B = ceil(max_length_tokens / ratio)`; needs `max_length_tokens`.
+        max_length_tokens: the longest prompt + output of the workload (tokens), for the ratio.
+        kv_memory_limit_bytes: the KV memory the running batch may hold (bytes).
+        kv_memory_fraction: else this fraction (0..1] of the device's memory (GPU total, or RAM).
+            Neither: no memory limit.
+        max_batch: most sequences running at once (None: only memory limits).
+        max_prefill_tokens: most prompt tokens prefilled in one step (bounds the stall of running
+            sequences); a longer single prompt is still prefilled, alone.
+    """
+
+    policy: str = "full"
+    policy_params: dict = field(default_factory=dict)
+    budget_tokens: int | None = None
+    compression_ratio: float | None = None
+    max_length_tokens: int | None = None
+    kv_memory_limit_bytes: int | None = None
+    kv_memory_fraction: float | None = None
+    max_batch: int | None = None
+    max_prefill_tokens: int = 16384
+
+    def __post_init__(self) -> None:
+        from scissorhands import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: unknown policy {self.policy!r}; valid policies: {', '.join(POLICIES)}")
+        if not isinstance(self.policy_params, dict):
+            raise ValueError(f"policy_params: expected a mapping, got {self.policy_params!r}")
+        for name in ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch", "max_prefill_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}: expected an integer >= 1 or null, got {v!r}")
+        if self.compression_ratio is not None and not (
+                isinstance(self.compression_ratio, (int, float)) and not isinstance(self.compression_ratio, bool)
+                and math.isfinite(self.compression_ratio) and self.compression_ratio >= 1):
+            raise ValueError(f"compression_ratio: expected a number >= 1 or null, got {self.compression_ratio!r}")
+        if self.kv_memory_fraction is not None and not (
+                isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1):
+            raise ValueError(f"kv_memory_fraction: expected a number in (0, 1] or null, got {self.kv_memory_fraction!r}")
+        if self.kv_memory_limit_bytes is not None and self.kv_memory_fraction is not None:
+            raise ValueError("kv_memory_limit_bytes, kv_memory_fraction: give one of them, not both")
+        if POLICIES[self.policy].evicts:
+            if self.budget_tokens is None and self.compression_ratio is None:
+                raise ValueError(f"budget_tokens, compression_ratio: policy {self.policy!r} needs one of them")
+            if self.budget_tokens is None and self.max_length_tokens is None:
+                raise ValueError("max_length_tokens: a compression_ratio needs the workload's longest "
+                                 "prompt + output (tokens) to fix the budget of every sequence")
+
+    def resolved_budget_tokens(self) -> int | None:
+        """B, slots per KV head per sequence (None for a policy that never evicts)."""
+        from scissorhands import POLICIES
+
+        if not POLICIES[self.policy].evicts:
+            return None
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return max(1, math.ceil(self.max_length_tokens / self.compression_ratio))
+
+
+@dataclass
+class GenerationRequest:
+    """One request: prompt token ids (never text) and how many tokens to generate greedily."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    ignore_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"prompt_ids: request {self.request_id!r} has an empty prompt")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
+
+
+@dataclass
+class GenerationResult:
+    """What a replica returns for a request; times are the replica's `clock` (wall clock, seconds).
+
+    `token_times_s[i]` is when `output_ids[i]` was produced; `output_tokens` is `len(output_ids)`.
+    `error_kind`: None (ok), `"rejected"` (cannot fit the memory limit even alone), `"oom"` (the
+    device ran out of memory), `"error"` (any other exception; `error` holds it).
+    """
+
+    request_id: str
+    prompt_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    token_times_s: list[float] = field(default_factory=list)
+    received_time_s: float | None = None
+    admitted_time_s: float | None = None
+    finish_time_s: float | None = None
+    finish_reason: str | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    replica_id: str | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of `device` (bytes): the GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+@dataclass
+class _Seq:
+    request: GenerationRequest
+    result: GenerationResult
+    on_done: Callable[[GenerationResult], None]
+    final_slots: int
+    held_slots: int = 0          # tokens the row holds in the cache now (for the prefill-time bound)
+
+
+class ContinuousBatchingEngine:
+    """The continuous-batching scheduler of one replica (thread-safe `submit`, single-threaded `step`).
+
+    Args:
+        model: a transformers causal LM (its attention implementation becomes ``"scissorhands"``).
+        config: `EngineConfig`.
+        eos_token_id: stops a request that does not set `ignore_eos` (None: never).
+        clock: seconds, used for every timestamp (default `time.time`, comparable across processes
+            of one machine and, with synchronized clocks, across machines).
+        replica_id: recorded in every result.
+
+    Raises:
+        ValueError: from `make_cache` for an invalid policy parameter or budget.
+    """
+
+    def __init__(self, model, config: EngineConfig, *, eos_token_id: int | None = None,
+                 clock: Callable[[], float] = time.time, replica_id: str = "replica-0"):
+        from scissorhands import make_cache
+        from scissorhands.batching import sequence_slot_bytes
+
+        self.model = model
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.clock = clock
+        self.replica_id = replica_id
+        self.device = next(model.parameters()).device
+        self.budget_tokens = config.resolved_budget_tokens()
+        self._cache_kwargs: dict[str, Any] = dict(config.policy_params)
+        if self.budget_tokens is not None:
+            self._cache_kwargs["budget_tokens"] = self.budget_tokens
+        make_cache(config.policy, model, **self._cache_kwargs)          # validate now, not at the first request
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.slot_bytes = sequence_slot_bytes(model, config.policy, **self._cache_kwargs)
+        if config.kv_memory_limit_bytes is not None:
+            self.kv_memory_limit_bytes: int | None = config.kv_memory_limit_bytes
+        elif config.kv_memory_fraction is not None:
+            self.kv_memory_limit_bytes = int(config.kv_memory_fraction * device_memory_bytes(self.device))
+        else:
+            self.kv_memory_limit_bytes = None
+        self._lock = threading.Condition()
+        self._queue: collections.deque[_Seq] = collections.deque()
+        self._running: list[_Seq] = []
+        self._cache = None
+        self._next_tokens: torch.Tensor | None = None       # (rows, 1) last token of each running row
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ accounting
+    def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Tokens a sequence holds at its end: ``min(B, prompt + max_new - 1)``."""
+        n = prompt_tokens + max_new_tokens - 1
+        return n if self.budget_tokens is None else min(self.budget_tokens, n)
+
+    def prefill_peak_bytes(self, rows: int, prompt_tokens: int) -> int:
+        """Peak bytes of a prefill cache of `rows` prompts of `prompt_tokens` (all layers)."""
+        kept = prompt_tokens if self.budget_tokens is None else min(prompt_tokens, self.budget_tokens)
+        layer_slots = (self.num_layers - 1) * kept + prompt_tokens
+        return math.ceil(rows * layer_slots * self.slot_bytes / self.num_layers)
+
+    def batch_bytes_bound(self, slots: list[int]) -> int:
+        """Bytes of a batch whose rows hold `slots` tokens each: rows * max(slots) * slot_bytes."""
+        return len(slots) * max(slots, default=0) * self.slot_bytes
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Largest batch of identical requests the memory limit (and `max_batch`) admits at once."""
+        cap = self.config.max_batch or 1 << 30
+        if self.kv_memory_limit_bytes is None:
+            return cap
+        per_row = self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes
+        n = min(cap, self.kv_memory_limit_bytes // per_row)
+        kept = prompt_tokens if self.budget_tokens is None else min(prompt_tokens, self.budget_tokens)
+        while n > 0 and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens) \
+                > self.kv_memory_limit_bytes:
+            n -= 1               # the last one's prefill, next to the others' prompts, must fit too
+        return int(n)
+
+    # ------------------------------------------------------------------ submission
+    def submit(self, request: GenerationRequest, on_done: Callable[[GenerationResult], None]) -> None:
+        """Queue `request`; `on_done(result)` is called once, from the thread running `step()`."""
+        result = GenerationResult(request.request_id, len(request.prompt_ids), received_time_s=self.clock(),
+                                  replica_id=self.replica_id)
+        seq = _Seq(request, result, on_done, self.final_slots(len(request.prompt_ids), request.max_new_tokens))
+        with self._lock:
+            self._queue.append(seq)
+            self._stats["received"] += 1
+            self._lock.notify_all()
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a request is queued or running (or `timeout_s` passes); return whether one is."""
+        with self._lock:
+            return self._lock.wait_for(lambda: bool(self._queue or self._running), timeout=timeout_s)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def reset_stats(self) -> None:
+        """Zero the counters and peaks reported by `stats()` (between sweep points)."""
+        self._stats = collections.Counter()
+        self._peak_bytes = 0
+        self._peak_running = 0
+
+    def stats(self) -> dict:
+        """Counters since `reset_stats` (units in the names)."""
+        with self._lock:
+            s = dict(self._stats)
+            queued = len(self._queue)
+        return {
+            "replica_id": self.replica_id,
+            "policy": self.config.policy,
+            "budget_tokens": self.budget_tokens,
+            "slot_bytes": self.slot_bytes,
+            "kv_memory_limit_bytes": self.kv_memory_limit_bytes,
+            "running_sequences": len(self._running),
+            "queued_requests": queued,
+            "peak_running_sequences": self._peak_running,
+            "peak_kv_cache_bytes": self._peak_bytes,
+            "kv_cache_bytes": self._cache.kv_cache_bytes() if self._cache is not None else 0,
+            "received_requests": s.get("received", 0),
+            "completed_requests": s.get("completed", 0),
+            "failed_requests": s.get("failed", 0),
+            "generated_tokens": s.get("tokens", 0),
+            "decode_steps": s.get("decode_steps", 0),
+            "prefill_calls": s.get("prefill_calls", 0),
+        }
+
+    # ------------------------------------------------------------------ scheduling
+    def _admit(self) -> list[list[_Seq]]:
+        """Pop the requests that fit now, grouped for prefill (same prompt length, consecutive)."""
+        limit = self.kv_memory_limit_bytes
+        cap = self.config.max_batch or 1 << 30
+        finals = [s.final_slots for s in self._running]          # every row once admitted, at its end
+        held = [s.held_slots for s in self._running]             # rows in the cache, tokens held now
+        groups: list[list[_Seq]] = []
+        group_held: list[int] = []                               # tokens each admitted row holds after prefill
+        prefill_tokens = 0
+        with self._lock:
+            while self._queue and len(finals) < cap:
+                seq = self._queue[0]
+                n_prompt = len(seq.request.prompt_ids)
+                if limit is not None and (self.batch_bytes_bound([seq.final_slots]) > limit
+                                          or self.prefill_peak_bytes(1, n_prompt) > limit):
+                    self._queue.popleft()
+                    self._fail(seq, "rejected", f"request needs more than the KV memory limit ({limit} bytes) alone")
+                    continue
+                if groups and prefill_tokens + n_prompt > self.config.max_prefill_tokens:
+                    break                       # enough prefill for this step; running rows decode first
+                same = bool(groups) and len(groups[-1][0].request.prompt_ids) == n_prompt
+                if limit is not None:
+                    if self.batch_bytes_bound(finals + [seq.final_slots]) > limit:
+                        break                   # steady state would not fit: wait for rows to finish
+                    # the rows in the cache while this request's group is prefilled: join the last
+                    # group if its prefill still fits, else prefill alone after it is merged
+                    if same and self.batch_bytes_bound(held + group_held[:-len(groups[-1])]) \
+                            + self.prefill_peak_bytes(len(groups[-1]) + 1, n_prompt) > limit:
+                        same = False
+                    if not same and self.batch_bytes_bound(held + group_held) \
+                            + self.prefill_peak_bytes(1, n_prompt) > limit:
+                        break
+                self._queue.popleft()
+                if same:
+                    groups[-1].append(seq)
+                else:
+                    groups.append([seq])
+                finals.append(seq.final_slots)
+                group_held.append(n_prompt if self.budget_tokens is None else min(n_prompt, self.budget_tokens))
+                prefill_tokens += n_prompt
+        return groups
+
+    def step(self) -> bool:
+        """One scheduling iteration (admit, prefill, one decode step, retire); False when idle."""
+        groups = self._admit()
+        if not groups and not self._running:
+            return False
+        now = self.clock()
+        for group in groups:
+            for seq in group:
+                seq.result.admitted_time_s = now
+            self._prefill(group)
+        if self._running:
+            self._decode_step()
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Step until nothing is queued or running (tests, offline batches)."""
+        for _ in range(max_steps):
+            if not self.step() and not self._queue:
+                return
+        raise RuntimeError(f"engine still busy after {max_steps} steps")
+
+    # ------------------------------------------------------------------ phases
+    def _new_cache(self):
+        from scissorhands import make_cache
+
+        return make_cache(self.config.policy, self.model, **self._cache_kwargs)
+
+    def _prefill(self, group: list[_Seq]) -> None:
+        """Forward the prompts of `group` (equal lengths) into a fresh cache; merge the rows that go on."""
+        from scissorhands.batching import merge_rows, select_rows
+
+        ids = torch.tensor([s.request.prompt_ids for s in group], dtype=torch.long, device=self.device)  # (n, L)
+        try:
+            cache = self._new_cache()
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                first = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)                         # (n, 1)
+            tokens = first[:, 0].tolist()
+        except Exception as e:  # noqa: BLE001 - every failure is reported per request
+            self._fail_all(group, e)
+            return
+        t = self.clock()
+        self._stats["prefill_calls"] += 1
+        self._track_bytes(cache.peak_kv_cache_bytes)
+        keep = []
+        for i, (seq, tok) in enumerate(zip(group, tokens)):
+            seq.held_slots = min(len(seq.request.prompt_ids), self.budget_tokens or 1 << 30)
+            if not self._emit(seq, tok, t):
+                keep.append(i)
+        if not keep:
+            return
+        if len(keep) < len(group):
+            cache = select_rows(cache, keep)
+            first = first[keep]
+        self._cache = merge_rows(self._cache, cache)
+        self._running.extend(group[i] for i in keep)
+        self._next_tokens = first if self._next_tokens is None else torch.cat([self._next_tokens, first], dim=0)
+        self._track_bytes(self._cache.kv_cache_bytes())
+        self._peak_running = max(self._peak_running, len(self._running))
+
+    def _decode_step(self) -> None:
+        """One token for every running sequence, each at its own position; retire finished ones."""
+        from scissorhands.batching import row_positions, select_rows
+
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=self._next_tokens, position_ids=row_positions(self._cache),
+                                 cache=self._cache, use_cache=True, logits_to_keep=1)
+                nxt = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)                            # (rows, 1)
+            tokens = nxt[:, 0].tolist()
+        except Exception as e:  # noqa: BLE001
+            running, self._running, self._cache, self._next_tokens = self._running, [], None, None
+            self._fail_all(running, e)
+            return
+        t = self.clock()
+        self._stats["decode_steps"] += 1
+        self._track_bytes(self._cache.kv_cache_bytes())
+        keep = []
+        for i, (seq, tok) in enumerate(zip(self._running, tokens)):
+            seq.held_slots = min(seq.held_slots + 1, self.budget_tokens or 1 << 30)
+            if not self._emit(seq, tok, t):
+                keep.append(i)
+        if len(keep) < len(self._running):
+            self._running = [self._running[i] for i in keep]
+            self._cache = select_rows(self._cache, keep) if keep else None
+            nxt = nxt[keep] if keep else None
+        self._next_tokens = nxt
+
+    # ------------------------------------------------------------------ results
+    def _emit(self, seq: _Seq, token: int, t: float) -> bool:
+        """Record one token; finish the request when done. Returns True when it finished."""
+        r = seq.result
+        r.output_ids.append(int(token))
+        r.token_times_s.append(t)
+        self._stats["tokens"] += 1
+        eos = not seq.request.ignore_eos and self.eos_token_id is not None and int(token) == self.eos_token_id
+        if eos or len(r.output_ids) >= seq.request.max_new_tokens:
+            r.finish_reason = "eos" if eos else "length"
+            r.finish_time_s = t
+            self._stats["completed"] += 1
+            self._done(seq)
+            return True
+        return False
+
+    def _fail(self, seq: _Seq, kind: str, message: str) -> None:
+        r = seq.result
+        r.error_kind, r.error, r.finish_reason, r.finish_time_s = kind, message, "error", self.clock()
+        self._stats["failed"] += 1
+        self._done(seq)
+
+    def _fail_all(self, seqs: list[_Seq], exc: BaseException) -> None:
+        oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+        kind = "oom" if oom else "error"
+        for seq in seqs:
+            self._fail(seq, kind, f"{type(exc).__name__}: {exc}")
+        if oom and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _done(self, seq: _Seq) -> None:
+        try:
+            seq.on_done(seq.result)
+        except Exception:  # noqa: BLE001 - a caller's callback must not stop the engine
+            pass
+
+    def _track_bytes(self, nbytes: int) -> None:
+        self._peak_bytes = max(self._peak_bytes, int(nbytes))
+
+
+class EngineLoop:
+    """Runs `engine.step()` on a daemon thread until `stop()`; idles on the engine's condition."""
+
+    def __init__(self, engine: ContinuousBatchingEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{engine.replica_id}", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.step():
+                    self.engine.wait_for_work(self.idle_wait_s)
+        except BaseException as e:  # noqa: BLE001 - surfaced through `alive` / `error`
+            self.error = e
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        with self.engine._lock:
+            self.engine._lock.notify_all()
+        self._thread.join(timeout_s)

@@ -1,0 +1,141 @@
+"""The continuous-batching engine (cluster.engine), without Ray, on a tiny random-weight model."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cluster.engine import ContinuousBatchingEngine, EngineConfig, EngineLoop, GenerationRequest
+from scissorhands import make_cache
+from scissorhands.testing import tiny_llama
+
+SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    m = tiny_llama(0)
+    m.generation_config.eos_token_id = None
+    return m
+
+
+def _requests(n: int, seed: int, prompt=(5, 40), new=(1, 25)) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
+        out.append(GenerationRequest(f"r{i}", torch.randint(0, 128, (length,), generator=g).tolist(),
+                                     int(torch.randint(new[0], new[1] + 1, (1,), generator=g))))
+    return out
+
+
+def _alone(model, req: GenerationRequest, cfg: EngineConfig) -> list[int]:
+    kwargs = dict(cfg.policy_params)
+    if cfg.budget_tokens is not None:
+        kwargs["budget_tokens"] = cfg.budget_tokens
+    cache = make_cache(cfg.policy, model, **kwargs)
+    ids = torch.tensor([req.prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=req.max_new_tokens,
+                         do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(**SH)], ids=["full", "scissorhands-B16"])
+def test_requests_joining_a_running_batch_get_their_batch_of_one_tokens(model, cfg):
+    engine = ContinuousBatchingEngine(model, cfg)
+    reqs = _requests(8, seed=1)
+    done = {}
+    for r in reqs[:3]:
+        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+    for _ in range(4):                       # a batch is running when the others arrive
+        engine.step()
+    assert engine.running > 0
+    for r in reqs[3:]:
+        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+    engine.run_until_idle()
+    assert engine.stats()["peak_running_sequences"] >= 4        # they really shared batches
+    for r in reqs:
+        res = done[r.request_id]
+        assert res.error_kind is None and res.finish_reason == "length"
+        assert res.output_ids == _alone(model, r, cfg), r.request_id
+        assert len(res.token_times_s) == r.max_new_tokens
+        assert res.token_times_s == sorted(res.token_times_s)
+        assert res.received_time_s <= res.admitted_time_s <= res.token_times_s[0]
+
+
+@pytest.mark.parametrize("cfg_kw", [dict(), SH], ids=["full", "scissorhands-B16"])
+def test_admission_never_exceeds_the_kv_memory_limit(model, cfg_kw):
+    probe = ContinuousBatchingEngine(model, EngineConfig(**cfg_kw))
+    reqs = _requests(12, seed=2, prompt=(20, 30), new=(10, 20))
+    # room for about three of these sequences at their final length
+    limit = 3 * probe.final_slots(30, 20) * probe.slot_bytes
+    engine = ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit, **cfg_kw))
+    done = {}
+    for r in reqs:
+        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+    steps = 0
+    while engine.step():
+        steps += 1
+        held = engine._cache.kv_cache_bytes() if engine._cache is not None else 0
+        assert held <= limit
+    stats = engine.stats()
+    assert len(done) == 12 and all(r.error_kind is None for r in done.values())
+    assert stats["peak_kv_cache_bytes"] <= limit                 # prefill caches included
+    assert 2 <= stats["peak_running_sequences"] < 12             # requests queued behind the limit
+    # waiting requests were admitted later than received
+    assert max(r.admitted_time_s - r.received_time_s for r in done.values()) > 0
+
+
+def test_budget_admits_about_ratio_times_more_sequences(model):
+    full = ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=400_000))
+    sh = ContinuousBatchingEngine(model, EngineConfig(policy="scissorhands", compression_ratio=5,
+                                                      max_length_tokens=300, kv_memory_limit_bytes=400_000))
+    b_full, b_sh = full.max_batch_for(256, 44), sh.max_batch_for(256, 44)
+    assert b_full == 400_000 // (299 * full.slot_bytes)
+    assert b_sh >= 4 * b_full
+
+
+def test_a_request_too_large_for_the_limit_is_rejected_not_queued_forever(model):
+    engine = ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=10_000))
+    done = []
+    engine.submit(GenerationRequest("big", list(range(60)), 10), done.append)
+    engine.submit(GenerationRequest("small", list(range(4)), 2), done.append)
+    engine.run_until_idle()
+    assert [(r.request_id, r.error_kind) for r in done] == [("big", "rejected"), ("small", None)]
+    assert "KV memory limit" in done[0].error
+
+
+def test_engine_loop_serves_requests_from_other_threads(model):
+    engine = ContinuousBatchingEngine(model, EngineConfig(max_batch=3))
+    loop = EngineLoop(engine).start()
+    try:
+        results, events = {}, {}
+        for r in _requests(6, seed=3, new=(2, 6)):
+            events[r.request_id] = threading.Event()
+
+            def cb(res, ev=events[r.request_id]):
+                results[res.request_id] = res
+                ev.set()
+            engine.submit(r, cb)
+        assert all(ev.wait(60) for ev in events.values())
+        assert engine.stats()["peak_running_sequences"] <= 3
+        assert all(len(r.output_ids) >= 2 for r in results.values())
+    finally:
+        loop.stop()
+    assert not loop.alive and loop.error is None
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(policy="nope"), "policy"),
+    (dict(policy="scissorhands"), "budget_tokens, compression_ratio"),
+    (dict(policy="scissorhands", compression_ratio=5), "max_length_tokens"),
+    (dict(kv_memory_limit_bytes=0), "kv_memory_limit_bytes"),
+    (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+    (dict(compression_ratio=0.5), "compression_ratio"),
+    (dict(max_batch=True), "max_batch"),
+])
+def test_engine_config_errors_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field.replace(",", ",")):
+        EngineConfig(**kw)
