@@ -144,7 +144,11 @@ METRICS: tuple[MetricSpec, ...] = (
     _replica("tpot_seconds", "histogram", "Time per output token: (e2e - ttft) / (output tokens - 1).", LATENCY_BUCKETS_S),
     _replica("kv_cache_bytes", "gauge", "Bytes of every tensor the replica's KV caches hold now, bookkeeping included."),
     _replica("kv_cache_slots", "gauge", "KV slots in use now (token positions kept per KV head, summed over sequences)."),
-    _replica("evicted_tokens_total", "counter", "Token slots evicted from the KV cache by the policy."),
+    _replica(
+        "evicted_tokens_total",
+        "counter",
+        "Token positions the policy evicted from the KV cache, summed over sequences (per KV head: tokens seen minus slots kept).",
+    ),
     _replica("model_load_seconds", "gauge", "Wall time of the replica's last model load."),
     # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id)
     _point("output_throughput_tokens_per_second", "Output tokens finished in the window / window length."),
@@ -355,10 +359,12 @@ class ReplicaMetrics:
         self.uses_ray = _ray_is_initialized() if use_ray is None else bool(use_ray)
         self._recorder = _RayRecorder() if self.uses_ray else _LocalRecorder()
 
-    def for_point(self, policy: str, compression_ratio: float | None) -> "ReplicaMetrics":
-        """A recorder with this replica's labels but another policy and ratio (same recorder)."""
+    def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "ReplicaMetrics":
+        """A recorder with this replica's labels but the point's policy, ratio (and run id, if given)."""
         child = object.__new__(ReplicaMetrics)
         child.tags = {**self.tags, "policy": str(policy), "compression_ratio": ratio_label(str(policy), compression_ratio)}
+        if run_id is not None:
+            child.tags["run_id"] = str(run_id)
         child.uses_ray = self.uses_ray
         child._recorder = self._recorder
         return child
@@ -411,7 +417,11 @@ class ReplicaMetrics:
         self._record("kv_cache_slots", self._check("slots", slots))
 
     def add_evictions(self, n: int) -> None:
-        """Add `n` token slots evicted by the policy (summed as the cache reports them)."""
+        """Add `n` token positions evicted by the policy, summed over the batch's sequences.
+
+        Counted per KV head (at a fixed budget every head evicts the same number): for a static
+        batch, ``batch * max(0, tokens seen - budget_tokens)`` by the end of the point.
+        """
         if self._check("n", n) > 0:
             self._record("evicted_tokens_total", n)
 

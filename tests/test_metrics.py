@@ -149,6 +149,10 @@ def test_for_point_keeps_series_apart():
     assert base.snapshot()["scissorhands_generated_tokens_total"] == 1
     assert base.tags["compression_ratio"] == "1" and b.tags["compression_ratio"] == "5"
     assert b.tags["replica"] == "replica-1" and b.tags["run_id"] == "run-2"
+    c = base.for_point("scissorhands", 5, run_id="run-3")
+    c.add_generated_tokens(2)
+    assert c.tags["run_id"] == "run-3" and c.snapshot()["scissorhands_generated_tokens_total"] == 2
+    assert b.snapshot()["scissorhands_generated_tokens_total"] == 5
 
 
 def test_replica_metrics_defaults_to_memory_when_ray_is_off():
