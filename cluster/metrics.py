@@ -55,6 +55,8 @@ POINT_LABELS: tuple[str, ...] = (
     "new_tokens",
     "concurrency",
     "request_rate",
+    "kv_bits",
+    "task",
     "model",
 )
 
@@ -158,13 +160,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _point("e2e_latency_seconds", "Request latency (start to last token) at the given quantile.", ("quantile",)),
     _point("kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
     _point("perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),
-    _point("accuracy_ratio", "Accuracy in 0..1 of the policy's cache on the evaluation task (quality runs)."),
+    _point("accuracy_ratio", "Accuracy in 0..1 of the policy's cache on the point's task (quality runs)."),
     # per (policy, ratio, model) of a run
     MetricSpec(
         PREFIX + "sweep_max_batch_size",
         "gauge",
         "Largest batch size that completed without error (the batch that fits at the memory limit).",
-        ("policy", "compression_ratio", "model"),
+        ("policy", "compression_ratio", "kv_bits", "model"),
         "pushgateway",
     ),
     # progress of a run

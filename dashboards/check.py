@@ -64,11 +64,14 @@ def variable_queries(dashboard: dict) -> list[tuple[str, str]]:
 
 def substitute(expr: str, values: dict[str, str], rate_interval: str = "30s") -> str:
     """Replace Grafana variables in `expr`: ``$__rate_interval``/``$__interval``/``$__range``,
-    then ``${name}``/``${name:fmt}``/``$name`` from `values`. KeyError for an unknown variable."""
+    then ``${name}``/``${name:fmt}``/``$name`` from `values`; ``$1``-style regex groups stay.
+    KeyError for an unknown variable."""
     builtins = {"__rate_interval": rate_interval, "__interval": "15s", "__range": "1h", "__range_s": "3600"}
 
     def repl(m: re.Match) -> str:
         name = m.group(1) or m.group(2)
+        if name.isdigit():
+            return m.group(0)  # a regex group of label_replace ("$1"): Grafana leaves it alone
         if name in builtins:
             return builtins[name]
         if name not in values:

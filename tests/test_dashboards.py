@@ -106,6 +106,8 @@ def test_template_substitution():
     values = {"run_id": "smoke-1", "policy": ".*", "datasource": "prometheus"}
     expr = 'rate(x{run_id="$run_id", policy=~"${policy}"}[$__rate_interval])'
     assert check.substitute(expr, values, "20s") == 'rate(x{run_id="smoke-1", policy=~".*"}[20s])'
+    assert check.substitute('label_replace(x, "s", "$1 int$2", "b", "(.*);(.+)")', values) == (
+        'label_replace(x, "s", "$1 int$2", "b", "(.*);(.+)")')
     with pytest.raises(KeyError, match=r"\$nope"):
         check.substitute("x{a=\"$nope\"}", values)
 

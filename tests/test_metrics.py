@@ -26,7 +26,8 @@ from workloads.push import SweepPusher, resolve_pushgateway_url
 
 ALLOWED_LABELS = {
     "policy", "compression_ratio", "replica", "model", "run_id",  # live
-    "budget_tokens", "batch_size", "prompt_tokens", "new_tokens", "concurrency", "request_rate", "quantile",  # points
+    "budget_tokens", "batch_size", "prompt_tokens", "new_tokens", "concurrency", "request_rate", "kv_bits", "task",
+    "quantile",  # points
 }
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_tokens_total", "_tokens_per_second", "_ratio", "_sequences", "_slots",
                  "_requests", "_size", "_completed", "_planned", "_perplexity")
@@ -200,7 +201,7 @@ def test_point_labels_and_values_from_a_sweep_record():
     assert tuple(labels) == POINT_LABELS
     assert labels == {"policy": "scissorhands", "compression_ratio": "5", "budget_tokens": "", "batch_size": "4",
                       "prompt_tokens": "64", "new_tokens": "8", "concurrency": "", "request_rate": "",
-                      "model": "tiny-llama"}
+                      "kv_bits": "", "task": "", "model": "tiny-llama"}
     assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", policy="scissorhands") == 266.0
     assert _sample(p, "scissorhands_sweep_kv_cache_bytes", batch_size="4") == 81920
     # a static batch: every sequence has the same TTFT, so every quantile equals it

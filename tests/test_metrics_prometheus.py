@@ -123,7 +123,11 @@ def _sweep_records(run_id: str) -> list[dict]:
                 "kv_cache_bytes": int(65536 * batch * bytes_factor),
                 "perplexity": 12.0 / bytes_factor ** 0.1, "accuracy": 0.9 * bytes_factor ** 0.05,
             })
-    failed = {k: v for k, v in records[-1].items() if not k.endswith(("_s", "_tok_per_s", "_bytes", "perplexity", "accuracy"))}
+    # a quality point of a quantized cache: no batch, a task, KV bits
+    records.append({"run_id": run_id, "status": "ok", "error": None, "kind": "fewshot", "model": "tiny-llama",
+                    "policy": "scissorhands", "compression_ratio": 5.0, "kv_bits": 4, "task": "copa",
+                    "accuracy": 0.7, "perplexity": 14.5})
+    failed = {k: v for k, v in records[-2].items() if not k.endswith(("_s", "_tok_per_s", "_bytes", "perplexity", "accuracy"))}
     records.append({**failed, "batch_size": 16, "status": "error", "error": "RuntimeError: out of memory"})
     return records
 
@@ -283,12 +287,19 @@ def test_pushed_points_keep_job_and_run_id_and_values(stack):
     assert by_key[("scissorhands", "5", "4")] == int(65536 * 4 * 0.2)
     [saved] = check.query(stack["prometheus"], (
         f'1 - (scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="scissorhands", compression_ratio="5", '
-        f'batch_size="4"}} / ignoring(policy, compression_ratio, budget_tokens) group_left '
+        f'batch_size="4"}} / ignoring(policy, compression_ratio, budget_tokens, kv_bits) group_left '
         f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="full"}})'))
     assert float(saved["value"][1]) == pytest.approx(0.8, abs=1e-4)
     [max_batch] = check.query(stack["prometheus"],
                               f'scissorhands_sweep_max_batch_size{{run_id="{RUN_ID}", compression_ratio="5"}}')
     assert float(max_batch["value"][1]) == 4  # batch 16 failed
+    # the quality panels name a quantized cache "<policy> x<ratio> int<bits>"
+    board = check.load_dashboards()["sweep-overview.json"]
+    [panel] = [p for p in check.iter_panels(board) if p["title"].startswith("Accuracy vs compression ratio")]
+    expr = check.substitute(panel["targets"][0]["expr"], {"run_id": RUN_ID, "policy": ".*"})
+    series = {r["metric"]["series"]: float(r["value"][1]) for r in check.query(stack["prometheus"], expr)}
+    assert series["scissorhands x5 int4"] == pytest.approx(0.7)
+    assert series["full x1"] == pytest.approx(0.9)
 
 
 # --------------------------------------------------------------------------- a real sweep on the tiny model

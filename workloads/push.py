@@ -128,6 +128,8 @@ class SweepPusher:
             "new_tokens": label_value(r.get("new_tokens")),
             "concurrency": label_value(r.get("concurrency")),
             "request_rate": label_value(r.get("request_rate", "target_rate_req_per_s", "rate_req_per_s")),
+            "kv_bits": label_value(r.get("kv_bits")),
+            "task": label_value(r.get("task")),
             "model": label_value(r.get("model", "model_id")),
         }
         assert tuple(labels) == POINT_LABELS
@@ -185,7 +187,7 @@ class SweepPusher:
 
         Label values come from the record's `policy`, `compression_ratio` (``"1"`` for `full`
         without one), `budget_tokens_requested`, `batch_size`, `prompt_tokens`, `new_tokens`,
-        `concurrency`, `request_rate`, `model`/`model_id`; values from
+        `concurrency`, `request_rate`, `kv_bits`, `task`, `model`/`model_id`; values from
         `output_throughput_tok_per_s`, `total_throughput_tok_per_s`, `ttft_s`/`tpot_s`/
         `e2e_latency_s` (number or percentile dict), `kv_cache_bytes`, `perplexity`,
         `accuracy`. Missing values are skipped. A point without
@@ -197,10 +199,10 @@ class SweepPusher:
         if ok:
             batch = _finite(_Record(record).get("batch_size"))
             if batch is not None:
-                key = (labels["policy"], labels["compression_ratio"], labels["model"])
+                key = (labels["policy"], labels["compression_ratio"], labels["kv_bits"], labels["model"])
                 self._max_batch[key] = max(self._max_batch.get(key, 0), int(batch))
-                policy, ratio, model = key
-                self._g("max_batch_size").labels(policy=policy, compression_ratio=ratio, model=model).set(
+                policy, ratio, bits, model = key
+                self._g("max_batch_size").labels(policy=policy, compression_ratio=ratio, kv_bits=bits, model=model).set(
                     self._max_batch[key]
                 )
             self._g("last_success_timestamp_seconds").set(time.time())
