@@ -1,0 +1,204 @@
+"""Load generator and metrics (cases L1-L6, L8, L14, L15 of shared/cases/load-and-metrics.md).
+
+Everything runs against `FakeReplica` on a virtual-time event loop: scripted seconds cost no real
+time and every number is exact.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from cluster.engine import GenerationRequest, GenerationResult
+from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
+from workloads.loadgen import LengthDist, LoadConfig, arrival_gaps_s, build_requests, run_load
+from workloads.metrics import LatencyStats, RequestRecord, summarize
+
+
+def _run(client, reqs, cfg):
+    async def go():
+        return await run_load(client, reqs, cfg, clock=virtual_clock())
+    return run_virtual(go())
+
+
+def test_L1_output_tokens_are_the_generated_ids_never_re_encoded_text():
+    hello_world_ids = [28120, 905]          # what a model generated; its text is "hello world"
+
+    class Client:
+        async def generate(self, req):
+            return {"request_id": req.request_id, "prompt_tokens": 3, "output_ids": hello_world_ids,
+                    "token_times_s": [1.0, 1.5], "finish_reason": "length"}
+
+    res = _run(Client(), [GenerationRequest("a", [1, 2, 3], 2)], LoadConfig(mode="concurrency", concurrency=1,
+                                                                            num_requests=1))
+    (rec,) = res.records
+    assert rec.output_tokens == len(hello_world_ids) == 2
+    assert res.metrics.output_tokens == 2
+
+
+def test_L2_tpot_is_e2e_minus_ttft_over_tokens_minus_one_and_chunk_gap_is_separate():
+    # 25 chunks of 4 tokens, 40 ms apart, the first one 300 ms after the request was sent
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.3, gap_s=0.04, chunk_tokens=4))
+    res = _run(fake, [GenerationRequest("a", [1], 100)], LoadConfig(mode="concurrency", concurrency=1, num_requests=1))
+    m = res.metrics
+    assert m.ttft_s.mean_s == pytest.approx(0.3)
+    assert m.e2e_latency_s.mean_s == pytest.approx(0.3 + 24 * 0.04)
+    assert m.tpot_s.mean_s == pytest.approx((0.3 + 24 * 0.04 - 0.3) / 99)        # 9.7 ms, not 40 ms / 4
+    assert m.inter_chunk_gap_s.mean_s == pytest.approx(0.04) and m.inter_chunk_gap_s.n == 24
+    assert m.itl_s.n == 99 and m.itl_s.p50_s == pytest.approx(0.0)               # tokens of one chunk: gap 0
+    assert RequestRecord("x", 1, 1, send_time_s=0, token_times_s=[1.0], output_tokens=1).tpot_s is None
+
+
+def test_L3_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
+    slow = {"q0"}
+    fake = FakeReplica(script=lambda r: Script(ttft_s=10.0 if r.request_id.startswith("q0#") else 0.5,
+                                               gap_s=0.5 / 3))
+    res = _run(fake, requests(40), LoadConfig(mode="concurrency", concurrency=4, num_requests=40))
+    m = res.metrics
+    assert m.completed_requests == 40
+    assert m.achieved_peak_concurrency == 4
+    assert m.achieved_mean_concurrency > 3.5
+    # the three other slots kept finishing requests during the slow one: about 3 per second
+    done_during_slow = [r for r in res.records if r.finish_time_s < 10.0 and r.request_id != "q0#0"]
+    assert len(done_during_slow) >= 27
+    # no lockstep: new requests were sent while the slow one was still running
+    assert len([r for r in res.records if 0 < r.send_time_s < 10.0]) >= 27
+    assert slow  # (q0#0 is the slow one)
+
+
+def test_L4_concurrency_shortfall_is_measured_and_warned_not_silently_capped():
+    fake = FakeReplica(capacity=8)                      # the replicas run at most 8 at once
+    res = _run(fake, requests(40), LoadConfig(mode="concurrency", concurrency=64, num_requests=40))
+    m = res.metrics
+    assert m.target_concurrency == 64
+    assert m.achieved_peak_concurrency == 40            # only 40 requests exist: measured, reported
+    assert any("concurrency: target 64, achieved peak 40" in w for w in m.warnings)
+    # what the replicas ran is reported by the sweep next to it (replica peak running sequences)
+    m2 = summarize(res.records, mode="concurrency", window_start_s=m.window_start_s, window_end_s=m.window_end_s,
+                   target_concurrency=64, replica_peak_running_sequences=fake.peak_running)
+    assert fake.peak_running == 8
+    assert any("the replicas ran at most 8 sequences" in w for w in m2.warnings)
+
+
+def test_L5_exactly_the_requests_sent_reach_the_replicas_and_all_are_accounted_for():
+    fake = FakeReplica(script=lambda r: Script(error_kind="oom") if r.request_id.endswith(("#5", "#9")) else Script())
+    res = _run(fake, requests(20), LoadConfig(mode="concurrency", concurrency=20, num_requests=20, warmup_requests=2))
+    m = res.metrics
+    assert len(fake.received) == 22                      # 20 + 2 declared warm-ups
+    assert len(res.records) == 22 and sorted(fake.received) == sorted(r.request_id for r in res.records)
+    assert m.sent_requests == 20 and m.warmup_requests == 2
+    assert m.completed_requests + m.failed_requests == 20
+    assert m.errors_by_kind == {"oom": 2}
+
+
+@pytest.mark.parametrize("policy", ["delay", "drop"])
+def test_L6_open_loop_with_a_cap_reports_target_and_achieved_rate_and_late_or_dropped_arrivals(policy):
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.5, gap_s=0.5 / 3))      # 1 s per request
+    cfg = LoadConfig(mode="rate", rate_req_per_s=50, max_concurrency=10, cap_policy=policy, num_requests=200)
+    m = _run(fake, requests(200), cfg).metrics
+    assert m.target_rate_req_per_s == 50
+    assert m.achieved_rate_req_per_s < 12                # 10 in flight x 1 s each
+    assert any(w.startswith("rate: target 50 req/s, achieved") for w in m.warnings)
+    assert m.achieved_peak_concurrency <= 10
+    if policy == "delay":
+        assert m.sent_requests == 200 and m.delayed_arrivals > 150 and m.arrival_delay_s.p99_s > 1
+    else:
+        assert m.dropped_arrivals > 140 and m.sent_requests + m.dropped_arrivals == 200
+
+
+def test_L8_warm_up_requests_and_requests_sent_before_the_window_are_excluded():
+    def script(r):
+        return Script(ttft_s=20.0) if r.request_id == "slow" else Script(ttft_s=0.5, gap_s=0.1)
+    sent_at_9 = []
+
+    def make(i):
+        # the request sent around 9 s (still warm-up) is a long one
+        return GenerationRequest("slow" if i == 11 else f"r{i}", [1, 2], 4)
+
+    async def go():
+        clock = virtual_clock()
+        res = await run_load(FakeReplica(script=script), make,
+                             LoadConfig(mode="concurrency", concurrency=1, warmup_s=10.0, duration_s=20.0),
+                             clock=clock)
+        sent_at_9.extend(r.send_time_s for r in res.records if r.request_id == "slow")
+        return res
+
+    res = run_virtual(go())
+    m = res.metrics
+    assert 8.0 <= sent_at_9[0] < 10.0
+    assert m.window_start_s >= 10.0
+    assert m.warmup_requests >= 10
+    assert m.e2e_latency_s.n == m.completed_requests > 0
+    assert m.e2e_latency_s.p99_s < 1.0                   # the 20 s warm-up request is not in it
+    assert all(not r.warmup for r in res.records if r.send_time_s >= m.window_start_s)
+
+
+def test_L14_every_request_failing_still_gives_a_complete_summary_with_null_percentiles():
+    fake = FakeReplica(script=lambda r: Script(raises=RuntimeError("CUDA error")))
+    m = _run(fake, requests(6), LoadConfig(mode="concurrency", concurrency=2, num_requests=6)).metrics
+    assert (m.completed_requests, m.failed_requests, m.errors_by_kind) == (0, 6, {"error": 6})
+    assert m.ttft_s == LatencyStats(0) and m.ttft_s.p99_s is None and m.e2e_latency_s.mean_s is None
+    assert m.output_throughput_tok_per_s == 0
+    json.dumps(m.flat(), allow_nan=False)                # no NaN anywhere
+
+
+def test_L15_percentiles_carry_n_and_p99_of_eight_samples_is_low_confidence():
+    m = _run(FakeReplica(), requests(8), LoadConfig(mode="concurrency", concurrency=2, num_requests=8)).metrics
+    assert m.ttft_s.n == 8 and m.e2e_latency_s.n == 8 and m.tpot_s.n == 8
+    assert m.ttft_s.p99_low_confidence and m.ttft_s.p90_low_confidence
+    big = LatencyStats.of(np.linspace(0, 1, 100))
+    assert big.n == 100 and not big.p99_low_confidence and not big.p90_low_confidence
+    flat = m.flat()
+    assert flat["ttft_n"] == 8 and flat["ttft_p99_low_confidence"] is True
+
+
+def test_open_loop_2000_scripted_arrivals_within_5_percent_of_the_target_rate():
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.05, gap_s=0.01))
+    cfg = LoadConfig(mode="rate", rate_req_per_s=40.0, num_requests=2000, seed=3)
+    res = _run(fake, requests(50), cfg)
+    m = res.metrics
+    assert m.sent_requests == 2000 == len(fake.received)
+    assert abs(m.achieved_rate_req_per_s / 40.0 - 1) < 0.05
+    assert m.delayed_arrivals == 0 and m.dropped_arrivals == 0
+
+
+def test_gamma_burstiness_changes_the_spread_not_the_mean_rate():
+    poisson = arrival_gaps_s(20000, 10.0, 1.0, seed=0)
+    bursty = arrival_gaps_s(20000, 10.0, 0.25, seed=0)
+    assert poisson.mean() == pytest.approx(0.1, rel=0.03) and bursty.mean() == pytest.approx(0.1, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)            # CV = 1 / sqrt(shape)
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
+
+
+def test_batch_mode_sends_static_batches():
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.2 + 0.1 * int(r.request_id.split("#")[1]), gap_s=0.01))
+    res = _run(fake, requests(12), LoadConfig(mode="batch", batch_size=4, num_requests=12))
+    sends = sorted({round(r.send_time_s, 9) for r in res.records})
+    assert len(sends) == 3                               # three waves of four
+    first_wave_done = max(r.finish_time_s for r in res.records if r.send_time_s == sends[0])
+    assert sends[1] == pytest.approx(first_wave_done)
+
+
+def test_build_requests_is_seeded_and_follows_the_length_distributions():
+    p = LengthDist.parse("prompt_tokens", {"dist": "uniform", "min": 8, "max": 16})
+    o = LengthDist.parse("output_tokens", 5)
+    a = build_requests(50, p, o, seed=1, vocab_size=100)
+    b = build_requests(50, p, o, seed=1, vocab_size=100)
+    assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]
+    assert all(8 <= len(r.prompt_ids) <= 16 and r.max_new_tokens == 5 for r in a)
+    assert len({len(r.prompt_ids) for r in a}) > 4
+    with pytest.raises(ValueError, match="prompt_tokens.dist"):
+        LengthDist.parse("prompt_tokens", {"dist": "zipf", "value": 3})
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(mode="poisson", num_requests=1), "mode"),
+    (dict(mode="rate", num_requests=1), "rate_req_per_s"),
+    (dict(mode="concurrency", concurrency=2), "num_requests, duration_s"),
+    (dict(mode="rate", rate_req_per_s=1, burstiness=0.5, num_requests=1), "burstiness"),
+    (dict(mode="batch", batch_size=0, num_requests=1), "batch_size"),
+])
+def test_load_config_errors_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        LoadConfig(**kw)
