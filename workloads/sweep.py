@@ -219,8 +219,12 @@ def run_sweep(args: argparse.Namespace) -> int:
     res.write_atomic(str(run_dir / "points.csv"), res.csv_text(rows))
     print(table, end="")
     print(f"sweep: wrote {points_path}, {run_dir / 'table.md'}, {run_dir / 'points.csv'}", file=sys.stderr)
-    if stop is not None:
+    if stop is not None:  # the reason stays next to the points, not only in the (job) log
+        res.write_atomic(str(run_dir / "error.json"), json.dumps(
+            {"run_id": run_id, "error": str(stop), "exit_code": stop.code, "at_unix_s": time.time()}, sort_keys=True) + "\n")
         raise stop
+    if (run_dir / "error.json").exists():  # a resumed run got past the earlier stop
+        os.remove(run_dir / "error.json")
     failed_total = sum(1 for r in rows if r.get("status") != "ok")
     missing = len(points) - len(rows)
     if failed_total or missing:
@@ -295,7 +299,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                                 info_of[new] = wait_placed([new])[0]
                                 idle.append(new)
                             except Exception as e2:
-                                bar.write(f"sweep: could not replace a dead replica: {_error_message(e2)}")
+                                bar.write(f"sweep: could not replace a dead replica: {_error_message(e2)}", file=sys.stderr)
                     except Exception as e:  # the point raised inside the replica
                         failed += 1
                         rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
@@ -303,7 +307,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                         idle.append(actor)
                     res.append_record(points_path, rec)
                     bar.update(1)
-                    bar.write(_one_line(rec))
+                    bar.write(_one_line(rec), file=sys.stderr)
         finally:
             bar.close()
         if queue:
