@@ -71,7 +71,7 @@ def _write(tmp_path, data) -> str:
 def test_local_run_records_points_resumes_and_reports(tmp_path):
     suite = _write(tmp_path, TINY)
     out = tmp_path / "results"
-    assert runner.main([suite, "--local", "--results-dir", str(out), "--run-id", "r1"]) == 0
+    assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "r1"]) == 0
     recs = res.read_records(str(out / "r1" / "points.jsonl"))
     assert len(recs) == 7 and all(r["status"] == "ok" for r in recs)          # 3 ppl + 3 fewshot + 1 persistence
     for r in recs:
@@ -88,19 +88,19 @@ def test_local_run_records_points_resumes_and_reports(tmp_path):
         assert (out / "r1" / png).stat().st_size > 1000
     # resume: nothing left to run, the file is unchanged
     size = os.path.getsize(out / "r1" / "points.jsonl")
-    assert runner.main([suite, "--local", "--results-dir", str(out), "--resume", "r1"]) == 0
+    assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(out), "--resume", "r1"]) == 0
     assert os.path.getsize(out / "r1" / "points.jsonl") == size
     # a failed point is recorded as an error and the run exits 1
     bad = _write(tmp_path, {**TINY, "name": "bad", "fewshot": None, "persistence": None,
                             "policies": [{"name": "scissorhands", "params": {"recent_window": 40}}]})
-    assert runner.main([bad, "--local", "--results-dir", str(out), "--run-id", "r2"]) == 1
+    assert runner.main([bad, "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "r2"]) == 1
     errors = [r for r in res.read_records(str(out / "r2" / "points.jsonl")) if r["status"] == "error"]
     assert errors and "recent_window" in errors[0]["error"]
 
 
 def test_invalid_suite_exits_2_and_records_nothing(tmp_path, capsys):
     suite = _write(tmp_path, {**TINY, "compression_ratios": [0]})
-    assert runner.main([suite, "--local", "--results-dir", str(tmp_path / "out")]) == 2
+    assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "out")]) == 2
     assert "compression_ratios[0]" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -115,10 +115,10 @@ def test_points_run_on_ray_replicas_and_match_local(tmp_path):
     ray.init(address="local", include_dashboard=False, num_cpus=2, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
     try:
-        assert runner.main([suite, "--results-dir", str(tmp_path / "ray"), "--run-id", "d", "--replicas", "2"]) == 0
+        assert runner.main([suite, "--pushgateway", "off", "--results-dir", str(tmp_path / "ray"), "--run-id", "d", "--replicas", "2"]) == 0
     finally:
         ray.shutdown()
-    assert runner.main([suite, "--local", "--results-dir", str(tmp_path / "loc"), "--run-id", "l"]) == 0
+    assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "loc"), "--run-id", "l"]) == 0
     dist = {r["point_id"]: r for r in res.read_records(str(tmp_path / "ray" / "d" / "points.jsonl"))}
     local = {r["point_id"]: r for r in res.read_records(str(tmp_path / "loc" / "l" / "points.jsonl"))}
     assert set(dist) == set(local) and len(dist) == 3
@@ -126,3 +126,27 @@ def test_points_run_on_ray_replicas_and_match_local(tmp_path):
     for pid, r in dist.items():
         assert r["perplexity"] == pytest.approx(local[pid]["perplexity"], rel=1e-6)
     json.dumps(list(dist.values()), allow_nan=False)
+
+
+def test_each_point_is_pushed_like_a_sweep_point(tmp_path, monkeypatch):
+    import workloads.push
+
+    pushed, progress = [], []
+
+    class Recorder:
+        def __init__(self, url, run_id):
+            assert url == "127.0.0.1:1" and run_id == "p"
+
+        def push_point(self, rec):
+            pushed.append(rec)
+            return True
+
+        def push_progress(self, done, total):
+            progress.append((done, total))
+            return True
+
+    monkeypatch.setattr(workloads.push, "SweepPusher", Recorder)
+    suite = _write(tmp_path, {**TINY, "fewshot": None, "persistence": None})
+    assert runner.main([suite, "--local", "--pushgateway", "127.0.0.1:1", "--results-dir", str(tmp_path), "--run-id", "p"]) == 0
+    assert [r["policy"] for r in pushed] == ["full", "scissorhands", "scissorhands"]
+    assert all(r["perplexity"] > 1 for r in pushed) and progress == [(1, 3), (2, 3), (3, 3)]

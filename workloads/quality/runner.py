@@ -5,8 +5,9 @@ replicas (``cluster.ray_replica``; ``ModelReplica.apply(run_point, point)``), ex
 throughput sweep: replicas load the model once, idle replicas take the next point, and every
 finished point is appended as one JSON line (a single ``O_APPEND`` write, fsync'ed) to
 ``<results-dir>/<run_id>/points.jsonl`` with the schema version, git commit, model id, policy and
-its resolved parameters, seed and the Ray node inventory. ``--resume RUN_ID`` skips the points
-already ``ok``. At the end the report (``table.md`` and PNG plots) is written next to the points.
+its resolved parameters, seed and the Ray node inventory, and its perplexity / accuracy is
+pushed to the Pushgateway like a sweep point (``scissorhands_sweep_perplexity``,
+``scissorhands_sweep_accuracy_ratio``). ``--resume RUN_ID`` skips the points already ``ok``. At the end the report (``table.md`` and PNG plots) is written next to the points.
 ``--local`` runs the points in this process without Ray (debugging, tests).
 
 Exit status: 0 all points ok; 1 a point failed or no replica could start; 2 invalid suite or
@@ -38,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
     p.add_argument("--local", action="store_true", help="run the points in this process, without Ray")
+    p.add_argument("--pushgateway", default=None,
+                   help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
+                        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
     return p.parse_args(argv)
 
 
@@ -133,8 +137,20 @@ def run(args: argparse.Namespace) -> int:
           f"{len(pending)} to run on {where}; results in {run_dir}/", file=sys.stderr)
     failed = 0
     if pending:
+        from workloads.push import SweepPusher
+
+        pusher = SweepPusher(args.pushgateway, run_id)
+        done_count = [len(points) - len(pending)]
+
+        def record(rec: dict) -> None:
+            """Append the point's line, then push its summary (perplexity / accuracy gauges) and the progress."""
+            res.append_record(points_path, rec)
+            pusher.push_point(rec)
+            done_count[0] += 1
+            pusher.push_progress(done_count[0], len(points))
+
         runner = _run_local if args.local else _run_ray
-        failed = runner(args, suite, run_id, commit, pending, replicas, points_path)
+        failed = runner(args, suite, run_id, commit, pending, replicas, record)
 
     from .report import write_report
 
@@ -151,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _run_local(args, suite, run_id, commit, pending, replicas, points_path) -> int:
+def _run_local(args, suite, run_id, commit, pending, replicas, record) -> int:
     from tqdm import tqdm
 
     from cluster.replica import ModelReplica
@@ -168,13 +184,13 @@ def _run_local(args, suite, run_id, commit, pending, replicas, points_path) -> i
             except Exception as e:  # the point failed; record it and go on
                 failed += 1
                 rec = _record(run_id, commit, suite, point, None, info, "error", None, _error_message(e), t0, time.time())
-            res.append_record(points_path, rec)
+            record(rec)
             bar.update(1)
             bar.write(_one_line(rec))
     return failed
 
 
-def _run_ray(args, suite, run_id, commit, pending, replicas, points_path) -> int:
+def _run_ray(args, suite, run_id, commit, pending, replicas, record) -> int:
     from tqdm import tqdm
 
     ray, started_here = _init_ray(args.address)
@@ -217,7 +233,7 @@ def _run_ray(args, suite, run_id, commit, pending, replicas, points_path) -> int
                         rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
                                       _error_message(e), t0, time.time())
                         idle.append(actor)
-                    res.append_record(points_path, rec)
+                    record(rec)
                     bar.update(1)
                     bar.write(_one_line(rec))
         if queue:
