@@ -13,6 +13,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: install sweep test test-fast cluster-up cluster-down clean
+.PHONY: submit gpu-check cluster-node
 .PHONY: dashboards-up dashboards-down
 
 install: $(VENV)/.installed
@@ -39,6 +40,19 @@ test-fast: install
 
 cluster-up: install
 	$(VENV)/bin/ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --port=6379 --dashboard-port=8265 --metrics-export-port=8080 --disable-usage-stats
+
+# Scaling out (cluster/submit.py, cluster/gpu_check.py): `make submit SUITE=... ADDRESS=http://HEAD:8265 RESULTS=/shared/results`
+ADDRESS ?= http://127.0.0.1:8265
+RESULTS ?=
+submit: install
+	$(PY) -m cluster.submit $(SUITE) --address $(ADDRESS) $(if $(RESULTS),--results-dir $(RESULTS)) $(ARGS)
+
+# a second node joined to `make cluster-up`'s head on loopback (foreground; Ctrl-C stops it)
+cluster-node: install
+	$(PY) -m cluster.local_node --address 127.0.0.1:6379 $(ARGS)
+
+gpu-check: install
+	$(PY) -m cluster.gpu_check $(ARGS)
 
 cluster-down:
 	-$(VENV)/bin/ray stop --force

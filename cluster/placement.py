@@ -394,21 +394,35 @@ class PlacedReplica(ModelReplica):
             warnings.simplefilter("ignore")
             self.replica_restarted = bool(ctx.was_current_actor_reconstructed)
         self.device_map = None
-        device = str(kwargs.get("device", "cpu"))
-        if device.startswith("cuda") and kwargs.get("model") is None:
-            import torch
+        self.load_error: BaseException | None = None
+        self.replica_id = kwargs.get("replica_id", "replica-0")
+        self.node_id = kwargs["node_id"]
+        try:
+            device = str(kwargs.get("device", "cpu"))
+            if device.startswith("cuda") and kwargs.get("model") is None:
+                import torch
 
-            visible = torch.cuda.device_count()
-            if visible > 1:
-                if num_threads := kwargs.get("num_threads"):
-                    torch.set_num_threads(int(num_threads))
-                max_memory = gpu_max_memory(visible, fraction=gpu_memory_fraction, per_gpu_bytes=max_memory_per_gpu_bytes)
-                model, tokenizer, self.device_map = load_sharded(
-                    kwargs.get("model_spec", "embedded"), kwargs.get("dtype", "float32"), max_memory
-                )
-                kwargs.update(model=model, tokenizer=tokenizer, device="cuda:0")
-        super().__init__(*args, **kwargs)
-        self.devices = sorted({str(p.device) for p in self.model.parameters()})
+                visible = torch.cuda.device_count()
+                if visible > 1:
+                    if num_threads := kwargs.get("num_threads"):
+                        torch.set_num_threads(int(num_threads))
+                    max_memory = gpu_max_memory(visible, fraction=gpu_memory_fraction,
+                                                per_gpu_bytes=max_memory_per_gpu_bytes)
+                    model, tokenizer, self.device_map = load_sharded(
+                        kwargs.get("model_spec", "embedded"), kwargs.get("dtype", "float32"), max_memory
+                    )
+                    kwargs.update(model=model, tokenizer=tokenizer, device="cuda:0")
+            super().__init__(*args, **kwargs)
+            self.devices = sorted({str(p.device) for p in self.model.parameters()})
+        except Exception as e:
+            # Keep the actor alive and raise the original error (e.g. FileNotFoundError naming the
+            # model path) from info()/run_batch(): Ray then hands the caller that exception itself
+            # instead of an ActorDiedError wrapping a traceback.
+            self.load_error = e
+
+    def _raise_load_error(self) -> None:
+        if self.load_error is not None:
+            raise self.load_error
 
     def _placement_fields(self) -> dict:
         return {
@@ -421,9 +435,15 @@ class PlacedReplica(ModelReplica):
         }
 
     def info(self) -> dict:
+        self._raise_load_error()
         return {**super().info(), **self._placement_fields(), "device_map_layers": _count_by_device(self.device_map)}
 
+    def apply(self, fn, *args: Any, **kwargs: Any) -> Any:
+        self._raise_load_error()
+        return super().apply(fn, *args, **kwargs)
+
     def run_batch(self, point: Mapping[str, Any], _warmup: bool = False) -> dict:
+        self._raise_load_error()
         metrics = super().run_batch(point, _warmup=_warmup)
         metrics.update(self._placement_fields())
         return metrics

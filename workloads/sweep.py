@@ -332,6 +332,12 @@ def _one_line(rec: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        from workloads.serving_suite import SERVING_MODES, suite_mode
+
+        if suite_mode(args.suite) in SERVING_MODES:      # concurrency / rate / max_batch: serving replicas
+            from workloads.serving_sweep import run_serving_sweep
+
+            return run_serving_sweep(args)
         return run_sweep(args)
     except SweepError as e:
         print(f"sweep: error: {e}", file=sys.stderr)

@@ -1,0 +1,366 @@
+"""Submit a sweep suite to a Ray cluster with `ray job submit` (what `make submit` runs).
+
+    python -m cluster.submit SUITE.yaml [--address http://HEAD:8265] [--results-dir DIR]
+                             [--run-id ID] [--max-package-mib 100] [--exclude PATTERN ...]
+                             [--job-python PYTHON] [--no-wait] [--dry-run] [-- SWEEP ARGS ...]
+
+1. **Package check, before anything is uploaded.** The working directory (default: this
+   repository) is listed with Ray's own packaging rules: Ray's default excludes (`.git`,
+   `.venv`, `venv`, `__pycache__`), `.gitignore` / `.rayignore`, and this project's excludes
+   (`/results/`, `/.cache/`, `/dashboards/data/`, virtual environments, caches; see
+   `DEFAULT_EXCLUDES`), plus `--exclude`. When what is left is larger than the job server
+   accepts (`--max-package-mib`, default 100 MiB: Ray's dashboard takes at most that much in
+   one upload), the command stops with exit status 2 and a message that gives the size, the
+   limit and the largest entries, before `ray job submit` runs.
+2. **Submit.** Runs `ray job submit --address ... --submission-id sweep-<run_id>
+   --runtime-env-json {working_dir, excludes, env_vars} -- <python> -m workloads.sweep SUITE
+   --results-dir DIR --run-id RUN_ID [SWEEP ARGS]`, streaming the job's output.
+   The job writes `DIR/<run_id>/points.jsonl` (+ `run.json`, `table.md`, `points.csv`, and
+   `error.json` when the sweep stops early). On a real cluster DIR must be storage every node
+   sees at the same path (NFS, a PVC mounted at the same path in every pod); a relative path
+   would land in the job's temporary copy of the working dir and vanish, so it is refused for
+   a remote address. For a loopback address the default is `./results` made absolute.
+3. **Outcome.** Exit status 0 when the job SUCCEEDED, 1 when it FAILED or was STOPPED (the
+   sweep exits non-zero on any failed point, so `ray job status` says FAILED), 2 for errors
+   before submission. When `DIR/<run_id>/` is reachable from here (a local head, or shared
+   storage mounted here too) the job's log and final status are saved next to the points as
+   `job.log` and `job.json`, so `ray job logs` is not the only record.
+
+`--job-python` is the interpreter the job runs: the `python` on the cluster's PATH (the image's)
+for remote addresses, this interpreter for a loopback address (a head started by
+`make cluster-up` from this checkout's virtual environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+#: Excluded from the uploaded working dir (gitignore syntax, relative to the working dir; a
+#: leading "/" anchors at its top, so `workloads/results.py` still travels).
+DEFAULT_EXCLUDES = (
+    ".git",
+    ".venv",
+    "venv",
+    "__pycache__",
+    "*.pyc",
+    "/results/",
+    "/.cache/",
+    "/dashboards/data/",
+    ".pytest_cache",
+    "*.egg-info",
+    "/.whl/",
+    "/.gl/",
+)
+#: Ray's dashboard accepts at most this many bytes in one package upload (ray_constants.DASHBOARD_CLIENT_MAX_SIZE).
+DEFAULT_MAX_PACKAGE_MIB = 100.0
+MIB = 1024 * 1024
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+GIT_COMMIT_ENV = "SCISSORHANDS_GIT_COMMIT"
+_QUIET = logging.getLogger("cluster.submit.packaging")
+_QUIET.setLevel(logging.WARNING)
+
+
+class SubmitError(Exception):
+    """An error found before anything is submitted (exit status 2)."""
+
+
+# -- the package -------------------------------------------------------------------------
+def ray_default_excludes() -> list[str]:
+    """Ray's own default excludes (`RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES` respected)."""
+    from ray._private import ray_constants
+
+    return list(ray_constants.get_runtime_env_default_excludes())
+
+
+def package_files(working_dir: str | Path, excludes: list[str]) -> list[tuple[str, int]]:
+    """Files Ray would upload for `working_dir` with `excludes`: [(relative path, bytes)].
+
+    Uses Ray's own traversal (`ray._private.runtime_env.packaging`), so `.gitignore`,
+    `.rayignore` (in every folder) and Ray's default excludes apply exactly as in the upload.
+    """
+    from ray._private.runtime_env import packaging
+
+    root = Path(working_dir).absolute()
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    out: list[tuple[str, int]] = []
+
+    def handler(path: Path) -> None:
+        if path.is_file():
+            out.append((str(path.relative_to(root)), path.stat().st_size))
+
+    all_excludes = ray_default_excludes() + list(excludes)
+    packaging._dir_travel(root, [packaging._get_excludes(root, all_excludes)], handler,
+                          include_gitignore=include_gitignore, logger=_QUIET)
+    return out
+
+
+def zip_size_bytes(working_dir: str | Path, excludes: list[str]) -> int:
+    """Bytes of the zip Ray would build (Ray's `create_package`, into a temporary folder)."""
+    from ray._private.runtime_env import packaging
+
+    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
+    with tempfile.TemporaryDirectory(prefix="submit-pkg-") as tmp:
+        out = Path(tmp) / "package.zip"
+        packaging.create_package(
+            str(Path(working_dir).absolute()), out, include_gitignore=include_gitignore,
+            excludes=ray_default_excludes() + list(excludes), logger=_QUIET,
+        )
+        return out.stat().st_size
+
+
+def _largest_entries(files: list[tuple[str, int]], n: int = 5) -> list[tuple[str, int]]:
+    """The n largest top-level entries (folders summed) and the n largest files, merged."""
+    tops: dict[str, int] = {}
+    for rel, size in files:
+        top = rel.split(os.sep, 1)[0] + ("/" if os.sep in rel else "")
+        tops[top] = tops.get(top, 0) + size
+    biggest_files = sorted(files, key=lambda f: -f[1])[:n]
+    merged = sorted(tops.items(), key=lambda t: -t[1])[:n] + [(p, s) for p, s in biggest_files if p not in tops]
+    return merged[: 2 * n]
+
+
+def check_package(working_dir: str | Path, excludes: list[str], max_bytes: int) -> dict:
+    """Measure the package and raise SubmitError (before any upload) when it is too large.
+
+    Returns {"files": n, "bytes": uncompressed, "zip_bytes": int or None, "max_bytes": ...}.
+    The zip is built (locally) only when the uncompressed size is over the limit but not more
+    than 4x over; what is further over fails without zipping.
+    """
+    files = package_files(working_dir, excludes)
+    total = sum(s for _, s in files)
+    report = {"files": len(files), "bytes": total, "zip_bytes": None, "max_bytes": int(max_bytes)}
+    if total <= max_bytes:
+        return report
+    if total <= 4 * max_bytes:
+        report["zip_bytes"] = zip_size_bytes(working_dir, excludes)
+        if report["zip_bytes"] <= max_bytes:
+            return report
+    size = report["zip_bytes"] or total
+    kind = "zipped" if report["zip_bytes"] else "before compression"
+    largest = ", ".join(f"{p} ({s / MIB:.1f} MiB)" for p, s in _largest_entries(files))
+    raise SubmitError(
+        f"package too large: the working dir {Path(working_dir).absolute()} is {size / MIB:.1f} MiB {kind} "
+        f"({len(files)} files after excludes) and the Ray job server accepts at most {max_bytes / MIB:.1f} MiB "
+        f"per upload, so `ray job submit` would fail; nothing was uploaded. Largest entries: {largest}. "
+        "Exclude them (--exclude PATTERN, .rayignore or .gitignore), or put models and data on shared "
+        "storage or in the cluster's image."
+    )
+
+
+# -- the command -------------------------------------------------------------------------
+def normalize_address(address: str) -> str:
+    """`HOST:PORT` -> `http://HOST:PORT` (the job server's address); `ray://` is refused."""
+    if address.startswith("ray://"):
+        raise SubmitError(f"--address: {address!r} is a Ray client address; give the dashboard's http://HOST:8265")
+    return address if "://" in address else f"http://{address}"
+
+
+def is_loopback(address: str) -> bool:
+    return (urlparse(address).hostname or "") in LOOPBACK_HOSTS
+
+
+def suite_name(suite_path: Path) -> str:
+    """The suite's `name:` (YAML), else the file's stem."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(suite_path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise SubmitError(f"suite: cannot read {suite_path}: {e}") from None
+    name = data.get("name") if isinstance(data, dict) else None
+    return str(name) if isinstance(name, str) and name else suite_path.stem
+
+
+def git_commit(working_dir: Path) -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=working_dir, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get(GIT_COMMIT_ENV, "unknown")
+
+
+def ray_cli() -> str:
+    """The `ray` executable next to this interpreter, else the one on PATH."""
+    here = Path(sys.executable).parent / "ray"
+    return str(here) if here.exists() else "ray"
+
+
+def build(args: argparse.Namespace) -> dict:
+    """Validate the arguments and build the runtime env and the `ray job submit` command."""
+    working_dir = Path(args.working_dir).absolute()
+    if not working_dir.is_dir():
+        raise SubmitError(f"--working-dir: not a folder: {working_dir}")
+    suite = Path(args.suite)
+    suite_abs = suite if suite.is_absolute() else Path.cwd() / suite
+    if not suite_abs.is_file():
+        raise SubmitError(f"suite: file not found: {suite_abs}")
+    try:
+        suite_rel = suite_abs.resolve().relative_to(working_dir.resolve())
+    except ValueError:
+        raise SubmitError(f"suite: {suite_abs} is outside the working dir {working_dir}; only the working dir is uploaded") from None
+    address = normalize_address(args.address)
+    local = is_loopback(address)
+    if args.results_dir:
+        results = Path(args.results_dir)
+        if not results.is_absolute():
+            if not local:
+                raise SubmitError(
+                    f"--results-dir: {args.results_dir!r} is relative; for a remote cluster give an absolute folder on "
+                    "storage all nodes share (e.g. /mnt/shared/results): a relative one would land in the job's "
+                    "temporary copy of the working dir and vanish"
+                )
+            results = Path.cwd() / results
+    elif local:
+        results = working_dir / "results"
+    else:
+        raise SubmitError(
+            "--results-dir: required for a remote cluster: an absolute folder on storage all nodes share "
+            "(e.g. /mnt/shared/results)"
+        )
+    results = Path(os.path.normpath(results))
+    run_id = args.run_id or f"{suite_name(suite_abs)}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    excludes = list(DEFAULT_EXCLUDES) + list(args.exclude or [])
+    try:  # results inside the working dir never travel, wherever they are
+        inside = "/" + str(results.relative_to(working_dir)) + "/"
+        if inside not in excludes and inside != "/./":
+            excludes.append(inside)
+    except ValueError:
+        pass
+    job_python = args.job_python or (sys.executable if local else "python")
+    runtime_env = {
+        "working_dir": str(working_dir),
+        "excludes": excludes,
+        "env_vars": {
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "PYTHONUNBUFFERED": "1",
+            GIT_COMMIT_ENV: git_commit(working_dir),
+        },
+    }
+    entrypoint = [job_python, "-m", "workloads.sweep", str(suite_rel), "--results-dir", str(results), "--run-id", run_id]
+    entrypoint += list(args.sweep_args or [])
+    submission_id = f"sweep-{run_id}"
+    cmd = [ray_cli(), "job", "submit", "--address", address, "--submission-id", submission_id,
+           "--runtime-env-json", json.dumps(runtime_env)]
+    if args.no_wait:
+        cmd.append("--no-wait")
+    cmd += ["--", *entrypoint]
+    return {"cmd": cmd, "runtime_env": runtime_env, "address": address, "run_id": run_id, "results_dir": results,
+            "submission_id": submission_id, "working_dir": working_dir, "excludes": excludes,
+            "entrypoint": entrypoint}
+
+
+def save_job_record(plan: dict, status: str, message: str | None, logs: str | None) -> Path | None:
+    """Write job.json (+ job.log) into the run folder when it is reachable from here."""
+    run_dir = Path(plan["results_dir"]) / plan["run_id"]
+    if not run_dir.is_dir():
+        return None
+    record = {"submission_id": plan["submission_id"], "address": plan["address"], "status": status,
+              "message": message, "entrypoint": shlex.join(plan["entrypoint"]), "saved_at_unix_s": time.time()}
+    (run_dir / "job.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    if logs is not None:
+        (run_dir / "job.log").write_text(logs, encoding="utf-8")
+    return run_dir
+
+
+def job_outcome(address: str, submission_id: str) -> tuple[str, str | None, str | None]:
+    """(status, message, logs) of a job from the job server."""
+    from ray.job_submission import JobSubmissionClient
+
+    client = JobSubmissionClient(address)
+    info = client.get_job_info(submission_id)
+    try:
+        logs = client.get_job_logs(submission_id)
+    except Exception:
+        logs = None
+    return str(getattr(info.status, "value", info.status)), info.message, logs
+
+
+def auth_env(env: dict) -> dict:
+    """`env` with RAY_AUTH_MODE=token when a Ray auth token is available and no mode is set.
+
+    `ray start --head` (Ray >= 2.52) turns token authentication on by default and saves the
+    token to ~/.ray/auth_token, but the job CLI only sends it when RAY_AUTH_MODE=token. Remote
+    clusters: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token.
+    """
+    env = dict(env)
+    if "RAY_AUTH_MODE" not in env:
+        token_file = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+        if env.get("RAY_AUTH_TOKEN") or token_file.is_file():
+            env["RAY_AUTH_MODE"] = "token"
+    return env
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sweep_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, sweep_args = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(prog="python -m cluster.submit", description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", help="suite YAML inside the working dir, e.g. workloads/suites/smoke.yaml")
+    p.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS") or DEFAULT_ADDRESS,
+                   help=f"job server (dashboard) address (default: $RAY_JOB_ADDRESS or {DEFAULT_ADDRESS})")
+    p.add_argument("--results-dir", default=None,
+                   help="folder of run folders as the cluster sees it (shared storage on a real cluster; "
+                        "default for a loopback address: ./results)")
+    p.add_argument("--run-id", default=None, help="run id (default: <suite name>-<UTC time>)")
+    p.add_argument("--working-dir", default=str(REPO_ROOT), help="folder uploaded as the job's working dir (default: this repo)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="another gitignore-style pattern left out of the upload (repeatable)")
+    p.add_argument("--max-package-mib", type=float, default=DEFAULT_MAX_PACKAGE_MIB,
+                   help=f"refuse to upload a package larger than this (default {DEFAULT_MAX_PACKAGE_MIB:g}, Ray's limit)")
+    p.add_argument("--job-python", default=None, help="interpreter of the job (default: see the module docs)")
+    p.add_argument("--no-wait", action="store_true", help="submit and return; follow with `ray job logs -f`")
+    p.add_argument("--dry-run", action="store_true", help="check the package and print the command; submit nothing")
+    args = p.parse_args(argv)
+    args.sweep_args = sweep_args
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # before Ray is imported: Ray reads the auth mode once per process
+    os.environ.update(auth_env(dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")))
+    try:
+        plan = build(args)
+        report = check_package(plan["working_dir"], plan["excludes"], int(args.max_package_mib * MIB))
+    except SubmitError as e:
+        print(f"submit: error: {e}", file=sys.stderr)
+        return 2
+    print(f"submit: package {report['bytes'] / MIB:.2f} MiB in {report['files']} files "
+          f"(limit {report['max_bytes'] / MIB:.0f} MiB); excludes: {' '.join(plan['excludes'])}", file=sys.stderr)
+    print(f"submit: results -> {plan['results_dir']}/{plan['run_id']}/ ; job {plan['submission_id']} at {plan['address']}",
+          file=sys.stderr)
+    print("submit: " + shlex.join(plan["cmd"]), file=sys.stderr)
+    if args.dry_run:
+        return 0
+    rc = subprocess.run(plan["cmd"], env=dict(os.environ)).returncode
+    if args.no_wait:
+        if rc == 0:
+            print(f"submit: follow with: ray job logs -f --address {plan['address']} {plan['submission_id']}", file=sys.stderr)
+        return 0 if rc == 0 else 1
+    try:
+        status, message, logs = job_outcome(plan["address"], plan["submission_id"])
+    except Exception as e:  # the job server is gone or never got the job
+        print(f"submit: could not read the job's status: {e}", file=sys.stderr)
+        return rc or 1
+    saved = save_job_record(plan, status, message, logs)
+    where = f"; log and status saved in {saved}/" if saved else ""
+    print(f"submit: job {plan['submission_id']} {status}{where}", file=sys.stderr)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
