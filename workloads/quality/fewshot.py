@@ -60,6 +60,10 @@ COPA_SHOTS = 5
 COPA_SHOT_SEED = 1234
 
 
+class UnscorableDoc(ValueError):
+    """A document that cannot be scored (e.g. a context or continuation empty after tokenization)."""
+
+
 @dataclass(frozen=True)
 class Doc:
     """One multiple-choice document: ``requests[i] = (context, continuation)`` of choice ``i``."""
@@ -157,7 +161,7 @@ def score_doc(model, tokenizer, doc: Doc, policy: str, compression_ratio: float 
     """
     enc = [encode_request(tokenizer, c, x) for c, x in doc.requests]
     if any(not ctx or not cont for ctx, cont in enc):
-        raise ValueError(f"doc {doc.doc_id}: empty context or continuation after tokenization")
+        raise UnscorableDoc(f"doc {doc.doc_id}: empty context or continuation after tokenization")
     length = max(len(ctx) + len(cont) for ctx, cont in enc)            # L of this document
     prefilled: dict[tuple[int, ...], tuple] = {}
     sums, budget = [], None
@@ -198,8 +202,11 @@ def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: f
                   seed: int = 0, device: str | torch.device = "cpu", doc_list: list[Doc] | None = None) -> dict:
     """Accuracy of one policy / ratio on ``docs`` documents of ``task`` (the same documents for every point).
 
-    A document that cannot be scored (e.g. empty after tokenization) is skipped and counted in
-    ``docs_skipped``; accuracies are over ``docs_scored``.
+    A document that cannot be scored (:class:`UnscorableDoc`, e.g. empty after tokenization) is
+    skipped and counted in ``docs_skipped``; accuracies are over ``docs_scored``.
+
+    Raises:
+        ValueError: an invalid policy / parameter (from ``make_cache``), or no document could be scored.
 
     Returns:
         ``{"task", "docs_scored", "docs_skipped", "acc_raw", "acc_per_char", "primary_metric", "accuracy",
@@ -213,7 +220,7 @@ def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: f
     for doc in chosen:
         try:
             s = score_doc(model, tokenizer, doc, policy, compression_ratio, kv_bits, policy_params, device=device)
-        except ValueError:
+        except UnscorableDoc:
             skipped += 1
             continue
         raw = _argmax(s["logprob_sums"])
@@ -226,6 +233,8 @@ def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: f
             budgets.append(s["budget_tokens"])
         ctx_lens.extend(s["context_tokens"])
     n = len(scored)
+    if not n:
+        raise ValueError(f"task {task!r}: none of the {len(chosen)} documents could be scored")
     spec = TASKS.get(task)
     acc_raw = correct_raw / n if n else None
     acc_char = correct_char / n if n else None
