@@ -8,21 +8,53 @@ No Ray anywhere in this package (it imports torch and transformers only).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from .attention import ATTN_IMPLEMENTATION
 from .cache import Budget, BudgetedCache, BudgetedLayer
 from .policies import POLICIES, Policy, get_policy
+from .quant import Int4KV, check_group_size
+from .storage import DenseKV
 
-__all__ = ["ATTN_IMPLEMENTATION", "POLICIES", "Policy", "BudgetedCache", "BudgetedLayer", "make_cache", "get_policy"]
+__all__ = ["ATTN_IMPLEMENTATION", "POLICIES", "SUPPORTED_MODEL_TYPES", "Policy", "BudgetedCache", "BudgetedLayer",
+           "make_cache", "get_policy", "check_model_supported"]
+
+#: ``config.model_type`` values whose attention goes through transformers' attention interface with
+#: ``cache.update(...)`` and no sliding window: tested with tiny random configs in tests/test_standalone.py.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
+KV_BITS = (None, 4)
+
+
+def check_model_supported(config) -> None:
+    """Raise ``ValueError`` unless the (text) config is an architecture the budgeted cache supports.
+
+    Supported: ``SUPPORTED_MODEL_TYPES`` (grouped-query or multi-head attention, RoPE or learned
+    positions) with full attention in every layer. Sliding-window layers are refused: the cache keeps
+    its own budget and the ``scissorhands`` attention function does not apply a window.
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported by the budgeted cache; supported model "
+                         f"types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in layer_types)
+    if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        sliding = True
+    if sliding or getattr(config, "use_sliding_window", False):
+        raise ValueError(f"model type {model_type!r} with sliding-window attention layers is not supported "
+                         f"(the budgeted cache does not apply a window); set config.sliding_window = None "
+                         f"(and use_sliding_window = False) if your sequences stay inside the window")
 
 
 def make_cache(policy: str, model, *, budget_tokens: int | None = None, compression_ratio: float | None = None,
-               max_length: int | None = None, simulate: bool = False, **policy_params) -> BudgetedCache:
+               max_length: int | None = None, simulate: bool = False, kv_bits: int | None = None,
+               kv_group_size: int = 32, **policy_params) -> BudgetedCache:
     """Build a budgeted KV cache for ``model`` (a transformers model or its config).
 
     Args:
-        policy: a key of ``POLICIES`` (``"full"``, ``"scissorhands"``, ...).
+        policy: a key of ``POLICIES`` (``"full"``, ``"scissorhands"``, ``"streaming_llm"``, ``"h2o"``,
+            ``"tova"``, ``"random"``).
         model: the model (its attention implementation is switched to ``"scissorhands"``, which gives
             the same outputs as ``sdpa`` for any other cache) or a ``PretrainedConfig``.
         budget_tokens: slots per KV head (absolute budget, B).
@@ -30,12 +62,16 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
             length of the first forward call (the prompt). One of the two is required unless ``policy == "full"``.
         max_length: the longest length the cache will hold (prompt + max_new_tokens), when known.
         simulate: mask evicted slots instead of removing them (saves no memory; for verification).
+        kv_bits: ``None`` (keys/values stored in the model dtype) or ``4`` (group-wise asymmetric 4-bit,
+            see ``scissorhands.quant``); composes with every policy.
+        kv_group_size: values per quantization group along ``head_dim`` (even, divides head_dim).
         **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``history_window``, ...).
 
     Raises:
         ValueError: unknown policy (lists valid names), unknown parameter, ``compression_ratio < 1``,
-            ``budget_tokens < 1``, both or neither of budget_tokens / compression_ratio, or a budget
-            smaller than ``recent_window + 1``.
+            ``budget_tokens < 1``, both or neither of budget_tokens / compression_ratio, a budget
+            smaller than ``recent_window + 1``, ``kv_bits`` not in (None, 4), a bad ``kv_group_size``,
+            or an unsupported model type (``SUPPORTED_MODEL_TYPES``).
     """
     pol = get_policy(policy, **policy_params)
     if pol.evicts:
@@ -49,11 +85,18 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
             raise ValueError(f"compression_ratio must be a number >= 1, got {compression_ratio!r}")
     if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
+    if kv_bits not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {KV_BITS} (None = the model dtype), got {kv_bits!r}")
+    config = getattr(model, "config", model)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    check_model_supported(text_config)
+    if kv_bits == 4:
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        check_group_size(head_dim, kv_group_size)
     budget = Budget(pol, budget_tokens=budget_tokens, compression_ratio=compression_ratio, max_length=max_length)
     if pol.evicts and (budget_tokens is not None or max_length is not None):
         budget.resolve(max_length or 1)          # validate recent_window / drop_tokens now
-    config = getattr(model, "config", model)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return BudgetedCache(pol, text_config.num_hidden_layers, budget, simulate=simulate)
+    codec = functools.partial(Int4KV, kv_group_size) if kv_bits == 4 else DenseKV
+    return BudgetedCache(pol, text_config.num_hidden_layers, budget, simulate=simulate, codec_factory=codec)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .cache import PAD, BudgetedCache, BudgetedLayer
+from .cache import BudgetedCache
 
 __all__ = ["merge_rows", "select_rows", "row_positions", "physical_slots", "sequence_slot_bytes", "use_row_clocks"]
 
@@ -43,20 +43,8 @@ def use_row_clocks(cache: BudgetedCache) -> None:
     """
     for layer in cache.layers:
         if layer.is_initialized and layer.row_time is None:
-            layer.row_time = torch.full((layer.keys.shape[0],), layer.tokens_seen, dtype=torch.int64,
+            layer.row_time = torch.full((layer.batch_size,), layer.tokens_seen, dtype=torch.int64,
                                         device=layer.device)
-
-
-def _pad_slots(layer: BudgetedLayer, n: int) -> None:
-    """Prepend ``n`` filler slots (masked, no token) to every per-slot tensor of ``layer``."""
-    if n <= 0:
-        return
-    b, h, _, d = layer.keys.shape
-    layer.keys = torch.cat([layer.keys.new_zeros(b, h, n, d), layer.keys], dim=2)                  # (b, h, n+S, d)
-    layer.values = torch.cat([layer.values.new_zeros(b, h, n, layer.values.shape[-1]), layer.values], dim=2)
-    layer.slot_time = torch.cat([layer.slot_time.new_full((b, h, n), PAD), layer.slot_time], dim=2)  # (b, h, n+S)
-    if layer.state is not None:
-        layer.state = torch.cat([layer.state.new_zeros(b, h, n, layer.state.shape[-1]), layer.state], dim=2)
 
 
 def merge_rows(running: BudgetedCache | None, new: BudgetedCache) -> BudgetedCache:
@@ -78,18 +66,7 @@ def merge_rows(running: BudgetedCache | None, new: BudgetedCache) -> BudgetedCac
     _check_compatible(running, new)
     use_row_clocks(running)
     for a, b in zip(running.layers, new.layers):
-        n = max(a.num_slots, b.num_slots)
-        _pad_slots(a, n - a.num_slots)
-        _pad_slots(b, n - b.num_slots)
-        a.keys = torch.cat([a.keys, b.keys], dim=0)                                     # (b_a + b_b, h, S, d)
-        a.values = torch.cat([a.values, b.values], dim=0)
-        a.slot_time = torch.cat([a.slot_time, b.slot_time], dim=0)                      # (b_a + b_b, h, S)
-        if a.state is not None:
-            a.state = torch.cat([a.state, b.state], dim=0)
-        a.held = torch.cat([a.held, b.held], dim=0)                                      # (b_a + b_b,)
-        a.row_time = torch.cat([a.row_time, b.row_time], dim=0)
-        a.tokens_seen = max(a.tokens_seen, b.tokens_seen)
-        a.evicted_tokens += b.evicted_tokens
+        a.append_rows(b)          # filler slots on the shorter side, then (b_a + b_b, h, S, ...) per buffer
     return running
 
 
@@ -115,7 +92,7 @@ def row_positions(cache: BudgetedCache) -> torch.Tensor:
     """``(batch_size, 1)`` int64 position id of each row's next token (its own clock)."""
     layer = cache.layers[0]
     if layer.row_time is None:
-        return torch.full((layer.keys.shape[0], 1), layer.tokens_seen, dtype=torch.int64, device=layer.device)
+        return torch.full((layer.batch_size, 1), layer.tokens_seen, dtype=torch.int64, device=layer.device)
     return layer.row_time[:, None].clone()
 
 
@@ -131,8 +108,9 @@ def sequence_slot_bytes(model, policy: str, **cache_kwargs) -> int:
     """Bytes one sequence's slot costs across every layer of ``model`` (keys, values, bookkeeping).
 
     Measured, not computed from a formula: a one-token forward into a fresh ``make_cache(policy, model,
-    **cache_kwargs)`` cache, whose ``kv_cache_bytes()`` is then one slot in every layer. A sequence
-    holding ``n`` tokens in a batch whose fullest row holds ``S >= n`` costs ``S * sequence_slot_bytes``.
+    **cache_kwargs)`` cache; the bytes of its allocated buffers divided by their slot capacity, plus the
+    per-row counters, in every layer. A sequence holding ``n`` tokens in a batch whose buffers hold
+    ``S >= n`` slots costs ``S * sequence_slot_bytes`` (``S`` is the budget for a policy that evicts).
     """
     from . import make_cache
 
@@ -140,4 +118,4 @@ def sequence_slot_bytes(model, policy: str, **cache_kwargs) -> int:
     device = next(model.parameters()).device
     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True,
           logits_to_keep=1)
-    return int(cache.kv_cache_bytes())
+    return int(sum(layer.slot_nbytes() for layer in cache.layers))

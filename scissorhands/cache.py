@@ -5,10 +5,19 @@ Integration goes only through transformers' official seams: ``BudgetedLayer`` is
 ``scissorhands.attention`` (registered with ``AttentionInterface`` and ``AttentionMaskInterface``)
 computes the attention probabilities a policy needs and hands them to the layer.
 
-Storage layout of one layer (stated once, used everywhere):
+Storage layout of one layer (stated once, used everywhere). Every per-slot tensor lives in a
+``SlotStore`` (``scissorhands.storage``): a buffer ``(batch_size, num_kv_heads, capacity, ...)`` of
+which the first ``num_slots`` slots are used; a decode token is written in place when the capacity
+allows (no copy of the whole cache). Capacity: once a layer that evicts has evicted, it keeps
+``budget_tokens`` slots (refilled in place, memory flat); when ``max_length`` is known, buffers are
+allocated for ``min(max_length, budget_tokens)`` slots (``max_length`` for ``full`` and simulation
+mode) at the first call; otherwise they grow exactly to what is held (as transformers'
+``DynamicCache`` does). ``kv_cache_bytes`` counts the buffers whole.
 
 * ``keys``, ``values``: ``(batch_size, num_kv_heads, num_slots, head_dim)``, keys after RoPE, never
-  re-rotated. Kept slots are in time order (oldest first) in every row and head.
+  re-rotated; stored as computed, or 4-bit (``kv_bits=4``: packed values plus float16 scale and
+  zero per group, see ``scissorhands.quant``) and dequantized for attention. Kept slots are in time
+  order (oldest first) in every row and head.
 * ``slot_time``: ``(batch_size, num_kv_heads, num_slots)`` int32, the token index of each slot
   (tokens seen before it, padding included); ``-1`` marks a padding slot (never a token, always
   masked), ``-2`` a slot evicted in simulation mode.
@@ -45,6 +54,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .policies.base import Policy
+from .storage import DenseKV, SlotStore
 
 PAD = -1
 EVICTED = -2
@@ -92,40 +102,96 @@ class Budget:
 
 
 class BudgetedLayer(CacheLayerMixin):
-    """One attention layer's budgeted KV cache (layout in the module docstring)."""
+    """One attention layer's budgeted KV cache (layout in the module docstring).
+
+    Args:
+        layer_idx: the model layer this cache serves.
+        policy, budget: the eviction policy and the budget shared by all layers.
+        simulate: mask evicted slots instead of removing them.
+        codec: how keys and values are stored (``DenseKV`` by default, ``Int4KV`` for 4-bit).
+    """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, layer_idx: int, policy: Policy, budget: Budget, simulate: bool = False):
+    def __init__(self, layer_idx: int, policy: Policy, budget: Budget, simulate: bool = False, codec=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.policy = policy
         self.budget = budget
         self.simulate = simulate
-        self.slot_time: torch.Tensor | None = None
-        self.state: torch.Tensor | None = None
+        self.codec = codec if codec is not None else DenseKV()
+        self.store = SlotStore()
         self.tokens_seen = 0          # tokens this layer has seen (padding included)
-        self.held: torch.Tensor | None = None   # (batch_size,) int64 tokens held per sequence
-        self.row_time: torch.Tensor | None = None  # (batch_size,) int64 per-row clocks, or None (shared)
+        self.held: torch.Tensor | None = None        # (batch_size,) int64 tokens held per sequence
+        self.pad_tokens: torch.Tensor | None = None  # (batch_size,) int64 padding tokens seen per sequence
+        self.row_time: torch.Tensor | None = None    # (batch_size,) int64 per-row clocks, or None (shared)
         self.evicted_tokens = 0       # tokens evicted so far, summed over sequences
         self._pending_q: int | None = None
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ storage
+    # ``keys`` / ``values`` are read-only views (dequantized for 4-bit) of the kept slots.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.keys_values()[0] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("BudgetedLayer.keys is read-only; the layer owns its storage")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.keys_values()[1] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("BudgetedLayer.values is read-only; the layer owns its storage")
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the kept slots, ``(batch_size, num_kv_heads, num_slots, head_dim)`` each,
+        in the model dtype (views for the dense codec, dequantized copies for 4-bit)."""
+        return self.codec.decode(self.store, self.dtype)
+
+    @property
+    def slot_time(self) -> torch.Tensor | None:
+        """``(batch_size, num_kv_heads, num_slots)`` int32 view: token index of each slot, -1 pad, -2 evicted."""
+        return self.store.view("slot_time") if self.is_initialized else None
+
+    @property
+    def state(self) -> torch.Tensor | None:
+        """``(batch_size, num_kv_heads, num_slots, state_width)`` view of the policy statistics, or None."""
+        return self.store.view("state") if self.is_initialized and self.policy.state_width else None
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.keys = key_states.new_empty(b, h, 0, d)
-        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
-        self.slot_time = torch.empty(b, h, 0, dtype=torch.int32, device=self.device)
-        width = self.policy.state_width
-        self.state = torch.zeros(b, h, 0, width, dtype=self.policy.state_dtype, device=self.device) if width else None
+        specs = self.codec.specs(d, value_states.shape[-1], self.dtype)
+        specs["slot_time"] = ((), torch.int32)
+        if self.policy.state_width:
+            specs["state"] = ((self.policy.state_width,), self.policy.state_dtype)
+        self.store.allocate(b, h, specs, self.device)
+        self.kv_dims = (d, value_states.shape[-1])     # head_dim of keys and of values, as computed
         self.held = torch.zeros(b, dtype=torch.int64, device=self.device)
+        self.pad_tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
         self.is_initialized = True
 
+    @property
+    def _compacts(self) -> bool:
+        return self.policy.evicts and not self.simulate
+
+    def _capacity(self, needed: int) -> int:
+        """Slots to allocate when ``needed`` slots must fit (see the module docstring)."""
+        target = self.budget.max_length or 0
+        if self._compacts and target:
+            target = min(target, self.budget.tokens)
+        return max(needed, target)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append ``(batch_size, num_kv_heads, q_len, head_dim)`` new keys/values; return all slots.
+        """Append ``(batch_size, num_kv_heads, q_len, head_dim)`` new keys/values; return all kept slots.
 
         Raises:
             RuntimeError: the previous call's attention never reached this layer although the policy
@@ -140,28 +206,29 @@ class BudgetedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        q = key_states.shape[-2]
+        b, h, q, _ = key_states.shape
         if self.policy.evicts:
             budget = self.budget.resolve(self.tokens_seen + q)
             if q == 1:                                                  # Algorithm 1: full -> drop m, then append
                 self.evict(torch.where(self.held >= budget, self.budget.drop_tokens, 0))
-        b, h = key_states.shape[:2]
         times = torch.arange(q, dtype=torch.int32, device=self.device)
         if self.row_time is None:                                        # (1, 1, q): one shared clock
             times = (times + self.tokens_seen)[None, None, :]
         else:                                                            # (b, 1, q): each row's clock
             times = (times + self.row_time[:, None].to(torch.int32))[:, None, :]
             self.row_time += q
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.slot_time = torch.cat([self.slot_time, times.expand(b, h, q)], dim=-1)
-        if self.state is not None:                                       # new slots start from zero
-            self.state = torch.cat([self.state, self.state.new_zeros(b, h, q, self.state.shape[-1])], dim=2)
+        new = self.codec.encode(key_states, value_states)
+        new["slot_time"] = times.expand(b, h, q)
+        if self.policy.state_width:                                      # new slots start from zero
+            new["state"] = torch.zeros((), dtype=self.policy.state_dtype, device=self.device).expand(
+                b, h, q, self.policy.state_width)
+        self.store.append(new, self._capacity(self.store.num_slots + q))
         self.tokens_seen += q
         self.held += q
         self._pending_q = q
+        self._kv = self.keys_values()
         _ACTIVE.layer = self
-        return self.keys, self.values
+        return self._kv
 
     # ------------------------------------------------------------------ attention
     def attend(self, query: torch.Tensor, padding_mask: torch.Tensor | None, scaling: float,
@@ -176,63 +243,83 @@ class BudgetedLayer(CacheLayerMixin):
             ``(batch_size, q_len, num_heads, head_dim)`` attention output; padded queries get zeros.
         """
         q_len, self._pending_q = self._pending_q, None
+        keys, values = self._kv
+        self._kv = None
         b, hq, _, d = query.shape
-        hkv = self.keys.shape[1]
-        group = hq // hkv
+        st = self.slot_time                                                             # (b, hkv, S)
         if padding_mask is not None and padding_mask.shape[-1] >= q_len:
             new_valid = padding_mask[:, -q_len:].to(torch.bool)                          # (b, q)
             if not bool(new_valid.all()):
-                tail = self.slot_time[:, :, -q_len:]
-                self.slot_time[:, :, -q_len:] = torch.where(new_valid[:, None, :], tail, tail.new_full((), PAD))
-                self.held -= (~new_valid).sum(-1)
-        qt = torch.arange(-q_len, 0, device=self.device)                                  # (q,)
-        # (1 or b, q) query times: the shared clock, or each row's own clock
-        qt = (qt + self.tokens_seen)[None] if self.row_time is None else qt + self.row_time[:, None]
-        out = query.new_empty(b, hq, q_len, d)
+                tail = st[:, :, -q_len:]
+                tail.copy_(torch.where(new_valid[:, None, :], tail, tail.new_full((), PAD)))
+                n_pad = (~new_valid).sum(-1)
+                self.held -= n_pad
+                self.pad_tokens += n_pad
+        # first query's token index: (1,) the shared clock, or (b,) each row's own
+        t0 = (torch.tensor([self.tokens_seen], device=self.device) if self.row_time is None
+              else self.row_time) - q_len
+        all_valid = not bool((st < 0).any())
+        out = query.new_empty(b, hq, q_len, values.shape[-1])
         for s in range(0, q_len, query_chunk):
             e = min(q_len, s + query_chunk)
-            st = self.slot_time[:, :, None, :]                                          # (b, hkv, 1, S)
-            visible = (st >= 0) & (st <= qt[:, None, s:e, None])                         # (b, hkv, q_c, S)
-            out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], visible, scaling, qt[:, s:e], group)
+            if e - s == 1 and s == q_len - 1:                                           # the newest query sees every valid slot
+                visible = None if all_valid else (st >= 0)[:, :, None, :]               # (b, hkv, 1, S)
+            else:
+                qt = (t0[:, None] + torch.arange(s, e, device=self.device)).to(torch.int32)   # (1 or b, q_c)
+                visible = (st[:, :, None, :] >= 0) & (st[:, :, None, :] <= qt[:, None, :, None])  # (b, hkv, q_c, S)
+            out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], keys, values, visible, scaling, t0 + s)
         if self.policy.evicts:                                                       # prompt / chunk: compress to B
             self.evict((self.held - self.budget.tokens).clamp(min=0))
         return out.transpose(1, 2).contiguous()
 
-    def _attend_chunk(self, query, visible, scaling, qt, group):
-        b, hq, qc, d = query.shape
-        hkv, n = self.keys.shape[1], self.keys.shape[2]
-        if not self.policy.needs_attention:
-            mask = visible.repeat_interleave(group, dim=1)                               # (b, hq, q_c, S)
-            o = torch.nn.functional.scaled_dot_product_attention(query, self.keys.repeat_interleave(group, 1),
-                                                                 self.values.repeat_interleave(group, 1),
-                                                                 attn_mask=mask, scale=scaling)
-            return torch.where(mask.any(-1, keepdim=True), o, o.new_zeros(()))
-        qg = query.view(b, hkv, group, qc, d)                                            # (b, hkv, g, q_c, d)
-        scores = torch.matmul(qg, self.keys[:, :, None].transpose(-1, -2)).float() * scaling  # (b, hkv, g, q_c, S)
-        scores = scores.masked_fill(~visible[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        probs = torch.where(visible[:, :, None].any(-1, keepdim=True), probs, probs.new_zeros(()))  # padded queries
-        o = torch.matmul(probs.to(self.values.dtype), self.values[:, :, None])          # (b, hkv, g, q_c, d)
-        self._observe(probs.mean(2), visible, qt)                                       # GQA: average the group
-        return o.view(b, hq, qc, d)
+    def _attend_chunk(self, query, keys, values, visible, scaling, first_query):
+        """Attention of ``query`` ``(b, hq, q_c, d)`` over ``keys``/``values`` ``(b, hkv, S, d)``.
 
-    def _observe(self, probs: torch.Tensor, visible: torch.Tensor, qt: torch.Tensor) -> None:
-        """Hand the policy this chunk's probabilities; ``qt`` is ``(1 or batch_size, q_c)`` query times.
+        ``visible``: ``(b, hkv, q_c, S)`` bool or None (all visible). Returns ``(b, hq, q_c, d_v)``.
+        """
+        b, hq, qc, d = query.shape
+        hkv, n = keys.shape[1], keys.shape[2]
+        group = hq // hkv
+        if not self.policy.needs_attention:
+            mask = None if visible is None else visible.repeat_interleave(group, dim=1)  # (b, hq, q_c, S)
+            o = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                                 enable_gqa=group > 1)
+            return o if mask is None else torch.where(mask.any(-1, keepdim=True), o, o.new_zeros(()))
+        # query heads h = kv * group + j share KV head kv: (b, hq, q_c, d) -> (b, hkv, group * q_c, d)
+        qg = query.reshape(b, hkv, group * qc, d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scaling).view(b, hkv, group, qc, n)
+        if visible is not None:
+            scores.masked_fill_(~visible[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)                                            # (b, hkv, g, q_c, S) float32
+        if visible is not None:                                                          # padded queries see nothing
+            probs = torch.where(visible[:, :, None].any(-1, keepdim=True), probs, probs.new_zeros(()))
+        o = torch.matmul(probs.view(b, hkv, group * qc, n).to(values.dtype), values)    # (b, hkv, g * q_c, d_v)
+        self._observe(probs.mean(2), visible, first_query)                               # GQA: average the group
+        return o.view(b, hq, qc, -1)
+
+    def _observe(self, probs: torch.Tensor, visible: torch.Tensor | None, first_query: torch.Tensor) -> None:
+        """Hand the policy this chunk's probabilities; ``first_query`` is ``(1 or batch_size,)``.
 
         Rows on different clocks (per-row clocks) are observed in groups of rows sharing a clock, so a
-        policy always sees the ``(q_c,)`` query times of the rows it updates.
+        policy always sees one first query index for the rows it updates.
         """
-        if qt.shape[0] == 1 or bool((qt[:, 0] == qt[0, 0]).all()):
-            self.policy.observe(self.state, probs, visible, qt[0])
+        starts = first_query.tolist()
+        if len(set(starts)) == 1:
+            self.policy.observe(self.state, probs, visible, starts[0])
             return
-        starts = qt[:, 0]
-        for t in torch.unique(starts).tolist():
-            rows = (starts == t).nonzero().squeeze(1)                                   # (n_rows,)
-            sub = self.state[rows]                                                      # (n_rows, hkv, S, w) copy
-            self.policy.observe(sub, probs[rows], visible[rows], qt[rows[0]])
-            self.state[rows] = sub
+        state = self.state
+        for t in sorted(set(starts)):
+            rows = torch.tensor([i for i, x in enumerate(starts) if x == t], device=self.device)   # (n_rows,)
+            sub = state[rows]                                                           # (n_rows, hkv, S, w) copy
+            self.policy.observe(sub, probs[rows], None if visible is None else visible[rows], t)
+            state[rows] = sub
 
     # ------------------------------------------------------------------ eviction
+    def token_index(self) -> torch.Tensor:
+        """``(batch_size, num_kv_heads, num_slots)`` int64: each slot's index in its own sequence
+        (slot time minus the sequence's padding, which is left padding in a batch)."""
+        return self.slot_time.to(torch.int64) - self.pad_tokens[:, None, None]
+
     def evict(self, n_drop: torch.Tensor) -> None:
         """Drop ``n_drop[i]`` tokens of sequence ``i`` in every KV head (Algorithm 2).
 
@@ -246,8 +333,10 @@ class BudgetedLayer(CacheLayerMixin):
         """
         if not bool((n_drop > 0).any()):
             return
-        valid = self.slot_time >= 0                                                     # (b, h, S)
-        score = self.policy.keep_score(self.state, self.slot_time).masked_fill(~valid, float("inf"))
+        st = self.slot_time
+        valid = st >= 0                                                                 # (b, h, S)
+        score = self.policy.keep_score(self.state, self.token_index(), layer_idx=self.layer_idx,
+                                       budget_tokens=self.budget.tokens).masked_fill(~valid, float("inf"))
         r = self.budget.recent_window
         if r:
             newer = valid.flip(-1).cumsum(-1).flip(-1)                                  # tokens at or after the slot
@@ -255,7 +344,7 @@ class BudgetedLayer(CacheLayerMixin):
         order = torch.sort(score, dim=-1, stable=True).indices                          # lowest keep score first
         positions = torch.arange(order.shape[-1], device=self.device).expand_as(order)
         rank = torch.empty_like(order).scatter_(-1, order, positions)                   # rank of each slot
-        self.slot_time = self.slot_time.masked_fill(rank < n_drop[:, None, None], EVICTED)
+        st.masked_fill_(rank < n_drop[:, None, None], EVICTED)
         self.held -= n_drop
         self.evicted_tokens += int(n_drop.sum())
         if not self.simulate:
@@ -269,32 +358,46 @@ class BudgetedLayer(CacheLayerMixin):
         if n_keep == n:
             return
         key = valid.to(torch.int64) * n + torch.arange(n, device=self.device)          # tokens first, then filler
-        self._gather(key.topk(n_keep, dim=-1).indices.sort(dim=-1).values)
-
-    def _gather(self, idx: torch.Tensor) -> None:
-        """Keep slots ``idx`` ``(batch_size, num_kv_heads, n_keep)`` of every per-slot tensor."""
-        d_idx = idx[..., None]
-        self.keys = self.keys.gather(2, d_idx.expand(-1, -1, -1, self.keys.shape[-1]))
-        self.values = self.values.gather(2, d_idx.expand(-1, -1, -1, self.values.shape[-1]))
-        self.slot_time = self.slot_time.gather(2, idx)
-        if self.state is not None:
-            self.state = self.state.gather(2, d_idx.expand(-1, -1, -1, self.state.shape[-1]))
+        idx = key.topk(n_keep, dim=-1).indices.sort(dim=-1).values                      # (b, h, n_keep) time order
+        # keep the budget allocated when evicting (the next tokens refill it in place); else what is kept
+        self.store.gather(idx, self.budget.tokens if self._compacts else n_keep)
 
     # ------------------------------------------------------------------ transformers API
-    def _per_slot(self):
-        return [t for t in (self.keys, self.values, self.slot_time, self.state) if t is not None]
-
     def _map_batch(self, fn) -> None:
         if self.is_initialized:
-            self.keys, self.values = fn(self.keys), fn(self.values)
-            self.slot_time, self.held = fn(self.slot_time), fn(self.held)
-            if self.state is not None:
-                self.state = fn(self.state)
+            self.store.map_batch(fn)
+            self.held, self.pad_tokens = fn(self.held), fn(self.pad_tokens)
             if self.row_time is not None:
                 self.row_time = fn(self.row_time)
 
+    # ------------------------------------------------------------------ rows (continuous batching)
+    @property
+    def batch_size(self) -> int:
+        return self.held.shape[0] if self.is_initialized else 0
+
+    def prepend_filler_slots(self, n: int) -> None:
+        """Prepend ``n`` filler slots (slot time -1: masked, no token; zero keys, values, statistics)."""
+        if n <= 0:
+            return
+        self.store.prepend(n, fill={"slot_time": PAD})
+
+    def append_rows(self, other: "BudgetedLayer") -> None:
+        """Append the rows of ``other`` (same policy, codec and model) after this layer's rows.
+
+        Both must run per-row clocks (``row_time``); the side with fewer slots gets filler slots first.
+        """
+        n = max(self.num_slots, other.num_slots)
+        self.prepend_filler_slots(n - self.num_slots)
+        other.prepend_filler_slots(n - other.num_slots)
+        self.store.concat_rows(other.store)
+        self.held = torch.cat([self.held, other.held])                                  # (b_a + b_b,)
+        self.pad_tokens = torch.cat([self.pad_tokens, other.pad_tokens])
+        self.row_time = torch.cat([self.row_time, other.row_time])
+        self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
+        self.evicted_tokens += other.evicted_tokens
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: reorder keys, values, slot times and every per-slot statistic."""
+        """Beam search: reorder keys, values, slot times, every per-slot statistic and the counters."""
         self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -308,7 +411,7 @@ class BudgetedLayer(CacheLayerMixin):
         return self.tokens_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.keys.shape[-2] if self.is_initialized else 0) + query_length, 0
+        return self.num_slots + query_length, 0
 
     def get_max_length(self) -> int:
         return -1
@@ -316,21 +419,49 @@ class BudgetedLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a budgeted cache cannot be cropped (evicted tokens cannot be restored)")
 
+    def offload(self):
+        raise NotImplementedError("a budgeted cache does not support offloading")
+
     def reset(self) -> None:
-        self.keys = self.values = self.slot_time = self.state = None
+        self.store = SlotStore()
         self.is_initialized = False
-        self.held = self.row_time = None
+        self.held = self.pad_tokens = self.row_time = None
         self.tokens_seen = self.evicted_tokens = 0
         self._pending_q = None
+        self._kv = None
 
     @property
     def num_slots(self) -> int:
         """Slots physically held per row and head."""
-        return self.keys.shape[-2] if self.is_initialized else 0
+        return self.store.num_slots if self.is_initialized else 0
 
     def nbytes(self) -> int:
-        """Bytes of every tensor this layer owns (keys, values, slot times, policy statistics)."""
-        return sum(t.numel() * t.element_size() for t in self._per_slot()) if self.is_initialized else 0
+        """Bytes of every per-slot tensor this layer owns: key/value buffers (their whole capacity, in
+        stored form), slot times and policy statistics. The per-row counters (``held``, ``pad_tokens``,
+        ``row_time``: 8 bytes each per row) are not per slot and not counted."""
+        return self.store.nbytes() if self.is_initialized else 0
+
+    def slot_nbytes(self) -> int:
+        """Bytes one slot of one row costs in this layer (every buffer, all KV heads), measured from the
+        allocated buffers."""
+        if not self.is_initialized:
+            return 0
+        return sum(buf[0, :, :1].numel() * buf.element_size() for buf in self.store.buffers.values())
+
+    def bookkeeping_nbytes(self) -> int:
+        """The part of :meth:`nbytes` that is not keys/values: slot times and policy statistics."""
+        if not self.is_initialized:
+            return 0
+        kv = sum(buf.numel() * buf.element_size() for name, buf in self.store.buffers.items()
+                 if name not in ("slot_time", "state"))
+        return self.nbytes() - kv
+
+    def uncompressed_nbytes(self, bytes_per_value: int) -> int:
+        """Bytes an uncompressed cache would hold for every token seen, at ``bytes_per_value`` per value."""
+        if not self.is_initialized:
+            return 0
+        b, h = self.held.shape[0], self.store.buffers["slot_time"].shape[1]
+        return b * h * self.tokens_seen * sum(self.kv_dims) * bytes_per_value
 
 
 class BudgetedCache(Cache):
@@ -340,11 +471,14 @@ class BudgetedCache(Cache):
     get their true absolute positions after evictions.
     """
 
-    def __init__(self, policy: Policy, num_layers: int, budget: Budget, simulate: bool = False):
-        super().__init__(layers=[BudgetedLayer(i, policy, budget, simulate) for i in range(num_layers)])
+    def __init__(self, policy: Policy, num_layers: int, budget: Budget, simulate: bool = False,
+                 codec_factory=DenseKV):
+        super().__init__(layers=[BudgetedLayer(i, policy, budget, simulate, codec_factory())
+                                 for i in range(num_layers)])
         self.policy = policy
         self.budget = budget
         self.simulate = simulate
+        self.kv_bits = self.layers[0].codec.bits          # None (stored as computed) or 4
         self._peak_bytes = 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -363,6 +497,34 @@ class BudgetedCache(Cache):
     def kv_cache_bytes(self) -> int:
         """Bytes of every tensor the cache holds now, bookkeeping included."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def bookkeeping_bytes(self) -> int:
+        """The part of ``kv_cache_bytes()`` that is not keys/values (slot times and policy statistics)."""
+        return sum(layer.bookkeeping_nbytes() for layer in self.layers)
+
+    def compression_report(self) -> dict:
+        """Measured bytes now against an uncompressed cache of every token seen.
+
+        Returns a dict: ``kv_cache_bytes`` (measured, bookkeeping included), ``bookkeeping_bytes``,
+        ``dtype`` (of the model's keys), ``uncompressed_16bit_bytes`` and ``uncompressed_dtype_bytes``
+        (every token seen, keys and values in 16 bits / in the dtype actually run),
+        ``ratio_vs_16bit`` and ``ratio_vs_dtype`` (uncompressed / measured; the paper reports the first).
+        """
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        dtype = layers[0].dtype if layers else None
+        size = torch.finfo(dtype).bits // 8 if dtype is not None and dtype.is_floating_point else 2
+        measured = self.kv_cache_bytes()
+        full16 = sum(layer.uncompressed_nbytes(2) for layer in layers)
+        full_dtype = sum(layer.uncompressed_nbytes(size) for layer in layers)
+        return {
+            "kv_cache_bytes": measured,
+            "bookkeeping_bytes": self.bookkeeping_bytes(),
+            "dtype": str(dtype).replace("torch.", "") if dtype is not None else None,
+            "uncompressed_16bit_bytes": full16,
+            "uncompressed_dtype_bytes": full_dtype,
+            "ratio_vs_16bit": full16 / measured if measured else float("nan"),
+            "ratio_vs_dtype": full_dtype / measured if measured else float("nan"),
+        }
 
     @property
     def peak_kv_cache_bytes(self) -> int:

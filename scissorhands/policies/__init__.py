@@ -6,11 +6,19 @@ from __future__ import annotations
 
 from .base import Policy
 from .full import Full
+from .h2o import H2O
+from .random import Random
 from .scissorhands import Scissorhands
+from .streaming_llm import StreamingLLM
+from .tova import TOVA
 
 POLICIES: dict[str, type[Policy]] = {
     "full": Full,
     "scissorhands": Scissorhands,
+    "streaming_llm": StreamingLLM,
+    "h2o": H2O,
+    "tova": TOVA,
+    "random": Random,
 }
 
 __all__ = ["POLICIES", "Policy", "get_policy"]

@@ -6,11 +6,10 @@ A policy only
 
 * declares the per-slot statistics it needs (``state_width`` columns of ``state_dtype``),
 * updates them from the attention probabilities of each forward call (``observe``), and
-* turns them into a keep score per slot (``keep_score``; higher = keep).
+* turns them into a keep score per slot (``keep_score``; higher = keep, ``+inf`` = protected).
 
 Ties are broken by the layer: among slots with equal keep score the *older* slot is dropped
-first. Slots in the recent window (and a policy's own protected slots, via ``+inf`` keep score)
-are never dropped.
+first. Slots in the recent window (and a policy's sinks, via ``+inf`` keep score) are never dropped.
 """
 from __future__ import annotations
 
@@ -21,15 +20,21 @@ from typing import ClassVar
 import torch
 
 
+def _check_int(name: str, value, lo: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
+        raise ValueError(f"{name} must be an integer >= {lo} or None, got {value!r}")
+
+
 @dataclass
 class Policy:
     """Parameters shared by every budgeted policy.
 
     Attributes:
         recent_window: ``r``, the newest tokens of each sequence that are never evicted. ``None``
-            means ``min(10, budget_tokens // 2)`` (the paper's 10, kept below the budget).
-        drop_tokens: ``m``, slots evicted in one compression during decoding. ``None`` means
-            ``max(1, budget_tokens // 2)`` (capped at ``budget_tokens - recent_window``).
+            means the policy's default (``min(10, budget_tokens // 2)`` unless the policy says otherwise).
+        drop_tokens: ``m``, slots evicted in one compression during decoding. ``None`` means the
+            policy's default (``budget_tokens // 2`` unless the policy says otherwise), capped at
+            ``budget_tokens - recent_window - sinks``.
     """
 
     name: ClassVar[str] = "base"
@@ -45,37 +50,44 @@ class Policy:
     drop_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for f in ("recent_window", "drop_tokens"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < (0 if f == "recent_window" else 1)):
-                lo = 0 if f == "recent_window" else 1
-                raise ValueError(f"{f} must be an integer >= {lo} or None, got {v!r}")
+        _check_int("recent_window", self.recent_window, 0)
+        _check_int("drop_tokens", self.drop_tokens, 1)
 
     # ----------------------------------------------------------------- parameters
+    def sink_tokens(self, budget_tokens: int) -> int:
+        """Oldest tokens of each sequence the policy protects (``streaming_llm``'s sinks); 0 here."""
+        return 0
+
+    def default_recent_window(self, budget_tokens: int) -> int:
+        return min(10, (budget_tokens - self.sink_tokens(budget_tokens)) // 2)
+
+    def default_drop_tokens(self, budget_tokens: int) -> int:
+        return budget_tokens // 2
+
     def resolve(self, budget_tokens: int) -> tuple[int, int]:
         """Return the effective ``(recent_window, drop_tokens)`` for a budget of ``budget_tokens``.
 
         Raises:
-            ValueError: an explicit ``recent_window >= budget_tokens`` or an explicit
-                ``drop_tokens`` outside ``[1, budget_tokens - recent_window]``.
+            ValueError: ``budget_tokens < recent_window + sinks + 1`` for an explicit recent_window,
+                or an explicit ``drop_tokens`` outside ``[1, budget_tokens - recent_window - sinks]``.
         """
+        s = self.sink_tokens(budget_tokens)
         if self.recent_window is None:
-            r = min(10, budget_tokens // 2)
+            r = max(0, min(self.default_recent_window(budget_tokens), budget_tokens - s - 1))
         else:
             r = self.recent_window
-            if r >= budget_tokens:
+            if r + s >= budget_tokens:
                 raise ValueError(
-                    f"budget_tokens ({budget_tokens}) must be at least recent_window + 1 ({r + 1}); "
+                    f"budget_tokens ({budget_tokens}) must be at least recent_window + sinks + 1 ({r + s + 1}); "
                     f"pass a larger budget_tokens or a smaller recent_window"
                 )
+        room = budget_tokens - r - s
         if self.drop_tokens is None:
-            m = max(1, min(budget_tokens // 2, budget_tokens - r))
+            m = max(1, min(self.default_drop_tokens(budget_tokens), room))
         else:
             m = self.drop_tokens
-            if m > budget_tokens - r:
-                raise ValueError(
-                    f"drop_tokens ({m}) must be at most budget_tokens - recent_window ({budget_tokens - r})"
-                )
+            if m > room:
+                raise ValueError(f"drop_tokens ({m}) must be at most budget_tokens - recent_window - sinks ({room})")
         return r, m
 
     def params(self) -> dict:
@@ -83,22 +95,31 @@ class Policy:
         return dataclasses.asdict(self)
 
     # ----------------------------------------------------------------- scoring
-    def observe(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor,
-                query_times: torch.Tensor) -> None:
-        """Update ``state`` in place from one forward call's attention.
+    def observe(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None,
+                first_query: int) -> None:
+        """Update ``state`` in place from one forward call's attention (only when ``needs_attention``).
 
         Args:
             state: ``(batch_size, num_kv_heads, num_slots, state_width)`` per-slot statistics.
             probs: ``(batch_size, num_kv_heads, q_len, num_slots)`` float32 attention probabilities,
-                averaged over the query heads of each KV head (grouped-query attention).
-            visible: ``(batch_size, num_kv_heads, q_len, num_slots)`` bool, slot visible to query.
-            query_times: ``(q_len,)`` int64 token index of each query (tokens seen before it).
+                averaged over the query heads of each KV head (grouped-query attention); zero for
+                slots a query cannot see.
+            visible: ``(batch_size, num_kv_heads, q_len, num_slots)`` bool, slot visible to the query;
+                ``None`` when every slot is visible to every query (decoding without masked slots).
+            first_query: token index (tokens seen before it, padding included) of the first query;
+                the queries are consecutive.
         """
 
-    def keep_score(self, state: torch.Tensor | None, slot_time: torch.Tensor) -> torch.Tensor:
+    def keep_score(self, state: torch.Tensor | None, token_index: torch.Tensor, *, layer_idx: int,
+                   budget_tokens: int) -> torch.Tensor:
         """Keep score per slot, ``(batch_size, num_kv_heads, num_slots)`` float64; higher is kept.
 
-        ``slot_time`` is ``(batch_size, num_kv_heads, num_slots)`` int32, the token index of each
-        slot (``-1`` for padding). Return ``+inf`` for slots the policy protects.
+        Args:
+            state: the per-slot statistics (None when ``state_width == 0``).
+            token_index: ``(batch_size, num_kv_heads, num_slots)`` int64, the slot's token index within
+                its own sequence (0 = first non-padding token); padding and evicted slots hold
+                arbitrary values and are masked by the layer.
+            layer_idx: the layer asking; budget_tokens: the resolved budget.
+        Returns ``+inf`` for slots the policy protects.
         """
         raise NotImplementedError

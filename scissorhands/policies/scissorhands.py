@@ -66,27 +66,33 @@ class Scissorhands(Policy):
     def state_width(self) -> int:  # type: ignore[override]
         return self.num_buckets
 
-    def observe(self, state, probs, visible, query_times) -> None:
+    def observe(self, state, probs, visible, first_query) -> None:
         """Add this call's below-threshold indicators to the windowed counts (in place).
 
-        ``state``: ``(batch_size, num_kv_heads, num_slots, num_buckets)`` uint8. Calls observe
-        consecutive tokens, so a chunk that starts inside this call is zeroed before it is filled:
-        a bucket never mixes steps of two windows.
+        ``state``: ``(batch_size, num_kv_heads, num_slots, num_buckets)`` uint8; bucket ``g % num_buckets``
+        holds chunk ``g`` (queries ``g * c .. g * c + c - 1``). Calls observe consecutive tokens, so a
+        chunk that starts inside this call is zeroed before it is filled: a bucket never mixes steps of
+        two windows.
         """
-        n_t = visible.sum(-1, keepdim=True)                               # (b, h, q, 1) keys attended
-        below = visible & (probs * n_t < self.threshold)                  # p < threshold / n_t
+        if visible is None:                                               # every slot visible: n_t = num_slots
+            below = probs * probs.shape[-1] < self.threshold              # (b, h, q, S)
+        else:
+            n_t = visible.sum(-1, keepdim=True)                           # (b, h, q, 1) keys attended
+            below = visible & (probs * n_t < self.threshold)              # p < threshold / n_t
         c, k = self.count_chunk_steps, self.num_buckets
-        t0 = int(query_times[0])
-        chunk = torch.div(query_times, c, rounding_mode="floor")          # (q,) chunk id of each query
-        first, last = int(chunk[0]), int(chunk[-1])
+        t0, t1 = first_query, first_query + probs.shape[2] - 1            # query token indices
+        first, last = t0 // c, t1 // c
         continued = (t0 - 1) // c if t0 > 0 else -1                       # chunk the previous call was filling
         for g in range(max(first, last - k + 1), last + 1):
-            sel = chunk == g
+            col = state[..., g % k]                                       # (b, h, S) view
             if g != continued:
-                state[..., g % k] = 0
-            # (b, h, q_g, S) -> (b, h, S): how many of this chunk's queries found the slot unimportant
-            state[..., g % k] += below[:, :, sel].sum(2, dtype=torch.int32).to(torch.uint8)
+                col.zero_()
+            s, e = max(t0, g * c) - t0, min(t1 + 1, (g + 1) * c) - t0     # this chunk's queries in the call
+            if e - s == 1:
+                col.add_(below[:, :, s])
+            else:                                                         # (b, h, q_g, S) -> (b, h, S)
+                col.add_(below[:, :, s:e].sum(2, dtype=torch.int32).to(torch.uint8))
 
-    def keep_score(self, state, slot_time):
+    def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         """``-count``: the most often unimportant slots go first."""
         return -state.sum(-1, dtype=torch.int32).to(torch.float64)
