@@ -10,8 +10,9 @@
    (`/results/`, `/.cache/`, `/dashboards/data/`, virtual environments, caches; see
    `DEFAULT_EXCLUDES`), plus `--exclude`. When what is left is larger than the job server
    accepts (`--max-package-mib`, default 100 MiB: Ray's dashboard takes at most that much in
-   one upload), the command stops with exit status 2 and a message that gives the size, the
-   limit and the largest entries, before `ray job submit` runs.
+   one upload; Ray zips without compression, so the size is the files' bytes plus headers), the
+   command stops with exit status 2 and a message that gives the size, the limit and the largest
+   entries, before `ray job submit` runs.
 2. **Submit.** Runs `ray job submit --address ... --submission-id sweep-<run_id>
    --runtime-env-json {working_dir, excludes, env_vars} -- <python> -m workloads.sweep SUITE
    --results-dir DIR --run-id RUN_ID [SWEEP ARGS]`, streaming the job's output.
@@ -40,7 +41,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -106,56 +106,45 @@ def package_files(working_dir: str | Path, excludes: list[str]) -> list[tuple[st
     return out
 
 
-def zip_size_bytes(working_dir: str | Path, excludes: list[str]) -> int:
-    """Bytes of the zip Ray would build (Ray's `create_package`, into a temporary folder)."""
-    from ray._private.runtime_env import packaging
-
-    include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
-    with tempfile.TemporaryDirectory(prefix="submit-pkg-") as tmp:
-        out = Path(tmp) / "package.zip"
-        packaging.create_package(
-            str(Path(working_dir).absolute()), out, include_gitignore=include_gitignore,
-            excludes=ray_default_excludes() + list(excludes), logger=_QUIET,
-        )
-        return out.stat().st_size
+def zip_bytes(files: list[tuple[str, int]]) -> int:
+    """Size of the zip Ray builds from `files`: Ray stores files uncompressed (ZIP_STORED), so
+    it is their bytes plus the per-file headers (local 30 + central 46 bytes + the name twice)
+    and the 22-byte end record."""
+    return sum(size + 76 + 2 * len(path.encode()) for path, size in files) + 22
 
 
-def _largest_entries(files: list[tuple[str, int]], n: int = 5) -> list[tuple[str, int]]:
-    """The n largest top-level entries (folders summed) and the n largest files, merged."""
-    tops: dict[str, int] = {}
+def _largest_entries(files: list[tuple[str, int]], n: int = 5) -> str:
+    """The n largest top-level entries (folders summed, with their largest file)."""
+    tops: dict[str, list] = {}
     for rel, size in files:
         top = rel.split(os.sep, 1)[0] + ("/" if os.sep in rel else "")
-        tops[top] = tops.get(top, 0) + size
-    biggest_files = sorted(files, key=lambda f: -f[1])[:n]
-    merged = sorted(tops.items(), key=lambda t: -t[1])[:n] + [(p, s) for p, s in biggest_files if p not in tops]
-    return merged[: 2 * n]
+        entry = tops.setdefault(top, [0, rel, -1])
+        entry[0] += size
+        if size > entry[2]:
+            entry[1], entry[2] = rel, size
+    parts = []
+    for top, (size, big, big_size) in sorted(tops.items(), key=lambda t: -t[1][0])[:n]:
+        inner = f", largest file {big} {big_size / MIB:.1f} MiB" if top.endswith("/") else ""
+        parts.append(f"{top} ({size / MIB:.1f} MiB{inner})")
+    return "; ".join(parts)
 
 
 def check_package(working_dir: str | Path, excludes: list[str], max_bytes: int) -> dict:
     """Measure the package and raise SubmitError (before any upload) when it is too large.
 
-    Returns {"files": n, "bytes": uncompressed, "zip_bytes": int or None, "max_bytes": ...}.
-    The zip is built (locally) only when the uncompressed size is over the limit but not more
-    than 4x over; what is further over fails without zipping.
+    Returns {"files": n, "bytes": the zip's size, "max_bytes": ...}.
     """
     files = package_files(working_dir, excludes)
-    total = sum(s for _, s in files)
-    report = {"files": len(files), "bytes": total, "zip_bytes": None, "max_bytes": int(max_bytes)}
+    total = zip_bytes(files)
+    report = {"files": len(files), "bytes": total, "max_bytes": int(max_bytes)}
     if total <= max_bytes:
         return report
-    if total <= 4 * max_bytes:
-        report["zip_bytes"] = zip_size_bytes(working_dir, excludes)
-        if report["zip_bytes"] <= max_bytes:
-            return report
-    size = report["zip_bytes"] or total
-    kind = "zipped" if report["zip_bytes"] else "before compression"
-    largest = ", ".join(f"{p} ({s / MIB:.1f} MiB)" for p, s in _largest_entries(files))
     raise SubmitError(
-        f"package too large: the working dir {Path(working_dir).absolute()} is {size / MIB:.1f} MiB {kind} "
+        f"package too large: the working dir {Path(working_dir).absolute()} packs to {total / MIB:.1f} MiB "
         f"({len(files)} files after excludes) and the Ray job server accepts at most {max_bytes / MIB:.1f} MiB "
-        f"per upload, so `ray job submit` would fail; nothing was uploaded. Largest entries: {largest}. "
-        "Exclude them (--exclude PATTERN, .rayignore or .gitignore), or put models and data on shared "
-        "storage or in the cluster's image."
+        f"per upload, so `ray job submit` would fail; nothing was uploaded. Largest entries: "
+        f"{_largest_entries(files)}. Exclude them (--exclude PATTERN, .rayignore or .gitignore), or put "
+        "models and data on shared storage or in the cluster's image."
     )
 
 
@@ -195,6 +184,11 @@ def ray_cli() -> str:
     """The `ray` executable next to this interpreter, else the one on PATH."""
     here = Path(sys.executable).parent / "ray"
     return str(here) if here.exists() else "ray"
+
+
+def run_ray_cli(cmd: list[str]) -> int:
+    """Run `ray job submit ...` (output streams through); return its exit status."""
+    return subprocess.run(cmd, env=dict(os.environ)).returncode
 
 
 def build(args: argparse.Namespace) -> dict:
@@ -346,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     print("submit: " + shlex.join(plan["cmd"]), file=sys.stderr)
     if args.dry_run:
         return 0
-    rc = subprocess.run(plan["cmd"], env=dict(os.environ)).returncode
+    rc = run_ray_cli(plan["cmd"])
     if args.no_wait:
         if rc == 0:
             print(f"submit: follow with: ray job logs -f --address {plan['address']} {plan['submission_id']}", file=sys.stderr)
