@@ -84,3 +84,12 @@ def test_accuracy_over_documents_actually_scored(model, docs):
     expected = sum(int(max(range(2), key=lambda i: _plain_sums(model, d)[i]) == d.gold) for d in docs)
     assert out["correct_raw"] == expected
     assert out["accuracy"] == out["acc_raw"]                                    # copa's primary metric
+
+
+def test_a_cache_error_fails_the_point_instead_of_skipping_documents(model, docs):
+    with pytest.raises(ValueError, match="recent_window"):
+        evaluate_task(model, None, "copa", "scissorhands", compression_ratio=5, doc_list=list(docs),
+                      policy_params={"recent_window": 500})
+    unscorable = Doc(doc_id=1, requests=(("", " a"), ("", " b")), gold=0)
+    with pytest.raises(ValueError, match="none of the 1 documents"):
+        evaluate_task(model, None, "copa", "full", doc_list=[unscorable])
