@@ -19,7 +19,7 @@ from .base import Policy
 
 @dataclass
 class H2O(Policy):
-    """Heavy hitters (accumulated attention, float32 per slot and KV head) + recent window (half of B each)."""
+    """Keeps the heavy hitters (accumulated attention, float32 per slot and KV head) + the recent window (half of B each)."""
 
     name: ClassVar[str] = "h2o"
     needs_attention: ClassVar[bool] = True

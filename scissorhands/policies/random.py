@@ -29,7 +29,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Random(Policy):
-    """Uniformly random eviction, seeded.
+    """Keeps a uniformly random subset of the older tokens (plus the recent window); seeded.
 
     Attributes:
         seed: the integer seed; the same seed gives the same selections.

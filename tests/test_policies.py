@@ -1,0 +1,286 @@
+"""Every registered policy: validated parameters, documented sources, and selections equal to a slow
+pure-python reference of its rule.
+
+The reference replays the same forward calls: it takes the attention probabilities the layer handed
+to the policy (recorded on layer 0) and decides, with plain lists and dicts, which tokens each row
+and KV head keeps (Algorithm 1's schedule, Algorithm 2's protections and ties, each policy's score).
+After every call the layer's kept tokens must be exactly the reference's.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import pytest
+import torch
+
+from scissorhands import POLICIES, make_cache
+from scissorhands.policies.random import _MASK62
+from scissorhands.testing import tiny_llama
+
+EVICTING = [name for name, cls in POLICIES.items() if cls.evicts]
+SOURCES = {"scissorhands": "2305.17118", "streaming_llm": "2309.17453", "h2o": "2306.14048", "tova": "2401.06104"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return tiny_llama(0)
+
+
+# ----------------------------------------------------------------------------- parameters and docs
+def test_registry_holds_every_policy_of_the_issue():
+    assert set(POLICIES) == {"full", "scissorhands", "streaming_llm", "h2o", "tova", "random"}
+    for name, cls in POLICIES.items():
+        assert cls.name == name
+        assert dataclasses.is_dataclass(cls)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_docstring_says_what_it_keeps_and_cites_the_paper(name):
+    import importlib
+
+    module = importlib.import_module(POLICIES[name].__module__)
+    doc = (module.__doc__ or "") + (POLICIES[name].__doc__ or "")
+    assert "keep" in doc.lower()
+    if name in SOURCES:
+        assert f"arXiv {SOURCES[name]}" in doc
+
+
+@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("field,bad", [("recent_window", -1), ("recent_window", 1.5), ("drop_tokens", 0),
+                                       ("drop_tokens", True)])
+def test_shared_fields_are_validated_and_named(name, field, bad):
+    with pytest.raises(ValueError, match=field):
+        POLICIES[name](**{field: bad})
+
+
+@pytest.mark.parametrize("name,field,bad", [
+    ("scissorhands", "history_window", 0), ("scissorhands", "threshold", 0.0),
+    ("scissorhands", "count_chunk_steps", 7), ("scissorhands", "count_chunk_steps", 400),
+    ("streaming_llm", "n_sink", -1), ("random", "seed", -3), ("random", "seed", "a"),
+])
+def test_policy_fields_are_validated_and_named(name, field, bad):
+    with pytest.raises(ValueError, match=field):
+        POLICIES[name](**{field: bad})
+
+
+def test_unknown_policy_and_parameter_name_the_valid_ones(model):
+    with pytest.raises(ValueError, match="valid policies: full, scissorhands"):
+        make_cache("nope", model, budget_tokens=8)
+    with pytest.raises(ValueError, match="n_sink"):
+        make_cache("h2o", model, budget_tokens=8, n_sink=2)
+
+
+@pytest.mark.parametrize("name,budget,expect", [
+    ("scissorhands", 64, (10, 32)), ("scissorhands", 8, (4, 4)), ("random", 64, (10, 32)),
+    ("h2o", 64, (32, 1)), ("tova", 64, (0, 1)), ("streaming_llm", 64, (10, 1)), ("streaming_llm", 8, (2, 1)),
+])
+def test_default_recent_window_and_drop_tokens(name, budget, expect):
+    assert POLICIES[name]().resolve(budget) == expect
+
+
+def test_streaming_sinks_shrink_to_fit_a_tiny_budget_and_explicit_windows_are_checked():
+    p = POLICIES["streaming_llm"]()
+    assert p.sink_tokens(64) == 4 and p.sink_tokens(3) == 2 and p.resolve(1) == (0, 1)
+    with pytest.raises(ValueError, match="budget_tokens"):
+        POLICIES["streaming_llm"](recent_window=5).resolve(9)       # 5 + 4 sinks + 1 > 9
+    with pytest.raises(ValueError, match="drop_tokens"):
+        POLICIES["scissorhands"](recent_window=4, drop_tokens=5).resolve(8)
+
+
+def test_state_dtypes_counts_are_integers_and_attention_sums_float32():
+    assert POLICIES["scissorhands"].state_dtype == torch.uint8
+    assert POLICIES["h2o"].state_dtype == torch.float32 and POLICIES["tova"].state_dtype == torch.float32
+
+
+def test_random_scores_are_seeded_uniform_and_fresh_per_eviction():
+    p = POLICIES["random"](seed=1)
+    idx = torch.arange(4000).view(1, 1, -1).expand(2, 2, -1)                 # (b, h, S) token indices
+    a = p.keep_score(None, idx, layer_idx=0, budget_tokens=8)
+    assert torch.equal(a, p.keep_score(None, idx, layer_idx=0, budget_tokens=8))        # deterministic
+    assert torch.equal(a[0], a[1])                                           # a row's draw depends on its tokens only
+    assert not torch.equal(a[:, 0], a[:, 1])                                 # heads differ
+    assert not torch.equal(a, POLICIES["random"](seed=2).keep_score(None, idx, layer_idx=0, budget_tokens=8))
+    assert not torch.equal(a, p.keep_score(None, idx, layer_idx=1, budget_tokens=8))
+    later = p.keep_score(None, torch.cat([idx, idx[..., :1] + 4000], -1), layer_idx=0, budget_tokens=8)
+    assert not torch.equal(a, later[..., :-1])                               # a new eviction draws anew
+    assert 0 <= float(a.min()) and float(a.max()) < 1
+    hist = torch.histc(a[0, 0].float(), bins=10, min=0, max=1)               # 4000 draws, 400 expected per bin
+    assert int(hist.min()) > 300 and int(hist.max()) < 500
+
+
+# ----------------------------------------------------------------------------- the pure-python reference
+def _py_mix(x: int) -> int:
+    for mul in (0x2545F4914F6CDD1D & _MASK62, 0x1B873593):
+        x = (x ^ (x >> 29)) & _MASK62
+        x = (x * mul) & _MASK62
+    return x ^ (x >> 31)
+
+
+def _py_random(seed: int, token: int, seen: int, head: int, layer: int) -> float:
+    x = token + (seen << 20) + (head << 44) + (layer << 50)
+    x = _py_mix(_py_mix(x ^ (seed & 0xFFFFFFFF)) + seed)
+    return (x & ((1 << 53) - 1)) / float(1 << 53)
+
+
+class Recorder:
+    """Stands in for layer 0's policy: records what ``observe`` gets, then delegates."""
+
+    def __init__(self, policy, layer):
+        self._policy, self._layer, self.log = policy, layer, []
+
+    def __getattr__(self, name):
+        return getattr(self._policy, name)
+
+    def observe(self, state, probs, visible, first_query):
+        self.log.append((probs.clone(), None if visible is None else visible.clone(), first_query,
+                         self._layer.slot_time.clone()))
+        self._policy.observe(state, probs, visible, first_query)
+
+
+class Reference:
+    """The policy's rule on plain lists: kept[row][head] = sorted token times (padding-inclusive clock)."""
+
+    def __init__(self, cache, batch: int, heads: int):
+        self.policy, self.budget = cache.policy, cache.budget
+        self.kept = [[[] for _ in range(heads)] for _ in range(batch)]
+        self.obs = [[defaultdict(dict) for _ in range(heads)] for _ in range(batch)]  # t -> {slot time: (p, n_t)}
+        self.pads = [0] * batch
+        self.heads = heads
+
+    def record(self, log):
+        for probs, visible, first, slot_time in log:
+            b, h, q, s = probs.shape
+            p, st = probs.tolist(), slot_time.tolist()
+            vis = visible.tolist() if visible is not None else None
+            for i in range(b):
+                for j in range(h):
+                    for k in range(q):
+                        seen = [x for x in range(s) if (vis[i][j][k][x] if vis is not None else True)]
+                        for x in seen:
+                            self.obs[i][j][first + k][st[i][j][x]] = (p[i][j][k][x], len(seen))
+
+    def append(self, times: list[int], valid: list[list[bool]]):
+        for i, row in enumerate(valid):
+            for t, ok in zip(times, row):
+                if ok:
+                    for j in range(self.heads):
+                        self.kept[i][j].append(t)
+                else:
+                    self.pads[i] += 1
+
+    def held(self, i: int) -> int:
+        return len(self.kept[i][0])
+
+    def score(self, i: int, j: int, t: int, t_last: int) -> float:
+        pol, name = self.policy, self.policy.name
+        if name == "scissorhands":
+            w, c = pol.history_window, pol.count_chunk_steps
+            in_window = (lambda q: q > t_last - w) if c == 1 else (lambda q: q // c > t_last // c - w // c)
+            count = sum(1 for q, row in self.obs[i][j].items() if in_window(q) and t in row
+                        and row[t][0] * row[t][1] < pol.threshold)
+            return -count
+        if name == "h2o":
+            return sum(row[t][0] for row in self.obs[i][j].values() if t in row)
+        if name == "tova":
+            return sum(self.obs[i][h][t_last].get(t, (0.0, 0))[0] for h in range(self.heads)) / self.heads
+        if name == "streaming_llm":
+            return t - self.pads[i]
+        if name == "random":
+            seen = max(self.kept[i][j]) - self.pads[i] + 1
+            return _py_random(pol.seed, t - self.pads[i], seen, j, 0)
+        raise AssertionError(name)
+
+    def drop(self, i: int, n: int, t_last: int):
+        r, b = self.budget.recent_window, self.budget.tokens
+        sinks = self.policy.sink_tokens(b)
+        for j in range(self.heads):
+            kept = self.kept[i][j]
+            protected = set(kept[len(kept) - r:]) if r else set()
+            protected |= {t for t in kept if t - self.pads[i] < sinks}
+            cands = [t for t in kept if t not in protected]
+            assert len(cands) >= n
+            order = sorted(cands, key=lambda t: (self.score(i, j, t, t_last), t))   # ties: the older first
+            gone = set(order[:n])
+            self.kept[i][j] = [t for t in kept if t not in gone]
+
+
+def _kept_by_layer(layer) -> list[list[list[int]]]:
+    st = layer.slot_time
+    return [[sorted(x for x in st[i, j].tolist() if x >= 0) for j in range(st.shape[1])] for i in range(st.shape[0])]
+
+
+def _run_against_reference(model, policy, budget, prompt_ids, prompt_mask, chunk, decode_steps, **params):
+    """Feed the prompt in calls of ``chunk`` tokens, then decode greedily; compare after every call."""
+    cache = make_cache(policy, model, budget_tokens=budget, **params)
+    batch = prompt_ids.shape[0]
+    layer = cache.layers[0]
+    rec = layer.policy = Recorder(layer.policy, layer)
+    ref = Reference(cache, batch, model.config.num_key_value_heads)
+    pieces = [(prompt_ids[:, s:s + chunk], prompt_mask[:, s:s + chunk]) for s in range(0, prompt_ids.shape[1], chunk)]
+    pieces += [None] * decode_steps
+    mask, seen = prompt_mask[:, :0], 0
+    with torch.inference_mode():
+        for call, piece in enumerate(pieces):
+            ids, piece_mask = piece if piece is not None else (nxt, torch.ones(batch, 1, dtype=torch.long))
+            q = ids.shape[1]
+            mask = torch.cat([mask, piece_mask], 1)                                  # (batch, tokens seen)
+            if q == 1:                                                               # Algorithm 1: drop, then append
+                for i in range(batch):
+                    if ref.held(i) >= budget:
+                        ref.drop(i, cache.budget.drop_tokens, seen - 1)
+            rec.log.clear()
+            out = model(ids, attention_mask=mask, cache=cache)
+            ref.append(list(range(seen, seen + q)), piece_mask.bool().tolist())
+            ref.record(rec.log)
+            if q > 1:                                                                # a multi-token call: compress
+                for i in range(batch):
+                    if ref.held(i) > budget:
+                        ref.drop(i, ref.held(i) - budget, seen + q - 1)
+            seen += q
+            assert _kept_by_layer(layer) == ref.kept, f"call {call}"
+            assert layer.held.tolist() == [ref.held(i) for i in range(batch)]
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return cache, len(pieces)
+
+
+CASES = [
+    ("scissorhands", {}),
+    ("scissorhands", dict(history_window=8, count_chunk_steps=1)),          # exact window, expires often
+    ("scissorhands", dict(history_window=12, count_chunk_steps=4)),         # chunked window, expires often
+    ("scissorhands", dict(recent_window=3, drop_tokens=2, threshold=0.5)),
+    ("scissorhands", dict(history_window=12, count_chunk_steps=4, drop_tokens=1)),   # long-lived slots
+    ("scissorhands", dict(history_window=6, count_chunk_steps=1, drop_tokens=2, recent_window=1)),
+    ("streaming_llm", {}),
+    ("streaming_llm", dict(n_sink=2, drop_tokens=3)),
+    ("h2o", {}),
+    ("h2o", dict(recent_window=2, drop_tokens=4)),
+    ("tova", {}),
+    ("random", {}),
+    ("random", dict(seed=7, drop_tokens=1)),
+]
+assert {c[0] for c in CASES} == set(EVICTING)
+
+
+def _ids(batch, n, seed):
+    return torch.randint(0, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("policy,params", CASES, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
+                                                      for p, kw in CASES])
+def test_left_padded_batch_matches_the_reference(model, policy, params):
+    ids = _ids(2, 24, 1)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0                                                          # row 0: 5 pads, 19 tokens
+    cache, calls = _run_against_reference(model, policy, 12, ids, mask, chunk=24, decode_steps=40, **params)
+    assert cache.evicted_tokens > 0 and calls == 41
+
+
+@pytest.mark.parametrize("policy,params", [c for c in CASES if not c[1] or c[1].get("count_chunk_steps")],
+                         ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
+def test_chunked_prefill_matches_the_reference(model, policy, params):
+    ids = _ids(1, 40, 2)
+    cache, calls = _run_against_reference(model, policy, 12, ids, torch.ones_like(ids), chunk=16, decode_steps=20,
+                                          **params)
+    assert calls == 3 + 20
