@@ -35,18 +35,23 @@ def _x(cfg: tuple[float, int | None]) -> float:
     return ratio * (16 / bits if bits else 1)
 
 
+def _label(r: dict) -> str | None:
+    """The row name: the policy with its explicit suite parameters (``policy_label``), else the policy."""
+    return r.get("policy_label") or r.get("policy")
+
+
 def _policies(records) -> list[str]:
     names = []
     for r in records:
-        if r.get("policy") and r["policy"] not in names:
-            names.append(r["policy"])
-    return sorted(names, key=lambda n: (n != "full", n != "scissorhands", n))
+        if _label(r) and _label(r) not in names:
+            names.append(_label(r))
+    return sorted(names, key=lambda n: (n != "full", not n.startswith("scissorhands"), n))
 
 
 def _grid(records, value_key: str, fmt: str) -> tuple[list[str], list[list[str]], list]:
     """Rows = policies, columns = configs present; cells = formatted ``value_key``."""
     configs = sorted({_config(r) for r in records}, key=lambda c: (c[1] is not None, _x(c), c[1] or 0))
-    cells = {(r["policy"], _config(r)): r.get(value_key) for r in records}
+    cells = {(_label(r), _config(r)): r.get(value_key) for r in records}
     header = ["policy"] + [_config_label(c) for c in configs]
     rows = []
     for p in _policies(records):
@@ -115,7 +120,7 @@ def _f(v) -> str:
 
 def _lines(ax, records, key: str) -> None:
     for p in _policies(records):
-        rs = sorted((r for r in records if r["policy"] == p and r.get(key) is not None), key=lambda r: _x(_config(r)))
+        rs = sorted((r for r in records if _label(r) == p and r.get(key) is not None), key=lambda r: _x(_config(r)))
         plain = [r for r in rs if r.get("kv_bits") is None]
         quant = [r for r in rs if r.get("kv_bits") is not None]
         if p == "full" and plain:

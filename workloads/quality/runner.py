@@ -45,6 +45,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def policy_label(policy: str | None, params: dict | None) -> str | None:
+    """``name`` or ``name (key=value, ...)`` with the suite's explicit parameters (tables and plots use it)."""
+    if policy is None or not params:
+        return policy
+    return f"{policy} (" + ", ".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
+
+
 def _resolved_params(point: QualityPoint, budget: int | None) -> dict | None:
     if point.policy is None:
         return None
@@ -79,6 +86,7 @@ def _record(run_id, commit, suite: QualitySuite, point: QualityPoint, inventory,
         "dtype": suite.dtype,
         "device": suite.device,
         "policy": point.policy,
+        "policy_label": policy_label(point.policy, point.policy_params),
         "policy_params": _resolved_params(point, metrics.get("budget_tokens")),
         "compression_ratio": ratio,
         "kv_bits": bits,
