@@ -66,6 +66,7 @@ class FakeReplica:
     script: Callable[[GenerationRequest], Script] = lambda r: Script()
     capacity: int | None = None
     replica_id: str = "fake-0"
+    clock: Callable[[], float] | None = None     # None: the event loop's (virtual) time
     received: list = field(default_factory=list)
     running: int = 0
     peak_running: int = 0
@@ -73,6 +74,7 @@ class FakeReplica:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         loop = asyncio.get_running_loop()
+        now_fn = self.clock or loop.time
         self.received.append(request.request_id)
         if self.capacity and self._sem is None:
             self._sem = asyncio.Semaphore(self.capacity)
@@ -82,7 +84,7 @@ class FakeReplica:
         self.peak_running = max(self.peak_running, self.running)
         try:
             s = self.script(request)
-            res = GenerationResult(request.request_id, len(request.prompt_ids), received_time_s=loop.time(),
+            res = GenerationResult(request.request_id, len(request.prompt_ids), received_time_s=now_fn(),
                                    replica_id=self.replica_id)
             if s.raises is not None:
                 await asyncio.sleep(s.ttft_s)
@@ -95,13 +97,13 @@ class FakeReplica:
             n = request.max_new_tokens
             while True:
                 take = min(s.chunk_tokens, n - len(res.output_ids))
-                now = loop.time()
+                now = now_fn()
                 res.output_ids.extend([7] * take)
                 res.token_times_s.extend([now] * take)
                 if len(res.output_ids) >= n:
                     break
                 await asyncio.sleep(s.gap_s)
-            res.finish_time_s, res.finish_reason = loop.time(), "length"
+            res.finish_time_s, res.finish_reason = now_fn(), "length"
             return res
         finally:
             self.running -= 1

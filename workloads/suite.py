@@ -216,6 +216,9 @@ def parse_suite(data: Any, source: str = "<suite>") -> Suite:
     """
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
+    if data.get("mode", "batch") != "batch":         # serving modes: workloads.serving_suite
+        raise SuiteError(f"mode: {data['mode']!r} is a serving mode; this loader reads mode 'batch' suites")
+    data = {k: v for k, v in data.items() if k != "mode"}
     unknown = sorted(set(data) - _FIELDS)
     if unknown:
         raise SuiteError(f"{source}: unknown key(s) {unknown} (accepted: {', '.join(sorted(_FIELDS))})")

@@ -1,0 +1,124 @@
+"""A replica that serves requests with continuous batching (plain class; Ray wrapper in `ray_serving`).
+
+`ServingReplica` owns a model and, once `configure`d, a `ContinuousBatchingEngine` stepping on its
+own thread (`EngineLoop`). `generate(request)` is a coroutine: it queues the request and resolves
+when the engine thread finishes it, so the caller's event loop never runs model code and health
+calls (`health`, `stats`) are answered while a batch is generating.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from cluster.engine import ContinuousBatchingEngine, EngineConfig, EngineLoop, GenerationRequest, GenerationResult
+
+
+class ServingReplica:
+    """One model replica serving requests.
+
+    Args:
+        model_spec: as `cluster.replica.load_replica_model` (`"embedded"`, an HF id, a folder,
+            `"tiny-llama"` for tests); ignored when `model` is given.
+        dtype, device: of the weights.
+        replica_id: recorded in every result.
+        num_threads: torch intra-op threads of this process (None keeps torch's).
+        engine_config: configure right away (a dict of `EngineConfig` fields or an `EngineConfig`).
+        model: an already loaded model (tests).
+
+    Raises:
+        FileNotFoundError: the model path does not exist (the message names it).
+    """
+
+    def __init__(self, model_spec: str = "embedded", dtype: str = "float32", device: str = "cpu",
+                 replica_id: str = "replica-0", num_threads: int | None = None,
+                 engine_config: dict | EngineConfig | None = None, model=None, node_id: str | None = None):
+        if num_threads is not None:
+            torch.set_num_threads(int(num_threads))
+        self.replica_id = replica_id
+        self.node_id = node_id
+        self.model_spec = model_spec
+        tokenizer = None
+        if model is None:
+            from cluster.replica import load_replica_model
+
+            model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
+        self.model = model
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.engine: ContinuousBatchingEngine | None = None
+        self.loop: EngineLoop | None = None
+        if engine_config is not None:
+            self.configure(engine_config)
+
+    def configure(self, engine_config: dict | EngineConfig) -> dict:
+        """Replace the engine (policy, budget, memory limit); waits for the old one to stop.
+
+        Raises:
+            ValueError: an invalid config (the message names the field).
+        """
+        cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
+        self.shutdown()
+        self.engine = ContinuousBatchingEngine(self.model, cfg, eos_token_id=self.eos_token_id,
+                                               replica_id=self.replica_id)
+        self.loop = EngineLoop(self.engine).start()
+        return self.info()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread (requests still queued are left unanswered)."""
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None
+
+    async def generate(self, request: dict | GenerationRequest) -> dict:
+        """Serve one request; returns `GenerationResult` fields as a dict (per-token wall-clock times)."""
+        req = request if isinstance(request, GenerationRequest) else GenerationRequest(**request)
+        if self.engine is None or self.loop is None or not self.loop.alive:
+            err = "replica not configured" if self.engine is None else f"engine stopped: {self.loop and self.loop.error}"
+            return asdict(GenerationResult(req.request_id, len(req.prompt_ids), error_kind="error", error=err,
+                                           finish_reason="error", replica_id=self.replica_id))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result: GenerationResult) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        self.engine.submit(req, done)
+        return asdict(await fut)
+
+    async def health(self) -> dict:
+        """Liveness: answered from another thread than the one generating, never queued behind it."""
+        return {"replica_id": self.replica_id, "configured": self.engine is not None,
+                "engine_alive": bool(self.loop and self.loop.alive),
+                "running_sequences": self.engine.running if self.engine else 0,
+                "queued_requests": self.engine.queued if self.engine else 0}
+
+    async def stats(self, reset: bool = False) -> dict:
+        """The engine's counters and peaks (`ContinuousBatchingEngine.stats`); `reset` zeroes them after."""
+        if self.engine is None:
+            return {"replica_id": self.replica_id}
+        s = self.engine.stats()
+        if reset:
+            self.engine.reset_stats()
+        return s
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"replica_id": self.replica_id, "node_id": self.node_id, "hostname": socket.gethostname(),
+                "pid": os.getpid(), "torch_threads": torch.get_num_threads(), "model_spec": self.model_spec,
+                "policy": e.config.policy if e else None, "budget_tokens": e.budget_tokens if e else None,
+                "slot_bytes": e.slot_bytes if e else None,
+                "kv_memory_limit_bytes": e.kv_memory_limit_bytes if e else None}
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The engine's largest batch of identical requests under its memory limit."""
+        if self.engine is None:
+            raise RuntimeError("replica not configured")
+        return self.engine.max_batch_for(prompt_tokens, max_new_tokens)
+
+    def crash(self) -> None:
+        """Exit the process at once (tests of replica restarts)."""
+        os._exit(1)

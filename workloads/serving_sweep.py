@@ -1,0 +1,459 @@
+"""Run a serving suite: load points against continuously batching replicas, recorded as they finish.
+
+    python -m workloads.sweep workloads/suites/serving-rate.yaml [--replicas N] [--resume RUN_ID] ...
+
+(`workloads.sweep` hands suites whose `mode` is a serving mode here; same flags and exit codes.)
+
+Per point: every replica is configured (policy, budget, KV memory limit), the load generator drives
+them through the least-outstanding-requests router, and one JSON line lands in
+`<results-dir>/<run_id>/points.jsonl` (appended whole, fsync'ed): the metrics with `n`, the
+replicas' peak KV bytes and running sequences, status and `stop_reason`.
+
+* status `ok`; `oom` when a request ran out of device memory (recorded, the sweep goes on);
+  `skipped` for the loads above a saturated point of the same series; `error` when every request
+  failed, the point could not start, or a replica died (it is restarted; the point records why).
+* `--resume RUN_ID` skips points already `ok`, `oom` or `skipped`; a point in progress when the
+  sweep was killed simply runs again.
+* At the end: `table.md`, and PNG plots next to the results (`workloads.serving_plots`).
+
+Exit status: 0 every point ok/oom/skipped; 1 a point failed or no replica could start (the error
+names the missing model path); 2 invalid suite or arguments.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from workloads import results as res
+from workloads.loadgen import build_requests, run_load
+from workloads.serving_suite import ServingPoint, ServingSuite, load_serving_suite
+from workloads.suite import SuiteError
+
+TERMINAL = ("ok", "oom", "skipped")
+
+
+# ---------------------------------------------------------------------------- replica pools
+class ReplicaPool(Protocol):
+    """What the sweep needs from a set of replicas (Ray actors, or in-process for tests/benchmarks)."""
+
+    def start(self) -> list[dict]: ...
+    def configure(self, engine_config: dict) -> None: ...
+    def clients(self) -> list: ...
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
+    def stats(self, reset: bool = False) -> list[dict]: ...
+    def restart_dead(self) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+class LocalReplicaPool:
+    """`ServingReplica`s in this process (one engine thread each); for tests and the benchmark."""
+
+    def __init__(self, n: int, model_spec: str, dtype: str = "float32", device: str = "cpu", model=None,
+                 num_threads: int | None = None):
+        self.n, self.kwargs = n, dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
+        self.model = model
+        self.replicas: list = []
+
+    def start(self) -> list[dict]:
+        from cluster.serving_replica import ServingReplica
+
+        model = self.model
+        if model is None:
+            from cluster.replica import load_replica_model
+
+            model, _ = load_replica_model(self.kwargs["model_spec"], self.kwargs["dtype"], self.kwargs["device"])
+        self.replicas = [ServingReplica(replica_id=f"local-{i}", model=model, **self.kwargs) for i in range(self.n)]
+        return [r.info() for r in self.replicas]
+
+    def configure(self, engine_config: dict) -> None:
+        for r in self.replicas:
+            r.configure(engine_config)
+
+    def clients(self) -> list:
+        return list(self.replicas)
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        return self.replicas[0].max_batch_for(prompt_tokens, max_new_tokens)
+
+    def stats(self, reset: bool = False) -> list[dict]:
+        return [asyncio.run(r.stats(reset)) for r in self.replicas]
+
+    def restart_dead(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.shutdown()
+
+
+class RayReplicaPool:
+    """`ServingReplicaActor`s; a dead one is replaced by a fresh actor (model reloaded, reconfigured)."""
+
+    def __init__(self, n: int, *, model_spec: str, dtype: str, device: str, num_cpus: float, num_gpus: float,
+                 num_threads: int | None, health_timeout_s: float = 60.0):
+        self.n = n
+        self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
+        self.res = dict(num_cpus=num_cpus, num_gpus=num_gpus)
+        self.health_timeout_s = health_timeout_s
+        self.actors: list = []
+        self.ids: list[str] = []
+        self.engine_config: dict | None = None
+        self.restarts = 0
+
+    def _create(self, n: int, first_index: int, prefix: str = "serving") -> list:
+        from cluster.ray_serving import create_serving_replicas
+
+        return create_serving_replicas(n, first_index=first_index, name_prefix=prefix, **self.res, **self.kwargs)
+
+    def start(self) -> list[dict]:
+        import ray
+
+        self.actors = self._create(self.n, 0)
+        infos = ray.get([a.info.remote() for a in self.actors])   # raises the load error (names the path)
+        self.ids = [i["replica_id"] for i in infos]
+        return infos
+
+    def configure(self, engine_config: dict) -> None:
+        import ray
+
+        self.engine_config = engine_config
+        ray.get([a.configure.remote(engine_config) for a in self.actors])
+
+    def clients(self) -> list:
+        from cluster.ray_serving import RayReplicaClient
+
+        return [RayReplicaClient(a, i) for a, i in zip(self.actors, self.ids)]
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        import ray
+
+        return int(ray.get(self.actors[0].max_batch_for.remote(prompt_tokens, max_new_tokens)))
+
+    def stats(self, reset: bool = False) -> list[dict]:
+        import ray
+
+        out = []
+        for a, rid in zip(self.actors, self.ids):
+            try:
+                out.append(ray.get(a.stats.remote(reset), timeout=self.health_timeout_s))
+            except Exception as e:  # noqa: BLE001 - a dead replica has no stats
+                out.append({"replica_id": rid, "error": f"{type(e).__name__}: {e}"[:500]})
+        return out
+
+    def restart_dead(self) -> list[str]:
+        """Health-check every actor; replace the dead ones. Returns the ids of those replaced."""
+        import ray
+
+        replaced = []
+        for k, (a, rid) in enumerate(zip(self.actors, self.ids)):
+            try:
+                ray.get(a.health.remote(), timeout=self.health_timeout_s)
+                continue
+            except Exception:  # noqa: BLE001 - dead or unresponsive: replace it
+                pass
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001
+                pass
+            self.restarts += 1
+            (new,) = self._create(1, self.restarts, prefix=f"serving-r{self.restarts}")
+            info = ray.get(new.info.remote())
+            if self.engine_config is not None:
+                ray.get(new.configure.remote(self.engine_config))
+            self.actors[k], self.ids[k] = new, info["replica_id"]
+            replaced.append(rid)
+        return replaced
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+# ---------------------------------------------------------------------------- one point
+def _requests_for(suite: ServingSuite, point: ServingPoint, n: int, tokenizer, vocab_size: int | None):
+    return build_requests(max(1, n), suite.prompt_tokens, suite.output_tokens, seed=suite.seed + 7919 * point.index,
+                          tokenizer=tokenizer, vocab_size=vocab_size, prefix=point.point_id)
+
+
+def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, tokenizer=None,
+              vocab_size: int | None = None) -> dict:
+    """Run one point on `pool`; return the metrics part of its record (never raises for load errors)."""
+    from cluster.router import Router
+
+    out: dict[str, Any] = {}
+    try:
+        pool.configure(suite.engine_config(point))
+    except Exception as e:  # noqa: BLE001 - an invalid config / model error ends this point only
+        return {"status": "error", "stop_reason": "configure failed", "error": _message(e)}
+    max_batch = None
+    if suite.mode == "max_batch":
+        max_batch = pool.max_batch_for(suite.prompt_tokens.upper, suite.output_tokens.upper)
+        out["max_batch_size"] = max_batch
+        if max_batch < 1:
+            return {**out, "status": "error", "stop_reason": "does not fit",
+                    "error": "not even one sequence fits the KV memory limit"}
+    cfg = suite.load_config(point, max_batch=max_batch)
+    n_pool = (cfg.num_requests or 256) + cfg.warmup_requests
+    reqs = _requests_for(suite, point, n_pool, tokenizer, vocab_size)
+    pool.stats(reset=True)
+    router = Router(pool.clients())
+    result = asyncio.run(run_load(router, reqs, cfg))
+    stats = pool.stats(reset=True)
+    m = result.metrics
+    peak_running = [s.get("peak_running_sequences") for s in stats]
+    peak_kv = [s.get("peak_kv_cache_bytes") for s in stats]
+    live = [x for x in peak_running if x is not None]
+    if live and cfg.target_concurrency is not None:
+        from workloads.metrics import summarize
+
+        m = summarize(result.records, mode=cfg.mode, window_start_s=m.window_start_s, window_end_s=m.window_end_s,
+                      target_rate_req_per_s=m.target_rate_req_per_s, target_concurrency=m.target_concurrency,
+                      replica_peak_running_sequences=sum(live))
+    flat = m.flat()
+    flat["load_mode"] = flat.pop("mode")          # the record's `mode` is the suite's
+    out.update(flat)
+    out.update({
+        "load": point.load, "load_config": dataclasses.asdict(cfg),
+        "replica_stats": stats, "replica_ids": [s.get("replica_id") for s in stats],
+        "peak_running_sequences_per_replica": peak_running, "peak_kv_cache_bytes_per_replica": peak_kv,
+        "kv_cache_bytes": max([x for x in peak_kv if x is not None], default=None),
+        "budget_tokens": next((s.get("budget_tokens") for s in stats if "budget_tokens" in s), None),
+        "kv_memory_limit_bytes": next((s.get("kv_memory_limit_bytes") for s in stats if "slot_bytes" in s), None),
+        "slot_bytes": next((s.get("slot_bytes") for s in stats if "slot_bytes" in s), None),
+        "replicas": len(stats),
+    })
+    if max_batch is not None:
+        out["max_batch_verified"] = bool(live) and max(live) >= max_batch and all(
+            x is None or x <= (out["kv_memory_limit_bytes"] or x) for x in peak_kv)
+    replaced = pool.restart_dead()
+    errors = m.errors_by_kind
+    stop = "duration" if cfg.duration_s is not None and m.window_s is not None and cfg.num_requests is None else "count"
+    if replaced or errors.get("replica_died"):
+        out.update(status="error", stop_reason="replica died",
+                   error=f"replica(s) died during the point and were restarted: {', '.join(replaced) or '?'}")
+    elif errors.get("oom"):
+        out.update(status="oom", stop_reason="out of memory", error=f"{errors['oom']} request(s) ran out of memory")
+    elif m.sent_requests and not m.completed_requests:
+        out.update(status="error", stop_reason="every request failed",
+                   error=", ".join(f"{k}: {v}" for k, v in sorted(errors.items())))
+    else:
+        out.update(status="ok", stop_reason=stop, error=None)
+    return out
+
+
+def _message(exc: BaseException) -> str:
+    from workloads.sweep import _error_message
+
+    return _error_message(exc)
+
+
+# ---------------------------------------------------------------------------- the sweep
+def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory, body: dict, t0, t1) -> dict:
+    rec = {
+        "schema_version": res.SCHEMA_VERSION, "run_id": run_id, "point_index": point.index, "point_id": point.point_id,
+        "git_commit": commit, "suite": suite.name, "mode": suite.mode, "model": suite.model, "model_id": suite.model,
+        "dtype": suite.dtype, "device": suite.device, "policy": point.policy, "policy_params": point.policy_params,
+        "compression_ratio": point.compression_ratio, "budget_tokens_requested": point.budget_tokens,
+        "series": point.series, "load": point.load, "seed": point.seed,
+        "prompt_tokens": dataclasses.asdict(suite.prompt_tokens), "output_tokens": dataclasses.asdict(suite.output_tokens),
+        "ray_nodes": inventory, "started_at_unix_s": t0, "finished_at_unix_s": t1,
+    }
+    try:
+        from scissorhands.models import model_id_of
+
+        rec["model_id"] = model_id_of(suite.model)
+    except Exception:  # noqa: BLE001 - test model names
+        pass
+    rec.update(body)
+    return rec
+
+
+def run_serving_points(pool: ReplicaPool, suite: ServingSuite, run_id: str, points_path: str, *, commit: str,
+                       inventory=None, tokenizer=None, vocab_size: int | None = None, log=print) -> int:
+    """Run the suite's pending points on a started pool; return how many failed (status `error`)."""
+    done = {r["point_id"]: r for r in res.read_records(points_path) if r.get("status") in TERMINAL}
+    failed = 0
+    saturated: dict[str, str] = {r["series"]: r["stop_reason"] for r in done.values()
+                                 if r.get("status") == "skipped" and r.get("series")}
+    for r in done.values():                       # a saturated point of an earlier run stops its series too
+        reason = suite.saturation.reason(r) if r.get("status") == "ok" else None
+        if reason and r.get("series") not in saturated:
+            saturated[r["series"]] = f"saturated at load {r.get('load'):g}: {reason}"
+    for point in suite.points():
+        if point.point_id in done:
+            continue
+        t0 = time.time()
+        if point.series in saturated:
+            body = {"status": "skipped", "stop_reason": saturated[point.series], "error": None}
+        else:
+            body = run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab_size)
+        rec = _record(run_id, commit, suite, point, inventory, body, t0, time.time())
+        res.append_record(points_path, rec)
+        log(_one_line(rec))
+        if rec["status"] == "error":
+            failed += 1
+        reason = suite.saturation.reason(rec) if rec["status"] in ("ok", "oom") else None
+        if rec["status"] == "oom":
+            reason = "out of memory"
+        if reason and point.load is not None and point.series not in saturated:
+            saturated[point.series] = f"saturated at load {point.load:g}: {reason}"
+    return failed
+
+
+def _one_line(rec: dict) -> str:
+    what = f"{rec['point_id']}"
+    if rec["status"] not in ("ok",):
+        return f"  {rec['status']:<7} {what}: {rec.get('stop_reason')}{': ' + rec['error'] if rec.get('error') else ''}"
+    f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
+    return (f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50 "
+            f"{f(rec.get('ttft_p50_s'), '.3f')} s (n={rec.get('ttft_n')}), TPOT p50 {f(rec.get('tpot_p50_s'), '.4f')} s, "
+            f"{rec.get('completed_requests')}/{rec.get('sent_requests')} ok")
+
+
+TABLE = [  # (header with unit, key, format)
+    ("series", "series", "s"), ("load", "load", "g"), ("max batch", "max_batch_size", "d"),
+    ("budget (tok)", "budget_tokens", "d"), ("ok/sent", "ok_sent", "s"),
+    ("output (tok/s)", "output_throughput_tok_per_s", ".1f"), ("total (tok/s)", "total_throughput_tok_per_s", ".1f"),
+    ("req/s", "request_throughput_req_per_s", ".3f"), ("rate target/achieved (req/s)", "rate", "s"),
+    ("conc. target/peak", "conc", "s"), ("TTFT p50/p99 (s)", "ttft", "s"), ("TPOT p50 (s)", "tpot_p50_s", ".4f"),
+    ("e2e p99 (s)", "e2e_latency_p99_s", ".2f"), ("n", "e2e_latency_n", "d"),
+    ("peak KV (MiB)", "kv_mib", ".1f"), ("peak running", "peak_running", "s"), ("status", "status", "s"),
+    ("stop reason", "stop_reason", "s"),
+]
+
+
+def table_markdown(records: list[dict]) -> str:
+    """The serving points as a Markdown table; every numeric column has its unit in the header."""
+    def fmt(v, f):
+        if v is None:
+            return "-"
+        try:
+            return format(v, f)
+        except (TypeError, ValueError):
+            return str(v)
+
+    rows = []
+    for r in sorted(records, key=lambda r: r.get("point_index", 0)):
+        g = lambda k, f=".3g": fmt(r.get(k), f)  # noqa: E731
+        d = dict(r)
+        d["ok_sent"] = f"{r.get('completed_requests', '-')}/{r.get('sent_requests', '-')}"
+        d["rate"] = f"{g('target_rate_req_per_s')}/{g('achieved_rate_req_per_s')}" if r.get("target_rate_req_per_s") else "-"
+        d["conc"] = f"{g('target_concurrency', 'd')}/{g('achieved_peak_concurrency', 'd')}"
+        p99 = g("ttft_p99_s") + ("*" if r.get("ttft_p99_low_confidence") else "")
+        d["ttft"] = f"{g('ttft_p50_s')}/{p99}"
+        d["kv_mib"] = r["kv_cache_bytes"] / res.MIB if r.get("kv_cache_bytes") is not None else None
+        d["peak_running"] = ",".join(str(x) for x in r.get("peak_running_sequences_per_replica") or []) or "-"
+        rows.append([fmt(d.get(k), f) for _, k, f in TABLE])
+    header = [h for h, _, _ in TABLE]
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    return "\n".join(lines) + "\n\n`*` p99 over fewer than 100 samples (low confidence).\n"
+
+
+def finish_run(run_dir: Path, suite: ServingSuite, points_path: str) -> list[dict]:
+    """Write table.md and the plots for the suite's points; return their latest records."""
+    ids = {p.point_id for p in suite.points()}
+    latest = [r for r in res.latest_by_point(res.read_records(points_path)).values() if r["point_id"] in ids]
+    table = table_markdown(latest)
+    res.write_atomic(str(run_dir / "table.md"), table)
+    print(table, end="")
+    try:
+        from workloads.serving_plots import write_plots
+
+        for path in write_plots(latest, run_dir):
+            print(f"sweep: wrote {path}", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - a plot never fails a sweep
+        print(f"sweep: plots not written: {_message(e)}", file=sys.stderr)
+    return latest
+
+
+def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
+    """`workloads.sweep` entry for serving suites (same arguments); `pool` injects replicas (tests)."""
+    from workloads.sweep import SweepError, _init_ray, _resources, _run_dir, git_commit
+
+    try:
+        suite = load_serving_suite(args.suite)
+    except SuiteError as e:
+        raise SweepError(str(e), 2) from None
+    if args.replicas is not None:
+        if args.replicas < 1:
+            raise SweepError(f"--replicas: must be >= 1, got {args.replicas}", 2)
+        suite = dataclasses.replace(suite, replicas=args.replicas)
+    run_id, run_dir = _run_dir(args, suite)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    points_path = str(run_dir / "points.jsonl")
+    cut = res.repair_tail(points_path)
+    if cut:
+        print(f"sweep: cut an incomplete last line ({cut} bytes) off {points_path}", file=sys.stderr)
+    commit = git_commit()
+    if not (run_dir / "run.json").exists():
+        meta = {"run_id": run_id, "suite_file": args.suite, "suite": json.loads(json.dumps(dataclasses.asdict(suite), default=str)),
+                "git_commit": commit, "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
+        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    done = {r["point_id"] for r in res.read_records(points_path) if r.get("status") in TERMINAL}
+    pending = [p for p in suite.points() if p.point_id not in done]
+    print(f"sweep: run {run_id} ({suite.mode}): {len(suite.points())} points, {len(done)} already done, "
+          f"{len(pending)} to run on {suite.replicas} replica(s); results in {run_dir}/", file=sys.stderr)
+    failed = 0
+    if pending:
+        tokenizer, vocab = _tokenizer(suite)
+        started_ray = False
+        inventory = None
+        if pool is None:
+            ray, started_ray = _init_ray(args.address)
+            from cluster.ray_replica import cluster_inventory
+
+            threads, num_cpus, num_gpus = _resources(ray, suite.replicas, suite.device)
+            inventory = cluster_inventory()
+            pool = RayReplicaPool(suite.replicas, model_spec=suite.model, dtype=suite.dtype, device=suite.device,
+                                  num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads)
+        try:
+            try:
+                infos = pool.start()
+            except Exception as e:  # noqa: BLE001 - e.g. the model path does not exist
+                raise SweepError(f"replica failed to start: {_message(e)}", 1) from None
+            print(f"sweep: {len(infos)} serving replica(s) ready", file=sys.stderr)
+            failed = run_serving_points(pool, suite, run_id, points_path, commit=commit, inventory=inventory,
+                                        tokenizer=tokenizer, vocab_size=vocab,
+                                        log=lambda s: print(s, file=sys.stderr))
+        finally:
+            pool.close()
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+    latest = finish_run(run_dir, suite, points_path)
+    bad = [r for r in latest if r.get("status") not in TERMINAL]
+    missing = len(suite.points()) - len(latest)
+    if bad or missing or failed:
+        print(f"sweep: {len(bad)} point(s) failed, {missing} not run", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _tokenizer(suite: ServingSuite):
+    """(tokenizer, vocab size): the model's own tokenizer for real-text prompts; none for test models."""
+    from cluster.replica import TEST_MODEL_NAMES
+
+    if suite.model in TEST_MODEL_NAMES:
+        from scissorhands.testing import TINY_LLAMA_CONFIG
+
+        return None, TINY_LLAMA_CONFIG["vocab_size"]
+    from scissorhands.models import load_tokenizer
+
+    try:
+        return load_tokenizer(suite.model), None
+    except Exception:  # noqa: BLE001 - the replicas report a missing model with its path
+        return None, 128
