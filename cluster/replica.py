@@ -270,6 +270,7 @@ class ModelReplica:
         ((input + output) / e2e), `input_tokens` / `output_tokens` (counted from the id
         tensors actually sent / generated), `kv_cache_bytes` (peak, bookkeeping included),
         `kv_cache_bytes_final`, `budget_tokens` (slots per KV head used; None for `full`),
+        `process_cpu_s` (CPU seconds of the process, all threads, over prefill + decode),
         `peak_rss_bytes` (max process RSS sampled during the point), `process_max_rss_bytes`
         (process lifetime max), and the replica's identity (`replica_id`, `node_id`,
         `hostname`, `torch_threads`, `model_id`).
@@ -293,6 +294,7 @@ class ModelReplica:
             mask = torch.ones(batch, prompt_tokens + new_tokens, dtype=torch.long, device=self.device)
             generated = torch.empty(batch, new_tokens, dtype=torch.long, device=self.device)
 
+            cpu0 = time.process_time()
             t0 = timer.now()
             token = self.prefill(input_ids, mask[:, :prompt_tokens], cache)
             t1 = timer.now()
@@ -306,6 +308,7 @@ class ModelReplica:
                 step_s.append(timer.now() - ts)
                 generated[:, i : i + 1] = token
                 peak_rss = _peak_rss_bytes(peak_rss)
+            cpu_s = time.process_time() - cpu0
 
         prefill_s = t1 - t0
         decode_s = float(sum(step_s))
@@ -320,6 +323,9 @@ class ModelReplica:
             "decode_step_s": step_s,
             "tpot_s": decode_s / (new_tokens - 1) if new_tokens > 1 else None,
             "e2e_latency_s": e2e_s,
+            # CPU seconds of this process (all threads) over prefill + decode; cpu_s / e2e_s well
+            # below torch_threads means the replica waited for cores (contention)
+            "process_cpu_s": cpu_s,
             "decode_tokens_per_s": decode_count / decode_s if decode_count and decode_s > 0 else None,
             "output_throughput_tok_per_s": output_count / e2e_s if e2e_s > 0 else None,
             "total_throughput_tok_per_s": (input_count + output_count) / e2e_s if e2e_s > 0 else None,

@@ -41,6 +41,7 @@ def test_metrics_counts_and_units(replica):
     assert m["output_throughput_tok_per_s"] == pytest.approx(40 / m["e2e_latency_s"])
     assert m["total_throughput_tok_per_s"] == pytest.approx((160 + 40) / m["e2e_latency_s"])
     assert m["tpot_s"] == pytest.approx(m["decode_s"] / 9)
+    assert 0 < m["process_cpu_s"] < 60
     assert m["budget_tokens"] is None
     assert m["cache_seq_length"] == 40 + 9  # the last generated token is never fed back
     # full cache, float32: 2 layers x 2 KV heads x head_dim 16 x (K and V) x 4 bytes per token and sequence

@@ -144,12 +144,12 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
         suite_mod.Point(0, "scissorhands", {"history_window": 0}, 1.5, None, 1, 8, 2, 0), real_points(self)[0]])
     suite = write_suite(tmp_path / "s.yaml", policies=["full"], compression_ratios=[], batch_sizes=[1],
                         prompt_tokens=[8], new_tokens=[2])
-    rc = sweep.main([suite, "--results-dir", str(tmp_path / "results"), "--run-id", "f"])
+    rc = sweep.main([suite, "--results-dir", str(tmp_path / "results"), "--run-id", "f", "--replicas", "1"])
     assert rc == 1
     recs = sorted(lines(tmp_path / "results" / "f" / "points.jsonl"), key=lambda r: r["point_index"])
     assert [r["status"] for r in recs] == ["error", "ok"]
     assert "ValueError" in recs[0]["error"] and "history_window" in recs[0]["error"]
-    assert recs[0]["replica_id"] in ("replica-0", "replica-1") and "prefill_s" not in recs[0]
+    assert recs[0]["replica_id"] == "replica-0" and "prefill_s" not in recs[0] and recs[1]["replica_id"] == "replica-0"
     assert "1 point(s) failed" in capsys.readouterr().err
 
 

@@ -106,7 +106,7 @@ CSV_FIELDS = [
     "schema_version", "run_id", "point_index", "point_id", "status", "error", "git_commit", "suite", "model_id",
     "dtype", "device", "policy", "policy_params", "compression_ratio", "budget_tokens_requested", "budget_tokens",
     "batch_size", "prompt_tokens", "new_tokens", "seed", "prefill_s", "ttft_s", "decode_s", "tpot_s",
-    "e2e_latency_s", "decode_tokens_per_s", "output_throughput_tok_per_s", "total_throughput_tok_per_s",
+    "e2e_latency_s", "process_cpu_s", "decode_tokens_per_s", "output_throughput_tok_per_s", "total_throughput_tok_per_s",
     "input_tokens", "output_tokens", "kv_cache_bytes", "kv_cache_bytes_final", "kv_saved_vs_full_x",
     "peak_rss_bytes", "process_max_rss_bytes", "replica_id", "node_id", "hostname", "torch_threads",
     "started_at_unix_s", "finished_at_unix_s",
