@@ -65,7 +65,7 @@ class ServingReplica:
         self.engine = ContinuousBatchingEngine(self.model, cfg, eos_token_id=self.eos_token_id,
                                                replica_id=self.replica_id)
         self.loop = EngineLoop(self.engine).start()
-        return self.info()
+        return ServingReplica.info(self)          # the plain one (the Ray wrapper's `info` is async)
 
     def shutdown(self) -> None:
         """Stop the engine thread (requests still queued are left unanswered)."""
