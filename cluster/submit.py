@@ -68,6 +68,9 @@ DEFAULT_MAX_PACKAGE_MIB = 100.0
 MIB = 1024 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 GIT_COMMIT_ENV = "SCISSORHANDS_GIT_COMMIT"
+#: `ray job submit` runs again when the job server took no job (its job agent was not up yet).
+SUBMIT_ATTEMPTS = 3
+SUBMIT_RETRY_S = 10.0
 _QUIET = logging.getLogger("cluster.submit.packaging")
 _QUIET.setLevel(logging.WARNING)
 
@@ -242,6 +245,10 @@ def build(args: argparse.Namespace) -> dict:
             GIT_COMMIT_ENV: git_commit(working_dir),
         },
     }
+    if auth_env(dict(os.environ)).get("RAY_AUTH_MODE") == "token":
+        # the job's driver joins the cluster with an explicit RAY_ADDRESS, for which Ray does not
+        # turn token auth on by itself; the nodes hold the token (~/.ray/auth_token or RAY_AUTH_TOKEN)
+        runtime_env["env_vars"]["RAY_AUTH_MODE"] = "token"
     entrypoint = [job_python, "-m", "workloads.sweep", str(suite_rel), "--results-dir", str(results), "--run-id", run_id]
     entrypoint += list(args.sweep_args or [])
     submission_id = f"sweep-{run_id}"
@@ -266,6 +273,17 @@ def save_job_record(plan: dict, status: str, message: str | None, logs: str | No
     if logs is not None:
         (run_dir / "job.log").write_text(logs, encoding="utf-8")
     return run_dir
+
+
+def job_exists(address: str, submission_id: str) -> bool:
+    """Whether the job server knows the job (False when it cannot be asked)."""
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        JobSubmissionClient(address).get_job_info(submission_id)
+        return True
+    except Exception:
+        return False
 
 
 def job_outcome(address: str, submission_id: str) -> tuple[str, str | None, str | None]:
@@ -340,7 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     print("submit: " + shlex.join(plan["cmd"]), file=sys.stderr)
     if args.dry_run:
         return 0
-    rc = run_ray_cli(plan["cmd"])
+    for attempt in range(1, SUBMIT_ATTEMPTS + 1):
+        rc = run_ray_cli(plan["cmd"])
+        if rc == 0 or attempt == SUBMIT_ATTEMPTS or job_exists(plan["address"], plan["submission_id"]):
+            break
+        # the job server took no job (e.g. "No available agent": a head that just started)
+        print(f"submit: the job server did not accept the job (attempt {attempt} of {SUBMIT_ATTEMPTS}); "
+              f"retrying in {SUBMIT_RETRY_S:g} s", file=sys.stderr)
+        time.sleep(SUBMIT_RETRY_S)
     if args.no_wait:
         if rc == 0:
             print(f"submit: follow with: ray job logs -f --address {plan['address']} {plan['submission_id']}", file=sys.stderr)
