@@ -38,8 +38,11 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
 
+# The dashboard agent gets its own port: the default 52365 is taken by any other Ray on the machine
+# (e.g. the embedded one of a running sweep or test), and without it `ray job submit` fails with
+# "No available agent to submit job".
 cluster-up: install
-	$(VENV)/bin/ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --port=6379 --dashboard-port=8265 --metrics-export-port=8080 --disable-usage-stats
+	$(VENV)/bin/ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --port=6379 --dashboard-port=8265 --metrics-export-port=8080 --dashboard-agent-listen-port=52375 --disable-usage-stats
 
 # Scaling out (cluster/submit.py, cluster/gpu_check.py): `make submit SUITE=... ADDRESS=http://HEAD:8265 RESULTS=/shared/results`
 ADDRESS ?= http://127.0.0.1:8265
