@@ -232,7 +232,10 @@ class ReplicaSet:
         import ray
         from ray.util.placement_group import placement_group
 
-        check_fits(self.bundle, self.n, self.placement.strategy, _alive_nodes(ray))
+        nodes = _alive_nodes(ray)
+        if self.placement.num_cpus is None:
+            self._cap_cpus_to_one_node(nodes)
+        check_fits(self.bundle, self.n, self.placement.strategy, nodes)
         self.pg = placement_group([dict(self.bundle) for _ in range(self.n)], strategy=self.placement.strategy)
         if not self.pg.wait(timeout_seconds=self.placement.ready_timeout_s):
             free = ray.available_resources()
@@ -244,6 +247,18 @@ class ReplicaSet:
             )
         self.actors = [self._actor(i, f"{self.name_prefix}-{i}") for i in range(self.n)]
         return list(self.actors)
+
+    def _cap_cpus_to_one_node(self, nodes: list[dict]) -> None:
+        """A default CPU share (cluster CPUs / replicas) can exceed every node; cap it at the
+        most CPUs one node that holds the replica's other resources has."""
+        others = {k: v for k, v in self.bundle.items() if k != "CPU"}
+        cpus = [n.get("Resources", {}).get("CPU", 0.0) for n in nodes
+                if all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in others.items())]
+        most = max(cpus, default=0.0)
+        if 0 < most < self.num_cpus:
+            self.num_cpus = float(most)
+            self.num_threads = max(1, int(most))
+            self.bundle = replica_bundle(self.num_cpus, self.num_gpus, self.resources)
 
     def _actor(self, bundle_index: int, replica_id: str):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -240,11 +240,15 @@ def build(args: argparse.Namespace) -> dict:
         "working_dir": str(working_dir),
         "excludes": excludes,
         "env_vars": {
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            # "0" keeps a loopback head's driver on 127.0.0.1; "1" is Ray's normal multi-node
+            # behaviour (the sweep defaults to "0", which would make a remote driver report 127.0.0.1)
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0" if local else "1",
             "PYTHONUNBUFFERED": "1",
             GIT_COMMIT_ENV: git_commit(working_dir),
         },
     }
+    if os.environ.get("SCISSORHANDS_PUSHGATEWAY"):  # where the job pushes its per-point summaries
+        runtime_env["env_vars"]["SCISSORHANDS_PUSHGATEWAY"] = os.environ["SCISSORHANDS_PUSHGATEWAY"]
     if auth_env(dict(os.environ)).get("RAY_AUTH_MODE") == "token":
         # the job's driver joins the cluster with an explicit RAY_ADDRESS, for which Ray does not
         # turn token auth on by itself; the nodes hold the token (~/.ray/auth_token or RAY_AUTH_TOKEN)

@@ -132,3 +132,15 @@ def test_device_map_refuses_a_model_that_does_not_fit():
     msg = str(e.value)
     assert "do not fit in max_memory" in msg and "left over:" in msg and "placement.num_gpus" in msg
 
+
+
+def test_default_cpu_share_is_capped_at_one_node():
+    """12 CPUs over 2 replicas is 6 each, but no node has 6: each replica gets a node's 4."""
+    nodes = [{"Resources": {"CPU": 4.0, "GPU": 1.0}}, {"Resources": {"CPU": 4.0, "GPU": 1.0}},
+             {"Resources": {"CPU": 4.0}}]
+    rs = ReplicaSet(2, None, num_cpus=6, num_gpus=1, num_threads=6)
+    rs._cap_cpus_to_one_node(nodes)
+    assert rs.bundle == {"CPU": 4.0, "GPU": 1.0} and rs.num_threads == 4
+    check_fits(rs.bundle, 2, "SPREAD", nodes)
+    fixed = ReplicaSet(2, parse_placement({"num_cpus": 2}), num_cpus=6)
+    assert fixed.bundle == {"CPU": 2.0}  # a suite's own num_cpus is never changed

@@ -124,7 +124,7 @@ def test_command_passes_suite_results_run_id_and_runtime_env(repo, monkeypatch):
     assert cmd[cmd.index("--submission-id") + 1] == "sweep-r1"
     env = json.loads(cmd[cmd.index("--runtime-env-json") + 1])
     assert env["working_dir"] == str(repo)
-    assert env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"
+    assert env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"  # remote: Ray's multi-node behaviour
     assert "SCISSORHANDS_GIT_COMMIT" in env["env_vars"]
     assert cmd[cmd.index("--") + 1 :] == ["python3", "-m", "workloads.sweep", "workloads/suites/tiny.yaml",
                                           "--results-dir", "/mnt/shared/results", "--run-id", "r1",
@@ -139,6 +139,7 @@ def test_loopback_defaults_results_to_the_repo_and_this_python(repo, monkeypatch
     assert plan["results_dir"] == repo / "results"
     assert plan["entrypoint"][0] == sys.executable
     assert plan["address"] == "http://127.0.0.1:8265"
+    assert plan["runtime_env"]["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # loopback head
 
 
 @pytest.mark.parametrize(
