@@ -13,15 +13,16 @@ steps. One `step()`:
 4. finished sequences (their `max_new_tokens` reached, or EOS unless ignored) leave the batch.
 
 Memory accounting, known before admission. The cache of a batch holds `rows * S` slots per layer
-and head, where `S` is the largest number of tokens any row holds (rows are padded to it), and one
-slot in every layer costs `slot_bytes` (measured once, bookkeeping included). A sequence of
-`prompt_tokens` and `max_new_tokens` ends up holding `final_slots = min(B, prompt + max_new - 1)`
-tokens (`B` = budget; no `min` for the full cache). A set of rows is admitted only when
+and head, where `S` is the largest number of slots any row needs (rows are padded to it), and one
+slot in every layer costs `slot_bytes` (measured once, bookkeeping included). A budgeted sequence
+needs `final_slots = B` (its layers preallocate the budget, so decode writes in place); a full-cache
+sequence of `prompt_tokens` and `max_new_tokens` ends at `prompt + max_new - 1` tokens. A set of
+rows is admitted only when
 
 * steady state: `rows * max(final_slots) * slot_bytes <= kv_memory_limit_bytes`, and
 * during each prefill: the bytes the running rows hold now plus that prefill's peak
-  (`n * ((layers - 1) * min(L, B) + L)` slots of one layer: a budgeted prefill compresses one
-  layer at a time) stay within the limit.
+  (`n * ((layers - 1) * kept + max(L, kept))` slots of one layer, `kept` = B or L: a budgeted
+  prefill compresses one layer at a time) stay within the limit.
 
 So the cache never holds more than the limit between forward calls (the transient copies a
 `torch.cat` makes during an update are not counted; they are at most one layer's tensors).
@@ -200,7 +201,9 @@ class ContinuousBatchingEngine:
         self.budget_tokens = config.resolved_budget_tokens()
         self._cache_kwargs: dict[str, Any] = dict(config.policy_params)
         if self.budget_tokens is not None:
-            self._cache_kwargs["budget_tokens"] = self.budget_tokens
+            # max_length = B: every layer preallocates B slots per row, so decode tokens are written in
+            # place; a sequence then holds B slots from its prefill on (its bytes, known in advance)
+            self._cache_kwargs.update(budget_tokens=self.budget_tokens, max_length=self.budget_tokens)
         make_cache(config.policy, model, **self._cache_kwargs)          # validate now, not at the first request
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(text_config.num_hidden_layers)
@@ -220,14 +223,18 @@ class ContinuousBatchingEngine:
 
     # ------------------------------------------------------------------ accounting
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Tokens a sequence holds at its end: ``min(B, prompt + max_new - 1)``."""
-        n = prompt_tokens + max_new_tokens - 1
-        return n if self.budget_tokens is None else min(self.budget_tokens, n)
+        """Slots a sequence's row needs at most: ``B`` (preallocated), or ``prompt + max_new - 1`` (full)."""
+        return prompt_tokens + max_new_tokens - 1 if self.budget_tokens is None else self.budget_tokens
+
+    def _prefill_slots(self, prompt_tokens: int) -> int:
+        """Slots one row holds per layer after its prefill (B preallocated, or the prompt)."""
+        return prompt_tokens if self.budget_tokens is None else self.budget_tokens
 
     def prefill_peak_bytes(self, rows: int, prompt_tokens: int) -> int:
-        """Peak bytes of a prefill cache of `rows` prompts of `prompt_tokens` (all layers)."""
-        kept = prompt_tokens if self.budget_tokens is None else min(prompt_tokens, self.budget_tokens)
-        layer_slots = (self.num_layers - 1) * kept + prompt_tokens
+        """Peak bytes of a prefill cache of `rows` prompts of `prompt_tokens` (all layers): the layers
+        before the current one hold their compressed slots, the current one the whole prompt."""
+        kept = self._prefill_slots(prompt_tokens)
+        layer_slots = (self.num_layers - 1) * kept + max(prompt_tokens, kept)
         return math.ceil(rows * layer_slots * self.slot_bytes / self.num_layers)
 
     def batch_bytes_bound(self, slots: list[int]) -> int:
@@ -241,7 +248,7 @@ class ContinuousBatchingEngine:
             return cap
         per_row = self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes
         n = min(cap, self.kv_memory_limit_bytes // per_row)
-        kept = prompt_tokens if self.budget_tokens is None else min(prompt_tokens, self.budget_tokens)
+        kept = self._prefill_slots(prompt_tokens)
         while n > 0 and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens) \
                 > self.kv_memory_limit_bytes:
             n -= 1               # the last one's prefill, next to the others' prompts, must fit too
@@ -299,6 +306,8 @@ class ContinuousBatchingEngine:
             "generated_tokens": s.get("tokens", 0),
             "decode_steps": s.get("decode_steps", 0),
             "prefill_calls": s.get("prefill_calls", 0),
+            "prefill_s": s.get("prefill_s", 0.0),            # wall time in prefill phases
+            "decode_s": s.get("decode_s", 0.0),              # wall time in decode steps
         }
 
     # ------------------------------------------------------------------ scheduling
@@ -340,7 +349,7 @@ class ContinuousBatchingEngine:
                 else:
                     groups.append([seq])
                 finals.append(seq.final_slots)
-                group_held.append(n_prompt if self.budget_tokens is None else min(n_prompt, self.budget_tokens))
+                group_held.append(self._prefill_slots(n_prompt))
                 prefill_tokens += n_prompt
         return groups
 
@@ -350,12 +359,16 @@ class ContinuousBatchingEngine:
         if not groups and not self._running:
             return False
         now = self.clock()
+        t0 = time.perf_counter()
         for group in groups:
             for seq in group:
                 seq.result.admitted_time_s = now
             self._prefill(group)
+        t1 = time.perf_counter()
         if self._running:
             self._decode_step()
+        self._stats["prefill_s"] += t1 - t0
+        self._stats["decode_s"] += time.perf_counter() - t1
         return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
@@ -390,7 +403,7 @@ class ContinuousBatchingEngine:
         self._track_bytes(cache.peak_kv_cache_bytes)
         keep = []
         for i, (seq, tok) in enumerate(zip(group, tokens)):
-            seq.held_slots = min(len(seq.request.prompt_ids), self.budget_tokens or 1 << 30)
+            seq.held_slots = self._prefill_slots(len(seq.request.prompt_ids))
             if not self._emit(seq, tok, t):
                 keep.append(i)
         if not keep:
@@ -423,7 +436,8 @@ class ContinuousBatchingEngine:
         self._track_bytes(self._cache.kv_cache_bytes())
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, tokens)):
-            seq.held_slots = min(seq.held_slots + 1, self.budget_tokens or 1 << 30)
+            if self.budget_tokens is None:
+                seq.held_slots += 1
             if not self._emit(seq, tok, t):
                 keep.append(i)
         if len(keep) < len(self._running):

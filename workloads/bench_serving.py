@@ -1,0 +1,198 @@
+"""`make bench-serving`: the paper's throughput claim on one replica, measured side by side in one run.
+
+1. Max batch under one KV memory limit. The limit is chosen so the full cache fits only
+   `--full-batch` sequences of `--prompt-tokens` + `--new-tokens`; each policy then runs its own
+   largest batch (from the bytes per slot, verified by running it: peak running sequences and peak
+   KV bytes are checked) of identical requests through the continuous-batching engine.
+   Ratio: output tokens/s of Scissorhands at `--ratio` / output tokens/s of full (goal >= 3x).
+2. Our engine vs transformers' `generate`, both with the full cache, at the same batch (full's max
+   batch): the same requests (real-text prompts, output lengths drawn uniformly from
+   [`--new-tokens` / 4, `--new-tokens`]); `generate` runs them in static batches (each batch runs to
+   its longest request, EOS ignored), the engine with continuous batching (a finished sequence's
+   slot is refilled at once). Useful output tokens/s, ratio engine / generate (goal >= 1.3x).
+
+Output tokens/s = output tokens / wall time from submitting the requests to the last token
+(prefill included). Decode tokens/s (tokens of decode steps / time in decode steps) is printed
+too: it isolates the memory effect from the prefill cost, which is the same per request for every
+policy. Everything runs in this process on the embedded model (or `--model`), one replica.
+
+    python -m workloads.bench_serving [--prompt-tokens 1024] [--new-tokens 64] [--full-batch 4] [--ratio 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m workloads.bench_serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="embedded", help="embedded, an HF id or a local folder (tiny-llama: test only)")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--full-batch", type=int, default=4, help="full-cache sequences the KV limit holds")
+    p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands compression ratio")
+    p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (default 2 x full batch)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/bench-serving", help="folder for bench.json and bench.md")
+    return p.parse_args(argv)
+
+
+def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    if tokenizer is not None:
+        from workloads.prompts import make_prompts
+
+        return [list(x) for x in make_prompts(tokenizer, n, length, seed=seed)]
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=(n, length)).tolist()
+
+
+def _run_engine(model, cfg: EngineConfig, requests: list[GenerationRequest]) -> dict:
+    engine = ContinuousBatchingEngine(model, cfg)
+    engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
+    engine.run_until_idle()
+    engine.reset_stats()
+    done = {}
+    t0 = time.perf_counter()
+    for r in requests:
+        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+    engine.run_until_idle()
+    wall = time.perf_counter() - t0
+    s = engine.stats()
+    errors = [r.error for r in done.values() if r.error_kind]
+    if errors:
+        raise RuntimeError(f"engine requests failed: {errors[:3]}")
+    out_tok = sum(len(r.output_ids) for r in done.values())
+    decode_tok = sum(len(r.output_ids) - 1 for r in done.values())
+    return {"wall_s": wall, "output_tokens": out_tok, "output_tok_per_s": out_tok / wall,
+            "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
+            "prefill_s": s["prefill_s"], "decode_s": s["decode_s"], "peak_running_sequences": s["peak_running_sequences"],
+            "peak_kv_cache_bytes": s["peak_kv_cache_bytes"], "budget_tokens": s["budget_tokens"],
+            "slot_bytes": s["slot_bytes"], "outputs": {k: v.output_ids for k, v in done.items()}}
+
+
+def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")              # transformers' own path: sdpa + DynamicCache
+    warm = torch.tensor([requests[0].prompt_ids[:32]])
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
+                   eos_token_id=None, pad_token_id=0)
+    outputs = {}
+    t0 = time.perf_counter()
+    for i in range(0, len(requests), batch):
+        chunk = requests[i:i + batch]
+        ids = torch.tensor([r.prompt_ids for r in chunk])                                  # (b, prompt)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+                                 max_new_tokens=max(r.max_new_tokens for r in chunk), do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        for r, row in zip(chunk, out[:, ids.shape[1]:].tolist()):
+            outputs[r.request_id] = row[:r.max_new_tokens]      # useful tokens: what the request asked for
+    wall = time.perf_counter() - t0
+    from scissorhands import ATTN_IMPLEMENTATION
+
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    useful = sum(r.max_new_tokens for r in requests)
+    return {"wall_s": wall, "output_tokens": useful, "output_tok_per_s": useful / wall, "outputs": outputs}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from cluster.replica import load_replica_model
+
+    t_load = time.perf_counter()
+    model, tokenizer = load_replica_model(args.model)
+    model.generation_config.eos_token_id = None
+    vocab = int(model.config.vocab_size)
+    P, N = args.prompt_tokens, args.new_tokens
+    probe = ContinuousBatchingEngine(model, EngineConfig())
+    limit = args.full_batch * probe.final_slots(P, N) * probe.slot_bytes
+    print(f"bench-serving: model {args.model} loaded in {time.perf_counter() - t_load:.1f} s; {torch.get_num_threads()} "
+          f"torch thread(s); prompt {P} tok, {N} new tok; KV limit {limit / 2**20:.1f} MiB "
+          f"(= {args.full_batch} full-cache sequences)", file=sys.stderr)
+
+    # -- part 1: each policy at its own max batch under the limit
+    rows = []
+    for policy, ratio in (("full", None), ("scissorhands", args.ratio)):
+        kw = dict(policy=policy, kv_memory_limit_bytes=limit)
+        if ratio is not None:
+            kw.update(compression_ratio=ratio, max_length_tokens=P + N)
+        cfg = EngineConfig(**kw)
+        b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
+        prompts = _prompts(tokenizer, vocab, b, P, args.seed)
+        reqs = [GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(prompts)]
+        print(f"bench-serving: {policy}{f' x{ratio:g}' if ratio else ''}: max batch {b}, running it ...", file=sys.stderr)
+        r = _run_engine(model, cfg, reqs)
+        r.update(policy=policy, ratio=ratio, max_batch=b, verified=r["peak_running_sequences"] == b
+                 and r["peak_kv_cache_bytes"] <= limit)
+        rows.append(r)
+    full, sh = rows
+    ratio_max_batch = sh["output_tok_per_s"] / full["output_tok_per_s"]
+    ratio_decode = (sh["decode_tok_per_s"] / full["decode_tok_per_s"]) if full["decode_tok_per_s"] else None
+
+    # -- part 2: our engine vs transformers' generate, full cache, same batch
+    b = full["max_batch"]
+    m = args.generate_requests or 2 * b
+    rng = np.random.default_rng(args.seed + 1)
+    lengths = rng.integers(max(1, N // 4), N + 1, size=m).tolist()
+    prompts = _prompts(tokenizer, vocab, m, P, args.seed + 1)
+    reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
+    gen = _run_generate(model, reqs, b)
+    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit), reqs)
+    same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
+    ratio_engine = eng["output_tok_per_s"] / gen["output_tok_per_s"]
+
+    def row(name, batch, r, extra=""):
+        dec = f"{r['decode_tok_per_s']:.1f}" if r.get("decode_tok_per_s") else "-"
+        kv = f"{r['peak_kv_cache_bytes'] / 2**20:.1f}" if r.get("peak_kv_cache_bytes") is not None else "-"
+        return f"| {name} | {batch} | {r['output_tokens']} | {r['wall_s']:.1f} | {r['output_tok_per_s']:.1f} | {dec} | {kv} | {extra} |"
+
+    lines = [
+        f"Conditions: model {args.model}, float32, CPU, {torch.get_num_threads()} torch thread(s), one replica in "
+        f"process; prompts {P} tokens of real text; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
+        f"{args.full_batch} full-cache sequences of {P} + {N} tokens.",
+        "",
+        "| run | batch | output tokens | wall (s) | output (tok/s) | decode (tok/s) | peak KV (MiB) | note |",
+        "|---|---|---|---|---|---|---|---|",
+        row("full, max batch", full["max_batch"], full, f"verified {full['verified']}"),
+        row(f"scissorhands x{args.ratio:g}, max batch", sh["max_batch"], sh,
+            f"B = {sh['budget_tokens']} slots; verified {sh['verified']}"),
+        row("transformers generate, full", b, gen, f"{m} requests, outputs {min(lengths)}-{max(lengths)} tok, static batches"),
+        row("our engine, full", b, eng, f"same requests, continuous batching; identical tokens {same}/{m}"),
+        "",
+        f"| ratio | measured | goal |",
+        f"|---|---|---|",
+        f"| Scissorhands x{args.ratio:g} / full, output tok/s at own max batch | {ratio_max_batch:.2f}x | >= 3x |",
+        f"| same, decode tok/s only | {ratio_decode:.2f}x | - |" if ratio_decode else "",
+        f"| our engine / transformers generate, full cache, batch {b} | {ratio_engine:.2f}x | >= 1.3x |",
+    ]
+    text = "\n".join(x for x in lines if x is not None) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for r in (full, sh, gen, eng):
+        r.pop("outputs", None)
+    (out / "bench.json").write_text(json.dumps({
+        "args": vars(args), "kv_memory_limit_bytes": limit, "max_batch": {"full": full, "scissorhands": sh},
+        "generate": gen, "engine": eng, "identical_tokens": same, "requests": m,
+        "ratio_max_batch_output": ratio_max_batch, "ratio_max_batch_decode": ratio_decode,
+        "ratio_engine_vs_generate": ratio_engine}, indent=2, default=str) + "\n")
+    (out / "bench.md").write_text(text)
+    print(f"bench-serving: wrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
