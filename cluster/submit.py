@@ -68,6 +68,10 @@ DEFAULT_MAX_PACKAGE_MIB = 100.0
 MIB = 1024 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 GIT_COMMIT_ENV = "SCISSORHANDS_GIT_COMMIT"
+MODEL_CACHE_ENV = "SCISSORHANDS_CACHE_DIR"
+TOKEN_CACHE_ENV = "SCISSORHANDS_TOKEN_CACHE_DIR"
+#: Passed on to the job when set here: the Pushgateway of per-point summaries, cache folders.
+PASS_THROUGH_ENV = ("SCISSORHANDS_PUSHGATEWAY", MODEL_CACHE_ENV, TOKEN_CACHE_ENV)
 #: `ray job submit` runs again when the job server took no job (its job agent was not up yet).
 SUBMIT_ATTEMPTS = 3
 SUBMIT_RETRY_S = 10.0
@@ -247,8 +251,14 @@ def build(args: argparse.Namespace) -> dict:
             GIT_COMMIT_ENV: git_commit(working_dir),
         },
     }
-    if os.environ.get("SCISSORHANDS_PUSHGATEWAY"):  # where the job pushes its per-point summaries
-        runtime_env["env_vars"]["SCISSORHANDS_PUSHGATEWAY"] = os.environ["SCISSORHANDS_PUSHGATEWAY"]
+    if local:  # same machine: the job reuses this checkout's converted model and token caches
+        from scissorhands.models import embedded_cache_dir
+
+        runtime_env["env_vars"][MODEL_CACHE_ENV] = str(embedded_cache_dir())
+        runtime_env["env_vars"][TOKEN_CACHE_ENV] = str(working_dir / ".cache" / "tokens")  # workloads.prompts' default
+    for name in PASS_THROUGH_ENV:  # what the user set here wins (e.g. shared cache paths on a cluster)
+        if os.environ.get(name):
+            runtime_env["env_vars"][name] = os.environ[name]
     if auth_env(dict(os.environ)).get("RAY_AUTH_MODE") == "token":
         # the job's driver joins the cluster with an explicit RAY_ADDRESS, for which Ray does not
         # turn token auth on by itself; the nodes hold the token (~/.ray/auth_token or RAY_AUTH_TOKEN)

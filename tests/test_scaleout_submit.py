@@ -117,12 +117,15 @@ def test_exclude_flag_adds_a_pattern(repo, monkeypatch):
 
 def test_command_passes_suite_results_run_id_and_runtime_env(repo, monkeypatch):
     monkeypatch.chdir(repo)
+    for name in submit.PASS_THROUGH_ENV:
+        monkeypatch.delenv(name, raising=False)
     plan = submit.build(_args(repo, "--run-id", "r1", "--results-dir", "/mnt/shared/results", "--address",
                               "10.0.0.5:8265", "--job-python", "python3", "--", "--replicas", "4"))
     cmd = plan["cmd"]
     assert cmd[1:4] == ["job", "submit", "--address"] and cmd[4] == "http://10.0.0.5:8265"
     assert cmd[cmd.index("--submission-id") + 1] == "sweep-r1"
     env = json.loads(cmd[cmd.index("--runtime-env-json") + 1])
+    assert "SCISSORHANDS_CACHE_DIR" not in env["env_vars"]  # a remote cluster's paths are its own
     assert env["working_dir"] == str(repo)
     assert env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"  # remote: Ray's multi-node behaviour
     assert "SCISSORHANDS_GIT_COMMIT" in env["env_vars"]
@@ -139,7 +142,13 @@ def test_loopback_defaults_results_to_the_repo_and_this_python(repo, monkeypatch
     assert plan["results_dir"] == repo / "results"
     assert plan["entrypoint"][0] == sys.executable
     assert plan["address"] == "http://127.0.0.1:8265"
-    assert plan["runtime_env"]["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # loopback head
+    env = plan["runtime_env"]["env_vars"]
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0"  # loopback head
+    from scissorhands.models import embedded_cache_dir
+
+    # same machine: the job reuses the converted model and the token cache (.cache is not uploaded)
+    assert env["SCISSORHANDS_CACHE_DIR"] == str(embedded_cache_dir())
+    assert env["SCISSORHANDS_TOKEN_CACHE_DIR"] == str(repo / ".cache" / "tokens")
 
 
 @pytest.mark.parametrize(
