@@ -1,0 +1,167 @@
+"""Invariants of the budgeted cache for every policy: real eviction computes the logits of simulation
+over a long generation, memory measured against transformers' own cache, in-place decode storage,
+bookkeeping costs, validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from scissorhands import POLICIES, make_cache
+from scissorhands.testing import tiny_llama
+
+ALL = list(POLICIES)
+EVICTING = [p for p, cls in POLICIES.items() if cls.evicts]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    m = tiny_llama(0)
+    m.generation_config.eos_token_id = None
+    return m
+
+
+def _ids(batch, n, seed=0):
+    return torch.randint(0, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _feed(model, cache, ids, new):
+    """Prefill ``ids``, then feed ``new`` greedy tokens one at a time; returns the per-call logits."""
+    logits = []
+    with torch.inference_mode():
+        out = model(ids, cache=cache)
+        logits.append(out.logits[:, -1])
+        for _ in range(new):
+            out = model(out.logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1)                                            # (batch, new + 1, vocab)
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_real_eviction_equals_simulation_over_a_long_left_padded_generation(model, policy):
+    ids = _ids(2, 24, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    outs = []
+    for simulate in (False, True):
+        cache = make_cache(policy, model, budget_tokens=16, simulate=simulate)
+        outs.append(model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=120, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True, pad_token_id=0))
+        if not simulate:
+            assert max(cache.num_slots()) <= 16 and cache.evicted_tokens > 2 * 2 * 100
+        else:
+            assert cache.num_slots() == [143, 143]                          # nothing removed, only masked
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(outs[0].logits, outs[1].logits)) < 1e-5
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("ratio", [2, 4, 5])
+def test_bytes_at_ratio_r_are_at_most_full_over_r_plus_the_stated_bookkeeping(model, policy, ratio):
+    ids, new = _ids(2, 100, 2), 100                                         # 200 tokens seen in the end
+    full = DynamicCache(config=model.config)
+    _feed(model, full, ids, new)
+    full_bytes = sum(t.numel() * t.element_size() for layer in full.layers for t in (layer.keys, layer.values))
+    cache = make_cache(policy, model, compression_ratio=ratio, max_length=200)
+    _feed(model, cache, ids, new)
+    assert cache.get_seq_length() == 200 and cache.budget_tokens == 200 // ratio
+    pol = cache.policy
+    stated = 4 + pol.state_width * torch.empty((), dtype=pol.state_dtype).element_size()   # bytes per slot and head
+    bookkeeping = 2 * 2 * 2 * cache.budget_tokens * stated                   # layers x rows x kv heads x B
+    assert cache.bookkeeping_bytes() == bookkeeping
+    assert cache.kv_cache_bytes() <= full_bytes / ratio + bookkeeping
+    assert cache.peak_kv_cache_bytes == cache.kv_cache_bytes()               # flat: B slots from the first call
+
+
+def test_decode_tokens_are_written_in_place_between_evictions(model):
+    cache = make_cache("scissorhands", model, budget_tokens=16)               # m = 8: evicts every 8 steps
+    ids = _ids(1, 16, 3)
+    pointers, slots = [], []
+    with torch.inference_mode():
+        out = model(ids, cache=cache)
+        for _ in range(24):
+            out = model(out.logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+            pointers.append(cache.layers[0].store.buffers["keys"].data_ptr())
+            slots.append(cache.layers[0].num_slots)
+    assert slots[:9] == [9, 10, 11, 12, 13, 14, 15, 16, 9]
+    assert len(set(pointers[:8])) == 1 and len(set(pointers[8:16])) == 1    # a new buffer only at an eviction
+    assert cache.layers[0].store.capacity == 16
+
+
+def test_full_with_max_length_allocates_once_and_grows_exactly_without(model):
+    sized, exact = make_cache("full", model, max_length=40), make_cache("full", model)
+    ptrs = []
+    with torch.inference_mode():
+        for cache in (sized, exact):
+            out = model(_ids(1, 10, 4), cache=cache)
+            for _ in range(20):
+                out = model(out.logits[:, -1].argmax(-1, keepdim=True), cache=cache)
+                if cache is sized:
+                    ptrs.append(cache.layers[0].store.buffers["keys"].data_ptr())
+    assert len(set(ptrs)) == 1 and sized.layers[0].store.capacity == 40
+    assert exact.layers[0].store.capacity == exact.layers[0].num_slots == 30
+    assert exact.kv_cache_bytes() == 2 * 2 * 30 * (2 * 16 * 4 + 4)          # layers x heads x slots x (k, v, time)
+
+
+def test_prompt_compression_releases_the_prompt_sized_buffer(model):
+    cache = make_cache("h2o", model, budget_tokens=32)
+    with torch.inference_mode():
+        model(_ids(1, 300, 5), cache=cache)
+    assert all(layer.store.capacity == 32 == layer.num_slots for layer in cache.layers)
+    assert cache.kv_cache_bytes() == 2 * 2 * 32 * (2 * 16 * 4 + 4 + 4)
+
+
+def test_windowed_counts_cost_at_most_5_percent_of_a_16_bit_kv_slot():
+    model = tiny_llama(0, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    model.to(torch.bfloat16)
+    cache = make_cache("scissorhands", model, budget_tokens=16)
+    with torch.inference_mode():
+        model(_ids(1, 40, 6), cache=cache)
+    store = cache.layers[0].store
+    kv = sum(store.buffers[n].numel() * store.buffers[n].element_size() for n in ("keys", "values"))
+    counts = store.buffers["state"].numel() * store.buffers["state"].element_size()
+    assert store.buffers["keys"].shape[-1] == 64 and counts / kv == pytest.approx(8 / 256)
+    assert counts / kv <= 0.05
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(budget_tokens=8, compression_ratio=2), "exactly one"), (dict(), "exactly one"),
+    (dict(budget_tokens=8, max_length=0), "max_length"), (dict(budget_tokens=8, recent_window=8), "budget_tokens"),
+    (dict(budget_tokens=8, drop_tokens=9), "drop_tokens"), (dict(budget_tokens=2.5), "budget_tokens"),
+    (dict(compression_ratio=float("inf")), "compression_ratio"), (dict(budget_tokens=8, simulate=True, kv_bits=8),
+                                                                    "kv_bits"),
+])
+def test_make_cache_validates_and_names_the_field(model, kw, field):
+    with pytest.raises(ValueError, match=field):
+        make_cache("scissorhands", model, **kw)
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_reset_cache_is_reusable_and_num_return_sequences_expands_rows(model, policy):
+    kw = {} if policy == "full" else dict(budget_tokens=10)
+    cache = make_cache(policy, model, **kw)
+    ids = _ids(1, 20, 7)
+    first = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
+                           do_sample=False, pad_token_id=0)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.kv_cache_bytes() == 0
+    again = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
+                           do_sample=False, pad_token_id=0)
+    assert torch.equal(first, again)
+    torch.manual_seed(0)
+    fresh = make_cache(policy, model, **kw)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=fresh, max_new_tokens=12, do_sample=True,
+                         num_return_sequences=3, pad_token_id=0)
+    assert out.shape == (3, 32) and fresh.layers[0].held.shape == (3,)
+    assert policy == "full" or max(fresh.num_slots()) <= 10
+
+
+def test_keys_are_read_only_views_of_the_layer_storage(model):
+    cache = make_cache("scissorhands", model, budget_tokens=8)
+    with torch.inference_mode():
+        model(_ids(1, 6, 8), cache=cache)
+    layer = cache.layers[0]
+    assert layer.keys.data_ptr() == layer.store.buffers["keys"].data_ptr()
+    with pytest.raises(AttributeError, match="read-only"):
+        layer.keys = torch.zeros(1)
