@@ -182,13 +182,15 @@ class ContinuousBatchingEngine:
         clock: seconds, used for every timestamp (default `time.time`, comparable across processes
             of one machine and, with synchronized clocks, across machines).
         replica_id: recorded in every result.
+        metrics: live metrics (a `cluster.metrics.ReplicaMetrics`, or anything with its methods);
+            a failing recorder never stops the engine.
 
     Raises:
         ValueError: from `make_cache` for an invalid policy parameter or budget.
     """
 
     def __init__(self, model, config: EngineConfig, *, eos_token_id: int | None = None,
-                 clock: Callable[[], float] = time.time, replica_id: str = "replica-0"):
+                 clock: Callable[[], float] = time.time, replica_id: str = "replica-0", metrics=None):
         from scissorhands import make_cache
         from scissorhands.batching import sequence_slot_bytes
 
@@ -197,6 +199,7 @@ class ContinuousBatchingEngine:
         self.eos_token_id = eos_token_id
         self.clock = clock
         self.replica_id = replica_id
+        self.metrics = metrics
         self.device = next(model.parameters()).device
         self.budget_tokens = config.resolved_budget_tokens()
         self._cache_kwargs: dict[str, Any] = dict(config.policy_params)
@@ -369,7 +372,22 @@ class ContinuousBatchingEngine:
             self._decode_step()
         self._stats["prefill_s"] += t1 - t0
         self._stats["decode_s"] += time.perf_counter() - t1
+        if self.metrics is not None:
+            layer = self._cache.layers[0] if self._cache is not None else None
+            self._observe("set_running", len(self._running))
+            self._observe("set_queued", len(self._queue))
+            self._observe("set_kv_cache", self._cache.kv_cache_bytes() if layer is not None else 0,
+                          int(layer.held.sum()) if layer is not None and layer.is_initialized else 0)
         return True
+
+    def _observe(self, method: str, *args) -> None:
+        """Call `self.metrics.<method>(*args)`; a recorder error is swallowed (metrics never stop serving)."""
+        if self.metrics is None:
+            return
+        try:
+            getattr(self.metrics, method)(*args)
+        except Exception:  # noqa: BLE001
+            pass
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step until nothing is queued or running (tests, offline batches)."""
@@ -389,6 +407,7 @@ class ContinuousBatchingEngine:
         from scissorhands.batching import merge_rows, select_rows
 
         ids = torch.tensor([s.request.prompt_ids for s in group], dtype=torch.long, device=self.device)  # (n, L)
+        t0 = time.perf_counter()
         try:
             cache = self._new_cache()
             with torch.inference_mode():
@@ -399,6 +418,9 @@ class ContinuousBatchingEngine:
             self._fail_all(group, e)
             return
         t = self.clock()
+        self._observe("observe_prefill", time.perf_counter() - t0, int(ids.numel()))
+        self._observe("add_evictions", int(cache.layers[0].evicted_tokens))
+        self._observe("add_generated_tokens", len(group))
         self._stats["prefill_calls"] += 1
         self._track_bytes(cache.peak_kv_cache_bytes)
         keep = []
@@ -421,6 +443,8 @@ class ContinuousBatchingEngine:
         """One token for every running sequence, each at its own position; retire finished ones."""
         from scissorhands.batching import row_positions, select_rows
 
+        t0 = time.perf_counter()
+        evicted0 = self._cache.layers[0].evicted_tokens
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=self._next_tokens, position_ids=row_positions(self._cache),
@@ -432,6 +456,9 @@ class ContinuousBatchingEngine:
             self._fail_all(running, e)
             return
         t = self.clock()
+        self._observe("observe_decode_step", time.perf_counter() - t0, len(self._running))
+        self._observe("add_generated_tokens", len(self._running))
+        self._observe("add_evictions", int(self._cache.layers[0].evicted_tokens - evicted0))
         self._stats["decode_steps"] += 1
         self._track_bytes(self._cache.kv_cache_bytes())
         keep = []
@@ -457,6 +484,10 @@ class ContinuousBatchingEngine:
         if eos or len(r.output_ids) >= seq.request.max_new_tokens:
             r.finish_reason = "eos" if eos else "length"
             r.finish_time_s = t
+            if self.metrics is not None and r.received_time_s is not None:
+                self._observe("observe_ttft", max(0.0, r.token_times_s[0] - r.received_time_s))
+                if len(r.output_ids) > 1:
+                    self._observe("observe_tpot", (t - r.token_times_s[0]) / (len(r.output_ids) - 1))
             self._stats["completed"] += 1
             self._done(seq)
             return True

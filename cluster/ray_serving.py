@@ -40,8 +40,8 @@ class ServingReplicaActor(ServingReplica):
         return super().info()
 
     @ray.method(concurrency_group="control")
-    async def configure(self, engine_config: dict) -> dict:
-        return super().configure(engine_config)
+    async def configure(self, engine_config: dict, run_id: str | None = None) -> dict:
+        return super().configure(engine_config, run_id)
 
     @ray.method(concurrency_group="control")
     async def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:

@@ -54,16 +54,27 @@ class ServingReplica:
         if engine_config is not None:
             self.configure(engine_config)
 
-    def configure(self, engine_config: dict | EngineConfig) -> dict:
+    def configure(self, engine_config: dict | EngineConfig, run_id: str | None = None) -> dict:
         """Replace the engine (policy, budget, memory limit); waits for the old one to stop.
+
+        Live metrics (`cluster.metrics.ReplicaMetrics`, labelled with the policy, ratio and `run_id`)
+        are recorded through Ray when it runs, in memory otherwise.
 
         Raises:
             ValueError: an invalid config (the message names the field).
         """
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.shutdown()
+        metrics = None
+        try:
+            from cluster.metrics import ReplicaMetrics
+
+            metrics = ReplicaMetrics(cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec,
+                                     run_id or "adhoc")
+        except Exception:  # noqa: BLE001 - serving never depends on the metrics exporter
+            metrics = None
         self.engine = ContinuousBatchingEngine(self.model, cfg, eos_token_id=self.eos_token_id,
-                                               replica_id=self.replica_id)
+                                               replica_id=self.replica_id, metrics=metrics)
         self.loop = EngineLoop(self.engine).start()
         return ServingReplica.info(self)          # the plain one (the Ray wrapper's `info` is async)
 

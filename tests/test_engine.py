@@ -139,3 +139,21 @@ def test_engine_loop_serves_requests_from_other_threads(model):
 def test_engine_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field.replace(",", ",")):
         EngineConfig(**kw)
+
+
+def test_engine_feeds_the_live_replica_metrics(model):
+    from cluster.metrics import ReplicaMetrics
+
+    rm = ReplicaMetrics("scissorhands", None, "r0", "tiny-llama", "run", use_ray=False)
+    engine = ContinuousBatchingEngine(model, EngineConfig(policy="scissorhands", budget_tokens=16), metrics=rm)
+    for i in range(3):
+        engine.submit(GenerationRequest(f"r{i}", list(range(1, 30)), 5), lambda r: None)
+    engine.run_until_idle()
+    snap = rm.snapshot()
+    assert snap["scissorhands_generated_tokens_total"] == 15            # 3 requests x 5 ids
+    assert snap["scissorhands_prefill_tokens_total"] == 3 * 29
+    # layer 0: each prompt compressed to B (29 - 16), then one decode eviction of m = B // 2 = 8 per row
+    assert snap["scissorhands_evicted_tokens_total"] == 3 * (29 - 16) + 3 * 8
+    assert snap["scissorhands_ttft_seconds"][0] == 3 and snap["scissorhands_tpot_seconds"][0] == 3
+    assert list(snap["scissorhands_decode_batch_size"]) == [4, 12.0]          # 4 steps of 3 sequences
+    assert snap["scissorhands_running_sequences"] == 0

@@ -59,11 +59,11 @@ class CountingPool(LocalReplicaPool):
         super().__init__(1, "tiny-llama", model=model)
         self.configured, self.kill_at = 0, kill_at
 
-    def configure(self, cfg):
+    def configure(self, cfg, run_id=None):
         self.configured += 1
         if self.configured == self.kill_at:
             raise KeyboardInterrupt("killed during this point")
-        super().configure(cfg)
+        super().configure(cfg, run_id)
 
 
 def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_path, tiny_model):
@@ -138,7 +138,7 @@ class FakePool:
     def start(self):
         return [{"replica_id": "fake-0"}]
 
-    def configure(self, cfg):
+    def configure(self, cfg, run_id=None):
         self.configured += 1
         kind = self.behaviour(self.configured)
 

@@ -42,7 +42,7 @@ class ReplicaPool(Protocol):
     """What the sweep needs from a set of replicas (Ray actors, or in-process for tests/benchmarks)."""
 
     def start(self) -> list[dict]: ...
-    def configure(self, engine_config: dict) -> None: ...
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None: ...
     def clients(self) -> list: ...
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
     def stats(self, reset: bool = False) -> list[dict]: ...
@@ -70,9 +70,9 @@ class LocalReplicaPool:
         self.replicas = [ServingReplica(replica_id=f"local-{i}", model=model, **self.kwargs) for i in range(self.n)]
         return [r.info() for r in self.replicas]
 
-    def configure(self, engine_config: dict) -> None:
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
         for r in self.replicas:
-            r.configure(engine_config)
+            r.configure(engine_config, run_id)
 
     def clients(self) -> list:
         return list(self.replicas)
@@ -103,6 +103,7 @@ class RayReplicaPool:
         self.actors: list = []
         self.ids: list[str] = []
         self.engine_config: dict | None = None
+        self.run_id: str | None = None
         self.restarts = 0
 
     def _create(self, n: int, first_index: int, prefix: str = "serving") -> list:
@@ -118,11 +119,11 @@ class RayReplicaPool:
         self.ids = [i["replica_id"] for i in infos]
         return infos
 
-    def configure(self, engine_config: dict) -> None:
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
         import ray
 
-        self.engine_config = engine_config
-        ray.get([a.configure.remote(engine_config) for a in self.actors])
+        self.engine_config, self.run_id = engine_config, run_id
+        ray.get([a.configure.remote(engine_config, run_id) for a in self.actors])
 
     def clients(self) -> list:
         from cluster.ray_serving import RayReplicaClient
@@ -164,7 +165,7 @@ class RayReplicaPool:
             (new,) = self._create(1, self.restarts, prefix=f"serving-r{self.restarts}")
             info = ray.get(new.info.remote())
             if self.engine_config is not None:
-                ray.get(new.configure.remote(self.engine_config))
+                ray.get(new.configure.remote(self.engine_config, self.run_id))
             self.actors[k], self.ids[k] = new, info["replica_id"]
             replaced.append(rid)
         return replaced
@@ -186,13 +187,13 @@ def _requests_for(suite: ServingSuite, point: ServingPoint, n: int, tokenizer, v
 
 
 def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, tokenizer=None,
-              vocab_size: int | None = None) -> dict:
+              vocab_size: int | None = None, run_id: str | None = None) -> dict:
     """Run one point on `pool`; return the metrics part of its record (never raises for load errors)."""
     from cluster.router import Router
 
     out: dict[str, Any] = {}
     try:
-        pool.configure(suite.engine_config(point))
+        pool.configure(suite.engine_config(point), run_id)
     except Exception as e:  # noqa: BLE001 - an invalid config / model error ends this point only
         return {"status": "error", "stop_reason": "configure failed", "error": _message(e)}
     max_batch = None
@@ -296,7 +297,7 @@ def run_serving_points(pool: ReplicaPool, suite: ServingSuite, run_id: str, poin
         if point.series in saturated:
             body = {"status": "skipped", "stop_reason": saturated[point.series], "error": None}
         else:
-            body = run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab_size)
+            body = run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab_size, run_id=run_id)
         rec = _record(run_id, commit, suite, point, inventory, body, t0, time.time())
         res.append_record(points_path, rec)
         log(_one_line(rec))
