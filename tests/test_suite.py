@@ -106,3 +106,12 @@ def test_cli_resume_of_unknown_run(tmp_path, capsys):
     path.write_text(yaml.safe_dump(GOOD))
     assert sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "nope"]) == 2
     assert "--resume" in capsys.readouterr().err
+
+
+def test_contention_warning(capsys):
+    rows = [dict(status="ok", process_cpu_s=2.0, e2e_latency_s=10.0, torch_threads=1)]
+    sweep._warn_contention(rows)
+    err = capsys.readouterr().err
+    assert "2 CPU-s in 10 s" in err and "20% of their torch threads" in err and "waited for cores" in err
+    sweep._warn_contention([dict(status="ok", process_cpu_s=9.5, e2e_latency_s=10.0, torch_threads=1)])
+    assert "warning" not in capsys.readouterr().err

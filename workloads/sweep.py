@@ -225,12 +225,29 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise stop
     if (run_dir / "error.json").exists():  # a resumed run got past the earlier stop
         os.remove(run_dir / "error.json")
+    _warn_contention(rows)
     failed_total = sum(1 for r in rows if r.get("status") != "ok")
     missing = len(points) - len(rows)
     if failed_total or missing:
         print(f"sweep: {failed_total} point(s) failed, {missing} not run", file=sys.stderr)
         return 1
     return 1 if failed else 0
+
+
+def _warn_contention(rows: list[dict]) -> None:
+    """Say when the replicas got much less CPU than their torch threads (shared or busy machine):
+    timings are then slower than the hardware allows, though still comparable within the run."""
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("process_cpu_s") and r.get("e2e_latency_s")]
+    if not ok:
+        return
+    cpu_s = sum(r["process_cpu_s"] for r in ok)
+    busy_s = sum(r["e2e_latency_s"] * (r.get("torch_threads") or 1) for r in ok)
+    share = cpu_s / busy_s
+    print(f"sweep: points used {cpu_s:.0f} CPU-s in {sum(r['e2e_latency_s'] for r in ok):.0f} s of point time "
+          f"({share:.0%} of their torch threads)", file=sys.stderr)
+    if share < 0.7:
+        print("sweep: warning: the replicas waited for cores (other load on the machine); "
+              "absolute timings are pessimistic", file=sys.stderr)
 
 
 def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Point], replicas: int, points_path: str) -> int:
