@@ -1,7 +1,7 @@
 """Join one more Ray node to a head on loopback, to try multi-node runs on one machine.
 
     python -m cluster.local_node [--address 127.0.0.1:6379] [--num-cpus 1] [--num-gpus 0]
-                                 [--resources '{"node_b": 1}'] [--metrics-export-port 8081]
+                                 [--resources node_b=1] [--metrics-export-port 8081]
                                  [--object-store-mib 80]
 
 What `make cluster-node` runs after `make cluster-up`. The node runs until this process gets
@@ -30,7 +30,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--address", default="127.0.0.1:6379", help="GCS address of the head (loopback only)")
     p.add_argument("--num-cpus", type=int, default=1)
     p.add_argument("--num-gpus", type=int, default=0)
-    p.add_argument("--resources", default="{}", help='custom resources as JSON, e.g. \'{"node_b": 1}\'')
+    p.add_argument("--resources", default="", help='custom resources: node_b=1[,name=amount] or JSON \'{"node_b": 1}\'')
     p.add_argument("--metrics-export-port", type=int, default=8081,
                    help="this node's Prometheus metrics port (the head's is 8080 with make cluster-up)")
     p.add_argument("--object-store-mib", type=int, default=80)
@@ -38,10 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     host = args.address.rsplit(":", 1)[0]
     if host not in ("127.0.0.1", "localhost"):
         p.error(f"--address: {args.address!r} is not on loopback; on a real cluster use `ray start --address`")
+    text = args.resources.strip()
     try:
-        args.resources = json.loads(args.resources)
-    except json.JSONDecodeError as e:
-        p.error(f"--resources: not JSON: {e}")
+        if text.startswith("{"):
+            args.resources = json.loads(text)
+        else:  # name=amount[,name=amount]: no quotes or spaces, easy to pass through make ARGS=
+            args.resources = {k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv.strip())}
+    except (json.JSONDecodeError, ValueError) as e:
+        p.error(f"--resources: expected name=amount[,name=amount] or a JSON object, got {text!r} ({e})")
     if not isinstance(args.resources, dict):
         p.error("--resources: expected a JSON object of resource name to amount")
     return args
