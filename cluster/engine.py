@@ -16,7 +16,8 @@ Memory accounting, known before admission. The cache of a batch holds `rows * S`
 and head, where `S` is the largest number of slots any row needs (rows are padded to it), and one
 slot in every layer costs `slot_bytes` (measured once, bookkeeping included). A budgeted sequence
 needs `final_slots = B` (its layers preallocate the budget, so decode writes in place); a full-cache
-sequence of `prompt_tokens` and `max_new_tokens` ends at `prompt + max_new - 1` tokens. A set of
+sequence of `prompt_tokens` and `max_new_tokens` ends at `prompt + max_new - 1` tokens (or holds
+`max_length_tokens` preallocated, when the config gives it). A set of
 rows is admitted only when
 
 * steady state: `rows * max(final_slots) * slot_bytes <= kv_memory_limit_bytes`, and
@@ -52,7 +53,8 @@ class EngineConfig:
         policy_params: the policy's keyword parameters.
         budget_tokens: slots per KV head per sequence (B); wins over `compression_ratio`.
         compression_ratio: `B = ceil(max_length_tokens / ratio)`; needs `max_length_tokens`.
-        max_length_tokens: the longest prompt + output of the workload (tokens), for the ratio.
+        max_length_tokens: the longest prompt + output of the workload (tokens): fixes B for a ratio;
+            with the full cache every row preallocates it (decode writes in place, no regrowth).
         kv_memory_limit_bytes: the KV memory the running batch may hold (bytes).
         kv_memory_fraction: else this fraction (0..1] of the device's memory (GPU total, or RAM).
             Neither: no memory limit.
@@ -203,6 +205,11 @@ class ContinuousBatchingEngine:
         self.device = next(model.parameters()).device
         self.budget_tokens = config.resolved_budget_tokens()
         self._cache_kwargs: dict[str, Any] = dict(config.policy_params)
+        # slots every row's buffers preallocate: B (budgeted), the workload's longest sequence (full,
+        # when max_length_tokens is given), or None (full: buffers grow with the longest row)
+        self.row_capacity = self.budget_tokens if self.budget_tokens is not None else config.max_length_tokens
+        if self.budget_tokens is None and config.max_length_tokens is not None:
+            self._cache_kwargs["max_length"] = config.max_length_tokens
         if self.budget_tokens is not None:
             # max_length = B: every layer preallocates B slots per row, so decode tokens are written in
             # place; a sequence then holds B slots from its prefill on (its bytes, known in advance)
@@ -226,12 +233,17 @@ class ContinuousBatchingEngine:
 
     # ------------------------------------------------------------------ accounting
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Slots a sequence's row needs at most: ``B`` (preallocated), or ``prompt + max_new - 1`` (full)."""
-        return prompt_tokens + max_new_tokens - 1 if self.budget_tokens is None else self.budget_tokens
+        """Slots a sequence's row needs at most: ``B`` (budgeted), else ``prompt + max_new - 1`` or the
+        preallocated ``max_length_tokens``, whichever is larger."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return max(prompt_tokens + max_new_tokens - 1, self.row_capacity or 0)
 
     def _prefill_slots(self, prompt_tokens: int) -> int:
-        """Slots one row holds per layer after its prefill (B preallocated, or the prompt)."""
-        return prompt_tokens if self.budget_tokens is None else self.budget_tokens
+        """Slots one row holds per layer after its prefill (the preallocated capacity, or the prompt)."""
+        if self.budget_tokens is not None:
+            return self.budget_tokens
+        return max(prompt_tokens, self.row_capacity or 0)
 
     def prefill_peak_bytes(self, rows: int, prompt_tokens: int) -> int:
         """Peak bytes of a prefill cache of `rows` prompts of `prompt_tokens` (all layers): the layers
@@ -463,8 +475,8 @@ class ContinuousBatchingEngine:
         self._track_bytes(self._cache.kv_cache_bytes())
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, tokens)):
-            if self.budget_tokens is None:
-                seq.held_slots += 1
+            if self.row_capacity is None or seq.held_slots < self.row_capacity:
+                seq.held_slots += 1       # the full cache's buffers grow past their capacity
             if not self._emit(seq, tok, t):
                 keep.append(i)
         if len(keep) < len(self._running):

@@ -65,7 +65,8 @@ def test_requests_joining_a_running_batch_get_their_batch_of_one_tokens(model, c
         assert res.received_time_s <= res.admitted_time_s <= res.token_times_s[0]
 
 
-@pytest.mark.parametrize("cfg_kw", [dict(), SH], ids=["full", "scissorhands-B16"])
+@pytest.mark.parametrize("cfg_kw", [dict(), dict(max_length_tokens=50), SH],
+                         ids=["full", "full-preallocated", "scissorhands-B16"])
 def test_admission_never_exceeds_the_kv_memory_limit(model, cfg_kw):
     probe = ContinuousBatchingEngine(model, EngineConfig(**cfg_kw))
     reqs = _requests(12, seed=2, prompt=(20, 30), new=(10, 20))

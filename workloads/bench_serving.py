@@ -6,10 +6,12 @@
    KV bytes are checked) of identical requests through the continuous-batching engine.
    Ratio: output tokens/s of Scissorhands at `--ratio` / output tokens/s of full (goal >= 3x).
 2. Our engine vs transformers' `generate`, both with the full cache, at the same batch (full's max
-   batch): the same requests (real-text prompts, output lengths drawn uniformly from
-   [`--new-tokens` / 4, `--new-tokens`]); `generate` runs them in static batches (each batch runs to
-   its longest request, EOS ignored), the engine with continuous batching (a finished sequence's
-   slot is refilled at once). Useful output tokens/s, ratio engine / generate (goal >= 1.3x).
+   batch): the same requests, a serving mix (real-text prompts of lengths drawn uniformly from
+   [`--prompt-tokens` / 4, `--prompt-tokens`], output lengths from [`--new-tokens` / 4,
+   `--new-tokens`]); `generate` runs them in static batches (prompts left-padded to the longest of
+   the batch, each batch running to its longest output, EOS ignored), the engine with continuous
+   batching (no padding; a finished sequence's slot is refilled at once). Useful output tokens/s
+   (the tokens each request asked for), ratio engine / generate (goal >= 1.3x).
 
 Output tokens/s = output tokens / wall time from submitting the requests to the last token
 (prefill included). Decode tokens/s (tokens of decode steps / time in decode steps) is printed
@@ -90,9 +92,12 @@ def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch):
         chunk = requests[i:i + batch]
-        ids = torch.tensor([r.prompt_ids for r in chunk])                                  # (b, prompt)
+        width = max(len(r.prompt_ids) for r in chunk)
+        # (b, width) left-padded prompts and their mask, as a transformers user batches them
+        ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk])
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk])
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+            out = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
                                  max_new_tokens=max(r.max_new_tokens for r in chunk), do_sample=False,
                                  eos_token_id=None, pad_token_id=0)
         for r, row in zip(chunk, out[:, ids.shape[1]:].tolist()):
@@ -116,7 +121,7 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = None
     vocab = int(model.config.vocab_size)
     P, N = args.prompt_tokens, args.new_tokens
-    probe = ContinuousBatchingEngine(model, EngineConfig())
+    probe = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=P + N))   # as the full run below
     limit = args.full_batch * probe.final_slots(P, N) * probe.slot_bytes
     print(f"bench-serving: model {args.model} loaded in {time.perf_counter() - t_load:.1f} s; {torch.get_num_threads()} "
           f"torch thread(s); prompt {P} tok, {N} new tok; KV limit {limit / 2**20:.1f} MiB "
@@ -125,9 +130,9 @@ def main(argv=None) -> int:
     # -- part 1: each policy at its own max batch under the limit
     rows = []
     for policy, ratio in (("full", None), ("scissorhands", args.ratio)):
-        kw = dict(policy=policy, kv_memory_limit_bytes=limit)
+        kw = dict(policy=policy, kv_memory_limit_bytes=limit, max_length_tokens=P + N)
         if ratio is not None:
-            kw.update(compression_ratio=ratio, max_length_tokens=P + N)
+            kw.update(compression_ratio=ratio)
         cfg = EngineConfig(**kw)
         b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
         prompts = _prompts(tokenizer, vocab, b, P, args.seed)
@@ -146,11 +151,12 @@ def main(argv=None) -> int:
     m = args.generate_requests or 2 * b
     rng = np.random.default_rng(args.seed + 1)
     lengths = rng.integers(max(1, N // 4), N + 1, size=m).tolist()
-    prompts = _prompts(tokenizer, vocab, m, P, args.seed + 1)
+    p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
+    prompts = [_prompts(tokenizer, vocab, 1, int(n), args.seed + 1 + i)[0] for i, n in enumerate(p_lengths)]
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
     gen = _run_generate(model, reqs, b)
-    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit), reqs)
+    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)
     same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
     ratio_engine = eng["output_tok_per_s"] / gen["output_tok_per_s"]
 
@@ -161,7 +167,7 @@ def main(argv=None) -> int:
 
     lines = [
         f"Conditions: model {args.model}, float32, CPU, {torch.get_num_threads()} torch thread(s), one replica in "
-        f"process; prompts {P} tokens of real text; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
+        f"process; prompts {P} tokens of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
         f"{args.full_batch} full-cache sequences of {P} + {N} tokens.",
         "",
         "| run | batch | output tokens | wall (s) | output (tok/s) | decode (tok/s) | peak KV (MiB) | note |",
@@ -169,7 +175,8 @@ def main(argv=None) -> int:
         row("full, max batch", full["max_batch"], full, f"verified {full['verified']}"),
         row(f"scissorhands x{args.ratio:g}, max batch", sh["max_batch"], sh,
             f"B = {sh['budget_tokens']} slots; verified {sh['verified']}"),
-        row("transformers generate, full", b, gen, f"{m} requests, outputs {min(lengths)}-{max(lengths)} tok, static batches"),
+        row("transformers generate, full", b, gen, f"{m} requests, prompts {min(p_lengths)}-{max(p_lengths)} tok, "
+            f"outputs {min(lengths)}-{max(lengths)} tok, static batches"),
         row("our engine, full", b, eng, f"same requests, continuous batching; identical tokens {same}/{m}"),
         "",
         f"| ratio | measured | goal |",
