@@ -87,16 +87,16 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
 
 def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_path, tiny_model):
     suite = _suite(tmp_path, mode="max_batch", prompt_tokens=40, output_tokens=10, compression_ratios=[5],
-                   kv_memory_limit_bytes=6 * 49 * 528, rounds=1)
+                   kv_memory_limit_bytes=6 * 50 * 528, rounds=1)
     rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
     assert rc == 0
     full, sh = _lines(tmp_path / "r" / "run" / "points.jsonl")
-    assert full["max_batch_size"] == 6                         # limit / (49 final slots * 528 B)
+    assert full["max_batch_size"] == 6                         # limit / (50 preallocated slots * 528 B)
     assert sh["max_batch_size"] >= 3 * full["max_batch_size"]
     for r in (full, sh):
         assert r["max_batch_verified"] is True
         assert max(r["peak_running_sequences_per_replica"]) == r["max_batch_size"]
-        assert r["kv_cache_bytes"] <= 6 * 49 * 528
+        assert r["kv_cache_bytes"] <= 6 * 50 * 528
     assert (tmp_path / "r" / "run" / "throughput_vs_batch.png").exists()
 
 

@@ -142,9 +142,7 @@ class ServingSuite:
         cfg = dict(policy=point.policy, policy_params=dict(point.policy_params), budget_tokens=point.budget_tokens,
                    compression_ratio=point.compression_ratio, kv_memory_limit_bytes=self.kv_memory_limit_bytes,
                    kv_memory_fraction=self.kv_memory_fraction, max_batch=self.max_batch,
-                   max_prefill_tokens=self.max_prefill_tokens)
-        if point.compression_ratio is not None:
-            cfg["max_length_tokens"] = self.max_length_tokens
+                   max_prefill_tokens=self.max_prefill_tokens, max_length_tokens=self.max_length_tokens)
         return cfg
 
     def load_config(self, point: ServingPoint, max_batch: int | None = None) -> LoadConfig:
