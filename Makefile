@@ -15,6 +15,7 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: install sweep test test-fast cluster-up cluster-down clean
 .PHONY: submit gpu-check cluster-node
 .PHONY: dashboards-up dashboards-down
+.PHONY: bench-serving
 
 install: $(VENV)/.installed
 
@@ -31,6 +32,12 @@ $(VENV)/.installed: pyproject.toml
 
 sweep: install
 	$(PY) -m workloads.sweep $(SUITE) $(ARGS)
+
+# Serving benchmark (one replica in process, embedded model): Scissorhands x5 vs full at their own max
+# batch under one KV memory limit, and our engine vs transformers' generate. Sizes: BENCH_ARGS.
+BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 64 --full-batch 4 --ratio 5
+bench-serving: install
+	$(PY) -m workloads.bench_serving $(BENCH_ARGS) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q tests $(ARGS)
