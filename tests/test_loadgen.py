@@ -173,9 +173,13 @@ def test_gamma_burstiness_changes_the_spread_not_the_mean_rate():
 
 def test_batch_mode_sends_static_batches():
     fake = FakeReplica(script=lambda r: Script(ttft_s=0.2 + 0.1 * int(r.request_id.split("#")[1]), gap_s=0.01))
-    res = _run(fake, requests(12), LoadConfig(mode="batch", batch_size=4, num_requests=12))
+    res = _run(fake, requests(12), LoadConfig(mode="batch", batch_size=4, num_requests=12, warmup_requests=1))
+    warm = [r for r in res.records if r.warmup]
+    assert len(warm) == 1 and warm[0].send_time_s == 0   # the warm-up request runs alone first
+    res.records = [r for r in res.records if not r.warmup]
     sends = sorted({round(r.send_time_s, 9) for r in res.records})
-    assert len(sends) == 3                               # three waves of four
+    assert len(sends) == 3                               # then three waves of four
+    assert all(sum(round(r.send_time_s, 9) == t for r in res.records) == 4 for t in sends)
     first_wave_done = max(r.finish_time_s for r in res.records if r.send_time_s == sends[0])
     assert sends[1] == pytest.approx(first_wave_done)
 

@@ -269,11 +269,16 @@ class _Run:
 
     # -- modes
     async def run_batch(self) -> None:
+        pushed = None                    # warm-up and measured requests never share a batch
         while True:
-            batch = []
-            for _ in range(self.cfg.batch_size):
+            batch = [pushed] if pushed is not None else []
+            pushed = None
+            while len(batch) < self.cfg.batch_size:
                 nxt = self.next_index()
                 if nxt is None:
+                    break
+                if batch and nxt[1] != batch[0][1]:
+                    pushed = nxt
                     break
                 batch.append(nxt)
             if not batch:
