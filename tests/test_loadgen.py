@@ -180,7 +180,7 @@ def test_batch_mode_sends_static_batches():
     sends = sorted({round(r.send_time_s, 9) for r in res.records})
     assert len(sends) == 3                               # then three waves of four
     assert all(sum(round(r.send_time_s, 9) == t for r in res.records) == 4 for t in sends)
-    first_wave_done = max(r.finish_time_s for r in res.records if r.send_time_s == sends[0])
+    first_wave_done = max(r.finish_time_s for r in res.records if round(r.send_time_s, 9) == sends[0])
     assert sends[1] == pytest.approx(first_wave_done)
 
 
