@@ -276,6 +276,10 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
     except Exception:  # noqa: BLE001 - test model names
         pass
     rec.update(body)
+    from workloads.sweep import _resolved_params
+
+    # every parameter with its default filled in, plus the effective recent window / drop count for B
+    rec["policy_params"] = _resolved_params(point, body.get("budget_tokens"))
     return rec
 
 
