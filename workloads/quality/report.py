@@ -89,6 +89,12 @@ def markdown(records: list[dict]) -> str:
                      f"({first.get('windows')} window(s) of {first['settings'].get('tokens')}), seed {first.get('seed')}; "
                      f"budget B per ratio: " + ", ".join(f"{k:g}x: {v}" for k, v in sorted(budgets.items())) +
                      " tokens.\n\n" + _md(h, rows))
+        mib = [{**r, "peak_kv_cache_mib": r["peak_kv_cache_bytes"] / res.MIB} for r in ppl
+               if r.get("peak_kv_cache_bytes") is not None]
+        if mib:
+            h, rows, _ = _grid(mib, "peak_kv_cache_mib", ".2f")
+            parts.append(f"Peak KV cache held while scoring (MiB, {first.get('dtype')} model, bookkeeping, 4-bit "
+                         "scales and zero points included; the column headers are nominal ratios):\n\n" + _md(h, rows))
     few = [r for r in ok if r.get("kind") == "fewshot"]
     for task in sorted({r["task"] for r in few}):
         rs = [r for r in few if r["task"] == task]
