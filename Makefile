@@ -84,5 +84,11 @@ QUALITY_SUITE ?= workloads/suites/quality.yaml
 quality: install
 	$(PY) -m workloads.quality.runner $(QUALITY_SUITE) $(ARGS)
 
+# Decode-step cost of every policy vs full, side by side in one run (embedded model, batch 8, context 1,024,
+# 128 decode steps; see bench/bench_cache.py). Not a test: it prints a table (README "## Benchmarks").
+.PHONY: bench-cache
+bench-cache: install
+	$(PY) bench/bench_cache.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) results .cache

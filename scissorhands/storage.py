@@ -80,12 +80,19 @@ class SlotStore:
 
         The new buffers have ``max(capacity, n_keep)`` slots, so a prompt-sized buffer is released.
         """
-        n_keep = idx.shape[-1]
+        b, h, n_keep = idx.shape
+        # whole slots are copied as rows of a flat (b * h * capacity, *trailing) view: index_select copies
+        # contiguous rows, many times faster than torch.gather with an index expanded over head_dim
+        rows = None
         for name, buf in self.buffers.items():
-            trailing = buf.shape[3:]
-            index = idx.view(*idx.shape, *(1,) * len(trailing)).expand(*idx.shape, *trailing)   # (b, h, k, *trailing)
-            new = buf.new_empty(buf.shape[0], buf.shape[1], max(capacity, n_keep), *trailing)
-            torch.gather(buf[:, :, :self.num_slots], 2, index, out=new[:, :, :n_keep])
+            buf = buf.contiguous()
+            cap, trailing = buf.shape[2], buf.shape[3:]
+            if rows is None or rows[1] != cap:
+                base = torch.arange(b * h, device=idx.device)[:, None] * cap                   # (b * h, 1)
+                rows = ((base + idx.reshape(b * h, n_keep)).reshape(-1), cap)                  # (b * h * k,)
+            kept = buf.view(b * h * cap, *trailing).index_select(0, rows[0])                   # (b * h * k, *trailing)
+            new = buf.new_empty(b, h, max(capacity, n_keep), *trailing)
+            new[:, :, :n_keep] = kept.view(b, h, n_keep, *trailing)
             self.buffers[name] = new
         self.num_slots = n_keep
 
