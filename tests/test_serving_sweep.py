@@ -35,7 +35,7 @@ def _suite(tmp: Path, name="s", **kw) -> str:
 
 def _args(suite: str, results: Path, run_id="run", resume=None) -> argparse.Namespace:
     return argparse.Namespace(suite=suite, replicas=None, results_dir=str(results), run_id=None if resume else run_id,
-                              resume=resume, address=None)
+                              resume=resume, address=None, pushgateway="off")
 
 
 def _lines(path: Path) -> list[dict]:
@@ -79,6 +79,7 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         assert r["ttft_n"] == 6 and r["ttft_p99_low_confidence"] is True and r["ttft_p50_s"] > 0
         assert r["output_throughput_tok_per_s"] > 0 and r["kv_cache_bytes"] > 0
         assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
+    assert [r["concurrency"] for r in recs] == [1, 4, 1, 4]       # the pushed series' labels
     assert recs[1]["achieved_peak_concurrency"] == 4 and max(recs[1]["peak_running_sequences_per_replica"]) >= 2
     assert recs[2]["budget_tokens"] == 16                     # ceil((24 + 8) / 2)
     assert "TTFT p50/p99 (s)" in (run / "table.md").read_text()
@@ -94,7 +95,8 @@ def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_pat
     assert full["max_batch_size"] == 6                         # limit / (50 preallocated slots * 528 B)
     assert sh["max_batch_size"] >= 3 * full["max_batch_size"]
     for r in (full, sh):
-        assert r["max_batch_verified"] is True
+        assert r["max_batch_verified"] is True and r["batch_size"] == r["max_batch_size"]
+        assert (r["prompt_tokens"], r["new_tokens"]) == (40, 10)
         assert max(r["peak_running_sequences_per_replica"]) == r["max_batch_size"]
         assert r["kv_cache_bytes"] <= 6 * 50 * 528
     assert (tmp_path / "r" / "run" / "throughput_vs_batch.png").exists()

@@ -266,7 +266,14 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
         "dtype": suite.dtype, "device": suite.device, "policy": point.policy, "policy_params": point.policy_params,
         "compression_ratio": point.compression_ratio, "budget_tokens_requested": point.budget_tokens,
         "series": point.series, "load": point.load, "seed": point.seed,
-        "prompt_tokens": dataclasses.asdict(suite.prompt_tokens), "output_tokens": dataclasses.asdict(suite.output_tokens),
+        # exact lengths when fixed (labels of the pushed series), the distributions always
+        "prompt_tokens": suite.prompt_tokens.value if suite.prompt_tokens.dist == "fixed" else None,
+        "new_tokens": suite.output_tokens.value if suite.output_tokens.dist == "fixed" else None,
+        "prompt_tokens_dist": dataclasses.asdict(suite.prompt_tokens),
+        "output_tokens_dist": dataclasses.asdict(suite.output_tokens),
+        "batch_size": point.load if suite.mode == "serving-batch" else None,
+        "concurrency": point.load if suite.mode == "concurrency" else None,
+        "request_rate": point.load if suite.mode == "rate" else None,
         "ray_nodes": inventory, "started_at_unix_s": t0, "finished_at_unix_s": t1,
     }
     try:
@@ -276,6 +283,8 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
     except Exception:  # noqa: BLE001 - test model names
         pass
     rec.update(body)
+    if suite.mode == "max_batch":
+        rec["batch_size"] = body.get("max_batch_size")
     from workloads.sweep import _resolved_params
 
     # every parameter with its default filled in, plus the effective recent window / drop count for B
@@ -284,8 +293,14 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
 
 
 def run_serving_points(pool: ReplicaPool, suite: ServingSuite, run_id: str, points_path: str, *, commit: str,
-                       inventory=None, tokenizer=None, vocab_size: int | None = None, log=print) -> int:
-    """Run the suite's pending points on a started pool; return how many failed (status `error`)."""
+                       inventory=None, tokenizer=None, vocab_size: int | None = None, log=print,
+                       publish=None) -> int:
+    """Run the suite's pending points on a started pool; return how many failed (status `error`).
+
+    `publish(record)` records a finished point (default: append it to `points_path`; the sweep passes
+    a `workloads.push.PointPublisher`, which appends it, then pushes it to the Pushgateway).
+    """
+    publish = publish or (lambda rec: res.append_record(points_path, rec))
     done = {r["point_id"]: r for r in res.read_records(points_path) if r.get("status") in TERMINAL}
     failed = 0
     saturated: dict[str, str] = {r["series"]: r["stop_reason"] for r in done.values()
@@ -303,7 +318,7 @@ def run_serving_points(pool: ReplicaPool, suite: ServingSuite, run_id: str, poin
         else:
             body = run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab_size, run_id=run_id)
         rec = _record(run_id, commit, suite, point, inventory, body, t0, time.time())
-        res.append_record(points_path, rec)
+        publish(rec)
         log(_one_line(rec))
         if rec["status"] == "error":
             failed += 1
@@ -430,9 +445,13 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - e.g. the model path does not exist
                 raise SweepError(f"replica failed to start: {_message(e)}", 1) from None
             print(f"sweep: {len(infos)} serving replica(s) ready", file=sys.stderr)
+            from workloads.push import PointPublisher, SweepPusher
+
+            publish = PointPublisher(points_path, SweepPusher(getattr(args, "pushgateway", None), run_id),
+                                     done=len(done), planned=len(suite.points()))
             failed = run_serving_points(pool, suite, run_id, points_path, commit=commit, inventory=inventory,
                                         tokenizer=tokenizer, vocab_size=vocab,
-                                        log=lambda s: print(s, file=sys.stderr))
+                                        log=lambda s: print(s, file=sys.stderr), publish=publish)
         finally:
             pool.close()
             if started_ray:
