@@ -401,6 +401,17 @@ class ContinuousBatchingEngine:
         except Exception:  # noqa: BLE001
             pass
 
+    def abort_all(self, message: str) -> int:
+        """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
+        when `step()` is not running (the loop stopped)."""
+        with self._lock:
+            seqs = list(self._queue) + self._running
+            self._queue.clear()
+        self._running, self._cache, self._next_tokens = [], None, None
+        for seq in seqs:
+            self._fail(seq, "error", message)
+        return len(seqs)
+
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step until nothing is queued or running (tests, offline batches)."""
         for _ in range(max_steps):
@@ -556,7 +567,11 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop stepping; requests still queued or running are answered with an error, never left waiting."""
         self._stop.set()
         with self.engine._lock:
             self.engine._lock.notify_all()
-        self._thread.join(timeout_s)
+        if self._thread.ident is not None:                  # started
+            self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.abort_all("the replica's engine was stopped (reconfigured or shut down)")

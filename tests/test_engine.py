@@ -158,3 +158,15 @@ def test_engine_feeds_the_live_replica_metrics(model):
     assert snap["scissorhands_ttft_seconds"][0] == 3 and snap["scissorhands_tpot_seconds"][0] == 3
     assert list(snap["scissorhands_decode_batch_size"]) == [4, 12.0]          # 4 steps of 3 sequences
     assert snap["scissorhands_running_sequences"] == 0
+
+
+def test_stopping_the_loop_answers_the_requests_it_still_holds(model):
+    engine = ContinuousBatchingEngine(model, EngineConfig(max_batch=1))
+    done = []
+    for i in range(3):
+        engine.submit(GenerationRequest(f"r{i}", [1, 2, 3], 50), done.append)
+    engine.step()                                            # r0 running, r1 and r2 queued
+    loop = EngineLoop(engine)
+    loop.stop()                                              # never started: nothing to join
+    assert sorted((r.request_id, r.error_kind) for r in done) == [("r0", "error"), ("r1", "error"), ("r2", "error")]
+    assert "stopped" in done[0].error and engine.running == 0 and engine.queued == 0
