@@ -337,7 +337,8 @@ def _one_line(rec: dict) -> str:
     f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
     return (f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50 "
             f"{f(rec.get('ttft_p50_s'), '.3f')} s (n={rec.get('ttft_n')}), TPOT p50 {f(rec.get('tpot_p50_s'), '.4f')} s, "
-            f"{rec.get('completed_requests')}/{rec.get('sent_requests')} ok")
+            f"{rec.get('completed_requests')}/{rec.get('sent_requests')} ok"
+            + "".join(f"\n          warning: {w}" for w in rec.get("warnings") or [] if not w.startswith("p99:")))
 
 
 TABLE = [  # (header with unit, key, format)
