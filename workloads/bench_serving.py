@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--full-batch", type=int, default=4, help="full-cache sequences the KV limit holds")
     p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands compression ratio")
     p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (default 2 x full batch)")
+    p.add_argument("--skip-generate", action="store_true", help="run part 1 only (no engine vs generate)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench-serving", help="folder for bench.json and bench.md")
@@ -110,6 +111,22 @@ def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
     return {"wall_s": wall, "output_tokens": useful, "output_tok_per_s": useful / wall, "outputs": outputs}
 
 
+def _part2(model, tokenizer, vocab, args, b, limit):
+    P, N = args.prompt_tokens, args.new_tokens
+    m = args.generate_requests or 2 * b
+    rng = np.random.default_rng(args.seed + 1)
+    lengths = rng.integers(max(1, N // 4), N + 1, size=m).tolist()
+    p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
+    prompts = [_prompts(tokenizer, vocab, 1, int(n), args.seed + 1 + i)[0] for i, n in enumerate(p_lengths)]
+    reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
+    print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
+    gen = _run_generate(model, reqs, b)
+    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)
+    same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
+    ratio_engine = eng["output_tok_per_s"] / gen["output_tok_per_s"]
+    return gen, eng, same, ratio_engine, m, lengths, p_lengths
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -148,17 +165,11 @@ def main(argv=None) -> int:
 
     # -- part 2: our engine vs transformers' generate, full cache, same batch
     b = full["max_batch"]
-    m = args.generate_requests or 2 * b
-    rng = np.random.default_rng(args.seed + 1)
-    lengths = rng.integers(max(1, N // 4), N + 1, size=m).tolist()
-    p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
-    prompts = [_prompts(tokenizer, vocab, 1, int(n), args.seed + 1 + i)[0] for i, n in enumerate(p_lengths)]
-    reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
-    print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
-    gen = _run_generate(model, reqs, b)
-    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)
-    same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
-    ratio_engine = eng["output_tok_per_s"] / gen["output_tok_per_s"]
+    gen = eng = None
+    same = ratio_engine = None
+    if not args.skip_generate:
+        gen, eng, same, ratio_engine, m, lengths, p_lengths = _part2(model, tokenizer, vocab, args, b, limit)
+
 
     def row(name, batch, r, extra=""):
         dec = f"{r['decode_tok_per_s']:.1f}" if r.get("decode_tok_per_s") else "-"
@@ -175,25 +186,31 @@ def main(argv=None) -> int:
         row("full, max batch", full["max_batch"], full, f"verified {full['verified']}"),
         row(f"scissorhands x{args.ratio:g}, max batch", sh["max_batch"], sh,
             f"B = {sh['budget_tokens']} slots; verified {sh['verified']}"),
-        row("transformers generate, full", b, gen, f"{m} requests, prompts {min(p_lengths)}-{max(p_lengths)} tok, "
-            f"outputs {min(lengths)}-{max(lengths)} tok, static batches"),
-        row("our engine, full", b, eng, f"same requests, continuous batching; identical tokens {same}/{m}"),
+    ]
+    if gen is not None:
+        lines += [
+            row("transformers generate, full", b, gen, f"{m} requests, prompts {min(p_lengths)}-{max(p_lengths)} tok, "
+                f"outputs {min(lengths)}-{max(lengths)} tok, static batches"),
+            row("our engine, full", b, eng, f"same requests, continuous batching; identical tokens {same}/{m}")]
+    lines += [
         "",
         f"| ratio | measured | goal |",
         f"|---|---|---|",
         f"| Scissorhands x{args.ratio:g} / full, output tok/s at own max batch | {ratio_max_batch:.2f}x | >= 3x |",
         f"| same, decode tok/s only | {ratio_decode:.2f}x | - |" if ratio_decode else "",
-        f"| our engine / transformers generate, full cache, batch {b} | {ratio_engine:.2f}x | >= 1.3x |",
+        f"| our engine / transformers generate, full cache, batch {b} | {ratio_engine:.2f}x | >= 1.3x |"
+        if ratio_engine is not None else "",
     ]
     text = "\n".join(x for x in lines if x is not None) + "\n"
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for r in (full, sh, gen, eng):
-        r.pop("outputs", None)
+        if r is not None:
+            r.pop("outputs", None)
     (out / "bench.json").write_text(json.dumps({
         "args": vars(args), "kv_memory_limit_bytes": limit, "max_batch": {"full": full, "scissorhands": sh},
-        "generate": gen, "engine": eng, "identical_tokens": same, "requests": m,
+        "generate": gen, "engine": eng, "identical_tokens": same,
         "ratio_max_batch_output": ratio_max_batch, "ratio_max_batch_decode": ratio_decode,
         "ratio_engine_vs_generate": ratio_engine}, indent=2, default=str) + "\n")
     (out / "bench.md").write_text(text)
