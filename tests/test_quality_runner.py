@@ -59,7 +59,7 @@ def test_points_cover_every_policy_and_ratio():
         | {(n, r, None) for n in evicting for r in (1.0, 2.0, 5.0)} | {(n, 5.0, 4) for n in evicting})
     few = [p for p in suite.points() if p.kind == "fewshot"]
     assert len(few) == len(ppl) and {p.task for p in few} == {"copa"}
-    assert [p.kind for p in suite.points()][-1] == "persistence"
+    assert [p.kind for p in suite.points()][len(ppl)] == "persistence"
     per_task = parse_suite({**TINY, "fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 20, "piqa": 8},
                                                 "compression_ratios": [3]}})
     few = [p for p in per_task.points() if p.kind == "fewshot"]
@@ -156,4 +156,4 @@ def test_each_point_is_pushed_like_a_sweep_point(tmp_path, monkeypatch):
     suite = _write(tmp_path, {**TINY, "fewshot": None, "persistence": None})
     assert runner.main([suite, "--local", "--pushgateway", "127.0.0.1:1", "--results-dir", str(tmp_path), "--run-id", "p"]) == 0
     assert [r["policy"] for r in pushed] == ["full", "scissorhands", "scissorhands"]
-    assert all(r["perplexity"] > 1 for r in pushed) and progress == [(1, 3), (2, 3), (3, 3)]
+    assert all(r["perplexity"] > 1 for r in pushed) and progress == [(0, 3), (1, 3), (2, 3), (3, 3)]  # 0 / planned before the first point

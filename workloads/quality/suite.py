@@ -100,7 +100,7 @@ class QualitySuite:
         return [(r, None) for r in self.compression_ratios] + list(self.quantized)
 
     def points(self) -> list[QualityPoint]:
-        """Every point, in a stable order: perplexity, few-shot per task, persistence."""
+        """Every point, in a stable order: perplexity, persistence, few-shot per task (in ``fewshot.tasks`` order)."""
         out: list[QualityPoint] = []
 
         def add(**kw):
@@ -111,6 +111,8 @@ class QualitySuite:
                 for r, bits in self.configs(name):
                     add(kind="perplexity", policy=name, policy_params=dict(params), compression_ratio=r, kv_bits=bits,
                         settings=dict(self.perplexity))
+        if self.persistence is not None:               # one cheap point: before the long few-shot queue
+            add(kind="persistence", settings=dict(self.persistence))
         if self.fewshot is not None:
             ratios = self.fewshot.get("compression_ratios")
             for task in self.fewshot["tasks"]:
@@ -121,8 +123,6 @@ class QualitySuite:
                         docs = self.fewshot["docs"]
                         add(kind="fewshot", policy=name, policy_params=dict(params), compression_ratio=r,
                             kv_bits=bits, task=task, settings={"docs": docs.get(task) if isinstance(docs, dict) else docs})
-        if self.persistence is not None:
-            add(kind="persistence", settings=dict(self.persistence))
         return out
 
 
