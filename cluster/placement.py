@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -414,6 +415,7 @@ class PlacedReplica(ModelReplica):
         self.node_id = kwargs["node_id"]
         try:
             device = str(kwargs.get("device", "cpu"))
+            sharded_load_s = None
             if device.startswith("cuda") and kwargs.get("model") is None:
                 import torch
 
@@ -423,11 +425,15 @@ class PlacedReplica(ModelReplica):
                         torch.set_num_threads(int(num_threads))
                     max_memory = gpu_max_memory(visible, fraction=gpu_memory_fraction,
                                                 per_gpu_bytes=max_memory_per_gpu_bytes)
+                    t0 = time.perf_counter()
                     model, tokenizer, self.device_map = load_sharded(
                         kwargs.get("model_spec", "embedded"), kwargs.get("dtype", "float32"), max_memory
                     )
+                    sharded_load_s = time.perf_counter() - t0
                     kwargs.update(model=model, tokenizer=tokenizer, device="cuda:0")
             super().__init__(*args, **kwargs)
+            if sharded_load_s is not None:  # ModelReplica times only the loads it does itself
+                self.live_metrics.observe_model_load(sharded_load_s)
             self.devices = sorted({str(p.device) for p in self.model.parameters()})
         except Exception as e:
             # Keep the actor alive and raise the original error (e.g. FileNotFoundError naming the

@@ -21,6 +21,16 @@ A *point* (one static batch) is a mapping with these keys (units in the names):
 `prefill` (one forward over the prompts, first token = argmax of the last logits) and
 `decode_step` (one forward per further token), timing each with a wall clock, and returns
 a flat dict of metrics (see `run_batch`).
+
+Live metrics: the replica records into a `cluster.metrics.ReplicaMetrics` (through
+`ray.util.metrics` inside a Ray actor, in memory otherwise; labels policy, ratio, replica, model
+spec, run id): the model load time; per point the running sequences (the batch, then 0), queued
+sequences (0: a point is only sent to an idle replica), the prefill forward and one TTFT per
+sequence, every decode step (seconds, batch size), the generated tokens and the KV cache's bytes
+and slots (layer 0: slots per KV head summed over sequences) after every forward, the evictions
+(layer 0, summed over sequences) as they happen, and one TPOT per sequence at the end. That is a
+handful of in-memory records per forward, nothing that waits on the device beyond the timer's
+own synchronisation. The warm-up and `generate_ids` record nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +45,8 @@ from typing import Any, Callable, Mapping
 
 import psutil
 import torch
+
+from cluster.metrics import ReplicaMetrics
 
 #: Test-only model names a suite may use instead of a real model (tiny random weights, no
 #: tokenizer: prompts are random ids drawn with the point's seed). Not for benchmarking.
@@ -113,6 +125,9 @@ class ModelReplica:
         node_id: the cluster node id to record (the Ray wrapper fills it in).
         warmup: run one tiny prefill + decode at construction so one-time costs don't land in
             the first point.
+        run_id: the run whose points this replica serves (label `run_id` of its live metrics).
+        metrics: the live-metrics recorder (injection for tests); default a `ReplicaMetrics`
+            with this replica's labels (Ray metrics inside an actor, in memory without Ray).
 
     Raises:
         FileNotFoundError: `model_spec` is a path that does not exist (the message names it).
@@ -130,6 +145,8 @@ class ModelReplica:
         prompt_fn: PromptFn | None = None,
         node_id: str | None = None,
         warmup: bool = True,
+        run_id: str = "adhoc",
+        metrics: ReplicaMetrics | None = None,
     ):
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
@@ -138,8 +155,12 @@ class ModelReplica:
         self.hostname = socket.gethostname()
         self.model_spec = model_spec
         self.device = torch.device(device)
+        self.live_metrics = metrics if metrics is not None else ReplicaMetrics(
+            "full", None, replica_id, model_spec, run_id)
         if model is None:
+            t0 = time.perf_counter()
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
+            self.live_metrics.observe_model_load(time.perf_counter() - t0)
         self.model = model
         self.tokenizer = tokenizer
         self.prompt_fn = prompt_fn
@@ -279,10 +300,11 @@ class ModelReplica:
         """
         if _warmup:
             point = {**point, "_random_ids": True}
-        _, metrics = self._run(point)
+        live = None if _warmup else self.live_metrics.for_point(point["policy"], point.get("compression_ratio"))
+        _, metrics = self._run(point, live)
         return metrics
 
-    def _run(self, point: Mapping[str, Any]) -> tuple[torch.Tensor, dict]:
+    def _run(self, point: Mapping[str, Any], live: ReplicaMetrics | None = None) -> tuple[torch.Tensor, dict]:
         batch, prompt_tokens, new_tokens = int(point["batch_size"]), int(point["prompt_tokens"]), int(point["new_tokens"])
         if batch < 1 or prompt_tokens < 1 or new_tokens < 1:
             raise ValueError("batch_size, prompt_tokens and new_tokens must all be >= 1")
@@ -294,21 +316,42 @@ class ModelReplica:
             mask = torch.ones(batch, prompt_tokens + new_tokens, dtype=torch.long, device=self.device)
             generated = torch.empty(batch, new_tokens, dtype=torch.long, device=self.device)
 
-            cpu0 = time.process_time()
-            t0 = timer.now()
-            token = self.prefill(input_ids, mask[:, :prompt_tokens], cache)
-            t1 = timer.now()
-            generated[:, 0:1] = token
-            peak_rss = _peak_rss_bytes(peak_rss)
-
-            step_s: list[float] = []
-            for i in range(1, new_tokens):
-                ts = timer.now()
-                token = self.decode_step(token, mask[:, : prompt_tokens + i], cache)
-                step_s.append(timer.now() - ts)
-                generated[:, i : i + 1] = token
+            if live is not None:
+                live.set_running(batch)
+                live.set_queued(0)
+            try:
+                cpu0 = time.process_time()
+                t0 = timer.now()
+                token = self.prefill(input_ids, mask[:, :prompt_tokens], cache)
+                t1 = timer.now()
+                generated[:, 0:1] = token
                 peak_rss = _peak_rss_bytes(peak_rss)
-            cpu_s = time.process_time() - cpu0
+                evicted = 0
+                if live is not None:
+                    live.observe_prefill(t1 - t0, tokens=input_ids.numel())
+                    for _ in range(batch):  # every sequence's first token comes from the prefill
+                        live.observe_ttft(t1 - t0)
+                    evicted = _record_forward(live, cache, batch, evicted)
+
+                step_s: list[float] = []
+                for i in range(1, new_tokens):
+                    ts = timer.now()
+                    token = self.decode_step(token, mask[:, : prompt_tokens + i], cache)
+                    step_s.append(timer.now() - ts)
+                    generated[:, i : i + 1] = token
+                    peak_rss = _peak_rss_bytes(peak_rss)
+                    if live is not None:
+                        live.observe_decode_step(step_s[-1], batch_size=batch)
+                        evicted = _record_forward(live, cache, batch, evicted)
+                cpu_s = time.process_time() - cpu0
+                if live is not None and new_tokens > 1:
+                    tpot_s = sum(step_s) / (new_tokens - 1)
+                    for _ in range(batch):  # a static batch: every sequence has the same TPOT
+                        live.observe_tpot(tpot_s)
+            finally:
+                if live is not None:
+                    live.set_running(0)
+                    live.set_kv_cache(0, 0)
 
         prefill_s = t1 - t0
         decode_s = float(sum(step_s))
@@ -345,6 +388,31 @@ class ModelReplica:
             "model_id": self.model_id,
         }
         return generated, metrics
+
+
+def _kv_slots(cache) -> int:
+    """Slots in use: layer 0's tokens held per KV head, summed over sequences (0 when unknown)."""
+    layers = getattr(cache, "layers", None)
+    held = getattr(layers[0], "held", None) if layers else None
+    return int(held.sum()) if held is not None else 0
+
+
+def _evicted_tokens(cache) -> int:
+    """Token positions layer 0 evicted so far, summed over sequences (per KV head; 0 when unknown)."""
+    layers = getattr(cache, "layers", None)
+    return int(getattr(layers[0], "evicted_tokens", 0)) if layers else 0
+
+
+def _record_forward(live: ReplicaMetrics, cache, batch: int, evicted_before: int) -> int:
+    """After one forward: `batch` tokens generated, the cache's bytes and slots, the new evictions.
+
+    Returns the cache's eviction count now (the next call's `evicted_before`).
+    """
+    live.add_generated_tokens(batch)
+    live.set_kv_cache(cache.kv_cache_bytes(), _kv_slots(cache))
+    evicted = _evicted_tokens(cache)
+    live.add_evictions(evicted - evicted_before)
+    return evicted
 
 
 def budget_from_ratio(prompt_tokens: int, new_tokens: int, compression_ratio: float) -> int:
