@@ -1,0 +1,26 @@
+"""`make bench-serving` end to end on the tiny model (numbers mean nothing; the wiring is checked)."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from workloads import bench_serving
+
+
+def test_bench_serving_runs_both_parts_and_records_verified_max_batches(tmp_path, capsys):
+    torch.set_num_threads(1)
+    rc = bench_serving.main(["--model", "tiny-llama", "--prompt-tokens", "64", "--new-tokens", "12", "--full-batch", "2",
+                             "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    full, sh = data["max_batch"]["full"], data["max_batch"]["scissorhands"]
+    assert full["max_batch"] == 2 and full["verified"] is True
+    assert sh["max_batch"] >= 3 * full["max_batch"] and sh["verified"] is True   # (2 layers: big prefill transient)
+    assert sh["peak_kv_cache_bytes"] <= data["kv_memory_limit_bytes"] >= full["peak_kv_cache_bytes"]
+    assert full["output_tokens"] == 2 * 12 and sh["output_tokens"] == sh["max_batch"] * 12
+    assert data["identical_tokens"] == 4                     # engine == generate, token for token
+    assert data["ratio_max_batch_output"] > 0 and data["ratio_engine_vs_generate"] > 0
+    out = capsys.readouterr().out
+    assert "| Scissorhands x5 / full, output tok/s at own max batch |" in out
+    assert "| our engine / transformers generate, full cache, batch 2 |" in out
