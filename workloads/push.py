@@ -1,14 +1,12 @@
 """Push per-point sweep summaries to a Prometheus Pushgateway, grouped by run.
 
-Usage (what `workloads.sweep` does)::
+Usage (what `workloads.sweep` and `workloads.quality.runner` do, through `PointPublisher`)::
 
-    from workloads.push import SweepPusher
+    from workloads.push import PointPublisher, SweepPusher
     pusher = SweepPusher(None, run_id="20260101-120000-smoke")  # URL from SCISSORHANDS_PUSHGATEWAY
-    pusher.push_progress(0, len(points))
-    for i, point in enumerate(points, 1):
-        record = run_point(point)          # the dict written to points.jsonl
-        pusher.push_point(record)
-        pusher.push_progress(i, len(points))
+    publish = PointPublisher(points_path, pusher, done=0, planned=len(points))  # pushes 0 / planned
+    for point in points:
+        publish(run_point(point))          # appends the record to points.jsonl, then pushes it and i / planned
 
 Every metric is a gauge named in `cluster.metrics.METRICS` (``source="pushgateway"``), kept in
 the pusher's own `CollectorRegistry`; each push sends the whole registry with
@@ -31,6 +29,7 @@ from typing import Any, Mapping
 from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
 
 from cluster.metrics import METRICS, POINT_LABELS, label_value, ratio_label
+from workloads.results import append_record
 
 log = logging.getLogger(__name__)
 
@@ -242,3 +241,31 @@ class SweepPusher:
             return False
         self.pushes += 1
         return True
+
+
+class PointPublisher:
+    """Records each finished point of a run: appends it to the points file, then pushes it.
+
+    Args:
+        points_path: the run's ``points.jsonl``; each record is appended whole
+            (`workloads.results.append_record`) before anything is pushed, so a Pushgateway
+            problem never costs a point.
+        pusher: the run's `SweepPusher` (a disabled or failing one makes pushing a no-op).
+        done: points of the run already finished (a resumed run), planned: points in all.
+
+    Construction pushes the progress ``done / planned``, so the run shows up before its first
+    point ends; every call pushes the point's summary and the progress one point further.
+    """
+
+    def __init__(self, points_path: str, pusher: SweepPusher, done: int, planned: int):
+        self.points_path = str(points_path)
+        self.pusher = pusher
+        self.planned = int(planned)
+        self.done = min(int(done), self.planned)
+        pusher.push_progress(self.done, self.planned)
+
+    def __call__(self, record: Mapping[str, Any]) -> None:
+        append_record(self.points_path, dict(record))
+        self.pusher.push_point(record)
+        self.done = min(self.done + 1, self.planned)
+        self.pusher.push_progress(self.done, self.planned)

@@ -1,7 +1,7 @@
 """Run a sweep suite on Ray replicas and record every point.
 
     python -m workloads.sweep SUITE.yaml [--replicas N] [--results-dir results] [--run-id ID]
-                              [--resume RUN_ID] [--address ADDR]
+                              [--resume RUN_ID] [--address ADDR] [--pushgateway HOST:PORT|off]
 
 * The suite (see `workloads.suite`) expands into points (policy x budget x batch x prompt x new).
 * Ray: joins `--address` (or `$RAY_ADDRESS`, as inside `ray job submit`) when given, otherwise
@@ -13,6 +13,12 @@
   (status `ok`, or `error` with the message; the sweep goes on after an error). `--resume RUN_ID`
   skips the points already `ok` in that file. At the end the table is printed and written to
   `table.md` and `points.csv` next to it.
+* Monitoring: after it is written, each point's summary and the run's progress are pushed to the
+  Pushgateway (`workloads.push`; `--pushgateway`, else `$SCISSORHANDS_PUSHGATEWAY`, else
+  127.0.0.1:9091; one notice line and no failure when none answers). The replicas record live
+  metrics through `ray.util.metrics` (`cluster.metrics.ReplicaMetrics`, labelled with the run
+  id); the embedded Ray runs its dashboard on 127.0.0.1 so that it exports them and writes the
+  service-discovery file Prometheus reads (see `_init_ray`).
 
 Exit status: 0 all points ok; 1 a point failed or no replica could start (e.g. a missing model
 path); 2 the suite or the arguments are invalid (nothing is recorded); 130 interrupted.
@@ -64,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
     p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
+    p.add_argument("--pushgateway", default=None,
+                   help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
+                        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
     return p.parse_args(argv)
 
 
@@ -85,8 +94,37 @@ def _run_dir(args: argparse.Namespace, suite: Suite) -> tuple[str, Path]:
     return run_id, run_dir
 
 
+#: Ray's metrics export interval (ms) for the embedded Ray: the scrape interval of dashboards/prometheus.yml.
+EMBEDDED_METRICS_REPORT_INTERVAL_MS = "5000"
+#: Ray's default dashboard port; the embedded Ray takes another free one when it is in use.
+RAY_DASHBOARD_PORT = 8265
+
+
+def _free_local_port(preferred: int) -> int:
+    """`preferred` when nothing listens on 127.0.0.1:`preferred`, else a free port the OS picks."""
+    import socket
+
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
 def _init_ray(address: str | None):
-    """Join a cluster or start an embedded local one on loopback; return (ray, started_here)."""
+    """Join a cluster or start an embedded local one on loopback; return (ray, started_here).
+
+    The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
+    holds it): its metrics head writes the Prometheus service-discovery file
+    (``/tmp/ray/prom_metrics_service_discovery.json`` links to this session's) listing the node's
+    metrics export port (a free port Ray picks), so a Prometheus started by ``make dashboards-up``
+    scrapes the replicas' live metrics. Metrics are exported every 5 s (the scrape interval;
+    ``$RAY_metrics_report_interval_ms`` wins). Should the dashboard fail to start (a Ray without
+    its dashboard dependencies), Ray starts again without it, after a one-line notice.
+    """
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
@@ -96,7 +134,15 @@ def _init_ray(address: str | None):
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
-    else:
+        return ray, True
+    os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
+    try:
+        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=_free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1")
+    except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
+        ray.shutdown()
+        print(f"sweep: Ray's dashboard did not start ({_error_message(e)[:200]}); running without it: "
+              "no live replica metrics in Prometheus", file=sys.stderr)
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     return ray, True
 
@@ -207,8 +253,12 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     failed, stop = 0, None
     if pending:
+        from workloads.push import PointPublisher, SweepPusher
+
+        publish = PointPublisher(points_path, SweepPusher(getattr(args, "pushgateway", None), run_id),
+                                 done=len(points) - len(pending), planned=len(points))
         try:
-            failed = _run_points(args, suite, run_id, commit, pending, replicas, points_path)
+            failed = _run_points(args, suite, run_id, commit, pending, replicas, publish)
         except SweepError as e:  # still write the table of what is on disk
             stop = e
 
@@ -250,7 +300,8 @@ def _warn_contention(rows: list[dict]) -> None:
               "absolute timings are pessimistic", file=sys.stderr)
 
 
-def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Point], replicas: int, points_path: str) -> int:
+def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Point], replicas: int, publish) -> int:
+    """Run `pending` on `replicas` replica actors; `publish(record)` writes (and pushes) each finished point."""
     from tqdm import tqdm
 
     ray, started_here = _init_ray(args.address)
@@ -266,7 +317,8 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
     try:
         threads, num_cpus, num_gpus = _resources(ray, replicas, suite.device)
         inventory = cluster_inventory()
-        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, prompt_fn=make_prompts)
+        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, prompt_fn=make_prompts,
+                      run_id=run_id)
 
         # one placement-group bundle per replica; resources/strategy from the suite's `placement:`
         rset = ReplicaSet(replicas, suite.placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
@@ -322,7 +374,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                         rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
                                       _error_message(e), t0, time.time())
                         idle.append(actor)
-                    res.append_record(points_path, rec)
+                    publish(rec)
                     bar.update(1)
                     bar.write(_one_line(rec), file=sys.stderr)
         finally:

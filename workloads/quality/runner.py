@@ -145,18 +145,11 @@ def run(args: argparse.Namespace) -> int:
           f"{len(pending)} to run on {where}; results in {run_dir}/", file=sys.stderr)
     failed = 0
     if pending:
-        from workloads.push import SweepPusher
+        from workloads.push import PointPublisher, SweepPusher
 
-        pusher = SweepPusher(args.pushgateway, run_id)
-        done_count = [len(points) - len(pending)]
-
-        def record(rec: dict) -> None:
-            """Append the point's line, then push its summary (perplexity / accuracy gauges) and the progress."""
-            res.append_record(points_path, rec)
-            pusher.push_point(rec)
-            done_count[0] += 1
-            pusher.push_progress(done_count[0], len(points))
-
+        # appends the point's line, then pushes its summary (perplexity / accuracy gauges) and the progress
+        record = PointPublisher(points_path, SweepPusher(args.pushgateway, run_id),
+                                done=len(points) - len(pending), planned=len(points))
         runner = _run_local if args.local else _run_ray
         failed = runner(args, suite, run_id, commit, pending, replicas, record)
 
