@@ -31,6 +31,10 @@ HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "prometheus.yml"
 DEFAULT_DATA_DIR = HERE / "data"
 RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
+#: The embedded Ray of `python -m workloads.sweep` keeps its files in workloads.sweep.EMBEDDED_RAY_TEMP_DIR.
+EMBEDDED_RAY_SD_FILE = "/tmp/scissorhands-ray/prom_metrics_service_discovery.json"
+#: The service-discovery files Prometheus reads by default (both are listed in dashboards/prometheus.yml).
+DEFAULT_SD_FILES = (RAY_SD_FILE, EMBEDDED_RAY_SD_FILE)
 DEBIAN_PACKAGES = ("prometheus", "prometheus-pushgateway")
 HOST = "127.0.0.1"
 
@@ -86,19 +90,20 @@ def install_packages() -> None:
 def render_config(
     prometheus_port: int = 9090,
     pushgateway_port: int = 9091,
-    sd_files: tuple[str, ...] = (RAY_SD_FILE,),
+    sd_files: tuple[str, ...] = DEFAULT_SD_FILES,
     scrape_interval: str = _TEMPLATE_INTERVAL,
     template: Path = TEMPLATE,
 ) -> str:
     """dashboards/prometheus.yml with the given ports, Ray service-discovery files and intervals."""
     text = template.read_text()
-    for needle in (_TEMPLATE_PROMETHEUS, _TEMPLATE_PUSHGATEWAY, RAY_SD_FILE, f"scrape_interval: {_TEMPLATE_INTERVAL}"):
+    template_files = "\n".join(f"          - {f}" for f in DEFAULT_SD_FILES)
+    for needle in (_TEMPLATE_PROMETHEUS, _TEMPLATE_PUSHGATEWAY, template_files, f"scrape_interval: {_TEMPLATE_INTERVAL}"):
         if needle not in text:
             raise ValueError(f"{template}: expected {needle!r} in the template")
     text = text.replace(_TEMPLATE_PROMETHEUS, f"{HOST}:{prometheus_port}")
     text = text.replace(_TEMPLATE_PUSHGATEWAY, f"{HOST}:{pushgateway_port}")
     files = "\n".join(f"          - {f}" for f in sd_files)
-    text = text.replace(f"          - {RAY_SD_FILE}", files)
+    text = text.replace(template_files, files)
     for key in ("scrape_interval", "evaluation_interval", "refresh_interval"):
         text = text.replace(f"{key}: {_TEMPLATE_INTERVAL}", f"{key}: {scrape_interval}")
     return text
@@ -174,7 +179,7 @@ def up(
     data_dir: Path = DEFAULT_DATA_DIR,
     prometheus_port: int = 9090,
     pushgateway_port: int = 9091,
-    sd_files: tuple[str, ...] = (RAY_SD_FILE,),
+    sd_files: tuple[str, ...] = DEFAULT_SD_FILES,
     scrape_interval: str = _TEMPLATE_INTERVAL,
     install: bool = True,
 ) -> dict[str, int]:
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prometheus-port", type=int, default=int(os.environ.get("PROMETHEUS_PORT", 9090)))
     parser.add_argument("--pushgateway-port", type=int, default=int(os.environ.get("PUSHGATEWAY_PORT", 9091)))
     parser.add_argument(
-        "--ray-sd-file", action="append", default=None, help=f"Ray service-discovery file (default {RAY_SD_FILE})"
+        "--ray-sd-file", action="append", default=None, help=f"Ray service-discovery file, repeatable (default {' and '.join(DEFAULT_SD_FILES)})"
     )
     parser.add_argument("--scrape-interval", default=_TEMPLATE_INTERVAL, help="e.g. 5s")
     parser.add_argument("--no-install", action="store_true", help="fail instead of apt-get installing missing binaries")
@@ -291,13 +296,13 @@ def main(argv: list[str] | None = None) -> int:
                 args.data_dir,
                 args.prometheus_port,
                 args.pushgateway_port,
-                tuple(args.ray_sd_file or (RAY_SD_FILE,)),
+                tuple(args.ray_sd_file or DEFAULT_SD_FILES),
                 args.scrape_interval,
                 install=not args.no_install,
             )
             print(f"Prometheus:  http://{HOST}:{args.prometheus_port}  (pid {pids['prometheus']})")
             print(f"Pushgateway: http://{HOST}:{args.pushgateway_port}  (pid {pids['pushgateway']})")
-            print(f"Ray targets: {', '.join(args.ray_sd_file or (RAY_SD_FILE,))}; data and logs: {args.data_dir}")
+            print(f"Ray targets: {', '.join(args.ray_sd_file or DEFAULT_SD_FILES)}; data and logs: {args.data_dir}")
             if args.pushgateway_port != 9091:
                 print(f"sweeps push there with: export SCISSORHANDS_PUSHGATEWAY={HOST}:{args.pushgateway_port}")
         elif args.command == "down":

@@ -13,6 +13,7 @@ import yaml
 
 from cluster.metrics import METRICS, strip_sample_suffix
 from dashboards import check, serve
+from workloads import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 DASH = ROOT / "dashboards"
@@ -139,7 +140,11 @@ def test_grafana_provisioning_points_at_the_dashboards():
 def test_prometheus_config_scrapes_ray_the_pushgateway_and_itself():
     config = yaml.safe_load((DASH / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in config["scrape_configs"]}
-    assert jobs["ray"]["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+    assert jobs["ray"]["file_sd_configs"][0]["files"] == [
+        "/tmp/ray/prom_metrics_service_discovery.json",  # ray start --head, make cluster-up
+        "/tmp/scissorhands-ray/prom_metrics_service_discovery.json",  # the embedded Ray of make sweep
+    ]
+    assert serve.EMBEDDED_RAY_SD_FILE == f"{sweep.EMBEDDED_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
     assert jobs["pushgateway"]["honor_labels"] is True
     assert jobs["pushgateway"]["static_configs"][0]["targets"] == ["127.0.0.1:9091"]
     assert jobs["prometheus"]["static_configs"][0]["targets"] == ["127.0.0.1:9090"]

@@ -56,3 +56,15 @@ def test_publisher_with_a_dead_pushgateway_keeps_every_record_and_says_so_once(t
 def test_sweep_takes_the_pushgateway_flag():
     assert sweep.parse_args(["s.yaml"]).pushgateway is None  # $SCISSORHANDS_PUSHGATEWAY, else 127.0.0.1:9091
     assert sweep.parse_args(["s.yaml", "--pushgateway", "off"]).pushgateway == "off"
+
+
+def test_replicas_stay_up_for_the_last_scrape_only_when_a_pushgateway_answered(monkeypatch):
+    class Publisher:
+        def __init__(self, pushes):
+            self.pusher = type("P", (), {"pushes": pushes})()
+
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "5000")
+    assert sweep._final_scrape_wait_s(Publisher(pushes=3)) == 5.0 + sweep.PROMETHEUS_SCRAPE_INTERVAL_S
+    assert sweep._final_scrape_wait_s(Publisher(pushes=0)) == 0.0  # Pushgateway down or off: no wait
+    monkeypatch.delenv("RAY_metrics_report_interval_ms")
+    assert sweep._final_scrape_wait_s(Publisher(pushes=1)) == 10.0 + sweep.PROMETHEUS_SCRAPE_INTERVAL_S

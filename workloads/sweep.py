@@ -98,6 +98,11 @@ def _run_dir(args: argparse.Namespace, suite: Suite) -> tuple[str, Path]:
 EMBEDDED_METRICS_REPORT_INTERVAL_MS = "5000"
 #: Ray's default dashboard port; the embedded Ray takes another free one when it is in use.
 RAY_DASHBOARD_PORT = 8265
+#: Root folder of the embedded Ray (sessions, logs, its service-discovery file) unless $RAY_TMPDIR
+#: names one. Not /tmp/ray: every Ray head with a dashboard points /tmp/ray's service-discovery link
+#: at its own session and re-points it every 5 s, so with another head on the machine Prometheus would
+#: flip between the two. dashboards/prometheus.yml reads both (`dashboards.serve.EMBEDDED_RAY_SD_FILE`).
+EMBEDDED_RAY_TEMP_DIR = "/tmp/scissorhands-ray"
 
 
 def _free_local_port(preferred: int) -> int:
@@ -118,10 +123,11 @@ def _init_ray(address: str | None):
     """Join a cluster or start an embedded local one on loopback; return (ray, started_here).
 
     The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
-    holds it): its metrics head writes the Prometheus service-discovery file
-    (``/tmp/ray/prom_metrics_service_discovery.json`` links to this session's) listing the node's
-    metrics export port (a free port Ray picks), so a Prometheus started by ``make dashboards-up``
-    scrapes the replicas' live metrics. Metrics are exported every 5 s (the scrape interval;
+    holds it) with its files under `EMBEDDED_RAY_TEMP_DIR` (``$RAY_TMPDIR`` wins): its metrics head
+    writes the Prometheus service-discovery file
+    (``/tmp/scissorhands-ray/prom_metrics_service_discovery.json`` links to this session's) listing
+    the node's metrics export port (a free port Ray picks), so a Prometheus started by
+    ``make dashboards-up`` scrapes the replicas' live metrics. Metrics are exported every 5 s (the scrape interval;
     ``$RAY_metrics_report_interval_ms`` wins). Should the dashboard fail to start (a Ray without
     its dashboard dependencies), Ray starts again without it, after a one-line notice.
     """
@@ -138,7 +144,8 @@ def _init_ray(address: str | None):
     os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
     try:
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=_free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1")
+                 dashboard_port=_free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1",
+                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR)
     except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
         ray.shutdown()
         print(f"sweep: Ray's dashboard did not start ({_error_message(e)[:200]}); running without it: "
@@ -300,6 +307,20 @@ def _warn_contention(rows: list[dict]) -> None:
               "absolute timings are pessimistic", file=sys.stderr)
 
 
+#: Seconds between Prometheus scrapes (dashboards/prometheus.yml).
+PROMETHEUS_SCRAPE_INTERVAL_S = 5.0
+
+
+def _final_scrape_wait_s(publish) -> float:
+    """Seconds to keep the replicas (and an embedded Ray) up after the last point, so that Ray
+    exports the live metrics' last values and Prometheus scrapes them: Ray's export interval
+    (``$RAY_metrics_report_interval_ms``, else Ray's default 10 s) plus one scrape interval.
+    0 when no Pushgateway took a push (no monitoring stack is up)."""
+    if not getattr(getattr(publish, "pusher", None), "pushes", 0):
+        return 0.0
+    return float(os.environ.get("RAY_metrics_report_interval_ms", 10_000)) / 1000 + PROMETHEUS_SCRAPE_INTERVAL_S
+
+
 def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Point], replicas: int, publish) -> int:
     """Run `pending` on `replicas` replica actors; `publish(record)` writes (and pushes) each finished point."""
     from tqdm import tqdm
@@ -381,6 +402,11 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
             bar.close()
         if queue:
             raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
+        wait_s = _final_scrape_wait_s(publish)
+        if wait_s:
+            print(f"sweep: keeping the replicas up {wait_s:g} s more so Prometheus scrapes their last live values",
+                  file=sys.stderr)
+            time.sleep(wait_s)
         return failed
     finally:
         if rset is not None:
