@@ -313,19 +313,25 @@ policies: [full, scissorhands]
 compression_ratios: [2]
 batch_sizes: [1, 2]
 prompt_tokens: [32]
-new_tokens: [8]
+new_tokens: [{new_tokens}]
 seed: 0
 replicas: 1
 """
 TINY_POINTS = 4
+# The live panels are rates over histograms and counters. Prometheus sees an increase only between
+# two scrapes, and a series is born with its first exported value, so each (policy, ratio) needs two
+# observations more than one export + scrape interval apart (1 s here). The points run batch-major
+# (full b1, scissorhands b1, full b2, ...), so a series' two observations lie two points' run time
+# apart: 448 new tokens make a point last about 0.8 s on an idle core (several seconds on a loaded one).
+LIVE_NEW_TOKENS = 448
 
 
-def _run_sweep(stack, tmp_path, run_id: str, pushgateway: str):
+def _run_sweep(stack, tmp_path, run_id: str, pushgateway: str, new_tokens: int = 8):
     """`python -m workloads.sweep` on the tiny model, joined to the test's Ray head."""
     import subprocess
 
     suite = tmp_path / "metrics-test.yaml"
-    suite.write_text(TINY_SUITE)
+    suite.write_text(TINY_SUITE.format(new_tokens=new_tokens))
     env = {
         **os.environ,
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
@@ -367,16 +373,12 @@ def test_sweep_completes_with_the_pushgateway_down(stack, tmp_path):
 @pytest.fixture(scope="module")
 def real_sweep(stack, tmp_path_factory):
     run_id = "metrics-test-real-sweep"
-    proc, points, started = _run_sweep(stack, tmp_path_factory.mktemp("sweep"), run_id, stack["pushgateway"])
+    proc, points, started = _run_sweep(stack, tmp_path_factory.mktemp("sweep"), run_id, stack["pushgateway"],
+                                       new_tokens=LIVE_NEW_TOKENS)
     records = _assert_results_whole(proc, points)
     return {"run_id": run_id, "records": records, "started": started, "finished": time.time()}
 
 
-SWEEP_NOT_WIRED = "workloads.sweep does not call workloads.push.SweepPusher yet (wiring pending)"
-REPLICA_NOT_WIRED = "cluster.replica does not record cluster.metrics.ReplicaMetrics yet (wiring pending)"
-
-
-@pytest.mark.xfail(strict=True, reason=SWEEP_NOT_WIRED)
 def test_real_sweep_feeds_every_sweep_panel(stack, real_sweep):
     prom, run_id = stack["prometheus"], real_sweep["run_id"]
     _wait(lambda: check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{run_id}"}} == {TINY_POINTS}'),
@@ -394,7 +396,6 @@ def test_real_sweep_feeds_every_sweep_panel(stack, real_sweep):
     assert not empty, "sweep panels without data:\n" + "\n".join(empty)
 
 
-@pytest.mark.xfail(strict=True, reason=REPLICA_NOT_WIRED)
 def test_real_sweep_feeds_every_live_panel(stack, real_sweep):
     prom, run_id = stack["prometheus"], real_sweep["run_id"]
     selector = f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}'
@@ -403,7 +404,19 @@ def test_real_sweep_feeds_every_live_panel(stack, real_sweep):
         "step": "1"})
     stamps = [float(t) for series in data["result"] for t, _ in series["values"]]
     assert stamps, f"no live replica metrics of run {run_id} were scraped"
-    rows = check.check(prom, run_id, rate_interval="30s", at={"live-replicas.json": max(stamps)})
+    # the last moment the replicas were scraped, with the rate window over the whole sweep (Grafana's
+    # $__rate_interval widens with the time range shown): every point's observations count, however
+    # long the points took on this machine
+    window_s = math.ceil(max(stamps) - real_sweep["started"]) + 5
+    rows = check.check(prom, run_id, rate_interval=f"{window_s}s", at={"live-replicas.json": max(stamps)})
     empty = [f"{title} [{ref}]: {expr}" for file, title, ref, expr, values in rows
              if file == "live-replicas.json" and not values]
     assert not empty, "live panels without data during the sweep:\n" + "\n".join(empty)
+    # the replicas stay up one export + scrape interval after the last point, so the counters end whole:
+    # one token per sequence per forward (prefill + every decode step)
+    tokens = check.query(prom, f'sum by (policy) (max_over_time(ray_scissorhands_generated_tokens_total'
+                               f'{{run_id="{run_id}"}}[{window_s}s]))', max(stamps))
+    expected: dict[str, float] = {}
+    for rec in real_sweep["records"]:
+        expected[rec["policy"]] = expected.get(rec["policy"], 0) + rec["batch_size"] * LIVE_NEW_TOKENS
+    assert {r["metric"]["policy"]: float(r["value"][1]) for r in tokens} == expected == {"full": 1344, "scissorhands": 1344}
