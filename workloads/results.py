@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import sys
 import warnings
 from typing import Iterable
 
@@ -76,6 +77,14 @@ def latest_by_point(records: Iterable[dict]) -> dict[str, dict]:
     for rec in records:
         latest[rec["point_id"]] = rec
     return latest
+
+
+def repair_points_file(path: str, who: str) -> None:
+    """Cut an incomplete last line off the points file `path` (a killed run's half-written point),
+    saying so on stderr as `who`; a missing file is left missing."""
+    cut = repair_tail(path)
+    if cut:
+        print(f"{who}: cut an incomplete last line ({cut} bytes) off {path}", file=sys.stderr)
 
 
 def completed_point_ids(records: Iterable[dict], model: str | None = None) -> set[str]:

@@ -415,9 +415,7 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
     run_id, run_dir = _run_dir(args, suite)
     run_dir.mkdir(parents=True, exist_ok=True)
     points_path = str(run_dir / "points.jsonl")
-    cut = res.repair_tail(points_path)
-    if cut:
-        print(f"sweep: cut an incomplete last line ({cut} bytes) off {points_path}", file=sys.stderr)
+    res.repair_points_file(points_path, "sweep")
     commit = git_commit()
     if not (run_dir / "run.json").exists():
         meta = {"run_id": run_id, "suite_file": args.suite, "suite": json.loads(json.dumps(dataclasses.asdict(suite), default=str)),

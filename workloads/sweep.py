@@ -244,9 +244,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     points_path = str(run_dir / "points.jsonl")
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    cut = res.repair_tail(points_path)
-    if cut:
-        print(f"sweep: cut an incomplete last line ({cut} bytes) off {points_path}", file=sys.stderr)
+    res.repair_points_file(points_path, "sweep")
     # A point counts as done only for the same model spec (a resumed run may point at another model).
     done = res.completed_point_ids(res.read_records(points_path), model=suite.model)
     pending = [p for p in points if p.point_id not in done]

@@ -130,9 +130,7 @@ def run(args: argparse.Namespace) -> int:
     points = suite.points()
     points_path = str(run_dir / "points.jsonl")
     run_dir.mkdir(parents=True, exist_ok=True)
-    cut = res.repair_tail(points_path)
-    if cut:
-        print(f"quality: cut an incomplete last line ({cut} bytes) off {points_path}", file=sys.stderr)
+    res.repair_points_file(points_path, "quality")
     done = res.completed_point_ids(res.read_records(points_path))
     pending = [p for p in points if p.point_id not in done]
     commit = git_commit()
