@@ -56,13 +56,10 @@ def _wait(predicate, timeout_s: float, what: str):
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    saved = {k: os.environ.get(k) for k in ("RAY_metrics_report_interval_ms", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
-                                            "RAY_AUTH_MODE", "RAY_TMPDIR")}
+    # (RAY_AUTH_MODE is "disabled" for the whole session, tests/conftest.py: the job's driver,
+    # given an explicit address, never turns token auth on by itself)
+    saved = {k: os.environ.get(k) for k in ("RAY_metrics_report_interval_ms", "RAY_TMPDIR")}
     os.environ["RAY_metrics_report_interval_ms"] = "1000"
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    # one auth mode for every process of this loopback-only cluster, the job's driver included
-    # (a driver given an explicit address never turns token auth on by itself)
-    os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from ray.cluster_utils import Cluster
 
