@@ -260,39 +260,68 @@ class BudgetedLayer(CacheLayerMixin):
               else self.row_time) - q_len
         all_valid = not bool((st < 0).any())
         out = query.new_empty(b, hq, q_len, values.shape[-1])
-        for s in range(0, q_len, query_chunk):
-            e = min(q_len, s + query_chunk)
+        # Only the last `n_obs` queries feed the policy's statistics (Scissorhands: those inside the
+        # history window; TOVA: the last one); they run the explicit attention that yields the
+        # probabilities, every query before them runs sdpa's fused kernel.
+        n_obs = 0
+        if self.policy.needs_attention:
+            n_obs = max(self.policy.observed_queries(t, q_len) for t in set(t0.tolist()))
+        obs_from = q_len - n_obs
+        if obs_from and self.row_time is None and all_valid and st.shape[-1] == q_len:
+            # a fresh prompt, no padding: slot i is token i, so queries [0, obs_from) see keys [0, obs_from) causally
+            group = hq // keys.shape[1]
+            out[:, :, :obs_from] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, :obs_from], keys[:, :, :obs_from], values[:, :, :obs_from], is_causal=True, scale=scaling,
+                enable_gqa=group > 1)
+            chunks = range(obs_from, q_len, query_chunk)
+        else:
+            chunks = [*range(0, obs_from, query_chunk), *range(obs_from, q_len, query_chunk)]
+        for s in chunks:
+            e = min(obs_from if s < obs_from else q_len, s + query_chunk)
             if e - s == 1 and s == q_len - 1:                                           # the newest query sees every valid slot
                 visible = None if all_valid else (st >= 0)[:, :, None, :]               # (b, hkv, 1, S)
             else:
                 qt = (t0[:, None] + torch.arange(s, e, device=self.device)).to(torch.int32)   # (1 or b, q_c)
                 visible = (st[:, :, None, :] >= 0) & (st[:, :, None, :] <= qt[:, None, :, None])  # (b, hkv, q_c, S)
-            out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], keys, values, visible, scaling, t0 + s)
+            if s < obs_from:
+                out[:, :, s:e] = self._sdpa_chunk(query[:, :, s:e], keys, values, visible, scaling)
+            else:
+                out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], keys, values, visible, scaling, t0 + s)
         if self.policy.evicts:                                                       # prompt / chunk: compress to B
             self.evict((self.held - self.budget.tokens).clamp(min=0))
         return out.transpose(1, 2).contiguous()
 
+    @staticmethod
+    def _sdpa_chunk(query, keys, values, visible, scaling):
+        """Attention output only (sdpa), same arguments and result as :meth:`_attend_chunk`."""
+        group = query.shape[1] // keys.shape[1]
+        mask = None if visible is None else visible.repeat_interleave(group, dim=1)      # (b, hq, q_c, S)
+        o = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                             enable_gqa=group > 1)
+        if mask is None:
+            return o
+        seen = mask.any(-1, keepdim=True)                                               # padded queries see nothing
+        return o if bool(seen.all()) else torch.where(seen, o, o.new_zeros(()))
+
     def _attend_chunk(self, query, keys, values, visible, scaling, first_query):
-        """Attention of ``query`` ``(b, hq, q_c, d)`` over ``keys``/``values`` ``(b, hkv, S, d)``.
+        """Attention of ``query`` ``(b, hq, q_c, d)`` over ``keys``/``values`` ``(b, hkv, S, d)`` with explicit
+        probabilities, handed to the policy.
 
         ``visible``: ``(b, hkv, q_c, S)`` bool or None (all visible). Returns ``(b, hq, q_c, d_v)``.
         """
         b, hq, qc, d = query.shape
         hkv, n = keys.shape[1], keys.shape[2]
         group = hq // hkv
-        if not self.policy.needs_attention:
-            mask = None if visible is None else visible.repeat_interleave(group, dim=1)  # (b, hq, q_c, S)
-            o = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
-                                                                 enable_gqa=group > 1)
-            return o if mask is None else torch.where(mask.any(-1, keepdim=True), o, o.new_zeros(()))
         # query heads h = kv * group + j share KV head kv: (b, hq, q_c, d) -> (b, hkv, group * q_c, d)
-        qg = query.reshape(b, hkv, group * qc, d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().mul_(scaling).view(b, hkv, group, qc, n)
+        qg = (query * scaling).reshape(b, hkv, group * qc, d)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().view(b, hkv, group, qc, n)
         if visible is not None:
             scores.masked_fill_(~visible[:, :, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)                                            # (b, hkv, g, q_c, S) float32
         if visible is not None:                                                          # padded queries see nothing
-            probs = torch.where(visible[:, :, None].any(-1, keepdim=True), probs, probs.new_zeros(()))
+            seen = visible[:, :, None].any(-1, keepdim=True)                             # (b, hkv, 1, q_c, 1)
+            if not bool(seen.all()):
+                probs = torch.where(seen, probs, probs.new_zeros(()))
         o = torch.matmul(probs.view(b, hkv, group * qc, n).to(values.dtype), values)    # (b, hkv, g * q_c, d_v)
         self._observe(probs.mean(2), visible, first_query)                               # GQA: average the group
         return o.view(b, hq, qc, -1)

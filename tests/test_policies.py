@@ -284,3 +284,40 @@ def test_chunked_prefill_matches_the_reference(model, policy, params):
     cache, calls = _run_against_reference(model, policy, 12, ids, torch.ones_like(ids), chunk=16, decode_steps=20,
                                           **params)
     assert calls == 3 + 20
+
+
+SKIPPING = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention
+            and POLICIES[p](**kw).observed_queries(0, 40) < 40]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("policy,params", SKIPPING, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
+                                                         for p, kw in SKIPPING])
+def test_observing_only_the_needed_queries_changes_nothing(model, policy, params, padded):
+    """A call hands `observe` only its last `observed_queries()` queries (the others run sdpa, the
+    fresh unpadded prompt in one causal kernel): statistics, kept slots and logits equal a run in
+    which every query is observed, over a 40-token prompt and 12 decode steps."""
+    assert {"scissorhands", "tova"} <= {p for p, _ in SKIPPING}
+    ids = _ids(2, 40, 3)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :7] = 0
+    runs = []
+    for observe_all in (False, True):
+        cache = make_cache(policy, model, budget_tokens=12, **params)
+        if observe_all:
+            cache.policy.observed_queries = lambda first_query, q_len: q_len
+        steps, seen_mask, nxt = [], mask, ids
+        with torch.inference_mode():
+            for _ in range(13):
+                out = model(nxt, attention_mask=seen_mask, cache=cache)
+                steps.append((out.logits.clone(), [(layer.slot_time.clone(), layer.state.clone())
+                                                    for layer in cache.layers]))
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                seen_mask = torch.cat([seen_mask, torch.ones_like(nxt)], 1)
+        runs.append(steps)
+    for (logits_a, layers_a), (logits_b, layers_b) in zip(*runs):
+        torch.testing.assert_close(logits_a, logits_b, atol=2e-5, rtol=1e-4)
+        for (st_a, state_a), (st_b, state_b) in zip(layers_a, layers_b):
+            assert torch.equal(st_a, st_b)
+            torch.testing.assert_close(state_a, state_b, atol=1e-6, rtol=1e-5)

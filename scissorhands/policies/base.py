@@ -110,6 +110,16 @@ class Policy:
                 the queries are consecutive.
         """
 
+    def observed_queries(self, first_query: int, q_len: int) -> int:
+        """How many of a call's last queries ``observe`` needs (the others' probabilities would not
+        change the statistics, so the layer computes only their attention output, with a fused kernel).
+
+        Args:
+            first_query: token index of the call's first query; q_len: queries in the call.
+        Returns an integer in ``[1, q_len]``; here every query (``q_len``).
+        """
+        return q_len
+
     def keep_score(self, state: torch.Tensor | None, token_index: torch.Tensor, *, layer_idx: int,
                    budget_tokens: int) -> torch.Tensor:
         """Keep score per slot, ``(batch_size, num_kv_heads, num_slots)`` float64; higher is kept.

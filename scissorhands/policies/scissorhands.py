@@ -95,6 +95,13 @@ class Scissorhands(Policy):
             else:                                                         # (b, h, q_g, S) -> (b, h, S)
                 col.add_(below[:, :, s:e].sum(2, dtype=torch.int32).to(torch.uint8))
 
+    def observed_queries(self, first_query: int, q_len: int) -> int:
+        """The queries of the chunks still inside the window after this call (older buckets are
+        overwritten by newer chunks before any count reads them)."""
+        c, k = self.count_chunk_steps, self.num_buckets
+        end = first_query + q_len
+        return end - max(first_query, ((end - 1) // c - k + 1) * c)
+
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         """``-count``: the most often unimportant slots go first."""
         return -state.sum(-1, dtype=torch.int32).to(torch.float64)

@@ -34,5 +34,8 @@ class TOVA(Policy):
         # (b, h, q, S) -> last query, mean over the KV heads (each already the mean of its group) -> (b, 1, S)
         state[..., 0] = probs[:, :, -1].mean(1, keepdim=True)
 
+    def observed_queries(self, first_query: int, q_len: int) -> int:
+        return 1                                                         # the last query only
+
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         return state[..., 0].to(torch.float64)
