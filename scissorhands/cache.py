@@ -327,21 +327,12 @@ class BudgetedLayer(CacheLayerMixin):
         return o.view(b, hq, qc, -1)
 
     def _observe(self, probs: torch.Tensor, visible: torch.Tensor | None, first_query: torch.Tensor) -> None:
-        """Hand the policy this chunk's probabilities; ``first_query`` is ``(1 or batch_size,)``.
-
-        Rows on different clocks (per-row clocks) are observed in groups of rows sharing a clock, so a
-        policy always sees one first query index for the rows it updates.
-        """
-        starts = first_query.tolist()
-        if len(set(starts)) == 1:
-            self.policy.observe(self.state, probs, visible, starts[0])
-            return
-        state = self.state
-        for t in sorted(set(starts)):
-            rows = torch.tensor([i for i, x in enumerate(starts) if x == t], device=self.device)   # (n_rows,)
-            sub = state[rows]                                                           # (n_rows, hkv, S, w) copy
-            self.policy.observe(sub, probs[rows], None if visible is None else visible[rows], t)
-            state[rows] = sub
+        """Hand the policy this chunk's probabilities; ``first_query`` is ``(1 or batch_size,)``: one
+        shared clock, or each row's own (``Policy.observe_rows``)."""
+        if first_query.numel() == 1:
+            self.policy.observe(self.state, probs, visible, int(first_query))
+        else:
+            self.policy.observe_rows(self.state, probs, visible, first_query)
 
     # ------------------------------------------------------------------ eviction
     def token_index(self) -> torch.Tensor:

@@ -18,6 +18,9 @@ CONFIGS = {
     "budget>=length": dict(policy="scissorhands", budget_tokens=200),
     "real-budget": dict(policy="scissorhands", budget_tokens=16, history_window=20, count_chunk_steps=5),
     "real-budget-exact-window": dict(policy="scissorhands", budget_tokens=12, history_window=8, count_chunk_steps=1),
+    # one token dropped at a time: slots outlive the window, so expired counts must be cleared per row
+    "real-budget-long-lived": dict(policy="scissorhands", budget_tokens=12, history_window=8, count_chunk_steps=2,
+                                   drop_tokens=1),
 }
 
 
@@ -33,11 +36,24 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _alone(model, ids, new_tokens, cfg) -> list[int]:
+def _alone(model, ids, new_tokens, cfg, caches=None) -> list[int]:
     cache = make_cache(model=model, **cfg)
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          cache=cache, max_new_tokens=new_tokens, do_sample=False)
+    if caches is not None:
+        caches.append(cache)
     return out[0, len(ids):].tolist()
+
+
+def _kept(cache, row: int) -> list:
+    """Per layer and KV head: the row's kept slot times (its own clock) and their policy statistics."""
+    out = []
+    for layer in cache.layers:
+        st = layer.slot_time[row]                                          # (h, S)
+        for h in range(st.shape[0]):
+            keep = st[h] >= 0
+            out.append((st[h][keep].tolist(), None if layer.state is None else layer.state[row, h][keep].tolist()))
+    return out
 
 
 def _prefill(model, ids, cfg):
@@ -59,7 +75,8 @@ def test_joined_and_remaining_rows_match_their_batch_of_one_runs(model, name):
     cfg = CONFIGS[name]
     a, b, c = _ids(40, 1), _ids(23, 2), _ids(9, 3)
     new = 30
-    expect = [_alone(model, x, new, cfg) for x in (a, b, c)]
+    alone = []
+    expect = [_alone(model, x, new, cfg, alone) for x in (a, b, c)]
 
     cache, tokens = _prefill(model, a, cfg)
     cache = merge_rows(None, cache)
@@ -84,6 +101,8 @@ def test_joined_and_remaining_rows_match_their_batch_of_one_runs(model, name):
             outs[row].append(t)
     assert outs[0][:new] == expect[1]
     assert outs[1] == expect[2]
+    # c ran all its steps next to rows on other clocks: same kept slots and statistics as alone
+    assert _kept(cache, 1) == _kept(alone[2], 0)
     if name.startswith("real-budget"):
         budget = cfg["budget_tokens"]
         assert 0 < physical_slots(cache) <= budget                   # evicted: never more than B slots

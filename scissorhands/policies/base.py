@@ -45,6 +45,8 @@ class Policy:
     #: Per-slot statistic columns the layer stores for this policy (0 = none).
     state_width: ClassVar[int] = 0
     state_dtype: ClassVar[torch.dtype] = torch.float32
+    #: True when ``observe`` reads ``first_query`` (query token indices), so rows on different clocks differ.
+    uses_query_time: ClassVar[bool] = False
 
     recent_window: int | None = None
     drop_tokens: int | None = None
@@ -109,6 +111,22 @@ class Policy:
             first_query: token index (tokens seen before it, padding included) of the first query;
                 the queries are consecutive.
         """
+
+    def observe_rows(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None,
+                     first_query: torch.Tensor) -> None:
+        """``observe`` for rows on clocks of their own (continuous batching): ``first_query`` is
+        ``(batch_size,)`` int64, each row's first query index. Here: ``observe`` once when the policy
+        ignores query indices (``uses_query_time`` False) or all rows share one, else once per group of
+        rows sharing one (on copies of their rows' state, written back)."""
+        starts = first_query.tolist()
+        if not self.uses_query_time or len(set(starts)) == 1:
+            self.observe(state, probs, visible, starts[0])
+            return
+        for t in sorted(set(starts)):
+            rows = torch.tensor([i for i, x in enumerate(starts) if x == t], device=state.device)   # (n_rows,)
+            sub = state[rows]                                                           # (n_rows, hkv, S, w) copy
+            self.observe(sub, probs[rows], None if visible is None else visible[rows], t)
+            state[rows] = sub
 
     def observed_queries(self, first_query: int, q_len: int) -> int:
         """How many of a call's last queries ``observe`` needs (the others' probabilities would not

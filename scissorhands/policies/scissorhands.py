@@ -41,6 +41,7 @@ class Scissorhands(Policy):
     name: ClassVar[str] = "scissorhands"
     needs_attention: ClassVar[bool] = True
     state_dtype: ClassVar[torch.dtype] = torch.uint8
+    uses_query_time: ClassVar[bool] = True
 
     history_window: int = 400
     threshold: float = 1.0
@@ -76,11 +77,7 @@ class Scissorhands(Policy):
         chunk that starts inside this call is zeroed before it is filled: a bucket never mixes steps of
         two windows.
         """
-        if visible is None:                                               # every slot visible: n_t = num_slots
-            below = probs * probs.shape[-1] < self.threshold              # (b, h, q, S)
-        else:
-            n_t = visible.sum(-1, keepdim=True)                           # (b, h, q, 1) keys attended
-            below = visible & (probs * n_t < self.threshold)              # p < threshold / n_t
+        below = self._below(probs, visible)                               # (b, h, q, S) bool
         c, k = self.count_chunk_steps, self.num_buckets
         t0, t1 = first_query, first_query + probs.shape[2] - 1            # query token indices
         first, last = t0 // c, t1 // c
@@ -94,6 +91,27 @@ class Scissorhands(Policy):
                 col.add_(below[:, :, s])
             else:                                                         # (b, h, q_g, S) -> (b, h, S)
                 col.add_(below[:, :, s:e].sum(2, dtype=torch.int32).to(torch.uint8))
+
+    def _below(self, probs, visible):
+        """``(b, h, q, S)`` bool: the slot got less than ``threshold`` times the average attention."""
+        if visible is None:                                               # every slot visible: n_t = num_slots
+            return probs * probs.shape[-1] < self.threshold
+        n_t = visible.sum(-1, keepdim=True)                               # (b, h, q, 1) keys attended
+        return visible & (probs * n_t < self.threshold)                   # p < threshold / n_t
+
+    def observe_rows(self, state, probs, visible, first_query) -> None:
+        """One decode step of rows on their own clocks in one pass: row ``i``'s query ``t_i`` adds to
+        bucket ``(t_i // c) % num_buckets``, zeroed first when ``t_i`` starts a chunk (as ``observe``)."""
+        if probs.shape[2] != 1:
+            super().observe_rows(state, probs, visible, first_query)
+            return
+        b, h, n, _ = state.shape
+        t = first_query.to(state.device)                                  # (b,) each row's query index
+        idx = ((t // self.count_chunk_steps) % self.num_buckets).view(b, 1, 1, 1).expand(b, h, n, 1)
+        count = state.gather(-1, idx)                                     # (b, h, S, 1) the row's bucket
+        fresh = (t % self.count_chunk_steps == 0).view(b, 1, 1, 1)
+        below = self._below(probs, visible)[:, :, 0, :, None]             # (b, h, S, 1)
+        state.scatter_(-1, idx, count.masked_fill(fresh, 0) + below)
 
     def observed_queries(self, first_query: int, q_len: int) -> int:
         """The queries of the chunks still inside the window after this call (older buckets are
