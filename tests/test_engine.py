@@ -8,17 +8,8 @@ import torch
 
 from cluster.engine import ContinuousBatchingEngine, EngineConfig, EngineLoop, GenerationRequest
 from scissorhands import make_cache
-from scissorhands.testing import tiny_llama
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    m = tiny_llama(0)
-    m.generation_config.eos_token_id = None
-    return m
 
 
 def _requests(n: int, seed: int, prompt=(5, 40), new=(1, 25)) -> list[GenerationRequest]:
@@ -170,3 +161,19 @@ def test_stopping_the_loop_answers_the_requests_it_still_holds(model):
     loop.stop()                                              # never started: nothing to join
     assert sorted((r.request_id, r.error_kind) for r in done) == [("r0", "error"), ("r1", "error"), ("r2", "error")]
     assert "stopped" in done[0].error and engine.running == 0 and engine.queued == 0
+
+
+def test_a_step_prefills_at_most_max_prefill_tokens_and_a_longer_prompt_alone(model):
+    assert EngineConfig().max_prefill_tokens == 4096
+    engine = ContinuousBatchingEngine(model, EngineConfig(max_prefill_tokens=64))
+    done = {}
+    prompts = [[1 + i] * 30 for i in range(5)] + [[7] * 100]
+    for i, p in enumerate(prompts):
+        engine.submit(GenerationRequest(f"r{i}", p, 50), lambda res: done.__setitem__(res.request_id, res))
+    admitted = []
+    for _ in range(4):
+        before = engine.queued
+        engine.step()
+        admitted.append(before - engine.queued)
+    # 30 + 30 <= 64 < 30 + 30 + 30; the 100-token prompt waits for a step of its own
+    assert admitted == [2, 2, 1, 1] and engine.running == 6
