@@ -11,7 +11,6 @@ import asyncio
 import os
 import socket
 from dataclasses import asdict
-from typing import Any
 
 import torch
 

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "prometheus.yml"
 DEFAULT_DATA_DIR = HERE / "data"
 RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
-#: The embedded Ray of `python -m workloads.sweep` keeps its files in workloads.sweep.EMBEDDED_RAY_TEMP_DIR.
+#: The embedded Ray of `python -m workloads.sweep` keeps its files in workloads.run.EMBEDDED_RAY_TEMP_DIR.
 EMBEDDED_RAY_SD_FILE = "/tmp/scissorhands-ray/prom_metrics_service_discovery.json"
 #: The service-discovery files Prometheus reads by default (both are listed in dashboards/prometheus.yml).
 DEFAULT_SD_FILES = (RAY_SD_FILE, EMBEDDED_RAY_SD_FILE)

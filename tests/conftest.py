@@ -13,3 +13,19 @@ import os
 
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import pytest  # noqa: E402  (after the environment is set)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny random-weight Llama of most tests (seed 0, EOS off so greedy runs have exact lengths),
+    on one torch thread. A module may define its own `model` fixture instead."""
+    import torch
+
+    from scissorhands.testing import tiny_llama
+
+    torch.set_num_threads(1)
+    m = tiny_llama(0)
+    m.generation_config.eos_token_id = None
+    return m

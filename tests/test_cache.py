@@ -14,14 +14,6 @@ ALL = list(POLICIES)
 EVICTING = [p for p, cls in POLICIES.items() if cls.evicts]
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    m = tiny_llama(0)
-    m.generation_config.eos_token_id = None
-    return m
-
-
 def _ids(batch, n, seed=0):
     return torch.randint(0, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 

@@ -13,7 +13,7 @@ import yaml
 
 from cluster.metrics import METRICS, strip_sample_suffix
 from dashboards import check, serve
-from workloads import sweep
+from workloads import run
 
 ROOT = Path(__file__).resolve().parents[1]
 DASH = ROOT / "dashboards"
@@ -144,7 +144,7 @@ def test_prometheus_config_scrapes_ray_the_pushgateway_and_itself():
         "/tmp/ray/prom_metrics_service_discovery.json",  # ray start --head, make cluster-up
         "/tmp/scissorhands-ray/prom_metrics_service_discovery.json",  # the embedded Ray of make sweep
     ]
-    assert serve.EMBEDDED_RAY_SD_FILE == f"{sweep.EMBEDDED_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
+    assert serve.EMBEDDED_RAY_SD_FILE == f"{run.EMBEDDED_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
     assert jobs["pushgateway"]["honor_labels"] is True
     assert jobs["pushgateway"]["static_configs"][0]["targets"] == ["127.0.0.1:9091"]
     assert jobs["prometheus"]["static_configs"][0]["targets"] == ["127.0.0.1:9090"]

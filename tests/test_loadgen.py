@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from cluster.engine import GenerationRequest, GenerationResult
+from cluster.engine import GenerationRequest
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
 from workloads.loadgen import LengthDist, LoadConfig, arrival_gaps_s, build_requests, run_load
 from workloads.metrics import LatencyStats, RequestRecord, summarize

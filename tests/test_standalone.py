@@ -18,14 +18,6 @@ from scissorhands.testing import tiny_llama
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    m = tiny_llama(0)
-    m.generation_config.eos_token_id = None
-    return m
-
-
 class TinyTokenizer:
     """Characters -> ids below 128 (the tiny model's vocabulary); enough for the README example."""
 

@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 from workloads.loadgen import ARRIVALS, CAP_POLICIES, LengthDist, LoadConfig
-from workloads.suite import PolicySpec, SuiteError, _check_budget, _policy, _policy_classes
+from workloads.suite import PolicySpec, SuiteError, _check_budget, _policy, _policy_classes, read_suite_file
 
 SERVING_MODES = ("serving-batch", "concurrency", "rate", "max_batch")
 _LOAD_MODE = {"serving-batch": "batch", "concurrency": "concurrency", "rate": "rate", "max_batch": "batch"}
@@ -103,7 +103,7 @@ class ServingSuite:
     kv_memory_limit_bytes: int | None = None
     kv_memory_fraction: float | None = None
     max_batch: int | None = None
-    max_prefill_tokens: int = 16384
+    max_prefill_tokens: int = 4096
     num_requests: int | None = None
     duration_s: float | None = None
     warmup_requests: int = 1
@@ -290,11 +290,5 @@ def suite_mode(path: str) -> str:
 
 
 def load_serving_suite(path: str) -> ServingSuite:
-    if not os.path.isfile(path):
-        raise SuiteError(f"suite: file not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise SuiteError(f"suite: {path} is not valid YAML: {e}") from None
-    return parse_serving_suite(data, source=path)
+    """Read and validate a serving suite file (errors: `SuiteError`, as `workloads.suite.load_suite`)."""
+    return parse_serving_suite(read_suite_file(path), source=path)

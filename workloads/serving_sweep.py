@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any, Protocol
 
 from workloads import results as res
 from workloads.loadgen import build_requests, run_load
+from workloads.run import SweepError, error_message, init_ray, open_run, replica_resources, resolved_policy_params
 from workloads.serving_suite import ServingPoint, ServingSuite, load_serving_suite
 from workloads.suite import SuiteError
 
@@ -195,7 +195,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
     try:
         pool.configure(suite.engine_config(point), run_id)
     except Exception as e:  # noqa: BLE001 - an invalid config / model error ends this point only
-        return {"status": "error", "stop_reason": "configure failed", "error": _message(e)}
+        return {"status": "error", "stop_reason": "configure failed", "error": error_message(e)}
     max_batch = None
     if suite.mode == "max_batch":
         max_batch = pool.max_batch_for(suite.prompt_tokens.upper, suite.output_tokens.upper)
@@ -252,12 +252,6 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
     return out
 
 
-def _message(exc: BaseException) -> str:
-    from workloads.sweep import _error_message
-
-    return _error_message(exc)
-
-
 # ---------------------------------------------------------------------------- the sweep
 def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory, body: dict, t0, t1) -> dict:
     rec = {
@@ -285,10 +279,8 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
     rec.update(body)
     if suite.mode == "max_batch":
         rec["batch_size"] = body.get("max_batch_size")
-    from workloads.sweep import _resolved_params
-
     # every parameter with its default filled in, plus the effective recent window / drop count for B
-    rec["policy_params"] = _resolved_params(point, body.get("budget_tokens"))
+    rec["policy_params"] = resolved_policy_params(point.policy, point.policy_params, body.get("budget_tokens"))
     return rec
 
 
@@ -396,14 +388,12 @@ def finish_run(run_dir: Path, suite: ServingSuite, points_path: str) -> list[dic
         for path in write_plots(latest, run_dir):
             print(f"sweep: wrote {path}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001 - a plot never fails a sweep
-        print(f"sweep: plots not written: {_message(e)}", file=sys.stderr)
+        print(f"sweep: plots not written: {error_message(e)}", file=sys.stderr)
     return latest
 
 
 def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
     """`workloads.sweep` entry for serving suites (same arguments); `pool` injects replicas (tests)."""
-    from workloads.sweep import SweepError, _init_ray, _resources, _run_dir, git_commit
-
     try:
         suite = load_serving_suite(args.suite)
     except SuiteError as e:
@@ -412,15 +402,8 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
         if args.replicas < 1:
             raise SweepError(f"--replicas: must be >= 1, got {args.replicas}", 2)
         suite = dataclasses.replace(suite, replicas=args.replicas)
-    run_id, run_dir = _run_dir(args, suite)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    points_path = str(run_dir / "points.jsonl")
-    res.repair_points_file(points_path, "sweep")
-    commit = git_commit()
-    if not (run_dir / "run.json").exists():
-        meta = {"run_id": run_id, "suite_file": args.suite, "suite": json.loads(json.dumps(dataclasses.asdict(suite), default=str)),
-                "git_commit": commit, "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
-        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    run = open_run(args, suite, "sweep")
+    run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     done = {r["point_id"] for r in res.read_records(points_path) if r.get("status") in TERMINAL}
     pending = [p for p in suite.points() if p.point_id not in done]
     print(f"sweep: run {run_id} ({suite.mode}): {len(suite.points())} points, {len(done)} already done, "
@@ -431,10 +414,10 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
         started_ray = False
         inventory = None
         if pool is None:
-            ray, started_ray = _init_ray(args.address)
+            ray, started_ray = init_ray(args.address)
             from cluster.ray_replica import cluster_inventory
 
-            threads, num_cpus, num_gpus = _resources(ray, suite.replicas, suite.device)
+            threads, num_cpus, num_gpus = replica_resources(ray, suite.replicas, suite.device)
             inventory = cluster_inventory()
             pool = RayReplicaPool(suite.replicas, model_spec=suite.model, dtype=suite.dtype, device=suite.device,
                                   num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads)
@@ -442,7 +425,7 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
             try:
                 infos = pool.start()
             except Exception as e:  # noqa: BLE001 - e.g. the model path does not exist
-                raise SweepError(f"replica failed to start: {_message(e)}", 1) from None
+                raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
             print(f"sweep: {len(infos)} serving replica(s) ready", file=sys.stderr)
             from workloads.push import PointPublisher, SweepPusher
 

@@ -280,17 +280,25 @@ def parse_suite(data: Any, source: str = "<suite>") -> Suite:
     return Suite(**kw)
 
 
+def read_suite_file(path: str):
+    """The parsed YAML of a suite file (any kind of suite).
+
+    Raises:
+        SuiteError: the file does not exist or is not valid YAML.
+    """
+    if not os.path.isfile(path):
+        raise SuiteError(f"suite: file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise SuiteError(f"suite: {path} is not valid YAML: {e}") from None
+
+
 def load_suite(path: str) -> Suite:
     """Read and validate a suite file.
 
     Raises:
         SuiteError: the file does not exist / is not valid YAML / fails validation.
     """
-    if not os.path.isfile(path):
-        raise SuiteError(f"suite: file not found: {path}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except yaml.YAMLError as e:
-        raise SuiteError(f"suite: {path} is not valid YAML: {e}") from None
-    return parse_suite(data, source=path)
+    return parse_suite(read_suite_file(path), source=path)

@@ -18,7 +18,7 @@
   127.0.0.1:9091; one notice line and no failure when none answers). The replicas record live
   metrics through `ray.util.metrics` (`cluster.metrics.ReplicaMetrics`, labelled with the run
   id); the embedded Ray runs its dashboard on 127.0.0.1 so that it exports them and writes the
-  service-discovery file Prometheus reads (see `_init_ray`).
+  service-discovery file Prometheus reads (see `workloads.run.init_ray`).
 
 Exit status: 0 all points ok; 1 a point failed or no replica could start (e.g. a missing model
 path); 2 the suite or the arguments are invalid (nothing is recorded); 130 interrupted.
@@ -28,39 +28,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 from workloads import results as res
+from workloads.run import SweepError, error_message, init_ray, open_run, replica_resources, resolved_policy_params
 from workloads.suite import Point, Suite, SuiteError, load_suite
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-GIT_COMMIT_ENV = "SCISSORHANDS_GIT_COMMIT"
-
-
-class SweepError(Exception):
-    """An error that stops the sweep before or between points (exit status `code`)."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
-def git_commit() -> str:
-    """`git rev-parse HEAD` of the repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get(GIT_COMMIT_ENV) or "unknown"
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m workloads.sweep", description=__doc__.split("\n\n")[0])
@@ -74,122 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
                         "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
     return p.parse_args(argv)
-
-
-def _run_dir(args: argparse.Namespace, suite: Suite) -> tuple[str, Path]:
-    if args.resume and args.run_id and args.resume != args.run_id:
-        raise SweepError("--run-id and --resume name different runs; pass only --resume RUN_ID", 2)
-    root = Path(args.results_dir)
-    if args.resume:
-        run_dir = root / args.resume
-        if not (run_dir / "points.jsonl").exists() and not (run_dir / "run.json").exists():
-            raise SweepError(f"--resume: no run {args.resume!r} under {root}/ (no points.jsonl)", 2)
-        return args.resume, run_dir
-    run_id = args.run_id or f"{suite.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    if "/" in run_id or run_id in ("", ".", ".."):
-        raise SweepError(f"--run-id: not a valid folder name: {run_id!r}", 2)
-    run_dir = root / run_id
-    if (run_dir / "points.jsonl").exists():
-        raise SweepError(f"--run-id: run {run_id!r} already exists in {run_dir}; use --resume {run_id}", 2)
-    return run_id, run_dir
-
-
-#: Ray's metrics export interval (ms) for the embedded Ray: the scrape interval of dashboards/prometheus.yml.
-EMBEDDED_METRICS_REPORT_INTERVAL_MS = "5000"
-#: Ray's default dashboard port; the embedded Ray takes another free one when it is in use.
-RAY_DASHBOARD_PORT = 8265
-#: Root folder of the embedded Ray (sessions, logs, its service-discovery file) unless $RAY_TMPDIR
-#: names one. Not /tmp/ray: every Ray head with a dashboard points /tmp/ray's service-discovery link
-#: at its own session and re-points it every 5 s, so with another head on the machine Prometheus would
-#: flip between the two. dashboards/prometheus.yml reads both (`dashboards.serve.EMBEDDED_RAY_SD_FILE`).
-EMBEDDED_RAY_TEMP_DIR = "/tmp/scissorhands-ray"
-
-
-def _free_local_port(preferred: int) -> int:
-    """`preferred` when nothing listens on 127.0.0.1:`preferred`, else a free port the OS picks."""
-    import socket
-
-    for port in (preferred, 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free port on 127.0.0.1")
-
-
-def _init_ray(address: str | None):
-    """Join a cluster or start an embedded local one on loopback; return (ray, started_here).
-
-    The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
-    holds it) with its files under `EMBEDDED_RAY_TEMP_DIR` (``$RAY_TMPDIR`` wins): its metrics head
-    writes the Prometheus service-discovery file
-    (``/tmp/scissorhands-ray/prom_metrics_service_discovery.json`` links to this session's) listing
-    the node's metrics export port (a free port Ray picks), so a Prometheus started by
-    ``make dashboards-up`` scrapes the replicas' live metrics. Metrics are exported every 5 s (the scrape interval;
-    ``$RAY_metrics_report_interval_ms`` wins). Should the dashboard fail to start (a Ray without
-    its dashboard dependencies), Ray starts again without it, after a one-line notice.
-    """
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    if ray.is_initialized():
-        return ray, False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-        return ray, True
-    os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
-    try:
-        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=_free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1",
-                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR)
-    except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
-        ray.shutdown()
-        print(f"sweep: Ray's dashboard did not start ({_error_message(e)[:200]}); running without it: "
-              "no live replica metrics in Prometheus", file=sys.stderr)
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
-    return ray, True
-
-
-def _resources(ray, replicas: int, device: str) -> tuple[int, float, float]:
-    """(torch threads, Ray CPUs, Ray GPUs) per replica."""
-    total = ray.cluster_resources()
-    cpus = float(total.get("CPU", 1.0))
-    threads = max(1, int(cpus // replicas))
-    num_cpus = float(threads) if threads * replicas <= cpus else cpus / replicas
-    num_gpus = 0.0
-    if device.startswith("cuda"):
-        gpus = float(total.get("GPU", 0.0))
-        if gpus <= 0:
-            raise SweepError("device: 'cuda' requested but the Ray cluster has no GPU", 2)
-        num_gpus = min(1.0, gpus / replicas)
-    return threads, num_cpus, num_gpus
-
-
-def _error_message(exc: BaseException) -> str:
-    """`Type: message` of the original exception (Ray wraps it; `.cause` holds it)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        exc = cause
-    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
-    return f"{type(exc).__name__}: {text[:2000]}"
-
-
-def _resolved_params(point: Point, budget_used: int | None) -> dict:
-    """The policy's full parameter set (defaults filled in), plus effective r and m for the budget."""
-    try:
-        from scissorhands import POLICIES
-
-        policy = POLICIES[point.policy](**point.policy_params)
-        params = policy.params() if hasattr(policy, "params") else dataclasses.asdict(policy)
-        if budget_used is not None and hasattr(policy, "resolve"):
-            params["effective_recent_window"], params["effective_drop_tokens"] = policy.resolve(int(budget_used))
-        return params
-    except Exception:  # recording must never fail a point
-        return dict(point.policy_params)
 
 
 def _record(run_id, commit, suite, point, inventory, info, status, metrics=None, error=None, t0=None, t1=None) -> dict:
@@ -208,7 +67,7 @@ def _record(run_id, commit, suite, point, inventory, info, status, metrics=None,
         "dtype": suite.dtype,
         "device": suite.device,
         "policy": point.policy,
-        "policy_params": _resolved_params(point, metrics.get("budget_tokens")),
+        "policy_params": resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
         "compression_ratio": point.compression_ratio,
         "budget_tokens_requested": point.budget_tokens,
         "budget_tokens": None,
@@ -239,20 +98,12 @@ def run_sweep(args: argparse.Namespace) -> int:
     replicas = args.replicas if args.replicas is not None else suite.replicas
     if replicas < 1:
         raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
-    run_id, run_dir = _run_dir(args, suite)
+    run = open_run(args, suite, "sweep")
+    run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     points = suite.points()
-    points_path = str(run_dir / "points.jsonl")
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    res.repair_points_file(points_path, "sweep")
     # A point counts as done only for the same model spec (a resumed run may point at another model).
     done = res.completed_point_ids(res.read_records(points_path), model=suite.model)
     pending = [p for p in points if p.point_id not in done]
-    commit = git_commit()
-    if not (run_dir / "run.json").exists():
-        meta = {"run_id": run_id, "suite_file": args.suite, "suite": dataclasses.asdict(suite), "git_commit": commit,
-                "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
-        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     print(f"sweep: run {run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
           f"{len(pending)} to run on {replicas} replica(s); results in {run_dir}/", file=sys.stderr)
 
@@ -323,7 +174,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
     """Run `pending` on `replicas` replica actors; `publish(record)` writes (and pushes) each finished point."""
     from tqdm import tqdm
 
-    ray, started_here = _init_ray(args.address)
+    ray, started_here = init_ray(args.address)
     from cluster.placement import PlacementError, ReplicaSet, wait_placed
     from cluster.ray_replica import cluster_inventory
 
@@ -334,7 +185,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
 
     rset = None
     try:
-        threads, num_cpus, num_gpus = _resources(ray, replicas, suite.device)
+        threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
         inventory = cluster_inventory()
         kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, prompt_fn=make_prompts,
                       run_id=run_id)
@@ -350,7 +201,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
         try:
             infos = wait_placed(actors)
         except Exception as e:  # a replica could not load its model
-            raise SweepError(f"replica failed to start: {_error_message(e)}", 1) from None
+            raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
         info_of = {a: i for a, i in zip(actors, infos)}
         print(f"sweep: {replicas} replica(s) ready ({threads} torch thread(s), {num_cpus:g} CPU(s) each): "
               + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
@@ -379,7 +230,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                     except ray.exceptions.RayActorError as e:
                         failed += 1
                         rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      f"replica died: {_error_message(e)}", t0, time.time())
+                                      f"replica died: {error_message(e)}", t0, time.time())
                         if restarts < replicas:  # replace the dead replica
                             restarts += 1
                             new = rset.replace(actor)
@@ -387,11 +238,11 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                                 info_of[new] = wait_placed([new])[0]
                                 idle.append(new)
                             except Exception as e2:
-                                bar.write(f"sweep: could not replace a dead replica: {_error_message(e2)}", file=sys.stderr)
+                                bar.write(f"sweep: could not replace a dead replica: {error_message(e2)}", file=sys.stderr)
                     except Exception as e:  # the point raised inside the replica
                         failed += 1
                         rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      _error_message(e), t0, time.time())
+                                      error_message(e), t0, time.time())
                         idle.append(actor)
                     publish(rec)
                     bar.update(1)

@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
 from workloads import results as res
-from workloads.sweep import SweepError, _error_message, _init_ray, _resources, _run_dir, git_commit
+from workloads.run import SweepError, error_message, init_ray, open_run, replica_resources, resolved_policy_params
 
 from .points import run_point
 from .suite import QualityPoint, QualitySuite, QualitySuiteError, load_suite
@@ -52,21 +50,6 @@ def policy_label(policy: str | None, params: dict | None) -> str | None:
     return f"{policy} (" + ", ".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
 
 
-def _resolved_params(point: QualityPoint, budget: int | None) -> dict | None:
-    if point.policy is None:
-        return None
-    try:
-        from scissorhands import POLICIES
-
-        pol = POLICIES[point.policy](**point.policy_params)
-        params = pol.params()
-        if budget is not None:
-            params["effective_recent_window"], params["effective_drop_tokens"] = pol.resolve(int(budget))
-        return params
-    except Exception:  # recording must never fail a point
-        return dict(point.policy_params)
-
-
 def _record(run_id, commit, suite: QualitySuite, point: QualityPoint, inventory, info, status, metrics=None,
             error=None, t0=None, t1=None) -> dict:
     metrics = dict(metrics or {})
@@ -87,7 +70,7 @@ def _record(run_id, commit, suite: QualitySuite, point: QualityPoint, inventory,
         "device": suite.device,
         "policy": point.policy,
         "policy_label": policy_label(point.policy, point.policy_params),
-        "policy_params": _resolved_params(point, metrics.get("budget_tokens")),
+        "policy_params": resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
         "compression_ratio": ratio,
         "kv_bits": bits,
         # nominal KV compression against a 16-bit cache (the paper's convention; scales/zero points not counted)
@@ -126,18 +109,11 @@ def run(args: argparse.Namespace) -> int:
     replicas = args.replicas if args.replicas is not None else suite.replicas
     if replicas < 1:
         raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
-    run_id, run_dir = _run_dir(args, suite)
+    run = open_run(args, suite, "quality")
+    run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     points = suite.points()
-    points_path = str(run_dir / "points.jsonl")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    res.repair_points_file(points_path, "quality")
     done = res.completed_point_ids(res.read_records(points_path))
     pending = [p for p in points if p.point_id not in done]
-    commit = git_commit()
-    if not (run_dir / "run.json").exists():
-        meta = {"run_id": run_id, "suite_file": args.suite, "suite": dataclasses.asdict(suite), "git_commit": commit,
-                "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
-        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     where = "this process" if args.local else f"{replicas} replica(s)"
     print(f"quality: run {run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
           f"{len(pending)} to run on {where}; results in {run_dir}/", file=sys.stderr)
@@ -182,7 +158,7 @@ def _run_local(args, suite, run_id, commit, pending, replicas, record) -> int:
                 rec = _record(run_id, commit, suite, point, None, info, "ok", metrics, None, t0, time.time())
             except Exception as e:  # the point failed; record it and go on
                 failed += 1
-                rec = _record(run_id, commit, suite, point, None, info, "error", None, _error_message(e), t0, time.time())
+                rec = _record(run_id, commit, suite, point, None, info, "error", None, error_message(e), t0, time.time())
             record(rec)
             bar.update(1)
             bar.write(_one_line(rec))
@@ -192,12 +168,12 @@ def _run_local(args, suite, run_id, commit, pending, replicas, record) -> int:
 def _run_ray(args, suite, run_id, commit, pending, replicas, record) -> int:
     from tqdm import tqdm
 
-    ray, started_here = _init_ray(args.address)
+    ray, started_here = init_ray(args.address)
     from cluster.ray_replica import cluster_inventory, create_replicas, wait_ready
 
     actors: list = []
     try:
-        threads, num_cpus, num_gpus = _resources(ray, replicas, suite.device)
+        threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
         inventory = cluster_inventory()
         actors = create_replicas(replicas, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
                                  name_prefix="quality", model_spec=suite.model, dtype=suite.dtype,
@@ -205,7 +181,7 @@ def _run_ray(args, suite, run_id, commit, pending, replicas, record) -> int:
         try:
             infos = wait_ready(actors)
         except Exception as e:
-            raise SweepError(f"replica failed to start: {_error_message(e)}", 1) from None
+            raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
         info_of = dict(zip(actors, infos))
         idle, queue, inflight, failed = list(actors), collections.deque(pending), {}, 0
         with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -226,11 +202,11 @@ def _run_ray(args, suite, run_id, commit, pending, replicas, record) -> int:
                     except ray.exceptions.RayActorError as e:   # the replica died: its point fails, no respawn
                         failed += 1
                         rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      f"replica died: {_error_message(e)}", t0, time.time())
+                                      f"replica died: {error_message(e)}", t0, time.time())
                     except Exception as e:
                         failed += 1
                         rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      _error_message(e), t0, time.time())
+                                      error_message(e), t0, time.time())
                         idle.append(actor)
                     record(rec)
                     bar.update(1)

@@ -1,0 +1,195 @@
+"""What every runner of a suite shares (throughput sweep, serving sweep, quality): the run folder,
+the Ray connection and the per-replica resources.
+
+* `open_run`: the run folder `<results-dir>/<run_id>/` (a new id, or `--resume RUN_ID`), its
+  `points.jsonl` repaired when the last line was cut mid-write, and `run.json` (suite, git commit).
+* `init_ray`: join `--address` / `$RAY_ADDRESS`, or start an embedded Ray on loopback.
+* `replica_resources`: torch threads, Ray CPUs and GPUs per replica.
+* `SweepError`: stops a run before or between points, with the exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from workloads import results as res
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GIT_COMMIT_ENV = "SCISSORHANDS_GIT_COMMIT"
+
+
+class SweepError(Exception):
+    """An error that stops the sweep before or between points (exit status `code`)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def git_commit() -> str:
+    """`git rev-parse HEAD` of the repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get(GIT_COMMIT_ENV) or "unknown"
+
+
+def resolve_run_dir(args: argparse.Namespace, suite) -> tuple[str, Path]:
+    if args.resume and args.run_id and args.resume != args.run_id:
+        raise SweepError("--run-id and --resume name different runs; pass only --resume RUN_ID", 2)
+    root = Path(args.results_dir)
+    if args.resume:
+        run_dir = root / args.resume
+        if not (run_dir / "points.jsonl").exists() and not (run_dir / "run.json").exists():
+            raise SweepError(f"--resume: no run {args.resume!r} under {root}/ (no points.jsonl)", 2)
+        return args.resume, run_dir
+    run_id = args.run_id or f"{suite.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    if "/" in run_id or run_id in ("", ".", ".."):
+        raise SweepError(f"--run-id: not a valid folder name: {run_id!r}", 2)
+    run_dir = root / run_id
+    if (run_dir / "points.jsonl").exists():
+        raise SweepError(f"--run-id: run {run_id!r} already exists in {run_dir}; use --resume {run_id}", 2)
+    return run_id, run_dir
+
+
+#: Ray's metrics export interval (ms) for the embedded Ray: the scrape interval of dashboards/prometheus.yml.
+EMBEDDED_METRICS_REPORT_INTERVAL_MS = "5000"
+#: Ray's default dashboard port; the embedded Ray takes another free one when it is in use.
+RAY_DASHBOARD_PORT = 8265
+#: Root folder of the embedded Ray (sessions, logs, its service-discovery file) unless $RAY_TMPDIR
+#: names one. Not /tmp/ray: every Ray head with a dashboard points /tmp/ray's service-discovery link
+#: at its own session and re-points it every 5 s, so with another head on the machine Prometheus would
+#: flip between the two. dashboards/prometheus.yml reads both (`dashboards.serve.EMBEDDED_RAY_SD_FILE`).
+EMBEDDED_RAY_TEMP_DIR = "/tmp/scissorhands-ray"
+
+
+def free_local_port(preferred: int) -> int:
+    """`preferred` when nothing listens on 127.0.0.1:`preferred`, else a free port the OS picks."""
+    import socket
+
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
+def init_ray(address: str | None):
+    """Join a cluster or start an embedded local one on loopback; return (ray, started_here).
+
+    The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
+    holds it) with its files under `EMBEDDED_RAY_TEMP_DIR` (``$RAY_TMPDIR`` wins): its metrics head
+    writes the Prometheus service-discovery file
+    (``/tmp/scissorhands-ray/prom_metrics_service_discovery.json`` links to this session's) listing
+    the node's metrics export port (a free port Ray picks), so a Prometheus started by
+    ``make dashboards-up`` scrapes the replicas' live metrics. Metrics are exported every 5 s (the scrape interval;
+    ``$RAY_metrics_report_interval_ms`` wins). Should the dashboard fail to start (a Ray without
+    its dashboard dependencies), Ray starts again without it, after a one-line notice.
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return ray, False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return ray, True
+    os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
+    try:
+        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1",
+                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR)
+    except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
+        ray.shutdown()
+        print(f"sweep: Ray's dashboard did not start ({error_message(e)[:200]}); running without it: "
+              "no live replica metrics in Prometheus", file=sys.stderr)
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    return ray, True
+
+
+def replica_resources(ray, replicas: int, device: str) -> tuple[int, float, float]:
+    """(torch threads, Ray CPUs, Ray GPUs) per replica."""
+    total = ray.cluster_resources()
+    cpus = float(total.get("CPU", 1.0))
+    threads = max(1, int(cpus // replicas))
+    num_cpus = float(threads) if threads * replicas <= cpus else cpus / replicas
+    num_gpus = 0.0
+    if device.startswith("cuda"):
+        gpus = float(total.get("GPU", 0.0))
+        if gpus <= 0:
+            raise SweepError("device: 'cuda' requested but the Ray cluster has no GPU", 2)
+        num_gpus = min(1.0, gpus / replicas)
+    return threads, num_cpus, num_gpus
+
+
+def error_message(exc: BaseException) -> str:
+    """`Type: message` of the original exception (Ray wraps it; `.cause` holds it)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text[:2000]}"
+
+
+def resolved_policy_params(policy: str | None, policy_params: dict, budget_tokens: int | None) -> dict | None:
+    """The policy's full parameter set (defaults filled in), plus the effective recent window and drop
+    count for ``budget_tokens``, as recorded with every point; None without a policy. Never raises
+    (recording must not fail a point): on any error, the parameters as given."""
+    if policy is None:
+        return None
+    try:
+        from scissorhands import POLICIES
+
+        pol = POLICIES[policy](**policy_params)
+        params = pol.params()
+        if budget_tokens is not None:
+            params["effective_recent_window"], params["effective_drop_tokens"] = pol.resolve(int(budget_tokens))
+        return params
+    except Exception:  # noqa: BLE001
+        return dict(policy_params)
+
+
+@dataclass
+class OpenedRun:
+    """A run folder ready for points: ``points_path`` repaired, ``run.json`` written once."""
+
+    run_id: str
+    run_dir: Path
+    points_path: str
+    commit: str
+
+
+def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
+    """Resolve the run folder from ``args`` (``results_dir``, ``run_id``, ``resume``, ``suite``), create
+    it, repair a cut last line of its ``points.jsonl`` (``kind`` names the runner in the notice) and
+    write ``run.json`` (the suite as a dict, the git commit) unless it exists.
+
+    Raises:
+        SweepError: (exit 2) as `resolve_run_dir`.
+    """
+    run_id, run_dir = resolve_run_dir(args, suite)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    points_path = str(run_dir / "points.jsonl")
+    res.repair_points_file(points_path, kind)
+    commit = git_commit()
+    if not (run_dir / "run.json").exists():
+        meta = {"run_id": run_id, "suite_file": args.suite,
+                "suite": json.loads(json.dumps(dataclasses.asdict(suite), default=str)), "git_commit": commit,
+                "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
+        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return OpenedRun(run_id, run_dir, points_path, commit)
