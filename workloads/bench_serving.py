@@ -18,7 +18,7 @@ Output tokens/s = output tokens / wall time from submitting the requests to the 
 too: it isolates the memory effect from the prefill cost, which is the same per request for every
 policy. Everything runs in this process on the embedded model (or `--model`), one replica.
 
-    python -m workloads.bench_serving [--prompt-tokens 1024] [--new-tokens 64] [--full-batch 4] [--ratio 5]
+    python -m workloads.bench_serving [--prompt-tokens 1024] [--new-tokens 512] [--full-batch 4] [--ratio 5]
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m workloads.bench_serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded", help="embedded, an HF id or a local folder (tiny-llama: test only)")
     p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=512)
     p.add_argument("--full-batch", type=int, default=4, help="full-cache sequences the KV limit holds")
     p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands compression ratio")
-    p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (default 2 x full batch)")
+    p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (default 4 x full batch)")
     p.add_argument("--skip-generate", action="store_true", help="run part 1 only (no engine vs generate)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
@@ -115,7 +115,7 @@ def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
 
 def _part2(model, tokenizer, vocab, args, b, limit):
     P, N = args.prompt_tokens, args.new_tokens
-    m = args.generate_requests or 2 * b
+    m = args.generate_requests or 4 * b
     rng = np.random.default_rng(args.seed + 1)
     lengths = rng.integers(max(1, N // 4), N + 1, size=m).tolist()
     p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
