@@ -313,8 +313,11 @@ class BudgetedLayer(CacheLayerMixin):
         hkv, n = keys.shape[1], keys.shape[2]
         group = hq // hkv
         # query heads h = kv * group + j share KV head kv: (b, hq, q_c, d) -> (b, hkv, group * q_c, d)
-        qg = (query * scaling).reshape(b, hkv, group * qc, d)
+        fp32 = query.dtype == torch.float32                       # else scale the float32 scores, not the query
+        qg = (query * scaling if fp32 else query).reshape(b, hkv, group * qc, d)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float().view(b, hkv, group, qc, n)
+        if not fp32:
+            scores.mul_(scaling)
         if visible is not None:
             scores.masked_fill_(~visible[:, :, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)                                            # (b, hkv, g, q_c, S) float32

@@ -11,7 +11,6 @@ import torch
 
 from scissorhands import make_cache
 from scissorhands.batching import merge_rows, physical_slots, row_positions, select_rows, sequence_slot_bytes
-from scissorhands.testing import tiny_llama
 
 CONFIGS = {
     "full": dict(policy="full"),
@@ -22,14 +21,6 @@ CONFIGS = {
     "real-budget-long-lived": dict(policy="scissorhands", budget_tokens=12, history_window=8, count_chunk_steps=2,
                                    drop_tokens=1),
 }
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    m = tiny_llama(0)
-    m.generation_config.eos_token_id = None          # lengths are fixed: never stop early
-    return m
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -37,8 +37,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
+from cluster.engine import EngineConfig
 from workloads.loadgen import ARRIVALS, CAP_POLICIES, LengthDist, LoadConfig
 from workloads.suite import PolicySpec, SuiteError, _check_budget, _policy, _policy_classes, read_suite_file
 
@@ -103,7 +102,7 @@ class ServingSuite:
     kv_memory_limit_bytes: int | None = None
     kv_memory_fraction: float | None = None
     max_batch: int | None = None
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = EngineConfig.max_prefill_tokens
     num_requests: int | None = None
     duration_s: float | None = None
     warmup_requests: int = 1
@@ -282,9 +281,8 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
 def suite_mode(path: str) -> str:
     """The `mode` of a suite file (`batch` when absent or unreadable: the batch loader reports errors)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
+        data = read_suite_file(path)
+    except (SuiteError, OSError):
         return "batch"
     return str(data.get("mode", "batch")) if isinstance(data, dict) else "batch"
 

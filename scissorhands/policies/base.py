@@ -45,8 +45,9 @@ class Policy:
     #: Per-slot statistic columns the layer stores for this policy (0 = none).
     state_width: ClassVar[int] = 0
     state_dtype: ClassVar[torch.dtype] = torch.float32
-    #: True when ``observe`` reads ``first_query`` (query token indices), so rows on different clocks differ.
-    uses_query_time: ClassVar[bool] = False
+    #: Whether ``observe`` reads ``first_query`` (query token indices): then rows on different clocks are
+    #: observed per clock (``observe_rows``). True unless a policy declares it ignores them.
+    uses_query_time: ClassVar[bool] = True
 
     recent_window: int | None = None
     drop_tokens: int | None = None
@@ -99,7 +100,8 @@ class Policy:
     # ----------------------------------------------------------------- scoring
     def observe(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None,
                 first_query: int) -> None:
-        """Update ``state`` in place from one forward call's attention (only when ``needs_attention``).
+        """Update ``state`` in place from one forward call's attention (only when ``needs_attention``): the
+        probabilities of the call's last ``observed_queries`` queries.
 
         Args:
             state: ``(batch_size, num_kv_heads, num_slots, state_width)`` per-slot statistics.

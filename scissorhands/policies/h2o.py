@@ -24,6 +24,7 @@ class H2O(Policy):
     name: ClassVar[str] = "h2o"
     needs_attention: ClassVar[bool] = True
     state_width: ClassVar[int] = 1
+    uses_query_time: ClassVar[bool] = False
 
     def default_recent_window(self, budget_tokens: int) -> int:
         return budget_tokens // 2

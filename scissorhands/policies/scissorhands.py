@@ -41,7 +41,6 @@ class Scissorhands(Policy):
     name: ClassVar[str] = "scissorhands"
     needs_attention: ClassVar[bool] = True
     state_dtype: ClassVar[torch.dtype] = torch.uint8
-    uses_query_time: ClassVar[bool] = True
 
     history_window: int = 400
     threshold: float = 1.0

@@ -23,6 +23,7 @@ class TOVA(Policy):
     name: ClassVar[str] = "tova"
     needs_attention: ClassVar[bool] = True
     state_width: ClassVar[int] = 1
+    uses_query_time: ClassVar[bool] = False
 
     def default_recent_window(self, budget_tokens: int) -> int:
         return 0
