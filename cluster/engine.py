@@ -388,11 +388,11 @@ class ContinuousBatchingEngine:
         self._stats["prefill_s"] += t1 - t0
         self._stats["decode_s"] += time.perf_counter() - t1
         if self.metrics is not None:
-            layer = self._cache.layers[0] if self._cache is not None else None
+            cache = self._cache
             self._observe("set_running", len(self._running))
             self._observe("set_queued", len(self._queue))
-            self._observe("set_kv_cache", self._cache.kv_cache_bytes() if layer is not None else 0,
-                          int(layer.held.sum()) if layer is not None and layer.is_initialized else 0)
+            kv_bytes, slots = (cache.kv_cache_bytes(), cache.held_tokens()) if cache is not None else (0, 0)
+            self._observe("set_kv_cache", kv_bytes, slots)
         return True
 
     def _observe(self, method: str, *args) -> None:

@@ -390,27 +390,14 @@ class ModelReplica:
         return generated, metrics
 
 
-def _kv_slots(cache) -> int:
-    """Slots in use: layer 0's tokens held per KV head, summed over sequences (0 when unknown)."""
-    layers = getattr(cache, "layers", None)
-    held = getattr(layers[0], "held", None) if layers else None
-    return int(held.sum()) if held is not None else 0
-
-
-def _evicted_tokens(cache) -> int:
-    """Token positions layer 0 evicted so far, summed over sequences (per KV head; 0 when unknown)."""
-    layers = getattr(cache, "layers", None)
-    return int(getattr(layers[0], "evicted_tokens", 0)) if layers else 0
-
-
 def _record_forward(live: ReplicaMetrics, cache, batch: int, evicted_before: int) -> int:
     """After one forward: `batch` tokens generated, the cache's bytes and slots, the new evictions.
 
     Returns the cache's eviction count now (the next call's `evicted_before`).
     """
     live.add_generated_tokens(batch)
-    live.set_kv_cache(cache.kv_cache_bytes(), _kv_slots(cache))
-    evicted = _evicted_tokens(cache)
+    live.set_kv_cache(cache.kv_cache_bytes(), cache.held_tokens())
+    evicted = cache.layers[0].evicted_tokens      # layer 0, summed over sequences
     live.add_evictions(evicted - evicted_before)
     return evicted
 

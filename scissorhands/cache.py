@@ -554,6 +554,12 @@ class BudgetedCache(Cache):
         """Largest ``kv_cache_bytes()`` held between forward calls so far."""
         return max(self._peak_bytes, self.kv_cache_bytes())
 
+    def held_tokens(self) -> int:
+        """Tokens held now per KV head in layer 0, summed over sequences (0 before the first call): the
+        slots in use that live metrics report."""
+        layer = self.layers[0]
+        return int(layer.held.sum()) if layer.is_initialized else 0
+
     @property
     def evicted_tokens(self) -> int:
         """Slots evicted so far, summed over layers, rows and heads counted once per row-head."""
