@@ -6,7 +6,6 @@ The tests against a real Ray head, Prometheus and Pushgateway are in test_metric
 import logging
 import math
 import re
-import socket
 
 import pytest
 from prometheus_client import generate_latest
@@ -22,6 +21,7 @@ from cluster.metrics import (
     ratio_label,
     strip_sample_suffix,
 )
+from tests.waiting import free_port
 from workloads.push import SweepPusher, resolve_pushgateway_url
 
 ALLOWED_LABELS = {
@@ -31,12 +31,6 @@ ALLOWED_LABELS = {
 }
 UNIT_SUFFIXES = ("_seconds", "_bytes", "_tokens_total", "_tokens_per_second", "_ratio", "_sequences", "_slots",
                  "_requests", "_size", "_completed", "_planned", "_perplexity")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------- naming conventions
@@ -245,7 +239,7 @@ def test_pushgateway_url_resolution(monkeypatch):
 
 
 def test_unreachable_pushgateway_is_one_notice_then_a_no_op(caplog):
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     pusher = SweepPusher(f"127.0.0.1:{port}", "run-down", timeout_s=1.0)
     with caplog.at_level(logging.WARNING, logger="workloads.push"):
         assert pusher.push_progress(0, 3) is False

@@ -14,7 +14,6 @@ names; `.ci/run` installs them); skipped with that reason when they are missing.
 
 import math
 import os
-import socket
 import sys
 import time
 import urllib.request
@@ -25,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.metrics import METRICS, strip_sample_suffix
 from dashboards import check, serve
+from tests.waiting import free_port, wait_for
 from workloads.push import SweepPusher
 
 _missing = [k for k, v in serve.binaries().items() if not v]
@@ -40,22 +40,6 @@ pytestmark = [
 
 RUN_ID = "test-metrics-run"
 LIVE_SECONDS = 8.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 class _FakeReplica:
@@ -141,22 +125,22 @@ def stack(tmp_path_factory):
 
     if ray.is_initialized():
         ray.shutdown()
-    metrics_port = _free_port()
+    metrics_port = free_port()
     data_dir = tmp_path_factory.mktemp("dashboards-data")
-    prom_port, pg_port = _free_port(), _free_port()
+    prom_port, pg_port = free_port(), free_port()
     try:
         ray.init(
             address="local",
             num_cpus=2,
             include_dashboard=True,  # its reporter module writes the service-discovery file
             dashboard_host="127.0.0.1",
-            dashboard_port=_free_port(),
+            dashboard_port=free_port(),
             _metrics_export_port=metrics_port,
             _node_ip_address="127.0.0.1",
         )
         session_dir = Path(ray._private.worker._global_node.get_session_dir_path())
         sd_file = session_dir / "prom_metrics_service_discovery.json"
-        _wait(lambda: sd_file.exists(), 60, f"Ray to write {sd_file}")
+        wait_for(lambda: sd_file.exists(), 60, f"Ray to write {sd_file}")
         serve.up(data_dir, prom_port, pg_port, (str(sd_file),), "1s", install=False)
         prom = f"http://127.0.0.1:{prom_port}"
         pushgateway = f"127.0.0.1:{pg_port}"
@@ -175,7 +159,7 @@ def stack(tmp_path_factory):
             assert pusher.push_point(rec), "push to the live Pushgateway failed"
             assert pusher.push_progress(i, len(records))
         assert ray.get(load) > 10
-        _wait(
+        wait_for(
             lambda: check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{RUN_ID}"}}')
             and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
             and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="l11-mixed"} == 2000'),
@@ -362,7 +346,7 @@ def _assert_results_whole(proc, points):
 
 
 def test_sweep_completes_with_the_pushgateway_down(stack, tmp_path):
-    dead = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     proc, points, _ = _run_sweep(stack, tmp_path, "metrics-test-pushgateway-down", dead)
     _assert_results_whole(proc, points)
     notices = [line for line in proc.stderr.splitlines() if "Pushgateway" in line]
@@ -381,7 +365,7 @@ def real_sweep(stack, tmp_path_factory):
 
 def test_real_sweep_feeds_every_sweep_panel(stack, real_sweep):
     prom, run_id = stack["prometheus"], real_sweep["run_id"]
-    _wait(lambda: check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{run_id}"}} == {TINY_POINTS}'),
+    wait_for(lambda: check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{run_id}"}} == {TINY_POINTS}'),
           30, "the sweep's progress in Prometheus")
     kv = check.query(prom, f'scissorhands_sweep_kv_cache_bytes{{run_id="{run_id}"}}')
     assert len(kv) == TINY_POINTS

@@ -26,32 +26,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import free_port, wait_for
+
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _port_open(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
         return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _wait(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +57,8 @@ def two_nodes(tmp_path_factory):
     temp_root = Path(f"/tmp/rso-{os.getpid()}")
     temp_root.mkdir(exist_ok=True)
     os.environ["RAY_TMPDIR"] = str(temp_root)
-    dashboard_port, agent_port = _free_port(), _free_port()
-    ports = {"head": _free_port(), "worker": _free_port()}
+    dashboard_port, agent_port = free_port(), free_port()
+    ports = {"head": free_port(), "worker": free_port()}
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(
@@ -87,7 +73,7 @@ def two_nodes(tmp_path_factory):
                          node_ip_address="127.0.0.1", metrics_export_port=ports["worker"])
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
-        _wait(lambda: _port_open(agent_port), 120, "the head's job agent")  # jobs go through it
+        wait_for(lambda: _port_open(agent_port), 120, "the head's job agent")  # jobs go through it
         nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         by_resource = {("node_head" if "node_head" in n["Resources"] else "node_worker"): nid for nid, n in nodes.items()}
         yield {
@@ -177,7 +163,7 @@ def test_replica_killed_mid_sweep_is_restarted_and_nothing_written_is_lost(two_n
     outcome = {}
     worker = threading.Thread(target=lambda: outcome.setdefault("rc", _sweep(suite, results, "--run-id", "kill")))
     worker.start()
-    first = _wait(lambda: points.exists() and points.read_text().splitlines()[:1], 180, "the first point")
+    first = wait_for(lambda: points.exists() and points.read_text().splitlines()[:1], 180, "the first point")
     victim = json.loads(first[0])["replica_pid"]
     os.kill(victim, signal.SIGKILL)  # the replica's process dies mid-sweep
     worker.join(timeout=300)
@@ -234,7 +220,7 @@ def test_both_nodes_metrics_reach_prometheus(two_nodes, tmp_path):
 
     sd_file = two_nodes["session_dir"] / "prom_metrics_service_discovery.json"
     targets = {f"127.0.0.1:{p}" for p in two_nodes["metrics_ports"].values()}
-    _wait(lambda: sd_file.exists() and targets <= set(json.loads(sd_file.read_text())[0]["targets"]), 60,
+    wait_for(lambda: sd_file.exists() and targets <= set(json.loads(sd_file.read_text())[0]["targets"]), 60,
           "both metrics ports in Ray's service-discovery file")
 
     def record(run_id: str, replica: str) -> int:
@@ -251,7 +237,7 @@ def test_both_nodes_metrics_reach_prometheus(two_nodes, tmp_path):
         return n
 
     data_dir = tmp_path / "prom"
-    prom_port, pg_port = _free_port(), _free_port()
+    prom_port, pg_port = free_port(), free_port()
     serve.up(data_dir, prom_port, pg_port, (str(sd_file),), "1s", install=False)
     try:
         prom = f"http://127.0.0.1:{prom_port}"
@@ -260,7 +246,7 @@ def test_both_nodes_metrics_reach_prometheus(two_nodes, tmp_path):
         fn = ray.remote(num_cpus=0)(record)
         refs = [fn.options(resources={res: 0.01}).remote(run_id, f"replica-{res}") for res in ("node_head", "node_worker")]
         assert all(n > 5 for n in ray.get(refs))
-        series = _wait(lambda: len(check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}')) >= 2
+        series = wait_for(lambda: len(check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}')) >= 2
                        and check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}'), 60,
                        "replica metrics of both nodes in Prometheus")
         instances = {s["metric"]["instance"] for s in series}
