@@ -58,6 +58,10 @@ from .storage import DenseKV, SlotStore
 
 PAD = -1
 EVICTED = -2
+# Scores of one explicit-attention chunk, (batch_size, num_heads, query_chunk, num_slots), hold at most
+# this many elements (8 MiB in float32: one row of 9 heads x 256 queries x 1,024 slots), so a prefill of
+# several rows runs smaller query chunks instead of tensors that outgrow the CPU's caches.
+CHUNK_SCORE_ELEMENTS = 1 << 21
 
 # The layer whose update() ran last in this thread; the attention function of the same layer
 # (called right after update in the same forward) picks it up. Thread-local so replicas and
@@ -232,13 +236,15 @@ class BudgetedLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------------ attention
     def attend(self, query: torch.Tensor, padding_mask: torch.Tensor | None, scaling: float,
-               query_chunk: int = 256) -> torch.Tensor:
+               query_chunk: int | None = None) -> torch.Tensor:
         """Attention of this call's queries over the kept slots, then observe and compress.
 
         Args:
             query: ``(batch_size, num_heads, q_len, head_dim)``.
             padding_mask: ``(batch_size, tokens_seen)`` bool (True = real token) or None.
             scaling: softmax scale.
+            query_chunk: queries per explicit-attention call; default: as many as keep a chunk's
+                scores within ``CHUNK_SCORE_ELEMENTS`` (at least 1).
         Returns:
             ``(batch_size, q_len, num_heads, head_dim)`` attention output; padded queries get zeros.
         """
@@ -247,6 +253,8 @@ class BudgetedLayer(CacheLayerMixin):
         self._kv = None
         b, hq, _, d = query.shape
         st = self.slot_time                                                             # (b, hkv, S)
+        if query_chunk is None:
+            query_chunk = max(1, CHUNK_SCORE_ELEMENTS // (b * hq * st.shape[-1]))
         if padding_mask is not None and padding_mask.shape[-1] >= q_len:
             new_valid = padding_mask[:, -q_len:].to(torch.bool)                          # (b, q)
             if not bool(new_valid.all()):

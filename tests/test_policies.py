@@ -321,3 +321,51 @@ def test_observing_only_the_needed_queries_changes_nothing(model, policy, params
         for (st_a, state_a), (st_b, state_b) in zip(layers_a, layers_b):
             assert torch.equal(st_a, st_b)
             torch.testing.assert_close(state_a, state_b, atol=1e-6, rtol=1e-5)
+
+
+ATTENTION_CASES = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention]
+
+
+@pytest.mark.parametrize("policy,params", ATTENTION_CASES, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
+                                                                for p, kw in ATTENTION_CASES])
+def test_query_chunks_sized_by_rows_change_nothing(model, policy, params, monkeypatch):
+    """Explicit attention runs in query chunks whose scores stay within CHUNK_SCORE_ELEMENTS, so a
+    prefill of more rows runs smaller chunks: with chunks of 5 queries (2 rows, 40-token padded
+    prompt) statistics, kept slots and logits equal one chunk per call, over 12 decode steps."""
+    import scissorhands.cache as cache_module
+
+    ids = _ids(2, 40, 4)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    hq = model.config.num_attention_heads
+    runs, chunk_calls = [], []
+    for elements in (5 * 2 * hq * 40, 1 << 30):
+        monkeypatch.setattr(cache_module, "CHUNK_SCORE_ELEMENTS", elements)
+        cache = make_cache(policy, model, budget_tokens=12, **params)
+        calls = 0
+        layer0 = cache.layers[0]
+        attend_chunk = layer0._attend_chunk
+
+        def counting(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return attend_chunk(*args, **kwargs)
+
+        layer0._attend_chunk = counting
+        steps, seen_mask, nxt = [], mask, ids
+        with torch.inference_mode():
+            for _ in range(13):
+                out = model(nxt, attention_mask=seen_mask, cache=cache)
+                steps.append((out.logits.clone(), [(layer.slot_time.clone(), layer.state.clone())
+                                                    for layer in cache.layers]))
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                seen_mask = torch.cat([seen_mask, torch.ones_like(nxt)], 1)
+        runs.append(steps)
+        chunk_calls.append(calls)
+    observed = POLICIES[policy](**params).observed_queries(0, 40)
+    assert chunk_calls == [-(-observed // 5) + 12, (1 if observed else 0) + 12]   # prompt chunks + decode steps
+    for (logits_a, layers_a), (logits_b, layers_b) in zip(*runs):
+        torch.testing.assert_close(logits_a, logits_b, atol=2e-5, rtol=1e-4)
+        for (st_a, state_a), (st_b, state_b) in zip(layers_a, layers_b):
+            assert torch.equal(st_a, st_b)
+            torch.testing.assert_close(state_a, state_b, atol=1e-6, rtol=1e-5)
