@@ -39,7 +39,7 @@ from typing import Any
 
 from cluster.engine import EngineConfig
 from workloads.loadgen import ARRIVALS, CAP_POLICIES, LengthDist, LoadConfig
-from workloads.suite import PolicySpec, SuiteError, _check_budget, _policy, _policy_classes, read_suite_file
+from workloads.suite import PolicySpec, SuiteError, check_budget, parse_policy, policy_classes, read_suite_file
 
 SERVING_MODES = ("serving-batch", "concurrency", "rate", "max_batch")
 _LOAD_MODE = {"serving-batch": "batch", "concurrency": "concurrency", "rate": "rate", "max_batch": "batch"}
@@ -204,11 +204,11 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
         kw["prompt_tokens"].upper, kw["output_tokens"].upper  # noqa: B018 - bounded, for memory
     except ValueError as e:
         raise SuiteError(str(e)) from None
-    classes = _policy_classes()
+    classes = policy_classes()
     pols = data["policies"] if isinstance(data["policies"], list) else [data["policies"]]
     if not pols:
         raise SuiteError("policies: must not be empty")
-    specs, insts = zip(*(_policy(i, v, classes) for i, v in enumerate(pols)))
+    specs, insts = zip(*(parse_policy(i, v, classes) for i, v in enumerate(pols)))
     kw["policies"] = tuple(specs)
     ratios = tuple(float(_num(f"compression_ratios[{i}]", v, minimum=1, strict=False, none=False))
                    for i, v in enumerate(data.get("compression_ratios") or []))
@@ -222,9 +222,9 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
         if not ratios and not budgets:
             raise SuiteError(f"compression_ratios: policy {spec.name!r} needs a compression ratio or budget_tokens")
         for i, b in enumerate(budgets):
-            _check_budget(f"budget_tokens[{i}]", spec.name, inst, b)
+            check_budget(f"budget_tokens[{i}]", spec.name, inst, b)
         for i, r in enumerate(ratios):
-            _check_budget(f"compression_ratios[{i}]", spec.name, inst, math.ceil(max_len / r))
+            check_budget(f"compression_ratios[{i}]", spec.name, inst, math.ceil(max_len / r))
     loads = data.get("loads")
     if mode == "max_batch":
         if loads:

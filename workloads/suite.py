@@ -154,13 +154,20 @@ def _list(name: str, value: Any, allow_empty: bool) -> list:
     return value
 
 
-def _policy_classes() -> dict:
+def policy_classes() -> dict:
+    """The policy classes by name (``scissorhands.POLICIES``)."""
     from scissorhands import POLICIES
 
     return dict(POLICIES)
 
 
-def _policy(i: int, value: Any, classes: dict) -> tuple[PolicySpec, Any]:
+def parse_policy(i: int, value: Any, classes: dict) -> tuple[PolicySpec, Any]:
+    """Entry ``i`` of a suite's ``policies`` (a name or ``{name, params}``) -> its spec and a policy instance.
+
+    Raises:
+        SuiteError: naming ``policies[i]``: not a name or mapping, unknown keys, unknown policy (lists the
+            valid ones), unknown parameters (lists the accepted ones) or a parameter the policy rejects.
+    """
     where = f"policies[{i}]"
     if isinstance(value, str):
         name, params = value, {}
@@ -191,7 +198,7 @@ def _policy(i: int, value: Any, classes: dict) -> tuple[PolicySpec, Any]:
     return PolicySpec(name, dict(params)), instance
 
 
-def _check_budget(field_name: str, policy_name: str, instance: Any, budget: int) -> None:
+def check_budget(field_name: str, policy_name: str, instance: Any, budget: int) -> None:
     """A budget must leave room for the recent window (budget >= recent_window + 1)."""
     recent = getattr(instance, "recent_window", None)
     if recent is not None and budget < recent + 1:
@@ -253,10 +260,10 @@ def parse_suite(data: Any, source: str = "<suite>") -> Suite:
         for i, v in enumerate(_list("budget_tokens", data.get("budget_tokens") or [], allow_empty=True))
     )
 
-    classes = _policy_classes()
+    classes = policy_classes()
     specs, instances = [], []
     for i, v in enumerate(_list("policies", data["policies"], allow_empty=False)):
-        spec, inst = _policy(i, v, classes)
+        spec, inst = parse_policy(i, v, classes)
         specs.append(spec)
         instances.append(inst)
     kw["policies"] = tuple(specs)
@@ -271,11 +278,11 @@ def parse_suite(data: Any, source: str = "<suite>") -> Suite:
                 f"compression_ratios: policy {spec.name!r} needs at least one compression ratio or budget_tokens entry"
             )
         for i, b in enumerate(kw["budget_tokens"]):
-            _check_budget(f"budget_tokens[{i}]", spec.name, inst, b)
+            check_budget(f"budget_tokens[{i}]", spec.name, inst, b)
         for i, r in enumerate(ratios):
             for p in kw["prompt_tokens"]:
                 for n in kw["new_tokens"]:
-                    _check_budget(f"compression_ratios[{i}] (ratio {r:g} at {p}+{n} tokens)", spec.name, inst,
+                    check_budget(f"compression_ratios[{i}] (ratio {r:g} at {p}+{n} tokens)", spec.name, inst,
                                   math.ceil((p + n) / r))
     return Suite(**kw)
 
