@@ -35,7 +35,7 @@ sweep: install
 
 # Serving benchmark (one replica in process, embedded model): Scissorhands x5 vs full at their own max
 # batch under one KV memory limit, and our engine vs transformers' generate. Sizes: BENCH_ARGS.
-BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 512 --full-batch 4 --ratio 5
+BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 1024 --full-batch 4 --ratio 5 --generate-new-tokens 512
 bench-serving: install
 	$(PY) -m workloads.bench_serving $(BENCH_ARGS) $(ARGS)
 

@@ -11,7 +11,7 @@ from workloads import bench_serving
 def test_bench_serving_runs_both_parts_and_records_verified_max_batches(tmp_path, capsys):
     torch.set_num_threads(1)
     rc = bench_serving.main(["--model", "tiny-llama", "--prompt-tokens", "64", "--new-tokens", "12", "--full-batch", "2",
-                             "--out", str(tmp_path)])
+                             "--generate-new-tokens", "8", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     full, sh = data["max_batch"]["full"], data["max_batch"]["scissorhands"]
@@ -19,6 +19,7 @@ def test_bench_serving_runs_both_parts_and_records_verified_max_batches(tmp_path
     assert sh["max_batch"] >= 3 * full["max_batch"] and sh["verified"] is True   # (2 layers: big prefill transient)
     assert sh["peak_kv_cache_bytes"] <= data["kv_memory_limit_bytes"] >= full["peak_kv_cache_bytes"]
     assert full["output_tokens"] == 2 * 12 and sh["output_tokens"] == sh["max_batch"] * 12
+    assert data["generate"]["output_tokens"] == data["engine"]["output_tokens"] <= 4 * 2 * 8   # part 2: outputs <= 8
     assert data["identical_tokens"] == 4 * 2                 # 4 x batch requests: engine == generate, token for token
     assert data["ratio_max_batch_output"] > 0 and data["ratio_engine_vs_generate"] > 0
     # the ceiling divides by Scissorhands' prefill time only, a part of its wall time
@@ -26,3 +27,12 @@ def test_bench_serving_runs_both_parts_and_records_verified_max_batches(tmp_path
     out = capsys.readouterr().out
     assert "| Scissorhands x5 / full, output tok/s at own max batch |" in out
     assert "| our engine / transformers generate, full cache, batch 2 |" in out
+
+
+def test_bench_serving_rejects_a_part_2_longer_than_the_limit_allows(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main(["--model", "tiny-llama", "--new-tokens", "12", "--generate-new-tokens", "13"])
+    assert e.value.code == 2
+    assert "--generate-new-tokens (13) must be <= --new-tokens (12)" in capsys.readouterr().err

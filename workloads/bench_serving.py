@@ -7,8 +7,8 @@
    Ratio: output tokens/s of Scissorhands at `--ratio` / output tokens/s of full (goal >= 3x).
 2. Our engine vs transformers' `generate`, both with the full cache, at the same batch (full's max
    batch): the same requests, a serving mix (real-text prompts of lengths drawn uniformly from
-   [`--prompt-tokens` / 4, `--prompt-tokens`], output lengths from [`--new-tokens` / 4,
-   `--new-tokens`]); `generate` runs them in static batches (prompts left-padded to the longest of
+   [`--prompt-tokens` / 4, `--prompt-tokens`], output lengths from [`--generate-new-tokens` / 4,
+   `--generate-new-tokens`]); `generate` runs them in static batches (prompts left-padded to the longest of
    the batch, each batch running to its longest output, EOS ignored), the engine with continuous
    batching (no padding; a finished sequence's slot is refilled at once). Useful output tokens/s
    (the tokens each request asked for), ratio engine / generate (goal >= 1.3x).
@@ -18,7 +18,8 @@ Output tokens/s = output tokens / wall time from submitting the requests to the 
 too: it isolates the memory effect from the prefill cost, which is the same per request for every
 policy. Everything runs in this process on the embedded model (or `--model`), one replica.
 
-    python -m workloads.bench_serving [--prompt-tokens 1024] [--new-tokens 512] [--full-batch 4] [--ratio 5]
+    python -m workloads.bench_serving [--prompt-tokens 1024] [--new-tokens 1024] [--full-batch 4] [--ratio 5]
+                                      [--generate-new-tokens 512]
 """
 from __future__ import annotations
 
@@ -38,15 +39,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m workloads.bench_serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded", help="embedded, an HF id or a local folder (tiny-llama: test only)")
     p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--new-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=1024, help="output tokens per request of part 1")
     p.add_argument("--full-batch", type=int, default=4, help="full-cache sequences the KV limit holds")
     p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands compression ratio")
     p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (default 4 x full batch)")
+    p.add_argument("--generate-new-tokens", type=int, default=512, help="longest output of part 2's serving mix")
     p.add_argument("--skip-generate", action="store_true", help="run part 1 only (no engine vs generate)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench-serving", help="folder for bench.json and bench.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.generate_new_tokens > args.new_tokens:
+        p.error(f"--generate-new-tokens ({args.generate_new_tokens}) must be <= --new-tokens ({args.new_tokens}): "
+                f"part 2 runs full's max batch under the KV limit sized for --new-tokens")
+    return args
 
 
 def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -114,7 +123,7 @@ def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
 
 
 def _part2(model, tokenizer, vocab, args, b, limit):
-    P, N = args.prompt_tokens, args.new_tokens
+    P, N = args.prompt_tokens, args.generate_new_tokens
     m = args.generate_requests or 4 * b
     rng = np.random.default_rng(args.seed + 1)
     lengths = rng.integers(max(1, N // 4), N + 1, size=m).tolist()
