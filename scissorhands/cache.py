@@ -59,8 +59,9 @@ from .storage import DenseKV, SlotStore
 PAD = -1
 EVICTED = -2
 # Scores of one explicit-attention chunk, (batch_size, num_heads, query_chunk, num_slots), hold at most
-# this many elements (8 MiB in float32: one row of 9 heads x 256 queries x 1,024 slots), so a prefill of
-# several rows runs smaller query chunks instead of tensors that outgrow the CPU's caches.
+# this many elements (8 MiB in float32), so a prefill of several rows runs smaller query chunks instead of
+# tensors that outgrow the CPU's caches: over 1,024 slots the embedded model (9 heads) gets chunks of 227
+# queries for one row, 56 for four.
 CHUNK_SCORE_ELEMENTS = 1 << 21
 
 # The layer whose update() ran last in this thread; the attention function of the same layer
