@@ -36,3 +36,31 @@ def test_bench_serving_rejects_a_part_2_longer_than_the_limit_allows(capsys):
         bench_serving.main(["--model", "tiny-llama", "--new-tokens", "12", "--generate-new-tokens", "13"])
     assert e.value.code == 2
     assert "--generate-new-tokens (13) must be <= --new-tokens (12)" in capsys.readouterr().err
+
+
+def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(monkeypatch):
+    from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+    from cluster.replica import load_replica_model
+
+    torch.set_num_threads(1)
+    model, _ = load_replica_model("tiny-llama")
+    log = []
+    step = ContinuousBatchingEngine.step
+
+    def logged(self):
+        busy = step(self)
+        log.append((self.config.policy, busy))
+        return busy
+
+    monkeypatch.setattr(ContinuousBatchingEngine, "step", logged)
+    reqs = [GenerationRequest(f"r{i}", list(range(1, 9)), n) for i, n in enumerate((3, 6))]
+    full, sh = bench_serving._run_engines(model, [(EngineConfig(policy="full", max_batch=1), reqs[:1]),
+                                                  (EngineConfig(policy="scissorhands", budget_tokens=4), reqs)])
+    # after each engine's warm-up (one step, one idle step): a step makes a prompt's first token and a
+    # decode token, so full takes 2 busy steps and 1 idle one, Scissorhands (6 tokens) 5 and 1; the
+    # engines alternate until full is idle, then Scissorhands goes on alone
+    run = log[-9:]
+    assert [p for p, _ in run] == ["full", "scissorhands"] * 3 + ["scissorhands"] * 3
+    assert [b for p, b in run] == [True] * 4 + [False] + [True] * 3 + [False]
+    assert full["output_tokens"] == 3 and sh["output_tokens"] == 9
+    assert 0 < full["wall_s"] < sh["wall_s"] and full["cpu_s"] > 0

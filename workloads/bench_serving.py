@@ -3,7 +3,9 @@
 1. Max batch under one KV memory limit. The limit is chosen so the full cache fits only
    `--full-batch` sequences of `--prompt-tokens` + `--new-tokens`; each policy then runs its own
    largest batch (from the bytes per slot, verified by running it: peak running sequences and peak
-   KV bytes are checked) of identical requests through the continuous-batching engine.
+   KV bytes are checked) of equal-length requests through the continuous-batching engine. The two runs
+   are interleaved (one engine step of each in turn, each timed over its own steps), so the drift of
+   a shared machine's speed over minutes falls on both alike.
    Ratio: output tokens/s of Scissorhands at `--ratio` / output tokens/s of full (goal >= 3x).
 2. Our engine vs transformers' `generate`, both with the full cache, at the same batch (full's max
    batch): the same requests, a serving mix (real-text prompts of lengths drawn uniformly from
@@ -67,17 +69,41 @@ def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list
     return rng.integers(0, vocab, size=(n, length)).tolist()
 
 
-def _run_engine(model, cfg: EngineConfig, requests: list[GenerationRequest]) -> dict:
-    engine = ContinuousBatchingEngine(model, cfg)
-    engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
-    engine.run_until_idle()
-    engine.reset_stats()
-    done = {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    for r in requests:
-        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
-    engine.run_until_idle()
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+def _run_engines(model, runs: list[tuple[EngineConfig, list[GenerationRequest]]],
+                 max_steps: int = 10_000_000) -> list[dict]:
+    """Run one engine per ``(config, requests)`` on ``model``, interleaved: one `step()` of each busy
+    engine in turn, each engine timed over its own steps (wall and CPU seconds). A slower stretch of a
+    shared machine thus slows every run alike instead of whichever happened to run then; an engine
+    that finishes first leaves the others running alone.
+
+    Raises:
+        RuntimeError: a request failed (its error), or an engine was still busy after ``max_steps`` steps.
+    """
+    states = []
+    for cfg, requests in runs:
+        engine = ContinuousBatchingEngine(model, cfg)
+        engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
+        engine.run_until_idle()
+        engine.reset_stats()
+        done: dict = {}
+        for r in requests:
+            engine.submit(r, lambda res, done=done: done.__setitem__(res.request_id, res))
+        states.append({"engine": engine, "done": done, "wall_s": 0.0, "cpu_s": 0.0, "busy": True})
+    for _ in range(max_steps):
+        busy = [st for st in states if st["busy"]]
+        if not busy:
+            break
+        for st in busy:
+            t0, c0 = time.perf_counter(), time.process_time()
+            st["busy"] = st["engine"].step() or st["engine"].stats()["queued_requests"] > 0
+            st["wall_s"] += time.perf_counter() - t0
+            st["cpu_s"] += time.process_time() - c0
+    else:
+        raise RuntimeError(f"engines still busy after {max_steps} steps")
+    return [_engine_result(st["engine"], st["done"], st["wall_s"], st["cpu_s"]) for st in states]
+
+
+def _engine_result(engine: ContinuousBatchingEngine, done: dict, wall: float, cpu: float) -> dict:
     s = engine.stats()
     errors = [r.error for r in done.values() if r.error_kind]
     if errors:
@@ -132,7 +158,7 @@ def _part2(model, tokenizer, vocab, args, b, limit):
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
     gen = _run_generate(model, reqs, b)
-    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)
+    eng, = _run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)])
     same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
     ratio_engine = (eng["output_tok_per_s"] / gen["output_tok_per_s"],
                     eng["output_tok_per_cpu_s"] / gen["output_tok_per_cpu_s"])
@@ -156,8 +182,8 @@ def main(argv=None) -> int:
           f"torch thread(s); prompt {P} tok, {N} new tok; KV limit {limit / 2**20:.1f} MiB "
           f"(= {args.full_batch} full-cache sequences)", file=sys.stderr)
 
-    # -- part 1: each policy at its own max batch under the limit
-    rows = []
+    # -- part 1: each policy at its own max batch under the limit, both runs interleaved step by step
+    policies, runs = [], []
     for policy, ratio in (("full", None), ("scissorhands", args.ratio)):
         kw = dict(policy=policy, kv_memory_limit_bytes=limit, max_length_tokens=P + N)
         if ratio is not None:
@@ -165,12 +191,14 @@ def main(argv=None) -> int:
         cfg = EngineConfig(**kw)
         b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
         prompts = _prompts(tokenizer, vocab, b, P, args.seed)
-        reqs = [GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(prompts)]
-        print(f"bench-serving: {policy}{f' x{ratio:g}' if ratio else ''}: max batch {b}, running it ...", file=sys.stderr)
-        r = _run_engine(model, cfg, reqs)
+        policies.append((policy, ratio, b))
+        runs.append((cfg, [GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(prompts)]))
+    print("bench-serving: " + ", ".join(f"{p}{f' x{r:g}' if r else ''} at max batch {b}" for p, r, b in policies)
+          + ": running them interleaved ...", file=sys.stderr)
+    rows = _run_engines(model, runs)
+    for r, (policy, ratio, b) in zip(rows, policies):
         r.update(policy=policy, ratio=ratio, max_batch=b, verified=r["peak_running_sequences"] == b
                  and r["peak_kv_cache_bytes"] <= limit)
-        rows.append(r)
     full, sh = rows
     ratio_max_batch = sh["output_tok_per_s"] / full["output_tok_per_s"]
     ratio_decode = (sh["decode_tok_per_s"] / full["decode_tok_per_s"]) if full["decode_tok_per_s"] else None
