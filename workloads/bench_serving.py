@@ -15,8 +15,8 @@
    batching (no padding; a finished sequence's slot is refilled at once). Useful output tokens/s
    (the tokens each request asked for), ratio engine / generate (goal >= 1.3x).
 
-Output tokens/s = output tokens / wall time from submitting the requests to the last token
-(prefill included). Decode tokens/s (tokens of decode steps / time in decode steps) is printed
+Output tokens/s = output tokens / the run's wall time from submitting the requests to the last
+token, prefill included (in part 1 the sum of the run's own engine steps). Decode tokens/s (tokens of decode steps / time in decode steps) is printed
 too: it isolates the memory effect from the prefill cost, which is the same per request for every
 policy. Everything runs in this process on the embedded model (or `--model`), one replica.
 
