@@ -286,6 +286,30 @@ def test_chunked_prefill_matches_the_reference(model, policy, params):
     assert calls == 3 + 20
 
 
+def _greedy_steps(model, cache, ids, mask, calls: int) -> list:
+    """Forward the prompt, then greedy tokens, ``calls`` forward calls in all; per call the logits and
+    every layer's slot times and policy state."""
+    steps, seen_mask, nxt = [], mask, ids
+    with torch.inference_mode():
+        for _ in range(calls):
+            out = model(nxt, attention_mask=seen_mask, cache=cache)
+            steps.append((out.logits.clone(), [(layer.slot_time.clone(), layer.state.clone())
+                                                for layer in cache.layers]))
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            seen_mask = torch.cat([seen_mask, torch.ones_like(nxt)], 1)
+    return steps
+
+
+def _assert_same_steps(run_a: list, run_b: list) -> None:
+    """Two `_greedy_steps` runs: same logits (float tolerance), same kept slots, same statistics."""
+    assert len(run_a) == len(run_b)
+    for (logits_a, layers_a), (logits_b, layers_b) in zip(run_a, run_b):
+        torch.testing.assert_close(logits_a, logits_b, atol=2e-5, rtol=1e-4)
+        for (st_a, state_a), (st_b, state_b) in zip(layers_a, layers_b):
+            assert torch.equal(st_a, st_b)
+            torch.testing.assert_close(state_a, state_b, atol=1e-6, rtol=1e-5)
+
+
 SKIPPING = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention
             and POLICIES[p](**kw).observed_queries(0, 40) < 40]
 
@@ -307,20 +331,8 @@ def test_observing_only_the_needed_queries_changes_nothing(model, policy, params
         cache = make_cache(policy, model, budget_tokens=12, **params)
         if observe_all:
             cache.policy.observed_queries = lambda first_query, q_len: q_len
-        steps, seen_mask, nxt = [], mask, ids
-        with torch.inference_mode():
-            for _ in range(13):
-                out = model(nxt, attention_mask=seen_mask, cache=cache)
-                steps.append((out.logits.clone(), [(layer.slot_time.clone(), layer.state.clone())
-                                                    for layer in cache.layers]))
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                seen_mask = torch.cat([seen_mask, torch.ones_like(nxt)], 1)
-        runs.append(steps)
-    for (logits_a, layers_a), (logits_b, layers_b) in zip(*runs):
-        torch.testing.assert_close(logits_a, logits_b, atol=2e-5, rtol=1e-4)
-        for (st_a, state_a), (st_b, state_b) in zip(layers_a, layers_b):
-            assert torch.equal(st_a, st_b)
-            torch.testing.assert_close(state_a, state_b, atol=1e-6, rtol=1e-5)
+        runs.append(_greedy_steps(model, cache, ids, mask, 13))
+    _assert_same_steps(*runs)
 
 
 ATTENTION_CASES = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention]
@@ -352,20 +364,8 @@ def test_query_chunks_sized_by_rows_change_nothing(model, policy, params, monkey
             return attend_chunk(*args, **kwargs)
 
         layer0._attend_chunk = counting
-        steps, seen_mask, nxt = [], mask, ids
-        with torch.inference_mode():
-            for _ in range(13):
-                out = model(nxt, attention_mask=seen_mask, cache=cache)
-                steps.append((out.logits.clone(), [(layer.slot_time.clone(), layer.state.clone())
-                                                    for layer in cache.layers]))
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-                seen_mask = torch.cat([seen_mask, torch.ones_like(nxt)], 1)
-        runs.append(steps)
+        runs.append(_greedy_steps(model, cache, ids, mask, 13))
         chunk_calls.append(calls)
     observed = POLICIES[policy](**params).observed_queries(0, 40)
     assert chunk_calls == [-(-observed // 5) + 12, (1 if observed else 0) + 12]   # prompt chunks + decode steps
-    for (logits_a, layers_a), (logits_b, layers_b) in zip(*runs):
-        torch.testing.assert_close(logits_a, logits_b, atol=2e-5, rtol=1e-4)
-        for (st_a, state_a), (st_b, state_b) in zip(layers_a, layers_b):
-            assert torch.equal(st_a, st_b)
-            torch.testing.assert_close(state_a, state_b, atol=1e-6, rtol=1e-5)
+    _assert_same_steps(*runs)
