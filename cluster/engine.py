@@ -63,7 +63,8 @@ class EngineConfig:
             sequences and a prefill's activation memory); a longer single prompt is still
             prefilled, alone. Measured on the embedded model (2 CPU threads, 1,024-token prompts):
             prefill costs the same per prompt for 1 to 4 prompts in one call and 10% (full cache)
-            to 30% (Scissorhands) more for 8, so the default is 4,096.
+            to 30% (Scissorhands) more for 8, so the default is 4,096 (measured before explicit
+            attention sized its query chunks by rows; not re-measured since).
     """
 
     policy: str = "full"
