@@ -68,7 +68,7 @@ cluster-down:
 	-$(VENV)/bin/ray stop --force
 
 # Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
-# missing). Data, logs and pid files in dashboards/data/. Grafana: see the README.
+# missing). Data, logs and pid files in dashboards/data/. Grafana: see docs/monitoring.md.
 PROMETHEUS_PORT ?= 9090
 PUSHGATEWAY_PORT ?= 9091
 dashboards-up:
@@ -78,14 +78,14 @@ dashboards-down:
 	$(PYTHON) dashboards/serve.py down
 
 # Quality vs compression (workloads/quality): perplexity, few-shot accuracy, persistence ratio per layer;
-# points.jsonl, table.md and PNG plots land in results/<run_id>/. QUALITY_SUITE=workloads/suites/quality_report.yaml for the README's run.
+# points.jsonl, table.md and PNG plots land in results/<run_id>/. QUALITY_SUITE=workloads/suites/quality_report.yaml for the run in docs/results/.
 QUALITY_SUITE ?= workloads/suites/quality.yaml
 .PHONY: quality
 quality: install
 	$(PY) -m workloads.quality.runner $(QUALITY_SUITE) $(ARGS)
 
 # Decode-step cost of every policy vs full, side by side in one run (embedded model, batch 8, context 1,024,
-# 128 decode steps; see bench/bench_cache.py). Not a test: it prints a table (README "## Benchmarks").
+# 128 decode steps; see bench/bench_cache.py). Not a test: it prints a table (docs/benchmarks.md).
 .PHONY: bench-cache
 bench-cache: install
 	$(PY) bench/bench_cache.py $(ARGS)

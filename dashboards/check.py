@@ -193,7 +193,7 @@ def check(
 
 
 def markdown(folder: Path = DASHBOARD_DIR) -> str:
-    """The panel list of every dashboard as Markdown (what the README shows)."""
+    """The panel list of every dashboard as Markdown (what docs/monitoring.md shows)."""
     lines = []
     for file, board in load_dashboards(folder).items():
         lines += [f"**{board['title']}** (`dashboards/grafana/dashboards/{file}`)", ""]

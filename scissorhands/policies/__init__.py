@@ -1,6 +1,6 @@
 """The explicit registry of eviction policies: name -> policy dataclass.
 
-The CLI, the README and the tests all read this dict. One policy per file.
+The CLI, docs/library.md and the tests all read this dict. One policy per file.
 """
 from __future__ import annotations
 
