@@ -7,10 +7,16 @@ steps. One `step()`:
 1. `admit`: take queued requests in arrival order (first come, first served; the head of the queue
    is never skipped) while the batch stays within `max_batch` and the KV memory limit;
 2. `prefill`: forward the admitted prompts (requests of equal prompt length together) into a cache
-   of their own; the first token of each is the argmax of its last logits; then merge those rows
-   into the running cache (`scissorhands.batching.merge_rows`);
+   of their own; the first token of each is picked from its last logits (`pick_tokens`: argmax, or
+   sampled when the request asks); then merge those rows into the running cache
+   (`scissorhands.batching.merge_rows`);
 3. `decode_step`: one forward of every running sequence (each row at its own position);
 4. finished sequences (their `max_new_tokens` reached, or EOS unless ignored) leave the batch.
+
+`abort(request_id)` (any thread) drops a queued or running request at the start of the next step:
+its row leaves the cache then (`error_kind="aborted"`), so the slots it held are free again.
+`submit(..., on_token=f)` calls `f(token_id, time_s)` for every token as soon as it is decoded
+(streaming servers).
 
 Memory accounting, known before admission. The cache of a batch holds `rows * S` slots per layer
 and head, where `S` is the largest number of slots any row needs (rows are padded to it), and one
@@ -41,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = ["EngineConfig", "GenerationRequest", "GenerationResult", "ContinuousBatchingEngine", "EngineLoop",
-           "device_memory_bytes"]
+           "device_memory_bytes", "pick_tokens"]
 
 
 @dataclass
@@ -117,18 +123,42 @@ class EngineConfig:
 
 @dataclass
 class GenerationRequest:
-    """One request: prompt token ids (never text) and how many tokens to generate greedily."""
+    """One request: prompt token ids (never text) and how many tokens to generate.
+
+    Greedy by default. `temperature` > 0 samples from softmax(logits / temperature), restricted to
+    the smallest set of tokens whose probability reaches `top_p` (nucleus sampling, Holtzman et
+    al. 2020); `seed` makes the draws repeatable (a generator of its own per request, so a
+    request's tokens do not depend on its batch neighbours' draws). `min_new_tokens`: EOS is masked
+    out of the logits until that many tokens exist (vLLM's `min_tokens`; only when EOS stops it).
+    """
 
     request_id: str
     prompt_ids: list[int]
     max_new_tokens: int
     ignore_eos: bool = True
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"prompt_ids: request {self.request_id!r} has an empty prompt")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed: expected an integer or null, got {self.seed!r}")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens: expected an integer >= 0, got {self.min_new_tokens!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass
@@ -176,6 +206,42 @@ class _Seq:
     on_done: Callable[[GenerationResult], None]
     final_slots: int
     held_slots: int = 0          # tokens the row holds in the cache now (for the prefill-time bound)
+    on_token: Callable[[int, float], None] | None = None
+    generator: torch.Generator | None = None     # this request's sampling draws (temperature > 0)
+
+
+def pick_tokens(logits: torch.Tensor, seqs: list, eos_token_id: int | None) -> torch.Tensor:
+    """The next token of each row: `logits` (rows, vocab) -> (rows, 1) long.
+
+    Argmax for greedy rows; sampled (temperature, then top-p) with the row's own generator for the
+    others; EOS masked while a row that stops at EOS has fewer than `min_new_tokens` tokens.
+    """
+    reqs = [s.request for s in seqs]
+    if all(r.greedy and (r.min_new_tokens == 0 or r.ignore_eos or eos_token_id is None) for r in reqs):
+        return logits.argmax(dim=-1, keepdim=True)                                        # (rows, 1)
+    out = []
+    for row, seq in zip(logits.float(), seqs):                                            # row: (vocab,)
+        r = seq.request
+        if eos_token_id is not None and not r.ignore_eos and len(seq.result.output_ids) < r.min_new_tokens:
+            row = row.clone()
+            row[eos_token_id] = -math.inf
+        if r.greedy:
+            out.append(row.argmax())
+            continue
+        probs = torch.softmax(row / r.temperature, dim=-1)                                # (vocab,)
+        if r.top_p < 1:
+            p_sorted, order = probs.sort(descending=True)
+            outside = p_sorted.cumsum(0) - p_sorted >= r.top_p     # tokens after the nucleus is full
+            p_sorted[outside] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, p_sorted)
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=row.device)
+            if r.seed is not None:
+                seq.generator.manual_seed(r.seed)
+            else:
+                seq.generator.seed()
+        out.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
+    return torch.stack(out).view(-1, 1).to(logits.device)                                 # (rows, 1)
 
 
 class ContinuousBatchingEngine:
@@ -233,6 +299,7 @@ class ContinuousBatchingEngine:
         self._running: list[_Seq] = []
         self._cache = None
         self._next_tokens: torch.Tensor | None = None       # (rows, 1) last token of each running row
+        self._aborts: set[str] = set()
         self.reset_stats()
 
     # ------------------------------------------------------------------ accounting
@@ -274,15 +341,45 @@ class ContinuousBatchingEngine:
         return int(n)
 
     # ------------------------------------------------------------------ submission
-    def submit(self, request: GenerationRequest, on_done: Callable[[GenerationResult], None]) -> None:
-        """Queue `request`; `on_done(result)` is called once, from the thread running `step()`."""
+    def submit(self, request: GenerationRequest, on_done: Callable[[GenerationResult], None],
+               on_token: Callable[[int, float], None] | None = None) -> None:
+        """Queue `request`; `on_done(result)` is called once, from the thread running `step()`, and
+        `on_token(token_id, time_s)` for each token as it is decoded (before `on_done` for the last)."""
         result = GenerationResult(request.request_id, len(request.prompt_ids), received_time_s=self.clock(),
                                   replica_id=self.replica_id)
-        seq = _Seq(request, result, on_done, self.final_slots(len(request.prompt_ids), request.max_new_tokens))
+        seq = _Seq(request, result, on_done, self.final_slots(len(request.prompt_ids), request.max_new_tokens),
+                   on_token=on_token)
         with self._lock:
             self._queue.append(seq)
             self._stats["received"] += 1
             self._lock.notify_all()
+
+    def abort(self, request_id: str) -> None:
+        """Drop `request_id` (queued or running) at the start of the next step (any thread); its
+        `on_done` gets `error_kind="aborted"`. Unknown or finished ids are ignored."""
+        with self._lock:
+            self._aborts.add(request_id)
+            self._lock.notify_all()
+
+    def _apply_aborts(self) -> None:
+        """Fail the aborted requests; running ones leave the cache (`select_rows`), freeing their slots."""
+        from scissorhands.batching import select_rows
+
+        with self._lock:
+            if not self._aborts:
+                return
+            aborts, self._aborts = self._aborts, set()
+            gone = [s for s in self._queue if s.request.request_id in aborts]
+            for s in gone:
+                self._queue.remove(s)
+        keep = [i for i, s in enumerate(self._running) if s.request.request_id not in aborts]
+        if len(keep) < len(self._running):
+            gone += [s for s in self._running if s.request.request_id in aborts]
+            self._running = [self._running[i] for i in keep]
+            self._cache = select_rows(self._cache, keep) if keep else None
+            self._next_tokens = self._next_tokens[keep] if keep else None
+        for s in gone:
+            self._fail(s, "aborted", "the client aborted the request")
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a request is queued or running (or `timeout_s` passes); return whether one is."""
@@ -373,7 +470,9 @@ class ContinuousBatchingEngine:
         return groups
 
     def step(self) -> bool:
-        """One scheduling iteration (admit, prefill, one decode step, retire); False when idle."""
+        """One scheduling iteration (aborts, admit, prefill, one decode step, retire); False when idle."""
+        if self._aborts:
+            self._apply_aborts()
         groups = self._admit()
         if not groups and not self._running:
             return False
@@ -439,7 +538,7 @@ class ContinuousBatchingEngine:
             cache = self._new_cache()
             with torch.inference_mode():
                 out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-                first = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)                         # (n, 1)
+                first = pick_tokens(out.logits[:, -1, :], group, self.eos_token_id)               # (n, 1)
             tokens = first[:, 0].tolist()
         except Exception as e:  # noqa: BLE001 - every failure is reported per request
             self._fail_all(group, e)
@@ -476,7 +575,7 @@ class ContinuousBatchingEngine:
             with torch.inference_mode():
                 out = self.model(input_ids=self._next_tokens, position_ids=row_positions(self._cache),
                                  cache=self._cache, use_cache=True, logits_to_keep=1)
-                nxt = out.logits[:, -1, :].argmax(dim=-1, keepdim=True)                            # (rows, 1)
+                nxt = pick_tokens(out.logits[:, -1, :], self._running, self.eos_token_id)          # (rows, 1)
             tokens = nxt[:, 0].tolist()
         except Exception as e:  # noqa: BLE001
             running, self._running, self._cache, self._next_tokens = self._running, [], None, None
@@ -507,6 +606,11 @@ class ContinuousBatchingEngine:
         r.output_ids.append(int(token))
         r.token_times_s.append(t)
         self._stats["tokens"] += 1
+        if seq.on_token is not None:
+            try:
+                seq.on_token(int(token), t)
+            except Exception:  # noqa: BLE001 - a caller's callback must not stop the engine
+                pass
         eos = not seq.request.ignore_eos and self.eos_token_id is not None and int(token) == self.eos_token_id
         if eos or len(r.output_ids) >= seq.request.max_new_tokens:
             r.finish_reason = "eos" if eos else "length"

@@ -177,3 +177,98 @@ def test_a_step_prefills_at_most_max_prefill_tokens_and_a_longer_prompt_alone(mo
         admitted.append(before - engine.queued)
     # 30 + 30 <= 64 < 30 + 30 + 30; the 100-token prompt waits for a step of its own
     assert admitted == [2, 2, 1, 1] and engine.running == 6
+
+
+# ---------------------------------------------------------------- sampling, streaming callbacks, aborts
+def _run_one(model, req: GenerationRequest, eos_token_id=None, neighbours=()) -> object:
+    engine = ContinuousBatchingEngine(model, EngineConfig(), eos_token_id=eos_token_id)
+    done = {}
+    for r in (req, *neighbours):
+        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+    engine.run_until_idle()
+    return done[req.request_id]
+
+
+def test_sampling_with_a_seed_repeats_and_does_not_depend_on_batch_neighbours(model):
+    prompt = list(range(3, 15))
+    req = lambda rid, seed: GenerationRequest(rid, prompt, 12, temperature=1.5, seed=seed)  # noqa: E731
+    a = _run_one(model, req("a", 7)).output_ids
+    b = _run_one(model, req("a", 7), neighbours=[req("n1", 1), GenerationRequest("n2", prompt[:5], 8)]).output_ids
+    c = _run_one(model, req("a", 8)).output_ids
+    greedy = _run_one(model, GenerationRequest("g", prompt, 12)).output_ids
+    assert a == b and len(a) == 12
+    assert a != c                        # another seed draws other tokens (tiny model: flat logits)
+    assert a != greedy
+
+
+def test_top_p_that_keeps_one_token_is_greedy(model):
+    prompt = list(range(20, 40))
+    greedy = _run_one(model, GenerationRequest("g", prompt, 10)).output_ids
+    nucleus = _run_one(model, GenerationRequest("s", prompt, 10, temperature=1.0, top_p=1e-6, seed=3)).output_ids
+    assert nucleus == greedy
+
+
+def test_min_new_tokens_masks_eos_until_reached(model):
+    prompt = list(range(5, 17))
+    greedy = _run_one(model, GenerationRequest("g", prompt, 6)).output_ids
+    eos = greedy[1]                       # pretend the 2nd greedy token is EOS: it stops there ...
+    stopped = _run_one(model, GenerationRequest("e", prompt, 6, ignore_eos=False), eos_token_id=eos)
+    assert stopped.output_ids == greedy[:2] and stopped.finish_reason == "eos"
+    held = _run_one(model, GenerationRequest("m", prompt, 6, ignore_eos=False, min_new_tokens=4), eos_token_id=eos)
+    assert eos not in held.output_ids[:4] and held.output_ids[0] == greedy[0]   # ... unless min_new_tokens says not yet
+
+
+def test_on_token_streams_each_token_before_on_done(model):
+    engine = ContinuousBatchingEngine(model, EngineConfig(**SH))
+    events = []
+    engine.submit(GenerationRequest("r", list(range(30)), 5), lambda res: events.append(("done", res.output_ids)),
+                  on_token=lambda tok, t: events.append(("tok", tok)))
+    engine.step()
+    assert [e[0] for e in events] == ["tok", "tok"]   # prefill's token and one decode token, not held back
+    engine.run_until_idle()
+    toks = [e[1] for e in events if e[0] == "tok"]
+    assert events[-1] == ("done", toks) and len(toks) == 5
+
+
+@pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(**SH)], ids=["full", "scissorhands-B16"])
+def test_abort_frees_the_row_at_the_next_step_and_others_go_on(model, cfg):
+    engine = ContinuousBatchingEngine(model, cfg)
+    done = {}
+    reqs = [GenerationRequest(f"r{i}", list(range(10 + i, 30 + i)), 12) for i in range(3)]
+    for r in reqs[:2]:
+        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+    engine.step()
+    before = engine.stats()["kv_cache_bytes"]
+    rows_before = engine.running
+    engine.submit(reqs[2], lambda res: done.__setitem__(res.request_id, res))
+    engine.step()
+    engine.step()
+    assert engine.running == rows_before + 1
+    engine.abort("r2")
+    engine.abort("queued-never")                     # an unknown id is ignored
+    engine.step()
+    assert engine.running == rows_before
+    assert done["r2"].error_kind == "aborted" and 0 < len(done["r2"].output_ids) < 12
+    if cfg.policy != "full":                         # budgeted rows hold B slots: bytes back exactly
+        assert engine.stats()["kv_cache_bytes"] == before
+    engine.run_until_idle()
+    alone = _run_one(model, GenerationRequest("x", reqs[0].prompt_ids, 12))
+    if cfg.policy == "full":
+        assert done["r0"].output_ids == alone.output_ids
+    assert done["r0"].error_kind is None and len(done["r1"].output_ids) == 12
+
+
+def test_abort_of_a_queued_request(model):
+    engine = ContinuousBatchingEngine(model, EngineConfig())
+    done = {}
+    engine.submit(GenerationRequest("q", [1, 2, 3], 4), lambda res: done.__setitem__(res.request_id, res))
+    engine.abort("q")
+    assert engine.step() is False
+    assert done["q"].error_kind == "aborted" and done["q"].output_ids == [] and engine.queued == 0
+
+
+@pytest.mark.parametrize("kw, field", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+                                       (dict(seed="x"), "seed"), (dict(min_new_tokens=-1), "min_new_tokens")])
+def test_sampling_fields_are_validated(kw, field):
+    with pytest.raises(ValueError, match=field):
+        GenerationRequest("r", [1], 2, **kw)
