@@ -303,3 +303,71 @@ def load_model(
 def model_id_of(model: str) -> str:
     """The model id to record in results: ``EMBEDDED_MODEL_ID`` for ``"embedded"``, else the argument."""
     return EMBEDDED_MODEL_ID if model == EMBEDDED else model
+
+
+# ---------------------------------------------------------------------------------------------- dummy weights
+DUMMY_CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+"""Folder of the shipped ``config.json`` files (``<name>.json``), copied from the published model cards."""
+
+DUMMY_MODEL_IDS = {
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "mistral-7b-v0.1": "mistralai/Mistral-7B-v0.1",
+    "opt-6.7b": "facebook/opt-6.7b",
+    "opt-125m": "facebook/opt-125m",
+}
+"""Name of each shipped config -> the Hugging Face model whose published ``config.json`` it is."""
+
+
+def dummy_config(name: str, **overrides) -> transformers.PretrainedConfig:
+    """The shipped config ``name`` (a key of ``DUMMY_MODEL_IDS``), with ``overrides`` set on it.
+
+    Raises:
+        ValueError: an unknown name (the message lists the shipped names), or an override that is
+            not a field of that config.
+    """
+    if name not in DUMMY_MODEL_IDS:
+        raise ValueError(f"dummy model: unknown name {name!r}; shipped configs: {', '.join(DUMMY_MODEL_IDS)}")
+    fields = json.loads((DUMMY_CONFIG_DIR / f"{name}.json").read_text())
+    known = transformers.AutoConfig.for_model(**fields)
+    unknown = [key for key in overrides if key not in fields and not hasattr(known, key)]
+    if unknown:
+        raise ValueError(f"dummy model {name!r}: not a field of its config: {', '.join(map(repr, unknown))}")
+    # built again from the merged fields, so derived fields (e.g. Llama's head_dim) follow the overrides
+    return transformers.AutoConfig.for_model(**{**fields, **overrides})
+
+
+def load_dummy_model(name: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                     seed: int = 0, attn_implementation: str | None = None, **overrides) -> PreTrainedModel:
+    """A model of a real architecture with dummy weights (as vLLM's ``load_format="dummy"``): for speed
+    and memory measurements only, never for quality.
+
+    The model is built from :func:`dummy_config` under ``torch.device(device)`` in ``dtype``, so every
+    parameter is created and initialised where it lives (transformers' own initialisation: normal with
+    the config's ``initializer_range``/``init_std``, norms at one), with no float32 copy on the CPU:
+    an 8B model in bfloat16 needs its 16 GB on the device and nothing more. Records of runs on it say
+    ``weights: dummy``. Seeded with ``seed`` (the global RNG state is left as it was).
+
+    Args:
+        name: a key of ``DUMMY_MODEL_IDS``.
+        dtype: parameter dtype.
+        device: where the parameters are created.
+        attn_implementation: as :func:`load_model` (None: ``scissorhands.ATTN_IMPLEMENTATION``).
+        **overrides: config fields to replace (e.g. ``num_hidden_layers=2`` for a small test copy,
+            ``sliding_window=None`` for Mistral when sequences stay inside its 4,096-token window).
+
+    Returns:
+        the model in eval mode (no tokenizer: prompts are token ids).
+
+    Raises:
+        ValueError: as :func:`dummy_config`.
+    """
+    config = dummy_config(name, **overrides)
+    device = torch.device(device)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if device.type != "meta" else "cpu"):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return apply_attn_implementation(model, attn_implementation)
