@@ -99,6 +99,49 @@ class ServingReplica:
         self.engine.submit(req, done)
         return asdict(await fut)
 
+    async def stream(self, request: dict | GenerationRequest):
+        """Serve one request token by token: yields `{"token_id", "time_s"}` as each token is decoded,
+        then one `{"result": GenerationResult fields}`. Closing the generator early (a client that went
+        away) aborts the request: its row leaves the cache at the engine's next step."""
+        req = request if isinstance(request, GenerationRequest) else GenerationRequest(**request)
+        if self.engine is None or self.loop is None or not self.loop.alive:
+            yield {"result": await self.generate(req)}
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_token(token_id: int, t: float) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, {"token_id": token_id, "time_s": t})
+
+        def on_done(result: GenerationResult) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, {"result": asdict(result)})
+
+        engine = self.engine
+        engine.submit(req, on_done, on_token)
+        finished = False
+        try:
+            while True:
+                ev = await queue.get()
+                finished = "result" in ev
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                engine.abort(req.request_id)
+
+    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of these lengths can never be served under the KV memory limit (None: it can)."""
+        e = self.engine
+        if e is None or e.kv_memory_limit_bytes is None:
+            return None
+        need = max(e.batch_bytes_bound([e.final_slots(prompt_tokens, max_new_tokens)]),
+                   e.prefill_peak_bytes(1, prompt_tokens))
+        if need > e.kv_memory_limit_bytes:
+            return (f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need} bytes of KV "
+                    f"cache alone, more than the limit of {e.kv_memory_limit_bytes} bytes")
+        return None
+
     async def health(self) -> dict:
         """Liveness: answered from another thread than the one generating, never queued behind it."""
         return {"replica_id": self.replica_id, "configured": self.engine is not None,

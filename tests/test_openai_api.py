@@ -1,0 +1,204 @@
+"""The OpenAI-compatible API (cluster.openai_api) over in-process replicas of the tiny model, through
+real HTTP on a free loopback port (uvicorn in a thread)."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+
+from cluster.openai_api import ReplicaBackend, build_app, cache_metadata
+from cluster.serving_replica import ServingReplica
+from tests.http_fakes import ServerThread, char_tokenizer
+
+FULL = "tiny:full"
+SH = "tiny:scissorhands-b16"
+SH_CFG = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def service(model):
+    tok = char_tokenizer()
+    replicas = {}
+    for name, cfg in ((FULL, dict(kv_memory_limit_bytes=None)), (SH, SH_CFG)):
+        r = ServingReplica(model=model, replica_id=name, model_spec="tiny-llama")
+        r.eos_token_id = tok.eos_token_id
+        r.configure(cfg)
+        replicas[name] = r
+    # the full cache's KV limit: room for one sequence of 150 tokens, so 200 can never fit
+    full = replicas[FULL]
+    full.configure(dict(kv_memory_limit_bytes=150 * full.engine.slot_bytes))
+    backends = {m: ReplicaBackend(r, cache_metadata({}, r.engine.budget_tokens, "tiny-llama")) for m, r in replicas.items()}
+    app = build_app(backends, tok, context_tokens=CONTEXT, max_pending_requests=2)
+    with ServerThread(app) as url:
+        yield url, replicas, tok
+    for r in replicas.values():
+        r.shutdown()
+
+
+def post(url, path, body, stream=False):
+    return requests.post(url + path, json=body, stream=stream, timeout=60)
+
+
+def sse(resp) -> list:
+    """The `data:` payloads of an SSE reply (JSON decoded, `[DONE]` kept as a string)."""
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: "):
+            d = line[6:].decode()
+            out.append(d if d == "[DONE]" else json.loads(d))
+    return out
+
+
+def test_models_and_health_list_one_id_per_cache(service):
+    url, replicas, _ = service
+    data = requests.get(url + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in data] == [FULL, SH]
+    assert data[1]["metadata"]["budget_tokens"] == 16 and data[0]["metadata"]["budget_tokens"] is None
+    assert requests.get(url + "/health", timeout=10).json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("model_id", [FULL, SH])
+def test_completion_not_streamed_usage_equals_ids_and_two_models_route_to_two_caches(service, model_id):
+    url, replicas, tok = service
+    before = {m: r.engine.stats()["completed_requests"] for m, r in replicas.items()}
+    r = post(url, "/v1/completions", dict(model=model_id, prompt="Hello there, cache", max_tokens=7, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ch = body["choices"][0]
+    assert len(ch["token_ids"]) == 7 and body["usage"] == dict(prompt_tokens=18, completion_tokens=7, total_tokens=25)
+    assert ch["finish_reason"] == "length" and ch["text"] == tok.decode(ch["token_ids"], skip_special_tokens=True)
+    after = {m: r.engine.stats()["completed_requests"] for m, r in replicas.items()}
+    assert {m: after[m] - before[m] for m in after} == {m: int(m == model_id) for m in after}
+    assert body["scissorhands"]["replica_id"] == model_id and body["scissorhands"]["replica_ttft_s"] >= 0
+
+
+def test_streamed_completion_sends_one_event_per_token_then_usage_then_done(service):
+    url, replicas, tok = service
+    prompt = tok("Stream me")["input_ids"]
+    r = post(url, "/v1/completions", dict(model=SH, prompt=prompt, max_tokens=9, ignore_eos=True, stream=True,
+                                          stream_options={"include_usage": True}), stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 9 and usage["usage"]["prompt_tokens"] == 9
+    token_chunks = [e for e in events[:-2] if e["choices"][0]["token_ids"]]
+    assert len(token_chunks) == 9 and all(len(e["choices"][0]["token_ids"]) == 1 for e in token_chunks)
+    final = events[-3]
+    assert final["choices"][0]["finish_reason"] == "length" and final["scissorhands"]["replica_ttft_s"] >= 0
+    ids = [e["choices"][0]["token_ids"][0] for e in token_chunks]
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == tok.decode(ids, skip_special_tokens=True)
+    # the same request not streamed gives the same ids (greedy)
+    plain = post(url, "/v1/completions", dict(model=SH, prompt=prompt, max_tokens=9, ignore_eos=True)).json()
+    assert plain["choices"][0]["token_ids"] == ids
+
+
+def test_chat_uses_the_chat_template(service):
+    url, replicas, tok = service
+    msgs = [{"role": "user", "content": "yo"}]
+    r = post(url, "/v1/chat/completions", dict(model=FULL, messages=msgs, max_tokens=3, ignore_eos=True))
+    assert r.status_code == 200, r.text
+    expected_prompt = len(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert r.json()["usage"]["prompt_tokens"] == expected_prompt == 21
+    assert r.json()["object"] == "chat.completion" and r.json()["choices"][0]["message"]["role"] == "assistant"
+    s = post(url, "/v1/chat/completions", dict(model=FULL, messages=msgs, max_tokens=3, ignore_eos=True,
+                                               stream=True), stream=True)
+    events = sse(s)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[-1] == "[DONE]"
+    assert sum(len(e["choices"][0]["token_ids"]) for e in events[1:-1]) == 3
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:-1]) \
+        == r.json()["choices"][0]["message"]["content"]
+
+
+def test_min_tokens_and_stop(service):
+    url, replicas, tok = service
+    base = post(url, "/v1/completions", dict(model=FULL, prompt="abc", max_tokens=12, ignore_eos=True)).json()
+    text = base["choices"][0]["text"]
+    stop = next((text[i:i + 1] for i in range(2, len(text)) if text[i:i + 1].strip()), None)
+    if stop is None:
+        pytest.skip("the tiny model's greedy text has no visible character to stop at")
+    k = text.find(stop)
+    r = post(url, "/v1/completions", dict(model=FULL, prompt="abc", max_tokens=12, ignore_eos=True, stop=[stop])).json()
+    assert r["choices"][0]["text"] == text[:k] and r["choices"][0]["finish_reason"] == "stop"
+    s = sse(post(url, "/v1/completions", dict(model=FULL, prompt="abc", max_tokens=12, ignore_eos=True, stop=stop,
+                                              stream=True), stream=True))
+    assert "".join(e["choices"][0]["text"] for e in s[:-1]) == text[:k] and s[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (dict(model=FULL, prompt="x", max_tokens="5"), 400, "max_tokens"),
+    (dict(model=FULL, prompt="x", max_tokens=0), 400, "max_tokens"),
+    (dict(model=FULL, prompt="x" * 200, max_tokens=100), 400, "max_tokens"),        # beyond the context (256)
+    (dict(model=FULL, prompt="x" * 150, max_tokens=60), 400, "max_tokens"),         # never fits the KV limit
+    (dict(model="nope", prompt="x", max_tokens=5), 404, "model"),
+    (dict(model=FULL, prompt="x", max_tokens=5, n=2), 400, "n"),
+    (dict(model=FULL, prompt=3, max_tokens=5), 400, "prompt"),
+    (dict(model=FULL, prompt="x", max_tokens=5, temperature="hot"), 400, "temperature"),
+    (dict(model=FULL, prompt="x", max_tokens=5, top_p=0), 400, "top_p"),
+    (dict(model=FULL, prompt="x", max_tokens=5, stream="yes"), 400, "stream"),
+    (dict(model=FULL, prompt="x", max_tokens=5, ignore_eos=1), 400, "ignore_eos"),
+    (dict(model=FULL, prompt="x", max_tokens=5, stop=7), 400, "stop"),
+    (dict(model=SH, messages="hi", max_tokens=5), 400, "messages"),
+])
+def test_errors_are_openai_error_json_naming_the_field(service, body, status, param):
+    url, _, _ = service
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for stream in (False, True):
+        r = post(url, path, {**body, "stream": body.get("stream", stream)})
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and param in err["message"]
+
+
+def test_invalid_json_is_a_400(service):
+    url, _, _ = service
+    r = requests.post(url + "/v1/completions", data=b"{not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def _wait(pred, timeout_s=20.0):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_client_disconnect_mid_stream_frees_the_slots(service):
+    url, replicas, _ = service
+    eng = replicas[SH].engine
+    assert _wait(lambda: eng.running == 0)
+    aborted0 = eng.stats()["failed_requests"]
+    r = post(url, "/v1/completions", dict(model=SH, prompt="go on and on", max_tokens=200, ignore_eos=True,
+                                          stream=True), stream=True)
+    lines = r.iter_lines()
+    got = 0
+    for line in lines:
+        if line.startswith(b"data: "):
+            got += 1
+            if got == 3:
+                break
+    assert eng.running == 1
+    r.close()                                     # the client goes away mid-stream
+    assert _wait(lambda: eng.running == 0), "the aborted request still holds its row"
+    assert eng.stats()["kv_cache_bytes"] == 0 and eng.stats()["failed_requests"] == aborted0 + 1
+    assert eng.stats()["generated_tokens"] < 200 + 1000
+
+
+def test_queue_bound_answers_429_with_retry_after(service):
+    url, replicas, _ = service
+    body = dict(model=SH, prompt="hold", max_tokens=150, ignore_eos=True, stream=True)
+    held = [post(url, "/v1/completions", body, stream=True) for _ in range(2)]        # max_pending_requests=2
+    try:
+        assert all(h.status_code == 200 for h in held)
+        r = post(url, "/v1/completions", {**body, "stream": False})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+    finally:
+        for h in held:
+            h.close()
+    assert _wait(lambda: replicas[SH].engine.running == 0)
