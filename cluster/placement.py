@@ -378,7 +378,12 @@ def load_sharded(model_spec: str, dtype: str, max_memory: Mapping[int, int]):
     """
     from accelerate import dispatch_model
 
-    model, tokenizer = load_replica_model(model_spec, dtype=dtype, device="cpu")
+    from scissorhands.models import resolve_dtype
+
+    # the weights run on the GPUs: resolve "auto" for them, not for the CPU they are loaded on
+    torch_dtype, reason = resolve_dtype(dtype, None, "cuda:0")
+    model, tokenizer = load_replica_model(model_spec, dtype=str(torch_dtype).removeprefix("torch."), device="cpu")
+    model.scissorhands_dtype_reason = reason if dtype == "auto" else model.scissorhands_dtype_reason
     device_map = plan_device_map(model, max_memory)
     model = dispatch_model(model, device_map=device_map)
     model.eval()
@@ -427,7 +432,7 @@ class PlacedReplica(ModelReplica):
                                                 per_gpu_bytes=max_memory_per_gpu_bytes)
                     t0 = time.perf_counter()
                     model, tokenizer, self.device_map = load_sharded(
-                        kwargs.get("model_spec", "embedded"), kwargs.get("dtype", "float32"), max_memory
+                        kwargs.get("model_spec", "embedded"), kwargs.get("dtype", "auto"), max_memory
                     )
                     sharded_load_s = time.perf_counter() - t0
                     kwargs.update(model=model, tokenizer=tokenizer, device="cuda:0")

@@ -55,31 +55,26 @@ TEST_MODEL_NAMES = ("tiny-llama",)
 PromptFn = Callable[[Any, int, int, int], list]  # (tokenizer, n, prompt_tokens, seed) -> ids
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        value = getattr(torch, str(dtype))
-    except AttributeError:
-        value = None
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype: unknown torch dtype {dtype!r} (use e.g. 'float32', 'bfloat16')")
-    return value
-
-
-def load_replica_model(model_spec: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """Load `(model, tokenizer)` for a model spec.
+def load_replica_model(model_spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"):
+    """Load `(model, tokenizer)` for a model spec, in `dtype` (`scissorhands.models.DTYPE_CHOICES`;
+    `"auto"` resolved by `scissorhands.models.resolve_dtype`, its reason kept as
+    `model.scissorhands_dtype_reason`).
 
     `model_spec` is `"embedded"`, a Hugging Face model id, a local folder, or a test-only name
     from `TEST_MODEL_NAMES` (tokenizer is then None). Raises FileNotFoundError naming the path
     when `model_spec` is a filesystem path (absolute, or starting with `.` or `~`) that does
     not exist.
     """
-    torch_dtype = _dtype(dtype)
+    from scissorhands.models import check_dtype_name, resolve_dtype
+
+    check_dtype_name(dtype)
     if model_spec == "tiny-llama":
         from scissorhands.testing import tiny_llama
 
-        model = tiny_llama(seed=0).to(device=device, dtype=torch_dtype)
+        model = tiny_llama(seed=0)
+        torch_dtype, reason = resolve_dtype(dtype, model.config, device)
+        model = model.to(device=device, dtype=torch_dtype)
+        model.scissorhands_dtype_reason = reason
         model.eval()
         return model, None
     expanded = os.path.expanduser(model_spec)
@@ -87,7 +82,7 @@ def load_replica_model(model_spec: str, dtype: str | torch.dtype = "float32", de
         raise FileNotFoundError(f"model: path does not exist: {expanded}")
     from scissorhands.models import load_model
 
-    model, tokenizer = load_model(expanded, dtype=torch_dtype, device=device)
+    model, tokenizer = load_model(expanded, dtype=dtype, device=device)
     model.eval()
     return model, tokenizer
 
@@ -114,7 +109,8 @@ class ModelReplica:
     Args:
         model_spec: `"embedded"`, an HF id, a local folder, or a test-only name
             (`TEST_MODEL_NAMES`); ignored when `model` is given.
-        dtype: torch dtype name of the weights (`"float32"`).
+        dtype: the weights' dtype, one of `scissorhands.models.DTYPE_CHOICES` (default `"auto"`:
+            bfloat16 where the device runs it faster, see `resolve_dtype`).
         device: torch device string (`"cpu"`, `"cuda"`).
         replica_id: label recorded with every result.
         num_threads: torch intra-op threads for this process (`torch.set_num_threads`), so that
@@ -136,7 +132,7 @@ class ModelReplica:
     def __init__(
         self,
         model_spec: str = "embedded",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         device: str = "cpu",
         replica_id: str = "replica-0",
         num_threads: int | None = None,
@@ -194,6 +190,7 @@ class ModelReplica:
             "model_spec": self.model_spec,
             "device": str(self.device),
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "dtype_reason": getattr(self.model, "scissorhands_dtype_reason", "given model"),
             "load_peak_rss_bytes": self.load_peak_rss_bytes,
         }
 

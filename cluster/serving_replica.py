@@ -33,7 +33,7 @@ class ServingReplica:
         FileNotFoundError: the model path does not exist (the message names it).
     """
 
-    def __init__(self, model_spec: str = "embedded", dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model_spec: str = "embedded", dtype: str = "auto", device: str = "cpu",
                  replica_id: str = "replica-0", num_threads: int | None = None,
                  engine_config: dict | EngineConfig | None = None, model=None, node_id: str | None = None):
         if num_threads is not None:
@@ -162,6 +162,8 @@ class ServingReplica:
         e = self.engine
         return {"replica_id": self.replica_id, "node_id": self.node_id, "hostname": socket.gethostname(),
                 "pid": os.getpid(), "torch_threads": torch.get_num_threads(), "model_spec": self.model_spec,
+                "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "dtype_reason": getattr(self.model, "scissorhands_dtype_reason", "given model"),
                 "policy": e.config.policy if e else None, "budget_tokens": e.budget_tokens if e else None,
                 "slot_bytes": e.slot_bytes if e else None,
                 "kv_memory_limit_bytes": e.kv_memory_limit_bytes if e else None}

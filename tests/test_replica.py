@@ -95,3 +95,16 @@ def test_missing_model_path_names_the_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match=str(missing)):
         load_replica_model(str(missing))
+
+
+def test_replica_dtype_auto_is_resolved_and_recorded(monkeypatch):
+    from scissorhands import models as sh_models
+
+    monkeypatch.setattr(sh_models, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(sh_models, "probe_bfloat16_speedup", lambda *a: 2.0)
+    r = ModelReplica(model_spec="tiny-llama", num_threads=1, warmup=False)   # dtype defaults to "auto"
+    info = r.info()
+    assert info["dtype"] == "bfloat16" and "amx_bf16" in info["dtype_reason"] and "2.00x" in info["dtype_reason"]
+    assert ModelReplica(model_spec="tiny-llama", dtype="float32", num_threads=1, warmup=False).info()["dtype"] == "float32"
+    with pytest.raises(ValueError, match="dtype: expected one of auto, float32, bfloat16, float16"):
+        load_replica_model("tiny-llama", dtype="int8")

@@ -79,6 +79,10 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         assert r["ttft_n"] == 6 and r["ttft_p99_low_confidence"] is True and r["ttft_p50_s"] > 0
         assert r["output_throughput_tok_per_s"] > 0 and r["kv_cache_bytes"] > 0
         assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
+        # the suite's dtype "auto", resolved: what the replica runs in and why
+        assert (r["dtype_requested"], r["dtype"], r["dtype_reason"]) == ("auto", "float32", "given model")
+    assert json.loads((run / "run.json").read_text())["dtypes"] == [
+        {"dtype": "float32", "dtype_requested": "auto", "dtype_reason": "given model"}]
     assert [r["concurrency"] for r in recs] == [1, 4, 1, 4]       # the pushed series' labels
     assert recs[1]["achieved_peak_concurrency"] == 4 and max(recs[1]["peak_running_sequences_per_replica"]) >= 2
     assert recs[2]["budget_tokens"] == 16                     # ceil((24 + 8) / 2)

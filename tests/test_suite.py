@@ -115,3 +115,24 @@ def test_contention_warning(capsys):
     assert "2 CPU-s in 10 s" in err and "20% of their torch threads" in err and "waited for cores" in err
     sweep._warn_contention([dict(status="ok", process_cpu_s=9.5, e2e_latency_s=10.0, torch_threads=1)])
     assert "warning" not in capsys.readouterr().err
+
+
+def test_dtype_defaults_to_auto_and_rejects_unknown_values():
+    from workloads.quality.suite import QualitySuiteError
+    from workloads.quality.suite import parse_suite as parse_quality
+    from workloads.serving_suite import parse_serving_suite
+
+    assert parse_suite(GOOD).dtype == "auto" and parse_suite(dict(GOOD, dtype="bfloat16")).dtype == "bfloat16"
+    with pytest.raises(SuiteError, match="dtype: expected one of auto, float32, bfloat16, float16, got 'fp16'"):
+        parse_suite(dict(GOOD, dtype="fp16"))
+    for path in ("workloads/suites/serving-rate.yaml", "workloads/suites/quality.yaml"):
+        data = yaml.safe_load(open(path))
+        assert data["dtype"] == "auto"
+    serving = yaml.safe_load(open("workloads/suites/serving-rate.yaml"))
+    assert parse_serving_suite({k: v for k, v in serving.items() if k != "dtype"}).dtype == "auto"
+    with pytest.raises(SuiteError, match="dtype: expected one of"):
+        parse_serving_suite(dict(serving, dtype="float64"))
+    quality = yaml.safe_load(open("workloads/suites/quality.yaml"))
+    assert parse_quality({k: v for k, v in quality.items() if k != "dtype"}).dtype == "auto"
+    with pytest.raises(QualitySuiteError, match="dtype: expected one of"):
+        parse_quality(dict(quality, dtype="f32"))

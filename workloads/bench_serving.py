@@ -48,12 +48,18 @@ def parse_args(argv=None):
     p.add_argument("--generate-new-tokens", type=int, default=512, help="longest output of part 2's serving mix")
     p.add_argument("--skip-generate", action="store_true", help="run part 1 only (no engine vs generate)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 where this machine runs it faster, see "
+                   "scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/bench-serving", help="folder for bench.json and bench.md")
     args = p.parse_args(argv)
     for name in ("prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    from scissorhands.models import DTYPE_CHOICES
+
+    if args.dtype not in DTYPE_CHOICES:
+        p.error(f"--dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
     if args.generate_new_tokens > args.new_tokens:
         p.error(f"--generate-new-tokens ({args.generate_new_tokens}) must be <= --new-tokens ({args.new_tokens}): "
                 f"part 2 runs full's max batch under the KV limit sized for --new-tokens")
@@ -172,7 +178,12 @@ def main(argv=None) -> int:
     from cluster.replica import load_replica_model
 
     t_load = time.perf_counter()
-    model, tokenizer = load_replica_model(args.model)
+    model, tokenizer = load_replica_model(args.model, dtype=args.dtype)
+    from scissorhands.models import cpu_flags, cpu_model_name
+
+    dtype = str(model.dtype).removeprefix("torch.")
+    dtype_reason = getattr(model, "scissorhands_dtype_reason", "")
+    cpu = f"{cpu_model_name()} ({', '.join(sorted(cpu_flags() & {'amx_bf16', 'avx512_bf16', 'avx512f', 'avx2'})) or 'no AVX flags'})"
     model.generation_config.eos_token_id = None
     vocab = int(model.config.vocab_size)
     P, N = args.prompt_tokens, args.new_tokens
@@ -222,7 +233,7 @@ def main(argv=None) -> int:
                 f"{r['output_tok_per_s']:.1f} | {r['output_tok_per_cpu_s']:.2f} | {dec} | {kv} | {extra} |")
 
     lines = [
-        f"Conditions: model {args.model}, float32, CPU, {torch.get_num_threads()} torch thread(s), one replica in "
+        f"Conditions: model {args.model}, {dtype} ({dtype_reason}), CPU {cpu}, {torch.get_num_threads()} torch thread(s), one replica in "
         f"process; prompts {P} tokens of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
         f"{args.full_batch} full-cache sequences of {P} + {N} tokens.",
         "",
@@ -259,7 +270,8 @@ def main(argv=None) -> int:
         if r is not None:
             r.pop("outputs", None)
     (out / "bench.json").write_text(json.dumps({
-        "args": vars(args), "kv_memory_limit_bytes": limit, "max_batch": {"full": full, "scissorhands": sh},
+        "args": vars(args), "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu,
+        "torch_threads": torch.get_num_threads(), "kv_memory_limit_bytes": limit, "max_batch": {"full": full, "scissorhands": sh},
         "generate": gen, "engine": eng, "identical_tokens": same,
         "ratio_max_batch_output": ratio_max_batch, "ratio_max_batch_decode": ratio_decode,
         "ratio_max_batch_output_per_cpu_s": ratio_cpu, "ratio_max_batch_output_ceiling": ratio_ceiling,

@@ -193,3 +193,22 @@ def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
                 "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
         res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return OpenedRun(run_id, run_dir, points_path, commit)
+
+
+def record_run_dtypes(run_dir, records) -> None:
+    """Add to ``run.json`` the dtypes the run's points ran in and why (``dtypes``: each distinct
+    ``{dtype, dtype_requested, dtype_reason}`` of ``records``), so a suite's ``dtype: auto`` is resolved
+    in the run's own record. A missing or unreadable ``run.json`` is left alone."""
+    path = Path(run_dir) / "run.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    seen = []
+    for r in records:
+        entry = {k: r.get(k) for k in ("dtype", "dtype_requested", "dtype_reason")}
+        if entry["dtype_reason"] is not None and entry not in seen:
+            seen.append(entry)
+    if seen and meta.get("dtypes") != seen:
+        meta["dtypes"] = seen
+        res.write_atomic(str(path), json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -94,7 +94,7 @@ class ServingSuite:
     output_tokens: LengthDist
     description: str = ""
     model: str = "embedded"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     compression_ratios: tuple[float, ...] = ()
     budget_tokens: tuple[int, ...] = ()
@@ -198,6 +198,11 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
             if not isinstance(data[k], str) or not data[k]:
                 raise SuiteError(f"{k}: expected a non-empty string, got {data[k]!r}")
             kw[k] = data[k]
+    if "dtype" in kw:
+        from scissorhands.models import DTYPE_CHOICES
+
+        if kw["dtype"] not in DTYPE_CHOICES:
+            raise SuiteError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {kw['dtype']!r}")
     try:
         kw["prompt_tokens"] = LengthDist.parse("prompt_tokens", data["prompt_tokens"])
         kw["output_tokens"] = LengthDist.parse("output_tokens", data["output_tokens"])

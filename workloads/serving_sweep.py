@@ -30,7 +30,8 @@ from typing import Any, Protocol
 
 from workloads import results as res
 from workloads.loadgen import build_requests, run_load
-from workloads.run import SweepError, error_message, init_ray, open_run, replica_resources, resolved_policy_params
+from workloads.run import (SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources,
+                           resolved_policy_params)
 from workloads.serving_suite import ServingPoint, ServingSuite, load_serving_suite
 from workloads.suite import SuiteError
 
@@ -53,7 +54,7 @@ class ReplicaPool(Protocol):
 class LocalReplicaPool:
     """`ServingReplica`s in this process (one engine thread each); for tests and the benchmark."""
 
-    def __init__(self, n: int, model_spec: str, dtype: str = "float32", device: str = "cpu", model=None,
+    def __init__(self, n: int, model_spec: str, dtype: str = "auto", device: str = "cpu", model=None,
                  num_threads: int | None = None):
         self.n, self.kwargs = n, dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
         self.model = model
@@ -253,11 +254,15 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
 
 
 # ---------------------------------------------------------------------------- the sweep
-def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory, body: dict, t0, t1) -> dict:
+def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory, body: dict, t0, t1,
+            dtype_info: dict | None = None) -> dict:
     rec = {
         "schema_version": res.SCHEMA_VERSION, "run_id": run_id, "point_index": point.index, "point_id": point.point_id,
         "git_commit": commit, "suite": suite.name, "mode": suite.mode, "model": suite.model, "model_id": suite.model,
-        "dtype": suite.dtype, "device": suite.device, "policy": point.policy, "policy_params": point.policy_params,
+        # the dtype the replicas run in and why (suite.dtype may be "auto"; see resolve_dtype)
+        "dtype": (dtype_info or {}).get("dtype") or suite.dtype, "dtype_requested": suite.dtype,
+        "dtype_reason": (dtype_info or {}).get("dtype_reason"),
+        "device": suite.device, "policy": point.policy, "policy_params": point.policy_params,
         "compression_ratio": point.compression_ratio, "budget_tokens_requested": point.budget_tokens,
         "series": point.series, "load": point.load, "seed": point.seed,
         # exact lengths when fixed (labels of the pushed series), the distributions always
@@ -286,11 +291,12 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
 
 def run_serving_points(pool: ReplicaPool, suite: ServingSuite, run_id: str, points_path: str, *, commit: str,
                        inventory=None, tokenizer=None, vocab_size: int | None = None, log=print,
-                       publish=None) -> int:
+                       publish=None, dtype_info: dict | None = None) -> int:
     """Run the suite's pending points on a started pool; return how many failed (status `error`).
 
     `publish(record)` records a finished point (default: append it to `points_path`; the sweep passes
     a `workloads.push.PointPublisher`, which appends it, then pushes it to the Pushgateway).
+    `dtype_info`: a replica's `info()` (its `dtype` and `dtype_reason` go into every record).
     """
     publish = publish or (lambda rec: res.append_record(points_path, rec))
     done = {r["point_id"]: r for r in res.read_records(points_path) if r.get("status") in TERMINAL}
@@ -309,7 +315,7 @@ def run_serving_points(pool: ReplicaPool, suite: ServingSuite, run_id: str, poin
             body = {"status": "skipped", "stop_reason": saturated[point.series], "error": None}
         else:
             body = run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab_size, run_id=run_id)
-        rec = _record(run_id, commit, suite, point, inventory, body, t0, time.time())
+        rec = _record(run_id, commit, suite, point, inventory, body, t0, time.time(), dtype_info)
         publish(rec)
         log(_one_line(rec))
         if rec["status"] == "error":
@@ -433,13 +439,15 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
                                      done=len(done), planned=len(suite.points()))
             failed = run_serving_points(pool, suite, run_id, points_path, commit=commit, inventory=inventory,
                                         tokenizer=tokenizer, vocab_size=vocab,
-                                        log=lambda s: print(s, file=sys.stderr), publish=publish)
+                                        log=lambda s: print(s, file=sys.stderr), publish=publish,
+                                        dtype_info=infos[0] if infos else None)
         finally:
             pool.close()
             if started_ray:
                 import ray
 
                 ray.shutdown()
+    record_run_dtypes(run_dir, res.read_records(points_path))
     latest = finish_run(run_dir, suite, points_path)
     bad = [r for r in latest if r.get("status") not in TERMINAL]
     missing = len(suite.points()) - len(latest)

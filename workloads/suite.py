@@ -5,7 +5,7 @@ A suite file (YAML, read with `yaml.safe_load`) looks like::
     name: smoke
     description: the question this suite answers
     model: embedded          # "embedded", an HF id, a local folder; "tiny-llama" is test-only
-    dtype: float32
+    dtype: auto              # auto (bfloat16 where faster, see scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16
     device: cpu
     policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}
       - full
@@ -100,7 +100,7 @@ class Suite:
     new_tokens: tuple[int, ...]
     description: str = ""
     model: str = "embedded"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     compression_ratios: tuple[float, ...] = ()
     budget_tokens: tuple[int, ...] = ()
@@ -239,6 +239,11 @@ def parse_suite(data: Any, source: str = "<suite>") -> Suite:
     for key in ("model", "dtype", "device"):
         if key in data:
             kw[key] = _str(key, data[key])
+    if "dtype" in kw:
+        from scissorhands.models import DTYPE_CHOICES
+
+        if kw["dtype"] not in DTYPE_CHOICES:
+            raise SuiteError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {kw['dtype']!r}")
     kw["seed"] = _int("seed", data.get("seed", 0), 0)
     kw["replicas"] = _int("replicas", data.get("replicas", 2), 1)
     try:

@@ -34,7 +34,8 @@ import sys
 import time
 
 from workloads import results as res
-from workloads.run import SweepError, error_message, init_ray, open_run, replica_resources, resolved_policy_params
+from workloads.run import (SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources,
+                           resolved_policy_params)
 from workloads.suite import Point, Suite, SuiteError, load_suite
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,7 +65,10 @@ def _record(run_id, commit, suite, point, inventory, info, status, metrics=None,
         "suite": suite.name,
         "model": suite.model,
         "model_id": metrics.pop("model_id", None) or (info or {}).get("model_id") or suite.model,
-        "dtype": suite.dtype,
+        # the dtype the replica runs in and why (suite.dtype may be "auto"; see resolve_dtype)
+        "dtype": (info or {}).get("dtype") or suite.dtype,
+        "dtype_requested": suite.dtype,
+        "dtype_reason": (info or {}).get("dtype_reason"),
         "device": suite.device,
         "policy": point.policy,
         "policy_params": resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
@@ -119,6 +123,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             stop = e
 
     ids = {p.point_id for p in points}
+    record_run_dtypes(run_dir, (r for r in res.read_records(points_path) if r["point_id"] in ids))
     rows = res.table_rows(r for r in res.read_records(points_path) if r["point_id"] in ids and r.get("model") == suite.model)
     table = res.markdown_table(rows)
     res.write_atomic(str(run_dir / "table.md"), table)

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import SweepError, error_message, init_ray, open_run, replica_resources, resolved_policy_params
+from workloads.run import (SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources,
+                           resolved_policy_params)
 
 from .points import run_point
 from .suite import QualityPoint, QualitySuite, QualitySuiteError, load_suite
@@ -66,7 +67,10 @@ def _record(run_id, commit, suite: QualitySuite, point: QualityPoint, inventory,
         "kind": point.kind,
         "model": suite.model,
         "model_id": (info or {}).get("model_id") or suite.model,
-        "dtype": suite.dtype,
+        # the dtype the replica runs in and why (suite.dtype may be "auto"; see resolve_dtype)
+        "dtype": (info or {}).get("dtype") or suite.dtype,
+        "dtype_requested": suite.dtype,
+        "dtype_reason": (info or {}).get("dtype_reason"),
         "device": suite.device,
         "policy": point.policy,
         "policy_label": policy_label(point.policy, point.policy_params),
@@ -133,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from .report import write_report
 
     ids = {p.point_id for p in points}
+    record_run_dtypes(run_dir, (r for r in res.read_records(points_path) if r["point_id"] in ids))
     written = write_report(run_dir, [r for r in res.read_records(points_path) if r["point_id"] in ids])
     print(Path(written["table"]).read_text(encoding="utf-8"), end="")
     print("quality: wrote " + ", ".join(str(v) for v in written.values()), file=sys.stderr)

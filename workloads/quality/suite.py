@@ -6,7 +6,7 @@ A quality suite (YAML, read with ``yaml.safe_load``)::
     kind: quality
     description: the question this suite answers
     model: embedded              # "embedded", an HF id, a local folder; "tiny-llama" is test-only
-    dtype: float32
+    dtype: auto      # auto | float32 | bfloat16 | float16 (scissorhands.models.resolve_dtype)
     device: cpu
     seed: 0
     replicas: 2
@@ -98,7 +98,7 @@ class QualitySuite:
     passkey: dict | None = None
     description: str = ""
     model: str = "embedded"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     seed: int = 0
     replicas: int = 2
@@ -286,11 +286,15 @@ def parse_suite(data: Any) -> QualitySuite:
     for key in ("model", "dtype", "device", "description"):
         if key in data and not isinstance(data[key], str):
             raise QualitySuiteError(f"{key}: expected a string, got {data[key]!r}")
+    from scissorhands.models import DTYPE_CHOICES
+
+    if data.get("dtype", "auto") not in DTYPE_CHOICES:
+        raise QualitySuiteError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {data['dtype']!r}")
     return QualitySuite(
         name=name, policies=_policies(data.get("policies", "all")), compression_ratios=ratios,
         quantized=tuple(quantized), perplexity=ppl, fewshot=few, persistence=pers, passkey=pk,
         description=data.get("description", ""), model=data.get("model", "embedded"),
-        dtype=data.get("dtype", "float32"), device=data.get("device", "cpu"),
+        dtype=data.get("dtype", "auto"), device=data.get("device", "cpu"),
         seed=_int("seed", data.get("seed", 0), 0), replicas=_int("replicas", data.get("replicas", 2), 1),
     )
 
