@@ -132,6 +132,11 @@ class ServingReplica:
 
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why a request of these lengths can never be served under the KV memory limit (None: it can)."""
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        context = getattr(cfg, "max_position_embeddings", None)
+        if context is not None and prompt_tokens + max_new_tokens > context:
+            return (f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the model's "
+                    f"context of {context} tokens")
         e = self.engine
         if e is None or e.kv_memory_limit_bytes is None:
             return None

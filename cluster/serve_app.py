@@ -1,0 +1,228 @@
+"""The OpenAI-compatible service on Ray Serve: one deployment per cache configuration, one HTTP ingress.
+
+    python -m cluster.serve_app --model embedded --cache full --cache scissorhands:5 --port 8000
+
+* `EngineDeployment`: a thin Serve wrapper around `cluster.serving_replica.ServingReplica` (the
+  continuous-batching engine on its own thread). Each Serve replica loads the model once and runs
+  one engine with the deployment's cache configuration. `stream(request)` yields the engine's
+  token events; Serve cancels it when the HTTP client goes away, and the replica then aborts the
+  request (its KV row is freed at the next engine step). `check_health` fails when the engine
+  thread died, so Serve replaces the replica; a replica process that dies mid-stream ends its open
+  streams with an error event (`cluster.openai_api`).
+* `OpenAIIngress`: FastAPI (`cluster.openai_api.build_app`) with the tokenizer, routing each
+  request by its `model` field to that cache's deployment handle.
+* Back-pressure is Serve's: `max_ongoing_requests` per engine replica (the engine's own queue
+  holds what memory does not admit yet), `max_queued_requests` per deployment beyond which Serve
+  raises `BackPressureError` (answered 503 + `Retry-After`); the ingress also answers 429 past
+  `max_pending_requests` in flight per model.
+
+Model ids: `<model name>:<cache label>`, e.g. `smollm2-135m-instruct:full` and
+`smollm2-135m-instruct:scissorhands-x5`. Binds 127.0.0.1 unless `--host` says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from dataclasses import asdict
+from typing import Any
+
+from ray import serve
+
+from cluster.engine import EngineConfig
+from cluster.openai_api import build_app, cache_metadata
+from cluster.serving_replica import ServingReplica
+
+APP_NAME = "scissorhands-openai"
+DEFAULT_MAX_LENGTH_TOKENS = 2048
+DEFAULT_KV_MEMORY_LIMIT_BYTES = 1 << 30
+
+
+@serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=5,
+                  health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+class EngineDeployment:
+    """One Serve replica: a `ServingReplica` configured with one cache configuration."""
+
+    def __init__(self, model_id: str, model_spec: str, engine_config: dict, dtype: str = "float32",
+                 device: str = "cpu", num_threads: int | None = None):
+        ctx = serve.get_replica_context()
+        self.replica = ServingReplica(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads,
+                                      replica_id=f"{model_id}#{ctx.replica_tag if ctx else 0}")
+        self.replica.configure(engine_config)
+
+    async def stream(self, request: dict):
+        async for ev in self.replica.stream(request):
+            yield ev
+
+    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        return await self.replica.check(prompt_tokens, max_new_tokens)
+
+    async def stats(self) -> dict:
+        return await self.replica.stats()
+
+    def check_health(self) -> None:
+        loop = self.replica.loop
+        if loop is None or not loop.alive:
+            raise RuntimeError(f"engine thread stopped: {loop and loop.error}")
+
+    def crash(self) -> None:
+        """Exit the replica's process at once (tests of replica death mid-stream)."""
+        os._exit(1)
+
+
+class ServeBackend:
+    """A cache configuration's deployment handle as a `cluster.openai_api.Backend`."""
+
+    def __init__(self, handle, metadata: dict):
+        self.handle, self.metadata = handle, metadata
+        self.stream_handle = handle.options(stream=True)
+
+    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        return await self.handle.check.remote(prompt_tokens, max_new_tokens)
+
+    async def stream(self, request):
+        gen = self.stream_handle.stream.remote(asdict(request))
+        finished = False
+        try:
+            async for ev in gen:
+                finished = "result" in ev
+                yield ev
+        finally:
+            if not finished:
+                gen.cancel()                        # the replica's generator closes: the engine aborts
+
+
+@serve.deployment(max_ongoing_requests=1024)
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP front: tokenizes, validates and routes by `model` to the engine deployments."""
+
+    def __init__(self, handles: dict, metadata: dict, tokenizer_spec: str | None, max_pending_requests: int = 256):
+        self.handles, self.metadata = handles, metadata
+        self.tokenizer_spec, self.max_pending_requests = tokenizer_spec, max_pending_requests
+
+    def __serve_build_asgi_app__(self):
+        tokenizer = None
+        if self.tokenizer_spec is not None:
+            from scissorhands.models import load_tokenizer
+
+            tokenizer = load_tokenizer(self.tokenizer_spec)
+        backends = {m: ServeBackend(h, self.metadata[m]) for m, h in self.handles.items()}
+        return build_app(backends, tokenizer, context_tokens=None, max_pending_requests=self.max_pending_requests)
+
+
+def parse_cache(spec: str, max_length_tokens: int) -> tuple[str, dict]:
+    """`full`, `<policy>:<ratio>` (e.g. `scissorhands:5`) or `<policy>:b<budget>` -> (label, EngineConfig
+    fields). Raises ValueError naming `--cache` and the accepted forms."""
+    from scissorhands import POLICIES
+
+    policy, _, arg = spec.partition(":")
+    if policy not in POLICIES:
+        raise ValueError(f"--cache: unknown policy {policy!r} in {spec!r} (accepted: {', '.join(POLICIES)})")
+    if not POLICIES[policy].evicts:
+        return policy, {"policy": policy}
+    try:
+        if arg.startswith("b"):
+            return f"{policy}-b{int(arg[1:])}", {"policy": policy, "budget_tokens": int(arg[1:])}
+        ratio = float(arg)
+    except ValueError:
+        raise ValueError(f"--cache: {spec!r}: expected {policy}:<ratio> (e.g. {policy}:5) or {policy}:b<budget>") from None
+    label = f"{policy}-x{ratio:g}"
+    return label, {"policy": policy, "compression_ratio": ratio, "max_length_tokens": max_length_tokens}
+
+
+def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | None = None,
+                    max_length_tokens: int = DEFAULT_MAX_LENGTH_TOKENS,
+                    kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES, dtype: str = "float32",
+                    device: str = "cpu", num_threads: int | None = 1, replica_cpus: float = 1.0,
+                    replica_gpus: float = 0.0, num_replicas: int = 1, max_pending_requests: int = 256,
+                    tokenizer_spec: str | None | Any = "auto", deployment_options: dict | None = None):
+    """The Serve application: one `EngineDeployment` per entry of `caches` behind one `OpenAIIngress`.
+
+    Raises:
+        ValueError: a bad `--cache` spec or engine config (the message names the field).
+    """
+    from scissorhands.models import model_id_of
+
+    name = model_name or model_id_of(model_spec).split("/")[-1].lower()
+    handles, metadata = {}, {}
+    for spec in caches:
+        label, cfg = parse_cache(spec, max_length_tokens)
+        cfg["kv_memory_limit_bytes"] = kv_memory_limit_bytes
+        budget = EngineConfig(**cfg).resolved_budget_tokens()          # validates now, names the field
+        model_id = f"{name}:{label}"
+        if model_id in handles:
+            raise ValueError(f"--cache: {spec!r} repeats the model {model_id!r}")
+        opts = dict(name=f"engine-{label}", num_replicas=num_replicas,
+                    ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
+        opts.update(deployment_options or {})
+        handles[model_id] = EngineDeployment.options(**opts).bind(model_id, model_spec, cfg, dtype, device, num_threads)
+        metadata[model_id] = cache_metadata(cfg, budget, model_spec)
+    if tokenizer_spec == "auto":
+        tokenizer_spec = None if model_spec == "tiny-llama" else model_spec
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(handles, metadata, tokenizer_spec,
+                                                                          max_pending_requests)
+
+
+def start(app, *, host: str = "127.0.0.1", port: int = 8000, route_prefix: str = "/"):
+    """Start Serve's HTTP proxy on `host:port` and deploy `app` (Ray must be initialized)."""
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(app, name=APP_NAME, route_prefix=route_prefix, blocking=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cluster.serve_app", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="embedded", help="model spec (embedded, an HF id or folder)")
+    p.add_argument("--cache", action="append", help="full | <policy>:<ratio> | <policy>:b<budget> (repeat)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-length-tokens", type=int, default=DEFAULT_MAX_LENGTH_TOKENS,
+                   help="longest prompt + output a ratio's budget is sized for (B = ceil(this / ratio))")
+    p.add_argument("--kv-memory-limit-bytes", type=int, default=DEFAULT_KV_MEMORY_LIMIT_BYTES)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads per engine replica")
+    p.add_argument("--replica-cpus", type=float, default=1.0)
+    p.add_argument("--replica-gpus", type=float, default=0.0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--pid-file", default=None, help="write this process's id here (make serve-down)")
+    args = p.parse_args(argv)
+    caches = args.cache or ["full", "scissorhands:5"]
+    try:
+        app = build_serve_app(args.model, caches, max_length_tokens=args.max_length_tokens,
+                              kv_memory_limit_bytes=args.kv_memory_limit_bytes, dtype=args.dtype, device=args.device,
+                              num_threads=args.num_threads, replica_cpus=args.replica_cpus,
+                              replica_gpus=args.replica_gpus, num_replicas=args.num_replicas)
+    except ValueError as e:
+        print(f"serve: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_cpus=max(os.cpu_count() or 1, len(caches) * args.replica_cpus * args.num_replicas))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.pid_file:
+        with open(args.pid_file, "w") as f:
+            f.write(str(os.getpid()))
+    try:
+        start(app, host=args.host, port=args.port)
+        print(f"serve: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: "
+              f"GET /v1/models); Ctrl-C or `make serve-down` stops it", flush=True)
+        stop.wait()
+    finally:
+        print("serve: shutting down", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+        if args.pid_file and os.path.exists(args.pid_file):
+            os.remove(args.pid_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
