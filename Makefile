@@ -15,7 +15,7 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: install sweep test test-fast cluster-up cluster-down clean
 .PHONY: submit gpu-check cluster-node
 .PHONY: dashboards-up dashboards-down
-.PHONY: bench-serving
+.PHONY: bench-serving serve serve-down
 
 install: $(VENV)/.installed
 
@@ -66,6 +66,20 @@ gpu-check: install
 
 cluster-down:
 	-$(VENV)/bin/ray stop --force
+
+# The OpenAI-compatible service on Ray Serve (cluster/serve_app.py; docs/serving-http.md): the embedded
+# model with the full cache and Scissorhands x5 as two models on http://127.0.0.1:$(SERVE_PORT)/v1, in the
+# foreground (Ctrl-C stops it; `make serve-down` from another shell stops only the process it started).
+SERVE_PORT ?= 8000
+SERVE_ARGS ?=
+SERVE_PID := $(CURDIR)/.serve.pid
+serve: install
+	$(PY) -m cluster.serve_app --port $(SERVE_PORT) --pid-file $(SERVE_PID) $(SERVE_ARGS)
+
+serve-down:
+	@if [ -f $(SERVE_PID) ]; then pid=$$(cat $(SERVE_PID)); echo "serve-down: stopping pid $$pid"; kill -TERM $$pid; \
+	  for i in $$(seq 60); do kill -0 $$pid 2>/dev/null || exit 0; sleep 1; done; echo "serve-down: pid $$pid still running"; exit 1; \
+	else echo "serve-down: no $(SERVE_PID): make serve is not running from this folder"; fi
 
 # Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
 # missing). Data, logs and pid files in dashboards/data/. Grafana: see docs/monitoring.md.

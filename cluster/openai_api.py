@@ -263,7 +263,8 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
         backend = backends[model]
         why = await backend.check(len(ids), max_tokens)
         if why is not None:
-            raise ApiError(400, f"max_tokens: {why}", "max_tokens", code="kv_memory_limit")
+            raise ApiError(400, f"max_tokens: {why}", "max_tokens",
+                           code="context_length_exceeded" if "context" in why else "kv_memory_limit")
         if pending[model] >= max_pending_requests:
             raise ApiError(429, f"model {model!r} has {pending[model]} requests in flight (the bound); retry later",
                            type_="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -202,15 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-             num_cpus=max(os.cpu_count() or 1, len(caches) * args.replica_cpus * args.num_replicas))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     if args.pid_file:
         with open(args.pid_file, "w") as f:
             f.write(str(os.getpid()))
+    stop = threading.Event()
     try:
+        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+                 num_cpus=max(os.cpu_count() or 1, len(caches) * args.replica_cpus * args.num_replicas))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         start(app, host=args.host, port=args.port)
         print(f"serve: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: "
               f"GET /v1/models); Ctrl-C or `make serve-down` stops it", flush=True)
