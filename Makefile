@@ -45,27 +45,37 @@ test: install
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests $(ARGS)
 
-# The dashboard agent gets its own port: the default 52365 is taken by any other Ray on the machine
-# (e.g. the embedded one of a running sweep or test), and without it `ray job submit` fails with
-# "No available agent to submit job".
+# A Ray head on loopback under its own root folder CLUSTER_TEMP_DIR (cluster/local_head.py); every
+# port can be moved (RAY_PORT=... DASHBOARD_PORT=...) so that two checkouts, or a test, can each run one.
+# Its address: --address 127.0.0.1:$(RAY_PORT) for sweeps, $(ADDRESS) for make submit.
+CLUSTER_TEMP_DIR ?= /tmp/scissorhands-cluster
+RAY_PORT ?= 6379
+DASHBOARD_PORT ?= 8265
+METRICS_PORT ?= 8080
+AGENT_PORT ?= 52375
+CLIENT_PORT ?= 10001
+CLUSTER_ARGS ?=
 cluster-up: install
-	$(VENV)/bin/ray start --head --node-ip-address=127.0.0.1 --dashboard-host=127.0.0.1 --port=6379 --dashboard-port=8265 --metrics-export-port=8080 --dashboard-agent-listen-port=52375 --disable-usage-stats
+	$(PY) -m cluster.local_head up --temp-dir $(CLUSTER_TEMP_DIR) --port $(RAY_PORT) --dashboard-port $(DASHBOARD_PORT) --metrics-export-port $(METRICS_PORT) --dashboard-agent-listen-port $(AGENT_PORT) --ray-client-server-port $(CLIENT_PORT) $(CLUSTER_ARGS)
 
 # Scaling out (cluster/submit.py, cluster/gpu_check.py): `make submit SUITE=... ADDRESS=http://HEAD:8265 RESULTS=/shared/results`
-ADDRESS ?= http://127.0.0.1:8265
+ADDRESS ?= http://127.0.0.1:$(DASHBOARD_PORT)
 RESULTS ?=
 submit: install
 	$(PY) -m cluster.submit $(SUITE) --address $(ADDRESS) $(if $(RESULTS),--results-dir $(RESULTS)) $(ARGS)
 
 # a second node joined to `make cluster-up`'s head on loopback (foreground; Ctrl-C stops it)
 cluster-node: install
-	$(PY) -m cluster.local_node --address 127.0.0.1:6379 $(ARGS)
+	$(PY) -m cluster.local_node --address 127.0.0.1:$(RAY_PORT) $(ARGS)
 
 gpu-check: install
 	$(PY) -m cluster.gpu_check $(ARGS)
 
+# Stops ONLY the cluster of `make cluster-up` (the Ray processes under CLUSTER_TEMP_DIR and their children,
+# a `make cluster-node` joined to it included); other Rays on the machine, such as a sweep's embedded
+# one, keep running. Not `ray stop --force`, which stops every Ray process of the user.
 cluster-down:
-	-$(VENV)/bin/ray stop --force
+	$(PY) -m cluster.local_head down --temp-dir $(CLUSTER_TEMP_DIR)
 
 # The OpenAI-compatible service on Ray Serve (cluster/serve_app.py; docs/serving-http.md): the embedded
 # model with the full cache and Scissorhands x5 as two models on http://127.0.0.1:$(SERVE_PORT)/v1, in the

@@ -328,6 +328,29 @@ def auth_env(env: dict) -> dict:
     return env
 
 
+def follow_token_auth() -> bool:
+    """Turn token authentication on for this process (and the processes it starts) when a token
+    is available and `RAY_AUTH_MODE` is unset; return whether it is on.
+
+    For a driver joining a cluster by an explicit address (`ray.init(address=...)`, `$RAY_ADDRESS`),
+    which Ray 2.60 never does by itself: `ray start --head` runs with token auth whenever a token
+    exists (`~/.ray/auth_token`, `$RAY_AUTH_TOKEN`, `$RAY_AUTH_TOKEN_PATH`), and a driver without it
+    is refused ("InvalidAuthToken"). A driver in token mode also joins a head without auth.
+    `RAY_AUTH_MODE` set by the user always wins. Works when Ray is already imported (Ray's cached
+    config is refreshed).
+    """
+    mode = auth_env(dict(os.environ)).get("RAY_AUTH_MODE")
+    if mode == "token" and os.environ.get("RAY_AUTH_MODE") != "token":
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray caches the mode per process; re-read it as Ray's own auto-detection does
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except ImportError:
+            pass
+    return mode == "token"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     sweep_args: list[str] = []

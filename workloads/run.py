@@ -90,6 +90,10 @@ def free_local_port(preferred: int) -> int:
 def init_ray(address: str | None):
     """Join a cluster or start an embedded local one on loopback; return (ray, started_here).
 
+    Joining (`address`, else ``$RAY_ADDRESS``): token authentication is followed as `ray start
+    --head` sets it (`cluster.submit.follow_token_auth`); a cluster that cannot be reached raises
+    SweepError (exit 1) naming the address and what to check.
+
     The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
     holds it) with its files under `EMBEDDED_RAY_TEMP_DIR` (``$RAY_TMPDIR`` wins): its metrics head
     writes the Prometheus service-discovery file
@@ -107,7 +111,17 @@ def init_ray(address: str | None):
         return ray, False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        from cluster.submit import follow_token_auth
+
+        follow_token_auth()  # a head from `ray start` (make cluster-up) runs with token auth
+        try:
+            ray.init(address=address)
+        except ConnectionError as e:
+            raise SweepError(
+                f"--address: cannot join the Ray cluster at {address!r} ({error_message(e)[:300]}); is it running "
+                "(`make cluster-up`, `ray status --address ...`)? When its log says InvalidAuthToken, give this "
+                "process the cluster's token: RAY_AUTH_TOKEN=... or RAY_AUTH_TOKEN_PATH=... (a head of this "
+                "machine keeps it in ~/.ray/auth_token)", 1) from None
         return ray, True
     os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
     try:
