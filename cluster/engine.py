@@ -130,6 +130,9 @@ class GenerationRequest:
     al. 2020); `seed` makes the draws repeatable (a generator of its own per request, so a
     request's tokens do not depend on its batch neighbours' draws). `min_new_tokens`: EOS is masked
     out of the logits until that many tokens exist (vLLM's `min_tokens`; only when EOS stops it).
+    `warmup`: the load generator's warm-up request; the engine counts it apart (`stats()`'s
+    ``warmup_*`` keys, live metrics with ``phase="warmup"``), so a point's server-side figures
+    cover the same requests as its client-side ones (case L20, shared/cases/load-and-metrics.md).
     """
 
     request_id: str
@@ -140,6 +143,7 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     min_new_tokens: int = 0
+    warmup: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -351,7 +355,7 @@ class ContinuousBatchingEngine:
                    on_token=on_token)
         with self._lock:
             self._queue.append(seq)
-            self._stats["received"] += 1
+            self._stats[self._key(seq, "received")] += 1
             self._lock.notify_all()
 
     def abort(self, request_id: str) -> None:
@@ -394,6 +398,15 @@ class ContinuousBatchingEngine:
     def queued(self) -> int:
         return len(self._queue)
 
+    @staticmethod
+    def _key(seq: "_Seq", counter: str) -> str:
+        """The `_stats` key of `counter` for `seq`: warm-up requests are counted apart."""
+        return "warmup_" + counter if seq.request.warmup else counter
+
+    @staticmethod
+    def _phase(seq: "_Seq") -> str:
+        return "warmup" if seq.request.warmup else "measured"
+
     def reset_stats(self) -> None:
         """Zero the counters and peaks reported by `stats()` (between sweep points)."""
         self._stats = collections.Counter()
@@ -401,7 +414,9 @@ class ContinuousBatchingEngine:
         self._peak_running = 0
 
     def stats(self) -> dict:
-        """Counters since `reset_stats` (units in the names)."""
+        """Counters since `reset_stats` (units in the names). Request counts and generated tokens
+        are of measured requests; the load generator's warm-up requests are in the ``warmup_*``
+        keys. Steps, times and peaks are the engine's, whichever requests ran in them."""
         with self._lock:
             s = dict(self._stats)
             queued = len(self._queue)
@@ -420,6 +435,10 @@ class ContinuousBatchingEngine:
             "completed_requests": s.get("completed", 0),
             "failed_requests": s.get("failed", 0),
             "generated_tokens": s.get("tokens", 0),
+            "warmup_received_requests": s.get("warmup_received", 0),
+            "warmup_completed_requests": s.get("warmup_completed", 0),
+            "warmup_failed_requests": s.get("warmup_failed", 0),
+            "warmup_generated_tokens": s.get("warmup_tokens", 0),
             "decode_steps": s.get("decode_steps", 0),
             "prefill_calls": s.get("prefill_calls", 0),
             "prefill_s": s.get("prefill_s", 0.0),            # wall time in prefill phases
@@ -544,9 +563,12 @@ class ContinuousBatchingEngine:
             self._fail_all(group, e)
             return
         t = self.clock()
-        self._observe("observe_prefill", time.perf_counter() - t0, int(ids.numel()))
+        warm = sum(s.request.warmup for s in group)
+        per_row = ids.shape[1]
+        self._observe("observe_prefill", time.perf_counter() - t0, (len(group) - warm) * per_row, warm * per_row)
         self._observe("add_evictions", int(cache.layers[0].evicted_tokens))
-        self._observe("add_generated_tokens", len(group))
+        self._observe("add_generated_tokens", len(group) - warm)
+        self._observe("add_generated_tokens", warm, "warmup")
         self._stats["prefill_calls"] += 1
         self._track_bytes(cache.peak_kv_cache_bytes)
         keep = []
@@ -583,7 +605,9 @@ class ContinuousBatchingEngine:
             return
         t = self.clock()
         self._observe("observe_decode_step", time.perf_counter() - t0, len(self._running))
-        self._observe("add_generated_tokens", len(self._running))
+        warm = sum(s.request.warmup for s in self._running)
+        self._observe("add_generated_tokens", len(self._running) - warm)
+        self._observe("add_generated_tokens", warm, "warmup")
         self._observe("add_evictions", int(self._cache.layers[0].evicted_tokens - evicted0))
         self._stats["decode_steps"] += 1
         self._track_bytes(self._cache.kv_cache_bytes())
@@ -605,7 +629,7 @@ class ContinuousBatchingEngine:
         r = seq.result
         r.output_ids.append(int(token))
         r.token_times_s.append(t)
-        self._stats["tokens"] += 1
+        self._stats[self._key(seq, "tokens")] += 1
         if seq.on_token is not None:
             try:
                 seq.on_token(int(token), t)
@@ -616,10 +640,10 @@ class ContinuousBatchingEngine:
             r.finish_reason = "eos" if eos else "length"
             r.finish_time_s = t
             if self.metrics is not None and r.received_time_s is not None:
-                self._observe("observe_ttft", max(0.0, r.token_times_s[0] - r.received_time_s))
+                self._observe("observe_ttft", max(0.0, r.token_times_s[0] - r.received_time_s), self._phase(seq))
                 if len(r.output_ids) > 1:
-                    self._observe("observe_tpot", (t - r.token_times_s[0]) / (len(r.output_ids) - 1))
-            self._stats["completed"] += 1
+                    self._observe("observe_tpot", (t - r.token_times_s[0]) / (len(r.output_ids) - 1), self._phase(seq))
+            self._stats[self._key(seq, "completed")] += 1
             self._done(seq)
             return True
         return False
@@ -627,7 +651,7 @@ class ContinuousBatchingEngine:
     def _fail(self, seq: _Seq, kind: str, message: str) -> None:
         r = seq.result
         r.error_kind, r.error, r.finish_reason, r.finish_time_s = kind, message, "error", self.clock()
-        self._stats["failed"] += 1
+        self._stats[self._key(seq, "failed")] += 1
         self._done(seq)
 
     def _fail_all(self, seqs: list[_Seq], exc: BaseException) -> None:

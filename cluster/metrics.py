@@ -26,6 +26,23 @@ cardinality only.
     m.observe_prefill(0.120, tokens=4 * 128)     # one prefill forward: seconds, prompt tokens
     m.observe_decode_step(0.015, batch_size=4)   # one decode forward: seconds, sequences
     m.observe_ttft(0.120); m.add_generated_tokens(4); m.set_kv_cache(bytes=1 << 20, slots=4 * 32)
+    m.add_generated_tokens(2, phase="warmup")  # tokens of the load generator's warm-up requests
+
+Exact means (case L21 of shared/cases/load-and-metrics.md): Ray 2.60's exporter writes a
+histogram's ``_sum`` as bucket midpoints times bucket counts, not the values observed
+(`ray/_private/telemetry/open_telemetry_metric_recorder.py` in the installed Ray): a 5 ms latency
+counts as 5.15 ms (the midpoint of the E12 bucket 4.7-5.6 ms), a decode step of 5 sequences as 6
+(bucket 4-8). So every histogram has a companion counter
+``<histogram>_exact_sum_total`` (`MetricSpec.exact_sum`) that the recorder increments by the exact
+value of each observation; a mean is ``rate(<h>_exact_sum_total) / rate(<h>_count)`` (the
+``_count`` is exact). Histograms serve quantiles only; no dashboard reads their ``_sum``
+(`dashboards/check.py` refuses it).
+
+Warm-up (case L20): request-level metrics (generated and prefill tokens, TTFT, TPOT) carry a
+``phase`` label, ``measured`` or ``warmup`` (the load generator marks its warm-up requests,
+`cluster.engine.GenerationRequest.warmup`), so the server-side figures of a point can be taken
+over the same requests as the client's. Step-level metrics (step times, batch sizes, KV bytes)
+describe the engine, whichever requests are in the step, and have no phase.
 """
 
 from __future__ import annotations
@@ -43,6 +60,10 @@ RAY_EXPORT_PREFIX = "ray_"
 
 #: Labels of every live replica metric (all low cardinality; no request ids).
 REPLICA_LABELS: tuple[str, ...] = ("policy", "compression_ratio", "replica", "model", "run_id")
+#: Label of request-level replica metrics: whose requests they count (see `PHASES`).
+PHASE_LABEL = "phase"
+#: Values of `PHASE_LABEL`: requests measured by the load generator, and its warm-up requests.
+PHASES: tuple[str, ...] = ("measured", "warmup")
 #: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key).
 #: Every sweep axis is a label, so no two points of a run share a series; `budget_tokens` is
 #: the requested absolute budget ("" when the budget comes from `compression_ratio`).
@@ -117,6 +138,16 @@ class MetricSpec:
         return self.name
 
     @property
+    def exact_sum(self) -> "MetricSpec":
+        """The counter holding the exact sum of a histogram's observations (its ``_sum`` is not exact
+        under Ray's exporter; see the module docstring). ValueError for a counter or gauge."""
+        if self.kind != "histogram":
+            raise ValueError(f"{self.name}: only a histogram has an exact-sum counter (kind is {self.kind!r})")
+        return MetricSpec(self.name + "_exact_sum_total", "counter",
+                          f"Exact sum of the values observed in {self.name} (mean = this / {self.name}_count).",
+                          self.labels, self.source)
+
+    @property
     def sample_names(self) -> tuple[str, ...]:
         """Every sample name in the exposition text (``_bucket``/``_sum``/``_count`` for histograms)."""
         if self.kind == "histogram":
@@ -124,8 +155,10 @@ class MetricSpec:
         return (self.exported_name,)
 
 
-def _replica(name: str, kind: str, help: str, buckets: tuple[float, ...] = ()) -> MetricSpec:
-    return MetricSpec(PREFIX + name, kind, help, REPLICA_LABELS, "ray", buckets)
+def _replica(name: str, kind: str, help: str, buckets: tuple[float, ...] = (), per_request: bool = False) -> MetricSpec:
+    """A live replica metric; `per_request` ones count requests' work and carry the `phase` label."""
+    labels = REPLICA_LABELS + ((PHASE_LABEL,) if per_request else ())
+    return MetricSpec(PREFIX + name, kind, help, labels, "ray", buckets)
 
 
 def _point(name: str, help: str, extra_labels: tuple[str, ...] = ()) -> MetricSpec:
@@ -137,13 +170,16 @@ METRICS: tuple[MetricSpec, ...] = (
     # live, per replica, through ray.util.metrics
     _replica("running_sequences", "gauge", "Sequences in the batch the replica is running now."),
     _replica("queued_sequences", "gauge", "Sequences waiting in the replica's queue."),
-    _replica("generated_tokens_total", "counter", "Output tokens generated (counted from generated ids)."),
-    _replica("prefill_tokens_total", "counter", "Prompt tokens processed by prefill forwards."),
+    _replica("generated_tokens_total", "counter", "Output tokens generated (counted from generated ids).",
+             per_request=True),
+    _replica("prefill_tokens_total", "counter", "Prompt tokens processed by prefill forwards.", per_request=True),
     _replica("prefill_seconds", "histogram", "Wall time of one prefill forward.", LATENCY_BUCKETS_S),
     _replica("decode_step_seconds", "histogram", "Wall time of one decode-step forward (whole batch).", LATENCY_BUCKETS_S),
     _replica("decode_batch_size", "histogram", "Sequences in one decode-step forward.", BATCH_SIZE_BUCKETS),
-    _replica("ttft_seconds", "histogram", "Time to first token: request start to first generated token.", LATENCY_BUCKETS_S),
-    _replica("tpot_seconds", "histogram", "Time per output token: (e2e - ttft) / (output tokens - 1).", LATENCY_BUCKETS_S),
+    _replica("ttft_seconds", "histogram", "Time to first token: request start to first generated token.", LATENCY_BUCKETS_S,
+             per_request=True),
+    _replica("tpot_seconds", "histogram", "Time per output token: (e2e - ttft) / (output tokens - 1).", LATENCY_BUCKETS_S,
+             per_request=True),
     _replica("kv_cache_bytes", "gauge", "Bytes of every tensor the replica's KV caches hold now, bookkeeping included."),
     _replica("kv_cache_slots", "gauge", "KV slots in use now (token positions kept per KV head, summed over sequences)."),
     _replica(
@@ -180,6 +216,9 @@ METRICS: tuple[MetricSpec, ...] = (
         "pushgateway",
     ),
 )
+
+#: Every histogram's exact-sum counter follows it in the catalogue (a new histogram gets one).
+METRICS = METRICS + tuple(m.exact_sum for m in METRICS if m.kind == "histogram")
 
 METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 
@@ -371,8 +410,17 @@ class ReplicaMetrics:
         child._recorder = self._recorder
         return child
 
-    def _record(self, short: str, value: float) -> None:
-        self._recorder.record(_REPLICA_SPECS[PREFIX + short], float(value), self.tags)
+    def _record(self, short: str, value: float, phase: str | None = None) -> None:
+        """Record `value` into metric `short`; a histogram's exact-sum counter gets the value too."""
+        spec = _REPLICA_SPECS[PREFIX + short]
+        tags = self.tags
+        if PHASE_LABEL in spec.labels:
+            if phase not in PHASES:
+                raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r}")
+            tags = {**tags, PHASE_LABEL: phase}
+        self._recorder.record(spec, float(value), tags)
+        if spec.kind == "histogram" and value > 0:      # Ray's counters take increments > 0 only
+            self._recorder.record(_REPLICA_SPECS[spec.exact_sum.name], float(value), tags)
 
     @staticmethod
     def _check(field: str, value: float) -> float:
@@ -381,24 +429,27 @@ class ReplicaMetrics:
             raise ValueError(f"{field} must be a number >= 0, got {value!r}")
         return value
 
-    def observe_prefill(self, seconds: float, tokens: int) -> None:
-        """One prefill forward: its wall time (s) and the prompt tokens it processed (all sequences)."""
+    def observe_prefill(self, seconds: float, tokens: int, warmup_tokens: int = 0) -> None:
+        """One prefill forward: its wall time (s) and the prompt tokens it processed (all sequences):
+        `tokens` of measured requests, `warmup_tokens` of warm-up requests (phase ``warmup``)."""
         self._record("prefill_seconds", self._check("seconds", seconds))
         if self._check("tokens", tokens) > 0:
-            self._record("prefill_tokens_total", tokens)
+            self._record("prefill_tokens_total", tokens, "measured")
+        if self._check("warmup_tokens", warmup_tokens) > 0:
+            self._record("prefill_tokens_total", warmup_tokens, "warmup")
 
     def observe_decode_step(self, seconds: float, batch_size: int) -> None:
         """One decode-step forward: its wall time (s) and the sequences in it."""
         self._record("decode_step_seconds", self._check("seconds", seconds))
         self._record("decode_batch_size", self._check("batch_size", batch_size))
 
-    def observe_ttft(self, seconds: float) -> None:
-        """Time to first token of one request (s)."""
-        self._record("ttft_seconds", self._check("seconds", seconds))
+    def observe_ttft(self, seconds: float, phase: str = "measured") -> None:
+        """Time to first token of one request (s); `phase` ``warmup`` for a warm-up request."""
+        self._record("ttft_seconds", self._check("seconds", seconds), phase)
 
-    def observe_tpot(self, seconds: float) -> None:
+    def observe_tpot(self, seconds: float, phase: str = "measured") -> None:
         """Time per output token of one request (s): (e2e - ttft) / (output tokens - 1)."""
-        self._record("tpot_seconds", self._check("seconds", seconds))
+        self._record("tpot_seconds", self._check("seconds", seconds), phase)
 
     def set_running(self, n: int) -> None:
         """Sequences in the batch running now."""
@@ -408,10 +459,10 @@ class ReplicaMetrics:
         """Sequences waiting in the queue now."""
         self._record("queued_sequences", self._check("n", n))
 
-    def add_generated_tokens(self, n: int) -> None:
-        """Add `n` output tokens (count generated ids, never re-tokenized text)."""
+    def add_generated_tokens(self, n: int, phase: str = "measured") -> None:
+        """Add `n` output tokens (count generated ids, never re-tokenized text) of `phase`'s requests."""
         if self._check("n", n) > 0:
-            self._record("generated_tokens_total", n)
+            self._record("generated_tokens_total", n, phase)
 
     def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - the field term
         """KV cache size now: `bytes` of every cache tensor (bookkeeping included), `slots` in use."""
@@ -431,16 +482,18 @@ class ReplicaMetrics:
         """Wall time of the model load (s); a gauge holding the last load."""
         self._record("model_load_seconds", self._check("seconds", seconds))
 
-    def snapshot(self) -> dict[str, object]:
-        """In-memory values of this recorder's labels, by project metric name ({} under Ray).
+    def snapshot(self, phase: str = "measured") -> dict[str, object]:
+        """In-memory values of this recorder's labels, by project metric name ({} under Ray);
+        request-level metrics of `phase` (``measured`` or ``warmup``).
 
         Counters give their sum, gauges their last value, histograms ``(count, sum)``.
         """
         if self.uses_ray:
             return {}
         out = {}
+        tags = {**self.tags, PHASE_LABEL: phase}
         for name, series in self._recorder.values.items():
-            key = tuple(self.tags[k] for k in _REPLICA_SPECS[name].labels)
+            key = tuple(tags[k] for k in _REPLICA_SPECS[name].labels)
             if key in series:
                 out[name] = series[key]
         return out

@@ -69,5 +69,6 @@ class RayReplicaClient:
     async def generate(self, request) -> dict:
         payload = request if isinstance(request, dict) else {
             "request_id": request.request_id, "prompt_ids": list(request.prompt_ids),
-            "max_new_tokens": request.max_new_tokens, "ignore_eos": request.ignore_eos}
+            "max_new_tokens": request.max_new_tokens, "ignore_eos": request.ignore_eos,
+            "warmup": request.warmup}
         return await self.handle.generate.remote(payload)

@@ -272,3 +272,23 @@ def test_abort_of_a_queued_request(model):
 def test_sampling_fields_are_validated(kw, field):
     with pytest.raises(ValueError, match=field):
         GenerationRequest("r", [1], 2, **kw)
+
+
+def test_engine_counts_warm_up_requests_apart(model):
+    """Case L20 on the server side: the measured counters and live series cover measured requests only."""
+    from cluster.metrics import ReplicaMetrics
+
+    rm = ReplicaMetrics("full", None, "r0", "tiny-llama", "run", use_ray=False)
+    engine = ContinuousBatchingEngine(model, EngineConfig(policy="full"), metrics=rm)
+    for i in range(3):
+        engine.submit(GenerationRequest(f"w{i}", list(range(1, 9)), 3, warmup=True), lambda r: None)
+    for i in range(4):
+        engine.submit(GenerationRequest(f"m{i}", list(range(1, 9)), 5), lambda r: None)
+    engine.run_until_idle()
+    s = engine.stats()
+    assert (s["received_requests"], s["completed_requests"], s["generated_tokens"]) == (4, 4, 20)
+    assert (s["warmup_received_requests"], s["warmup_completed_requests"], s["warmup_generated_tokens"]) == (3, 3, 9)
+    assert rm.snapshot()["scissorhands_generated_tokens_total"] == 20
+    assert rm.snapshot()["scissorhands_prefill_tokens_total"] == 4 * 8
+    assert rm.snapshot()["scissorhands_ttft_seconds"][0] == 4
+    assert rm.snapshot("warmup")["scissorhands_generated_tokens_total"] == 9

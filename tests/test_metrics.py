@@ -25,7 +25,7 @@ from tests.waiting import free_port
 from workloads.push import SweepPusher, resolve_pushgateway_url
 
 ALLOWED_LABELS = {
-    "policy", "compression_ratio", "replica", "model", "run_id",  # live
+    "policy", "compression_ratio", "replica", "model", "run_id", "phase",  # live
     "budget_tokens", "batch_size", "prompt_tokens", "new_tokens", "concurrency", "request_rate", "kv_bits", "task",
     "quantile",  # points
 }
@@ -41,18 +41,20 @@ def test_metric_names_follow_the_conventions(spec):
     assert spec.kind in ("counter", "gauge", "histogram")
     assert spec.source in ("ray", "pushgateway")
     assert (spec.kind == "counter") == spec.name.endswith("_total"), "counters, and only counters, end in _total"
-    assert spec.name.endswith(UNIT_SUFFIXES) or spec.name == "scissorhands_sweep_perplexity", spec.name
+    # a histogram's exact-sum counter is `<histogram>_exact_sum_total`: its unit is the histogram's
+    unit_name = spec.name.removesuffix("_exact_sum_total")
+    assert unit_name.endswith(UNIT_SUFFIXES) or spec.name == "scissorhands_sweep_perplexity", spec.name
     # base units only: no milliseconds, kilobytes, percent
     assert not re.search(r"_(ms|milliseconds|s|kb|mb|gb|kib|mib|percent|pct)(_|$)", spec.name), spec.name
     if any(w in spec.name for w in ("ttft", "tpot", "latency", "_load_", "prefill_seconds", "step")):
-        assert spec.name.endswith("_seconds"), spec.name
+        assert unit_name.endswith("_seconds"), spec.name
     if "bytes" in spec.name:
         assert spec.name.endswith("_bytes")
     assert spec.help.strip() and spec.help.endswith(".")
     assert set(spec.labels) <= ALLOWED_LABELS, set(spec.labels) - ALLOWED_LABELS
     assert "request_id" not in spec.labels
     if spec.source == "ray":
-        assert spec.labels == REPLICA_LABELS
+        assert spec.labels in (REPLICA_LABELS, REPLICA_LABELS + ("phase",))
         assert spec.exported_name == "ray_" + spec.name  # Ray 2.60 prefixes application metrics
     else:
         assert spec.exported_name == spec.name
@@ -252,3 +254,33 @@ def test_unreachable_pushgateway_is_one_notice_then_a_no_op(caplog):
     assert "\n" not in message and f"127.0.0.1:{port}" in message and "not be pushed" in message
     assert pusher.enabled is False and pusher.pushes == 0
     assert not math.isnan(_sample(pusher, "scissorhands_sweep_max_batch_size"))  # still kept locally
+
+
+# --------------------------------------------------------------------------- exact means (L21), phases (L20)
+def test_every_histogram_has_an_exact_sum_counter_fed_with_the_exact_values():
+    hists = [s for s in METRICS if s.kind == "histogram"]
+    assert hists and all(metric(h.exact_sum.name).kind == "counter" for h in hists)
+    m = ReplicaMetrics("scissorhands", 5, "replica-0", "tiny-llama", "run-1", use_ray=False)
+    for _ in range(20):
+        m.observe_decode_step(0.005, batch_size=3)      # 5 ms lies between the E12 bounds 4.7 and 5.6 ms
+    snap = m.snapshot()
+    assert snap["scissorhands_decode_batch_size_exact_sum_total"] / snap["scissorhands_decode_batch_size"][0] == 3
+    assert snap["scissorhands_decode_step_seconds_exact_sum_total"] == pytest.approx(20 * 0.005, rel=1e-12)
+    with pytest.raises(ValueError, match="only a histogram"):
+        metric("scissorhands_generated_tokens_total").exact_sum
+
+
+def test_request_level_metrics_keep_warm_up_apart():
+    m = ReplicaMetrics("full", None, "replica-0", "tiny-llama", "run-1", use_ray=False)
+    m.add_generated_tokens(4)
+    m.add_generated_tokens(3, phase="warmup")
+    m.observe_prefill(0.1, tokens=16, warmup_tokens=8)
+    m.observe_ttft(0.2, phase="warmup")
+    assert m.snapshot()["scissorhands_generated_tokens_total"] == 4
+    assert m.snapshot()["scissorhands_prefill_tokens_total"] == 16
+    assert "scissorhands_ttft_seconds" not in m.snapshot()
+    warm = m.snapshot("warmup")
+    assert warm["scissorhands_generated_tokens_total"] == 3 and warm["scissorhands_prefill_tokens_total"] == 8
+    assert warm["scissorhands_ttft_seconds"] == (1, 0.2)
+    with pytest.raises(ValueError, match="phase: expected one of measured, warmup"):
+        m.add_generated_tokens(1, phase="warm")
