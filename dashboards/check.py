@@ -112,6 +112,19 @@ def dashboard_metric_names(dashboards: dict[str, dict]) -> set[str]:
     return names
 
 
+def inexact_sums(dashboards: dict[str, dict], histograms: set[str]) -> list[str]:
+    """Targets that read a histogram's ``_sum`` (``<file> / <panel>: <name>``), given the exported
+    names of the histograms. Ray's exporter writes that ``_sum`` from bucket midpoints, so a mean
+    taken from it is not the mean observed (case L21); means use ``<histogram>_exact_sum_total``."""
+    bad = []
+    for file, board in dashboards.items():
+        for panel, target in iter_targets(board):
+            for name in sorted(metric_names(target.get("expr", ""))):
+                if name.endswith("_sum") and name.removesuffix("_sum") in histograms:
+                    bad.append(f"{file} / {panel.get('title')}: {name}")
+    return bad
+
+
 def prom_get(prometheus: str, path: str, params: dict) -> dict:
     """GET `path` of Prometheus' HTTP API; returns the ``data`` field. RuntimeError on an API error."""
     url = prometheus.rstrip("/") + path + "?" + urllib.parse.urlencode(params, doseq=True)

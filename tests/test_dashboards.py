@@ -103,6 +103,18 @@ def test_l9_every_dashboard_metric_is_in_the_catalogue():
     assert not missing, sorted(missing)
 
 
+def test_l21_no_panel_takes_a_mean_from_a_histogram_sum():
+    histograms = {m.exported_name for m in METRICS if m.kind == "histogram"}
+    assert check.inexact_sums(BOARDS, histograms) == []
+    # every histogram's mean is shown, from its exact sum over its count
+    used = check.dashboard_metric_names(BOARDS)
+    for name in histograms:
+        assert {name + "_exact_sum_total", name + "_count"} <= used, name
+    bad = {"x.json": {"panels": [{"title": "mean", "targets": [
+        {"expr": "rate(ray_scissorhands_ttft_seconds_sum[1m]) / rate(ray_scissorhands_ttft_seconds_count[1m])"}]}]}}
+    assert check.inexact_sums(bad, histograms) == ["x.json / mean: ray_scissorhands_ttft_seconds_sum"]
+
+
 def test_template_substitution():
     values = {"run_id": "smoke-1", "policy": ".*", "datasource": "prometheus"}
     expr = 'rate(x{run_id="$run_id", policy=~"${policy}"}[$__rate_interval])'

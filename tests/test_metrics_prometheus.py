@@ -50,6 +50,7 @@ class _FakeReplica:
 
     def l11(self, run_id: str) -> None:
         _l11_samples(run_id)
+        _l21_samples(run_id)
 
 
 def _replica_load(run_id: str, seconds: float) -> int:
@@ -91,6 +92,18 @@ def _l11_samples(run_id: str) -> None:
         only150.observe_ttft(0.150)
         mixed.observe_ttft(0.005)
         mixed.observe_ttft(0.150)
+
+
+def _l21_samples(run_id: str) -> None:
+    """Case L21: 20 decode steps of exactly 3 rows (5 ms each), and 20 of 5 rows (the bucket 4-8,
+    whose midpoint 6 is what Ray's exporter puts in `_sum`), into the exported histograms."""
+    from cluster.metrics import ReplicaMetrics
+
+    base = ReplicaMetrics("l21", None, "replica-l21", "tiny-llama", run_id)
+    for policy, rows in (("l21-3rows", 3), ("l21-5rows", 5)):
+        m = base.for_point(policy, None)
+        for _ in range(20):
+            m.observe_decode_step(0.005, batch_size=rows)
 
 
 def _sweep_records(run_id: str) -> list[dict]:
@@ -162,7 +175,8 @@ def stack(tmp_path_factory):
         wait_for(
             lambda: check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{RUN_ID}"}}')
             and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
-            and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="l11-mixed"} == 2000'),
+            and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="l11-mixed"} == 2000')
+            and check.query(prom, 'ray_scissorhands_decode_batch_size_exact_sum_total{policy="l21-5rows"} == 100'),
             60,
             "Prometheus to scrape the replica metrics and the pushed sweep",
         )
@@ -259,6 +273,24 @@ def test_l11_histogram_quantiles_within_twenty_percent(stack, policy, samples, q
     [estimate] = check.finite_values(check.query(stack["prometheus"], expr))
     exact = _nearest_rank(samples, q)
     assert abs(estimate - exact) <= 0.2 * exact, f"p{q * 100:g} of {policy}: {estimate} vs exact {exact}"
+
+
+@pytest.mark.parametrize("policy, rows", [("l21-3rows", 3), ("l21-5rows", 5)])
+def test_l21_means_through_the_real_exporter_are_exact(stack, policy, rows):
+    """Every mean a dashboard shows is exact: the exact-sum counter over the histogram's count."""
+    prom = stack["prometheus"]
+
+    def mean(name: str) -> float:
+        sel = f'{{run_id="{RUN_ID}", policy="{policy}"}}'
+        [v] = check.finite_values(check.query(prom, f"{name}_exact_sum_total{sel} / {name}_count{sel}"))
+        return v
+
+    assert mean("ray_scissorhands_decode_batch_size") == rows
+    assert mean("ray_scissorhands_decode_step_seconds") == pytest.approx(0.005, rel=1e-9)
+    # the dashboard's panel reads exactly these series (its rate() over them gives the same ratio)
+    board = check.load_dashboards()["live-replicas.json"]
+    [panel] = [p for p in check.iter_panels(board) if p["title"] == "Mean decode batch size"]
+    assert "ray_scissorhands_decode_batch_size_exact_sum_total" in panel["targets"][0]["expr"]
 
 
 def test_pushed_points_keep_job_and_run_id_and_values(stack):
