@@ -6,6 +6,7 @@ time and every number is exact.
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -206,3 +207,204 @@ def test_build_requests_is_seeded_and_follows_the_length_distributions():
 def test_load_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         LoadConfig(**kw)
+
+
+# ---------------------------------------------------------------------------- L16-L20 and trace replay
+def test_L16_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_point_is_summarized():
+    class Client:
+        async def generate(self, req):
+            second = req.request_id.endswith("#1")
+            return {"request_id": req.request_id, "prompt_tokens": 1, "output_ids": [5, 6, 7],
+                    "token_times_s": [] if second else [1.0, 1.1, 1.2]}
+
+    res = _run(Client(), requests(4), LoadConfig(mode="batch", batch_size=4, num_requests=4))
+    m = res.metrics
+    assert (m.completed_requests, m.failed_requests, m.errors_by_kind) == (3, 1, {"missing_token_times": 1})
+    [bad] = [r for r in res.records if not r.ok]
+    assert bad.request_id == "q1#1" and bad.output_tokens == 3 and "3 generated ids but 0 token times" in bad.error
+    assert m.output_tokens == 9 and m.e2e_latency_s.n == 3
+
+
+def test_L17_four_ids_in_two_streamed_chunks_count_four_tokens_with_zero_gaps_inside_a_chunk():
+    class Streamer:
+        async def stream(self, req):
+            import asyncio
+
+            await asyncio.sleep(0.1)
+            yield {"token_ids": [11, 12], "time_s": 0.1}
+            await asyncio.sleep(0.3)
+            yield {"token_ids": [13, 14], "time_s": 0.4}
+
+    res = _run(Streamer(), requests(1), LoadConfig(mode="concurrency", concurrency=1, num_requests=1))
+    (rec,) = res.records
+    m = res.metrics
+    assert rec.output_tokens == 4 and m.output_tokens == 4
+    assert rec.token_times_s == [0.1, 0.1, 0.4, 0.4]
+    assert sorted(rec.itl_s) == pytest.approx([0.0, 0.0, 0.3])
+    assert m.tpot_s.mean_s == pytest.approx(0.3 / 3)                     # (e2e - ttft) / (4 - 1)
+    assert m.inter_chunk_gap_s.mean_s == pytest.approx(0.3) and m.inter_chunk_gap_s.n == 1
+
+
+def test_a_stream_without_times_is_stamped_on_arrival_and_an_error_chunk_ends_it():
+    class Streamer:
+        async def stream(self, req):
+            import asyncio
+
+            await asyncio.sleep(0.2)
+            yield {"token_ids": [1]}
+            await asyncio.sleep(0.1)
+            yield {"token_ids": [], "error_kind": "replica_died", "error": "stream ended by the server"}
+
+    res = _run(Streamer(), requests(2), LoadConfig(mode="concurrency", concurrency=1, num_requests=2))
+    assert res.records[0].token_times_s == [pytest.approx(0.2)]
+    assert res.metrics.errors_by_kind == {"replica_died": 2} and res.metrics.completed_requests == 0
+
+
+def _instant(req):
+    return Script(ttft_s=0.0, gap_s=0.0)
+
+
+def test_L18_an_instant_client_at_40_req_s_is_not_saturated_nor_delayed():
+    from workloads.serving_suite import Saturation
+
+    cfg = LoadConfig(mode="rate", rate_req_per_s=40, num_requests=16, seed=7)
+    m = _run(FakeReplica(script=_instant), requests(16), cfg).metrics
+    assert m.sent_requests == 16 and m.delayed_arrivals == 0 and m.dropped_arrivals == 0
+    assert m.target_rate_req_per_s == 40
+    # the 16 arrivals drawn with seed 7 span a rate well below 40 req/s: that is the schedule, not saturation
+    assert m.scheduled_rate_req_per_s < 0.8 * 40
+    assert m.achieved_rate_req_per_s == pytest.approx(m.scheduled_rate_req_per_s)
+    assert not [w for w in m.warnings if w.startswith("rate:")]
+    assert Saturation().reason(m.flat()) is None
+
+
+def test_L18_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():
+    import asyncio
+
+    from workloads.serving_suite import Saturation
+
+    class Instant:
+        async def generate(self, req):
+            t = time.time()
+            return {"request_id": req.request_id, "prompt_tokens": 1, "output_ids": [1], "token_times_s": [t]}
+
+    cfg = LoadConfig(mode="rate", rate_req_per_s=40, num_requests=16, seed=7)
+    m = asyncio.run(run_load(Instant(), requests(16), cfg)).metrics
+    assert m.delayed_arrivals == 0 and m.sent_requests == m.completed_requests == 16
+    assert Saturation().reason(m.flat()) is None
+
+
+def test_L19_a_count_that_ends_first_closes_the_window_at_the_last_token():
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.02, gap_s=0.02))          # 10 tokens, 20 ms apart
+    cfg = LoadConfig(mode="concurrency", concurrency=2, num_requests=6, duration_s=10)
+    m = _run(fake, requests(6, new_tokens=10), cfg).metrics
+    assert m.stop_reason == "count"
+    assert m.window_s == pytest.approx(0.6)                                       # 3 waves of 0.2 s, not 10 s
+    assert m.output_tokens == 60 and m.output_throughput_tok_per_s == pytest.approx(100.0)
+    assert m.request_throughput_req_per_s == pytest.approx(10.0)
+
+
+def test_L19_a_duration_that_ends_first_says_duration():
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.02, gap_s=0.02))
+    cfg = LoadConfig(mode="concurrency", concurrency=2, num_requests=100, duration_s=0.91)
+    m = _run(fake, requests(6, new_tokens=10), cfg).metrics
+    assert m.stop_reason == "duration" and m.window_s == pytest.approx(0.91)
+    # 5 waves sent (0, 0.2, ..., 0.8 s); the 5th wave's tokens after 0.91 s are outside the window
+    assert m.sent_requests == 10 and m.output_tokens == 4 * 20 + 2 * 5
+    # the count reached, but the last token after the deadline: the duration ended the window
+    cfg = LoadConfig(mode="concurrency", concurrency=2, num_requests=6, duration_s=0.5)
+    m = _run(fake, requests(6, new_tokens=10), cfg).metrics
+    assert m.stop_reason == "duration" and m.window_s == pytest.approx(0.5)
+    # duration only
+    m = _run(fake, requests(6, new_tokens=10), LoadConfig(mode="concurrency", concurrency=2, duration_s=1.0)).metrics
+    assert m.stop_reason == "duration" and m.window_s == pytest.approx(1.0)
+
+
+def test_L20_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
+    """Rate mode with a time-based warm-up, then 4 measured requests, on the tiny model's real engine."""
+    import torch
+    import yaml
+
+    from scissorhands.testing import tiny_llama
+    from workloads.serving_sweep import LocalReplicaPool, run_serving_sweep
+
+    torch.set_num_threads(1)
+    suite = tmp_path / "l20.yaml"
+    suite.write_text(yaml.safe_dump(dict(
+        name="l20", mode="rate", model="tiny-llama", policies=["full"], loads=[20], prompt_tokens=8, output_tokens=3,
+        num_requests=4, warmup_requests=0, warmup_s=0.3, seed=0, replicas=1)))
+    import argparse
+
+    args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
+                              resume=None, address=None, pushgateway="off")
+    assert run_serving_sweep(args, pool=LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0))) == 0
+    [rec] = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
+    [stats] = rec["replica_stats"]
+    assert rec["warmup_requests"] >= 1 and rec["sent_requests"] == 4
+    assert stats["received_requests"] == stats["completed_requests"] == rec["completed_requests"] == 4
+    assert stats["generated_tokens"] == rec["output_tokens"] == 4 * 3
+    assert stats["warmup_received_requests"] == rec["warmup_requests"]
+    assert stats["warmup_generated_tokens"] == 3 * rec["warmup_requests"]
+
+
+AZURE_CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:46.7805900,396,109
+2023-11-16 18:15:47.0805905,879,4
+2023-11-16 18:15:49.6805900,91,7
+"""
+
+
+def test_trace_replay_sends_each_row_at_its_scaled_time_with_its_lengths(tmp_path):
+    from workloads.loadgen import LOAD_PATTERNS, TraceLoad, read_trace
+
+    path = tmp_path / "azure.csv"
+    path.write_text(AZURE_CSV)
+    rows = read_trace(path)
+    assert [r.arrival_s for r in rows] == pytest.approx([0.0, 0.1, 0.4000005, 3.0], abs=1e-9)
+    assert [(r.prompt_tokens, r.output_tokens) for r in rows] == [(374, 44), (396, 109), (879, 4), (91, 7)]
+    assert LOAD_PATTERNS["trace"] is TraceLoad
+    cfg = LoadConfig(mode="trace", trace_path=str(path), trace_time_scale=0.5)
+    reqs = TraceLoad(cfg).requests(vocab_size=100)
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.01, gap_s=0.001))
+    res = _run(fake, reqs, cfg)
+    sends = [r.send_time_s for r in res.records]
+    assert sends == pytest.approx([0.0, 0.05, 0.20000025, 1.5], abs=1e-9)        # offsets x 0.5
+    assert [(r.prompt_tokens, r.max_new_tokens) for r in res.records] == [(374, 44), (396, 109), (879, 4), (91, 7)]
+    m = res.metrics
+    assert m.stop_reason == "count" and m.sent_requests == 4 and m.output_tokens == 44 + 109 + 4 + 7
+    assert m.target_rate_req_per_s == pytest.approx(3 / 1.5)
+    assert m.scheduled_rate_req_per_s == pytest.approx(3 / 1.5) and not [w for w in m.warnings if "rate" in w]
+
+
+def test_trace_replay_shares_warm_up_and_bounds_and_reads_jsonl(tmp_path):
+    from workloads.loadgen import TraceLoad
+
+    path = tmp_path / "ours.jsonl"
+    path.write_text("".join(json.dumps({"arrival_time_s": 0.25 * i, "prompt_tokens": 4 + i, "output_tokens": 2}) + "\n"
+                            for i in range(10)))
+    cfg = LoadConfig(mode="trace", trace_path=str(path), warmup_requests=2, num_requests=5)
+    res = _run(FakeReplica(), TraceLoad(cfg).requests(vocab_size=50), cfg)
+    assert [r.warmup for r in res.records] == [True, True, False, False, False, False, False]
+    assert [r.prompt_tokens for r in res.records] == [4, 5, 6, 7, 8, 9, 10]
+    assert res.metrics.window_start_s == pytest.approx(0.5) and res.metrics.stop_reason == "count"
+    cfg = LoadConfig(mode="trace", trace_path=str(path), duration_s=1.0)
+    res = _run(FakeReplica(), TraceLoad(cfg).requests(vocab_size=50), cfg)
+    assert res.metrics.stop_reason == "duration" and len(res.records) == 4       # sent at 0, 0.25, 0.5, 0.75
+
+
+@pytest.mark.parametrize("text, match", [
+    ("time,ContextTokens,GeneratedTokens\n1,2,3\n", r"expected one of \(TIMESTAMP, ContextTokens, GeneratedTokens\)"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,3\n4,2,3\n", r"row 2, TIMESTAMP: earlier than the row before"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,0\n", r"row 1, GeneratedTokens: expected an integer >= 1"),
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,2,1\n", r"row 1, TIMESTAMP: not a number of seconds"),
+])
+def test_trace_errors_name_the_row_and_column(tmp_path, text, match):
+    from workloads.loadgen import read_trace
+
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_trace(path)
+    with pytest.raises(ValueError, match="trace_path: required in mode 'trace'"):
+        LoadConfig(mode="trace")

@@ -7,13 +7,20 @@
 | `itl_s` | gaps between successive tokens of one request (pooled over requests); tokens that arrive together have a gap of 0 |
 | `inter_chunk_gap_s` | gaps between successive *arrivals* of tokens (a streamed chunk of several tokens is one arrival) |
 | `e2e_latency_s` | request sent -> last token |
-| `output_throughput_tok_per_s` | output tokens produced inside the window / window length |
-| `total_throughput_tok_per_s` | (input tokens of requests whose first token came inside the window + output tokens produced inside it) / window length |
+| `output_throughput_tok_per_s` | output tokens of measured requests produced inside the window / window length |
+| `total_throughput_tok_per_s` | (input tokens of measured requests whose first token came inside the window + output tokens of measured requests produced inside it) / window length |
 | `request_throughput_req_per_s` | measured requests that completed inside the window / window length |
+| `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
+| `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop) |
+| `delayed_arrivals` | arrivals that found the concurrency cap reached and waited for a slot |
 
+The window runs from the first measured send to the last measured token when the count ends the
+run (`stop_reason` `count`), or to `duration_s` after it opened (`stop_reason` `duration`).
 Output token counts are the number of generated ids a replica returned, never a re-tokenization
-of text. Latency statistics use measured requests only: not warm-up requests, not requests sent
-before the window opened. Every percentile carries its sample count `n`; a percentile `p` over
+of text; a streamed chunk of several ids counts every id, each at the chunk's arrival time. Every
+statistic uses measured requests only: not warm-up requests, not requests sent before the window
+opened (so the replicas' own counts of measured requests, `cluster.engine` `stats()`, cover the
+same requests). Every percentile carries its sample count `n`; a percentile `p` over
 fewer than `1 / (1 - p)` samples (p90 below 10, p99 below 100) is flagged low-confidence, and
 every statistic of zero samples is None (JSON null), never NaN or 0.
 """
@@ -47,6 +54,7 @@ class RequestRecord:
     error: str | None = None
     warmup: bool = False
     replica_id: str | None = None
+    cap_delayed: bool = False          # the arrival found the concurrency cap reached and waited
 
     @property
     def sent(self) -> bool:
@@ -54,7 +62,10 @@ class RequestRecord:
 
     @property
     def ok(self) -> bool:
-        return self.sent and self.error_kind is None and self.output_tokens > 0
+        """Sent, no error, and one time per generated id (the load generator turns a reply without
+        them into an error of kind `missing_token_times` or `token_times_mismatch`)."""
+        return self.sent and self.error_kind is None and self.output_tokens > 0 \
+            and len(self.token_times_s) == self.output_tokens
 
     @property
     def delay_s(self) -> float | None:
@@ -122,6 +133,7 @@ class PointMetrics:
     """Everything one load point measured (units in the names; counts are requests unless named)."""
 
     mode: str
+    stop_reason: str | None            # which bound ended the window: `count` or `duration`
     window_start_s: float | None
     window_end_s: float | None
     window_s: float | None
@@ -130,7 +142,7 @@ class PointMetrics:
     completed_requests: int            # measured requests that finished without error
     failed_requests: int               # measured requests sent that ended in an error
     dropped_arrivals: int              # arrivals never sent (concurrency cap, drop policy)
-    delayed_arrivals: int              # arrivals sent late because of the concurrency cap
+    delayed_arrivals: int              # arrivals that waited for a slot under the concurrency cap
     warmup_requests: int
     errors_by_kind: dict
     ttft_s: LatencyStats
@@ -146,6 +158,7 @@ class PointMetrics:
     request_throughput_req_per_s: float | None
     target_rate_req_per_s: float | None = None
     achieved_rate_req_per_s: float | None = None
+    scheduled_rate_req_per_s: float | None = None
     target_concurrency: int | None = None
     achieved_peak_concurrency: int | None = None
     achieved_mean_concurrency: float | None = None
@@ -195,13 +208,15 @@ def _concurrency(records: list[RequestRecord], start: float, end: float) -> tupl
 
 
 def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float | None,
-              window_end_s: float | None, target_rate_req_per_s: float | None = None,
+              window_end_s: float | None, stop_reason: str | None = None, target_rate_req_per_s: float | None = None,
               target_concurrency: int | None = None,
               replica_peak_running_sequences: int | None = None) -> PointMetrics:
     """Metrics of one point from its request records and its measurement window.
 
     `replica_peak_running_sequences` (summed over replicas, when known) adds a warning when the
     replicas ran fewer sequences at once than the target concurrency (queueing behind memory).
+    The rate warning compares the achieved rate with the rate of the arrival times the run drew
+    for the same requests (a small Poisson sample's rate is not the nominal rate; case L18).
     """
     measured = [r for r in records if not r.warmup]
     sent = [r for r in measured if r.sent]
@@ -216,13 +231,17 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
     def inside(t: float) -> bool:
         return start is not None and end is not None and start <= t <= end
 
-    out_tok = sum(1 for r in records if r.ok for t in r.token_times_s if inside(t))
-    in_tok = sum(r.prompt_tokens for r in records if r.ok and r.token_times_s and inside(r.token_times_s[0]))
+    out_tok = sum(1 for r in ok for t in r.token_times_s if inside(t))
+    in_tok = sum(r.prompt_tokens for r in ok if inside(r.token_times_s[0]))
     done_in = sum(1 for r in ok if inside(r.token_times_s[-1]))
-    sends = sorted(r.send_time_s for r in sent)
-    achieved_rate = None
-    if len(sends) >= 2 and sends[-1] > sends[0]:
-        achieved_rate = (len(sends) - 1) / (sends[-1] - sends[0])
+
+    def rate_of(times) -> float | None:
+        times = sorted(times)
+        return (len(times) - 1) / (times[-1] - times[0]) if len(times) >= 2 and times[-1] > times[0] else None
+
+    achieved_rate = rate_of(r.send_time_s for r in sent)
+    scheduled = [r.scheduled_time_s for r in measured if r.scheduled_time_s is not None]   # dropped ones too
+    scheduled_rate = rate_of(scheduled) if scheduled and len(scheduled) == len(measured) else None
     peak, mean_conc = (None, None)
     if start is not None and end is not None:
         peak, mean_conc = _concurrency([r for r in records if r.sent], start, end)
@@ -234,16 +253,18 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
             and replica_peak_running_sequences < target_concurrency:
         warnings.append(f"concurrency: target {target_concurrency}, the replicas ran at most "
                         f"{replica_peak_running_sequences} sequences at once (the rest queued)")
-    if target_rate_req_per_s and achieved_rate is not None and achieved_rate < 0.95 * target_rate_req_per_s:
-        warnings.append(f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s")
+    if target_rate_req_per_s and achieved_rate is not None and scheduled_rate is not None \
+            and achieved_rate < 0.95 * scheduled_rate:
+        warnings.append(f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
+                        f"{scheduled_rate:.3g} req/s in the arrival times drawn")
     if len(ok) < 100:
         warnings.append(f"p99: only {len(ok)} completed requests (low confidence below 100)")
     rate = (lambda x: x / window if window else None)
     return PointMetrics(
-        mode=mode, window_start_s=start, window_end_s=end, window_s=window,
+        mode=mode, stop_reason=stop_reason, window_start_s=start, window_end_s=end, window_s=window,
         arrivals=len(measured), sent_requests=len(sent), completed_requests=len(ok), failed_requests=len(failed),
         dropped_arrivals=sum(1 for r in measured if not r.sent),
-        delayed_arrivals=sum(1 for d in delays if d is not None and d > 1e-3),
+        delayed_arrivals=sum(1 for r in sent if r.cap_delayed),
         warmup_requests=sum(1 for r in records if r.warmup), errors_by_kind=dict(errors),
         ttft_s=LatencyStats.of(r.ttft_s for r in ok), tpot_s=LatencyStats.of(r.tpot_s for r in ok),
         itl_s=LatencyStats.of(g for r in ok for g in r.itl_s),
@@ -254,6 +275,7 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
         output_throughput_tok_per_s=rate(out_tok), total_throughput_tok_per_s=rate(in_tok + out_tok),
         request_throughput_req_per_s=rate(done_in),
         target_rate_req_per_s=target_rate_req_per_s, achieved_rate_req_per_s=achieved_rate,
+        scheduled_rate_req_per_s=scheduled_rate,
         target_concurrency=target_concurrency, achieved_peak_concurrency=peak,
         achieved_mean_concurrency=mean_conc, warnings=warnings,
     )

@@ -61,10 +61,12 @@ class Saturation:
         p50 = rec.get("ttft_p50_s")
         if self.max_p50_ttft_s is not None and p50 is not None and p50 > self.max_p50_ttft_s:
             return f"p50 TTFT {p50:.3g} s > {self.max_p50_ttft_s:g} s"
-        target, achieved = rec.get("target_rate_req_per_s"), rec.get("achieved_rate_req_per_s")
+        # against the arrival times the run drew, not the nominal rate (a small Poisson sample differs)
+        target = rec.get("scheduled_rate_req_per_s") or rec.get("target_rate_req_per_s")
+        achieved = rec.get("achieved_rate_req_per_s")
         if self.min_achieved_rate_fraction is not None and target and achieved is not None \
                 and achieved < self.min_achieved_rate_fraction * target:
-            return f"achieved {achieved:.3g} req/s < {self.min_achieved_rate_fraction:.0%} of {target:g} req/s"
+            return f"achieved {achieved:.3g} req/s < {self.min_achieved_rate_fraction:.0%} of {target:.3g} req/s scheduled"
         return None
 
 

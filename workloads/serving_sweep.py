@@ -219,7 +219,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
         from workloads.metrics import summarize
 
         m = summarize(result.records, mode=cfg.mode, window_start_s=m.window_start_s, window_end_s=m.window_end_s,
-                      target_rate_req_per_s=m.target_rate_req_per_s, target_concurrency=m.target_concurrency,
+                      stop_reason=m.stop_reason, target_rate_req_per_s=m.target_rate_req_per_s, target_concurrency=m.target_concurrency,
                       replica_peak_running_sequences=sum(live))
     flat = m.flat()
     flat["load_mode"] = flat.pop("mode")          # the record's `mode` is the suite's
@@ -239,7 +239,6 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
             x is None or x <= (out["kv_memory_limit_bytes"] or x) for x in peak_kv)
     replaced = pool.restart_dead()
     errors = m.errors_by_kind
-    stop = "duration" if cfg.duration_s is not None and m.window_s is not None and cfg.num_requests is None else "count"
     if replaced or errors.get("replica_died"):
         out.update(status="error", stop_reason="replica died",
                    error=f"replica(s) died during the point and were restarted: {', '.join(replaced) or '?'}")
@@ -249,7 +248,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
         out.update(status="error", stop_reason="every request failed",
                    error=", ".join(f"{k}: {v}" for k, v in sorted(errors.items())))
     else:
-        out.update(status="ok", stop_reason=stop, error=None)
+        out.update(status="ok", stop_reason=m.stop_reason, error=None)   # `count` or `duration` (the load generator's)
     return out
 
 
