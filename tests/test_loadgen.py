@@ -408,3 +408,27 @@ def test_trace_errors_name_the_row_and_column(tmp_path, text, match):
         read_trace(path)
     with pytest.raises(ValueError, match="trace_path: required in mode 'trace'"):
         LoadConfig(mode="trace")
+
+
+def test_the_serving_replicas_own_stream_feeds_the_load_generator(tmp_path):
+    """`ServingReplica.stream` (one event per token, then the result) on the tiny model: one time per id."""
+    import asyncio
+
+    import torch
+
+    from cluster.serving_replica import ServingReplica
+    from scissorhands.testing import tiny_llama
+
+    torch.set_num_threads(1)
+    replica = ServingReplica(replica_id="s0", model_spec="tiny-llama", model=tiny_llama(0))
+    replica.configure({"policy": "full"})
+    try:
+        res = asyncio.run(run_load(replica, requests(3, new_tokens=5),
+                                   LoadConfig(mode="concurrency", concurrency=2, num_requests=3, warmup_requests=1)))
+        stats = asyncio.run(replica.stats())
+    finally:
+        replica.shutdown()
+    m = res.metrics
+    assert m.completed_requests == 3 and m.output_tokens == 15 and m.itl_s.n == 3 * 4
+    assert all(r.replica_id == "s0" and len(r.token_times_s) == 5 for r in res.records)
+    assert (stats["received_requests"], stats["warmup_received_requests"], stats["generated_tokens"]) == (3, 1, 15)

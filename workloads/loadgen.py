@@ -34,9 +34,10 @@ accounted for: sent (then ok or error by kind) or dropped. Definitions: docs/loa
 
 A client has `async generate(request) -> GenerationResult | dict` (the router, a replica, a fake
 in tests) with one time per generated id, or `stream(request)`: an async iterator of chunks
-(`StreamChunk`, or dicts/objects with `token_ids` and optionally `time_s`, `error_kind`, `error`,
-`replica_id`); a chunk without `time_s` is stamped with the load generator's clock when it
-arrives, and every token of a chunk gets the chunk's time. Times come from `clock` (default
+(`StreamChunk`, or dicts/objects with `token_ids` or `token_id` and optionally `time_s`,
+`error_kind`, `error`, `replica_id`; a last `{"result": ...}` as `ServingReplica.stream` sends);
+a chunk without `time_s` is stamped with the load generator's clock when it arrives, and every
+token of a chunk gets the chunk's time. Times come from `clock` (default
 `time.time`, the replicas' clock too).
 """
 from __future__ import annotations
@@ -623,11 +624,24 @@ class _Run:
         rec.token_times_s = times
 
     async def _stream(self, req: GenerationRequest, rec: RequestRecord) -> None:
-        """Consume a streamed reply: every token of a chunk gets the chunk's (arrival) time."""
+        """Consume a streamed reply: every token of a chunk gets the chunk's (arrival) time.
+
+        A chunk carries `token_ids` (or one `token_id`, as `ServingReplica.stream` sends); a chunk
+        with `result` (a whole reply, its last event) gives the error and replica, and the ids and
+        times when nothing was streamed before it."""
         async for chunk in self.client.stream(req):
+            result = _get(chunk, "result")
+            if result is not None:
+                if rec.output_tokens == 0:
+                    self._take_result(result, rec)
+                else:
+                    rec.error_kind, rec.error = _get(result, "error_kind"), _get(result, "error")
+                    rec.replica_id = _get(result, "replica_id") or rec.replica_id
+                return
             t = _get(chunk, "time_s")
             t = self.clock() if t is None else float(t)
-            ids = list(_get(chunk, "token_ids") or [])
+            one = _get(chunk, "token_id")
+            ids = [one] if one is not None else list(_get(chunk, "token_ids") or [])
             rec.output_tokens += len(ids)
             rec.token_times_s.extend([t] * len(ids))
             rec.replica_id = _get(chunk, "replica_id") or rec.replica_id
