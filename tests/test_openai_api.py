@@ -202,3 +202,34 @@ def test_queue_bound_answers_429_with_retry_after(service):
         for h in held:
             h.close()
     assert _wait(lambda: replicas[SH].engine.running == 0)
+
+
+def test_a_suite_with_a_target_drives_the_server_over_http(model, tmp_path):
+    """`target:` + `model:` in a serving suite: the sweep drives the named served model over HTTP."""
+    import argparse
+
+    from workloads import results as res
+    from workloads.run import SweepError
+    from workloads.serving_sweep import run_serving_sweep
+
+    r = ServingReplica(model=model, replica_id="sh", model_spec="tiny-llama")
+    r.configure(SH_CFG)
+    app = build_app({SH: ReplicaBackend(r, cache_metadata(SH_CFG, 16, "tiny-llama"))}, None)   # ids only
+    try:
+        with ServerThread(app) as url:
+            suite = tmp_path / "http.yaml"
+            suite.write_text(f"name: http\nmode: concurrency\ntarget: {url}/v1\nmodel: '{SH}'\ntokenizer: tiny-llama\n"
+                             "policies: [full]\nloads: [2]\nprompt_tokens: 12\noutput_tokens: 5\nnum_requests: 6\n"
+                             "warmup_requests: 0\n")
+            args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
+                                      resume=None, address=None, pushgateway="off")
+            assert run_serving_sweep(args) == 0
+            bad = tmp_path / "bad.yaml"
+            bad.write_text(suite.read_text().replace(f"'{SH}'", "nope"))
+            with pytest.raises(SweepError, match="model: 'nope' is not served"):         # exit status 1
+                run_serving_sweep(argparse.Namespace(**{**vars(args), "suite": str(bad), "run_id": "bad"}))
+    finally:
+        r.shutdown()
+    (rec,) = res.read_records(str(tmp_path / "r" / "run" / "points.jsonl"))
+    assert rec["status"] == "ok" and rec["target"] == f"{url}/v1" and rec["model_id"] == SH
+    assert rec["completed_requests"] == 6 and rec["output_tokens"] == 30 and rec["budget_tokens"] == 16

@@ -72,11 +72,13 @@ class OpenAIHTTPClient:
         clock: seconds (default `time.time`).
         extra_body: more JSON fields for every request (e.g. `{"return_token_ids": true}` for vLLM).
         connect_timeout_s: for opening the connection (the load generator bounds the whole request).
+        session_per_request: a new connection per request (as vLLM's benchmark client does), for callers
+            that run each point on a new event loop and never call `close`; else one pooled session.
     """
 
     def __init__(self, base_url: str, model: str, *, endpoint: str = "completions", tokenizer=None,
                  api_key: str | None = None, clock: Callable[[], float] = time.time, extra_body: dict | None = None,
-                 connect_timeout_s: float = 30.0, max_connections: int = 1024):
+                 connect_timeout_s: float = 30.0, max_connections: int = 1024, session_per_request: bool = False):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"target: expected http://HOST:PORT/v1, got {base_url!r}")
         if endpoint not in ("completions", "chat"):
@@ -87,6 +89,7 @@ class OpenAIHTTPClient:
         self.tokenizer, self.api_key, self.clock = tokenizer, api_key, clock
         self.extra_body = dict(extra_body or {})
         self.connect_timeout_s, self.max_connections = connect_timeout_s, max_connections
+        self.session_per_request = session_per_request
         self.replica_id = base_url
         self._session = None
         self._loop = None
@@ -142,8 +145,13 @@ class OpenAIHTTPClient:
         saw_ids = False
         last_t = None
         final: dict = {"token_ids": [], "final": True}
+        own = None
         try:
-            session = await self._get_session()
+            if self.session_per_request:
+                session = own = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None,
+                                                                                    sock_connect=self.connect_timeout_s))
+            else:
+                session = await self._get_session()
             async with session.post(url, json=body, headers=headers) as resp:
                 final["http_status"] = resp.status
                 if resp.status != 200:
@@ -198,6 +206,9 @@ class OpenAIHTTPClient:
         except aiohttp.ClientError as e:
             yield {**final, "error_kind": "connection_error", "error": f"{type(e).__name__}: {e}"[:2000]}
             return
+        finally:
+            if own is not None:
+                await own.close()
         if saw_ids:
             final["output_tokens_source"] = "token_ids"
         elif usage_tokens is not None:

@@ -118,6 +118,10 @@ class ServingSuite:
     rounds: int = 2
     seed: int = 0
     replicas: int = 1
+    # HTTP: drive the OpenAI-compatible server at `target` (http://HOST:PORT/v1); `model` is then the
+    # served model id and `tokenizer` the model spec whose tokenizer builds the prompts (default embedded)
+    target: str | None = None
+    tokenizer: str | None = None
 
     @property
     def max_length_tokens(self) -> int:
@@ -195,11 +199,15 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
     kw: dict[str, Any] = {"mode": mode}
     kw["name"] = str(data.get("name") or os.path.splitext(os.path.basename(source))[0] or "suite")
     kw["description"] = str(data.get("description") or "")
-    for k in ("model", "dtype", "device"):
+    for k in ("model", "dtype", "device", "target", "tokenizer"):
         if k in data:
             if not isinstance(data[k], str) or not data[k]:
                 raise SuiteError(f"{k}: expected a non-empty string, got {data[k]!r}")
             kw[k] = data[k]
+    if "target" in kw and not kw["target"].startswith(("http://", "https://")):
+        raise SuiteError(f"target: expected http://HOST:PORT/v1 (an OpenAI-compatible server), got {kw['target']!r}")
+    if "target" in kw and mode == "max_batch":
+        raise SuiteError("target: max_batch mode needs our replicas' memory model; use concurrency, rate or serving-batch")
     if "dtype" in kw:
         from scissorhands.models import DTYPE_CHOICES
 

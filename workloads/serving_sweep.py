@@ -181,6 +181,49 @@ class RayReplicaPool:
                 pass
 
 
+class HTTPTargetPool:
+    """The OpenAI-compatible server at `target` as the sweep's pool (ours from `make serve`, or any
+    other): it only checks that `model` is served; the server's cache configuration is its own, so
+    `configure` changes nothing and the records carry the served model's `/v1/models` metadata."""
+
+    def __init__(self, target: str, model: str, timeout_s: float = 30.0):
+        self.target, self.model, self.timeout_s = target.rstrip("/"), model, timeout_s
+        self.metadata: dict = {}
+
+    def start(self) -> list[dict]:
+        import requests
+
+        try:
+            served = requests.get(f"{self.target}/models", timeout=self.timeout_s).json()["data"]
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"target: no OpenAI-compatible server answered GET {self.target}/models: {e}") from None
+        ids = [m.get("id") for m in served]
+        if self.model not in ids:
+            raise RuntimeError(f"model: {self.model!r} is not served at {self.target} (served: {', '.join(map(str, ids))})")
+        self.metadata = next(m for m in served if m.get("id") == self.model).get("metadata") or {}
+        return [{"replica_id": self.target, "served_model": self.model, **self.metadata}]
+
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
+        pass
+
+    def clients(self) -> list:
+        from workloads.http_client import OpenAIHTTPClient
+
+        return [OpenAIHTTPClient(f"{self.target}", self.model, session_per_request=True)]
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        raise RuntimeError("target: max_batch needs our replicas' memory model, not an HTTP server")
+
+    def stats(self, reset: bool = False) -> list[dict]:
+        return [{"replica_id": self.target, "served_model": self.model, **self.metadata}]
+
+    def restart_dead(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------- one point
 def _requests_for(suite: ServingSuite, point: ServingPoint, n: int, tokenizer, vocab_size: int | None):
     return build_requests(max(1, n), suite.prompt_tokens, suite.output_tokens, seed=suite.seed + 7919 * point.index,
@@ -273,6 +316,7 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
         "concurrency": point.load if suite.mode == "concurrency" else None,
         "request_rate": point.load if suite.mode == "rate" else None,
         "ray_nodes": inventory, "started_at_unix_s": t0, "finished_at_unix_s": t1,
+        "target": suite.target,
     }
     try:
         from scissorhands.models import model_id_of
@@ -418,6 +462,8 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
         tokenizer, vocab = _tokenizer(suite)
         started_ray = False
         inventory = None
+        if pool is None and suite.target is not None:
+            pool = HTTPTargetPool(suite.target, suite.model)
         if pool is None:
             ray, started_ray = init_ray(args.address)
             from cluster.ray_replica import cluster_inventory
@@ -460,13 +506,14 @@ def _tokenizer(suite: ServingSuite):
     """(tokenizer, vocab size): the model's own tokenizer for real-text prompts; none for test models."""
     from cluster.replica import TEST_MODEL_NAMES
 
-    if suite.model in TEST_MODEL_NAMES:
+    spec = suite.tokenizer or ("embedded" if suite.target is not None else suite.model)
+    if spec in TEST_MODEL_NAMES:
         from scissorhands.testing import TINY_LLAMA_CONFIG
 
         return None, TINY_LLAMA_CONFIG["vocab_size"]
     from scissorhands.models import load_tokenizer
 
     try:
-        return load_tokenizer(suite.model), None
+        return load_tokenizer(spec), None
     except Exception:  # noqa: BLE001 - the replicas report a missing model with its path
         return None, 128
