@@ -11,7 +11,8 @@ A suite may carry a ``placement:`` mapping (all keys optional)::
       max_memory_per_gpu_bytes: null   # explicit weight cap per GPU (wins over the fraction)
       max_restarts: 2           # Ray restarts of a replica whose process died
       max_task_retries: 1       # a point in flight on a dead replica runs again on the restarted one
-      ready_timeout_s: 600      # wait this long for the cluster to fit every replica
+      ready_timeout_s: 600      # wait this long for every replica to be placed and loaded
+                                # (default: $SCISSORHANDS_READY_TIMEOUT_S, else 600)
 
 How replicas are placed. The replica set reserves **one placement group with one bundle per
 replica**; a bundle holds every resource of its replica (CPUs, GPUs, custom resources). Ray never
@@ -50,6 +51,48 @@ PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
 _RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
+#: Environment variable of the default bound on waiting for replicas to be placed and loaded (seconds).
+READY_TIMEOUT_ENV = "SCISSORHANDS_READY_TIMEOUT_S"
+#: Its default: long enough for a large model to load on a GPU node, short of "forever".
+DEFAULT_READY_TIMEOUT_S = 600.0
+
+
+def default_ready_timeout_s() -> float:
+    """``$SCISSORHANDS_READY_TIMEOUT_S`` (seconds, > 0), else `DEFAULT_READY_TIMEOUT_S`.
+
+    Raises:
+        PlacementError: the variable is set but is not a number > 0.
+    """
+    text = os.environ.get(READY_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_READY_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise PlacementError(f"{READY_TIMEOUT_ENV}: expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def fit_share(node_amounts: list[float], replicas: int) -> float:
+    """The largest amount of one resource per replica such that `replicas` replicas fit on the
+    nodes, a replica never spanning nodes: max c with sum(floor(a / c)) >= replicas over the
+    nodes' amounts `a`; 0.0 when no node has any.
+
+    Examples: two 1-CPU nodes, 1 replica -> 1.0 (not the cluster's 2); nodes of 4 and 2 CPUs,
+    3 replicas -> 2.0; one 3-CPU node, 2 replicas -> 1.5.
+    """
+    amounts = [float(a) for a in node_amounts if a and a > 0]
+    if not amounts or replicas < 1:
+        return 0.0
+    candidates = sorted({a / k for a in amounts for k in range(1, replicas + 1)}, reverse=True)
+    for c in candidates:
+        if sum(math.floor(a / c + 1e-9) for a in amounts) >= replicas:
+            return c
+    return 0.0
+
+
 class PlacementError(ValueError):
     """Replicas cannot be placed as asked; the message names the field or the missing resource."""
 
@@ -70,7 +113,7 @@ class PlacementConfig:
     max_memory_per_gpu_bytes: int | None = None
     max_restarts: int = 2
     max_task_retries: int = 1
-    ready_timeout_s: float = 600.0
+    ready_timeout_s: float = field(default_factory=lambda: default_ready_timeout_s())
 
 
 def _number(name: str, value: Any, minimum: float, *, integer: bool = False, allow_none: bool = False):
@@ -504,11 +547,34 @@ class _LazyActorClass:
 PlacedReplicaActor = _LazyActorClass()
 
 
-def wait_placed(actors: list, timeout_s: float | None = None) -> list[dict]:
-    """`info()` of every actor (model loaded); raises the first load error as the actor raised it."""
+def wait_placed(actors: list, timeout_s: float | None = None, what: str = "replica(s)") -> list[dict]:
+    """`info()` of every actor (model loaded); raises the first load error as the actor raised it.
+
+    Raises:
+        PlacementError: not every actor answered within `timeout_s` seconds (None: no bound); the
+            message says how long, what is free on the cluster and which nodes are alive.
+    """
     import ray
 
-    return ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+    try:
+        return ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PlacementError(not_ready_message(ray, len(actors), what, timeout_s)) from None
+
+
+def not_ready_message(ray, n: int, what: str, timeout_s: float | None) -> str:
+    """Why `n` replicas are not ready after `timeout_s`: what the cluster has free, its alive nodes."""
+    try:
+        free = {k: round(v, 2) for k, v in ray.available_resources().items() if not k.startswith("node:")
+                and k not in ("memory", "object_store_memory")}
+        nodes = [{k: v for k, v in n_.get("Resources", {}).items() if k in ("CPU", "GPU") or not (
+            k.startswith("node:") or k in ("memory", "object_store_memory"))} for n_ in _alive_nodes(ray)]
+    except Exception as e:  # noqa: BLE001 - the cluster itself may be gone
+        free, nodes = f"unknown ({type(e).__name__})", "unknown"
+    return (f"placement: {n} {what} not placed and loaded within {timeout_s:g} s (placement.ready_timeout_s, or "
+            f"${READY_TIMEOUT_ENV}); free now: {free}; alive nodes: {nodes}. Either the resources each asks for are "
+            "held by other work on the cluster and never freed, the node it was on left, or its model did not load "
+            "in time (then raise the timeout)")
 
 
 def nodes_of(infos: list[Mapping[str, Any]]) -> dict[str, list[str]]:

@@ -137,18 +137,29 @@ def init_ray(address: str | None):
 
 
 def replica_resources(ray, replicas: int, device: str) -> tuple[int, float, float]:
-    """(torch threads, Ray CPUs, Ray GPUs) per replica."""
-    total = ray.cluster_resources()
-    cpus = float(total.get("CPU", 1.0))
-    threads = max(1, int(cpus // replicas))
-    num_cpus = float(threads) if threads * replicas <= cpus else cpus / replicas
+    """(torch threads, Ray CPUs, Ray GPUs) per replica, sized so that `replicas` replicas fit on
+    the alive nodes that exist, a replica never spanning nodes (`cluster.placement.fit_share`):
+    two 1-CPU nodes give one replica 1 CPU, not the cluster's 2 (which no node could ever hold).
+
+    Raises:
+        SweepError: (exit 2) device 'cuda' on a cluster without a GPU.
+    """
+    from cluster.placement import fit_share
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", n.get("alive", False))]
+    if not nodes:  # no node list (should not happen): the cluster's totals, as one node
+        nodes = [ray.cluster_resources()]
+    cpus = fit_share([n.get("CPU", 0.0) for n in nodes], replicas) or 1.0
+    if cpus >= 1:  # whole CPUs, one torch thread each (a smaller share still fits)
+        cpus = float(int(cpus))
+    threads = max(1, int(cpus))
     num_gpus = 0.0
     if device.startswith("cuda"):
-        gpus = float(total.get("GPU", 0.0))
+        gpus = fit_share([n.get("GPU", 0.0) for n in nodes], replicas)
         if gpus <= 0:
             raise SweepError("device: 'cuda' requested but the Ray cluster has no GPU", 2)
-        num_gpus = min(1.0, gpus / replicas)
-    return threads, num_cpus, num_gpus
+        num_gpus = min(1.0, gpus)
+    return threads, cpus, num_gpus
 
 
 def error_message(exc: BaseException) -> str:

@@ -96,8 +96,12 @@ class RayReplicaPool:
     """`ServingReplicaActor`s; a dead one is replaced by a fresh actor (model reloaded, reconfigured)."""
 
     def __init__(self, n: int, *, model_spec: str, dtype: str, device: str, num_cpus: float, num_gpus: float,
-                 num_threads: int | None, health_timeout_s: float = 60.0):
+                 num_threads: int | None, health_timeout_s: float = 60.0, ready_timeout_s: float | None = None):
+        from cluster.placement import default_ready_timeout_s
+
         self.n = n
+        #: bound on a replica's placement + model load (s); $SCISSORHANDS_READY_TIMEOUT_S, else 600
+        self.ready_timeout_s = default_ready_timeout_s() if ready_timeout_s is None else float(ready_timeout_s)
         self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
         self.res = dict(num_cpus=num_cpus, num_gpus=num_gpus)
         self.health_timeout_s = health_timeout_s
@@ -113,10 +117,20 @@ class RayReplicaPool:
         return create_serving_replicas(n, first_index=first_index, name_prefix=prefix, **self.res, **self.kwargs)
 
     def start(self) -> list[dict]:
+        """Start the actors and wait (at most `ready_timeout_s`) until each has loaded its model.
+
+        Raises:
+            PlacementError: no node can ever hold a replica (at once), or not every replica was
+                placed and loaded in time (the message gives what is free and the alive nodes).
+            Exception: a replica's load error as raised in it (e.g. FileNotFoundError naming the path).
+        """
         import ray
 
+        from cluster.placement import _alive_nodes, check_fits, replica_bundle, wait_placed
+
+        check_fits(replica_bundle(self.res["num_cpus"], self.res["num_gpus"], {}), self.n, "SPREAD", _alive_nodes(ray))
         self.actors = self._create(self.n, 0)
-        infos = ray.get([a.info.remote() for a in self.actors])   # raises the load error (names the path)
+        infos = wait_placed(self.actors, self.ready_timeout_s, "serving replica(s)")  # raises the load error
         self.ids = [i["replica_id"] for i in infos]
         return infos
 
@@ -164,7 +178,10 @@ class RayReplicaPool:
                 pass
             self.restarts += 1
             (new,) = self._create(1, self.restarts, prefix=f"serving-r{self.restarts}")
-            info = ray.get(new.info.remote())
+            from cluster.placement import wait_placed
+
+            self.actors[k] = new  # closed with the others even when it never becomes ready
+            (info,) = wait_placed([new], self.ready_timeout_s, "serving replica(s)")
             if self.engine_config is not None:
                 ray.get(new.configure.remote(self.engine_config, self.run_id))
             self.actors[k], self.ids[k] = new, info["replica_id"]

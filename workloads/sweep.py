@@ -204,7 +204,9 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
             raise SweepError(str(e), 1) from None
         threads, num_cpus = rset.num_threads, rset.num_cpus
         try:
-            infos = wait_placed(actors)
+            infos = wait_placed(actors, rset.placement.ready_timeout_s)
+        except PlacementError as e:  # not placed and loaded within ready_timeout_s
+            raise SweepError(str(e), 1) from None
         except Exception as e:  # a replica could not load its model
             raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
         info_of = {a: i for a, i in zip(actors, infos)}
@@ -212,6 +214,8 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
               + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
 
         idle = list(actors)
+        node_of = {a: i.get("node_id") for a, i in zip(actors, infos)}
+        lost_since: dict = {}
         queue = collections.deque(pending)
         inflight: dict = {}
         failed = 0
@@ -224,12 +228,17 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                     inflight[actor.run_batch.remote(point.as_dict())] = (point, actor, time.time())
                 if not inflight:
                     break  # no live replica left
-                ready, _ = ray.wait(list(inflight), num_returns=1)
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WATCH_POLL_S)
+                if not ready:  # a replica whose node left, and that Ray cannot place again, never answers
+                    _check_nodes(ray, inflight, node_of, lost_since, rset.placement.ready_timeout_s, len(queue))
+                    continue
                 for ref in ready:
                     point, actor, t0 = inflight.pop(ref)
                     info = info_of.get(actor)
                     try:
                         metrics = ray.get(ref)
+                        node_of[actor] = metrics.get("node_id") or node_of.get(actor)  # where Ray runs it now
+                        lost_since.pop(actor, None)
                         rec = _record(run_id, commit, suite, point, inventory, info, "ok", metrics, None, t0, time.time())
                         idle.append(actor)
                     except ray.exceptions.RayActorError as e:
@@ -240,7 +249,8 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
                             restarts += 1
                             new = rset.replace(actor)
                             try:
-                                info_of[new] = wait_placed([new])[0]
+                                info_of[new] = wait_placed([new], rset.placement.ready_timeout_s)[0]
+                                node_of[new] = info_of[new].get("node_id")
                                 idle.append(new)
                             except Exception as e2:
                                 bar.write(f"sweep: could not replace a dead replica: {error_message(e2)}", file=sys.stderr)
@@ -267,6 +277,34 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
             rset.shutdown()
         if started_here:
             ray.shutdown()
+
+
+#: Seconds between checks, while points are in flight, that the replicas' nodes are still alive.
+WATCH_POLL_S = 5.0
+
+
+def _check_nodes(ray, inflight: dict, node_of: dict, lost_since: dict, timeout_s: float, queued: int) -> None:
+    """Raise SweepError (exit 1) when a replica with a point in flight has been off the cluster's
+    alive nodes for more than `timeout_s` (its node left and Ray could not place it again), or the
+    cluster cannot be asked. The points already written stay in points.jsonl (--resume runs the rest).
+    """
+    now = time.monotonic()
+    try:
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive", n.get("alive", False))}
+    except Exception as e:  # noqa: BLE001 - the cluster went away
+        raise SweepError(f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
+                         f"{len(inflight) + queued} point(s) not run; the points written stay (--resume)", 1) from None
+    for _, actor, _ in inflight.values():
+        node = node_of.get(actor)
+        if node is None or node in alive:
+            lost_since.pop(actor, None)
+            continue
+        since = lost_since.setdefault(actor, now)
+        if now - since > timeout_s:
+            raise SweepError(
+                f"a replica's node {node} left the cluster and Ray did not run the replica again within "
+                f"{timeout_s:g} s (placement.ready_timeout_s); {len(inflight) + queued} point(s) not run; the points "
+                "written stay (--resume runs the rest once the cluster has room)", 1)
 
 
 def _one_line(rec: dict) -> str:
