@@ -74,6 +74,7 @@ def _replica_load(run_id: str, seconds: float) -> int:
                 m.observe_decode_step(0.004 * (i + 1), batch_size=batch)
             m.observe_tpot(0.004 * (i + 1))
             m.add_generated_tokens(5 * batch)
+            m.add_generated_tokens(batch, phase="warmup")      # the load generator's warm-up requests
             m.set_kv_cache(bytes=4096 * batch // (i + 1), slots=32 * batch // (i + 1))
             m.add_evictions(3 * i if i else 0)
         steps += 1
@@ -255,6 +256,14 @@ def test_l9_every_dashboard_metric_is_published_by_the_exporters(stack):
     ours = {n for n in published if "scissorhands_" in n}
     known = {n for spec in METRICS for n in spec.sample_names}
     assert ours <= known, f"exported but not in the catalogue: {sorted(ours - known)}"
+
+
+def test_l20_warm_up_tokens_are_a_series_of_their_own(stack):
+    """Measured and warm-up tokens reach Prometheus apart (5 x batch and 1 x batch per step)."""
+    q = f'sum by (phase) (ray_scissorhands_generated_tokens_total{{run_id="{RUN_ID}", policy="full"}})'
+    by_phase = {r["metric"]["phase"]: float(r["value"][1]) for r in check.query(stack["prometheus"], q)}
+    assert set(by_phase) == {"measured", "warmup"}
+    assert by_phase["measured"] == 5 * by_phase["warmup"] > 0
 
 
 def _nearest_rank(values: list[float], q: float) -> float:
