@@ -406,8 +406,12 @@ def test_trace_errors_name_the_row_and_column(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ValueError, match=match):
         read_trace(path)
+    with pytest.raises(ValueError, match=match):
+        LoadConfig(mode="trace", trace_path=str(path))              # checked when the config is made
     with pytest.raises(ValueError, match="trace_path: required in mode 'trace'"):
         LoadConfig(mode="trace")
+    with pytest.raises(ValueError, match="trace_path: no such file"):
+        LoadConfig(mode="trace", trace_path=str(tmp_path / "missing.csv"))
 
 
 def test_the_serving_replicas_own_stream_feeds_the_load_generator(tmp_path):

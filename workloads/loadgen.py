@@ -213,13 +213,13 @@ def read_trace(path: str | Path) -> list[TraceRow]:
     """The rows of a trace file, arrival times relative to the first row (seconds).
 
     `.csv` with a header row, or `.jsonl` (one object per line); the columns of one of
-    `TRACE_LAYOUTS`. Rows must be in arrival order. ValueError naming the file, row and column
-    for a missing column, an unreadable time, a length below 1 or an arrival earlier than the row
-    before; FileNotFoundError for a missing file.
+    `TRACE_LAYOUTS`. Rows must be in arrival order. ValueError naming `trace_path` for a missing
+    file, and the file, row and column for a missing column, an unreadable time, a length below 1
+    or an arrival earlier than the row before.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"trace_path: no such file {str(path)!r}")
+        raise ValueError(f"trace_path: no such file {str(path)!r}")
     if path.suffix.lower() == ".csv":
         with path.open(newline="") as f:
             rows = list(csv.DictReader(f))
@@ -314,6 +314,7 @@ class LoadConfig:
         for need in pattern.requires:
             if getattr(self, need) is None:
                 raise ValueError(f"{need}: required in mode {self.mode!r}")
+        pattern(self).check()
 
     @property
     def pattern(self) -> "LoadPattern":
@@ -377,6 +378,9 @@ class LoadPattern:
     def target_rate_req_per_s(self) -> float | None:
         """Nominal arrival rate (None: not an open loop at a rate)."""
         return None
+
+    def check(self) -> None:
+        """Raise ValueError naming the field when the config cannot run (called by `LoadConfig`)."""
 
     async def drive(self, run: "_Run") -> None:
         raise NotImplementedError
@@ -514,6 +518,9 @@ class TraceLoad(OpenLoop):
         rows = self.rows
         span = (rows[-1].arrival_s - rows[0].arrival_s) * self.cfg.trace_time_scale
         return (len(rows) - 1) / span if len(rows) > 1 and span > 0 else None
+
+    def check(self) -> None:
+        self.rows                                      # noqa: B018 - reads and checks the file now
 
     def arrivals(self) -> Iterator[Arrival]:
         for row in self.rows:
