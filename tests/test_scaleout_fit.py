@@ -186,3 +186,56 @@ def test_a_resource_no_node_has_is_refused_at_once(one_cpu_nodes, tmp_path, caps
     err = capsys.readouterr().err
     assert rc == 1 and names in err, err[-2000:]
     assert took_s < 60
+
+
+@pytest.mark.ray
+def test_a_cluster_that_goes_away_ends_the_sweep_in_bounded_time_and_keeps_its_points(tmp_path):
+    """A sweep on a `cluster-up` head (its own folder and free ports) whose head is stopped after the
+    first point: the sweep exits non-zero within Ray's GCS reconnect bound (60 s) plus slack, saying
+    why, and the lines written before stay as they were."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from cluster import local_head
+    from tests.waiting import free_port, wait_for
+
+    repo = Path(__file__).resolve().parents[1]
+    root = Path(tempfile.mkdtemp(prefix="shg-"))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(repo), SCISSORHANDS_PUSHGATEWAY="off")
+    env.pop("RAY_ADDRESS", None)
+    port = free_port()
+    up = subprocess.run([sys.executable, "-m", "cluster.local_head", "up", "--temp-dir", str(root / "ray"),
+                         "--port", str(port), "--dashboard-port", str(free_port()), "--metrics-export-port",
+                         str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                         "--ray-client-server-port", str(free_port()), "--num-cpus", "1"],
+                        env=env, capture_output=True, text=True, timeout=180)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        suite = tmp_path / "long.yaml"
+        suite.write_text(yaml.safe_dump({"name": "long", **BATCH, "new_tokens": [4, 400, 401, 402]}))
+        points = tmp_path / "r" / "gone" / "points.jsonl"
+        proc = subprocess.Popen([sys.executable, "-m", "workloads.sweep", str(suite), "--address", f"127.0.0.1:{port}",
+                                 "--results-dir", str(tmp_path / "r"), "--run-id", "gone"],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: points.exists() and points.read_text().count("\n") >= 1, 240, "the first point")
+            written = points.read_text()
+            local_head.stop(root / "ray", timeout_s=10, log=lambda s: None)
+            t0 = time.monotonic()
+            _, err = proc.communicate(timeout=180)
+            took_s = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode != 0
+        assert took_s < 120, took_s
+        assert "GCS" in err, err[-3000:]
+        assert points.read_text().startswith(written) and json.loads(written.splitlines()[0])["status"] == "ok"
+    finally:
+        local_head.stop(root / "ray", timeout_s=10, log=lambda s: None)
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
