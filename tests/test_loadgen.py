@@ -436,3 +436,43 @@ def test_the_serving_replicas_own_stream_feeds_the_load_generator(tmp_path):
     assert m.completed_requests == 3 and m.output_tokens == 15 and m.itl_s.n == 3 * 4
     assert all(r.replica_id == "s0" and len(r.token_times_s) == 5 for r in res.records)
     assert (stats["received_requests"], stats["warmup_received_requests"], stats["generated_tokens"]) == (3, 1, 15)
+
+
+def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
+    """`mode: trace` with `trace_path` and `trace_time_scale`: one point per series, the trace's lengths."""
+    import argparse
+
+    import torch
+    import yaml
+
+    from scissorhands.testing import tiny_llama
+    from workloads.serving_suite import load_serving_suite
+    from workloads.serving_sweep import LocalReplicaPool, run_serving_sweep
+    from workloads.suite import SuiteError
+
+    torch.set_num_threads(1)
+    trace = tmp_path / "azure.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:4{i}.5000000,{6 + i},{2 + i % 3}\n" for i in range(6)))
+    body = dict(name="replay", mode="trace", model="tiny-llama", policies=["full", "scissorhands"],
+                compression_ratios=[2], trace_path=str(trace), trace_time_scale=0.05, warmup_requests=1, seed=0)
+    suite = tmp_path / "replay.yaml"
+    suite.write_text(yaml.safe_dump(body))
+    s = load_serving_suite(str(suite))
+    assert [p.load for p in s.points()] == [0.05, 0.05] and s.max_length_tokens == 11 + 4
+    args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
+                              resume=None, address=None, pushgateway="off")
+    assert run_serving_sweep(args, pool=LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0))) == 0
+    recs = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in recs] == ["ok", "ok"]
+    for r in recs:
+        assert (r["warmup_requests"], r["sent_requests"], r["completed_requests"]) == (1, 5, 5)
+        assert r["stop_reason"] == "count" and r["load_config"]["trace_time_scale"] == 0.05
+        assert r["output_tokens"] == sum(2 + i % 3 for i in range(1, 6))           # rows 2-6, measured
+        assert r["target_rate_req_per_s"] == pytest.approx(5 / (5 * 0.05))
+    for bad, match in ((dict(body, prompt_tokens=8), "prompt_tokens: not used in mode trace"),
+                       (dict(body, trace_path=str(tmp_path / "none.csv")), "trace_path: no such file"),
+                       ({k: v for k, v in body.items() if k != "trace_path"}, "missing required key 'trace_path'")):
+        suite.write_text(yaml.safe_dump(bad))
+        with pytest.raises(SuiteError, match=match):
+            load_serving_suite(str(suite))

@@ -74,7 +74,8 @@ class LengthDist:
     """A token-length distribution: `fixed` (value), `uniform` (min..max inclusive), `normal`
     (mean, std) or `lognormal` (mean = the median, sigma), clipped to [min, max].
 
-    YAML: an integer (fixed) or a mapping `{dist: uniform, min: 64, max: 512}`.
+    YAML: an integer (fixed) or a mapping `{dist: uniform, min: 64, max: 512}`. `dist: trace`
+    (made by `TraceLoad.length_range`, never parsed) records a trace's range; it cannot be sampled.
     """
 
     dist: str = "fixed"
@@ -120,6 +121,8 @@ class LengthDist:
         raise ValueError(f"a {self.dist} length distribution needs 'max' to bound memory")
 
     def sample(self, n: int, rng: np.random.Generator) -> list[int]:
+        if self.dist == "trace":
+            raise ValueError("a trace's lengths come from its rows (TraceLoad.requests), not from sampling")
         if self.dist == "fixed":
             x = np.full(n, self.value, dtype=np.float64)
         elif self.dist == "uniform":
@@ -382,6 +385,16 @@ class LoadPattern:
     def check(self) -> None:
         """Raise ValueError naming the field when the config cannot run (called by `LoadConfig`)."""
 
+    def requests(self, n: int | None = None, prompt_tokens: LengthDist | None = None,
+                 output_tokens: LengthDist | None = None, *, seed: int = 0, tokenizer=None,
+                 vocab_size: int | None = None, prefix: str = "req") -> list[GenerationRequest]:
+        """The requests to send (`run_load` cycles them): `n` with lengths drawn from the two
+        distributions (`build_requests`); a pattern that brings its own lengths overrides this."""
+        if n is None or prompt_tokens is None or output_tokens is None:
+            raise ValueError(f"prompt_tokens, output_tokens: mode {self.name!r} needs length distributions")
+        return build_requests(n, prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer,
+                              vocab_size=vocab_size, prefix=prefix)
+
     async def drive(self, run: "_Run") -> None:
         raise NotImplementedError
 
@@ -522,13 +535,22 @@ class TraceLoad(OpenLoop):
     def check(self) -> None:
         self.rows                                      # noqa: B018 - reads and checks the file now
 
+    def length_range(self) -> tuple[LengthDist, LengthDist]:
+        """The trace's prompt and output lengths as `LengthDist(dist="trace", min, max)` (for memory
+        budgets and records; not to be sampled)."""
+        p = [r.prompt_tokens for r in self.rows]
+        o = [r.output_tokens for r in self.rows]
+        return LengthDist("trace", min=min(p), max=max(p)), LengthDist("trace", min=min(o), max=max(o))
+
     def arrivals(self) -> Iterator[Arrival]:
         for row in self.rows:
             yield Arrival(row.arrival_s * self.cfg.trace_time_scale, row.prompt_tokens, row.output_tokens)
 
-    def requests(self, *, seed: int = 0, tokenizer=None, vocab_size: int | None = None,
-                 prefix: str = "trace") -> list[GenerationRequest]:
-        """One request per row, with the row's lengths (prompts as in `requests_of_lengths`)."""
+    def requests(self, n: int | None = None, prompt_tokens: LengthDist | None = None,
+                 output_tokens: LengthDist | None = None, *, seed: int = 0, tokenizer=None,
+                 vocab_size: int | None = None, prefix: str = "trace") -> list[GenerationRequest]:
+        """One request per row, with the row's lengths (prompts as in `requests_of_lengths`); `n` and
+        the distributions are not used (the trace gives the lengths)."""
         rows = self.rows
         return requests_of_lengths([r.prompt_tokens for r in rows], [r.output_tokens for r in rows], seed=seed,
                                    tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix)
@@ -694,8 +716,8 @@ async def run_load(client: Client, requests: Callable[[int], GenerationRequest] 
     """Drive `client` with `config`; return every request's record and the point's metrics.
 
     `requests(i)` builds request `i` (warm-up included, in send order); a list is cycled, each
-    use getting a unique id. For `mode: trace`, pass `TraceLoad(config).requests(...)` so request
-    `i` has the lengths of row `i`.
+    use getting a unique id. Build the list with `config.pattern.requests(...)`: a trace's request
+    `i` then has the lengths of row `i`.
     """
     if isinstance(requests, list):
         pool = requests

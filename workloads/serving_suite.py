@@ -5,7 +5,7 @@ A serving suite (YAML, `yaml.safe_load`) asks one question; `workloads.sweep` ha
 
     name: serving-rate
     description: the question this suite answers
-    mode: rate                    # serving-batch | concurrency | rate | max_batch
+    mode: rate                    # serving-batch | concurrency | rate | max_batch | trace
     model: embedded
     policies: [full, scissorhands]
     compression_ratios: [5]       # B = ceil((max prompt + max output) / ratio) for every sequence
@@ -21,6 +21,8 @@ A serving suite (YAML, `yaml.safe_load`) asks one question; `workloads.sweep` ha
     max_concurrency: null         # rate mode: cap on requests in flight; cap_policy: delay | drop
     saturation: {max_error_rate: 0.05, max_p50_ttft_s: null, min_achieved_rate_fraction: 0.8}
     rounds: 2                     # max_batch mode: requests = rounds x the max batch
+    trace_path: traces/azure_code_2023.csv  # trace mode (instead of loads and lengths): arrival time,
+    trace_time_scale: 0.5         #   prompt and output tokens per row (docs/load-generation.md)
     replicas: 1
 
 Points are policy x budget x load, in that order, so each (policy, budget) is a series of
@@ -38,11 +40,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.engine import EngineConfig
-from workloads.loadgen import ARRIVALS, CAP_POLICIES, LengthDist, LoadConfig
+from workloads.loadgen import ARRIVALS, CAP_POLICIES, LengthDist, LoadConfig, TraceLoad
 from workloads.suite import PolicySpec, SuiteError, check_budget, parse_policy, policy_classes, read_suite_file
 
-SERVING_MODES = ("serving-batch", "concurrency", "rate", "max_batch")
-_LOAD_MODE = {"serving-batch": "batch", "concurrency": "concurrency", "rate": "rate", "max_batch": "batch"}
+SERVING_MODES = ("serving-batch", "concurrency", "rate", "max_batch", "trace")
+_LOAD_MODE = {"serving-batch": "batch", "concurrency": "concurrency", "rate": "rate", "max_batch": "batch",
+              "trace": "trace"}
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,10 @@ class ServingSuite:
     # served model id and `tokenizer` the model spec whose tokenizer builds the prompts (default embedded)
     target: str | None = None
     tokenizer: str | None = None
+    # trace mode: replay this trace (its rows give arrivals and lengths), time offsets x the scale;
+    # the point's `load` is the scale
+    trace_path: str | None = None
+    trace_time_scale: float = 1.0
 
     @property
     def max_length_tokens(self) -> int:
@@ -129,7 +136,8 @@ class ServingSuite:
 
     def points(self) -> list[ServingPoint]:
         out: list[ServingPoint] = []
-        loads: list[float | None] = [None] if self.mode == "max_batch" else list(self.loads)
+        loads: list[float | None] = [None] if self.mode == "max_batch" else \
+            [self.trace_time_scale] if self.mode == "trace" else list(self.loads)
         for pol in self.policies:
             tag = pol.name
             if pol.params:
@@ -162,6 +170,9 @@ class ServingSuite:
             kw["batch_size"] = int(point.load)
         elif mode == "concurrency":
             kw["concurrency"] = int(point.load)
+        elif mode == "trace":
+            kw.update(trace_path=self.trace_path, trace_time_scale=float(point.load),
+                      max_concurrency=self.max_concurrency, cap_policy=self.cap_policy)
         else:
             kw.update(rate_req_per_s=float(point.load), arrival=self.arrival, burstiness=self.burstiness,
                       max_concurrency=self.max_concurrency, cap_policy=self.cap_policy)
@@ -193,7 +204,7 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
     mode = data.get("mode")
     if mode not in SERVING_MODES:
         raise SuiteError(f"mode: expected one of {', '.join(SERVING_MODES)} for a serving suite, got {mode!r}")
-    for k in ("policies", "prompt_tokens", "output_tokens"):
+    for k in ("policies", "prompt_tokens", "output_tokens") if mode != "trace" else ("policies", "trace_path"):
         if k not in data:
             raise SuiteError(f"{source}: missing required key {k!r}")
     kw: dict[str, Any] = {"mode": mode}
@@ -214,9 +225,18 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
         if kw["dtype"] not in DTYPE_CHOICES:
             raise SuiteError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {kw['dtype']!r}")
     try:
-        kw["prompt_tokens"] = LengthDist.parse("prompt_tokens", data["prompt_tokens"])
-        kw["output_tokens"] = LengthDist.parse("output_tokens", data["output_tokens"])
-        kw["prompt_tokens"].upper, kw["output_tokens"].upper  # noqa: B018 - bounded, for memory
+        if mode == "trace":                # the trace gives arrivals and lengths
+            for k in ("prompt_tokens", "output_tokens", "loads"):
+                if data.get(k) is not None:
+                    raise SuiteError(f"{k}: not used in mode trace (the trace's rows give arrivals and lengths)")
+            kw["trace_path"] = str(data["trace_path"])
+            kw["trace_time_scale"] = _num("trace_time_scale", data.get("trace_time_scale", 1.0), none=False)
+            kw["prompt_tokens"], kw["output_tokens"] = TraceLoad(LoadConfig(
+                mode="trace", trace_path=kw["trace_path"], trace_time_scale=kw["trace_time_scale"])).length_range()
+        else:
+            kw["prompt_tokens"] = LengthDist.parse("prompt_tokens", data["prompt_tokens"])
+            kw["output_tokens"] = LengthDist.parse("output_tokens", data["output_tokens"])
+            kw["prompt_tokens"].upper, kw["output_tokens"].upper  # noqa: B018 - bounded, for memory
     except ValueError as e:
         raise SuiteError(str(e)) from None
     classes = policy_classes()
@@ -248,7 +268,7 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
             raise SuiteError("kv_memory_limit_bytes: mode max_batch needs a KV memory limit (or kv_memory_fraction)")
         if kw["prompt_tokens"].dist != "fixed" or kw["output_tokens"].dist != "fixed":
             raise SuiteError("prompt_tokens, output_tokens: mode max_batch needs fixed lengths (integers)")
-    else:
+    elif mode != "trace":
         if not isinstance(loads, list) or not loads:
             raise SuiteError(f"loads: mode {mode} needs a non-empty list of "
                              f"{'request rates (req/s)' if mode == 'rate' else 'batch sizes' if mode == 'serving-batch' else 'concurrencies'}")
@@ -273,7 +293,7 @@ def parse_serving_suite(data: Any, source: str = "<suite>") -> ServingSuite:
         raise SuiteError(f"kv_memory_fraction: expected a number in (0, 1], got {kw['kv_memory_fraction']}")
     if kw.get("kv_memory_limit_bytes") is not None and kw.get("kv_memory_fraction") is not None:
         raise SuiteError("kv_memory_limit_bytes, kv_memory_fraction: give one of them, not both")
-    if mode != "max_batch" and kw.get("num_requests") is None and kw.get("duration_s") is None:
+    if mode not in ("max_batch", "trace") and kw.get("num_requests") is None and kw.get("duration_s") is None:
         raise SuiteError("num_requests, duration_s: give at least one bound")
     for k, accepted in (("arrival", ARRIVALS), ("cap_policy", CAP_POLICIES)):
         if k in data:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from workloads import results as res
-from workloads.loadgen import build_requests, run_load
+from workloads.loadgen import run_load
 from workloads.run import (SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources,
                            resolved_policy_params)
 from workloads.serving_suite import ServingPoint, ServingSuite, load_serving_suite
@@ -242,9 +242,10 @@ class HTTPTargetPool:
 
 
 # ---------------------------------------------------------------------------- one point
-def _requests_for(suite: ServingSuite, point: ServingPoint, n: int, tokenizer, vocab_size: int | None):
-    return build_requests(max(1, n), suite.prompt_tokens, suite.output_tokens, seed=suite.seed + 7919 * point.index,
-                          tokenizer=tokenizer, vocab_size=vocab_size, prefix=point.point_id)
+def _requests_for(suite: ServingSuite, point: ServingPoint, cfg, n: int, tokenizer, vocab_size: int | None):
+    """The point's requests, as its load pattern builds them (drawn lengths, or a trace's rows)."""
+    return cfg.pattern.requests(max(1, n), suite.prompt_tokens, suite.output_tokens, seed=suite.seed + 7919 * point.index,
+                                tokenizer=tokenizer, vocab_size=vocab_size, prefix=point.point_id)
 
 
 def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, tokenizer=None,
@@ -266,7 +267,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
                     "error": "not even one sequence fits the KV memory limit"}
     cfg = suite.load_config(point, max_batch=max_batch)
     n_pool = (cfg.num_requests or 256) + cfg.warmup_requests
-    reqs = _requests_for(suite, point, n_pool, tokenizer, vocab_size)
+    reqs = _requests_for(suite, point, cfg, n_pool, tokenizer, vocab_size)
     pool.stats(reset=True)
     router = Router(pool.clients())
     result = asyncio.run(run_load(router, reqs, cfg))
