@@ -65,7 +65,14 @@ LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
 
 
 class Client(Protocol):
+    """What the load generator drives: `generate` (a whole reply, one time per generated id); a
+    client that also has `stream(request)` (an async iterator of chunks) is read chunk by chunk."""
+
     async def generate(self, request: GenerationRequest) -> GenerationResult | dict: ...
+
+
+class StreamingClient(Protocol):
+    def stream(self, request: GenerationRequest) -> AsyncIterator[dict]: ...
 
 
 # ---------------------------------------------------------------------------- lengths and requests
@@ -582,7 +589,7 @@ def _get(obj: Any, key: str, default=None):
 class _Run:
     """What every pattern shares: warm-up, bounds, the window, sending and recording."""
 
-    def __init__(self, client: Client, requests: Callable[[int], GenerationRequest], config: LoadConfig,
+    def __init__(self, client: Client | StreamingClient, requests: Callable[[int], GenerationRequest], config: LoadConfig,
                  clock: Callable[[], float]):
         self.client, self.requests, self.cfg, self.clock = client, requests, config, clock
         self.records: list[RequestRecord] = []
@@ -711,7 +718,7 @@ def error_kind(exc: BaseException) -> str:
     return "error"
 
 
-async def run_load(client: Client, requests: Callable[[int], GenerationRequest] | list[GenerationRequest],
+async def run_load(client: Client | StreamingClient, requests: Callable[[int], GenerationRequest] | list[GenerationRequest],
                    config: LoadConfig, clock: Callable[[], float] = time.time) -> LoadResult:
     """Drive `client` with `config`; return every request's record and the point's metrics.
 
