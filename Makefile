@@ -68,8 +68,17 @@ submit: install
 cluster-node: install
 	$(PY) -m cluster.local_node --address 127.0.0.1:$(RAY_PORT) $(ARGS)
 
-gpu-check: install
-	$(PY) -m cluster.gpu_check $(ARGS)
+# The GPU check (docs/gpu.md): no Ray, nothing downloaded, so it also runs on a bare accelerator machine
+# with its own python3 (no venv there: then no install step either). Report under $OUT or results/.
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	$(GPU_PY) -m cluster.gpu_check $(ARGS)
+
+# The wheels that machine lacks (transformers at our pin, regex), in the ignored folder .gpu-bundle (< 60 MiB);
+# cluster/gpu_run.sh installs them there with pip --no-index --find-links.
+.PHONY: gpu-bundle
+gpu-bundle: install
+	$(PY) -m cluster.gpu_bundle $(ARGS)
 
 # Stops ONLY the cluster of `make cluster-up` (the Ray processes under CLUSTER_TEMP_DIR and their children,
 # a `make cluster-node` joined to it included); other Rays on the machine, such as a sweep's embedded

@@ -1,23 +1,44 @@
-"""One-command GPU check (`make gpu-check`): the smoke suite on CUDA in bfloat16, then the largest
-batch each cache fits in a GPU memory limit.
+"""One-command GPU check (`make gpu-check`): the library on CUDA, then the serving claim on an
+8B-class model with dummy weights; no Ray needed, nothing downloaded.
 
-    python -m cluster.gpu_check [--suite workloads/suites/smoke.yaml] [--memory-limit-gib 8]
-                                [--results-dir results] [--run-id ID] [--deadline-s 540]
+    python -m cluster.gpu_check [--out DIR] [--model llama-3.1-8b] [--full-batch 32 | --kv-limit-gib G]
+                                [--prompt-tokens 1024] [--new-tokens 1024] [--ratios 5,2] [--kv4-ratio 5]
+                                [--budget-s 460] [--phases library,max_batch,engine_vs_generate,ray]
+                                [--device cuda] [--dtype bfloat16] [--tiny]
 
-1. Checks for a CUDA device first and stops with exit status 2 and a message that says what is
-   missing (no CUDA build of torch, or no visible GPU), before anything else runs.
-2. Runs the suite through the sweep (`python -m workloads.sweep`, one replica on one GPU,
-   `device: cuda`, `dtype: bfloat16`), so its points land in `<results>/<run_id>/points.jsonl`
-   like any sweep's; prints each point's decode throughput (tok/s) and peak KV bytes.
-3. For `full` and every (policy, ratio) of the suite, finds the largest batch of the suite's
-   longest prompt + new tokens that runs under a per-process GPU memory cap of
-   `--memory-limit-gib` (`torch.cuda.set_per_process_memory_fraction`; weights, KV cache and
-   activations all count): doubling, then bisection, each probe a real prefill + decode. Reports
-   that batch, its decode throughput and its KV bytes, and writes `gpu_check.json` and
-   `gpu_check.md` next to the points.
+It checks for a CUDA device first and stops with exit status 2 and a message naming what is missing
+(a CPU-only torch build, or no visible GPU), before anything runs or is written. `--device cpu` runs
+the same phases on the CPU (with `--tiny`: a 2-layer copy of the model, seconds; what the tests do).
 
-Exit status: 0 all points ok and every probe finished; 1 a point failed (the sweep's status);
-2 no GPU or bad arguments. Stops probing at `--deadline-s` (whole run, default 540 s) and says so.
+Phases, each in its own Python process with its own time box (a crash, a CUDA OOM or a hang costs
+that phase only); the report (`gpu_check.json`, `gpu_check.md` under `--out`, default `$OUT` when
+set) is rewritten after every phase, so a run cut short still brings back what finished:
+
+1. `library` (tiny copies of Llama-3.1-8B and OPT-125m, in `--dtype` on the device): for every
+   evicting policy, with keys/values in the model dtype and in 4 bits, real eviction produces the
+   same greedy tokens as simulation mode (evicted slots masked, nothing removed), with logits within
+   5% of their largest magnitude; the `scissorhands` explicit attention with the full cache gives
+   the tokens of transformers' `sdpa` with its `DynamicCache`.
+2. `max_batch` (`--model` with dummy weights, `scissorhands.models.load_dummy_model`): one KV memory
+   limit (`--full-batch` full-cache sequences of `--prompt-tokens` + `--new-tokens`, or
+   `--kv-limit-gib`); the full cache, then Scissorhands at each of `--ratios`, then Scissorhands at
+   `--kv4-ratio` with 4-bit keys/values, each at the largest batch the engine admits under that limit
+   (`ContinuousBatchingEngine.max_batch_for`), run through the continuous-batching engine
+   (`cluster/engine.py`) and verified (peak running sequences = that batch, peak KV bytes <= the
+   limit). Output tok/s (output tokens / wall time from submission to the last token, prefill
+   included), decode tok/s (decode-step tokens / decode-step time), and their ratios to the full cache.
+3. `engine_vs_generate`: our engine against transformers' `generate` (sdpa, `DynamicCache`, static
+   left-padded batches), full cache, at full's max batch, on the same serving mix (prompt lengths
+   uniform in [P/4, P], output lengths in [`--generate-new-tokens`/4, `--generate-new-tokens`]).
+4. `ray` (only where `import ray` works; never on a bare accelerator machine): the suite `--suite`
+   through the sweep (`python -m workloads.sweep`) on the device, one replica.
+
+Every record says `weights: dummy` (speed and memory only, never quality) and carries the GPU (name,
+memory, driver), torch, CUDA, transformers, dtype and the commit. Nothing here imports Ray: the Ray
+phase is a subprocess.
+
+Exit status: 0 every phase ran whole and every check passed; 1 a check failed, or a phase failed,
+timed out, was cut short or not run for want of time (`--budget-s`); 2 no GPU or bad arguments.
 """
 
 from __future__ import annotations
@@ -25,16 +46,38 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 MIB = 1024**2
+SCHEMA_VERSION = 1
+BUNDLE_DIR = REPO_ROOT / ".gpu-bundle"
+"""Where `make gpu-bundle` puts the wheels a bare accelerator machine lacks, and the commit (COMMIT)."""
+
+PHASES = ("library", "max_batch", "engine_vs_generate", "ray")
+PHASE_BOX_S = {"library": 60.0, "max_batch": 270.0, "engine_vs_generate": 120.0, "ray": 120.0}
+"""Most seconds each phase may take (its process is killed after that); all are capped by `--budget-s`."""
+PHASE_MARGIN_S = 10.0
+"""A phase stops starting new work this long before its box ends, so it can write what it measured."""
+LIBRARY_MODELS = ("llama-3.1-8b", "opt-125m")
+"""Architectures of the library phase (grouped-query attention with RoPE; multi-head with learned positions)."""
+
+
+def tiny_overrides(name: str) -> dict:
+    """Config overrides that make a 2-layer, 64-wide copy of the shipped config `name` (head_dim 16)."""
+    from scissorhands.models import dummy_config
+
+    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
+    if dummy_config(name).model_type == "opt":
+        return {**base, "ffn_dim": 128, "word_embed_proj_dim": 64}
+    return {**base, "intermediate_size": 128, "num_key_value_heads": 2}
 
 
 class NoGPU(RuntimeError):
@@ -42,7 +85,7 @@ class NoGPU(RuntimeError):
 
 
 def require_cuda() -> dict:
-    """{"name", "total_bytes", "torch", "cuda"} of GPU 0, or NoGPU naming what is missing."""
+    """{"name", "total_bytes", "torch", "cuda", "capability", "driver"} of GPU 0, or NoGPU naming what is missing."""
     import torch
 
     if torch.version.cuda is None:
@@ -56,210 +99,652 @@ def require_cuda() -> dict:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; is the NVIDIA driver loaded? try nvidia-smi)"
         )
     props = torch.cuda.get_device_properties(0)
-    return {"name": props.name, "total_bytes": int(props.total_memory), "torch": torch.__version__, "cuda": torch.version.cuda}
+    return {"name": props.name, "total_bytes": int(props.total_memory), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "capability": f"{props.major}.{props.minor}", "driver": _nvidia_driver()}
 
 
-def gpu_suite(suite: dict) -> dict:
-    """The suite on one GPU: device cuda, bfloat16, one replica holding one GPU."""
+def _nvidia_driver() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def commit() -> str | None:
+    """The checkout's commit (`+dirty` when files differ), else the one `make gpu-bundle` recorded, else None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                                   capture_output=True, text=True, timeout=20).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    recorded = BUNDLE_DIR / "COMMIT"
+    return recorded.read_text().strip() or None if recorded.is_file() else None
+
+
+def ray_importable() -> bool:
+    """Whether `import ray` works, asked of a subprocess so this process never imports Ray."""
+    try:
+        return subprocess.run([sys.executable, "-c", "import ray"], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def environment(device: str) -> dict:
+    """What the numbers were measured on: device (GPU or CPU), software versions, commit."""
+    import importlib.metadata
+
+    import torch
+    import transformers
+
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "transformers": transformers.__version__, "tokenizers": version("tokenizers"), "commit": commit(),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node()}
+    if device == "cuda":
+        env["gpu"] = require_cuda()
+    else:
+        cpu = None
+        try:
+            cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith("model name")), None)
+        except OSError:
+            pass
+        env["cpu"] = {"name": cpu or platform.processor(), "torch_threads": torch.get_num_threads()}
+    return env
+
+
+def gpu_suite(suite: dict, device: str = "cuda", dtype: str = "bfloat16") -> dict:
+    """The suite on one device: `device`, `dtype`, one replica (holding one GPU on CUDA)."""
     out = dict(suite)
-    out.update(device="cuda", dtype="bfloat16", replicas=1, name=f"{suite.get('name', 'suite')}-gpu")
-    out["placement"] = {**(suite.get("placement") or {}), "num_gpus": 1}
+    out.update(device=device, dtype=dtype, replicas=1, name=f"{suite.get('name', 'suite')}-gpu")
+    if device == "cuda":
+        out["placement"] = {**(suite.get("placement") or {}), "num_gpus": 1}
     return out
 
 
-def max_fitting_batch(fits: Callable[[int], bool], *, start: int = 1, limit: int = 4096,
-                      deadline: float | None = None) -> tuple[int, int, bool]:
-    """Largest batch b in [start, limit] with fits(b) True, assuming fits is monotone.
-
-    Doubles from `start` until a batch does not fit (or `limit`), then bisects. Returns
-    (best batch or 0 when `start` does not fit, probes run, finished before `deadline`).
-    """
-    probes = 0
-    ok, bad = 0, None
-    b = start
-    while b <= limit:
-        if deadline is not None and time.monotonic() > deadline:
-            return ok, probes, False
-        probes += 1
-        if fits(b):
-            ok = b
-            b *= 2
-        else:
-            bad = b
-            break
-    if bad is None:
-        if ok < limit:  # the last doubling jumped past the limit: try the limit itself
-            if deadline is not None and time.monotonic() > deadline:
-                return ok, probes, False
-            probes += 1
-            if fits(limit):
-                return limit, probes, True
-            bad = limit
-        else:
-            return ok, probes, True
-    while bad - ok > 1:
-        if deadline is not None and time.monotonic() > deadline:
-            return ok, probes, False
-        mid = (ok + bad) // 2
-        probes += 1
-        if fits(mid):
-            ok = mid
-        else:
-            bad = mid
-    return ok, probes, True
-
-
-class MemoryProbe:
-    """Runs points on one CUDA replica under a per-process memory cap; keeps the last metrics."""
-
-    def __init__(self, model_spec: str, memory_limit_bytes: int):
-        import torch
-
-        from cluster.replica import ModelReplica
-
-        total = torch.cuda.get_device_properties(0).total_memory
-        if memory_limit_bytes >= total:
-            raise ValueError(f"--memory-limit-gib: {memory_limit_bytes / GIB:.1f} GiB is not below the GPU's "
-                             f"{total / GIB:.1f} GiB")
-        torch.cuda.set_per_process_memory_fraction(memory_limit_bytes / total, 0)
-        self.limit_bytes = memory_limit_bytes
-        self.replica = ModelReplica(model_spec, dtype="bfloat16", device="cuda", replica_id="gpu-check")
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.replica.model.parameters())
-        self.last: dict | None = None
-
-    def fits(self, point: dict) -> bool:
-        import torch
-
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(0)
-        try:
-            metrics = self.replica.run_batch(point)
-        except torch.cuda.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            return False
-        except RuntimeError as e:  # some kernels report OOM as a plain RuntimeError
-            if "out of memory" not in str(e).lower():
-                raise
-            torch.cuda.empty_cache()
-            return False
-        self.last = {**metrics, "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(0))}
-        return True
-
-
-def _points_table(records: list[dict]) -> str:
-    lines = ["| policy | ratio | batch | decode (tok/s) | KV peak (MiB) | status |", "|---|---|---|---|---|---|"]
-    for r in records:
-        ratio = "-" if r.get("compression_ratio") is None else f"{r['compression_ratio']:g}"
-        tok_s = r.get("decode_tokens_per_s")
-        kv = r.get("kv_cache_bytes")
-        lines.append(f"| {r['policy']} | {ratio} | {r['batch_size']} | {'-' if tok_s is None else f'{tok_s:,.0f}'} | "
-                     f"{'-' if kv is None else f'{kv / MIB:.1f}'} | {r['status']} |")
-    return "\n".join(lines) + "\n"
-
-
-def _max_batch_table(rows: list[dict], limit_bytes: int) -> str:
-    lines = [f"Largest batch under a {limit_bytes / GIB:g} GiB GPU memory cap (weights + KV + activations):", "",
-             "| policy | ratio | max batch | decode at max (tok/s) | KV at max (MiB) | KV per sequence (MiB) | peak allocated (MiB) | probes |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = "-" if r["compression_ratio"] is None else f"{r['compression_ratio']:g}"
-        def f(key, scale=1.0, fmt=".1f"):
-            v = r.get(key)
-            return "-" if v is None else format(v / scale, fmt)
-        lines.append(f"| {r['policy']} | {ratio} | {r['max_batch']}{'' if r['finished'] else ' (deadline)'} | "
-                     f"{f('decode_tokens_per_s', 1, ',.0f')} | {f('kv_cache_bytes', MIB)} | {f('kv_bytes_per_sequence', MIB, '.2f')} | "
-                     f"{f('peak_allocated_bytes', MIB, '.0f')} | {r['probes']} |")
-    return "\n".join(lines) + "\n"
-
-
+# ----------------------------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cluster.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", default=str(REPO_ROOT / "workloads" / "suites" / "smoke.yaml"))
-    p.add_argument("--memory-limit-gib", type=float, default=8.0, help="GPU memory cap of the max-batch search (GiB)")
-    p.add_argument("--max-batch", type=int, default=4096, help="largest batch tried")
-    p.add_argument("--results-dir", default=str(REPO_ROOT / "results"))
-    p.add_argument("--run-id", default=None)
-    p.add_argument("--deadline-s", type=float, default=540.0, help="stop probing after this long (whole run)")
+    p.add_argument("--out", default=None, help="folder of gpu_check.json and gpu_check.md (default $OUT, else "
+                                               "results/gpu-check-<UTC time>)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--model", default="llama-3.1-8b", help="a shipped dummy-weights config (scissorhands/configs)")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide copy of --model (tests, CPU)")
+    p.add_argument("--full-batch", type=int, default=32, help="the KV limit holds this many full-cache sequences")
+    p.add_argument("--kv-limit-gib", type=float, default=None, help="the KV limit in GiB (instead of --full-batch)")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=1024)
+    p.add_argument("--ratios", default="5,2", help="Scissorhands compression ratios of the max-batch phase, in order")
+    p.add_argument("--kv4-ratio", type=float, default=5.0, help="ratio of the 4-bit run (0: none); runs last")
+    p.add_argument("--generate-new-tokens", type=int, default=512, help="longest output of the engine-vs-generate mix")
+    p.add_argument("--generate-requests", type=int, default=None, help="requests of that phase (default 2 x batch)")
+    p.add_argument("--suite", default=str(REPO_ROOT / "workloads" / "suites" / "smoke.yaml"), help="suite of the Ray phase")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {', '.join(PHASES)}")
+    p.add_argument("--budget-s", type=float, default=460.0, help="the whole check's time (s); phases past it are skipped")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of each phase (default: 1 on the CPU)")
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)          # internal: run one phase
+    p.add_argument("--phase-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.memory_limit_gib <= 0:
-        p.error("--memory-limit-gib: must be > 0")
+    if args.phase is not None:
+        return args
+    try:
+        args.ratio_list = [float(r) for r in args.ratios.split(",") if r.strip()]
+    except ValueError:
+        p.error(f"--ratios: expected comma-separated numbers >= 1, got {args.ratios!r}")
+    if any(r < 1 for r in args.ratio_list) or (args.kv4_ratio and args.kv4_ratio < 1):
+        p.error(f"--ratios, --kv4-ratio: compression ratios must be >= 1 (got {args.ratios!r}, {args.kv4_ratio})")
+    args.phase_list = [x.strip() for x in args.phases.split(",") if x.strip()]
+    bad = [x for x in args.phase_list if x not in PHASES]
+    if bad:
+        p.error(f"--phases: unknown phase(s) {', '.join(bad)}; valid: {', '.join(PHASES)}")
+    for name in ("full_batch", "prompt_tokens", "new_tokens", "generate_new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if args.kv_limit_gib is not None and args.kv_limit_gib <= 0:
+        p.error(f"--kv-limit-gib: must be > 0, got {args.kv_limit_gib}")
+    if args.generate_new_tokens > args.new_tokens:
+        p.error(f"--generate-new-tokens ({args.generate_new_tokens}) must be <= --new-tokens ({args.new_tokens})")
+    if args.budget_s <= 0:
+        p.error(f"--budget-s: must be > 0, got {args.budget_s}")
+    from scissorhands.models import DUMMY_MODEL_IDS
+
+    if args.model not in DUMMY_MODEL_IDS:
+        p.error(f"--model: unknown dummy-weights config {args.model!r}; shipped: {', '.join(DUMMY_MODEL_IDS)}")
     return args
+
+
+# ----------------------------------------------------------------------------------------------- phases
+def _torch_dtype(name: str):
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _load(a: dict, name: str | None = None, tiny: bool | None = None):
+    """The dummy-weights model `name` (default `--model`) on the run's device and dtype, frozen."""
+    from scissorhands.models import dummy_config, load_dummy_model
+
+    name = name or a["model"]
+    tiny = a["tiny"] if tiny is None else tiny
+    overrides = tiny_overrides(name) if tiny else {}
+    config = dummy_config(name, **overrides)
+    longest = a["prompt_tokens"] + a["new_tokens"]
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None):
+        if longest > config.sliding_window:
+            raise ValueError(f"--prompt-tokens + --new-tokens ({longest}) exceed {name}'s sliding window "
+                             f"({config.sliding_window}), which the budgeted cache does not apply")
+        overrides["sliding_window"] = None        # every sequence stays inside the window: same attention
+    if longest > getattr(config, "max_position_embeddings", longest):
+        raise ValueError(f"--prompt-tokens + --new-tokens ({longest}) exceed {name}'s max_position_embeddings "
+                         f"({config.max_position_embeddings})")
+    model = load_dummy_model(name, dtype=_torch_dtype(a["dtype"]), device=a["device"], seed=a["seed"], **overrides)
+    model.requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _greedy(model, ids, cache, new_tokens: int):
+    import torch
+
+    with torch.inference_mode():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
+                              output_logits=True)
+
+
+def _compare(a, b) -> dict:
+    diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a.logits, b.logits))
+    scale = max(float(x.float().abs().max()) for x in a.logits)
+    same = bool(a.sequences.shape == b.sequences.shape and (a.sequences == b.sequences).all())
+    return {"tokens_equal": same, "max_abs_logit_diff": diff, "max_abs_logit": scale,
+            "passed": same and diff <= 0.05 * scale}
+
+
+def phase_library(a: dict, deadline: float, save) -> dict:
+    """Real eviction = simulation for every evicting policy (model dtype and 4-bit KV), explicit attention = sdpa."""
+    import torch
+    from transformers import DynamicCache
+
+    from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
+
+    budget, prompt, new = 8, 24, 8
+    result = {"checks": [], "budget_tokens": budget, "prompt_tokens": prompt, "new_tokens": new, "batch": 2}
+    for name in LIBRARY_MODELS:
+        model = _load(a, name, tiny=True)
+        vocab = int(model.config.vocab_size)
+        gen = torch.Generator().manual_seed(a["seed"])
+        ids = torch.randint(1, vocab, (2, prompt), generator=gen).to(a["device"])      # (batch, prompt)
+        for policy in (p for p, cls in POLICIES.items() if cls.evicts):
+            for kv_bits in (None, 4):
+                if time.time() > deadline:
+                    result["cut_short"] = True
+                    return result
+                kw = dict(budget_tokens=budget, kv_bits=kv_bits, kv_group_size=16)      # head_dim 16
+                real_cache = make_cache(policy, model, **kw)
+                real = _greedy(model, ids, real_cache, new)
+                sim = _greedy(model, ids, make_cache(policy, model, simulate=True, **kw), new)
+                row = {"check": "real eviction = simulation", "model": f"{name} (tiny)", "policy": policy,
+                       "kv_bits": kv_bits, **_compare(real, sim), "max_slots": max(real_cache.num_slots())}
+                row["passed"] = row["passed"] and row["max_slots"] <= budget
+                result["checks"].append(row)
+                save(result)
+        ours = _greedy(model, ids, make_cache("full", model), new)
+        model.set_attn_implementation("sdpa")
+        ref = _greedy(model, ids, DynamicCache(config=model.config), new)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        result["checks"].append({"check": "explicit attention = sdpa", "model": f"{name} (tiny)", "policy": "full",
+                                 "kv_bits": None, **_compare(ours, ref)})
+        save(result)
+    return result
+
+
+def _head_dim(model) -> int:
+    c = model.config
+    return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+
+
+def _kv_limit(a: dict, model) -> int:
+    from cluster.engine import ContinuousBatchingEngine, EngineConfig
+
+    if a["kv_limit_gib"] is not None:
+        return int(a["kv_limit_gib"] * GIB)
+    P, N = a["prompt_tokens"], a["new_tokens"]
+    probe = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=P + N))   # as the full run
+    return a["full_batch"] * probe.final_slots(P, N) * probe.slot_bytes
+
+
+def _run_engine(model, cfg, requests, deadline: float, device) -> dict:
+    """Run `requests` through one engine (after a 2-token warm-up) until done or `deadline` (time.time()).
+
+    Output tok/s = output tokens / wall time from submission to the last token (prefill included);
+    decode tok/s = tokens of decode steps / time in decode steps. `finished` is False when the deadline
+    stopped it (the numbers then cover the part that ran)."""
+    import torch
+
+    from cluster.engine import ContinuousBatchingEngine, GenerationRequest
+
+    engine = ContinuousBatchingEngine(model, cfg, replica_id="gpu-check")
+    engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
+    engine.run_until_idle()
+    engine.reset_stats()
+    done: dict = {}
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _sync(device)
+    t0 = time.perf_counter()
+    for r in requests:
+        engine.submit(r, lambda res, done=done: done.__setitem__(res.request_id, res))
+    finished = True
+    while engine.step() or engine.queued:
+        if time.time() > deadline:
+            finished = False
+            break
+    _sync(device)
+    wall = time.perf_counter() - t0
+    s = engine.stats()
+    if not finished:
+        engine.abort_all("gpu-check: the phase's time box ended")
+    errors = [r.error for r in done.values() if r.error_kind and finished]
+    if errors:
+        raise RuntimeError(f"engine requests failed: {errors[:3]}")
+    out_tok = sum(len(r.output_ids) for r in done.values())
+    decode_tok = sum(max(0, len(r.output_ids) - 1) for r in done.values())
+    return {"finished": finished, "wall_s": wall, "output_tokens": out_tok, "output_tok_per_s": out_tok / wall,
+            "decode_tokens": decode_tok, "decode_s": s["decode_s"], "prefill_s": s["prefill_s"],
+            "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
+            "completed_requests": s["completed_requests"], "peak_running_sequences": s["peak_running_sequences"],
+            "peak_kv_cache_bytes": s["peak_kv_cache_bytes"], "budget_tokens": s["budget_tokens"],
+            "slot_bytes": s["slot_bytes"],
+            "peak_device_allocated_bytes": int(torch.cuda.max_memory_allocated())
+            if torch.device(device).type == "cuda" else None,
+            "outputs": {k: v.output_ids for k, v in done.items()}}
+
+
+def _random_prompts(vocab: int, n: int, lengths, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, size=int(length)).tolist() for length in (lengths if not isinstance(lengths, int)
+                                                                              else [lengths] * n)]
+
+
+def phase_max_batch(a: dict, deadline: float, save) -> dict:
+    """Each cache at its own max batch under one KV limit, run and verified; tok/s and ratios to full."""
+    from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+
+    model = _load(a)
+    P, N = a["prompt_tokens"], a["new_tokens"]
+    limit = _kv_limit(a, model)
+    result = {"kv_memory_limit_bytes": limit, "prompt_tokens": P, "new_tokens": N, "runs": [],
+              "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    plan = [("full", None, None)] + [("scissorhands", r, None) for r in a["ratio_list"]]
+    if a["kv4_ratio"]:
+        plan.append(("scissorhands", a["kv4_ratio"], 4))
+    vocab = int(model.config.vocab_size)
+    for policy, ratio, kv_bits in plan:
+        if time.time() > deadline:
+            result["cut_short"] = True
+            break
+        kw = dict(policy=policy, kv_memory_limit_bytes=limit, max_length_tokens=P + N)
+        if ratio is not None:
+            kw["compression_ratio"] = ratio
+        if kv_bits is not None:      # groups of 32 values along head_dim (or the whole head when smaller)
+            kw["policy_params"] = {"kv_bits": kv_bits, "kv_group_size": min(32, _head_dim(model))}
+        cfg = EngineConfig(**kw)
+        b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
+        label = "full" if ratio is None else f"scissorhands x{ratio:g}" + (f", {kv_bits}-bit KV" if kv_bits else "")
+        print(f"gpu-check: max_batch: {label} at batch {b} ...", file=sys.stderr, flush=True)
+        requests = [GenerationRequest(f"{policy}-{i}", p, N)
+                    for i, p in enumerate(_random_prompts(vocab, b, P, a["seed"]))]
+        run = _run_engine(model, cfg, requests, deadline, a["device"])
+        run.pop("outputs")
+        run.update(label=label, policy=policy, compression_ratio=ratio, kv_bits=kv_bits, max_batch=b,
+                   verified=run["peak_running_sequences"] == b and run["peak_kv_cache_bytes"] <= limit)
+        result["runs"].append(run)
+        full = result["runs"][0]
+        for r in result["runs"]:
+            r["output_ratio_to_full"] = r["output_tok_per_s"] / full["output_tok_per_s"]
+            r["decode_ratio_to_full"] = (r["decode_tok_per_s"] / full["decode_tok_per_s"]
+                                         if r["decode_tok_per_s"] and full["decode_tok_per_s"] else None)
+        save(result)
+    return result
+
+
+def _run_generate(model, requests, batch: int, deadline: float, device) -> dict:
+    """transformers' own path: sdpa + DynamicCache, static batches of left-padded prompts, each batch run to
+    its longest output; useful tokens = what each request asked for."""
+    import torch
+    from transformers import DynamicCache
+
+    from scissorhands import ATTN_IMPLEMENTATION
+
+    model.set_attn_implementation("sdpa")
+    try:
+        warm = torch.tensor([requests[0].prompt_ids[:32]], device=device)
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+        outputs, finished, useful = {}, True, 0
+        _sync(device)
+        t0 = time.perf_counter()
+        for i in range(0, len(requests), batch):
+            if time.time() > deadline:
+                finished = False
+                break
+            chunk = requests[i:i + batch]
+            width = max(len(r.prompt_ids) for r in chunk)
+            # (b, width) left-padded prompts and their mask, as a transformers user batches them
+            ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk],
+                                device=device)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
+                                     max_new_tokens=max(r.max_new_tokens for r in chunk), do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+            for r, row in zip(chunk, out[:, width:].tolist()):
+                outputs[r.request_id] = row[:r.max_new_tokens]
+                useful += r.max_new_tokens
+        _sync(device)
+        wall = time.perf_counter() - t0
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return {"finished": finished, "wall_s": wall, "output_tokens": useful, "output_tok_per_s": useful / wall,
+            "completed_requests": len(outputs), "outputs": outputs}
+
+
+def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
+    """Our engine vs transformers' generate, full cache, at full's max batch, on one serving mix."""
+    import numpy as np
+
+    from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+
+    model = _load(a)
+    P, N, G = a["prompt_tokens"], a["new_tokens"], a["generate_new_tokens"]
+    limit = _kv_limit(a, model)
+    cfg = EngineConfig(kv_memory_limit_bytes=limit, max_length_tokens=P + N)
+    b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
+    m = a["generate_requests"] or 2 * b
+    rng = np.random.default_rng(a["seed"] + 1)
+    out_lengths = rng.integers(max(1, G // 4), G + 1, size=m).tolist()
+    p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
+    prompts = _random_prompts(int(model.config.vocab_size), m, p_lengths, a["seed"] + 1)
+    reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, out_lengths))]
+    result = {"batch": b, "requests": m, "kv_memory_limit_bytes": limit, "prompt_tokens_range": [min(p_lengths), max(p_lengths)],
+              "output_tokens_range": [min(out_lengths), max(out_lengths)]}
+    print(f"gpu-check: engine_vs_generate: batch {b}, {m} requests: generate ...", file=sys.stderr, flush=True)
+    gen = _run_generate(model, reqs, b, deadline, a["device"])
+    result["generate"] = {k: v for k, v in gen.items() if k != "outputs"}
+    save(result)
+    print("gpu-check: engine_vs_generate: our engine ...", file=sys.stderr, flush=True)
+    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs,
+                      deadline, a["device"])
+    result["engine"] = {k: v for k, v in eng.items() if k != "outputs"}
+    # with dummy weights the logits are near ties, so tokens may differ between the two attention paths
+    result["identical_outputs"] = sum(eng["outputs"].get(r.request_id) == gen["outputs"].get(r.request_id)
+                                      for r in reqs)
+    result["ratio_engine_to_generate"] = eng["output_tok_per_s"] / gen["output_tok_per_s"]
+    save(result)
+    return result
+
+
+PHASE_FUNCTIONS = {"library": phase_library, "max_batch": phase_max_batch, "engine_vs_generate": phase_engine_vs_generate}
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def run_phase(args: argparse.Namespace) -> int:
+    """The child process of one phase: reads the run's arguments, writes `<phase>.json` after each step."""
+    import torch
+
+    phase_dir = Path(args.phase_dir)
+    a = json.loads((phase_dir / "args.json").read_text())
+    out = phase_dir / f"{args.phase}.json"
+    torch.manual_seed(a["seed"])
+    if a["threads"]:
+        torch.set_num_threads(a["threads"])
+    elif a["device"] == "cpu":
+        torch.set_num_threads(1)          # a CPU run is a functional check: one thread, no oversubscription
+
+    def save(result: dict) -> None:
+        _write_json(out, result)
+
+    result = PHASE_FUNCTIONS[args.phase](a, a["phase_deadline_unix"], save)
+    save(result)
+    return 0
+
+
+def _phase_subprocess(phase: str, phase_dir: Path, a: dict, box_s: float) -> dict:
+    """Run one phase in a child process with a hard time box; return its record (status, result, seconds)."""
+    a = {**a, "phase_deadline_unix": time.time() + max(1.0, box_s - PHASE_MARGIN_S)}
+    _write_json(phase_dir / "args.json", a)
+    out = phase_dir / f"{phase}.json"
+    cmd = [sys.executable, "-m", "cluster.gpu_check", "--phase", phase, "--phase-dir", str(phase_dir)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, timeout=box_s, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+        rc, timed_out, log = proc.returncode, False, proc.stdout
+    except subprocess.TimeoutExpired as e:
+        rc, timed_out = None, True
+        log = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    sys.stderr.write(log)
+    result = json.loads(out.read_text()) if out.exists() else None
+    if timed_out:
+        status = "timed out"
+    elif rc != 0:
+        status = "failed"
+    elif result and result.get("cut_short"):
+        status = "cut short"
+    else:
+        status = "ok"
+    record = {"status": status, "elapsed_s": time.monotonic() - t0, "box_s": box_s, "result": result}
+    if status == "failed":
+        record["error"] = "\n".join(log.strip().splitlines()[-12:])
+    return record
+
+
+def _ray_phase(args: argparse.Namespace, run_dir: Path, box_s: float) -> dict:
+    """The suite through the sweep (Ray) on the device, as a subprocess; the points it wrote."""
+    import yaml
+
+    t0 = time.monotonic()
+    with open(args.suite, encoding="utf-8") as f:
+        suite = gpu_suite(yaml.safe_load(f), args.device, args.dtype)
+    suite_path = run_dir / "suite.yaml"
+    suite_path.write_text(yaml.safe_dump(suite, sort_keys=False))
+    cmd = [sys.executable, "-m", "workloads.sweep", str(suite_path), "--results-dir", str(run_dir), "--run-id", "sweep"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    try:
+        rc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, timeout=box_s).returncode
+        status = "ok" if rc == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        status = "timed out"
+    points_file = run_dir / "sweep" / "points.jsonl"
+    records = [json.loads(line) for line in points_file.read_text().splitlines()] if points_file.exists() else []
+    points = [{"policy": r["policy"], "compression_ratio": r.get("compression_ratio"), "batch_size": r["batch_size"],
+               "decode_tokens_per_s": r.get("decode_tokens_per_s"), "kv_cache_bytes": r.get("kv_cache_bytes"),
+               "status": r["status"]} for r in records]
+    if status == "ok" and (not points or any(p["status"] != "ok" for p in points)):
+        status = "failed"
+    return {"status": status, "elapsed_s": time.monotonic() - t0, "box_s": box_s,
+            "result": {"suite": suite["name"], "model": suite.get("model"), "points": points}}
+
+
+# ----------------------------------------------------------------------------------------------- report
+def _fmt(v, spec: str = ",.1f", scale: float = 1.0) -> str:
+    return "-" if v is None else format(v / scale, spec)
+
+
+def render_markdown(report: dict) -> str:
+    """The report as Markdown (conditions, then one section per phase), ready for docs/results/."""
+    env, a = report["environment"], report["args"]
+    dev = env.get("gpu") or env.get("cpu") or {}
+    where = (f"{dev['name']} ({dev['total_bytes'] / GIB:.0f} GiB, driver {dev.get('driver') or '?'}, "
+             f"compute capability {dev.get('capability')})" if "gpu" in env else
+             f"CPU {dev.get('name')} ({dev.get('torch_threads')} torch threads)")
+    model = f"{a['model']}{' (tiny copy: 2 layers, width 64)' if a['tiny'] else ''}"
+    lines = [f"# GPU check: {model}, dummy weights, {a['dtype']}, {where.split(' (')[0]}", "",
+             f"- device: {where}",
+             f"- software: torch {env['torch']} (CUDA {env.get('cuda')}), transformers {env['transformers']}, "
+             f"tokenizers {env.get('tokenizers')}, Python {env['python']}",
+             f"- commit: {env.get('commit') or 'unknown'}; run at {env['time_utc']}; total {report.get('elapsed_s', 0):.0f} s",
+             f"- weights: {report['weights']} (the published config of {report['model_id']}, random weights: "
+             "speed and memory only, never quality); prompts are random token ids", ""]
+    phases = report["phases"]
+    for phase in PHASES:
+        rec = phases.get(phase)
+        if rec is None:
+            continue
+        lines.append(f"## {phase}: {rec['status']}" + (f" ({rec['elapsed_s']:.0f} s of a {rec['box_s']:.0f} s box)"
+                                                       if rec.get("box_s") else f" ({rec.get('reason', '')})"))
+        lines.append("")
+        res = rec.get("result") or {}
+        if rec.get("error"):
+            lines += ["```", rec["error"], "```", ""]
+        if phase == "library" and res.get("checks"):
+            lines += [f"Tiny copies in {a['dtype']} on {a['device']}: batch {res['batch']}, {res['prompt_tokens']}-token "
+                      f"prompts, {res['new_tokens']} greedy tokens, budget {res['budget_tokens']} slots.", "",
+                      "| check | model | policy | KV | tokens equal | max abs logit diff | max abs logit | passed |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for c in res["checks"]:
+                kv = f"{c['kv_bits']}-bit" if c["kv_bits"] else a["dtype"]
+                lines.append(f"| {c['check']} | {c['model']} | {c['policy']} | {kv} | {c['tokens_equal']} | "
+                             f"{c['max_abs_logit_diff']:.4g} | {c['max_abs_logit']:.4g} | {c['passed']} |")
+            lines.append("")
+        if phase == "max_batch" and res.get("runs"):
+            sized = "" if a["kv_limit_gib"] else f" = {a['full_batch']} full-cache sequences"
+            lines += [f"KV memory limit {res['kv_memory_limit_bytes'] / GIB:.2f} GiB "
+                      f"({res['kv_memory_limit_bytes']} B{sized}); "
+                      f"{res['prompt_tokens']} + {res['new_tokens']} tokens per request; weights "
+                      f"{res['weight_bytes'] / GIB:.2f} GiB.", "",
+                      "| run | max batch | verified | finished | output tokens | wall (s) | output (tok/s) | decode (tok/s) "
+                      "| peak KV (MiB) | peak allocated (MiB) | output / full | decode / full |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for r in res["runs"]:
+                lines.append(f"| {r['label']} | {r['max_batch']} | {r['verified']} | {r['finished']} | {r['output_tokens']} | "
+                             f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} | {_fmt(r['decode_tok_per_s'])} | "
+                             f"{_fmt(r['peak_kv_cache_bytes'], '.1f', MIB)} | {_fmt(r['peak_device_allocated_bytes'], '.1f', MIB)} | "
+                             f"{_fmt(r['output_ratio_to_full'], '.2f')}x | {_fmt(r['decode_ratio_to_full'], '.2f')}x |")
+            lines.append("")
+        if phase == "engine_vs_generate" and res.get("generate"):
+            lines += [f"Full cache, batch {res['batch']}, {res['requests']} requests: prompts "
+                      f"{res['prompt_tokens_range'][0]}-{res['prompt_tokens_range'][1]} tokens, outputs "
+                      f"{res['output_tokens_range'][0]}-{res['output_tokens_range'][1]} tokens.", "",
+                      "| run | finished | requests done | output tokens | wall (s) | output (tok/s) |", "|---|---|---|---|---|---|"]
+            for label, key in (("transformers generate (sdpa, static batches)", "generate"),
+                               ("our engine (continuous batching)", "engine")):
+                r = res.get(key)
+                if r:
+                    lines.append(f"| {label} | {r['finished']} | {r['completed_requests']} | {r['output_tokens']} | "
+                                 f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} |")
+            if res.get("ratio_engine_to_generate") is not None:
+                lines += ["", f"Our engine / generate: {res['ratio_engine_to_generate']:.2f}x output tok/s; identical "
+                              f"outputs {res['identical_outputs']}/{res['requests']} (dummy weights: near-tie logits)."]
+            lines.append("")
+        if phase == "ray" and res.get("points"):
+            lines += [f"Suite {res['suite']} (model {res['model']}) through the sweep:", "",
+                      "| policy | ratio | batch | decode (tok/s) | KV (MiB) | status |", "|---|---|---|---|---|---|"]
+            for p in res["points"]:
+                lines.append(f"| {p['policy']} | {_fmt(p['compression_ratio'], 'g')} | {p['batch_size']} | "
+                             f"{_fmt(p['decode_tokens_per_s'])} | {_fmt(p['kv_cache_bytes'], '.1f', MIB)} | {p['status']} |")
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def checks_passed(report: dict) -> bool:
+    """Every phase ran whole (or was skipped: Ray absent), every library check passed, every max-batch run was
+    verified and finished."""
+    for name, rec in report["phases"].items():
+        if rec["status"] not in ("ok", "skipped"):
+            return False
+        res = rec.get("result") or {}
+        if name == "library" and not all(c["passed"] for c in res.get("checks", [])):
+            return False
+        if name == "max_batch" and not all(r["verified"] and r["finished"] for r in res.get("runs", [])):
+            return False
+        if name == "engine_vs_generate" and not (res.get("engine") or {}).get("finished"):
+            return False
+    return True
+
+
+def write_report(out: Path, report: dict) -> None:
+    _write_json(out / "gpu_check.json", report)
+    (out / "gpu_check.md").write_text(render_markdown(report))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.phase is not None:
+        return run_phase(args)
     t0 = time.monotonic()
-    deadline = t0 + args.deadline_s
     try:
-        gpu = require_cuda()
+        env = environment(args.device)
     except NoGPU as e:
         print(f"gpu-check: error: {e}", file=sys.stderr)
         return 2
-    print(f"gpu-check: {gpu['name']} ({gpu['total_bytes'] / GIB:.0f} GiB), torch {gpu['torch']}, CUDA {gpu['cuda']}",
-          file=sys.stderr)
-    import yaml
+    if "gpu" in env:
+        g = env["gpu"]
+        print(f"gpu-check: {g['name']} ({g['total_bytes'] / GIB:.0f} GiB, driver {g['driver']}), torch {g['torch']}, "
+              f"CUDA {g['cuda']}", file=sys.stderr)
+    out = Path(args.out or os.environ.get("OUT") or
+               REPO_ROOT / "results" / f"gpu-check-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    out.mkdir(parents=True, exist_ok=True)
+    from scissorhands.models import DUMMY_MODEL_IDS
 
-    with open(args.suite, encoding="utf-8") as f:
-        suite = gpu_suite(yaml.safe_load(f))
-    run_id = args.run_id or f"gpu-check-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    results = Path(args.results_dir)
+    a = {k: v for k, v in vars(args).items() if k not in ("phase", "phase_dir")}
+    report = {"schema_version": SCHEMA_VERSION, "weights": "dummy", "model": args.model,
+              "model_id": DUMMY_MODEL_IDS[args.model], "args": a, "environment": env, "phases": {}}
+    write_report(out, report)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        suite_path = Path(tmp) / "suite.yaml"
-        suite_path.write_text(yaml.safe_dump(suite, sort_keys=False))
-        cmd = [sys.executable, "-m", "workloads.sweep", str(suite_path), "--results-dir", str(results), "--run-id", run_id]
-        print("gpu-check: " + " ".join(cmd), file=sys.stderr)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        try:
-            sweep_rc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, timeout=max(60.0, deadline - time.monotonic())).returncode
-        except subprocess.TimeoutExpired:
-            print(f"gpu-check: the sweep passed the {args.deadline_s:g} s deadline", file=sys.stderr)
-            sweep_rc = 1
-    run_dir = results / run_id
-    points_file = run_dir / "points.jsonl"
-    records = [json.loads(line) for line in points_file.read_text().splitlines()] if points_file.exists() else []
-    print(_points_table(records), end="")
-
-    prompt, new = max(suite["prompt_tokens"]), max(suite["new_tokens"])
-    cases = [("full", None)] + [(p if isinstance(p, str) else p["name"], float(r))
-                                for p in suite["policies"] if (p if isinstance(p, str) else p["name"]) != "full"
-                                for r in suite.get("compression_ratios") or []]
-    probe = MemoryProbe(suite.get("model", "embedded"), int(args.memory_limit_gib * GIB))
-    rows, all_finished = [], True
-    for policy, ratio in cases:
-        def point(b: int) -> dict:
-            return {"policy": policy, "compression_ratio": ratio, "batch_size": b, "prompt_tokens": prompt,
-                    "new_tokens": new, "seed": 0, "policy_params": {}}
-
-        best_metrics: dict = {}
-
-        def fits(b: int) -> bool:
-            ok = probe.fits(point(b))
-            if ok:
-                best_metrics[b] = probe.last
-            return ok
-
-        best, probes, finished = max_fitting_batch(fits, limit=args.max_batch, deadline=deadline)
-        all_finished &= finished
-        m = best_metrics.get(best) or {}
-        rows.append({"policy": policy, "compression_ratio": ratio, "max_batch": best, "probes": probes,
-                     "finished": finished, "prompt_tokens": prompt, "new_tokens": new,
-                     "decode_tokens_per_s": m.get("decode_tokens_per_s"), "kv_cache_bytes": m.get("kv_cache_bytes"),
-                     "kv_bytes_per_sequence": (m["kv_cache_bytes"] / best) if best and m.get("kv_cache_bytes") else None,
-                     "peak_allocated_bytes": m.get("peak_allocated_bytes")})
-        print(f"gpu-check: {policy} {'' if ratio is None else f'{ratio:g}x '}max batch {best} "
-              f"({probes} probes{'' if finished else ', deadline reached'})", file=sys.stderr)
-    table = _max_batch_table(rows, probe.limit_bytes)
-    print(table, end="")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    report = {"run_id": run_id, "gpu": gpu, "memory_limit_bytes": probe.limit_bytes, "weight_bytes": probe.weight_bytes,
-              "sweep_exit_code": sweep_rc, "points": len(records), "max_batch": rows,
-              "elapsed_s": time.monotonic() - t0}
-    (run_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    (run_dir / "gpu_check.md").write_text(_points_table(records) + "\n" + table)
-    print(f"gpu-check: {time.monotonic() - t0:.0f} s; wrote {run_dir}/gpu_check.json and gpu_check.md", file=sys.stderr)
-    if sweep_rc != 0 or not records or any(r["status"] != "ok" for r in records):
-        return 1
-    return 0 if all_finished and all(r["max_batch"] > 0 for r in rows) else 1
+        tmp_dir = Path(tmp)
+        for phase in args.phase_list:
+            box = min(PHASE_BOX_S[phase], args.budget_s - (time.monotonic() - t0))
+            if phase == "ray" and not ray_importable():
+                report["phases"][phase] = {"status": "skipped", "reason": "Ray is not importable here"}
+            elif box < 2 * PHASE_MARGIN_S:
+                report["phases"][phase] = {"status": "not run", "reason": f"the {args.budget_s:g} s budget is spent"}
+            else:
+                print(f"gpu-check: phase {phase} (box {box:.0f} s) ...", file=sys.stderr, flush=True)
+                if phase == "ray":
+                    report["phases"][phase] = _ray_phase(args, tmp_dir, box)
+                else:
+                    report["phases"][phase] = _phase_subprocess(phase, tmp_dir, a, box)
+            report["elapsed_s"] = time.monotonic() - t0
+            write_report(out, report)
+            print(f"gpu-check: phase {phase}: {report['phases'][phase]['status']}", file=sys.stderr, flush=True)
+    report["passed"] = checks_passed(report)
+    report["elapsed_s"] = time.monotonic() - t0
+    write_report(out, report)
+    print(render_markdown(report), end="")
+    print(f"gpu-check: {report['elapsed_s']:.0f} s; {'passed' if report['passed'] else 'NOT passed'}; wrote "
+          f"{out / 'gpu_check.json'} and {out / 'gpu_check.md'}", file=sys.stderr)
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

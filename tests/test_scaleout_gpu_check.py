@@ -1,44 +1,178 @@
-"""`make gpu-check` where there is no GPU (it must fail clearly), and its max-batch search."""
+"""`make gpu-check` here, without a GPU: it must fail clearly on CUDA, and run end to end on the CPU with
+a tiny dummy-weights model, without Ray, writing a report whose numbers hold together."""
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from cluster import gpu_check
+from cluster import gpu_bundle, gpu_check
+from scissorhands import POLICIES
+
+REPO = Path(__file__).resolve().parents[1]
+EVICTING = [p for p, cls in POLICIES.items() if cls.evicts]
+TINY_RUN = ["--device", "cpu", "--tiny", "--prompt-tokens", "32", "--new-tokens", "16", "--full-batch", "2",
+            "--generate-new-tokens", "8", "--ratios", "5,2", "--kv4-ratio", "5"]
+
+
+def _run_without_ray(tmp_path: Path, args: list[str], timeout: float = 540) -> tuple[subprocess.CompletedProcess, Path]:
+    """`python -m cluster.gpu_check ARGS` in a subprocess where `import ray` fails (and is logged)."""
+    stub = tmp_path / "no_ray"
+    (stub / "ray").mkdir(parents=True)
+    log = tmp_path / "ray_imports.log"
+    (stub / "ray" / "__init__.py").write_text(
+        "import sys\n"
+        f"open({str(log)!r}, 'a').write(repr(sys.argv) + '\\n')\n"
+        "raise ImportError('ray is made unimportable by the test')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub), str(REPO)]))
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, "-m", "cluster.gpu_check", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, log
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_without_a_gpu_it_stops_at_once_and_says_what_is_missing(capsys, tmp_path):
     t0 = time.monotonic()
-    rc = gpu_check.main(["--results-dir", str(tmp_path)])
+    rc = gpu_check.main(["--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert rc == 2
     assert time.monotonic() - t0 < 5
     assert "gpu-check: error: no CUDA GPU" in err
     assert ("CPU-only build" in err and "TORCH_SPEC" in err) or "sees no device" in err
-    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
 
 
-@pytest.mark.parametrize("threshold", [1, 2, 3, 37, 64, 100, 4095, 4096])
-def test_max_fitting_batch_finds_the_threshold(threshold):
-    tried = []
+def test_whole_check_on_the_cpu_with_a_tiny_dummy_model_and_no_ray(tmp_path):
+    out = tmp_path / "out"
+    proc, ray_log = _run_without_ray(tmp_path, [*TINY_RUN, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # nothing imported ray but the probe that asks whether it is importable (python -c "import ray")
+    assert ray_log.read_text().splitlines() == ["['-c']"]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert (report["weights"], report["model"], report["model_id"]) == ("dummy", "llama-3.1-8b", "meta-llama/Llama-3.1-8B")
+    assert report["passed"] is True and report["schema_version"] == 1
+    env = report["environment"]
+    assert env["torch"] == torch.__version__ and env["transformers"] and env["cpu"]["torch_threads"] >= 1
+    assert env["commit"] and len(env["commit"].split("+")[0]) == 40
+    assert report["args"]["dtype"] == "bfloat16"
+    phases = report["phases"]
+    assert [phases[p]["status"] for p in gpu_check.PHASES] == ["ok", "ok", "ok", "skipped"]
+    assert phases["ray"]["reason"] == "Ray is not importable here"
 
-    def fits(b):
-        tried.append(b)
-        return b <= threshold
+    checks = phases["library"]["result"]["checks"]
+    sims = {(c["model"], c["policy"], c["kv_bits"]) for c in checks if c["check"] == "real eviction = simulation"}
+    assert sims == {(f"{m} (tiny)", p, kv) for m in gpu_check.LIBRARY_MODELS for p in EVICTING for kv in (None, 4)}
+    assert sum(c["check"] == "explicit attention = sdpa" for c in checks) == len(gpu_check.LIBRARY_MODELS)
+    assert all(c["passed"] and c["tokens_equal"] and c["max_abs_logit_diff"] <= 0.05 * c["max_abs_logit"] for c in checks)
+    assert all(c["max_slots"] <= 8 for c in checks if "max_slots" in c)
 
-    best, probes, finished = gpu_check.max_fitting_batch(fits, limit=4096)
-    assert (best, finished) == (threshold, True)
-    assert probes == len(tried) <= 2 * 13  # doubling + bisection, never a linear scan
-    assert max(tried) <= 4096
+    mb = phases["max_batch"]["result"]
+    runs = {r["label"]: r for r in mb["runs"]}
+    assert list(runs) == ["full", "scissorhands x5", "scissorhands x2", "scissorhands x5, 4-bit KV"]
+    full = runs["full"]
+    assert full["max_batch"] == 2                             # the limit is 2 full-cache sequences
+    # full-cache rows preallocate prompt + new tokens (the engine's max_length_tokens)
+    assert mb["kv_memory_limit_bytes"] == 2 * (32 + 16) * full["slot_bytes"]
+    assert runs["scissorhands x5"]["budget_tokens"] == 10      # ceil(48 / 5)
+    assert full["max_batch"] < runs["scissorhands x2"]["max_batch"] < runs["scissorhands x5"]["max_batch"] \
+        < runs["scissorhands x5, 4-bit KV"]["max_batch"]
+    for r in runs.values():
+        assert r["verified"] and r["finished"]
+        assert r["output_tokens"] == r["max_batch"] * 16 and r["decode_tokens"] == r["max_batch"] * 15
+        assert r["peak_running_sequences"] == r["max_batch"] and r["peak_kv_cache_bytes"] <= mb["kv_memory_limit_bytes"]
+        assert r["output_ratio_to_full"] == pytest.approx(r["output_tok_per_s"] / full["output_tok_per_s"])
+        assert r["decode_ratio_to_full"] == pytest.approx(r["decode_tok_per_s"] / full["decode_tok_per_s"])
+    assert full["output_ratio_to_full"] == 1.0
+
+    eg = phases["engine_vs_generate"]["result"]
+    assert eg["batch"] == 2 and eg["requests"] == 4
+    assert eg["generate"]["completed_requests"] == eg["engine"]["completed_requests"] == 4
+    assert eg["generate"]["output_tokens"] == eg["engine"]["output_tokens"]
+    assert eg["ratio_engine_to_generate"] == pytest.approx(eg["engine"]["output_tok_per_s"] / eg["generate"]["output_tok_per_s"])
+    assert 0 <= eg["identical_outputs"] <= 4
+
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check: llama-3.1-8b (tiny copy")
+    assert "weights: dummy" in md and f"commit: {env['commit']}" in md
+    assert "| scissorhands x5 | " in md and "| real eviction = simulation | opt-125m (tiny) | random | 4-bit | True |" in md
+    assert "## ray: skipped (Ray is not importable here)" in md
+    assert md in proc.stdout
 
 
-def test_max_fitting_batch_edge_cases():
-    assert gpu_check.max_fitting_batch(lambda b: False, limit=64)[:1] == (0,)  # not even batch 1
-    assert gpu_check.max_fitting_batch(lambda b: True, limit=100)[0] == 100  # a limit between powers of two
-    # a deadline already passed: nothing probed, reported as unfinished
-    assert gpu_check.max_fitting_batch(lambda b: True, limit=64, deadline=time.monotonic() - 1) == (0, 0, False)
+def test_a_spent_budget_skips_the_phases_and_still_writes_the_report(tmp_path):
+    out = tmp_path / "out"
+    proc, _ = _run_without_ray(tmp_path, [*TINY_RUN, "--out", str(out), "--budget-s", "1", "--phases", "library,max_batch"],
+                               timeout=300)
+    assert proc.returncode == 1
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["passed"] is False
+    assert {p: r["status"] for p, r in report["phases"].items()} == {"library": "not run", "max_batch": "not run"}
+    assert "## library: not run (the 1 s budget is spent)" in (out / "gpu_check.md").read_text()
+
+
+def _report(phases: dict) -> dict:
+    args = vars(gpu_check.parse_args(["--device", "cpu"]))
+    return {"schema_version": 1, "weights": "dummy", "model": "llama-3.1-8b", "model_id": "meta-llama/Llama-3.1-8B",
+            "args": args, "phases": phases, "elapsed_s": 9.0,
+            "environment": {"python": "3.12.3", "torch": "2.11.0", "cuda": "13.0", "transformers": "5.24.0",
+                            "tokenizers": "0.23.2", "commit": "c" * 40, "time_utc": "2026-12-01T00:00:00Z",
+                            "gpu": {"name": "NVIDIA H200", "total_bytes": 150 * 2**30, "driver": "580.159.03",
+                                    "capability": "9.0"}}}
+
+
+def _run(label, batch, finished=True, tok_s=100.0):
+    return {"label": label, "max_batch": batch, "verified": True, "finished": finished, "output_tokens": batch * 4,
+            "wall_s": 2.0, "output_tok_per_s": tok_s, "decode_tok_per_s": tok_s * 1.5, "peak_kv_cache_bytes": 2**30,
+            "peak_device_allocated_bytes": 20 * 2**30, "output_ratio_to_full": tok_s / 100.0, "decode_ratio_to_full": tok_s / 100.0}
+
+
+def test_a_phase_cut_short_fails_the_check_but_its_finished_runs_are_in_the_report():
+    mb = {"kv_memory_limit_bytes": 8 * 2**30, "prompt_tokens": 1024, "new_tokens": 1024, "weight_bytes": 16 * 2**30,
+          "runs": [_run("full", 32), _run("scissorhands x5", 160, finished=False, tok_s=290.0)], "cut_short": True}
+    report = _report({"max_batch": {"status": "timed out", "elapsed_s": 270.0, "box_s": 270.0, "result": mb}})
+    assert gpu_check.checks_passed(report) is False
+    md = gpu_check.render_markdown(report)
+    assert md.startswith("# GPU check: llama-3.1-8b, dummy weights, bfloat16, NVIDIA H200")
+    assert "NVIDIA H200 (150 GiB, driver 580.159.03, compute capability 9.0)" in md
+    assert "## max_batch: timed out (270 s of a 270 s box)" in md
+    assert "| scissorhands x5 | 160 | True | False | 640 | 2.0 | 290.0 | 435.0 | 1024.0 | 20480.0 | 2.90x | 2.90x |" in md
+    assert "KV memory limit 8.00 GiB (8589934592 B = 32 full-cache sequences)" in md
+    mb["runs"][1]["finished"] = True
+    report["phases"]["max_batch"]["status"] = "ok"
+    assert gpu_check.checks_passed(report) is True
+    report["phases"]["library"] = {"status": "ok", "result": {"checks": [{"passed": False}]}}
+    assert gpu_check.checks_passed(report) is False
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--model", "llama-2-7b"], "--model: unknown dummy-weights config 'llama-2-7b'; shipped: llama-3.1-8b, qwen2.5-7b"),
+    (["--phases", "library,warp"], "--phases: unknown phase(s) warp"),
+    (["--ratios", "5,0.5"], "compression ratios must be >= 1"),
+    (["--ratios", "five"], "--ratios: expected comma-separated numbers"),
+    (["--generate-new-tokens", "2048"], "--generate-new-tokens (2048) must be <= --new-tokens (1024)"),
+    (["--kv-limit-gib", "0"], "--kv-limit-gib: must be > 0"),
+    (["--full-batch", "0"], "--full-batch: must be >= 1"),
+])
+def test_bad_arguments_exit_2_naming_the_field(argv, field, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.parse_args(argv)
+    assert e.value.code == 2
+    assert field in capsys.readouterr().err
+
+
+def test_a_mistral_run_longer_than_its_sliding_window_is_refused():
+    a = vars(gpu_check.parse_args(["--device", "cpu", "--model", "mistral-7b-v0.1", "--tiny",
+                                   "--prompt-tokens", "4000", "--new-tokens", "100", "--generate-new-tokens", "50"]))
+    with pytest.raises(ValueError, match=r"4100\) exceed mistral-7b-v0.1's sliding window \(4096\)"):
+        gpu_check._load(a)
+    a.update(prompt_tokens=1024, new_tokens=1024)
+    assert gpu_check._load(a).config.sliding_window is None        # inside the window: no window needed
 
 
 def test_gpu_suite_is_the_suite_on_one_gpu_in_bfloat16():
@@ -47,41 +181,38 @@ def test_gpu_suite_is_the_suite_on_one_gpu_in_bfloat16():
     out = gpu_check.gpu_suite(suite)
     assert (out["device"], out["dtype"], out["replicas"], out["name"]) == ("cuda", "bfloat16", 1, "smoke-gpu")
     assert out["placement"] == {"num_gpus": 1}
+    assert "placement" not in gpu_check.gpu_suite(suite, "cpu", "float32")
     from workloads.suite import parse_suite
 
     assert parse_suite(out).placement.num_gpus == 1  # still a valid suite
 
 
+def test_bundle_pins_what_is_installed_here_for_cpython_3_12_without_dependencies(tmp_path):
+    import importlib.metadata
+
+    pins = gpu_bundle.bundle_requirements()
+    assert pins == [f"transformers=={importlib.metadata.version('transformers')}",
+                    f"regex=={importlib.metadata.version('regex')}"]
+    cmd = gpu_bundle.download_command(tmp_path, pins)
+    assert cmd[-2:] == pins
+    assert {"--no-deps", "--only-binary=:all:"} <= set(cmd)
+    assert cmd[cmd.index("--python-version") + 1] == "3.12" and cmd[cmd.index("--dest") + 1] == str(tmp_path)
+    (tmp_path / "a.whl").write_bytes(b"x" * 1000)
+    (tmp_path / "sub").mkdir()
+    assert gpu_bundle.folder_bytes(tmp_path) == 1000
+    assert ".gpu-bundle" in (REPO / ".gitignore").read_text()      # carried to the device, never committed
+
+
 @pytest.mark.ray
-def test_whole_flow_with_a_stand_in_gpu(tmp_path, monkeypatch, capsys):
-    """main() end to end on the CPU: the real sweep (tiny model), a stand-in memory probe."""
+def test_the_ray_phase_runs_the_suite_through_the_sweep(tmp_path):
     suite = tmp_path / "tiny.yaml"
     suite.write_text("name: tiny\nmodel: tiny-llama\npolicies: [full, scissorhands]\ncompression_ratios: [2]\n"
                      "batch_sizes: [1]\nprompt_tokens: [8]\nnew_tokens: [3]\nreplicas: 1\n")
-    monkeypatch.setattr(gpu_check, "require_cuda", lambda: {"name": "stand-in", "total_bytes": 80 * 2**30,
-                                                            "torch": torch.__version__, "cuda": "n/a"})
-    monkeypatch.setattr(gpu_check, "gpu_suite", lambda s: {**s, "placement": {"num_cpus": 1}})  # stays on the CPU
-
-    class Probe:
-        def __init__(self, model_spec, limit_bytes):
-            self.limit_bytes, self.weight_bytes, self.last = limit_bytes, 1000, None
-
-        def fits(self, point):  # the "memory" holds 40 sequences of full, 80 at 2x
-            cap = 40 if point["policy"] == "full" else 80
-            ok = point["batch_size"] <= cap
-            self.last = {"decode_tokens_per_s": 10.0 * point["batch_size"], "kv_cache_bytes": 100 * point["batch_size"],
-                         "peak_allocated_bytes": 5000} if ok else None
-            return ok
-
-    monkeypatch.setattr(gpu_check, "MemoryProbe", Probe)
-    rc = gpu_check.main(["--suite", str(suite), "--results-dir", str(tmp_path / "results"), "--run-id", "g1"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    report = __import__("json").loads((tmp_path / "results" / "g1" / "gpu_check.json").read_text())
-    assert report["points"] == 2 and report["sweep_exit_code"] == 0
-    rows = {(r["policy"], r["compression_ratio"]): r for r in report["max_batch"]}
-    assert rows[("full", None)]["max_batch"] == 40 and rows[("scissorhands", 2.0)]["max_batch"] == 80
-    assert rows[("scissorhands", 2.0)]["decode_tokens_per_s"] == 800.0
-    assert rows[("full", None)]["kv_bytes_per_sequence"] == 100.0
-    assert "| full | - | 40 |" in out and "| scissorhands | 2 | 80 |" in out
-    assert (tmp_path / "results" / "g1" / "gpu_check.md").exists()
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--device", "cpu", "--phases", "ray", "--suite", str(suite), "--out", str(out)])
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert rc == 0, report
+    ray = report["phases"]["ray"]
+    assert ray["status"] == "ok" and ray["result"]["suite"] == "tiny-gpu"
+    assert [(p["policy"], p["compression_ratio"], p["status"]) for p in ray["result"]["points"]] == \
+        [("full", None, "ok"), ("scissorhands", 2.0, "ok")]
