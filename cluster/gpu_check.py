@@ -44,6 +44,7 @@ timed out, was cut short or not run for want of time (`--budget-s`); 2 no GPU or
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -51,6 +52,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -241,6 +243,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _free_device_memory(device) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _load(a: dict, name: str | None = None, tiny: bool | None = None):
     """The dummy-weights model `name` (default `--model`) on the run's device and dtype, frozen."""
     from scissorhands.models import dummy_config, load_dummy_model
@@ -417,16 +429,21 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
         print(f"gpu-check: max_batch: {label} at batch {b} ...", file=sys.stderr, flush=True)
         requests = [GenerationRequest(f"{policy}-{i}", p, N)
                     for i, p in enumerate(_random_prompts(vocab, b, P, a["seed"]))]
-        run = _run_engine(model, cfg, requests, deadline, a["device"])
-        run.pop("outputs")
-        run.update(label=label, policy=policy, compression_ratio=ratio, kv_bits=kv_bits, max_batch=b,
-                   verified=run["peak_running_sequences"] == b and run["peak_kv_cache_bytes"] <= limit)
+        try:
+            run = _run_engine(model, cfg, requests, deadline, a["device"])
+            run.pop("outputs")
+            run["verified"] = run["peak_running_sequences"] == b and run["peak_kv_cache_bytes"] <= limit
+        except Exception as e:  # noqa: BLE001 - one run's failure (an OOM, say) leaves the next runs their chance
+            run = {"error": f"{type(e).__name__}: {e}"[:500], "verified": False, "finished": False}
+            _free_device_memory(a["device"])
+        run.update(label=label, policy=policy, compression_ratio=ratio, kv_bits=kv_bits, max_batch=b)
         result["runs"].append(run)
         full = result["runs"][0]
         for r in result["runs"]:
-            r["output_ratio_to_full"] = r["output_tok_per_s"] / full["output_tok_per_s"]
+            ok = "error" not in r and "error" not in full
+            r["output_ratio_to_full"] = r["output_tok_per_s"] / full["output_tok_per_s"] if ok else None
             r["decode_ratio_to_full"] = (r["decode_tok_per_s"] / full["decode_tok_per_s"]
-                                         if r["decode_tok_per_s"] and full["decode_tok_per_s"] else None)
+                                         if ok and r["decode_tok_per_s"] and full["decode_tok_per_s"] else None)
         save(result)
     return result
 
@@ -546,14 +563,26 @@ def _phase_subprocess(phase: str, phase_dir: Path, a: dict, box_s: float) -> dic
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1")
     t0 = time.monotonic()
+    tail: collections.deque[str] = collections.deque(maxlen=12)
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace")
+
+    def relay() -> None:           # the child's output, live (a device run returns only what was printed)
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
     try:
-        proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, timeout=box_s, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-        rc, timed_out, log = proc.returncode, False, proc.stdout
-    except subprocess.TimeoutExpired as e:
+        rc, timed_out = proc.wait(timeout=box_s), False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         rc, timed_out = None, True
-        log = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-    sys.stderr.write(log)
+    reader.join(timeout=10)
+    log = "\n".join(tail)
     result = json.loads(out.read_text()) if out.exists() else None
     if timed_out:
         status = "timed out"
@@ -565,7 +594,7 @@ def _phase_subprocess(phase: str, phase_dir: Path, a: dict, box_s: float) -> dic
         status = "ok"
     record = {"status": status, "elapsed_s": time.monotonic() - t0, "box_s": box_s, "result": result}
     if status == "failed":
-        record["error"] = "\n".join(log.strip().splitlines()[-12:])
+        record["error"] = log
     return record
 
 
@@ -647,6 +676,10 @@ def render_markdown(report: dict) -> str:
                       "| peak KV (MiB) | peak allocated (MiB) | output / full | decode / full |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for r in res["runs"]:
+                if "error" in r:
+                    lines.append(f"| {r['label']} | {r['max_batch']} | False | False | error: {r['error'][:200]} "
+                                 "| - | - | - | - | - | - | - |")
+                    continue
                 lines.append(f"| {r['label']} | {r['max_batch']} | {r['verified']} | {r['finished']} | {r['output_tokens']} | "
                              f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} | {_fmt(r['decode_tok_per_s'])} | "
                              f"{_fmt(r['peak_kv_cache_bytes'], '.1f', MIB)} | {_fmt(r['peak_device_allocated_bytes'], '.1f', MIB)} | "

@@ -143,11 +143,24 @@ def test_a_phase_cut_short_fails_the_check_but_its_finished_runs_are_in_the_repo
     assert "## max_batch: timed out (270 s of a 270 s box)" in md
     assert "| scissorhands x5 | 160 | True | False | 640 | 2.0 | 290.0 | 435.0 | 1024.0 | 20480.0 | 2.90x | 2.90x |" in md
     assert "KV memory limit 8.00 GiB (8589934592 B = 32 full-cache sequences)" in md
+    mb["runs"].append({"label": "scissorhands x5, 4-bit KV", "max_batch": 570, "verified": False, "finished": False,
+                       "error": "OutOfMemoryError: CUDA out of memory", "output_ratio_to_full": None})
+    assert "| scissorhands x5, 4-bit KV | 570 | False | False | error: OutOfMemoryError: CUDA out of memory |" \
+        in gpu_check.render_markdown(report)
+    mb["runs"].pop()
     mb["runs"][1]["finished"] = True
     report["phases"]["max_batch"]["status"] = "ok"
     assert gpu_check.checks_passed(report) is True
     report["phases"]["library"] = {"status": "ok", "result": {"checks": [{"passed": False}]}}
     assert gpu_check.checks_passed(report) is False
+
+
+def test_a_phase_past_its_box_is_killed_and_reported_as_timed_out(tmp_path):
+    a = vars(gpu_check.parse_args(TINY_RUN))
+    t0 = time.monotonic()
+    record = gpu_check._phase_subprocess("library", tmp_path, a, box_s=0.5)
+    assert time.monotonic() - t0 < 15
+    assert (record["status"], record["result"], record["box_s"]) == ("timed out", None, 0.5)
 
 
 @pytest.mark.parametrize("argv,field", [
