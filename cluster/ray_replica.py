@@ -47,13 +47,18 @@ def create_replicas(
     ]
 
 
-def wait_ready(actors: list) -> list[dict]:
-    """Block until every actor has loaded its model; return their `info()` dicts.
+def wait_ready(actors: list, timeout_s: float | None = None) -> list[dict]:
+    """Wait until every actor has loaded its model; return their `info()` dicts.
 
-    Raises the first load error (e.g. FileNotFoundError naming a missing model path) as raised
-    in the actor (Ray re-raises the original exception type where it can).
+    Waits at most `timeout_s` seconds (None: `cluster.placement.default_ready_timeout_s()`,
+    ``$SCISSORHANDS_READY_TIMEOUT_S`` else 600). Raises the first load error (e.g.
+    FileNotFoundError naming a missing model path) as raised in the actor (Ray re-raises the
+    original exception type where it can), or PlacementError when the actors were not placed and
+    loaded in time (the message gives what is free and the alive nodes).
     """
-    return ray.get([a.info.remote() for a in actors])
+    from cluster.placement import default_ready_timeout_s, wait_placed
+
+    return wait_placed(actors, default_ready_timeout_s() if timeout_s is None else timeout_s)
 
 
 def cluster_inventory() -> list[dict]:

@@ -177,6 +177,22 @@ def test_batch_replica_never_placed_fails_within_the_bound(cpus_held, tmp_path, 
 
 
 @pytest.mark.ray
+def test_quality_replicas_never_placed_fail_within_the_bound(cpus_held, one_cpu_nodes):
+    """The quality runner's replicas (cluster.ray_replica.wait_ready) are bounded the same way."""
+    from cluster.ray_replica import create_replicas, wait_ready
+
+    actors = create_replicas(1, num_cpus=1, model_spec="tiny-llama", dtype="float32", device="cpu")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PlacementError, match="not placed and loaded within 3 s"):
+            wait_ready(actors, timeout_s=3)
+        assert time.monotonic() - t0 < 30
+    finally:
+        for a in actors:
+            one_cpu_nodes.kill(a)
+
+
+@pytest.mark.ray
 @pytest.mark.parametrize("placement,names", [
     ({"num_gpus": 1}, "GPU: asks 1, the largest node has 0"),
     ({"resources": {"nobody_has_this": 1}}, "nobody_has_this: asks 1, the largest node has 0"),
