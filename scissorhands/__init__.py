@@ -49,7 +49,7 @@ def check_model_supported(config) -> None:
 
 def make_cache(policy: str, model, *, budget_tokens: int | None = None, compression_ratio: float | None = None,
                max_length: int | None = None, simulate: bool = False, kv_bits: int | None = None,
-               kv_group_size: int = 32, **policy_params) -> BudgetedCache:
+               kv_group_size: int = 32, kv_value_group_size: int | None = None, **policy_params) -> BudgetedCache:
     """Build a budgeted KV cache for ``model`` (a transformers model or its config).
 
     Args:
@@ -65,6 +65,8 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
         kv_bits: ``None`` (keys/values stored in the model dtype) or ``4`` (group-wise asymmetric 4-bit,
             see ``scissorhands.quant``); composes with every policy.
         kv_group_size: values per quantization group along ``head_dim`` (even, divides head_dim).
+        kv_value_group_size: the values' group size when it differs from the keys' (None: ``kv_group_size``);
+            bytes and perplexity of each choice: docs/performance.md.
         **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``history_window``, ...).
 
     Raises:
@@ -93,10 +95,15 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
     if kv_bits == 4:
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         check_group_size(head_dim, kv_group_size)
+        if kv_value_group_size is not None:
+            try:
+                check_group_size(head_dim, kv_value_group_size)
+            except ValueError as e:
+                raise ValueError(str(e).replace("kv_group_size", "kv_value_group_size")) from None
     budget = Budget(pol, budget_tokens=budget_tokens, compression_ratio=compression_ratio, max_length=max_length)
     if pol.evicts and (budget_tokens is not None or max_length is not None):
         budget.resolve(max_length or 1)          # validate recent_window / drop_tokens now
     if hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    codec = functools.partial(Int4KV, kv_group_size) if kv_bits == 4 else DenseKV
+    codec = functools.partial(Int4KV, kv_group_size, kv_value_group_size) if kv_bits == 4 else DenseKV
     return BudgetedCache(pol, text_config.num_hidden_layers, budget, simulate=simulate, codec_factory=codec)

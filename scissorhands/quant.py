@@ -8,9 +8,15 @@ float16 whatever the model dtype (so the bytes do not depend on it); they are ro
 (zero down, scale up) so the group's whole range stays representable and the error of every value
 is at most ``scale / 2`` (plus float32 rounding). Values must be within float16 range.
 
+Keys and values may use different group sizes (``Int4KV(group_size, value_group_size)``): values
+are mixed per token by the attention weights, so larger value groups cost little (KIVI, arXiv
+2402.02750, quantizes values per token).
+
 Bytes per vector of ``head_dim`` d: ``d / 2`` packed + ``4 * d / group_size`` for scale and zero;
-with d = 64 and group 32 that is 40 bytes, against 128 in 16 bits (3.2x) and 256 in float32 (6.4x).
-Attention runs on dequantized keys and values (no fused 4-bit kernel): the saving is memory.
+with d = 64 and group 32 that is 40 bytes, against 128 in 16 bits (3.2x) and 256 in float32 (6.4x);
+group 64: 36 bytes. Attention runs on dequantized keys and values (no fused 4-bit kernel): the
+saving is memory. The whole slot's bytes (and why 4 bits at ratio 5 stay below 18x a 16-bit cache)
+are stated in ``scissorhands.storage``.
 """
 from __future__ import annotations
 
@@ -68,26 +74,35 @@ def int4_bytes_per_vector(dim: int, group_size: int) -> int:
 
 
 class Int4KV:
-    """Codec: keys and values stored 4-bit (see module docstring); ``decode`` dequantizes all used slots."""
+    """Codec: keys and values stored 4-bit (see module docstring); ``decode`` dequantizes all used slots.
+
+    Args:
+        group_size: values per group of the keys (and of the values unless ``value_group_size``).
+        value_group_size: values per group of the values (None: ``group_size``).
+    """
 
     bits = 4
 
-    def __init__(self, group_size: int = 32):
+    def __init__(self, group_size: int = 32, value_group_size: int | None = None):
         self.group_size = group_size
+        self.value_group_size = group_size if value_group_size is None else value_group_size
+
+    def _groups(self):
+        return (("keys", self.group_size), ("values", self.value_group_size))
 
     def specs(self, key_dim: int, value_dim: int, dtype: torch.dtype):
         out = {}
-        for name, dim in (("keys", key_dim), ("values", value_dim)):
-            check_group_size(dim, self.group_size)
-            g = dim // self.group_size
+        for (name, group), dim in zip(self._groups(), (key_dim, value_dim)):
+            check_group_size(dim, group)
+            g = dim // group
             out.update({f"{name}_packed": ((dim // 2,), torch.uint8), f"{name}_scale": ((g,), SCALE_DTYPE),
                         f"{name}_zero": ((g,), SCALE_DTYPE)})
         return out
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
-        for name, x in (("keys", keys), ("values", values)):
-            p, s, z = quantize_int4(x, self.group_size)
+        for (name, group), x in zip(self._groups(), (keys, values)):
+            p, s, z = quantize_int4(x, group)
             out.update({f"{name}_packed": p, f"{name}_scale": s, f"{name}_zero": z})
         return out
 

@@ -8,6 +8,22 @@ into fresh buffers of the capacity the layer asks for (the budget, so memory is 
 
 A codec decides how keys and values are stored: ``DenseKV`` (as computed, the model dtype) or
 ``scissorhands.quant.Int4KV`` (4-bit, packed). The layer only ever sees ``encode`` / ``decode``.
+
+Bytes of one slot (one token of one KV head in one layer), ``head_dim`` d = 64 (SmolLM2-135M):
+
+| buffer | dense, 16-bit | 4-bit, groups 32/32 | 4-bit, keys 32 / values 64 |
+|---|---|---|---|
+| keys (+ scale and zero, float16) | 128 | 32 + 8 | 32 + 8 |
+| values (+ scale and zero, float16) | 128 | 32 + 8 | 32 + 4 |
+| ``slot_time`` int32 | 4 | 4 | 4 |
+| Scissorhands' counters (``history_window / count_chunk_steps`` = 8 uint8) | 8 | 8 | 8 |
+| total | 268 | 92 | 88 |
+
+At compression ratio 5 a budgeted cache holds ``L / 5`` slots where a 16-bit full cache holds
+``L`` tokens of 256 bytes, so 4-bit Scissorhands is ``5 * 256 / 92 = 13.9x`` smaller (keys 32 /
+values 64: 14.5x). The packed values alone are 64 bytes, so even with free scales the
+bookkeeping's 12 bytes cap it at ``5 * 256 / 76 = 16.8x``: 18x needs the slot at <= 71 bytes,
+i.e. smaller slot times or counters as well as cheaper scales (measured: docs/performance.md).
 """
 from __future__ import annotations
 

@@ -152,3 +152,22 @@ def test_4_bit_greedy_top1_agrees_with_unquantized_on_the_embedded_model():
     cache = make_cache("scissorhands", model, compression_ratio=5, max_length=200, kv_bits=4)
     _teacher_forced(model, ids, 100, cache)
     assert cache.compression_report()["ratio_vs_16bit"] > 12
+
+
+def test_values_may_use_their_own_group_size(model):
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(6))
+    cache = make_cache("full", model, kv_bits=4, kv_group_size=8, kv_value_group_size=16)
+    with torch.inference_mode():
+        model(ids, cache=cache)
+    layer = cache.layers[0]
+    assert layer.store.view("keys_scale").shape[-1] == 2 and layer.store.view("values_scale").shape[-1] == 1
+    # per token and KV head: keys 8 + 2 groups x 4, values 8 + 1 group x 4 bytes; slot_time 4 (head_dim 16)
+    assert cache.kv_cache_bytes() == 2 * 2 * 24 * ((8 + 8) + (8 + 4) + 4)
+    v = layer.values
+    dense = make_cache("full", model)
+    with torch.inference_mode():
+        model(ids, cache=dense)
+    scale = layer.store.view("values_scale").float().repeat_interleave(16, -1)
+    assert bool(((v - dense.layers[0].values).abs() <= scale / 2 * (1 + 1e-5) + 1e-6).all())
+    with pytest.raises(ValueError, match="kv_value_group_size"):
+        make_cache("full", model, kv_bits=4, kv_group_size=8, kv_value_group_size=12)
