@@ -123,5 +123,16 @@ quality: install
 bench-cache: install
 	$(PY) bench/bench_cache.py $(ARGS)
 
+# This machine's ceilings (memory bandwidth, matmul GFLOP/s per dtype) and decode tok/s of our engine and of
+# transformers' generate per batch and dtype, each as a share of the roofline (bench/roofline.py; docs/performance.md).
+.PHONY: roofline
+roofline: install
+	$(PY) bench/roofline.py $(ARGS)
+
+# 4-bit KV layouts: bytes vs a 16-bit full cache and perplexity cost (bench/bench_quant.py; docs/performance.md).
+.PHONY: bench-quant
+bench-quant: install
+	$(PY) bench/bench_quant.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) results .cache
