@@ -54,7 +54,7 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
 
     Args:
         policy: a key of ``POLICIES`` (``"full"``, ``"scissorhands"``, ``"streaming_llm"``, ``"h2o"``,
-            ``"tova"``, ``"random"``).
+            ``"tova"``, ``"random"``, ``"knorm"``, ``"snapkv"``).
         model: the model (its attention implementation is switched to ``"scissorhands"``, which gives
             the same outputs as ``sdpa`` for any other cache) or a ``PretrainedConfig``.
         budget_tokens: slots per KV head (absolute budget, B).

@@ -6,16 +6,76 @@ attention probabilities its policy needs and masks with the layer's own per-slot
 slots are not contiguous positions, so the 2-D causal mask transformers builds would be wrong).
 With any other cache, or none, it computes ordinary causal attention, so a model switched to
 ``attn_implementation="scissorhands"`` gives the same outputs as with ``"sdpa"``.
+
+:func:`explicit_attention` is the one place that computes attention probabilities explicitly: the
+budgeted layer hands them to its policy, and the persistence analysis (``workloads/quality/persistence.py``)
+folds them into its pivotal sets.
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .cache import active_layer
-
 ATTN_IMPLEMENTATION = "scissorhands"
+
+# The budgeted layer whose update() ran last in this thread; the attention function of the same layer
+# (called right after update in the same forward) picks it up. Thread-local so replicas and tests
+# running models in several threads never mix caches.
+_ACTIVE = threading.local()
+
+
+def set_active_layer(layer) -> None:
+    """Mark ``layer`` (a ``BudgetedLayer`` whose ``update`` just ran) as waiting for its attention."""
+    _ACTIVE.layer = layer
+
+
+def active_layer(layer_idx: int):
+    """The budgeted layer waiting for the attention of ``layer_idx`` in this thread, if any."""
+    layer = getattr(_ACTIVE, "layer", None)
+    if layer is not None and layer.layer_idx == layer_idx and layer._pending_q is not None:
+        return layer
+    return None
+
+
+def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
+                       visible: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Attention with explicit probabilities, per query head, grouped by the KV head they share.
+
+    Args:
+        query: ``(batch_size, num_heads, q_len, head_dim)``; query head ``h = kv * group + j`` reads
+            KV head ``kv`` (grouped-query attention, ``group = num_heads // num_kv_heads``).
+        keys: ``(batch_size, num_kv_heads, num_slots, head_dim)``.
+        values: ``(batch_size, num_kv_heads, num_slots, head_dim_v)``, or None to skip the output.
+        visible: ``(batch_size, num_kv_heads, q_len, num_slots)`` bool (True = the query attends the
+            slot), or None when every slot is visible to every query.
+        scaling: softmax scale.
+    Returns:
+        ``(output, probs)``: output ``(batch_size, num_heads, q_len, head_dim_v)`` in the values' dtype
+        (None without values); probs ``(batch_size, num_kv_heads, group, q_len, num_slots)`` float32, the
+        softmax of each query head in float32, zero for every slot of a query that sees nothing.
+    """
+    b, hq, qc, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    fp32 = query.dtype == torch.float32                       # else scale the float32 scores, not the query
+    qg = (query * scaling if fp32 else query).reshape(b, hkv, group * qc, d)           # (b, hkv, g * q_c, d)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float().view(b, hkv, group, qc, n)
+    if not fp32:
+        scores.mul_(scaling)
+    if visible is not None:
+        scores.masked_fill_(~visible[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)                                               # (b, hkv, g, q_c, S)
+    if visible is not None:                                                             # padded queries see nothing
+        seen = visible[:, :, None].any(-1, keepdim=True)                                # (b, hkv, 1, q_c, 1)
+        if not bool(seen.all()):
+            probs = torch.where(seen, probs, probs.new_zeros(()))
+    if values is None:
+        return None, probs
+    out = torch.matmul(probs.view(b, hkv, group * qc, n).to(values.dtype), values)     # (b, hkv, g * q_c, d_v)
+    return out.view(b, hq, qc, -1), probs
 
 
 def padding_mask_function(batch_size: int, q_length: int, kv_length: int, attention_mask=None, **kwargs):

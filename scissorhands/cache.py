@@ -3,7 +3,12 @@
 Integration goes only through transformers' official seams: ``BudgetedLayer`` is a
 ``CacheLayerMixin`` composed into a ``Cache`` (``BudgetedCache``), and the attention function in
 ``scissorhands.attention`` (registered with ``AttentionInterface`` and ``AttentionMaskInterface``)
-computes the attention probabilities a policy needs and hands them to the layer.
+hands the layer its queries; the layer computes the attention probabilities its policy needs with
+``scissorhands.attention.explicit_attention``.
+
+A policy sees two things (``scissorhands.policies.base``): each new slot's key and value as computed
+(``init_state``, before any 4-bit encoding) and the attention probabilities of the queries it asks for
+(``observe``).
 
 Storage layout of one layer (stated once, used everywhere). Every per-slot tensor lives in a
 ``SlotStore`` (``scissorhands.storage``): a buffer ``(batch_size, num_kv_heads, capacity, ...)`` of
@@ -47,12 +52,12 @@ removing them: it saves no memory and exists to prove that real eviction compute
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import explicit_attention, set_active_layer
 from .policies.base import Policy
 from .storage import DenseKV, SlotStore
 
@@ -63,19 +68,6 @@ EVICTED = -2
 # tensors that outgrow the CPU's caches: over 1,024 slots the embedded model (9 heads) gets chunks of 227
 # queries for one row, 56 for four.
 CHUNK_SCORE_ELEMENTS = 1 << 21
-
-# The layer whose update() ran last in this thread; the attention function of the same layer
-# (called right after update in the same forward) picks it up. Thread-local so replicas and
-# tests running models in several threads never mix caches.
-_ACTIVE = threading.local()
-
-
-def active_layer(layer_idx: int) -> "BudgetedLayer | None":
-    """The budgeted layer waiting for the attention of ``layer_idx`` in this thread, if any."""
-    layer = getattr(_ACTIVE, "layer", None)
-    if layer is not None and layer.layer_idx == layer_idx and layer._pending_q is not None:
-        return layer
-    return None
 
 
 @dataclass
@@ -224,15 +216,16 @@ class BudgetedLayer(CacheLayerMixin):
             self.row_time += q
         new = self.codec.encode(key_states, value_states)
         new["slot_time"] = times.expand(b, h, q)
-        if self.policy.state_width:                                      # new slots start from zero
-            new["state"] = torch.zeros((), dtype=self.policy.state_dtype, device=self.device).expand(
-                b, h, q, self.policy.state_width)
+        if self.policy.state_width:                                      # the policy's key seam, else zero
+            init = self.policy.init_state(key_states, value_states)           # (b, h, q, state_width) or None
+            new["state"] = init if init is not None else torch.zeros(
+                (), dtype=self.policy.state_dtype, device=self.device).expand(b, h, q, self.policy.state_width)
         self.store.append(new, self._capacity(self.store.num_slots + q))
         self.tokens_seen += q
         self.held += q
         self._pending_q = q
         self._kv = self.keys_values()
-        _ACTIVE.layer = self
+        set_active_layer(self)
         return self._kv
 
     # ------------------------------------------------------------------ attention
@@ -268,7 +261,6 @@ class BudgetedLayer(CacheLayerMixin):
         t0 = (torch.tensor([self.tokens_seen], device=self.device) if self.row_time is None
               else self.row_time) - q_len
         all_valid = not bool((st < 0).any())
-        out = query.new_empty(b, hq, q_len, values.shape[-1])
         # Only the last `n_obs` queries feed the policy's statistics (Scissorhands: those inside the
         # history window; TOVA: the last one); they run the explicit attention that yields the
         # probabilities, every query before them runs sdpa's fused kernel.
@@ -276,14 +268,23 @@ class BudgetedLayer(CacheLayerMixin):
         if self.policy.needs_attention:
             n_obs = max(self.policy.observed_queries(t, q_len) for t in set(t0.tolist()))
         obs_from = q_len - n_obs
-        if obs_from and self.row_time is None and all_valid and st.shape[-1] == q_len:
-            # a fresh prompt, no padding: slot i is token i, so queries [0, obs_from) see keys [0, obs_from) causally
-            group = hq // keys.shape[1]
-            out[:, :, :obs_from] = torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, :obs_from], keys[:, :, :obs_from], values[:, :, :obs_from], is_causal=True, scale=scaling,
-                enable_gqa=group > 1)
-            chunks = range(obs_from, q_len, query_chunk)
+        if q_len > 1 and self.row_time is None and all_valid and st.shape[-1] == q_len:
+            # A fresh prompt, no padding: slot i is token i. Every query's output comes from sdpa's fused
+            # causal kernel, exactly as for the full cache; the observed queries of chunk [s, e) see only
+            # keys [0, e), so their probabilities are computed over those keys alone, without the output
+            # (the state of slots >= e, added by this call, is still fresh; policies see the first e slots).
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=scaling, enable_gqa=hq != keys.shape[1])
+            state = self.state
+            for s in range(obs_from, q_len, query_chunk):
+                e = min(q_len, s + query_chunk)
+                causal = torch.ones(e - s, e, dtype=torch.bool, device=self.device).tril(s)    # (q_c, e)
+                visible = causal.expand(b, keys.shape[1], e - s, e)                      # (b, hkv, q_c, e)
+                self._attend_chunk(query[:, :, s:e], keys[:, :, :e], None, visible, scaling, t0 + s,
+                                   None if state is None else state[:, :, :e])
+            chunks = ()
         else:
+            out = query.new_empty(b, hq, q_len, values.shape[-1])
             chunks = [*range(0, obs_from, query_chunk), *range(obs_from, q_len, query_chunk)]
         for s in chunks:
             e = min(obs_from if s < obs_from else q_len, s + query_chunk)
@@ -312,44 +313,29 @@ class BudgetedLayer(CacheLayerMixin):
         seen = mask.any(-1, keepdim=True)                                               # padded queries see nothing
         return o if bool(seen.all()) else torch.where(seen, o, o.new_zeros(()))
 
-    def _attend_chunk(self, query, keys, values, visible, scaling, first_query):
+    def _attend_chunk(self, query, keys, values, visible, scaling, first_query, state=None):
         """Attention of ``query`` ``(b, hq, q_c, d)`` over ``keys``/``values`` ``(b, hkv, S, d)`` with explicit
-        probabilities, handed to the policy.
+        probabilities (``scissorhands.attention.explicit_attention``), handed to the policy, averaged over
+        the query heads of each KV head (grouped-query attention).
 
-        ``visible``: ``(b, hkv, q_c, S)`` bool or None (all visible). Returns ``(b, hq, q_c, d_v)``.
+        ``visible``: ``(b, hkv, q_c, S)`` bool or None (all visible); ``first_query``: ``(1 or b,)`` token
+        index of the first query; ``state``: the policy statistics of these ``S`` slots (default: all).
+        Returns ``(b, hq, q_c, d_v)``, or None when ``values`` is None (probabilities only).
         """
-        b, hq, qc, d = query.shape
-        hkv, n = keys.shape[1], keys.shape[2]
-        group = hq // hkv
-        # query heads h = kv * group + j share KV head kv: (b, hq, q_c, d) -> (b, hkv, group * q_c, d)
-        fp32 = query.dtype == torch.float32                       # else scale the float32 scores, not the query
-        qg = (query * scaling if fp32 else query).reshape(b, hkv, group * qc, d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float().view(b, hkv, group, qc, n)
-        if not fp32:
-            scores.mul_(scaling)
-        if visible is not None:
-            scores.masked_fill_(~visible[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)                                            # (b, hkv, g, q_c, S) float32
-        if visible is not None:                                                          # padded queries see nothing
-            seen = visible[:, :, None].any(-1, keepdim=True)                             # (b, hkv, 1, q_c, 1)
-            if not bool(seen.all()):
-                probs = torch.where(seen, probs, probs.new_zeros(()))
-        o = torch.matmul(probs.view(b, hkv, group * qc, n).to(values.dtype), values)    # (b, hkv, g * q_c, d_v)
-        self._observe(probs.mean(2), visible, first_query)                               # GQA: average the group
-        return o.view(b, hq, qc, -1)
-
-    def _observe(self, probs: torch.Tensor, visible: torch.Tensor | None, first_query: torch.Tensor) -> None:
-        """Hand the policy this chunk's probabilities; ``first_query`` is ``(1 or batch_size,)``: one
-        shared clock, or each row's own (``Policy.observe_rows``)."""
-        if first_query.numel() == 1:
-            self.policy.observe(self.state, probs, visible, int(first_query))
-        else:
-            self.policy.observe_rows(self.state, probs, visible, first_query)
+        out, probs = explicit_attention(query, keys, values, visible, scaling)          # probs (b, hkv, g, q_c, S)
+        state = self.state if state is None else state
+        probs = probs.mean(2)                                                            # GQA: average the group
+        if first_query.numel() == 1:                                                     # one shared clock
+            self.policy.observe(state, probs, visible, int(first_query))
+        else:                                                                            # each row's own
+            self.policy.observe_rows(state, probs, visible, first_query)
+        return out
 
     # ------------------------------------------------------------------ eviction
     def token_index(self) -> torch.Tensor:
         """``(batch_size, num_kv_heads, num_slots)`` int64: each slot's index in its own sequence
-        (slot time minus the sequence's padding, which is left padding in a batch)."""
+        (slot time minus the sequence's padding, which is left padding in a batch); negative for padding,
+        filler and evicted slots (slot times -1 and -2)."""
         return self.slot_time.to(torch.int64) - self.pad_tokens[:, None, None]
 
     def evict(self, n_drop: torch.Tensor) -> None:

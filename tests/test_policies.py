@@ -19,7 +19,8 @@ from scissorhands.policies.random import _MASK62
 from scissorhands.testing import tiny_llama
 
 EVICTING = [name for name, cls in POLICIES.items() if cls.evicts]
-SOURCES = {"scissorhands": "2305.17118", "streaming_llm": "2309.17453", "h2o": "2306.14048", "tova": "2401.06104"}
+SOURCES = {"scissorhands": "2305.17118", "streaming_llm": "2309.17453", "h2o": "2306.14048", "tova": "2401.06104",
+           "knorm": "2406.11430", "snapkv": "2404.14469"}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def model():
 
 # ----------------------------------------------------------------------------- parameters and docs
 def test_registry_holds_every_policy_of_the_issue():
-    assert set(POLICIES) == {"full", "scissorhands", "streaming_llm", "h2o", "tova", "random"}
+    assert set(POLICIES) == {"full", "scissorhands", "streaming_llm", "h2o", "tova", "random", "knorm",
+                             "snapkv"}
     for name, cls in POLICIES.items():
         assert cls.name == name
         assert dataclasses.is_dataclass(cls)
@@ -59,6 +61,7 @@ def test_shared_fields_are_validated_and_named(name, field, bad):
     ("scissorhands", "history_window", 0), ("scissorhands", "threshold", 0.0),
     ("scissorhands", "count_chunk_steps", 7), ("scissorhands", "count_chunk_steps", 400),
     ("streaming_llm", "n_sink", -1), ("random", "seed", -3), ("random", "seed", "a"),
+    ("snapkv", "window_size", 0), ("snapkv", "kernel_size", 4), ("snapkv", "kernel_size", True),
 ])
 def test_policy_fields_are_validated_and_named(name, field, bad):
     with pytest.raises(ValueError, match=field):
@@ -125,13 +128,17 @@ def _py_random(seed: int, token: int, seen: int, head: int, layer: int) -> float
 
 
 class Recorder:
-    """Stands in for layer 0's policy: records what ``observe`` gets, then delegates."""
+    """Stands in for layer 0's policy: records what ``init_state`` and ``observe`` get, then delegates."""
 
     def __init__(self, policy, layer):
-        self._policy, self._layer, self.log = policy, layer, []
+        self._policy, self._layer, self.log, self.keys = policy, layer, [], []
 
     def __getattr__(self, name):
         return getattr(self._policy, name)
+
+    def init_state(self, keys, values):
+        self.keys.append(keys.clone())
+        return self._policy.init_state(keys, values)
 
     def observe(self, state, probs, visible, first_query):
         self.log.append((probs.clone(), None if visible is None else visible.clone(), first_query,
@@ -146,6 +153,7 @@ class Reference:
         self.policy, self.budget = cache.policy, cache.budget
         self.kept = [[[] for _ in range(heads)] for _ in range(batch)]
         self.obs = [[defaultdict(dict) for _ in range(heads)] for _ in range(batch)]  # t -> {slot time: (p, n_t)}
+        self.key_norm = [[{} for _ in range(heads)] for _ in range(batch)]             # slot time -> L2 norm
         self.pads = [0] * batch
         self.heads = heads
 
@@ -160,6 +168,15 @@ class Reference:
                         seen = [x for x in range(s) if (vis[i][j][k][x] if vis is not None else True)]
                         for x in seen:
                             self.obs[i][j][first + k][st[i][j][x]] = (p[i][j][k][x], len(seen))
+
+    def record_keys(self, keys, times: list[int]):
+        # float32 norms as the policy rounds them: in layer 0 a repeated token's keys differ only by RoPE,
+        # which keeps the norm, so their norms tie up to rounding and a float64 sum could order them otherwise
+        norms = torch.linalg.vector_norm(keys.float(), dim=-1).tolist()             # (b, h, q)
+        for i, row in enumerate(norms):
+            for j, head in enumerate(row):
+                for t, norm in zip(times, head):
+                    self.key_norm[i][j][t] = norm
 
     def append(self, times: list[int], valid: list[list[bool]]):
         for i, row in enumerate(valid):
@@ -187,6 +204,13 @@ class Reference:
             return sum(self.obs[i][h][t_last].get(t, (0.0, 0))[0] for h in range(self.heads)) / self.heads
         if name == "streaming_llm":
             return t - self.pads[i]
+        if name == "knorm":
+            return -self.key_norm[i][j][t]
+        if name == "snapkv":                                # votes averaged over the held neighbours in time order
+            kept, k = self.kept[i][j], pol.kernel_size
+            at = kept.index(t)
+            near = kept[max(0, at - k // 2):at + k // 2 + 1]
+            return sum(sum(row[u][0] for row in self.obs[i][j].values() if u in row) for u in near) / k
         if name == "random":
             seen = max(self.kept[i][j]) - self.pads[i] + 1
             return _py_random(pol.seed, t - self.pads[i], seen, j, 0)
@@ -231,9 +255,12 @@ def _run_against_reference(model, policy, budget, prompt_ids, prompt_mask, chunk
                     if ref.held(i) >= budget:
                         ref.drop(i, cache.budget.drop_tokens, seen - 1)
             rec.log.clear()
+            rec.keys.clear()
             out = model(ids, attention_mask=mask, cache=cache)
             ref.append(list(range(seen, seen + q)), piece_mask.bool().tolist())
             ref.record(rec.log)
+            for keys in rec.keys:
+                ref.record_keys(keys, list(range(seen, seen + q)))
             if q > 1:                                                                # a multi-token call: compress
                 for i in range(batch):
                     if ref.held(i) > budget:
@@ -259,6 +286,11 @@ CASES = [
     ("tova", {}),
     ("random", {}),
     ("random", dict(seed=7, drop_tokens=1)),
+    ("knorm", {}),
+    ("knorm", dict(recent_window=2, drop_tokens=1)),
+    ("snapkv", {}),
+    ("snapkv", dict(window_size=4, kernel_size=3, recent_window=2, drop_tokens=3)),   # window < chunk, decode votes
+    ("snapkv", dict(window_size=8, kernel_size=1)),
 ]
 assert {c[0] for c in CASES} == set(EVICTING)
 
@@ -310,7 +342,9 @@ def _assert_same_steps(run_a: list, run_b: list) -> None:
             torch.testing.assert_close(state_a, state_b, atol=1e-6, rtol=1e-5)
 
 
-SKIPPING = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention
+# snapkv is left out: its observation window (the last `window_size` queries of a call) is its rule,
+# so observing more queries is another policy (test_snapkv_observes_the_last_window_size_queries).
+SKIPPING = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention and p != "snapkv"
             and POLICIES[p](**kw).observed_queries(0, 40) < 40]
 
 
@@ -369,3 +403,40 @@ def test_query_chunks_sized_by_rows_change_nothing(model, policy, params, monkey
     observed = POLICIES[policy](**params).observed_queries(0, 40)
     assert chunk_calls == [-(-observed // 5) + 12, (1 if observed else 0) + 12]   # prompt chunks + decode steps
     _assert_same_steps(*runs)
+
+
+# ----------------------------------------------------------------------------- the key seam and the two key/window policies
+def test_knorm_state_is_the_norm_of_the_key_as_computed_before_4_bit_encoding(model):
+    """`init_state` sees the keys before the 4-bit codec: the state is the exact float32 norm of the key
+    handed to the layer, not of its dequantized copy."""
+    cache = make_cache("knorm", model, budget_tokens=8, kv_bits=4, kv_group_size=8)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(1, 2, 6, 16, generator=g), torch.randn(1, 2, 6, 16, generator=g)
+    layer.update(k, v)
+    assert torch.equal(layer.state[..., 0], torch.linalg.vector_norm(k, dim=-1))
+    assert not torch.allclose(layer.state[..., 0], torch.linalg.vector_norm(layer.keys, dim=-1), atol=1e-3)
+    score = cache.policy.keep_score(layer.state, layer.token_index(), layer_idx=0, budget_tokens=8)
+    assert torch.equal(score.argmax(-1), torch.linalg.vector_norm(k, dim=-1).argmin(-1))   # lowest norm kept first
+
+
+def test_snapkv_pools_votes_over_the_held_tokens_in_time_order():
+    """Kernel 3, zero-padded: a masked slot between two held ones (evicted in simulation, or padding) is
+    skipped, so its neighbours pool each other as after a real eviction."""
+    p = POLICIES["snapkv"](kernel_size=3)
+    state = torch.tensor([3.0, 9.0, 0.0, 6.0, 5.0]).view(1, 1, 5, 1)
+    token_index = torch.tensor([[[0, -2, 1, 2, -1]]])              # slot 1 evicted, slot 4 padding filler
+    score = p.keep_score(state, token_index, layer_idx=0, budget_tokens=4)
+    assert score[0, 0, [0, 2, 3]].tolist() == [1.0, 3.0, 2.0]      # (0+3+0)/3, (3+0+6)/3, (0+6+0)/3
+
+
+def test_snapkv_observes_the_last_window_size_queries(model):
+    cache = make_cache("snapkv", model, budget_tokens=12, window_size=4)
+    layer = cache.layers[0]
+    rec = layer.policy = Recorder(layer.policy, layer)
+    with torch.inference_mode():
+        out = model(_ids(1, 40, 6), cache=cache)
+        assert [(tuple(probs.shape[:3]), first) for probs, _, first, _ in rec.log] == [((1, 2, 4), 36)]
+        rec.log.clear()
+        model(out.logits[:, -1:].argmax(-1), cache=cache)          # a decode step: its one query votes
+    assert [(tuple(probs.shape[:3]), first) for probs, _, first, _ in rec.log] == [((1, 2, 1), 40)]

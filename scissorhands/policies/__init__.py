@@ -7,8 +7,10 @@ from __future__ import annotations
 from .base import Policy
 from .full import Full
 from .h2o import H2O
+from .knorm import Knorm
 from .random import Random
 from .scissorhands import Scissorhands
+from .snapkv import SnapKV
 from .streaming_llm import StreamingLLM
 from .tova import TOVA
 
@@ -19,6 +21,8 @@ POLICIES: dict[str, type[Policy]] = {
     "h2o": H2O,
     "tova": TOVA,
     "random": Random,
+    "knorm": Knorm,
+    "snapkv": SnapKV,
 }
 
 __all__ = ["POLICIES", "Policy", "get_policy"]

@@ -5,8 +5,14 @@ owns everything else: storage, selection, protected windows, gather, time order 
 A policy only
 
 * declares the per-slot statistics it needs (``state_width`` columns of ``state_dtype``),
+* initialises a new slot's statistics from its key and value (``init_state``, the key seam: the
+  key after RoPE and the value as computed, before any 4-bit encoding; zero by default),
 * updates them from the attention probabilities of each forward call (``observe``), and
 * turns them into a keep score per slot (``keep_score``; higher = keep, ``+inf`` = protected).
+
+Adding a policy is one file here (a dataclass subclass with validated fields, a docstring naming the
+paper and what it keeps) and one line in ``POLICIES`` (``scissorhands.policies``); every test over the
+registry then covers it.
 
 Ties are broken by the layer: among slots with equal keep score the *older* slot is dropped
 first. Slots in the recent window (and a policy's sinks, via ``+inf`` keep score) are never dropped.
@@ -98,13 +104,30 @@ class Policy:
         return dataclasses.asdict(self)
 
     # ----------------------------------------------------------------- scoring
+    def init_state(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+        """Statistics of the slots a forward call adds, from their keys and values (only when
+        ``state_width > 0``); called once per call and layer, before the call's attention.
+
+        Args:
+            keys: ``(batch_size, num_kv_heads, q_len, head_dim)`` in the model dtype, after RoPE (before
+                any 4-bit encoding); padding tokens included (their slots are masked by the layer).
+            values: ``(batch_size, num_kv_heads, q_len, head_dim_v)``, likewise.
+        Returns:
+            ``(batch_size, num_kv_heads, q_len, state_width)`` of ``state_dtype``, or None: start from zero
+            (the default).
+        """
+        return None
+
     def observe(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None,
                 first_query: int) -> None:
         """Update ``state`` in place from one forward call's attention (only when ``needs_attention``): the
         probabilities of the call's last ``observed_queries`` queries.
 
         Args:
-            state: ``(batch_size, num_kv_heads, num_slots, state_width)`` per-slot statistics.
+            state: ``(batch_size, num_kv_heads, num_slots, state_width)`` per-slot statistics. In a fresh
+                prompt (the first call, no padding) a chunk of queries gets only the slots its queries
+                can see (the first ``num_slots``); the later slots were added by this call and are as
+                ``init_state`` left them.
             probs: ``(batch_size, num_kv_heads, q_len, num_slots)`` float32 attention probabilities,
                 averaged over the query heads of each KV head (grouped-query attention); zero for
                 slots a query cannot see.
@@ -147,8 +170,8 @@ class Policy:
         Args:
             state: the per-slot statistics (None when ``state_width == 0``).
             token_index: ``(batch_size, num_kv_heads, num_slots)`` int64, the slot's token index within
-                its own sequence (0 = first non-padding token); padding and evicted slots hold
-                arbitrary values and are masked by the layer.
+                its own sequence (0 = first non-padding token); negative for padding, filler and (in
+                simulation mode) evicted slots, which the layer masks whatever their score.
             layer_idx: the layer asking; budget_tokens: the resolved budget.
         Returns ``+inf`` for slots the policy protects.
         """

@@ -11,8 +11,9 @@ with ``n_i = i + 1`` keys visible to ``i`` (causal, no padding).
 Both are computed per attention (query) head and averaged over the heads of a layer (a head
 with an empty ``S_after`` is left out of the mean). The attention probabilities come from one
 uncompressed forward pass through an attention function registered with transformers'
-``AttentionInterface`` under :data:`ATTN_IMPLEMENTATION`; it computes ordinary causal attention
-(the model's outputs are unchanged) and folds each query chunk into :class:`PivotalSets`, so
+``AttentionInterface`` under :data:`ATTN_IMPLEMENTATION`; it computes ordinary causal attention with
+the library's own explicit attention (``scissorhands.attention.explicit_attention``, the one the
+budgeted cache hands its policies; the model's outputs are unchanged) and folds each query chunk into :class:`PivotalSets`, so
 the ``T x T`` maps of all layers are never held at once.
 """
 from __future__ import annotations
@@ -25,6 +26,8 @@ import time
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from scissorhands.attention import explicit_attention
 
 ATTN_IMPLEMENTATION = "quality_persistence"
 _ACTIVE = threading.local()
@@ -80,25 +83,24 @@ class PivotalSets:
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, query_chunk=256, **kwargs):
-    """Causal attention that also feeds the active :class:`PivotalSets` (query: ``(b, h, q, d)``)."""
+    """Causal attention (``scissorhands.attention.explicit_attention``, in query chunks) that also feeds
+    the active :class:`PivotalSets`. query ``(b, hq, q, d)``, key/value ``(b, hkv, S, d)``; returns
+    ``((b, q, hq, d_v), None)``."""
     b, hq, q_len, d = query.shape
     if scaling is None:
         scaling = d ** -0.5
-    group = hq // key.shape[1]
-    k = key.repeat_interleave(group, dim=1)                                               # (b, hq, S, d)
-    v = value.repeat_interleave(group, dim=1)
-    s_len = k.shape[2]
+    s_len = key.shape[2]
     q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
-    out = query.new_empty(b, hq, q_len, d)
+    out = query.new_empty(b, hq, q_len, value.shape[-1])
     sets = getattr(_ACTIVE, "sets", None)
     for s in range(0, q_len, query_chunk):
         e = min(q_len, s + query_chunk)
-        scores = torch.matmul(query[:, :, s:e], k.transpose(-1, -2)).float() * scaling    # (b, hq, q_c, S)
         causal = torch.arange(s_len, device=query.device)[None, :] <= q_pos[s:e, None]    # (q_c, S)
-        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-        out[:, :, s:e] = torch.matmul(probs.to(v.dtype), v)
-        if sets is not None:
-            sets.update(module.layer_idx, probs[0], q_pos[s:e])
+        o, probs = explicit_attention(query[:, :, s:e], key, value, causal.expand(b, key.shape[1], e - s, s_len),
+                                      scaling)                                            # probs (b, hkv, g, q_c, S)
+        out[:, :, s:e] = o
+        if sets is not None:                                                              # query head h = kv * g + j
+            sets.update(module.layer_idx, probs[0].flatten(0, 1), q_pos[s:e])
     return out.transpose(1, 2).contiguous(), None
 
 

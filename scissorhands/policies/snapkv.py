@@ -1,0 +1,76 @@
+"""``snapkv``: observation window + pooled attention (Li et al., NeurIPS 2024, arXiv 2404.14469).
+
+"SnapKV: LLM Knows What You are Looking for Before Generation": the attention the last
+``window_size`` queries of the prompt (the *observation window*) give each earlier token is summed
+(the "votes"; per KV head, the group's query heads averaged first), smoothed by average pooling over
+``kernel_size`` neighbouring tokens (so a selected token brings its neighbours' context), and the
+tokens with the most pooled votes are kept together with the observation window itself.
+
+Choices this project makes (SCISSORHANDS.md: a documented parameter, never a silent constant):
+
+* Pooling runs over the tokens a row and head still hold, in time order, zero-padded at both ends
+  (``count_include_pad``), at eviction time: real eviction and simulation mode, a row alone and in
+  a left-padded batch all pool the same neighbours.
+* The paper compresses the prompt only. To hold the budget while generating, every generated token
+  votes too (one query per step) and its votes add to the prompt's; a prompt fed in several calls
+  votes with the last ``window_size`` queries of each call.
+* The observation window is the recent window (``recent_window`` defaults to
+  ``min(window_size, budget_tokens // 2)``); ``drop_tokens`` defaults to ``budget_tokens // 2``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .base import Policy
+
+
+@dataclass
+class SnapKV(Policy):
+    """Keeps the slots with the most pooled votes from the observation window (+ the window itself).
+
+    State: the summed votes, float32 per slot and KV head.
+
+    Attributes:
+        window_size: queries of each call whose attention votes (the observation window); also the
+            default recent window.
+        kernel_size: tokens averaged by the pooling (odd; 1 = no pooling).
+    """
+
+    name: ClassVar[str] = "snapkv"
+    needs_attention: ClassVar[bool] = True
+    state_width: ClassVar[int] = 1
+    uses_query_time: ClassVar[bool] = False
+
+    window_size: int = 32
+    kernel_size: int = 5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.window_size, bool) or not isinstance(self.window_size, int) or self.window_size < 1:
+            raise ValueError(f"window_size must be an integer >= 1, got {self.window_size!r}")
+        k = self.kernel_size
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
+            raise ValueError(f"kernel_size must be an odd integer >= 1, got {k!r}")
+
+    def default_recent_window(self, budget_tokens: int) -> int:
+        return min(self.window_size, budget_tokens // 2)
+
+    def observed_queries(self, first_query: int, q_len: int) -> int:
+        """The observation window: the call's last ``window_size`` queries (every query of a decode step)."""
+        return min(self.window_size, q_len)
+
+    def observe(self, state, probs, visible, first_query) -> None:
+        state[..., 0] += probs.sum(2)                                    # (b, h, q, S) -> (b, h, S)
+
+    def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
+        """The votes averaged over ``kernel_size`` neighbouring held tokens (time order, zero-padded)."""
+        held = token_index >= 0                                          # (b, h, S)
+        order = torch.sort((~held).to(torch.uint8), dim=-1, stable=True).indices   # held slots first, in time order
+        votes = state[..., 0].to(torch.float64).masked_fill(~held, 0.0).gather(-1, order)
+        k = self.kernel_size
+        pooled = torch.nn.functional.avg_pool1d(votes.flatten(0, 1)[:, None], k, stride=1, padding=k // 2,
+                                                count_include_pad=True).view_as(votes)
+        return torch.empty_like(pooled).scatter_(-1, order, pooled)
