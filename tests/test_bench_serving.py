@@ -64,3 +64,24 @@ def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(m
     assert [b for p, b in run] == [True] * 4 + [False] + [True] * 3 + [False]
     assert full["output_tokens"] == 3 and sh["output_tokens"] == 9
     assert 0 < full["wall_s"] < sh["wall_s"] and full["cpu_s"] > 0
+
+
+def test_part_1_is_printed_and_written_before_part_2_runs(tmp_path, monkeypatch, capsys):
+    import pytest
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt("stopped during part 2")
+
+    monkeypatch.setattr(bench_serving, "_part2", stopped)
+    torch.set_num_threads(1)
+    with pytest.raises(KeyboardInterrupt):
+        bench_serving.main(["--model", "tiny-llama", "--prompt-tokens", "32", "--new-tokens", "6", "--full-batch", "2",
+                            "--generate-new-tokens", "4", "--dtype", "float32", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["max_batch"]["full"]["output_tokens"] == 2 * 6 and data["generate"] is None
+    assert data["dtype"] == "float32" and data["dtype_reason"] == "forced"
+    md = (tmp_path / "bench.md").read_text()
+    assert "| Scissorhands x5 / full, output tok/s at own max batch |" in md and "generate" not in md
+    captured = capsys.readouterr()
+    assert md in captured.out
+    assert "part 1 (both, interleaved)" in captured.err and "tok" in captured.err     # the progress bar

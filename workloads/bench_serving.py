@@ -15,6 +15,10 @@
    batching (no padding; a finished sequence's slot is refilled at once). Useful output tokens/s
    (the tokens each request asked for), ratio engine / generate (goal >= 1.3x).
 
+Progress: a bar on stderr (tokens generated of those planned, ETA) for each run; part 1's table is
+printed and written to `--out` (bench.md, bench.json) as soon as part 1 ends, so a stopped run keeps
+it; part 2 rewrites both with every row.
+
 Output tokens/s = output tokens / the run's wall time from submitting the requests to the last
 token, prefill included (in part 1 the sum of the run's own engine steps). Decode tokens/s (tokens of decode steps / time in decode steps) is printed
 too: it isolates the memory effect from the prefill cost, which is the same per request for every
@@ -27,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
 
@@ -76,11 +82,12 @@ def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list
 
 
 def _run_engines(model, runs: list[tuple[EngineConfig, list[GenerationRequest]]],
-                 max_steps: int = 10_000_000) -> list[dict]:
+                 max_steps: int = 10_000_000, desc: str = "engines") -> list[dict]:
     """Run one engine per ``(config, requests)`` on ``model``, interleaved: one `step()` of each busy
     engine in turn, each engine timed over its own steps (wall and CPU seconds). A slower stretch of a
     shared machine thus slows every run alike instead of whichever happened to run then; an engine
-    that finishes first leaves the others running alone.
+    that finishes first leaves the others running alone. A progress bar (stderr) counts the output
+    tokens generated of those planned (every request's ``max_new_tokens``), with the ETA.
 
     Raises:
         RuntimeError: a request failed (its error), or an engine was still busy after ``max_steps`` steps.
@@ -95,17 +102,21 @@ def _run_engines(model, runs: list[tuple[EngineConfig, list[GenerationRequest]]]
         for r in requests:
             engine.submit(r, lambda res, done=done: done.__setitem__(res.request_id, res))
         states.append({"engine": engine, "done": done, "wall_s": 0.0, "cpu_s": 0.0, "busy": True})
-    for _ in range(max_steps):
-        busy = [st for st in states if st["busy"]]
-        if not busy:
-            break
-        for st in busy:
-            t0, c0 = time.perf_counter(), time.process_time()
-            st["busy"] = st["engine"].step() or st["engine"].stats()["queued_requests"] > 0
-            st["wall_s"] += time.perf_counter() - t0
-            st["cpu_s"] += time.process_time() - c0
-    else:
-        raise RuntimeError(f"engines still busy after {max_steps} steps")
+    planned = sum(r.max_new_tokens for _, requests in runs for r in requests)
+    with tqdm(total=planned, desc=desc, unit="tok", file=sys.stderr, dynamic_ncols=True, mininterval=1.0) as bar:
+        for _ in range(max_steps):
+            busy = [st for st in states if st["busy"]]
+            if not busy:
+                break
+            for st in busy:
+                t0, c0 = time.perf_counter(), time.process_time()
+                before = st["engine"]._stats["tokens"]
+                st["busy"] = st["engine"].step() or st["engine"].stats()["queued_requests"] > 0
+                st["wall_s"] += time.perf_counter() - t0
+                st["cpu_s"] += time.process_time() - c0
+                bar.update(st["engine"]._stats["tokens"] - before)
+        else:
+            raise RuntimeError(f"engines still busy after {max_steps} steps")
     return [_engine_result(st["engine"], st["done"], st["wall_s"], st["cpu_s"]) for st in states]
 
 
@@ -132,6 +143,8 @@ def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
                    eos_token_id=None, pad_token_id=0)
     outputs = {}
+    bar = tqdm(total=math.ceil(len(requests) / batch), desc="generate", unit="batch", file=sys.stderr,
+               dynamic_ncols=True)
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(0, len(requests), batch):
         chunk = requests[i:i + batch]
@@ -145,7 +158,9 @@ def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
                                  eos_token_id=None, pad_token_id=0)
         for r, row in zip(chunk, out[:, ids.shape[1]:].tolist()):
             outputs[r.request_id] = row[:r.max_new_tokens]      # useful tokens: what the request asked for
+        bar.update(1)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    bar.close()
     from scissorhands import ATTN_IMPLEMENTATION
 
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -164,7 +179,8 @@ def _part2(model, tokenizer, vocab, args, b, limit):
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
     gen = _run_generate(model, reqs, b)
-    eng, = _run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)])
+    eng, = _run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)],
+                        desc="engine (part 2)")
     same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
     ratio_engine = (eng["output_tok_per_s"] / gen["output_tok_per_s"],
                     eng["output_tok_per_cpu_s"] / gen["output_tok_per_cpu_s"])
@@ -206,7 +222,7 @@ def main(argv=None) -> int:
         runs.append((cfg, [GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(prompts)]))
     print("bench-serving: " + ", ".join(f"{p}{f' x{r:g}' if r else ''} at max batch {b}" for p, r, b in policies)
           + ": running them interleaved ...", file=sys.stderr)
-    rows = _run_engines(model, runs)
+    rows = _run_engines(model, runs, desc="part 1 (both, interleaved)")
     for r, (policy, ratio, b) in zip(rows, policies):
         r.update(policy=policy, ratio=ratio, max_batch=b, verified=r["peak_running_sequences"] == b
                  and r["peak_kv_cache_bytes"] <= limit)
@@ -218,67 +234,71 @@ def main(argv=None) -> int:
     # (the same work per prompt for every policy) alone bounds it
     ratio_ceiling = sh["output_tokens"] / sh["prefill_s"] / full["output_tok_per_s"] if sh["prefill_s"] else None
 
-    # -- part 2: our engine vs transformers' generate, full cache, same batch
-    b = full["max_batch"]
-    gen = eng = None
-    same = ratio_engine = None
-    if not args.skip_generate:
-        gen, eng, same, ratio_engine, m, lengths, p_lengths = _part2(model, tokenizer, vocab, args, b, limit)
-
-
-    def row(name, batch, r, extra=""):
-        dec = f"{r['decode_tok_per_s']:.1f}" if r.get("decode_tok_per_s") else "-"
-        kv = f"{r['peak_kv_cache_bytes'] / 2**20:.1f}" if r.get("peak_kv_cache_bytes") is not None else "-"
-        return (f"| {name} | {batch} | {r['output_tokens']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
-                f"{r['output_tok_per_s']:.1f} | {r['output_tok_per_cpu_s']:.2f} | {dec} | {kv} | {extra} |")
-
-    lines = [
-        f"Conditions: model {args.model}, {dtype} ({dtype_reason}), CPU {cpu}, {torch.get_num_threads()} torch thread(s), one replica in "
-        f"process; prompts {P} tokens of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
-        f"{args.full_batch} full-cache sequences of {P} + {N} tokens.",
-        "",
-        "| run | batch | output tokens | wall (s) | CPU (s) | output (tok/s) | output (tok/CPU-s) | decode (tok/s) "
-        "| peak KV (MiB) | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        row("full, max batch", full["max_batch"], full, f"verified {full['verified']}"),
-        row(f"scissorhands x{args.ratio:g}, max batch", sh["max_batch"], sh,
-            f"B = {sh['budget_tokens']} slots; verified {sh['verified']}"),
-    ]
-    if gen is not None:
-        lines += [
-            row("transformers generate, full", b, gen, f"{m} requests, prompts {min(p_lengths)}-{max(p_lengths)} tok, "
-                f"outputs {min(lengths)}-{max(lengths)} tok, static batches"),
-            row("our engine, full", b, eng, f"same requests, continuous batching; identical tokens {same}/{m}")]
-    lines += [
-        "",
-        "| ratio | measured | goal |",
-        "|---|---|---|",
-        f"| Scissorhands x{args.ratio:g} / full, output tok/s at own max batch | {ratio_max_batch:.2f}x | >= 3x |",
-        f"| same, decode tok/s only | {ratio_decode:.2f}x | - |" if ratio_decode else "",
-        f"| same, output tokens per CPU-second (insensitive to other jobs on shared cores) | {ratio_cpu:.2f}x | - |",
-        f"| ceiling of the first ratio at these sizes (Scissorhands' decode free: its output tokens / its prefill "
-        f"time, over full's output tok/s) | {ratio_ceiling:.2f}x | - |" if ratio_ceiling else "",
-        f"| our engine / transformers generate, full cache, batch {b} | {ratio_engine[0]:.2f}x | >= 1.3x |"
-        if ratio_engine is not None else "",
-        f"| same, output tokens per CPU-second | {ratio_engine[1]:.2f}x | - |" if ratio_engine is not None else "",
-    ]
-    text = "\n".join(x for x in lines if x is not None) + "\n"
-    print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for r in (full, sh, gen, eng):
-        if r is not None:
-            r.pop("outputs", None)
-    (out / "bench.json").write_text(json.dumps({
-        "args": vars(args), "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu,
-        "torch_threads": torch.get_num_threads(), "kv_memory_limit_bytes": limit, "max_batch": {"full": full, "scissorhands": sh},
-        "generate": gen, "engine": eng, "identical_tokens": same,
-        "ratio_max_batch_output": ratio_max_batch, "ratio_max_batch_decode": ratio_decode,
-        "ratio_max_batch_output_per_cpu_s": ratio_cpu, "ratio_max_batch_output_ceiling": ratio_ceiling,
-        "ratio_engine_vs_generate": ratio_engine[0] if ratio_engine else None,
-        "ratio_engine_vs_generate_per_cpu_s": ratio_engine[1] if ratio_engine else None}, indent=2, default=str) + "\n")
-    (out / "bench.md").write_text(text)
-    print(f"bench-serving: wrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
+    b = full["max_batch"]
+
+    def report(gen, eng, same, ratio_engine, m=None, lengths=None, p_lengths=None) -> None:
+        """Print the table of what is measured so far and write bench.md / bench.json (after each part)."""
+        def row(name, batch, r, extra=""):
+            dec = f"{r['decode_tok_per_s']:.1f}" if r.get("decode_tok_per_s") else "-"
+            kv = f"{r['peak_kv_cache_bytes'] / 2**20:.1f}" if r.get("peak_kv_cache_bytes") is not None else "-"
+            return (f"| {name} | {batch} | {r['output_tokens']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
+                    f"{r['output_tok_per_s']:.1f} | {r['output_tok_per_cpu_s']:.2f} | {dec} | {kv} | {extra} |")
+
+        lines = [
+            f"Conditions: model {args.model}, {dtype} ({dtype_reason}), CPU {cpu}, {torch.get_num_threads()} torch thread(s), one replica in "
+            f"process; prompts {P} tokens of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
+            f"{args.full_batch} full-cache sequences of {P} + {N} tokens.",
+            "",
+            "| run | batch | output tokens | wall (s) | CPU (s) | output (tok/s) | output (tok/CPU-s) | decode (tok/s) "
+            "| peak KV (MiB) | note |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            row("full, max batch", full["max_batch"], full, f"verified {full['verified']}"),
+            row(f"scissorhands x{args.ratio:g}, max batch", sh["max_batch"], sh,
+                f"B = {sh['budget_tokens']} slots; verified {sh['verified']}"),
+        ]
+        if gen is not None:
+            lines += [
+                row("transformers generate, full", b, gen, f"{m} requests, prompts {min(p_lengths)}-{max(p_lengths)} tok, "
+                    f"outputs {min(lengths)}-{max(lengths)} tok, static batches"),
+                row("our engine, full", b, eng, f"same requests, continuous batching; identical tokens {same}/{m}")]
+        lines += [
+            "",
+            "| ratio | measured | goal |",
+            "|---|---|---|",
+            f"| Scissorhands x{args.ratio:g} / full, output tok/s at own max batch | {ratio_max_batch:.2f}x | >= 3x |",
+            f"| same, decode tok/s only | {ratio_decode:.2f}x | - |" if ratio_decode else "",
+            f"| same, output tokens per CPU-second (insensitive to other jobs on shared cores) | {ratio_cpu:.2f}x | - |",
+            f"| ceiling of the first ratio at these sizes (Scissorhands' decode free: its output tokens / its prefill "
+            f"time, over full's output tok/s) | {ratio_ceiling:.2f}x | - |" if ratio_ceiling else "",
+            f"| our engine / transformers generate, full cache, batch {b} | {ratio_engine[0]:.2f}x | >= 1.3x |"
+            if ratio_engine is not None else "",
+            f"| same, output tokens per CPU-second | {ratio_engine[1]:.2f}x | - |" if ratio_engine is not None else "",
+        ]
+        text = "\n".join(x for x in lines if x is not None) + "\n"
+        print(text, flush=True)
+        for r in (full, sh, gen, eng):
+            if r is not None:
+                r.pop("outputs", None)
+        (out / "bench.json").write_text(json.dumps({
+            "args": vars(args), "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu,
+            "torch_threads": torch.get_num_threads(), "kv_memory_limit_bytes": limit, "max_batch": {"full": full, "scissorhands": sh},
+            "generate": gen, "engine": eng, "identical_tokens": same,
+            "ratio_max_batch_output": ratio_max_batch, "ratio_max_batch_decode": ratio_decode,
+            "ratio_max_batch_output_per_cpu_s": ratio_cpu, "ratio_max_batch_output_ceiling": ratio_ceiling,
+            "ratio_engine_vs_generate": ratio_engine[0] if ratio_engine else None,
+            "ratio_engine_vs_generate_per_cpu_s": ratio_engine[1] if ratio_engine else None}, indent=2, default=str) + "\n")
+        (out / "bench.md").write_text(text)
+        print(f"bench-serving: wrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
+
+    for r in (full, sh):
+        r.pop("outputs", None)
+    report(None, None, None, None)                  # part 1 is kept even if part 2 is stopped
+    # -- part 2: our engine vs transformers' generate, full cache, same batch
+    if not args.skip_generate:
+        gen, eng, same, ratio_engine, m, lengths, p_lengths = _part2(model, tokenizer, vocab, args, b, limit)
+        report(gen, eng, same, ratio_engine, m, lengths, p_lengths)
     return 0
 
 
