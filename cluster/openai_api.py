@@ -271,15 +271,16 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         req = GenerationRequest(rid, ids, max_tokens, ignore_eos=opts["ignore_eos"], temperature=opts["temperature"],
                                 top_p=opts["top_p"], seed=opts["seed"], min_new_tokens=opts["min_tokens"])
-        events = backend.stream(req).__aiter__()
+        # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
+        # string, the end of a stream), or garbage-collected (a client gone before its body started)
+        events = _counted(backend.stream(req), lambda: pending.__setitem__(model, pending[model] - 1))
         pending[model] += 1
         try:
             first = await events.__anext__()       # an error before the first token is answered as JSON
         except BaseException as e:
-            pending[model] -= 1
             raise _backend_error(e) from None
         if "result" in first and first["result"].get("error_kind"):
-            pending[model] -= 1
+            await events.aclose()
             raise _result_error(first["result"])
         detok = IncrementalDetokenizer(tokenizer, opts["stop"]) if tokenizer is not None else None
         obj = "chat.completion" if chat else "text_completion"
@@ -287,9 +288,9 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
             try:
                 return JSONResponse(await _collect(first, events, detok, rid, obj, model, created, chat, len(ids)))
             finally:
-                pending[model] -= 1
+                await events.aclose()
         return StreamingResponse(_sse(first, events, detok, rid, obj + (".chunk" if chat else ""), model, chat,
-                                      len(ids), opts["include_usage"], lambda: pending.__setitem__(model, pending[model] - 1)),
+                                      len(ids), opts["include_usage"]),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
@@ -383,7 +384,21 @@ def _sse_event(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, include_usage, release):
+async def _counted(events: AsyncIterator[dict], release):
+    """`events`, calling `release()` once when they end, fail, or are closed (then closing `events`:
+    the backend aborts an unfinished request)."""
+    it = events.__aiter__()
+    try:
+        async for ev in it:
+            yield ev
+    finally:
+        release()
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, include_usage):
     """The SSE body: one chunk per token as it arrives; an error event if the backend fails."""
     created = int(time.time())
     n = 0
@@ -433,7 +448,6 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
         err = e if isinstance(e, ApiError) else _backend_error(e)
         yield _sse_event(err.body())
     finally:
-        release()
         try:
             await events.aclose()                  # a disconnect or a stop string aborts the request
         except Exception:  # noqa: BLE001

@@ -233,3 +233,16 @@ def test_a_suite_with_a_target_drives_the_server_over_http(model, tmp_path):
     (rec,) = res.read_records(str(tmp_path / "r" / "run" / "points.jsonl"))
     assert rec["status"] == "ok" and rec["target"] == f"{url}/v1" and rec["model_id"] == SH
     assert rec["completed_requests"] == 6 and rec["output_tokens"] == 30 and rec["budget_tokens"] == 16
+
+
+def test_pending_count_returns_to_zero_after_every_kind_of_ending(service):
+    """Streams read to the end, cut by a stop string, dropped mid-way, refused: none leaks its place
+    under the 429 bound (max_pending_requests=2): three more requests in a row still get 200."""
+    url, replicas, _ = service
+    post(url, "/v1/completions", dict(model=SH, prompt="a", max_tokens=3, ignore_eos=True, stream=True)).close()
+    r = post(url, "/v1/completions", dict(model=SH, prompt="b", max_tokens=50, ignore_eos=True, stream=True), stream=True)
+    r.close()
+    post(url, "/v1/completions", dict(model=FULL, prompt="x" * 150, max_tokens=60))           # refused (400)
+    assert _wait(lambda: replicas[SH].engine.running == 0)
+    for _ in range(3):
+        assert post(url, "/v1/completions", dict(model=SH, prompt="c", max_tokens=2)).status_code == 200
