@@ -565,7 +565,7 @@ def wait_placed(actors: list, timeout_s: float | None = None, what: str = "repli
 def not_ready_message(ray, n: int, what: str, timeout_s: float | None) -> str:
     """Why `n` replicas are not ready after `timeout_s`: what the cluster has free, its alive nodes."""
     try:
-        free = {k: round(v, 2) for k, v in ray.available_resources().items() if not k.startswith("node:")
+        free = {k: round(v, 2) for k, v in ray.available_resources().items() if not k.startswith(("node:", "bundle_group"))
                 and k not in ("memory", "object_store_memory")}
         nodes = [{k: v for k, v in n_.get("Resources", {}).items() if k in ("CPU", "GPU") or not (
             k.startswith("node:") or k in ("memory", "object_store_memory"))} for n_ in _alive_nodes(ray)]

@@ -101,6 +101,7 @@ def one_cpu_nodes():
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
+        ray.cluster = cluster  # for the test that removes a node
         yield ray
     finally:
         ray.shutdown()
@@ -202,6 +203,49 @@ def test_a_resource_no_node_has_is_refused_at_once(one_cpu_nodes, tmp_path, caps
     err = capsys.readouterr().err
     assert rc == 1 and names in err, err[-2000:]
     assert took_s < 60
+
+
+@pytest.mark.ray
+def test_a_replica_whose_node_leaves_fails_the_sweep_within_the_bound(one_cpu_nodes, tmp_path, capsys):
+    """The replica's node (the only one with `node_b`) leaves mid-sweep; Ray cannot place the
+    replica again, so the sweep stops after its bound (30 s here: room to start the replica's worker on a
+    loaded machine) with exit 1, the point written
+    before stays, and the message says the node left."""
+    import threading
+
+    cluster = one_cpu_nodes.cluster
+    node = cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=OBJECT_STORE_BYTES,
+                            node_ip_address="127.0.0.1")
+    cluster.wait_for_nodes()
+    body = {**BATCH, "batch_sizes": [1], "new_tokens": [4, 3000, 3001, 3002],
+            "placement": {"resources": {"node_b": 1}, "ready_timeout_s": 30, "max_restarts": 1}}
+    out: dict = {}
+    worker = threading.Thread(target=lambda: out.update(zip(("rc", "run_dir", "took_s"),
+                                                            _run(tmp_path, "node-leaves", body, "n1"))))
+    worker.start()
+    points = tmp_path / "r" / "n1" / "points.jsonl"
+    from tests.waiting import wait_for
+
+    try:
+        wait_for(lambda: not worker.is_alive() or (points.exists() and points.read_text().count("\n") >= 1), 240,
+                 "the first point")
+        assert worker.is_alive(), capsys.readouterr().err[-3000:]
+        written = points.read_text()
+        cluster.remove_node(node)
+        t0 = time.monotonic()
+        worker.join(timeout=180)
+        took_s = time.monotonic() - t0
+    finally:
+        if node in cluster.worker_nodes:
+            cluster.remove_node(node)
+    assert not worker.is_alive()
+    err = capsys.readouterr().err
+    assert out["rc"] == 1, err[-3000:]
+    assert took_s < 120, took_s
+    assert points.read_text().startswith(written) and json.loads(written.splitlines()[0])["status"] == "ok"
+    # measured: 35.6 s after the node left with this 30 s bound (5 s polls), on the loaded 2-core machine
+    assert "left the cluster and Ray did not run the replica again within 30 s" in err, err[-3000:]
+    assert "3 point(s) not run" in err
 
 
 @pytest.mark.ray
