@@ -166,3 +166,35 @@ def test_the_load_generator_drives_the_http_client(server):
     m = res.metrics
     assert m.completed_requests == 6 and m.output_tokens == 24 and m.ttft_s.n == 6
     assert all(r.output_tokens == 4 and len(r.token_times_s) == 4 for r in res.records)
+
+
+def test_records_keep_client_and_replica_ttft_apart(server, model):
+    """Over HTTP the record's ttft_s is the client's and replica_ttft_s the server's own figure; for an
+    in-process replica replica_ttft_s is first token - received on the replica's clock."""
+    from cluster.serving_replica import ServingReplica
+
+    url, _ = server
+    reqs = [GenerationRequest(f"p{i}", [1, 2, 3], 3) for i in range(2)]
+
+    async def go(client):
+        return await run_load(client, reqs, LoadConfig(mode="concurrency", concurrency=1, num_requests=2))
+
+    async def over_http():
+        client = OpenAIHTTPClient(url, "m")
+        try:
+            return await go(client)
+        finally:
+            await client.close()
+
+    res = asyncio.run(over_http())
+    assert [r.replica_ttft_s for r in res.records] == [0.0125, 0.0125]
+    assert all(r.output_tokens_source == "token_ids" and r.ttft_s > 0 for r in res.records)
+    assert res.metrics.replica_ttft_s.n == 2 and res.metrics.replica_ttft_s.p50_s == 0.0125
+    assert res.metrics.flat()["replica_ttft_p50_s"] == 0.0125
+
+    replica = ServingReplica(model=model, replica_id="local", model_spec="tiny-llama", engine_config={})
+    try:
+        local = asyncio.run(go(replica))
+    finally:
+        replica.shutdown()
+    assert all(r.replica_ttft_s is not None and 0 <= r.replica_ttft_s <= r.ttft_s + 1e-6 for r in local.records)

@@ -224,7 +224,6 @@ class OpenAIHTTPClient:
     async def generate(self, request: GenerationRequest) -> HTTPGenerationResult:
         """The whole reply as one result (one client-side time per token)."""
         res = HTTPGenerationResult(request.request_id, len(request.prompt_ids), replica_id=self.replica_id)
-        res.received_time_s = self.clock()
         async for chunk in self.stream(request):
             ids = chunk.get("token_ids") or []
             res.output_ids.extend(int(i) for i in ids)

@@ -586,6 +586,18 @@ def _get(obj: Any, key: str, default=None):
     return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
 
 
+def _replica_side(res: Any, rec: RequestRecord) -> None:
+    """The reply's own figures, kept apart from the client's: `replica_ttft_s` as sent (over HTTP), else
+    first token - received on the replica's clock (a replica's result); `output_tokens_source`."""
+    rec.output_tokens_source = _get(res, "output_tokens_source") or rec.output_tokens_source
+    ttft = _get(res, "replica_ttft_s")
+    times, received = _get(res, "token_times_s") or [], _get(res, "received_time_s")
+    if ttft is None and received is not None and times:
+        ttft = times[0] - received
+    if ttft is not None:
+        rec.replica_ttft_s = ttft
+
+
 class _Run:
     """What every pattern shares: warm-up, bounds, the window, sending and recording."""
 
@@ -653,6 +665,7 @@ class _Run:
         rec.output_tokens = len(ids)                      # generated ids, never re-tokenized text
         rec.error_kind, rec.error = _get(res, "error_kind"), _get(res, "error")
         rec.replica_id = _get(res, "replica_id")
+        _replica_side(res, rec)
         if rec.error_kind is None and ids and len(times) != len(ids):
             rec.error_kind = "missing_token_times" if not times else "token_times_mismatch"
             rec.error = f"{len(ids)} generated ids but {len(times)} token times (one per id expected)"
@@ -673,6 +686,7 @@ class _Run:
                 else:
                     rec.error_kind, rec.error = _get(result, "error_kind"), _get(result, "error")
                     rec.replica_id = _get(result, "replica_id") or rec.replica_id
+                    _replica_side(result, rec)
                 return
             t = _get(chunk, "time_s")
             t = self.clock() if t is None else float(t)
@@ -681,6 +695,9 @@ class _Run:
             rec.output_tokens += len(ids)
             rec.token_times_s.extend([t] * len(ids))
             rec.replica_id = _get(chunk, "replica_id") or rec.replica_id
+            for k in ("replica_ttft_s", "output_tokens_source"):
+                if _get(chunk, k) is not None:
+                    setattr(rec, k, _get(chunk, k))
             if _get(chunk, "error_kind") is not None:
                 rec.error_kind, rec.error = _get(chunk, "error_kind"), _get(chunk, "error")
                 return

@@ -55,6 +55,8 @@ class RequestRecord:
     warmup: bool = False
     replica_id: str | None = None
     cap_delayed: bool = False          # the arrival found the concurrency cap reached and waited
+    replica_ttft_s: float | None = None  # the replica's own TTFT (its clock: received -> first token), apart from ttft_s
+    output_tokens_source: str | None = None  # over HTTP: token_ids | usage | chunks (workloads/http_client.py)
 
     @property
     def sent(self) -> bool:
@@ -163,6 +165,7 @@ class PointMetrics:
     achieved_peak_concurrency: int | None = None
     achieved_mean_concurrency: float | None = None
     warnings: list = field(default_factory=list)
+    replica_ttft_s: LatencyStats | None = None   # replica-side TTFT of the completed requests that report it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -278,4 +281,5 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
         scheduled_rate_req_per_s=scheduled_rate,
         target_concurrency=target_concurrency, achieved_peak_concurrency=peak,
         achieved_mean_concurrency=mean_conc, warnings=warnings,
+        replica_ttft_s=LatencyStats.of(r.replica_ttft_s for r in ok),
     )
