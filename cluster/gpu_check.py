@@ -196,6 +196,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--suite", default=str(REPO_ROOT / "workloads" / "suites" / "smoke.yaml"), help="suite of the Ray phase")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {', '.join(PHASES)}")
     p.add_argument("--budget-s", type=float, default=460.0, help="the whole check's time (s); phases past it are skipped")
+    p.add_argument("--box-scale", type=float, default=1.0,
+                   help="multiplies every phase's time box (a slow or shared machine; the CPU tests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads of each phase (default: 1 on the CPU)")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)          # internal: run one phase
@@ -222,6 +224,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--generate-new-tokens ({args.generate_new_tokens}) must be <= --new-tokens ({args.new_tokens})")
     if args.budget_s <= 0:
         p.error(f"--budget-s: must be > 0, got {args.budget_s}")
+    if args.box_scale <= 0:
+        p.error(f"--box-scale: must be > 0, got {args.box_scale}")
     from scissorhands.models import DUMMY_MODEL_IDS
 
     if args.model not in DUMMY_MODEL_IDS:
@@ -301,7 +305,8 @@ def phase_library(a: dict, deadline: float, save) -> dict:
     from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 
     budget, prompt, new = 8, 24, 8
-    result = {"checks": [], "budget_tokens": budget, "prompt_tokens": prompt, "new_tokens": new, "batch": 2}
+    result = {"checks": [], "weights": "dummy", "dtype": a["dtype"], "budget_tokens": budget, "prompt_tokens": prompt,
+              "new_tokens": new, "batch": 2}
     for name in LIBRARY_MODELS:
         model = _load(a, name, tiny=True)
         vocab = int(model.config.vocab_size)
@@ -408,7 +413,8 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
     model = _load(a)
     P, N = a["prompt_tokens"], a["new_tokens"]
     limit = _kv_limit(a, model)
-    result = {"kv_memory_limit_bytes": limit, "prompt_tokens": P, "new_tokens": N, "runs": [],
+    result = {"model": a["model"], "tiny": a["tiny"], "weights": "dummy", "dtype": a["dtype"],
+              "kv_memory_limit_bytes": limit, "prompt_tokens": P, "new_tokens": N, "runs": [],
               "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
     plan = [("full", None, None)] + [("scissorhands", r, None) for r in a["ratio_list"]]
     if a["kv4_ratio"]:
@@ -506,7 +512,8 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
     p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
     prompts = _random_prompts(int(model.config.vocab_size), m, p_lengths, a["seed"] + 1)
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, out_lengths))]
-    result = {"batch": b, "requests": m, "kv_memory_limit_bytes": limit, "prompt_tokens_range": [min(p_lengths), max(p_lengths)],
+    result = {"model": a["model"], "tiny": a["tiny"], "weights": "dummy", "dtype": a["dtype"],
+              "batch": b, "requests": m, "kv_memory_limit_bytes": limit, "prompt_tokens_range": [min(p_lengths), max(p_lengths)],
               "output_tokens_range": [min(out_lengths), max(out_lengths)]}
     print(f"gpu-check: engine_vs_generate: batch {b}, {m} requests: generate ...", file=sys.stderr, flush=True)
     gen = _run_generate(model, reqs, b, deadline, a["device"])
@@ -757,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         tmp_dir = Path(tmp)
         for phase in args.phase_list:
-            box = min(PHASE_BOX_S[phase], args.budget_s - (time.monotonic() - t0))
+            box = min(PHASE_BOX_S[phase] * args.box_scale, args.budget_s - (time.monotonic() - t0))
             if phase == "ray" and not ray_importable():
                 report["phases"][phase] = {"status": "skipped", "reason": "Ray is not importable here"}
             elif box < 2 * PHASE_MARGIN_S:

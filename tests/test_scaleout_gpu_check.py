@@ -17,7 +17,8 @@ from scissorhands import POLICIES
 REPO = Path(__file__).resolve().parents[1]
 EVICTING = [p for p, cls in POLICIES.items() if cls.evicts]
 TINY_RUN = ["--device", "cpu", "--tiny", "--prompt-tokens", "32", "--new-tokens", "16", "--full-batch", "2",
-            "--generate-new-tokens", "8", "--ratios", "5,2", "--kv4-ratio", "5"]
+            "--generate-new-tokens", "8", "--ratios", "5,2", "--kv4-ratio", "5",
+            "--box-scale", "10", "--budget-s", "5000"]     # a shared CPU can be 10x slower than an idle one
 
 
 def _run_without_ray(tmp_path: Path, args: list[str], timeout: float = 540) -> tuple[subprocess.CompletedProcess, Path]:
@@ -63,6 +64,8 @@ def test_whole_check_on_the_cpu_with_a_tiny_dummy_model_and_no_ray(tmp_path):
     assert report["args"]["dtype"] == "bfloat16"
     phases = report["phases"]
     assert [phases[p]["status"] for p in gpu_check.PHASES] == ["ok", "ok", "ok", "skipped"]
+    for p in ("library", "max_batch", "engine_vs_generate"):       # every record says what it ran on
+        assert (phases[p]["result"]["weights"], phases[p]["result"]["dtype"]) == ("dummy", "bfloat16")
     assert phases["ray"]["reason"] == "Ray is not importable here"
 
     checks = phases["library"]["result"]["checks"]
@@ -171,6 +174,7 @@ def test_a_phase_past_its_box_is_killed_and_reported_as_timed_out(tmp_path):
     (["--generate-new-tokens", "2048"], "--generate-new-tokens (2048) must be <= --new-tokens (1024)"),
     (["--kv-limit-gib", "0"], "--kv-limit-gib: must be > 0"),
     (["--full-batch", "0"], "--full-batch: must be >= 1"),
+    (["--box-scale", "0"], "--box-scale: must be > 0"),
 ])
 def test_bad_arguments_exit_2_naming_the_field(argv, field, capsys):
     with pytest.raises(SystemExit) as e:
