@@ -112,13 +112,13 @@ class EngineConfig:
 
     def resolved_budget_tokens(self) -> int | None:
         """B, slots per KV head per sequence (None for a policy that never evicts)."""
-        from scissorhands import POLICIES
+        from scissorhands import POLICIES, budget_from_ratio
 
         if not POLICIES[self.policy].evicts:
             return None
         if self.budget_tokens is not None:
             return self.budget_tokens
-        return max(1, math.ceil(self.max_length_tokens / self.compression_ratio))
+        return budget_from_ratio(self.max_length_tokens, self.compression_ratio)
 
 
 @dataclass

@@ -114,6 +114,9 @@ class MetricSpec:
     `name` is the name this project gives it (ends in ``_total`` for counters); `kind` is
     ``counter``, ``gauge`` or ``histogram``; `source` is ``ray`` (live, `ray.util.metrics`) or
     ``pushgateway`` (sweep summaries); `buckets` are histogram upper bounds in the metric's unit.
+    `record_key` names the results-record key a per-point summary is read from
+    (`workloads.results`); with a ``quantile`` label it holds ``{q}``, filled with each of
+    `RECORD_QUANTILES`' keys (``ttft_{q}_s`` -> ``ttft_p50_s``).
     """
 
     name: str
@@ -122,6 +125,7 @@ class MetricSpec:
     labels: tuple[str, ...]
     source: str
     buckets: tuple[float, ...] = ()
+    record_key: str = ""
 
     @property
     def ray_name(self) -> str:
@@ -161,8 +165,13 @@ def _replica(name: str, kind: str, help: str, buckets: tuple[float, ...] = (), p
     return MetricSpec(PREFIX + name, kind, help, labels, "ray", buckets)
 
 
-def _point(name: str, help: str, extra_labels: tuple[str, ...] = ()) -> MetricSpec:
-    return MetricSpec(PREFIX + "sweep_" + name, "gauge", help, POINT_LABELS + extra_labels, "pushgateway")
+#: Record-key suffix -> the `quantile` label value of a per-point latency summary.
+RECORD_QUANTILES: dict[str, str] = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
+
+
+def _point(name: str, record_key: str, help: str, extra_labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(PREFIX + "sweep_" + name, "gauge", help, POINT_LABELS + extra_labels, "pushgateway",
+                      record_key=record_key)
 
 
 #: Every metric the project exports, live and pushed. Tests and dashboards read this list.
@@ -188,15 +197,15 @@ METRICS: tuple[MetricSpec, ...] = (
         "Token positions the policy evicted from the KV cache, summed over sequences (per KV head: tokens seen minus slots kept).",
     ),
     _replica("model_load_seconds", "gauge", "Wall time of the replica's last model load."),
-    # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id)
-    _point("output_throughput_tokens_per_second", "Output tokens finished in the window / window length."),
-    _point("total_throughput_tokens_per_second", "(Input + output tokens) / window length."),
-    _point("ttft_seconds", "Time to first token at the given quantile of the point's requests.", ("quantile",)),
-    _point("tpot_seconds", "Time per output token at the given quantile of the point's requests.", ("quantile",)),
-    _point("e2e_latency_seconds", "Request latency (start to last token) at the given quantile.", ("quantile",)),
-    _point("kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
-    _point("perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),
-    _point("accuracy_ratio", "Accuracy in 0..1 of the policy's cache on the point's task (quality runs)."),
+    # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id, point_id)
+    _point("output_throughput_tokens_per_second", "output_throughput_tok_per_s", "Output tokens finished in the window / window length."),
+    _point("total_throughput_tokens_per_second", "total_throughput_tok_per_s", "(Input + output tokens) / window length."),
+    _point("ttft_seconds", "ttft_{q}_s", "Time to first token at the given quantile of the point's requests.", ("quantile",)),
+    _point("tpot_seconds", "tpot_{q}_s", "Time per output token at the given quantile of the point's requests.", ("quantile",)),
+    _point("e2e_latency_seconds", "e2e_latency_{q}_s", "Request latency (start to last token) at the given quantile.", ("quantile",)),
+    _point("kv_cache_bytes", "kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
+    _point("perplexity", "perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),
+    _point("accuracy_ratio", "accuracy", "Accuracy in 0..1 of the policy's cache on the point's task (quality runs)."),
     # per (policy, ratio, model) of a run
     MetricSpec(
         PREFIX + "sweep_max_batch_size",

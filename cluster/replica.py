@@ -35,7 +35,6 @@ own synchronisation. The warm-up and `generate_ids` record nothing.
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import socket
@@ -397,8 +396,3 @@ def _record_forward(live: ReplicaMetrics, cache, batch: int, evicted_before: int
     evicted = cache.layers[0].evicted_tokens      # layer 0, summed over sequences
     live.add_evictions(evicted - evicted_before)
     return evicted
-
-
-def budget_from_ratio(prompt_tokens: int, new_tokens: int, compression_ratio: float) -> int:
-    """B = ceil((prompt + new) / ratio): the budget the library derives from a ratio."""
-    return math.ceil((prompt_tokens + new_tokens) / compression_ratio)

@@ -12,12 +12,12 @@ import functools
 import math
 
 from .attention import ATTN_IMPLEMENTATION
-from .cache import Budget, BudgetedCache, BudgetedLayer
+from .cache import Budget, BudgetedCache, BudgetedLayer, budget_from_ratio
 from .policies import POLICIES, Policy, get_policy
 from .quant import Int4KV, check_group_size
 from .storage import DenseKV
 
-__all__ = ["ATTN_IMPLEMENTATION", "POLICIES", "SUPPORTED_MODEL_TYPES", "Policy", "BudgetedCache", "BudgetedLayer",
+__all__ = ["ATTN_IMPLEMENTATION", "budget_from_ratio", "POLICIES", "SUPPORTED_MODEL_TYPES", "Policy", "BudgetedCache", "BudgetedLayer",
            "make_cache", "get_policy", "check_model_supported"]
 
 #: ``config.model_type`` values whose attention goes through transformers' attention interface with

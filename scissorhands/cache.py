@@ -70,6 +70,15 @@ EVICTED = -2
 CHUNK_SCORE_ELEMENTS = 1 << 21
 
 
+def budget_from_ratio(length_tokens: int, compression_ratio: float) -> int:
+    """B = ceil(L / r): the slots per KV head a ratio ``r >= 1`` leaves of ``L`` tokens (at least 1).
+
+    The one place this project computes a budget from a ratio (paper: a fixed budget B per head,
+    arXiv 2305.17118; the choices around it are listed in docs/library.md).
+    """
+    return max(1, math.ceil(length_tokens / compression_ratio))
+
+
 @dataclass
 class Budget:
     """The budget shared by all layers of one cache, resolved once.
@@ -92,7 +101,7 @@ class Budget:
                 b = self.budget_tokens
             else:
                 length = self.max_length if self.max_length is not None else first_call_length
-                b = max(1, math.ceil(length / self.compression_ratio))
+                b = budget_from_ratio(length, self.compression_ratio)
             self.recent_window, self.drop_tokens = self.policy.resolve(b)
             self.tokens = b
         return self.tokens

@@ -331,7 +331,7 @@ def test_L20_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
     torch.set_num_threads(1)
     suite = tmp_path / "l20.yaml"
     suite.write_text(yaml.safe_dump(dict(
-        name="l20", mode="rate", model="tiny-llama", policies=["full"], loads=[20], prompt_tokens=8, output_tokens=3,
+        kind="serving", name="l20", mode="rate", model="tiny-llama", policies=["full"], loads=[20], prompt_tokens=8, new_tokens=3,
         num_requests=4, warmup_requests=0, warmup_s=0.3, seed=0, replicas=1)))
     import argparse
 

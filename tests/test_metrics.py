@@ -174,23 +174,25 @@ def test_replica_metrics_rejects_negative_values(call):
 
 # --------------------------------------------------------------------------- SweepPusher, no Pushgateway
 RECORD = {
-    "run_id": "run-x", "status": "ok", "error": None, "model": "tiny-llama", "model_id": "tiny-llama",
-    "policy": "scissorhands", "compression_ratio": 5.0, "budget_tokens_requested": None, "budget_tokens": 20,
-    "batch_size": 4, "prompt_tokens": 64, "new_tokens": 8, "ttft_s": 0.05, "tpot_s": 0.01,
-    "e2e_latency_s": 0.12, "output_throughput_tok_per_s": 266.0, "total_throughput_tok_per_s": 2400.0,
+    "run_id": "run-x", "point_id": "scissorhands-r5-b4-p64-n8-s0-0a1b2c3d", "status": "ok", "error": None,
+    "model": "tiny-llama", "model_id": "tiny-llama", "policy": "scissorhands", "compression_ratio": 5.0,
+    "budget_tokens_requested": None, "budget_tokens": 20, "batch_size": 4, "prompt_tokens": 64, "new_tokens": 8,
+    "ttft_s": 0.05, "ttft_p50_s": 0.05, "ttft_p90_s": 0.05, "ttft_p99_s": 0.05, "tpot_p50_s": 0.01,
+    "e2e_latency_p50_s": 0.12, "output_throughput_tok_per_s": 266.0, "total_throughput_tok_per_s": 2400.0,
     "kv_cache_bytes": 81920,
 }
 
 
 def _sample(pusher, name, **labels):
-    for family in pusher.registry.collect():
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
+    for registry in (pusher.registry, *pusher.point_registries.values()):
+        for family in registry.collect():
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
     return None
 
 
-def test_point_labels_and_values_from_a_sweep_record():
+def test_point_labels_and_values_come_from_the_catalogue_record_keys():
     p = SweepPusher("off", "run-x")
     assert p.enabled is False and p.push_point(RECORD) is False  # disabled: no push, no error
     labels = p.point_labels(RECORD)
@@ -200,21 +202,27 @@ def test_point_labels_and_values_from_a_sweep_record():
                       "kv_bits": "", "task": "", "model": "tiny-llama"}
     assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", policy="scissorhands") == 266.0
     assert _sample(p, "scissorhands_sweep_kv_cache_bytes", batch_size="4") == 81920
-    # a static batch: every sequence has the same TTFT, so every quantile equals it
     for q in ("0.5", "0.9", "0.99"):
         assert _sample(p, "scissorhands_sweep_ttft_seconds", quantile=q) == 0.05
+    assert _sample(p, "scissorhands_sweep_tpot_seconds", quantile="0.5") == 0.01
+    assert _sample(p, "scissorhands_sweep_tpot_seconds", quantile="0.99") is None  # no tpot_p99_s: not exported
     assert _sample(p, "scissorhands_sweep_max_batch_size", policy="scissorhands") == 4
     assert _sample(p, "scissorhands_sweep_perplexity") is None  # not in the record: not exported
+    # only the catalogue's record keys are read: no other spelling is guessed
+    other = SweepPusher("off", "run-x")
+    other.push_point({k: v for k, v in RECORD.items() if not k.startswith("ttft_p")} | {"ttft_s": {"p50": 1.0}})
+    assert _sample(other, "scissorhands_sweep_ttft_seconds") is None
+    assert {m.record_key for m in METRICS if m.record_key} >= {"output_throughput_tok_per_s", "ttft_{q}_s", "perplexity"}
 
 
-def test_percentile_dicts_max_batch_and_failed_points():
+def test_each_point_has_its_own_group_and_failed_points_do_not_count():
     p = SweepPusher("off", "run-y")
-    p.push_point({**RECORD, "ttft_s": {"p50": 0.04, "p99": 0.09, "n": 100}, "batch_size": 16})
-    p.push_point({**RECORD, "batch_size": 64, "status": "error", "error": "RuntimeError: out of memory",
+    p.push_point({**RECORD, "point_id": "a", "ttft_p50_s": 0.04, "ttft_p99_s": 0.09, "batch_size": 16})
+    p.push_point({**RECORD, "point_id": "b", "batch_size": 64, "status": "error", "error": "RuntimeError: out of memory",
                   "output_throughput_tok_per_s": None})
+    assert set(p.point_registries) == {"a", "b"}
     assert _sample(p, "scissorhands_sweep_ttft_seconds", batch_size="16", quantile="0.5") == 0.04
     assert _sample(p, "scissorhands_sweep_ttft_seconds", batch_size="16", quantile="0.99") == 0.09
-    assert _sample(p, "scissorhands_sweep_ttft_seconds", batch_size="16", quantile="0.9") is None
     assert _sample(p, "scissorhands_sweep_max_batch_size") == 16  # the failed batch 64 does not count
     assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", batch_size="64") is None
     p.push_progress(2, 5)
@@ -223,9 +231,9 @@ def test_percentile_dicts_max_batch_and_failed_points():
     with pytest.raises(ValueError, match="done <= total"):
         p.push_progress(6, 5)
     # every exported family is in the catalogue
-    exposed = {f.name for f in p.registry.collect()}
+    exposed = {f.name for r in (p.registry, *p.point_registries.values()) for f in r.collect()}
     assert exposed <= exported_metric_names("pushgateway")
-    assert b"scissorhands_sweep_ttft_seconds{" in generate_latest(p.registry)
+    assert b"scissorhands_sweep_ttft_seconds{" in generate_latest(p.point_registries["a"])
 
 
 def test_pushgateway_url_resolution(monkeypatch):

@@ -113,20 +113,24 @@ def _sweep_records(run_id: str) -> list[dict]:
     for policy, ratio, bytes_factor in (("full", None, 1.0), ("scissorhands", 2.0, 0.5), ("scissorhands", 5.0, 0.2)):
         for batch in (1, 4):
             records.append({
-                "run_id": run_id, "status": "ok", "error": None, "model": "tiny-llama", "model_id": "tiny-llama",
+                "run_id": run_id, "point_id": f"{policy}-r{ratio}-b{batch}", "status": "ok", "error": None,
+                "model": "tiny-llama", "model_id": "tiny-llama",
                 "policy": policy, "compression_ratio": ratio, "budget_tokens_requested": None,
                 "batch_size": batch, "prompt_tokens": 64, "new_tokens": 8,
-                "ttft_s": 0.01 * batch, "tpot_s": 0.002 * batch, "e2e_latency_s": 0.01 * batch + 7 * 0.002 * batch,
+                **{f"{name}_{q}_s": value for q in ("p50", "p90", "p99") for name, value in
+                   (("ttft", 0.01 * batch), ("tpot", 0.002 * batch), ("e2e_latency", 0.01 * batch + 7 * 0.002 * batch))},
                 "output_throughput_tok_per_s": 100.0 * batch, "total_throughput_tok_per_s": 900.0 * batch,
                 "kv_cache_bytes": int(65536 * batch * bytes_factor),
                 "perplexity": 12.0 / bytes_factor ** 0.1, "accuracy": 0.9 * bytes_factor ** 0.05,
             })
     # a quality point of a quantized cache: no batch, a task, KV bits
-    records.append({"run_id": run_id, "status": "ok", "error": None, "kind": "fewshot", "model": "tiny-llama",
+    records.append({"run_id": run_id, "point_id": "fewshot-copa", "status": "ok", "error": None, "kind": "fewshot",
+                    "model": "tiny-llama",
                     "policy": "scissorhands", "compression_ratio": 5.0, "kv_bits": 4, "task": "copa",
                     "accuracy": 0.7, "perplexity": 14.5})
     failed = {k: v for k, v in records[-2].items() if not k.endswith(("_s", "_tok_per_s", "_bytes", "perplexity", "accuracy"))}
-    records.append({**failed, "batch_size": 16, "status": "error", "error": "RuntimeError: out of memory"})
+    records.append({**failed, "point_id": "scissorhands-r5-b16", "batch_size": 16, "status": "error",
+                    "error": "RuntimeError: out of memory"})
     return records
 
 
@@ -312,7 +316,7 @@ def test_pushed_points_keep_job_and_run_id_and_values(stack):
     assert by_key[("scissorhands", "5", "4")] == int(65536 * 4 * 0.2)
     [saved] = check.query(stack["prometheus"], (
         f'1 - (scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="scissorhands", compression_ratio="5", '
-        f'batch_size="4"}} / ignoring(policy, compression_ratio, budget_tokens, kv_bits) group_left '
+        f'batch_size="4"}} / ignoring(policy, compression_ratio, budget_tokens, kv_bits, point_id) group_left '
         f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="full"}})'))
     assert float(saved["value"][1]) == pytest.approx(0.8, abs=1e-4)
     [max_batch] = check.query(stack["prometheus"],
@@ -329,6 +333,7 @@ def test_pushed_points_keep_job_and_run_id_and_values(stack):
 
 # --------------------------------------------------------------------------- a real sweep on the tiny model
 TINY_SUITE = """\
+kind: batch
 name: metrics-test
 description: the smallest sweep that feeds every dashboard panel (tiny random-weight model)
 model: tiny-llama

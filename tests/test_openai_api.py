@@ -218,8 +218,8 @@ def test_a_suite_with_a_target_drives_the_server_over_http(model, tmp_path):
     try:
         with ServerThread(app) as url:
             suite = tmp_path / "http.yaml"
-            suite.write_text(f"name: http\nmode: concurrency\ntarget: {url}/v1\nmodel: '{SH}'\ntokenizer: tiny-llama\n"
-                             "policies: [full]\nloads: [2]\nprompt_tokens: 12\noutput_tokens: 5\nnum_requests: 6\n"
+            suite.write_text(f"kind: serving\nname: http\nmode: concurrency\ntarget: {url}/v1\nmodel: '{SH}'\ntokenizer: tiny-llama\n"
+                             "policies: [full]\nloads: [2]\nprompt_tokens: 12\nnew_tokens: 5\nnum_requests: 6\n"
                              "warmup_requests: 0\n")
             args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
                                       resume=None, address=None, pushgateway="off")

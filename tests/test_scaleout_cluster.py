@@ -96,7 +96,7 @@ def two_nodes(tmp_path_factory):
 
 
 def _suite(path: Path, **over) -> Path:
-    data = {"name": "scaleout", "model": "tiny-llama", "policies": ["full", "scissorhands"], "compression_ratios": [2],
+    data = {"kind": "batch", "name": "scaleout", "model": "tiny-llama", "policies": ["full", "scissorhands"], "compression_ratios": [2],
             "batch_sizes": [1, 2], "prompt_tokens": [8], "new_tokens": [3], "replicas": 2,
             "placement": {"strategy": "STRICT_SPREAD", "num_cpus": 1}}
     data.update(over)

@@ -22,10 +22,10 @@ from workloads import sweep
 from workloads.run import replica_resources
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
-BATCH = dict(model="tiny-llama", policies=["full"], compression_ratios=[2], batch_sizes=[1, 2], prompt_tokens=[16],
+BATCH = dict(kind="batch", model="tiny-llama", policies=["full"], compression_ratios=[2], batch_sizes=[1, 2], prompt_tokens=[16],
              new_tokens=[4], seed=0, replicas=1)
-SERVING = dict(model="tiny-llama", policies=["full"], compression_ratios=[2], mode="concurrency", loads=[1, 2],
-               prompt_tokens={"dist": "uniform", "min": 8, "max": 16}, output_tokens={"dist": "uniform", "min": 2, "max": 4},
+SERVING = dict(kind="serving", model="tiny-llama", policies=["full"], compression_ratios=[2], mode="concurrency", loads=[1, 2],
+               prompt_tokens={"dist": "uniform", "min": 8, "max": 16}, new_tokens={"dist": "uniform", "min": 2, "max": 4},
                num_requests=3, warmup_requests=0, seed=0, replicas=1)
 
 

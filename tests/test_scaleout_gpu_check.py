@@ -193,7 +193,7 @@ def test_a_mistral_run_longer_than_its_sliding_window_is_refused():
 
 
 def test_gpu_suite_is_the_suite_on_one_gpu_in_bfloat16():
-    suite = {"name": "smoke", "model": "embedded", "device": "cpu", "dtype": "float32", "replicas": 2,
+    suite = {"kind": "batch", "name": "smoke", "model": "embedded", "device": "cpu", "dtype": "float32", "replicas": 2,
              "policies": ["full"], "batch_sizes": [1], "prompt_tokens": [8], "new_tokens": [2]}
     out = gpu_check.gpu_suite(suite)
     assert (out["device"], out["dtype"], out["replicas"], out["name"]) == ("cuda", "bfloat16", 1, "smoke-gpu")
@@ -223,7 +223,7 @@ def test_bundle_pins_what_is_installed_here_for_cpython_3_12_without_dependencie
 @pytest.mark.ray
 def test_the_ray_phase_runs_the_suite_through_the_sweep(tmp_path):
     suite = tmp_path / "tiny.yaml"
-    suite.write_text("name: tiny\nmodel: tiny-llama\npolicies: [full, scissorhands]\ncompression_ratios: [2]\n"
+    suite.write_text("kind: batch\nname: tiny\nmodel: tiny-llama\npolicies: [full, scissorhands]\ncompression_ratios: [2]\n"
                      "batch_sizes: [1]\nprompt_tokens: [8]\nnew_tokens: [3]\nreplicas: 1\n")
     out = tmp_path / "out"
     rc = gpu_check.main(["--device", "cpu", "--phases", "ray", "--suite", str(suite), "--out", str(out)])

@@ -16,7 +16,7 @@ from cluster.placement import (
 from scissorhands.testing import tiny_llama
 from workloads.suite import SuiteError, parse_suite
 
-SUITE = {"name": "t", "model": "tiny-llama", "policies": ["full"], "batch_sizes": [1], "prompt_tokens": [8], "new_tokens": [2]}
+SUITE = {"kind": "batch", "name": "t", "model": "tiny-llama", "policies": ["full"], "batch_sizes": [1], "prompt_tokens": [8], "new_tokens": [2]}
 
 
 def test_defaults_spread_with_restarts():

@@ -15,7 +15,7 @@ import pytest
 from cluster import submit
 from cluster.submit import MIB, SubmitError
 
-SUITE = "name: tiny\nmodel: tiny-llama\npolicies: [full]\nbatch_sizes: [1]\nprompt_tokens: [8]\nnew_tokens: [2]\n"
+SUITE = "kind: batch\nname: tiny\nmodel: tiny-llama\npolicies: [full]\nbatch_sizes: [1]\nprompt_tokens: [8]\nnew_tokens: [2]\n"
 
 
 def _write(path: Path, size: int = 0, text: str | None = None) -> None:

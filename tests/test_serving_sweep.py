@@ -18,12 +18,11 @@ import yaml
 
 from tests.serving_fakes import FakeReplica, Script
 from workloads import sweep
-from workloads.serving_suite import load_serving_suite
 from workloads.serving_sweep import LocalReplicaPool, run_serving_sweep
-from workloads.suite import SuiteError
+from workloads.suite import SuiteError, load_suite
 
-BASE = dict(model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2],
-            prompt_tokens={"dist": "uniform", "min": 8, "max": 24}, output_tokens={"dist": "uniform", "min": 2, "max": 8},
+BASE = dict(kind="serving", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2],
+            prompt_tokens={"dist": "uniform", "min": 8, "max": 24}, new_tokens={"dist": "uniform", "min": 2, "max": 8},
             num_requests=6, warmup_requests=1, seed=0, replicas=1)
 
 
@@ -72,7 +71,7 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
     assert rc == 0
     run = tmp_path / "r" / "run"
     recs = _lines(run / "points.jsonl")
-    assert [r["point_id"] for r in recs] == [p.point_id for p in load_serving_suite(suite).points()]
+    assert [r["point_id"] for r in recs] == [p.point_id for p in load_suite(suite).points()]
     for r in recs:
         assert r["status"] == "ok" and r["stop_reason"] == "count"
         assert r["sent_requests"] == 6 and r["completed_requests"] == 6 and r["warmup_requests"] == 1
@@ -91,7 +90,7 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
 
 
 def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_path, tiny_model):
-    suite = _suite(tmp_path, mode="max_batch", prompt_tokens=40, output_tokens=10, compression_ratios=[5],
+    suite = _suite(tmp_path, mode="max_batch", prompt_tokens=40, new_tokens=10, compression_ratios=[5],
                    kv_memory_limit_bytes=6 * 50 * 528, rounds=1)
     rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
     assert rc == 0
@@ -124,8 +123,12 @@ def test_L13_missing_model_path_exits_non_zero_names_the_path_and_keeps_points(t
     before = (tmp_path / "r" / "run" / "points.jsonl").read_text()
     missing = tmp_path / "no-such-model"
     bad = _suite(tmp_path, mode="concurrency", loads=[1, 2, 4], policies=["full"], model=str(missing))
-    with pytest.raises(sweep.SweepError) as e:       # resuming the run with replicas that cannot load
+    with pytest.raises(sweep.SweepError) as e:       # resuming the run with another model: refused, nothing run
         run_serving_sweep(_args(bad, tmp_path / "r", resume="run"), pool=LocalReplicaPool(1, str(missing)))
+    assert e.value.code == 2 and "['model']" in str(e.value) and str(missing) in str(e.value)
+    assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
+    with pytest.raises(sweep.SweepError) as e:       # a new run with replicas that cannot load
+        run_serving_sweep(_args(bad, tmp_path / "r", run_id="run2"), pool=LocalReplicaPool(1, str(missing)))
     assert e.value.code == 1 and str(missing) in str(e.value)
     assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
 
@@ -235,4 +238,4 @@ def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_pat
 ])
 def test_serving_suite_errors_name_the_field(tmp_path, kw, field):
     with pytest.raises(SuiteError, match=field):
-        load_serving_suite(_suite(tmp_path, **kw))
+        load_suite(_suite(tmp_path, **kw))

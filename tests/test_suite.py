@@ -7,10 +7,10 @@ import yaml
 
 import scissorhands
 from workloads import sweep
-from workloads.suite import SuiteError, load_suite, parse_suite
+from workloads.suite import SuiteError, load_suite, parse_suite, tag_of
 
 GOOD = dict(
-    name="t", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2, 5],
+    kind="batch", name="t", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2, 5],
     batch_sizes=[1, 4], prompt_tokens=[64], new_tokens=[16], seed=0, replicas=2,
 )
 
@@ -28,7 +28,7 @@ def test_smoke_suite_is_valid_and_expands():
 
 def test_expansion_order_and_ids():
     points = parse_suite(dict(GOOD, budget_tokens=[30])).points()
-    assert [p.point_id for p in points] == [
+    assert [tag_of(p.point_id) for p in points] == [
         "full-b1-p64-n16-s0", "scissorhands-r2-b1-p64-n16-s0", "scissorhands-r5-b1-p64-n16-s0",
         "scissorhands-B30-b1-p64-n16-s0",
         "full-b4-p64-n16-s0", "scissorhands-r2-b4-p64-n16-s0", "scissorhands-r5-b4-p64-n16-s0",
@@ -45,6 +45,8 @@ def test_policy_params_change_the_id():
 
 
 BAD = [
+    ({k: v for k, v in GOOD.items() if k != "kind"}, "kind"),                    # every suite names its kind
+    (dict(GOOD, kind="batches"), "kind"),                                        # ... one of the accepted ones
     (dict(GOOD, batch_size=[1]), "batch_size"),                                  # unknown key
     (dict(GOOD, batch_sizes=["four"]), "batch_sizes[0]"),                        # wrong type
     (dict(GOOD, seed=True), "seed"),                                             # bool is not an int
@@ -120,7 +122,6 @@ def test_contention_warning(capsys):
 def test_dtype_defaults_to_auto_and_rejects_unknown_values():
     from workloads.quality.suite import QualitySuiteError
     from workloads.quality.suite import parse_suite as parse_quality
-    from workloads.serving_suite import parse_serving_suite
 
     assert parse_suite(GOOD).dtype == "auto" and parse_suite(dict(GOOD, dtype="bfloat16")).dtype == "bfloat16"
     with pytest.raises(SuiteError, match="dtype: expected one of auto, float32, bfloat16, float16, got 'fp16'"):
@@ -129,10 +130,113 @@ def test_dtype_defaults_to_auto_and_rejects_unknown_values():
         data = yaml.safe_load(open(path))
         assert data["dtype"] == "auto"
     serving = yaml.safe_load(open("workloads/suites/serving-rate.yaml"))
-    assert parse_serving_suite({k: v for k, v in serving.items() if k != "dtype"}).dtype == "auto"
+    assert parse_suite({k: v for k, v in serving.items() if k != "dtype"}).dtype == "auto"
     with pytest.raises(SuiteError, match="dtype: expected one of"):
-        parse_serving_suite(dict(serving, dtype="float64"))
+        parse_suite(dict(serving, dtype="float64"))
     quality = yaml.safe_load(open("workloads/suites/quality.yaml"))
     assert parse_quality({k: v for k, v in quality.items() if k != "dtype"}).dtype == "auto"
     with pytest.raises(QualitySuiteError, match="dtype: expected one of"):
         parse_quality(dict(quality, dtype="f32"))
+
+
+def test_missing_or_unknown_kind_names_the_accepted_values():
+    for data in ({k: v for k, v in GOOD.items() if k != "kind"}, dict(GOOD, kind="sweep")):
+        with pytest.raises(SuiteError, match=r"kind: .*\(accepted: batch, serving, quality\)"):
+            parse_suite(data)
+
+
+def test_every_shipped_suite_names_its_kind_and_loads(tmp_path):
+    from pathlib import Path
+
+    kinds = {}
+    for path in sorted(Path("workloads/suites").glob("*.yaml")):
+        kinds[path.name] = load_suite(str(path)).kind
+        assert yaml.safe_load(path.read_text())["kind"] == kinds[path.name]
+    assert kinds["smoke.yaml"] == "batch" and kinds["serving-rate.yaml"] == "serving"
+    assert kinds["quality.yaml"] == "quality"
+
+
+def test_point_id_covers_every_setting_that_changes_the_numbers():
+    """Case (issue 11): two points differing only in one policy parameter, or only in dtype, differ in id."""
+    base = parse_suite(dict(GOOD, policies=["scissorhands"], compression_ratios=[2], batch_sizes=[1])).points()
+    window = parse_suite(dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 4}}],
+                              compression_ratios=[2], batch_sizes=[1])).points()
+    bf16 = parse_suite(dict(GOOD, dtype="bfloat16", policies=["scissorhands"], compression_ratios=[2],
+                            batch_sizes=[1])).points()
+    assert len({base[0].point_id, window[0].point_id, bf16[0].point_id}) == 3
+    assert tag_of(base[0].point_id) == tag_of(bf16[0].point_id) == "scissorhands-r2-b1-p64-n16-s0"
+    assert window[0].identity["policy_params"] == {"recent_window": 4} and bf16[0].identity["dtype"] == "bfloat16"
+    # the same settings give the same id in every run (what --resume matches on)
+    assert parse_suite(dict(GOOD, policies=["scissorhands"], compression_ratios=[2], batch_sizes=[1])).points() == base
+
+
+def test_budget_formula_is_the_librarys():
+    """B = ceil(L / r) is computed once, in the library; the suite checks use it."""
+    assert scissorhands.budget_from_ratio(80, 5) == 16 and scissorhands.budget_from_ratio(81, 5) == 17
+    assert scissorhands.budget_from_ratio(3, 5) == 1
+    with pytest.raises(SuiteError, match=r"compression_ratios\[1\] \(ratio 5 at 80 tokens\): budget 16 tokens"):
+        parse_suite(dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 20}}]))
+
+
+def _record_of(suite, point, status="ok"):
+    from workloads import results
+
+    return results.build_record(kind="batch", run_id="r", commit="c", suite=suite, point=point, status=status,
+                                metrics={"budget_tokens": 16})
+
+
+def test_resume_with_a_changed_dtype_exits_2_naming_the_field(tmp_path, capsys):
+    """Case (issue 11): --resume of a batch suite whose dtype changed from float32 to bfloat16 refuses
+    with exit status 2 naming the changed field, and runs nothing (no Ray is started)."""
+    from workloads import results
+
+    data = dict(GOOD, dtype="float32", policies=["full"], batch_sizes=[1])
+    suite = parse_suite(data)
+    run_dir = tmp_path / "results" / "r"
+    run_dir.mkdir(parents=True)
+    for point in suite.points():
+        results.append_record(str(run_dir / "points.jsonl"), _record_of(suite, point))
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(dict(data, dtype="bfloat16")))
+    rc = sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "r"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "changed field(s) ['dtype']" in err and "'float32' -> 'bfloat16'" in err
+    assert len(results.read_records(str(run_dir / "points.jsonl"))) == 1    # nothing new recorded
+    # the unchanged suite resumes: its one point is done, nothing to run
+    path.write_text(yaml.safe_dump(data))
+    assert sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "r"]) == 0
+    assert "1 already done, 0 to run" in capsys.readouterr().err
+
+
+def test_points_differing_in_one_parameter_have_their_own_table_rows():
+    """Case (issue 11): the table tells apart two points that differ only in `recent_window: 4`."""
+    from workloads import results
+
+    data = dict(GOOD, policies=["scissorhands", {"name": "scissorhands", "params": {"recent_window": 4}}],
+                compression_ratios=[2], batch_sizes=[1])
+    suite = parse_suite(data)
+    records = [_record_of(suite, p) for p in suite.points()]
+    rows = results.table_rows(records)
+    assert [r["params_given"] for r in rows] == [None, "recent_window=4"]
+    table = results.markdown_table(rows).splitlines()
+    assert len(table) == 4 and "recent_window=4" in table[3] and "recent_window" not in table[2]
+    assert records[1]["policy_params"]["recent_window"] == 4 and records[0]["policy_params"]["recent_window"] is None
+
+
+def test_a_trace_suite_takes_its_lengths_and_arrivals_from_the_trace(tmp_path):
+    import json
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_time_s": 0.5 * i, "prompt_tokens": 4 + i, "output_tokens": 2 + i}) + "\n"
+                             for i in range(3)))
+    data = dict(kind="serving", mode="trace", model="tiny-llama", policies=["full"], trace_path=str(trace),
+                trace_time_scale=0.5)
+    suite = parse_suite(data)
+    assert (suite.prompt_tokens.min, suite.prompt_tokens.max, suite.new_tokens.max) == (4, 6, 4)
+    [point] = suite.points()
+    assert point.load == 0.5 and suite.load_config(point).trace_time_scale == 0.5
+    with pytest.raises(SuiteError, match="loads: not used in mode trace"):
+        parse_suite(dict(data, loads=[1]))
+    with pytest.raises(SuiteError, match="trace_path"):
+        parse_suite(dict(data, trace_path=str(tmp_path / "missing.csv")))

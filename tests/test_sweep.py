@@ -16,12 +16,13 @@ import pytest
 import yaml
 
 from workloads import sweep
+from workloads.suite import tag_of
 
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(
-    name="tiny", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2, 5],
+    kind="batch", name="tiny", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2, 5],
     batch_sizes=[1, 4], prompt_tokens=[64], new_tokens=[16], seed=0, replicas=2,
 )
 FIELDS = {
@@ -79,7 +80,7 @@ def test_sweep_records_every_point(tiny_run):
     for r in recs:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["status"] == "ok" and r["error"] is None
-        assert r["schema_version"] == 1 and r["run_id"] == "run1" and r["model_id"] == "tiny-llama"
+        assert r["schema_version"] == 2 and r["kind"] == "batch" and r["run_id"] == "run1" and r["model_id"] == "tiny-llama"
         assert len(r["git_commit"]) == 40 or r["git_commit"] == "unknown"
         assert r["input_tokens"] == r["batch_size"] * r["prompt_tokens"]
         assert r["output_tokens"] == r["batch_size"] * r["new_tokens"]
@@ -136,12 +137,16 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
     """A point that raises inside the replica becomes an `error` record; the others still run; exit 1.
 
     Validation catches bad parameters before any point runs, so the failing point is injected
-    into the expansion (history_window=0, which the policy rejects in the replica)."""
+    into the expansion: it sends the replica history_window=0, which the policy rejects there."""
     from workloads import suite as suite_mod
+
+    class BadPoint(suite_mod.Point):
+        def as_dict(self):
+            return {**super().as_dict(), "policy_params": {"history_window": 0}}
 
     real_points = suite_mod.Suite.points
     monkeypatch.setattr(suite_mod.Suite, "points", lambda self: [
-        suite_mod.Point(0, "scissorhands", {"history_window": 0}, 1.5, None, 1, 8, 2, 0), real_points(self)[0]])
+        BadPoint(0, "scissorhands", {}, 1.5, None, 1, 8, 2, 0, "bad-0", {}), real_points(self)[0]])
     suite = write_suite(tmp_path / "s.yaml", policies=["full"], compression_ratios=[], batch_sizes=[1],
                         prompt_tokens=[8], new_tokens=[2])
     rc = sweep.main([suite, "--results-dir", str(tmp_path / "results"), "--run-id", "f", "--replicas", "1"])
@@ -176,13 +181,13 @@ def test_kill_during_point_3_then_resume_starts_at_3(ray_address, tmp_path):
     finally:
         proc.wait(timeout=30)
     recs = lines(points)
-    assert [r["point_id"] for r in recs] == ["full-b1-p16-n2-s0", "full-b1-p16-n3-s0"]
+    assert [tag_of(r["point_id"]) for r in recs] == ["full-b1-p16-n2-s0", "full-b1-p16-n3-s0"]
     assert all(r["status"] == "ok" for r in recs)
 
     rc = sweep.main([suite, "--results-dir", str(results), "--resume", "k", "--address", ray_address])
     assert rc == 0
     recs = lines(points)
-    assert [r["point_id"] for r in recs] == ["full-b1-p16-n2-s0", "full-b1-p16-n3-s0", "full-b1-p16-n200-s0"]
+    assert [tag_of(r["point_id"]) for r in recs] == ["full-b1-p16-n2-s0", "full-b1-p16-n3-s0", "full-b1-p16-n200-s0"]
     assert recs[2]["output_tokens"] == 200
 
 
@@ -194,6 +199,10 @@ def test_missing_model_path_fails_and_keeps_points(tiny_run, capsys):
     suite = write_suite(tmp / "missing.yaml", model=missing)
     before = (run_dir / "points.jsonl").read_bytes()
     rc = sweep.main([suite, "--results-dir", str(run_dir.parent), "--resume", "run1"])
+    assert rc == 2                                   # resuming with another model: refused, naming it
+    err = capsys.readouterr().err
+    assert missing in err and "changed field(s) ['model']" in err
+    rc = sweep.main([suite, "--results-dir", str(run_dir.parent), "--run-id", "run-missing"])
     assert rc == 1
     err = capsys.readouterr().err
     assert missing in err and "replica failed to start" in err

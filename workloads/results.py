@@ -1,4 +1,11 @@
-"""Results of a sweep run: `results/<run_id>/points.jsonl`, `points.csv` and `table.md`.
+"""Results of a run: the one record builder, `results/<run_id>/points.jsonl`, `points.csv`, `table.md`.
+
+Every runner (batch sweep, serving sweep) builds its records with `build_record`: a typed header
+(`RecordHeader`: schema version, `kind`, run id, point id and the settings it covers, git commit,
+suite, model, dtype, policy with every resolved parameter, replica and node, start and end times)
+followed by the point's metrics under the keys the metrics catalogue (`cluster.metrics.METRICS`,
+`MetricSpec.record_key`) names. Output length is `new_tokens` everywhere (requested tokens per
+sequence); `output_tokens` is the count of tokens actually generated.
 
 `points.jsonl` holds one JSON object per line, one line per finished point (ok or error).
 Each line is appended with a single `os.write` of the complete line on an `O_APPEND` file
@@ -14,10 +21,92 @@ import json
 import os
 import sys
 import warnings
-from typing import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping
 
-SCHEMA_VERSION = 1
+from scissorhands import POLICIES
+from scissorhands.models import model_id_of
+
+SCHEMA_VERSION = 2
 MIB = 1024 * 1024
+#: Keys of a replica's `info()` copied into every record (where the point ran).
+REPLICA_KEYS = ("replica_id", "node_id", "node_ip", "accelerator_ids", "devices", "hostname", "torch_threads")
+
+
+def resolved_policy_params(policy: str | None, policy_params: dict, budget_tokens: int | None) -> dict | None:
+    """The policy's full parameter set (defaults filled in), plus the effective recent window and drop
+    count (`Policy.resolve`) for ``budget_tokens`` when one was used; None for a point without a
+    policy (a quality persistence point)."""
+    if policy is None:
+        return None
+    pol = POLICIES[policy](**policy_params)
+    params = pol.params()
+    if budget_tokens is not None:
+        params["effective_recent_window"], params["effective_drop_tokens"] = pol.resolve(int(budget_tokens))
+    return params
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """What every record starts with, whatever its kind (`batch`, `serving`)."""
+
+    schema_version: int
+    kind: str
+    run_id: str
+    point_index: int
+    point_id: str
+    point_config: dict            # every setting the point id covers (workloads.suite.point_id)
+    status: str                   # ok | error | oom | skipped
+    error: str | None
+    git_commit: str
+    suite: str
+    model: str
+    model_id: str
+    dtype: str                    # the dtype the replica ran in (the suite may ask for "auto")
+    dtype_requested: str
+    dtype_reason: str | None      # why `auto` resolved as it did (scissorhands.models.resolve_dtype)
+    device: str
+    policy: str
+    policy_params: dict           # every parameter resolved, see resolved_policy_params
+    compression_ratio: float | None
+    budget_tokens_requested: int | None
+    seed: int
+    replica_id: str | None
+    node_id: str | None
+    node_ip: str | None
+    accelerator_ids: Any
+    devices: Any
+    hostname: str | None
+    torch_threads: int | None
+    ray_nodes: Any
+    started_at_unix_s: float | None
+    finished_at_unix_s: float | None
+
+
+def build_record(*, kind: str, run_id: str, commit: str, suite, point, status: str, error: str | None = None,
+                 replica: Mapping[str, Any] | None = None, inventory: Any = None, started_at_unix_s: float | None = None,
+                 finished_at_unix_s: float | None = None, metrics: Mapping[str, Any] | None = None) -> dict:
+    """The record of one finished point: the `RecordHeader` fields, then `metrics` (which may add
+    `budget_tokens`, the B used; the resolved policy parameters follow it).
+
+    `suite` and `point` are a suite model of `workloads.suite` and one of its points (`index`,
+    `point_id`, `identity`, `policy`, `policy_params`, `compression_ratio`, `budget_tokens`, `seed`);
+    `replica` is the replica's `info()` (None when the point never reached one).
+    """
+    metrics = dict(metrics or {})
+    replica = replica or {}
+    header = RecordHeader(
+        schema_version=SCHEMA_VERSION, kind=kind, run_id=run_id, point_index=point.index, point_id=point.point_id,
+        point_config=point.identity, status=status, error=error, git_commit=commit, suite=suite.name,
+        model=suite.model, model_id=metrics.pop("model_id", None) or replica.get("model_id") or model_id_of(suite.model),
+        dtype=replica.get("dtype") or suite.dtype, dtype_requested=suite.dtype, dtype_reason=replica.get("dtype_reason"),
+        device=suite.device, policy=point.policy,
+        policy_params=resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
+        compression_ratio=point.compression_ratio, budget_tokens_requested=point.budget_tokens, seed=point.seed,
+        **{k: replica.get(k) for k in REPLICA_KEYS}, ray_nodes=inventory, started_at_unix_s=started_at_unix_s,
+        finished_at_unix_s=finished_at_unix_s,
+    )
+    return {**asdict(header), **metrics}
 
 
 def append_record(path: str, record: dict) -> None:
@@ -87,14 +176,35 @@ def repair_points_file(path: str, who: str) -> None:
         print(f"{who}: cut an incomplete last line ({cut} bytes) off {path}", file=sys.stderr)
 
 
-def completed_point_ids(records: Iterable[dict], model: str | None = None) -> set[str]:
-    """Point ids that have an `ok` record (for `model`, the suite's model spec, when given)."""
-    return {r["point_id"] for r in records if r.get("status") == "ok" and (model is None or r.get("model") == model)}
+def completed_point_ids(records: Iterable[dict]) -> set[str]:
+    """Point ids that have an `ok` record."""
+    return {r["point_id"] for r in records if r.get("status") == "ok"}
+
+
+def changed_settings(records: Iterable[dict], points: Iterable) -> dict[str, dict[str, tuple]]:
+    """Points of a resumed run whose settings changed since they were recorded.
+
+    A record and a point match when their readable tags match (`workloads.suite.tag_of`: policy,
+    budget, shape) but their ids differ, i.e. some setting the id covers changed (model, dtype,
+    device, lengths, load, limits, policy parameters). Returns point id -> {field: (recorded, now)}.
+    """
+    from workloads.suite import tag_of
+
+    by_tag = {tag_of(r["point_id"]): r for r in records if r.get("point_config")}
+    out = {}
+    for p in points:
+        old = by_tag.get(tag_of(p.point_id))
+        if old is not None and old["point_id"] != p.point_id:
+            was = old["point_config"]
+            now = json.loads(json.dumps(p.identity, default=str))
+            out[p.point_id] = {k: (was.get(k), now.get(k)) for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)}
+    return out
 
 
 # -- table --------------------------------------------------------------------------------
 COLUMNS = [  # (header with unit, record key, format)
     ("policy", "policy", "s"),
+    ("params", "params_given", "s"),
     ("ratio (x)", "compression_ratio", "g"),
     ("batch", "batch_size", "d"),
     ("prompt (tok)", "prompt_tokens", "d"),
@@ -149,13 +259,16 @@ def table_rows(records: Iterable[dict]) -> list[dict]:
         ref = full.get((r.get("batch_size"), r.get("prompt_tokens"), r.get("new_tokens"), r.get("seed")))
         row["kv_cache_mib"] = kv / MIB if kv is not None else None
         row["kv_saved_vs_full_x"] = ref / kv if (ref and kv) else None
+        given = (r.get("point_config") or {}).get("policy_params") or {}
+        row["params_given"] = ", ".join(f"{k}={v}" for k, v in sorted(given.items())) or None
         rss = r.get("peak_rss_bytes")
         row["peak_rss_mib"] = rss / MIB if rss is not None else None
         rows.append(row)
     return rows
 
 
-def _fmt(value, fmt: str) -> str:
+def format_value(value, fmt: str) -> str:
+    """`value` in `fmt`, '-' for None, `str(value)` when the format does not apply."""
     if value is None:
         return "-"
     try:
@@ -167,7 +280,7 @@ def _fmt(value, fmt: str) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """The sweep table as aligned Markdown; every numeric column carries its unit in the header."""
     header = [h for h, _, _ in COLUMNS]
-    body = [[_fmt(r.get(k), f) for _, k, f in COLUMNS] for r in rows]
+    body = [[format_value(r.get(k), f) for _, k, f in COLUMNS] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -171,22 +171,41 @@ def error_message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:2000]}"
 
 
-def resolved_policy_params(policy: str | None, policy_params: dict, budget_tokens: int | None) -> dict | None:
-    """The policy's full parameter set (defaults filled in), plus the effective recent window and drop
-    count for ``budget_tokens``, as recorded with every point; None without a policy. Never raises
-    (recording must not fail a point): on any error, the parameters as given."""
-    if policy is None:
-        return None
-    try:
-        from scissorhands import POLICIES
+def load_suite_of_kind(path: str, kind: str | None):
+    """`workloads.suite.load_suite(path)`, which must be of `kind` (any kind for None).
 
-        pol = POLICIES[policy](**policy_params)
-        params = pol.params()
-        if budget_tokens is not None:
-            params["effective_recent_window"], params["effective_drop_tokens"] = pol.resolve(int(budget_tokens))
-        return params
-    except Exception:  # noqa: BLE001
-        return dict(policy_params)
+    Raises:
+        SweepError: (exit 2) the suite is invalid (the message names the field) or of another kind.
+    """
+    from workloads.suite import SuiteError, load_suite
+
+    try:
+        suite = load_suite(path)
+    except SuiteError as e:
+        raise SweepError(str(e), 2) from None
+    if kind is not None and suite.kind != kind:
+        raise SweepError(f"kind: {path} is a {suite.kind} suite; this runner takes kind {kind}", 2)
+    return suite
+
+
+def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...] = ("ok",)) -> list:
+    """The points of a (resumed) run still to run: those without a record in ``done_statuses``.
+
+    Raises:
+        SweepError: (exit 2) a point recorded in this run has changed settings since (the suite was
+            edited: model, dtype, device, lengths, load, limits or policy parameters); the message
+            names the changed fields with their recorded and new values. Start a new run instead.
+    """
+    records = res.read_records(points_path)
+    changed = res.changed_settings(records, points)
+    if changed:
+        fields = sorted({k for diff in changed.values() for k in diff})
+        first = next(iter(changed.values()))
+        detail = ", ".join(f"{k}: {first[k][0]!r} -> {first[k][1]!r}" for k in fields if k in first)
+        raise SweepError(f"--resume: the suite changed since its points were recorded; changed field(s) {fields} "
+                         f"({detail}) in {len(changed)} point(s); start a new run (--run-id) for the new settings", 2)
+    done = {r["point_id"] for r in records if r.get("status") in done_statuses}
+    return [p for p in points if p.point_id not in done]
 
 
 @dataclass
@@ -214,7 +233,7 @@ def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
     commit = git_commit()
     if not (run_dir / "run.json").exists():
         meta = {"run_id": run_id, "suite_file": args.suite,
-                "suite": json.loads(json.dumps(dataclasses.asdict(suite), default=str)), "git_commit": commit,
+                "suite": suite.model_dump(mode="json") if hasattr(suite, "model_dump") else json.loads(json.dumps(dataclasses.asdict(suite), default=str)), "git_commit": commit,
                 "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
         res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return OpenedRun(run_id, run_dir, points_path, commit)

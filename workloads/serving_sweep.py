@@ -30,10 +30,9 @@ from typing import Any, Protocol
 
 from workloads import results as res
 from workloads.loadgen import run_load
-from workloads.run import (SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources,
-                           resolved_policy_params)
-from workloads.serving_suite import ServingPoint, ServingSuite, load_serving_suite
-from workloads.suite import SuiteError
+from workloads.run import (SweepError, error_message, init_ray, load_suite_of_kind, open_run, pending_points,
+                           record_run_dtypes, replica_resources)
+from workloads.serving_suite import ServingPoint, ServingSuite
 
 TERMINAL = ("ok", "oom", "skipped")
 
@@ -244,7 +243,7 @@ class HTTPTargetPool:
 # ---------------------------------------------------------------------------- one point
 def _requests_for(suite: ServingSuite, point: ServingPoint, cfg, n: int, tokenizer, vocab_size: int | None):
     """The point's requests, as its load pattern builds them (drawn lengths, or a trace's rows)."""
-    return cfg.pattern.requests(max(1, n), suite.prompt_tokens, suite.output_tokens, seed=suite.seed + 7919 * point.index,
+    return cfg.pattern.requests(max(1, n), suite.prompt_tokens, suite.new_tokens, seed=suite.seed + 7919 * point.index,
                                 tokenizer=tokenizer, vocab_size=vocab_size, prefix=point.point_id)
 
 
@@ -260,7 +259,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
         return {"status": "error", "stop_reason": "configure failed", "error": error_message(e)}
     max_batch = None
     if suite.mode == "max_batch":
-        max_batch = pool.max_batch_for(suite.prompt_tokens.upper, suite.output_tokens.upper)
+        max_batch = pool.max_batch_for(suite.prompt_tokens.upper, suite.new_tokens.upper)
         out["max_batch_size"] = max_batch
         if max_batch < 1:
             return {**out, "status": "error", "stop_reason": "does not fit",
@@ -316,37 +315,20 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
 # ---------------------------------------------------------------------------- the sweep
 def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory, body: dict, t0, t1,
             dtype_info: dict | None = None) -> dict:
-    rec = {
-        "schema_version": res.SCHEMA_VERSION, "run_id": run_id, "point_index": point.index, "point_id": point.point_id,
-        "git_commit": commit, "suite": suite.name, "mode": suite.mode, "model": suite.model, "model_id": suite.model,
-        # the dtype the replicas run in and why (suite.dtype may be "auto"; see resolve_dtype)
-        "dtype": (dtype_info or {}).get("dtype") or suite.dtype, "dtype_requested": suite.dtype,
-        "dtype_reason": (dtype_info or {}).get("dtype_reason"),
-        "device": suite.device, "policy": point.policy, "policy_params": point.policy_params,
-        "compression_ratio": point.compression_ratio, "budget_tokens_requested": point.budget_tokens,
-        "series": point.series, "load": point.load, "seed": point.seed,
-        # exact lengths when fixed (labels of the pushed series), the distributions always
-        "prompt_tokens": suite.prompt_tokens.value if suite.prompt_tokens.dist == "fixed" else None,
-        "new_tokens": suite.output_tokens.value if suite.output_tokens.dist == "fixed" else None,
-        "prompt_tokens_dist": dataclasses.asdict(suite.prompt_tokens),
-        "output_tokens_dist": dataclasses.asdict(suite.output_tokens),
-        "batch_size": point.load if suite.mode == "serving-batch" else None,
-        "concurrency": point.load if suite.mode == "concurrency" else None,
-        "request_rate": point.load if suite.mode == "rate" else None,
-        "ray_nodes": inventory, "started_at_unix_s": t0, "finished_at_unix_s": t1,
-        "target": suite.target,
-    }
-    try:
-        from scissorhands.models import model_id_of
-
-        rec["model_id"] = model_id_of(suite.model)
-    except Exception:  # noqa: BLE001 - test model names
-        pass
-    rec.update(body)
-    if suite.mode == "max_batch":
-        rec["batch_size"] = body.get("max_batch_size")
-    # every parameter with its default filled in, plus the effective recent window / drop count for B
-    rec["policy_params"] = resolved_policy_params(point.policy, point.policy_params, body.get("budget_tokens"))
+    """`dtype_info`: the dtype the replicas run in and why (`dtype`, `dtype_reason`; the suite may ask for auto)."""
+    body = dict(body)
+    rec = res.build_record(kind="serving", run_id=run_id, commit=commit, suite=suite, point=point,
+                           status=body.pop("status"), error=body.pop("error", None), replica=dtype_info, inventory=inventory,
+                           started_at_unix_s=t0, finished_at_unix_s=t1, metrics=body)
+    fixed = lambda d: d.value if d.dist == "fixed" else None  # noqa: E731 - exact lengths label the pushed series
+    rec.update(mode=suite.mode, series=point.series, load=point.load, target=suite.target,
+               prompt_tokens=fixed(suite.prompt_tokens), new_tokens=fixed(suite.new_tokens),
+               prompt_tokens_dist=dataclasses.asdict(suite.prompt_tokens),
+               new_tokens_dist=dataclasses.asdict(suite.new_tokens),
+               batch_size=body.get("max_batch_size") if suite.mode == "max_batch"
+               else point.load if suite.mode == "serving-batch" else None,
+               concurrency=point.load if suite.mode == "concurrency" else None,
+               request_rate=point.load if suite.mode == "rate" else None)
     return rec
 
 
@@ -414,14 +396,7 @@ TABLE = [  # (header with unit, key, format)
 
 def table_markdown(records: list[dict]) -> str:
     """The serving points as a Markdown table; every numeric column has its unit in the header."""
-    def fmt(v, f):
-        if v is None:
-            return "-"
-        try:
-            return format(v, f)
-        except (TypeError, ValueError):
-            return str(v)
-
+    fmt = res.format_value
     rows = []
     for r in sorted(records, key=lambda r: r.get("point_index", 0)):
         g = lambda k, f=".3g": fmt(r.get(k), f)  # noqa: E731
@@ -462,19 +437,16 @@ def finish_run(run_dir: Path, suite: ServingSuite, points_path: str) -> list[dic
 
 def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
     """`workloads.sweep` entry for serving suites (same arguments); `pool` injects replicas (tests)."""
-    try:
-        suite = load_serving_suite(args.suite)
-    except SuiteError as e:
-        raise SweepError(str(e), 2) from None
+    suite = load_suite_of_kind(args.suite, "serving")
     if args.replicas is not None:
         if args.replicas < 1:
             raise SweepError(f"--replicas: must be >= 1, got {args.replicas}", 2)
-        suite = dataclasses.replace(suite, replicas=args.replicas)
+        suite = suite.model_copy(update={"replicas": args.replicas})
     run = open_run(args, suite, "sweep")
     run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
-    done = {r["point_id"] for r in res.read_records(points_path) if r.get("status") in TERMINAL}
-    pending = [p for p in suite.points() if p.point_id not in done]
-    print(f"sweep: run {run_id} ({suite.mode}): {len(suite.points())} points, {len(done)} already done, "
+    pending = pending_points(points_path, suite.points(), TERMINAL)
+    done = len(suite.points()) - len(pending)
+    print(f"sweep: run {run_id} ({suite.mode}): {len(suite.points())} points, {done} already done, "
           f"{len(pending)} to run on {suite.replicas} replica(s); results in {run_dir}/", file=sys.stderr)
     failed = 0
     if pending:
@@ -499,8 +471,8 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
             print(f"sweep: {len(infos)} serving replica(s) ready", file=sys.stderr)
             from workloads.push import PointPublisher, SweepPusher
 
-            publish = PointPublisher(points_path, SweepPusher(getattr(args, "pushgateway", None), run_id),
-                                     done=len(done), planned=len(suite.points()))
+            publish = PointPublisher(points_path, SweepPusher(args.pushgateway, run_id),
+                                     done=done, planned=len(suite.points()))
             failed = run_serving_points(pool, suite, run_id, points_path, commit=commit, inventory=inventory,
                                         tokenizer=tokenizer, vocab_size=vocab,
                                         log=lambda s: print(s, file=sys.stderr), publish=publish,

@@ -1,7 +1,9 @@
-"""Sweep suites: a typed YAML config validated on load, expanded into points.
+"""Suites: one front door (`load_suite`) for every kind, typed pydantic models validated on load.
 
-A suite file (YAML, read with `yaml.safe_load`) looks like::
+A suite file (YAML, read with `yaml.safe_load`) names its kind first; `load_suite` dispatches on
+it and nothing else::
 
+    kind: batch              # batch | serving | quality
     name: smoke
     description: the question this suite answers
     model: embedded          # "embedded", an HF id, a local folder; "tiny-llama" is test-only
@@ -15,14 +17,21 @@ A suite file (YAML, read with `yaml.safe_load`) looks like::
     budget_tokens: []            # absolute budgets B (slots per KV head), optional
     batch_sizes: [1, 4, 16]
     prompt_tokens: [512]
-    new_tokens: [64]
+    new_tokens: [64]             # output length, the same name in every suite and record
     seed: 0
     replicas: 2
     placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
 
-Points are policy x budget (every ratio and every absolute budget) x batch size x prompt
+`kind: serving` suites are `workloads.serving_suite.ServingSuite`; `kind: quality` suites are
+`workloads.quality.suite.QualitySuite`. Every kind shares `SuiteBase`: the model settings, the
+policy list (each entry checked by the library's own `scissorhands.policies.get_policy`), the
+budgets and their expansion (`SuiteBase.budgets`), with the budget formula taken from the
+library (`scissorhands.budget_from_ratio`).
+
+Batch points are policy x budget (every ratio and every absolute budget) x batch size x prompt
 tokens x new tokens; `full` runs once per batch/prompt/new combination, not once per budget.
-Every error is a `SuiteError` whose message names the field and the accepted values.
+Every error is a `SuiteError` whose message names the field (`policies[1]`, `seed`) and the
+accepted values; the runners exit with status 2 on it.
 """
 
 from __future__ import annotations
@@ -30,33 +39,188 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, ValidationInfo, field_validator, model_validator
 
-from cluster.placement import PlacementConfig, PlacementError, parse_placement
+from cluster.placement import PlacementConfig, parse_placement
+from scissorhands import POLICIES, budget_from_ratio
+from scissorhands.models import DTYPE_CHOICES
+from scissorhands.policies import get_policy
+
+KINDS = ("batch", "serving", "quality")
+
 
 class SuiteError(ValueError):
     """A suite that cannot run; the message names the field."""
 
 
-@dataclass(frozen=True)
-class PolicySpec:
+# -- shared number types (pydantic strict: 2.0 and True are not integers) -------------------
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+Ratio = Annotated[float, Field(ge=1, allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Name = Annotated[str, Field(min_length=1)]
+
+
+def _one_or_many(value: Any) -> Any:
+    """A scalar where a list is expected is a one-element list."""
+    return value if isinstance(value, (list, tuple)) or value is None else [value]
+
+
+class PolicySpec(BaseModel):
     """One policy of a suite: a key of `scissorhands.POLICIES` and its keyword parameters."""
 
-    name: str
-    params: dict = field(default_factory=dict)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Name
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r} (valid policies: {', '.join(POLICIES)})")
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _accepted_by_the_policy(cls, params: dict, info: ValidationInfo) -> dict:
+        if info.data.get("name") in POLICIES:
+            get_policy(info.data["name"], **params)     # ValueError naming the parameter
+        return params
+
+    @property
+    def policy(self):
+        """The library's policy instance for these parameters."""
+        return get_policy(self.name, **self.params)
+
+    def tag(self) -> str:
+        """The policy's part of a readable point id: the name, plus a digest of explicit params."""
+        if not self.params:
+            return self.name
+        return f"{self.name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
+
+
+def _placement(value: Any) -> PlacementConfig:
+    return parse_placement(value)
+
+
+class SuiteBase(BaseModel):
+    """What every kind of suite shares; subclasses add their axes and `points()`.
+
+    Subclasses name the total lengths their ratios apply to in `budget_lengths()` (prompt + new
+    tokens), so the budget check below runs once for every kind.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    kind: str
+    name: Name = "suite"
+    description: str = ""
+    model: Name = "embedded"
+    dtype: Literal[DTYPE_CHOICES] = "auto"      # auto: bfloat16 where faster (scissorhands.models.resolve_dtype)
+    device: Name = "cpu"
+    policies: Annotated[tuple[PolicySpec, ...], Field(min_length=1)]
+    compression_ratios: tuple[Ratio, ...] = ()
+    budget_tokens: tuple[PositiveInt, ...] = ()
+    seed: NonNegativeInt = 0
+    replicas: PositiveInt = 2
+    placement: Annotated[PlacementConfig, PlainValidator(_placement), PlainSerializer(dataclasses.asdict)] = Field(default_factory=PlacementConfig)
+
+    _list_fields: ClassVar[tuple[str, ...]] = ("compression_ratios", "budget_tokens", "policies")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalars_to_lists(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = {k: (_one_or_many(v) if k in cls._list_fields else v) for k, v in data.items()}
+            for k in ("compression_ratios", "budget_tokens"):
+                if data.get(k) is None:
+                    data.pop(k, None)
+        return data
+
+    @field_validator("policies")
+    @classmethod
+    def _distinct(cls, value: tuple[PolicySpec, ...]) -> tuple[PolicySpec, ...]:
+        if len({(p.name, json.dumps(p.params, sort_keys=True)) for p in value}) != len(value):
+            raise ValueError("the same policy with the same params is listed twice")
+        return value
+
+    def budget_lengths(self) -> list[int]:
+        """Total lengths (prompt + new tokens) the compression ratios apply to."""
+        return []
+
+    def budgets(self, policy: PolicySpec) -> list[tuple[float | None, int | None]]:
+        """(compression_ratio, budget_tokens) pairs of `policy`: one `(None, None)` for a policy that
+        never evicts (`full`), else every ratio, then every absolute budget."""
+        if not POLICIES[policy.name].evicts:
+            return [(None, None)]
+        return [(r, None) for r in self.compression_ratios] + [(None, b) for b in self.budget_tokens]
+
+    @model_validator(mode="after")
+    def _budgets_fit_every_policy(self) -> "SuiteBase":
+        for i, spec in enumerate(self.policies):
+            if not POLICIES[spec.name].evicts:
+                continue
+            if not self.compression_ratios and not self.budget_tokens:
+                raise SuiteError(f"compression_ratios: policy {spec.name!r} needs at least one compression ratio "
+                                 "or budget_tokens entry")
+            checks = [(f"budget_tokens[{j}]", b) for j, b in enumerate(self.budget_tokens)]
+            checks += [(f"compression_ratios[{j}] (ratio {r:g} at {n} tokens)", budget_from_ratio(n, r))
+                       for j, r in enumerate(self.compression_ratios) for n in self.budget_lengths()]
+            for where, b in checks:
+                _check_budget(where, spec, b)
+        return self
+
+    def identity(self) -> dict:
+        """The suite-level settings that change a point's numbers (part of every point's identity)."""
+        return {"model": self.model, "dtype": self.dtype, "device": self.device}
+
+
+def _check_budget(where: str, spec: PolicySpec, budget: int) -> None:
+    """A budget must leave room for the policy's protected windows (`Policy.resolve` says which)."""
+    try:
+        spec.policy.resolve(budget)
+    except ValueError as e:
+        raise SuiteError(f"{where}: budget {budget} tokens: {e} (policy {spec.name!r})") from None
+
+
+def point_id(tag: str, identity: dict) -> str:
+    """A readable tag plus a digest of everything that changes the point's numbers.
+
+    Two points differ in id exactly when one of their settings differs; `tag` (policy, budget,
+    shape) only makes the id readable, and `workloads.run.pending_points` compares the settings
+    of points with the same tag when a run is resumed.
+    """
+    digest = hashlib.sha1(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{tag}-{digest}"
+
+
+def tag_of(point_id_: str) -> str:
+    """The readable tag of a point id (what `point_id` put before the digest)."""
+    return point_id_.rsplit("-", 1)[0]
+
+
+def budget_tag(ratio: float | None, budget: int | None) -> str:
+    """The budget's part of a readable point id: ``-B<slots>``, ``-r<ratio>`` or nothing (`full`)."""
+    return f"-B{budget}" if budget is not None else f"-r{ratio:g}" if ratio is not None else ""
 
 
 @dataclass(frozen=True)
 class Point:
-    """One static batch of the sweep.
+    """One static batch of a batch suite.
 
     `compression_ratio` is None for absolute budgets and for `full`; `budget_tokens` is the
-    requested absolute budget (None when derived from the ratio, or for `full`).
+    requested absolute budget (None when derived from the ratio, or for `full`). `identity` holds
+    every setting that changes the point's numbers (model, dtype, device, policy and parameters,
+    budget, shape, seed); `point_id` is derived from it.
     """
 
     index: int
@@ -68,46 +232,29 @@ class Point:
     prompt_tokens: int
     new_tokens: int
     seed: int
-
-    @property
-    def point_id(self) -> str:
-        """Stable, readable id: the same config gives the same id across runs (used by resume)."""
-        tag = self.policy
-        if self.policy_params:
-            digest = hashlib.sha1(json.dumps(self.policy_params, sort_keys=True).encode()).hexdigest()[:8]
-            tag += f"@{digest}"
-        if self.budget_tokens is not None:
-            tag += f"-B{self.budget_tokens}"
-        elif self.compression_ratio is not None:
-            tag += f"-r{self.compression_ratio:g}"
-        return f"{tag}-b{self.batch_size}-p{self.prompt_tokens}-n{self.new_tokens}-s{self.seed}"
+    point_id: str
+    identity: dict
 
     def as_dict(self) -> dict:
         """The mapping `cluster.replica.ModelReplica.run_batch` takes."""
         d = dataclasses.asdict(self)
-        d.pop("index")
+        for k in ("index", "point_id", "identity"):
+            d.pop(k)
         return d
 
 
-@dataclass(frozen=True)
-class Suite:
-    """A validated suite (see the module docstring for the YAML form)."""
+class Suite(SuiteBase):
+    """A batch suite (`kind: batch`; see the module docstring for the YAML form)."""
 
-    name: str
-    policies: tuple[PolicySpec, ...]
-    batch_sizes: tuple[int, ...]
-    prompt_tokens: tuple[int, ...]
-    new_tokens: tuple[int, ...]
-    description: str = ""
-    model: str = "embedded"
-    dtype: str = "auto"
-    device: str = "cpu"
-    compression_ratios: tuple[float, ...] = ()
-    budget_tokens: tuple[int, ...] = ()
-    seed: int = 0
-    replicas: int = 2
-    # resources and node placement of each replica (see cluster.placement)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    kind: Literal["batch"]
+    batch_sizes: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
+    prompt_tokens: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
+    new_tokens: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
+
+    _list_fields = SuiteBase._list_fields + ("batch_sizes", "prompt_tokens", "new_tokens")
+
+    def budget_lengths(self) -> list[int]:
+        return sorted({p + n for p in self.prompt_tokens for n in self.new_tokens})
 
     def points(self) -> list[Point]:
         """Expand into points, in suite order (batch, prompt, new, policy, budget)."""
@@ -116,184 +263,85 @@ class Suite:
             for prompt in self.prompt_tokens:
                 for new in self.new_tokens:
                     for pol in self.policies:
-                        if pol.name == "full":
-                            budgets: list[tuple[float | None, int | None]] = [(None, None)]
-                        else:
-                            budgets = [(r, None) for r in self.compression_ratios]
-                            budgets += [(None, b) for b in self.budget_tokens]
-                        for ratio, budget in budgets:
-                            out.append(Point(len(out), pol.name, dict(pol.params), ratio, budget, batch, prompt, new, self.seed))
+                        for ratio, budget in self.budgets(pol):
+                            ident = dict(self.identity(), policy=pol.name, policy_params=dict(pol.params),
+                                         compression_ratio=ratio, budget_tokens=budget, batch_size=batch,
+                                         prompt_tokens=prompt, new_tokens=new, seed=self.seed)
+                            tag = f"{pol.tag()}{budget_tag(ratio, budget)}-b{batch}-p{prompt}-n{new}-s{self.seed}"
+                            out.append(Point(len(out), pol.name, dict(pol.params), ratio, budget, batch, prompt, new,
+                                             self.seed, point_id(tag, ident), ident))
         return out
 
 
-_REQUIRED = ("policies", "batch_sizes", "prompt_tokens", "new_tokens")
-_FIELDS = {f.name for f in dataclasses.fields(Suite)}
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "json-or-python", "lax-or-strict")):
+            out += ("." if out else "") + str(part)
+    return out
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SuiteError(f"{name}: expected an integer >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise SuiteError(f"{name}: must be >= {minimum}, got {value}")
-    return value
+def _message(e: ValidationError, cls: type[BaseModel]) -> str:
+    """One line per error, each naming its field (``policies[1]: ...``) and what was given."""
+    lines = []
+    for err in e.errors(include_url=False):
+        where, msg = _where(err["loc"]), err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key" + (f" (accepted: {', '.join(cls.model_fields)})" if len(err["loc"]) == 1 else "")
+        elif err["type"] == "missing":
+            msg = "missing required key"
+        elif err["type"] == "literal_error":
+            accepted = err["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
+            msg = f"expected one of {accepted}, got {err['input']!r}"
+        elif err["type"] not in ("value_error", "assertion_error") and "input" in err:
+            msg += f", got {err['input']!r}"
+        lines.append(msg if where and msg.startswith(where.split("[")[0]) else f"{where or 'suite'}: {msg}")
+    return "; ".join(lines)
 
 
-def _str(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise SuiteError(f"{name}: expected a non-empty string, got {value!r} ({type(value).__name__})")
-    return value
+def _suite_classes() -> dict[str, type]:
+    from workloads.serving_suite import ServingSuite
+
+    return {"batch": Suite, "serving": ServingSuite}
 
 
-def _list(name: str, value: Any, allow_empty: bool) -> list:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = [value]  # a scalar is a one-element list
-    if not isinstance(value, list):
-        raise SuiteError(f"{name}: expected a list, got {value!r} ({type(value).__name__})")
-    if not value and not allow_empty:
-        raise SuiteError(f"{name}: must not be empty")
-    return value
+def parse_suite(data: Any, source: str = "<suite>"):
+    """Validate a parsed YAML mapping into the suite model its `kind` names.
 
-
-def policy_classes() -> dict:
-    """The policy classes by name (``scissorhands.POLICIES``)."""
-    from scissorhands import POLICIES
-
-    return dict(POLICIES)
-
-
-def parse_policy(i: int, value: Any, classes: dict) -> tuple[PolicySpec, Any]:
-    """Entry ``i`` of a suite's ``policies`` (a name or ``{name, params}``) -> its spec and a policy instance.
-
+    Returns:
+        `Suite` (batch), `workloads.serving_suite.ServingSuite` or `workloads.quality.suite.QualitySuite`.
     Raises:
-        SuiteError: naming ``policies[i]``: not a name or mapping, unknown keys, unknown policy (lists the
-            valid ones), unknown parameters (lists the accepted ones) or a parameter the policy rejects.
-    """
-    where = f"policies[{i}]"
-    if isinstance(value, str):
-        name, params = value, {}
-    elif isinstance(value, dict):
-        unknown = set(value) - {"name", "params"}
-        if unknown:
-            raise SuiteError(f"{where}: unknown key(s) {sorted(unknown)} (accepted: name, params)")
-        name = _str(f"{where}.name", value.get("name"))
-        params = value.get("params") or {}
-        if not isinstance(params, dict):
-            raise SuiteError(f"{where}.params: expected a mapping, got {params!r}")
-    else:
-        raise SuiteError(f"{where}: expected a policy name or {{name, params}}, got {value!r}")
-    if name not in classes:
-        raise SuiteError(f"{where}: unknown policy {name!r} (valid policies: {', '.join(sorted(classes))})")
-    cls = classes[name]
-    accepted = sorted(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else None
-    if accepted is not None:
-        unknown = sorted(set(params) - set(accepted))
-        if unknown:
-            raise SuiteError(
-                f"{where}.params: unknown parameter(s) {unknown} for policy {name!r} (accepted: {', '.join(accepted) or 'none'})"
-            )
-    try:
-        instance = cls(**params)
-    except (TypeError, ValueError) as e:
-        raise SuiteError(f"{where}.params: {e}") from None
-    return PolicySpec(name, dict(params)), instance
-
-
-def check_budget(field_name: str, policy_name: str, instance: Any, budget: int) -> None:
-    """A budget must leave room for the recent window (budget >= recent_window + 1)."""
-    recent = getattr(instance, "recent_window", None)
-    if recent is not None and budget < recent + 1:
-        raise SuiteError(
-            f"{field_name}: budget {budget} tokens is below recent_window + 1 = {recent + 1} "
-            f"for policy {policy_name!r}; use a larger budget or a smaller recent_window"
-        )
-    resolve = getattr(instance, "resolve", None)
-    if callable(resolve):
-        try:
-            resolve(budget)
-        except ValueError as e:
-            raise SuiteError(f"{field_name}: {e} (policy {policy_name!r})") from None
-
-
-def parse_suite(data: Any, source: str = "<suite>") -> Suite:
-    """Validate a parsed YAML mapping into a `Suite`.
-
-    Raises:
-        SuiteError: unknown key, wrong type, ratio < 1, unknown policy (lists the valid names),
-            unknown policy parameter, budget below recent_window + 1, empty list, etc.
+        SuiteError: not a mapping, `kind` missing or not one of batch/serving/quality, or any field
+            invalid (the message names it: unknown key, wrong type, ratio < 1, unknown policy with the
+            valid names, unknown policy parameter, budget below the policy's windows, empty list).
     """
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
-    if data.get("mode", "batch") != "batch":         # serving modes: workloads.serving_suite
-        raise SuiteError(f"mode: {data['mode']!r} is a serving mode; this loader reads mode 'batch' suites")
-    data = {k: v for k, v in data.items() if k != "mode"}
-    unknown = sorted(set(data) - _FIELDS)
-    if unknown:
-        raise SuiteError(f"{source}: unknown key(s) {unknown} (accepted: {', '.join(sorted(_FIELDS))})")
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise SuiteError(f"{source}: missing required key(s) {missing}")
+    kind = data.get("kind")
+    if kind not in KINDS:
+        raise SuiteError(f"kind: {'missing' if kind is None else f'unknown kind {kind!r}'} "
+                         f"(accepted: {', '.join(KINDS)}); every suite names its kind")
+    if kind == "quality":
+        from workloads.quality.suite import QualitySuiteError
+        from workloads.quality.suite import parse_suite as parse_quality
 
-    kw: dict[str, Any] = {}
-    kw["name"] = _str("name", data.get("name", os.path.splitext(os.path.basename(source))[0] or "suite"))
-    kw["description"] = str(data.get("description", "") or "")
-    for key in ("model", "dtype", "device"):
-        if key in data:
-            kw[key] = _str(key, data[key])
-    if "dtype" in kw:
-        from scissorhands.models import DTYPE_CHOICES
-
-        if kw["dtype"] not in DTYPE_CHOICES:
-            raise SuiteError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {kw['dtype']!r}")
-    kw["seed"] = _int("seed", data.get("seed", 0), 0)
-    kw["replicas"] = _int("replicas", data.get("replicas", 2), 1)
+        try:
+            return parse_quality(data)
+        except QualitySuiteError as e:
+            raise SuiteError(str(e)) from None
+    data = dict(data)
+    data.setdefault("name", os.path.splitext(os.path.basename(source))[0] or "suite")
+    cls = _suite_classes()[kind]
     try:
-        kw["placement"] = parse_placement(data.get("placement"))
-    except PlacementError as e:
-        raise SuiteError(str(e)) from None
-    for key in ("batch_sizes", "prompt_tokens", "new_tokens"):
-        kw[key] = tuple(_int(f"{key}[{i}]", v, 1) for i, v in enumerate(_list(key, data[key], allow_empty=False)))
-    ratios = []
-    for i, v in enumerate(_list("compression_ratios", data.get("compression_ratios") or [], allow_empty=True)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise SuiteError(f"compression_ratios[{i}]: expected a number >= 1, got {v!r}")
-        if v < 1:
-            raise SuiteError(f"compression_ratios[{i}]: compression ratio must be >= 1, got {v}")
-        ratios.append(float(v))
-    kw["compression_ratios"] = tuple(ratios)
-    kw["budget_tokens"] = tuple(
-        _int(f"budget_tokens[{i}]", v, 1)
-        for i, v in enumerate(_list("budget_tokens", data.get("budget_tokens") or [], allow_empty=True))
-    )
-
-    classes = policy_classes()
-    specs, instances = [], []
-    for i, v in enumerate(_list("policies", data["policies"], allow_empty=False)):
-        spec, inst = parse_policy(i, v, classes)
-        specs.append(spec)
-        instances.append(inst)
-    kw["policies"] = tuple(specs)
-    if len({(s.name, json.dumps(s.params, sort_keys=True)) for s in specs}) != len(specs):
-        raise SuiteError("policies: the same policy with the same params is listed twice")
-
-    for spec, inst in zip(specs, instances):
-        if spec.name == "full":
-            continue
-        if not ratios and not kw["budget_tokens"]:
-            raise SuiteError(
-                f"compression_ratios: policy {spec.name!r} needs at least one compression ratio or budget_tokens entry"
-            )
-        for i, b in enumerate(kw["budget_tokens"]):
-            check_budget(f"budget_tokens[{i}]", spec.name, inst, b)
-        for i, r in enumerate(ratios):
-            for p in kw["prompt_tokens"]:
-                for n in kw["new_tokens"]:
-                    check_budget(f"compression_ratios[{i}] (ratio {r:g} at {p}+{n} tokens)", spec.name, inst,
-                                  math.ceil((p + n) / r))
-    return Suite(**kw)
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise SuiteError(_message(e, cls)) from None
 
 
 def read_suite_file(path: str):
-    """The parsed YAML of a suite file (any kind of suite).
+    """The parsed YAML of a suite file.
 
     Raises:
         SuiteError: the file does not exist or is not valid YAML.
@@ -307,8 +355,8 @@ def read_suite_file(path: str):
         raise SuiteError(f"suite: {path} is not valid YAML: {e}") from None
 
 
-def load_suite(path: str) -> Suite:
-    """Read and validate a suite file.
+def load_suite(path: str):
+    """Read and validate a suite file of any kind (see `parse_suite`).
 
     Raises:
         SuiteError: the file does not exist / is not valid YAML / fails validation.

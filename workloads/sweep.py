@@ -34,9 +34,9 @@ import sys
 import time
 
 from workloads import results as res
-from workloads.run import (SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources,
-                           resolved_policy_params)
-from workloads.suite import Point, Suite, SuiteError, load_suite
+from workloads.run import (SweepError, error_message, init_ray, load_suite_of_kind, open_run, pending_points,
+                           record_run_dtypes, replica_resources)
+from workloads.suite import Point, Suite
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m workloads.sweep", description=__doc__.split("\n\n")[0])
@@ -52,62 +52,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+#: A static batch's sequences share one TTFT, TPOT and latency, so each quantile of the point is it.
+_STATIC_BATCH_QUANTILES = ("p50", "p90", "p99")
+
+
 def _record(run_id, commit, suite, point, inventory, info, status, metrics=None, error=None, t0=None, t1=None) -> dict:
     metrics = dict(metrics or {})
-    rec = {
-        "schema_version": res.SCHEMA_VERSION,
-        "run_id": run_id,
-        "point_index": point.index,
-        "point_id": point.point_id,
-        "status": status,
-        "error": error,
-        "git_commit": commit,
-        "suite": suite.name,
-        "model": suite.model,
-        "model_id": metrics.pop("model_id", None) or (info or {}).get("model_id") or suite.model,
-        # the dtype the replica runs in and why (suite.dtype may be "auto"; see resolve_dtype)
-        "dtype": (info or {}).get("dtype") or suite.dtype,
-        "dtype_requested": suite.dtype,
-        "dtype_reason": (info or {}).get("dtype_reason"),
-        "device": suite.device,
-        "policy": point.policy,
-        "policy_params": resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
-        "compression_ratio": point.compression_ratio,
-        "budget_tokens_requested": point.budget_tokens,
-        "budget_tokens": None,
-        "batch_size": point.batch_size,
-        "prompt_tokens": point.prompt_tokens,
-        "new_tokens": point.new_tokens,
-        "seed": point.seed,
-        "replica_id": (info or {}).get("replica_id"),
-        "node_id": (info or {}).get("node_id"),
-        "node_ip": (info or {}).get("node_ip"),
-        "accelerator_ids": (info or {}).get("accelerator_ids"),
-        "devices": (info or {}).get("devices"),
-        "hostname": (info or {}).get("hostname"),
-        "torch_threads": (info or {}).get("torch_threads"),
-        "ray_nodes": inventory,
-        "started_at_unix_s": t0,
-        "finished_at_unix_s": t1,
-    }
-    rec.update(metrics)
+    for name in ("ttft", "tpot", "e2e_latency"):
+        if metrics.get(f"{name}_s") is not None:
+            metrics.update({f"{name}_{q}_s": metrics[f"{name}_s"] for q in _STATIC_BATCH_QUANTILES})
+    rec = res.build_record(kind="batch", run_id=run_id, commit=commit, suite=suite, point=point, status=status,
+                           error=error, replica=info, inventory=inventory, started_at_unix_s=t0, finished_at_unix_s=t1,
+                           metrics=metrics)
+    rec.update(batch_size=point.batch_size, prompt_tokens=point.prompt_tokens, new_tokens=point.new_tokens)
+    rec.setdefault("budget_tokens", None)
     return rec
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    try:
-        suite = load_suite(args.suite)
-    except SuiteError as e:
-        raise SweepError(str(e), 2) from None
+    suite = load_suite_of_kind(args.suite, "batch")
     replicas = args.replicas if args.replicas is not None else suite.replicas
     if replicas < 1:
         raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
     run = open_run(args, suite, "sweep")
     run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     points = suite.points()
-    # A point counts as done only for the same model spec (a resumed run may point at another model).
-    done = res.completed_point_ids(res.read_records(points_path), model=suite.model)
-    pending = [p for p in points if p.point_id not in done]
+    pending = pending_points(points_path, points)
     print(f"sweep: run {run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
           f"{len(pending)} to run on {replicas} replica(s); results in {run_dir}/", file=sys.stderr)
 
@@ -115,7 +85,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if pending:
         from workloads.push import PointPublisher, SweepPusher
 
-        publish = PointPublisher(points_path, SweepPusher(getattr(args, "pushgateway", None), run_id),
+        publish = PointPublisher(points_path, SweepPusher(args.pushgateway, run_id),
                                  done=len(points) - len(pending), planned=len(points))
         try:
             failed = _run_points(args, suite, run_id, commit, pending, replicas, publish)
@@ -124,7 +94,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     ids = {p.point_id for p in points}
     record_run_dtypes(run_dir, (r for r in res.read_records(points_path) if r["point_id"] in ids))
-    rows = res.table_rows(r for r in res.read_records(points_path) if r["point_id"] in ids and r.get("model") == suite.model)
+    rows = res.table_rows(r for r in res.read_records(points_path) if r["point_id"] in ids)
     table = res.markdown_table(rows)
     res.write_atomic(str(run_dir / "table.md"), table)
     res.write_atomic(str(run_dir / "points.csv"), res.csv_text(rows))
@@ -183,10 +153,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
     from cluster.placement import PlacementError, ReplicaSet, wait_placed
     from cluster.ray_replica import cluster_inventory
 
-    try:
-        from workloads.prompts import make_prompts
-    except ImportError:  # prompts module not available: tokenizer-free random prompts
-        make_prompts = None
+    from workloads.prompts import make_prompts
 
     rset = None
     try:
@@ -319,12 +286,14 @@ def _one_line(rec: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        from workloads.serving_suite import SERVING_MODES, suite_mode
-
-        if suite_mode(args.suite) in SERVING_MODES:      # concurrency / rate / max_batch: serving replicas
+        kind = load_suite_of_kind(args.suite, None).kind
+        if kind == "serving":       # continuously batching replicas under a load pattern
             from workloads.serving_sweep import run_serving_sweep
 
             return run_serving_sweep(args)
+        if kind == "quality":
+            raise SweepError(f"kind: quality suites run with `make quality` (python -m workloads.quality.runner "
+                             f"{args.suite}); this command runs kinds batch and serving", 2)
         return run_sweep(args)
     except SweepError as e:
         print(f"sweep: error: {e}", file=sys.stderr)

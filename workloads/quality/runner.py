@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import (SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources,
-                           resolved_policy_params)
+from workloads.results import resolved_policy_params
+from workloads.run import SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources
 
 from .points import run_point
 from .suite import QualityPoint, QualitySuite, QualitySuiteError, load_suite
