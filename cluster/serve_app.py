@@ -45,7 +45,7 @@ DEFAULT_KV_MEMORY_LIMIT_BYTES = 1 << 30
 class EngineDeployment:
     """One Serve replica: a `ServingReplica` configured with one cache configuration."""
 
-    def __init__(self, model_id: str, model_spec: str, engine_config: dict, dtype: str = "float32",
+    def __init__(self, model_id: str, model_spec: str, engine_config: dict, dtype: str = "auto",
                  device: str = "cpu", num_threads: int | None = None):
         ctx = serve.get_replica_context()
         self.replica = ServingReplica(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads,
@@ -135,7 +135,7 @@ def parse_cache(spec: str, max_length_tokens: int) -> tuple[str, dict]:
 
 def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | None = None,
                     max_length_tokens: int = DEFAULT_MAX_LENGTH_TOKENS,
-                    kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES, dtype: str = "float32",
+                    kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES, dtype: str = "auto",
                     device: str = "cpu", num_threads: int | None = 1, replica_cpus: float = 1.0,
                     replica_gpus: float = 0.0, num_replicas: int = 1, max_pending_requests: int = 256,
                     tokenizer_spec: str | None | Any = "auto", deployment_options: dict | None = None):
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--replica-gpus", type=float, default=0.0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights' dtype; auto: bfloat16 where this machine runs it faster (scissorhands.models.resolve_dtype)")
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--pid-file", default=None, help="write this process's id here (make serve-down)")
     args = p.parse_args(argv)
