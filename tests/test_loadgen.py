@@ -446,19 +446,18 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
     import yaml
 
     from scissorhands.testing import tiny_llama
-    from workloads.serving_suite import load_serving_suite
     from workloads.serving_sweep import LocalReplicaPool, run_serving_sweep
-    from workloads.suite import SuiteError
+    from workloads.suite import SuiteError, load_suite
 
     torch.set_num_threads(1)
     trace = tmp_path / "azure.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
         f"2023-11-16 18:15:4{i}.5000000,{6 + i},{2 + i % 3}\n" for i in range(6)))
-    body = dict(name="replay", mode="trace", model="tiny-llama", policies=["full", "scissorhands"],
+    body = dict(kind="serving", name="replay", mode="trace", model="tiny-llama", policies=["full", "scissorhands"],
                 compression_ratios=[2], trace_path=str(trace), trace_time_scale=0.05, warmup_requests=1, seed=0)
     suite = tmp_path / "replay.yaml"
     suite.write_text(yaml.safe_dump(body))
-    s = load_serving_suite(str(suite))
+    s = load_suite(str(suite))
     assert [p.load for p in s.points()] == [0.05, 0.05] and s.max_length_tokens == 11 + 4
     args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
                               resume=None, address=None, pushgateway="off")
@@ -472,7 +471,7 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
         assert r["target_rate_req_per_s"] == pytest.approx(5 / (5 * 0.05))
     for bad, match in ((dict(body, prompt_tokens=8), "prompt_tokens: not used in mode trace"),
                        (dict(body, trace_path=str(tmp_path / "none.csv")), "trace_path: no such file"),
-                       ({k: v for k, v in body.items() if k != "trace_path"}, "missing required key 'trace_path'")):
+                       ({k: v for k, v in body.items() if k != "trace_path"}, "trace_path: mode trace needs a trace file")):
         suite.write_text(yaml.safe_dump(bad))
         with pytest.raises(SuiteError, match=match):
-            load_serving_suite(str(suite))
+            load_suite(str(suite))
