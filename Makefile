@@ -115,11 +115,11 @@ $(CROSSCHECK_VENV)/.installed:
 crosscheck: install $(CROSSCHECK_VENV)/.installed
 	@started=0; \
 	if ! curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null; then \
-	  mkdir -p results; $(PY) -m cluster.serve_app --port $(SERVE_PORT) --pid-file $(SERVE_PID) > results/serve-crosscheck.log 2>&1 & started=1; \
+	  mkdir -p results; $(PY) -m cluster.serve_app --port $(SERVE_PORT) > results/serve-crosscheck.log 2>&1 & started=$$!; \
 	  for i in $$(seq 600); do curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null && break; sleep 1; done; \
 	fi; \
 	$(PY) -m workloads.crosscheck --target http://127.0.0.1:$(SERVE_PORT)/v1 --guidellm $(CROSSCHECK_VENV)/bin/guidellm $(CROSSCHECK_ARGS); rc=$$?; \
-	if [ $$started = 1 ]; then $(MAKE) --no-print-directory serve-down; fi; exit $$rc
+	if [ $$started != 0 ]; then echo "crosscheck: stopping the server it started (pid $$started)"; kill -TERM $$started; wait $$started; fi; exit $$rc
 
 # Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
 # missing). Data, logs and pid files in dashboards/data/. Grafana: see docs/monitoring.md.
