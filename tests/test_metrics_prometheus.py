@@ -124,7 +124,7 @@ def _sweep_records(run_id: str) -> list[dict]:
                 "perplexity": 12.0 / bytes_factor ** 0.1, "accuracy": 0.9 * bytes_factor ** 0.05,
             })
     # a quality point of a quantized cache: no batch, a task, KV bits
-    records.append({"run_id": run_id, "point_id": "fewshot-copa", "status": "ok", "error": None, "kind": "fewshot",
+    records.append({"run_id": run_id, "point_id": "fewshot-copa", "status": "ok", "error": None, "kind": "quality", "evaluation": "fewshot",
                     "model": "tiny-llama",
                     "policy": "scissorhands", "compression_ratio": 5.0, "kv_bits": 4, "task": "copa",
                     "accuracy": 0.7, "perplexity": 14.5})

@@ -82,3 +82,25 @@ def test_a_resumed_run_keeps_the_series_pushed_before_the_resume(pushgateway, tm
     assert _series(pushgateway, "scissorhands_sweep_points_completed", "run-resume") == {"": 2}
     # the largest completed batch still counts the point recorded before the resume
     assert resumed.pusher._max_batch == {("scissorhands", "2", "", "tiny-llama"): 1}
+
+
+def test_after_resume_of_a_quality_run_the_earlier_points_keep_their_series(pushgateway, tmp_path):
+    """Case (issue 11): the quality runner (`--local`, tiny model), stopped after its first point's
+    record and resumed, pushes the rest; every point, the earlier one included, has its series."""
+    import yaml
+
+    from workloads.quality import runner
+
+    suite = {"name": "q", "kind": "quality", "model": "tiny-llama", "policies": ["full", "scissorhands"],
+             "compression_ratios": [1, 3], "perplexity": {"tokens": 32, "windows": 1}, "replicas": 1}
+    path = tmp_path / "q.yaml"
+    path.write_text(yaml.safe_dump(dict(suite, policies=["full"])))     # the first run: one point
+    args = ["--local", "--pushgateway", pushgateway, "--results-dir", str(tmp_path / "r")]
+    assert runner.main([str(path), *args, "--run-id", "q-resume"]) == 0
+    [first] = results.read_records(str(tmp_path / "r" / "q-resume" / "points.jsonl"))
+    path.write_text(yaml.safe_dump(suite))                              # resumed with the whole suite
+    assert runner.main([str(path), *args, "--resume", "q-resume"]) == 0
+    records = results.read_records(str(tmp_path / "r" / "q-resume" / "points.jsonl"))
+    assert len(records) == 3 and records[0]["point_id"] == first["point_id"]
+    pushed = _series(pushgateway, "scissorhands_sweep_perplexity", "q-resume")
+    assert pushed == {r["point_id"]: pytest.approx(r["perplexity"]) for r in records}

@@ -11,7 +11,7 @@ from scissorhands import make_cache
 from scissorhands.models import load_tokenizer
 from scissorhands.testing import tiny_llama
 from workloads.quality import passkey as pk
-from workloads.quality.suite import QualitySuiteError, parse_suite
+from workloads.suite import SuiteError, parse_suite
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_suite_passkey_points():
     ({"length": [128]}, "passkey"),
 ])
 def test_invalid_passkey_sections_name_the_field(section, field):
-    with pytest.raises(QualitySuiteError, match=field):
+    with pytest.raises(SuiteError, match=field):
         parse_suite({**SUITE, "passkey": section})
 
 

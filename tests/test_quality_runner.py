@@ -10,7 +10,7 @@ import pytest
 from scissorhands import POLICIES
 from workloads import results as res
 from workloads.quality import runner
-from workloads.quality.suite import QualitySuiteError, load_suite, parse_suite
+from workloads.suite import SuiteError, load_suite, parse_suite
 
 SUITES = Path(__file__).resolve().parents[1] / "workloads" / "suites"
 
@@ -42,10 +42,10 @@ def test_shipped_quality_suites_are_valid():
     ({"persistence": {"split_fraction": 1.5}}, "persistence.split_fraction"),
     ({"fewshot": {"tasks": ["copa"], "docs": {"piqa": 3}}}, "fewshot.docs"),
     ({"fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 3}}}, "fewshot.docs"),
-    ({"batch_sizes": [1]}, "unknown field"),
+    ({"batch_sizes": [1]}, "batch_sizes: unknown key"),
 ])
 def test_invalid_suites_name_the_field(change, field):
-    with pytest.raises(QualitySuiteError, match=field.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(SuiteError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_suite({**TINY, **change})
 
 
@@ -83,11 +83,11 @@ def test_local_run_records_points_resumes_and_reports(tmp_path):
     assert len(recs) == 7 and all(r["status"] == "ok" for r in recs)          # 3 ppl + 3 fewshot + 1 persistence
     for r in recs:
         assert r["schema_version"] == res.SCHEMA_VERSION and r["git_commit"] and r["model_id"] == "tiny-llama"
-    ppl = {(r["policy"], r["compression_ratio"]): r for r in recs if r["kind"] == "perplexity"}
+    ppl = {(r["policy"], r["compression_ratio"]): r for r in recs if r["evaluation"] == "perplexity"}
     assert ppl[("scissorhands", 1.0)]["perplexity"] == pytest.approx(ppl[("full", 1.0)]["perplexity"], rel=1e-6)
     assert ppl[("scissorhands", 3.0)]["budget_tokens"] == 16
     assert ppl[("scissorhands", 3.0)]["policy_params"]["effective_drop_tokens"] == 8
-    few = [r for r in recs if r["kind"] == "fewshot"]
+    few = [r for r in recs if r["evaluation"] == "fewshot"]
     assert all(r["docs_scored"] == 2 for r in few)
     table = (out / "r1" / "table.md").read_text()
     assert "Perplexity" in table and "copa" in table and "Persistence ratio per layer" in table

@@ -120,8 +120,6 @@ def test_contention_warning(capsys):
 
 
 def test_dtype_defaults_to_auto_and_rejects_unknown_values():
-    from workloads.quality.suite import QualitySuiteError
-    from workloads.quality.suite import parse_suite as parse_quality
 
     assert parse_suite(GOOD).dtype == "auto" and parse_suite(dict(GOOD, dtype="bfloat16")).dtype == "bfloat16"
     with pytest.raises(SuiteError, match="dtype: expected one of auto, float32, bfloat16, float16, got 'fp16'"):
@@ -134,9 +132,9 @@ def test_dtype_defaults_to_auto_and_rejects_unknown_values():
     with pytest.raises(SuiteError, match="dtype: expected one of"):
         parse_suite(dict(serving, dtype="float64"))
     quality = yaml.safe_load(open("workloads/suites/quality.yaml"))
-    assert parse_quality({k: v for k, v in quality.items() if k != "dtype"}).dtype == "auto"
-    with pytest.raises(QualitySuiteError, match="dtype: expected one of"):
-        parse_quality(dict(quality, dtype="f32"))
+    assert parse_suite({k: v for k, v in quality.items() if k != "dtype"}).dtype == "auto"
+    with pytest.raises(SuiteError, match="dtype: expected one of"):
+        parse_suite(dict(quality, dtype="f32"))
 
 
 def test_missing_or_unknown_kind_names_the_accepted_values():

@@ -302,9 +302,10 @@ def _message(e: ValidationError, cls: type[BaseModel]) -> str:
 
 
 def _suite_classes() -> dict[str, type]:
+    from workloads.quality.suite import QualitySuite
     from workloads.serving_suite import ServingSuite
 
-    return {"batch": Suite, "serving": ServingSuite}
+    return {"batch": Suite, "serving": ServingSuite, "quality": QualitySuite}
 
 
 def parse_suite(data: Any, source: str = "<suite>"):
@@ -323,14 +324,6 @@ def parse_suite(data: Any, source: str = "<suite>"):
     if kind not in KINDS:
         raise SuiteError(f"kind: {'missing' if kind is None else f'unknown kind {kind!r}'} "
                          f"(accepted: {', '.join(KINDS)}); every suite names its kind")
-    if kind == "quality":
-        from workloads.quality.suite import QualitySuiteError
-        from workloads.quality.suite import parse_suite as parse_quality
-
-        try:
-            return parse_quality(data)
-        except QualitySuiteError as e:
-            raise SuiteError(str(e)) from None
     data = dict(data)
     data.setdefault("name", os.path.splitext(os.path.basename(source))[0] or "suite")
     cls = _suite_classes()[kind]

@@ -76,7 +76,7 @@ def markdown(records: list[dict]) -> str:
     """The report's Markdown: perplexity table, one accuracy table per task, persistence per layer."""
     ok = _ok(records)
     parts = []
-    ppl = [r for r in ok if r.get("kind") == "perplexity"]
+    ppl = [r for r in ok if r.get("evaluation") == "perplexity"]
     if ppl:
         h, rows, configs = _grid(ppl, "perplexity", ".3f")
         first = ppl[0]
@@ -95,14 +95,14 @@ def markdown(records: list[dict]) -> str:
             h, rows, _ = _grid(mib, "peak_kv_cache_mib", ".2f")
             parts.append(f"Peak KV cache held while scoring (MiB, {first.get('dtype')} model, bookkeeping, 4-bit "
                          "scales and zero points included; the column headers are nominal ratios):\n\n" + _md(h, rows))
-    few = [r for r in ok if r.get("kind") == "fewshot"]
+    few = [r for r in ok if r.get("evaluation") == "fewshot"]
     for task in sorted({r["task"] for r in few}):
         rs = [r for r in few if r["task"] == task]
         h, rows, _ = _grid(rs, "accuracy", ".3f")
         n = sorted({r.get("docs_scored") for r in rs})
         parts.append(f"### {task}: accuracy ({rs[0].get('primary_metric')}, higher is better), "
                      f"{'/'.join(str(x) for x in n)} documents scored\n\n" + _md(h, rows))
-    pers = [r for r in ok if r.get("kind") == "persistence"]
+    pers = [r for r in ok if r.get("evaluation") == "persistence"]
     for r in pers:
         ratio, share = r["persistence_ratio"], r["pivotal_share"]
         rows = [[str(i), "-" if a is None else f"{a:.3f}", "-" if b is None else f"{b:.3f}"]
@@ -152,7 +152,7 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
 
     ok = _ok(records)
     written = {}
-    ppl = [r for r in ok if r.get("kind") == "perplexity"]
+    ppl = [r for r in ok if r.get("evaluation") == "perplexity"]
     if ppl:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         _lines(ax, ppl, "perplexity")
@@ -164,7 +164,7 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written["perplexity_png"] = str(path)
-    few = [r for r in ok if r.get("kind") == "fewshot"]
+    few = [r for r in ok if r.get("evaluation") == "fewshot"]
     tasks = sorted({r["task"] for r in few})
     if tasks:
         fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 4.2), squeeze=False)
@@ -179,7 +179,7 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written["accuracy_png"] = str(path)
-    pers = [r for r in ok if r.get("kind") == "persistence"]
+    pers = [r for r in ok if r.get("evaluation") == "persistence"]
     if pers:
         r = pers[0]
         layers = list(range(len(r["persistence_ratio"])))

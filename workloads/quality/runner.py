@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 from workloads import results as res
-from workloads.results import resolved_policy_params
-from workloads.run import SweepError, error_message, init_ray, open_run, record_run_dtypes, replica_resources
+from workloads.run import (SweepError, error_message, init_ray, load_suite_of_kind, open_run, pending_points,
+                           record_run_dtypes, replica_resources)
 
 from .points import run_point
-from .suite import QualityPoint, QualitySuite, QualitySuiteError, load_suite
+from .suite import QualityPoint, QualitySuite
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,43 +53,14 @@ def policy_label(policy: str | None, params: dict | None) -> str | None:
 
 def _record(run_id, commit, suite: QualitySuite, point: QualityPoint, inventory, info, status, metrics=None,
             error=None, t0=None, t1=None) -> dict:
-    metrics = dict(metrics or {})
     ratio, bits = point.compression_ratio, point.kv_bits
-    rec = {
-        "schema_version": res.SCHEMA_VERSION,
-        "run_id": run_id,
-        "point_index": point.index,
-        "point_id": point.point_id,
-        "status": status,
-        "error": error,
-        "git_commit": commit,
-        "suite": suite.name,
-        "kind": point.kind,
-        "model": suite.model,
-        "model_id": (info or {}).get("model_id") or suite.model,
-        # the dtype the replica runs in and why (suite.dtype may be "auto"; see resolve_dtype)
-        "dtype": (info or {}).get("dtype") or suite.dtype,
-        "dtype_requested": suite.dtype,
-        "dtype_reason": (info or {}).get("dtype_reason"),
-        "device": suite.device,
-        "policy": point.policy,
-        "policy_label": policy_label(point.policy, point.policy_params),
-        "policy_params": resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
-        "compression_ratio": ratio,
-        "kv_bits": bits,
-        # nominal KV compression against a 16-bit cache (the paper's convention; scales/zero points not counted)
-        "compression_vs_16bit_x": None if ratio is None else ratio * (16 / bits if bits else 1),
-        "task": point.task,
-        "settings": point.settings,
-        "seed": point.seed,
-        "replica_id": (info or {}).get("replica_id"),
-        "node_id": (info or {}).get("node_id"),
-        "hostname": (info or {}).get("hostname"),
-        "ray_nodes": inventory,
-        "started_at_unix_s": t0,
-        "finished_at_unix_s": t1,
-    }
-    rec.update(metrics)
+    rec = res.build_record(kind="quality", run_id=run_id, commit=commit, suite=suite, point=point, status=status,
+                           error=error, replica=info, inventory=inventory, started_at_unix_s=t0, finished_at_unix_s=t1,
+                           metrics=metrics)
+    rec.update(evaluation=point.kind, policy_label=policy_label(point.policy, point.policy_params), kv_bits=bits,
+               # nominal KV compression against a 16-bit cache (the paper's convention; scales/zero points not counted)
+               compression_vs_16bit_x=None if ratio is None else ratio * (16 / bits if bits else 1),
+               task=point.task, settings=point.settings)
     return rec
 
 
@@ -97,30 +68,26 @@ def _one_line(rec: dict) -> str:
     what = f"{rec['point_id']} on {rec.get('replica_id')}"
     if rec["status"] != "ok":
         return f"  error  {what}: {rec['error']}"
-    if rec["kind"] == "perplexity":
+    if rec["evaluation"] == "perplexity":
         return f"  ok     {what}: perplexity {rec['perplexity']:.3f}, budget {rec.get('budget_tokens')} tok"
-    if rec["kind"] == "fewshot":
+    if rec["evaluation"] == "fewshot":
         acc = rec.get("accuracy")
         return f"  ok     {what}: accuracy {acc if acc is None else round(acc, 3)} over {rec['docs_scored']} docs"
-    if rec["kind"] == "passkey":
+    if rec["evaluation"] == "passkey":
         return (f"  ok     {what}: passkey accuracy {rec['accuracy']:.2f} ({rec['correct']}/"
                 f"{rec['trials'] * len(rec['depths'])}) at {rec['length_tokens']} tokens")
     return f"  ok     {what}: mean persistence ratio {rec.get('persistence_ratio_mean')}"
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        suite = load_suite(args.suite)
-    except QualitySuiteError as e:
-        raise SweepError(str(e), 2) from None
+    suite = load_suite_of_kind(args.suite, "quality")
     replicas = args.replicas if args.replicas is not None else suite.replicas
     if replicas < 1:
         raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
     run = open_run(args, suite, "quality")
     run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     points = suite.points()
-    done = res.completed_point_ids(res.read_records(points_path))
-    pending = [p for p in points if p.point_id not in done]
+    pending = pending_points(points_path, points)
     where = "this process" if args.local else f"{replicas} replica(s)"
     print(f"quality: run {run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
           f"{len(pending)} to run on {where}; results in {run_dir}/", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""Quality suites: a typed YAML config (``kind: quality``) validated on load, expanded into points.
+"""Quality suites (``kind: quality``): a typed model validated on load (through
+`workloads.suite.load_suite`), expanded into points.
 
 A quality suite (YAML, read with ``yaml.safe_load``)::
 
@@ -25,29 +26,80 @@ A quality suite (YAML, read with ``yaml.safe_load``)::
       digits: 5                  # digits of the passkey
       compression_ratios: null   # optional: limit the unquantized ratios, like fewshot
 
+The model settings, the policy list and the shared number types are `workloads.suite.SuiteBase`'s.
 ``full`` never evicts, so it runs at ratio 1 only (and at ratio 1 with each ``kv_bits`` of
-``quantized``: quantization alone). Every error is a :class:`QualitySuiteError` naming the field.
+``quantized``: quantization alone). Every error is a `workloads.suite.SuiteError` naming the field.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
-import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from scissorhands import POLICIES
+from workloads.suite import PositiveInt, Ratio, SuiteBase, SuiteError, point_id
+
+from .fewshot import TASKS
 
 KINDS = ("perplexity", "fewshot", "persistence", "passkey")
+Tokens = Annotated[int, Field(strict=True, ge=2)]
+Ratios = Annotated[tuple[Ratio, ...], Field(min_length=1)]
 
 
-class QualitySuiteError(ValueError):
-    """A quality suite that cannot run; the message names the field and the accepted values."""
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Perplexity(_Section):
+    tokens: Tokens = 256
+    windows: PositiveInt = 1
+
+
+class Fewshot(_Section):
+    tasks: Annotated[tuple[Literal[tuple(TASKS)], ...], Field(min_length=1)] = ("copa", "openbookqa")
+    docs: PositiveInt | dict[str, PositiveInt | None] | None = 10     # per task, or all documents (None)
+    compression_ratios: Ratios | None = None                          # limits the unquantized ratios
+
+    @model_validator(mode="after")
+    def _docs_per_task(self) -> "Fewshot":
+        if isinstance(self.docs, dict):
+            extra = [t for t in self.docs if t not in self.tasks]
+            if extra:
+                raise ValueError(f"fewshot.docs: {extra[0]!r} is not in fewshot.tasks ({', '.join(self.tasks)})")
+            missing = [t for t in self.tasks if t not in self.docs]
+            if missing:
+                raise ValueError(f"fewshot.docs: no document count for {', '.join(missing)}")
+        return self
+
+    def docs_of(self, task: str) -> int | None:
+        return self.docs.get(task) if isinstance(self.docs, dict) else self.docs
+
+
+class Persistence(_Section):
+    tokens: Tokens = 256
+    windows: PositiveInt = 1
+    split_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.5
+
+
+class Passkey(_Section):
+    lengths: Annotated[tuple[Annotated[int, Field(strict=True, ge=64)], ...], Field(min_length=1)] = (256, 512)
+    depths: Annotated[tuple[Annotated[float, Field(ge=0, le=1)], ...], Field(min_length=1)] = (0.0, 0.5, 1.0)
+    trials: PositiveInt = 4
+    digits: Annotated[int, Field(strict=True, ge=1, le=12)] = 5
+    compression_ratios: Ratios | None = None
+
+
+class Quantized(_Section):
+    compression_ratio: Ratio
+    kv_bits: PositiveInt
 
 
 @dataclass(frozen=True)
 class QualityPoint:
-    """One evaluation: a kind, a policy at a compression ratio (and bits), and the kind's settings."""
+    """One evaluation: a kind, a policy at a compression ratio (and bits), and the kind's settings.
+    `identity` holds every setting that changes its numbers; `point_id` is derived from it."""
 
     index: int
     kind: str
@@ -58,27 +110,25 @@ class QualityPoint:
     task: str | None = None
     settings: dict = field(default_factory=dict)
     seed: int = 0
+    identity: dict = field(default_factory=dict)
+    #: Quality points compress by a ratio (and bits), never by an absolute budget.
+    budget_tokens: ClassVar[None] = None
 
     @property
     def point_id(self) -> str:
-        """Stable id (same config, same id; resume uses it)."""
+        """A readable tag plus a digest of `identity` (same settings, same id; resume uses it)."""
+        s = self.settings
         if self.kind == "persistence":
-            s = self.settings
-            return f"persistence-t{s['tokens']}x{s['windows']}-f{s['split_fraction']:g}-s{self.seed}"
-        tag = self.policy or ""
-        if self.policy_params:
-            tag += "@" + hashlib.sha1(json.dumps(self.policy_params, sort_keys=True).encode()).hexdigest()[:8]
-        tag += f"-r{self.compression_ratio:g}"
-        if self.kv_bits is not None:
-            tag += f"-q{self.kv_bits}"
+            return point_id(f"persistence-t{s['tokens']}x{s['windows']}-f{s['split_fraction']:g}-s{self.seed}",
+                            self.identity)
+        tag = f"{self.policy}-r{self.compression_ratio:g}" + (f"-q{self.kv_bits}" if self.kv_bits is not None else "")
         if self.kind == "perplexity":
-            return f"ppl-{tag}-t{self.settings['tokens']}x{self.settings['windows']}-s{self.seed}"
-        if self.kind == "passkey":
-            s = self.settings
-            depths = "_".join(f"{d:g}" for d in s["depths"])
-            return f"passkey-{tag}-l{s['length']}-d{depths}-n{s['trials']}-k{s['digits']}-s{self.seed}"
-        docs = self.settings.get("docs")
-        return f"fewshot-{self.task}-{tag}-d{'all' if docs is None else docs}-s{self.seed}"
+            tag = f"ppl-{tag}-t{s['tokens']}x{s['windows']}-s{self.seed}"
+        elif self.kind == "passkey":
+            tag = f"passkey-{tag}-l{s['length']}-n{s['trials']}-k{s['digits']}-s{self.seed}"
+        else:
+            tag = f"fewshot-{self.task}-{tag}-d{'all' if s.get('docs') is None else s['docs']}-s{self.seed}"
+        return point_id(tag, self.identity)
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -86,230 +136,74 @@ class QualityPoint:
         return d
 
 
-@dataclass(frozen=True)
-class QualitySuite:
-    name: str
-    policies: tuple[tuple[str, dict], ...]
-    compression_ratios: tuple[float, ...]
-    quantized: tuple[tuple[float, int], ...] = ()
-    perplexity: dict | None = None
-    fewshot: dict | None = None
-    persistence: dict | None = None
-    passkey: dict | None = None
-    description: str = ""
-    model: str = "embedded"
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    replicas: int = 2
-    kind: str = "quality"
+class QualitySuite(SuiteBase):
+    """A validated quality suite (see the module docstring for the YAML form)."""
+
+    kind: Literal["quality"]
+    name: Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]
+    compression_ratios: Ratios = (1.0, 2.0, 3.0, 4.0, 5.0)
+    quantized: tuple[Quantized, ...] = ()
+    perplexity: Perplexity | None = None
+    fewshot: Fewshot | None = None
+    persistence: Persistence | None = None
+    passkey: Passkey | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_policies(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("policies", "all") == "all":
+                data["policies"] = list(POLICIES)
+        return data
+
+    @model_validator(mode="after")
+    def _something_to_measure(self) -> "QualitySuite":
+        if self.budget_tokens:
+            raise SuiteError("budget_tokens: quality suites compress by compression_ratios (and quantized)")
+        if not (self.perplexity or self.fewshot or self.persistence or self.passkey):
+            raise SuiteError("suite: needs at least one of perplexity, fewshot, persistence, passkey")
+        return self
 
     def configs(self, policy: str) -> list[tuple[float, int | None]]:
         """(compression_ratio, kv_bits) pairs a policy runs at."""
-        if policy == "full":
-            return [(1.0, None)] + sorted({(1.0, bits) for _, bits in self.quantized})
-        return [(r, None) for r in self.compression_ratios] + list(self.quantized)
+        if not POLICIES[policy].evicts:
+            return [(1.0, None)] + sorted({(1.0, q.kv_bits) for q in self.quantized})
+        return [(r, None) for r in self.compression_ratios] + [(q.compression_ratio, q.kv_bits) for q in self.quantized]
 
     def _limited(self, policy: str, ratios) -> list[tuple[float, int | None]]:
         """``configs(policy)`` with the unquantized ratios of an evicting policy limited to ``ratios`` (None: all)."""
         return [(r, bits) for r, bits in self.configs(policy)
-                if ratios is None or bits is not None or policy == "full" or r in ratios]
+                if ratios is None or bits is not None or not POLICIES[policy].evicts or r in ratios]
 
     def points(self) -> list[QualityPoint]:
         """Every point, in a stable order: perplexity, persistence, passkey per length, few-shot per task."""
         out: list[QualityPoint] = []
+        base = self.identity()
 
         def add(**kw):
-            out.append(QualityPoint(index=len(out), seed=self.seed, **kw))
+            ident = dict(base, **{k: v for k, v in kw.items()})
+            out.append(QualityPoint(index=len(out), seed=self.seed, identity=ident, **kw))
 
         if self.perplexity is not None:
-            for name, params in self.policies:
-                for r, bits in self.configs(name):
-                    add(kind="perplexity", policy=name, policy_params=dict(params), compression_ratio=r, kv_bits=bits,
-                        settings=dict(self.perplexity))
+            for pol in self.policies:
+                for r, bits in self.configs(pol.name):
+                    add(kind="perplexity", policy=pol.name, policy_params=dict(pol.params), compression_ratio=r,
+                        kv_bits=bits, settings=self.perplexity.model_dump())
         if self.persistence is not None:               # one cheap point: before the long few-shot queue
-            add(kind="persistence", settings=dict(self.persistence))
+            add(kind="persistence", settings=self.persistence.model_dump())
         if self.passkey is not None:
             pk = self.passkey
-            for length in pk["lengths"]:
-                for name, params in self.policies:
-                    for r, bits in self._limited(name, pk.get("compression_ratios")):
-                        add(kind="passkey", policy=name, policy_params=dict(params), compression_ratio=r, kv_bits=bits,
-                            settings={"length": length, "depths": list(pk["depths"]), "trials": pk["trials"],
-                                      "digits": pk["digits"]})
+            for length in pk.lengths:
+                for pol in self.policies:
+                    for r, bits in self._limited(pol.name, pk.compression_ratios):
+                        add(kind="passkey", policy=pol.name, policy_params=dict(pol.params), compression_ratio=r,
+                            kv_bits=bits, settings={"length": length, "depths": list(pk.depths), "trials": pk.trials,
+                                                    "digits": pk.digits})
         if self.fewshot is not None:
-            ratios = self.fewshot.get("compression_ratios")
-            for task in self.fewshot["tasks"]:
-                for name, params in self.policies:
-                    for r, bits in self._limited(name, ratios):
-                        docs = self.fewshot["docs"]
-                        add(kind="fewshot", policy=name, policy_params=dict(params), compression_ratio=r,
-                            kv_bits=bits, task=task, settings={"docs": docs.get(task) if isinstance(docs, dict) else docs})
+            for task in self.fewshot.tasks:
+                for pol in self.policies:
+                    for r, bits in self._limited(pol.name, self.fewshot.compression_ratios):
+                        add(kind="fewshot", policy=pol.name, policy_params=dict(pol.params), compression_ratio=r,
+                            kv_bits=bits, task=task, settings={"docs": self.fewshot.docs_of(task)})
         return out
-
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise QualitySuiteError(f"{name}: expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _ratio(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-        raise QualitySuiteError(f"{name}: expected a number >= 1, got {value!r}")
-    return float(value)
-
-
-def _section(data: dict, key: str, allowed: dict) -> dict | None:
-    """Validate an optional mapping section with defaults ``allowed`` (key -> default)."""
-    if key not in data or data[key] is None:
-        return None
-    sec = data[key]
-    if not isinstance(sec, dict):
-        raise QualitySuiteError(f"{key}: expected a mapping with keys {sorted(allowed)}, got {sec!r}")
-    unknown = sorted(set(sec) - set(allowed))
-    if unknown:
-        raise QualitySuiteError(f"{key}: unknown key(s) {unknown} (accepted: {', '.join(sorted(allowed))})")
-    return {**allowed, **sec}
-
-
-def _policies(value: Any) -> tuple[tuple[str, dict], ...]:
-    from scissorhands import POLICIES
-
-    if value == "all":
-        return tuple((name, {}) for name in POLICIES)
-    if not isinstance(value, list) or not value:
-        raise QualitySuiteError(f"policies: expected 'all' or a non-empty list of names, got {value!r}")
-    out = []
-    for i, p in enumerate(value):
-        name, params = (p, {}) if isinstance(p, str) else (p.get("name"), p.get("params") or {}) \
-            if isinstance(p, dict) else (None, None)
-        if name not in POLICIES:
-            raise QualitySuiteError(f"policies[{i}]: unknown policy {name!r} (valid: {', '.join(POLICIES)})")
-        if not isinstance(params, dict):
-            raise QualitySuiteError(f"policies[{i}].params: expected a mapping, got {params!r}")
-        try:
-            POLICIES[name](**params)
-        except (TypeError, ValueError) as e:
-            raise QualitySuiteError(f"policies[{i}].params: {e}") from None
-        out.append((name, dict(params)))
-    return tuple(out)
-
-
-def parse_suite(data: Any) -> QualitySuite:
-    """Validate a parsed YAML mapping into a :class:`QualitySuite`.
-
-    Raises:
-        QualitySuiteError: naming the first invalid field and the accepted values.
-    """
-    if not isinstance(data, dict):
-        raise QualitySuiteError(f"suite: expected a mapping, got {type(data).__name__}")
-    fields = {f.name for f in dataclasses.fields(QualitySuite)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise QualitySuiteError(f"unknown field(s) {unknown} (accepted: {', '.join(sorted(fields))})")
-    if data.get("kind") != "quality":
-        raise QualitySuiteError(f"kind: expected 'quality', got {data.get('kind')!r}")
-    name = data.get("name")
-    if not isinstance(name, str) or not name or "/" in name:
-        raise QualitySuiteError(f"name: expected a non-empty string without '/', got {name!r}")
-    ratios = data.get("compression_ratios", [1, 2, 3, 4, 5])
-    if not isinstance(ratios, list) or not ratios:
-        raise QualitySuiteError(f"compression_ratios: expected a non-empty list of numbers >= 1, got {ratios!r}")
-    ratios = tuple(_ratio(f"compression_ratios[{i}]", r) for i, r in enumerate(ratios))
-    quantized = []
-    for i, q in enumerate(data.get("quantized") or []):
-        if not isinstance(q, dict) or set(q) != {"compression_ratio", "kv_bits"}:
-            raise QualitySuiteError(f"quantized[{i}]: expected {{compression_ratio, kv_bits}}, got {q!r}")
-        quantized.append((_ratio(f"quantized[{i}].compression_ratio", q["compression_ratio"]),
-                          _int(f"quantized[{i}].kv_bits", q["kv_bits"], 1)))
-    ppl = _section(data, "perplexity", {"tokens": 256, "windows": 1})
-    if ppl:
-        _int("perplexity.tokens", ppl["tokens"], 2)
-        _int("perplexity.windows", ppl["windows"], 1)
-    few = _section(data, "fewshot", {"tasks": ["copa", "openbookqa"], "docs": 10, "compression_ratios": None})
-    if few:
-        if few["compression_ratios"] is not None:
-            if not isinstance(few["compression_ratios"], list) or not few["compression_ratios"]:
-                raise QualitySuiteError("fewshot.compression_ratios: expected a non-empty list of numbers >= 1 "
-                                        "(a subset of compression_ratios) or null")
-            few["compression_ratios"] = [_ratio(f"fewshot.compression_ratios[{i}]", r)
-                                         for i, r in enumerate(few["compression_ratios"])]
-        from .fewshot import TASKS
-
-        if not isinstance(few["tasks"], list) or not few["tasks"]:
-            raise QualitySuiteError(f"fewshot.tasks: expected a non-empty list of {', '.join(TASKS)}")
-        for i, t in enumerate(few["tasks"]):
-            if t not in TASKS:
-                raise QualitySuiteError(f"fewshot.tasks[{i}]: unknown task {t!r} (valid: {', '.join(TASKS)})")
-        docs = few["docs"]
-        if isinstance(docs, dict):                      # per task: {copa: 20, openbookqa: 8}
-            for t, n in docs.items():
-                if t not in few["tasks"]:
-                    raise QualitySuiteError(f"fewshot.docs: {t!r} is not in fewshot.tasks ({', '.join(few['tasks'])})")
-                if n is not None:
-                    _int(f"fewshot.docs.{t}", n, 1)
-            missing = [t for t in few["tasks"] if t not in docs]
-            if missing:
-                raise QualitySuiteError(f"fewshot.docs: no document count for {', '.join(missing)}")
-        elif docs is not None:
-            _int("fewshot.docs", docs, 1)
-    pers = _section(data, "persistence", {"tokens": 256, "windows": 1, "split_fraction": 0.5})
-    if pers:
-        _int("persistence.tokens", pers["tokens"], 2)
-        _int("persistence.windows", pers["windows"], 1)
-        f = pers["split_fraction"]
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
-            raise QualitySuiteError(f"persistence.split_fraction: expected a number in (0, 1), got {f!r}")
-    pk = _section(data, "passkey", {"lengths": [256, 512], "depths": [0.0, 0.5, 1.0], "trials": 4, "digits": 5,
-                                    "compression_ratios": None})
-    if pk:
-        if not isinstance(pk["lengths"], list) or not pk["lengths"]:
-            raise QualitySuiteError(f"passkey.lengths: expected a non-empty list of token counts >= 64, got {pk['lengths']!r}")
-        pk["lengths"] = [_int(f"passkey.lengths[{i}]", n, 64) for i, n in enumerate(pk["lengths"])]
-        if not isinstance(pk["depths"], list) or not pk["depths"]:
-            raise QualitySuiteError(f"passkey.depths: expected a non-empty list of numbers in [0, 1], got {pk['depths']!r}")
-        for i, d in enumerate(pk["depths"]):
-            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1:
-                raise QualitySuiteError(f"passkey.depths[{i}]: expected a number in [0, 1], got {d!r}")
-        pk["depths"] = [float(d) for d in pk["depths"]]
-        _int("passkey.trials", pk["trials"], 1)
-        if isinstance(pk["digits"], bool) or not isinstance(pk["digits"], int) or not 1 <= pk["digits"] <= 12:
-            raise QualitySuiteError(f"passkey.digits: expected an integer in [1, 12], got {pk['digits']!r}")
-        if pk["compression_ratios"] is not None:
-            if not isinstance(pk["compression_ratios"], list) or not pk["compression_ratios"]:
-                raise QualitySuiteError("passkey.compression_ratios: expected a non-empty list of numbers >= 1 or null")
-            pk["compression_ratios"] = [_ratio(f"passkey.compression_ratios[{i}]", r)
-                                        for i, r in enumerate(pk["compression_ratios"])]
-    if not (ppl or few or pers or pk):
-        raise QualitySuiteError("suite: needs at least one of perplexity, fewshot, persistence, passkey")
-    for key in ("model", "dtype", "device", "description"):
-        if key in data and not isinstance(data[key], str):
-            raise QualitySuiteError(f"{key}: expected a string, got {data[key]!r}")
-    from scissorhands.models import DTYPE_CHOICES
-
-    if data.get("dtype", "auto") not in DTYPE_CHOICES:
-        raise QualitySuiteError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {data['dtype']!r}")
-    return QualitySuite(
-        name=name, policies=_policies(data.get("policies", "all")), compression_ratios=ratios,
-        quantized=tuple(quantized), perplexity=ppl, fewshot=few, persistence=pers, passkey=pk,
-        description=data.get("description", ""), model=data.get("model", "embedded"),
-        dtype=data.get("dtype", "auto"), device=data.get("device", "cpu"),
-        seed=_int("seed", data.get("seed", 0), 0), replicas=_int("replicas", data.get("replicas", 2), 1),
-    )
-
-
-def load_suite(path: str) -> QualitySuite:
-    """Read and validate a quality suite YAML file.
-
-    Raises:
-        QualitySuiteError: unreadable file, invalid YAML, or an invalid field (named).
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise QualitySuiteError(f"suite file: cannot read {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise QualitySuiteError(f"suite file: invalid YAML in {path}: {e}") from None
-    return parse_suite(data)
