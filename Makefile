@@ -144,6 +144,12 @@ quality: install
 bench-cache: install
 	$(PY) bench/bench_cache.py $(ARGS)
 
+# Prefill time of Scissorhands x5 vs the full cache, float32 and bfloat16, paired interleaved rounds
+# (embedded model, batch 8 x 512 tokens; see bench/bench_prefill.py). Not a test: it prints a table.
+.PHONY: bench-prefill
+bench-prefill: install
+	$(PY) bench/bench_prefill.py $(ARGS)
+
 # This machine's ceilings (memory bandwidth, matmul GFLOP/s per dtype) and decode tok/s of our engine and of
 # transformers' generate per batch and dtype, each as a share of the roofline (bench/roofline.py; docs/performance.md).
 .PHONY: roofline

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import explicit_attention, set_active_layer
+from .attention import causal_attention_lse, causal_probs, explicit_attention, scratch, set_active_layer
 from .policies.base import Policy
 from .storage import DenseKV, SlotStore
 
@@ -68,6 +68,9 @@ EVICTED = -2
 # tensors that outgrow the CPU's caches: over 1,024 slots the embedded model (9 heads) gets chunks of 227
 # queries for one row, 56 for four.
 CHUNK_SCORE_ELEMENTS = 1 << 21
+# The probabilities of a fresh prompt's observed queries (computed without the output) run in chunks of at
+# most this many scores (1 MiB in float32), so each of their elementwise passes stays in the CPU's cache.
+CAUSAL_PROB_ELEMENTS = 1 << 19
 
 
 def budget_from_ratio(length_tokens: int, compression_ratio: float) -> int:
@@ -278,19 +281,21 @@ class BudgetedLayer(CacheLayerMixin):
             n_obs = max(self.policy.observed_queries(t, q_len) for t in set(t0.tolist()))
         obs_from = q_len - n_obs
         if q_len > 1 and self.row_time is None and all_valid and st.shape[-1] == q_len:
-            # A fresh prompt, no padding: slot i is token i. Every query's output comes from sdpa's fused
-            # causal kernel, exactly as for the full cache; the observed queries of chunk [s, e) see only
-            # keys [0, e), so their probabilities are computed over those keys alone, without the output
-            # (the state of slots >= e, added by this call, is still fresh; policies see the first e slots).
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, keys, values, is_causal=True, scale=scaling, enable_gqa=hq != keys.shape[1])
+            # A fresh prompt, no padding: slot i is token i. Every query's output comes from the fused causal
+            # kernel, the same numbers as the full cache's; the observed queries of chunk [s, e) see keys
+            # [0, e) only, and their probabilities are exp(score - lse) with the kernel's log-sum-exp (the
+            # state of slots >= e, added by this call, is still fresh: the policy sees the first e slots).
+            out, lse = causal_attention_lse(query, keys, values, scaling)
             state = self.state
+            query_chunk = max(1, min(query_chunk, CAUSAL_PROB_ELEMENTS // (b * hq * q_len)))
             for s in range(obs_from, q_len, query_chunk):
                 e = min(q_len, s + query_chunk)
-                causal = torch.ones(e - s, e, dtype=torch.bool, device=self.device).tril(s)    # (q_c, e)
-                visible = causal.expand(b, keys.shape[1], e - s, e)                      # (b, hkv, q_c, e)
-                self._attend_chunk(query[:, :, s:e], keys[:, :, :e], None, visible, scaling, t0 + s,
-                                   None if state is None else state[:, :, :e])
+                probs = causal_probs(query[:, :, s:e], keys[:, :, :e], scaling,
+                                     None if lse is None else lse[:, :, s:e])          # (b, hkv, g, q_c, e)
+                visible = torch.ones(e - s, e, dtype=torch.bool, device=self.device).tril(s)[None, None]
+                mean = torch.mean(probs, 2, out=scratch("mean_probs", probs.shape[:2] + probs.shape[3:], probs.dtype,
+                                                          self.device))              # GQA: average the group
+                self._observe(mean, visible, t0 + s, None if state is None else state[:, :, :e])
             chunks = ()
         else:
             out = query.new_empty(b, hq, q_len, values.shape[-1])
@@ -332,13 +337,17 @@ class BudgetedLayer(CacheLayerMixin):
         Returns ``(b, hq, q_c, d_v)``, or None when ``values`` is None (probabilities only).
         """
         out, probs = explicit_attention(query, keys, values, visible, scaling)          # probs (b, hkv, g, q_c, S)
-        state = self.state if state is None else state
-        probs = probs.mean(2)                                                            # GQA: average the group
-        if first_query.numel() == 1:                                                     # one shared clock
-            self.policy.observe(state, probs, visible, int(first_query))
-        else:                                                                            # each row's own
-            self.policy.observe_rows(state, probs, visible, first_query)
+        self._observe(probs.mean(2), visible, first_query, state)                       # GQA: average the group
         return out
+
+    def _observe(self, probs, visible, first_query, state=None) -> None:
+        """Hand the policy ``probs`` ``(b, hkv, q_c, S)``; ``first_query`` is ``(1 or b,)``: one shared clock,
+        or each row's own (``Policy.observe_rows``); ``state``: these ``S`` slots' statistics (default: all)."""
+        state = self.state if state is None else state
+        if first_query.numel() == 1:
+            self.policy.observe(state, probs, visible, int(first_query))
+        else:
+            self.policy.observe_rows(state, probs, visible, first_query)
 
     # ------------------------------------------------------------------ eviction
     def token_index(self) -> torch.Tensor:

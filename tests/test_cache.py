@@ -157,3 +157,25 @@ def test_keys_are_read_only_views_of_the_layer_storage(model):
     assert layer.keys.data_ptr() == layer.store.buffers["keys"].data_ptr()
     with pytest.raises(AttributeError, match="read-only"):
         layer.keys = torch.zeros(1)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_fused_prefill_output_and_lse_probabilities_equal_the_explicit_attention(dtype, atol):
+    """A fresh prompt's outputs come from the fused causal kernel (the full cache's numbers) and its observed
+    queries' probabilities from exp(score - lse) over the keys they see: equal to the softmax of
+    `explicit_attention` (float32: to rounding; bfloat16: to the rounding of bfloat16 scores)."""
+    from scissorhands.attention import causal_attention_lse, causal_probs, explicit_attention
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, 40, 16, generator=g).to(dtype) for h in (4, 2, 2))     # GQA: 4 query heads, 2 KV
+    out, lse = causal_attention_lse(q, k, v, 0.25)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert torch.equal(out, sdpa)
+    visible = torch.ones(40, 40, dtype=torch.bool).tril().expand(2, 2, 40, 40)
+    expect = explicit_attention(q, k, None, visible, 0.25)[1]                            # (2, 2, 2, 40, 40)
+    for s, e in ((30, 40), (12, 25)):                                                    # queries [s, e), keys [0, e)
+        probs = causal_probs(q[:, :, s:e], k[:, :, :e], 0.25, lse[:, :, s:e])
+        torch.testing.assert_close(probs, expect[..., s:e, :e], atol=atol, rtol=0)
+        assert bool((probs[..., :, -1][..., :-1] == 0).all())                             # a later key gets zero
+        without_lse = causal_probs(q[:, :, s:e], k[:, :, :e], 0.25, None)
+        torch.testing.assert_close(without_lse, expect[..., s:e, :e], atol=atol, rtol=0)

@@ -141,7 +141,7 @@ class Recorder:
         return self._policy.init_state(keys, values)
 
     def observe(self, state, probs, visible, first_query):
-        self.log.append((probs.clone(), None if visible is None else visible.clone(), first_query,
+        self.log.append((probs.clone(), None if visible is None else visible.expand(probs.shape).clone(), first_query,
                          self._layer.slot_time.clone()))
         self._policy.observe(state, probs, visible, first_query)
 

@@ -131,8 +131,9 @@ class Policy:
             probs: ``(batch_size, num_kv_heads, q_len, num_slots)`` float32 attention probabilities,
                 averaged over the query heads of each KV head (grouped-query attention); zero for
                 slots a query cannot see.
-            visible: ``(batch_size, num_kv_heads, q_len, num_slots)`` bool, slot visible to the query;
-                ``None`` when every slot is visible to every query (decoding without masked slots).
+            visible: bool, ``(batch_size, num_kv_heads, q_len, num_slots)`` or broadcastable to it (a fresh
+                prompt's causal mask is ``(1, 1, q_len, num_slots)``), slot visible to the query; ``None``
+                when every slot is visible to every query (decoding without masked slots).
             first_query: token index (tokens seen before it, padding included) of the first query;
                 the queries are consecutive.
         """

@@ -88,8 +88,8 @@ class Scissorhands(Policy):
             s, e = max(t0, g * c) - t0, min(t1 + 1, (g + 1) * c) - t0     # this chunk's queries in the call
             if e - s == 1:
                 col.add_(below[:, :, s])
-            else:                                                         # (b, h, q_g, S) -> (b, h, S)
-                col.add_(below[:, :, s:e].sum(2, dtype=torch.int32).to(torch.uint8))
+            else:                                                         # (b, h, q_g, S) -> (b, h, S); <= c <= 255
+                col.add_(below[:, :, s:e].view(torch.uint8).sum(2, dtype=torch.uint8))
 
     def _below(self, probs, visible):
         """``(b, h, q, S)`` bool: the slot got less than ``threshold`` times the average attention."""

