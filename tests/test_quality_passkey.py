@@ -181,3 +181,32 @@ def test_embedded_full_cache_retrieves_the_passkey():
     model, tok = load_model("embedded", dtype=torch.float32, device="cpu")
     out = pk.evaluate_passkey(model, tok, "full", 256, [0.0, 0.5, 1.0], trials=1, digits=5)
     assert out["accuracy_by_depth"] == [1.0, 1.0, 1.0], out["answers"]
+
+
+def _pk_record(policy, ratio, length, by_depth, trials=2, bits=None):
+    depths = [0.0, 0.5, 1.0]
+    right = [int(t < round(a * trials)) for a in by_depth for t in range(trials)]
+    return {"status": "ok", "evaluation": "passkey", "point_id": f"pk-{policy}-{ratio}-{length}-{bits}", "policy": policy,
+            "policy_label": policy, "compression_ratio": ratio, "kv_bits": bits, "length_tokens": length,
+            "depths": depths, "trials": trials, "digits": 5, "accuracy_by_depth": by_depth,
+            "accuracy": sum(right) / len(right), "correct_trials": right, "model_id": "m",
+            "accuracy_ci95_low": 0.0, "accuracy_ci95_high": 1.0}
+
+
+def test_report_writes_the_passkey_table_and_heatmap(tmp_path):
+    from PIL import Image
+
+    from workloads.quality.report import markdown, write_report
+
+    records = [_pk_record("full", 1.0, n, [1.0, 1.0, 1.0]) for n in (128, 256)] + \
+              [_pk_record("scissorhands", 4.0, n, [0.0, 0.5, 1.0]) for n in (128, 256)] + \
+              [_pk_record("scissorhands", 4.0, 128, [0.0, 0.0, 1.0], bits=4)]
+    md = " ".join(markdown(records).split(" "))
+    md = "\n".join(" ".join(line.split()) for line in md.splitlines())      # cells without their padding
+    assert "### Passkey retrieval at 128 tokens" in md and "### Passkey retrieval at 256 tokens" in md
+    assert "| scissorhands 4x | 0.00 | 0.50 | 1.00 |" in md
+    assert "-0.500 (p=0.25, 3/0)" in md                      # 3 trials right only with full: 2 / 2^3
+    written = write_report(tmp_path, records)
+    png = Image.open(written["passkey_png"])
+    assert png.size[0] > 300 and png.size[1] > 200
+

@@ -18,6 +18,17 @@ From an empty cache that is ``[B, 1, m - 1, 1, m - 1, ...]``: about ``2 (L - B) 
 ``L`` tokens instead of ``L``, and the losses equal token-by-token decoding (same queries, same
 visible keys, same statistics, same evictions); ``tests/test_quality_chunks.py`` proves it for
 every policy. No library hook is needed: the single-token call is the library's own decode rule.
+
+What is proved where (issue 12, case K18): the merged calls compute the same quantities as single
+calls, but a matrix product over ``q`` rows is not bit-identical to ``q`` products over one row.
+Without quantization the difference stays in the last float bits: ``tests/test_quality_chunks.py``
+proves equality (losses within 2e-5 nats and the same kept slots) on the tiny model for every
+policy, and its ``slow`` test does the same on the embedded SmolLM2-135M. With 4-bit keys and
+values (``kv_bits``) those last bits flip rounding to the 4-bit grid: on SmolLM2-135M the merged
+schedule's losses differ from decoding by 0.12-0.14 nats per token on average (max above 0.9, 96
+held-out tokens). So a quantized cache is always fed one token per call
+(:func:`evaluation_call_lengths`), exactly as decoding feeds it, and the merged schedule is used
+only where it is proved equal.
 """
 from __future__ import annotations
 
@@ -80,6 +91,24 @@ def cache_schedule(cache) -> tuple[int | None, int | None]:
     return budget.tokens, budget.drop_tokens
 
 
+def evaluation_call_lengths(cache, total_tokens: int, held_tokens: int = 0) -> list[int]:
+    """The calls a quality evaluation makes to feed ``total_tokens`` into ``cache``: decoding's numbers, fastest.
+
+    * a quantized cache (``cache.kv_bits`` set): one token per call, exactly as decoding (the merged
+      schedule changes 4-bit rounding; see the module docstring);
+    * otherwise :func:`decode_call_lengths` (one call for a cache that never evicts), proved equal
+      to one token per call on the tiny and the embedded model.
+
+    Raises:
+        ValueError: as :func:`decode_call_lengths` and :func:`cache_schedule`.
+    """
+    if getattr(cache, "kv_bits", None) is not None:
+        if total_tokens < 0:
+            raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
+        return [1] * total_tokens
+    return decode_call_lengths(total_tokens, *cache_schedule(cache), held_tokens=held_tokens)
+
+
 @torch.inference_mode()
 def token_logprobs(model, cache, input_ids: torch.Tensor, target_ids: torch.Tensor, held_tokens: int = 0,
                    call_lengths: list[int] | None = None) -> torch.Tensor:
@@ -93,7 +122,8 @@ def token_logprobs(model, cache, input_ids: torch.Tensor, target_ids: torch.Tens
         input_ids: ``(1, n)`` int64 token ids to feed.
         target_ids: ``(1, n)`` int64 ids to score.
         held_tokens: tokens the sequence already holds in ``cache`` (``min(prompt, B)`` after a prompt).
-        call_lengths: override the call schedule (tests use ``[1] * n`` for token-by-token decoding).
+        call_lengths: override the call schedule (default :func:`evaluation_call_lengths`; tests use
+            ``[1] * n`` for token-by-token decoding).
 
     Returns:
         ``(n,)`` float32 natural-log probabilities.
@@ -103,7 +133,7 @@ def token_logprobs(model, cache, input_ids: torch.Tensor, target_ids: torch.Tens
                          f"and {tuple(target_ids.shape)}")
     n = input_ids.shape[1]
     if call_lengths is None:
-        call_lengths = decode_call_lengths(n, *cache_schedule(cache), held_tokens=held_tokens)
+        call_lengths = evaluation_call_lengths(cache, n, held_tokens=held_tokens)
     if sum(call_lengths) != n:
         raise ValueError(f"call_lengths sum to {sum(call_lengths)}, expected {n}")
     out = torch.empty(n, dtype=torch.float32)

