@@ -166,8 +166,9 @@ def _embedded():
 
 @pytest.mark.slow
 def test_embedded_merged_schedule_equals_decoding_without_quantization():
-    """K18 on the real model: without quantization the merged refills give decoding's losses (within 1e-4
-    nats; measured max 1.7e-5 on 192 tokens) and keep the very same slots, for every evicting policy."""
+    """K18 on the real model: without quantization the merged refills give decoding's losses (float noise:
+    measured mean 3e-6 and max 1.7e-5 nats on 192 tokens; `random`, whose perplexity is about 250 here, max
+    1.0e-4 on a token of log-probability -13.9) and keep the very same slots, for every evicting policy."""
     from workloads.quality.perplexity import heldout_windows
 
     model, tok = _embedded()
@@ -182,7 +183,8 @@ def test_embedded_merged_schedule_equals_decoding_without_quantization():
         b = token_logprobs(model, step, x, y, call_lengths=[1] * n)
         assert len(evaluation_call_lengths(make_cache(policy, model, compression_ratio=3, max_length=n), n)) < n
         assert merged.evicted_tokens > 0
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=f"policy {policy}")
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-4, msg=f"policy {policy}")
+        assert float((a - b).abs().mean()) < 2e-5, policy             # 4-bit merged: 0.12-0.14 (the fault)
         for sa, sb in zip(_slot_times(merged), _slot_times(step)):
             assert torch.equal(sa, sb), policy
 
