@@ -33,8 +33,10 @@ DEFAULT_DATA_DIR = HERE / "data"
 RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
 #: The embedded Ray of `python -m workloads.sweep` keeps its files in workloads.run.EMBEDDED_RAY_TEMP_DIR.
 EMBEDDED_RAY_SD_FILE = "/tmp/scissorhands-ray/prom_metrics_service_discovery.json"
-#: The service-discovery files Prometheus reads by default (both are listed in dashboards/prometheus.yml).
-DEFAULT_SD_FILES = (RAY_SD_FILE, EMBEDDED_RAY_SD_FILE)
+#: `make cluster-up` runs its head under cluster.local_head.DEFAULT_TEMP_DIR (the Makefile's CLUSTER_TEMP_DIR).
+CLUSTER_UP_SD_FILE = "/tmp/scissorhands-cluster/prom_metrics_service_discovery.json"
+#: The service-discovery files Prometheus reads by default (all three are listed in dashboards/prometheus.yml).
+DEFAULT_SD_FILES = (RAY_SD_FILE, EMBEDDED_RAY_SD_FILE, CLUSTER_UP_SD_FILE)
 DEBIAN_PACKAGES = ("prometheus", "prometheus-pushgateway")
 HOST = "127.0.0.1"
 
