@@ -576,10 +576,3 @@ def not_ready_message(ray, n: int, what: str, timeout_s: float | None) -> str:
             "held by other work on the cluster and never freed, the node it was on left, or its model did not load "
             "in time (then raise the timeout)")
 
-
-def nodes_of(infos: list[Mapping[str, Any]]) -> dict[str, list[str]]:
-    """{node_id: [replica_id, ...]} from `info()` dicts or point records."""
-    out: dict[str, list[str]] = {}
-    for i in infos:
-        out.setdefault(i.get("node_id"), []).append(i.get("replica_id"))
-    return out

@@ -46,6 +46,7 @@ import psutil
 import torch
 
 from cluster.metrics import ReplicaMetrics
+from scissorhands.models import EMBEDDED, model_id_of
 
 #: Test-only model names a suite may use instead of a real model (tiny random weights, no
 #: tokenizer: prompts are random ids drawn with the point's seed). Not for benchmarking.
@@ -168,13 +169,8 @@ class ModelReplica:
         if self.model_spec in TEST_MODEL_NAMES:
             return self.model_spec
         name = getattr(self.model.config, "name_or_path", None) or getattr(self.model, "name_or_path", None)
-        if self.model_spec == "embedded":
-            try:
-                from scissorhands.models import EMBEDDED_MODEL_ID
-
-                return EMBEDDED_MODEL_ID
-            except ImportError:
-                pass
+        if self.model_spec == EMBEDDED:
+            return model_id_of(EMBEDDED)
         return str(name or self.model_spec)
 
     def info(self) -> dict:

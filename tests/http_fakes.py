@@ -2,9 +2,11 @@
 vocabulary (with a chat template), and a uvicorn server for an ASGI app on a free loopback port."""
 from __future__ import annotations
 
-import socket
+import json
 import threading
 import time
+
+from tests.waiting import free_port
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -26,10 +28,12 @@ def char_tokenizer():
     return fast
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def sse_events(resp):
+    """The `data:` payloads of a streamed `requests` reply as they arrive (JSON decoded, `[DONE]` kept as a string)."""
+    for line in resp.iter_lines():
+        if line.startswith(b"data: "):
+            d = line[6:].decode()
+            yield d if d == "[DONE]" else json.loads(d)
 
 
 class ServerThread:

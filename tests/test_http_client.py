@@ -140,7 +140,7 @@ def test_errors_are_named_kinds(server, first_id, kind):
 
 
 def test_connection_refused_is_a_named_kind():
-    from tests.http_fakes import free_port
+    from tests.waiting import free_port
 
     r = _gen(f"http://127.0.0.1:{free_port()}/v1", 1)
     assert r.error_kind == "connection_error"

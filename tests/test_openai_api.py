@@ -2,15 +2,14 @@
 real HTTP on a free loopback port (uvicorn in a thread)."""
 from __future__ import annotations
 
-import json
-import time
 
 import pytest
 import requests
 
 from cluster.openai_api import ReplicaBackend, build_app, cache_metadata
 from cluster.serving_replica import ServingReplica
-from tests.http_fakes import ServerThread, char_tokenizer
+from tests.http_fakes import ServerThread, char_tokenizer, sse_events
+from tests.waiting import wait_for
 
 FULL = "tiny:full"
 SH = "tiny:scissorhands-b16"
@@ -43,13 +42,8 @@ def post(url, path, body, stream=False):
 
 
 def sse(resp) -> list:
-    """The `data:` payloads of an SSE reply (JSON decoded, `[DONE]` kept as a string)."""
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith(b"data: "):
-            d = line[6:].decode()
-            out.append(d if d == "[DONE]" else json.loads(d))
-    return out
+    """Every `data:` payload of an SSE reply."""
+    return list(sse_events(resp))
 
 
 def test_models_and_health_list_one_id_per_cache(service):
@@ -160,12 +154,7 @@ def test_invalid_json_is_a_400(service):
 
 
 def _wait(pred, timeout_s=20.0):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
+    return wait_for(pred, timeout_s, "the engine to free the request's row", poll_s=0.02)
 
 
 def test_client_disconnect_mid_stream_frees_the_slots(service):

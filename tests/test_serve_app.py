@@ -4,14 +4,14 @@ killed mid-stream (its open stream ends with an error event; Serve replaces the 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import pytest
 import requests
 
 from cluster.engine import GenerationRequest
-from tests.http_fakes import free_port
+from tests.http_fakes import sse_events
+from tests.waiting import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -43,13 +43,6 @@ def _engine(label: str):
     from cluster.serve_app import APP_NAME
 
     return serve.get_deployment_handle(f"engine-{label}", app_name=APP_NAME)
-
-
-def _events(resp):
-    for line in resp.iter_lines():
-        if line.startswith(b"data: "):
-            d = line[6:].decode()
-            yield d if d == "[DONE]" else json.loads(d)
 
 
 def _wait(pred, timeout_s):
@@ -85,7 +78,7 @@ def test_streamed_chat_one_event_per_token(app_url):
         model=SH, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
         stream=True, stream_options={"include_usage": True}))
     assert r.status_code == 200
-    events = list(_events(r))
+    events = list(sse_events(r))
     assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
     ids = [i for e in events[1:-2] for i in e["choices"][0]["token_ids"]]
     assert len(ids) == events[-2]["usage"]["completion_tokens"] >= 1
@@ -98,7 +91,7 @@ def test_disconnect_frees_the_row(app_url):
     before = eng.stats.remote().result()
     r = requests.post(app_url + "/v1/completions", stream=True, timeout=300, json=dict(
         model=SH, prompt="Tell me a long story.", max_tokens=400, ignore_eos=True, stream=True))
-    it = _events(r)
+    it = sse_events(r)
     for _ in range(3):
         next(it)
     assert eng.stats.remote().result()["running_sequences"] == 1

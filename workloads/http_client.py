@@ -39,7 +39,7 @@ from typing import AsyncIterator, Callable
 
 from cluster.engine import GenerationRequest, GenerationResult
 
-__all__ = ["OpenAIHTTPClient", "HTTPGenerationResult", "parse_sse_lines"]
+__all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
 
 
 @dataclass
@@ -53,11 +53,6 @@ class HTTPGenerationResult(GenerationResult):
 
 def _status_kind(status: int) -> str:
     return {400: "bad_request", 404: "unknown_model", 429: "overloaded", 503: "overloaded"}.get(status, f"http_{status}")
-
-
-def parse_sse_lines(lines: list[bytes]) -> list[str]:
-    """The `data:` payloads of SSE lines (tests and debugging)."""
-    return [ln[5:].strip().decode() for ln in lines if ln.startswith(b"data:")]
 
 
 class OpenAIHTTPClient:

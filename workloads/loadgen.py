@@ -565,8 +565,6 @@ class TraceLoad(OpenLoop):
 
 #: Every load pattern by `LoadConfig.mode`; a new pattern is one class and one line here.
 LOAD_PATTERNS: dict[str, type[LoadPattern]] = {p.name: p for p in (BatchLoad, ConcurrencyLoad, RateLoad, TraceLoad)}
-#: Names of the load patterns (`LoadConfig.mode`).
-MODES = tuple(LOAD_PATTERNS)
 
 
 # ---------------------------------------------------------------------------- the shared run

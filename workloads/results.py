@@ -176,11 +176,6 @@ def repair_points_file(path: str, who: str) -> None:
         print(f"{who}: cut an incomplete last line ({cut} bytes) off {path}", file=sys.stderr)
 
 
-def completed_point_ids(records: Iterable[dict]) -> set[str]:
-    """Point ids that have an `ok` record."""
-    return {r["point_id"] for r in records if r.get("status") == "ok"}
-
-
 def changed_settings(records: Iterable[dict], points: Iterable) -> dict[str, dict[str, tuple]]:
     """Points of a resumed run whose settings changed since they were recorded.
 
