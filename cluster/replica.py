@@ -1,7 +1,7 @@
 """One model replica: a model + tokenizer that runs static batches with a budgeted KV cache.
 
 `ModelReplica` is a plain class (no Ray here) so it can be unit-tested directly; the Ray actor
-in `cluster.ray_replica` is a thin wrapper around it.
+`cluster.placement.PlacedReplica` is a thin wrapper around it.
 
 A *point* (one static batch) is a mapping with these keys (units in the names):
 

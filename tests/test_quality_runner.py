@@ -135,6 +135,39 @@ def test_points_run_on_ray_replicas_and_match_local(tmp_path):
     json.dumps(list(dist.values()), allow_nan=False)
 
 
+@pytest.mark.ray
+def test_a_replica_that_dies_fails_its_point_and_is_replaced(tmp_path, monkeypatch):
+    """The quality runner shares the sweep's dispatch loop (workloads.run.dispatch_points): the replica
+    running the first point dies (its process exits; no Ray restart or retry), that point is recorded as
+    `replica died`, a new replica takes its bundle and runs the other two points; exit 1 (a point failed).
+    Before the shared loop the dead replica was never replaced and the run stopped with 2 points not run."""
+    import ray
+
+    from workloads.quality import points as quality_points
+
+    real_run_point = quality_points.run_point
+
+    def dies_on_full(model, tokenizer, point):
+        if point["policy"] == "full":
+            os._exit(1)
+        return real_run_point(model, tokenizer, point)
+
+    monkeypatch.setattr(runner, "run_point", dies_on_full)
+    suite = _write(tmp_path, {**TINY, "fewshot": None, "persistence": None, "replicas": 1,
+                              "placement": {"max_restarts": 0, "max_task_retries": 0, "ready_timeout_s": 120}})
+    ray.init(address="local", include_dashboard=False, num_cpus=2, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    try:
+        rc = runner.main([suite, "--pushgateway", "off", "--results-dir", str(tmp_path), "--run-id", "dies"])
+    finally:
+        ray.shutdown()
+    recs = sorted(res.read_records(str(tmp_path / "dies" / "points.jsonl")), key=lambda r: r["point_index"])
+    assert rc == 1
+    assert [(r["policy"], r["status"]) for r in recs] == [("full", "error"), ("scissorhands", "ok"), ("scissorhands", "ok")]
+    assert recs[0]["error"].startswith("replica died: ") and recs[0]["replica_id"] == "quality-0"
+    assert {r["replica_id"] for r in recs[1:]} == {"quality-0-r1"} and all(r["perplexity"] > 1 for r in recs[1:])
+
+
 def test_each_point_is_pushed_like_a_sweep_point(tmp_path, monkeypatch):
     import workloads.push
 

@@ -178,19 +178,19 @@ def test_batch_replica_never_placed_fails_within_the_bound(cpus_held, tmp_path, 
 
 
 @pytest.mark.ray
-def test_quality_replicas_never_placed_fail_within_the_bound(cpus_held, one_cpu_nodes):
-    """The quality runner's replicas (cluster.ray_replica.wait_ready) are bounded the same way."""
-    from cluster.ray_replica import create_replicas, wait_ready
+def test_quality_replicas_never_placed_fail_within_the_bound(cpus_held, tmp_path, capsys):
+    """The quality runner starts its replicas like the sweep (workloads.run.start_replicas): bounded the same way."""
+    from workloads.quality import runner
 
-    actors = create_replicas(1, num_cpus=1, model_spec="tiny-llama", dtype="float32", device="cpu")
+    suite = tmp_path / "quality-held.yaml"
+    suite.write_text(yaml.safe_dump({"name": "quality-held", "kind": "quality", "model": "tiny-llama",
+                                     "dtype": "float32", "policies": ["full"], "replicas": 1,
+                                     "perplexity": {"tokens": 16, "windows": 1}, "placement": {"ready_timeout_s": 4}}))
     t0 = time.monotonic()
-    try:
-        with pytest.raises(PlacementError, match="not placed and loaded within 3 s"):
-            wait_ready(actors, timeout_s=3)
-        assert time.monotonic() - t0 < 30
-    finally:
-        for a in actors:
-            one_cpu_nodes.kill(a)
+    rc = runner.main([str(suite), "--results-dir", str(tmp_path / "r"), "--run-id", "q", "--pushgateway", "off"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "could not be placed within 4 s" in err and "free now" in err, err[-2000:]
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.ray

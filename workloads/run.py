@@ -5,11 +5,15 @@ the Ray connection and the per-replica resources.
   `points.jsonl` repaired when the last line was cut mid-write, and `run.json` (suite, git commit).
 * `init_ray`: join `--address` / `$RAY_ADDRESS`, or start an embedded Ray on loopback.
 * `replica_resources`: torch threads, Ray CPUs and GPUs per replica.
+* `start_replicas`, `dispatch_points`: the replicas of a batch or quality run (one placement group,
+  restarts, GPU sharding: `cluster.placement.ReplicaSet`) and the loop in which idle replicas take the
+  next point, watching that the nodes of points in flight are still alive.
 * `SweepError`: stops a run before or between points, with the exit status.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -256,3 +260,133 @@ def record_run_dtypes(run_dir, records) -> None:
     if seen and meta.get("dtypes") != seen:
         meta["dtypes"] = seen
         res.write_atomic(str(path), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica"):
+    """Start `replicas` replicas of `suite` (`cluster.placement.ReplicaSet`: one placement-group bundle each,
+    resources from `replica_resources` unless the suite's `placement:` names them) and wait until every
+    one has loaded its model. `replica_kwargs` go to `cluster.placement.PlacedReplica`.
+
+    Returns:
+        (the started ReplicaSet, the replicas' `info()` dicts in the order of `rset.actors`).
+    Raises:
+        SweepError: (exit 1) not placed and loaded within `placement.ready_timeout_s`, or a replica could
+            not load its model (the group is freed); (exit 2) as `replica_resources`.
+    """
+    from cluster.placement import PlacementError, ReplicaSet, wait_placed
+
+    threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
+    rset = ReplicaSet(replicas, suite.placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
+                      replica_kwargs=replica_kwargs, name_prefix=name_prefix)
+    try:
+        infos = wait_placed(rset.start(), rset.placement.ready_timeout_s)
+    except PlacementError as e:  # no node can hold it, or not placed and loaded within ready_timeout_s
+        rset.shutdown()
+        raise SweepError(str(e), 1) from None
+    except Exception as e:  # a replica could not load its model
+        rset.shutdown()
+        raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
+    print(f"{name}: {replicas} replica(s) ready ({rset.num_threads} torch thread(s), {rset.num_cpus:g} CPU(s) each): "
+          + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
+    return rset, infos
+
+
+#: Seconds between checks, while points are in flight, that the replicas' nodes are still alive.
+WATCH_POLL_S = 5.0
+
+
+def dispatch_points(ray, rset, infos: list[dict], pending: list, call, make_record, publish, one_line, *,
+                    name: str) -> int:
+    """Run `pending` on the replicas of the started `rset`: idle replicas take the next point in order.
+
+    Args:
+        call: ``call(actor, point)`` starts the point on the replica; returns its Ray object ref, whose
+            value is the point's metrics (a dict; its ``node_id``, when there, is where Ray runs the replica).
+        make_record: ``make_record(point, info, status, metrics, error, t0_unix_s, t1_unix_s)`` -> the record.
+        publish: ``publish(record)`` writes (and pushes) each finished point; ``one_line(record)`` its line.
+        name: the runner's name in messages ("sweep", "quality").
+
+    A point that raises is recorded as ``error`` and its replica goes on; a replica that dies fails its
+    point ("replica died: ...") and is replaced in its bundle (`rset.replace`; at most `rset.n` times).
+    Returns the number of failed points.
+
+    Raises:
+        SweepError: (exit 1) no live replica left with points to run; a replica with a point in flight has
+            been off the cluster's alive nodes for more than `placement.ready_timeout_s` (checked every
+            `WATCH_POLL_S` s), or the cluster cannot be reached. Points published stay (--resume).
+    """
+    from tqdm import tqdm
+
+    from cluster.placement import wait_placed
+
+    timeout_s = rset.placement.ready_timeout_s
+    info_of = dict(zip(rset.actors, infos))
+    node_of = {a: i.get("node_id") for a, i in info_of.items()}
+    idle, queue, inflight, lost_since = list(rset.actors), collections.deque(pending), {}, {}
+    failed = restarts = 0
+    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
+        while queue or inflight:
+            while idle and queue:
+                actor, point = idle.pop(0), queue.popleft()
+                inflight[call(actor, point)] = (point, actor, time.time())
+            if not inflight:
+                break  # no live replica left
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WATCH_POLL_S)
+            if not ready:  # a replica whose node left, and that Ray cannot place again, never answers
+                _check_nodes(ray, inflight, node_of, lost_since, timeout_s, len(queue))
+                continue
+            for ref in ready:
+                point, actor, t0 = inflight.pop(ref)
+                info = info_of.get(actor)
+                try:
+                    metrics = ray.get(ref)
+                    node_of[actor] = metrics.get("node_id") or node_of.get(actor)  # where Ray runs it now
+                    lost_since.pop(actor, None)
+                    rec = make_record(point, info, "ok", metrics, None, t0, time.time())
+                    idle.append(actor)
+                except ray.exceptions.RayActorError as e:
+                    failed += 1
+                    rec = make_record(point, info, "error", None, f"replica died: {error_message(e)}", t0, time.time())
+                    if restarts < rset.n:  # replace the dead replica
+                        restarts += 1
+                        new = rset.replace(actor)
+                        try:
+                            info_of[new] = wait_placed([new], timeout_s)[0]
+                            node_of[new] = info_of[new].get("node_id")
+                            idle.append(new)
+                        except Exception as e2:
+                            bar.write(f"{name}: could not replace a dead replica: {error_message(e2)}", file=sys.stderr)
+                except Exception as e:  # the point raised inside the replica
+                    failed += 1
+                    rec = make_record(point, info, "error", None, error_message(e), t0, time.time())
+                    idle.append(actor)
+                publish(rec)
+                bar.update(1)
+                bar.write(one_line(rec), file=sys.stderr)
+    if queue:
+        raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
+    return failed
+
+
+def _check_nodes(ray, inflight: dict, node_of: dict, lost_since: dict, timeout_s: float, queued: int) -> None:
+    """Raise SweepError (exit 1) when a replica with a point in flight has been off the cluster's
+    alive nodes for more than `timeout_s` (its node left and Ray could not place it again), or the
+    cluster cannot be asked. The points already written stay in points.jsonl (--resume runs the rest).
+    """
+    now = time.monotonic()
+    try:
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive", n.get("alive", False))}
+    except Exception as e:  # noqa: BLE001 - the cluster went away
+        raise SweepError(f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
+                         f"{len(inflight) + queued} point(s) not run; the points written stay (--resume)", 1) from None
+    for _, actor, _ in inflight.values():
+        node = node_of.get(actor)
+        if node is None or node in alive:
+            lost_since.pop(actor, None)
+            continue
+        since = lost_since.setdefault(actor, now)
+        if now - since > timeout_s:
+            raise SweepError(
+                f"a replica's node {node} left the cluster and Ray did not run the replica again within "
+                f"{timeout_s:g} s (placement.ready_timeout_s); {len(inflight) + queued} point(s) not run; the points "
+                "written stay (--resume runs the rest once the cluster has room)", 1)

@@ -27,15 +27,14 @@ path); 2 the suite or the arguments are invalid (nothing is recorded); 130 inter
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
 import time
 
 from workloads import results as res
-from workloads.run import (SweepError, error_message, init_ray, load_suite_of_kind, open_run, pending_points,
-                           record_run_dtypes, replica_resources)
+from workloads.run import (SweepError, dispatch_points, init_ray, load_suite_of_kind, open_run, pending_points,
+                           record_run_dtypes, start_replicas)
 from workloads.suite import Point, Suite
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,92 +146,22 @@ def _final_scrape_wait_s(publish) -> float:
 
 def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Point], replicas: int, publish) -> int:
     """Run `pending` on `replicas` replica actors; `publish(record)` writes (and pushes) each finished point."""
-    from tqdm import tqdm
-
     ray, started_here = init_ray(args.address)
-    from cluster.placement import PlacementError, ReplicaSet, wait_placed
     from cluster.ray_replica import cluster_inventory
 
     from workloads.prompts import make_prompts
 
     rset = None
     try:
-        threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
         inventory = cluster_inventory()
         kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, prompt_fn=make_prompts,
                       run_id=run_id)
-
         # one placement-group bundle per replica; resources/strategy from the suite's `placement:`
-        rset = ReplicaSet(replicas, suite.placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
-                          replica_kwargs=kwargs)
-        try:
-            actors = rset.start()
-        except PlacementError as e:
-            raise SweepError(str(e), 1) from None
-        threads, num_cpus = rset.num_threads, rset.num_cpus
-        try:
-            infos = wait_placed(actors, rset.placement.ready_timeout_s)
-        except PlacementError as e:  # not placed and loaded within ready_timeout_s
-            raise SweepError(str(e), 1) from None
-        except Exception as e:  # a replica could not load its model
-            raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
-        info_of = {a: i for a, i in zip(actors, infos)}
-        print(f"sweep: {replicas} replica(s) ready ({threads} torch thread(s), {num_cpus:g} CPU(s) each): "
-              + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
-
-        idle = list(actors)
-        node_of = {a: i.get("node_id") for a, i in zip(actors, infos)}
-        lost_since: dict = {}
-        queue = collections.deque(pending)
-        inflight: dict = {}
-        failed = 0
-        restarts = 0
-        bar = tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True)
-        try:
-            while queue or inflight:
-                while idle and queue:
-                    actor, point = idle.pop(0), queue.popleft()
-                    inflight[actor.run_batch.remote(point.as_dict())] = (point, actor, time.time())
-                if not inflight:
-                    break  # no live replica left
-                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WATCH_POLL_S)
-                if not ready:  # a replica whose node left, and that Ray cannot place again, never answers
-                    _check_nodes(ray, inflight, node_of, lost_since, rset.placement.ready_timeout_s, len(queue))
-                    continue
-                for ref in ready:
-                    point, actor, t0 = inflight.pop(ref)
-                    info = info_of.get(actor)
-                    try:
-                        metrics = ray.get(ref)
-                        node_of[actor] = metrics.get("node_id") or node_of.get(actor)  # where Ray runs it now
-                        lost_since.pop(actor, None)
-                        rec = _record(run_id, commit, suite, point, inventory, info, "ok", metrics, None, t0, time.time())
-                        idle.append(actor)
-                    except ray.exceptions.RayActorError as e:
-                        failed += 1
-                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      f"replica died: {error_message(e)}", t0, time.time())
-                        if restarts < replicas:  # replace the dead replica
-                            restarts += 1
-                            new = rset.replace(actor)
-                            try:
-                                info_of[new] = wait_placed([new], rset.placement.ready_timeout_s)[0]
-                                node_of[new] = info_of[new].get("node_id")
-                                idle.append(new)
-                            except Exception as e2:
-                                bar.write(f"sweep: could not replace a dead replica: {error_message(e2)}", file=sys.stderr)
-                    except Exception as e:  # the point raised inside the replica
-                        failed += 1
-                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      error_message(e), t0, time.time())
-                        idle.append(actor)
-                    publish(rec)
-                    bar.update(1)
-                    bar.write(_one_line(rec), file=sys.stderr)
-        finally:
-            bar.close()
-        if queue:
-            raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
+        rset, infos = start_replicas(ray, suite, replicas, kwargs, name="sweep")
+        failed = dispatch_points(
+            ray, rset, infos, pending, lambda actor, point: actor.run_batch.remote(point.as_dict()),
+            lambda point, info, *rest: _record(run_id, commit, suite, point, inventory, info, *rest),
+            publish, _one_line, name="sweep")
         wait_s = _final_scrape_wait_s(publish)
         if wait_s:
             print(f"sweep: keeping the replicas up {wait_s:g} s more so Prometheus scrapes their last live values",
@@ -244,34 +173,6 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
             rset.shutdown()
         if started_here:
             ray.shutdown()
-
-
-#: Seconds between checks, while points are in flight, that the replicas' nodes are still alive.
-WATCH_POLL_S = 5.0
-
-
-def _check_nodes(ray, inflight: dict, node_of: dict, lost_since: dict, timeout_s: float, queued: int) -> None:
-    """Raise SweepError (exit 1) when a replica with a point in flight has been off the cluster's
-    alive nodes for more than `timeout_s` (its node left and Ray could not place it again), or the
-    cluster cannot be asked. The points already written stay in points.jsonl (--resume runs the rest).
-    """
-    now = time.monotonic()
-    try:
-        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive", n.get("alive", False))}
-    except Exception as e:  # noqa: BLE001 - the cluster went away
-        raise SweepError(f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
-                         f"{len(inflight) + queued} point(s) not run; the points written stay (--resume)", 1) from None
-    for _, actor, _ in inflight.values():
-        node = node_of.get(actor)
-        if node is None or node in alive:
-            lost_since.pop(actor, None)
-            continue
-        since = lost_since.setdefault(actor, now)
-        if now - since > timeout_s:
-            raise SweepError(
-                f"a replica's node {node} left the cluster and Ray did not run the replica again within "
-                f"{timeout_s:g} s (placement.ready_timeout_s); {len(inflight) + queued} point(s) not run; the points "
-                "written stay (--resume runs the rest once the cluster has room)", 1)
 
 
 def _one_line(rec: dict) -> str:

@@ -1,8 +1,9 @@
 """Run a quality suite on Ray replicas: ``python -m workloads.quality.runner SUITE [options]``.
 
 Each point (a perplexity, few-shot, persistence or passkey evaluation) runs as a task on one of N model
-replicas (``cluster.ray_replica``; ``ModelReplica.apply(run_point, point)``), exactly like the
-throughput sweep: replicas load the model once, idle replicas take the next point, and every
+replicas (``ModelReplica.apply(run_point, point)``) in the throughput sweep's replica set and dispatch
+loop (``workloads.run.start_replicas``, ``dispatch_points``: the suite's ``placement:``, restarts, GPU
+sharding, the node-left watch): replicas load the model once, idle replicas take the next point, and every
 finished point is appended as one JSON line (a single ``O_APPEND`` write, fsync'ed) to
 ``<results-dir>/<run_id>/points.jsonl`` with the schema version, git commit, model id, policy and
 its resolved parameters, seed and the Ray node inventory, and its perplexity / accuracy is
@@ -16,14 +17,13 @@ arguments (nothing recorded); 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import time
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import (SweepError, error_message, init_ray, load_suite_of_kind, open_run, pending_points,
-                           record_run_dtypes, replica_resources)
+from workloads.run import (SweepError, dispatch_points, error_message, init_ray, load_suite_of_kind, open_run,
+                           pending_points, record_run_dtypes, start_replicas)
 
 from .points import run_point
 from .suite import QualityPoint, QualitySuite
@@ -141,60 +141,21 @@ def _run_local(args, suite, run_id, commit, pending, replicas, record) -> int:
 
 
 def _run_ray(args, suite, run_id, commit, pending, replicas, record) -> int:
-    from tqdm import tqdm
-
     ray, started_here = init_ray(args.address)
-    from cluster.ray_replica import cluster_inventory, create_replicas, wait_ready
+    from cluster.ray_replica import cluster_inventory
 
-    actors: list = []
+    rset = None
     try:
-        threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
         inventory = cluster_inventory()
-        actors = create_replicas(replicas, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
-                                 name_prefix="quality", model_spec=suite.model, dtype=suite.dtype,
-                                 device=suite.device, warmup=False)
-        try:
-            infos = wait_ready(actors)
-        except Exception as e:
-            raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
-        info_of = dict(zip(actors, infos))
-        idle, queue, inflight, failed = list(actors), collections.deque(pending), {}, 0
-        with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
-            while queue or inflight:
-                while idle and queue:
-                    actor, point = idle.pop(0), queue.popleft()
-                    inflight[actor.apply.remote(run_point, point.as_dict())] = (point, actor, time.time())
-                if not inflight:
-                    break
-                ready, _ = ray.wait(list(inflight), num_returns=1)
-                for ref in ready:
-                    point, actor, t0 = inflight.pop(ref)
-                    info = info_of.get(actor)
-                    try:
-                        metrics = ray.get(ref)
-                        rec = _record(run_id, commit, suite, point, inventory, info, "ok", metrics, None, t0, time.time())
-                        idle.append(actor)
-                    except ray.exceptions.RayActorError as e:   # the replica died: its point fails, no respawn
-                        failed += 1
-                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      f"replica died: {error_message(e)}", t0, time.time())
-                    except Exception as e:
-                        failed += 1
-                        rec = _record(run_id, commit, suite, point, inventory, info, "error", None,
-                                      error_message(e), t0, time.time())
-                        idle.append(actor)
-                    record(rec)
-                    bar.update(1)
-                    bar.write(_one_line(rec))
-        if queue:
-            raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
-        return failed
+        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, warmup=False, run_id=run_id)
+        rset, infos = start_replicas(ray, suite, replicas, kwargs, name="quality", name_prefix="quality")
+        return dispatch_points(
+            ray, rset, infos, pending, lambda actor, point: actor.apply.remote(run_point, point.as_dict()),
+            lambda point, info, *rest: _record(run_id, commit, suite, point, inventory, info, *rest),
+            record, _one_line, name="quality")
     finally:
-        for a in actors:
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
+        if rset is not None:
+            rset.shutdown()
         if started_here:
             ray.shutdown()
 
