@@ -180,11 +180,12 @@ def suite_name(suite_path: Path) -> str:
 
 
 def git_commit(working_dir: Path) -> str:
+    """`git rev-parse HEAD` in `working_dir`, else `$SCISSORHANDS_GIT_COMMIT` (set for a job), else 'unknown'."""
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=working_dir, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get(GIT_COMMIT_ENV, "unknown")
+        return os.environ.get(GIT_COMMIT_ENV) or "unknown"
 
 
 def ray_cli() -> str:

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cluster import submit
 from workloads import results as res
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-GIT_COMMIT_ENV = "SCISSORHANDS_GIT_COMMIT"
 
 
 class SweepError(Exception):
@@ -38,14 +36,8 @@ class SweepError(Exception):
 
 
 def git_commit() -> str:
-    """`git rev-parse HEAD` of the repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get(GIT_COMMIT_ENV) or "unknown"
+    """`git rev-parse HEAD` of this repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
+    return submit.git_commit(REPO_ROOT)
 
 
 def resolve_run_dir(args: argparse.Namespace, suite) -> tuple[str, Path]:
@@ -237,7 +229,7 @@ def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
     commit = git_commit()
     if not (run_dir / "run.json").exists():
         meta = {"run_id": run_id, "suite_file": args.suite,
-                "suite": suite.model_dump(mode="json") if hasattr(suite, "model_dump") else json.loads(json.dumps(dataclasses.asdict(suite), default=str)), "git_commit": commit,
+                "suite": suite.model_dump(mode="json"), "git_commit": commit,
                 "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
         res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return OpenedRun(run_id, run_dir, points_path, commit)
