@@ -454,47 +454,6 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
     return result
 
 
-def _run_generate(model, requests, batch: int, deadline: float, device) -> dict:
-    """transformers' own path: sdpa + DynamicCache, static batches of left-padded prompts, each batch run to
-    its longest output; useful tokens = what each request asked for."""
-    import torch
-    from transformers import DynamicCache
-
-    from scissorhands import ATTN_IMPLEMENTATION
-
-    model.set_attn_implementation("sdpa")
-    try:
-        warm = torch.tensor([requests[0].prompt_ids[:32]], device=device)
-        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
-        outputs, finished, useful = {}, True, 0
-        _sync(device)
-        t0 = time.perf_counter()
-        for i in range(0, len(requests), batch):
-            if time.time() > deadline:
-                finished = False
-                break
-            chunk = requests[i:i + batch]
-            width = max(len(r.prompt_ids) for r in chunk)
-            # (b, width) left-padded prompts and their mask, as a transformers user batches them
-            ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk], device=device)
-            mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk],
-                                device=device)
-            with torch.inference_mode():
-                out = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
-                                     max_new_tokens=max(r.max_new_tokens for r in chunk), do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
-            for r, row in zip(chunk, out[:, width:].tolist()):
-                outputs[r.request_id] = row[:r.max_new_tokens]
-                useful += r.max_new_tokens
-        _sync(device)
-        wall = time.perf_counter() - t0
-    finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return {"finished": finished, "wall_s": wall, "output_tokens": useful, "output_tok_per_s": useful / wall,
-            "completed_requests": len(outputs), "outputs": outputs}
-
-
 def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
     """Our engine vs transformers' generate, full cache, at full's max batch, on one serving mix."""
     import numpy as np
@@ -516,7 +475,9 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
               "batch": b, "requests": m, "kv_memory_limit_bytes": limit, "prompt_tokens_range": [min(p_lengths), max(p_lengths)],
               "output_tokens_range": [min(out_lengths), max(out_lengths)]}
     print(f"gpu-check: engine_vs_generate: batch {b}, {m} requests: generate ...", file=sys.stderr, flush=True)
-    gen = _run_generate(model, reqs, b, deadline, a["device"])
+    from cluster.generate_baseline import run_generate
+
+    gen = run_generate(model, reqs, b, device=a["device"], deadline=deadline)
     result["generate"] = {k: v for k, v in gen.items() if k != "outputs"}
     save(result)
     print("gpu-check: engine_vs_generate: our engine ...", file=sys.stderr, flush=True)

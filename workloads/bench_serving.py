@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+from cluster.generate_baseline import run_generate
 
 
 def parse_args(argv=None):
@@ -135,40 +136,6 @@ def _engine_result(engine: ContinuousBatchingEngine, done: dict, wall: float, cp
             "slot_bytes": s["slot_bytes"], "outputs": {k: v.output_ids for k, v in done.items()}}
 
 
-def _run_generate(model, requests: list[GenerationRequest], batch: int) -> dict:
-    from transformers import DynamicCache
-
-    model.set_attn_implementation("sdpa")              # transformers' own path: sdpa + DynamicCache
-    warm = torch.tensor([requests[0].prompt_ids[:32]])
-    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
-                   eos_token_id=None, pad_token_id=0)
-    outputs = {}
-    bar = tqdm(total=math.ceil(len(requests) / batch), desc="generate", unit="batch", file=sys.stderr,
-               dynamic_ncols=True)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i in range(0, len(requests), batch):
-        chunk = requests[i:i + batch]
-        width = max(len(r.prompt_ids) for r in chunk)
-        # (b, width) left-padded prompts and their mask, as a transformers user batches them
-        ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk])
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk])
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
-                                 max_new_tokens=max(r.max_new_tokens for r in chunk), do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        for r, row in zip(chunk, out[:, ids.shape[1]:].tolist()):
-            outputs[r.request_id] = row[:r.max_new_tokens]      # useful tokens: what the request asked for
-        bar.update(1)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    bar.close()
-    from scissorhands import ATTN_IMPLEMENTATION
-
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    useful = sum(r.max_new_tokens for r in requests)
-    return {"wall_s": wall, "cpu_s": cpu, "output_tokens": useful, "output_tok_per_s": useful / wall,
-            "output_tok_per_cpu_s": useful / cpu, "outputs": outputs}
-
-
 def _part2(model, tokenizer, vocab, args, b, limit):
     P, N = args.prompt_tokens, args.generate_new_tokens
     m = args.generate_requests or 4 * b
@@ -178,7 +145,9 @@ def _part2(model, tokenizer, vocab, args, b, limit):
     prompts = [_prompts(tokenizer, vocab, 1, int(n), args.seed + 1 + i)[0] for i, n in enumerate(p_lengths)]
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
-    gen = _run_generate(model, reqs, b)
+    with tqdm(total=math.ceil(len(reqs) / b), desc="generate", unit="batch", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        gen = run_generate(model, reqs, b, on_batch=lambda: bar.update(1))
     eng, = _run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)],
                         desc="engine (part 2)")
     same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
