@@ -8,7 +8,8 @@ import torch
 
 from scissorhands import POLICIES, make_cache
 from scissorhands.testing import tiny_llama
-from workloads.quality.chunks import cache_schedule, decode_call_lengths, evaluation_call_lengths, token_logprobs
+from workloads.quality.chunks import (MERGED_SCHEDULE_POLICIES, cache_schedule, decode_call_lengths,
+                                      evaluation_call_lengths, token_logprobs)
 from workloads.quality.perplexity import build_cache, perplexity, window_nll
 
 TOKENS = 96
@@ -82,7 +83,10 @@ def test_quantized_caches_are_fed_one_token_per_call(model, text, policy):
     assert evaluation_call_lengths(q, TOKENS) == [1] * TOKENS
     assert evaluation_call_lengths(q, 7, held_tokens=3) == [1] * 7
     plain = make_cache(policy, model, **kw)
-    assert evaluation_call_lengths(plain, TOKENS) == decode_call_lengths(TOKENS, *cache_schedule(plain))
+    if policy == "full" or policy in MERGED_SCHEDULE_POLICIES:
+        assert evaluation_call_lengths(plain, TOKENS) == decode_call_lengths(TOKENS, *cache_schedule(plain))
+    else:   # not proved equal on the embedded model (knorm is not): decoding's own schedule
+        assert evaluation_call_lengths(plain, TOKENS) == [1] * TOKENS
     w = text[0].tolist()
     assert window_nll(model, w, policy, 5, kv_bits=4, policy_params={"kv_group_size": 16})["forward_calls"] == TOKENS
     x, y = text[:, :-1], text[:, 1:]
@@ -168,7 +172,9 @@ def _embedded():
 def test_embedded_merged_schedule_equals_decoding_without_quantization():
     """K18 on the real model: without quantization the merged refills give decoding's losses (float noise:
     measured mean 3e-6 and max 1.7e-5 nats on 192 tokens; `random`, whose perplexity is about 250 here, max
-    1.0e-4 on a token of log-probability -13.9) and keep the very same slots, for every evicting policy."""
+    1.0e-4 on a token of log-probability -13.9) and keep the very same slots, for every policy that uses
+    them (MERGED_SCHEDULE_POLICIES); `knorm` does not (its key-norm ranking flips: 0.0066 nats max), so it
+    is evaluated one token per call."""
     from workloads.quality.perplexity import heldout_windows
 
     model, tok = _embedded()
@@ -176,7 +182,8 @@ def test_embedded_merged_schedule_equals_decoding_without_quantization():
     (w,) = heldout_windows(tok, n, 1, seed=0)
     ids = torch.tensor([w])
     x, y = ids[:, :-1], ids[:, 1:]
-    for policy in [p for p in POLICIES if p != "full"]:
+    assert MERGED_SCHEDULE_POLICIES <= set(POLICIES)
+    for policy in sorted(MERGED_SCHEDULE_POLICIES):
         merged = make_cache(policy, model, compression_ratio=3, max_length=n)
         step = make_cache(policy, model, compression_ratio=3, max_length=n)
         a = token_logprobs(model, merged, x, y)

@@ -28,11 +28,20 @@ values (``kv_bits``) those last bits flip rounding to the 4-bit grid: on SmolLM2
 schedule's losses differ from decoding by 0.12-0.14 nats per token on average (max above 0.9, 96
 held-out tokens). So a quantized cache is always fed one token per call
 (:func:`evaluation_call_lengths`), exactly as decoding feeds it, and the merged schedule is used
-only where it is proved equal.
+only where it is proved equal. The same last bits can flip a policy's *selection* where it ranks
+continuous scores: on SmolLM2-135M ``knorm`` (key norms) kept other slots after its third eviction
+under the merged schedule (0.0066 nats max, 3e-4 mean, 96 tokens at ratio 3), while ``scissorhands``
+(integer counts) kept the very same slots. So only the evicting policies in
+:data:`MERGED_SCHEDULE_POLICIES`, each proved equal on the embedded model by the ``slow`` test, use
+the merged schedule; every other one (a new policy included) is fed one token per call.
 """
 from __future__ import annotations
 
 import torch
+
+#: Evicting policies whose merged schedule is proved equal to one-token decoding on the embedded model
+#: (``tests/test_quality_chunks.py``, slow); ``knorm`` is not.
+MERGED_SCHEDULE_POLICIES = frozenset({"scissorhands", "h2o", "tova", "streaming_llm", "random", "snapkv"})
 
 
 def decode_call_lengths(total_tokens: int, budget_tokens: int | None, drop_tokens: int | None,
@@ -94,19 +103,23 @@ def cache_schedule(cache) -> tuple[int | None, int | None]:
 def evaluation_call_lengths(cache, total_tokens: int, held_tokens: int = 0) -> list[int]:
     """The calls a quality evaluation makes to feed ``total_tokens`` into ``cache``: decoding's numbers, fastest.
 
-    * a quantized cache (``cache.kv_bits`` set): one token per call, exactly as decoding (the merged
-      schedule changes 4-bit rounding; see the module docstring);
+    * a quantized cache (``cache.kv_bits`` set), or an evicting policy outside
+      :data:`MERGED_SCHEDULE_POLICIES`: one token per call, exactly as decoding (the merged schedule
+      changes 4-bit rounding, and a ranking of continuous scores; see the module docstring);
     * otherwise :func:`decode_call_lengths` (one call for a cache that never evicts), proved equal
       to one token per call on the tiny and the embedded model.
 
     Raises:
         ValueError: as :func:`decode_call_lengths` and :func:`cache_schedule`.
     """
-    if getattr(cache, "kv_bits", None) is not None:
+    budget, drop = cache_schedule(cache)
+    never_evicts = budget is None or held_tokens + total_tokens <= budget
+    merged_exact = never_evicts or cache.policy.name in MERGED_SCHEDULE_POLICIES
+    if getattr(cache, "kv_bits", None) is not None or not merged_exact:
         if total_tokens < 0:
             raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
         return [1] * total_tokens
-    return decode_call_lengths(total_tokens, *cache_schedule(cache), held_tokens=held_tokens)
+    return decode_call_lengths(total_tokens, budget, drop, held_tokens=held_tokens)
 
 
 @torch.inference_mode()
