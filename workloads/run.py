@@ -382,3 +382,60 @@ def _check_nodes(ray, inflight: dict, node_of: dict, lost_since: dict, timeout_s
                 f"a replica's node {node} left the cluster and Ray did not run the replica again within "
                 f"{timeout_s:g} s (placement.ready_timeout_s); {len(inflight) + queued} point(s) not run; the points "
                 "written stay (--resume runs the rest once the cluster has room)", 1)
+
+
+def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list, replicas: int, fn, make_record,
+                    publish, one_line, *, name: str) -> int:
+    """Run every point of `pending` as ``fn(model, tokenizer, point.as_dict())`` where a model is loaded
+    (`cluster.replica.ModelReplica.apply`, the one call seam of quality and frontier points).
+
+    ``args.local``: one replica in this process, no Ray (debugging, tests). Otherwise `replicas` Ray replicas
+    of `suite` (`start_replicas`: one placement group, restarts, GPU sharding) fed by `dispatch_points`, on the
+    cluster at ``args.address`` (else embedded). ``make_record(point, inventory, info, status, metrics, error,
+    t0_unix_s, t1_unix_s)`` builds each record (`workloads.results.build_record`); ``publish(record)`` writes
+    it; ``one_line(record)`` is its progress line; `run_id` labels the replicas' live metrics. Returns the number of failed points.
+
+    Raises:
+        SweepError: as `start_replicas` and `dispatch_points`.
+    """
+    if getattr(args, "local", False):
+        return _run_in_process(suite, pending, fn, make_record, publish, one_line)
+    ray, started_here = init_ray(args.address)
+    from cluster.ray_replica import cluster_inventory
+
+    rset = None
+    try:
+        inventory = cluster_inventory()
+        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, warmup=False, run_id=run_id)
+        rset, infos = start_replicas(ray, suite, replicas, kwargs, name=name, name_prefix=name)
+        return dispatch_points(
+            ray, rset, infos, pending, lambda actor, point: actor.apply.remote(fn, point.as_dict()),
+            lambda point, info, *rest: make_record(point, inventory, info, *rest), publish, one_line, name=name)
+    finally:
+        if rset is not None:
+            rset.shutdown()
+        if started_here:
+            ray.shutdown()
+
+
+def _run_in_process(suite, pending: list, fn, make_record, publish, one_line) -> int:
+    from tqdm import tqdm
+
+    from cluster.replica import ModelReplica
+
+    replica = ModelReplica(suite.model, dtype=suite.dtype, device=suite.device, replica_id="local", warmup=False)
+    info = replica.info()
+    failed = 0
+    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
+        for point in pending:
+            t0 = time.time()
+            try:
+                metrics = replica.apply(fn, point.as_dict())
+                rec = make_record(point, None, info, "ok", metrics, None, t0, time.time())
+            except Exception as e:  # the point failed; record it and go on
+                failed += 1
+                rec = make_record(point, None, info, "error", None, error_message(e), t0, time.time())
+            publish(rec)
+            bar.update(1)
+            bar.write(one_line(rec))
+    return failed

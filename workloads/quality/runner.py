@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import (SweepError, dispatch_points, error_message, init_ray, load_suite_of_kind, open_run,
-                           pending_points, record_run_dtypes, start_replicas)
+from workloads.run import SweepError, load_suite_of_kind, open_run, pending_points, record_run_dtypes, run_on_replicas
 
 from .points import run_point
 from .suite import QualityPoint, QualitySuite
@@ -98,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
         # appends the point's line, then pushes its summary (perplexity / accuracy gauges) and the progress
         record = PointPublisher(points_path, SweepPusher(args.pushgateway, run_id),
                                 done=len(points) - len(pending), planned=len(points))
-        runner = _run_local if args.local else _run_ray
-        failed = runner(args, suite, run_id, commit, pending, replicas, record)
+        failed = run_on_replicas(
+            args, suite, run_id, pending, replicas, run_point,
+            lambda point, inventory, info, *rest: _record(run_id, commit, suite, point, inventory, info, *rest),
+            record, _one_line, name="quality")
 
     from .report import write_report
 
@@ -115,49 +115,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"quality: {bad} point(s) failed, {missing} not run", file=sys.stderr)
         return 1
     return 1 if failed else 0
-
-
-def _run_local(args, suite, run_id, commit, pending, replicas, record) -> int:
-    from tqdm import tqdm
-
-    from cluster.replica import ModelReplica
-
-    replica = ModelReplica(suite.model, dtype=suite.dtype, device=suite.device, replica_id="local", warmup=False)
-    info = replica.info()
-    failed = 0
-    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
-        for point in pending:
-            t0 = time.time()
-            try:
-                metrics = replica.apply(run_point, point.as_dict())
-                rec = _record(run_id, commit, suite, point, None, info, "ok", metrics, None, t0, time.time())
-            except Exception as e:  # the point failed; record it and go on
-                failed += 1
-                rec = _record(run_id, commit, suite, point, None, info, "error", None, error_message(e), t0, time.time())
-            record(rec)
-            bar.update(1)
-            bar.write(_one_line(rec))
-    return failed
-
-
-def _run_ray(args, suite, run_id, commit, pending, replicas, record) -> int:
-    ray, started_here = init_ray(args.address)
-    from cluster.ray_replica import cluster_inventory
-
-    rset = None
-    try:
-        inventory = cluster_inventory()
-        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, warmup=False, run_id=run_id)
-        rset, infos = start_replicas(ray, suite, replicas, kwargs, name="quality", name_prefix="quality")
-        return dispatch_points(
-            ray, rset, infos, pending, lambda actor, point: actor.apply.remote(run_point, point.as_dict()),
-            lambda point, info, *rest: _record(run_id, commit, suite, point, inventory, info, *rest),
-            record, _one_line, name="quality")
-    finally:
-        if rset is not None:
-            rset.shutdown()
-        if started_here:
-            ray.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
