@@ -38,6 +38,7 @@ A request that could not fit even alone is rejected (`error_kind="rejected"`), n
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
@@ -45,6 +46,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from cluster.metrics import NullMetrics
 
 __all__ = ["EngineConfig", "GenerationRequest", "GenerationResult", "ContinuousBatchingEngine", "EngineLoop",
            "device_memory_bytes", "pick_tokens"]
@@ -194,6 +197,12 @@ class GenerationResult:
         return asdict(self)
 
 
+def _recording() -> contextlib.AbstractContextManager:
+    """The context of a group of live-metrics calls: a recorder error ends the group and is dropped,
+    so metrics never stop serving (the requests' results and `stats()` do not depend on them)."""
+    return contextlib.suppress(Exception)
+
+
 def device_memory_bytes(device: torch.device) -> int:
     """Total memory of `device` (bytes): the GPU's, or the machine's RAM for the CPU."""
     if device.type == "cuda":
@@ -259,7 +268,8 @@ class ContinuousBatchingEngine:
             of one machine and, with synchronized clocks, across machines).
         replica_id: recorded in every result.
         metrics: live metrics (a `cluster.metrics.ReplicaMetrics`, or anything with its methods);
-            a failing recorder never stops the engine.
+            None records nothing (`cluster.metrics.NullMetrics`). A failing recorder never stops the
+            engine (`_recording`).
 
     Raises:
         ValueError: from `make_cache` for an invalid policy parameter or budget.
@@ -275,7 +285,7 @@ class ContinuousBatchingEngine:
         self.eos_token_id = eos_token_id
         self.clock = clock
         self.replica_id = replica_id
-        self.metrics = metrics
+        self.metrics = metrics if metrics is not None else NullMetrics()
         self.device = next(model.parameters()).device
         self.budget_tokens = config.resolved_budget_tokens()
         self._cache_kwargs: dict[str, Any] = dict(config.policy_params)
@@ -506,22 +516,12 @@ class ContinuousBatchingEngine:
             self._decode_step()
         self._stats["prefill_s"] += t1 - t0
         self._stats["decode_s"] += time.perf_counter() - t1
-        if self.metrics is not None:
-            cache = self._cache
-            self._observe("set_running", len(self._running))
-            self._observe("set_queued", len(self._queue))
-            kv_bytes, slots = (cache.kv_cache_bytes(), cache.held_tokens()) if cache is not None else (0, 0)
-            self._observe("set_kv_cache", kv_bytes, slots)
+        cache = self._cache
+        with _recording():
+            self.metrics.set_running(len(self._running))
+            self.metrics.set_queued(len(self._queue))
+            self.metrics.set_kv_cache(*((cache.kv_cache_bytes(), cache.held_tokens()) if cache is not None else (0, 0)))
         return True
-
-    def _observe(self, method: str, *args) -> None:
-        """Call `self.metrics.<method>(*args)`; a recorder error is swallowed (metrics never stop serving)."""
-        if self.metrics is None:
-            return
-        try:
-            getattr(self.metrics, method)(*args)
-        except Exception:  # noqa: BLE001
-            pass
 
     def abort_all(self, message: str) -> int:
         """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
@@ -563,12 +563,13 @@ class ContinuousBatchingEngine:
             self._fail_all(group, e)
             return
         t = self.clock()
-        warm = sum(s.request.warmup for s in group)
+        warm = sum(s.request.warmup for s in group)          # warm-up rows: phase "warmup", counted apart
         per_row = ids.shape[1]
-        self._observe("observe_prefill", time.perf_counter() - t0, (len(group) - warm) * per_row, warm * per_row)
-        self._observe("add_evictions", int(cache.layers[0].evicted_tokens))
-        self._observe("add_generated_tokens", len(group) - warm)
-        self._observe("add_generated_tokens", warm, "warmup")
+        with _recording():
+            self.metrics.observe_prefill(time.perf_counter() - t0, (len(group) - warm) * per_row, warm * per_row)
+            self.metrics.add_evictions(int(cache.layers[0].evicted_tokens))
+            self.metrics.add_generated_tokens(len(group) - warm)
+            self.metrics.add_generated_tokens(warm, "warmup")
         self._stats["prefill_calls"] += 1
         self._track_bytes(cache.peak_kv_cache_bytes)
         keep = []
@@ -604,11 +605,12 @@ class ContinuousBatchingEngine:
             self._fail_all(running, e)
             return
         t = self.clock()
-        self._observe("observe_decode_step", time.perf_counter() - t0, len(self._running))
-        warm = sum(s.request.warmup for s in self._running)
-        self._observe("add_generated_tokens", len(self._running) - warm)
-        self._observe("add_generated_tokens", warm, "warmup")
-        self._observe("add_evictions", int(self._cache.layers[0].evicted_tokens - evicted0))
+        warm = sum(s.request.warmup for s in self._running)  # warm-up rows: phase "warmup", counted apart
+        with _recording():
+            self.metrics.observe_decode_step(time.perf_counter() - t0, len(self._running))
+            self.metrics.add_generated_tokens(len(self._running) - warm)
+            self.metrics.add_generated_tokens(warm, "warmup")
+            self.metrics.add_evictions(int(self._cache.layers[0].evicted_tokens - evicted0))
         self._stats["decode_steps"] += 1
         self._track_bytes(self._cache.kv_cache_bytes())
         keep = []
@@ -639,10 +641,11 @@ class ContinuousBatchingEngine:
         if eos or len(r.output_ids) >= seq.request.max_new_tokens:
             r.finish_reason = "eos" if eos else "length"
             r.finish_time_s = t
-            if self.metrics is not None and r.received_time_s is not None:
-                self._observe("observe_ttft", max(0.0, r.token_times_s[0] - r.received_time_s), self._phase(seq))
+            with _recording():
+                self.metrics.observe_ttft(max(0.0, r.token_times_s[0] - r.received_time_s), self._phase(seq))
                 if len(r.output_ids) > 1:
-                    self._observe("observe_tpot", (t - r.token_times_s[0]) / (len(r.output_ids) - 1), self._phase(seq))
+                    self.metrics.observe_tpot(max(0.0, t - r.token_times_s[0]) / (len(r.output_ids) - 1),
+                                              self._phase(seq))
             self._stats[self._key(seq, "completed")] += 1
             self._done(seq)
             return True

@@ -28,6 +28,8 @@ cardinality only.
     m.observe_ttft(0.120); m.add_generated_tokens(4); m.set_kv_cache(bytes=1 << 20, slots=4 * 32)
     m.add_generated_tokens(2, phase="warmup")  # tokens of the load generator's warm-up requests
 
+`NullMetrics` has the same methods and records nothing (live metrics off).
+
 Exact means (case L21 of shared/cases/load-and-metrics.md): Ray 2.60's exporter writes a
 histogram's ``_sum`` as bucket midpoints times bucket counts, not the values observed
 (`ray/_private/telemetry/open_telemetry_metric_recorder.py` in the installed Ray): a 5 ms latency
@@ -506,6 +508,53 @@ class ReplicaMetrics:
             if key in series:
                 out[name] = series[key]
         return out
+
+
+class NullMetrics:
+    """The recorder of a replica whose live metrics are off: every `ReplicaMetrics` method, doing nothing.
+
+    The engine and the static-batch replica call their recorder unconditionally; they get this one
+    when no recorder is given (an engine built by a benchmark or a test) and for the replica's warm-up.
+    `for_point` returns the same object; `snapshot` is empty.
+    """
+
+    uses_ray = False
+
+    def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "NullMetrics":
+        return self
+
+    def observe_prefill(self, seconds: float, tokens: int, warmup_tokens: int = 0) -> None:
+        pass
+
+    def observe_decode_step(self, seconds: float, batch_size: int) -> None:
+        pass
+
+    def observe_ttft(self, seconds: float, phase: str = "measured") -> None:
+        pass
+
+    def observe_tpot(self, seconds: float, phase: str = "measured") -> None:
+        pass
+
+    def set_running(self, n: int) -> None:
+        pass
+
+    def set_queued(self, n: int) -> None:
+        pass
+
+    def add_generated_tokens(self, n: int, phase: str = "measured") -> None:
+        pass
+
+    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - as ReplicaMetrics
+        pass
+
+    def add_evictions(self, n: int) -> None:
+        pass
+
+    def observe_model_load(self, seconds: float) -> None:
+        pass
+
+    def snapshot(self, phase: str = "measured") -> dict[str, object]:
+        return {}
 
 
 def strip_sample_suffix(name: str) -> str:

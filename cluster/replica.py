@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping
 import psutil
 import torch
 
-from cluster.metrics import ReplicaMetrics
+from cluster.metrics import NullMetrics, ReplicaMetrics
 from scissorhands.models import EMBEDDED, model_id_of
 
 #: Test-only model names a suite may use instead of a real model (tiny random weights, no
@@ -292,11 +292,12 @@ class ModelReplica:
         """
         if _warmup:
             point = {**point, "_random_ids": True}
-        live = None if _warmup else self.live_metrics.for_point(point["policy"], point.get("compression_ratio"))
+        live = NullMetrics() if _warmup else self.live_metrics.for_point(point["policy"], point.get("compression_ratio"))
         _, metrics = self._run(point, live)
         return metrics
 
-    def _run(self, point: Mapping[str, Any], live: ReplicaMetrics | None = None) -> tuple[torch.Tensor, dict]:
+    def _run(self, point: Mapping[str, Any], live: ReplicaMetrics | NullMetrics = NullMetrics()
+             ) -> tuple[torch.Tensor, dict]:
         batch, prompt_tokens, new_tokens = int(point["batch_size"]), int(point["prompt_tokens"]), int(point["new_tokens"])
         if batch < 1 or prompt_tokens < 1 or new_tokens < 1:
             raise ValueError("batch_size, prompt_tokens and new_tokens must all be >= 1")
@@ -308,9 +309,8 @@ class ModelReplica:
             mask = torch.ones(batch, prompt_tokens + new_tokens, dtype=torch.long, device=self.device)
             generated = torch.empty(batch, new_tokens, dtype=torch.long, device=self.device)
 
-            if live is not None:
-                live.set_running(batch)
-                live.set_queued(0)
+            live.set_running(batch)
+            live.set_queued(0)
             try:
                 cpu0 = time.process_time()
                 t0 = timer.now()
@@ -318,12 +318,10 @@ class ModelReplica:
                 t1 = timer.now()
                 generated[:, 0:1] = token
                 peak_rss = _peak_rss_bytes(peak_rss)
-                evicted = 0
-                if live is not None:
-                    live.observe_prefill(t1 - t0, tokens=input_ids.numel())
-                    for _ in range(batch):  # every sequence's first token comes from the prefill
-                        live.observe_ttft(t1 - t0)
-                    evicted = _record_forward(live, cache, batch, evicted)
+                live.observe_prefill(t1 - t0, tokens=input_ids.numel())
+                for _ in range(batch):  # every sequence's first token comes from the prefill
+                    live.observe_ttft(t1 - t0)
+                evicted = _record_forward(live, cache, batch, 0)
 
                 step_s: list[float] = []
                 for i in range(1, new_tokens):
@@ -332,18 +330,16 @@ class ModelReplica:
                     step_s.append(timer.now() - ts)
                     generated[:, i : i + 1] = token
                     peak_rss = _peak_rss_bytes(peak_rss)
-                    if live is not None:
-                        live.observe_decode_step(step_s[-1], batch_size=batch)
-                        evicted = _record_forward(live, cache, batch, evicted)
+                    live.observe_decode_step(step_s[-1], batch_size=batch)
+                    evicted = _record_forward(live, cache, batch, evicted)
                 cpu_s = time.process_time() - cpu0
-                if live is not None and new_tokens > 1:
+                if new_tokens > 1:
                     tpot_s = sum(step_s) / (new_tokens - 1)
                     for _ in range(batch):  # a static batch: every sequence has the same TPOT
                         live.observe_tpot(tpot_s)
             finally:
-                if live is not None:
-                    live.set_running(0)
-                    live.set_kv_cache(0, 0)
+                live.set_running(0)
+                live.set_kv_cache(0, 0)
 
         prefill_s = t1 - t0
         decode_s = float(sum(step_s))
@@ -382,7 +378,7 @@ class ModelReplica:
         return generated, metrics
 
 
-def _record_forward(live: ReplicaMetrics, cache, batch: int, evicted_before: int) -> int:
+def _record_forward(live: ReplicaMetrics | NullMetrics, cache, batch: int, evicted_before: int) -> int:
     """After one forward: `batch` tokens generated, the cache's bytes and slots, the new evictions.
 
     Returns the cache's eviction count now (the next call's `evicted_before`).

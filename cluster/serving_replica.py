@@ -15,6 +15,7 @@ from dataclasses import asdict
 import torch
 
 from cluster.engine import ContinuousBatchingEngine, EngineConfig, EngineLoop, GenerationRequest, GenerationResult
+from cluster.metrics import ReplicaMetrics
 
 
 class ServingReplica:
@@ -64,14 +65,7 @@ class ServingReplica:
         """
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.shutdown()
-        metrics = None
-        try:
-            from cluster.metrics import ReplicaMetrics
-
-            metrics = ReplicaMetrics(cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec,
-                                     run_id or "adhoc")
-        except Exception:  # noqa: BLE001 - serving never depends on the metrics exporter
-            metrics = None
+        metrics = ReplicaMetrics(cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec, run_id or "adhoc")
         self.engine = ContinuousBatchingEngine(self.model, cfg, eos_token_id=self.eos_token_id,
                                                replica_id=self.replica_id, metrics=metrics)
         self.loop = EngineLoop(self.engine).start()

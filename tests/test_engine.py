@@ -151,6 +151,54 @@ def test_engine_feeds_the_live_replica_metrics(model):
     assert snap["scissorhands_running_sequences"] == 0
 
 
+def test_the_null_recorder_has_every_recorder_method_with_its_signature():
+    """The engine calls its recorder's methods directly; with live metrics off it gets `NullMetrics`,
+    which must offer every public method of `ReplicaMetrics` (a new recorder method needs its no-op)."""
+    import inspect
+
+    from cluster.metrics import NullMetrics, ReplicaMetrics
+
+    public = {n for n, f in inspect.getmembers(ReplicaMetrics, inspect.isfunction) if not n.startswith("_")}
+    assert public == {n for n, f in inspect.getmembers(NullMetrics, inspect.isfunction) if not n.startswith("_")}
+    for name in public:
+        assert inspect.signature(getattr(NullMetrics, name)).parameters.keys() == \
+            inspect.signature(getattr(ReplicaMetrics, name)).parameters.keys(), name
+    null = NullMetrics()
+    assert null.for_point("scissorhands", 5) is null and null.snapshot() == {}
+
+
+def test_an_engine_without_metrics_records_nothing_and_serves(model):
+    from cluster.metrics import NullMetrics
+
+    engine = ContinuousBatchingEngine(model, EngineConfig(**SH))
+    assert isinstance(engine.metrics, NullMetrics)
+    done = []
+    engine.submit(GenerationRequest("r0", list(range(1, 30)), 5), done.append)
+    engine.run_until_idle()
+    assert [r.output_tokens for r in done] == [5] and engine.stats()["generated_tokens"] == 5
+
+
+def test_a_failing_recorder_never_stops_the_engine(model):
+    """Recorder errors are dropped (metrics never stop serving): the results and stats are unchanged."""
+    class Failing:
+        def __getattr__(self, name):
+            def fail(*args, **kwargs):
+                raise RuntimeError(f"recorder {name} is down")
+            return fail
+
+    cfg = EngineConfig(**SH)
+    reqs = [GenerationRequest(f"r{i}", list(range(1 + i, 30)), 5) for i in range(3)]
+    runs = []
+    for metrics in (None, Failing()):
+        engine = ContinuousBatchingEngine(model, cfg, metrics=metrics)
+        done = {}
+        for r in reqs:
+            engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+        engine.run_until_idle()
+        runs.append(({k: (v.output_ids, v.error_kind) for k, v in done.items()}, engine.stats()["generated_tokens"]))
+    assert runs[0] == runs[1] and runs[1][1] == 15
+
+
 def test_stopping_the_loop_answers_the_requests_it_still_holds(model):
     engine = ContinuousBatchingEngine(model, EngineConfig(max_batch=1))
     done = []
