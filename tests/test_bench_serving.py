@@ -66,6 +66,39 @@ def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(m
     assert 0 < full["wall_s"] < sh["wall_s"] and full["cpu_s"] > 0
 
 
+def test_the_progress_bar_counts_every_generated_token(monkeypatch):
+    """The bar reads the engine's public `generated_tokens` after each step: it ends at the planned total."""
+    from cluster.engine import EngineConfig, GenerationRequest
+    from cluster.replica import load_replica_model
+
+    class Bar:
+        def __init__(self, total, **kwargs):
+            self.total, self.updates = total, []
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n):
+            self.updates.append(n)
+
+    bars: list = []
+    monkeypatch.setattr(bench_serving, "tqdm", Bar)
+    torch.set_num_threads(1)
+    model, _ = load_replica_model("tiny-llama")
+    reqs = [GenerationRequest(f"r{i}", list(range(1, 9)), n) for i, n in enumerate((3, 6))]
+    bench_serving._run_engines(model, [(EngineConfig(policy="full", max_batch=1), reqs[:1]),
+                                       (EngineConfig(policy="scissorhands", budget_tokens=4), reqs)])
+    [bar] = bars
+    assert bar.total == sum(bar.updates) == 3 + 3 + 6            # the warm-up request is not counted
+    # per step, engines alternating (full, Scissorhands): a step makes each new prompt's first token and
+    # a decode token of every running row; full ends after 2 busy steps, Scissorhands after 5
+    assert bar.updates == [2, 4, 1, 2, 0, 1, 1, 1, 0]
+
+
 def test_part_1_is_printed_and_written_before_part_2_runs(tmp_path, monkeypatch, capsys):
     import pytest
 

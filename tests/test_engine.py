@@ -175,7 +175,7 @@ def test_an_engine_without_metrics_records_nothing_and_serves(model):
     done = []
     engine.submit(GenerationRequest("r0", list(range(1, 30)), 5), done.append)
     engine.run_until_idle()
-    assert [r.output_tokens for r in done] == [5] and engine.stats()["generated_tokens"] == 5
+    assert [r.output_tokens for r in done] == [5] and engine.generated_tokens == 5
 
 
 def test_a_failing_recorder_never_stops_the_engine(model):
@@ -336,6 +336,7 @@ def test_engine_counts_warm_up_requests_apart(model):
     s = engine.stats()
     assert (s["received_requests"], s["completed_requests"], s["generated_tokens"]) == (4, 4, 20)
     assert (s["warmup_received_requests"], s["warmup_completed_requests"], s["warmup_generated_tokens"]) == (3, 3, 9)
+    assert engine.generated_tokens == 20                               # the public read: measured tokens only
     assert rm.snapshot()["scissorhands_generated_tokens_total"] == 20
     assert rm.snapshot()["scissorhands_prefill_tokens_total"] == 4 * 8
     assert rm.snapshot()["scissorhands_ttft_seconds"][0] == 4

@@ -110,12 +110,13 @@ def _run_engines(model, runs: list[tuple[EngineConfig, list[GenerationRequest]]]
             if not busy:
                 break
             for st in busy:
+                engine = st["engine"]
                 t0, c0 = time.perf_counter(), time.process_time()
-                before = st["engine"]._stats["tokens"]
-                st["busy"] = st["engine"].step() or st["engine"].stats()["queued_requests"] > 0
+                before = engine.generated_tokens
+                st["busy"] = engine.step() or engine.queued > 0
                 st["wall_s"] += time.perf_counter() - t0
                 st["cpu_s"] += time.process_time() - c0
-                bar.update(st["engine"]._stats["tokens"] - before)
+                bar.update(engine.generated_tokens - before)
         else:
             raise RuntimeError(f"engines still busy after {max_steps} steps")
     return [_engine_result(st["engine"], st["done"], st["wall_s"], st["cpu_s"]) for st in states]
