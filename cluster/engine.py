@@ -50,7 +50,7 @@ import torch
 from cluster.metrics import NullMetrics
 
 __all__ = ["EngineConfig", "GenerationRequest", "GenerationResult", "ContinuousBatchingEngine", "EngineLoop",
-           "device_memory_bytes", "pick_tokens"]
+           "device_memory_bytes", "full_batch_kv_limit_bytes", "pick_tokens"]
 
 
 @dataclass
@@ -679,6 +679,24 @@ class ContinuousBatchingEngine:
 
     def _track_bytes(self, nbytes: int) -> None:
         self._peak_bytes = max(self._peak_bytes, int(nbytes))
+
+
+def full_batch_kv_limit_bytes(model, full_batch: int, prompt_tokens: int, new_tokens: int) -> int:
+    """The KV memory limit (bytes) that holds exactly `full_batch` full-cache sequences of `prompt_tokens`
+    + `new_tokens` tokens: ``full_batch * final_slots(P, N) * slot_bytes``, with the slots and the bytes
+    per slot (all layers, bookkeeping included) of a full-cache engine preallocating ``P + N`` per row.
+
+    Under this limit a full-cache engine's `max_batch_for(P, N)` is `full_batch` (one byte less gives
+    `full_batch - 1`); the benchmarks give every other policy the same limit and let it fit its own batch.
+
+    Raises:
+        ValueError: `full_batch`, `prompt_tokens` or `new_tokens` below 1.
+    """
+    for name, value in (("full_batch", full_batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    probe = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=prompt_tokens + new_tokens))
+    return full_batch * probe.final_slots(prompt_tokens, new_tokens) * probe.slot_bytes
 
 
 class EngineLoop:

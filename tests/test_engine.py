@@ -341,3 +341,30 @@ def test_engine_counts_warm_up_requests_apart(model):
     assert rm.snapshot()["scissorhands_prefill_tokens_total"] == 4 * 8
     assert rm.snapshot()["scissorhands_ttft_seconds"][0] == 4
     assert rm.snapshot("warmup")["scissorhands_generated_tokens_total"] == 9
+
+
+@pytest.mark.parametrize("full_batch, prompt, new", [(1, 8, 1), (3, 20, 12), (4, 64, 64)])
+def test_full_batch_kv_limit_holds_exactly_that_many_full_cache_sequences(model, full_batch, prompt, new):
+    """One KV-limit formula for bench-serving and gpu-check (bytes): a full-cache engine fits `full_batch`
+    sequences under it, and one fewer a byte below it."""
+    from cluster.engine import full_batch_kv_limit_bytes
+    from scissorhands.batching import sequence_slot_bytes
+
+    limit = full_batch_kv_limit_bytes(model, full_batch, prompt, new)
+    # tiny-llama, float32: 2 layers x 2 KV heads x (K + V: 2 x head_dim 16 x 4 bytes + a 4-byte slot time)
+    assert sequence_slot_bytes(model, "full", max_length=prompt + new) == 2 * 2 * (2 * 16 * 4 + 4) == 528
+    assert limit == full_batch * (prompt + new) * 528
+    cfg = dict(policy="full", max_length_tokens=prompt + new)
+    assert ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit, **cfg)).max_batch_for(
+        prompt, new) == full_batch
+    assert ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit - 1, **cfg)).max_batch_for(
+        prompt, new) == full_batch - 1
+
+
+@pytest.mark.parametrize("field", ["full_batch", "prompt_tokens", "new_tokens"])
+def test_full_batch_kv_limit_names_a_bad_argument(model, field):
+    from cluster.engine import full_batch_kv_limit_bytes
+
+    kw = {**dict(full_batch=2, prompt_tokens=8, new_tokens=4), field: 0}
+    with pytest.raises(ValueError, match=f"{field}: expected an integer >= 1, got 0"):
+        full_batch_kv_limit_bytes(model, **kw)

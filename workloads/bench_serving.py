@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
 from cluster.generate_baseline import run_generate
 
 
@@ -173,8 +173,7 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = None
     vocab = int(model.config.vocab_size)
     P, N = args.prompt_tokens, args.new_tokens
-    probe = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=P + N))   # as the full run below
-    limit = args.full_batch * probe.final_slots(P, N) * probe.slot_bytes
+    limit = full_batch_kv_limit_bytes(model, args.full_batch, P, N)
     print(f"bench-serving: model {args.model} loaded in {time.perf_counter() - t_load:.1f} s; {torch.get_num_threads()} "
           f"torch thread(s); prompt {P} tok, {N} new tok; KV limit {limit / 2**20:.1f} MiB "
           f"(= {args.full_batch} full-cache sequences)", file=sys.stderr)
