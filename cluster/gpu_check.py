@@ -72,16 +72,6 @@ LIBRARY_MODELS = ("llama-3.1-8b", "opt-125m")
 """Architectures of the library phase (grouped-query attention with RoPE; multi-head with learned positions)."""
 
 
-def tiny_overrides(name: str) -> dict:
-    """Config overrides that make a 2-layer, 64-wide copy of the shipped config `name` (head_dim 16)."""
-    from scissorhands.models import dummy_config
-
-    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
-    if dummy_config(name).model_type == "opt":
-        return {**base, "ffn_dim": 128, "word_embed_proj_dim": 64}
-    return {**base, "intermediate_size": 128, "num_key_value_heads": 2}
-
-
 class NoGPU(RuntimeError):
     """No usable CUDA device; the message says what is missing."""
 
@@ -259,7 +249,7 @@ def _free_device_memory(device) -> None:
 
 def _load(a: dict, name: str | None = None, tiny: bool | None = None):
     """The dummy-weights model `name` (default `--model`) on the run's device and dtype, frozen."""
-    from scissorhands.models import dummy_config, load_dummy_model
+    from scissorhands.models import dummy_config, load_dummy_model, tiny_overrides
 
     name = name or a["model"]
     tiny = a["tiny"] if tiny is None else tiny
@@ -342,13 +332,12 @@ def _head_dim(model) -> int:
 
 
 def _kv_limit(a: dict, model) -> int:
-    from cluster.engine import ContinuousBatchingEngine, EngineConfig
+    """The run's KV memory limit (bytes): `--kv-limit-gib`, else `--full-batch` full-cache sequences."""
+    from cluster.engine import full_batch_kv_limit_bytes
 
     if a["kv_limit_gib"] is not None:
         return int(a["kv_limit_gib"] * GIB)
-    P, N = a["prompt_tokens"], a["new_tokens"]
-    probe = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=P + N))   # as the full run
-    return a["full_batch"] * probe.final_slots(P, N) * probe.slot_bytes
+    return full_batch_kv_limit_bytes(model, a["full_batch"], a["prompt_tokens"], a["new_tokens"])
 
 
 def _run_engine(model, cfg, requests, deadline: float, device) -> dict:

@@ -477,6 +477,20 @@ def dummy_config(name: str, **overrides) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model(**{**fields, **overrides})
 
 
+def tiny_overrides(name: str) -> dict:
+    """Config overrides that make a 2-layer, 64-wide copy of the shipped config ``name`` (4 heads of
+    head_dim 16, 2 KV heads where the architecture groups them, vocabulary 256): a copy of the real
+    architecture that runs in milliseconds on a CPU (tests, gpu-check's library phase).
+
+    Raises:
+        ValueError: as :func:`dummy_config` for an unknown name.
+    """
+    base = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
+    if dummy_config(name).model_type == "opt":
+        return {**base, "ffn_dim": 128, "word_embed_proj_dim": 64}
+    return {**base, "intermediate_size": 128, "num_key_value_heads": 2}
+
+
 def load_dummy_model(name: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                      seed: int = 0, attn_implementation: str | None = None, **overrides) -> PreTrainedModel:
     """A model of a real architecture with dummy weights (as vLLM's ``load_format="dummy"``): for speed

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scissorhands import make_cache
-from scissorhands.models import DUMMY_CONFIG_DIR, DUMMY_MODEL_IDS, dummy_config, load_dummy_model
+from scissorhands.models import DUMMY_CONFIG_DIR, DUMMY_MODEL_IDS, dummy_config, load_dummy_model, tiny_overrides
 
 # parameters of each published model (embeddings included; OPT ties its output layer)
 PUBLISHED_PARAMETERS = {
@@ -18,7 +18,6 @@ PUBLISHED_PARAMETERS = {
     "opt-6.7b": 6_658_473_984,
     "opt-125m": 125_239_296,
 }
-TINY = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256)
 
 
 def test_every_shipped_config_is_listed_and_no_listed_one_is_missing():
@@ -40,14 +39,14 @@ def test_shipped_config_loads_on_meta_with_its_published_size(name):
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
 def test_tiny_copy_runs_with_a_budgeted_cache_in_bfloat16(name):
-    extra = {"intermediate_size": 128, "num_key_value_heads": 2} if not name.startswith("opt") else \
-        {"ffn_dim": 128, "word_embed_proj_dim": 64}
+    tiny = tiny_overrides(name)
     if name.startswith("mistral"):
-        extra["sliding_window"] = None        # the budgeted cache refuses sliding-window layers
-    model = load_dummy_model(name, seed=3, **TINY, **extra)
+        tiny["sliding_window"] = None         # the budgeted cache refuses sliding-window layers
+    model = load_dummy_model(name, seed=3, **tiny)
     # derived from the overridden sizes: 64 / 4 heads (Qwen2's config has no head_dim field)
     assert model.model.layers[0].self_attn.head_dim == 16 if not name.startswith("opt") else \
         model.model.decoder.layers[0].self_attn.head_dim == 16
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (2, 64, 256)
     assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
     cache = make_cache("scissorhands", model, budget_tokens=8)
     with torch.inference_mode():
@@ -55,8 +54,8 @@ def test_tiny_copy_runs_with_a_budgeted_cache_in_bfloat16(name):
                              eos_token_id=None, pad_token_id=0)
     assert out.shape == (1, 24)
     assert max(cache.num_slots()) <= 8
-    again = load_dummy_model(name, seed=3, **TINY, **extra)
-    other = load_dummy_model(name, seed=4, **TINY, **extra)
+    again = load_dummy_model(name, seed=3, **tiny)
+    other = load_dummy_model(name, seed=4, **tiny)
     first = next(model.parameters()).detach()
     assert torch.equal(first, next(again.parameters()))
     assert not torch.equal(first, next(other.parameters()))
@@ -67,7 +66,7 @@ def test_loading_leaves_the_global_rng_alone():
     torch.manual_seed(7)
     expected = torch.rand(3)
     torch.manual_seed(7)
-    load_dummy_model("opt-125m", **TINY, ffn_dim=64, word_embed_proj_dim=64)
+    load_dummy_model("opt-125m", **tiny_overrides("opt-125m"))
     assert torch.equal(torch.rand(3), expected)
 
 
