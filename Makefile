@@ -138,6 +138,14 @@ QUALITY_SUITE ?= workloads/suites/quality.yaml
 quality: install
 	$(PY) -m workloads.quality.runner $(QUALITY_SUITE) $(ARGS)
 
+# The throughput-quality frontier (workloads/frontier; docs/benchmarks.md): per policy and ratio, output tok/s at its own
+# max batch under one KV memory limit against perplexity of held-out text, both on the same replicas; points.jsonl,
+# frontier.png and table.md (Pareto frontier marked) land in results/<run_id>/. About 10 minutes on 2 idle cores.
+FRONTIER_SUITE ?= workloads/suites/frontier.yaml
+.PHONY: frontier
+frontier: install
+	$(PY) -m workloads.frontier.runner $(FRONTIER_SUITE) $(ARGS)
+
 # Decode-step cost of every policy vs full, side by side in one run (embedded model, batch 8, context 1,024,
 # 128 decode steps; see bench/bench_cache.py). Not a test: it prints a table (docs/benchmarks.md).
 .PHONY: bench-cache

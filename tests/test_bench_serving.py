@@ -54,7 +54,7 @@ def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(m
 
     monkeypatch.setattr(ContinuousBatchingEngine, "step", logged)
     reqs = [GenerationRequest(f"r{i}", list(range(1, 9)), n) for i, n in enumerate((3, 6))]
-    full, sh = bench_serving._run_engines(model, [(EngineConfig(policy="full", max_batch=1), reqs[:1]),
+    full, sh = bench_serving.run_engines(model, [(EngineConfig(policy="full", max_batch=1), reqs[:1]),
                                                   (EngineConfig(policy="scissorhands", budget_tokens=4), reqs)])
     # after each engine's warm-up (one step, one idle step): a step makes a prompt's first token and a
     # decode token, so full takes 2 busy steps and 1 idle one, Scissorhands (6 tokens) 5 and 1; the

@@ -139,7 +139,7 @@ def test_dtype_defaults_to_auto_and_rejects_unknown_values():
 
 def test_missing_or_unknown_kind_names_the_accepted_values():
     for data in ({k: v for k, v in GOOD.items() if k != "kind"}, dict(GOOD, kind="sweep")):
-        with pytest.raises(SuiteError, match=r"kind: .*\(accepted: batch, serving, quality\)"):
+        with pytest.raises(SuiteError, match=r"kind: .*\(accepted: batch, serving, quality, frontier\)"):
             parse_suite(data)
 
 

@@ -73,7 +73,9 @@ def parse_args(argv=None):
     return args
 
 
-def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids: load-test text (`workloads.prompts.make_prompts`; the first ``k``
+    of ``n`` are the ``k`` prompts of the same seed), or random ids below ``vocab`` without a tokenizer."""
     if tokenizer is not None:
         from workloads.prompts import make_prompts
 
@@ -82,7 +84,7 @@ def _prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[list
     return rng.integers(0, vocab, size=(n, length)).tolist()
 
 
-def _run_engines(model, runs: list[tuple[EngineConfig, list[GenerationRequest]]],
+def run_engines(model, runs: list[tuple[EngineConfig, list[GenerationRequest]]],
                  max_steps: int = 10_000_000, desc: str = "engines") -> list[dict]:
     """Run one engine per ``(config, requests)`` on ``model``, interleaved: one `step()` of each busy
     engine in turn, each engine timed over its own steps (wall and CPU seconds). A slower stretch of a
@@ -143,13 +145,13 @@ def _part2(model, tokenizer, vocab, args, b, limit):
     rng = np.random.default_rng(args.seed + 1)
     lengths = rng.integers(max(1, N // 4), N + 1, size=m).tolist()
     p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
-    prompts = [_prompts(tokenizer, vocab, 1, int(n), args.seed + 1 + i)[0] for i, n in enumerate(p_lengths)]
+    prompts = [prompts_for(tokenizer, vocab, 1, int(n), args.seed + 1 + i)[0] for i, n in enumerate(p_lengths)]
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
     with tqdm(total=math.ceil(len(reqs) / b), desc="generate", unit="batch", file=sys.stderr,
               dynamic_ncols=True) as bar:
         gen = run_generate(model, reqs, b, on_batch=lambda: bar.update(1))
-    eng, = _run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)],
+    eng, = run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)],
                         desc="engine (part 2)")
     same = sum(eng["outputs"][r.request_id] == gen["outputs"][r.request_id] for r in reqs)
     ratio_engine = (eng["output_tok_per_s"] / gen["output_tok_per_s"],
@@ -186,12 +188,12 @@ def main(argv=None) -> int:
             kw.update(compression_ratio=ratio)
         cfg = EngineConfig(**kw)
         b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
-        prompts = _prompts(tokenizer, vocab, b, P, args.seed)
+        prompts = prompts_for(tokenizer, vocab, b, P, args.seed)
         policies.append((policy, ratio, b))
         runs.append((cfg, [GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(prompts)]))
     print("bench-serving: " + ", ".join(f"{p}{f' x{r:g}' if r else ''} at max batch {b}" for p, r, b in policies)
           + ": running them interleaved ...", file=sys.stderr)
-    rows = _run_engines(model, runs, desc="part 1 (both, interleaved)")
+    rows = run_engines(model, runs, desc="part 1 (both, interleaved)")
     for r, (policy, ratio, b) in zip(rows, policies):
         r.update(policy=policy, ratio=ratio, max_batch=b, verified=r["peak_running_sequences"] == b
                  and r["peak_kv_cache_bytes"] <= limit)

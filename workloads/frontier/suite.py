@@ -1,0 +1,125 @@
+"""Frontier suites (``kind: frontier``): a typed model validated on load (through `workloads.suite.load_suite`),
+expanded into one point per policy and compression ratio.
+
+A frontier suite (YAML, read with ``yaml.safe_load``)::
+
+    name: frontier
+    kind: frontier
+    description: the question this suite answers
+    model: embedded              # "embedded", an HF id, a local folder; "tiny-llama" is test-only
+    dtype: auto                  # auto | float32 | bfloat16 | float16 (scissorhands.models.resolve_dtype)
+    device: cpu
+    seed: 0                      # the prompts and the held-out text windows
+    replicas: 2
+    policies: all                # every key of scissorhands.POLICIES, or a list of names / {name, params}
+    compression_ratios: [2, 5]   # B = ceil((prompt_tokens + new_tokens) / ratio), the same B in both measurements
+    prompt_tokens: 512           # every request's prompt (real load-test text, the same prompts for every point)
+    new_tokens: 128              # every request's output (EOS ignored)
+    kv_memory_limit:             # one limit for every point: give exactly one of
+      full_sequences: 2          #   the bytes the full cache needs for this many sequences of prompt + new tokens
+      # bytes: 50000000          #   or an absolute limit in bytes
+    perplexity_windows: 1        # held-out windows of prompt_tokens + new_tokens tokens each
+
+The model settings, the policy list and the shared number types are `workloads.suite.SuiteBase`'s. ``full``
+never evicts, so it runs once (ratio 1). Absolute ``budget_tokens`` are refused: both measurements derive B
+from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
+Every error is a `workloads.suite.SuiteError` naming the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from scissorhands import POLICIES
+from workloads.suite import PositiveInt, SuiteBase, SuiteError, budget_tag, point_id
+
+
+class KVMemoryLimit(BaseModel):
+    """The one KV memory limit of a frontier run: ``full_sequences`` or ``bytes``, exactly one."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    full_sequences: PositiveInt | None = None
+    bytes: PositiveInt | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "KVMemoryLimit":
+        if (self.full_sequences is None) == (self.bytes is None):
+            raise ValueError("kv_memory_limit: give exactly one of full_sequences (full-cache sequences of prompt + "
+                             "new tokens the limit holds) or bytes")
+        return self
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One policy at one compression ratio (None for ``full``): both measurements of one cache.
+    `identity` holds every setting that changes its numbers; `point_id` is derived from it."""
+
+    index: int
+    policy: str
+    policy_params: dict
+    compression_ratio: float | None
+    prompt_tokens: int
+    new_tokens: int
+    kv_limit_full_sequences: int | None
+    kv_memory_limit_bytes: int | None
+    perplexity_windows: int
+    seed: int
+    point_id: str
+    identity: dict = field(default_factory=dict)
+    #: Frontier points compress by a ratio, never by an absolute budget.
+    budget_tokens: ClassVar[None] = None
+
+    def as_dict(self) -> dict:
+        """The mapping `workloads.frontier.point.run_frontier_point` takes."""
+        return dataclasses.asdict(self)
+
+
+class FrontierSuite(SuiteBase):
+    """A validated frontier suite (see the module docstring for the YAML form)."""
+
+    kind: Literal["frontier"]
+    name: Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]
+    prompt_tokens: PositiveInt = 512
+    new_tokens: PositiveInt = 128
+    kv_memory_limit: KVMemoryLimit = KVMemoryLimit(full_sequences=2)
+    perplexity_windows: PositiveInt = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _all_policies(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            if data.get("policies", "all") == "all":
+                data["policies"] = list(POLICIES)
+        return data
+
+    @model_validator(mode="after")
+    def _ratios_only(self) -> "FrontierSuite":
+        if self.budget_tokens:
+            raise SuiteError("budget_tokens: frontier suites compress by compression_ratios (B = ceil((prompt_tokens "
+                             "+ new_tokens) / ratio) in both measurements)")
+        return self
+
+    def budget_lengths(self) -> list[int]:
+        return [self.prompt_tokens + self.new_tokens]
+
+    def points(self) -> list[FrontierPoint]:
+        """One point per policy and ratio (``full`` once), in suite order."""
+        out: list[FrontierPoint] = []
+        lim = self.kv_memory_limit
+        for pol in self.policies:
+            for ratio, _ in self.budgets(pol):
+                ident = dict(self.identity(), policy=pol.name, policy_params=dict(pol.params), compression_ratio=ratio,
+                             prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens,
+                             kv_limit_full_sequences=lim.full_sequences, kv_memory_limit_bytes=lim.bytes,
+                             perplexity_windows=self.perplexity_windows, seed=self.seed)
+                limit_tag = f"f{lim.full_sequences}" if lim.bytes is None else f"m{lim.bytes}"
+                tag = (f"frontier-{pol.tag()}{budget_tag(ratio, None)}-p{self.prompt_tokens}-n{self.new_tokens}-"
+                       f"{limit_tag}-w{self.perplexity_windows}-s{self.seed}")
+                out.append(FrontierPoint(len(out), pol.name, dict(pol.params), ratio, self.prompt_tokens,
+                                         self.new_tokens, lim.full_sequences, lim.bytes, self.perplexity_windows,
+                                         self.seed, point_id(tag, ident), ident))
+        return out
