@@ -151,7 +151,7 @@ def test_every_shipped_suite_names_its_kind_and_loads(tmp_path):
         kinds[path.name] = load_suite(str(path)).kind
         assert yaml.safe_load(path.read_text())["kind"] == kinds[path.name]
     assert kinds["smoke.yaml"] == "batch" and kinds["serving-rate.yaml"] == "serving"
-    assert kinds["quality.yaml"] == "quality"
+    assert kinds["quality.yaml"] == "quality" and kinds["frontier.yaml"] == "frontier"
 
 
 def test_point_id_covers_every_setting_that_changes_the_numbers():
