@@ -90,8 +90,8 @@ def test_the_progress_bar_counts_every_generated_token(monkeypatch):
     torch.set_num_threads(1)
     model, _ = load_replica_model("tiny-llama")
     reqs = [GenerationRequest(f"r{i}", list(range(1, 9)), n) for i, n in enumerate((3, 6))]
-    bench_serving._run_engines(model, [(EngineConfig(policy="full", max_batch=1), reqs[:1]),
-                                       (EngineConfig(policy="scissorhands", budget_tokens=4), reqs)])
+    bench_serving.run_engines(model, [(EngineConfig(policy="full", max_batch=1), reqs[:1]),
+                                      (EngineConfig(policy="scissorhands", budget_tokens=4), reqs)])
     [bar] = bars
     assert bar.total == sum(bar.updates) == 3 + 3 + 6            # the warm-up request is not counted
     # per step, engines alternating (full, Scissorhands): a step makes each new prompt's first token and
