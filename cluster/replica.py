@@ -231,32 +231,20 @@ class ModelReplica:
     # -- the two phases -------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
         """Forward the prompts [batch, prompt] into `cache`; return the first tokens [batch, 1]."""
-        seen = cache.get_seq_length()
-        # position_ids: [1, prompt] absolute positions (tokens seen so far + offset)
-        position_ids = torch.arange(seen, seen + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)  # [batch, vocab] -> [batch, 1]
+        return self._greedy_forward(input_ids, attention_mask, cache)
 
     def decode_step(self, tokens: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
         """Forward one token per sequence ([batch, 1]); return the next greedy tokens [batch, 1]."""
-        seen = cache.get_seq_length()  # tokens seen, not the physical kept count
-        position_ids = torch.tensor([[seen]], device=tokens.device)  # [1, 1] true absolute position
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        return self._greedy_forward(tokens, attention_mask, cache)
+
+    def _greedy_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        """Forward `input_ids` [batch, n] at absolute positions seen .. seen + n - 1, `seen` being the tokens
+        the cache has seen (not the slots it keeps); return the greedy next tokens [batch, 1]."""
+        seen = cache.get_seq_length()
+        position_ids = torch.arange(seen, seen + input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, n]
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)  # [batch, vocab] -> [batch, 1]
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run `fn(model, tokenizer, *args, **kwargs)` on this replica's loaded model; return its result.
