@@ -50,6 +50,7 @@ describe the engine, whichever requests are in the step, and have no phase.
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -362,11 +363,10 @@ class _RayRecorder:
 
 
 def _ray_is_initialized() -> bool:
-    try:
-        import ray
-    except ImportError:
-        return False
-    return ray.is_initialized()
+    """Whether this process runs Ray (always inside an actor); a process that never imported Ray does not,
+    and is not made to import it here."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 _REPLICA_SPECS = {m.name: m for m in METRICS if m.source == "ray"}

@@ -292,3 +292,18 @@ def test_request_level_metrics_keep_warm_up_apart():
     assert warm["scissorhands_ttft_seconds"] == (1, 0.2)
     with pytest.raises(ValueError, match="phase: expected one of measured, warmup"):
         m.add_generated_tokens(1, phase="warm")
+
+
+def test_a_process_without_ray_gets_the_in_memory_recorder_and_does_not_import_ray():
+    """Ray runs in a process only once imported: the recorder asks `sys.modules`, never imports Ray itself
+    (importing it costs seconds in every plain-class user: the engine, the benchmarks, the tests)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from cluster.metrics import ReplicaMetrics; "
+            "m = ReplicaMetrics('full', None, 'r', 'm', 'run'); print(m.uses_ray, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
