@@ -238,3 +238,20 @@ def test_a_trace_suite_takes_its_lengths_and_arrivals_from_the_trace(tmp_path):
         parse_suite(dict(data, loads=[1]))
     with pytest.raises(SuiteError, match="trace_path"):
         parse_suite(dict(data, trace_path=str(tmp_path / "missing.csv")))
+
+
+def test_save_figure_writes_a_whole_png_and_closes_the_figure(tmp_path):
+    """One figure writer for the quality report and the serving plots: PNG via a temporary file and rename."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from workloads import results
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = results.save_figure(fig, tmp_path / "line.png", dpi=50)
+    assert path == tmp_path / "line.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert fig.number not in plt.get_fignums()                        # closed
+    assert [p.name for p in tmp_path.iterdir()] == ["line.png"]       # no temporary file left

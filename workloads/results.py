@@ -22,6 +22,7 @@ import os
 import sys
 import warnings
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from scissorhands import POLICIES
@@ -294,6 +295,21 @@ def csv_text(rows: list[dict]) -> str:
         row["policy_params"] = json.dumps(r.get("policy_params") or {}, sort_keys=True)
         w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
     return buf.getvalue()
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120, tight_layout: bool = True) -> Path:
+    """Write a matplotlib figure as PNG to `path` via a temporary file and rename (as `write_atomic`),
+    laid out tight unless told not to, then close it; return the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.png")
+    if tight_layout:
+        fig.tight_layout()
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
 
 
 def write_atomic(path: str, text: str) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
+from workloads.results import save_figure
+
 
 def _label(r: dict) -> str:
     if r.get("policy") == "full":
@@ -65,7 +67,7 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title("Throughput vs batch size under one KV memory limit")
         ax.grid(alpha=0.3)
         ax.legend()
-        written.append(_save(fig, out_dir / "throughput_vs_batch.png"))
+        written.append(save_figure(fig, out_dir / "throughput_vs_batch.png", dpi=110))
     rate = [r for r in records if r.get("mode") == "rate"]
     if _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s"):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -80,7 +82,7 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title("Latency vs request rate")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir / "latency_vs_rate.png"))
+        written.append(save_figure(fig, out_dir / "latency_vs_rate.png", dpi=110))
     pareto = []
     for r in records:
         tpot, thr = r.get("tpot_mean_s"), r.get("output_throughput_tok_per_s")
@@ -97,16 +99,6 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title("Pareto: per-user speed vs replica throughput")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir / "pareto_tokens_per_user.png"))
+        written.append(save_figure(fig, out_dir / "pareto_tokens_per_user.png", dpi=110))
     return written
 
-
-def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.tight_layout()
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return path

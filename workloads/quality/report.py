@@ -242,11 +242,7 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
         ax.set_ylabel("perplexity (held-out sotu)")
         ax.set_title(f"Perplexity vs compression, {ppl[0].get('model_id')}")
         ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = out_dir / "perplexity.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written["perplexity_png"] = str(path)
+        written["perplexity_png"] = str(res.save_figure(fig, out_dir / "perplexity.png"))
     few = [r for r in ok if r.get("evaluation") == "fewshot"]
     tasks = sorted({r["task"] for r in few})
     if tasks:
@@ -262,11 +258,7 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
             ax.set_title(f"{task} ({rs[0].get('docs_scored')} docs)")
             ax.set_ylabel(f"accuracy ({rs[0].get('primary_metric')})")
         axes[0][0].legend(fontsize=7)
-        fig.tight_layout()
-        path = out_dir / "accuracy.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written["accuracy_png"] = str(path)
+        written["accuracy_png"] = str(res.save_figure(fig, out_dir / "accuracy.png"))
     pers = [r for r in ok if r.get("evaluation") == "persistence"]
     if pers:
         r = pers[0]
@@ -280,11 +272,7 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
         ax.set_xlabel("layer")
         ax.set_title(f"Persistence of importance, {r.get('model_id')} ({r['tokens_per_window']} tokens, t = {r['split_token']})")
         ax.legend(fontsize=8, loc="lower right")
-        fig.tight_layout()
-        path = out_dir / "persistence.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written["persistence_png"] = str(path)
+        written["persistence_png"] = str(res.save_figure(fig, out_dir / "persistence.png"))
     keys = [r for r in ok if r.get("evaluation") == "passkey"]
     if keys:
         path = out_dir / "passkey.png"
@@ -330,8 +318,7 @@ def passkey_heatmap(records: list[dict], path: Path) -> None:
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="passkey accuracy")
     fig.suptitle(f"Passkey retrieval, {records[0].get('model_id')}", fontsize=9)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    res.save_figure(fig, path, tight_layout=False)      # the colorbar spans the panels: no tight layout
 
 
 def write_report(run_dir: str | Path, records: list[dict]) -> dict[str, str]:
