@@ -72,7 +72,8 @@ class ServingReplica:
         return ServingReplica.info(self)          # the plain one (the Ray wrapper's `info` is async)
 
     def shutdown(self) -> None:
-        """Stop the engine thread (requests still queued are left unanswered)."""
+        """Stop the engine thread; requests still queued or running are answered with an error
+        (`error_kind="error"`, `EngineLoop.stop`), never left waiting."""
         if self.loop is not None:
             self.loop.stop()
             self.loop = None

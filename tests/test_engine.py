@@ -368,3 +368,23 @@ def test_full_batch_kv_limit_names_a_bad_argument(model, field):
     kw = {**dict(full_batch=2, prompt_tokens=8, new_tokens=4), field: 0}
     with pytest.raises(ValueError, match=f"{field}: expected an integer >= 1, got 0"):
         full_batch_kv_limit_bytes(model, **kw)
+
+
+def test_shutting_a_serving_replica_down_answers_the_requests_it_holds(model):
+    """ServingReplica.shutdown (a reconfigure, a stop): the running and the queued request both get an error."""
+    import asyncio
+
+    from cluster.serving_replica import ServingReplica
+
+    replica = ServingReplica(model=model, model_spec="tiny-llama", engine_config={"policy": "full", "max_batch": 1})
+
+    async def serve_then_stop():
+        tasks = [asyncio.create_task(replica.generate(GenerationRequest(f"r{i}", [1, 2, 3], 500))) for i in range(2)]
+        while replica.engine.running == 0:                       # r0 running, r1 queued behind max_batch 1
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(replica.shutdown)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    results = asyncio.run(serve_then_stop())
+    assert [(r["request_id"], r["error_kind"]) for r in results] == [("r0", "error"), ("r1", "error")]
+    assert all("stopped" in r["error"] for r in results) and len(results[0]["output_ids"]) < 500
