@@ -207,6 +207,40 @@ def test_resume_with_a_changed_dtype_exits_2_naming_the_field(tmp_path, capsys):
     assert "1 already done, 0 to run" in capsys.readouterr().err
 
 
+def test_resume_where_auto_resolves_to_another_dtype_is_refused_naming_dtype(tmp_path):
+    """Case (issue 11, `dtype: auto`): a point's id covers the requested dtype, so a resumed run whose
+    replicas now resolve auto to float32 while its recorded points ran in bfloat16 would mix the two:
+    the record is refused (exit 2, naming dtype) and nothing is written; the same resolved dtype goes on."""
+    from workloads import results
+    from workloads.push import PointPublisher, SweepPusher
+    from workloads.run import SweepError
+
+    suite = parse_suite(dict(GOOD, dtype="auto", policies=["full"], batch_sizes=[1, 2]))
+    first, second = suite.points()
+    assert first.identity["dtype"] == second.identity["dtype"] == "auto"
+    bf16 = {"dtype": "bfloat16", "dtype_reason": "auto: CPU has amx_bf16; bfloat16 1.40x float32's speed",
+            "replica_id": "replica-0"}
+    f32 = {"dtype": "float32", "dtype_reason": "auto: CPU has neither amx_bf16 nor avx512_bf16", "replica_id": "replica-1"}
+
+    def record(point, replica, status="ok"):
+        return results.build_record(kind="batch", run_id="r", commit="c", suite=suite, point=point, status=status,
+                                    replica=replica, metrics={"budget_tokens": None})
+
+    path = str(tmp_path / "points.jsonl")
+    results.append_record(path, record(first, bf16))
+    publish = PointPublisher(path, SweepPusher("off", "r"), done=1, planned=2)
+    with pytest.raises(SweepError) as refused:
+        publish(record(second, f32))
+    assert refused.value.code == 2
+    assert "dtype: the suite's dtype 'auto' resolved to 'bfloat16'" in str(refused.value)
+    assert "to 'float32' on replica replica-1" in str(refused.value)
+    assert len(results.read_records(path)) == 1                                   # nothing written
+    publish(record(second, None, status="error"))     # never reached a replica: nothing resolved, recorded
+    publish(record(second, bf16))
+    assert [(r["status"], r["dtype"]) for r in results.read_records(path)] == [
+        ("ok", "bfloat16"), ("error", "auto"), ("ok", "bfloat16")]
+
+
 def test_points_differing_in_one_parameter_have_their_own_table_rows():
     """Case (issue 11): the table tells apart two points that differ only in `recent_window: 4`."""
     from workloads import results

@@ -127,6 +127,25 @@ def test_resume_of_a_finished_run_runs_nothing(tiny_run, capsys):
     assert "6 already done, 0 to run" in capsys.readouterr().err
 
 
+def test_resume_where_auto_now_resolves_to_another_dtype_exits_2_naming_dtype(tiny_run, capsys):
+    """Case (issue 11, `dtype: auto`): the run's points were recorded in one resolved dtype; resumed where
+    the replicas resolve auto to the other, the sweep refuses (exit 2, naming dtype) and adds no point."""
+    tmp, run_dir, _, _ = tiny_run
+    recs = lines(run_dir / "points.jsonl")
+    now = recs[0]["dtype"]                                       # what auto resolves to on these replicas
+    assert recs[0]["dtype_requested"] == "auto" and recs[0]["dtype_reason"].startswith("auto:")
+    other = "bfloat16" if now == "float32" else "float32"
+    moved = run_dir.parent / "moved"                            # as if recorded on a machine resolving `other`
+    moved.mkdir()
+    text = "".join(json.dumps({**r, "dtype": other}) + "\n" for r in recs[:-1])     # the last point still to run
+    (moved / "points.jsonl").write_text(text)
+    rc = sweep.main([str(tmp / "tiny.yaml"), "--results-dir", str(run_dir.parent), "--resume", "moved"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert f"dtype: the suite's dtype 'auto' resolved to '{other}'" in err and f"to '{now}' on replica" in err
+    assert (moved / "points.jsonl").read_text() == text
+
+
 def test_new_run_with_an_existing_id_is_refused(tiny_run, capsys):
     tmp, run_dir, _, _ = tiny_run
     assert sweep.main([str(tmp / "tiny.yaml"), "--results-dir", str(run_dir.parent), "--run-id", "run1"]) == 2

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
 
 from cluster.metrics import METRICS, POINT_LABELS, PREFIX, RECORD_QUANTILES, label_value, ratio_label
 from workloads.results import append_record, read_records
+from workloads.run import check_resolved_dtype
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,9 @@ class PointPublisher:
     the progress ``done / planned``, so the run shows up before its first point ends; every call
     pushes the point's summary and the progress one point further. The earlier points' own
     groups are left as they are.
+
+    Raises (on a call): `workloads.run.SweepError` (exit 2, nothing written) when the record ran in
+    another resolved dtype than the run's earlier records (`workloads.run.check_resolved_dtype`).
     """
 
     def __init__(self, points_path: str, pusher: SweepPusher, done: int, planned: int):
@@ -198,11 +202,13 @@ class PointPublisher:
         self.pusher = pusher
         self.planned = int(planned)
         self.done = min(int(done), self.planned)
-        for record in read_records(self.points_path):
+        self.earlier = read_records(self.points_path)      # the records of the run before this resume
+        for record in self.earlier:
             pusher.remember(record)
         pusher.push_progress(self.done, self.planned)
 
     def __call__(self, record: Mapping[str, Any]) -> None:
+        check_resolved_dtype(self.earlier, dict(record))
         append_record(self.points_path, dict(record))
         self.pusher.push_point(record)
         self.done = min(self.done + 1, self.planned)

@@ -204,6 +204,31 @@ def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...
     return [p for p in points if p.point_id not in done]
 
 
+def check_resolved_dtype(earlier: list[dict], record: dict) -> None:
+    """Refuse to add `record` to a resumed run whose `earlier` records ran in another dtype.
+
+    A point's id covers the *requested* dtype; ``auto`` is resolved by each replica on its own machine
+    (`scissorhands.models.resolve_dtype`), so a run resumed elsewhere (or after a change of torch or
+    CPU) may resolve it to bfloat16 before and float32 now, and its table would mix the two. The
+    record is compared with the earlier records of the same requested dtype that ran on a replica
+    (they have a ``dtype_reason``).
+
+    Raises:
+        SweepError: (exit 2) naming ``dtype``, the earlier and the new resolved dtype and why.
+    """
+    if record.get("dtype_reason") is None:
+        return                      # the point never reached a replica (nothing resolved)
+    for old in earlier:
+        if old.get("dtype_reason") is not None and old.get("dtype_requested") == record.get("dtype_requested") \
+                and old.get("dtype") != record.get("dtype"):
+            raise SweepError(
+                f"--resume: dtype: the suite's dtype {record.get('dtype_requested')!r} resolved to "
+                f"{old.get('dtype')!r} for the points this run recorded ({old.get('dtype_reason')}) but to "
+                f"{record.get('dtype')!r} on replica {record.get('replica_id')} now ({record['dtype_reason']}); "
+                "the run would mix their numbers. Start a new run (--run-id) here, or resume where it resolves "
+                f"to {old.get('dtype')!r}", 2)
+
+
 @dataclass
 class OpenedRun:
     """A run folder ready for points: ``points_path`` repaired, ``run.json`` written once."""
