@@ -1,13 +1,16 @@
 """4-bit KV layouts: measured bytes against a 16-bit full cache, and measured perplexity cost.
 
-For each layout (key group size, value group size) the Scissorhands cache at ``--ratio`` with
+Each layout is a comma-separated list of ``key=value`` (defaults in brackets): ``kg`` key group size
+[32], ``vg`` value group size [kg], ``sb`` scale bits 16 or 8 [16], ``zp`` zero point 1 or 0 [1],
+``c`` Scissorhands' ``count_chunk_steps`` [50]. For each, the Scissorhands cache at ``--ratio`` with
 ``kv_bits=4`` scores ``--windows`` held-out windows of ``--tokens`` tokens (``workloads.quality
 .perplexity``, the same calls as decoding token by token), next to the full cache and Scissorhands
-without quantization (same windows). Bytes: ``compression_report()['ratio_vs_16bit']`` of a cache
-that has seen one whole window (bookkeeping included: slot times and the policy's counters).
-The table is printed and written to ``--out`` after every layout.
+without quantization at each ``c`` used (same windows). Bytes: ``compression_report()`` of a cache
+that has seen one whole window: every buffer it holds (keys, values, scales, zeros, slot times, the
+policy's counters) over a 16-bit cache of every token seen. The table is printed and written to
+``--out`` after every row.
 
-    python bench/bench_quant.py [--layouts 32:32 32:64 64:64 16:64] [--tokens 512] [--windows 3]
+    python bench/bench_quant.py [--layouts kg=32 kg=64,sb=8,zp=0,c=200 ...] [--tokens 512] [--windows 3]
 """
 from __future__ import annotations
 
@@ -22,11 +25,30 @@ from tqdm import tqdm
 from scissorhands import make_cache
 from scissorhands.models import cpu_model_name, load_model
 
+DEFAULT_LAYOUTS = ["kg=32", "kg=32,vg=64", "kg=64,sb=8", "kg=64,sb=8,c=200", "kg=64,sb=8,zp=0,c=200",
+                   "kg=32,vg=64,sb=8,zp=0,c=200"]
+FIELDS = {"kg": "kv_group_size", "vg": "kv_value_group_size", "sb": "kv_scale_bits", "zp": "kv_zero_point",
+          "c": "count_chunk_steps"}
+
+
+def parse_layout(text: str) -> dict:
+    """``"kg=64,sb=8,zp=0,c=200"`` -> make_cache keyword arguments. Raises ValueError naming the bad part."""
+    out = {"kv_group_size": 32, "kv_value_group_size": None, "kv_scale_bits": 16, "kv_zero_point": True,
+           "count_chunk_steps": 50}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or key not in FIELDS or not value.lstrip("-").isdigit():
+            raise ValueError(f"--layouts: bad part {part!r} of {text!r}; expected key=integer with key in "
+                             f"{sorted(FIELDS)}")
+        out[FIELDS[key]] = bool(int(value)) if key == "zp" else int(value)
+    if out["kv_value_group_size"] is None:
+        out["kv_value_group_size"] = out["kv_group_size"]
+    return out
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layouts", nargs="+", default=["32:32", "32:64", "64:64", "16:64"],
-                    help="key_group:value_group pairs")
+    ap.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, help="see the module docstring")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--ratio", type=float, default=5.0)
@@ -34,9 +56,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="results/bench-quant.md")
     args = ap.parse_args(argv)
     try:
-        layouts = [tuple(int(x) for x in s.split(":")) for s in args.layouts]
-    except ValueError:
-        ap.error(f"--layouts: expected key_group:value_group pairs such as 32:64, got {args.layouts}")
+        layouts = [parse_layout(s) for s in args.layouts]
+    except ValueError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
     from workloads.quality import perplexity as ppl
 
@@ -44,42 +66,46 @@ def main(argv=None) -> int:
     windows = ppl.heldout_windows(tok, args.tokens, args.windows, seed=0)
     head = (f"Conditions: SmolLM2-135M-Instruct float32, CPU {cpu_model_name()}, {args.threads} thread(s); "
             f"{args.windows} held-out windows of {args.tokens} tokens (seed 0); Scissorhands x{args.ratio:g}; "
-            f"{time.strftime('%Y-%m-%d', time.gmtime())}.\n\n"
-            "| cache | key group | value group | bytes vs 16-bit full cache | perplexity | vs unquantized |\n"
-            "|---|---|---|---|---|---|\n")
+            f"{time.strftime('%Y-%m-%d', time.gmtime())}. Bytes per slot: one token of one KV head in one layer, "
+            f"every buffer (keys, values, scales, zeros, slot time, counters).\n\n"
+            "| cache | key group | value group | scale bits | zero point | count_chunk_steps | bytes per slot "
+            "| bytes vs 16-bit full cache | perplexity | vs unquantized (same c) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     rows = []
-    bar = tqdm(total=2 + len(layouts), desc="layouts", unit="run", file=sys.stderr)
-    full = ppl.perplexity(model, windows, "full")["perplexity"]
-    bar.update(1)
-    dense = ppl.perplexity(model, windows, "scissorhands", args.ratio)["perplexity"]
-    bar.update(1)
-    rows.append(f"| full | - | - | 1.0x | {full:.3f} | - |")
-    rows.append(f"| scissorhands x{args.ratio:g} | - | - | {args.ratio:g}x nominal | {dense:.3f} | - |")
+    chunks = sorted({lay["count_chunk_steps"] for lay in layouts})
+    bar = tqdm(total=1 + len(chunks) + len(layouts), desc="perplexity runs", unit="run", file=sys.stderr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for kg, vg in layouts:
-        import scissorhands
 
-        real = scissorhands.make_cache
-
-        def patched(*a, kg=kg, vg=vg, **kw):
-            if kw.get("kv_bits") == 4:
-                kw.update(kv_group_size=kg, kv_value_group_size=vg)
-            return real(*a, **kw)
-
-        scissorhands.make_cache = patched              # workloads.quality.perplexity builds its caches through it
-        try:
-            p = ppl.perplexity(model, windows, "scissorhands", args.ratio, kv_bits=4)["perplexity"]
-        finally:
-            scissorhands.make_cache = real
-        cache = make_cache("scissorhands", model, compression_ratio=args.ratio, max_length=args.tokens, kv_bits=4,
-                           kv_group_size=kg, kv_value_group_size=vg)
-        with torch.inference_mode():
-            model(torch.tensor([windows[0][:args.tokens]]), cache=cache)
-        x = cache.compression_report()["ratio_vs_16bit"]
-        rows.append(f"| scissorhands x{args.ratio:g} 4-bit | {kg} | {vg} | {x:.2f}x | {p:.3f} | {p / dense - 1:+.1%} |")
+    def emit(row: str) -> None:
+        rows.append(row)
         out.write_text(head + "\n".join(rows) + "\n")
         bar.update(1)
+
+    def measure_bytes(**kw) -> tuple[float, float]:
+        cache = make_cache("scissorhands", model, compression_ratio=args.ratio, max_length=args.tokens, **kw)
+        with torch.inference_mode():
+            model(torch.tensor([windows[0][:args.tokens]]), cache=cache)
+        per_slot = sum(layer.slot_nbytes() for layer in cache.layers) / (model.config.num_hidden_layers
+                                                                         * model.config.num_key_value_heads)
+        return per_slot, cache.compression_report()["ratio_vs_16bit"]
+
+    full = ppl.perplexity(model, windows, "full")["perplexity"]
+    emit(f"| full | - | - | - | - | - | 256 (16-bit) | 1.0x | {full:.3f} | - |")
+    dense = {}
+    for c in chunks:
+        dense[c] = ppl.perplexity(model, windows, "scissorhands", args.ratio,
+                                  policy_params={"count_chunk_steps": c})["perplexity"]
+        per_slot, x = measure_bytes(count_chunk_steps=c)
+        emit(f"| scissorhands x{args.ratio:g} | - | - | - | - | {c} | {per_slot:g} (float32) | "
+             f"{x:.2f}x | {dense[c]:.3f} | - |")
+    for lay in layouts:
+        p = ppl.perplexity(model, windows, "scissorhands", args.ratio, kv_bits=4, policy_params=lay)["perplexity"]
+        per_slot, x = measure_bytes(kv_bits=4, **lay)
+        c = lay["count_chunk_steps"]
+        emit(f"| scissorhands x{args.ratio:g} 4-bit | {lay['kv_group_size']} | {lay['kv_value_group_size']} | "
+             f"{lay['kv_scale_bits']} | {'yes' if lay['kv_zero_point'] else 'no'} | {c} | {per_slot:g} | {x:.2f}x | "
+             f"{p:.3f} | {p / dense[c] - 1:+.1%} |")
     bar.close()
     print(head + "\n".join(rows))
     return 0

@@ -11,10 +11,12 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
 from .attention import ATTN_IMPLEMENTATION
-from .cache import Budget, BudgetedCache, BudgetedLayer, budget_from_ratio
+from .cache import INT16_MAX_TIME, Budget, BudgetedCache, BudgetedLayer, budget_from_ratio
 from .policies import POLICIES, Policy, get_policy
-from .quant import Int4KV, check_group_size
+from .quant import Int4KV, check_group_size, check_scale_format
 from .storage import DenseKV
 
 __all__ = ["ATTN_IMPLEMENTATION", "budget_from_ratio", "POLICIES", "SUPPORTED_MODEL_TYPES", "Policy", "BudgetedCache", "BudgetedLayer",
@@ -49,7 +51,8 @@ def check_model_supported(config) -> None:
 
 def make_cache(policy: str, model, *, budget_tokens: int | None = None, compression_ratio: float | None = None,
                max_length: int | None = None, simulate: bool = False, kv_bits: int | None = None,
-               kv_group_size: int = 32, kv_value_group_size: int | None = None, **policy_params) -> BudgetedCache:
+               kv_group_size: int = 32, kv_value_group_size: int | None = None, kv_scale_bits: int = 16,
+               kv_zero_point: bool = True, **policy_params) -> BudgetedCache:
     """Build a budgeted KV cache for ``model`` (a transformers model or its config).
 
     Args:
@@ -67,12 +70,16 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
         kv_group_size: values per quantization group along ``head_dim`` (even, divides head_dim).
         kv_value_group_size: the values' group size when it differs from the keys' (None: ``kv_group_size``);
             bytes and perplexity of each choice: docs/performance.md.
+        kv_scale_bits: 16 (float16 scale and zero per group) or 8 (8-bit log-scale code and int8 zero);
+            ``scissorhands.quant`` states the formats.
+        kv_zero_point: True (asymmetric, a zero per group) or False (symmetric, no zero stored).
         **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``history_window``, ...).
 
     Raises:
         ValueError: unknown policy (lists valid names), unknown parameter, ``compression_ratio < 1``,
             ``budget_tokens < 1``, both or neither of budget_tokens / compression_ratio, a budget
             smaller than ``recent_window + 1``, ``kv_bits`` not in (None, 4), a bad ``kv_group_size``,
+            ``kv_scale_bits`` not in (16, 8), a non-bool ``kv_zero_point``,
             or an unsupported model type (``SUPPORTED_MODEL_TYPES``).
     """
     pol = get_policy(policy, **policy_params)
@@ -93,6 +100,7 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     check_model_supported(text_config)
     if kv_bits == 4:
+        check_scale_format(kv_scale_bits, kv_zero_point)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         check_group_size(head_dim, kv_group_size)
         if kv_value_group_size is not None:
@@ -105,5 +113,11 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
         budget.resolve(max_length or 1)          # validate recent_window / drop_tokens now
     if hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    codec = functools.partial(Int4KV, kv_group_size, kv_value_group_size) if kv_bits == 4 else DenseKV
-    return BudgetedCache(pol, text_config.num_hidden_layers, budget, simulate=simulate, codec_factory=codec)
+    codec = (functools.partial(Int4KV, kv_group_size, kv_value_group_size, kv_scale_bits, kv_zero_point)
+             if kv_bits == 4 else DenseKV)
+    # slot times: 2 bytes when every token index the model (and max_length) allows fits in int16; a layer that
+    # still meets a longer sequence widens to int32 itself (scissorhands.cache)
+    longest = max(max_length or 0, getattr(text_config, "max_position_embeddings", None) or INT16_MAX_TIME + 1)
+    time_dtype = torch.int16 if longest <= INT16_MAX_TIME + 1 else torch.int32
+    return BudgetedCache(pol, text_config.num_hidden_layers, budget, simulate=simulate, codec_factory=codec,
+                         time_dtype=time_dtype)

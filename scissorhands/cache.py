@@ -20,12 +20,15 @@ mode) at the first call; otherwise they grow exactly to what is held (as transfo
 ``DynamicCache`` does). ``kv_cache_bytes`` counts the buffers whole.
 
 * ``keys``, ``values``: ``(batch_size, num_kv_heads, num_slots, head_dim)``, keys after RoPE, never
-  re-rotated; stored as computed, or 4-bit (``kv_bits=4``: packed values plus float16 scale and
-  zero per group, see ``scissorhands.quant``) and dequantized for attention. Kept slots are in time
+  re-rotated; stored as computed, or 4-bit (``kv_bits=4``: packed values plus a scale, and a zero unless
+  symmetric, per group, float16 or 8-bit: see ``scissorhands.quant``) and dequantized for attention. Kept slots are in time
   order (oldest first) in every row and head.
-* ``slot_time``: ``(batch_size, num_kv_heads, num_slots)`` int32, the token index of each slot
-  (tokens seen before it, padding included); ``-1`` marks a padding slot (never a token, always
-  masked), ``-2`` a slot evicted in simulation mode.
+* ``slot_time``: ``(batch_size, num_kv_heads, num_slots)`` int16 or int32 (``time_dtype``), the token
+  index of each slot (tokens seen before it, padding included); ``-1`` marks a padding slot (never a
+  token, always masked), ``-2`` a slot evicted in simulation mode. int16 (2 bytes) when every token
+  index fits (``make_cache`` picks it when ``max_length`` and the model's ``max_position_embeddings``
+  are <= 32,767); a layer whose next token index would not fit widens its slot times to int32 in place
+  before writing it (exact: no time is ever truncated).
 * ``state``: ``(batch_size, num_kv_heads, num_slots, policy.state_width)`` per-slot policy statistics.
 * ``row_time``: ``None`` (every row shares the clock ``tokens_seen``), or ``(batch_size,)`` int64, the
   token index of each row's next token (per-row clocks, set by ``scissorhands.batching`` when rows that
@@ -63,6 +66,7 @@ from .storage import DenseKV, SlotStore
 
 PAD = -1
 EVICTED = -2
+INT16_MAX_TIME = torch.iinfo(torch.int16).max      # largest token index an int16 slot time holds
 # Scores of one explicit-attention chunk, (batch_size, num_heads, query_chunk, num_slots), hold at most
 # this many elements (8 MiB in float32), so a prefill of several rows runs smaller query chunks instead of
 # tensors that outgrow the CPU's caches: over 1,024 slots the embedded model (9 heads) gets chunks of 227
@@ -118,14 +122,20 @@ class BudgetedLayer(CacheLayerMixin):
         policy, budget: the eviction policy and the budget shared by all layers.
         simulate: mask evicted slots instead of removing them.
         codec: how keys and values are stored (``DenseKV`` by default, ``Int4KV`` for 4-bit).
+        time_dtype: ``torch.int16`` or ``torch.int32`` (default) slot times; int16 widens itself to int32
+            when a token index passes 32,767.
     """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, layer_idx: int, policy: Policy, budget: Budget, simulate: bool = False, codec=None):
+    def __init__(self, layer_idx: int, policy: Policy, budget: Budget, simulate: bool = False, codec=None,
+                 time_dtype: torch.dtype = torch.int32):
         super().__init__()
+        if time_dtype not in (torch.int16, torch.int32):
+            raise ValueError(f"time_dtype must be torch.int16 or torch.int32, got {time_dtype!r}")
+        self.time_dtype = time_dtype
         self.layer_idx = layer_idx
         self.policy = policy
         self.budget = budget
@@ -167,7 +177,7 @@ class BudgetedLayer(CacheLayerMixin):
 
     @property
     def slot_time(self) -> torch.Tensor | None:
-        """``(batch_size, num_kv_heads, num_slots)`` int32 view: token index of each slot, -1 pad, -2 evicted."""
+        """``(batch_size, num_kv_heads, num_slots)`` int16/int32 view: token index of each slot, -1 pad, -2 evicted."""
         return self.store.view("slot_time") if self.is_initialized else None
 
     @property
@@ -179,7 +189,7 @@ class BudgetedLayer(CacheLayerMixin):
         b, h, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         specs = self.codec.specs(d, value_states.shape[-1], self.dtype)
-        specs["slot_time"] = ((), torch.int32)
+        specs["slot_time"] = ((), self.time_dtype)
         if self.policy.state_width:
             specs["state"] = ((self.policy.state_width,), self.policy.state_dtype)
         self.store.allocate(b, h, specs, self.device)
@@ -216,6 +226,8 @@ class BudgetedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
+        if self.tokens_seen + q - 1 > INT16_MAX_TIME and self.store.buffers["slot_time"].dtype == torch.int16:
+            self.store.retype("slot_time", torch.int32)                 # row clocks never pass tokens_seen
         if self.policy.evicts:
             budget = self.budget.resolve(self.tokens_seen + q)
             if q == 1:                                                  # Algorithm 1: full -> drop m, then append
@@ -423,6 +435,9 @@ class BudgetedLayer(CacheLayerMixin):
         Both must run per-row clocks (``row_time``); the side with fewer slots gets filler slots first.
         """
         n = max(self.num_slots, other.num_slots)
+        for layer, peer in ((self, other), (other, self)):               # widen int16 slot times to match
+            if layer.store.buffers["slot_time"].dtype.itemsize < peer.store.buffers["slot_time"].dtype.itemsize:
+                layer.store.retype("slot_time", peer.store.buffers["slot_time"].dtype)
         self.prepend_filler_slots(n - self.num_slots)
         other.prepend_filler_slots(n - other.num_slots)
         self.store.concat_rows(other.store)
@@ -508,8 +523,8 @@ class BudgetedCache(Cache):
     """
 
     def __init__(self, policy: Policy, num_layers: int, budget: Budget, simulate: bool = False,
-                 codec_factory=DenseKV):
-        super().__init__(layers=[BudgetedLayer(i, policy, budget, simulate, codec_factory())
+                 codec_factory=DenseKV, time_dtype: torch.dtype = torch.int32):
+        super().__init__(layers=[BudgetedLayer(i, policy, budget, simulate, codec_factory(), time_dtype)
                                  for i in range(num_layers)])
         self.policy = policy
         self.budget = budget

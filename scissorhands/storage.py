@@ -11,19 +11,19 @@ A codec decides how keys and values are stored: ``DenseKV`` (as computed, the mo
 
 Bytes of one slot (one token of one KV head in one layer), ``head_dim`` d = 64 (SmolLM2-135M):
 
-| buffer | dense, 16-bit | 4-bit, groups 32/32 | 4-bit, keys 32 / values 64 |
-|---|---|---|---|
-| keys (+ scale and zero, float16) | 128 | 32 + 8 | 32 + 8 |
-| values (+ scale and zero, float16) | 128 | 32 + 8 | 32 + 4 |
-| ``slot_time`` int32 | 4 | 4 | 4 |
-| Scissorhands' counters (``history_window / count_chunk_steps`` = 8 uint8) | 8 | 8 | 8 |
-| total | 268 | 92 | 88 |
+| buffer | dense, 16-bit | 4-bit, groups 32/32 (default) | 4-bit, group 64, 8-bit scale + zero | 4-bit, group 64, 8-bit symmetric |
+|---|---|---|---|---|
+| keys (+ scale and zero) | 128 | 32 + 8 | 32 + 2 | 32 + 1 |
+| values (+ scale and zero) | 128 | 32 + 8 | 32 + 2 | 32 + 1 |
+| ``slot_time`` (int16 below 32,768 positions, else int32) | 2 | 2 | 2 | 2 |
+| Scissorhands' counters (``history_window / count_chunk_steps`` uint8) | 8 | 8 | 8 (c=50) or 2 (c=200) | 2 (c=200) |
+| total | 266 | 90 | 78 or 72 | 70 |
 
-At compression ratio 5 a budgeted cache holds ``L / 5`` slots where a 16-bit full cache holds
-``L`` tokens of 256 bytes, so 4-bit Scissorhands is ``5 * 256 / 92 = 13.9x`` smaller (keys 32 /
-values 64: 14.5x). The packed values alone are 64 bytes, so even with free scales the
-bookkeeping's 12 bytes cap it at ``5 * 256 / 76 = 16.8x``: 18x needs the slot at <= 71 bytes,
-i.e. smaller slot times or counters as well as cheaper scales (measured: docs/performance.md).
+At compression ratio 5 a budgeted cache holds ``ceil(L / 5)`` slots where a 16-bit full cache holds
+``L`` tokens of 256 bytes, so 4-bit Scissorhands is about ``5 * 256 / slot bytes`` smaller: 14.2x by
+default, 18.3x with the 70-byte slot (18.2x at L = 512, where B = 103). The packed 4-bit codes alone
+are 64 bytes, so 18x (a slot of at most 71 bytes) leaves 7 bytes for every scale, zero, slot time and
+counter; what that costs in perplexity is measured in docs/performance.md (``make bench-quant``).
 """
 from __future__ import annotations
 
@@ -120,6 +120,10 @@ class SlotStore:
             new[:, :, n:] = buf[:, :, :self.num_slots]
             self.buffers[name] = new
         self.num_slots += n
+
+    def retype(self, name: str, dtype: torch.dtype) -> None:
+        """Convert buffer ``name`` to ``dtype`` (values kept; used to widen int16 slot times)."""
+        self.buffers[name] = self.buffers[name].to(dtype)
 
     def concat_rows(self, other: "SlotStore") -> None:
         """Append ``other``'s rows (same buffers and ``num_slots``) along the batch dim."""

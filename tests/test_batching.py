@@ -133,7 +133,7 @@ def test_merge_refuses_different_budgets(model):
 
 
 def test_sequence_slot_bytes_is_one_slot_of_every_layer(model):
-    # tiny llama: 2 layers x 2 KV heads x (keys + values: 2 x 16 float32 + slot time int32)
-    assert sequence_slot_bytes(model, "full") == 2 * 2 * (2 * 16 * 4 + 4)
+    # tiny llama: 2 layers x 2 KV heads x (keys + values: 2 x 16 float32 + slot time int16: 512 positions)
+    assert sequence_slot_bytes(model, "full") == 2 * 2 * (2 * 16 * 4 + 2)
     # scissorhands adds history_window / count_chunk_steps uint8 counters per slot and head
-    assert sequence_slot_bytes(model, "scissorhands", budget_tokens=16) == 2 * 2 * (2 * 16 * 4 + 4 + 400 // 50)
+    assert sequence_slot_bytes(model, "scissorhands", budget_tokens=16) == 2 * 2 * (2 * 16 * 4 + 2 + 400 // 50)

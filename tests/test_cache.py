@@ -59,7 +59,8 @@ def test_bytes_at_ratio_r_are_at_most_full_over_r_plus_the_stated_bookkeeping(mo
     _feed(model, cache, ids, new)
     assert cache.get_seq_length() == 200 and cache.budget_tokens == 200 // ratio
     pol = cache.policy
-    stated = 4 + pol.state_width * torch.empty((), dtype=pol.state_dtype).element_size()   # bytes per slot and head
+    # bytes per slot and head: an int16 slot time (tiny llama: 512 positions) + the policy's statistics
+    stated = 2 + pol.state_width * torch.empty((), dtype=pol.state_dtype).element_size()
     bookkeeping = 2 * 2 * 2 * cache.budget_tokens * stated                   # layers x rows x kv heads x B
     assert cache.bookkeeping_bytes() == bookkeeping
     assert cache.kv_cache_bytes() <= full_bytes / ratio + bookkeeping
@@ -93,7 +94,7 @@ def test_full_with_max_length_allocates_once_and_grows_exactly_without(model):
                     ptrs.append(cache.layers[0].store.buffers["keys"].data_ptr())
     assert len(set(ptrs)) == 1 and sized.layers[0].store.capacity == 40
     assert exact.layers[0].store.capacity == exact.layers[0].num_slots == 30
-    assert exact.kv_cache_bytes() == 2 * 2 * 30 * (2 * 16 * 4 + 4)          # layers x heads x slots x (k, v, time)
+    assert exact.kv_cache_bytes() == 2 * 2 * 30 * (2 * 16 * 4 + 2)          # layers x heads x slots x (k, v, int16 time)
 
 
 def test_prompt_compression_releases_the_prompt_sized_buffer(model):
@@ -101,7 +102,7 @@ def test_prompt_compression_releases_the_prompt_sized_buffer(model):
     with torch.inference_mode():
         model(_ids(1, 300, 5), cache=cache)
     assert all(layer.store.capacity == 32 == layer.num_slots for layer in cache.layers)
-    assert cache.kv_cache_bytes() == 2 * 2 * 32 * (2 * 16 * 4 + 4 + 4)
+    assert cache.kv_cache_bytes() == 2 * 2 * 32 * (2 * 16 * 4 + 2 + 4)      # k, v, int16 time, h2o's float32 score
 
 
 def test_windowed_counts_cost_at_most_5_percent_of_a_16_bit_kv_slot():

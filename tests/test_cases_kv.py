@@ -99,7 +99,7 @@ def test_k2_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
     cache = _cache(policy, model, budget_tokens=budget)
     _generate(model, _ids(batch, 30), cache, 10)
     pol = cache.policy
-    per_slot_bookkeeping = 4 + pol.state_width * torch.empty((), dtype=pol.state_dtype).element_size()  # stated
+    per_slot_bookkeeping = 2 + pol.state_width * torch.empty((), dtype=pol.state_dtype).element_size()  # stated
     for layer in cache.layers:
         assert layer.keys.shape[1] == layer.values.shape[1] == model.config.num_key_value_heads
         assert all(buf.shape[1] == 2 for buf in layer.store.buffers.values())
