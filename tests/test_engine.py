@@ -351,9 +351,9 @@ def test_full_batch_kv_limit_holds_exactly_that_many_full_cache_sequences(model,
     from scissorhands.batching import sequence_slot_bytes
 
     limit = full_batch_kv_limit_bytes(model, full_batch, prompt, new)
-    # tiny-llama, float32: 2 layers x 2 KV heads x (K + V: 2 x head_dim 16 x 4 bytes + a 4-byte slot time)
-    assert sequence_slot_bytes(model, "full", max_length=prompt + new) == 2 * 2 * (2 * 16 * 4 + 4) == 528
-    assert limit == full_batch * (prompt + new) * 528
+    # tiny-llama, float32: 2 layers x 2 KV heads x (K + V: 2 x head_dim 16 x 4 bytes + an int16 slot time)
+    assert sequence_slot_bytes(model, "full", max_length=prompt + new) == 2 * 2 * (2 * 16 * 4 + 2) == 520
+    assert limit == full_batch * (prompt + new) * 520
     cfg = dict(policy="full", max_length_tokens=prompt + new)
     assert ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit, **cfg)).max_batch_for(
         prompt, new) == full_batch
