@@ -289,3 +289,20 @@ def test_save_figure_writes_a_whole_png_and_closes_the_figure(tmp_path):
     assert path == tmp_path / "line.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert fig.number not in plt.get_fignums()                        # closed
     assert [p.name for p in tmp_path.iterdir()] == ["line.png"]       # no temporary file left
+
+
+def test_policies_all_is_every_registered_policy_in_every_kind():
+    """`policies: all` is read once (SuiteBase): every key of scissorhands.POLICIES; quality and frontier
+    suites default to it, a batch suite must still name its policies."""
+    from workloads.frontier.suite import FrontierSuite
+    from workloads.quality.suite import QualitySuite
+
+    batch = parse_suite(dict(GOOD, policies="all", compression_ratios=[2]))
+    assert [p.name for p in batch.policies] == list(scissorhands.POLICIES)
+    no_policies = {k: v for k, v in GOOD.items() if k != "policies"}
+    with pytest.raises(SuiteError, match="policies"):
+        parse_suite(no_policies)
+    quality = QualitySuite.model_validate(dict(kind="quality", name="q", model="tiny-llama", compression_ratios=[2],
+                                               perplexity={"windows": 1}))
+    frontier = FrontierSuite.model_validate(dict(kind="frontier", name="f", model="tiny-llama", compression_ratios=[2]))
+    assert [p.name for p in quality.policies] == [p.name for p in frontier.policies] == list(scissorhands.POLICIES)

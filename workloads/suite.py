@@ -9,7 +9,7 @@ it and nothing else::
     model: embedded          # "embedded", an HF id, a local folder; "tiny-llama" is test-only
     dtype: auto              # auto (bfloat16 where faster, see scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16
     device: cpu
-    policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}
+    policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}, or all
       - full
       - name: scissorhands
         params: {history_window: 400}
@@ -136,11 +136,18 @@ class SuiteBase(BaseModel):
     placement: Annotated[PlacementConfig, PlainValidator(_placement), PlainSerializer(dataclasses.asdict)] = Field(default_factory=PlacementConfig)
 
     _list_fields: ClassVar[tuple[str, ...]] = ("compression_ratios", "budget_tokens", "policies")
+    #: `policies` of a suite that names none: None (the key is required) or "all"
+    _policies_default: ClassVar[str | None] = None
 
     @model_validator(mode="before")
     @classmethod
     def _scalars_to_lists(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            data = dict(data)
+            if cls._policies_default is not None:
+                data.setdefault("policies", cls._policies_default)
+            if data.get("policies") == "all":                       # every key of scissorhands.POLICIES
+                data["policies"] = list(POLICIES)
             data = {k: (_one_or_many(v) if k in cls._list_fields else v) for k, v in data.items()}
             for k in ("compression_ratios", "budget_tokens"):
                 if data.get(k) is None:

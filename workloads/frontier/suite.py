@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scissorhands import POLICIES
 from workloads.suite import PositiveInt, SuiteBase, SuiteError, budget_tag, point_id
 
 
@@ -87,14 +86,7 @@ class FrontierSuite(SuiteBase):
     kv_memory_limit: KVMemoryLimit = KVMemoryLimit(full_sequences=2)
     perplexity_windows: PositiveInt = 1
 
-    @model_validator(mode="before")
-    @classmethod
-    def _all_policies(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            data = dict(data)
-            if data.get("policies", "all") == "all":
-                data["policies"] = list(POLICIES)
-        return data
+    _policies_default: ClassVar[str | None] = "all"
 
     @model_validator(mode="after")
     def _ratios_only(self) -> "FrontierSuite":

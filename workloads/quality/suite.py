@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -148,14 +148,7 @@ class QualitySuite(SuiteBase):
     persistence: Persistence | None = None
     passkey: Passkey | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _all_policies(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            data = dict(data)
-            if data.get("policies", "all") == "all":
-                data["policies"] = list(POLICIES)
-        return data
+    _policies_default: ClassVar[str | None] = "all"
 
     @model_validator(mode="after")
     def _something_to_measure(self) -> "QualitySuite":
