@@ -88,7 +88,9 @@ def init_ray(address: str | None):
 
     Joining (`address`, else ``$RAY_ADDRESS``): token authentication is followed as `ray start
     --head` sets it (`cluster.submit.follow_token_auth`); a cluster that cannot be reached raises
-    SweepError (exit 1) naming the address and what to check.
+    SweepError (exit 1) naming the address and what to check. Once connected (joined or embedded), a
+    watch (`workloads.supervise`) ends the run with exit 1 and a message naming the cluster, the points
+    kept and ``--resume`` when the GCS is unreachable for ``$SCISSORHANDS_CLUSTER_GONE_S`` (15 s).
 
     The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
     holds it) with its files under `EMBEDDED_RAY_TEMP_DIR` (``$RAY_TMPDIR`` wins): its metrics head
@@ -118,6 +120,7 @@ def init_ray(address: str | None):
                 "(`make cluster-up`, `ray status --address ...`)? When its log says InvalidAuthToken, give this "
                 "process the cluster's token: RAY_AUTH_TOKEN=... or RAY_AUTH_TOKEN_PATH=... (a head of this "
                 "machine keeps it in ~/.ray/auth_token)", 1) from None
+        _watch_cluster(ray, address)
         return ray, True
     os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
     try:
@@ -129,7 +132,19 @@ def init_ray(address: str | None):
         print(f"sweep: Ray's dashboard did not start ({error_message(e)[:200]}); running without it: "
               "no live replica metrics in Prometheus", file=sys.stderr)
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+    _watch_cluster(ray, "embedded")
     return ray, True
+
+
+def _watch_cluster(ray, cluster: str) -> None:
+    """End the run with its own message when the cluster goes away (`workloads.supervise`)."""
+    from workloads import supervise
+
+    try:
+        supervise.watch_cluster(ray, cluster)
+    except ValueError as e:  # $SCISSORHANDS_CLUSTER_GONE_S
+        ray.shutdown()
+        raise SweepError(str(e), 2) from None
 
 
 def replica_resources(ray, replicas: int, device: str) -> tuple[int, float, float]:
@@ -252,6 +267,9 @@ def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
     points_path = str(run_dir / "points.jsonl")
     res.repair_points_file(points_path, kind)
     commit = git_commit()
+    from workloads import supervise
+
+    supervise.note_run(kind, run_id, run_dir, points_path)  # named should the cluster go away
     if not (run_dir / "run.json").exists():
         meta = {"run_id": run_id, "suite_file": args.suite,
                 "suite": suite.model_dump(mode="json"), "git_commit": commit,
