@@ -131,3 +131,18 @@ def test_the_default_end_writes_error_json_prints_and_exits_1(tmp_path):
     assert "quality: error: the Ray cluster at 127.0.0.1:9 is gone" in proc.stderr and "--resume q1" in proc.stderr
     error = json.loads((tmp_path / "error.json").read_text())
     assert error["run_id"] == "q1" and error["exit_code"] == 1 and "the 1 point(s) written" in error["error"]
+
+
+def test_a_later_ray_init_of_the_same_process_is_another_cluster():
+    """A test session (or a library user) that shuts Ray down and inits another: the old watch must not
+    take the new cluster's connection for its own and end the process when the old GCS is gone."""
+    from types import SimpleNamespace
+
+    def fake_ray(initialized, address):
+        worker = SimpleNamespace(gcs_client=SimpleNamespace(address=address))
+        return SimpleNamespace(is_initialized=lambda: initialized,
+                               _private=SimpleNamespace(worker=SimpleNamespace(global_worker=worker)))
+
+    assert supervise._connected_to(fake_ray(True, "127.0.0.1:6379"), "127.0.0.1:6379")
+    assert not supervise._connected_to(fake_ray(True, "127.0.0.1:6400"), "127.0.0.1:6379")
+    assert not supervise._connected_to(fake_ray(False, "127.0.0.1:6379"), "127.0.0.1:6379")

@@ -21,8 +21,8 @@ succeeded for ``gone_after_s`` (``$SCISSORHANDS_CLUSTER_GONE_S``, default `DEFAU
 The run it reports on is the one `note_run` names (`workloads.run.open_run` calls it). A TCP
 connect is the probe because it needs no Ray call (those block while the GCS is away); a refused
 or timed-out connect counts as unreachable. The watch stops with `stop`, at interpreter exit, or
-as soon as Ray is no longer connected (``ray.shutdown()`` at the end of a run stops the GCS of an
-embedded Ray, which must not be reported).
+as soon as this process is no longer connected to that GCS (``ray.shutdown()`` at the end of a run
+stops the GCS of an embedded Ray, which must not be reported; a later ``ray.init`` is another cluster).
 """
 from __future__ import annotations
 
@@ -197,9 +197,20 @@ def watch_cluster(ray, cluster: str) -> ClusterWatch | None:
     except Exception:  # noqa: BLE001 - no GCS address to watch (Ray Client)
         return None
     stop_watch()
-    _watch = ClusterWatch(cluster, gcs, ray.is_initialized, gone_after_s=limit_s)
+    _watch = ClusterWatch(cluster, gcs, lambda: _connected_to(ray, gcs), gone_after_s=limit_s)
     _watch.start()
     return _watch
+
+
+def _connected_to(ray, gcs_address: str) -> bool:
+    """Whether this process is still connected to the Ray whose GCS is ``gcs_address`` (not a later
+    ``ray.init`` of the same process, as in a test session; `ray.get_runtime_context` would start one)."""
+    if not ray.is_initialized():
+        return False
+    try:
+        return ray._private.worker.global_worker.gcs_client.address == gcs_address
+    except Exception:  # noqa: BLE001 - disconnected meanwhile
+        return False
 
 
 def stop_watch() -> None:
