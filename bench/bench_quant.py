@@ -2,7 +2,7 @@
 
 Each layout is a comma-separated list of ``key=value`` (defaults in brackets): ``kg`` key group size
 [32], ``vg`` value group size [kg], ``sb`` scale bits 16 or 8 [16], ``zp`` zero point 1 or 0 [1],
-``c`` Scissorhands' ``count_chunk_steps`` [50]. For each, the Scissorhands cache at ``--ratio`` with
+``c`` Scissorhands' ``count_chunk_steps`` [50], ``rot`` Hadamard rotation 1 or 0 [0]. For each, the Scissorhands cache at ``--ratio`` with
 ``kv_bits=4`` scores ``--windows`` held-out windows of ``--tokens`` tokens (``workloads.quality
 .perplexity``, the same calls as decoding token by token), next to the full cache and Scissorhands
 without quantization at each ``c`` used (same windows). Bytes: ``compression_report()`` of a cache
@@ -28,19 +28,19 @@ from scissorhands.models import cpu_model_name, load_model
 DEFAULT_LAYOUTS = ["kg=32", "kg=32,vg=64", "kg=64,sb=8", "kg=64,sb=8,c=200", "kg=64,sb=8,zp=0,c=200",
                    "kg=32,vg=64,sb=8,zp=0,c=200"]
 FIELDS = {"kg": "kv_group_size", "vg": "kv_value_group_size", "sb": "kv_scale_bits", "zp": "kv_zero_point",
-          "c": "count_chunk_steps"}
+          "c": "count_chunk_steps", "rot": "kv_rotate"}
 
 
 def parse_layout(text: str) -> dict:
     """``"kg=64,sb=8,zp=0,c=200"`` -> make_cache keyword arguments. Raises ValueError naming the bad part."""
     out = {"kv_group_size": 32, "kv_value_group_size": None, "kv_scale_bits": 16, "kv_zero_point": True,
-           "count_chunk_steps": 50}
+           "count_chunk_steps": 50, "kv_rotate": False}
     for part in filter(None, text.split(",")):
         key, sep, value = part.partition("=")
         if not sep or key not in FIELDS or not value.lstrip("-").isdigit():
             raise ValueError(f"--layouts: bad part {part!r} of {text!r}; expected key=integer with key in "
                              f"{sorted(FIELDS)}")
-        out[FIELDS[key]] = bool(int(value)) if key == "zp" else int(value)
+        out[FIELDS[key]] = bool(int(value)) if key in ("zp", "rot") else int(value)
     if out["kv_value_group_size"] is None:
         out["kv_value_group_size"] = out["kv_group_size"]
     return out
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         per_slot, x = measure_bytes(kv_bits=4, **lay)
         c = lay["count_chunk_steps"]
         emit(f"| scissorhands x{args.ratio:g} 4-bit | {lay['kv_group_size']} | {lay['kv_value_group_size']} | "
-             f"{lay['kv_scale_bits']} | {'yes' if lay['kv_zero_point'] else 'no'} | {c} | {per_slot:g} | {x:.2f}x | "
+             f"{lay['kv_scale_bits']} | {'yes' if lay['kv_zero_point'] else 'no'}{' + Hadamard' if lay['kv_rotate'] else ''} | {c} | {per_slot:g} | {x:.2f}x | "
              f"{p:.3f} | {p / dense[c] - 1:+.1%} |")
     bar.close()
     print(head + "\n".join(rows))

@@ -16,7 +16,7 @@ import torch
 from .attention import ATTN_IMPLEMENTATION
 from .cache import INT16_MAX_TIME, Budget, BudgetedCache, BudgetedLayer, budget_from_ratio
 from .policies import POLICIES, Policy, get_policy
-from .quant import Int4KV, check_group_size, check_scale_format
+from .quant import Int4KV, check_group_size, check_scale_format, hadamard
 from .storage import DenseKV
 
 __all__ = ["ATTN_IMPLEMENTATION", "budget_from_ratio", "POLICIES", "SUPPORTED_MODEL_TYPES", "Policy", "BudgetedCache", "BudgetedLayer",
@@ -52,7 +52,7 @@ def check_model_supported(config) -> None:
 def make_cache(policy: str, model, *, budget_tokens: int | None = None, compression_ratio: float | None = None,
                max_length: int | None = None, simulate: bool = False, kv_bits: int | None = None,
                kv_group_size: int = 32, kv_value_group_size: int | None = None, kv_scale_bits: int = 16,
-               kv_zero_point: bool = True, **policy_params) -> BudgetedCache:
+               kv_zero_point: bool = True, kv_rotate: bool = False, **policy_params) -> BudgetedCache:
     """Build a budgeted KV cache for ``model`` (a transformers model or its config).
 
     Args:
@@ -73,6 +73,8 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
         kv_scale_bits: 16 (float16 scale and zero per group) or 8 (8-bit log-scale code and int8 zero);
             ``scissorhands.quant`` states the formats.
         kv_zero_point: True (asymmetric, a zero per group) or False (symmetric, no zero stored).
+        kv_rotate: quantize keys and values after a fixed Hadamard rotation of head_dim (a power of two);
+            nothing more is stored (``scissorhands.quant.Int4KV``).
         **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``history_window``, ...).
 
     Raises:
@@ -101,7 +103,10 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
     check_model_supported(text_config)
     if kv_bits == 4:
         check_scale_format(kv_scale_bits, kv_zero_point)
+        Int4KV(rotate=kv_rotate)                          # validates kv_rotate
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        if kv_rotate:
+            hadamard(head_dim)                            # raises unless head_dim is a power of two
         check_group_size(head_dim, kv_group_size)
         if kv_value_group_size is not None:
             try:
@@ -113,7 +118,7 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
         budget.resolve(max_length or 1)          # validate recent_window / drop_tokens now
     if hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    codec = (functools.partial(Int4KV, kv_group_size, kv_value_group_size, kv_scale_bits, kv_zero_point)
+    codec = (functools.partial(Int4KV, kv_group_size, kv_value_group_size, kv_scale_bits, kv_zero_point, kv_rotate)
              if kv_bits == 4 else DenseKV)
     # slot times: 2 bytes when every token index the model (and max_length) allows fits in int16; a layer that
     # still meets a longer sequence widens to int32 itself (scissorhands.cache)

@@ -47,6 +47,7 @@ SCALE_BITS = (16, 8)
 LOG8_STEPS = 8       # 8-bit scale codes per octave
 LOG8_OFFSET = 19     # code 0 is 2 ** -19
 _LOG8_TABLE: dict[torch.device, torch.Tensor] = {}
+_HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def check_group_size(head_dim: int, group_size: int) -> None:
@@ -206,6 +207,20 @@ def int4_bytes_per_vector(dim: int, group_size: int, scale_bits: int = 16, zero_
     return dim // 2 + (dim // group_size) * group_bytes(scale_bits, zero_point)
 
 
+def hadamard(dim: int, device=None) -> torch.Tensor:
+    """``(dim, dim)`` float32 orthonormal Hadamard matrix (Sylvester's construction, symmetric: its own
+    inverse). Raises ValueError unless ``dim`` is a power of two."""
+    if dim < 1 or dim & (dim - 1):
+        raise ValueError(f"kv_rotate needs a head_dim that is a power of two, got {dim}")
+    key = (dim, torch.device(device or "cpu"))
+    if key not in _HADAMARD:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD[key] = (h / dim ** 0.5).float().to(key[1])
+    return _HADAMARD[key]
+
+
 class Int4KV:
     """Codec: keys and values stored 4-bit (see module docstring); ``decode`` dequantizes all used slots.
 
@@ -214,13 +229,20 @@ class Int4KV:
         value_group_size: values per group of the values (None: ``group_size``).
         scale_bits: 16 (float16 scales) or 8 (8-bit log-scale codes), keys and values alike.
         zero_point: True: asymmetric (a zero per group); False: symmetric, no zero stored.
+        rotate: quantize ``x @ H`` for the orthonormal Hadamard matrix ``H`` of ``head_dim`` (a fixed constant,
+            nothing stored) and decode ``x_hat @ H``: the rotation spreads a few large channels (outliers
+            of keys) over all of them, so one scale per vector fits them all (QuaRot, arXiv 2404.00456).
+            The error is then bounded in L2 norm: ``||x_hat - x|| <= sqrt(sum over groups of g * (scale/2)**2)``.
     """
 
     bits = 4
 
     def __init__(self, group_size: int = 32, value_group_size: int | None = None, scale_bits: int = 16,
-                 zero_point: bool = True):
+                 zero_point: bool = True, rotate: bool = False):
         check_scale_format(scale_bits, zero_point)
+        if not isinstance(rotate, bool):
+            raise ValueError(f"kv_rotate must be True or False, got {rotate!r}")
+        self.rotate = rotate
         self.group_size = group_size
         self.value_group_size = group_size if value_group_size is None else value_group_size
         self.scale_bits, self.zero_point = scale_bits, zero_point
@@ -234,6 +256,8 @@ class Int4KV:
         out = {}
         for (name, group), dim in zip(self._groups(), (key_dim, value_dim)):
             check_group_size(dim, group)
+            if self.rotate:
+                hadamard(dim)                                           # raises unless a power of two
             g = dim // group
             out.update({f"{name}_packed": ((dim // 2,), torch.uint8), f"{name}_scale": ((g,), scale_dtype)})
             if self.zero_point:
@@ -243,10 +267,16 @@ class Int4KV:
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
         for (name, group), x in zip(self._groups(), (keys, values)):
+            if self.rotate:                                             # (..., d) @ (d, d)
+                x = x.float() @ hadamard(x.shape[-1], x.device)
             out.update({f"{name}_{k}": v for k, v in quantize(x, group, self.scale_bits, self.zero_point).items()})
         return out
 
     def decode(self, store, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(dequantize(store.view(f"{n}_packed"), store.view(f"{n}_scale"),
-                                store.view(f"{n}_zero") if self.zero_point else None, dtype)
-                     for n in ("keys", "values"))
+        out = []
+        for n in ("keys", "values"):
+            x = dequantize(store.view(f"{n}_packed"), store.view(f"{n}_scale"),
+                           store.view(f"{n}_zero") if self.zero_point else None,
+                           torch.float32 if self.rotate else dtype)            # (b, h, S, d)
+            out.append((x @ hadamard(x.shape[-1], x.device)).to(dtype) if self.rotate else x)
+        return tuple(out)
