@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 from cluster.metrics import NullMetrics
+from scissorhands.checks import check_int
 
 __all__ = ["EngineConfig", "GenerationRequest", "GenerationResult", "ContinuousBatchingEngine", "EngineLoop",
            "device_memory_bytes", "full_batch_kv_limit_bytes", "pick_tokens"]
@@ -94,9 +95,7 @@ class EngineConfig:
         if not isinstance(self.policy_params, dict):
             raise ValueError(f"policy_params: expected a mapping, got {self.policy_params!r}")
         for name in ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch", "max_prefill_tokens"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}: expected an integer >= 1 or null, got {v!r}")
+            check_int(name, getattr(self, name), 1, optional=True)
         if self.compression_ratio is not None and not (
                 isinstance(self.compression_ratio, (int, float)) and not isinstance(self.compression_ratio, bool)
                 and math.isfinite(self.compression_ratio) and self.compression_ratio >= 1):
@@ -151,8 +150,7 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"prompt_ids: request {self.request_id!r} has an empty prompt")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected an integer >= 1, got {self.max_new_tokens!r}")
+        check_int("max_new_tokens", self.max_new_tokens, 1)
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
@@ -160,8 +158,7 @@ class GenerationRequest:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed: expected an integer or null, got {self.seed!r}")
-        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens: expected an integer >= 0, got {self.min_new_tokens!r}")
+        check_int("min_new_tokens", self.min_new_tokens, 0)
 
     @property
     def greedy(self) -> bool:
@@ -693,8 +690,7 @@ def full_batch_kv_limit_bytes(model, full_batch: int, prompt_tokens: int, new_to
         ValueError: `full_batch`, `prompt_tokens` or `new_tokens` below 1.
     """
     for name, value in (("full_batch", full_batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        check_int(name, value, 1)
     probe = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=prompt_tokens + new_tokens))
     return full_batch * probe.final_slots(prompt_tokens, new_tokens) * probe.slot_bytes
 

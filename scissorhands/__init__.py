@@ -15,6 +15,7 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION
 from .cache import INT16_MAX_TIME, Budget, BudgetedCache, BudgetedLayer, budget_from_ratio
+from .checks import check_int
 from .policies import POLICIES, Policy, get_policy
 from .quant import Int4KV, check_group_size, check_scale_format, hadamard
 from .storage import DenseKV
@@ -88,9 +89,7 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
     if pol.evicts:
         if (budget_tokens is None) == (compression_ratio is None):
             raise ValueError(f"policy {policy!r} needs exactly one of budget_tokens or compression_ratio")
-        if budget_tokens is not None and (isinstance(budget_tokens, bool) or not isinstance(budget_tokens, int)
-                                          or budget_tokens < 1):
-            raise ValueError(f"budget_tokens must be an integer >= 1, got {budget_tokens!r}")
+        check_int("budget_tokens", budget_tokens, 1, optional=True)
         if compression_ratio is not None and not (isinstance(compression_ratio, (int, float))
                                                   and math.isfinite(compression_ratio) and compression_ratio >= 1):
             raise ValueError(f"compression_ratio must be a number >= 1, got {compression_ratio!r}")

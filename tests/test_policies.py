@@ -9,6 +9,7 @@ After every call the layer's kept tokens must be exactly the reference's.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import defaultdict
 
 import pytest
@@ -440,3 +441,29 @@ def test_snapkv_observes_the_last_window_size_queries(model):
         rec.log.clear()
         model(out.logits[:, -1:].argmax(-1), cache=cache)          # a decode step: its one query votes
     assert [(tuple(probs.shape[:3]), first) for probs, _, first, _ in rec.log] == [((1, 2, 1), 40)]
+
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "3", None])
+def test_check_int_refuses_what_is_not_a_whole_number_in_range_naming_the_field(value):
+    from scissorhands.checks import check_int
+
+    with pytest.raises(ValueError, match=rf"^max_new_tokens: expected an integer >= 1, got {re.escape(repr(value))}$"):
+        check_int("max_new_tokens", value, 1)
+    check_int("max_new_tokens", 1, 1)
+    check_int("recent_window", None, 0, optional=True)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: __import__("cluster.engine").engine.GenerationRequest("r", [1], -1),
+     "max_new_tokens: expected an integer >= 1, got -1"),
+    (lambda: __import__("cluster.engine").engine.EngineConfig(max_batch=-1),
+     "max_batch: expected an integer >= 1 or null, got -1"),
+    (lambda: POLICIES["h2o"](recent_window=-1), "recent_window: expected an integer >= 0 or null, got -1"),
+    (lambda: POLICIES["snapkv"](window_size=True), "window_size: expected an integer >= 1, got True"),
+])
+def test_the_library_and_the_engine_give_one_integer_message(make, message):
+    """One integer check (scissorhands.checks.check_int) behind the library's, the engine's and the load
+    generator's arguments, so every such error names its field the same way."""
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        make()

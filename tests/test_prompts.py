@@ -94,5 +94,5 @@ def test_too_long_prompt_names_the_field(tokenizer):
 @pytest.mark.parametrize("kwargs, field", [({"n": 0, "prompt_tokens": 8}, "n"), ({"n": 2, "prompt_tokens": 0}, "prompt_tokens"),
                                            ({"n": 2, "prompt_tokens": 8.5}, "prompt_tokens")])
 def test_invalid_arguments_name_the_field(tokenizer, kwargs, field):
-    with pytest.raises(ValueError, match=rf"^{field} must be an integer >= 1"):
+    with pytest.raises(ValueError, match=rf"^{field}: expected an integer >= 1"):
         prompts.make_prompts(tokenizer, seed=0, **kwargs)

@@ -20,7 +20,7 @@ def test_wilson_interval_known_values():
     assert (hi - lo) / 2 == pytest.approx(0.0309, abs=1e-3)
     with pytest.raises(ValueError, match="correct"):
         stats.wilson_interval(11, 10)
-    with pytest.raises(ValueError, match="n must"):
+    with pytest.raises(ValueError, match="^n: expected an integer >= 1, got 0$"):
         stats.wilson_interval(0, 0)
 
 

@@ -57,6 +57,7 @@ from typing import Any, AsyncIterator, Callable, ClassVar, Iterator, Protocol
 import numpy as np
 
 from cluster.engine import GenerationRequest, GenerationResult
+from scissorhands.checks import check_int
 from workloads.metrics import PointMetrics, RequestRecord, summarize
 
 ARRIVALS = ("poisson", "gamma")
@@ -111,9 +112,7 @@ class LengthDist:
             if getattr(d, k) is None:
                 raise ValueError(f"{name}.{k}: required for dist {d.dist!r}")
         for k in ("value", "min", "max"):
-            v = getattr(d, k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}.{k}: expected an integer >= 1, got {v!r}")
+            check_int(f"{name}.{k}", getattr(d, k), 1, optional=True)
         if d.min is not None and d.max is not None and d.min > d.max:
             raise ValueError(f"{name}: min ({d.min}) > max ({d.max})")
         return d
@@ -301,9 +300,7 @@ class LoadConfig:
         if self.num_requests is None and self.duration_s is None and not pattern.bounded:
             raise ValueError("num_requests, duration_s: give at least one bound")
         for k in ("num_requests", "batch_size", "concurrency", "max_concurrency"):
-            v = getattr(self, k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{k}: expected an integer >= 1, got {v!r}")
+            check_int(k, getattr(self, k), 1, optional=True)
         for k in ("duration_s", "rate_req_per_s", "request_timeout_s", "trace_time_scale"):
             v = getattr(self, k)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -313,8 +310,7 @@ class LoadConfig:
             raise ValueError(f"burstiness: expected a number > 0, got {self.burstiness!r}")
         if not (isinstance(self.warmup_s, (int, float)) and self.warmup_s >= 0):
             raise ValueError(f"warmup_s: expected a number >= 0, got {self.warmup_s!r}")
-        if isinstance(self.warmup_requests, bool) or not isinstance(self.warmup_requests, int) or self.warmup_requests < 0:
-            raise ValueError(f"warmup_requests: expected an integer >= 0, got {self.warmup_requests!r}")
+        check_int("warmup_requests", self.warmup_requests, 0)
         if self.arrival not in ARRIVALS:
             raise ValueError(f"arrival: unknown {self.arrival!r} (accepted: {', '.join(ARRIVALS)})")
         if self.arrival == "poisson" and self.burstiness != 1.0:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scissorhands.checks import check_int
+
 HELDOUT_EVERY = 10
 """Every HELDOUT_EVERY-th canonical address, in chronological order, is held out."""
 
@@ -162,14 +164,9 @@ def _write_token_cache(path: Path, tokenized: TokenizedSpeeches) -> None:
         warnings.warn(f"could not write the token cache {path}: {error}", stacklevel=3)
 
 
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 def _sample_windows(tokenized: TokenizedSpeeches, n: int, window_tokens: int, seed: int, field: str, what: str):
     """``n`` (speech index, token offset) pairs, uniform over every window of ``window_tokens`` tokens."""
-    _check_positive_int(field, window_tokens)
+    check_int(field, window_tokens, 1)
     lengths = tokenized.lengths()
     longest = int(lengths.argmax())
     if window_tokens > lengths[longest]:
@@ -203,7 +200,7 @@ def make_prompts(tokenizer, n: int, prompt_tokens: int, seed: int = 0) -> list[l
         ValueError: ``n`` or ``prompt_tokens`` is not an integer >= 1, or ``prompt_tokens``
             is larger than the longest load-test speech (the message names the field).
     """
-    _check_positive_int("n", n)
+    check_int("n", n, 1)
     tokenized = tokenize_split(tokenizer, "load_test")
     picks = _sample_windows(tokenized, n, prompt_tokens, seed, "prompt_tokens", "load-test")
     return [tokenized.speech(k)[offset : offset + prompt_tokens].tolist() for k, offset in picks]

@@ -25,10 +25,7 @@ from typing import ClassVar
 
 import torch
 
-
-def _check_int(name: str, value, lo: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
-        raise ValueError(f"{name} must be an integer >= {lo} or None, got {value!r}")
+from ..checks import check_int
 
 
 @dataclass
@@ -59,8 +56,8 @@ class Policy:
     drop_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("recent_window", self.recent_window, 0)
-        _check_int("drop_tokens", self.drop_tokens, 1)
+        check_int("recent_window", self.recent_window, 0, optional=True)
+        check_int("drop_tokens", self.drop_tokens, 1, optional=True)
 
     # ----------------------------------------------------------------- parameters
     def sink_tokens(self, budget_tokens: int) -> int:

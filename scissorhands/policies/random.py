@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import check_int
 from .base import Policy
 
 _MASK62 = (1 << 62) - 1
@@ -41,8 +42,7 @@ class Random(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        check_int("seed", self.seed, 0)
 
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         """A uniform number in [0, 1) per slot, fresh for every eviction (keyed by tokens seen)."""

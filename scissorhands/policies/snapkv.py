@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import check_int
 from .base import Policy
 
 
@@ -49,8 +50,7 @@ class SnapKV(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.window_size, bool) or not isinstance(self.window_size, int) or self.window_size < 1:
-            raise ValueError(f"window_size must be an integer >= 1, got {self.window_size!r}")
+        check_int("window_size", self.window_size, 1)
         k = self.kernel_size
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k % 2 == 0:
             raise ValueError(f"kernel_size must be an odd integer >= 1, got {k!r}")

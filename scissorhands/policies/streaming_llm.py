@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..checks import check_int
 from .base import Policy
 
 
@@ -32,8 +33,7 @@ class StreamingLLM(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be an integer >= 0, got {self.n_sink!r}")
+        check_int("n_sink", self.n_sink, 0)
 
     def sink_tokens(self, budget_tokens: int) -> int:
         return min(self.n_sink, budget_tokens - 1)

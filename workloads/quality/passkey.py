@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from scissorhands.checks import check_int
+
 from .perplexity import build_cache
 from .stats import wilson_interval
 
@@ -44,8 +46,7 @@ SNAP_TOKENS = 40          # how far back the needle may move to sit after a sent
 
 def make_passkey(rng: random.Random, digits: int) -> str:
     """A ``digits``-digit number without a leading zero, as a string."""
-    if isinstance(digits, bool) or not isinstance(digits, int) or digits < 1:
-        raise ValueError(f"digits must be an integer >= 1, got {digits!r}")
+    check_int("digits", digits, 1)
     return str(rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+from scissorhands.checks import check_int
+
 Z_95 = 1.959963984540054          # the standard normal's 97.5% quantile
 
 
@@ -25,8 +27,7 @@ def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float
     Raises:
         ValueError: ``n < 1`` or ``correct`` outside ``[0, n]``.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    check_int("n", n, 1)
     if isinstance(correct, bool) or not isinstance(correct, int) or not 0 <= correct <= n:
         raise ValueError(f"correct must be an integer in [0, n={n}], got {correct!r}")
     p = correct / n
