@@ -306,3 +306,27 @@ def test_policies_all_is_every_registered_policy_in_every_kind():
                                                perplexity={"windows": 1}))
     frontier = FrontierSuite.model_validate(dict(kind="frontier", name="f", model="tiny-llama", compression_ratios=[2]))
     assert [p.name for p in quality.policies] == [p.name for p in frontier.policies] == list(scissorhands.POLICIES)
+
+
+def test_a_report_command_line_reads_the_run_and_prints_its_table(tmp_path, capsys):
+    """The quality and frontier reports share one command line (workloads.results.report_main)."""
+    from workloads import results
+    from workloads.frontier import report as frontier_report
+    from workloads.quality import report as quality_report
+
+    assert quality_report.main([]) == 2 and "usage: python -m workloads.quality.report" in capsys.readouterr().err
+    assert frontier_report.main([str(tmp_path)]) == 2
+    assert f"workloads.frontier.report: no records in {tmp_path / 'points.jsonl'}" in capsys.readouterr().err
+    suite = parse_suite(dict(GOOD, policies=["full"], batch_sizes=[1]))
+    results.append_record(str(tmp_path / "points.jsonl"), _record_of(suite, suite.points()[0]))
+    seen = []
+
+    def write_report(run_dir, records):
+        seen.append((run_dir, [r["point_id"] for r in records]))
+        (run_dir / "table.md").write_text("| policy |\n|---|\n| full |\n")
+        return {"table": str(run_dir / "table.md")}
+
+    assert results.report_main("x.report", write_report, [str(tmp_path)]) == 0
+    assert seen == [(tmp_path, [suite.points()[0].point_id])]
+    out, err = capsys.readouterr()
+    assert out == "| policy |\n|---|\n| full |\n" and f"x.report: wrote {tmp_path / 'table.md'}" in err

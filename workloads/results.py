@@ -297,6 +297,27 @@ def csv_text(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:
+    """The command line of a run's report (``python -m <prog> results/<run_id>``): reads the run's
+    ``points.jsonl``, calls ``write_report(run_dir, records)`` (-> ``{name: path}``), prints the table it
+    wrote (``table``) on stdout and every path on stderr. Exit status 2 for a wrong command line or a run
+    without records (the message names the file), else 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m {prog} results/<run_id>", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0])
+    records = read_records(str(run_dir / "points.jsonl"))
+    if not records:
+        print(f"{prog}: no records in {run_dir / 'points.jsonl'}", file=sys.stderr)
+        return 2
+    written = write_report(run_dir, records)
+    if "table" in written:
+        print(Path(written["table"]).read_text(encoding="utf-8"), end="")
+    print(f"{prog}: wrote " + ", ".join(str(v) for v in written.values()), file=sys.stderr)
+    return 0
+
+
 def save_figure(fig, path: str | Path, dpi: int = 120, tight_layout: bool = True) -> Path:
     """Write a matplotlib figure as PNG to `path` via a temporary file and rename (as `write_atomic`),
     laid out tight unless told not to, then close it; return the path."""

@@ -159,17 +159,7 @@ def write_report(run_dir, records) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m workloads.frontier.report results/<run_id>", file=sys.stderr)
-        return 2
-    run_dir = Path(argv[0])
-    records = res.read_records(str(run_dir / "points.jsonl"))
-    if not records:
-        print(f"frontier report: no records in {run_dir / 'points.jsonl'}", file=sys.stderr)
-        return 2
-    print(", ".join(write_report(run_dir, records).values()))
-    return 0
+    return res.report_main("workloads.frontier.report", write_report, argv)
 
 
 if __name__ == "__main__":

@@ -330,18 +330,7 @@ def write_report(run_dir: str | Path, records: list[dict]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m workloads.quality.report results/<run_id>", file=sys.stderr)
-        return 2
-    run_dir = Path(argv[0])
-    records = res.read_records(str(run_dir / "points.jsonl"))
-    if not records:
-        print(f"quality report: no records in {run_dir / 'points.jsonl'}", file=sys.stderr)
-        return 1
-    written = write_report(run_dir, records)
-    print(Path(written["table"]).read_text(encoding="utf-8"), end="")
-    return 0
+    return res.report_main("workloads.quality.report", write_report, argv)
 
 
 if __name__ == "__main__":
