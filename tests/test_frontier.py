@@ -91,16 +91,32 @@ def test_report_marks_the_frontier_in_the_table():
         return {"point_id": pid, "status": "ok", "policy": policy, "compression_ratio": ratio, "budget_tokens": 8,
                 "batch_size": 2, "output_throughput_tok_per_s": tok_s, "output_tok_per_cpu_s": tok_s / 2,
                 "decode_tokens_per_s": tok_s, "perplexity": ppl, "kv_cache_bytes": 1 << 20, "max_batch_verified": True,
-                "kv_memory_limit_bytes": 2 << 20, "prompt_tokens": 24, "new_tokens": 8, "perplexity_tokens_scored": 32}
+                "kv_memory_limit_bytes": 2 << 20, "prompt_tokens": 24, "new_tokens": 8, "perplexity_tokens_scored": 32,
+                "dtype": "bfloat16"}
     rows = frontier_rows([rec("a", "full", None, 10.0, 20.0), rec("b", "h2o", 4.0, 30.0, 25.0),
                           rec("c", "tova", 4.0, 20.0, 26.0),
                           {"point_id": "d", "status": "error", "error": "boom", "policy": "random"}])
     assert [(r["label"], r["on_frontier"]) for r in rows] == [
         ("h2o x4", True), ("tova x4", False), ("full", True), ("random", None)]
     table = markdown(rows)
-    assert "| h2o x4 | 8 | 2 | 30.0 | 15.00 | 30.0 | 25.000 | 1.00 | True | yes | ok |" in table
-    assert "| tova x4 | 8 | 2 | 20.0 | 10.00 | 20.0 | 26.000 | 1.00 | True |  | ok |" in table
-    assert "| random |" in table and "error: boom" in table
+    assert "| h2o x4 | bfloat16 | 8 | 2 | 30.0 | 15.00 | 30.0 | 25.000 | 1.00 | True | yes | ok |" in table
+    assert "| tova x4 | bfloat16 | 8 | 2 | 20.0 | 10.00 | 20.0 | 26.000 | 1.00 | True |  | ok |" in table
+    assert "| random |" in table and "error: boom" in table and "Not one comparison" not in table
+
+
+def test_points_of_another_dtype_get_their_own_frontier():
+    """Measured: under load, `dtype: auto` resolved to bfloat16 on one replica and float32 on the other; a
+    float32 point (its own KV limit in bytes) must not be ranked against the bfloat16 ones."""
+    base = {"status": "ok", "policy": "h2o", "batch_size": 2, "kv_memory_limit_bytes": 100, "prompt_tokens": 24,
+            "new_tokens": 8, "perplexity_tokens_scored": 32, "dtype": "bfloat16"}
+    rows = frontier_rows([
+        dict(base, point_id="a", compression_ratio=2.0, output_throughput_tok_per_s=10.0, perplexity=20.0),
+        dict(base, point_id="b", compression_ratio=5.0, output_throughput_tok_per_s=30.0, perplexity=19.0),
+        dict(base, point_id="c", compression_ratio=4.0, output_throughput_tok_per_s=5.0, perplexity=21.0,
+             dtype="float32", kv_memory_limit_bytes=200)])
+    assert [(r["point_id"], r["on_frontier"]) for r in rows] == [("b", True), ("a", False), ("c", True)]
+    assert markdown(rows).startswith("**Not one comparison: the points ran in 2 settings (dtype, KV limit in bytes): "
+                                     "bfloat16, 100 B; float32, 200 B")
 
 
 @pytest.mark.ray
@@ -122,7 +138,7 @@ def test_make_frontier_end_to_end_on_the_tiny_model(tmp_path):
     assert recs[1]["policy_params"]["effective_recent_window"] is not None     # build_record resolved them
     assert (run_dir / "frontier.png").stat().st_size > 10_000
     table = (run_dir / "table.md").read_text()
-    assert "| scissorhands x4 | 8 |" in table and "| full | - | 2 |" in table and table in out.stdout
+    assert "| scissorhands x4 | float32 | 8 |" in table and "| full | float32 | - | 2 |" in table and table in out.stdout
     assert json.loads((run_dir / "run.json").read_text())["suite"]["kind"] == "frontier"
 
     from workloads.frontier import runner

@@ -3,10 +3,15 @@
 ``python -m workloads.frontier.report results/<run_id>`` (re)writes, next to the run's ``points.jsonl``:
 
 * ``frontier.png``: one point per policy and compression ratio, x = output tok/s at the point's own max batch
-  under the run's one KV memory limit, y = perplexity of held-out text (log scale when it spans more than 3x); the points on the Pareto
-  frontier are ringed and joined.
+  under the run's one KV memory limit, y = perplexity of held-out text (log scale when it spans more than 3x); the
+  points on the Pareto frontier are ringed and joined; a second panel zooms on the points within
+  `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity.
 * ``table.md``: the conditions (model, dtype, CPU, threads, limit, lengths) and one row per point, frontier
   points marked, sorted by output tok/s.
+
+Points are compared only within one dtype and one KV limit in bytes: with ``dtype: auto`` each replica resolves
+the dtype by its own speed probe, and on a loaded machine two replicas can resolve differently (measured: one
+bfloat16, one float32); the report then says so first and draws one frontier per group.
 
 A point is on the frontier when no other point is at least as fast (output tok/s) and at most as perplexed
 with one of the two strictly better (`pareto_front`).
@@ -42,13 +47,23 @@ def _label(r: dict) -> str:
     return name if r.get("compression_ratio") is None else f"{name} x{r['compression_ratio']:g}"
 
 
+def _group(r: dict) -> tuple:
+    """Points are comparable only at one dtype and one KV limit in bytes (``dtype: auto`` resolves per replica)."""
+    return (r.get("dtype"), r.get("kv_memory_limit_bytes"))
+
+
 def frontier_rows(records) -> list[dict]:
     """The latest record of every point, ok ones with ``on_frontier`` set, sorted by output tok/s (fastest
-    first; failed points last)."""
+    first; failed points last). The frontier is taken within each group of one dtype and one limit in bytes
+    (`_group`): a run whose replicas resolved ``dtype: auto`` differently has one frontier per dtype."""
     latest = list(res.latest_by_point(records).values())
     ok = [r for r in latest if r.get("status") == "ok"]
-    front = pareto_front([(r["output_throughput_tok_per_s"], r["perplexity"]) for r in ok])
-    rows = [dict(r, on_frontier=f, label=_label(r)) for r, f in zip(ok, front)]
+    on = {}
+    for g in dict.fromkeys(_group(r) for r in ok):
+        members = [r for r in ok if _group(r) == g]
+        on.update(zip((r["point_id"] for r in members),
+                      pareto_front([(r["output_throughput_tok_per_s"], r["perplexity"]) for r in members])))
+    rows = [dict(r, on_frontier=on[r["point_id"]], label=_label(r)) for r in ok]
     rows.sort(key=lambda r: -r["output_throughput_tok_per_s"])
     return rows + [dict(r, on_frontier=None, label=_label(r)) for r in latest if r.get("status") != "ok"]
 
@@ -62,9 +77,14 @@ def _conditions(rows: list[dict]) -> str:
     def distinct(key):
         return ", ".join(str(v) for v in dict.fromkeys(r.get(key) for r in ok))
 
+    groups = list(dict.fromkeys(_group(r) for r in ok))
+    mixed = "" if len(groups) == 1 else (
+        f"**Not one comparison: the points ran in {len(groups)} settings (dtype, KV limit in bytes): "
+        + "; ".join(f"{d}, {b} B" for d, b in groups) + " (`dtype: auto` resolved differently on the replicas); "
+        "each has its own frontier. Force `dtype:` in the suite.** ")
     limit = first["kv_memory_limit_bytes"]
     full_seq = (first.get("point_config") or {}).get("kv_limit_full_sequences")
-    return (f"Conditions: model {first.get('model')} ({first.get('model_id')}), dtype {distinct('dtype')} "
+    return mixed + (f"Conditions: model {first.get('model')} ({first.get('model_id')}), dtype {distinct('dtype')} "
             f"({distinct('dtype_reason')}), CPU {distinct('cpu')}, {distinct('torch_threads')} torch thread(s) per "
             f"replica, replicas {distinct('replica_id')}, git commit {first.get('git_commit')}. KV memory limit "
             f"{limit} B ({limit / MIB:.3g} MiB" + (f" = {full_seq} full-cache sequences" if full_seq else "") +
@@ -77,6 +97,7 @@ def _conditions(rows: list[dict]) -> str:
 
 COLUMNS = [  # (header with unit, key, format)
     ("policy", "label", "s"),
+    ("dtype", "dtype", "s"),
     ("B (tok)", "budget_tokens", "d"),
     ("max batch", "batch_size", "d"),
     ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
@@ -103,48 +124,64 @@ def markdown(rows: list[dict]) -> str:
     return _conditions(rows) + "\n\n" + "\n".join(head + body) + "\n"
 
 
+#: The right panel of the PNG zooms on the points within this factor of the lowest perplexity.
+ZOOM_PERPLEXITY_FACTOR = 1.15
+
+
 def plot(rows: list[dict], path: Path) -> Path:
-    """Write the frontier PNG (matplotlib, Agg) of the ok ``rows`` of `frontier_rows` to ``path``."""
+    """Write the frontier PNG (matplotlib, Agg) of the ok ``rows`` of `frontier_rows` to ``path``: every point
+    (left), and the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity (right), where the policies
+    worth choosing sit close together."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r.get("status") == "ok"]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     policies = list(dict.fromkeys(r.get("policy_label") or r["policy"] for r in ok))
     colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(policies)}
     ratios = sorted({r.get("compression_ratio") or 1.0 for r in ok})
     markers = {q: m for q, m in zip(ratios, "os^Dvp*hX<>")}
-    for r in ok:
-        pol, q = r.get("policy_label") or r["policy"], r.get("compression_ratio") or 1.0
-        ax.scatter(r["output_throughput_tok_per_s"], r["perplexity"], color=colors[pol], marker=markers.get(q, "o"),
-                   s=55, zorder=3)
-        ax.annotate(r["label"], (r["output_throughput_tok_per_s"], r["perplexity"]), textcoords="offset points",
-                    xytext=(5, 4), fontsize=7)
-    front = sorted((r for r in ok if r["on_frontier"]), key=lambda r: r["output_throughput_tok_per_s"])
-    if front:
-        ax.plot([r["output_throughput_tok_per_s"] for r in front], [r["perplexity"] for r in front], "--",
-                color="black", lw=1, zorder=2, label="Pareto frontier")
-        ax.scatter([r["output_throughput_tok_per_s"] for r in front], [r["perplexity"] for r in front], s=160,
-                   facecolors="none", edgecolors="black", zorder=4)
-    for p in policies:
-        ax.scatter([], [], color=colors[p], label=p)
-    for q in ratios:
-        ax.scatter([], [], color="gray", marker=markers[q], label=f"ratio {q:g}x")
-    if ok:
-        ppl = [r["perplexity"] for r in ok]
-        if max(ppl) / min(ppl) > 3:               # a far-off point (e.g. random eviction) would flatten the rest
-            ax.set_yscale("log")
-        first = ok[0]
-        ax.set_title(f"Throughput vs perplexity under one KV limit ({first['kv_memory_limit_bytes'] / MIB:.3g} MiB), "
-                     f"{first.get('model')} {first.get('dtype')}", fontsize=9)
-    ax.set_xlabel("output tok/s at the policy's own max batch (prompt + new tokens per request)")
-    ax.set_ylabel("perplexity on held-out text (lower is better)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    groups = list(dict.fromkeys(_group(r) for r in ok))
+    best = min((r["perplexity"] for r in ok), default=1.0)
+    for ax, zoom in zip(axes, (False, True)):
+        shown = [r for r in ok if not zoom or r["perplexity"] <= best * ZOOM_PERPLEXITY_FACTOR]
+        for r in shown:
+            pol, q = r.get("policy_label") or r["policy"], r.get("compression_ratio") or 1.0
+            ax.scatter(r["output_throughput_tok_per_s"], r["perplexity"], color=colors[pol],
+                       marker=markers.get(q, "o"), s=55, zorder=3)
+            ax.annotate(r["label"], (r["output_throughput_tok_per_s"], r["perplexity"]), textcoords="offset points",
+                        xytext=(5, 4), fontsize=7)
+        for k, g in enumerate(groups):
+            front = sorted((r for r in shown if r["on_frontier"] and _group(r) == g),
+                           key=lambda r: r["output_throughput_tok_per_s"])
+            if front:
+                ax.plot([r["output_throughput_tok_per_s"] for r in front], [r["perplexity"] for r in front],
+                        "--" if k == 0 else ":", color="black", lw=1, zorder=2,
+                        label="Pareto frontier" + (f" ({g[0]}, {g[1] / MIB:.3g} MiB)" if len(groups) > 1 else ""))
+                ax.scatter([r["output_throughput_tok_per_s"] for r in front], [r["perplexity"] for r in front], s=160,
+                           facecolors="none", edgecolors="black", zorder=4)
+        ax.set_xlabel("output tok/s at the policy's own max batch")
+        ax.set_ylabel("perplexity on held-out text (lower is better)")
+        ax.grid(True, which="both", alpha=0.3)
+        if zoom:
+            ax.set_title(f"zoom: perplexity within {ZOOM_PERPLEXITY_FACTOR:g}x of the lowest ({len(shown)} of "
+                         f"{len(ok)} points)", fontsize=9)
+        elif ok:
+            if max(r["perplexity"] for r in ok) / best > 3:   # a far-off point would flatten the rest
+                ax.set_yscale("log")
+            first = ok[0]
+            ax.set_title(f"all points: one KV limit ({first['kv_memory_limit_bytes'] / MIB:.3g} MiB), "
+                         f"{first.get('model')} {first.get('dtype')}, {first['prompt_tokens']} + "
+                         f"{first['new_tokens']} tokens per request", fontsize=9)
+            for p in policies:
+                ax.scatter([], [], color=colors[p], label=p)
+            for q in ratios:
+                ax.scatter([], [], color="gray", marker=markers[q], label=f"ratio {q:g}x")
+            ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 

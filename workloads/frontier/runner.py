@@ -58,7 +58,7 @@ def _one_line(rec: dict) -> str:
     if rec["status"] != "ok":
         return f"  error  {what}: {rec['error']}"
     return (f"  ok     {what}: max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s, "
-            f"perplexity {rec['perplexity']:.3f}, B {rec.get('budget_tokens')} tok")
+            f"perplexity {rec['perplexity']:.3f}" + (f", B {rec['budget_tokens']} tok" if rec.get("budget_tokens") else ""))
 
 
 def run(args: argparse.Namespace) -> int:
