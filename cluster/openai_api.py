@@ -18,6 +18,12 @@ Parameters: `model`, `max_tokens`, `temperature` (0 = greedy, the default), `top
 ids, never from text) and, in the last chunk / the reply, `scissorhands` (replica-side times:
 `replica_ttft_s`, `received_time_s`, `first_token_time_s`, `replica_id`).
 
+The request header `X-Scissorhands-Phase` (`PHASE_HEADER`: ``warmup`` or ``measured``, the
+default) marks a load generator's warm-up request (`workloads.http_client` sends it): the engine
+counts it apart (`GenerationRequest.warmup`: the ``warmup_*`` stats, ``phase="warmup"`` live
+metrics), so the server-side figures of a point cover the same requests as the client's. Any
+other value is a 400 naming the header.
+
 Errors are OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`: 400 naming the
 field (`param`) for a wrong type or value, a prompt + `max_tokens` beyond the context, or a request
 that can never fit the KV memory limit; 404 for an unknown model; 429 with `Retry-After` when a
@@ -39,9 +45,11 @@ from typing import Any, AsyncIterator, Protocol
 
 from cluster.engine import GenerationRequest
 
-__all__ = ["Backend", "ReplicaBackend", "build_app", "ApiError", "IncrementalDetokenizer"]
+__all__ = ["Backend", "ReplicaBackend", "build_app", "ApiError", "IncrementalDetokenizer", "PHASE_HEADER"]
 
 RETRY_AFTER_S = 1
+#: Request header carrying the load generator's phase of a request (`cluster.metrics.PHASES`).
+PHASE_HEADER = "X-Scissorhands-Phase"
 
 
 class Backend(Protocol):
@@ -249,8 +257,15 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
             out = out["input_ids"]
         return list(out)
 
+    def warmup_of(request: Request) -> bool:
+        phase = request.headers.get(PHASE_HEADER, "measured").strip().lower()
+        if phase not in ("measured", "warmup"):
+            raise ApiError(400, f"{PHASE_HEADER}: expected warmup or measured, got {phase!r}", PHASE_HEADER)
+        return phase == "warmup"
+
     async def handle(request: Request, chat: bool):
         body = await read_json(request)
+        warmup = warmup_of(request)
         model = pick_model(body)
         opts = _parse_common(body)
         ids = chat_ids_of(body) if chat else prompt_ids_of(body)
@@ -270,7 +285,7 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
                            type_="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         req = GenerationRequest(rid, ids, max_tokens, ignore_eos=opts["ignore_eos"], temperature=opts["temperature"],
-                                top_p=opts["top_p"], seed=opts["seed"], min_new_tokens=opts["min_tokens"])
+                                top_p=opts["top_p"], seed=opts["seed"], min_new_tokens=opts["min_tokens"], warmup=warmup)
         # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
         # string, the end of a stream), or garbage-collected (a client gone before its body started)
         events = _counted(backend.stream(req), lambda: pending.__setitem__(model, pending[model] - 1))

@@ -3,13 +3,17 @@ real HTTP on a free loopback port (uvicorn in a thread)."""
 from __future__ import annotations
 
 
+from dataclasses import replace
+
 import pytest
 import requests
 
+from cluster.engine import GenerationRequest
 from cluster.openai_api import ReplicaBackend, build_app, cache_metadata
 from cluster.serving_replica import ServingReplica
 from tests.http_fakes import ServerThread, char_tokenizer, sse_events
 from tests.waiting import wait_for
+from workloads.http_client import OpenAIHTTPClient
 
 FULL = "tiny:full"
 SH = "tiny:scissorhands-b16"
@@ -235,3 +239,49 @@ def test_pending_count_returns_to_zero_after_every_kind_of_ending(service):
     assert _wait(lambda: replicas[SH].engine.running == 0)
     for _ in range(3):
         assert post(url, "/v1/completions", dict(model=SH, prompt="c", max_tokens=2)).status_code == 200
+
+
+def test_warm_up_travels_over_http_so_server_and_client_count_the_same_requests(service):
+    """Issue 12 fault 2 over HTTP: a rate-mode point with a time-based warm-up (`warmup_s`) sent by the
+    HTTP client; the replica's measured counts equal the client's measured records (and its warm-up
+    counts the client's warm-up records), because the client sends `X-Scissorhands-Phase: warmup`."""
+    import asyncio
+
+    from cluster.openai_api import PHASE_HEADER
+    from workloads.loadgen import LoadConfig, run_load
+
+    url, replicas, _ = service
+    eng = replicas[SH].engine
+    assert _wait(lambda: eng.running == 0)
+    eng.reset_stats()
+    tokens0 = {ph: eng.metrics.snapshot(ph).get("scissorhands_generated_tokens_total", 0) for ph in ("measured", "warmup")}
+    reqs = [GenerationRequest(f"w{i}", [5, 6, 7, 8], 3) for i in range(40)]
+    cfg = LoadConfig(mode="rate", rate_req_per_s=20.0, num_requests=4, warmup_s=0.3, seed=3,
+                     max_concurrency=2)                     # the fixture answers 429 past 2 in flight
+
+    async def go():
+        client = OpenAIHTTPClient(url + "/v1", SH)
+        try:
+            assert client.headers(reqs[0]) == {} and client.headers(replace(reqs[0], warmup=True)) == {PHASE_HEADER: "warmup"}
+            return await run_load(client, reqs, cfg)
+        finally:
+            await client.close()
+
+    res = asyncio.run(go())
+    warm = [r for r in res.records if r.warmup]
+    measured = [r for r in res.records if not r.warmup]
+    assert len(measured) == 4 and len(warm) >= 1 and all(r.error_kind is None for r in res.records)
+    assert _wait(lambda: eng.running == 0 and eng.queued == 0)
+    s = eng.stats()
+    assert (s["received_requests"], s["completed_requests"], s["generated_tokens"]) == (4, 4, 12) \
+        == (len(measured), res.metrics.completed_requests, res.metrics.output_tokens)
+    assert (s["warmup_received_requests"], s["warmup_generated_tokens"]) == (len(warm), 3 * len(warm))
+    # the live metrics label the same split (in memory here: no Ray)
+    tokens = {ph: eng.metrics.snapshot(ph)["scissorhands_generated_tokens_total"] - tokens0[ph] for ph in tokens0}
+    assert tokens == {"measured": 12, "warmup": 3 * len(warm)}
+    bad = post_headers(url, {PHASE_HEADER: "cooldown"}, dict(model=SH, prompt=[1, 2], max_tokens=1))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == PHASE_HEADER
+
+
+def post_headers(url, headers, body):
+    return requests.post(url + "/v1/completions", json=body, headers=headers, timeout=60)

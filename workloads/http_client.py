@@ -12,6 +12,10 @@ What it sends: `POST {base}/completions` with the prompt as token ids (no re-tok
 server), `max_tokens`, `stream: true`, `stream_options.include_usage`, `ignore_eos`, and the
 request's sampling (`temperature`, `top_p`, `seed`, `min_tokens` when set). `endpoint="chat"`
 sends the prompt as text through `/chat/completions` instead (needs `tokenizer` to decode it).
+A warm-up request (`GenerationRequest.warmup`, set by the load generator) carries the header
+`X-Scissorhands-Phase: warmup` (`PHASE_HEADER`), so our server counts it apart (the replica's
+``warmup_*`` stats and ``phase="warmup"`` live metrics) and a point's server-side figures cover
+the same requests as the client's; other servers ignore an unknown header.
 
 Timestamps: each SSE event is stamped with `clock()` (default `time.time`, the load generator's
 clock) when its line arrives; every token of an event gets that time (a chunk of k tokens adds
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from cluster.engine import GenerationRequest, GenerationResult
+from cluster.openai_api import PHASE_HEADER
 
 __all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
 
@@ -107,6 +112,13 @@ class OpenAIHTTPClient:
             await self._session.close()
         self._session = None
 
+    def headers(self, request: GenerationRequest) -> dict:
+        """HTTP headers of `request`: the bearer token, and `PHASE_HEADER` for a warm-up request."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if getattr(request, "warmup", False):
+            headers[PHASE_HEADER] = "warmup"
+        return headers
+
     def body(self, request: GenerationRequest) -> tuple[str, dict]:
         """(url, JSON body) of `request`."""
         body: dict = {"model": self.model, "max_tokens": request.max_new_tokens, "stream": True,
@@ -134,7 +146,7 @@ class OpenAIHTTPClient:
         import aiohttp
 
         url, body = self.body(request)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = self.headers(request)
         counted = 0
         usage_tokens = None
         saw_ids = False
