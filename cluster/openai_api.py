@@ -45,7 +45,8 @@ from typing import Any, AsyncIterator, Protocol
 
 from cluster.engine import GenerationRequest
 
-__all__ = ["Backend", "ReplicaBackend", "build_app", "ApiError", "IncrementalDetokenizer", "PHASE_HEADER"]
+__all__ = ["Backend", "ReplicaBackend", "build_app", "ApiError", "IncrementalDetokenizer", "PHASE_HEADER",
+           "REPLICA_DIED", "replica_death"]
 
 RETRY_AFTER_S = 1
 #: Request header carrying the load generator's phase of a request (`cluster.metrics.PHASES`).
@@ -319,6 +320,32 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
     return app
 
 
+#: The one error kind / code of a request whose replica process died under it (killed, crashed, OOM-killed,
+#: lost with its node): the API's error `code` (a 503 before the first token, the last SSE event after
+#: it), the HTTP client's and the load generator's `error_kind` (`workloads.http_client`, `workloads.loadgen`).
+REPLICA_DIED = "replica_died"
+#: Exception classes (by name: this module does not import Ray) that mean the replica died or cannot be
+#: reached: Ray's actor errors and Serve's unavailable-replica/deployment errors.
+REPLICA_DEATH_ERRORS = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError",
+                                  "ReplicaUnavailableError", "DeploymentUnavailableError"})
+
+
+def replica_death(exc: BaseException | None) -> BaseException | None:
+    """The exception in `exc`'s chain (itself, `cause` of a Ray task error, `__cause__`, `__context__`)
+    that says its replica died (`REPLICA_DEATH_ERRORS`), or None."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen or not isinstance(e, BaseException):
+            continue
+        seen.add(id(e))
+        if {c.__name__ for c in type(e).__mro__} & REPLICA_DEATH_ERRORS:
+            return e
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
 def _backend_error(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
@@ -326,10 +353,10 @@ def _backend_error(e: BaseException) -> ApiError:
     if "BackPressureError" in names:
         return ApiError(503, f"the model's queue is full; retry later ({e})", type_="server_overloaded",
                         code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-    if names & {"ActorDiedError", "RayActorError", "ActorUnavailableError", "ReplicaUnavailableError",
-                "DeploymentUnavailableError"}:
-        return ApiError(503, f"the model's replica is unavailable ({type(e).__name__}); retry later",
-                        type_="server_error", code="replica_died", headers={"Retry-After": str(RETRY_AFTER_S)})
+    died = replica_death(e)
+    if died is not None:
+        return ApiError(503, f"the model's replica is unavailable ({type(died).__name__}); retry later",
+                        type_="server_error", code=REPLICA_DIED, headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, StopAsyncIteration):
         return ApiError(500, "the backend ended the stream without a result", type_="server_error")
     return ApiError(500, f"{type(e).__name__}: {e}"[:1000], type_="server_error")

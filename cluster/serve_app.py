@@ -18,6 +18,10 @@
 
 Model ids: `<model name>:<cache label>`, e.g. `smollm2-135m-instruct:full` and
 `smollm2-135m-instruct:scissorhands-x5`. Binds 127.0.0.1 unless `--host` says otherwise.
+
+Metrics: `main` starts Ray with its dashboard (so its metrics agent exports Ray Serve's own
+``ray_serve_*`` metrics and the replicas' ``ray_scissorhands_*`` ones) under `SERVE_RAY_TEMP_DIR`,
+whose service-discovery file `dashboards/prometheus.yml` reads (docs/monitoring.md).
 """
 from __future__ import annotations
 
@@ -38,6 +42,13 @@ from cluster.serving_replica import ServingReplica
 APP_NAME = "scissorhands-openai"
 DEFAULT_MAX_LENGTH_TOKENS = 2048
 DEFAULT_KV_MEMORY_LIMIT_BYTES = 1 << 30
+#: Root folder of `make serve`'s Ray (``$RAY_TMPDIR`` wins). Its dashboard writes
+#: ``<this>/prom_metrics_service_discovery.json`` (`dashboards.serve.SERVE_SD_FILE`), so Prometheus scrapes
+#: this Ray's node: Serve's own metrics and the replicas' live metrics. A folder of its own, not /tmp/ray
+#: nor the sweep's /tmp/scissorhands-ray: every Ray head re-points its root's service-discovery link.
+SERVE_RAY_TEMP_DIR = "/tmp/scissorhands-serve"
+#: Ray's metrics export interval (ms): the scrape interval of dashboards/prometheus.yml.
+METRICS_REPORT_INTERVAL_MS = "5000"
 
 
 @serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=5,
@@ -172,6 +183,37 @@ def start(app, *, host: str = "127.0.0.1", port: int = 8000, route_prefix: str =
     return serve.run(app, name=APP_NAME, route_prefix=route_prefix, blocking=False)
 
 
+def init_ray(num_cpus: float):
+    """Start a local Ray on loopback for the service, with its dashboard on a free 127.0.0.1 port (8265
+    when free) and its files under `SERVE_RAY_TEMP_DIR`, exporting metrics every 5 s
+    (``$RAY_metrics_report_interval_ms`` wins). Without the dashboard's dependencies it starts without
+    it, after one line: the service runs, its metrics do not reach Prometheus."""
+    import socket
+
+    import ray
+
+    os.environ.setdefault("RAY_metrics_report_interval_ms", METRICS_REPORT_INTERVAL_MS)
+    port = 0
+    for preferred in (8265, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", preferred))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+            break
+    try:
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=True,
+                 dashboard_host="127.0.0.1", dashboard_port=port,
+                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else SERVE_RAY_TEMP_DIR)
+    except Exception as e:  # noqa: BLE001 - metrics are optional; the service is not
+        ray.shutdown()
+        print(f"serve: Ray's dashboard did not start ({type(e).__name__}: {str(e)[:200]}); running without it: "
+              "no Serve or replica metrics in Prometheus", file=sys.stderr)
+        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False)
+    return ray
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.serve_app", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded", help="model spec (embedded, an HF id or folder)")
@@ -208,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(str(os.getpid()))
     stop = threading.Event()
     try:
-        ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
-                 num_cpus=max(os.cpu_count() or 1, len(caches) * args.replica_cpus * args.num_replicas))
+        init_ray(max(os.cpu_count() or 1, len(caches) * args.replica_cpus * args.num_replicas))
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         start(app, host=args.host, port=args.port)

@@ -35,8 +35,11 @@ RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
 EMBEDDED_RAY_SD_FILE = "/tmp/scissorhands-ray/prom_metrics_service_discovery.json"
 #: `make cluster-up` runs its head under cluster.local_head.DEFAULT_TEMP_DIR (the Makefile's CLUSTER_TEMP_DIR).
 CLUSTER_UP_SD_FILE = "/tmp/scissorhands-cluster/prom_metrics_service_discovery.json"
-#: The service-discovery files Prometheus reads by default (all three are listed in dashboards/prometheus.yml).
-DEFAULT_SD_FILES = (RAY_SD_FILE, EMBEDDED_RAY_SD_FILE, CLUSTER_UP_SD_FILE)
+#: `make serve` (and the server `make crosscheck` starts) runs its Ray under cluster.serve_app.SERVE_RAY_TEMP_DIR:
+#: Ray Serve's own metrics (ray_serve_*) and the service replicas' live metrics.
+SERVE_SD_FILE = "/tmp/scissorhands-serve/prom_metrics_service_discovery.json"
+#: The service-discovery files Prometheus reads by default (all four are listed in dashboards/prometheus.yml).
+DEFAULT_SD_FILES = (RAY_SD_FILE, EMBEDDED_RAY_SD_FILE, CLUSTER_UP_SD_FILE, SERVE_SD_FILE)
 DEBIAN_PACKAGES = ("prometheus", "prometheus-pushgateway")
 HOST = "127.0.0.1"
 

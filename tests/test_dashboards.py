@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import local_head
+from cluster import local_head, serve_app
 from cluster.metrics import METRICS, strip_sample_suffix
 from dashboards import check, serve
 from workloads import run
@@ -157,10 +157,12 @@ def test_prometheus_config_scrapes_ray_the_pushgateway_and_itself():
         "/tmp/ray/prom_metrics_service_discovery.json",  # ray start --head
         "/tmp/scissorhands-ray/prom_metrics_service_discovery.json",  # the embedded Ray of make sweep
         "/tmp/scissorhands-cluster/prom_metrics_service_discovery.json",  # make cluster-up
+        "/tmp/scissorhands-serve/prom_metrics_service_discovery.json",  # make serve (Ray Serve's own metrics)
     ]
     assert serve.CLUSTER_UP_SD_FILE == f"{local_head.DEFAULT_TEMP_DIR}/prom_metrics_service_discovery.json"
     assert serve.DEFAULT_SD_FILES == tuple(jobs["ray"]["file_sd_configs"][0]["files"])
     assert serve.EMBEDDED_RAY_SD_FILE == f"{run.EMBEDDED_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
+    assert serve.SERVE_SD_FILE == f"{serve_app.SERVE_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
     assert jobs["pushgateway"]["honor_labels"] is True
     assert jobs["pushgateway"]["static_configs"][0]["targets"] == ["127.0.0.1:9091"]
     assert jobs["prometheus"]["static_configs"][0]["targets"] == ["127.0.0.1:9090"]

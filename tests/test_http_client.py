@@ -74,6 +74,11 @@ SCRIPT = {
     9: ("status", 404, {"error": {"message": "model: nope", "param": "model"}}),
     # neither ids nor usage: one token per chunk with text, said in the record
     10: [_chunk("a"), _chunk("b"), DONE],
+    # our server when the replica died before the first token: 503 with code replica_died
+    11: ("status", 503, {"error": {"message": "the model's replica is unavailable (ActorDiedError)",
+                                   "type": "server_error", "code": "replica_died"}}),
+    # any other error event mid-stream
+    12: [_chunk("a", [5]), {"error": {"message": "RuntimeError: boom", "code": None}}, DONE],
 }
 
 
@@ -132,7 +137,7 @@ def test_no_chunks_and_empty_chunks(server):
 
 
 @pytest.mark.parametrize("first_id, kind", [(6, "replica_died"), (7, "stream_truncated"), (8, "overloaded"),
-                                            (9, "unknown_model")])
+                                            (9, "unknown_model"), (11, "replica_died"), (12, "server_error")])
 def test_errors_are_named_kinds(server, first_id, kind):
     url, _ = server
     r = _gen(url, first_id)

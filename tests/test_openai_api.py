@@ -285,3 +285,77 @@ def test_warm_up_travels_over_http_so_server_and_client_count_the_same_requests(
 
 def post_headers(url, headers, body):
     return requests.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+class _DyingBackend:
+    """A backend whose replica process dies after `tokens` tokens: the stream raises Ray's actor-death
+    error wrapped the way Serve's handle can hand it over (as the cause of another exception)."""
+
+    metadata: dict = {}
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    async def check(self, prompt_tokens, max_new_tokens):
+        return None
+
+    async def stream(self, request):
+        class ActorDiedError(Exception):            # Ray's class, matched by name (no Ray imported here)
+            pass
+
+        for i in range(self.tokens):
+            yield {"token_id": 5 + i, "time_s": 0.0}
+        try:
+            raise ActorDiedError("The actor died unexpectedly before finishing this task.")
+        except ActorDiedError as e:
+            raise RuntimeError("the replica's stream failed") from e
+
+
+@pytest.mark.parametrize("tokens", [0, 2])
+def test_a_replica_that_dies_is_one_named_error_kind_before_and_after_the_first_token(tokens):
+    """Issue 14: a replica that dies mid-stream (or before its first token) is recorded by the load
+    generator as an error of the one kind `replica_died` (not `server_error`, not `overloaded`), and the
+    point is still summarized."""
+    import asyncio
+
+    from workloads.loadgen import LoadConfig, run_load
+
+    app = build_app({"m": _DyingBackend(tokens)}, None)
+    with ServerThread(app) as url:
+        if tokens == 0:
+            r = post(url, "/v1/completions", dict(model="m", prompt=[1, 2], max_tokens=4, stream=True))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "replica_died"
+
+        async def go():
+            client = OpenAIHTTPClient(url + "/v1", "m")
+            try:
+                return await run_load(client, [GenerationRequest(f"d{i}", [1, 2], 4) for i in range(3)],
+                                      LoadConfig(mode="concurrency", concurrency=1, num_requests=3))
+            finally:
+                await client.close()
+
+        res = asyncio.run(go())
+    assert res.metrics.errors_by_kind == {"replica_died": 3} and res.metrics.completed_requests == 0
+    assert [r.output_tokens for r in res.records] == [tokens] * 3
+
+
+def test_the_load_generator_names_a_wrapped_replica_death_the_same():
+    from workloads.loadgen import error_kind
+
+    class ActorDiedError(Exception):
+        pass
+
+    class RayTaskError(Exception):
+        def __init__(self, cause):
+            super().__init__("task failed")
+            self.cause = cause
+
+    assert error_kind(RayTaskError(ActorDiedError("x"))) == "replica_died"
+    try:
+        try:
+            raise ActorDiedError("x")
+        except ActorDiedError:
+            raise RuntimeError("wrapped")                  # implicit __context__
+    except RuntimeError as e:
+        assert error_kind(e) == "replica_died"
+    assert error_kind(RuntimeError("boom")) == "error"

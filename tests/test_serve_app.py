@@ -123,7 +123,7 @@ def test_replica_killed_mid_stream_ends_with_an_error_and_is_replaced(app_url):
         return got
 
     chunks = asyncio.run(asyncio.wait_for(go(), 300))
-    assert chunks[-1].get("error_kind") in ("replica_died", "server_error"), chunks[-1]
+    assert chunks[-1].get("error_kind") == "replica_died", chunks[-1]      # one named kind (ActorDiedError seen here)
     assert sum(len(c.get("token_ids") or []) for c in chunks) < 400
     ok = lambda: requests.post(app_url + "/v1/completions", timeout=60, json=dict(  # noqa: E731
         model=FULL, prompt=[1, 2, 3], max_tokens=2, ignore_eos=True)).status_code == 200

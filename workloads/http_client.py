@@ -31,8 +31,10 @@ Counting output tokens (`output_tokens_source` on the result):
 Text is never re-tokenized.
 
 Errors become named kinds, never exceptions: `bad_request` (400), `unknown_model` (404),
-`overloaded` (429/503), `http_<status>`, `replica_died` and `server_error` (an error event inside
-a stream), `stream_truncated` (the stream ended without `[DONE]`), `connection_error`.
+`overloaded` (429/503), `http_<status>`, `replica_died` (the server's error `code` says the replica
+died: our server's last SSE event when it died mid-stream, or its 503 when it died before the first
+token), `server_error` (any other error event inside a stream), `stream_truncated` (the stream ended
+without `[DONE]`), `connection_error`.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from cluster.engine import GenerationRequest, GenerationResult
-from cluster.openai_api import PHASE_HEADER
+from cluster.openai_api import PHASE_HEADER, REPLICA_DIED
 
 __all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
 
@@ -56,7 +58,11 @@ class HTTPGenerationResult(GenerationResult):
     http_status: int | None = None
 
 
-def _status_kind(status: int) -> str:
+def _status_kind(status: int, code: str | None = None) -> str:
+    """The error kind of an HTTP error reply: `replica_died` whatever the status when the server's error
+    `code` says so (ours answers 503 when the replica died before the first token), else by status."""
+    if code == REPLICA_DIED:
+        return REPLICA_DIED
     return {400: "bad_request", 404: "unknown_model", 429: "overloaded", 503: "overloaded"}.get(status, f"http_{status}")
 
 
@@ -164,10 +170,11 @@ class OpenAIHTTPClient:
                 if resp.status != 200:
                     text = await resp.text()
                     try:
-                        msg = json.loads(text)["error"]["message"]
-                    except (ValueError, KeyError, TypeError):
-                        msg = text[:500]
-                    yield {**final, "error_kind": _status_kind(resp.status), "error": f"HTTP {resp.status}: {msg}"}
+                        err = json.loads(text)["error"]
+                        msg, code = err["message"], err.get("code")
+                    except (ValueError, KeyError, TypeError, AttributeError):
+                        msg, code = text[:500], None
+                    yield {**final, "error_kind": _status_kind(resp.status, code), "error": f"HTTP {resp.status}: {msg}"}
                     return
                 done = False
                 async for raw in resp.content:                  # one line at a time, as it arrives
@@ -186,7 +193,7 @@ class OpenAIHTTPClient:
                         return
                     if "error" in ev:
                         err = ev["error"] if isinstance(ev["error"], dict) else {"message": str(ev["error"])}
-                        kind = "replica_died" if err.get("code") == "replica_died" else "server_error"
+                        kind = REPLICA_DIED if err.get("code") == REPLICA_DIED else "server_error"
                         yield {**final, "error_kind": kind, "error": str(err.get("message"))[:2000]}
                         return
                     if isinstance(ev.get("usage"), dict) and ev["usage"].get("completion_tokens") is not None:

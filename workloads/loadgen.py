@@ -57,6 +57,7 @@ from typing import Any, AsyncIterator, Callable, ClassVar, Iterator, Protocol
 import numpy as np
 
 from cluster.engine import GenerationRequest, GenerationResult
+from cluster.openai_api import REPLICA_DIED, replica_death
 from scissorhands.checks import check_int
 from workloads.metrics import PointMetrics, RequestRecord, summarize
 
@@ -716,12 +717,12 @@ class _Run:
 
 def error_kind(exc: BaseException) -> str:
     """A short kind for an exception a client raised: `replica_died`, `oom`, `timeout` or `error`."""
+    if replica_death(exc) is not None:                 # the same test as the OpenAI API's (one list)
+        return REPLICA_DIED
     names = {type(exc).__name__} | {c.__name__ for c in type(exc).__mro__}
     cause = getattr(exc, "cause", None)
     if cause is not None:
         names |= {c.__name__ for c in type(cause).__mro__}
-    if names & {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError"}:
-        return "replica_died"
     if names & {"OutOfMemoryError", "MemoryError"}:
         return "oom"
     if names & {"TimeoutError", "GetTimeoutError"}:
