@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from workloads.crosscheck import guidellm_scenario, parse_guidellm, table
 
 
@@ -45,3 +47,44 @@ def test_scenario_names_the_fixed_load():
     assert sc["profile"]["streams"] == [4] and sc["constraints"] == [{"kind": "max_requests", "count": 32}]
     assert sc["data"] == [{"kind": "synthetic_text", "prompt_tokens": 256, "output_tokens": 64}]
     assert sc["tokenizer"]["model"] == "/tok"
+
+
+def test_resend_delay_is_send_minus_the_completion_that_freed_the_slot():
+    from workloads.crosscheck import resend_delay_p50_s
+
+    # concurrency 2: sends at 0, 0 | ends at 10, 11 -> sends at 10.1 and 11.5 (delays 0.1 and 0.5)
+    assert resend_delay_p50_s([0.0, 0.0, 10.1, 11.5], [10.0, 11.0, 20.0, 21.0], 2) == pytest.approx(0.3)
+    assert resend_delay_p50_s([0.0, 0.0], [1.0, 1.0], 2) is None           # no send waited on a completion
+
+
+def test_parse_guidellm_reads_per_request_times_for_the_resend_delay():
+    report = {"benchmarks": [dict(REPORT["benchmarks"][0], config={"strategy": {"type_": "concurrent", "streams": 2}},
+                                  requests={"successful": [
+                                      {"info": {"timings": {"request_start": s, "request_end": e}}}
+                                      for s, e in ((0.0, 10.0), (0.0, 11.0), (10.1, 20.0), (11.5, 21.0))]})]}
+    p = parse_guidellm(report)
+    assert p["resend_delay_p50_s"] == pytest.approx(0.3) and p["replica_ttft_p50_s"] is None
+    assert parse_guidellm(REPORT)["resend_delay_p50_s"] is None            # a report without per-request times
+
+
+def test_server_side_rows_are_counter_differences_over_the_run():
+    from workloads.crosscheck import SERVER_COUNTERS, server_side
+
+    before = {"ttft_sum_s": 10.0, "ttft_count": 4, "prefill_forwards": 2, "prefill_tokens": 1024}
+    after = {"ttft_sum_s": 42.0, "ttft_count": 12, "prefill_forwards": 10, "prefill_tokens": 3072}
+    assert set(before) == set(SERVER_COUNTERS)
+    rows = server_side(before, after, prompt_tokens=256)
+    assert rows == {"server_ttft_mean_s": 4.0, "server_prefill_forwards": 8, "server_prompts_per_prefill": 1.0}
+    assert server_side(None, after, 256) == {}
+
+
+def test_table_prints_the_diagnostic_rows_per_run():
+    peer = dict(parse_guidellm(REPORT), resend_delay_p50_s=0.25, server_ttft_mean_s=9.5, server_prefill_forwards=32,
+                server_prompts_per_prefill=1.0)
+    ours = [dict(peer, resend_delay_p50_s=0.002, replica_ttft_p50_s=2.5, server_ttft_mean_s=2.6,
+                 server_prefill_forwards=8, server_prompts_per_prefill=4.0)]
+    text = table(peer, ours)
+    assert "| re-send delay p50 (s) [client] | 0.2500 | 0.0020 |" in text
+    assert "| server prefill forwards [Prometheus] | 32 | 8 |" in text
+    assert "| server prompts per prefill forward [Prometheus] | 1.00 | 4.00 |" in text
+    assert "| replica TTFT p50 (s) [server's own figure, ours only] | - | 2.5000 |" in text

@@ -20,6 +20,24 @@ Definitions (each tool's own; where they differ, the table says so next to it):
 * e2e: request sent -> last token.
 * output tok/s: output tokens / the run's window (ours: first send -> last token; guidellm: its
   `output_token_count` total / benchmark `duration`).
+
+Where a TTFT difference comes from (rows under the table, measured in the same run):
+* re-send delay p50: at a fixed concurrency C, the k-th send (k >= C) should follow the
+  (k - C + 1)-th completion at once; this is the median of (k-th send - that completion), from each
+  tool's own per-request times (ours: records; guidellm: its report's `request_start`/`request_end`).
+  guidellm 0.8.1 runs one worker process per stream (`ConcurrentStrategy.processes_limit` = streams)
+  that gets each request through a multiprocessing queue from its main process; ours sends from
+  one asyncio loop. A tool whose C requests reach the server apart gets them prefilled apart.
+* server-side, from the service's live metrics in Prometheus (`--prometheus`, when one answers;
+  `make dashboards-up`), counted over each run on the same server: TTFT mean (received -> first
+  token, replica clock), prefill forwards and prompts per prefill forward. If the server's TTFT
+  differs between the tools as the clients' do, the difference is what the server did with each
+  tool's arrival pattern (the clients measure alike); if not, it lies in the client.
+* Both tools start TTFT when the request is sent: guidellm at the first write of the request's
+  headers (httpx trace hook; `backends/openai/http.py`) and ends it at the first SSE line with text;
+  ours at the send, ending at the first SSE event with token ids (our server's first chunk always
+  carries its token's text: checked on guidellm-like synthetic prompts, the first token's text was
+  never empty).
 """
 from __future__ import annotations
 
@@ -51,10 +69,26 @@ async def run_ours(target: str, model: str, tokenizer, *, concurrency: int, num_
     finally:
         await client.close()
     m = res.metrics
-    return {"requests": m.completed_requests, "errors": m.failed_requests,
+    sent = [r for r in res.records if r.send_time_s is not None and r.finish_time_s is not None]
+    return {"resend_delay_p50_s": resend_delay_p50_s([r.send_time_s for r in sent], [r.finish_time_s for r in sent],
+                                                     concurrency),
+            "replica_ttft_p50_s": m.replica_ttft_s.p50_s if m.replica_ttft_s.n else None,
+            "requests": m.completed_requests, "errors": m.failed_requests,
             "ttft_p50_s": m.ttft_s.p50_s, "ttft_p90_s": m.ttft_s.p90_s, "itl_p50_s": m.tpot_s.p50_s,
             "pooled_itl_p50_s": m.itl_s.p50_s, "e2e_p50_s": m.e2e_latency_s.p50_s,
             "output_tok_per_s": m.output_throughput_tok_per_s, "output_tokens": m.output_tokens}
+
+
+def resend_delay_p50_s(starts: list[float], ends: list[float], concurrency: int) -> float | None:
+    """Median delay between a completion and the send it frees in a closed loop of `concurrency`:
+    sorted, the k-th send (k >= concurrency) follows the (k - concurrency + 1)-th completion, so the
+    delay is ``starts[k] - ends[k - concurrency]`` (seconds). None with no such pair."""
+    s, e = sorted(starts), sorted(ends)
+    delays = sorted(s[k] - e[k - concurrency] for k in range(concurrency, min(len(s), len(e) + concurrency)))
+    if not delays:
+        return None
+    mid = len(delays) // 2
+    return delays[mid] if len(delays) % 2 else (delays[mid - 1] + delays[mid]) / 2
 
 
 def _find(d, *keys):
@@ -77,7 +111,14 @@ def parse_guidellm(report: dict) -> dict:
 
     tokens = _find(m, "output_token_count", "successful", "total_sum")
     duration = bench.get("duration")
-    return {"requests": _find(m, "request_totals", "successful"), "errors": _find(m, "request_totals", "errored"),
+    timings = [(_find(r, "info", "timings") or {}) for r in _find(bench, "requests", "successful") or []]
+    starts = [t["request_start"] for t in timings if t.get("request_start") is not None]
+    ends = [t.get("request_end") or t.get("resolve_end") for t in timings]
+    concurrency = _find(bench, "config", "strategy", "streams")
+    return {"resend_delay_p50_s": resend_delay_p50_s(starts, [e for e in ends if e is not None], int(concurrency))
+            if concurrency and len(starts) == len(timings) else None,
+            "replica_ttft_p50_s": None,
+            "requests": _find(m, "request_totals", "successful"), "errors": _find(m, "request_totals", "errored"),
             "ttft_p50_s": stat("time_to_first_token_ms", "p50"), "ttft_p90_s": stat("time_to_first_token_ms", "p90"),
             "itl_p50_s": stat("inter_token_latency_ms", "p50"), "pooled_itl_p50_s": None,
             "e2e_p50_s": stat("request_latency", "p50", 1.0),
@@ -107,7 +148,59 @@ def table(peer: dict, ours: list[dict], peer_name: str = "guidellm") -> str:
                                         + [f(ratio, ".3f"), verdict]) + " |")
     pooled = [f(o.get("pooled_itl_p50_s"), ".4f") for o in ours]
     lines.append(f"\nOur pooled ITL p50 (gaps between successive tokens): {', '.join(pooled)} s.")
+    lines += ["", "Where TTFT comes from (same runs; see the definitions):", "",
+              "| | " + " | ".join(head[1:-2]) + " |", "|" + "|".join("---" for _ in head[:-2]) + "|"]
+    for label, key, fmt in DIAGNOSTIC_ROWS:
+        lines.append("| " + " | ".join([label, f(peer.get(key), fmt)] + [f(o.get(key), fmt) for o in ours]) + " |")
     return "\n".join(lines) + "\n"
+
+
+DIAGNOSTIC_ROWS = [("re-send delay p50 (s) [client]", "resend_delay_p50_s", ".4f"),
+                   ("replica TTFT p50 (s) [server's own figure, ours only]", "replica_ttft_p50_s", ".4f"),
+                   ("server TTFT mean (s) [Prometheus]", "server_ttft_mean_s", ".4f"),
+                   ("server prefill forwards [Prometheus]", "server_prefill_forwards", ".0f"),
+                   ("server prompts per prefill forward [Prometheus]", "server_prompts_per_prefill", ".2f")]
+
+#: The service replicas' live counters the server-side rows are read from (`make serve` labels them
+#: run_id="adhoc"; sweeps on the same machine carry their own run ids, so they do not mix in).
+SERVER_COUNTERS = {
+    "ttft_sum_s": 'sum(ray_scissorhands_ttft_seconds_exact_sum_total{run_id="adhoc", phase="measured"})',
+    "ttft_count": 'sum(ray_scissorhands_ttft_seconds_count{run_id="adhoc", phase="measured"})',
+    "prefill_forwards": 'sum(ray_scissorhands_prefill_seconds_count{run_id="adhoc"})',
+    "prefill_tokens": 'sum(ray_scissorhands_prefill_tokens_total{run_id="adhoc"})',
+}
+#: Seconds to wait after a run before reading the counters: one export (5 s) + one scrape (5 s) + slack.
+SETTLE_S = 12.0
+
+
+def server_counters(prometheus: str | None) -> dict | None:
+    """The `SERVER_COUNTERS` now, from Prometheus' HTTP API; None when it does not answer."""
+    import urllib.parse
+    import urllib.request
+
+    if not prometheus:
+        return None
+    out = {}
+    try:
+        for key, expr in SERVER_COUNTERS.items():
+            url = prometheus.rstrip("/") + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                result = json.load(resp)["data"]["result"]
+            out[key] = float(result[0]["value"][1]) if result else 0.0
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+    return out
+
+
+def server_side(before: dict | None, after: dict | None, prompt_tokens: int) -> dict:
+    """The server-side rows of one run from the counters read before and after it (None when unread)."""
+    if before is None or after is None:
+        return {}
+    d = {k: after[k] - before[k] for k in SERVER_COUNTERS}
+    forwards = d["prefill_forwards"]
+    return {"server_ttft_mean_s": d["ttft_sum_s"] / d["ttft_count"] if d["ttft_count"] > 0 else None,
+            "server_prefill_forwards": forwards,
+            "server_prompts_per_prefill": d["prefill_tokens"] / prompt_tokens / forwards if forwards > 0 else None}
 
 
 def guidellm_scenario(target: str, model: str, processor: str, *, concurrency: int, num_requests: int,
@@ -148,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="results/crosscheck")
+    p.add_argument("--prometheus", default="http://127.0.0.1:9090",
+                   help="Prometheus with the service's live metrics, for the server-side rows ('' skips them)")
     args = p.parse_args(argv)
     from scissorhands.models import EMBEDDED, convert_embedded_model, load_tokenizer
 
@@ -157,12 +252,33 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     load = dict(concurrency=args.concurrency, num_requests=args.num_requests, prompt_tokens=args.prompt_tokens,
                 output_tokens=args.output_tokens)
-    ours = [asyncio.run(run_ours(args.target, args.model, tokenizer, seed=args.seed, **load))]
-    peer = parse_guidellm(run_guidellm(args.guidellm, args.target, args.model, processor, out_dir=out_dir, **load))
-    ours.append(asyncio.run(run_ours(args.target, args.model, tokenizer, seed=args.seed + 1, **load)))
+    prom = args.prometheus if server_counters(args.prometheus) is not None else None
+    if prom is None:
+        print(f"crosscheck: no Prometheus answers at {args.prometheus!r} (make dashboards-up): no server-side rows",
+              file=sys.stderr)
+    started = time.time()
+
+    def measured(run):
+        """`run()`'s table metrics plus the server-side rows and its wall time."""
+        t0, before = time.time(), server_counters(prom)
+        row = run()
+        wall = time.time() - t0
+        if prom is not None:
+            time.sleep(SETTLE_S)
+        row.update(server_side(before, server_counters(prom), args.prompt_tokens), wall_s=wall)
+        print(f"crosscheck: run done in {wall:.0f} s", file=sys.stderr)
+        return row
+
+    ours = [measured(lambda: asyncio.run(run_ours(args.target, args.model, tokenizer, seed=args.seed, **load)))]
+    peer = measured(lambda: parse_guidellm(run_guidellm(args.guidellm, args.target, args.model, processor,
+                                                        out_dir=out_dir, **load)))
+    ours.append(measured(lambda: asyncio.run(run_ours(args.target, args.model, tokenizer, seed=args.seed + 1,
+                                                      **load))))
     text = (f"Cross-check at {args.concurrency} in flight, {args.num_requests} requests, {args.prompt_tokens} + "
             f"{args.output_tokens} tokens (fixed, greedy), model {args.model} at {args.target}; ours ran before and "
-            f"after the peer.\n\n" + table(peer, ours) + "\n" + __doc__[__doc__.index("Definitions"):])
+            f"after the peer; wall time {time.time() - started:.0f} s (runs "
+            f"{', '.join(format(r['wall_s'], '.0f') for r in ours[:1] + [peer] + ours[1:])} s).\n\n"
+            + table(peer, ours) + "\n" + __doc__[__doc__.index("Definitions"):])
     (out_dir / "table.md").write_text(text)
     (out_dir / "runs.json").write_text(json.dumps({"peer": peer, "ours": ours, "load": load}, indent=2))
     print(text)
