@@ -140,7 +140,7 @@ class MetricSpec:
     @property
     def exported_name(self) -> str:
         """The metric name as Prometheus stores it (what a dashboard's PromQL must use)."""
-        if self.source == "ray":
+        if self.source in ("ray", "ray_serve"):
             return RAY_EXPORT_PREFIX + self.name
         return self.name
 
@@ -233,6 +233,43 @@ METRICS: tuple[MetricSpec, ...] = (
 METRICS = METRICS + tuple(m.exact_sum for m in METRICS if m.kind == "histogram")
 
 METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+#: Ray Serve's own metrics that the dashboards read (`source="ray_serve"`): Serve defines and records
+#: them (`ray/serve/_private/request_ingress_metrics.py`, `replica.py`, `router.py` in the installed
+#: Ray 2.60), in its own units (milliseconds), and Ray exports them with the ``ray_`` prefix through the
+#: same node metrics port and service discovery as the replicas' live metrics. Listed here so that every
+#: name a dashboard uses is in one catalogue; the project never records them itself. Labels: the ones
+#: Serve sets that the dashboards group by (Serve adds others, e.g. `method`, `replica`, `handle`).
+SERVE_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("serve_num_http_requests_total", "counter",
+               "HTTP requests the Serve proxy answered, by status code and route.",
+               ("route", "method", "application", "status_code"), "ray_serve"),
+    MetricSpec("serve_http_request_latency_ms", "histogram",
+               "End-to-end latency of an HTTP request at the Serve proxy (ms; a stream counts until its last byte).",
+               ("route", "method", "application", "status_code"), "ray_serve"),
+    MetricSpec("serve_deployment_queued_queries", "gauge",
+               "Requests to a deployment waiting in its callers' routers for a replica (Serve's queue).",
+               ("deployment", "application"), "ray_serve"),
+    MetricSpec("serve_replica_processing_queries", "gauge",
+               "Requests a deployment's replica is processing now (ongoing; bounded by max_ongoing_requests).",
+               ("deployment", "replica", "application"), "ray_serve"),
+    MetricSpec("serve_deployment_request_counter_total", "counter",
+               "Calls a deployment's replicas processed (the engine deployment gets 2 per HTTP request: check and stream).",
+               ("deployment", "replica", "route", "application"), "ray_serve"),
+    MetricSpec("serve_deployment_processing_latency_ms", "histogram",
+               "Time a deployment's replica spent on one call (ms; a stream until its last item).",
+               ("deployment", "replica", "route", "application"), "ray_serve"),
+)
+
+
+def catalogue_markdown() -> str:
+    """The catalogue as the Markdown table of docs/monitoring.md (`python -m cluster.metrics`): the names
+    Prometheus stores, our metrics then Ray Serve's."""
+    lines = ["| metric | type | source | meaning |", "|---|---|---|---|"]
+    for m in METRICS + SERVE_METRICS:
+        source = {"ray": "replica (live)", "pushgateway": "sweep (pushed)", "ray_serve": "Ray Serve"}[m.source]
+        lines.append(f"| `{m.exported_name}` | {m.kind} | {source} | {m.help} |")
+    return "\n".join(lines)
 
 
 def metric(name: str) -> MetricSpec:
@@ -563,3 +600,7 @@ def strip_sample_suffix(name: str) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name
+
+
+if __name__ == "__main__":
+    print(catalogue_markdown())

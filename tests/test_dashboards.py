@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cluster import local_head, serve_app
-from cluster.metrics import METRICS, strip_sample_suffix
+from cluster.metrics import METRICS, SERVE_METRICS, catalogue_markdown, strip_sample_suffix
 from dashboards import check, serve
 from workloads import run
 
@@ -94,22 +94,22 @@ def test_promql_metric_name_extraction():
 
 def test_l9_every_dashboard_metric_is_in_the_catalogue():
     exported = set()
-    for spec in METRICS:
+    for spec in METRICS + SERVE_METRICS:
         exported |= {strip_sample_suffix(n) for n in spec.sample_names}
     used = {strip_sample_suffix(n) for n in check.dashboard_metric_names(BOARDS)}
     assert used, "no metric names found in the dashboards"
     assert used <= exported, f"unknown metrics in dashboards: {sorted(used - exported)}"
-    # and every catalogue metric is shown somewhere (no dead exports)
-    missing = {strip_sample_suffix(m.exported_name) for m in METRICS} - used
+    # and every catalogue metric is shown somewhere (no dead exports, no Serve metric listed for nothing)
+    missing = {strip_sample_suffix(m.exported_name) for m in METRICS + SERVE_METRICS} - used
     assert not missing, sorted(missing)
 
 
 def test_l21_no_panel_takes_a_mean_from_a_histogram_sum():
-    histograms = {m.exported_name for m in METRICS if m.kind == "histogram"}
+    histograms = {m.exported_name for m in METRICS + SERVE_METRICS if m.kind == "histogram"}
     assert check.inexact_sums(BOARDS, histograms) == []
     # every histogram's mean is shown, from its exact sum over its count
     used = check.dashboard_metric_names(BOARDS)
-    for name in histograms:
+    for name in histograms - {m.exported_name for m in SERVE_METRICS}:      # Serve's: quantiles only
         assert {name + "_exact_sum_total", name + "_count"} <= used, name
     bad = {"x.json": {"panels": [{"title": "mean", "targets": [
         {"expr": "rate(ray_scissorhands_ttft_seconds_sum[1m]) / rate(ray_scissorhands_ttft_seconds_count[1m])"}]}]}}
@@ -191,3 +191,25 @@ def test_monitoring_page_lists_every_panel():
             assert panel["title"] in body, f"docs/monitoring.md does not list panel {panel['title']!r}"
             for target in panel["targets"]:
                 assert re.sub(r"\s+", " ", target["expr"]) in re.sub(r"\s+", " ", body.replace("\\|", "|"))
+
+
+def test_the_http_row_shows_ray_serves_own_metrics():
+    """Issue 14 part 5: the live dashboard has an HTTP row whose panels read Ray Serve's metrics
+    (requests by status code, latency, queue and ongoing requests), shown in base units."""
+    board = BOARDS["live-replicas.json"]
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert "HTTP (Ray Serve)" in rows
+    start = next(i for i, p in enumerate(board["panels"]) if p.get("title") == "HTTP (Ray Serve)")
+    http = [p for p in board["panels"][start + 1:] if p["type"] != "row"]
+    names = set().union(*(check.metric_names(t["expr"]) for p in http for t in p["targets"]))
+    assert {strip_sample_suffix(n) for n in names} == {strip_sample_suffix(m.exported_name) for m in SERVE_METRICS}
+    by_title = {p["title"]: p for p in http}
+    assert "status_code" in by_title["HTTP requests/s by status code"]["targets"][0]["expr"]
+    latency = by_title["HTTP request latency p50 / p99"]
+    assert latency["fieldConfig"]["defaults"]["unit"] == "s"
+    assert all(t["expr"].endswith("/ 1000") for t in latency["targets"])          # Serve's ms -> s
+
+
+def test_monitoring_page_lists_the_catalogue_as_generated():
+    """docs/monitoring.md carries `python -m cluster.metrics`' table as is (our metrics and Ray Serve's)."""
+    assert catalogue_markdown() in (ROOT / "docs" / "monitoring.md").read_text()

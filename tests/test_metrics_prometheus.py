@@ -5,6 +5,9 @@ Prometheus service-discovery file, metrics exported every second), then Promethe
 Pushgateway started by `dashboards/serve.py` on free ports, scraping every second, with Ray's
 service-discovery file of this session. A Ray actor records replica metrics through
 `cluster.metrics.ReplicaMetrics`, and `workloads.push.SweepPusher` pushes the points of a sweep.
+The OpenAI service (`cluster.serve_app`, tiny model, one engine deployment) runs on the same Ray
+and answers a short HTTP load (streamed and not, and one 404), so Ray Serve's own metrics
+(`cluster.metrics.SERVE_METRICS`, the dashboards' HTTP row) reach Prometheus the same way.
 Then every target of every panel of every dashboard must return data (cases L9, L10's sibling
 checks live in test_dashboards.py), and the histogram quantiles must be accurate (L11).
 
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import METRICS, strip_sample_suffix
+from cluster.metrics import METRICS, SERVE_METRICS, strip_sample_suffix
 from dashboards import check, serve
 from tests.waiting import free_port, wait_for
 from workloads.push import SweepPusher
@@ -40,6 +43,24 @@ pytestmark = [
 
 RUN_ID = "test-metrics-run"
 LIVE_SECONDS = 8.0
+SERVED_MODEL = "tiny-llama:full"
+
+
+def _http_load(prom: str, url: str, n: int = 4) -> None:
+    """`n` completions through the Serve app (alternately streamed), one unknown model (404), then wait
+    until Prometheus has scraped Serve's count of them (the HTTP row's rates need fresh samples)."""
+    import requests
+
+    sel = 'ray_serve_num_http_requests_total{status_code="200"}'
+    before = sum(check.finite_values(check.query(prom, f"sum({sel})")))
+    for i in range(n):
+        r = requests.post(url + "/v1/completions", timeout=120, json=dict(
+            model=SERVED_MODEL, prompt=[1, 2, 3, 4], max_tokens=6, ignore_eos=True, stream=bool(i % 2)))
+        assert r.status_code == 200, r.text
+        r.content
+    assert requests.post(url + "/v1/completions", json=dict(model="nope", prompt=[1]), timeout=60).status_code == 404
+    wait_for(lambda: sum(check.finite_values(check.query(prom, f"sum({sel})"))) >= before + n, 60,
+             "Prometheus to scrape Ray Serve's HTTP request count")
 
 
 class _FakeReplica:
@@ -163,6 +184,14 @@ def stack(tmp_path_factory):
         prom = f"http://127.0.0.1:{prom_port}"
         pushgateway = f"127.0.0.1:{pg_port}"
 
+        # the OpenAI service on this Ray (no CPU reserved: the real sweep below needs the node's CPUs)
+        from cluster.serve_app import build_serve_app, start
+
+        serve_port = free_port()
+        start(build_serve_app("tiny-llama", ["full"], max_length_tokens=256, replica_cpus=0.0), port=serve_port)
+        serve_url = f"http://127.0.0.1:{serve_port}"
+        wait_for(lambda: _health(serve_url), 180, "the Serve app to answer /health")
+
         # live replica metrics, recorded in an actor while Prometheus scrapes; this module is not
         # importable in Ray's workers, so its functions travel by value
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -177,6 +206,7 @@ def stack(tmp_path_factory):
             assert pusher.push_point(rec), "push to the live Pushgateway failed"
             assert pusher.push_progress(i, len(records))
         assert ray.get(load) > 10
+        _http_load(prom, serve_url)
         wait_for(
             lambda: check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{RUN_ID}"}}')
             and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
@@ -193,8 +223,13 @@ def stack(tmp_path_factory):
             "sd_file": sd_file,
             "metrics_port": metrics_port,
             "records": records,
+            "serve_url": serve_url,
         }
     finally:
+        from ray import serve as ray_serve
+
+        if ray.is_initialized():
+            ray_serve.shutdown()
         serve.down(data_dir)
         ray.shutdown()
         for k, v in saved.items():
@@ -205,15 +240,33 @@ def stack(tmp_path_factory):
 
 
 def test_prometheus_finds_ray_through_the_service_discovery_file(stack):
-    targets = check.prom_get(stack["prometheus"], "/api/v1/targets", {"state": "active"})["activeTargets"]
-    ray_targets = [t for t in targets if t["scrapePool"] == "ray"]
-    assert any(t["labels"]["instance"] == f"127.0.0.1:{stack['metrics_port']}" for t in ray_targets), ray_targets
-    assert all(t["health"] == "up" for t in ray_targets if t["labels"]["instance"].endswith(f":{stack['metrics_port']}"))
-    pools = {t["scrapePool"]: t["health"] for t in targets}
+    def targets():
+        return check.prom_get(stack["prometheus"], "/api/v1/targets", {"state": "active"})["activeTargets"]
+
+    def node(ts):
+        return [t for t in ts if t["scrapePool"] == "ray" and t["labels"]["instance"].endswith(f":{stack['metrics_port']}")]
+
+    ts = targets()
+    assert any(t["labels"]["instance"] == f"127.0.0.1:{stack['metrics_port']}" for t in node(ts)), ts
+    # one scrape may time out on a loaded machine (1 s interval = 1 s timeout; Serve's series are many):
+    # the node's target must be up again within a few scrapes
+    wait_for(lambda: all(t["health"] == "up" for t in node(targets())), 30,
+             f"the node's metrics target to be up ({[(t['health'], t.get('lastError')) for t in node(ts)]})")
+    pools = {t["scrapePool"]: t["health"] for t in targets()}
     assert pools.get("pushgateway") == "up" and pools.get("prometheus") == "up"
 
 
+def _health(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(url + "/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def test_every_panel_of_every_dashboard_returns_data(stack):
+    _http_load(stack["prometheus"], stack["serve_url"])          # fresh samples for the HTTP row's rates
     rows = check.check(stack["prometheus"], RUN_ID, rate_interval="30s")
     assert len(rows) >= 25
     empty = [f"{file} / {title} [{ref}]: {expr}" for file, title, ref, expr, values in rows if not values]
@@ -253,8 +306,9 @@ def test_l9_every_dashboard_metric_is_published_by_the_exporters(stack):
     stripped = {strip_sample_suffix(n) for n in published}
     used = {strip_sample_suffix(n) for n in check.dashboard_metric_names(check.load_dashboards())}
     assert used and used <= stripped, f"dashboards name metrics nobody publishes: {sorted(used - stripped)}"
-    # the catalogue states the exported names as they really are (ray_ prefix, counters' _total)
-    for spec in METRICS:
+    # the catalogue states the exported names as they really are (ray_ prefix, counters' _total),
+    # Ray Serve's included (the names its dashboards read)
+    for spec in METRICS + SERVE_METRICS:
         for name in spec.sample_names:
             assert name in published, f"{spec.name}: {name} is not in the exporters' output"
     ours = {n for n in published if "scissorhands_" in n}
@@ -439,8 +493,10 @@ def test_real_sweep_feeds_every_live_panel(stack, real_sweep):
     # long the points took on this machine
     window_s = math.ceil(max(stamps) - real_sweep["started"]) + 5
     rows = check.check(prom, run_id, rate_interval=f"{window_s}s", at={"live-replicas.json": max(stamps)})
+    # the HTTP row reads Ray Serve's metrics: the batch sweep drives its replicas as actors, not over HTTP
+    # (that row is checked with the service's load in test_every_panel_of_every_dashboard_returns_data)
     empty = [f"{title} [{ref}]: {expr}" for file, title, ref, expr, values in rows
-             if file == "live-replicas.json" and not values]
+             if file == "live-replicas.json" and not values and "ray_serve_" not in expr]
     assert not empty, "live panels without data during the sweep:\n" + "\n".join(empty)
     # the replicas stay up one export + scrape interval after the last point, so the counters end whole:
     # one token per sequence per forward (prefill + every decode step)
