@@ -25,8 +25,8 @@ from tqdm import tqdm
 from scissorhands import make_cache
 from scissorhands.models import cpu_model_name, load_model
 
-DEFAULT_LAYOUTS = ["kg=32", "kg=32,vg=64", "kg=64,sb=8", "kg=64,sb=8,c=200", "kg=64,sb=8,zp=0,c=200",
-                   "kg=32,vg=64,sb=8,zp=0,c=200"]
+DEFAULT_LAYOUTS = ["kg=32", "kg=32,vg=64", "kg=64,sb=8", "kg=64,sb=8,c=200", "kg=32,vg=64,sb=8,c=200",
+                   "kg=32,vg=64,sb=8,zp=0,c=200", "kg=64,sb=8,zp=0,c=200", "kg=64,sb=8,zp=0,c=200,rot=1"]
 FIELDS = {"kg": "kv_group_size", "vg": "kv_value_group_size", "sb": "kv_scale_bits", "zp": "kv_zero_point",
           "c": "count_chunk_steps", "rot": "kv_rotate"}
 
