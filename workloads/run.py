@@ -129,11 +129,32 @@ def init_ray(address: str | None):
                  _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR)
     except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
         ray.shutdown()
+        if NODE_START_TIMEOUT in str(e):  # not the dashboard: the node itself did not come up
+            raise SweepError(_node_start_message(e), 1) from None
         print(f"sweep: Ray's dashboard did not start ({error_message(e)[:200]}); running without it: "
               "no live replica metrics in Prometheus", file=sys.stderr)
-        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+        try:
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+        except Exception as e2:  # noqa: BLE001 - our message, not a traceback
+            ray.shutdown()
+            raise SweepError(_node_start_message(e2) if NODE_START_TIMEOUT in str(e2) else
+                             f"the embedded Ray did not start: {error_message(e2)[:600]}", 1) from None
     _watch_cluster(ray, "embedded")
     return ray, True
+
+
+#: What Ray 2.60 raises when the raylet of a node it starts has not registered with the GCS in time.
+NODE_START_TIMEOUT = "timed out during startup"
+
+
+def _node_start_message(exc: BaseException) -> str:
+    """The embedded Ray's node did not register in time: say so, with this machine's load (measured
+    cause of the sweeps that stopped minutes after "Token authentication is enabled" here)."""
+    load1 = os.getloadavg()[0]
+    return (f"the embedded Ray did not start: its node did not register with its GCS within Ray's start timeout "
+            f"({error_message(exc)[:200]}); load average {load1:.1f} on {os.cpu_count()} CPU(s): the machine is "
+            "too busy. Try again when it is less loaded, or give Ray longer: "
+            "RAY_raylet_start_wait_time_s=300 (no point was run)")
 
 
 def _watch_cluster(ray, cluster: str) -> None:
