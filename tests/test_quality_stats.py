@@ -97,3 +97,41 @@ def test_report_gives_intervals_and_the_paired_test(tmp_path):
     assert "+0.000 (p=1, 0/0)" in md                           # 4-bit: the same answers
     written = write_report(tmp_path, records)
     assert (tmp_path / "accuracy.png").stat().st_size > 1000 and "table" in written
+
+
+# -- what a document count can resolve, before a run ---------------------------------------------------
+def test_wilson_half_width_matches_the_interval():
+    from workloads.quality.stats import wilson_half_width
+
+    low, high = stats.wilson_interval(10, 20)
+    assert wilson_half_width(20) == pytest.approx((high - low) / 2, abs=1e-12)  # 0.5: the continuous form is exact
+    assert wilson_half_width(20) == pytest.approx(0.2007, abs=1e-4)
+    assert wilson_half_width(95) == pytest.approx(0.0986, abs=1e-4)      # COPA's whole scorable set
+    assert wilson_half_width(500) == pytest.approx(0.0437, abs=1e-4)     # OpenBookQA's
+    assert wilson_half_width(100, 0.9) < wilson_half_width(100, 0.5)
+    with pytest.raises(ValueError, match="n must be"):
+        wilson_half_width(0)
+    with pytest.raises(ValueError, match="accuracy"):
+        wilson_half_width(10, 1.5)
+
+
+def test_docs_for_half_width_is_the_fewest_documents_that_reach_it():
+    from workloads.quality.stats import docs_for_half_width, wilson_half_width
+
+    n = docs_for_half_width(0.03)
+    assert n == 1064 and wilson_half_width(n) <= 0.03 < wilson_half_width(n - 1)
+    assert docs_for_half_width(0.03, 0.7) == 894
+    with pytest.raises(ValueError, match="half_width"):
+        docs_for_half_width(0)
+
+
+def test_precision_line_says_what_a_task_can_resolve():
+    from workloads.quality.fewshot import precision_line
+
+    assert precision_line("copa", 20, available=95) == (
+        "copa: 20 of 95 documents -> 95% interval +-0.201 at 50% accuracy; the whole set gives +-0.099, "
+        "so +-0.03 (~1,064 documents) is out of reach on this task")
+    assert precision_line("piqa", 200, available=1838) == (
+        "piqa: 200 of 1838 documents -> 95% interval +-0.069 at 50% accuracy; +-0.03 needs 1,064 (docs: 1064 or null)")
+    assert precision_line("winogrande", None, available=1267) == (
+        "winogrande: 1267 of 1267 documents -> 95% interval +-0.027 at 50% accuracy")

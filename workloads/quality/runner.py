@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
     where = "this process" if args.local else f"{replicas} replica(s)"
     print(f"quality: run {run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
           f"{len(pending)} to run on {where}; results in {run_dir}/", file=sys.stderr)
+    if suite.fewshot is not None:  # what the document counts can resolve, before hours are spent on them
+        from .fewshot import precision_line
+
+        for task in suite.fewshot.tasks:
+            print(f"quality: {precision_line(task, suite.fewshot.docs_of(task))}", file=sys.stderr)
     failed = 0
     if pending:
         from workloads.push import PointPublisher, SweepPusher

@@ -9,6 +9,8 @@
 * :func:`paired_accuracy`: accuracy difference of a point from the full cache on the documents
   both scored, with the McNemar counts and p-value.
 * :func:`spread`: mean, sample standard deviation, min and max of per-window values.
+* :func:`wilson_half_width`, :func:`docs_for_half_width`: what a document count can resolve before
+  a run (the half-width of the 95% Wilson interval at an assumed accuracy, and its inverse).
 
 Pure Python (``math.comb``): no SciPy needed.
 """
@@ -37,6 +39,41 @@ def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float
     low = 0.0 if correct == 0 else max(0.0, centre - half)        # exact ends (no 0.9999999999999999)
     high = 1.0 if correct == n else min(1.0, centre + half)
     return low, high
+
+
+def wilson_half_width(n: int, accuracy: float = 0.5, z: float = Z_95) -> float:
+    """Half the width of the 95% Wilson interval of an accuracy ``accuracy`` measured on ``n`` documents
+    (the interval's continuous form; at 0.5 it is widest): 0.20 for 20 documents, 0.030 for 1,068.
+
+    Raises:
+        ValueError: ``n < 1`` or ``accuracy`` outside ``[0, 1]``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    if not 0 <= accuracy <= 1:
+        raise ValueError(f"accuracy must be in [0, 1], got {accuracy!r}")
+    return z * math.sqrt(accuracy * (1 - accuracy) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+
+
+def docs_for_half_width(half_width: float, accuracy: float = 0.5, z: float = Z_95) -> int:
+    """The fewest documents whose 95% Wilson interval at ``accuracy`` is at most +-``half_width``
+    (1,068 for +-0.03 at 0.5).
+
+    Raises:
+        ValueError: ``half_width`` not in (0, 0.5].
+    """
+    if not 0 < half_width <= 0.5:
+        raise ValueError(f"half_width must be in (0, 0.5], got {half_width!r}")
+    low, high = 1, 1
+    while wilson_half_width(high, accuracy, z) > half_width:  # the half-width falls as n grows
+        low, high = high, high * 2
+    while low < high:  # the fewest n in (low, high] that reaches it
+        mid = (low + high) // 2
+        if wilson_half_width(mid, accuracy, z) <= half_width:
+            high = mid
+        else:
+            low = mid + 1
+    return high
 
 
 def mcnemar_exact(b: int, c: int) -> float:
