@@ -87,6 +87,76 @@ def load_replica_model(model_spec: str, dtype: str | torch.dtype = "auto", devic
     return model, tokenizer
 
 
+def _model_config(model_spec: str):
+    """The model's config only (no weights), sizing `resolve_dtype`'s probe; None where it cannot be read
+    here (the probe then uses SmolLM2-135M's shapes)."""
+    if model_spec in TEST_MODEL_NAMES:
+        from scissorhands.testing import tiny_llama
+
+        return tiny_llama(seed=0).config
+    try:
+        from transformers import AutoConfig
+
+        from scissorhands.models import _resolve_source
+
+        source, kwargs = _resolve_source(os.path.expanduser(model_spec))
+        return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+    except (OSError, ValueError):
+        return None
+
+
+def resolve_dtype_here(model_spec: str, dtype: str, device: str = "cpu", num_threads: int | None = None,
+                       where: str | None = None) -> dict:
+    """Resolve a run's `dtype` once, in this process, for every replica of the run.
+
+    `"auto"` runs `scissorhands.models.resolve_dtype` (its bfloat16 probe at the model's own layer shapes,
+    on `num_threads` torch threads: a replica's share; torch's thread count is restored after). The probe is
+    noisy under load, so a run must not let each replica resolve `auto` on its own (one replica ran bfloat16
+    and another float32 in one measured run): it resolves here once and hands every replica the result.
+
+    Returns:
+        ``{"dtype": concrete name}`` plus ``"dtype_reason"`` (resolve_dtype's reason, ending
+        "resolved once for the run on <where>", default this host) for `"auto"`; ``{"dtype": dtype}`` for a
+        forced dtype (the replicas record "forced" as before).
+    Raises:
+        ValueError: naming ``dtype`` and the accepted values (`scissorhands.models.check_dtype_name`).
+    """
+    from scissorhands.models import check_dtype_name, resolve_dtype
+
+    check_dtype_name(dtype)
+    if dtype != "auto":
+        return {"dtype": dtype}
+    before = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(int(num_threads))
+    try:
+        torch_dtype, reason = resolve_dtype("auto", _model_config(model_spec), device)
+    finally:
+        torch.set_num_threads(before)
+    where = where or f"host {socket.gethostname()}"
+    return {"dtype": str(torch_dtype).removeprefix("torch."),
+            "dtype_reason": f"{reason}; resolved once for the run on {where}"}
+
+
+def resolve_run_dtype(model_spec: str, dtype: str, device: str = "cpu", *, ray=None, num_cpus: float = 1.0,
+                      num_gpus: float = 0.0, num_threads: int | None = None) -> dict:
+    """`resolve_dtype_here` for a whole run: in this process when `ray` is None (local runs, `make serve`),
+    else as one small Ray task with a replica's resources (`num_cpus`, `num_gpus`, `num_threads` torch
+    threads) on a node of the cluster, so the probe measures what a replica will run on. Forced dtypes need
+    no task. Returns and raises as `resolve_dtype_here` (the task's error as raised in it)."""
+    if dtype != "auto" or ray is None:
+        return resolve_dtype_here(model_spec, dtype, device, num_threads)
+
+    def task(spec: str, dt: str, dev: str, threads: int | None) -> dict:
+        import ray as ray_
+
+        return resolve_dtype_here(spec, dt, dev, threads, f"node {ray_.get_runtime_context().get_node_id()[:12]} "
+                                                          f"(host {socket.gethostname()})")
+
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)(task)
+    return ray.get(remote.remote(model_spec, dtype, device, num_threads))
+
+
 def _peak_rss_bytes(current_peak: int) -> int:
     return max(current_peak, psutil.Process().memory_info().rss)
 
@@ -124,6 +194,8 @@ class ModelReplica:
         run_id: the run whose points this replica serves (label `run_id` of its live metrics).
         metrics: the live-metrics recorder (injection for tests); default a `ReplicaMetrics`
             with this replica's labels (Ray metrics inside an actor, in memory without Ray).
+        dtype_reason: why the run chose `dtype` (`resolve_run_dtype`, which resolves `auto` once for all
+            replicas of a run); recorded in `info()` instead of "forced".
 
     Raises:
         FileNotFoundError: `model_spec` is a path that does not exist (the message names it).
@@ -143,6 +215,7 @@ class ModelReplica:
         warmup: bool = True,
         run_id: str = "adhoc",
         metrics: ReplicaMetrics | None = None,
+        dtype_reason: str | None = None,
     ):
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
@@ -157,6 +230,8 @@ class ModelReplica:
             t0 = time.perf_counter()
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
             self.live_metrics.observe_model_load(time.perf_counter() - t0)
+        if dtype_reason is not None:  # the run resolved `auto` once (`resolve_run_dtype`) and says why
+            model.scissorhands_dtype_reason = dtype_reason
         self.model = model
         self.tokenizer = tokenizer
         self.prompt_fn = prompt_fn

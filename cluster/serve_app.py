@@ -57,10 +57,11 @@ class EngineDeployment:
     """One Serve replica: a `ServingReplica` configured with one cache configuration."""
 
     def __init__(self, model_id: str, model_spec: str, engine_config: dict, dtype: str = "auto",
-                 device: str = "cpu", num_threads: int | None = None):
+                 device: str = "cpu", num_threads: int | None = None, dtype_reason: str | None = None):
         ctx = serve.get_replica_context()
         self.replica = ServingReplica(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads,
-                                      replica_id=f"{model_id}#{ctx.replica_tag if ctx else 0}")
+                                      replica_id=f"{model_id}#{ctx.replica_tag if ctx else 0}",
+                                      dtype_reason=dtype_reason)
         self.replica.configure(engine_config)
 
     async def stream(self, request: dict):
@@ -152,12 +153,19 @@ def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | Non
                     tokenizer_spec: str | None | Any = "auto", deployment_options: dict | None = None):
     """The Serve application: one `EngineDeployment` per entry of `caches` behind one `OpenAIIngress`.
 
+    `dtype` is resolved once here, for every deployment and replica (`cluster.replica.resolve_run_dtype`, in
+    this process on `num_threads` torch threads): with `auto` resolved per replica, the full cache and
+    Scissorhands could run in different dtypes and their comparison would be unfair.
+
     Raises:
         ValueError: a bad `--cache` spec or engine config (the message names the field).
     """
     from scissorhands.models import model_id_of
 
+    from cluster.replica import resolve_run_dtype
+
     name = model_name or model_id_of(model_spec).split("/")[-1].lower()
+    resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments
     handles, metadata = {}, {}
     for spec in caches:
         label, cfg = parse_cache(spec, max_length_tokens)
@@ -169,7 +177,8 @@ def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | Non
         opts = dict(name=f"engine-{label}", num_replicas=num_replicas,
                     ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
         opts.update(deployment_options or {})
-        handles[model_id] = EngineDeployment.options(**opts).bind(model_id, model_spec, cfg, dtype, device, num_threads)
+        handles[model_id] = EngineDeployment.options(**opts).bind(model_id, model_spec, cfg, resolved["dtype"], device,
+                                                                  num_threads, resolved.get("dtype_reason"))
         metadata[model_id] = cache_metadata(cfg, budget, model_spec)
     if tokenizer_spec == "auto":
         tokenizer_spec = None if model_spec == "tiny-llama" else model_spec

@@ -29,6 +29,8 @@ class ServingReplica:
         num_threads: torch intra-op threads of this process (None keeps torch's).
         engine_config: configure right away (a dict of `EngineConfig` fields or an `EngineConfig`).
         model: an already loaded model (tests).
+        dtype_reason: why the run chose `dtype` (`cluster.replica.resolve_run_dtype`: `auto` resolved once
+            for every replica of a run or service); recorded in `info()` instead of "forced".
 
     Raises:
         FileNotFoundError: the model path does not exist (the message names it).
@@ -36,7 +38,8 @@ class ServingReplica:
 
     def __init__(self, model_spec: str = "embedded", dtype: str = "auto", device: str = "cpu",
                  replica_id: str = "replica-0", num_threads: int | None = None,
-                 engine_config: dict | EngineConfig | None = None, model=None, node_id: str | None = None):
+                 engine_config: dict | EngineConfig | None = None, model=None, node_id: str | None = None,
+                 dtype_reason: str | None = None):
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
         self.replica_id = replica_id
@@ -47,6 +50,8 @@ class ServingReplica:
             from cluster.replica import load_replica_model
 
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
+            if dtype_reason is not None:  # the run resolved `auto` once (`cluster.replica.resolve_run_dtype`)
+                model.scissorhands_dtype_reason = dtype_reason
         self.model = model
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.engine: ContinuousBatchingEngine | None = None

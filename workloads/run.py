@@ -318,10 +318,33 @@ def record_run_dtypes(run_dir, records) -> None:
         res.write_atomic(str(path), json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
+def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                      num_threads: int | None = None) -> dict:
+    """Resolve the suite's ``dtype`` once for the whole run (`cluster.replica.resolve_run_dtype`): in this
+    process when `ray` is None, else as one Ray task with a replica's resources. Every replica of the run
+    then loads that concrete dtype with the same ``dtype_reason`` (``auto``'s probe is noisy under load:
+    each replica resolving on its own once ran bfloat16 on one replica and float32 on the other).
+    `check_resolved_dtype` still refuses a resumed run that resolves differently now.
+
+    Returns:
+        replica keyword arguments: ``{"dtype": name}`` and, for ``auto``, ``"dtype_reason"``.
+    Raises:
+        SweepError: (exit 1) the probe could not run (the message names ``dtype``).
+    """
+    from cluster.replica import resolve_run_dtype as resolve
+
+    try:
+        return resolve(suite.model, suite.dtype, suite.device, ray=ray, num_cpus=num_cpus, num_gpus=num_gpus,
+                       num_threads=num_threads)
+    except Exception as e:  # noqa: BLE001 - e.g. no node can run the probe's task
+        raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
+
+
 def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica"):
     """Start `replicas` replicas of `suite` (`cluster.placement.ReplicaSet`: one placement-group bundle each,
     resources from `replica_resources` unless the suite's `placement:` names them) and wait until every
-    one has loaded its model. `replica_kwargs` go to `cluster.placement.PlacedReplica`.
+    one has loaded its model. `replica_kwargs` go to `cluster.placement.PlacedReplica`, their ``dtype``
+    resolved once for all replicas first (`resolve_run_dtype`).
 
     Returns:
         (the started ReplicaSet, the replicas' `info()` dicts in the order of `rset.actors`).
@@ -332,6 +355,8 @@ def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str
     from cluster.placement import PlacementError, ReplicaSet, wait_placed
 
     threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
+    replica_kwargs = {**replica_kwargs, **resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus,
+                                                            num_threads=threads)}  # auto: once for all replicas
     rset = ReplicaSet(replicas, suite.placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
                       replica_kwargs=replica_kwargs, name_prefix=name_prefix)
     try:
@@ -487,7 +512,8 @@ def _run_in_process(suite, pending: list, fn, make_record, publish, one_line) ->
 
     from cluster.replica import ModelReplica
 
-    replica = ModelReplica(suite.model, dtype=suite.dtype, device=suite.device, replica_id="local", warmup=False)
+    replica = ModelReplica(suite.model, device=suite.device, replica_id="local", warmup=False,
+                           **resolve_run_dtype(suite))
     info = replica.info()
     failed = 0
     with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:

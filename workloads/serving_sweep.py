@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from workloads import results as res
 from workloads.loadgen import run_load
 from workloads.run import (SweepError, error_message, init_ray, load_suite_of_kind, open_run, pending_points,
-                           record_run_dtypes, replica_resources)
+                           record_run_dtypes, replica_resources, resolve_run_dtype)
 from workloads.serving_suite import ServingPoint, ServingSuite
 
 TERMINAL = ("ok", "oom", "skipped")
@@ -95,13 +95,15 @@ class RayReplicaPool:
     """`ServingReplicaActor`s; a dead one is replaced by a fresh actor (model reloaded, reconfigured)."""
 
     def __init__(self, n: int, *, model_spec: str, dtype: str, device: str, num_cpus: float, num_gpus: float,
-                 num_threads: int | None, health_timeout_s: float = 60.0, ready_timeout_s: float | None = None):
+                 num_threads: int | None, health_timeout_s: float = 60.0, ready_timeout_s: float | None = None,
+                 dtype_reason: str | None = None):
         from cluster.placement import default_ready_timeout_s
 
         self.n = n
         #: bound on a replica's placement + model load (s); $SCISSORHANDS_READY_TIMEOUT_S, else 600
         self.ready_timeout_s = default_ready_timeout_s() if ready_timeout_s is None else float(ready_timeout_s)
-        self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
+        self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads,
+                           dtype_reason=dtype_reason)   # dtype: resolved once for the run (run_serving_sweep)
         self.res = dict(num_cpus=num_cpus, num_gpus=num_gpus)
         self.health_timeout_s = health_timeout_s
         self.actors: list = []
@@ -461,8 +463,9 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
 
             threads, num_cpus, num_gpus = replica_resources(ray, suite.replicas, suite.device)
             inventory = cluster_inventory()
-            pool = RayReplicaPool(suite.replicas, model_spec=suite.model, dtype=suite.dtype, device=suite.device,
-                                  num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads)
+            resolved = resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads)
+            pool = RayReplicaPool(suite.replicas, model_spec=suite.model, device=suite.device,
+                                  num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads, **resolved)
         try:
             try:
                 infos = pool.start()
