@@ -94,9 +94,9 @@ def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, monkeypatch):
     run_dir = Path(tmp_path / "results" / "run1")
     points = [json.loads(line) for line in (run_dir / "points.jsonl").read_text().splitlines()]
     assert rc == 0
-    assert probe_calls(counter) == 1
     assert len(points) == 2 and len({p["replica_id"] for p in points}) == 2     # one point on each replica
     assert {p["dtype"] for p in points} == {"bfloat16"}
+    assert probe_calls(counter) == 1                                          # one Ray task probed, no replica
     reasons = {p["dtype_reason"] for p in points}
     assert len(reasons) == 1 and "resolved once for the run on node " in reasons.pop()
     meta = json.loads((run_dir / "run.json").read_text())
