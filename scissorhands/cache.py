@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import causal_attention_lse, causal_probs, explicit_attention, scratch, set_active_layer
+from .attention import causal_attention_lse, causal_probs, causal_probs_chunks, explicit_attention, scratch, set_active_layer
 from .policies.base import Policy
 from .storage import DenseKV, SlotStore
 
@@ -75,6 +75,9 @@ CHUNK_SCORE_ELEMENTS = 1 << 21
 # The probabilities of a fresh prompt's observed queries (computed without the output) run in chunks of at
 # most this many scores (1 MiB in float32), so each of their elementwise passes stays in the CPU's cache.
 CAUSAL_PROB_ELEMENTS = 1 << 19
+# In a low-precision dtype their scores come from one matmul per this many queries (see
+# scissorhands.attention.causal_probs_chunks: small bfloat16 matmuls cost several times more per score).
+CAUSAL_MATMUL_QUERIES = 128
 
 
 def budget_from_ratio(length_tokens: int, compression_ratio: float) -> int:
@@ -149,6 +152,9 @@ class BudgetedLayer(CacheLayerMixin):
         self.evicted_tokens = 0       # tokens evicted so far, summed over sequences
         self._pending_q: int | None = None
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+        # False only while no slot time is negative (no padding, filler or evicted slot): attention then
+        # skips the validity check (a host sync per layer and step). Set wherever a negative time is written.
+        self._maybe_masked = False
 
     # ------------------------------------------------------------------ storage
     # ``keys`` / ``values`` are read-only views (dequantized for 4-bit) of the kept slots.
@@ -281,10 +287,19 @@ class BudgetedLayer(CacheLayerMixin):
                 n_pad = (~new_valid).sum(-1)
                 self.held -= n_pad
                 self.pad_tokens += n_pad
+                self._maybe_masked = True
+        # no slot time can be negative unless padding, filler or eviction wrote one (then look, one host sync)
+        all_valid = not self._maybe_masked or not bool((st < 0).any())
+        if all_valid:
+            self._maybe_masked = False
+        if q_len == 1 and not self.policy.needs_attention:
+            # decode_step of a policy that needs no probabilities (full, streaming_llm, knorm, random): one sdpa
+            # over the kept slots, the layer's validity mask only when a slot is masked
+            out = self._sdpa_chunk(query, keys, values, None if all_valid else (st >= 0)[:, :, None, :], scaling)
+            return out.transpose(1, 2).contiguous()                                     # (b, 1, hq, d_v)
         # first query's token index: (1,) the shared clock, or (b,) each row's own
         t0 = (torch.tensor([self.tokens_seen], device=self.device) if self.row_time is None
               else self.row_time) - q_len
-        all_valid = not bool((st < 0).any())
         # Only the last `n_obs` queries feed the policy's statistics (Scissorhands: those inside the
         # history window; TOVA: the last one); they run the explicit attention that yields the
         # probabilities, every query before them runs sdpa's fused kernel.
@@ -300,10 +315,13 @@ class BudgetedLayer(CacheLayerMixin):
             out, lse = causal_attention_lse(query, keys, values, scaling)
             state = self.state
             query_chunk = max(1, min(query_chunk, CAUSAL_PROB_ELEMENTS // (b * hq * q_len)))
-            for s in range(obs_from, q_len, query_chunk):
-                e = min(q_len, s + query_chunk)
-                probs = causal_probs(query[:, :, s:e], keys[:, :, :e], scaling,
-                                     None if lse is None else lse[:, :, s:e])          # (b, hkv, g, q_c, e)
+            if lse is None:
+                chunks = ((s, min(q_len, s + query_chunk)) for s in range(obs_from, q_len, query_chunk))
+                observed = ((s, e, causal_probs(query[:, :, s:e], keys[:, :, :e], scaling, None)) for s, e in chunks)
+            else:                                                                       # (s, e, (b, hkv, g, q_c, e))
+                observed = ((obs_from + s, obs_from + e, p) for s, e, p in causal_probs_chunks(
+                    query[:, :, obs_from:], keys, scaling, lse[:, :, obs_from:], query_chunk, CAUSAL_MATMUL_QUERIES))
+            for s, e, probs in observed:
                 visible = torch.ones(e - s, e, dtype=torch.bool, device=self.device).tril(s)[None, None]
                 mean = torch.mean(probs, 2, out=scratch("mean_probs", probs.shape[:2] + probs.shape[3:], probs.dtype,
                                                           self.device))              # GQA: average the group
@@ -393,6 +411,7 @@ class BudgetedLayer(CacheLayerMixin):
         positions = torch.arange(order.shape[-1], device=self.device).expand_as(order)
         rank = torch.empty_like(order).scatter_(-1, order, positions)                   # rank of each slot
         st.masked_fill_(rank < n_drop[:, None, None], EVICTED)
+        self._maybe_masked = True
         self.held -= n_drop
         self.evicted_tokens += int(n_drop.sum())
         if not self.simulate:
@@ -428,6 +447,7 @@ class BudgetedLayer(CacheLayerMixin):
         if n <= 0:
             return
         self.store.prepend(n, fill={"slot_time": PAD})
+        self._maybe_masked = True
 
     def append_rows(self, other: "BudgetedLayer") -> None:
         """Append the rows of ``other`` (same policy, codec and model) after this layer's rows.
@@ -441,6 +461,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.prepend_filler_slots(n - self.num_slots)
         other.prepend_filler_slots(n - other.num_slots)
         self.store.concat_rows(other.store)
+        self._maybe_masked = self._maybe_masked or other._maybe_masked
         self.held = torch.cat([self.held, other.held])                                  # (b_a + b_b,)
         self.pad_tokens = torch.cat([self.pad_tokens, other.pad_tokens])
         self.row_time = torch.cat([self.row_time, other.row_time])
@@ -480,6 +501,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.tokens_seen = self.evicted_tokens = 0
         self._pending_q = None
         self._kv = None
+        self._maybe_masked = False
 
     @property
     def num_slots(self) -> int:

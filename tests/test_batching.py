@@ -137,3 +137,37 @@ def test_sequence_slot_bytes_is_one_slot_of_every_layer(model):
     assert sequence_slot_bytes(model, "full") == 2 * 2 * (2 * 16 * 4 + 2)
     # scissorhands adds history_window / count_chunk_steps uint8 counters per slot and head
     assert sequence_slot_bytes(model, "scissorhands", budget_tokens=16) == 2 * 2 * (2 * 16 * 4 + 2 + 400 // 50)
+
+
+
+@pytest.mark.parametrize("name", ["full", "real-budget"])
+def test_validity_check_is_skipped_only_while_no_slot_is_masked(model, name):
+    """Decode attention skips the per-layer look for masked slots while `_maybe_masked` is False, so every
+    writer of a negative slot time (left padding, filler slots of merged rows, eviction) must set it: after
+    every call, a layer whose flag is False holds no padding, filler or evicted slot."""
+    cfg = CONFIGS[name]
+
+    def check(cache):
+        for layer in cache.layers:
+            assert layer._maybe_masked or not bool((layer.slot_time < 0).any())
+
+    cache, tokens = _prefill(model, _ids(20, 1), cfg)
+    check(cache)
+    assert not any(layer._maybe_masked for layer in cache.layers)      # a fresh unpadded prompt: nothing masked
+    cache = merge_rows(None, cache)
+    for step in range(12):
+        if step == 3:                                                   # a shorter row joins: filler slots
+            joined, first = _prefill(model, _ids(7, 2), cfg)
+            cache = merge_rows(cache, joined)
+            tokens = torch.cat([tokens, first])
+            check(cache)
+            assert all(layer._maybe_masked for layer in cache.layers)
+        tokens = _decode(model, cache, tokens)
+        check(cache)
+    padded = make_cache(model=model, **cfg)
+    ids, mask = torch.tensor(_ids(18, 4)).view(2, 9), torch.ones(2, 9, dtype=torch.long)
+    mask[0, :4] = 0                                                     # left padding
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, cache=padded)
+    check(padded)
+    assert all(layer._maybe_masked for layer in padded.layers)

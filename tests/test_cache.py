@@ -165,7 +165,7 @@ def test_fused_prefill_output_and_lse_probabilities_equal_the_explicit_attention
     """A fresh prompt's outputs come from the fused causal kernel (the full cache's numbers) and its observed
     queries' probabilities from exp(score - lse) over the keys they see: equal to the softmax of
     `explicit_attention` (float32: to rounding; bfloat16: to the rounding of bfloat16 scores)."""
-    from scissorhands.attention import causal_attention_lse, causal_probs, explicit_attention
+    from scissorhands.attention import causal_attention_lse, causal_probs, causal_probs_chunks, explicit_attention
 
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, h, 40, 16, generator=g).to(dtype) for h in (4, 2, 2))     # GQA: 4 query heads, 2 KV
@@ -180,3 +180,9 @@ def test_fused_prefill_output_and_lse_probabilities_equal_the_explicit_attention
         assert bool((probs[..., :, -1][..., :-1] == 0).all())                             # a later key gets zero
         without_lse = causal_probs(q[:, :, s:e], k[:, :, :e], 0.25, None)
         torch.testing.assert_close(without_lse, expect[..., s:e, :e], atol=atol, rtol=0)
+    # the chunked form (bfloat16: one matmul per 10 queries, 12 rounded down to whole chunks of 5): the same
+    # numbers chunk by chunk, over the last 24 queries
+    chunks = [(s, e, p.clone()) for s, e, p in causal_probs_chunks(q[:, :, 16:], k, 0.25, lse[:, :, 16:], 5, 12)]
+    assert [(s, e) for s, e, _ in chunks] == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 24)]
+    for s, e, probs in chunks:
+        torch.testing.assert_close(probs, expect[..., 16 + s:16 + e, :16 + e], atol=atol, rtol=0)

@@ -443,7 +443,6 @@ def test_snapkv_observes_the_last_window_size_queries(model):
     assert [(tuple(probs.shape[:3]), first) for probs, _, first, _ in rec.log] == [((1, 2, 1), 40)]
 
 
-
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "3", None])
 def test_check_int_refuses_what_is_not_a_whole_number_in_range_naming_the_field(value):
     from scissorhands.checks import check_int
@@ -467,3 +466,24 @@ def test_the_library_and_the_engine_give_one_integer_message(make, message):
     generator's arguments, so every such error names its field the same way."""
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         make()
+
+
+def test_scissorhands_below_threshold_is_exact_arithmetic():
+    """`p * n_t < threshold` decided as one float32 comparison against the smallest float32 at or above
+    `threshold / n_t`: equal to the float64 product (exact for float32 p and n_t < 2**24), also for
+    probabilities placed exactly at and one float32 step below each query's threshold."""
+    g = torch.Generator().manual_seed(5)
+    for threshold in (1.0, 0.7, 0.5):
+        pol = POLICIES["scissorhands"](threshold=threshold)
+        visible = torch.rand(2, 3, 40, 37, generator=g) > 0.3
+        visible[0, 0, 0] = False                                            # a query that sees nothing
+        n_t = visible.sum(-1, keepdim=True)
+        at = (threshold / n_t.clamp(min=1).double()).float()                # nearest float32 to the threshold
+        probs = torch.rand(2, 3, 40, 37, generator=g) / 10
+        probs[..., :5] = at.expand(-1, -1, -1, 5)
+        probs[..., 5:10] = torch.nextafter(at, torch.zeros(())).expand(-1, -1, -1, 5)
+        probs[..., 10:15] = torch.nextafter(at, torch.ones(())).expand(-1, -1, -1, 5)
+        exact = visible & (probs.double() * n_t.double() < threshold)
+        assert torch.equal(pol._below(probs, visible), exact)
+        everyone = pol._below(probs, None)
+        assert torch.equal(everyone, probs.double() * probs.shape[-1] < threshold)

