@@ -158,6 +158,12 @@ bench-cache: install
 bench-prefill: install
 	$(PY) bench/bench_prefill.py $(ARGS)
 
+# Our engine's full-cache decode step against transformers' generate (sdpa + DynamicCache), paired per round,
+# CPU and wall time, batches 1 4 16 32 in float32 and bfloat16 (bench/bench_decode.py; docs/performance.md).
+.PHONY: bench-decode
+bench-decode: install
+	$(PY) bench/bench_decode.py $(ARGS)
+
 # This machine's ceilings (memory bandwidth, matmul GFLOP/s per dtype) and decode tok/s of our engine and of
 # transformers' generate per batch and dtype, each as a share of the roofline (bench/roofline.py; docs/performance.md).
 .PHONY: roofline

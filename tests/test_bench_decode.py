@@ -1,0 +1,36 @@
+"""bench/bench_decode.py: what one timed step is, on both sides, and the argument checks (no timing asserted)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scissorhands.testing import tiny_llama
+
+_bench = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(_bench))                                  # bench_decode imports bench_prefill's conditions
+_spec = importlib.util.spec_from_file_location("bench_decode", _bench / "bench_decode.py")
+bench_decode = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_decode)
+
+
+def test_each_side_times_exactly_the_decode_steps_asked_for():
+    """Ours: the engine steps after the one that prefills (each a decode step of every row); transformers: the
+    gaps between logits-processor calls of one generate. Both yield `steps` (wall_s, cpu_s) pairs, >= 0."""
+    torch.manual_seed(0)
+    model = tiny_llama(0)
+    model.generation_config.eos_token_id = None
+    rows = torch.randint(1, 128, (3, 11)).tolist()
+    for fn in (bench_decode.ours_steps, bench_decode.generate_steps):
+        steps = fn(model, rows, 4)
+        assert len(steps) == 4 and all(w >= 0 and c >= 0 for w, c in steps)
+    assert model.config._attn_implementation == "scissorhands"      # generate_steps puts the attention back
+
+
+@pytest.mark.parametrize("argv,field", [(["--dtypes", "float64"], "--dtypes"), (["--steps", "0"], "--steps"),
+                                        (["--batches", "0"], "--batches")])
+def test_bad_arguments_name_the_flag(argv, field, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_decode.main(argv)
+    assert exc.value.code != 0 and field in capsys.readouterr().err
