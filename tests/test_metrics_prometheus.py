@@ -456,11 +456,6 @@ def test_sweep_completes_with_the_pushgateway_down(stack, tmp_path):
 
 @pytest.fixture(scope="module")
 def real_sweep(stack, tmp_path_factory):
-    from ray import serve as ray_serve
-
-    # the OpenAI service's part is done (HTTP row, published names): stop it, so the sweep's replicas
-    # export and get scraped on this loaded machine as without it (their final counters are checked)
-    ray_serve.shutdown()
     run_id = "metrics-test-real-sweep"
     proc, points, started = _run_sweep(stack, tmp_path_factory.mktemp("sweep"), run_id, stack["pushgateway"],
                                        new_tokens=LIVE_NEW_TOKENS)
