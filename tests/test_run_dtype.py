@@ -70,27 +70,40 @@ def test_serve_app_deployments_share_one_dtype(alternating_probe):
     assert len(reasons) == 1 and "resolved once for the run" in reasons.pop()
 
 
-@pytest.mark.ray
-def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, monkeypatch):
-    """A real sweep on 2 Ray replicas (tiny model): the probe runs once, in one Ray task, and every point
-    records the same dtype and reason (before: exit 2 mid-run from check_resolved_dtype, or mixed dtypes)."""
+@pytest.fixture(scope="module")
+def ray_fake_probe(tmp_path_factory):
+    """A local Ray cluster whose workers run the alternating probe; yields its counter file (emptied per test)."""
+    import os
+
     import ray
 
-    from workloads import sweep
-
-    counter = tmp_path / "probe-calls"
-    monkeypatch.setenv(COUNTER_ENV, str(counter))
+    counter = tmp_path_factory.mktemp("probe") / "probe-calls"
+    before = os.environ.get(COUNTER_ENV)
+    os.environ[COUNTER_ENV] = str(counter)
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"worker_process_setup_hook": "tests.dtype_fakes.install_alternating_probe",
                           "env_vars": {COUNTER_ENV: str(counter)}})
-    try:
-        suite = tmp_path / "tiny.yaml"
-        suite.write_text(yaml.safe_dump(dict(
-            kind="batch", name="tiny", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[5],
-            batch_sizes=[1], prompt_tokens=[16], new_tokens=[4], seed=0, replicas=2, dtype="auto")))
-        rc = sweep.main([str(suite), "--results-dir", str(tmp_path / "results"), "--run-id", "run1"])
-    finally:
-        ray.shutdown()
+    yield counter
+    ray.shutdown()
+    if before is None:
+        os.environ.pop(COUNTER_ENV, None)
+    else:
+        os.environ[COUNTER_ENV] = before
+
+
+@pytest.mark.ray
+def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe):
+    """A real sweep on 2 Ray replicas (tiny model): the probe runs once, in one Ray task, and every point
+    records the same dtype and reason (before: each replica probed, bfloat16 on one, float32 on the other)."""
+    from workloads import sweep
+
+    counter = ray_fake_probe
+    counter.unlink(missing_ok=True)
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text(yaml.safe_dump(dict(
+        kind="batch", name="tiny", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[5],
+        batch_sizes=[1], prompt_tokens=[16], new_tokens=[4], seed=0, replicas=2, dtype="auto")))
+    rc = sweep.main([str(suite), "--results-dir", str(tmp_path / "results"), "--run-id", "run1"])
     run_dir = Path(tmp_path / "results" / "run1")
     points = [json.loads(line) for line in (run_dir / "points.jsonl").read_text().splitlines()]
     assert rc == 0
@@ -101,3 +114,31 @@ def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, monkeypatch):
     assert len(reasons) == 1 and "resolved once for the run on node " in reasons.pop()
     meta = json.loads((run_dir / "run.json").read_text())
     assert [d["dtype"] for d in meta["dtypes"]] == ["bfloat16"]
+
+
+@pytest.mark.ray
+def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, monkeypatch):
+    """A serving sweep on 2 Ray serving replicas: both load the dtype resolved once for the run."""
+    import argparse
+
+    from workloads import serving_sweep
+
+    counter = ray_fake_probe
+    counter.unlink(missing_ok=True)
+    started = []
+    real_start = serving_sweep.RayReplicaPool.start
+    monkeypatch.setattr(serving_sweep.RayReplicaPool, "start",
+                        lambda self: started.extend(real_start(self)) or list(started))
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump(dict(
+        kind="serving", name="s", model="tiny-llama", policies=["full"], mode="concurrency", loads=[1],
+        prompt_tokens={"dist": "uniform", "min": 8, "max": 12}, new_tokens={"dist": "uniform", "min": 2, "max": 3},
+        num_requests=2, warmup_requests=0, seed=0, replicas=2, dtype="auto")))
+    args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
+                              resume=None, address=None, pushgateway="off")
+    assert serving_sweep.run_serving_sweep(args) == 0
+    assert len(started) == 2
+    assert [i["dtype"] for i in started] == ["bfloat16", "bfloat16"]
+    assert probe_calls(counter) == 1
+    assert started[0]["dtype_reason"] == started[1]["dtype_reason"]
+    assert "resolved once for the run on node " in started[0]["dtype_reason"]
