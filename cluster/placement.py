@@ -9,20 +9,18 @@ A suite may carry a ``placement:`` mapping (all keys optional)::
       resources: {a100: 1}      # custom Ray resources per replica (node types, fake GPUs in tests)
       gpu_memory_fraction: 0.9  # cap of each GPU's memory given to weights (accelerate max_memory)
       max_memory_per_gpu_bytes: null   # explicit weight cap per GPU (wins over the fraction)
-      max_restarts: 2           # Ray restarts of a replica whose process died
-      max_task_retries: 1       # a point in flight on a dead replica runs again on the restarted one
+      max_restarts: 2           # the run stops after replicas x (this + 1) replica deaths
+      max_task_retries: 1       # a point in flight on a dead replica is queued again this many times
       ready_timeout_s: 600      # wait this long for every replica to be placed and loaded
                                 # (default: $SCISSORHANDS_READY_TIMEOUT_S, else 600)
 
-How replicas are placed. The replica set reserves **one placement group with one bundle per
-replica**; a bundle holds every resource of its replica (CPUs, GPUs, custom resources). Ray never
-splits a bundle across nodes, so a replica with several GPUs always gets them on one node (what a
-per-replica ``STRICT_PACK`` group would give), and the group's ``strategy`` decides how the
-replicas share nodes: ``SPREAD`` (default) puts them on as many nodes as it can, ``STRICT_SPREAD``
-demands one node per replica, ``PACK``/``STRICT_PACK`` fill nodes first. Each replica actor is
-scheduled into its own bundle (`PlacementGroupSchedulingStrategy`), created with
-``.options(num_cpus=, num_gpus=, resources=)``, and restarted in place by Ray when its process
-dies (``max_restarts``; a point in flight is retried once, ``max_task_retries``).
+How replicas are placed: every runner's replicas are a Ray Serve deployment
+(`cluster.serve_replicas`, the one replica lifecycle), each replica in **a placement group of its own
+with one bundle** holding every resource it asks for (CPUs, GPUs, custom resources). Ray never
+splits a bundle across nodes, so a replica with several GPUs always gets them on one node. Across
+replicas Serve spreads them over the nodes (``SPREAD``); ``STRICT_SPREAD`` allows one replica per node
+(``max_replicas_per_node: 1``); ``PACK``/``STRICT_PACK`` are left to Serve's scheduler. Serve replaces a
+replica whose process died; the point it was running is queued again (``max_task_retries``).
 
 A replica that Ray gave several GPUs loads its model on the CPU, plans an accelerate
 ``device_map`` over exactly those GPUs (``CUDA_VISIBLE_DEVICES`` set by Ray, so ``0..n-1``) with
@@ -31,7 +29,10 @@ and dispatches the layers; the Scissorhands cache allocates each layer's slots o
 device. Every point records ``node_id``, ``node_ip``, ``accelerator_ids`` (Ray's GPU ids),
 ``devices`` (the torch devices of the weights) and ``replica_pid``.
 
-Ray is imported lazily so that suites can be validated without it.
+This module keeps what does not depend on Serve: the ``placement:`` config, the resource checks
+(`fit_share`, `check_fits`, `replica_bundle`), the not-ready message, and the replica's own loading
+(`PlacedReplica`, `load_sharded`, `plan_device_map`). Ray is imported lazily so that suites can be
+validated without it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -222,146 +222,6 @@ def check_fits(bundle: Mapping[str, float], replicas: int, strategy: str, nodes:
         )
 
 
-class ReplicaSet:
-    """`n` replica actors in one placement group (one bundle per replica).
-
-    Args:
-        n: number of replicas.
-        placement: the suite's `PlacementConfig`.
-        num_cpus, num_gpus: the sweep's default resources per replica; the config's values win.
-        num_threads: torch threads per replica (default: the replica's CPUs, at least 1).
-        replica_kwargs: keyword arguments of `PlacedReplica` / `ModelReplica`
-            (model_spec, dtype, device, prompt_fn, ...).
-        name_prefix: replica ids are ``<prefix>-<i>``.
-
-    `start()` returns the actor handles; `replace(actor)` starts a new actor in the same bundle
-    (for a replica whose restarts are used up); `shutdown()` kills the actors and frees the group.
-    """
-
-    def __init__(
-        self,
-        n: int,
-        placement: PlacementConfig | None = None,
-        *,
-        num_cpus: float = 1.0,
-        num_gpus: float = 0.0,
-        num_threads: int | None = None,
-        replica_kwargs: Mapping[str, Any] | None = None,
-        name_prefix: str = "replica",
-    ):
-        if n < 1:
-            raise PlacementError(f"replicas: must be >= 1, got {n}")
-        self.n = n
-        self.placement = placement or PlacementConfig()
-        cfg = self.placement
-        self.num_cpus = float(cfg.num_cpus if cfg.num_cpus is not None else num_cpus)
-        self.num_gpus = float(cfg.num_gpus if cfg.num_gpus is not None else num_gpus)
-        self.resources = dict(cfg.resources)
-        self.num_threads = num_threads if cfg.num_cpus is None and num_threads else max(1, int(self.num_cpus))
-        self.replica_kwargs = dict(replica_kwargs or {})
-        self.name_prefix = name_prefix
-        self.bundle = replica_bundle(self.num_cpus, self.num_gpus, self.resources)
-        self.pg = None
-        self.actors: list = []
-        self._bundle_of: dict = {}
-        self._replacements = 0
-
-    def start(self) -> list:
-        """Reserve the placement group (waits up to `ready_timeout_s`) and start the actors.
-
-        Raises:
-            PlacementError: no node can hold a replica, or the group could not be placed in
-                time (the message lists what each node has free).
-        """
-        import ray
-        from ray.util.placement_group import placement_group
-
-        nodes = _alive_nodes(ray)
-        if self.placement.num_cpus is None:
-            self._cap_cpus_to_one_node(nodes)
-        check_fits(self.bundle, self.n, self.placement.strategy, nodes)
-        self.pg = placement_group([dict(self.bundle) for _ in range(self.n)], strategy=self.placement.strategy)
-        if not self.pg.wait(timeout_seconds=self.placement.ready_timeout_s):
-            free = ray.available_resources()
-            ray.util.remove_placement_group(self.pg)
-            self.pg = None
-            raise PlacementError(
-                f"placement: {self.n} replica(s) of {self.bundle} ({self.placement.strategy}) could not be placed "
-                f"within {self.placement.ready_timeout_s:g} s; free now: {free}"
-            )
-        self.actors = [self._actor(i, f"{self.name_prefix}-{i}") for i in range(self.n)]
-        return list(self.actors)
-
-    def _cap_cpus_to_one_node(self, nodes: list[dict]) -> None:
-        """A default CPU share (cluster CPUs / replicas) can exceed every node; cap it at the
-        most CPUs one node that holds the replica's other resources has."""
-        others = {k: v for k, v in self.bundle.items() if k != "CPU"}
-        cpus = [n.get("Resources", {}).get("CPU", 0.0) for n in nodes
-                if all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in others.items())]
-        most = max(cpus, default=0.0)
-        if 0 < most < self.num_cpus:
-            self.num_cpus = float(most)
-            self.num_threads = max(1, int(most))
-            self.bundle = replica_bundle(self.num_cpus, self.num_gpus, self.resources)
-
-    def _actor(self, bundle_index: int, replica_id: str):
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        cfg = self.placement
-        actor = PlacedReplicaActor.options(
-            num_cpus=self.num_cpus,
-            num_gpus=self.num_gpus,
-            resources=self.resources or None,
-            max_restarts=cfg.max_restarts,
-            max_task_retries=cfg.max_task_retries,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.pg,
-                placement_group_bundle_index=bundle_index,
-                placement_group_capture_child_tasks=True,
-            ),
-        ).remote(
-            replica_id=replica_id,
-            num_threads=self.num_threads,
-            gpu_memory_fraction=cfg.gpu_memory_fraction,
-            max_memory_per_gpu_bytes=cfg.max_memory_per_gpu_bytes,
-            **self.replica_kwargs,
-        )
-        self._bundle_of[actor] = bundle_index
-        return actor
-
-    def replace(self, actor):
-        """Kill `actor` (if still there) and start a new one in its bundle; return the new handle."""
-        import ray
-
-        index = self._bundle_of.pop(actor)
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:
-            pass
-        self._replacements += 1
-        new = self._actor(index, f"{self.name_prefix}-{index}-r{self._replacements}")
-        self.actors = [new if a is actor else a for a in self.actors]
-        return new
-
-    def shutdown(self) -> None:
-        """Kill every actor and remove the placement group (safe to call twice)."""
-        import ray
-
-        for a in list(self._bundle_of):
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        self._bundle_of.clear()
-        self.actors = []
-        if self.pg is not None:
-            try:
-                ray.util.remove_placement_group(self.pg)
-            except Exception:
-                pass
-            self.pg = None
-
-
 # -- sharding a replica over its GPUs ------------------------------------------------------
 def gpu_max_memory(
     n_gpus: int, *, fraction: float = 0.9, per_gpu_bytes: int | None = None, totals_bytes: list[int] | None = None
@@ -434,11 +294,12 @@ def load_sharded(model_spec: str, dtype: str, max_memory: Mapping[int, int]):
 
 
 class PlacedReplica(ModelReplica):
-    """`ModelReplica` inside a Ray actor: records where it runs; shards over several GPUs.
+    """`ModelReplica` inside a Ray Serve replica (`cluster.serve_replicas.PointReplica`): records where it
+    runs; shards over several GPUs.
 
     Extra args: `gpu_memory_fraction`, `max_memory_per_gpu_bytes` (see `gpu_max_memory`).
     `info()` and every `run_batch` result add `node_id`, `node_ip`, `accelerator_ids`,
-    `devices`, `replica_pid` and `replica_restarted` (True after Ray restarted the actor).
+    `devices` and `replica_pid`.
     """
 
     def __init__(
@@ -454,9 +315,6 @@ class PlacedReplica(ModelReplica):
         kwargs.setdefault("node_id", ctx.get_node_id())
         self.node_ip = ray.util.get_node_ip_address()
         self.accelerator_ids = [str(i) for i in ctx.get_accelerator_ids().get("GPU", [])]
-        with warnings.catch_warnings():  # Ray 2.60 warns about an internal deprecated call here
-            warnings.simplefilter("ignore")
-            self.replica_restarted = bool(ctx.was_current_actor_reconstructed)
         self.device_map = None
         self.load_error: BaseException | None = None
         self.replica_id = kwargs.get("replica_id", "replica-0")
@@ -500,7 +358,6 @@ class PlacedReplica(ModelReplica):
             "accelerator_ids": list(self.accelerator_ids),
             "devices": list(getattr(self, "devices", [str(self.device)])),
             "replica_pid": os.getpid(),
-            "replica_restarted": self.replica_restarted,
         }
 
     def info(self) -> dict:
@@ -525,41 +382,6 @@ def _count_by_device(device_map: Mapping[str, int] | None) -> dict | None:
     for d in device_map.values():
         counts[f"cuda:{d}"] = counts.get(f"cuda:{d}", 0) + 1
     return counts
-
-
-def _remote_class():
-    import ray
-
-    return ray.remote(PlacedReplica)
-
-
-class _LazyActorClass:
-    """`ray.remote(PlacedReplica)`, built on first use so importing this module needs no Ray."""
-
-    _cls = None
-
-    def __getattr__(self, name: str):
-        if _LazyActorClass._cls is None:
-            _LazyActorClass._cls = _remote_class()
-        return getattr(_LazyActorClass._cls, name)
-
-
-PlacedReplicaActor = _LazyActorClass()
-
-
-def wait_placed(actors: list, timeout_s: float | None = None, what: str = "replica(s)") -> list[dict]:
-    """`info()` of every actor (model loaded); raises the first load error as the actor raised it.
-
-    Raises:
-        PlacementError: not every actor answered within `timeout_s` seconds (None: no bound); the
-            message says how long, what is free on the cluster and which nodes are alive.
-    """
-    import ray
-
-    try:
-        return ray.get([a.info.remote() for a in actors], timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise PlacementError(not_ready_message(ray, len(actors), what, timeout_s)) from None
 
 
 def not_ready_message(ray, n: int, what: str, timeout_s: float | None) -> str:

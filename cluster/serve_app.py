@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import asdict
@@ -35,7 +36,7 @@ from typing import Any
 
 from ray import serve
 
-from cluster.engine import EngineConfig
+from cluster.engine import EngineConfig, GenerationRequest
 from cluster.openai_api import build_app, cache_metadata
 from cluster.serving_replica import ServingReplica
 
@@ -54,19 +55,39 @@ METRICS_REPORT_INTERVAL_MS = "5000"
 @serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=5,
                   health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
 class EngineDeployment:
-    """One Serve replica: a `ServingReplica` configured with one cache configuration."""
+    """One Serve replica: a `ServingReplica` running one cache configuration.
 
-    def __init__(self, model_id: str, model_spec: str, engine_config: dict, dtype: str = "auto",
+    The HTTP service passes `engine_config` at construction; the serving sweep configures every
+    running replica before each point (`configure`, `cluster.serve_replicas.ServeReplicaSet.broadcast`).
+    """
+
+    def __init__(self, model_id: str, model_spec: str, engine_config: dict | None = None, dtype: str = "auto",
                  device: str = "cpu", num_threads: int | None = None, dtype_reason: str | None = None):
+        import ray
+
         ctx = serve.get_replica_context()
         self.replica = ServingReplica(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads,
                                       replica_id=f"{model_id}#{ctx.replica_tag if ctx else 0}",
-                                      dtype_reason=dtype_reason)
-        self.replica.configure(engine_config)
+                                      node_id=ray.get_runtime_context().get_node_id(), dtype_reason=dtype_reason)
+        if engine_config is not None:
+            self.replica.configure(engine_config)
+
+    def configure(self, engine_config: dict, run_id: str | None = None) -> dict:
+        """A new engine with `engine_config` (`ServingReplica.configure`); returns the replica's `info()`."""
+        return self.replica.configure(engine_config, run_id)
 
     async def stream(self, request: dict):
         async for ev in self.replica.stream(request):
             yield ev
+
+    async def generate(self, request: GenerationRequest) -> dict:
+        """One request, answered whole: `GenerationResult` fields plus ``replica_stats`` (the engine's
+        counters and peaks after it, `ServingReplica.stats`, with the replica's ``node_id`` and
+        ``hostname``), so the caller learns every replica's figures from the replies it gets."""
+        out = await self.replica.generate(request)
+        out["replica_stats"] = {**await self.replica.stats(), "node_id": self.replica.node_id,
+                                "hostname": socket.gethostname()}
+        return out
 
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         return await self.replica.check(prompt_tokens, max_new_tokens)
@@ -74,9 +95,15 @@ class EngineDeployment:
     async def stats(self) -> dict:
         return await self.replica.stats()
 
+    def info(self) -> dict:
+        return self.replica.info()
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        return self.replica.max_batch_for(prompt_tokens, max_new_tokens)
+
     def check_health(self) -> None:
         loop = self.replica.loop
-        if loop is None or not loop.alive:
+        if loop is not None and not loop.alive:                # None only while `configure` swaps engines
             raise RuntimeError(f"engine thread stopped: {loop and loop.error}")
 
     def crash(self) -> None:

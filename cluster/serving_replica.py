@@ -1,4 +1,4 @@
-"""A replica that serves requests with continuous batching (plain class; Ray wrapper in `ray_serving`).
+"""A replica that serves requests with continuous batching (plain class; Serve wrapper in `serve_app`).
 
 `ServingReplica` owns a model and, once `configure`d, a `ContinuousBatchingEngine` stepping on its
 own thread (`EngineLoop`). `generate(request)` is a coroutine: it queues the request and resolves

@@ -1,5 +1,7 @@
-"""Serving replicas as Ray actors (loopback): generation through the router, health answered during
-generation (separate concurrency group), a crashed replica detected and replaced."""
+"""Serving replicas as one Ray Serve deployment (`workloads.serving_sweep.ServeReplicaPool`, loopback, no
+HTTP proxy): requests routed by Serve over both replicas, each reply carrying its replica's figures,
+the replica's event loop answering while its engine generates, a point's engine configuration pushed to
+the running replicas, and a replica that dies replaced by Serve and configured again."""
 from __future__ import annotations
 
 import asyncio
@@ -18,44 +20,56 @@ def ray_session():
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     yield ray
+    from ray import serve
+
+    serve.shutdown()
     ray.shutdown()
 
 
-def test_actors_serve_through_the_router_and_health_never_waits_behind_generation(ray_session):
-    ray = ray_session
-    from cluster.engine import GenerationRequest
-    from cluster.router import Router
-    from workloads.serving_sweep import RayReplicaPool
+def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_replica(ray_session):
+    from ray import serve
 
-    pool = RayReplicaPool(2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0,
-                          num_threads=1)
+    from cluster.engine import GenerationRequest
+    from workloads.serving_sweep import ServeReplicaPool
+
+    pool = ServeReplicaPool(2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0,
+                            num_threads=1, run_id="t1")
     try:
-        infos = pool.start()
-        assert sorted(i["replica_id"] for i in infos) == ["serving-0", "serving-1"]
-        pool.configure({"policy": "scissorhands", "budget_tokens": 32})
-        router = Router(pool.clients())
-        long = [GenerationRequest(f"long-{i}", list(range(1, 100)), 400) for i in range(4)]
+        (info,) = pool.start()
+        assert info["replica_id"].startswith("serving#") and info["dtype"] == "float32"
+        assert pool.rset.app_name.startswith("serving-t1-") and pool.rset.app_name in serve.status().applications
+        pool.configure({"policy": "scissorhands", "budget_tokens": 32}, run_id="t1")
+        client = pool.client()
+        long = [GenerationRequest(f"long-{i}", list(range(1, 100)), 300) for i in range(6)]
 
         async def go():
-            gen = asyncio.gather(*(router.generate(r) for r in long))
-            seen, worst_s = [], 0.0
-            while not gen.done():                        # poll health while the batch generates
+            gen = asyncio.gather(*(client.generate(r) for r in long))
+            worst_s, polls = 0.0, 0
+            while not gen.done():                    # the replicas' event loops answer while they generate
                 t0 = time.perf_counter()
-                seen.append(await pool.actors[0].health.remote())
-                worst_s = max(worst_s, time.perf_counter() - t0)
+                await pool.rset.handle.stats.remote()
+                worst_s, polls = max(worst_s, time.perf_counter() - t0), polls + 1
                 await asyncio.sleep(0.2)
-            return seen, worst_s, await gen
-        seen, worst_s, results = asyncio.run(go())
-        assert any(h["engine_alive"] and h["running_sequences"] >= 1 for h in seen)   # answered mid-generation
-        assert worst_s < 5.0
-        assert all(len(r["output_ids"]) == 400 and r["error_kind"] is None for r in results)
-        assert {r["replica_id"] for r in results} == {"serving-0", "serving-1"}
+            return worst_s, polls, await gen
+        worst_s, polls, results = asyncio.run(go())
+        assert polls >= 1 and worst_s < 5.0
+        assert all(len(r["output_ids"]) == 300 and r["error_kind"] is None and "replica_stats" not in r for r in results)
+        ids = {r["replica_id"] for r in results}
+        assert len(ids) == 2                                             # Serve used both replicas
         stats = pool.stats(reset=True)
-        assert all(s["peak_running_sequences"] == 2 and s["budget_tokens"] == 32 for s in stats)
-        # a replica that dies is found by the health check and replaced (reconfigured)
-        pool.actors[1].crash.remote()
-        time.sleep(2.0)
-        assert pool.restart_dead() == ["serving-1"]
-        assert ray.get(pool.actors[1].health.remote())["configured"] is True
+        assert [s["replica_id"] for s in stats] == sorted(ids)
+        assert all(s["budget_tokens"] == 32 and s["node_id"] and s["hostname"] for s in stats)
+        assert sum(s["completed_requests"] for s in stats) == 6 and pool.stats() == []
+        # a replica that dies: Serve replaces it and gives it the current configuration
+        pool.rset.handle.crash.remote()
+        time.sleep(3.0)
+        pool.configure({"policy": "scissorhands", "budget_tokens": 16}, run_id="t1")
+        client = pool.client()
+        async def burst():
+            return await asyncio.gather(*(client.generate(GenerationRequest(f"r-{i}", [1, 2, 3], 4)) for i in range(8)))
+        results = asyncio.run(burst())
+        assert all(r["error_kind"] is None for r in results)
+        assert {s["budget_tokens"] for s in pool.stats()} == {16}
     finally:
         pool.close()
+    assert pool.rset.app_name not in serve.status().applications          # only its own app, deleted

@@ -7,7 +7,7 @@ node exporting metrics on its own port. The custom resource `fake_gpu` stands in
 * a sweep's replicas land on both nodes, and every point records its node;
 * a replica that needs 2 "GPUs" lands whole on the node that has 2; one that needs 3 (the
   cluster has 3, but on two nodes) is refused at once, naming the resource;
-* a replica process killed mid-sweep is restarted by Ray, the point in flight runs again, the
+* a replica process killed mid-sweep is replaced by Serve, the point in flight runs again, the
   sweep finishes with every point ok, and the lines written before the kill are unchanged;
 * case L13 through `ray job submit`: a suite whose model path does not exist makes the job
   FAILED (exit 1), the points already written stay, the error names the path;
@@ -134,25 +134,28 @@ def test_replicas_land_on_both_nodes_and_the_sweep_completes(two_nodes, tmp_path
 def test_multi_gpu_replica_stays_on_one_node(two_nodes):
     import ray
 
-    from cluster.placement import PlacementError, ReplicaSet, parse_placement, wait_placed
+    from cluster.placement import PlacementError, parse_placement
+    from cluster.serve_replicas import point_replicas
 
-    rs = ReplicaSet(1, parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 2}}),
-                    replica_kwargs={"model_spec": "tiny-llama", "warmup": False})
+    rs = point_replicas(1, parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 2}}),
+                        {"model_spec": "tiny-llama", "warmup": False}, num_cpus=1, num_gpus=0, num_threads=1,
+                        app_name="multi-gpu-test")
     try:
-        (actor,) = rs.start()
-        (info,) = wait_placed([actor], timeout_s=120)
+        rs.start()
+        (info,) = rs.broadcast("info").values()
         assert info["node_id"] == two_nodes["worker"]  # the only node with 2 fake GPUs
-        table = ray.util.placement_group_table(rs.pg)
-        assert table["strategy"] == "SPREAD" and table["bundles"] == {0: {"CPU": 1.0, "fake_gpu": 2.0}}
-        assert set(table["bundles_to_node_id"].values()) == {two_nodes["worker"]}
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"
+                  and g["bundles"] == {0: {"CPU": 1.0, "fake_gpu": 2.0}}]
+        assert len(groups) == 1 and set(groups[0]["bundles_to_node_id"].values()) == {two_nodes["worker"]}
     finally:
         rs.shutdown()
-    # 3 fake GPUs exist, but no node has 3: refused at once, before any actor starts
-    too_big = ReplicaSet(1, parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 3}}))
+    # 3 fake GPUs exist, but no node has 3: refused at once, before any replica starts
+    too_big = point_replicas(1, parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 3}}), {}, num_cpus=1,
+                             num_gpus=0, num_threads=1, app_name="too-big-test")
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match="fake_gpu: asks 3, the largest node has 2"):
         too_big.start()
-    assert time.monotonic() - t0 < 10 and too_big.pg is None
+    assert time.monotonic() - t0 < 10 and too_big.handle is None
 
 
 def test_replica_killed_mid_sweep_is_restarted_and_nothing_written_is_lost(two_nodes, tmp_path):
@@ -174,9 +177,8 @@ def test_replica_killed_mid_sweep_is_restarted_and_nothing_written_is_lost(two_n
     recs = [json.loads(line) for line in lines]
     assert len(recs) == 16 and all(r["status"] == "ok" for r in recs)
     assert len({r["point_id"] for r in recs}) == 16
-    restarted = [r for r in recs if r["replica_restarted"]]
-    assert restarted and all(r["replica_pid"] != victim for r in restarted)
-    assert recs[0]["replica_restarted"] is False
+    replaced = [r for r in recs if r["replica_pid"] != victim]   # Serve's new replica ran the rest
+    assert replaced and {r["replica_id"] for r in replaced}.isdisjoint({recs[0]["replica_id"]})
 
 
 def test_l13_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tmp_path, capsys):

@@ -173,7 +173,7 @@ def test_batch_replica_never_placed_fails_within_the_bound(cpus_held, tmp_path, 
     rc, run_dir, took_s = _run(tmp_path, "batch-held", {**BATCH, "placement": {"ready_timeout_s": 4}}, "b2")
     err = capsys.readouterr().err
     assert rc == 1
-    assert "could not be placed within 4 s" in err and "free now" in err, err[-2000:]
+    assert "not placed and loaded within 4 s" in err and "free now" in err, err[-2000:]
     assert took_s < 60
 
 
@@ -189,7 +189,7 @@ def test_quality_replicas_never_placed_fail_within_the_bound(cpus_held, tmp_path
     t0 = time.monotonic()
     rc = runner.main([str(suite), "--results-dir", str(tmp_path / "r"), "--run-id", "q", "--pushgateway", "off"])
     err = capsys.readouterr().err
-    assert rc == 1 and "could not be placed within 4 s" in err and "free now" in err, err[-2000:]
+    assert rc == 1 and "not placed and loaded within 4 s" in err and "free now" in err, err[-2000:]
     assert time.monotonic() - t0 < 60
 
 

@@ -6,13 +6,13 @@ from cluster.placement import (
     PLACEMENT_STRATEGIES,
     PlacementConfig,
     PlacementError,
-    ReplicaSet,
     check_fits,
     gpu_max_memory,
     parse_placement,
     plan_device_map,
     replica_bundle,
 )
+from cluster.serve_replicas import point_replicas
 from scissorhands.testing import tiny_llama
 from workloads.suite import SuiteError, parse_suite
 
@@ -71,6 +71,11 @@ def test_bundle_holds_every_resource_of_one_replica():
     assert replica_bundle(0.5, 0, {"fake_gpu": 0}) == {"CPU": 0.5}
 
 
+def ReplicaSet(n, placement=None, num_cpus=1.0, num_gpus=0.0, num_threads=None):
+    return point_replicas(n, placement, {"model_spec": "tiny-llama"}, num_cpus=num_cpus, num_gpus=num_gpus,
+                          num_threads=num_threads, app_name="t")
+
+
 def test_replica_set_resources_config_wins_over_sweep_defaults():
     rs = ReplicaSet(2, parse_placement({"num_cpus": 3, "resources": {"fake_gpu": 2}}), num_cpus=1, num_gpus=0, num_threads=1)
     assert rs.bundle == {"CPU": 3.0, "fake_gpu": 2.0}
@@ -79,6 +84,21 @@ def test_replica_set_resources_config_wins_over_sweep_defaults():
     assert rs.bundle == {"CPU": 1.0, "GPU": 1.0} and rs.num_threads == 1
     with pytest.raises(PlacementError, match="replicas: must be >= 1, got 0"):
         ReplicaSet(0)
+
+
+def test_serve_deployment_options_place_each_replica_in_one_bundle():
+    """Serve's options carry the placement: one bundle per replica holding all its resources, the actor
+    asking for the same (so Ray sets CUDA_VISIBLE_DEVICES to its GPUs), one point at a time, STRICT_SPREAD
+    as one replica per node, the weight caps and torch threads for the replica's own loading."""
+    rs = ReplicaSet(3, parse_placement({"num_cpus": 2, "num_gpus": 2, "resources": {"a100": 1},
+                                        "strategy": "STRICT_SPREAD", "gpu_memory_fraction": 0.5}))
+    opts = rs.options()
+    assert opts["num_replicas"] == 3 and opts["max_ongoing_requests"] == 1
+    assert opts["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 2.0, "a100": 1.0}]
+    assert opts["placement_group_strategy"] == "STRICT_PACK" and opts["max_replicas_per_node"] == 1
+    assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 2.0, "resources": {"a100": 1.0}}
+    assert rs.init_kwargs["gpu_memory_fraction"] == 0.5 and rs.num_threads == 2
+    assert "max_replicas_per_node" not in ReplicaSet(2).options()
 
 
 NODES = [

@@ -166,8 +166,8 @@ class FakePool:
             return Script(ttft_s=0.001, gap_s=0.0005)
         self.kind, self.replica = kind, FakeReplica(script=script, clock=time.time)
 
-    def clients(self):
-        return [self.replica]
+    def client(self):
+        return self.replica
 
     def max_batch_for(self, p, n):
         return 4

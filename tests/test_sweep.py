@@ -93,7 +93,8 @@ def test_sweep_records_every_point(tiny_run):
         assert r["ray_nodes"] and r["ray_nodes"][0]["resources"]["CPU"] == 2
         assert r["node_id"] == r["ray_nodes"][0]["node_id"]
         assert r["started_at_unix_s"] < r["finished_at_unix_s"]
-    assert {r["replica_id"] for r in recs} == {"replica-0", "replica-1"}  # both replicas ran points
+    ids = {r["replica_id"] for r in recs}
+    assert len(ids) == 2 and all(i.startswith("replica-") for i in ids)  # both replicas ran points
     by = {(r["policy"], r["compression_ratio"], r["batch_size"]): r for r in recs}
     for batch in (1, 4):
         full = by[("full", None, batch)]
@@ -173,7 +174,8 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
     recs = sorted(lines(tmp_path / "results" / "f" / "points.jsonl"), key=lambda r: r["point_index"])
     assert [r["status"] for r in recs] == ["error", "ok"]
     assert "ValueError" in recs[0]["error"] and "history_window" in recs[0]["error"]
-    assert recs[0]["replica_id"] == "replica-0" and "prefill_s" not in recs[0] and recs[1]["replica_id"] == "replica-0"
+    assert recs[0]["replica_id"].startswith("replica-") and "prefill_s" not in recs[0]
+    assert recs[1]["replica_id"] == recs[0]["replica_id"]          # the replica went on after the failed point
     assert "1 point(s) failed" in capsys.readouterr().err
 
 

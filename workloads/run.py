@@ -5,9 +5,10 @@ the Ray connection and the per-replica resources.
   `points.jsonl` repaired when the last line was cut mid-write, and `run.json` (suite, git commit).
 * `init_ray`: join `--address` / `$RAY_ADDRESS`, or start an embedded Ray on loopback.
 * `replica_resources`: torch threads, Ray CPUs and GPUs per replica.
-* `start_replicas`, `dispatch_points`: the replicas of a batch or quality run (one placement group,
-  restarts, GPU sharding: `cluster.placement.ReplicaSet`) and the loop in which idle replicas take the
-  next point, watching that the nodes of points in flight are still alive.
+* `start_replicas`, `dispatch_points`: the replicas of a batch or quality run (a Ray Serve deployment:
+  `cluster.serve_replicas`, the one replica lifecycle: a placement-group bundle per replica, Serve's
+  restarts, GPU sharding) and the loop in which idle replicas take the next point, a point whose
+  replica died is queued again, and the nodes the replicas ran on are watched.
 * `SweepError`: stops a run before or between points, with the exit status.
 """
 from __future__ import annotations
@@ -340,27 +341,30 @@ def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float
         raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
 
 
-def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica"):
-    """Start `replicas` replicas of `suite` (`cluster.placement.ReplicaSet`: one placement-group bundle each,
-    resources from `replica_resources` unless the suite's `placement:` names them) and wait until every
-    one has loaded its model. `replica_kwargs` go to `cluster.placement.PlacedReplica`, their ``dtype``
-    resolved once for all replicas first (`resolve_run_dtype`).
+def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica",
+                   run_id: str | None = None):
+    """Start `replicas` point replicas of `suite` (`cluster.serve_replicas.point_replicas`: a Serve application
+    of this run's own, one placement-group bundle per replica, resources from `replica_resources` unless the
+    suite's `placement:` names them) and wait until every one has loaded its model. `replica_kwargs` go to
+    `cluster.placement.PlacedReplica`, their ``dtype`` resolved once for all replicas first (`resolve_run_dtype`).
 
     Returns:
-        (the started ReplicaSet, the replicas' `info()` dicts in the order of `rset.actors`).
+        (the started `ServeReplicaSet`, the replicas' `info()` dicts).
     Raises:
         SweepError: (exit 1) not placed and loaded within `placement.ready_timeout_s`, or a replica could
-            not load its model (the group is freed); (exit 2) as `replica_resources`.
+            not load its model (the application is deleted); (exit 2) as `replica_resources`.
     """
-    from cluster.placement import PlacementError, ReplicaSet, wait_placed
+    from cluster.placement import PlacementError
+    from cluster.serve_replicas import app_name_for, point_replicas
 
     threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
     replica_kwargs = {**replica_kwargs, **resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus,
                                                             num_threads=threads)}  # auto: once for all replicas
-    rset = ReplicaSet(replicas, suite.placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads,
-                      replica_kwargs=replica_kwargs, name_prefix=name_prefix)
+    rset = point_replicas(replicas, suite.placement, replica_kwargs, num_cpus=num_cpus, num_gpus=num_gpus,
+                          num_threads=threads, app_name=app_name_for(name, run_id), name_prefix=name_prefix)
     try:
-        infos = wait_placed(rset.start(), rset.placement.ready_timeout_s)
+        rset.start()
+        infos = sorted(rset.broadcast("info").values(), key=lambda i: i["replica_id"])
     except PlacementError as e:  # no node can hold it, or not placed and loaded within ready_timeout_s
         rset.shutdown()
         raise SweepError(str(e), 1) from None
@@ -378,99 +382,117 @@ WATCH_POLL_S = 5.0
 
 def dispatch_points(ray, rset, infos: list[dict], pending: list, call, make_record, publish, one_line, *,
                     name: str) -> int:
-    """Run `pending` on the replicas of the started `rset`: idle replicas take the next point in order.
+    """Run `pending` on the replicas of the started `rset`: idle replicas take the next point in order
+    (at most one point in flight per replica).
 
     Args:
-        call: ``call(actor, point)`` starts the point on the replica; returns its Ray object ref, whose
-            value is the point's metrics (a dict; its ``node_id``, when there, is where Ray runs the replica).
+        call: ``call(handle, point)`` starts the point through the deployment handle; returns the
+            `DeploymentResponse` of a `cluster.serve_replicas.PointReply` (the replica's info, the point's
+            metrics dict or its error).
         make_record: ``make_record(point, info, status, metrics, error, t0_unix_s, t1_unix_s)`` -> the record.
         publish: ``publish(record)`` writes (and pushes) each finished point; ``one_line(record)`` its line.
         name: the runner's name in messages ("sweep", "quality").
 
-    A point that raises is recorded as ``error`` and its replica goes on; a replica that dies fails its
-    point ("replica died: ...") and is replaced in its bundle (`rset.replace`; at most `rset.n` times).
-    Returns the number of failed points.
+    A point that raises is recorded as ``error`` and its replica goes on. A point whose replica died is
+    queued again (at most ``placement.max_task_retries`` times, then recorded ``replica died: ...``); Serve
+    replaces the replica. Returns the number of failed points.
 
     Raises:
-        SweepError: (exit 1) no live replica left with points to run; a replica with a point in flight has
-            been off the cluster's alive nodes for more than `placement.ready_timeout_s` (checked every
-            `WATCH_POLL_S` s), or the cluster cannot be reached. Points published stay (--resume).
+        SweepError: (exit 1) replicas died more than ``n x (placement.max_restarts + 1)`` times; a node a
+            replica ran on has left the cluster and no point finished for more than
+            `placement.ready_timeout_s` (checked every `WATCH_POLL_S` s); or the cluster cannot be reached.
+            Points published stay (--resume).
     """
+    import asyncio
+
     from tqdm import tqdm
 
-    from cluster.placement import wait_placed
+    from cluster.serve_replicas import is_replica_death
 
-    timeout_s = rset.placement.ready_timeout_s
-    info_of = dict(zip(rset.actors, infos))
-    node_of = {a: i.get("node_id") for a, i in info_of.items()}
-    idle, queue, inflight, lost_since = list(rset.actors), collections.deque(pending), {}, {}
-    failed = restarts = 0
+    cfg = rset.placement
+    timeout_s, handle = cfg.ready_timeout_s, rset.handle
+    nodes = {i.get("node_id") for i in infos} - {None}
+    queue, tries = collections.deque(pending), collections.Counter()
+    state = {"failed": 0, "deaths": 0, "last_done": time.monotonic(), "lost_since": None}
+
+    async def settle(point, t0, bar, task) -> None:
+        try:
+            reply = task.result()
+        except Exception as e:  # noqa: BLE001
+            if not is_replica_death(e):
+                rec = make_record(point, None, "error", None, error_message(e), t0, time.time())
+            else:
+                state["deaths"] += 1
+                if state["deaths"] > rset.n * (cfg.max_restarts + 1):
+                    raise SweepError(f"replicas died {state['deaths']} times (more than {rset.n} x (placement."
+                                     f"max_restarts + 1)); {len(queue) + 1} point(s) not run; the points written stay "
+                                     "(--resume)", 1) from None
+                tries[point.point_id] += 1
+                if tries[point.point_id] <= cfg.max_task_retries:
+                    queue.appendleft(point)
+                    bar.write(f"{name}: a replica died running {point.point_id}; queued again", file=sys.stderr)
+                    return
+                rec = make_record(point, None, "error", None, f"replica died: {error_message(e)}", t0, time.time())
+        else:
+            nodes.add(reply.replica.get("node_id"))
+            rec = make_record(point, reply.replica, "ok" if reply.error is None else "error", reply.result,
+                              reply.error, t0, time.time())
+        state["failed"] += rec["status"] != "ok"
+        publish(rec)
+        bar.update(1)
+        bar.write(one_line(rec), file=sys.stderr)
+
+    async def loop(bar) -> None:
+        inflight: dict = {}
+        try:
+            while queue or inflight:
+                while queue and len(inflight) < rset.n:
+                    point = queue.popleft()
+                    response = call(handle, point)
+                    inflight[asyncio.ensure_future(_awaited(response))] = (point, time.time())
+                done, _ = await asyncio.wait(list(inflight), timeout=WATCH_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    _check_nodes(ray, nodes, state, timeout_s, len(inflight) + len(queue))
+                    continue
+                state["last_done"], state["lost_since"] = time.monotonic(), None
+                for task in done:
+                    point, t0 = inflight.pop(task)
+                    await settle(point, t0, bar, task)
+        finally:
+            for task in inflight:
+                task.cancel()
+
     with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
-        while queue or inflight:
-            while idle and queue:
-                actor, point = idle.pop(0), queue.popleft()
-                inflight[call(actor, point)] = (point, actor, time.time())
-            if not inflight:
-                break  # no live replica left
-            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=WATCH_POLL_S)
-            if not ready:  # a replica whose node left, and that Ray cannot place again, never answers
-                _check_nodes(ray, inflight, node_of, lost_since, timeout_s, len(queue))
-                continue
-            for ref in ready:
-                point, actor, t0 = inflight.pop(ref)
-                info = info_of.get(actor)
-                try:
-                    metrics = ray.get(ref)
-                    node_of[actor] = metrics.get("node_id") or node_of.get(actor)  # where Ray runs it now
-                    lost_since.pop(actor, None)
-                    rec = make_record(point, info, "ok", metrics, None, t0, time.time())
-                    idle.append(actor)
-                except ray.exceptions.RayActorError as e:
-                    failed += 1
-                    rec = make_record(point, info, "error", None, f"replica died: {error_message(e)}", t0, time.time())
-                    if restarts < rset.n:  # replace the dead replica
-                        restarts += 1
-                        new = rset.replace(actor)
-                        try:
-                            info_of[new] = wait_placed([new], timeout_s)[0]
-                            node_of[new] = info_of[new].get("node_id")
-                            idle.append(new)
-                        except Exception as e2:
-                            bar.write(f"{name}: could not replace a dead replica: {error_message(e2)}", file=sys.stderr)
-                except Exception as e:  # the point raised inside the replica
-                    failed += 1
-                    rec = make_record(point, info, "error", None, error_message(e), t0, time.time())
-                    idle.append(actor)
-                publish(rec)
-                bar.update(1)
-                bar.write(one_line(rec), file=sys.stderr)
-    if queue:
-        raise SweepError(f"no live replica left; {len(queue)} point(s) not run", 1)
-    return failed
+        asyncio.run(loop(bar))
+    return state["failed"]
 
 
-def _check_nodes(ray, inflight: dict, node_of: dict, lost_since: dict, timeout_s: float, queued: int) -> None:
-    """Raise SweepError (exit 1) when a replica with a point in flight has been off the cluster's
-    alive nodes for more than `timeout_s` (its node left and Ray could not place it again), or the
-    cluster cannot be asked. The points already written stay in points.jsonl (--resume runs the rest).
+async def _awaited(response):
+    return await response
+
+
+def _check_nodes(ray, nodes: set, state: dict, timeout_s: float, not_run: int) -> None:
+    """Raise SweepError (exit 1) when a node a replica ran on has left the cluster and no point has finished
+    for more than `timeout_s` since (Ray could not run the replica again), or the cluster cannot be asked.
+    The points already written stay in points.jsonl (--resume runs the rest).
     """
     now = time.monotonic()
     try:
         alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive", n.get("alive", False))}
     except Exception as e:  # noqa: BLE001 - the cluster went away
         raise SweepError(f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
-                         f"{len(inflight) + queued} point(s) not run; the points written stay (--resume)", 1) from None
-    for _, actor, _ in inflight.values():
-        node = node_of.get(actor)
-        if node is None or node in alive:
-            lost_since.pop(actor, None)
-            continue
-        since = lost_since.setdefault(actor, now)
-        if now - since > timeout_s:
-            raise SweepError(
-                f"a replica's node {node} left the cluster and Ray did not run the replica again within "
-                f"{timeout_s:g} s (placement.ready_timeout_s); {len(inflight) + queued} point(s) not run; the points "
-                "written stay (--resume runs the rest once the cluster has room)", 1)
+                         f"{not_run} point(s) not run; the points written stay (--resume)", 1) from None
+    lost = sorted(nodes - alive)
+    if not lost:
+        state["lost_since"] = None
+        return
+    if state["lost_since"] is None:
+        state["lost_since"] = now
+    if now - max(state["lost_since"], state["last_done"]) > timeout_s:
+        raise SweepError(
+            f"a replica's node {lost[0]} left the cluster and Ray did not run the replica again within "
+            f"{timeout_s:g} s (placement.ready_timeout_s); {not_run} point(s) not run; the points "
+            "written stay (--resume runs the rest once the cluster has room)", 1)
 
 
 def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list, replicas: int, fn, make_record,
@@ -479,7 +501,7 @@ def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list,
     (`cluster.replica.ModelReplica.apply`, the one call seam of quality and frontier points).
 
     ``args.local``: one replica in this process, no Ray (debugging, tests). Otherwise `replicas` Ray replicas
-    of `suite` (`start_replicas`: one placement group, restarts, GPU sharding) fed by `dispatch_points`, on the
+    of `suite` (`start_replicas`: a Serve deployment, restarts, GPU sharding) fed by `dispatch_points`, on the
     cluster at ``args.address`` (else embedded). ``make_record(point, inventory, info, status, metrics, error,
     t0_unix_s, t1_unix_s)`` builds each record (`workloads.results.build_record`); ``publish(record)`` writes
     it; ``one_line(record)`` is its progress line; `run_id` labels the replicas' live metrics. Returns the number of failed points.
@@ -496,9 +518,9 @@ def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list,
     try:
         inventory = cluster_inventory()
         kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, warmup=False, run_id=run_id)
-        rset, infos = start_replicas(ray, suite, replicas, kwargs, name=name, name_prefix=name)
+        rset, infos = start_replicas(ray, suite, replicas, kwargs, name=name, name_prefix=name, run_id=run_id)
         return dispatch_points(
-            ray, rset, infos, pending, lambda actor, point: actor.apply.remote(fn, point.as_dict()),
+            ray, rset, infos, pending, lambda handle, point: handle.run.remote("apply", fn, point.as_dict()),
             lambda point, info, *rest: make_record(point, inventory, info, *rest), publish, one_line, name=name)
     finally:
         if rset is not None:

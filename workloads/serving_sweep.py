@@ -5,13 +5,14 @@
 (`workloads.sweep` hands suites whose `mode` is a serving mode here; same flags and exit codes.)
 
 Per point: every replica is configured (policy, budget, KV memory limit), the load generator drives
-them through the least-outstanding-requests router, and one JSON line lands in
+them through a Ray Serve deployment handle (`ServeReplicaPool`: `cluster.serve_replicas`, the one
+replica lifecycle; least outstanding requests), and one JSON line lands in
 `<results-dir>/<run_id>/points.jsonl` (appended whole, fsync'ed): the metrics with `n`, the
 replicas' peak KV bytes and running sequences, status and `stop_reason`.
 
 * status `ok`; `oom` when a request ran out of device memory (recorded, the sweep goes on);
   `skipped` for the loads above a saturated point of the same series; `error` when every request
-  failed, the point could not start, or a replica died (it is restarted; the point records why).
+  failed, the point could not start, or a replica died (Serve replaces it; the point records why).
 * `--resume RUN_ID` skips points already `ok`, `oom` or `skipped`; a point in progress when the
   sweep was killed simply runs again.
 * At the end: `table.md`, and PNG plots next to the results (`workloads.serving_plots`).
@@ -39,11 +40,12 @@ TERMINAL = ("ok", "oom", "skipped")
 
 # ---------------------------------------------------------------------------- replica pools
 class ReplicaPool(Protocol):
-    """What the sweep needs from a set of replicas (Ray actors, or in-process for tests/benchmarks)."""
+    """What the sweep needs from its replicas (a Serve deployment, one in-process replica for tests, or an
+    HTTP server): `client()` is the one load-generator client of them all (the routing is theirs)."""
 
     def start(self) -> list[dict]: ...
     def configure(self, engine_config: dict, run_id: str | None = None) -> None: ...
-    def clients(self) -> list: ...
+    def client(self): ...
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
     def stats(self, reset: bool = False) -> list[dict]: ...
     def restart_dead(self) -> list[str]: ...
@@ -51,13 +53,15 @@ class ReplicaPool(Protocol):
 
 
 class LocalReplicaPool:
-    """`ServingReplica`s in this process (one engine thread each); for tests and the benchmark."""
+    """One `ServingReplica` in this process (its engine on a thread of its own); for tests and the benchmark."""
 
     def __init__(self, n: int, model_spec: str, dtype: str = "auto", device: str = "cpu", model=None,
                  num_threads: int | None = None):
-        self.n, self.kwargs = n, dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
+        if n != 1:
+            raise ValueError(f"replicas: an in-process pool holds 1 replica, got {n} (Serve runs several)")
+        self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
         self.model = model
-        self.replicas: list = []
+        self.replica = None
 
     def start(self) -> list[dict]:
         from cluster.serving_replica import ServingReplica
@@ -67,136 +71,120 @@ class LocalReplicaPool:
             from cluster.replica import load_replica_model
 
             model, _ = load_replica_model(self.kwargs["model_spec"], self.kwargs["dtype"], self.kwargs["device"])
-        self.replicas = [ServingReplica(replica_id=f"local-{i}", model=model, **self.kwargs) for i in range(self.n)]
-        return [r.info() for r in self.replicas]
+        self.replica = ServingReplica(replica_id="local-0", model=model, **self.kwargs)
+        return [self.replica.info()]
 
     def configure(self, engine_config: dict, run_id: str | None = None) -> None:
-        for r in self.replicas:
-            r.configure(engine_config, run_id)
+        self.replica.configure(engine_config, run_id)
 
-    def clients(self) -> list:
-        return list(self.replicas)
+    def client(self):
+        return self.replica
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        return self.replicas[0].max_batch_for(prompt_tokens, max_new_tokens)
+        return self.replica.max_batch_for(prompt_tokens, max_new_tokens)
 
     def stats(self, reset: bool = False) -> list[dict]:
-        return [asyncio.run(r.stats(reset)) for r in self.replicas]
+        return [{**asyncio.run(self.replica.stats(reset)), "node_id": self.replica.node_id}]
 
     def restart_dead(self) -> list[str]:
         return []
 
     def close(self) -> None:
-        for r in self.replicas:
-            r.shutdown()
+        if self.replica is not None:
+            self.replica.shutdown()
 
 
-class RayReplicaPool:
-    """`ServingReplicaActor`s; a dead one is replaced by a fresh actor (model reloaded, reconfigured)."""
+class ServeClient:
+    """The load generator's client of a serving deployment: each request goes through the deployment
+    handle (Serve picks the replica), as the `GenerationRequest` dataclass itself; the replica-side
+    figures each reply carries (``replica_stats``, `cluster.serve_app.EngineDeployment.generate`) are
+    kept per replica in `stats` (the latest of each, by requests answered) and taken off the reply.
+    A call that fails because its replica died is counted in `died` and raised to the load generator."""
 
-    def __init__(self, n: int, *, model_spec: str, dtype: str, device: str, num_cpus: float, num_gpus: float,
-                 num_threads: int | None, health_timeout_s: float = 60.0, ready_timeout_s: float | None = None,
-                 dtype_reason: str | None = None):
-        from cluster.placement import default_ready_timeout_s
+    def __init__(self, handle):
+        self.handle = handle
+        self.stats: dict[str, dict] = {}
+        self.died = 0
 
+    async def generate(self, request) -> dict:
+        try:
+            out = await self.handle.generate.remote(request)
+        except Exception as e:
+            from workloads.loadgen import error_kind
+
+            if error_kind(e) == "replica_died":
+                self.died += 1
+            raise
+        stats = out.pop("replica_stats", None)
+        if stats:
+            seen = self.stats.get(stats["replica_id"])
+            if seen is None or _answered(stats) >= _answered(seen):
+                self.stats[stats["replica_id"]] = stats
+        return out
+
+
+def _answered(stats: dict) -> int:
+    return sum(stats.get(k, 0) for k in ("completed_requests", "failed_requests", "warmup_completed_requests",
+                                         "warmup_failed_requests"))
+
+
+class ServeReplicaPool:
+    """The suite's replicas as one Ray Serve deployment (`cluster.serve_replicas.ServeReplicaSet` of
+    `cluster.serve_app.EngineDeployment`): a point's engine configuration is broadcast to every running
+    replica (each builds the new engine); Serve routes the requests and replaces a replica that died (the
+    next point configures it). Per-replica figures come back with each reply (`ServeClient`)."""
+
+    def __init__(self, n: int, *, model_spec: str, dtype: str, device: str, placement=None, num_cpus: float,
+                 num_gpus: float, num_threads: int | None, run_id: str | None = None, dtype_reason: str | None = None):
+        from cluster.serve_app import EngineDeployment
+        from cluster.serve_replicas import ServeReplicaSet, app_name_for
+
+        self.rset = ServeReplicaSet(EngineDeployment, dict(model_id="serving", model_spec=model_spec, dtype=dtype,
+                                                           device=device, dtype_reason=dtype_reason), n,
+                                    placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads,
+                                    app_name=app_name_for("serving", run_id), max_ongoing_requests=100_000,
+                                    what="serving replica(s)")
         self.n = n
-        #: bound on a replica's placement + model load (s); $SCISSORHANDS_READY_TIMEOUT_S, else 600
-        self.ready_timeout_s = default_ready_timeout_s() if ready_timeout_s is None else float(ready_timeout_s)
-        self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads,
-                           dtype_reason=dtype_reason)   # dtype: resolved once for the run (run_serving_sweep)
-        self.res = dict(num_cpus=num_cpus, num_gpus=num_gpus)
-        self.health_timeout_s = health_timeout_s
-        self.actors: list = []
-        self.ids: list[str] = []
-        self.engine_config: dict | None = None
-        self.run_id: str | None = None
-        self.restarts = 0
-
-    def _create(self, n: int, first_index: int, prefix: str = "serving") -> list:
-        from cluster.ray_serving import create_serving_replicas
-
-        return create_serving_replicas(n, first_index=first_index, name_prefix=prefix, **self.res, **self.kwargs)
+        self._client: ServeClient | None = None
 
     def start(self) -> list[dict]:
-        """Start the actors and wait (at most `ready_timeout_s`) until each has loaded its model.
+        """Deploy and wait (at most ``placement.ready_timeout_s``) until every replica has loaded its model.
 
         Raises:
-            PlacementError: no node can ever hold a replica (at once), or not every replica was
-                placed and loaded in time (the message gives what is free and the alive nodes).
-            Exception: a replica's load error as raised in it (e.g. FileNotFoundError naming the path).
+            PlacementError: no node can ever hold a replica, or not every replica was placed and loaded in
+                time (the message gives what is free and the alive nodes).
+            RuntimeError: a replica's own load error (e.g. FileNotFoundError naming the path).
         """
-        import ray
-
-        from cluster.placement import _alive_nodes, check_fits, replica_bundle, wait_placed
-
-        check_fits(replica_bundle(self.res["num_cpus"], self.res["num_gpus"], {}), self.n, "SPREAD", _alive_nodes(ray))
-        self.actors = self._create(self.n, 0)
-        infos = wait_placed(self.actors, self.ready_timeout_s, "serving replica(s)")  # raises the load error
-        self.ids = [i["replica_id"] for i in infos]
-        return infos
+        handle = self.rset.start()
+        self._client = ServeClient(handle)
+        return [handle.info.remote().result()]
 
     def configure(self, engine_config: dict, run_id: str | None = None) -> None:
-        import ray
+        self.rset.broadcast("configure", engine_config, run_id)
+        self._client = ServeClient(self.rset.handle)
 
-        self.engine_config, self.run_id = engine_config, run_id
-        ray.get([a.configure.remote(engine_config, run_id) for a in self.actors])
-
-    def clients(self) -> list:
-        from cluster.ray_serving import RayReplicaClient
-
-        return [RayReplicaClient(a, i) for a, i in zip(self.actors, self.ids)]
+    def client(self) -> ServeClient:
+        return self._client
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        import ray
-
-        return int(ray.get(self.actors[0].max_batch_for.remote(prompt_tokens, max_new_tokens)))
+        return int(self.rset.handle.max_batch_for.remote(prompt_tokens, max_new_tokens).result())
 
     def stats(self, reset: bool = False) -> list[dict]:
-        import ray
-
-        out = []
-        for a, rid in zip(self.actors, self.ids):
-            try:
-                out.append(ray.get(a.stats.remote(reset), timeout=self.health_timeout_s))
-            except Exception as e:  # noqa: BLE001 - a dead replica has no stats
-                out.append({"replica_id": rid, "error": f"{type(e).__name__}: {e}"[:500]})
+        out = [self._client.stats[k] for k in sorted(self._client.stats)]
+        if reset:
+            self._client.stats.clear()
         return out
 
     def restart_dead(self) -> list[str]:
-        """Health-check every actor; replace the dead ones. Returns the ids of those replaced."""
-        import ray
-
-        replaced = []
-        for k, (a, rid) in enumerate(zip(self.actors, self.ids)):
-            try:
-                ray.get(a.health.remote(), timeout=self.health_timeout_s)
-                continue
-            except Exception:  # noqa: BLE001 - dead or unresponsive: replace it
-                pass
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001
-                pass
-            self.restarts += 1
-            (new,) = self._create(1, self.restarts, prefix=f"serving-r{self.restarts}")
-            from cluster.placement import wait_placed
-
-            self.actors[k] = new  # closed with the others even when it never becomes ready
-            (info,) = wait_placed([new], self.ready_timeout_s, "serving replica(s)")
-            if self.engine_config is not None:
-                ray.get(new.configure.remote(self.engine_config, self.run_id))
-            self.actors[k], self.ids[k] = new, info["replica_id"]
-            replaced.append(rid)
-        return replaced
+        """How many calls of this point found their replica dead (as ``"<n> replica call(s)"``; Serve
+        replaces the replica), after waiting (at most ``ready_timeout_s``) for the deployment to run again."""
+        died, self._client.died = self._client.died, 0
+        if died:
+            self.rset.wait_running(self.rset.placement.ready_timeout_s)
+        return [f"{died} request(s) on a dead replica"] if died else []
 
     def close(self) -> None:
-        import ray
-
-        for a in self.actors:
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001
-                pass
+        self.rset.shutdown()
 
 
 class HTTPTargetPool:
@@ -224,10 +212,10 @@ class HTTPTargetPool:
     def configure(self, engine_config: dict, run_id: str | None = None) -> None:
         pass
 
-    def clients(self) -> list:
+    def client(self):
         from workloads.http_client import OpenAIHTTPClient
 
-        return [OpenAIHTTPClient(f"{self.target}", self.model, session_per_request=True)]
+        return OpenAIHTTPClient(f"{self.target}", self.model, session_per_request=True)
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         raise RuntimeError("target: max_batch needs our replicas' memory model, not an HTTP server")
@@ -252,8 +240,6 @@ def _requests_for(suite: ServingSuite, point: ServingPoint, cfg, n: int, tokeniz
 def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, tokenizer=None,
               vocab_size: int | None = None, run_id: str | None = None) -> dict:
     """Run one point on `pool`; return the metrics part of its record (never raises for load errors)."""
-    from cluster.router import Router
-
     out: dict[str, Any] = {}
     try:
         pool.configure(suite.engine_config(point), run_id)
@@ -270,8 +256,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
     n_pool = (cfg.num_requests or 256) + cfg.warmup_requests
     reqs = _requests_for(suite, point, cfg, n_pool, tokenizer, vocab_size)
     pool.stats(reset=True)
-    router = Router(pool.clients())
-    result = asyncio.run(run_load(router, reqs, cfg))
+    result = asyncio.run(run_load(pool.client(), reqs, cfg))
     stats = pool.stats(reset=True)
     m = result.metrics
     peak_running = [s.get("peak_running_sequences") for s in stats]
@@ -294,7 +279,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
         "budget_tokens": next((s.get("budget_tokens") for s in stats if "budget_tokens" in s), None),
         "kv_memory_limit_bytes": next((s.get("kv_memory_limit_bytes") for s in stats if "slot_bytes" in s), None),
         "slot_bytes": next((s.get("slot_bytes") for s in stats if "slot_bytes" in s), None),
-        "replicas": len(stats),
+        "replicas": getattr(pool, "n", len(stats)),
     })
     if max_batch is not None:
         out["max_batch_verified"] = bool(live) and max(live) >= max_batch and all(
@@ -320,7 +305,8 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
     """`dtype_info`: the dtype the replicas run in and why (`dtype`, `dtype_reason`; the suite may ask for auto)."""
     body = dict(body)
     rec = res.build_record(kind="serving", run_id=run_id, commit=commit, suite=suite, point=point,
-                           status=body.pop("status"), error=body.pop("error", None), replica=dtype_info, inventory=inventory,
+                           status=body.pop("status"), error=body.pop("error", None),
+                           replica=_where(dtype_info, body.get("replica_stats")), inventory=inventory,
                            started_at_unix_s=t0, finished_at_unix_s=t1, metrics=body)
     fixed = lambda d: d.value if d.dist == "fixed" else None  # noqa: E731 - exact lengths label the pushed series
     rec.update(mode=suite.mode, series=point.series, load=point.load, target=suite.target,
@@ -332,6 +318,17 @@ def _record(run_id, commit, suite: ServingSuite, point: ServingPoint, inventory,
                concurrency=point.load if suite.mode == "concurrency" else None,
                request_rate=point.load if suite.mode == "rate" else None)
     return rec
+
+
+def _where(dtype_info: dict | None, replica_stats: list[dict] | None) -> dict:
+    """The record header's replica fields of a serving point: the dtype the replicas run in (`dtype_info`)
+    and the replicas and nodes that answered its requests (`replica_stats`; comma-joined when several)."""
+    where = dict(dtype_info or {})
+    stats = [s for s in replica_stats or [] if s.get("replica_id")]
+    if stats:
+        join = lambda key: ",".join(sorted({str(s[key]) for s in stats if s.get(key)})) or None  # noqa: E731
+        where.update(replica_id=join("replica_id"), node_id=join("node_id"), hostname=join("hostname") or where.get("hostname"))
+    return where
 
 
 def run_serving_points(pool: ReplicaPool, suite: ServingSuite, run_id: str, points_path: str, *, commit: str,
@@ -464,14 +461,15 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
             threads, num_cpus, num_gpus = replica_resources(ray, suite.replicas, suite.device)
             inventory = cluster_inventory()
             resolved = resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads)
-            pool = RayReplicaPool(suite.replicas, model_spec=suite.model, device=suite.device,
-                                  num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads, **resolved)
+            pool = ServeReplicaPool(suite.replicas, model_spec=suite.model, device=suite.device,
+                                    placement=suite.placement, num_cpus=num_cpus, num_gpus=num_gpus,
+                                    num_threads=threads, run_id=run_id, **resolved)
         try:
             try:
                 infos = pool.start()
             except Exception as e:  # noqa: BLE001 - e.g. the model path does not exist
                 raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
-            print(f"sweep: {len(infos)} serving replica(s) ready", file=sys.stderr)
+            print(f"sweep: {getattr(pool, 'n', len(infos))} serving replica(s) ready", file=sys.stderr)
             from workloads.push import PointPublisher, SweepPusher
 
             publish = PointPublisher(points_path, SweepPusher(args.pushgateway, run_id),

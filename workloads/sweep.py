@@ -156,10 +156,10 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
         inventory = cluster_inventory()
         kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, prompt_fn=make_prompts,
                       run_id=run_id)
-        # one placement-group bundle per replica; resources/strategy from the suite's `placement:`
-        rset, infos = start_replicas(ray, suite, replicas, kwargs, name="sweep")
+        # a Serve deployment of this run, one placement-group bundle per replica (the suite's `placement:`)
+        rset, infos = start_replicas(ray, suite, replicas, kwargs, name="sweep", run_id=run_id)
         failed = dispatch_points(
-            ray, rset, infos, pending, lambda actor, point: actor.run_batch.remote(point.as_dict()),
+            ray, rset, infos, pending, lambda handle, point: handle.run.remote("run_batch", point.as_dict()),
             lambda point, info, *rest: _record(run_id, commit, suite, point, inventory, info, *rest),
             publish, _one_line, name="sweep")
         wait_s = _final_scrape_wait_s(publish)

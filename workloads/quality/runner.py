@@ -1,9 +1,9 @@
 """Run a quality suite on Ray replicas: ``python -m workloads.quality.runner SUITE [options]``.
 
-Each point (a perplexity, few-shot, persistence or passkey evaluation) runs as a task on one of N model
-replicas (``ModelReplica.apply(run_point, point)``) in the throughput sweep's replica set and dispatch
-loop (``workloads.run.start_replicas``, ``dispatch_points``: the suite's ``placement:``, restarts, GPU
-sharding, the node-left watch): replicas load the model once, idle replicas take the next point, and every
+Each point (a perplexity, few-shot, persistence or passkey evaluation) runs on one of N model
+replicas (``ModelReplica.apply(run_point, point)``) in the throughput sweep's replica lifecycle and dispatch
+loop (``workloads.run.start_replicas``, ``dispatch_points``: a Ray Serve deployment with the suite's
+``placement:``, Serve's restarts, GPU sharding, the node-left watch): replicas load the model once, idle replicas take the next point, and every
 finished point is appended as one JSON line (a single ``O_APPEND`` write, fsync'ed) to
 ``<results-dir>/<run_id>/points.jsonl`` with the schema version, git commit, model id, policy and
 its resolved parameters, seed and the Ray node inventory, and its perplexity / accuracy is
