@@ -78,6 +78,7 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         assert r["ttft_n"] == 6 and r["ttft_p99_low_confidence"] is True and r["ttft_p50_s"] > 0
         assert r["output_throughput_tok_per_s"] > 0 and r["kv_cache_bytes"] > 0
         assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
+        assert r["replica_id"] == "local-0" and r["replica_ids"] == ["local-0"]  # the header names the replica
         # the suite's dtype "auto", resolved: what the replica runs in and why
         assert (r["dtype_requested"], r["dtype"], r["dtype_reason"]) == ("auto", "float32", "given model")
     assert json.loads((run / "run.json").read_text())["dtypes"] == [
@@ -87,6 +88,17 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
     assert recs[2]["budget_tokens"] == 16                     # ceil((24 + 8) / 2)
     assert "TTFT p50/p99 (s)" in (run / "table.md").read_text()
     assert (run / "pareto_tokens_per_user.png").stat().st_size > 1000
+
+
+def test_serving_record_header_names_every_replica_and_node_that_answered():
+    from workloads.serving_sweep import _where
+
+    stats = [{"replica_id": "serving#b", "node_id": "n2", "hostname": "h"},
+             {"replica_id": "serving#a", "node_id": "n1", "hostname": "h"}]
+    where = _where({"dtype": "float32", "dtype_reason": "r", "replica_id": "serving#a", "hostname": "h"}, stats)
+    assert (where["replica_id"], where["node_id"], where["hostname"], where["dtype"]) == (
+        "serving#a,serving#b", "n1,n2", "h", "float32")
+    assert _where({"replica_id": "x"}, [])["replica_id"] == "x"        # no reply (every request failed early)
 
 
 def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_path, tiny_model):
