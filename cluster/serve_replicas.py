@@ -9,7 +9,8 @@ all run their replicas as Serve deployment replicas; this module deploys them fo
   (``ray_actor_options``: ``num_cpus``, ``num_gpus``, ``resources``), so Ray sets
   ``CUDA_VISIBLE_DEVICES`` to exactly its GPUs and the replica shards its model over them
   (`cluster.placement.PlacedReplica`). Across replicas Serve spreads them over the nodes
-  (``SPREAD``); ``STRICT_SPREAD`` becomes ``max_replicas_per_node=1``; ``PACK``/``STRICT_PACK`` are
+  (``SPREAD``); ``STRICT_SPREAD`` becomes ``max_replicas_per_node=1`` (without the bundle, which Serve
+  does not allow beside it; the actor's own resources still keep a replica on one node); ``PACK``/``STRICT_PACK`` are
   left to Serve's scheduler (it spreads unless the cluster sets
   ``RAY_SERVE_USE_COMPACT_SCHEDULING_STRATEGY=1``).
 * **Restarts**: Serve health-checks each replica and replaces one whose process died (reloading the
@@ -158,8 +159,9 @@ class ServeReplicaSet:
             max_constructor_retry_count=self.n,
             request_router_config={"request_router_class": f"{__name__}:LeastOutstandingRouter"},
             logging_config={"enable_access_log": False})   # one log line per request or point otherwise
-        if self.placement.strategy == "STRICT_SPREAD":
-            opts["max_replicas_per_node"] = 1
+        if self.placement.strategy == "STRICT_SPREAD":   # Serve refuses it beside placement_group_bundles; the
+            opts["max_replicas_per_node"] = 1           # actor alone still never spans nodes
+            del opts["placement_group_bundles"], opts["placement_group_strategy"]
         return opts
 
     # -- lifecycle ---------------------------------------------------------------------------

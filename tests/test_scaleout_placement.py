@@ -94,11 +94,12 @@ def test_serve_deployment_options_place_each_replica_in_one_bundle():
                                         "strategy": "STRICT_SPREAD", "gpu_memory_fraction": 0.5}))
     opts = rs.options()
     assert opts["num_replicas"] == 3 and opts["max_ongoing_requests"] == 1
-    assert opts["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 2.0, "a100": 1.0}]
-    assert opts["placement_group_strategy"] == "STRICT_PACK" and opts["max_replicas_per_node"] == 1
+    assert opts["max_replicas_per_node"] == 1 and "placement_group_bundles" not in opts   # Serve allows one of them
     assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 2.0, "resources": {"a100": 1.0}}
     assert rs.init_kwargs["gpu_memory_fraction"] == 0.5 and rs.num_threads == 2
-    assert "max_replicas_per_node" not in ReplicaSet(2).options()
+    spread = ReplicaSet(2, parse_placement({"num_cpus": 2, "resources": {"a100": 1}})).options()
+    assert spread["placement_group_bundles"] == [{"CPU": 2.0, "a100": 1.0}]
+    assert spread["placement_group_strategy"] == "STRICT_PACK" and "max_replicas_per_node" not in spread
 
 
 NODES = [
