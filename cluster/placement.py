@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from cluster.replica import ModelReplica, load_replica_model
+from cluster.replica import BatchSpec, ModelReplica, load_replica_model
 
 #: Placement-group strategies Ray accepts, in the order the docs list them.
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
@@ -368,7 +368,7 @@ class PlacedReplica(ModelReplica):
         self._raise_load_error()
         return super().apply(fn, *args, **kwargs)
 
-    def run_batch(self, point: Mapping[str, Any], _warmup: bool = False) -> dict:
+    def run_batch(self, point: BatchSpec, _warmup: bool = False) -> dict:
         self._raise_load_error()
         metrics = super().run_batch(point, _warmup=_warmup)
         metrics.update(self._placement_fields())

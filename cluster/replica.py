@@ -3,19 +3,10 @@
 `ModelReplica` is a plain class (no Ray here) so it can be unit-tested directly; the Ray actor
 `cluster.placement.PlacedReplica` is a thin wrapper around it.
 
-A *point* (one static batch) is a mapping with these keys (units in the names):
-
-| key | type | meaning |
-|---|---|---|
-| `policy` | str | a key of `scissorhands.POLICIES` (`"full"`, `"scissorhands"`, ...) |
-| `policy_params` | dict | keyword arguments of the policy (`recent_window`, `history_window`, ...) |
-| `compression_ratio` | float or None | budget B = ceil((prompt + new) / ratio); ignored for `full` |
-| `budget_tokens` | int or None | absolute budget B (slots per KV head); wins over the ratio |
-| `batch_size` | int | sequences in the batch |
-| `prompt_tokens` | int | exact prompt length of every sequence (no padding) |
-| `new_tokens` | int | tokens generated greedily per sequence (>= 1) |
-| `seed` | int | prompt selection seed |
-| `prompt_ids` | list[list[int]], optional | the prompts; built by the replica's prompt source otherwise |
+A *point* (one static batch) is a frozen `BatchSpec` (units in the field names): `policy`,
+`policy_params`, `compression_ratio`, `budget_tokens`, `batch_size`, `prompt_tokens`, `new_tokens`,
+`seed`, `prompt_ids` and `random_ids` (see `BatchSpec`). `workloads.suite.Point.spec()` builds it;
+it crosses Ray (the Serve handle) as this dataclass, never as a dict.
 
 `run_batch(point)` runs two named phases under `torch.inference_mode()`:
 `prefill` (one forward over the prompts, first token = argmax of the last logits) and
@@ -39,8 +30,8 @@ import os
 import resource
 import socket
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
 
 import psutil
 import torch
@@ -51,6 +42,36 @@ from scissorhands.models import EMBEDDED, model_id_of
 #: Test-only model names a suite may use instead of a real model (tiny random weights, no
 #: tokenizer: prompts are random ids drawn with the point's seed). Not for benchmarking.
 TEST_MODEL_NAMES = ("tiny-llama",)
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What one static batch run needs (`ModelReplica.run_batch`); units in the names.
+
+    Attributes:
+        policy: a key of `scissorhands.POLICIES` (`"full"`, `"scissorhands"`, ...).
+        policy_params: keyword arguments of the policy (`recent_window`, `history_window`, ...).
+        compression_ratio: budget B = ceil((prompt + new) / ratio); None for `full` or an absolute budget.
+        budget_tokens: absolute budget B (slots per KV head); wins over the ratio; None otherwise.
+        batch_size: sequences in the batch.
+        prompt_tokens: exact prompt length of every sequence (no padding).
+        new_tokens: tokens generated greedily per sequence (>= 1).
+        seed: prompt selection seed.
+        prompt_ids: the prompts, `batch_size` rows of exactly `prompt_tokens` ids; None: built by the
+            replica's prompt source (or random ids with `seed` when it has none).
+        random_ids: draw random ids with `seed` even when the replica has a prompt source (the warm-up).
+    """
+
+    policy: str
+    batch_size: int
+    prompt_tokens: int
+    new_tokens: int
+    seed: int = 0
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
+    compression_ratio: float | None = None
+    budget_tokens: int | None = None
+    prompt_ids: Sequence[Sequence[int]] | None = None
+    random_ids: bool = False
+
 
 PromptFn = Callable[[Any, int, int, int], list]  # (tokenizer, n, prompt_tokens, seed) -> ids
 
@@ -265,17 +286,14 @@ class ModelReplica:
         }
 
     def _warmup(self) -> None:
-        self.run_batch(
-            {"policy": "full", "batch_size": 1, "prompt_tokens": 8, "new_tokens": 2, "seed": 0},
-            _warmup=True,
-        )
+        self.run_batch(BatchSpec(policy="full", batch_size=1, prompt_tokens=8, new_tokens=2, seed=0), _warmup=True)
 
     # -- prompts --------------------------------------------------------------------------
-    def _prompt_ids(self, point: Mapping[str, Any]) -> torch.Tensor:
+    def _prompt_ids(self, point: BatchSpec) -> torch.Tensor:
         """Return the prompts as a LongTensor of shape [batch_size, prompt_tokens]."""
-        batch, prompt_tokens, seed = int(point["batch_size"]), int(point["prompt_tokens"]), int(point.get("seed", 0))
-        ids = point.get("prompt_ids")
-        if ids is None and self.tokenizer is not None and self.prompt_fn is not None and not point.get("_random_ids"):
+        batch, prompt_tokens, seed = int(point.batch_size), int(point.prompt_tokens), int(point.seed)
+        ids = point.prompt_ids
+        if ids is None and self.tokenizer is not None and self.prompt_fn is not None and not point.random_ids:
             ids = self.prompt_fn(self.tokenizer, batch, prompt_tokens, seed)
         if ids is None:
             # Tokenizer-free path (tiny test models, warm-up): random ids with the point's seed.
@@ -290,18 +308,16 @@ class ModelReplica:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     # -- cache ----------------------------------------------------------------------------
-    def _make_cache(self, point: Mapping[str, Any], max_length: int):
+    def _make_cache(self, point: BatchSpec, max_length: int):
         from scissorhands import make_cache
 
-        policy = point["policy"]
-        params = dict(point.get("policy_params") or {})
+        policy = point.policy
+        params = dict(point.policy_params or {})
         if policy == "full":
             return make_cache("full", self.model, **params)
-        if point.get("budget_tokens") is not None:
-            return make_cache(policy, self.model, budget_tokens=int(point["budget_tokens"]), **params)
-        return make_cache(
-            policy, self.model, compression_ratio=float(point["compression_ratio"]), max_length=max_length, **params
-        )
+        if point.budget_tokens is not None:
+            return make_cache(policy, self.model, budget_tokens=int(point.budget_tokens), **params)
+        return make_cache(policy, self.model, compression_ratio=point.compression_ratio, max_length=max_length, **params)
 
     # -- the two phases -------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
@@ -331,12 +347,12 @@ class ModelReplica:
         with torch.inference_mode():
             return fn(self.model, self.tokenizer, *args, **kwargs)
 
-    def generate_ids(self, point: Mapping[str, Any]) -> torch.Tensor:
+    def generate_ids(self, point: BatchSpec) -> torch.Tensor:
         """Greedy output ids [batch, new_tokens] of a point (no timing); for checks and tests."""
         return self._run(point)[0]
 
-    def run_batch(self, point: Mapping[str, Any], _warmup: bool = False) -> dict:
-        """Run one static batch and return its metrics.
+    def run_batch(self, point: BatchSpec, _warmup: bool = False) -> dict:
+        """Run one static batch `point` and return its metrics.
 
         Returns a dict with: `prefill_s`, `ttft_s` (= prefill; the first token comes from the
         prefill logits), `decode_s` (sum of decode steps), `decode_step_s` (list, one per
@@ -351,17 +367,21 @@ class ModelReplica:
         (process lifetime max), and the replica's identity (`replica_id`, `node_id`,
         `hostname`, `torch_threads`, `model_id`).
 
-        Raises ValueError (from `make_cache`) for an invalid policy / budget, naming the field.
+        Raises TypeError when `point` is not a `BatchSpec`; ValueError for a batch, prompt or new-token
+        count below 1, `prompt_ids` of the wrong shape, or (from `make_cache`) an invalid policy / budget,
+        naming the field.
         """
+        _check_spec(point)
         if _warmup:
-            point = {**point, "_random_ids": True}
-        live = NullMetrics() if _warmup else self.live_metrics.for_point(point["policy"], point.get("compression_ratio"))
+            point = replace(point, random_ids=True)
+        live = NullMetrics() if _warmup else self.live_metrics.for_point(point.policy, point.compression_ratio)
         _, metrics = self._run(point, live)
         return metrics
 
-    def _run(self, point: Mapping[str, Any], live: ReplicaMetrics | NullMetrics = NullMetrics()
+    def _run(self, point: BatchSpec, live: ReplicaMetrics | NullMetrics = NullMetrics()
              ) -> tuple[torch.Tensor, dict]:
-        batch, prompt_tokens, new_tokens = int(point["batch_size"]), int(point["prompt_tokens"]), int(point["new_tokens"])
+        _check_spec(point)
+        batch, prompt_tokens, new_tokens = int(point.batch_size), int(point.prompt_tokens), int(point.new_tokens)
         if batch < 1 or prompt_tokens < 1 or new_tokens < 1:
             raise ValueError("batch_size, prompt_tokens and new_tokens must all be >= 1")
         timer = _Timer(self.device)
@@ -439,6 +459,12 @@ class ModelReplica:
             "model_id": self.model_id,
         }
         return generated, metrics
+
+
+def _check_spec(point: Any) -> None:
+    """Raise TypeError unless `point` is a `BatchSpec` (a dict is no longer accepted)."""
+    if not isinstance(point, BatchSpec):
+        raise TypeError(f"point: expected a cluster.replica.BatchSpec, got {type(point).__name__}")
 
 
 def _record_forward(live: ReplicaMetrics | NullMetrics, cache, batch: int, evicted_before: int) -> int:

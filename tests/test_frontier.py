@@ -75,7 +75,7 @@ def test_one_point_measures_both_numbers_on_one_cache(model):
     full_row_bytes = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=32)).final_slots(24, 8) * \
         ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=32)).slot_bytes
     points = parse_suite(BASE).points()
-    full, sh = (run_frontier_point(model, None, p.as_dict()) for p in points)
+    full, sh = (run_frontier_point(model, None, p) for p in points)
     assert full["kv_memory_limit_bytes"] == sh["kv_memory_limit_bytes"] == 2 * full_row_bytes
     assert full["batch_size"] == 2 and full["budget_tokens"] is None
     assert sh["budget_tokens"] == sh["perplexity_budget_tokens"] == budget_from_ratio(32, 4) == 8

@@ -148,7 +148,7 @@ def test_a_replica_that_dies_fails_its_point_and_is_replaced(tmp_path, monkeypat
     real_run_point = quality_points.run_point
 
     def dies_on_full(model, tokenizer, point):
-        if point["policy"] == "full":
+        if point.policy == "full":
             os._exit(1)
         return real_run_point(model, tokenizer, point)
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cluster.replica import ModelReplica, load_replica_model
+from cluster.replica import BatchSpec, ModelReplica, load_replica_model
 from scissorhands.testing import tiny_llama
 
 
@@ -15,7 +15,7 @@ def replica():
 def point(**kw):
     base = dict(policy="full", batch_size=2, prompt_tokens=32, new_tokens=8, seed=0)
     base.update(kw)
-    return base
+    return BatchSpec(**base)
 
 
 def test_greedy_ids_match_generate(replica):

@@ -6,7 +6,7 @@ Tier (b): the tiny random-weight model, a few forwards per test.
 import pytest
 
 from cluster.metrics import ReplicaMetrics, _LocalRecorder
-from cluster.replica import ModelReplica
+from cluster.replica import BatchSpec, ModelReplica
 from scissorhands.testing import tiny_llama
 
 
@@ -57,7 +57,7 @@ def test_loading_the_model_records_its_load_time():
 
 def test_run_batch_records_counts_per_sequence_and_per_step(replica, trace):
     batch, prompt, new = 3, 32, 8
-    out = replica.run_batch(dict(policy="full", batch_size=batch, prompt_tokens=prompt, new_tokens=new, seed=0))
+    out = replica.run_batch(BatchSpec(policy="full", batch_size=batch, prompt_tokens=prompt, new_tokens=new, seed=0))
     snap = _snapshot(replica, "full", None)
     assert snap["generated_tokens_total"] == batch * new == out["output_tokens"]
     assert snap["prefill_tokens_total"] == batch * prompt
@@ -80,7 +80,7 @@ def test_run_batch_records_counts_per_sequence_and_per_step(replica, trace):
 
 def test_evictions_and_slots_of_a_budgeted_cache(replica, trace):
     batch, prompt, new, ratio = 2, 32, 8, 2
-    out = replica.run_batch(dict(policy="h2o", compression_ratio=ratio, batch_size=batch, prompt_tokens=prompt,
+    out = replica.run_batch(BatchSpec(policy="h2o", compression_ratio=ratio, batch_size=batch, prompt_tokens=prompt,
                                  new_tokens=new, seed=1))
     budget = out["budget_tokens"]
     assert budget == (prompt + new) // ratio == 20
@@ -99,11 +99,11 @@ def test_a_failing_point_leaves_the_gauges_at_zero(replica, trace, monkeypatch):
 
     monkeypatch.setattr(replica, "decode_step", boom)
     with pytest.raises(RuntimeError, match="decode failed"):
-        replica.run_batch(dict(policy="full", batch_size=2, prompt_tokens=16, new_tokens=4, seed=0))
+        replica.run_batch(BatchSpec(policy="full", batch_size=2, prompt_tokens=16, new_tokens=4, seed=0))
     assert trace.values_of("running_sequences") == [2, 0]
     assert trace.values_of("kv_cache_slots")[-1] == 0 and trace.values_of("kv_cache_bytes")[-1] == 0
 
 
 def test_generate_ids_records_nothing(replica, trace):
-    replica.generate_ids(dict(policy="full", batch_size=1, prompt_tokens=8, new_tokens=3, seed=0))
+    replica.generate_ids(BatchSpec(policy="full", batch_size=1, prompt_tokens=8, new_tokens=3, seed=0))
     assert trace.calls == []

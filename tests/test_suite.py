@@ -35,7 +35,7 @@ def test_expansion_order_and_ids():
         "scissorhands-B30-b4-p64-n16-s0",
     ]
     assert [p.index for p in points] == list(range(8))
-    assert points[1].as_dict()["compression_ratio"] == 2.0 and points[3].as_dict()["budget_tokens"] == 30
+    assert points[1].spec().compression_ratio == 2.0 and points[3].spec().budget_tokens == 30
 
 
 def test_policy_params_change_the_id():

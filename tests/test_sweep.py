@@ -4,6 +4,7 @@ One local Ray cluster serves the whole module; the sweep joins it (in-process, o
 subprocess through `--address`). Cases L7 and L13 of ../shared/cases/load-and-metrics.md.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -161,8 +162,8 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
     from workloads import suite as suite_mod
 
     class BadPoint(suite_mod.Point):
-        def as_dict(self):
-            return {**super().as_dict(), "policy_params": {"history_window": 0}}
+        def spec(self):
+            return dataclasses.replace(super().spec(), policy_params={"history_window": 0})
 
     real_points = suite_mod.Suite.points
     monkeypatch.setattr(suite_mod.Suite, "points", lambda self: [

@@ -497,7 +497,8 @@ def _check_nodes(ray, nodes: set, state: dict, timeout_s: float, not_run: int) -
 
 def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list, replicas: int, fn, make_record,
                     publish, one_line, *, name: str) -> int:
-    """Run every point of `pending` as ``fn(model, tokenizer, point.as_dict())`` where a model is loaded
+    """Run every point of `pending` as ``fn(model, tokenizer, point)`` where a model is loaded, `point` being the
+    workloads dataclass itself (`QualityPoint`, `FrontierPoint`; ``fn`` is workloads code too)
     (`cluster.replica.ModelReplica.apply`, the one call seam of quality and frontier points).
 
     ``args.local``: one replica in this process, no Ray (debugging, tests). Otherwise `replicas` Ray replicas
@@ -520,7 +521,7 @@ def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list,
         kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, warmup=False, run_id=run_id)
         rset, infos = start_replicas(ray, suite, replicas, kwargs, name=name, name_prefix=name, run_id=run_id)
         return dispatch_points(
-            ray, rset, infos, pending, lambda handle, point: handle.run.remote("apply", fn, point.as_dict()),
+            ray, rset, infos, pending, lambda handle, point: handle.run.remote("apply", fn, point),
             lambda point, info, *rest: make_record(point, inventory, info, *rest), publish, one_line, name=name)
     finally:
         if rset is not None:
@@ -542,7 +543,7 @@ def _run_in_process(suite, pending: list, fn, make_record, publish, one_line) ->
         for point in pending:
             t0 = time.time()
             try:
-                metrics = replica.apply(fn, point.as_dict())
+                metrics = replica.apply(fn, point)
                 rec = make_record(point, None, info, "ok", metrics, None, t0, time.time())
             except Exception as e:  # the point failed; record it and go on
                 failed += 1

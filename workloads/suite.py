@@ -48,6 +48,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.placement import PlacementConfig, parse_placement
+from cluster.replica import BatchSpec
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DTYPE_CHOICES
 from scissorhands.policies import get_policy
@@ -243,12 +244,13 @@ class Point:
     point_id: str
     identity: dict
 
-    def as_dict(self) -> dict:
-        """The mapping `cluster.replica.ModelReplica.run_batch` takes."""
-        d = dataclasses.asdict(self)
-        for k in ("index", "point_id", "identity"):
-            d.pop(k)
-        return d
+    def spec(self) -> BatchSpec:
+        """The `cluster.replica.BatchSpec` that `cluster.replica.ModelReplica.run_batch` takes (the
+        batch settings; not the index, id or identity, which only the records use)."""
+        return BatchSpec(policy=self.policy, policy_params=dict(self.policy_params),
+                         compression_ratio=self.compression_ratio, budget_tokens=self.budget_tokens,
+                         batch_size=self.batch_size, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens,
+                         seed=self.seed)
 
 
 class Suite(SuiteBase):

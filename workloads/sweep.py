@@ -159,7 +159,7 @@ def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Poin
         # a Serve deployment of this run, one placement-group bundle per replica (the suite's `placement:`)
         rset, infos = start_replicas(ray, suite, replicas, kwargs, name="sweep", run_id=run_id)
         failed = dispatch_points(
-            ray, rset, infos, pending, lambda handle, point: handle.run.remote("run_batch", point.as_dict()),
+            ray, rset, infos, pending, lambda handle, point: handle.run.remote("run_batch", point.spec()),
             lambda point, info, *rest: _record(run_id, commit, suite, point, inventory, info, *rest),
             publish, _one_line, name="sweep")
         wait_s = _final_scrape_wait_s(publish)

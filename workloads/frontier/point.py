@@ -1,7 +1,7 @@
 """One frontier point, run where the model is: ``run_frontier_point(model, tokenizer, point) -> metrics``.
 
 The runner sends it to a replica with ``ModelReplica.apply(run_frontier_point, point)`` (the quality runner's
-call seam, `workloads.run.run_on_replicas`). ``point`` is :meth:`workloads.frontier.suite.FrontierPoint.as_dict`.
+call seam, `workloads.run.run_on_replicas`). ``point`` is the :class:`workloads.frontier.suite.FrontierPoint` itself.
 Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens + new_tokens) / ratio)``.
 
 1. Throughput at the point's own max batch under one KV memory limit (`workloads.bench_serving`'s machinery):
@@ -17,11 +17,15 @@ Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from .suite import FrontierPoint
 
-def run_frontier_point(model, tokenizer, point: dict) -> dict:
+
+def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     """Measure one point; return its metrics (units in the names).
 
     Returns a dict with ``kv_memory_limit_bytes``, ``batch_size`` (the max batch), ``budget_tokens`` (B),
@@ -40,10 +44,10 @@ def run_frontier_point(model, tokenizer, point: dict) -> dict:
     from workloads.bench_serving import prompts_for, run_engines
     from workloads.quality.perplexity import heldout_windows, perplexity
 
-    P, N, seed = int(point["prompt_tokens"]), int(point["new_tokens"]), int(point.get("seed", 0))
-    policy, params, ratio = point["policy"], dict(point.get("policy_params") or {}), point.get("compression_ratio")
+    P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)
+    policy, params, ratio = point.policy, dict(point.policy_params or {}), point.compression_ratio
     vocab = int(model.config.vocab_size)
-    limit = point.get("kv_memory_limit_bytes") or full_batch_kv_limit_bytes(model, int(point["kv_limit_full_sequences"]), P, N)
+    limit = point.kv_memory_limit_bytes or full_batch_kv_limit_bytes(model, int(point.kv_limit_full_sequences), P, N)
     cfg = EngineConfig(policy=policy, policy_params=params, compression_ratio=ratio, max_length_tokens=P + N,
                        kv_memory_limit_bytes=int(limit))
     probe = ContinuousBatchingEngine(model, cfg)
@@ -52,12 +56,12 @@ def run_frontier_point(model, tokenizer, point: dict) -> dict:
         raise ValueError(f"kv_memory_limit: {limit} B holds no {policy} sequence of {P} + {N} tokens "
                          f"({probe.final_slots(P, N) * probe.slot_bytes} B each); raise the limit")
     prompts = prompts_for(tokenizer, vocab, batch, P, seed)
-    requests = [GenerationRequest(f"{point['point_id']}-{i}", p, N) for i, p in enumerate(prompts)]
+    requests = [GenerationRequest(f"{point.point_id}-{i}", p, N) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
     run, = run_engines(model, [(cfg, requests)], desc=f"{policy} x{ratio or 1:g} batch {batch}")
     throughput_s = time.perf_counter() - t0
     run.pop("outputs", None)
-    ppl = perplexity(model, heldout_windows(tokenizer, P + N, int(point["perplexity_windows"]), seed, vocab_size=vocab),
+    ppl = perplexity(model, heldout_windows(tokenizer, P + N, int(point.perplexity_windows), seed, vocab_size=vocab),
                      policy, ratio or 1.0, None, params, device=next(model.parameters()).device)
     return {
         "kv_memory_limit_bytes": int(limit), "batch_size": batch, "budget_tokens": run["budget_tokens"],

@@ -27,7 +27,6 @@ Every error is a `workloads.suite.SuiteError` naming the field.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
@@ -70,10 +69,6 @@ class FrontierPoint:
     identity: dict = field(default_factory=dict)
     #: Frontier points compress by a ratio, never by an absolute budget.
     budget_tokens: ClassVar[None] = None
-
-    def as_dict(self) -> dict:
-        """The mapping `workloads.frontier.point.run_frontier_point` takes."""
-        return dataclasses.asdict(self)
 
 
 class FrontierSuite(SuiteBase):

@@ -32,7 +32,6 @@ The model settings, the policy list and the shared number types are `workloads.s
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
@@ -129,11 +128,6 @@ class QualityPoint:
         else:
             tag = f"fewshot-{self.task}-{tag}-d{'all' if s.get('docs') is None else s['docs']}-s{self.seed}"
         return point_id(tag, self.identity)
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["point_id"] = self.point_id
-        return d
 
 
 class QualitySuite(SuiteBase):
