@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
 from cluster.generate_baseline import run_generate
+from workloads.run import git_commit
 
 
 def parse_args(argv=None):
@@ -217,8 +218,9 @@ def main(argv=None) -> int:
             return (f"| {name} | {batch} | {r['output_tokens']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
                     f"{r['output_tok_per_s']:.1f} | {r['output_tok_per_cpu_s']:.2f} | {dec} | {kv} | {extra} |")
 
+        commit = git_commit()
         lines = [
-            f"Conditions: model {args.model}, {dtype} ({dtype_reason}), CPU {cpu}, {torch.get_num_threads()} torch thread(s), one replica in "
+            f"Conditions: {time.strftime('%Y-%m-%d', time.gmtime())}, commit {commit}, model {args.model}, {dtype} ({dtype_reason}), CPU {cpu}, {torch.get_num_threads()} torch thread(s), one replica in "
             f"process; prompts {P} tokens of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
             f"{args.full_batch} full-cache sequences of {P} + {N} tokens.",
             "",
@@ -253,7 +255,7 @@ def main(argv=None) -> int:
             if r is not None:
                 r.pop("outputs", None)
         (out / "bench.json").write_text(json.dumps({
-            "args": vars(args), "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu,
+            "args": vars(args), "git_commit": commit, "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu,
             "torch_threads": torch.get_num_threads(), "kv_memory_limit_bytes": limit, "max_batch": {"full": full, "scissorhands": sh},
             "generate": gen, "engine": eng, "identical_tokens": same,
             "ratio_max_batch_output": ratio_max_batch, "ratio_max_batch_decode": ratio_decode,
