@@ -81,10 +81,28 @@ def test_server_side_rows_are_counter_differences_over_the_run():
 def test_table_prints_the_diagnostic_rows_per_run():
     peer = dict(parse_guidellm(REPORT), resend_delay_p50_s=0.25, server_ttft_mean_s=9.5, server_prefill_forwards=32,
                 server_prompts_per_prefill=1.0)
+    peer.update(client_cpu_s=61.25, client_cpu_share=0.25)
     ours = [dict(peer, resend_delay_p50_s=0.002, replica_ttft_p50_s=2.5, server_ttft_mean_s=2.6,
-                 server_prefill_forwards=8, server_prompts_per_prefill=4.0)]
+                 server_prefill_forwards=8, server_prompts_per_prefill=4.0, client_cpu_s=12.0, client_cpu_share=0.05)]
     text = table(peer, ours)
+    assert "| client CPU-s over the run [the tool's own processes] | 61.2 | 12.0 |" in text
+    assert "| client CPU share of the machine [CPU-s / (wall x cores)] | 0.25 | 0.05 |" in text
     assert "| re-send delay p50 (s) [client] | 0.2500 | 0.0020 |" in text
     assert "| server prefill forwards [Prometheus] | 32 | 8 |" in text
     assert "| server prompts per prefill forward [Prometheus] | 1.00 | 4.00 |" in text
     assert "| replica TTFT p50 (s) [server's own figure, ours only] | - | 2.5000 |" in text
+
+
+def test_client_cpu_counts_a_waited_child_process_tree():
+    """The peer's CPU (a child process we wait for, with children of its own) is in `client_cpu_s`,
+    so the table can say how much of a shared machine each client took from the server."""
+    import subprocess
+    import sys
+
+    from workloads.crosscheck import client_cpu_s
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    before = client_cpu_s()
+    subprocess.run([sys.executable, "-c", f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {burn!r}])\n{burn}"],
+                   check=True)
+    assert client_cpu_s() - before >= 0.6          # the child's 0.3 s and its own child's 0.3 s

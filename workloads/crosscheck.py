@@ -22,6 +22,10 @@ Definitions (each tool's own; where they differ, the table says so next to it):
   `output_token_count` total / benchmark `duration`).
 
 Where a TTFT difference comes from (rows under the table, measured in the same run):
+* client CPU: user + system CPU seconds of each tool over its run (ours: this process; guidellm: its
+  whole process tree), and that as a share of the machine's cores. When the client runs on the
+  server's machine (as `make crosscheck` does on loopback), a client's CPU is taken from the server,
+  whose steps then take longer: TTFT, ITL and throughput all move together.
 * re-send delay p50: at a fixed concurrency C, the k-th send (k >= C) should follow the
   (k - C + 1)-th completion at once; this is the median of (k-th send - that completion), from each
   tool's own per-request times (ours: records; guidellm: its report's `request_start`/`request_end`).
@@ -155,7 +159,9 @@ def table(peer: dict, ours: list[dict], peer_name: str = "guidellm") -> str:
     return "\n".join(lines) + "\n"
 
 
-DIAGNOSTIC_ROWS = [("re-send delay p50 (s) [client]", "resend_delay_p50_s", ".4f"),
+DIAGNOSTIC_ROWS = [("client CPU-s over the run [the tool's own processes]", "client_cpu_s", ".1f"),
+                   ("client CPU share of the machine [CPU-s / (wall x cores)]", "client_cpu_share", ".2f"),
+                   ("re-send delay p50 (s) [client]", "resend_delay_p50_s", ".4f"),
                    ("replica TTFT p50 (s) [server's own figure, ours only]", "replica_ttft_p50_s", ".4f"),
                    ("server TTFT mean (s) [Prometheus]", "server_ttft_mean_s", ".4f"),
                    ("server prefill forwards [Prometheus]", "server_prefill_forwards", ".0f"),
@@ -171,6 +177,14 @@ SERVER_COUNTERS = {
 }
 #: Seconds to wait after a run before reading the counters: one export (5 s) + one scrape (5 s) + slack.
 SETTLE_S = 12.0
+
+
+def client_cpu_s() -> float:
+    """User + system CPU seconds of this process and of its waited-for children (the peer tool), so far."""
+    import resource
+
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def server_counters(prometheus: str | None) -> dict | None:
@@ -259,10 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
 
     def measured(run):
-        """`run()`'s table metrics plus the server-side rows and its wall time."""
-        t0, before = time.time(), server_counters(prom)
+        """`run()`'s table metrics plus the server-side rows, its wall time and the client's CPU seconds
+        (this process for ours, the peer's whole process tree, waited for, for guidellm: the client shares
+        the machine's cores with the server when both run on one host)."""
+        t0, before, cpu0 = time.time(), server_counters(prom), client_cpu_s()
         row = run()
         wall = time.time() - t0
+        cpu = client_cpu_s() - cpu0
+        row.update(client_cpu_s=cpu, client_cpu_share=cpu / (wall * (os.cpu_count() or 1)))
         if prom is not None:
             time.sleep(SETTLE_S)
         row.update(server_side(before, server_counters(prom), args.prompt_tokens), wall_s=wall)
