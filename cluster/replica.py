@@ -160,11 +160,12 @@ def resolve_dtype_here(model_spec: str, dtype: str, device: str = "cpu", num_thr
 
 
 def resolve_run_dtype(model_spec: str, dtype: str, device: str = "cpu", *, ray=None, num_cpus: float = 1.0,
-                      num_gpus: float = 0.0, num_threads: int | None = None) -> dict:
+                      num_gpus: float = 0.0, num_threads: int | None = None, timeout_s: float | None = None) -> dict:
     """`resolve_dtype_here` for a whole run: in this process when `ray` is None (local runs, `make serve`),
     else as one small Ray task with a replica's resources (`num_cpus`, `num_gpus`, `num_threads` torch
     threads) on a node of the cluster, so the probe measures what a replica will run on. Forced dtypes need
-    no task. Returns and raises as `resolve_dtype_here` (the task's error as raised in it)."""
+    no task. Returns and raises as `resolve_dtype_here` (the task's error as raised in it); Ray's
+    `GetTimeoutError` when the task has not run within `timeout_s` (no node had its resources free)."""
     if dtype != "auto" or ray is None:
         return resolve_dtype_here(model_spec, dtype, device, num_threads)
 
@@ -175,7 +176,12 @@ def resolve_run_dtype(model_spec: str, dtype: str, device: str = "cpu", *, ray=N
                                                           f"(host {socket.gethostname()})")
 
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)(task)
-    return ray.get(remote.remote(model_spec, dtype, device, num_threads))
+    ref = remote.remote(model_spec, dtype, device, num_threads)
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.cancel(ref, force=True)
+        raise
 
 
 def _peak_rss_bytes(current_peak: int) -> int:

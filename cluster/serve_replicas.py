@@ -88,6 +88,25 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
 STATUS_POLL_S = 0.25
 
 
+def delete_leftover_apps(app_name: str) -> None:
+    """Delete the Serve applications of an earlier attempt of this run (``<kind>-<run id>-<hex>``: this
+    name with another suffix). A runner killed before its shutdown leaves its replicas deployed (Serve
+    applications outlive the driver on a cluster joined with ``--address``), holding their CPUs; a resume
+    frees them before anything of its own asks for resources. Nothing to do without a Serve controller."""
+    from ray import serve
+
+    prefix = app_name[:-8]
+    if prefix.endswith("-adhoc-"):                  # no run id: nothing to tell its own apps apart by
+        return
+    try:
+        serve.context._connect(raise_if_no_controller_running=True)
+    except Exception:  # noqa: BLE001 - no Serve on this cluster: no earlier application
+        return
+    for name in list(serve.status().applications):
+        if name.startswith(prefix) and name != app_name and re.fullmatch(r"[0-9a-f]{8}", name[len(prefix):]):
+            serve.delete(name, _blocking=True)
+
+
 def app_name_for(kind: str, run_id: str | None) -> str:
     """A Serve application name unique to this run: ``<kind>-<run id>-<8 hex>`` (characters Serve accepts)."""
     return f"{_app_prefix(kind, run_id)}{uuid.uuid4().hex[:8]}"
@@ -185,26 +204,13 @@ class ServeReplicaSet:
             serve.context._connect(raise_if_no_controller_running=True)
         except Exception:  # noqa: BLE001 - no Serve on this cluster yet: start one without HTTP
             serve.start(proxy_location="Disabled")
-        self._delete_leftovers()
+        delete_leftover_apps(self.app_name)
         try:
             self.deploy()
         except BaseException:
             self.shutdown()
             raise
         return self.handle
-
-    def _delete_leftovers(self) -> None:
-        """Delete applications of an earlier attempt of this run (``<kind>-<run id>-<hex>``, this set's
-        name but another suffix): a runner killed before its `shutdown` leaves its replicas deployed (Serve
-        applications outlive the driver on a cluster joined with ``--address``); a resume frees them."""
-        from ray import serve
-
-        prefix = self.app_name[:-8]
-        if prefix.endswith("-adhoc-"):                  # no run id: nothing to tell its own apps apart by
-            return
-        for name in list(serve.status().applications):
-            if name.startswith(prefix) and name != self.app_name and re.fullmatch(r"[0-9a-f]{8}", name[len(prefix):]):
-                serve.delete(name, _blocking=True)
 
     def _cap_cpus_to_one_node(self, nodes: list[dict]) -> None:
         """A default CPU share (cluster CPUs / replicas) can exceed every node; cap it at the most CPUs

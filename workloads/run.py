@@ -336,9 +336,10 @@ def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float
 
     try:
         return resolve(suite.model, suite.dtype, suite.device, ray=ray, num_cpus=num_cpus, num_gpus=num_gpus,
-                       num_threads=num_threads)
-    except Exception as e:  # noqa: BLE001 - e.g. no node can run the probe's task
-        raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
+                       num_threads=num_threads, timeout_s=suite.placement.ready_timeout_s)
+    except Exception as e:  # noqa: BLE001 - e.g. no node ran the probe's task within ready_timeout_s
+        raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run within placement.ready_timeout_s "
+                         f"({suite.placement.ready_timeout_s:g} s): {error_message(e)}", 1) from None
 
 
 def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica",
@@ -355,9 +356,10 @@ def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str
             not load its model (the application is deleted); (exit 2) as `replica_resources`.
     """
     from cluster.placement import PlacementError
-    from cluster.serve_replicas import app_name_for, point_replicas
+    from cluster.serve_replicas import app_name_for, delete_leftover_apps, point_replicas
 
     threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
+    delete_leftover_apps(app_name_for(name, run_id))   # a killed attempt's replicas hold CPUs the probe needs
     replica_kwargs = {**replica_kwargs, **resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus,
                                                             num_threads=threads)}  # auto: once for all replicas
     rset = point_replicas(replicas, suite.placement, replica_kwargs, num_cpus=num_cpus, num_gpus=num_gpus,
