@@ -193,13 +193,9 @@ class ServeReplicaSet:
                 time (the message gives what is free and the alive nodes); the application is deleted.
             RuntimeError: a replica's constructor failed (its own error line, e.g. the missing path).
         """
-        import ray
         from ray import serve
 
-        nodes = _alive_nodes(ray)
-        if self.placement.num_cpus is None:
-            self._cap_cpus_to_one_node(nodes)
-        check_fits(self.bundle, self.n, self.placement.strategy, nodes)
+        self.check_fits()
         try:
             serve.context._connect(raise_if_no_controller_running=True)
         except Exception:  # noqa: BLE001 - no Serve on this cluster yet: start one without HTTP
@@ -211,6 +207,16 @@ class ServeReplicaSet:
             self.shutdown()
             raise
         return self.handle
+
+    def check_fits(self) -> None:
+        """Refuse at once a replica that no alive node can hold (`cluster.placement.check_fits`), after capping
+        a default CPU share at the most CPUs one node has. Raises PlacementError naming the resource."""
+        import ray
+
+        nodes = _alive_nodes(ray)
+        if self.placement.num_cpus is None:
+            self._cap_cpus_to_one_node(nodes)
+        check_fits(self.bundle, self.n, self.placement.strategy, nodes)
 
     def _cap_cpus_to_one_node(self, nodes: list[dict]) -> None:
         """A default CPU share (cluster CPUs / replicas) can exceed every node; cap it at the most CPUs

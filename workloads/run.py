@@ -338,8 +338,12 @@ def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float
         return resolve(suite.model, suite.dtype, suite.device, ray=ray, num_cpus=num_cpus, num_gpus=num_gpus,
                        num_threads=num_threads, timeout_s=suite.placement.ready_timeout_s)
     except Exception as e:  # noqa: BLE001 - e.g. no node ran the probe's task within ready_timeout_s
-        raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run within placement.ready_timeout_s "
-                         f"({suite.placement.ready_timeout_s:g} s): {error_message(e)}", 1) from None
+        if type(e).__name__ == "GetTimeoutError":     # the probe asks a replica's resources: the same fault
+            from cluster.placement import not_ready_message
+
+            raise SweepError(f"dtype: the run's dtype probe (one task with a replica's resources): "
+                             + not_ready_message(ray, 1, "probe", suite.placement.ready_timeout_s), 1) from None
+        raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
 
 
 def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica",
@@ -359,11 +363,15 @@ def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str
     from cluster.serve_replicas import app_name_for, delete_leftover_apps, point_replicas
 
     threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
-    delete_leftover_apps(app_name_for(name, run_id))   # a killed attempt's replicas hold CPUs the probe needs
-    replica_kwargs = {**replica_kwargs, **resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus,
-                                                            num_threads=threads)}  # auto: once for all replicas
     rset = point_replicas(replicas, suite.placement, replica_kwargs, num_cpus=num_cpus, num_gpus=num_gpus,
                           num_threads=threads, app_name=app_name_for(name, run_id), name_prefix=name_prefix)
+    try:
+        rset.check_fits()                                # refused at once, before the dtype probe asks for them
+    except PlacementError as e:
+        raise SweepError(str(e), 1) from None
+    delete_leftover_apps(rset.app_name)                  # a killed attempt's replicas hold CPUs the probe needs
+    rset.init_kwargs.update(resolve_run_dtype(suite, ray, num_cpus=rset.num_cpus, num_gpus=rset.num_gpus,
+                                              num_threads=rset.num_threads))  # auto: once for all replicas
     try:
         rset.start()
         infos = sorted(rset.broadcast("info").values(), key=lambda i: i["replica_id"])
