@@ -126,9 +126,14 @@ def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, 
     counter = ray_fake_probe
     counter.unlink(missing_ok=True)
     started = []
-    real_start = serving_sweep.RayReplicaPool.start
-    monkeypatch.setattr(serving_sweep.RayReplicaPool, "start",
-                        lambda self: started.extend(real_start(self)) or list(started))
+    real_start = serving_sweep.ServeReplicaPool.start
+
+    def start(self):                                    # every replica's info, not only the one start() asks
+        infos = real_start(self)
+        started.extend(self.rset.broadcast("info").values())
+        return infos
+
+    monkeypatch.setattr(serving_sweep.ServeReplicaPool, "start", start)
     suite = tmp_path / "s.yaml"
     suite.write_text(yaml.safe_dump(dict(
         kind="serving", name="s", model="tiny-llama", policies=["full"], mode="concurrency", loads=[1],
