@@ -36,6 +36,19 @@ class SweepError(Exception):
         self.code = code
 
 
+def cli_main(name: str, run) -> int:
+    """The runners' command-line wrapper: ``run()``'s exit status; a `SweepError` printed as
+    ``<name>: error: ...`` with its code; Ctrl-C 130 with where the finished points are."""
+    try:
+        return run()
+    except SweepError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; finished points are in the points file (use --resume)", file=sys.stderr)
+        return 130
+
+
 def git_commit() -> str:
     """`git rev-parse HEAD` of this repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
     return submit.git_commit(REPO_ROOT)
@@ -341,7 +354,7 @@ def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float
         if type(e).__name__ == "GetTimeoutError":     # the probe asks a replica's resources: the same fault
             from cluster.placement import not_ready_message
 
-            raise SweepError(f"dtype: the run's dtype probe (one task with a replica's resources): "
+            raise SweepError("dtype: the run's dtype probe (one task with a replica's resources): "
                              + not_ready_message(ray, 1, "probe", suite.placement.ready_timeout_s), 1) from None
         raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
 

@@ -33,7 +33,7 @@ import sys
 import time
 
 from workloads import results as res
-from workloads.run import (SweepError, dispatch_points, init_ray, load_suite_of_kind, open_run, pending_points,
+from workloads.run import (SweepError, cli_main, dispatch_points, init_ray, load_suite_of_kind, open_run, pending_points,
                            record_run_dtypes, start_replicas)
 from workloads.suite import Point, Suite
 
@@ -184,24 +184,21 @@ def _one_line(rec: dict) -> str:
             f"KV {kv / res.MIB:.1f} MiB, budget {rec.get('budget_tokens')} tok")
 
 
+def _run_kind(args) -> int:
+    kind = load_suite_of_kind(args.suite, None).kind
+    if kind == "serving":       # continuously batching replicas under a load pattern
+        from workloads.serving_sweep import run_serving_sweep
+
+        return run_serving_sweep(args)
+    if kind == "quality":
+        raise SweepError(f"kind: quality suites run with `make quality` (python -m workloads.quality.runner "
+                         f"{args.suite}); this command runs kinds batch and serving", 2)
+    return run_sweep(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        kind = load_suite_of_kind(args.suite, None).kind
-        if kind == "serving":       # continuously batching replicas under a load pattern
-            from workloads.serving_sweep import run_serving_sweep
-
-            return run_serving_sweep(args)
-        if kind == "quality":
-            raise SweepError(f"kind: quality suites run with `make quality` (python -m workloads.quality.runner "
-                             f"{args.suite}); this command runs kinds batch and serving", 2)
-        return run_sweep(args)
-    except SweepError as e:
-        print(f"sweep: error: {e}", file=sys.stderr)
-        return e.code
-    except KeyboardInterrupt:
-        print("sweep: interrupted; finished points are in the points file (use --resume)", file=sys.stderr)
-        return 130
+    return cli_main("sweep", lambda: _run_kind(args))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import SweepError, load_suite_of_kind, open_run, pending_points, record_run_dtypes, run_on_replicas
+from workloads.run import SweepError, cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, run_on_replicas
 
 from .point import run_frontier_point
 from .suite import FrontierPoint, FrontierSuite
@@ -101,14 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except SweepError as e:
-        print(f"frontier: error: {e}", file=sys.stderr)
-        return e.code
-    except KeyboardInterrupt:
-        print("frontier: interrupted; finished points are in the points file (use --resume)", file=sys.stderr)
-        return 130
+    return cli_main("frontier", lambda: run(args))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import SweepError, load_suite_of_kind, open_run, pending_points, record_run_dtypes, run_on_replicas
+from workloads.run import SweepError, cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, run_on_replicas
 
 from .points import run_point
 from .suite import QualityPoint, QualitySuite
@@ -124,14 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except SweepError as e:
-        print(f"quality: error: {e}", file=sys.stderr)
-        return e.code
-    except KeyboardInterrupt:
-        print("quality: interrupted; finished points are in the points file (use --resume)", file=sys.stderr)
-        return 130
+    return cli_main("quality", lambda: run(args))
 
 
 if __name__ == "__main__":
