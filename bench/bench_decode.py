@@ -89,28 +89,41 @@ def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float
     return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
 
+def paired_steps(model, all_rows: list[list[int]], batch: int, steps: int, rounds: int) -> dict:
+    """Our engine's decode step against transformers' at ``batch`` rows (the first ``batch`` of ``all_rows``):
+    ``rounds`` paired rounds, order alternating; per clock (wall, cpu) the median step of each side in ms and
+    the median, min and max over rounds of transformers' step / ours (above 1: ours is faster)."""
+    engines = {"ours": ours_steps, "transformers": generate_steps}
+    rows = all_rows[:batch]
+    med = {name: [] for name in engines}                                # per round: (wall, cpu) median step
+    for r in range(rounds):
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            timed = engines[name](model, rows, steps)
+            med[name].append((statistics.median(s[0] for s in timed), statistics.median(s[1] for s in timed)))
+    row = {"batch": batch}
+    for i, clock in enumerate(("wall", "cpu")):
+        ratios = [t[i] / o[i] for t, o in zip(med["transformers"], med["ours"])]
+        row.update({f"ours_{clock}_ms": 1e3 * statistics.median(m[i] for m in med["ours"]),
+                    f"theirs_{clock}_ms": 1e3 * statistics.median(m[i] for m in med["transformers"]),
+                    f"{clock}_ratio": statistics.median(ratios), f"{clock}_min": min(ratios),
+                    f"{clock}_max": max(ratios)})
+    return row
+
+
+def warm_up(model, all_rows: list[list[int]]) -> None:
+    """One short run of each side (allocator, kernels), untimed."""
+    ours_steps(model, all_rows[:1], 2)
+    generate_steps(model, all_rows[:1], 2)
+
+
 def run(dtype_name: str, args) -> list[dict]:
     model, tok = load_model("embedded", dtype=DTYPES[dtype_name])
     model.generation_config.eos_token_id = None
     all_rows = prompts(tok, max(args.batches), args.prompt_tokens)
-    engines = {"ours": ours_steps, "transformers": generate_steps}
-    for fn in engines.values():                                         # warm-up
-        fn(model, all_rows[:1], 2)
+    warm_up(model, all_rows)
     out = []
     for b in args.batches:
-        rows = all_rows[:b]
-        med = {name: [] for name in engines}                            # per round: (wall, cpu) median step
-        for r in range(args.rounds):
-            for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-                steps = engines[name](model, rows, args.steps)
-                med[name].append((statistics.median(s[0] for s in steps), statistics.median(s[1] for s in steps)))
-        row = dict(dtype=dtype_name, batch=b)
-        for i, clock in enumerate(("wall", "cpu")):
-            ratios = [t[i] / o[i] for t, o in zip(med["transformers"], med["ours"])]
-            row.update({f"ours_{clock}_ms": 1e3 * statistics.median(m[i] for m in med["ours"]),
-                        f"theirs_{clock}_ms": 1e3 * statistics.median(m[i] for m in med["transformers"]),
-                        f"{clock}_ratio": statistics.median(ratios), f"{clock}_min": min(ratios),
-                        f"{clock}_max": max(ratios)})
+        row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.steps, args.rounds))
         print(f"| {dtype_name} | {b} | {row['ours_cpu_ms']:.1f} | {row['theirs_cpu_ms']:.1f} | {row['cpu_ratio']:.2f}x | "
               f"{row['cpu_min']:.2f}-{row['cpu_max']:.2f} | {row['ours_wall_ms']:.1f} | {row['theirs_wall_ms']:.1f} | "
               f"{row['wall_ratio']:.2f}x | {row['wall_min']:.2f}-{row['wall_max']:.2f} |", flush=True)
@@ -151,5 +164,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     sys.exit(main())

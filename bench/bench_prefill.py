@@ -25,32 +25,21 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import statistics
 import time
 
 import torch
 
 from scissorhands import POLICIES, make_cache
-from scissorhands.models import load_model
+from scissorhands.models import cpu_flags, cpu_model_name, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cpu_conditions() -> str:
-    """``model | flags: ... | threads: n`` of this machine, from /proc/cpuinfo where there is one."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    shown = sorted(f for f in flags if f.startswith("amx") or f in ("avx512f", "avx512_bf16", "avx2", "avx512_vnni"))
-    return (f"{model} | {os.cpu_count()} CPUs | flags: {' '.join(shown) or '-'} | torch {torch.__version__} | "
+    """``model | CPUs | flags: ... | torch | threads: n`` of this machine (the flags that decide the dtype)."""
+    shown = sorted(f for f in cpu_flags() if f.startswith("amx") or f in ("avx512f", "avx512_bf16", "avx2", "avx512_vnni"))
+    return (f"{cpu_model_name()} | {os.cpu_count()} CPUs | flags: {' '.join(shown) or '-'} | torch {torch.__version__} | "
             f"threads: {torch.get_num_threads()}")
 
 
@@ -77,7 +66,7 @@ def prefill_s(model, ids: torch.Tensor, policy: str, ratio: float, max_length: i
 
 
 def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
-    model, tokenizer = load_model("embedded", dtype=DTYPES[dtype_name])
+    model, tokenizer = load_model("embedded", dtype=dtype_name)
     ids = prompt_ids(tokenizer, args.batch, args.prompt_tokens)
     configs = ["full", *policies]
     max_length = args.prompt_tokens + args.new_tokens

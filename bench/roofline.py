@@ -1,40 +1,50 @@
-"""`make roofline`: this machine's ceilings and how close decode gets to them, ours and transformers'.
+"""`make roofline`: this machine's limits and how close our engine gets to them, in one run.
+
+Issue 13's table and the roofline, measured side by side with the same code, threads and machine state:
 
 1. Ceilings, measured here: memory bandwidth (GB/s: ``torch.sum`` over a float32 tensor far larger
-   than the caches, best of ``--repeats``) and matmul throughput per dtype (GFLOP/s: ``F.linear`` of a
-   ``(rows, k) @ (k, n)^T`` problem at the model's MLP width, best of ``--repeats``).
-2. Decode, per dtype and batch size: our continuous-batching engine with the full cache
-   (`cluster.engine.ContinuousBatchingEngine`: its own `decode_s` over the tokens of its decode
-   steps) and transformers' `generate` (sdpa + `DynamicCache`; decode time = `generate` of
-   ``1 + new`` tokens minus `generate` of 1 token, same prompts), interleaved round by round so
-   the drift of a shared machine falls on both; median of ``--rounds``.
-3. The roofline of one decode step at batch ``b`` (mean context ``c = prompt + new / 2``):
+   than the caches, best of 5) and matmul throughput per dtype (GFLOP/s: ``F.linear`` of a
+   ``(rows, k) @ (k, n)^T`` problem at the model's MLP width, best of 5).
+2. Prefill, per dtype: one forward of ``--prefill-batch`` prompts of ``--prefill-tokens`` tokens with
+   a fresh full cache and a fresh Scissorhands cache at ``--ratio``, paired rounds, order
+   alternating (`bench/bench_prefill.py`): Scissorhands / full time and the full cache's prompt tok/s.
+3. Decode, per dtype and batch size: our engine's full-cache decode step
+   (`cluster.engine.ContinuousBatchingEngine.step`) against transformers' ``generate`` (sdpa +
+   ``DynamicCache``; a step is the gap between two logits-processor calls), ``--rounds`` paired rounds,
+   order alternating (`bench/bench_decode.py`); tok/s = rows / median wall time of a step.
+4. The roofline of one decode step at batch ``b`` (mean context ``c = prompt + new / 2``):
    bytes = every weight once (tied embeddings once) + the KV cache read
    (``b * layers * 2 * kv_heads * head_dim * c`` values), FLOPs = ``2 * b * (non-embedding params
    + vocab * hidden)`` + attention ``4 * b * layers * heads * head_dim * c``; the step cannot be
    faster than ``max(bytes / bandwidth, FLOPs / peak of the dtype)`` (whichever binds is printed),
    so roofline tok/s = ``b / that``; each measured tok/s is reported as a share of it.
 
-Printed as one Markdown table with the conditions (CPU model and flags, torch threads, dtype) and
-written to ``--out`` (roofline.md, roofline.json) as soon as each dtype is done.
+Printed as Markdown tables with the conditions (CPU model and flags, torch threads, dtype, load
+average) and written to ``--out`` (roofline.md, roofline.json) as soon as each dtype is done; a
+progress bar counts the timed runs.
 
     python bench/roofline.py [--batches 1 4 16 32] [--dtypes float32 bfloat16] [--prompt-tokens 128]
-                             [--new-tokens 16] [--rounds 3] [--threads 2]
+                             [--new-tokens 16] [--rounds 3] [--prefill-batch 8] [--prefill-tokens 512]
+                             [--ratio 5] [--threads 2]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import math
+import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import bench_decode
+import bench_prefill
 import torch
+from bench_prefill import cpu_conditions
 from tqdm import tqdm
 
-from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
-from scissorhands.models import DTYPE_CHOICES, cpu_flags, cpu_model_name, load_model, resolve_dtype
+from scissorhands.models import DTYPE_CHOICES, load_model, resolve_dtype
 
 
 def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
@@ -81,39 +91,6 @@ def step_roofline(model, batch: int, context: float, bandwidth_gb_s: float, peak
             "roofline_tok_per_s": batch / max(t_mem, t_compute)}
 
 
-def engine_decode_tok_s(model, prompts: list[list[int]], new_tokens: int) -> float:
-    """Decode tok/s of our engine (full cache, all rows together): decode tokens / the engine's decode time."""
-    eng = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=len(prompts[0]) + new_tokens,
-                                                       max_batch=len(prompts)))
-    for i, p in enumerate(prompts):
-        eng.submit(GenerationRequest(f"r{i}", p, new_tokens + 1), lambda r: None)
-    eng.run_until_idle()
-    s = eng.stats()
-    return len(prompts) * new_tokens / s["decode_s"]
-
-
-def generate_decode_tok_s(model, prompts: list[list[int]], new_tokens: int) -> float:
-    """Decode tok/s of transformers' ``generate`` (sdpa + ``DynamicCache``): ``generate(1 + new)`` minus
-    ``generate(1)`` on the same prompts."""
-    from transformers import DynamicCache
-
-    from scissorhands import ATTN_IMPLEMENTATION
-
-    model.set_attn_implementation("sdpa")
-    ids = torch.tensor(prompts)
-    times = []
-    try:
-        for n in (1, 1 + new_tokens):
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                model.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=model.config),
-                               max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-            times.append(time.perf_counter() - t0)
-    finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return len(prompts) * new_tokens / max(times[1] - times[0], 1e-9)
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded")
@@ -123,78 +100,97 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per run")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
+    p.add_argument("--prefill-batch", type=int, default=8, help="prompts in one prefill forward")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="tokens per prefill prompt")
+    p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands' compression ratio in the prefill rows")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="results/roofline")
     args = p.parse_args(argv)
     for d in args.dtypes:
         if d not in DTYPE_CHOICES:
             p.error(f"--dtypes: expected each one of {', '.join(DTYPE_CHOICES)}, got {d!r}")
-    for name in ("prompt_tokens", "new_tokens", "rounds", "threads"):
+    for name in ("prompt_tokens", "new_tokens", "rounds", "threads", "prefill_batch", "prefill_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
     if any(b < 1 for b in args.batches):
         p.error(f"--batches: expected integers >= 1, got {args.batches}")
+    if not (math.isfinite(args.ratio) and args.ratio >= 1):
+        p.error(f"--ratio: expected a number >= 1, got {args.ratio}")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    flags = ", ".join(sorted(cpu_flags() & {"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"})) or "none"
-    conditions = (f"CPU {cpu_model_name()} (flags: {flags}), {args.threads} torch thread(s), model {args.model}, "
-                  f"prompt {args.prompt_tokens} tokens, {args.new_tokens} decode steps, median of {args.rounds} "
-                  f"interleaved rounds, date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    conditions = (f"CPU {cpu_conditions()}, model embedded, decode: prompt {args.prompt_tokens} tokens, "
+                  f"{args.new_tokens} steps, median of {args.rounds} paired rounds; prefill: {args.prefill_batch} x "
+                  f"{args.prefill_tokens} tokens, ratio {args.ratio:g}, median of {args.rounds} paired rounds; "
+                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average before "
+                  f"{os.getloadavg()[0]:.1f}")
     print(f"roofline: {conditions}", file=sys.stderr)
     bandwidth = memory_bandwidth_gb_s()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, peaks = [], {}
-    from workloads.prompts import make_prompts
-
+    prefill = SimpleNamespace(batch=args.prefill_batch, prompt_tokens=args.prefill_tokens, new_tokens=64,
+                              ratio=args.ratio, rounds=args.rounds)
+    bar = tqdm(total=len(args.dtypes) * args.rounds * (1 + len(args.batches)), desc="roofline", unit="round",
+               file=sys.stderr)
+    peaks, prefill_rows, rows = {}, [], []
     for name in args.dtypes:
         dtype, reason = resolve_dtype(name)
+        label = str(dtype).removeprefix("torch.")
         if name == "auto":
-            print(f"roofline: auto -> {dtype} ({reason})", file=sys.stderr)
-        peaks[str(dtype)] = matmul_gflop_s(dtype)
-        model, tok = load_model(args.model, dtype=dtype)
+            print(f"roofline: auto -> {label} ({reason})", file=sys.stderr)
+        peaks[label] = matmul_gflop_s(dtype)
+        prefill_rows += bench_prefill.run(label, prefill, ["scissorhands"])
+        bar.update(args.rounds)
+        model, tok = load_model("embedded", dtype=dtype)
         model.generation_config.eos_token_id = None
-        prompts_all = [list(x) for x in make_prompts(tok, max(args.batches), args.prompt_tokens, seed=0)]
-        engine_decode_tok_s(model, prompts_all[:1], 2)                             # warm-up
-        bar = tqdm(total=len(args.batches) * args.rounds, desc=f"decode {name}", unit="run", file=sys.stderr)
+        all_rows = bench_decode.prompts(tok, max(args.batches), args.prompt_tokens)
+        bench_decode.warm_up(model, all_rows)
         for b in args.batches:
-            prompts = prompts_all[:b]
-            ours, theirs = [], []
-            for _ in range(args.rounds):
-                ours.append(engine_decode_tok_s(model, prompts, args.new_tokens))
-                theirs.append(generate_decode_tok_s(model, prompts, args.new_tokens))
-                bar.update(1)
-            roof = step_roofline(model, b, args.prompt_tokens + args.new_tokens / 2, bandwidth,
-                                 peaks[str(dtype)])
-            o, t = statistics.median(ours), statistics.median(theirs)
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "batch": b, "engine_tok_per_s": o,
-                         "generate_tok_per_s": t, "engine_over_generate": o / t, **roof,
-                         "engine_share": o / roof["roofline_tok_per_s"], "generate_share": t / roof["roofline_tok_per_s"]})
-        bar.close()
-        _write(out, conditions, bandwidth, peaks, rows)
-    print(Path(out / "roofline.md").read_text())
+            step = bench_decode.paired_steps(model, all_rows, b, args.new_tokens, args.rounds)
+            bar.update(args.rounds)
+            roof = step_roofline(model, b, args.prompt_tokens + args.new_tokens / 2, bandwidth, peaks[label])
+            ours, theirs = b / (step["ours_wall_ms"] / 1e3), b / (step["theirs_wall_ms"] / 1e3)
+            rows.append({"dtype": label, **step, "engine_tok_per_s": ours, "generate_tok_per_s": theirs, **roof,
+                         "engine_share": ours / roof["roofline_tok_per_s"],
+                         "generate_share": theirs / roof["roofline_tok_per_s"]})
+        _write(out, f"{conditions}; load average after {os.getloadavg()[0]:.1f}", bandwidth, peaks,
+               prefill_rows, rows)
+    bar.close()
+    print((out / "roofline.md").read_text())
     return 0
 
 
-def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, rows: list[dict]) -> None:
+def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_rows: list[dict],
+           rows: list[dict]) -> None:
+    full = {r["dtype"]: r for r in prefill_rows if r["policy"] == "full"}
     lines = [f"Conditions: {conditions}.", "",
              f"Ceilings measured: memory bandwidth {bandwidth:.1f} GB/s (sum of a 512 MiB float32 tensor); matmul "
-             + ", ".join(f"{k.removeprefix('torch.')} {v:.0f} GFLOP/s" for k, v in peaks.items())
-             + " (F.linear 512x576 @ 576x1536).", "",
-             "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers | roofline (tok/s) | bound "
-             "| ours, share of roofline | transformers, share |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()) + " (F.linear 512x576 @ 576x1536).", "",
+             "Prefill (one forward, fresh cache): Scissorhands / full time, median of paired rounds (min-max).", "",
+             "| dtype | full: prompt tok/s (wall) | Scissorhands / full, wall | Scissorhands / full, CPU |",
+             "|---|---|---|---|"]
+    for r in prefill_rows:
+        if r["policy"] != "full":
+            lines.append(f"| {r['dtype']} | {full[r['dtype']]['tok_s']:,.0f} | {r['wall_ratio']:.2f}x "
+                         f"({r['wall_ratio_min']:.2f}-{r['wall_ratio_max']:.2f}) | {r['cpu_ratio']:.2f}x "
+                         f"({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) |")
+    lines += ["", "Decode (full cache): tok/s = rows / median wall time of a step; ours / transformers per paired "
+              "round, median (min-max); share = tok/s over the roofline.", "",
+              "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers, wall | ours / transformers, "
+              "CPU | roofline (tok/s) | bound | ours, share of roofline | transformers, share |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['engine_tok_per_s']:.1f} | {r['generate_tok_per_s']:.1f} | "
-                     f"{r['engine_over_generate']:.2f}x | {r['roofline_tok_per_s']:.0f} | {r['bound']} | "
+                     f"{r['wall_ratio']:.2f}x ({r['wall_min']:.2f}-{r['wall_max']:.2f}) | {r['cpu_ratio']:.2f}x "
+                     f"({r['cpu_min']:.2f}-{r['cpu_max']:.2f}) | {r['roofline_tok_per_s']:.0f} | {r['bound']} | "
                      f"{r['engine_share']:.0%} | {r['generate_share']:.0%} |")
     (out / "roofline.md").write_text("\n".join(lines) + "\n")
     (out / "roofline.json").write_text(json.dumps({"conditions": conditions, "bandwidth_gb_s": bandwidth,
-                                                   "matmul_gflop_s": peaks, "rows": rows}, indent=2) + "\n")
+                                                   "matmul_gflop_s": peaks, "prefill": prefill_rows,
+                                                   "decode": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """bench/roofline.py: the roofline arithmetic and the argument checks (no timing here)."""
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 from scissorhands.testing import tiny_llama
 
-_spec = importlib.util.spec_from_file_location("roofline", Path(__file__).resolve().parents[1] / "bench" / "roofline.py")
+_bench = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(_bench))                                  # roofline runs bench_prefill's and bench_decode's timings
+_spec = importlib.util.spec_from_file_location("roofline", _bench / "roofline.py")
 roofline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(roofline)
 
@@ -31,7 +34,8 @@ def test_step_roofline_counts_weights_kv_and_flops():
 
 
 @pytest.mark.parametrize("argv,field", [(["--dtypes", "fp8"], "--dtypes"), (["--rounds", "0"], "--rounds"),
-                                        (["--batches", "0"], "--batches")])
+                                        (["--batches", "0"], "--batches"),
+                                        (["--ratio", "0.5"], "--ratio"), (["--prefill-batch", "0"], "--prefill-batch")])
 def test_bad_arguments_exit_2_naming_the_flag(argv, field, capsys):
     with pytest.raises(SystemExit) as e:
         roofline.parse_args(argv)
