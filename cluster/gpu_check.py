@@ -25,8 +25,8 @@ set) is rewritten after every phase, so a run cut short still brings back what f
    `--kv4-ratio` with 4-bit keys/values, each at the largest batch the engine admits under that limit
    (`ContinuousBatchingEngine.max_batch_for`), run through the continuous-batching engine
    (`cluster/engine.py`) and verified (peak running sequences = that batch, peak KV bytes <= the
-   limit). Output tok/s (output tokens / wall time from submission to the last token, prefill
-   included), decode tok/s (decode-step tokens / decode-step time), and their ratios to the full cache.
+   limit). Output tok/s (output tokens / wall time of the run's engine steps, first to last token, prefill
+   included; `cluster.generate_baseline.run_engines`), decode tok/s (decode-step tokens / decode-step time), and their ratios to the full cache.
 3. `engine_vs_generate`: our engine against transformers' `generate` (sdpa, `DynamicCache`, static
    left-padded batches), full cache, at full's max batch, on the same serving mix (prompt lengths
    uniform in [P/4, P], output lengths in [`--generate-new-tokens`/4, `--generate-new-tokens`]).
@@ -230,13 +230,6 @@ def _torch_dtype(name: str):
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
-def _sync(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _free_device_memory(device) -> None:
     import gc
 
@@ -340,53 +333,6 @@ def _kv_limit(a: dict, model) -> int:
     return full_batch_kv_limit_bytes(model, a["full_batch"], a["prompt_tokens"], a["new_tokens"])
 
 
-def _run_engine(model, cfg, requests, deadline: float, device) -> dict:
-    """Run `requests` through one engine (after a 2-token warm-up) until done or `deadline` (time.time()).
-
-    Output tok/s = output tokens / wall time from submission to the last token (prefill included);
-    decode tok/s = tokens of decode steps / time in decode steps. `finished` is False when the deadline
-    stopped it (the numbers then cover the part that ran)."""
-    import torch
-
-    from cluster.engine import ContinuousBatchingEngine, GenerationRequest
-
-    engine = ContinuousBatchingEngine(model, cfg, replica_id="gpu-check")
-    engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
-    engine.run_until_idle()
-    engine.reset_stats()
-    done: dict = {}
-    if torch.device(device).type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    _sync(device)
-    t0 = time.perf_counter()
-    for r in requests:
-        engine.submit(r, lambda res, done=done: done.__setitem__(res.request_id, res))
-    finished = True
-    while engine.step() or engine.queued:
-        if time.time() > deadline:
-            finished = False
-            break
-    _sync(device)
-    wall = time.perf_counter() - t0
-    s = engine.stats()
-    if not finished:
-        engine.abort_all("gpu-check: the phase's time box ended")
-    errors = [r.error for r in done.values() if r.error_kind and finished]
-    if errors:
-        raise RuntimeError(f"engine requests failed: {errors[:3]}")
-    out_tok = sum(len(r.output_ids) for r in done.values())
-    decode_tok = sum(max(0, len(r.output_ids) - 1) for r in done.values())
-    return {"finished": finished, "wall_s": wall, "output_tokens": out_tok, "output_tok_per_s": out_tok / wall,
-            "decode_tokens": decode_tok, "decode_s": s["decode_s"], "prefill_s": s["prefill_s"],
-            "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
-            "completed_requests": s["completed_requests"], "peak_running_sequences": s["peak_running_sequences"],
-            "peak_kv_cache_bytes": s["peak_kv_cache_bytes"], "budget_tokens": s["budget_tokens"],
-            "slot_bytes": s["slot_bytes"],
-            "peak_device_allocated_bytes": int(torch.cuda.max_memory_allocated())
-            if torch.device(device).type == "cuda" else None,
-            "outputs": {k: v.output_ids for k, v in done.items()}}
-
-
 def _random_prompts(vocab: int, n: int, lengths, seed: int) -> list[list[int]]:
     import numpy as np
 
@@ -398,6 +344,7 @@ def _random_prompts(vocab: int, n: int, lengths, seed: int) -> list[list[int]]:
 def phase_max_batch(a: dict, deadline: float, save) -> dict:
     """Each cache at its own max batch under one KV limit, run and verified; tok/s and ratios to full."""
     from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+    from cluster.generate_baseline import run_engines
 
     model = _load(a)
     P, N = a["prompt_tokens"], a["new_tokens"]
@@ -425,7 +372,7 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
         requests = [GenerationRequest(f"{policy}-{i}", p, N)
                     for i, p in enumerate(_random_prompts(vocab, b, P, a["seed"]))]
         try:
-            run = _run_engine(model, cfg, requests, deadline, a["device"])
+            run, = run_engines(model, [(cfg, requests)], deadline=deadline, desc=None)
             run.pop("outputs")
             run["verified"] = run["peak_running_sequences"] == b and run["peak_kv_cache_bytes"] <= limit
         except Exception as e:  # noqa: BLE001 - one run's failure (an OOM, say) leaves the next runs their chance
@@ -464,14 +411,14 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
               "batch": b, "requests": m, "kv_memory_limit_bytes": limit, "prompt_tokens_range": [min(p_lengths), max(p_lengths)],
               "output_tokens_range": [min(out_lengths), max(out_lengths)]}
     print(f"gpu-check: engine_vs_generate: batch {b}, {m} requests: generate ...", file=sys.stderr, flush=True)
-    from cluster.generate_baseline import run_generate
+    from cluster.generate_baseline import run_engines, run_generate
 
     gen = run_generate(model, reqs, b, device=a["device"], deadline=deadline)
     result["generate"] = {k: v for k, v in gen.items() if k != "outputs"}
     save(result)
     print("gpu-check: engine_vs_generate: our engine ...", file=sys.stderr, flush=True)
-    eng = _run_engine(model, EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs,
-                      deadline, a["device"])
+    eng, = run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)],
+                       deadline=deadline, desc=None)
     result["engine"] = {k: v for k, v in eng.items() if k != "outputs"}
     # with dummy weights the logits are near ties, so tokens may differ between the two attention paths
     result["identical_outputs"] = sum(eng["outputs"].get(r.request_id) == gen["outputs"].get(r.request_id)

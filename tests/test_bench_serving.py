@@ -68,6 +68,7 @@ def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(m
 
 def test_the_progress_bar_counts_every_generated_token(monkeypatch):
     """The bar reads the engine's public `generated_tokens` after each step: it ends at the planned total."""
+    from cluster import generate_baseline
     from cluster.engine import EngineConfig, GenerationRequest
     from cluster.replica import load_replica_model
 
@@ -86,7 +87,7 @@ def test_the_progress_bar_counts_every_generated_token(monkeypatch):
             self.updates.append(n)
 
     bars: list = []
-    monkeypatch.setattr(bench_serving, "tqdm", Bar)
+    monkeypatch.setattr(generate_baseline, "tqdm", Bar)
     torch.set_num_threads(1)
     model, _ = load_replica_model("tiny-llama")
     reqs = [GenerationRequest(f"r{i}", list(range(1, 9)), n) for i, n in enumerate((3, 6))]

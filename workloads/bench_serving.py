@@ -19,8 +19,8 @@ Progress: a bar on stderr (tokens generated of those planned, ETA) for each run;
 printed and written to `--out` (bench.md, bench.json) as soon as part 1 ends, so a stopped run keeps
 it; part 2 rewrites both with every row.
 
-Output tokens/s = output tokens / the run's wall time from submitting the requests to the last
-token, prefill included (in part 1 the sum of the run's own engine steps). Decode tokens/s (tokens of decode steps / time in decode steps) is printed
+Output tokens/s = output tokens / the wall time of the run's own engine steps, first to last token,
+prefill included (`cluster.generate_baseline.run_engines`). Decode tokens/s (tokens of decode steps / time in decode steps) is printed
 too: it isolates the memory effect from the prefill cost, which is the same per request for every
 policy. Everything runs in this process on the embedded model (or `--model`), one replica.
 
@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
-from cluster.generate_baseline import run_generate
+from cluster.generate_baseline import run_engines, run_generate
 from workloads.run import git_commit
 
 
@@ -83,61 +83,6 @@ def prompts_for(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[l
         return [list(x) for x in make_prompts(tokenizer, n, length, seed=seed)]
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab, size=(n, length)).tolist()
-
-
-def run_engines(model, runs: list[tuple[EngineConfig, list[GenerationRequest]]],
-                 max_steps: int = 10_000_000, desc: str = "engines") -> list[dict]:
-    """Run one engine per ``(config, requests)`` on ``model``, interleaved: one `step()` of each busy
-    engine in turn, each engine timed over its own steps (wall and CPU seconds). A slower stretch of a
-    shared machine thus slows every run alike instead of whichever happened to run then; an engine
-    that finishes first leaves the others running alone. A progress bar (stderr) counts the output
-    tokens generated of those planned (every request's ``max_new_tokens``), with the ETA.
-
-    Raises:
-        RuntimeError: a request failed (its error), or an engine was still busy after ``max_steps`` steps.
-    """
-    states = []
-    for cfg, requests in runs:
-        engine = ContinuousBatchingEngine(model, cfg)
-        engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
-        engine.run_until_idle()
-        engine.reset_stats()
-        done: dict = {}
-        for r in requests:
-            engine.submit(r, lambda res, done=done: done.__setitem__(res.request_id, res))
-        states.append({"engine": engine, "done": done, "wall_s": 0.0, "cpu_s": 0.0, "busy": True})
-    planned = sum(r.max_new_tokens for _, requests in runs for r in requests)
-    with tqdm(total=planned, desc=desc, unit="tok", file=sys.stderr, dynamic_ncols=True, mininterval=1.0) as bar:
-        for _ in range(max_steps):
-            busy = [st for st in states if st["busy"]]
-            if not busy:
-                break
-            for st in busy:
-                engine = st["engine"]
-                t0, c0 = time.perf_counter(), time.process_time()
-                before = engine.generated_tokens
-                st["busy"] = engine.step() or engine.queued > 0
-                st["wall_s"] += time.perf_counter() - t0
-                st["cpu_s"] += time.process_time() - c0
-                bar.update(engine.generated_tokens - before)
-        else:
-            raise RuntimeError(f"engines still busy after {max_steps} steps")
-    return [_engine_result(st["engine"], st["done"], st["wall_s"], st["cpu_s"]) for st in states]
-
-
-def _engine_result(engine: ContinuousBatchingEngine, done: dict, wall: float, cpu: float) -> dict:
-    s = engine.stats()
-    errors = [r.error for r in done.values() if r.error_kind]
-    if errors:
-        raise RuntimeError(f"engine requests failed: {errors[:3]}")
-    out_tok = sum(len(r.output_ids) for r in done.values())
-    decode_tok = sum(len(r.output_ids) - 1 for r in done.values())
-    return {"wall_s": wall, "cpu_s": cpu, "output_tokens": out_tok, "output_tok_per_s": out_tok / wall,
-            "output_tok_per_cpu_s": out_tok / cpu,
-            "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
-            "prefill_s": s["prefill_s"], "decode_s": s["decode_s"], "peak_running_sequences": s["peak_running_sequences"],
-            "peak_kv_cache_bytes": s["peak_kv_cache_bytes"], "budget_tokens": s["budget_tokens"],
-            "slot_bytes": s["slot_bytes"], "outputs": {k: v.output_ids for k, v in done.items()}}
 
 
 def _part2(model, tokenizer, vocab, args, b, limit):

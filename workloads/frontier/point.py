@@ -10,7 +10,7 @@ Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens 
    largest batch the continuous-batching engine admits under it (`ContinuousBatchingEngine.max_batch_for`) of
    equal requests: the first ``max batch`` prompts of one seeded draw of load-test text (every point shares
    them), ``new_tokens`` each, EOS ignored. ``output_throughput_tok_per_s`` = output tokens / the run's wall
-   time from the first step to the last token, prefill included (`workloads.bench_serving.run_engines`).
+   time from the first step to the last token, prefill included (`cluster.generate_baseline.run_engines`).
 2. Perplexity of held-out text with the same policy and ratio (`workloads.quality.perplexity.perplexity`):
    ``perplexity_windows`` windows of ``prompt_tokens + new_tokens`` tokens scored as decoding would.
 """
@@ -41,7 +41,8 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
             sequence needs), or an invalid policy / parameter (from ``make_cache``).
     """
     from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
-    from workloads.bench_serving import prompts_for, run_engines
+    from cluster.generate_baseline import run_engines
+    from workloads.bench_serving import prompts_for
     from workloads.quality.perplexity import heldout_windows, perplexity
 
     P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)
