@@ -3,13 +3,14 @@
 A suite file (YAML, read with `yaml.safe_load`) names its kind first; `load_suite` dispatches on
 it and nothing else::
 
-    kind: batch              # batch | serving | quality
+    kind: batch              # batch | serving | quality | frontier
     name: smoke
     description: the question this suite answers
     model: embedded          # "embedded", an HF id, a local folder; "tiny-llama" is test-only
     dtype: auto              # auto (bfloat16 where faster, see scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16
     device: cpu
-    policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}, or all
+    policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}, or all (every one;
+                             # the default of quality and frontier suites)
       - full
       - name: scissorhands
         params: {history_window: 400}

@@ -1,17 +1,12 @@
 """Frontier suites (``kind: frontier``): a typed model validated on load (through `workloads.suite.load_suite`),
 expanded into one point per policy and compression ratio.
 
-A frontier suite (YAML, read with ``yaml.safe_load``)::
+A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite has (`workloads.suite`), with
+``policies`` defaulting to ``all`` and compression by ratio only, as a quality suite has
+(`workloads.quality.suite`), and these::
 
-    name: frontier
     kind: frontier
-    description: the question this suite answers
-    model: embedded              # "embedded", an HF id, a local folder; "tiny-llama" is test-only
-    dtype: auto                  # auto | float32 | bfloat16 | float16 (scissorhands.models.resolve_dtype)
-    device: cpu
     seed: 0                      # the prompts and the held-out text windows
-    replicas: 2
-    policies: all                # every key of scissorhands.POLICIES, or a list of names / {name, params}
     compression_ratios: [2, 5]   # B = ceil((prompt_tokens + new_tokens) / ratio), the same B in both measurements
     prompt_tokens: 512           # every request's prompt (real load-test text, the same prompts for every point)
     new_tokens: 128              # every request's output (EOS ignored)
@@ -20,9 +15,8 @@ A frontier suite (YAML, read with ``yaml.safe_load``)::
       # bytes: 50000000          #   or an absolute limit in bytes
     perplexity_windows: 1        # held-out windows of prompt_tokens + new_tokens tokens each
 
-The model settings, the policy list and the shared number types are `workloads.suite.SuiteBase`'s. ``full``
-never evicts, so it runs once (ratio 1). Absolute ``budget_tokens`` are refused: both measurements derive B
-from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
+``full`` never evicts, so it runs once (ratio 1). Absolute ``budget_tokens`` are refused: both measurements
+derive B from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
 Every error is a `workloads.suite.SuiteError` naming the field.
 """
 from __future__ import annotations

