@@ -240,25 +240,27 @@ METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 #: same node metrics port and service discovery as the replicas' live metrics. Listed here so that every
 #: name a dashboard uses is in one catalogue; the project never records them itself. Labels: the ones
 #: Serve sets that the dashboards group by (Serve adds others, e.g. `method`, `replica`, `handle`).
+_SERVE_PROXY_LABELS = ("route", "method", "application", "status_code")        # an HTTP request at the proxy
+_SERVE_CALL_LABELS = ("deployment", "replica", "route", "application")          # one call of a deployment
+
+
+def _serve(name: str, kind: str, labels: tuple[str, ...], help: str) -> MetricSpec:
+    return MetricSpec(name, kind, help, labels, "ray_serve")
+
+
 SERVE_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("serve_num_http_requests_total", "counter",
-               "HTTP requests the Serve proxy answered, by status code and route.",
-               ("route", "method", "application", "status_code"), "ray_serve"),
-    MetricSpec("serve_http_request_latency_ms", "histogram",
-               "End-to-end latency of an HTTP request at the Serve proxy (ms; a stream counts until its last byte).",
-               ("route", "method", "application", "status_code"), "ray_serve"),
-    MetricSpec("serve_deployment_queued_queries", "gauge",
-               "Requests to a deployment waiting in its callers' routers for a replica (Serve's queue).",
-               ("deployment", "application"), "ray_serve"),
-    MetricSpec("serve_replica_processing_queries", "gauge",
-               "Requests a deployment's replica is processing now (ongoing; bounded by max_ongoing_requests).",
-               ("deployment", "replica", "application"), "ray_serve"),
-    MetricSpec("serve_deployment_request_counter_total", "counter",
-               "Calls a deployment's replicas processed (the engine deployment gets 2 per HTTP request: check and stream).",
-               ("deployment", "replica", "route", "application"), "ray_serve"),
-    MetricSpec("serve_deployment_processing_latency_ms", "histogram",
-               "Time a deployment's replica spent on one call (ms; a stream until its last item).",
-               ("deployment", "replica", "route", "application"), "ray_serve"),
+    _serve("serve_num_http_requests_total", "counter", _SERVE_PROXY_LABELS,
+           "HTTP requests the Serve proxy answered, by status code and route."),
+    _serve("serve_http_request_latency_ms", "histogram", _SERVE_PROXY_LABELS,
+           "End-to-end latency of an HTTP request at the Serve proxy (ms; a stream counts until its last byte)."),
+    _serve("serve_deployment_queued_queries", "gauge", ("deployment", "application"),
+           "Requests to a deployment waiting in its callers' routers for a replica (Serve's queue)."),
+    _serve("serve_replica_processing_queries", "gauge", ("deployment", "replica", "application"),
+           "Requests a deployment's replica is processing now (ongoing; bounded by max_ongoing_requests)."),
+    _serve("serve_deployment_request_counter_total", "counter", _SERVE_CALL_LABELS,
+           "Calls a deployment's replicas processed (the engine deployment gets 2 per HTTP request: check and stream)."),
+    _serve("serve_deployment_processing_latency_ms", "histogram", _SERVE_CALL_LABELS,
+           "Time a deployment's replica spent on one call (ms; a stream until its last item)."),
 )
 
 
