@@ -49,6 +49,25 @@ def cli_main(name: str, run) -> int:
         return 130
 
 
+def runner_args(argv: list[str] | None, prog: str, doc: str, suite_help: str, *,
+                local: bool = False) -> argparse.Namespace:
+    """The command line every suite runner takes (`python -m workloads.sweep`, the quality and frontier
+    runners): the suite file and the run's options; `local` adds ``--local`` (points in this process)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("suite", help=suite_help)
+    p.add_argument("--replicas", type=int, default=None, help="replicas (overrides the suite's `replicas`)")
+    p.add_argument("--results-dir", default="results", help="folder of run folders (default: results)")
+    p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
+    p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
+    if local:
+        p.add_argument("--local", action="store_true", help="run the points in this process, without Ray")
+    p.add_argument("--pushgateway", default=None,
+                   help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
+                        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
+    return p.parse_args(argv)
+
+
 def git_commit() -> str:
     """`git rev-parse HEAD` of this repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
     return submit.git_commit(REPO_ROOT)

@@ -34,21 +34,12 @@ import time
 
 from workloads import results as res
 from workloads.run import (SweepError, cli_main, dispatch_points, init_ray, load_suite_of_kind, open_run, pending_points,
-                           record_run_dtypes, start_replicas)
+                           record_run_dtypes, runner_args, start_replicas)
 from workloads.suite import Point, Suite
 
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workloads.sweep", description=__doc__.split("\n\n")[0])
-    p.add_argument("suite", help="suite YAML file, e.g. workloads/suites/smoke.yaml")
-    p.add_argument("--replicas", type=int, default=None, help="replicas (overrides the suite's `replicas`)")
-    p.add_argument("--results-dir", default="results", help="folder of run folders (default: results)")
-    p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
-    p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
-    p.add_argument("--pushgateway", default=None,
-                   help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
-                        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
-    return p.parse_args(argv)
+    return runner_args(argv, "python -m workloads.sweep", __doc__, "suite YAML file, e.g. workloads/suites/smoke.yaml")
 
 
 #: A static batch's sequences share one TTFT, TPOT and latency, so each quantile of the point is it.

@@ -21,25 +21,16 @@ import sys
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import SweepError, cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, run_on_replicas
+from workloads.run import (SweepError, cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes,
+                           run_on_replicas, runner_args)
 
 from .points import run_point
 from .suite import QualityPoint, QualitySuite
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workloads.quality.runner", description=__doc__.split("\n\n")[0])
-    p.add_argument("suite", help="quality suite YAML, e.g. workloads/suites/quality.yaml")
-    p.add_argument("--replicas", type=int, default=None, help="replicas (overrides the suite's `replicas`)")
-    p.add_argument("--results-dir", default="results", help="folder of run folders (default: results)")
-    p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
-    p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
-    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
-    p.add_argument("--local", action="store_true", help="run the points in this process, without Ray")
-    p.add_argument("--pushgateway", default=None,
-                   help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
-                        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
-    return p.parse_args(argv)
+    return runner_args(argv, "python -m workloads.quality.runner", __doc__,
+                       "quality suite YAML, e.g. workloads/suites/quality.yaml", local=True)
 
 
 def policy_label(policy: str | None, params: dict | None) -> str | None:
