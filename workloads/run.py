@@ -253,6 +253,14 @@ def load_suite_of_kind(path: str, kind: str | None):
     return suite
 
 
+def replica_count(args: argparse.Namespace, suite) -> int:
+    """``--replicas`` when given, else the suite's `replicas`; SweepError (exit 2) below 1."""
+    replicas = args.replicas if args.replicas is not None else suite.replicas
+    if replicas < 1:
+        raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
+    return replicas
+
+
 def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...] = ("ok",)) -> list:
     """The points of a (resumed) run still to run: those without a record in ``done_statuses``.
 

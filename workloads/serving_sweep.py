@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from workloads import results as res
 from workloads.loadgen import run_load
 from workloads.run import (SweepError, error_message, init_ray, load_suite_of_kind, open_run, pending_points,
-                           record_run_dtypes, replica_resources, resolve_run_dtype)
+                           record_run_dtypes, replica_count, replica_resources, resolve_run_dtype)
 from workloads.serving_suite import ServingPoint, ServingSuite
 
 TERMINAL = ("ok", "oom", "skipped")
@@ -438,9 +438,7 @@ def run_serving_sweep(args, pool: ReplicaPool | None = None) -> int:
     """`workloads.sweep` entry for serving suites (same arguments); `pool` injects replicas (tests)."""
     suite = load_suite_of_kind(args.suite, "serving")
     if args.replicas is not None:
-        if args.replicas < 1:
-            raise SweepError(f"--replicas: must be >= 1, got {args.replicas}", 2)
-        suite = suite.model_copy(update={"replicas": args.replicas})
+        suite = suite.model_copy(update={"replicas": replica_count(args, suite)})
     run = open_run(args, suite, "sweep")
     run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     pending = pending_points(points_path, suite.points(), TERMINAL)

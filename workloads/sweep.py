@@ -34,7 +34,7 @@ import time
 
 from workloads import results as res
 from workloads.run import (SweepError, cli_main, dispatch_points, init_ray, load_suite_of_kind, open_run, pending_points,
-                           record_run_dtypes, runner_args, start_replicas)
+                           record_run_dtypes, replica_count, runner_args, start_replicas)
 from workloads.suite import Point, Suite
 
 
@@ -61,9 +61,7 @@ def _record(run_id, commit, suite, point, inventory, info, status, metrics=None,
 
 def run_sweep(args: argparse.Namespace) -> int:
     suite = load_suite_of_kind(args.suite, "batch")
-    replicas = args.replicas if args.replicas is not None else suite.replicas
-    if replicas < 1:
-        raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
+    replicas = replica_count(args, suite)
     run = open_run(args, suite, "sweep")
     run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     points = suite.points()

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import (SweepError, cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes,
+from workloads.run import (cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, replica_count,
                            run_on_replicas, runner_args)
 
 from .point import run_frontier_point
@@ -54,9 +54,7 @@ def _one_line(rec: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     suite = load_suite_of_kind(args.suite, "frontier")
-    replicas = args.replicas if args.replicas is not None else suite.replicas
-    if replicas < 1:
-        raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
+    replicas = replica_count(args, suite)
     run = open_run(args, suite, "frontier")
     points = suite.points()
     pending = pending_points(run.points_path, points)

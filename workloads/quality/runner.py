@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from workloads import results as res
-from workloads.run import (SweepError, cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes,
+from workloads.run import (cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, replica_count,
                            run_on_replicas, runner_args)
 
 from .points import run_point
@@ -70,9 +70,7 @@ def _one_line(rec: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     suite = load_suite_of_kind(args.suite, "quality")
-    replicas = args.replicas if args.replicas is not None else suite.replicas
-    if replicas < 1:
-        raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
+    replicas = replica_count(args, suite)
     run = open_run(args, suite, "quality")
     run_id, run_dir, points_path, commit = run.run_id, run.run_dir, run.points_path, run.commit
     points = suite.points()
