@@ -74,6 +74,7 @@ def test_whole_check_on_the_cpu_with_a_tiny_dummy_model_and_no_ray(tmp_path):
     assert sum(c["check"] == "explicit attention = sdpa" for c in checks) == len(gpu_check.LIBRARY_MODELS)
     assert all(c["passed"] and c["tokens_equal"] and c["max_abs_logit_diff"] <= 0.05 * c["max_abs_logit"] for c in checks)
     assert all(c["max_slots"] <= 8 for c in checks if "max_slots" in c)
+    assert all(isinstance(c["near_ties"], int) and 0 <= c["near_ties"] <= 2 * 8 for c in checks)   # batch 2 x 8 tokens
 
     mb = phases["max_batch"]["result"]
     runs = {r["label"]: r for r in mb["runs"]}
@@ -106,6 +107,31 @@ def test_whole_check_on_the_cpu_with_a_tiny_dummy_model_and_no_ray(tmp_path):
     assert "| scissorhands x5 | " in md and "| real eviction = simulation | opt-125m (tiny) | random | 4-bit | True |" in md
     assert "## ray: skipped (Ray is not importable here)" in md
     assert md in proc.stdout
+
+
+def _greedy_run(step_logits: list[list[list[float]]]):
+    """A `generate` result of 1-token prompts whose greedy tokens are the argmax of `step_logits`
+    (steps x batch x vocab)."""
+    from types import SimpleNamespace
+
+    logits = [torch.tensor(s) for s in step_logits]                          # each (batch, vocab)
+    tokens = torch.stack([x.argmax(-1) for x in logits], dim=1)               # (batch, steps)
+    return SimpleNamespace(logits=logits, sequences=torch.cat([torch.zeros(len(step_logits[0]), 1, dtype=torch.long),
+                                                                tokens], dim=1))
+
+
+def test_compare_forgives_a_flip_only_at_a_near_tie():
+    """A bfloat16 dummy model on a CPU without bfloat16 units gave two exactly tied top logits: the
+    forced run's argmax may take either, and only there."""
+    ref = _greedy_run([[[1.0, 0.5, 0.0]], [[2.0, 2.0, 0.0]]])                # step 1: tokens 0 and 1 tie
+    flipped_at_tie = [torch.tensor([[1.0, 0.5, 0.0]]), torch.tensor([[1.99, 2.0, 0.0]])]
+    c = gpu_check._compare(flipped_at_tie, ref, prompt=1)
+    assert (c["tokens_equal"], c["near_ties"], c["passed"]) == (True, 1, True)
+    assert c["max_abs_logit_diff"] == pytest.approx(0.01) and c["max_abs_logit"] == 2.0
+    wrong = [torch.tensor([[0.7, 0.8, 0.0]]), torch.tensor([[2.0, 2.0, 0.0]])]        # diff 0.3 < margin 0.5
+    c = gpu_check._compare(wrong, ref, prompt=1)
+    assert (c["tokens_equal"], c["near_ties"], c["passed"]) == (False, 1, False)
+    assert c["max_abs_logit_diff"] == pytest.approx(0.3)
 
 
 def test_a_spent_budget_skips_the_phases_and_still_writes_the_report(tmp_path):
