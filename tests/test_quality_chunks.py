@@ -170,11 +170,14 @@ def _embedded():
 
 @pytest.mark.slow
 def test_embedded_merged_schedule_equals_decoding_without_quantization():
-    """K18 on the real model: without quantization the merged refills give decoding's losses (float noise:
-    measured mean 3e-6 and max 1.7e-5 nats on 192 tokens; `random`, whose perplexity is about 250 here, max
-    1.0e-4 on a token of log-probability -13.9) and keep the very same slots, for every policy that uses
-    them (MERGED_SCHEDULE_POLICIES); `knorm` does not (its key-norm ranking flips: 0.0066 nats max), so it
-    is evaluated one token per call."""
+    """K18 on the real model: without quantization the merged refills keep the very same slots as decoding
+    (exact) and give its losses up to float32 noise, for every policy that uses them
+    (MERGED_SCHEDULE_POLICIES); `knorm` does not (its key-norm ranking flips: 0.0066 nats max), so it is
+    evaluated one token per call. The noise depends on the CPU's matmul kernels: on an AMX Xeon (an
+    earlier session) mean 3e-6 and max 1.7e-5 nats, `random` (perplexity about 250 here) max 1.0e-4 on a
+    token of log-probability -13.9; on an AVX2 EPYC `random` max 5.4e-4 on that token and mean 1.45e-5,
+    the others max 6.4e-5 and mean 5e-6. The bounds (1e-4 + 1e-4 x |log p| a token, mean 1e-4) sit far
+    below the schedule fault they guard against (4-bit merged: mean 0.12-0.14)."""
     from workloads.quality.perplexity import heldout_windows
 
     model, tok = _embedded()
@@ -190,8 +193,8 @@ def test_embedded_merged_schedule_equals_decoding_without_quantization():
         b = token_logprobs(model, step, x, y, call_lengths=[1] * n)
         assert len(evaluation_call_lengths(make_cache(policy, model, compression_ratio=3, max_length=n), n)) < n
         assert merged.evicted_tokens > 0
-        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-4, msg=f"policy {policy}")
-        assert float((a - b).abs().mean()) < 2e-5, policy             # 4-bit merged: 0.12-0.14 (the fault)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"policy {policy}")
+        assert float((a - b).abs().mean()) < 1e-4, policy             # 4-bit merged: 0.12-0.14 (the fault)
         for sa, sb in zip(_slot_times(merged), _slot_times(step)):
             assert torch.equal(sa, sb), policy
 
