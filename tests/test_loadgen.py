@@ -51,6 +51,29 @@ def test_L2_tpot_is_e2e_minus_ttft_over_tokens_minus_one_and_chunk_gap_is_separa
     assert RequestRecord("x", 1, 1, send_time_s=0, token_times_s=[1.0], output_tokens=1).tpot_s is None
 
 
+def test_every_per_request_field_summarizes_the_record_attribute_of_its_name_over_completed_requests():
+    """The seam a new per-request metric uses: a `RequestRecord` property and a `PointMetrics` field of the
+    same name marked `PER_REQUEST`; `summarize` fills it (numbers and pooled lists), and `flat` writes it."""
+    from dataclasses import fields
+
+    from workloads.metrics import PER_REQUEST, PointMetrics
+
+    marked = [f.name for f in fields(PointMetrics) if f.metadata == PER_REQUEST]
+    assert marked == ["ttft_s", "tpot_s", "itl_s", "inter_chunk_gap_s", "e2e_latency_s", "replica_ttft_s"]
+    recs = [RequestRecord("a", 4, 3, send_time_s=0.0, token_times_s=[0.5, 0.75, 1.0], output_tokens=3,
+                          replica_ttft_s=0.25),
+            RequestRecord("b", 4, 2, send_time_s=1.0, token_times_s=[1.25, 1.75], output_tokens=2),
+            RequestRecord("c", 4, 2, send_time_s=1.0, error_kind="error")]           # failed: not summarized
+    m = summarize(recs, mode="batch", window_start_s=0.0, window_end_s=2.0)
+    assert (m.ttft_s.n, m.ttft_s.mean_s) == (2, pytest.approx(0.375))
+    assert (m.tpot_s.n, m.tpot_s.mean_s) == (2, pytest.approx(0.375))              # (0.25 + 0.5) / 2
+    assert (m.itl_s.n, m.itl_s.p50_s) == (3, pytest.approx(0.25))                  # 0.25, 0.25, 0.5 pooled
+    assert (m.e2e_latency_s.n, m.e2e_latency_s.mean_s) == (2, pytest.approx(0.875))
+    assert (m.replica_ttft_s.n, m.replica_ttft_s.mean_s) == (1, pytest.approx(0.25))   # only "a" reports it
+    flat = m.flat()
+    assert {f"{name[:-2]}_{q}_s" for name in marked for q in ("mean", "p50", "p90", "p99")} <= set(flat)
+
+
 def test_L3_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
     slow = {"q0"}
     fake = FakeReplica(script=lambda r: Script(ttft_s=10.0 if r.request_id.startswith("q0#") else 0.5,

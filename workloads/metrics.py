@@ -130,9 +130,18 @@ def low_confidence(percentile: float, n: int) -> bool:
     return n * (1 - percentile / 100) < 1 - 1e-9
 
 
+#: The metadata of a `PointMetrics` field that summarizes, over the point's completed requests, the
+#: `RequestRecord` attribute of the same name (a number per request, or a list pooled over requests).
+PER_REQUEST = {"per_request": True}
+
+
 @dataclass
 class PointMetrics:
-    """Everything one load point measured (units in the names; counts are requests unless named)."""
+    """Everything one load point measured (units in the names; counts are requests unless named).
+
+    A per-request latency is one property of `RequestRecord` and one field here of the same name marked
+    `PER_REQUEST`: `summarize` fills every such field, `flat` writes its keys into the record.
+    """
 
     mode: str
     stop_reason: str | None            # which bound ended the window: `count` or `duration`
@@ -147,12 +156,12 @@ class PointMetrics:
     delayed_arrivals: int              # arrivals that waited for a slot under the concurrency cap
     warmup_requests: int
     errors_by_kind: dict
-    ttft_s: LatencyStats
-    tpot_s: LatencyStats
-    itl_s: LatencyStats
-    inter_chunk_gap_s: LatencyStats
-    e2e_latency_s: LatencyStats
-    arrival_delay_s: LatencyStats
+    ttft_s: LatencyStats = field(metadata=PER_REQUEST)
+    tpot_s: LatencyStats = field(metadata=PER_REQUEST)
+    itl_s: LatencyStats = field(metadata=PER_REQUEST)
+    inter_chunk_gap_s: LatencyStats = field(metadata=PER_REQUEST)
+    e2e_latency_s: LatencyStats = field(metadata=PER_REQUEST)
+    arrival_delay_s: LatencyStats                # sent requests' delays behind their scheduled arrival
     input_tokens: int
     output_tokens: int
     output_throughput_tok_per_s: float | None
@@ -165,7 +174,7 @@ class PointMetrics:
     achieved_peak_concurrency: int | None = None
     achieved_mean_concurrency: float | None = None
     warnings: list = field(default_factory=list)
-    replica_ttft_s: LatencyStats | None = None   # replica-side TTFT of the completed requests that report it
+    replica_ttft_s: LatencyStats | None = field(default=None, metadata=PER_REQUEST)  # the replica's clock, where reported
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -208,6 +217,13 @@ def _concurrency(records: list[RequestRecord], start: float, end: float) -> tupl
         peak = max(peak, level)
     area += level * (end - prev)
     return peak, (area / (end - start) if end > start else None)
+
+
+def _pooled(records: list[RequestRecord], name: str):
+    """The values of attribute `name` over `records`: each number, or each element of a list."""
+    for r in records:
+        v = getattr(r, name)
+        yield from (v if isinstance(v, list) else (v,))
 
 
 def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float | None,
@@ -269,10 +285,7 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
         dropped_arrivals=sum(1 for r in measured if not r.sent),
         delayed_arrivals=sum(1 for r in sent if r.cap_delayed),
         warmup_requests=sum(1 for r in records if r.warmup), errors_by_kind=dict(errors),
-        ttft_s=LatencyStats.of(r.ttft_s for r in ok), tpot_s=LatencyStats.of(r.tpot_s for r in ok),
-        itl_s=LatencyStats.of(g for r in ok for g in r.itl_s),
-        inter_chunk_gap_s=LatencyStats.of(g for r in ok for g in r.inter_chunk_gap_s),
-        e2e_latency_s=LatencyStats.of(r.e2e_latency_s for r in ok),
+        **{f.name: LatencyStats.of(_pooled(ok, f.name)) for f in fields(PointMetrics) if f.metadata.get("per_request")},
         arrival_delay_s=LatencyStats.of(d for d in delays if d is not None),
         input_tokens=in_tok, output_tokens=out_tok,
         output_throughput_tok_per_s=rate(out_tok), total_throughput_tok_per_s=rate(in_tok + out_tok),
@@ -281,5 +294,4 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
         scheduled_rate_req_per_s=scheduled_rate,
         target_concurrency=target_concurrency, achieved_peak_concurrency=peak,
         achieved_mean_concurrency=mean_conc, warnings=warnings,
-        replica_ttft_s=LatencyStats.of(r.replica_ttft_s for r in ok),
     )
