@@ -54,11 +54,9 @@ def test_L2_tpot_is_e2e_minus_ttft_over_tokens_minus_one_and_chunk_gap_is_separa
 def test_every_per_request_field_summarizes_the_record_attribute_of_its_name_over_completed_requests():
     """The seam a new per-request metric uses: a `RequestRecord` property and a `PointMetrics` field of the
     same name marked `PER_REQUEST`; `summarize` fills it (numbers and pooled lists), and `flat` writes it."""
-    from dataclasses import fields
+    from workloads.metrics import per_request_fields
 
-    from workloads.metrics import PER_REQUEST, PointMetrics
-
-    marked = [f.name for f in fields(PointMetrics) if f.metadata == PER_REQUEST]
+    marked = per_request_fields()
     assert marked == ["ttft_s", "tpot_s", "itl_s", "inter_chunk_gap_s", "e2e_latency_s", "replica_ttft_s"]
     recs = [RequestRecord("a", 4, 3, send_time_s=0.0, token_times_s=[0.5, 0.75, 1.0], output_tokens=3,
                           replica_ttft_s=0.25),

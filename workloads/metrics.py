@@ -140,7 +140,8 @@ class PointMetrics:
     """Everything one load point measured (units in the names; counts are requests unless named).
 
     A per-request latency is one property of `RequestRecord` and one field here of the same name marked
-    `PER_REQUEST`: `summarize` fills every such field, `flat` writes its keys into the record.
+    `PER_REQUEST`: `summarize` fills every such field (an `AttributeError` there names a marked field with no
+    `RequestRecord` attribute of its name), `flat` writes its keys into the record.
     """
 
     mode: str
@@ -174,7 +175,7 @@ class PointMetrics:
     achieved_peak_concurrency: int | None = None
     achieved_mean_concurrency: float | None = None
     warnings: list = field(default_factory=list)
-    replica_ttft_s: LatencyStats | None = field(default=None, metadata=PER_REQUEST)  # the replica's clock, where reported
+    replica_ttft_s: LatencyStats | None = field(default=None, metadata=PER_REQUEST)  # replica's clock; summarize fills it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -217,6 +218,11 @@ def _concurrency(records: list[RequestRecord], start: float, end: float) -> tupl
         peak = max(peak, level)
     area += level * (end - prev)
     return peak, (area / (end - start) if end > start else None)
+
+
+def per_request_fields() -> list[str]:
+    """The `PointMetrics` fields marked `PER_REQUEST`, in declaration order."""
+    return [f.name for f in fields(PointMetrics) if f.metadata.get("per_request")]
 
 
 def _pooled(records: list[RequestRecord], name: str):
@@ -285,7 +291,7 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
         dropped_arrivals=sum(1 for r in measured if not r.sent),
         delayed_arrivals=sum(1 for r in sent if r.cap_delayed),
         warmup_requests=sum(1 for r in records if r.warmup), errors_by_kind=dict(errors),
-        **{f.name: LatencyStats.of(_pooled(ok, f.name)) for f in fields(PointMetrics) if f.metadata.get("per_request")},
+        **{name: LatencyStats.of(_pooled(ok, name)) for name in per_request_fields()},
         arrival_delay_s=LatencyStats.of(d for d in delays if d is not None),
         input_tokens=in_tok, output_tokens=out_tok,
         output_throughput_tok_per_s=rate(out_tok), total_throughput_tok_per_s=rate(in_tok + out_tok),
