@@ -176,8 +176,9 @@ def test_embedded_merged_schedule_equals_decoding_without_quantization():
     evaluated one token per call. The noise depends on the CPU's matmul kernels: on an AMX Xeon (an
     earlier session) mean 3e-6 and max 1.7e-5 nats, `random` (perplexity about 250 here) max 1.0e-4 on a
     token of log-probability -13.9; on an AVX2 EPYC `random` max 5.4e-4 on that token and mean 1.45e-5,
-    the others max 6.4e-5 and mean 5e-6. The bounds (1e-4 + 1e-4 x |log p| a token, mean 1e-4) sit far
-    below the schedule fault they guard against (4-bit merged: mean 0.12-0.14)."""
+    the others max 6.4e-5 (snapkv, on a token of log p -12.3) and mean 5e-6. The bounds (1e-4 + 1e-4 x
+    |log p| a token, mean 1e-4) sit far below the schedule fault they guard against (4-bit merged: mean
+    0.12-0.14)."""
     from workloads.quality.perplexity import heldout_windows
 
     model, tok = _embedded()
