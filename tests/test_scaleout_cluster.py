@@ -69,8 +69,12 @@ def two_nodes(tmp_path_factory):
         ),
     )
     try:
+        # the worker node gets a temp folder of its own, as a second machine would: sharing the head's, both
+        # nodes' runtime-env agents unpacked a job's working dir into one folder, and once a job's driver lost a
+        # module it was importing (FileNotFoundError under runtime_resources/working_dir_files/_ray_pkg_*)
         cluster.add_node(num_cpus=2, resources={"node_worker": 1, "fake_gpu": 2}, object_store_memory=OBJECT_STORE_BYTES,
-                         node_ip_address="127.0.0.1", metrics_export_port=ports["worker"])
+                         node_ip_address="127.0.0.1", metrics_export_port=ports["worker"],
+                         temp_dir=str(temp_root / "worker"))
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
         wait_for(lambda: _port_open(agent_port), 120, "the head's job agent")  # jobs go through it
