@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
-import threading
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from cluster.signals import StopSignals
     from cluster.submit import auth_env
 
     os.environ.update(auth_env(dict(os.environ)))  # a head from `ray start` uses token auth
@@ -76,13 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     params.dashboard_agent_listen_port = None
     node = ray._private.node.Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
+    stop = StopSignals()  # from here on in place of Ray's own SIGTERM handler
     print(f"local_node: node {node.node_id} joined {args.address} on 127.0.0.1 "
           f"(CPU {args.num_cpus}, GPU {args.num_gpus}, resources {args.resources}, "
           f"metrics on 127.0.0.1:{args.metrics_export_port}); pid {os.getpid()}; Ctrl-C or kill to stop",
           flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     node.kill_all_processes(check_alive=False, allow_graceful=True)
     print("local_node: stopped", flush=True)

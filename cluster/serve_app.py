@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import sys
-import threading
 from dataclasses import asdict
 from typing import Any
 
@@ -39,6 +37,7 @@ from ray import serve
 from cluster.engine import EngineConfig, GenerationRequest
 from cluster.openai_api import build_app, cache_metadata
 from cluster.serving_replica import ServingReplica
+from cluster.signals import StopSignals
 
 APP_NAME = "scissorhands-openai"
 DEFAULT_MAX_LENGTH_TOKENS = 2048
@@ -284,11 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.pid_file:
         with open(args.pid_file, "w") as f:
             f.write(str(os.getpid()))
-    stop = threading.Event()
     try:
         init_ray(max(os.cpu_count() or 1, len(caches) * args.replica_cpus * args.num_replicas))
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        stop = StopSignals()
         start(app, host=args.host, port=args.port)
         print(f"serve: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: "
               f"GET /v1/models); Ctrl-C or `make serve-down` stops it", flush=True)
