@@ -205,3 +205,72 @@ def test_bfloat16_full_cache_perplexity_within_1_percent_of_float32():
     p32, p16 = perplexity(m32, windows, "full")["perplexity"], perplexity(m16, windows, "full")["perplexity"]
     assert 15 < p32 < 40                              # the real model on real text, not noise
     assert abs(p16 / p32 - 1) < 0.01, (p32, p16)
+
+
+# ---------------------------------------------------------------- the chunked output projection
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_chunked_output_projection_gives_f_linear_bitwise(bias, rows):
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(96, 5000, bias=bias)              # 5000 rows: 4 chunks of 1,024 and one of 904
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(5000, 96, generator=g))
+    head = sh_models.ChunkedOutputProjection(linear)
+    assert head.weight is linear.weight and head.bias is linear.bias
+    x = torch.randn(2, rows, 96, generator=g)                   # (batch, q_len, hidden)
+    with torch.no_grad():
+        out, ref = head(x), torch.nn.functional.linear(x, linear.weight, linear.bias)
+    assert out.shape == (2, rows, 5000)
+    assert torch.equal(out, ref)
+
+
+def test_chunked_output_projection_runs_f_linear_outside_float32_on_cpu(monkeypatch):
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: calls.append(1) or real_mm(*a, **k))
+    head = sh_models.ChunkedOutputProjection(torch.nn.Linear(16, 3000, bias=False))
+    with torch.no_grad():
+        head(torch.randn(2, 16, dtype=torch.float32))
+        assert len(calls) == 3                                 # ceil(3000 / 1024) chunks in float32
+        head.weight.data = head.weight.data.bfloat16()
+        out = head(torch.randn(2, 16, dtype=torch.bfloat16))
+        assert len(calls) == 3 and out.dtype == torch.bfloat16
+        small = sh_models.ChunkedOutputProjection(torch.nn.Linear(16, 2048, bias=False))
+        small(torch.randn(2, 16))
+        assert len(calls) == 3                                 # at most two chunks' rows: one F.linear
+
+
+def test_load_model_chunks_the_output_projection_and_keeps_it_tied(tmp_path):
+    reference = tiny_llama(seed=3, tie_word_embeddings=True)
+    reference.save_pretrained(tmp_path)
+    _word_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path))
+    head = model.get_output_embeddings()
+    assert isinstance(head, sh_models.ChunkedOutputProjection) and model.lm_head is head
+    assert head.weight is model.get_input_embeddings().weight
+    ids = torch.tensor([[2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-6)
+
+
+def test_chunk_output_projection_leaves_other_heads_alone():
+    model = tiny_llama(seed=1)
+    custom = torch.nn.Sequential(torch.nn.Linear(model.config.hidden_size, model.config.vocab_size))
+    model.set_output_embeddings(custom)
+    assert sh_models.chunk_output_projection(model).get_output_embeddings() is custom
+
+
+@pytest.mark.slow
+def test_embedded_model_logits_bitwise_equal_with_the_chunked_projection():
+    """A claim about the real model, checked on it: its 49,152-row tied projection in chunks gives the same
+    float32 logits, bit for bit, at decode-like row counts and over a whole prompt."""
+    torch.set_num_threads(2)
+    model, tok = load_model("embedded", dtype="float32")
+    head = model.get_output_embeddings()
+    assert isinstance(head, sh_models.ChunkedOutputProjection) and head.out_features == 49152
+    ids = tok("The budget keeps the pivotal tokens of every sequence, and the rest are dropped. " * 8,
+              return_tensors="pt").input_ids                                             # (1, L)
+    with torch.inference_mode():
+        hidden = model.model(input_ids=ids).last_hidden_state                           # (1, L, 576)
+        for x in (hidden[:, -1], hidden[0, :4], hidden[0, :32], hidden):
+            assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight)), x.shape
