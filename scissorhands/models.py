@@ -243,8 +243,9 @@ class ChunkedOutputProjection(torch.nn.Module):
     speed (MKL sgemm; the embedded model's 49,152 x 576 tied weight, 113 MB: at 4-64 rows, 2 threads, in a
     decode step, 34-84 ms plain against 24-47 ms in chunks of 1,024 rows on a 2-core AMD EPYC, and never
     slower from 1 to 2,048 rows; docs/performance.md). Chunks run only on a CPU in float32, the case
-    measured; other devices and dtypes, and a projection of at most ``2 * OUTPUT_CHUNK_ROWS`` rows, call
-    ``F.linear`` as the model would.
+    measured, and without autograd (under ``torch.no_grad`` or ``torch.inference_mode``, as every engine here
+    runs); other devices and dtypes, a forward that records gradients and a projection of at most
+    ``2 * OUTPUT_CHUNK_ROWS`` rows call ``F.linear`` as the model would.
 
     Args:
         linear: the model's ``nn.Linear`` output projection; its ``weight`` and ``bias`` Parameters are
@@ -260,7 +261,8 @@ class ChunkedOutputProjection(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         w, n = self.weight, self.out_features
-        if hidden.device.type != "cpu" or hidden.dtype != torch.float32 or n <= 2 * self.chunk_rows:
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or w.requires_grad)    # `out=` has no autograd
+        if grad or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or n <= 2 * self.chunk_rows:
             return torch.nn.functional.linear(hidden, w, self.bias)
         x = hidden.reshape(-1, hidden.shape[-1])                                      # (rows, hidden_size)
         out = x.new_empty(x.shape[0], n)                                              # (rows, vocab_size)

@@ -240,6 +240,17 @@ def test_chunked_output_projection_runs_f_linear_outside_float32_on_cpu(monkeypa
         assert len(calls) == 3                                 # at most two chunks' rows: one F.linear
 
 
+def test_chunked_output_projection_keeps_autograd_outside_no_grad():
+    linear = torch.nn.Linear(16, 5000, bias=True)
+    head = sh_models.ChunkedOutputProjection(linear)
+    x = torch.randn(3, 16, requires_grad=True)
+    head(x).sum().backward()                                   # a forward that records gradients: F.linear
+    grads = x.grad.clone(), linear.weight.grad.clone()
+    x.grad = linear.weight.grad = linear.bias.grad = None
+    torch.nn.functional.linear(x, linear.weight, linear.bias).sum().backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], linear.weight.grad)
+
+
 def test_load_model_chunks_the_output_projection_and_keeps_it_tied(tmp_path):
     reference = tiny_llama(seed=3, tie_word_embeddings=True)
     reference.save_pretrained(tmp_path)
