@@ -241,8 +241,8 @@ class ChunkedOutputProjection(torch.nn.Module):
 
     Why: a CPU float32 ``F.linear`` with few rows and a weight of many rows runs far below the machine's
     speed (MKL sgemm; the embedded model's 49,152 x 576 tied weight, 113 MB: at 4-64 rows, 2 threads, in a
-    decode step, 34-84 ms plain against 24-47 ms in chunks of 1,024 rows on a 2-core AMD EPYC, and never
-    slower from 1 to 2,048 rows; docs/performance.md). Chunks run only on a CPU in float32, the case
+    decode step, 34-84 ms plain against 24-47 ms in chunks of 1,024 rows on a 2-core AMD EPYC, and equal
+    within noise at 1 row and at 2,048; docs/performance.md). Chunks run only on a CPU in float32, the case
     measured, and without autograd (under ``torch.no_grad`` or ``torch.inference_mode``, as every engine here
     runs); other devices and dtypes, a forward that records gradients and a projection of at most
     ``2 * OUTPUT_CHUNK_ROWS`` rows call ``F.linear`` as the model would.
