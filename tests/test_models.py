@@ -1,5 +1,7 @@
 """Model loading: the tiny test model, local folders, missing paths, and the embedded SmolLM2."""
 
+import copy
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -285,3 +287,93 @@ def test_embedded_model_logits_bitwise_equal_with_the_chunked_projection():
         hidden = model.model(input_ids=ids).last_hidden_state                           # (1, L, 576)
         for x in (hidden[:, -1], hidden[0, :4], hidden[0, :32], hidden):
             assert torch.equal(head(x), torch.nn.functional.linear(x, head.weight)), x.shape
+
+
+# ---------------------------------------------------------------- the packed bfloat16 weights
+needs_onednn_bf16 = pytest.mark.skipif(not sh_models.onednn_bfloat16_matmul(),
+                                       reason="this CPU's torch runs no bfloat16 matmul in oneDNN")
+
+
+@needs_onednn_bf16
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_packed_linear_gives_f_linear_bitwise_in_bfloat16(bias, rows):
+    g = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(96, 200, bias=bias).bfloat16()
+    packed = sh_models.PackedLinear(linear)
+    assert packed.weight is linear.weight and packed.bias is linear.bias
+    x = torch.randn(2, rows, 96, generator=g).bfloat16()                        # (batch, q_len, in_features)
+    with torch.inference_mode():
+        out, ref = packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias)
+    assert packed._packed is not None and out.shape == (2, rows, 200) and out.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+
+
+@needs_onednn_bf16
+def test_packed_linear_packs_again_when_the_weight_changes():
+    linear = torch.nn.Linear(32, 48, bias=False).bfloat16()
+    packed = sh_models.PackedLinear(linear)
+    x = torch.randn(4, 32).bfloat16()
+    with torch.no_grad():
+        first = packed(x)
+        linear.weight.mul_(2)                                                    # in place: a new version
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight))
+        assert not torch.equal(packed(x), first)
+        linear.weight.data = torch.randn(48, 32).bfloat16()                      # new storage
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight))
+
+
+def test_packed_linear_runs_f_linear_in_float32_and_with_autograd():
+    linear = torch.nn.Linear(16, 24, bias=True)
+    packed = sh_models.PackedLinear(linear)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    assert packed._packed is None                                                # float32: never packed
+    packed.bfloat16()
+    xb = x.bfloat16().requires_grad_()
+    packed(xb).sum().backward()                                                  # records gradients: F.linear
+    assert packed._packed is None
+    grads = xb.grad.clone(), linear.weight.grad.clone()
+    xb.grad = linear.weight.grad = linear.bias.grad = None
+    torch.nn.functional.linear(xb, linear.weight, linear.bias).sum().backward()
+    assert torch.equal(grads[0], xb.grad) and torch.equal(grads[1], linear.weight.grad)
+
+
+def test_pack_linear_weights_replaces_every_plain_linear_and_keeps_the_tie(tmp_path):
+    reference = tiny_llama(seed=3, tie_word_embeddings=True)
+    reference.save_pretrained(tmp_path)
+    _word_tokenizer().save_pretrained(tmp_path)
+    model, _ = load_model(str(tmp_path), dtype="bfloat16")
+    kinds = {type(m) for m in model.modules()}
+    assert torch.nn.Linear not in kinds and sh_models.PackedLinear in kinds
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    reference = reference.bfloat16()
+    ids = torch.tensor([[2, 3, 4, 5]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    if sh_models.onednn_bfloat16_matmul():
+        assert model.model.layers[0].mlp.up_proj._packed is not None
+    twin = copy.deepcopy(model)                                                  # the opaque copy is not copied
+    assert twin.model.layers[0].mlp.up_proj._packed is None
+    with torch.inference_mode():
+        assert torch.equal(twin(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.slow
+@needs_onednn_bf16
+def test_embedded_model_logits_bitwise_equal_with_packed_bfloat16_weights(monkeypatch):
+    """A claim about the real model, checked on it: its bfloat16 logits with every weight packed are the same,
+    bit for bit, as with plain ``F.linear``, at decode-like row counts and over a whole prompt."""
+    torch.set_num_threads(2)
+    model, tok = load_model("embedded", dtype="bfloat16")
+    ids = tok("The budget keeps the pivotal tokens of every sequence, and the rest are dropped. " * 8,
+              return_tensors="pt").input_ids                                             # (1, L)
+    batch = ids[:, -32:].repeat(4, 1)                                                    # (4, 32)
+    with torch.inference_mode():
+        packed = [model(input_ids=x).logits for x in (ids, batch)]
+        assert model.model.layers[0].self_attn.q_proj._packed is not None
+        monkeypatch.setattr(sh_models, "onednn_bfloat16_matmul", lambda: False)
+        plain = [model(input_ids=x).logits for x in (ids, batch)]
+    for p, q in zip(packed, plain):
+        assert torch.equal(p, q)
