@@ -2,8 +2,7 @@
 
     make bench-decode                                     # batches 1 4 16 32, float32 and bfloat16, 1 thread
     make bench-decode ARGS="--batches 1 16 --rounds 7 --threads 2"
-    make bench-decode ARGS="--projection-ab --dtypes float32 --threads 2"   # chunked output projection vs F.linear
-    make bench-decode ARGS="--packing-ab --dtypes bfloat16 --threads 2"     # packed bfloat16 weights vs F.linear
+    make bench-decode ARGS="--packing-ab --threads 2"     # packed weights (PackedLinear) vs plain F.linear
 
 Goal (issue 13, item 3): our engine's full-cache decode step at least as fast as transformers'
 ``generate`` at batch 1, 4, 16 and 32, in float32 and bfloat16, on the embedded model.
@@ -23,12 +22,8 @@ between rounds; a round's figure is the median step of each, the ratio is taken 
 (transformers' step / ours: above 1 means ours is faster), and the table reports the median of the
 paired ratios with their min-max. Conditions printed: CPU model and flags, torch threads, dtype.
 
-``--packing-ab`` pairs our engine against itself with every ``PackedLinear`` running plain ``F.linear``
-(the bfloat16 weights unpacked); above 1 means the packed weights are faster.
-
-``--projection-ab`` pairs our engine against itself instead: the output projection as ``load_model`` sets it
-(``ChunkedOutputProjection``, scissorhands/models.py) against one ``F.linear`` of the whole weight (what the
-model runs without it); above 1 means the chunked projection is faster.
+``--packing-ab`` pairs our engine against itself with every ``PackedLinear`` (scissorhands/models.py) running
+plain ``F.linear`` (the weights unpacked, what the model runs without it); above 1 means packing is faster.
 """
 from __future__ import annotations
 
@@ -73,28 +68,16 @@ def ours_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, fl
     return out
 
 
-def ours_steps_plain_projection(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
-    """:func:`ours_steps` with the output projection as one ``F.linear`` of the same weight (restored after)."""
-    head = model.get_output_embeddings()
-    plain = torch.nn.Linear(head.in_features, head.out_features, bias=head.bias is not None, device="meta")
-    plain.weight, plain.bias = head.weight, head.bias
-    model.set_output_embeddings(plain)
-    try:
-        return ours_steps(model, rows, steps)
-    finally:
-        model.set_output_embeddings(head)
-
-
 def ours_steps_unpacked(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
     """:func:`ours_steps` with every ``PackedLinear`` running plain ``F.linear`` (the weights unpacked)."""
     import scissorhands.models as sh_models
 
-    real = sh_models.onednn_bfloat16_matmul
-    sh_models.onednn_bfloat16_matmul = lambda: False
+    real = sh_models.onednn_packs
+    sh_models.onednn_packs = lambda dtype: False
     try:
         return ours_steps(model, rows, steps)
     finally:
-        sh_models.onednn_bfloat16_matmul = real
+        sh_models.onednn_packs = real
 
 
 def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
@@ -158,8 +141,7 @@ def run(dtype_name: str, args) -> list[dict]:
     warm_up(model, all_rows)
     out = []
     for b in args.batches:
-        baseline = (ours_steps_plain_projection if args.projection_ab else
-                    ours_steps_unpacked if args.packing_ab else generate_steps)
+        baseline = ours_steps_unpacked if args.packing_ab else generate_steps
         row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.steps, args.rounds, baseline))
         print(f"| {dtype_name} | {b} | {row['ours_cpu_ms']:.1f} | {row['theirs_cpu_ms']:.1f} | {row['cpu_ratio']:.2f}x | "
               f"{row['cpu_min']:.2f}-{row['cpu_max']:.2f} | {row['ours_wall_ms']:.1f} | {row['theirs_wall_ms']:.1f} | "
@@ -176,13 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per run")
     ap.add_argument("--rounds", type=int, default=3, help="paired rounds (order alternates; median reported)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--projection-ab", action="store_true",
-                    help="our engine with the chunked output projection against the plain F.linear one")
     ap.add_argument("--packing-ab", action="store_true",
-                    help="our engine with packed bfloat16 weights (PackedLinear) against plain F.linear")
+                    help="our engine with packed weights (PackedLinear) against plain F.linear")
     args = ap.parse_args(argv)
-    if args.projection_ab and args.packing_ab:
-        ap.error("--projection-ab and --packing-ab: choose one")
     dtypes = [d for d in args.dtypes.split(",") if d]
     for d in dtypes:
         if d not in DTYPES:
@@ -197,7 +175,7 @@ def main(argv=None) -> int:
           f"{args.rounds} paired rounds (order alternates), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# {cpu_conditions()}")
     print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    theirs = "plain projection" if args.projection_ab else "unpacked" if args.packing_ab else "transformers"
+    theirs = "unpacked" if args.packing_ab else "transformers"
     print(f"| dtype | batch | ours, CPU ms/step | {theirs}, CPU ms/step | {theirs} / ours, CPU (median of "
           f"paired rounds) | min-max | ours, wall ms | {theirs}, wall ms | {theirs} / ours, wall | min-max |")
     print("|---|---|---|---|---|---|---|---|---|---|")

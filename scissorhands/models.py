@@ -230,31 +230,42 @@ def apply_attn_implementation(model: PreTrainedModel, attn_implementation: str |
     return model
 
 
-@lru_cache(maxsize=1)
-def onednn_bfloat16_matmul() -> bool:
-    """Whether this torch runs CPU bfloat16 matmuls in oneDNN (``F.linear`` then reorders its weight on
-    every call; :class:`PackedLinear` reorders it once)."""
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes whose CPU weights :class:`PackedLinear` packs (where :func:`onednn_packs` says oneDNN runs them)."""
+
+
+@lru_cache(maxsize=4)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether :class:`PackedLinear` packs CPU weights of ``dtype`` in this torch: float32 where torch has
+    oneDNN, bfloat16 where oneDNN also runs bfloat16 matmuls (the CPU's AVX512 or AMX units)."""
     try:
-        return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+            return False
+        return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
 
 class PackedLinear(torch.nn.Module):
-    """An ``nn.Linear`` whose weight is reordered once into oneDNN's blocked layout on a CPU in bfloat16:
-    the same numbers as ``F.linear`` bit for bit (tests/test_models.py), faster.
+    """An ``nn.Linear`` whose weight is reordered once into oneDNN's blocked layout on a CPU (float32,
+    bfloat16), and multiplied in that layout: faster than ``F.linear`` at every row count measured.
 
-    Why: on a CPU, a bfloat16 ``F.linear`` runs in oneDNN, which copies the ``(out, in)`` weight into its
-    own layout on every call, so a decode step of a few rows reads each weight about twice. The packed
-    copy (``torch.ops.mkldnn._reorder_linear_weight``, the one torch's own compiler uses for frozen CPU
-    models) is made at the first such forward and kept while the weight is unchanged (same storage and
-    version). Measured on a 2-core AMD EPYC with AVX512-BF16, 2 threads, one matrix alone: 576 x 1536 at 1
-    row 33 us against 67, 49,152 x 576 at 1 row 2.2 ms against 5.2 (docs/performance.md). Costs one more
-    copy of each packed weight in memory (the Parameter stays, shared, for everything else that reads it).
+    Why: on a CPU a bfloat16 ``F.linear`` runs in oneDNN, which copies the ``(out, in)`` weight into its own
+    layout on every call, so a decode step of a few rows reads each weight about twice; a float32 one runs
+    MKL's sgemm, far below the machine's speed at a few rows and many weight rows. The packed copy
+    (``torch.ops.mkldnn._reorder_linear_weight``, the one torch's own compiler uses for frozen CPU models)
+    is made at the first such forward and kept while the weight is unchanged (same storage and version).
+    Measured (2-core AMD EPYC with AVX512-BF16, 2 threads, docs/performance.md): our engine's decode step
+    1.10-1.38x faster in bfloat16 and 1.09-1.39x in float32 at batch 1-32.
 
-    Runs only on a CPU in bfloat16 where oneDNN runs bfloat16 matmuls (:func:`onednn_bfloat16_matmul`)
-    and without autograd (the packed op has none); elsewhere, and in a forward that records gradients,
-    ``F.linear`` as the model would.
+    Numbers: in bfloat16 the same as ``F.linear`` bit for bit (both are oneDNN's kernel); in float32 the same
+    float32 products summed in another order (within float32 rounding of ``F.linear``, tests/test_models.py).
+    Memory: one more copy of each packed weight (the Parameter stays, shared, for everything else that reads
+    it, such as tied input embeddings).
+
+    Runs where :func:`onednn_packs` says so, with input and weight of one dtype, and without autograd (the
+    packed op has none: under ``torch.no_grad`` or ``torch.inference_mode``, as every engine here runs);
+    elsewhere (GPUs, float16, a forward that records gradients) ``F.linear`` as the model would.
 
     Args:
         linear: an ``nn.Linear``; its ``weight`` and ``bias`` Parameters are shared, not copied (a weight
@@ -271,10 +282,10 @@ class PackedLinear(torch.nn.Module):
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed weight for input ``x``, or None where ``F.linear`` runs."""
         w = self.weight
-        if (x.device.type != "cpu" or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) or not onednn_bfloat16_matmul()):
+        if (x.device.type != "cpu" or x.dtype != w.dtype or not onednn_packs(w.dtype)
+                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return None
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
         if self._packed_key != key:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
@@ -301,69 +312,12 @@ class PackedLinear(torch.nn.Module):
 
 
 def pack_linear_weights(model: torch.nn.Module) -> torch.nn.Module:
-    """Replace every plain ``nn.Linear`` inside ``model`` with a :class:`PackedLinear` of the same Parameters
-    (in place; other modules, the output projection included when it is no plain ``nn.Linear``, keep theirs).
-    Returns ``model``."""
+    """Replace every plain ``nn.Linear`` inside ``model`` (the output projection included) with a
+    :class:`PackedLinear` of the same Parameters, in place; other modules keep theirs. Returns ``model``."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear:
                 setattr(parent, name, PackedLinear(child))
-    return model
-
-
-OUTPUT_CHUNK_ROWS = 1024
-"""Vocabulary rows per matmul of :class:`ChunkedOutputProjection`."""
-
-
-class ChunkedOutputProjection(PackedLinear):
-    """The model's output projection (hidden states to vocabulary logits) as one matmul per
-    ``OUTPUT_CHUNK_ROWS`` vocabulary rows, written into one logits tensor: the same numbers as
-    ``F.linear`` (each logit is the same dot product; bitwise equal, tests/test_models.py), faster.
-
-    Why: a CPU float32 ``F.linear`` with few rows and a weight of many rows runs far below the machine's
-    speed (MKL sgemm; the embedded model's 49,152 x 576 tied weight, 113 MB: at 4-64 rows, 2 threads, in a
-    decode step, 34-84 ms plain against 24-47 ms in chunks of 1,024 rows on a 2-core AMD EPYC, and equal
-    within noise at 1 row and at 2,048; docs/performance.md). Chunks run only on a CPU in float32, the case
-    measured, and without autograd (under ``torch.no_grad`` or ``torch.inference_mode``, as every engine here
-    runs); other devices and dtypes, a forward that records gradients and a projection of at most
-    ``2 * OUTPUT_CHUNK_ROWS`` rows run as :class:`PackedLinear` (its packed weight on a CPU in bfloat16,
-    else ``F.linear`` as the model would).
-
-    Args:
-        linear: the model's ``nn.Linear`` output projection; its ``weight`` and ``bias`` Parameters are
-            shared, not copied (a weight tied to the input embeddings stays tied).
-    Shapes: input ``(..., hidden_size)``; output ``(..., vocab_size)``, the input's dtype.
-    """
-
-    def __init__(self, linear: torch.nn.Linear, chunk_rows: int = OUTPUT_CHUNK_ROWS):
-        super().__init__(linear)
-        self.chunk_rows = chunk_rows
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        w, n = self.weight, self.out_features
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or w.requires_grad)    # `out=` has no autograd
-        if grad or hidden.device.type != "cpu" or hidden.dtype != torch.float32 or n <= 2 * self.chunk_rows:
-            return super().forward(hidden)                   # bfloat16 on a CPU: the packed weight
-        x = hidden.reshape(-1, hidden.shape[-1])                                      # (rows, hidden_size)
-        out = x.new_empty(x.shape[0], n)                                              # (rows, vocab_size)
-        for i in range(0, n, self.chunk_rows):
-            j = min(n, i + self.chunk_rows)
-            if self.bias is None:
-                torch.mm(x, w[i:j].t(), out=out[:, i:j])
-            else:
-                torch.addmm(self.bias[i:j], x, w[i:j].t(), out=out[:, i:j])
-        return out.view(*hidden.shape[:-1], n)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, chunk_rows={self.chunk_rows}"
-
-
-def chunk_output_projection(model: PreTrainedModel) -> PreTrainedModel:
-    """Replace the model's ``nn.Linear`` output projection with a :class:`ChunkedOutputProjection` of the same
-    Parameters (``set_output_embeddings``); a model whose projection is no ``nn.Linear`` keeps it."""
-    head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        model.set_output_embeddings(ChunkedOutputProjection(head))
     return model
 
 
@@ -545,9 +499,9 @@ def load_model(
             while the library does not define it).
 
     Returns:
-        ``(model, tokenizer)``: the model in eval mode, its output projection a
-        :class:`ChunkedOutputProjection` (same numbers, faster on a CPU in float32) and every other
-        ``nn.Linear`` a :class:`PackedLinear` (same numbers, faster on a CPU in bfloat16); the tokenizer with a
+        ``(model, tokenizer)``: the model in eval mode, every
+        ``nn.Linear`` (the output projection included) a :class:`PackedLinear` (faster on a CPU; bitwise
+        the same numbers in bfloat16, within float32 rounding in float32); the tokenizer with a
         pad token and ``padding_side="left"``.
 
     Raises:
@@ -576,7 +530,7 @@ def load_model(
     loaded.eval()
     loaded.scissorhands_dtype_reason = reason
     apply_attn_implementation(loaded, attn_implementation)
-    pack_linear_weights(chunk_output_projection(loaded))
+    pack_linear_weights(loaded)
     return loaded, prepare_tokenizer(tokenizer)
 
 

@@ -28,50 +28,28 @@ def test_each_side_times_exactly_the_decode_steps_asked_for():
     assert model.config._attn_implementation == "scissorhands"      # generate_steps puts the attention back
 
 
-def test_the_projection_ab_baseline_runs_plain_f_linear_and_puts_the_chunked_head_back(monkeypatch):
-    from scissorhands.models import ChunkedOutputProjection
-
-    torch.manual_seed(0)
-    model = tiny_llama(0)
-    model.generation_config.eos_token_id = None
-    head = ChunkedOutputProjection(model.get_output_embeddings())
-    model.set_output_embeddings(head)
-    seen = []
-    real_forward = torch.nn.Linear.forward
-    monkeypatch.setattr(torch.nn.Linear, "forward",
-                        lambda self, x: seen.append(self.weight is head.weight) or real_forward(self, x))
-    steps = bench_decode.ours_steps_plain_projection(model, torch.randint(1, 128, (2, 7)).tolist(), 3)
-    assert len(steps) == 3
-    assert model.get_output_embeddings() is head                    # restored
-    assert seen.count(True) >= 1 + len(steps)                       # the plain projection ran (prefill, every step)
-    seen.clear()
-    bench_decode.ours_steps(model, torch.randint(1, 128, (2, 7)).tolist(), 2)
-    assert seen and True not in seen                                # and the chunked one otherwise
-
-
 def test_the_packing_ab_baseline_runs_plain_f_linear_and_puts_the_packing_back(monkeypatch):
     import scissorhands.models as sh_models
 
     torch.manual_seed(0)
-    model = sh_models.pack_linear_weights(tiny_llama(0).bfloat16())
+    model = sh_models.pack_linear_weights(tiny_llama(0))
     model.generation_config.eos_token_id = None
-    real = sh_models.onednn_bfloat16_matmul
+    real = sh_models.onednn_packs
     calls = []
     real_linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or real_linear(*a, **k))
     rows = torch.randint(1, 128, (2, 7)).tolist()
     steps = bench_decode.ours_steps_unpacked(model, rows, 3)
-    assert len(steps) == 3 and sh_models.onednn_bfloat16_matmul is real          # restored
+    assert len(steps) == 3 and sh_models.onednn_packs is real          # restored
     unpacked = len(calls)
     assert unpacked >= (1 + len(steps)) * 7 * model.config.num_hidden_layers     # every projection ran F.linear
     calls.clear()
     bench_decode.ours_steps(model, rows, 3)
-    assert len(calls) == (0 if real() else unpacked)                             # packed, where oneDNN runs bf16
+    assert len(calls) == (0 if real(torch.float32) else unpacked)                # packed, where torch has oneDNN
 
 
 @pytest.mark.parametrize("argv,field", [(["--dtypes", "float64"], "--dtypes"), (["--steps", "0"], "--steps"),
-                                        (["--batches", "0"], "--batches"),
-                                        (["--packing-ab", "--projection-ab"], "--packing-ab")])
+                                        (["--batches", "0"], "--batches")])
 def test_bad_arguments_name_the_flag(argv, field, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_decode.main(argv)
