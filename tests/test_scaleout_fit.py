@@ -298,7 +298,8 @@ def test_a_cluster_that_goes_away_ends_the_sweep_with_our_message_and_keeps_its_
         # the bound plus a poll and the probe's timeout; Ray's own exit came after 60 s
         assert took_s < DEFAULT_GONE_AFTER_S + 20, (took_s, err[-3000:])
         assert "Failed to connect to GCS" not in err, err[-3000:]
-        n_written = written.count("\n")
+        n_written = points.read_text().count("\n")     # what the file holds at exit: a point may land during the stop
+        assert n_written >= written.count("\n") >= 1
         message = (f"sweep: error: the Ray cluster at 127.0.0.1:{port} is gone: its GCS at 127.0.0.1:{port} has not "
                    f"accepted a connection for")
         assert message in err, err[-3000:]
