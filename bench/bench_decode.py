@@ -3,6 +3,7 @@
     make bench-decode                                     # batches 1 4 16 32, float32 and bfloat16, 1 thread
     make bench-decode ARGS="--batches 1 16 --rounds 7 --threads 2"
     make bench-decode ARGS="--packing-ab --threads 2"     # packed weights (PackedLinear) vs plain F.linear
+    make bench-decode ARGS="--attention-ab --prompt-tokens 1024 --batches 4 16"   # decode attention layouts
 
 Goal (issue 13, item 3): our engine's full-cache decode step at least as fast as transformers'
 ``generate`` at batch 1, 4, 16 and 32, in float32 and bfloat16, on the embedded model.
@@ -24,6 +25,11 @@ paired ratios with their min-max. Conditions printed: CPU model and flags, torch
 
 ``--packing-ab`` pairs our engine against itself with every ``PackedLinear`` (scissorhands/models.py) running
 plain ``F.linear`` (the weights unpacked, what the model runs without it); above 1 means packing is faster.
+
+``--attention-ab`` pairs our engine against itself with the decode step's one-query attention run by sdpa's
+grouped-query kernel (``enable_gqa``, the mask repeated over each group's query heads, as before the change of
+``BudgetedLayer._sdpa_chunk``) instead of the group's query heads passed as one KV head's queries; above 1 means
+the grouped layout is faster.
 """
 from __future__ import annotations
 
@@ -78,6 +84,25 @@ def ours_steps_unpacked(model, rows: list[list[int]], steps: int) -> list[tuple[
         return ours_steps(model, rows, steps)
     finally:
         sh_models.onednn_packs = real
+
+
+def ours_steps_gqa_kernel(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    """:func:`ours_steps` with one-query decode attention run by sdpa's grouped-query kernel (the baseline of
+    ``--attention-ab``)."""
+    from scissorhands.cache import BudgetedLayer
+
+    def gqa_kernel(query, keys, values, visible, scaling):
+        group = query.shape[1] // keys.shape[1]
+        mask = None if visible is None else visible.repeat_interleave(group, dim=1)       # (b, hq, q_c, S)
+        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                                enable_gqa=group > 1)
+
+    real = BudgetedLayer.__dict__["_sdpa_chunk"]
+    BudgetedLayer._sdpa_chunk = staticmethod(gqa_kernel)         # equal prompts: no row ever sees no slot
+    try:
+        return ours_steps(model, rows, steps)
+    finally:
+        BudgetedLayer._sdpa_chunk = real
 
 
 def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
@@ -141,7 +166,8 @@ def run(dtype_name: str, args) -> list[dict]:
     warm_up(model, all_rows)
     out = []
     for b in args.batches:
-        baseline = ours_steps_unpacked if args.packing_ab else generate_steps
+        baseline = (ours_steps_unpacked if args.packing_ab else ours_steps_gqa_kernel if args.attention_ab
+                    else generate_steps)
         row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.steps, args.rounds, baseline))
         print(f"| {dtype_name} | {b} | {row['ours_cpu_ms']:.1f} | {row['theirs_cpu_ms']:.1f} | {row['cpu_ratio']:.2f}x | "
               f"{row['cpu_min']:.2f}-{row['cpu_max']:.2f} | {row['ours_wall_ms']:.1f} | {row['theirs_wall_ms']:.1f} | "
@@ -160,7 +186,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--packing-ab", action="store_true",
                     help="our engine with packed weights (PackedLinear) against plain F.linear")
+    ap.add_argument("--attention-ab", action="store_true",
+                    help="our engine's one-query decode attention, grouped layout against sdpa's grouped-query kernel")
     args = ap.parse_args(argv)
+    if args.packing_ab and args.attention_ab:
+        ap.error("--packing-ab, --attention-ab: give one of them")
     dtypes = [d for d in args.dtypes.split(",") if d]
     for d in dtypes:
         if d not in DTYPES:
@@ -175,7 +205,7 @@ def main(argv=None) -> int:
           f"{args.rounds} paired rounds (order alternates), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(f"# {cpu_conditions()}")
     print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    theirs = "unpacked" if args.packing_ab else "transformers"
+    theirs = "unpacked" if args.packing_ab else "gqa-kernel" if args.attention_ab else "transformers"
     print(f"| dtype | batch | ours, CPU ms/step | {theirs}, CPU ms/step | {theirs} / ours, CPU (median of "
           f"paired rounds) | min-max | ours, wall ms | {theirs}, wall ms | {theirs} / ours, wall | min-max |")
     print("|---|---|---|---|---|---|---|---|---|---|")

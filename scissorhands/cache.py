@@ -347,15 +347,30 @@ class BudgetedLayer(CacheLayerMixin):
 
     @staticmethod
     def _sdpa_chunk(query, keys, values, visible, scaling):
-        """Attention output only (sdpa), same arguments and result as :meth:`_attend_chunk`."""
-        group = query.shape[1] // keys.shape[1]
-        mask = None if visible is None else visible.repeat_interleave(group, dim=1)      # (b, hq, q_c, S)
-        o = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
-                                                             enable_gqa=group > 1)
-        if mask is None:
+        """Attention output only (sdpa), same arguments and result as :meth:`_attend_chunk`.
+
+        One query per row (``q_c == 1``, a decode step): the ``group`` query heads that share a KV head are
+        passed to sdpa as that head's ``group`` queries, ``(b, hkv, group, d)`` against ``(b, hkv, S, d)``,
+        with the layer's ``(b, hkv, 1, S)`` mask broadcast over them. The same attention (one query sees
+        the same slots as its group), computed by sdpa's ordinary kernel instead of its grouped-query one,
+        which on a CPU in bfloat16 runs one query 9-20x slower (docs/performance.md, "Decode attention").
+        """
+        b, hq, q_c, _ = query.shape
+        hkv = keys.shape[1]
+        group = hq // hkv
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if q_c == 1:
+            o = sdpa(query.reshape(b, hkv, group, -1), keys, values, attn_mask=visible,      # (b, hkv, g, d_v)
+                     scale=scaling).view(b, hq, 1, -1)                                  # (b, hq, 1, d_v)
+        else:
+            mask = None if visible is None else visible.repeat_interleave(group, dim=1)  # (b, hq, q_c, S)
+            o = sdpa(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
+        if visible is None:
             return o
-        seen = mask.any(-1, keepdim=True)                                               # padded queries see nothing
-        return o if bool(seen.all()) else torch.where(seen, o, o.new_zeros(()))
+        seen = visible.any(-1, keepdim=True)                                            # padded queries see nothing
+        if bool(seen.all()):
+            return o
+        return torch.where(seen.repeat_interleave(group, dim=1), o, o.new_zeros(()))    # (b, hq, q_c, 1) mask
 
     def _attend_chunk(self, query, keys, values, visible, scaling, first_query, state=None):
         """Attention of ``query`` ``(b, hq, q_c, d)`` over ``keys``/``values`` ``(b, hkv, S, d)`` with explicit

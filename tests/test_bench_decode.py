@@ -48,8 +48,32 @@ def test_the_packing_ab_baseline_runs_plain_f_linear_and_puts_the_packing_back(m
     assert len(calls) == (0 if real(torch.float32) else unpacked)                # packed, where torch has oneDNN
 
 
+def test_the_attention_ab_baseline_runs_the_grouped_query_kernel_and_puts_the_layout_back(monkeypatch):
+    from scissorhands.cache import BudgetedLayer
+
+    torch.manual_seed(0)
+    model = tiny_llama(0)                                              # 4 query heads over 2 KV heads
+    model.generation_config.eos_token_id = None
+    real = BudgetedLayer.__dict__["_sdpa_chunk"]
+    calls = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **k: calls.append((q.shape[1], k.get("enable_gqa"))) or real_sdpa(q, *a, **k))
+    rows = torch.randint(1, 128, (2, 7)).tolist()
+    steps = bench_decode.ours_steps_gqa_kernel(model, rows, 3)
+    assert len(steps) == 3 and BudgetedLayer.__dict__["_sdpa_chunk"] is real          # restored
+    layers, heads, kv_heads = (model.config.num_hidden_layers, model.config.num_attention_heads,
+                               model.config.num_key_value_heads)
+    n = len(calls)
+    assert n >= len(steps) * layers and calls == [(heads, True)] * n                 # every decode step, every layer
+    calls.clear()
+    bench_decode.ours_steps(model, rows, 3)
+    assert calls == [(kv_heads, None)] * n                                           # grouped layout, no GQA flag
+
+
 @pytest.mark.parametrize("argv,field", [(["--dtypes", "float64"], "--dtypes"), (["--steps", "0"], "--steps"),
-                                        (["--batches", "0"], "--batches")])
+                                        (["--batches", "0"], "--batches"),
+                                        (["--packing-ab", "--attention-ab"], "--attention-ab")])
 def test_bad_arguments_name_the_flag(argv, field, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_decode.main(argv)

@@ -186,3 +186,30 @@ def test_fused_prefill_output_and_lse_probabilities_equal_the_explicit_attention
     assert [(s, e) for s, e, _ in chunks] == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 24)]
     for s, e, probs in chunks:
         torch.testing.assert_close(probs, expect[..., 16 + s:16 + e, :16 + e], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_one_query_decode_attention_equals_grouped_query_sdpa(dtype, atol):
+    """A decode step's attention (one query per row; the query heads of a KV head passed as that head's queries)
+    gives grouped-query sdpa's output to rounding, with and without the layer's per-slot mask, and zeros for a
+    row that sees no slot; a chunk of several queries still runs the grouped-query kernel itself."""
+    from scissorhands.cache import BudgetedLayer
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 6, 1, 16, generator=g).to(dtype)                                # 6 query heads, 2 KV heads
+    k, v = (torch.randn(3, 2, 37, 16, generator=g).to(dtype) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    out = BudgetedLayer._sdpa_chunk(q, k, v, None, 0.25)
+    assert out.shape == (3, 6, 1, 16) and out.dtype == dtype
+    torch.testing.assert_close(out, sdpa(q, k, v, scale=0.25, enable_gqa=True), atol=atol, rtol=0)
+    visible = torch.rand(3, 2, 1, 37, generator=g) > 0.4                                # (b, hkv, 1, S)
+    visible[2, 1] = False                                                               # row 2, KV head 1: nothing
+    out = BudgetedLayer._sdpa_chunk(q, k, v, visible, 0.25)
+    ref = sdpa(q, k, v, attn_mask=visible.repeat_interleave(3, dim=1), scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(out[:2], ref[:2], atol=atol, rtol=0)
+    torch.testing.assert_close(out[2, :3], ref[2, :3], atol=atol, rtol=0)
+    assert bool((out[2, 3:] == 0).all())                                                # its 3 query heads: zeros
+    qc = torch.randn(3, 6, 4, 16, generator=g).to(dtype)                               # 4 queries: grouped-query kernel
+    vis4 = torch.ones(4, 37, dtype=torch.bool).tril(33).expand(3, 2, 4, 37)
+    assert torch.equal(BudgetedLayer._sdpa_chunk(qc, k, v, vis4, 0.25),
+                       sdpa(qc, k, v, attn_mask=vis4.repeat_interleave(3, dim=1), scale=0.25, enable_gqa=True))
