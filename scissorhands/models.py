@@ -286,7 +286,9 @@ class PackedLinear(torch.nn.Module):
         if (x.device.type != "cpu" or x.dtype != w.dtype or not onednn_packs(w.dtype)
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return None
-        key = (w.data_ptr(), w._version, tuple(w.shape), w.dtype)
+        # an inference tensor (made under torch.inference_mode) has no version counter; it cannot change
+        # outside inference mode either, so its storage identifies it
+        key = (w.data_ptr(), None if w.is_inference() else w._version, tuple(w.shape), w.dtype)
         if self._packed_key != key:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
@@ -399,27 +401,33 @@ def _layer_shapes(model_config) -> tuple[int, int]:
 @lru_cache(maxsize=16)
 def probe_bfloat16_speedup(hidden: int, intermediate: int, threads: int, rows: tuple[int, ...] = (1, 16),
                            repeats: int = 15) -> float:
-    """Time of ``F.linear`` in float32 over its time in bfloat16 on this CPU at the model's shapes.
+    """Time of the model's linear layer in float32 over its time in bfloat16 on this CPU at the model's shapes.
 
     One up-projection ``(rows, hidden) @ (intermediate, hidden)^T`` per row count in ``rows``
-    (a decode step at batch 1 and a batched one), float32 and bfloat16 interleaved, ``repeats``
-    rounds after one warm-up; the result is sum over row counts of the median float32 time over
-    the same sum for bfloat16 (> 1: bfloat16 faster). About 0.1 s on a 2-core Xeon. Cached per
-    shape and thread count for the process.
+    (a decode step at batch 1 and a batched one), run as :class:`PackedLinear` runs it in a loaded model
+    (packed in oneDNN's layout where :func:`onednn_packs` says so, else ``F.linear``), float32 and bfloat16
+    interleaved, ``repeats`` rounds after one warm-up; the result is sum over row counts of the median
+    float32 time over the same sum for bfloat16 (> 1: bfloat16 faster). About 0.1 s on a 2-core Xeon.
+    Cached per shape and thread count for the process.
     """
     gen = torch.Generator().manual_seed(0)
     w32 = torch.randn(intermediate, hidden, generator=gen)
     xs32 = [torch.randn(r, hidden, generator=gen) for r in rows]
-    w16, xs16 = w32.bfloat16(), [x.bfloat16() for x in xs32]
-    times = {torch.float32: [[] for _ in rows], torch.bfloat16: [[] for _ in rows]}
+    layers = {}
+    for dt in (torch.float32, torch.bfloat16):
+        linear = torch.nn.Linear(hidden, intermediate, bias=False, dtype=dt)
+        with torch.no_grad():
+            linear.weight.copy_(w32)
+        layers[dt] = (PackedLinear(linear), [x.to(dt) for x in xs32])
+    times = {dt: [[] for _ in rows] for dt in layers}
     with torch.inference_mode():
         for rep in range(repeats + 1):
-            for dt, w, xs in ((torch.float32, w32, xs32), (torch.bfloat16, w16, xs16)):
+            for dt, (layer, xs) in layers.items():
                 for i, x in enumerate(xs):
                     t0 = time.perf_counter()
                     for _ in range(4):
-                        torch.nn.functional.linear(x, w)
-                    if rep:                                       # round 0 warms up
+                        layer(x)
+                    if rep:                                       # round 0 warms up (and packs)
                         times[dt][i].append(time.perf_counter() - t0)
     med = {dt: sum(sorted(ts)[len(ts) // 2] for ts in per) for dt, per in times.items()}
     return med[torch.float32] / med[torch.bfloat16]
@@ -471,7 +479,7 @@ def resolve_dtype(requested="auto", model_config=None, device: str | torch.devic
         return torch.float32, f"auto: CPU {cpu_model_name()} has neither {' nor '.join(BF16_CPU_FLAGS)}"
     hidden, inter = _layer_shapes(model_config) if model_config is not None else (576, 1536)
     speedup = probe_bfloat16_speedup(hidden, inter, torch.get_num_threads())
-    probe = (f"probe F.linear {hidden}x{inter} at 1 and 16 rows, {torch.get_num_threads()} threads: "
+    probe = (f"probe linear layer {hidden}x{inter} at 1 and 16 rows, {torch.get_num_threads()} threads: "
              f"bfloat16 {speedup:.2f}x float32's speed")
     if speedup > 1.0:
         return torch.bfloat16, f"auto: CPU has {', '.join(flags)}; {probe}"
