@@ -353,7 +353,7 @@ class BudgetedLayer(CacheLayerMixin):
         passed to sdpa as that head's ``group`` queries, ``(b, hkv, group, d)`` against ``(b, hkv, S, d)``,
         with the layer's ``(b, hkv, 1, S)`` mask broadcast over them. The same attention (one query sees
         the same slots as its group), computed by sdpa's ordinary kernel instead of its grouped-query one,
-        which on a CPU in bfloat16 runs one query 9-20x slower (docs/performance.md, "Decode attention").
+        which on a CPU in bfloat16 runs one query 7-9x slower (docs/performance.md, "Decode attention").
         """
         b, hq, q_c, _ = query.shape
         hkv = keys.shape[1]
