@@ -62,7 +62,13 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     group = hq // hkv
     fp32 = query.dtype == torch.float32                       # else scale the float32 scores, not the query
     qg = (query * scaling if fp32 else query).reshape(b, hkv, group * qc, d)           # (b, hkv, g * q_c, d)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float().view(b, hkv, group, qc, n)
+    if fp32:
+        scores = torch.matmul(qg, keys.transpose(-1, -2))                               # (b, hkv, g * q_c, S)
+    else:
+        # keys @ q^T, transposed after: oneDNN's bfloat16 batched matmul copies a transposed view of keys whose
+        # slots are a slice of the layer's buffer (decode at 19 rows x 410 slots: 0.38 against 0.14 ms a layer)
+        scores = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2)             # (b, hkv, g * q_c, S)
+    scores = scores.to(torch.float32, memory_format=torch.contiguous_format).view(b, hkv, group, qc, n)
     if not fp32:
         scores.mul_(scaling)
     if visible is not None:

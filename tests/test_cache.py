@@ -213,3 +213,24 @@ def test_one_query_decode_attention_equals_grouped_query_sdpa(dtype, atol):
     vis4 = torch.ones(4, 37, dtype=torch.bool).tril(33).expand(3, 2, 4, 37)
     assert torch.equal(BudgetedLayer._sdpa_chunk(qc, k, v, vis4, 0.25),
                        sdpa(qc, k, v, attn_mask=vis4.repeat_interleave(3, dim=1), scale=0.25, enable_gqa=True))
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_explicit_attention_over_a_slice_of_the_slot_buffer(dtype, atol):
+    """Keys and values as a layer hands them over (the used slots of a larger buffer, a strided view): the
+    probabilities are the float32 softmax of the scaled scores, contiguous, per query head of each KV head,
+    and the output is probs @ values; in bfloat16 to the rounding of bfloat16 scores."""
+    from scissorhands.attention import explicit_attention
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)                                # 6 query heads, 2 KV heads
+    kbuf, vbuf = (torch.randn(2, 2, 30, 16, generator=g).to(dtype) for _ in range(2))
+    k, v = kbuf[:, :, :21], vbuf[:, :, :21]                                            # 21 used slots of 30
+    visible = torch.rand(2, 2, 1, 21, generator=g) > 0.3
+    out, probs = explicit_attention(q, k, v, visible, 0.25)
+    assert probs.shape == (2, 2, 3, 1, 21) and probs.dtype == torch.float32 and probs.is_contiguous()
+    scores = torch.einsum("bkgd,bksd->bkgs", q.double().view(2, 2, 3, 16), k.double()) * 0.25
+    ref = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)               # (2, 2, 3, 21)
+    torch.testing.assert_close(probs[:, :, :, 0].double(), ref, atol=atol, rtol=0)
+    expect = torch.einsum("bkgs,bksd->bkgd", ref, v.double()).reshape(2, 6, 1, 16)
+    torch.testing.assert_close(out.double(), expect, atol=5 * atol, rtol=0)
