@@ -388,3 +388,18 @@ def test_shutting_a_serving_replica_down_answers_the_requests_it_holds(model):
     results = asyncio.run(serve_then_stop())
     assert [(r["request_id"], r["error_kind"]) for r in results] == [("r0", "error"), ("r1", "error")]
     assert all("stopped" in r["error"] for r in results) and len(results[0]["output_ids"]) < 500
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_pick_is_argmax_with_the_first_of_tied_maxima(dtype):
+    from types import SimpleNamespace
+
+    from cluster.engine import pick_tokens
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.5, -1.0, 0.25, 0.5], [-2.0, -3.0, -1.0, -1.5]], dtype=dtype)
+    seqs = [SimpleNamespace(request=GenerationRequest(f"r{i}", [1], 4)) for i in range(3)]
+    picked = pick_tokens(logits, seqs, eos_token_id=None)
+    assert picked.shape == (3, 1) and picked.dtype == torch.long
+    assert picked[:, 0].tolist() == [1, 0, 2] == logits.argmax(-1).tolist()
+    wide = torch.randn(5, 49152).to(dtype)
+    assert torch.equal(pick_tokens(wide, seqs[:1] * 5, None)[:, 0], wide.argmax(-1))
