@@ -149,8 +149,8 @@ def test_4_bit_greedy_top1_agrees_with_unquantized_on_the_embedded_model():
     agree = float((top == top4).float().mean())
     assert agree >= 0.85, agree                                                    # measured 0.92 (400 tokens)
     # 4-bit buckets flip on float32 rounding, so the 4-bit NLL moves with any rounding upstream: over these 99
-    # tokens nll4 - nll measured 0.018 (sdpa's grouped-query kernel), 0.024 (explicit matmuls), 0.044 and 0.053
-    # (grouped layout, and it times 1 + 1e-7), with nll equal to 1e-5 (2026-12-02); the coarsest layout measured
+    # tokens nll4 - nll measured 0.018 (sdpa's grouped-query kernel), 0.024 (explicit matmuls), 0.053 (grouped
+    # layout) and 0.044 (its output times 1 + 1e-7), nll equal to 1e-5 (2026-12-02); the coarsest layout measured
     # (8-bit symmetric scales, groups of 64, at ratio 5) cost 0.23 (docs/results/2026-12-01-quant-6fec43d.md)
     assert nll4 - nll < 0.08, (nll, nll4)
     # Scissorhands at 5x plus 4-bit against a 16-bit cache of every token seen (bookkeeping counted)
