@@ -190,7 +190,7 @@ def main(argv=None) -> int:
                     help="our engine's one-query decode attention, grouped layout against sdpa's grouped-query kernel")
     args = ap.parse_args(argv)
     if args.packing_ab and args.attention_ab:
-        ap.error("--packing-ab, --attention-ab: give one of them")
+        ap.error("--packing-ab, --attention-ab: give at most one of them")
     dtypes = [d for d in args.dtypes.split(",") if d]
     for d in dtypes:
         if d not in DTYPES:

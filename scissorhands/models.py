@@ -479,7 +479,8 @@ def resolve_dtype(requested="auto", model_config=None, device: str | torch.devic
         return torch.float32, f"auto: CPU {cpu_model_name()} has neither {' nor '.join(BF16_CPU_FLAGS)}"
     hidden, inter = _layer_shapes(model_config) if model_config is not None else (576, 1536)
     speedup = probe_bfloat16_speedup(hidden, inter, torch.get_num_threads())
-    probe = (f"probe linear layer {hidden}x{inter} at 1 and 16 rows, {torch.get_num_threads()} threads: "
+    threads = torch.get_num_threads()
+    probe = (f"probe linear layer {hidden}x{inter} at 1 and 16 rows, {threads} thread{'s' * (threads != 1)}: "
              f"bfloat16 {speedup:.2f}x float32's speed")
     if speedup > 1.0:
         return torch.bfloat16, f"auto: CPU has {', '.join(flags)}; {probe}"

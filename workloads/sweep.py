@@ -170,7 +170,7 @@ def _one_line(rec: dict) -> str:
         return f"  error  {what}: {rec['error']}"
     kv = rec.get("kv_cache_bytes") or 0
     return (f"  ok     {what}: prefill {rec['prefill_s']:.2f} s, decode {rec.get('decode_tokens_per_s') or 0:.1f} tok/s, "
-            f"KV {kv / res.MIB:.1f} MiB, budget {rec.get('budget_tokens')} tok")
+            f"KV {kv / res.MIB:.1f} MiB, budget {rec.get('budget_tokens') or '-'} tok")
 
 
 def _run_kind(args) -> int:
