@@ -361,7 +361,7 @@ class BudgetedLayer(CacheLayerMixin):
         sdpa = torch.nn.functional.scaled_dot_product_attention
         if q_c == 1:
             o = sdpa(query.reshape(b, hkv, group, -1), keys, values, attn_mask=visible,      # (b, hkv, g, d_v)
-                     scale=scaling).view(b, hq, 1, -1)                                  # (b, hq, 1, d_v)
+                     scale=scaling).reshape(b, hq, 1, -1)                               # (b, hq, 1, d_v)
         else:
             mask = None if visible is None else visible.repeat_interleave(group, dim=1)  # (b, hq, q_c, S)
             o = sdpa(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
