@@ -66,7 +66,7 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
         scores = torch.matmul(qg, keys.transpose(-1, -2))                               # (b, hkv, g * q_c, S)
     else:
         # keys @ q^T, transposed after: oneDNN's bfloat16 batched matmul copies a transposed view of keys whose
-        # slots are a slice of the layer's buffer (decode at 19 rows x 410 slots: 0.38 against 0.14 ms a layer)
+        # slots are a slice of the layer's buffer (decode, 19 rows, 300 used slots of 410: 0.38 against 0.14 ms a layer)
         scores = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2)             # (b, hkv, g * q_c, S)
     scores = scores.to(torch.float32, memory_format=torch.contiguous_format).view(b, hkv, group, qc, n)
     if not fp32:

@@ -286,8 +286,8 @@ class PackedLinear(torch.nn.Module):
         if (x.device.type != "cpu" or x.dtype != w.dtype or not onednn_packs(w.dtype)
                 or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             return None
-        # an inference tensor (made under torch.inference_mode) has no version counter; it cannot change
-        # outside inference mode either, so its storage identifies it
+        # an inference tensor (made under torch.inference_mode) has no version counter: it is keyed by its
+        # storage, so an in-place change made to it inside inference mode is not seen (a new tensor is)
         key = (w.data_ptr(), None if w.is_inference() else w._version, tuple(w.shape), w.dtype)
         if self._packed_key != key:
             with torch.no_grad():
@@ -478,8 +478,8 @@ def resolve_dtype(requested="auto", model_config=None, device: str | torch.devic
     if not flags:
         return torch.float32, f"auto: CPU {cpu_model_name()} has neither {' nor '.join(BF16_CPU_FLAGS)}"
     hidden, inter = _layer_shapes(model_config) if model_config is not None else (576, 1536)
-    speedup = probe_bfloat16_speedup(hidden, inter, torch.get_num_threads())
     threads = torch.get_num_threads()
+    speedup = probe_bfloat16_speedup(hidden, inter, threads)
     probe = (f"probe linear layer {hidden}x{inter} at 1 and 16 rows, {threads} thread{'s' * (threads != 1)}: "
              f"bfloat16 {speedup:.2f}x float32's speed")
     if speedup > 1.0:

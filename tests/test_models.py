@@ -281,7 +281,6 @@ def test_packed_linear_runs_f_linear_in_float16_and_with_autograd():
     assert torch.equal(grads[0], xf.grad) and torch.equal(grads[1], linear.weight.grad)
 
 
-
 def test_packed_linear_takes_a_weight_made_under_inference_mode():
     with torch.inference_mode():
         linear = torch.nn.Linear(16, 8)                                          # inference tensors: no version
@@ -300,6 +299,7 @@ def test_probe_times_the_linear_layer_a_loaded_model_runs(monkeypatch):
     assert sh_models.probe_bfloat16_speedup(24, 40, 1, rows=(1, 3), repeats=1) > 0
     assert calls.count(torch.float32) == calls.count(torch.bfloat16) == 2 * 2 * 4   # 2 rounds x 2 row counts x 4
     sh_models.probe_bfloat16_speedup.cache_clear()
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_load_model_packs_every_linear_and_keeps_the_tie(tmp_path, dtype):
