@@ -168,6 +168,18 @@ def test_resolve_dtype_auto_on_cpu_needs_the_flags_and_a_faster_probe(monkeypatc
     assert dtype == torch.float32 and "0.80x" in reason
 
 
+@pytest.mark.parametrize("speedup, expected", [(1.03, torch.float32), (1.19, torch.float32), (1.2, torch.bfloat16)])
+def test_resolve_dtype_auto_takes_bfloat16_only_when_clearly_faster(monkeypatch, speedup, expected):
+    """A probe near 1.0x is noise: the tiny model's 64x128 layer measured 1.01-1.05x (either side of 1.0
+    across runs), and with a `> 1.0` rule two runs of one suite (Ray replicas, then local) resolved
+    differently and their perplexities disagreed (129.3136 vs 129.3044). bfloat16 from 1.2x on."""
+    monkeypatch.setattr(sh_models, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(sh_models, "probe_bfloat16_speedup", lambda *a: speedup)
+    dtype, reason = sh_models.resolve_dtype("auto", tiny_llama(seed=0).config, "cpu")
+    assert dtype == expected and f"{speedup:.2f}x" in reason
+    assert ("below the 1.2x that picks it" in reason) == (expected == torch.float32)
+
+
 def test_resolve_dtype_auto_on_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "FakeGPU")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

@@ -117,7 +117,7 @@ def test_points_run_on_ray_replicas_and_match_local(tmp_path):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    data = {**TINY, "fewshot": None, "persistence": None}
+    data = {**TINY, "fewshot": None, "persistence": None, "dtype": "float32"}   # each run resolves `auto` itself
     suite = _write(tmp_path, data)
     ray.init(address="local", include_dashboard=False, num_cpus=2, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})

@@ -7,7 +7,7 @@ it and nothing else::
     name: smoke
     description: the question this suite answers
     model: embedded          # "embedded", an HF id, a local folder; "tiny-llama" is test-only
-    dtype: auto              # auto (bfloat16 where faster, see scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16
+    dtype: auto              # auto (bfloat16 where >= 1.2x faster, see scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16
     device: cpu
     policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}, or all (every one;
                              # the default of quality and frontier suites)
@@ -128,7 +128,7 @@ class SuiteBase(BaseModel):
     name: Name = "suite"
     description: str = ""
     model: Name = "embedded"
-    dtype: Literal[DTYPE_CHOICES] = "auto"      # auto: bfloat16 where faster (scissorhands.models.resolve_dtype)
+    dtype: Literal[DTYPE_CHOICES] = "auto"      # auto: bfloat16 where >= 1.2x faster (scissorhands.models.resolve_dtype)
     device: Name = "cpu"
     policies: Annotated[tuple[PolicySpec, ...], Field(min_length=1)]
     compression_ratios: tuple[Ratio, ...] = ()
