@@ -238,19 +238,23 @@ class BudgetedLayer(CacheLayerMixin):
             budget = self.budget.resolve(self.tokens_seen + q)
             if q == 1:                                                  # Algorithm 1: full -> drop m, then append
                 self.evict(torch.where(self.held >= budget, self.budget.drop_tokens, 0))
-        times = torch.arange(q, dtype=torch.int32, device=self.device)
-        if self.row_time is None:                                        # (1, 1, q): one shared clock
-            times = (times + self.tokens_seen)[None, None, :]
-        else:                                                            # (b, 1, q): each row's clock
-            times = (times + self.row_time[:, None].to(torch.int32))[:, None, :]
-            self.row_time += q
+        # slot times, broadcast over heads (and rows) by the store's write: a decode call writes the clock
+        # itself (a Python int or a (b, 1, 1) view, no arange: a few small ops fewer per layer and step)
+        if q == 1:
+            times = self.tokens_seen if self.row_time is None else self.row_time[:, None, None]
+        else:
+            times = torch.arange(q, dtype=torch.int32, device=self.device)
+            times = ((times + self.tokens_seen)[None, None, :] if self.row_time is None        # (1, 1, q): shared
+                     else (times + self.row_time[:, None].to(torch.int32))[:, None, :])        # (b, 1, q): per row
         new = self.codec.encode(key_states, value_states)
-        new["slot_time"] = times.expand(b, h, q)
+        new["slot_time"] = times
         if self.policy.state_width:                                      # the policy's key seam, else zero
             init = self.policy.init_state(key_states, value_states)           # (b, h, q, state_width) or None
             new["state"] = init if init is not None else torch.zeros(
                 (), dtype=self.policy.state_dtype, device=self.device).expand(b, h, q, self.policy.state_width)
         self.store.append(new, self._capacity(self.store.num_slots + q))
+        if self.row_time is not None:
+            self.row_time += q                                           # after the write: `times` may view it
         self.tokens_seen += q
         self.held += q
         self._pending_q = q

@@ -71,7 +71,8 @@ class SlotStore:
         return self.buffers[name][:, :, :self.num_slots]
 
     def append(self, new: dict[str, torch.Tensor], capacity: int) -> None:
-        """Write ``new[name]`` ``(batch_size, num_kv_heads, q, *trailing)`` after the used slots.
+        """Write ``new[name]`` ``(batch_size, num_kv_heads, q, *trailing)`` after the used slots (anything that
+        broadcasts to it: a scalar, or size-1 dims); the first entry must have all of its dims (``q`` is read there).
 
         When the buffers are too small they are reallocated with ``capacity`` (>= num_slots + q) slots.
         """

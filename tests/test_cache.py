@@ -216,6 +216,32 @@ def test_one_query_decode_attention_equals_grouped_query_sdpa(dtype, atol):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_decode_attention_edge_layouts(dtype, atol):
+    """One query head per KV head (group 1: the grouped layout is the plain one), and a chunk of several
+    queries where one query of one row sees no slot: its heads get zeros, every other query sdpa's output."""
+    from scissorhands.cache import BudgetedLayer
+
+    g = torch.Generator().manual_seed(7)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q = torch.randn(2, 2, 1, 16, generator=g).to(dtype)                                # 2 query heads, 2 KV heads
+    k, v = (torch.randn(2, 2, 23, 16, generator=g).to(dtype) for _ in range(2))
+    visible = torch.rand(2, 2, 1, 23, generator=g) > 0.5
+    visible[..., 0] = True
+    torch.testing.assert_close(BudgetedLayer._sdpa_chunk(q, k, v, visible, 0.3),
+                               sdpa(q, k, v, attn_mask=visible, scale=0.3), atol=atol, rtol=0)
+    qc = torch.randn(2, 6, 4, 16, generator=g).to(dtype)                               # 4 queries, 6 heads on 2 KV heads
+    kc, vc = (torch.randn(2, 2, 23, 16, generator=g).to(dtype) for _ in range(2))
+    vis = torch.ones(4, 23, dtype=torch.bool).tril(19).expand(2, 2, 4, 23).clone()
+    vis[1, 0, 2] = False                                                               # row 1, KV head 0, query 2: nothing
+    out = BudgetedLayer._sdpa_chunk(qc, kc, vc, vis, 0.3)
+    ref = sdpa(qc, kc, vc, attn_mask=vis.repeat_interleave(3, dim=1), scale=0.3, enable_gqa=True)
+    assert bool((out[1, :3, 2] == 0).all())                                            # its 3 query heads: zeros
+    blank = torch.zeros_like(out, dtype=torch.bool)
+    blank[1, :3, 2] = True
+    torch.testing.assert_close(out[~blank], ref[~blank], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_explicit_attention_over_a_slice_of_the_slot_buffer(dtype, atol):
     """Keys and values as a layer hands them over (the used slots of a larger buffer, a strided view): the
     probabilities are the float32 softmax of the scaled scores, contiguous, per query head of each KV head,
@@ -233,4 +259,15 @@ def test_explicit_attention_over_a_slice_of_the_slot_buffer(dtype, atol):
     ref = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)               # (2, 2, 3, 21)
     torch.testing.assert_close(probs[:, :, :, 0].double(), ref, atol=atol, rtol=0)
     expect = torch.einsum("bkgs,bksd->bkgd", ref, v.double()).reshape(2, 6, 1, 16)
+    torch.testing.assert_close(out.double(), expect, atol=5 * atol, rtol=0)
+    # several queries (a prefill chunk over kept slots): the keys @ q^T form of bfloat16, transposed back
+    qc = torch.randn(2, 6, 5, 16, generator=g).to(dtype)
+    vis5 = torch.rand(2, 2, 5, 21, generator=g) > 0.3
+    vis5[..., 0] = True
+    out, probs = explicit_attention(qc, k, v, vis5, 0.25)
+    assert probs.shape == (2, 2, 3, 5, 21) and out.shape == (2, 6, 5, 16)
+    scores = torch.einsum("bkgqd,bksd->bkgqs", qc.double().view(2, 2, 3, 5, 16), k.double()) * 0.25
+    ref = torch.softmax(scores.masked_fill(~vis5[:, :, None], float("-inf")), -1)     # (2, 2, 3, 5, 21)
+    torch.testing.assert_close(probs.double(), ref, atol=atol, rtol=0)
+    expect = torch.einsum("bkgqs,bksd->bkgqd", ref, v.double()).reshape(2, 6, 5, 16)
     torch.testing.assert_close(out.double(), expect, atol=5 * atol, rtol=0)
