@@ -3,8 +3,8 @@
 Issue 13's table and the roofline, measured side by side with the same code, threads and machine state:
 
 1. Ceilings, measured here: memory bandwidth (GB/s: ``torch.sum`` over a float32 tensor far larger
-   than the caches, best of 5) and matmul throughput per dtype (GFLOP/s: ``F.linear`` of a
-   ``(rows, k) @ (k, n)^T`` problem at the model's MLP width, best of 5).
+   than the caches, best of 5) and matmul throughput per dtype (GFLOP/s: a ``(512, k) @ (k, n)^T`` problem at
+   the model's MLP width, best of 5, the faster of ``F.linear`` and the packed layer the model runs).
 2. Prefill, per dtype: one forward of ``--prefill-batch`` prompts of ``--prefill-tokens`` tokens with
    a fresh full cache and a fresh Scissorhands cache at ``--ratio``, paired rounds, order
    alternating (`bench/bench_prefill.py`): Scissorhands / full time and the full cache's prompt tok/s.
@@ -17,7 +17,9 @@ Issue 13's table and the roofline, measured side by side with the same code, thr
    (``b * layers * 2 * kv_heads * head_dim * c`` values), FLOPs = ``2 * b * (non-embedding params
    + vocab * hidden)`` + attention ``4 * b * layers * heads * head_dim * c``; the step cannot be
    faster than ``max(bytes / bandwidth, FLOPs / peak of the dtype)`` (whichever binds is printed),
-   so roofline tok/s = ``b / that``; each measured tok/s is reported as a share of it.
+   so roofline tok/s = ``b / that``; each measured tok/s is reported as a share of it. Beside it, the same
+   roofline with the compute peak measured at ``b`` rows, as the model runs its matmuls (``PackedLinear``):
+   a matmul of a few rows runs far below the 512-row peak, and that column says how much of the gap it is.
 
 Printed as Markdown tables with the conditions (CPU model and flags, torch threads, dtype, load
 average) and written to ``--out`` (roofline.md, roofline.json) as soon as each dtype is done; a
@@ -44,7 +46,7 @@ import torch
 from bench_prefill import cpu_conditions
 from tqdm import tqdm
 
-from scissorhands.models import DTYPE_CHOICES, load_model, resolve_dtype
+from scissorhands.models import DTYPE_CHOICES, PackedLinear, load_model, resolve_dtype
 
 
 def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
@@ -55,14 +57,25 @@ def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def matmul_gflop_s(dtype: torch.dtype, rows: int = 512, k: int = 576, n: int = 1536, repeats: int = 5) -> float:
+def matmul_gflop_s(dtype: torch.dtype, rows: int = 512, k: int = 576, n: int = 1536, repeats: int = 5,
+                   packed: bool = False) -> float:
     """Matmul throughput (GFLOP/s) of ``F.linear`` ``(rows, k) @ (n, k)^T`` in ``dtype``, best of ``repeats``
-    timings of 8 calls."""
+    timings of 8 calls; ``packed``: as a loaded model runs it (``scissorhands.models.PackedLinear``)."""
     x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    f = lambda: [torch.nn.functional.linear(x, w) for _ in range(8)]  # noqa: E731
-    f()
-    best = min(_timed(f) for _ in range(repeats))
+    if packed:
+        linear = torch.nn.Linear(k, n, bias=False, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+        layer = PackedLinear(linear)
+        f = lambda: [layer(x) for _ in range(8)]  # noqa: E731
+    else:
+        f = lambda: [torch.nn.functional.linear(x, w) for _ in range(8)]  # noqa: E731
+    with torch.inference_mode():
+        f()
+        best = min(_timed(f) for _ in range(repeats))
     return 8 * 2 * rows * k * n / best / 1e9
+
+
 
 
 def _timed(fn) -> float:
@@ -141,7 +154,8 @@ def main(argv=None) -> int:
         label = str(dtype).removeprefix("torch.")
         if name == "auto":
             print(f"roofline: auto -> {label} ({reason})", file=sys.stderr)
-        peaks[label] = matmul_gflop_s(dtype)
+        # the peak: the faster of F.linear and the packed layer at 512 rows (packed float32 measured 2.3x F.linear's)
+        peaks[label] = max(matmul_gflop_s(dtype), matmul_gflop_s(dtype, packed=True))
         prefill_rows += bench_prefill.run(label, prefill, ["scissorhands"])
         bar.update(args.rounds)
         model, tok = load_model("embedded", dtype=dtype)
@@ -151,11 +165,16 @@ def main(argv=None) -> int:
         for b in args.batches:
             step = bench_decode.paired_steps(model, all_rows, b, args.new_tokens, args.rounds)
             bar.update(args.rounds)
-            roof = step_roofline(model, b, args.prompt_tokens + args.new_tokens / 2, bandwidth, peaks[label])
+            context = args.prompt_tokens + args.new_tokens / 2
+            roof = step_roofline(model, b, context, bandwidth, peaks[label])
+            at_rows = matmul_gflop_s(dtype, rows=b, packed=True)     # what the model's matmuls reach at b rows
+            roof_b = step_roofline(model, b, context, bandwidth, at_rows)["roofline_tok_per_s"]
             ours, theirs = b / (step["ours_wall_ms"] / 1e3), b / (step["theirs_wall_ms"] / 1e3)
             rows.append({"dtype": label, **step, "engine_tok_per_s": ours, "generate_tok_per_s": theirs, **roof,
                          "engine_share": ours / roof["roofline_tok_per_s"],
-                         "generate_share": theirs / roof["roofline_tok_per_s"]})
+                         "generate_share": theirs / roof["roofline_tok_per_s"],
+                         "matmul_gflop_s_at_batch": at_rows, "roofline_at_batch_tok_per_s": roof_b,
+                         "engine_share_at_batch": ours / roof_b})
         _write(out, f"{conditions}; load average after {os.getloadavg()[0]:.1f}", bandwidth, peaks,
                prefill_rows, rows)
     bar.close()
@@ -168,7 +187,8 @@ def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_ro
     full = {r["dtype"]: r for r in prefill_rows if r["policy"] == "full"}
     lines = [f"Conditions: {conditions}.", "",
              f"Ceilings measured: memory bandwidth {bandwidth:.1f} GB/s (sum of a 512 MiB float32 tensor); matmul "
-             + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items()) + " (F.linear 512x576 @ 576x1536).", "",
+             + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items())
+            + " (512x576 @ 576x1536, the faster of F.linear and the packed layer).", "",
              "Prefill (one forward, fresh cache): Scissorhands / full time, median of paired rounds (min-max).", "",
              "| dtype | full: prompt tok/s (wall) | Scissorhands / full, wall | Scissorhands / full, CPU |",
              "|---|---|---|---|"]
@@ -178,15 +198,19 @@ def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_ro
                          f"({r['wall_ratio_min']:.2f}-{r['wall_ratio_max']:.2f}) | {r['cpu_ratio']:.2f}x "
                          f"({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) |")
     lines += ["", "Decode (full cache): tok/s = rows / median wall time of a step; ours / transformers per paired "
-              "round, median (min-max); share = tok/s over the roofline.", "",
+              "round, median (min-max); share = tok/s over the roofline. The last three columns: the same "
+              "matmul as the model runs it (packed) at the batch's row count, and the roofline with that as the "
+              "compute peak: how much of the gap to the 512-row peak is the matmul at few rows itself.", "",
               "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers, wall | ours / transformers, "
-              "CPU | roofline (tok/s) | bound | ours, share of roofline | transformers, share |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "CPU | roofline (tok/s) | bound | ours, share of roofline | transformers, share | matmul at batch rows "
+              "(GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['engine_tok_per_s']:.1f} | {r['generate_tok_per_s']:.1f} | "
                      f"{r['wall_ratio']:.2f}x ({r['wall_min']:.2f}-{r['wall_max']:.2f}) | {r['cpu_ratio']:.2f}x "
                      f"({r['cpu_min']:.2f}-{r['cpu_max']:.2f}) | {r['roofline_tok_per_s']:.0f} | {r['bound']} | "
-                     f"{r['engine_share']:.0%} | {r['generate_share']:.0%} |")
+                     f"{r['engine_share']:.0%} | {r['generate_share']:.0%} | {r['matmul_gflop_s_at_batch']:.0f} | "
+                     f"{r['roofline_at_batch_tok_per_s']:.0f} | {r['engine_share_at_batch']:.0%} |")
     (out / "roofline.md").write_text("\n".join(lines) + "\n")
     (out / "roofline.json").write_text(json.dumps({"conditions": conditions, "bandwidth_gb_s": bandwidth,
                                                    "matmul_gflop_s": peaks, "prefill": prefill_rows,
