@@ -353,17 +353,19 @@ class BudgetedLayer(CacheLayerMixin):
     def _sdpa_chunk(query, keys, values, visible, scaling):
         """Attention output only (sdpa), same arguments and result as :meth:`_attend_chunk`.
 
-        One query per row (``q_c == 1``, a decode step): the ``group`` query heads that share a KV head are
-        passed to sdpa as that head's ``group`` queries, ``(b, hkv, group, d)`` against ``(b, hkv, S, d)``,
-        with the layer's ``(b, hkv, 1, S)`` mask broadcast over them. The same attention (one query sees
-        the same slots as its group), computed by sdpa's ordinary kernel instead of its grouped-query one,
-        which on a CPU in bfloat16 runs one query 7-9x slower (docs/performance.md, "Decode attention").
+        One query per row (``q_c == 1``, a decode step) in a dtype other than float32: the ``group`` query
+        heads that share a KV head are passed to sdpa as that head's ``group`` queries, ``(b, hkv, group, d)``
+        against ``(b, hkv, S, d)``, with the layer's ``(b, hkv, 1, S)`` mask broadcast over them. The same
+        attention (one query sees the same slots as its group), computed by sdpa's ordinary kernel instead of
+        its grouped-query one, which on a CPU in bfloat16 runs one query 7-9x slower; in float32 the
+        grouped-query kernel is the faster one (1.3-2.6x at 1-16 rows), so float32 keeps it
+        (docs/performance.md, "Decode attention").
         """
         b, hq, q_c, _ = query.shape
         hkv = keys.shape[1]
         group = hq // hkv
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        if q_c == 1:
+        if q_c == 1 and query.dtype != torch.float32:
             o = sdpa(query.reshape(b, hkv, group, -1), keys, values, attn_mask=visible,      # (b, hkv, g, d_v)
                      scale=scaling).reshape(b, hq, 1, -1)                               # (b, hq, 1, d_v)
         else:

@@ -52,7 +52,7 @@ def test_the_attention_ab_baseline_runs_the_grouped_query_kernel_and_puts_the_la
     from scissorhands.cache import BudgetedLayer
 
     torch.manual_seed(0)
-    model = tiny_llama(0)                                              # 4 query heads over 2 KV heads
+    model = tiny_llama(0).to(torch.bfloat16)                           # 4 query heads over 2 KV heads
     model.generation_config.eos_token_id = None
     real = BudgetedLayer.__dict__["_sdpa_chunk"]
     calls = []
@@ -69,6 +69,9 @@ def test_the_attention_ab_baseline_runs_the_grouped_query_kernel_and_puts_the_la
     calls.clear()
     bench_decode.ours_steps(model, rows, 3)
     assert calls == [(kv_heads, None)] * n                                           # grouped layout, no GQA flag
+    calls.clear()
+    bench_decode.ours_steps(model.float(), rows, 3)
+    assert calls == [(heads, True)] * n                                              # float32: the GQA kernel
 
 
 @pytest.mark.parametrize("argv,field", [(["--dtypes", "float64"], "--dtypes"), (["--steps", "0"], "--steps"),

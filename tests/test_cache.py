@@ -190,9 +190,10 @@ def test_fused_prefill_output_and_lse_probabilities_equal_the_explicit_attention
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_one_query_decode_attention_equals_grouped_query_sdpa(dtype, atol):
-    """A decode step's attention (one query per row; the query heads of a KV head passed as that head's queries)
-    gives grouped-query sdpa's output to rounding, with and without the layer's per-slot mask, and zeros for a
-    row that sees no slot; a chunk of several queries still runs the grouped-query kernel itself."""
+    """A decode step's attention (one query per row; in bfloat16 the query heads of a KV head passed as that
+    head's queries, in float32 the grouped-query kernel itself) gives grouped-query sdpa's output to rounding,
+    with and without the layer's per-slot mask, and zeros for a row that sees no slot; a chunk of several
+    queries runs the grouped-query kernel."""
     from scissorhands.cache import BudgetedLayer
 
     g = torch.Generator().manual_seed(5)
