@@ -11,7 +11,9 @@ Issue 13's table and the roofline, measured side by side with the same code, thr
 3. Decode, per dtype and batch size: our engine's full-cache decode step
    (`cluster.engine.ContinuousBatchingEngine.step`) against transformers' ``generate`` (sdpa +
    ``DynamicCache``; a step is the gap between two logits-processor calls), ``--rounds`` paired rounds,
-   order alternating (`bench/bench_decode.py`); tok/s = rows / median wall time of a step.
+   order alternating (`bench/bench_decode.py`); tok/s = rows / median wall time of a step. Both run the same
+   loaded model, its weights packed (``PackedLinear``): the ratio compares engines and caches, not weight kernels
+   (stock transformers runs them unpacked; ``make bench-decode ARGS=--packing-ab`` measures that difference).
 4. The roofline of one decode step at batch ``b`` (mean context ``c = prompt + new / 2``):
    bytes = every weight once (tied embeddings once) + the KV cache read
    (``b * layers * 2 * kv_heads * head_dim * c`` values), FLOPs = ``2 * b * (non-embedding params
@@ -198,7 +200,8 @@ def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_ro
                          f"({r['wall_ratio_min']:.2f}-{r['wall_ratio_max']:.2f}) | {r['cpu_ratio']:.2f}x "
                          f"({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) |")
     lines += ["", "Decode (full cache): tok/s = rows / median wall time of a step; ours / transformers per paired "
-              "round, median (min-max); share = tok/s over the roofline. The last three columns: the same "
+              "round, median (min-max); both run the same model with packed weights (the ratio compares engines "
+              "and caches); share = tok/s over the roofline. The last three columns: the same "
               "matmul as the model runs it (packed) at the batch's row count, and the roofline with that as the "
               "compute peak: how much of the gap to the 512-row peak is the matmul at few rows itself.", "",
               "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers, wall | ours / transformers, "
