@@ -3,7 +3,7 @@
     make bench-decode                                     # batches 1 4 16 32, float32 and bfloat16, 1 thread
     make bench-decode ARGS="--batches 1 16 --rounds 7 --threads 2"
     make bench-decode ARGS="--packing-ab --threads 2"     # packed weights (PackedLinear) vs plain F.linear
-    make bench-decode ARGS="--attention-ab --prompt-tokens 1024 --batches 4 16"   # decode attention layouts
+    make bench-decode ARGS="--attention-ab --dtypes bfloat16 --prompt-tokens 1024 --batches 4 16"   # layouts
 
 Goal (issue 13, item 3): our engine's full-cache decode step at least as fast as transformers'
 ``generate`` at batch 1, 4, 16 and 32, in float32 and bfloat16, on the embedded model.
@@ -33,7 +33,8 @@ plain ``F.linear`` (the weights unpacked, what the model runs without it); above
 ``--attention-ab`` pairs our engine against itself with the decode step's one-query attention run by sdpa's
 grouped-query kernel (``enable_gqa``, the mask repeated over each group's query heads, as before the change of
 ``BudgetedLayer._sdpa_chunk``) instead of the group's query heads passed as one KV head's queries; above 1 means
-the grouped layout is faster. A bfloat16 (float16) comparison: float32 runs the grouped-query kernel on both sides.
+the grouped layout is faster. bfloat16 only (``--dtypes bfloat16``): float32 runs the grouped-query kernel on both
+sides, so ``--attention-ab`` with float32 in ``--dtypes`` is refused.
 """
 from __future__ import annotations
 
@@ -199,6 +200,9 @@ def main(argv=None) -> int:
     for d in dtypes:
         if d not in DTYPES:
             ap.error(f"--dtypes: {d!r}; valid: {', '.join(DTYPES)}")
+    if args.attention_ab and "float32" in dtypes:
+        ap.error("--dtypes: --attention-ab compares layouts in bfloat16 only (float32 runs the grouped-query "
+                 "kernel on both sides); give --dtypes bfloat16")
     for name in ("prompt_tokens", "steps", "rounds", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -3,7 +3,7 @@
 Issue 13's table and the roofline, measured side by side with the same code, threads and machine state:
 
 1. Ceilings, measured here: memory bandwidth (GB/s: ``torch.sum`` over a float32 tensor far larger
-   than the caches, best of 5) and matmul throughput per dtype (GFLOP/s: a ``(512, k) @ (k, n)^T`` problem at
+   than the caches, best of 5) and matmul throughput per dtype (GFLOP/s: a ``(512, k) @ (n, k)^T`` problem at
    the model's MLP width, best of 5, the faster of ``F.linear`` and the packed layer the model runs).
 2. Prefill, per dtype: one forward of ``--prefill-batch`` prompts of ``--prefill-tokens`` tokens with
    a fresh full cache and a fresh Scissorhands cache at ``--ratio``, paired rounds, order
@@ -76,8 +76,6 @@ def matmul_gflop_s(dtype: torch.dtype, rows: int = 512, k: int = 576, n: int = 1
         f()
         best = min(_timed(f) for _ in range(repeats))
     return 8 * 2 * rows * k * n / best / 1e9
-
-
 
 
 def _timed(fn) -> float:
@@ -156,7 +154,7 @@ def main(argv=None) -> int:
         label = str(dtype).removeprefix("torch.")
         if name == "auto":
             print(f"roofline: auto -> {label} ({reason})", file=sys.stderr)
-        # the peak: the faster of F.linear and the packed layer at 512 rows (packed float32 measured 2.3x F.linear's)
+        # the peak: the faster of F.linear and the packed layer at 512 rows (packed float32 measured 2.3-2.6x F.linear's)
         peaks[label] = max(matmul_gflop_s(dtype), matmul_gflop_s(dtype, packed=True))
         prefill_rows += bench_prefill.run(label, prefill, ["scissorhands"])
         bar.update(args.rounds)
@@ -190,7 +188,7 @@ def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_ro
     lines = [f"Conditions: {conditions}.", "",
              f"Ceilings measured: memory bandwidth {bandwidth:.1f} GB/s (sum of a 512 MiB float32 tensor); matmul "
              + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items())
-            + " (512x576 @ 576x1536, the faster of F.linear and the packed layer).", "",
+             + " (512x576 @ 576x1536, the faster of F.linear and the packed layer).", "",
              "Prefill (one forward, fresh cache): Scissorhands / full time, median of paired rounds (min-max).", "",
              "| dtype | full: prompt tok/s (wall) | Scissorhands / full, wall | Scissorhands / full, CPU |",
              "|---|---|---|---|"]
@@ -203,7 +201,9 @@ def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_ro
               "round, median (min-max); both run the same model with packed weights (the ratio compares engines "
               "and caches); share = tok/s over the roofline. The last three columns: the same "
               "matmul as the model runs it (packed) at the batch's row count, and the roofline with that as the "
-              "compute peak: how much of the gap to the 512-row peak is the matmul at few rows itself.", "",
+              "compute peak: how much of the gap to the 512-row peak is the matmul at few rows itself (one 576x1536 "
+              "matrix, which fits in the CPU's caches, stands in for every weight shape; 'bound' is the 512-row "
+              "roofline's).", "",
               "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers, wall | ours / transformers, "
               "CPU | roofline (tok/s) | bound | ours, share of roofline | transformers, share | matmul at batch rows "
               "(GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it |",
