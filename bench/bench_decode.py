@@ -196,10 +196,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.packing_ab and args.attention_ab:
         ap.error("--packing-ab, --attention-ab: give at most one of them")
-    dtypes = [d for d in args.dtypes.split(",") if d]
+    dtypes = args.dtypes.split(",")
     for d in dtypes:
         if d not in DTYPES:
-            ap.error(f"--dtypes: {d!r}; valid: {', '.join(DTYPES)}")
+            ap.error(f"--dtypes: {d!r}; valid: {', '.join(DTYPES)}, comma-separated (e.g. float32,bfloat16)")
     if args.attention_ab and "float32" in dtypes:
         ap.error("--dtypes: --attention-ab compares layouts in bfloat16 only (float32 runs the grouped-query "
                  "kernel on both sides); give --dtypes bfloat16")

@@ -106,7 +106,6 @@ def step_roofline(model, batch: int, context: float, bandwidth_gb_s: float, peak
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                    help=f"each one of {', '.join(DTYPE_CHOICES)}")
@@ -117,7 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-tokens", type=int, default=512, help="tokens per prefill prompt")
     p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands' compression ratio in the prefill rows")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="results/roofline")
+    p.add_argument("--out", default="results/roofline", help="folder for roofline.md and roofline.json "
+                   "(default: %(default)s, overwritten)")
     args = p.parse_args(argv)
     for d in args.dtypes:
         if d not in DTYPE_CHOICES:

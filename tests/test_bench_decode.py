@@ -77,7 +77,8 @@ def test_the_attention_ab_baseline_runs_the_grouped_query_kernel_and_puts_the_la
 @pytest.mark.parametrize("argv,field", [(["--dtypes", "float64"], "--dtypes"), (["--steps", "0"], "--steps"),
                                         (["--batches", "0"], "--batches"),
                                         (["--packing-ab", "--attention-ab"], "--attention-ab"),
-                                        (["--attention-ab"], "--dtypes")])
+                                        (["--attention-ab"], "--dtypes"), (["--dtypes", ""], "--dtypes"),
+                                        (["--dtypes", "bfloat16,"], "--dtypes")])
 def test_bad_arguments_name_the_flag(argv, field, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_decode.main(argv)

@@ -59,6 +59,7 @@ BAD = [
     (dict(GOOD, policies=[{"name": "scissorhands", "params": {"windw": 3}}]), "policies[0].params"),
     (dict(GOOD, policies=["scissorhands"], compression_ratios=[]), "compression_ratios"),
     ({k: v for k, v in GOOD.items() if k != "new_tokens"}, "new_tokens"),
+    (dict(GOOD, device="tpu"), "device"),                                        # cpu, cuda or cuda:N
 ]
 
 

@@ -42,6 +42,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -129,7 +130,7 @@ class SuiteBase(BaseModel):
     description: str = ""
     model: Name = "embedded"
     dtype: Literal[DTYPE_CHOICES] = "auto"      # auto: bfloat16 where >= 1.2x faster (scissorhands.models.resolve_dtype)
-    device: Name = "cpu"
+    device: str = "cpu"                         # where each replica runs its model: cpu, cuda or cuda:<index>
     policies: Annotated[tuple[PolicySpec, ...], Field(min_length=1)]
     compression_ratios: tuple[Ratio, ...] = ()
     budget_tokens: tuple[PositiveInt, ...] = ()
@@ -155,6 +156,13 @@ class SuiteBase(BaseModel):
                 if data.get(k) is None:
                     data.pop(k, None)
         return data
+
+    @field_validator("device")
+    @classmethod
+    def _device_kind(cls, value: str) -> str:
+        if value != "cpu" and not re.fullmatch(r"cuda(:[0-9]+)?", value):
+            raise ValueError(f"expected cpu, cuda or cuda:<index>, got {value!r}")
+        return value
 
     @field_validator("policies")
     @classmethod

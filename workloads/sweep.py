@@ -87,7 +87,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     res.write_atomic(str(run_dir / "table.md"), table)
     res.write_atomic(str(run_dir / "points.csv"), res.csv_text(rows))
     print(table, end="")
-    print(f"sweep: wrote {points_path}, {run_dir / 'table.md'}, {run_dir / 'points.csv'}", file=sys.stderr)
+    written = [p for p in (points_path, run_dir / "table.md", run_dir / "points.csv") if os.path.exists(p)]
+    print(f"sweep: wrote {', '.join(map(str, written))}", file=sys.stderr)     # no points.jsonl when no point ran
     if stop is not None:  # the reason stays next to the points, not only in the (job) log
         res.write_atomic(str(run_dir / "error.json"), json.dumps(
             {"run_id": run_id, "error": str(stop), "exit_code": stop.code, "at_unix_s": time.time()}, sort_keys=True) + "\n")
