@@ -16,8 +16,8 @@ What is timed, per decode step (one new token for every row):
   (one forward with sdpa and ``DynamicCache`` plus ``generate``'s own per-step work).
 
 Both run the same loaded model, with its weights packed (``PackedLinear``, scissorhands/models.py), so the
-ratio compares the engines and caches, the weight kernels being equal; stock transformers runs the weights
-unpacked, which ``--packing-ab`` measures.
+ratio compares the engines and caches, the weight kernels being equal. Stock transformers runs the weights
+unpacked; ``--packing-ab`` measures what unpacking costs our engine, not stock transformers itself.
 
 Both clocks are recorded: wall time and the process's CPU time (``time.process_time``). On a machine
 shared with other processes a step's wall time includes the others' time slices and its CPU time does

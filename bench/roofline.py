@@ -13,7 +13,8 @@ Issue 13's table and the roofline, measured side by side with the same code, thr
    ``DynamicCache``; a step is the gap between two logits-processor calls), ``--rounds`` paired rounds,
    order alternating (`bench/bench_decode.py`); tok/s = rows / median wall time of a step. Both run the same
    loaded model, its weights packed (``PackedLinear``): the ratio compares engines and caches, not weight kernels
-   (stock transformers runs them unpacked; ``make bench-decode ARGS=--packing-ab`` measures that difference).
+   (stock transformers runs them unpacked; ``make bench-decode ARGS=--packing-ab`` measures what unpacking costs
+   our engine).
 4. The roofline of one decode step at batch ``b`` (mean context ``c = prompt + new / 2``):
    bytes = every weight once (tied embeddings once) + the KV cache read
    (``b * layers * 2 * kv_heads * head_dim * c`` values), FLOPs = ``2 * b * (non-embedding params

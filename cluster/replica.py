@@ -86,9 +86,10 @@ def load_replica_model(model_spec: str, dtype: str | torch.dtype = "auto", devic
     when `model_spec` is a filesystem path (absolute, or starting with `.` or `~`) that does
     not exist.
     """
-    from scissorhands.models import check_dtype_name, resolve_dtype
+    from scissorhands.models import check_device_name, check_dtype_name, resolve_dtype
 
     check_dtype_name(dtype)
+    check_device_name(device)
     if model_spec == "tiny-llama":
         from scissorhands.testing import tiny_llama
 
@@ -140,11 +141,13 @@ def resolve_dtype_here(model_spec: str, dtype: str, device: str = "cpu", num_thr
         "resolved once for the run on <where>", default this host) for `"auto"`; ``{"dtype": dtype}`` for a
         forced dtype (the replicas record "forced" as before).
     Raises:
-        ValueError: naming ``dtype`` and the accepted values (`scissorhands.models.check_dtype_name`).
+        ValueError: naming ``dtype`` or ``device`` and the accepted values (`scissorhands.models.check_dtype_name`,
+            `check_device_name`).
     """
-    from scissorhands.models import check_dtype_name, resolve_dtype
+    from scissorhands.models import check_device_name, check_dtype_name, resolve_dtype
 
     check_dtype_name(dtype)
+    check_device_name(device)
     if dtype != "auto":
         return {"dtype": dtype}
     before = torch.get_num_threads()

@@ -20,6 +20,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -437,6 +438,21 @@ def probe_bfloat16_speedup(hidden: int, intermediate: int, threads: int, rows: t
                         times[dt][i].append(time.perf_counter() - t0)
     med = {dt: sum(sorted(ts)[len(ts) // 2] for ts in per) for dt, per in times.items()}
     return med[torch.float32] / med[torch.bfloat16]
+
+
+#: The devices a replica runs its model on, as an error message names them.
+DEVICE_NAMES = "cpu, cuda or cuda:<index>"
+
+
+def is_device_name(device) -> bool:
+    """Whether ``device`` (a str or ``torch.device``) is one of :data:`DEVICE_NAMES`."""
+    return re.fullmatch(r"cpu|cuda(:[0-9]+)?", str(device)) is not None
+
+
+def check_device_name(device) -> None:
+    """Raises ValueError naming ``device`` and :data:`DEVICE_NAMES` unless :func:`is_device_name`."""
+    if not is_device_name(device):
+        raise ValueError(f"device: expected {DEVICE_NAMES}, got {str(device)!r}")
 
 
 def check_dtype_name(requested) -> None:

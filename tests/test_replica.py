@@ -108,3 +108,27 @@ def test_replica_dtype_auto_is_resolved_and_recorded(monkeypatch):
     assert ModelReplica(model_spec="tiny-llama", dtype="float32", num_threads=1, warmup=False).info()["dtype"] == "float32"
     with pytest.raises(ValueError, match="dtype: expected one of auto, float32, bfloat16, float16"):
         load_replica_model("tiny-llama", dtype="int8")
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "gpu", ""])
+def test_a_bad_device_is_refused_naming_the_field_before_any_load(device):
+    """One check (`scissorhands.models.check_device_name`) for the loader and the run's dtype resolution, which
+    the suites and `make serve` go through; a bad device failed inside torch after Ray had started before."""
+    from cluster.replica import resolve_run_dtype
+    from cluster.serve_app import main as serve_main
+
+    msg = f"device: expected cpu, cuda or cuda:<index>, got '{device}'"
+    with pytest.raises(ValueError) as e:
+        load_replica_model("tiny-llama", dtype="float32", device=device)
+    assert str(e.value) == msg
+    with pytest.raises(ValueError) as e:
+        resolve_run_dtype("tiny-llama", "auto", device)
+    assert str(e.value) == msg
+    assert serve_main(["--model", "tiny-llama", "--device", device]) == 2
+
+
+def test_good_devices_pass_the_check():
+    from scissorhands.models import is_device_name
+
+    assert all(is_device_name(d) for d in ("cpu", "cuda", "cuda:0", "cuda:12", torch.device("cpu")))
+    assert not any(is_device_name(d) for d in ("CPU", "cuda:", "mps", "cuda:0:1", "cpu "))

@@ -42,7 +42,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -52,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 from cluster.placement import PlacementConfig, parse_placement
 from cluster.replica import BatchSpec
 from scissorhands import POLICIES, budget_from_ratio
-from scissorhands.models import DTYPE_CHOICES
+from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy
 
 KINDS = ("batch", "serving", "quality", "frontier")
@@ -160,8 +159,8 @@ class SuiteBase(BaseModel):
     @field_validator("device")
     @classmethod
     def _device_kind(cls, value: str) -> str:
-        if value != "cpu" and not re.fullmatch(r"cuda(:[0-9]+)?", value):
-            raise ValueError(f"expected cpu, cuda or cuda:<index>, got {value!r}")
+        if not is_device_name(value):
+            raise ValueError(f"expected {DEVICE_NAMES}, got {value!r}")
         return value
 
     @field_validator("policies")
