@@ -37,7 +37,7 @@ sweep: install
 # batch under one KV memory limit, and our engine vs transformers' generate. Sizes: BENCH_ARGS.
 BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 1024 --full-batch 4 --ratio 5 --generate-new-tokens 512
 bench-serving: install
-	$(PY) -m workloads.bench_serving $(BENCH_ARGS) $(ARGS)
+	$(PY) -m bench.bench_serving $(BENCH_ARGS) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q tests $(ARGS)
@@ -58,7 +58,7 @@ CLUSTER_ARGS ?=
 cluster-up: install
 	$(PY) -m cluster.local_head up --temp-dir $(CLUSTER_TEMP_DIR) --port $(RAY_PORT) --dashboard-port $(DASHBOARD_PORT) --metrics-export-port $(METRICS_PORT) --dashboard-agent-listen-port $(AGENT_PORT) --ray-client-server-port $(CLIENT_PORT) $(CLUSTER_ARGS)
 
-# Scaling out (cluster/submit.py, cluster/gpu_check.py): `make submit SUITE=... ADDRESS=http://HEAD:8265 RESULTS=/shared/results`
+# Scaling out (cluster/submit.py, bench/gpu_check.py): `make submit SUITE=... ADDRESS=http://HEAD:8265 RESULTS=/shared/results`
 ADDRESS ?= http://127.0.0.1:$(DASHBOARD_PORT)
 RESULTS ?=
 submit: install
@@ -72,13 +72,13 @@ cluster-node: install
 # with its own python3 (no venv there: then no install step either). Report under $OUT or results/.
 GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
-	$(GPU_PY) -m cluster.gpu_check $(ARGS)
+	$(GPU_PY) -m bench.gpu_check $(ARGS)
 
 # The wheels that machine lacks (transformers at our pin, regex), in the ignored folder .gpu-bundle (< 60 MiB);
-# cluster/gpu_run.sh installs them there with pip --no-index --find-links.
+# bench/gpu_run.sh installs them there with pip --no-index --find-links.
 .PHONY: gpu-bundle
 gpu-bundle: install
-	$(PY) -m cluster.gpu_bundle $(ARGS)
+	$(PY) -m bench.gpu_bundle $(ARGS)
 
 # Stops ONLY the cluster of `make cluster-up` (the Ray processes under CLUSTER_TEMP_DIR and their children,
 # a `make cluster-node` joined to it included); other Rays on the machine, such as a sweep's embedded
@@ -100,7 +100,7 @@ serve-down:
 	  for i in $$(seq 60); do kill -0 $$pid 2>/dev/null || exit 0; sleep 1; done; echo "serve-down: pid $$pid still running"; exit 1; \
 	else echo "serve-down: no $(SERVE_PID): make serve is not running from this folder"; fi
 
-# A peer load generator confirms our numbers (workloads/crosscheck.py; docs/serving-http.md): guidellm (pinned)
+# A peer load generator confirms our numbers (bench/crosscheck.py; docs/serving-http.md): guidellm (pinned)
 # in its own venv, and our HTTP client, at one fixed load against the service; starts `make serve` when
 # nothing answers on SERVE_PORT and then stops only that server.
 GUIDELLM_SPEC ?= guidellm==0.8.1
@@ -118,7 +118,7 @@ crosscheck: install $(CROSSCHECK_VENV)/.installed
 	  mkdir -p results; $(PY) -m cluster.serve_app --port $(SERVE_PORT) > results/serve-crosscheck.log 2>&1 & started=$$!; \
 	  for i in $$(seq 600); do curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null && break; sleep 1; done; \
 	fi; \
-	$(PY) -m workloads.crosscheck --target http://127.0.0.1:$(SERVE_PORT)/v1 --guidellm $(CROSSCHECK_VENV)/bin/guidellm $(CROSSCHECK_ARGS); rc=$$?; \
+	$(PY) -m bench.crosscheck --target http://127.0.0.1:$(SERVE_PORT)/v1 --guidellm $(CROSSCHECK_VENV)/bin/guidellm $(CROSSCHECK_ARGS); rc=$$?; \
 	if [ $$started != 0 ]; then echo "crosscheck: stopping the server it started (pid $$started)"; kill -TERM $$started; wait $$started; fi; exit $$rc
 
 # Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
@@ -150,30 +150,30 @@ frontier: install
 # 128 decode steps; see bench/bench_cache.py). Not a test: it prints a table (docs/benchmarks.md).
 .PHONY: bench-cache
 bench-cache: install
-	$(PY) bench/bench_cache.py $(ARGS)
+	$(PY) -m bench.bench_cache $(ARGS)
 
 # Prefill time of Scissorhands x5 vs the full cache, float32 and bfloat16, paired interleaved rounds
 # (embedded model, batch 8 x 512 tokens; see bench/bench_prefill.py). Not a test: it prints a table.
 .PHONY: bench-prefill
 bench-prefill: install
-	$(PY) bench/bench_prefill.py $(ARGS)
+	$(PY) -m bench.bench_prefill $(ARGS)
 
 # Our engine's full-cache decode step against transformers' generate (sdpa + DynamicCache), paired per round,
 # CPU and wall time, batches 1 4 16 32 in float32 and bfloat16 (bench/bench_decode.py; docs/performance.md).
 .PHONY: bench-decode
 bench-decode: install
-	$(PY) bench/bench_decode.py $(ARGS)
+	$(PY) -m bench.bench_decode $(ARGS)
 
 # This machine's ceilings (memory bandwidth, matmul GFLOP/s per dtype) and decode tok/s of our engine and of
 # transformers' generate per batch and dtype, each as a share of the roofline (bench/roofline.py; docs/performance.md).
 .PHONY: roofline
 roofline: install
-	$(PY) bench/roofline.py $(ARGS)
+	$(PY) -m bench.roofline $(ARGS)
 
 # 4-bit KV layouts: bytes vs a 16-bit full cache and perplexity cost (bench/bench_quant.py; docs/performance.md).
 .PHONY: bench-quant
 bench-quant: install
-	$(PY) bench/bench_quant.py $(ARGS)
+	$(PY) -m bench.bench_quant $(ARGS)
 
 clean:
 	rm -rf $(VENV) results .cache

@@ -9,7 +9,7 @@ Issue 13's table and the roofline, measured side by side with the same code, thr
    a fresh full cache and a fresh Scissorhands cache at ``--ratio``, paired rounds, order
    alternating (`bench/bench_prefill.py`): Scissorhands / full time and the full cache's prompt tok/s.
 3. Decode, per dtype and batch size: our engine's full-cache decode step
-   (`cluster.engine.ContinuousBatchingEngine.step`) against transformers' ``generate`` (sdpa +
+   (`replica.engine.ContinuousBatchingEngine.step`) against transformers' ``generate`` (sdpa +
    ``DynamicCache``; a step is the gap between two logits-processor calls), ``--rounds`` paired rounds,
    order alternating (`bench/bench_decode.py`); tok/s = rows / median wall time of a step. Both run the same
    loaded model, its weights packed (``PackedLinear``): the ratio compares engines and caches, not weight kernels
@@ -43,10 +43,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import bench_decode
-import bench_prefill
+from bench import bench_decode
+from bench import bench_prefill
 import torch
-from bench_prefill import cpu_conditions
+from bench.bench_prefill import cpu_conditions
 from tqdm import tqdm
 
 from scissorhands.models import DTYPE_CHOICES, PackedLinear, load_model, resolve_dtype

@@ -15,7 +15,7 @@ A suite may carry a ``placement:`` mapping (all keys optional)::
                                 # (default: $SCISSORHANDS_READY_TIMEOUT_S, else 600)
 
 How replicas are placed: every runner's replicas are a Ray Serve deployment
-(`cluster.serve_replicas`, the one replica lifecycle), each replica in **a placement group of its own
+(`cluster.replica_set`, the one replica lifecycle), each replica in **a placement group of its own
 with one bundle** holding every resource it asks for (CPUs, GPUs, custom resources). Ray never
 splits a bundle across nodes, so a replica with several GPUs always gets them on one node. Across
 replicas Serve spreads them over the nodes (``SPREAD``); ``STRICT_SPREAD`` allows one replica per node
@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from cluster.replica import BatchSpec, ModelReplica, load_replica_model
+from replica.static_batch import BatchSpec, ModelReplica, load_replica_model
 
 #: Placement-group strategies Ray accepts, in the order the docs list them.
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
@@ -294,7 +294,7 @@ def load_sharded(model_spec: str, dtype: str, max_memory: Mapping[int, int]):
 
 
 class PlacedReplica(ModelReplica):
-    """`ModelReplica` inside a Ray Serve replica (`cluster.serve_replicas.PointReplica`): records where it
+    """`ModelReplica` inside a Ray Serve replica (`cluster.replica_set.PointReplica`): records where it
     runs; shards over several GPUs.
 
     Extra args: `gpu_memory_fraction`, `max_memory_per_gpu_bytes` (see `gpu_max_memory`).

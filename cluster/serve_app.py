@@ -2,14 +2,14 @@
 
     python -m cluster.serve_app --model embedded --cache full --cache scissorhands:5 --port 8000
 
-* `EngineDeployment`: a thin Serve wrapper around `cluster.serving_replica.ServingReplica` (the
+* `EngineDeployment`: a thin Serve wrapper around `replica.continuous.ServingReplica` (the
   continuous-batching engine on its own thread). Each Serve replica loads the model once and runs
   one engine with the deployment's cache configuration. `stream(request)` yields the engine's
   token events; Serve cancels it when the HTTP client goes away, and the replica then aborts the
   request (its KV row is freed at the next engine step). `check_health` fails when the engine
   thread died, so Serve replaces the replica; a replica process that dies mid-stream ends its open
-  streams with an error event (`cluster.openai_api`).
-* `OpenAIIngress`: FastAPI (`cluster.openai_api.build_app`) with the tokenizer, routing each
+  streams with an error event (`replica.openai_api`).
+* `OpenAIIngress`: FastAPI (`replica.openai_api.build_app`) with the tokenizer, routing each
   request by its `model` field to that cache's deployment handle.
 * Back-pressure is Serve's: `max_ongoing_requests` per engine replica (the engine's own queue
   holds what memory does not admit yet), `max_queued_requests` per deployment beyond which Serve
@@ -34,9 +34,9 @@ from typing import Any
 
 from ray import serve
 
-from cluster.engine import EngineConfig, GenerationRequest
-from cluster.openai_api import build_app, cache_metadata
-from cluster.serving_replica import ServingReplica
+from replica.engine import EngineConfig, GenerationRequest
+from replica.openai_api import build_app, cache_metadata
+from replica.continuous import ServingReplica
 from cluster.signals import StopSignals
 
 APP_NAME = "scissorhands-openai"
@@ -57,7 +57,7 @@ class EngineDeployment:
     """One Serve replica: a `ServingReplica` running one cache configuration.
 
     The HTTP service passes `engine_config` at construction; the serving sweep configures every
-    running replica before each point (`configure`, `cluster.serve_replicas.ServeReplicaSet.broadcast`).
+    running replica before each point (`configure`, `cluster.replica_set.ServeReplicaSet.broadcast`).
     """
 
     def __init__(self, model_id: str, model_spec: str, engine_config: dict | None = None, dtype: str = "auto",
@@ -111,7 +111,7 @@ class EngineDeployment:
 
 
 class ServeBackend:
-    """A cache configuration's deployment handle as a `cluster.openai_api.Backend`."""
+    """A cache configuration's deployment handle as a `replica.openai_api.Backend`."""
 
     def __init__(self, handle, metadata: dict):
         self.handle, self.metadata = handle, metadata
@@ -179,7 +179,7 @@ def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | Non
                     tokenizer_spec: str | None | Any = "auto", deployment_options: dict | None = None):
     """The Serve application: one `EngineDeployment` per entry of `caches` behind one `OpenAIIngress`.
 
-    `dtype` is resolved once here, for every deployment and replica (`cluster.replica.resolve_run_dtype`, in
+    `dtype` is resolved once here, for every deployment and replica (`replica.static_batch.resolve_run_dtype`, in
     this process on `num_threads` torch threads): with `auto` resolved per replica, the full cache and
     Scissorhands could run in different dtypes and their comparison would be unfair.
 
@@ -188,7 +188,7 @@ def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | Non
     """
     from scissorhands.models import model_id_of
 
-    from cluster.replica import resolve_run_dtype
+    from replica.static_batch import resolve_run_dtype
 
     name = model_name or model_id_of(model_spec).split("/")[-1].lower()
     resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments

@@ -48,7 +48,7 @@ from urllib.parse import urlparse
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 #: Excluded from the uploaded working dir (gitignore syntax, relative to the working dir; a
-#: leading "/" anchors at its top, so `workloads/results.py` still travels).
+#: leading "/" anchors at its top, so `workloads/core/results.py` still travels).
 DEFAULT_EXCLUDES = (
     ".git",
     ".venv",
@@ -256,7 +256,7 @@ def build(args: argparse.Namespace) -> dict:
         from scissorhands.models import embedded_cache_dir
 
         runtime_env["env_vars"][MODEL_CACHE_ENV] = str(embedded_cache_dir())
-        runtime_env["env_vars"][TOKEN_CACHE_ENV] = str(working_dir / ".cache" / "tokens")  # workloads.prompts' default
+        runtime_env["env_vars"][TOKEN_CACHE_ENV] = str(working_dir / ".cache" / "tokens")  # workloads.load.prompts' default
     for name in PASS_THROUGH_ENV:  # what the user set here wins (e.g. shared cache paths on a cluster)
         if os.environ.get(name):
             runtime_env["env_vars"][name] = os.environ[name]

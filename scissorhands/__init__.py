@@ -24,7 +24,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "budget_from_ratio", "POLICIES", "SUPPORTED_MO
            "make_cache", "get_policy", "check_model_supported"]
 
 #: ``config.model_type`` values whose attention goes through transformers' attention interface with
-#: ``cache.update(...)`` and no sliding window: tested with tiny random configs in tests/test_standalone.py.
+#: ``cache.update(...)`` and no sliding window: tested with tiny random configs in tests/scissorhands/test_standalone.py.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt")
 KV_BITS = (None, 4)
 

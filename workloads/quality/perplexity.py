@@ -126,6 +126,6 @@ def heldout_windows(tokenizer, tokens: int, windows: int, seed: int = 0, vocab_s
             g = torch.Generator().manual_seed(seed + k)
             out.append(torch.randint(0, vocab_size, (tokens + 1,), generator=g).tolist())
         return out
-    from workloads.prompts import heldout_text_ids
+    from workloads.load.prompts import heldout_text_ids
 
     return [heldout_text_ids(tokenizer, tokens + 1, seed=seed + k) for k in range(windows)]

@@ -18,9 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from workloads import results as res
-
-
+from workloads.core import results as res
 def _ok(records) -> list[dict]:
     return [r for r in res.latest_by_point(records).values() if r.get("status") == "ok"]
 

@@ -2,7 +2,7 @@
 
 Each point (a perplexity, few-shot, persistence or passkey evaluation) runs on one of N model
 replicas (``ModelReplica.apply(run_point, point)``) in the throughput sweep's replica lifecycle and dispatch
-loop (``workloads.run.start_replicas``, ``dispatch_points``: a Ray Serve deployment with the suite's
+loop (``workloads.core.run.start_replicas``, ``dispatch_points``: a Ray Serve deployment with the suite's
 ``placement:``, Serve's restarts, GPU sharding, the node-left watch): replicas load the model once, idle replicas take the next point, and every
 finished point is appended as one JSON line (a single ``O_APPEND`` write, fsync'ed) to
 ``<results-dir>/<run_id>/points.jsonl`` with the schema version, git commit, model id, policy and
@@ -20,8 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from workloads import results as res
-from workloads.run import (cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, replica_count,
+from workloads.core import results as res
+from workloads.core.run import (cli_main, load_suite_of_kind, open_run, pending_points, record_run_dtypes, replica_count,
                            run_on_replicas, runner_args)
 
 from .points import run_point
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"quality: {precision_line(task, suite.fewshot.docs_of(task))}", file=sys.stderr)
     failed = 0
     if pending:
-        from workloads.push import PointPublisher, SweepPusher
+        from workloads.core.push import PointPublisher, SweepPusher
 
         # appends the point's line, then pushes its summary (perplexity / accuracy gauges) and the progress
         record = PointPublisher(points_path, SweepPusher(args.pushgateway, run_id),

@@ -1,8 +1,8 @@
 """Quality suites (``kind: quality``): a typed model validated on load (through
-`workloads.suite.load_suite`), expanded into points.
+`workloads.core.suite.load_suite`), expanded into points.
 
 A quality suite (YAML, read with ``yaml.safe_load``) has the keys every suite has (name, description,
-model, dtype, device, seed, replicas, placement, policies, compression_ratios: `workloads.suite`'s
+model, dtype, device, seed, replicas, placement, policies, compression_ratios: `workloads.core.suite`'s
 docstring states them once), with ``policies`` defaulting to ``all`` (every key of
 scissorhands.POLICIES) and compression by ratio only (``budget_tokens`` is refused), and these::
 
@@ -23,7 +23,7 @@ scissorhands.POLICIES) and compression by ratio only (``budget_tokens`` is refus
 
 At least one of perplexity, fewshot, persistence, passkey is required.
 ``full`` never evicts, so it runs at ratio 1 only (and at ratio 1 with each ``kv_bits`` of
-``quantized``: quantization alone). Every error is a `workloads.suite.SuiteError` naming the field.
+``quantized``: quantization alone). Every error is a `workloads.core.suite.SuiteError` naming the field.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from scissorhands import POLICIES
-from workloads.suite import PositiveInt, Ratio, SuiteBase, SuiteError, point_id
+from workloads.core.suite import PositiveInt, Ratio, SuiteBase, SuiteError, point_id
 
 from .fewshot import TASKS
 

@@ -1,0 +1,184 @@
+"""A replica that serves requests with continuous batching (plain class; Serve wrapper in `serve_app`).
+
+`ServingReplica` owns a model and, once `configure`d, a `ContinuousBatchingEngine` stepping on its
+own thread (`EngineLoop`). `generate(request)` is a coroutine: it queues the request and resolves
+when the engine thread finishes it, so the caller's event loop never runs model code and health
+calls (`health`, `stats`) are answered while a batch is generating.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from dataclasses import asdict
+
+import torch
+
+from replica.engine import ContinuousBatchingEngine, EngineConfig, EngineLoop, GenerationRequest, GenerationResult
+from replica.metrics import ReplicaMetrics
+
+
+class ServingReplica:
+    """One model replica serving requests.
+
+    Args:
+        model_spec: as `replica.static_batch.load_replica_model` (`"embedded"`, an HF id, a folder,
+            `"tiny-llama"` for tests); ignored when `model` is given.
+        dtype, device: of the weights.
+        replica_id: recorded in every result.
+        num_threads: torch intra-op threads of this process (None keeps torch's).
+        engine_config: configure right away (a dict of `EngineConfig` fields or an `EngineConfig`).
+        model: an already loaded model (tests).
+        dtype_reason: why the run chose `dtype` (`replica.static_batch.resolve_run_dtype`: `auto` resolved once
+            for every replica of a run or service); recorded in `info()` instead of "forced".
+
+    Raises:
+        FileNotFoundError: the model path does not exist (the message names it).
+    """
+
+    def __init__(self, model_spec: str = "embedded", dtype: str = "auto", device: str = "cpu",
+                 replica_id: str = "replica-0", num_threads: int | None = None,
+                 engine_config: dict | EngineConfig | None = None, model=None, node_id: str | None = None,
+                 dtype_reason: str | None = None):
+        if num_threads is not None:
+            torch.set_num_threads(int(num_threads))
+        self.replica_id = replica_id
+        self.node_id = node_id
+        self.model_spec = model_spec
+        tokenizer = None
+        if model is None:
+            from replica.static_batch import load_replica_model
+
+            model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
+            if dtype_reason is not None:  # the run resolved `auto` once (`replica.static_batch.resolve_run_dtype`)
+                model.scissorhands_dtype_reason = dtype_reason
+        self.model = model
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.engine: ContinuousBatchingEngine | None = None
+        self.loop: EngineLoop | None = None
+        if engine_config is not None:
+            self.configure(engine_config)
+
+    def configure(self, engine_config: dict | EngineConfig, run_id: str | None = None) -> dict:
+        """Replace the engine (policy, budget, memory limit); waits for the old one to stop.
+
+        Live metrics (`replica.metrics.ReplicaMetrics`, labelled with the policy, ratio and `run_id`)
+        are recorded through Ray when it runs, in memory otherwise.
+
+        Raises:
+            ValueError: an invalid config (the message names the field).
+        """
+        cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
+        self.shutdown()
+        metrics = ReplicaMetrics(cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec, run_id or "adhoc")
+        self.engine = ContinuousBatchingEngine(self.model, cfg, eos_token_id=self.eos_token_id,
+                                               replica_id=self.replica_id, metrics=metrics)
+        self.loop = EngineLoop(self.engine).start()
+        return ServingReplica.info(self)          # the plain one (the Ray wrapper's `info` is async)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; requests still queued or running are answered with an error
+        (`error_kind="error"`, `EngineLoop.stop`), never left waiting."""
+        if self.loop is not None:
+            self.loop.stop()
+            self.loop = None
+
+    async def generate(self, request: dict | GenerationRequest) -> dict:
+        """Serve one request; returns `GenerationResult` fields as a dict (per-token wall-clock times)."""
+        req = request if isinstance(request, GenerationRequest) else GenerationRequest(**request)
+        if self.engine is None or self.loop is None or not self.loop.alive:
+            err = "replica not configured" if self.engine is None else f"engine stopped: {self.loop and self.loop.error}"
+            return asdict(GenerationResult(req.request_id, len(req.prompt_ids), error_kind="error", error=err,
+                                           finish_reason="error", replica_id=self.replica_id))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(result: GenerationResult) -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        self.engine.submit(req, done)
+        return asdict(await fut)
+
+    async def stream(self, request: dict | GenerationRequest):
+        """Serve one request token by token: yields `{"token_id", "time_s"}` as each token is decoded,
+        then one `{"result": GenerationResult fields}`. Closing the generator early (a client that went
+        away) aborts the request: its row leaves the cache at the engine's next step."""
+        req = request if isinstance(request, GenerationRequest) else GenerationRequest(**request)
+        if self.engine is None or self.loop is None or not self.loop.alive:
+            yield {"result": await self.generate(req)}
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def on_token(token_id: int, t: float) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, {"token_id": token_id, "time_s": t})
+
+        def on_done(result: GenerationResult) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, {"result": asdict(result)})
+
+        engine = self.engine
+        engine.submit(req, on_done, on_token)
+        finished = False
+        try:
+            while True:
+                ev = await queue.get()
+                finished = "result" in ev
+                yield ev
+                if finished:
+                    return
+        finally:
+            if not finished:
+                engine.abort(req.request_id)
+
+    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of these lengths can never be served under the KV memory limit (None: it can)."""
+        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        context = getattr(cfg, "max_position_embeddings", None)
+        if context is not None and prompt_tokens + max_new_tokens > context:
+            return (f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the model's "
+                    f"context of {context} tokens")
+        e = self.engine
+        if e is None or e.kv_memory_limit_bytes is None:
+            return None
+        need = max(e.batch_bytes_bound([e.final_slots(prompt_tokens, max_new_tokens)]),
+                   e.prefill_peak_bytes(1, prompt_tokens))
+        if need > e.kv_memory_limit_bytes:
+            return (f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need} bytes of KV "
+                    f"cache alone, more than the limit of {e.kv_memory_limit_bytes} bytes")
+        return None
+
+    async def health(self) -> dict:
+        """Liveness: answered from another thread than the one generating, never queued behind it."""
+        return {"replica_id": self.replica_id, "configured": self.engine is not None,
+                "engine_alive": bool(self.loop and self.loop.alive),
+                "running_sequences": self.engine.running if self.engine else 0,
+                "queued_requests": self.engine.queued if self.engine else 0}
+
+    async def stats(self, reset: bool = False) -> dict:
+        """The engine's counters and peaks (`ContinuousBatchingEngine.stats`); `reset` zeroes them after."""
+        if self.engine is None:
+            return {"replica_id": self.replica_id}
+        s = self.engine.stats()
+        if reset:
+            self.engine.reset_stats()
+        return s
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"replica_id": self.replica_id, "node_id": self.node_id, "hostname": socket.gethostname(),
+                "pid": os.getpid(), "torch_threads": torch.get_num_threads(), "model_spec": self.model_spec,
+                "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "dtype_reason": getattr(self.model, "scissorhands_dtype_reason", "given model"),
+                "policy": e.config.policy if e else None, "budget_tokens": e.budget_tokens if e else None,
+                "slot_bytes": e.slot_bytes if e else None,
+                "kv_memory_limit_bytes": e.kv_memory_limit_bytes if e else None}
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """The engine's largest batch of identical requests under its memory limit."""
+        if self.engine is None:
+            raise RuntimeError("replica not configured")
+        return self.engine.max_batch_for(prompt_tokens, max_new_tokens)
+
+    def crash(self) -> None:
+        """Exit the process at once (tests of replica restarts)."""
+        os._exit(1)

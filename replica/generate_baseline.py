@@ -1,0 +1,168 @@
+"""Timed runs of our engine (`run_engines`) and of the reference it is measured against (`run_generate`:
+transformers' own `generate`, sdpa attention + `DynamicCache`, static batches of left-padded prompts,
+each batch run to its longest output).
+
+Used by `bench/bench_serving.py`, `workloads/frontier/point.py` and `bench/gpu_check.py`, so every
+one of them times the engine, and compares it with the same baseline, the same way. Imports torch,
+transformers and tqdm only (never Ray).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+from scissorhands import ATTN_IMPLEMENTATION
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engines(model, runs: Sequence[tuple[EngineConfig, Sequence[GenerationRequest]]], *,
+                max_steps: int = 10_000_000, deadline: float | None = None, desc: str | None = "engines") -> list[dict]:
+    """Run one engine per ``(config, requests)`` on ``model``, each after a 2-token warm-up, interleaved: one
+    `step()` of each busy engine in turn, each engine timed over its own steps (wall and CPU seconds; CUDA is
+    synchronised around each step). A slower stretch of a shared machine thus slows every run alike instead
+    of whichever happened to run then; an engine that finishes first leaves the others running alone.
+
+    Args:
+        max_steps: rounds (one step of each busy engine) before giving up.
+        deadline: `time.time()` after which the runs stop: the requests still queued or running are aborted,
+            `finished` is False, and the numbers cover the part that ran.
+        desc: label of a progress bar (stderr) counting the output tokens generated of those planned (every
+            request's ``max_new_tokens``), with the ETA; None: no bar.
+
+    Returns:
+        One dict per run: `finished`; `wall_s`, `cpu_s` (its own steps); `output_tokens`, `output_tok_per_s`,
+        `output_tok_per_cpu_s` (prefill included); `decode_tokens`, `decode_s`, `decode_tok_per_s` (tokens of
+        decode steps / time in decode steps); `prefill_s`; `completed_requests`, `peak_running_sequences`,
+        `peak_kv_cache_bytes`, `budget_tokens`, `slot_bytes` (the engine's `stats()`);
+        `peak_device_allocated_bytes` (CUDA, over all the runs; None elsewhere); `outputs` (request id ->
+        generated ids).
+
+    Raises:
+        RuntimeError: a request of a finished run failed (its error), or an engine was still busy after
+            ``max_steps`` rounds.
+    """
+    device = next(model.parameters()).device
+    states = []
+    for cfg, requests in runs:
+        engine = ContinuousBatchingEngine(model, cfg)
+        engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
+        engine.run_until_idle()
+        engine.reset_stats()
+        done: dict = {}
+        for r in requests:
+            engine.submit(r, lambda res, done=done: done.__setitem__(res.request_id, res))
+        states.append({"engine": engine, "done": done, "wall_s": 0.0, "cpu_s": 0.0, "busy": True})
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    planned = sum(r.max_new_tokens for _, requests in runs for r in requests)
+    finished = True
+    with tqdm(total=planned, desc=desc, unit="tok", file=sys.stderr, dynamic_ncols=True, mininterval=1.0,
+              disable=desc is None) as bar:
+        for _ in range(max_steps):
+            busy = [st for st in states if st["busy"]]
+            if not busy:
+                break
+            if deadline is not None and time.time() > deadline:
+                finished = False
+                break
+            for st in busy:
+                engine = st["engine"]
+                _sync(device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                before = engine.generated_tokens
+                st["busy"] = engine.step() or engine.queued > 0
+                _sync(device)
+                st["wall_s"] += time.perf_counter() - t0
+                st["cpu_s"] += time.process_time() - c0
+                bar.update(engine.generated_tokens - before)
+        else:
+            raise RuntimeError(f"engines still busy after {max_steps} steps")
+    peak_device = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    return [_engine_result(st, finished or not st["busy"], peak_device) for st in states]
+
+
+def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
+    engine, done, wall, cpu = st["engine"], st["done"], st["wall_s"], st["cpu_s"]
+    s = engine.stats()
+    if not finished:
+        engine.abort_all("the run's deadline passed")
+    errors = [r.error for r in done.values() if r.error_kind and finished]
+    if errors:
+        raise RuntimeError(f"engine requests failed: {errors[:3]}")
+    out_tok = sum(len(r.output_ids) for r in done.values())
+    decode_tok = sum(max(0, len(r.output_ids) - 1) for r in done.values())
+    return {"finished": finished, "wall_s": wall, "cpu_s": cpu, "output_tokens": out_tok,
+            "output_tok_per_s": out_tok / wall if wall else None, "output_tok_per_cpu_s": out_tok / cpu if cpu else None,
+            "decode_tokens": decode_tok, "decode_s": s["decode_s"], "prefill_s": s["prefill_s"],
+            "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
+            "completed_requests": s["completed_requests"], "peak_running_sequences": s["peak_running_sequences"],
+            "peak_kv_cache_bytes": s["peak_kv_cache_bytes"], "budget_tokens": s["budget_tokens"],
+            "slot_bytes": s["slot_bytes"], "peak_device_allocated_bytes": peak_device,
+            "outputs": {k: v.output_ids for k, v in done.items()}}
+
+
+def run_generate(model, requests: Sequence[GenerationRequest], batch: int, *, device: str | torch.device = "cpu",
+                 deadline: float | None = None, on_batch: Callable[[], None] | None = None) -> dict:
+    """Greedy `model.generate` over `requests`, `batch` at a time, after a 2-token warm-up.
+
+    Args:
+        model: a causal LM on `device`; its attention implementation is set to sdpa for the run and
+            back to scissorhands' own afterwards.
+        requests: prompts (token ids) and `max_new_tokens` each; EOS is ignored, so every batch runs
+            to its longest `max_new_tokens`.
+        batch: requests per `generate` call.
+        device: where the model lives (CUDA is synchronised around the timed part).
+        deadline: `time.time()` after which no further batch starts (`finished` is then False).
+        on_batch: called after each batch (a progress bar's update).
+
+    Returns:
+        `wall_s` and `cpu_s` (this process) of the timed part; `output_tokens`, the useful tokens (what
+        each finished request asked for); `output_tok_per_s`, `output_tok_per_cpu_s`;
+        `completed_requests`; `finished`; `outputs` (request id -> generated ids, `max_new_tokens` long).
+    """
+    device = torch.device(device)
+    model.set_attn_implementation("sdpa")
+    try:
+        warm = torch.tensor([requests[0].prompt_ids[:32]], device=device)
+        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)
+        outputs, finished, useful = {}, True, 0
+        _sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(0, len(requests), batch):
+            if deadline is not None and time.time() > deadline:
+                finished = False
+                break
+            chunk = requests[i:i + batch]
+            width = max(len(r.prompt_ids) for r in chunk)
+            # (b, width) left-padded prompts and their mask, as a transformers user batches them
+            ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk],
+                                device=device)
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
+                                     max_new_tokens=max(r.max_new_tokens for r in chunk), do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+            for r, row in zip(chunk, out[:, width:].tolist()):
+                outputs[r.request_id] = row[:r.max_new_tokens]      # useful tokens: what the request asked for
+                useful += r.max_new_tokens
+            if on_batch is not None:
+                on_batch()
+        _sync(device)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return {"finished": finished, "wall_s": wall, "cpu_s": cpu, "output_tokens": useful,
+            "output_tok_per_s": useful / wall if wall else None,
+            "output_tok_per_cpu_s": useful / cpu if cpu else None,
+            "completed_requests": len(outputs), "outputs": outputs}

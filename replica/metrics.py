@@ -1,0 +1,608 @@
+"""Prometheus metrics of the benchmark: the one catalogue, and the live replica metrics.
+
+Two exporters publish metrics, and every name either of them publishes is listed once, in
+`METRICS` (name, type, help, labels, source); tests and dashboards check against it.
+
+* Live replica metrics (`source="ray"`) go through `ray.util.metrics`; Ray exports them on
+  every node's metrics port, and Prometheus finds the nodes through the service-discovery file
+  Ray writes (`/tmp/ray/prom_metrics_service_discovery.json`). Ray 2.60 prefixes application
+  metrics with ``ray_`` on export, and appends ``_total`` to counters itself, so the counter
+  ``scissorhands_generated_tokens_total`` is created in Ray as ``scissorhands_generated_tokens``
+  and scraped as ``ray_scissorhands_generated_tokens_total``. `MetricSpec.exported_name` gives
+  the name Prometheus stores; dashboards use that.
+* Sweep summaries (`source="pushgateway"`) are pushed with `prometheus_client` by
+  `workloads.core.push.SweepPusher`, under exactly the names listed here (no prefix added).
+
+Naming (see DESIGN.md): prefix ``scissorhands_``, base units in the name (``_seconds``,
+``_bytes``, ``_tokens``), counters end in ``_total``, ratios lie in 0..1, labels are low
+cardinality only.
+
+`ReplicaMetrics` is what a replica calls::
+
+    from replica.metrics import ReplicaMetrics
+    base = ReplicaMetrics(policy="full", compression_ratio=None, replica="replica-0",
+                          model="embedded", run_id="smoke-20260101T000000Z")  # in-memory when Ray is off
+    m = base.for_point("scissorhands", 5)        # labels of the point being run
+    m.observe_prefill(0.120, tokens=4 * 128)     # one prefill forward: seconds, prompt tokens
+    m.observe_decode_step(0.015, batch_size=4)   # one decode forward: seconds, sequences
+    m.observe_ttft(0.120); m.add_generated_tokens(4); m.set_kv_cache(bytes=1 << 20, slots=4 * 32)
+    m.add_generated_tokens(2, phase="warmup")  # tokens of the load generator's warm-up requests
+
+`NullMetrics` has the same methods and records nothing (live metrics off).
+
+Exact means (case L21 of shared/cases/load-and-metrics.md): Ray 2.60's exporter writes a
+histogram's ``_sum`` as bucket midpoints times bucket counts, not the values observed
+(`ray/_private/telemetry/open_telemetry_metric_recorder.py` in the installed Ray): a 5 ms latency
+counts as 5.15 ms (the midpoint of the E12 bucket 4.7-5.6 ms), a decode step of 5 sequences as 6
+(bucket 4-8). So every histogram has a companion counter
+``<histogram>_exact_sum_total`` (`MetricSpec.exact_sum`) that the recorder increments by the exact
+value of each observation; a mean is ``rate(<h>_exact_sum_total) / rate(<h>_count)`` (the
+``_count`` is exact). Histograms serve quantiles only; no dashboard reads their ``_sum``
+(`dashboards/check.py` refuses it).
+
+Warm-up (case L20): request-level metrics (generated and prefill tokens, TTFT, TPOT) carry a
+``phase`` label, ``measured`` or ``warmup`` (the load generator marks its warm-up requests,
+`replica.engine.GenerationRequest.warmup`), so the server-side figures of a point can be taken
+over the same requests as the client's. Step-level metrics (step times, batch sizes, KV bytes)
+describe the engine, whichever requests are in the step, and have no phase.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+#: Prefix of every metric this project defines.
+PREFIX = "scissorhands_"
+#: Prefix Ray 2.60 puts in front of every `ray.util.metrics` name when it exports it.
+RAY_EXPORT_PREFIX = "ray_"
+
+#: Labels of every live replica metric (all low cardinality; no request ids).
+REPLICA_LABELS: tuple[str, ...] = ("policy", "compression_ratio", "replica", "model", "run_id")
+#: Label of request-level replica metrics: whose requests they count (see `PHASES`).
+PHASE_LABEL = "phase"
+#: Values of `PHASE_LABEL`: requests measured by the load generator, and its warm-up requests.
+PHASES: tuple[str, ...] = ("measured", "warmup")
+#: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key).
+#: Every sweep axis is a label, so no two points of a run share a series; `budget_tokens` is
+#: the requested absolute budget ("" when the budget comes from `compression_ratio`).
+POINT_LABELS: tuple[str, ...] = (
+    "policy",
+    "compression_ratio",
+    "budget_tokens",
+    "batch_size",
+    "prompt_tokens",
+    "new_tokens",
+    "concurrency",
+    "request_rate",
+    "kv_bits",
+    "task",
+    "model",
+)
+
+
+def _e12_buckets(low_s: float, high_s: float) -> tuple[float, ...]:
+    """Upper bounds from the E12 preferred-number series (IEC 60063) between low and high.
+
+    Neighbouring bounds differ by at most 25%, so `histogram_quantile` lands within a bucket of
+    that width around the true value (case L11: within 20% for 5 ms and 150 ms).
+    """
+    mantissas = (1.0, 1.2, 1.5, 1.8, 2.2, 2.7, 3.3, 3.9, 4.7, 5.6, 6.8, 8.2)
+    out = []
+    exponent = math.floor(math.log10(low_s))
+    while True:
+        for m in mantissas:
+            value = float(f"{m * 10.0**exponent:.6g}")  # 0.0012, not 0.0012000000000000001
+            if value > high_s * 1.0000001:
+                return tuple(out)
+            if value >= low_s * 0.9999999:
+                out.append(value)
+        exponent += 1
+
+
+#: Latency buckets in seconds: 1 ms .. 68 s, E12 steps (59 bounds; +Inf is implicit).
+LATENCY_BUCKETS_S: tuple[float, ...] = _e12_buckets(0.001, 68.0)
+#: Batch-size buckets in sequences: powers of two, 1 .. 1024.
+BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(11))
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric.
+
+    `name` is the name this project gives it (ends in ``_total`` for counters); `kind` is
+    ``counter``, ``gauge`` or ``histogram``; `source` is ``ray`` (live, `ray.util.metrics`) or
+    ``pushgateway`` (sweep summaries); `buckets` are histogram upper bounds in the metric's unit.
+    `record_key` names the results-record key a per-point summary is read from
+    (`workloads.core.results`); with a ``quantile`` label it holds ``{q}``, filled with each of
+    `RECORD_QUANTILES`' keys (``ttft_{q}_s`` -> ``ttft_p50_s``).
+    """
+
+    name: str
+    kind: str
+    help: str
+    labels: tuple[str, ...]
+    source: str
+    buckets: tuple[float, ...] = ()
+    record_key: str = ""
+
+    @property
+    def ray_name(self) -> str:
+        """The name to pass to `ray.util.metrics` (Ray adds ``_total`` to counters itself)."""
+        if self.kind == "counter":
+            return self.name.removesuffix("_total")
+        return self.name
+
+    @property
+    def exported_name(self) -> str:
+        """The metric name as Prometheus stores it (what a dashboard's PromQL must use)."""
+        if self.source in ("ray", "ray_serve"):
+            return RAY_EXPORT_PREFIX + self.name
+        return self.name
+
+    @property
+    def exact_sum(self) -> "MetricSpec":
+        """The counter holding the exact sum of a histogram's observations (its ``_sum`` is not exact
+        under Ray's exporter; see the module docstring). ValueError for a counter or gauge."""
+        if self.kind != "histogram":
+            raise ValueError(f"{self.name}: only a histogram has an exact-sum counter (kind is {self.kind!r})")
+        return MetricSpec(self.name + "_exact_sum_total", "counter",
+                          f"Exact sum of the values observed in {self.name} (mean = this / {self.name}_count).",
+                          self.labels, self.source)
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        """Every sample name in the exposition text (``_bucket``/``_sum``/``_count`` for histograms)."""
+        if self.kind == "histogram":
+            return tuple(self.exported_name + s for s in ("_bucket", "_sum", "_count"))
+        return (self.exported_name,)
+
+
+def _replica(name: str, kind: str, help: str, buckets: tuple[float, ...] = (), per_request: bool = False) -> MetricSpec:
+    """A live replica metric; `per_request` ones count requests' work and carry the `phase` label."""
+    labels = REPLICA_LABELS + ((PHASE_LABEL,) if per_request else ())
+    return MetricSpec(PREFIX + name, kind, help, labels, "ray", buckets)
+
+
+#: Record-key suffix -> the `quantile` label value of a per-point latency summary.
+RECORD_QUANTILES: dict[str, str] = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
+
+
+def _point(name: str, record_key: str, help: str, extra_labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(PREFIX + "sweep_" + name, "gauge", help, POINT_LABELS + extra_labels, "pushgateway",
+                      record_key=record_key)
+
+
+#: Every metric the project exports, live and pushed. Tests and dashboards read this list.
+METRICS: tuple[MetricSpec, ...] = (
+    # live, per replica, through ray.util.metrics
+    _replica("running_sequences", "gauge", "Sequences in the batch the replica is running now."),
+    _replica("queued_sequences", "gauge", "Sequences waiting in the replica's queue."),
+    _replica("generated_tokens_total", "counter", "Output tokens generated (counted from generated ids).",
+             per_request=True),
+    _replica("prefill_tokens_total", "counter", "Prompt tokens processed by prefill forwards.", per_request=True),
+    _replica("prefill_seconds", "histogram", "Wall time of one prefill forward.", LATENCY_BUCKETS_S),
+    _replica("decode_step_seconds", "histogram", "Wall time of one decode-step forward (whole batch).", LATENCY_BUCKETS_S),
+    _replica("decode_batch_size", "histogram", "Sequences in one decode-step forward.", BATCH_SIZE_BUCKETS),
+    _replica("ttft_seconds", "histogram", "Time to first token: request start to first generated token.", LATENCY_BUCKETS_S,
+             per_request=True),
+    _replica("tpot_seconds", "histogram", "Time per output token: (e2e - ttft) / (output tokens - 1).", LATENCY_BUCKETS_S,
+             per_request=True),
+    _replica("kv_cache_bytes", "gauge", "Bytes of every tensor the replica's KV caches hold now, bookkeeping included."),
+    _replica("kv_cache_slots", "gauge", "KV slots in use now (token positions kept per KV head, summed over sequences)."),
+    _replica(
+        "evicted_tokens_total",
+        "counter",
+        "Token positions the policy evicted from the KV cache, summed over sequences (per KV head: tokens seen minus slots kept).",
+    ),
+    _replica("model_load_seconds", "gauge", "Wall time of the replica's last model load."),
+    # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id, point_id)
+    _point("output_throughput_tokens_per_second", "output_throughput_tok_per_s", "Output tokens finished in the window / window length."),
+    _point("total_throughput_tokens_per_second", "total_throughput_tok_per_s", "(Input + output tokens) / window length."),
+    _point("ttft_seconds", "ttft_{q}_s", "Time to first token at the given quantile of the point's requests.", ("quantile",)),
+    _point("tpot_seconds", "tpot_{q}_s", "Time per output token at the given quantile of the point's requests.", ("quantile",)),
+    _point("e2e_latency_seconds", "e2e_latency_{q}_s", "Request latency (start to last token) at the given quantile.", ("quantile",)),
+    _point("kv_cache_bytes", "kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
+    _point("perplexity", "perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),
+    _point("accuracy_ratio", "accuracy", "Accuracy in 0..1 of the policy's cache on the point's task (quality runs)."),
+    # per (policy, ratio, model) of a run
+    MetricSpec(
+        PREFIX + "sweep_max_batch_size",
+        "gauge",
+        "Largest batch size that completed without error (the batch that fits at the memory limit).",
+        ("policy", "compression_ratio", "kv_bits", "model"),
+        "pushgateway",
+    ),
+    # progress of a run
+    MetricSpec(PREFIX + "sweep_points_completed", "gauge", "Points of the sweep finished so far.", (), "pushgateway"),
+    MetricSpec(PREFIX + "sweep_points_planned", "gauge", "Points the sweep will run in all.", (), "pushgateway"),
+    MetricSpec(
+        PREFIX + "sweep_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time at which the last point finished successfully.",
+        (),
+        "pushgateway",
+    ),
+)
+
+#: Every histogram's exact-sum counter follows it in the catalogue (a new histogram gets one).
+METRICS = METRICS + tuple(m.exact_sum for m in METRICS if m.kind == "histogram")
+
+METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+#: Ray Serve's own metrics that the dashboards read (`source="ray_serve"`): Serve defines and records
+#: them (`ray/serve/_private/request_ingress_metrics.py`, `replica.py`, `router.py` in the installed
+#: Ray 2.60), in its own units (milliseconds), and Ray exports them with the ``ray_`` prefix through the
+#: same node metrics port and service discovery as the replicas' live metrics. Listed here so that every
+#: name a dashboard uses is in one catalogue; the project never records them itself. Labels: the ones
+#: Serve sets that the dashboards group by (Serve adds others, e.g. `method`, `replica`, `handle`).
+_SERVE_PROXY_LABELS = ("route", "method", "application", "status_code")        # an HTTP request at the proxy
+_SERVE_CALL_LABELS = ("deployment", "replica", "route", "application")          # one call of a deployment
+
+
+def _serve(name: str, kind: str, labels: tuple[str, ...], help: str) -> MetricSpec:
+    return MetricSpec(name, kind, help, labels, "ray_serve")
+
+
+SERVE_METRICS: tuple[MetricSpec, ...] = (
+    _serve("serve_num_http_requests_total", "counter", _SERVE_PROXY_LABELS,
+           "HTTP requests the Serve proxy answered, by status code and route."),
+    _serve("serve_http_request_latency_ms", "histogram", _SERVE_PROXY_LABELS,
+           "End-to-end latency of an HTTP request at the Serve proxy (ms; a stream counts until its last byte)."),
+    _serve("serve_deployment_queued_queries", "gauge", ("deployment", "application"),
+           "Requests to a deployment waiting in its callers' routers for a replica (Serve's queue)."),
+    _serve("serve_replica_processing_queries", "gauge", ("deployment", "replica", "application"),
+           "Requests a deployment's replica is processing now (ongoing; bounded by max_ongoing_requests)."),
+    _serve("serve_deployment_request_counter_total", "counter", _SERVE_CALL_LABELS,
+           "Calls a deployment's replicas processed (the engine deployment gets 2 per HTTP request: check and stream)."),
+    _serve("serve_deployment_processing_latency_ms", "histogram", _SERVE_CALL_LABELS,
+           "Time a deployment's replica spent on one call (ms; a stream until its last item)."),
+)
+
+
+def catalogue_markdown() -> str:
+    """The catalogue as the Markdown table of docs/monitoring.md (`python -m replica.metrics`): the names
+    Prometheus stores, our metrics then Ray Serve's."""
+    lines = ["| metric | type | source | meaning |", "|---|---|---|---|"]
+    for m in METRICS + SERVE_METRICS:
+        source = {"ray": "replica (live)", "pushgateway": "sweep (pushed)", "ray_serve": "Ray Serve"}[m.source]
+        lines.append(f"| `{m.exported_name}` | {m.kind} | {source} | {m.help} |")
+    return "\n".join(lines)
+
+
+def metric(name: str) -> MetricSpec:
+    """The spec of `name` (project name, e.g. ``scissorhands_ttft_seconds``); KeyError lists valid names."""
+    try:
+        return METRICS_BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown metric {name!r}; known: {sorted(METRICS_BY_NAME)}") from None
+
+
+def exported_metric_names(source: str | None = None) -> set[str]:
+    """Names as Prometheus stores them (``ray_``-prefixed for live metrics), optionally of one source."""
+    return {m.exported_name for m in METRICS if source is None or m.source == source}
+
+
+def label_value(value) -> str:
+    """A label value as this project writes it: ints plainly, floats with `%g`, None as ``""``.
+
+    ``5`` and ``5.0`` both give ``"5"``, so live and pushed series join on `compression_ratio`.
+    """
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+#: Policy name of the uncompressed reference cache.
+FULL_POLICY = "full"
+
+
+def ratio_label(policy: str, compression_ratio) -> str:
+    """`compression_ratio` label: the ratio (``%g``); ``"1"`` for the full cache without a ratio;
+    ``""`` for a compressed cache whose budget is absolute (no ratio)."""
+    if compression_ratio is None or compression_ratio == "":
+        return "1" if policy == FULL_POLICY else ""
+    return label_value(float(compression_ratio))
+
+
+class _LocalRecorder:
+    """Stand-in for `ray.util.metrics` when Ray is not initialised: keeps values in memory.
+
+    `values[name][label tuple]` is the counter sum, the last gauge value, or for histograms
+    ``(count, sum)``; plain-class unit tests read them through `ReplicaMetrics.snapshot()`.
+    """
+
+    def __init__(self):
+        self.values: dict[str, dict[tuple, object]] = {}
+
+    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        series = self.values.setdefault(spec.name, {})
+        key = tuple(tags[k] for k in spec.labels)
+        if spec.kind == "counter":
+            series[key] = series.get(key, 0.0) + value
+        elif spec.kind == "gauge":
+            series[key] = value
+        else:
+            count, total = series.get(key, (0, 0.0))
+            series[key] = (count + 1, total + value)
+
+
+#: Seconds between re-records of every gauge's last value (see `_RayRecorder`).
+GAUGE_REFRESH_S = 1.0
+
+
+class _RayRecorder:
+    """Records into `ray.util.metrics` objects, created once per process and metric name.
+
+    Ray 2.60 exports a gauge only while it is being set: a value set once disappears from the
+    exporter after two export intervals (verified: `ray_<gauge>` is gone 2 s after the last
+    `set` with a 1 s interval). So the recorder keeps every gauge series' last value and a
+    daemon thread re-records them every `GAUGE_REFRESH_S`; an idle replica still shows
+    running 0 and its KV bytes, and the model load time stays visible.
+    """
+
+    _objects: dict[str, object] = {}
+    _gauge_values: dict[tuple[str, tuple], tuple[object, dict, float]] = {}
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    def _object(self, spec: MetricSpec):
+        m = self._objects.get(spec.name)
+        if m is None:
+            from ray.util import metrics as ray_metrics
+
+            if spec.kind == "counter":
+                m = ray_metrics.Counter(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+            elif spec.kind == "gauge":
+                m = ray_metrics.Gauge(spec.ray_name, description=spec.help, tag_keys=spec.labels)
+            else:
+                m = ray_metrics.Histogram(
+                    spec.ray_name, description=spec.help, boundaries=list(spec.buckets), tag_keys=spec.labels
+                )
+            self._objects[spec.name] = m
+        return m
+
+    def record(self, spec: MetricSpec, value: float, tags: Mapping[str, str]) -> None:
+        tags = dict(tags)
+        with self._lock:
+            m = self._object(spec)
+            if spec.kind == "counter":
+                m.inc(value, tags=tags)
+            elif spec.kind == "gauge":
+                m.set(value, tags=tags)
+                self._gauge_values[(spec.name, tuple(sorted(tags.items())))] = (m, tags, value)
+                self._ensure_refresher()
+            else:
+                m.observe(value, tags=tags)
+
+    @classmethod
+    def _ensure_refresher(cls) -> None:
+        if cls._thread is None or not cls._thread.is_alive():
+            cls._thread = threading.Thread(target=cls._refresh_forever, name="scissorhands-gauges", daemon=True)
+            cls._thread.start()
+
+    @classmethod
+    def _refresh_forever(cls) -> None:
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            with cls._lock:
+                for m, tags, value in list(cls._gauge_values.values()):
+                    try:
+                        m.set(value, tags=tags)
+                    except Exception:  # noqa: BLE001 - metrics must never break a replica
+                        pass
+
+
+def _ray_is_initialized() -> bool:
+    """Whether this process runs Ray (always inside an actor); a process that never imported Ray does not,
+    and is not made to import it here."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+_REPLICA_SPECS = {m.name: m for m in METRICS if m.source == "ray"}
+
+
+class ReplicaMetrics:
+    """Live metrics of one replica, exported through `ray.util.metrics` (see the module docstring).
+
+    Args:
+        policy: cache policy name (a key of `scissorhands.POLICIES`).
+        compression_ratio: the ratio; None gives label ``"1"`` for ``full`` and ``""`` for an
+            absolute budget.
+        replica: replica id (low cardinality: one per actor, not per request).
+        model: model id.
+        run_id: the sweep run this replica serves.
+        use_ray: True forces Ray metrics, False forces the in-memory recorder; None (default)
+            uses Ray when `ray.is_initialized()` (always true inside an actor) and the
+            in-memory recorder otherwise.
+
+    A replica that runs points of several policies calls `for_point(policy, ratio)` per point;
+    the children share the replica's labels and recorder. Every method takes base units
+    (seconds, bytes, tokens). A zero increment is ignored; a negative or NaN value raises
+    ValueError naming the argument.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        compression_ratio: float | None,
+        replica: str,
+        model: str,
+        run_id: str,
+        use_ray: bool | None = None,
+    ):
+        self.tags = {
+            "policy": str(policy),
+            "compression_ratio": ratio_label(str(policy), compression_ratio),
+            "replica": str(replica),
+            "model": str(model),
+            "run_id": str(run_id),
+        }
+        self.uses_ray = _ray_is_initialized() if use_ray is None else bool(use_ray)
+        self._recorder = _RayRecorder() if self.uses_ray else _LocalRecorder()
+
+    def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "ReplicaMetrics":
+        """A recorder with this replica's labels but the point's policy, ratio (and run id, if given)."""
+        child = object.__new__(ReplicaMetrics)
+        child.tags = {**self.tags, "policy": str(policy), "compression_ratio": ratio_label(str(policy), compression_ratio)}
+        if run_id is not None:
+            child.tags["run_id"] = str(run_id)
+        child.uses_ray = self.uses_ray
+        child._recorder = self._recorder
+        return child
+
+    def _record(self, short: str, value: float, phase: str | None = None) -> None:
+        """Record `value` into metric `short`; a histogram's exact-sum counter gets the value too."""
+        spec = _REPLICA_SPECS[PREFIX + short]
+        tags = self.tags
+        if PHASE_LABEL in spec.labels:
+            if phase not in PHASES:
+                raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r}")
+            tags = {**tags, PHASE_LABEL: phase}
+        self._recorder.record(spec, float(value), tags)
+        if spec.kind == "histogram" and value > 0:      # Ray's counters take increments > 0 only
+            self._recorder.record(_REPLICA_SPECS[spec.exact_sum.name], float(value), tags)
+
+    @staticmethod
+    def _check(field: str, value: float) -> float:
+        value = float(value)
+        if value < 0 or math.isnan(value):
+            raise ValueError(f"{field} must be a number >= 0, got {value!r}")
+        return value
+
+    def observe_prefill(self, seconds: float, tokens: int, warmup_tokens: int = 0) -> None:
+        """One prefill forward: its wall time (s) and the prompt tokens it processed (all sequences):
+        `tokens` of measured requests, `warmup_tokens` of warm-up requests (phase ``warmup``)."""
+        self._record("prefill_seconds", self._check("seconds", seconds))
+        if self._check("tokens", tokens) > 0:
+            self._record("prefill_tokens_total", tokens, "measured")
+        if self._check("warmup_tokens", warmup_tokens) > 0:
+            self._record("prefill_tokens_total", warmup_tokens, "warmup")
+
+    def observe_decode_step(self, seconds: float, batch_size: int) -> None:
+        """One decode-step forward: its wall time (s) and the sequences in it."""
+        self._record("decode_step_seconds", self._check("seconds", seconds))
+        self._record("decode_batch_size", self._check("batch_size", batch_size))
+
+    def observe_ttft(self, seconds: float, phase: str = "measured") -> None:
+        """Time to first token of one request (s); `phase` ``warmup`` for a warm-up request."""
+        self._record("ttft_seconds", self._check("seconds", seconds), phase)
+
+    def observe_tpot(self, seconds: float, phase: str = "measured") -> None:
+        """Time per output token of one request (s): (e2e - ttft) / (output tokens - 1)."""
+        self._record("tpot_seconds", self._check("seconds", seconds), phase)
+
+    def set_running(self, n: int) -> None:
+        """Sequences in the batch running now."""
+        self._record("running_sequences", self._check("n", n))
+
+    def set_queued(self, n: int) -> None:
+        """Sequences waiting in the queue now."""
+        self._record("queued_sequences", self._check("n", n))
+
+    def add_generated_tokens(self, n: int, phase: str = "measured") -> None:
+        """Add `n` output tokens (count generated ids, never re-tokenized text) of `phase`'s requests."""
+        if self._check("n", n) > 0:
+            self._record("generated_tokens_total", n, phase)
+
+    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - the field term
+        """KV cache size now: `bytes` of every cache tensor (bookkeeping included), `slots` in use."""
+        self._record("kv_cache_bytes", self._check("bytes", bytes))
+        self._record("kv_cache_slots", self._check("slots", slots))
+
+    def add_evictions(self, n: int) -> None:
+        """Add `n` token positions evicted by the policy, summed over the batch's sequences.
+
+        Counted per KV head (at a fixed budget every head evicts the same number): for a static
+        batch, ``batch * max(0, tokens seen - budget_tokens)`` by the end of the point.
+        """
+        if self._check("n", n) > 0:
+            self._record("evicted_tokens_total", n)
+
+    def observe_model_load(self, seconds: float) -> None:
+        """Wall time of the model load (s); a gauge holding the last load."""
+        self._record("model_load_seconds", self._check("seconds", seconds))
+
+    def snapshot(self, phase: str = "measured") -> dict[str, object]:
+        """In-memory values of this recorder's labels, by project metric name ({} under Ray);
+        request-level metrics of `phase` (``measured`` or ``warmup``).
+
+        Counters give their sum, gauges their last value, histograms ``(count, sum)``.
+        """
+        if self.uses_ray:
+            return {}
+        out = {}
+        tags = {**self.tags, PHASE_LABEL: phase}
+        for name, series in self._recorder.values.items():
+            key = tuple(tags[k] for k in _REPLICA_SPECS[name].labels)
+            if key in series:
+                out[name] = series[key]
+        return out
+
+
+class NullMetrics:
+    """The recorder of a replica whose live metrics are off: every `ReplicaMetrics` method, doing nothing.
+
+    The engine and the static-batch replica call their recorder unconditionally; they get this one
+    when no recorder is given (an engine built by a benchmark or a test) and for the replica's warm-up.
+    `for_point` returns the same object; `snapshot` is empty.
+    """
+
+    uses_ray = False
+
+    def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "NullMetrics":
+        return self
+
+    def observe_prefill(self, seconds: float, tokens: int, warmup_tokens: int = 0) -> None:
+        pass
+
+    def observe_decode_step(self, seconds: float, batch_size: int) -> None:
+        pass
+
+    def observe_ttft(self, seconds: float, phase: str = "measured") -> None:
+        pass
+
+    def observe_tpot(self, seconds: float, phase: str = "measured") -> None:
+        pass
+
+    def set_running(self, n: int) -> None:
+        pass
+
+    def set_queued(self, n: int) -> None:
+        pass
+
+    def add_generated_tokens(self, n: int, phase: str = "measured") -> None:
+        pass
+
+    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - as ReplicaMetrics
+        pass
+
+    def add_evictions(self, n: int) -> None:
+        pass
+
+    def observe_model_load(self, seconds: float) -> None:
+        pass
+
+    def snapshot(self, phase: str = "measured") -> dict[str, object]:
+        return {}
+
+
+def strip_sample_suffix(name: str) -> str:
+    """Drop one ``_bucket``/``_sum``/``_count``/``_total`` suffix (case L9's normalisation)."""
+    for suffix in ("_bucket", "_sum", "_count", "_total"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+if __name__ == "__main__":
+    print(catalogue_markdown())

@@ -1,0 +1,497 @@
+"""The OpenAI-compatible HTTP API over engine backends (FastAPI; no Ray here, `cluster.serve_app` deploys it).
+
+    app = build_app({"smollm2-135m-instruct:full": backend, ...}, tokenizer, context_tokens=8192)
+
+Endpoints (OpenAI's API reference; `ignore_eos` and `min_tokens` as vLLM names them):
+
+* `POST /v1/completions`: `prompt` as text or a list of token ids;
+* `POST /v1/chat/completions`: `messages` through the tokenizer's chat template;
+* both with `stream` true (Server-Sent Events: one `data:` event per token as soon as the engine
+  decoded it, `data: [DONE]` last; with `stream_options.include_usage` a final chunk carries
+  `usage`) or false (one JSON reply with `usage`);
+* `GET /v1/models` (one id per cache configuration, policy/ratio/budget as metadata), `GET /health`.
+
+Parameters: `model`, `max_tokens`, `temperature` (0 = greedy, the default), `top_p`, `seed`, `stop`
+(a string or a list; the text stops before it, `finish_reason: "stop"`), `n` (only 1),
+`ignore_eos`, `min_tokens`, `stream_options.include_usage`. Every chunk and reply also carries
+`token_ids` (the generated ids of that chunk, an extension: load generators count tokens from
+ids, never from text) and, in the last chunk / the reply, `scissorhands` (replica-side times:
+`replica_ttft_s`, `received_time_s`, `first_token_time_s`, `replica_id`).
+
+The request header `X-Scissorhands-Phase` (`PHASE_HEADER`: ``warmup`` or ``measured``, the
+default) marks a load generator's warm-up request (`workloads.load.http_client` sends it): the engine
+counts it apart (`GenerationRequest.warmup`: the ``warmup_*`` stats, ``phase="warmup"`` live
+metrics), so the server-side figures of a point cover the same requests as the client's. Any
+other value is a 400 naming the header.
+
+Errors are OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`: 400 naming the
+field (`param`) for a wrong type or value, a prompt + `max_tokens` beyond the context, or a request
+that can never fit the KV memory limit; 404 for an unknown model; 429 with `Retry-After` when a
+model already has `max_pending_requests` requests in flight; 503 with `Retry-After` when the
+backend sheds load (Ray Serve's back-pressure). A stream whose backend fails or dies mid-way
+ends with an error event (`data: {"error": ...}`) and `[DONE]`, never a hang. A client that
+disconnects mid-stream cancels its request; the backend aborts it (`ContinuousBatchingEngine.abort`).
+
+A backend is anything with `metadata` (dict), `check(prompt_tokens, max_new_tokens) -> str | None`
+(why the request can never be served, or None) and `stream(GenerationRequest)`, an async iterator
+of `{"token_id", "time_s"}` events ending with one `{"result": GenerationResult fields}`
+(`replica.continuous.ServingReplica.stream`).
+"""
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Protocol
+
+from replica.engine import GenerationRequest
+
+__all__ = ["Backend", "ReplicaBackend", "build_app", "ApiError", "IncrementalDetokenizer", "PHASE_HEADER",
+           "REPLICA_DIED", "replica_death"]
+
+RETRY_AFTER_S = 1
+#: Request header carrying the load generator's phase of a request (`replica.metrics.PHASES`).
+PHASE_HEADER = "X-Scissorhands-Phase"
+
+
+class Backend(Protocol):
+    metadata: dict
+
+    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None: ...
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[dict]: ...
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ReplicaBackend:
+    """A `ServingReplica` in this process as a backend (tests, and the body of each Serve replica)."""
+
+    def __init__(self, replica, metadata: dict):
+        self.replica, self.metadata = replica, metadata
+
+    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        return await self.replica.check(prompt_tokens, max_new_tokens)
+
+    def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
+        return self.replica.stream(request)
+
+
+def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: str) -> dict:
+    """`/v1/models` metadata of one cache configuration."""
+    return {"policy": engine_config.get("policy", "full"), "compression_ratio": engine_config.get("compression_ratio"),
+            "budget_tokens": budget_tokens, "policy_params": engine_config.get("policy_params", {}),
+            "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"), "model_spec": model_spec}
+
+
+# ---------------------------------------------------------------------------- request parsing
+def _field(body: dict, name: str, kinds: tuple, default: Any, *, check=None, accepted: str = "") -> Any:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) and bool not in kinds or not isinstance(v, kinds):
+        raise ApiError(400, f"{name}: expected {accepted or '/'.join(k.__name__ for k in kinds)}, got {v!r}", name)
+    if check is not None and not check(v):
+        raise ApiError(400, f"{name}: expected {accepted}, got {v!r}", name)
+    return v
+
+
+def _parse_common(body: dict) -> dict:
+    """The sampling and length fields shared by both endpoints (raises ApiError naming the field)."""
+    max_tokens = _field(body, "max_tokens", (int,), None, check=lambda v: v >= 1, accepted="an integer >= 1")
+    if "max_completion_tokens" in body and max_tokens is None:
+        max_tokens = _field(body, "max_completion_tokens", (int,), None, check=lambda v: v >= 1,
+                            accepted="an integer >= 1")
+    n = _field(body, "n", (int,), 1, check=lambda v: v == 1, accepted="1 (one choice per request)")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, f"stop: expected a non-empty string or a list of them, got {body.get('stop')!r}", "stop")
+    stream_options = _field(body, "stream_options", (dict,), {}, accepted="an object")
+    return dict(
+        max_tokens=max_tokens, n=n, stop=stop,
+        temperature=float(_field(body, "temperature", (int, float), 0.0, check=lambda v: 0 <= v <= 2,
+                                 accepted="a number in [0, 2]")),
+        top_p=float(_field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1,
+                           accepted="a number in (0, 1]")),
+        seed=_field(body, "seed", (int,), None, accepted="an integer"),
+        ignore_eos=_field(body, "ignore_eos", (bool,), False, accepted="a boolean"),
+        min_tokens=_field(body, "min_tokens", (int,), 0, check=lambda v: v >= 0, accepted="an integer >= 0"),
+        stream=_field(body, "stream", (bool,), False, accepted="a boolean"),
+        include_usage=bool(_field(stream_options, "include_usage", (bool,), False, accepted="a boolean")),
+    )
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing id list: decode all ids, emit what is new; hold back an incomplete
+    UTF-8 character (U+FFFD at the end) and the tail that could start a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.sent = 0                 # characters of the text already emitted
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_ids: list[int], final: bool = False) -> str:
+        self.ids.extend(token_ids)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        for s in self.stop:
+            k = self.text.find(s)
+            if k >= 0:
+                self.text, self.stopped, final = self.text[:k], True, True
+        end = len(self.text)
+        if not final:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            end = min(end, max(self.sent, len(self.text) - hold)) if hold else end
+        delta = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+
+# ---------------------------------------------------------------------------- the app
+def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | None = None,
+              max_pending_requests: int = 256, owner: str = "scissorhands-bench"):
+    """A FastAPI app serving `backends` (model id -> backend) with `tokenizer` (a transformers
+    tokenizer with a chat template for `/v1/chat/completions`).
+
+    Args:
+        context_tokens: the model's context (prompt + max_tokens must fit; None: unchecked).
+        max_pending_requests: per model, requests in flight beyond which new ones get 429.
+    """
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI(title="scissorhands-bench OpenAI-compatible API")
+    pending = {m: 0 for m in backends}
+    created = int(time.time())
+
+    def error_response(e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc):
+        return error_response(ApiError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _any_error(request, exc):                 # never a bare 500 page
+        return error_response(ApiError(500, f"{type(exc).__name__}: {exc}", type_="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "models": list(backends)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": created, "owned_by": owner, "metadata": b.metadata}
+            for m, b in backends.items()]}
+
+    async def read_json(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def pick_model(body: dict) -> str:
+        m = body.get("model")
+        if not isinstance(m, str):
+            raise ApiError(400, f"model: expected a string (one of {', '.join(backends)}), got {m!r}", "model")
+        if m not in backends:
+            raise ApiError(404, f"model: the model {m!r} does not exist (served: {', '.join(backends)})", "model",
+                           code="model_not_found")
+        return m
+
+    def prompt_ids_of(body: dict) -> list[int]:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]                                         # a batch of one
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise ApiError(400, "prompt: this server has no tokenizer; send token ids", "prompt")
+            ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            ids = p
+        else:
+            raise ApiError(400, f"prompt: expected a string or a list of token ids, got {p!r}"[:300], "prompt")
+        if not ids:
+            raise ApiError(400, "prompt: the prompt is empty", "prompt")
+        vocab = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
+        if vocab is not None and any(t < 0 or t >= len(tokenizer) for t in ids):
+            raise ApiError(400, f"prompt: token ids must be in [0, {len(tokenizer)})", "prompt")
+        return list(ids)
+
+    def chat_ids_of(body: dict) -> list[int]:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise ApiError(400, "messages: expected a non-empty list of {role, content} strings", "messages")
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ApiError(400, "messages: this model's tokenizer has no chat template", "messages")
+        out = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):
+            out = out["input_ids"]
+        return list(out)
+
+    def warmup_of(request: Request) -> bool:
+        phase = request.headers.get(PHASE_HEADER, "measured").strip().lower()
+        if phase not in ("measured", "warmup"):
+            raise ApiError(400, f"{PHASE_HEADER}: expected warmup or measured, got {phase!r}", PHASE_HEADER)
+        return phase == "warmup"
+
+    async def handle(request: Request, chat: bool):
+        body = await read_json(request)
+        warmup = warmup_of(request)
+        model = pick_model(body)
+        opts = _parse_common(body)
+        ids = chat_ids_of(body) if chat else prompt_ids_of(body)
+        max_tokens = opts["max_tokens"]
+        if max_tokens is None:
+            max_tokens = max(1, (context_tokens - len(ids)) if context_tokens else 16)
+        if context_tokens is not None and len(ids) + max_tokens > context_tokens:
+            raise ApiError(400, f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                                f"the model's context of {context_tokens} tokens", "max_tokens")
+        backend = backends[model]
+        why = await backend.check(len(ids), max_tokens)
+        if why is not None:
+            raise ApiError(400, f"max_tokens: {why}", "max_tokens",
+                           code="context_length_exceeded" if "context" in why else "kv_memory_limit")
+        if pending[model] >= max_pending_requests:
+            raise ApiError(429, f"model {model!r} has {pending[model]} requests in flight (the bound); retry later",
+                           type_="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        req = GenerationRequest(rid, ids, max_tokens, ignore_eos=opts["ignore_eos"], temperature=opts["temperature"],
+                                top_p=opts["top_p"], seed=opts["seed"], min_new_tokens=opts["min_tokens"], warmup=warmup)
+        # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
+        # string, the end of a stream), or garbage-collected (a client gone before its body started)
+        events = _counted(backend.stream(req), lambda: pending.__setitem__(model, pending[model] - 1))
+        pending[model] += 1
+        try:
+            first = await events.__anext__()       # an error before the first token is answered as JSON
+        except BaseException as e:
+            raise _backend_error(e) from None
+        if "result" in first and first["result"].get("error_kind"):
+            await events.aclose()
+            raise _result_error(first["result"])
+        detok = IncrementalDetokenizer(tokenizer, opts["stop"]) if tokenizer is not None else None
+        obj = "chat.completion" if chat else "text_completion"
+        if not opts["stream"]:
+            try:
+                return JSONResponse(await _collect(first, events, detok, rid, obj, model, created, chat, len(ids)))
+            finally:
+                await events.aclose()
+        return StreamingResponse(_sse(first, events, detok, rid, obj + (".chunk" if chat else ""), model, chat,
+                                      len(ids), opts["include_usage"]),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    return app
+
+
+#: The one error kind / code of a request whose replica process died under it (killed, crashed, OOM-killed,
+#: lost with its node): the API's error `code` (a 503 before the first token, the last SSE event after
+#: it), the HTTP client's and the load generator's `error_kind` (`workloads.load.http_client`, `workloads.load.loadgen`).
+REPLICA_DIED = "replica_died"
+#: Exception classes (by name: this module does not import Ray) that mean the replica died or cannot be
+#: reached: Ray's actor errors and Serve's unavailable-replica/deployment errors.
+REPLICA_DEATH_ERRORS = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError",
+                                  "ReplicaUnavailableError", "DeploymentUnavailableError"})
+
+
+def replica_death(exc: BaseException | None) -> BaseException | None:
+    """The exception in `exc`'s chain (itself, `cause` of a Ray task error, `__cause__`, `__context__`)
+    that says its replica died (`REPLICA_DEATH_ERRORS`), or None."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen or not isinstance(e, BaseException):
+            continue
+        seen.add(id(e))
+        if {c.__name__ for c in type(e).__mro__} & REPLICA_DEATH_ERRORS:
+            return e
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return None
+
+
+def _backend_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    names = {c.__name__ for c in type(e).__mro__}
+    if "BackPressureError" in names:
+        return ApiError(503, f"the model's queue is full; retry later ({e})", type_="server_overloaded",
+                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+    died = replica_death(e)
+    if died is not None:
+        return ApiError(503, f"the model's replica is unavailable ({type(died).__name__}); retry later",
+                        type_="server_error", code=REPLICA_DIED, headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, StopAsyncIteration):
+        return ApiError(500, "the backend ended the stream without a result", type_="server_error")
+    return ApiError(500, f"{type(e).__name__}: {e}"[:1000], type_="server_error")
+
+
+def _result_error(result: dict) -> ApiError:
+    kind = result.get("error_kind")
+    if kind == "rejected":
+        return ApiError(400, f"max_tokens: {result.get('error')}", "max_tokens", code="kv_memory_limit")
+    if kind == "oom":
+        return ApiError(503, f"the replica ran out of device memory: {result.get('error')}", type_="server_error",
+                        code="oom", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return ApiError(500, f"{kind}: {result.get('error')}", type_="server_error", code=kind)
+
+
+def _finish_reason(result: dict | None, stopped: bool) -> str | None:
+    if stopped:
+        return "stop"
+    if result is None:
+        return None
+    return {"eos": "stop", "length": "length"}.get(result.get("finish_reason"), result.get("finish_reason"))
+
+
+def _replica_times(result: dict) -> dict:
+    times = result.get("token_times_s") or []
+    recv = result.get("received_time_s")
+    return {"replica_id": result.get("replica_id"), "received_time_s": recv,
+            "first_token_time_s": times[0] if times else None,
+            "replica_ttft_s": (times[0] - recv) if times and recv is not None else None}
+
+
+async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_tokens) -> dict:
+    ids: list[int] = []
+    result = None
+    stopped = False
+    ev = first
+    while True:
+        if "result" in ev:
+            result = ev["result"]
+            break
+        ids.append(ev["token_id"])
+        if detok is not None:
+            detok.add([ev["token_id"]])
+            if detok.stopped:
+                stopped = True
+                await events.aclose()               # the backend aborts the rest
+                break
+        try:
+            ev = await events.__anext__()
+        except StopAsyncIteration:
+            break
+    if result is not None and result.get("error_kind"):
+        raise _result_error(result)
+    text = detok.text if detok is not None else ""
+    choice = {"index": 0, "finish_reason": _finish_reason(result, stopped), "token_ids": ids}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice.update(text=text, logprobs=None)
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
+                      "total_tokens": prompt_tokens + len(ids)},
+            "scissorhands": _replica_times(result) if result else None}
+
+
+def _sse_event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _counted(events: AsyncIterator[dict], release):
+    """`events`, calling `release()` once when they end, fail, or are closed (then closing `events`:
+    the backend aborts an unfinished request)."""
+    it = events.__aiter__()
+    try:
+        async for ev in it:
+            yield ev
+    finally:
+        release()
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, include_usage):
+    """The SSE body: one chunk per token as it arrives; an error event if the backend fails."""
+    created = int(time.time())
+    n = 0
+    result = None
+    stopped = False
+
+    def chunk(delta_text: str | None, token_ids: list[int], finish: str | None, extra: dict | None = None) -> bytes:
+        c = {"index": 0, "finish_reason": finish, "token_ids": token_ids}
+        if chat:
+            c["delta"] = {} if delta_text is None else {"content": delta_text}
+        else:
+            c.update(text=delta_text or "", logprobs=None)
+        body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+        if extra:
+            body.update(extra)
+        return _sse_event(body)
+
+    try:
+        if chat:
+            yield _sse_event({"id": rid, "object": obj, "created": created, "model": model,
+                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                           "finish_reason": None}]})
+        ev = first
+        while True:
+            if "result" in ev:
+                result = ev["result"]
+                break
+            n += 1
+            text = detok.add([ev["token_id"]]) if detok is not None else ""
+            if detok is not None and detok.stopped:
+                stopped = True
+                if text:
+                    yield chunk(text, [ev["token_id"]], None)
+                break
+            yield chunk(text, [ev["token_id"]], None)
+            ev = await events.__anext__()
+        if result is not None and result.get("error_kind"):
+            raise _result_error(result)
+        tail = detok.add([], final=True) if detok is not None and not stopped else ""
+        yield chunk(tail if not chat or tail else None, [], _finish_reason(result, stopped),
+                    {"scissorhands": _replica_times(result)} if result else None)
+        if include_usage:
+            yield _sse_event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                        "total_tokens": prompt_tokens + n}})
+    except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a hang
+        err = e if isinstance(e, ApiError) else _backend_error(e)
+        yield _sse_event(err.body())
+    finally:
+        try:
+            await events.aclose()                  # a disconnect or a stop string aborts the request
+        except Exception:  # noqa: BLE001
+            pass
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,75 @@
+"""Serving replicas as one Ray Serve deployment (`workloads.serving.runner.ServeReplicaPool`, loopback, no
+HTTP proxy): requests routed by Serve over both replicas, each reply carrying its replica's figures,
+the replica's event loop answering while its engine generates, a point's engine configuration pushed to
+the running replicas, and a replica that dies replaced by Serve and configured again."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_replica(ray_session):
+    from ray import serve
+
+    from replica.engine import GenerationRequest
+    from workloads.serving.runner import ServeReplicaPool
+
+    pool = ServeReplicaPool(2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0,
+                            num_threads=1, run_id="t1")
+    try:
+        (info,) = pool.start()
+        assert info["replica_id"].startswith("serving#") and info["dtype"] == "float32"
+        assert pool.rset.app_name.startswith("serving-t1-") and pool.rset.app_name in serve.status().applications
+        pool.configure({"policy": "scissorhands", "budget_tokens": 32}, run_id="t1")
+        client = pool.client()
+        long = [GenerationRequest(f"long-{i}", list(range(1, 100)), 300) for i in range(6)]
+
+        async def go():
+            gen = asyncio.gather(*(client.generate(r) for r in long))
+            worst_s, polls = 0.0, 0
+            while not gen.done():                    # the replicas' event loops answer while they generate
+                t0 = time.perf_counter()
+                await pool.rset.handle.stats.remote()
+                worst_s, polls = max(worst_s, time.perf_counter() - t0), polls + 1
+                await asyncio.sleep(0.2)
+            return worst_s, polls, await gen
+        worst_s, polls, results = asyncio.run(go())
+        assert polls >= 1 and worst_s < 5.0
+        assert all(len(r["output_ids"]) == 300 and r["error_kind"] is None and "replica_stats" not in r for r in results)
+        ids = {r["replica_id"] for r in results}
+        assert len(ids) == 2                                             # Serve used both replicas
+        stats = pool.stats(reset=True)
+        assert [s["replica_id"] for s in stats] == sorted(ids)
+        assert all(s["budget_tokens"] == 32 and s["node_id"] and s["hostname"] for s in stats)
+        assert sum(s["completed_requests"] for s in stats) == 6 and pool.stats() == []
+        # a replica that dies: Serve replaces it and gives it the current configuration
+        pool.rset.handle.crash.remote()
+        time.sleep(3.0)
+        pool.configure({"policy": "scissorhands", "budget_tokens": 16}, run_id="t1")
+        client = pool.client()
+        async def burst():
+            return await asyncio.gather(*(client.generate(GenerationRequest(f"r-{i}", [1, 2, 3], 4)) for i in range(8)))
+        results = asyncio.run(burst())
+        assert all(r["error_kind"] is None for r in results)
+        assert {s["budget_tokens"] for s in pool.stats()} == {16}
+    finally:
+        pool.close()
+    assert pool.rset.app_name not in serve.status().applications          # only its own app, deleted

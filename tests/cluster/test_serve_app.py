@@ -1,0 +1,130 @@
+"""The OpenAI-compatible service through a real Ray Serve app on the embedded model (slow: one Serve
+start, two engine deployments): routing, streaming, a disconnect that frees the row, and a replica
+killed mid-stream (its open stream ends with an error event; Serve replaces the replica)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import requests
+
+from replica.engine import GenerationRequest
+from tests.http_fakes import sse_events
+from tests.waiting import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
+
+FULL = "smollm2-135m-instruct:full"
+SH = "smollm2-135m-instruct:scissorhands-x5"
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    import ray
+    from ray import serve
+
+    from cluster.serve_app import build_serve_app, start
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    port = free_port()
+    try:
+        start(build_serve_app("embedded", ["full", "scissorhands:5"], max_length_tokens=512, replica_cpus=0.5,
+                              kv_memory_limit_bytes=64 << 20), port=port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _engine(label: str):
+    from ray import serve
+
+    from cluster.serve_app import APP_NAME
+
+    return serve.get_deployment_handle(f"engine-{label}", app_name=APP_NAME)
+
+
+def _wait(pred, timeout_s):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if pred():
+                return True
+        except Exception:  # noqa: BLE001 - a replica being replaced
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def test_models_routing_and_exact_lengths(app_url):
+    data = requests.get(app_url + "/v1/models", timeout=30).json()["data"]
+    meta = {m["id"]: m["metadata"] for m in data}
+    assert set(meta) == {FULL, SH}
+    assert meta[SH]["budget_tokens"] == 103 and meta[SH]["compression_ratio"] == 5     # ceil(512 / 5)
+    replicas = set()
+    for model in (FULL, SH):
+        r = requests.post(app_url + "/v1/completions", json=dict(model=model, prompt="The capital of France is",
+                                                                 max_tokens=16, ignore_eos=True), timeout=300).json()
+        assert r["usage"]["completion_tokens"] == len(r["choices"][0]["token_ids"]) == 16
+        replicas.add(r["scissorhands"]["replica_id"].split("#")[0])
+    assert replicas == {FULL, SH}
+    too_long = requests.post(app_url + "/v1/completions", json=dict(model=SH, prompt="x", max_tokens=9000), timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+
+
+def test_streamed_chat_one_event_per_token(app_url):
+    r = requests.post(app_url + "/v1/chat/completions", stream=True, timeout=300, json=dict(
+        model=SH, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
+        stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200
+    events = list(sse_events(r))
+    assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    ids = [i for e in events[1:-2] for i in e["choices"][0]["token_ids"]]
+    assert len(ids) == events[-2]["usage"]["completion_tokens"] >= 1
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:-2])
+    assert "Paris" in text
+
+
+def test_disconnect_frees_the_row(app_url):
+    eng = _engine("scissorhands-x5")
+    before = eng.stats.remote().result()
+    r = requests.post(app_url + "/v1/completions", stream=True, timeout=300, json=dict(
+        model=SH, prompt="Tell me a long story.", max_tokens=400, ignore_eos=True, stream=True))
+    it = sse_events(r)
+    for _ in range(3):
+        next(it)
+    assert eng.stats.remote().result()["running_sequences"] == 1
+    r.close()
+    assert _wait(lambda: eng.stats.remote().result()["running_sequences"] == 0, 60)
+    after = eng.stats.remote().result()
+    assert after["failed_requests"] == before["failed_requests"] + 1 and after["kv_cache_bytes"] == 0
+    assert after["generated_tokens"] - before["generated_tokens"] < 400
+
+
+def test_replica_killed_mid_stream_ends_with_an_error_and_is_replaced(app_url):
+    from workloads.load.http_client import OpenAIHTTPClient
+
+    eng = _engine("full")
+
+    async def go():
+        client = OpenAIHTTPClient(app_url + "/v1", FULL)
+        got = []
+        try:
+            async for chunk in client.stream(GenerationRequest("k", list(range(100, 140)), 400)):
+                got.append(chunk)
+                if len(got) == 3:
+                    try:
+                        eng.crash.remote()
+                    except Exception:  # noqa: BLE001
+                        pass
+        finally:
+            await client.close()
+        return got
+
+    chunks = asyncio.run(asyncio.wait_for(go(), 300))
+    assert chunks[-1].get("error_kind") == "replica_died", chunks[-1]      # one named kind (ActorDiedError seen here)
+    assert sum(len(c.get("token_ids") or []) for c in chunks) < 400
+    ok = lambda: requests.post(app_url + "/v1/completions", timeout=60, json=dict(  # noqa: E731
+        model=FULL, prompt=[1, 2, 3], max_tokens=2, ignore_eos=True)).status_code == 200
+    assert _wait(ok, 240), "Serve did not replace the killed replica"

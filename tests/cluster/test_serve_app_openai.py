@@ -1,0 +1,111 @@
+"""The Python `openai` client (pinned in the `test` extra) against the real Ray Serve app on the tiny
+model: the example of docs/serving-http.md run as written (only the URL and model id changed), and the
+client's streamed and non-streamed completions and chat agreeing with each other and with `usage`.
+
+The tiny model has no tokenizer of its own; the ingress gets the character tokenizer of
+`tests.http_fakes.char_tokenizer` (98 ids, within the tiny model's 128) from a folder, so text prompts
+and the chat template work as they do with `make serve`'s embedded model.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.http_fakes import char_tokenizer
+from tests.waiting import free_port, wait_for
+
+pytestmark = [pytest.mark.ray]
+openai = pytest.importorskip("openai", reason="the openai client is in the test extra: pip install -e '.[test]'")
+
+ROOT = Path(__file__).resolve().parents[2]
+SH = "tiny-llama:scissorhands-x5"
+FULL = "tiny-llama:full"
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    import ray
+    import requests
+    from ray import serve
+
+    from cluster.serve_app import build_serve_app, start
+
+    tok_dir = tmp_path_factory.mktemp("char-tokenizer")
+    char_tokenizer().save_pretrained(str(tok_dir))
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    port = free_port()
+    try:
+        start(build_serve_app("tiny-llama", ["full", "scissorhands:5"], max_length_tokens=256, replica_cpus=0.5,
+                              tokenizer_spec=str(tok_dir)), port=port)
+        url = f"http://127.0.0.1:{port}/v1"
+        wait_for(lambda: requests.get(url + "/models", timeout=5).status_code == 200, 120, "the Serve app")
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _docs_example() -> str:
+    """The Python block under "The Python `openai` client" in docs/serving-http.md."""
+    text = (ROOT / "docs" / "serving-http.md").read_text()
+    section = text[text.index("## The Python `openai` client"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_documented_example_runs_as_written(base_url):
+    code = _docs_example()
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code and '"smollm2-135m-instruct:scissorhands-x5"' in code
+    code = code.replace("http://127.0.0.1:8000/v1", base_url).replace("smollm2-135m-instruct:scissorhands-x5", SH)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "docs/serving-http.md", "exec"), {})
+    # the example streams max_tokens=32 with ignore_eos: the printed text is the non-streamed reply's
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    whole = client.completions.create(model=SH, prompt="The capital of France is", max_tokens=32,
+                                      extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 32 and len(whole.choices[0].model_extra["token_ids"]) == 32
+    assert out.getvalue() == whole.choices[0].text and out.getvalue()
+
+
+@pytest.mark.parametrize("model", [FULL, SH])
+def test_streamed_and_not_agree_with_usage(base_url, model):
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    whole = client.completions.create(model=model, prompt="Hello there", max_tokens=12, extra_body={"ignore_eos": True})
+    assert whole.usage.prompt_tokens == len("Hello there") and whole.usage.completion_tokens == 12
+    assert whole.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=model, prompt="Hello there", max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    ids = [i for c in chunks if c.choices for i in c.choices[0].model_extra["token_ids"]]
+    assert "".join(texts) == whole.choices[0].text                       # greedy: the same tokens
+    assert ids == whole.choices[0].model_extra["token_ids"] and len(ids) == 12
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices     # the usage chunk last
+    assert sum(1 for c in chunks if c.choices and c.choices[0].model_extra["token_ids"]) == 12   # one event per token
+
+
+def test_chat_streamed_and_not(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    msgs = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model=SH, messages=msgs, max_tokens=8, extra_body={"ignore_eos": True})
+    assert whole.usage.completion_tokens == 8 and whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=SH, messages=msgs, max_tokens=8, stream=True,
+                                            extra_body={"ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.choices[0].message.content
+
+
+def test_errors_reach_the_client_as_openai_exceptions(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert e.value.body["param"] == "model" or e.value.body.get("error", {}).get("param") == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=SH, prompt="x", max_tokens=0)
+    assert "max_tokens" in str(e.value)
+    assert [m.id for m in client.models.list()] == [FULL, SH]

@@ -1,0 +1,214 @@
+"""Dashboards, provisioning and Prometheus config, checked without servers (L9 against the
+catalogue, L10). The live checks (every panel returns data, L9 against the exporters, L11) are in
+test_metrics_prometheus.py."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import local_head, serve_app
+from replica.metrics import METRICS, SERVE_METRICS, catalogue_markdown, strip_sample_suffix
+from dashboards import check, serve
+from workloads.core import run
+ROOT = Path(__file__).resolve().parents[2]
+DASH = ROOT / "dashboards"
+BOARDS = check.load_dashboards()
+DS_VAR = "${datasource}"
+
+
+def test_there_are_two_dashboards_with_unique_uids():
+    assert set(BOARDS) == {"sweep-overview.json", "live-replicas.json"}
+    uids = [b["uid"] for b in BOARDS.values()]
+    assert len(set(uids)) == len(uids) and all(uids)
+    for board in BOARDS.values():
+        ids = [p["id"] for p in board["panels"]]
+        assert len(ids) == len(set(ids))
+        assert len(list(check.iter_panels(board))) >= 10
+
+
+# --------------------------------------------------------------------------- L10
+def _walk(node, path=""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield path, k, v
+            yield from _walk(v, f"{path}/{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _walk(v, f"{path}/{i}")
+
+
+@pytest.mark.parametrize("file", sorted(BOARDS))
+def test_l10_no_literal_datasource_uid_and_every_panel_uses_the_variable(file):
+    board = BOARDS[file]
+    text = (DASH / "grafana" / "dashboards" / file).read_text()
+    assert "DS_PROMETHEUS" not in text and "__inputs" not in board  # no import-time placeholders
+    # every datasource reference anywhere in the JSON is the variable
+    for path, key, value in _walk(board):
+        if key == "datasource":
+            if isinstance(value, dict):
+                assert value == {"type": "prometheus", "uid": DS_VAR}, (path, value)
+            else:
+                assert value == DS_VAR, (path, value)
+        if key == "uid" and path != "":
+            assert value == DS_VAR, f"literal uid {value!r} at {path}"
+    # the variable exists and is a Prometheus datasource picker
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for var in variables.values():
+        if var["type"] == "query":
+            assert var["datasource"] == {"type": "prometheus", "uid": DS_VAR}
+    # every panel, and every one of its targets, names the variable
+    for panel in check.iter_panels(board):
+        assert panel["datasource"] == {"type": "prometheus", "uid": DS_VAR}, panel["title"]
+        assert panel["targets"], f"panel {panel['title']!r} has no query"
+        for target in panel["targets"]:
+            assert target["datasource"] == {"type": "prometheus", "uid": DS_VAR}
+            assert target["expr"].strip()
+
+
+def test_l10_import_into_a_grafana_with_another_datasource_uid():
+    """Resolve every datasource reference as Grafana does on import: through the variable only."""
+    other_uid = "P1809F7CD0C75ACF3"  # some other Grafana's Prometheus
+    for board in BOARDS.values():
+        resolved = json.loads(json.dumps(board).replace(DS_VAR, other_uid))
+        refs = [v for _, k, v in _walk(resolved) if k == "datasource" and isinstance(v, dict)]
+        assert refs and all(r["uid"] == other_uid for r in refs)
+
+
+# --------------------------------------------------------------------------- L9 against the catalogue
+def test_promql_metric_name_extraction():
+    expr = ('histogram_quantile(0.99, sum by (le, policy) (rate(ray_x_seconds_bucket{run_id=~"$run_id", '
+            'a="b{c}"}[$__rate_interval]))) / ignoring(policy) group_left scissorhands_y_bytes{p="full"} '
+            "+ 1e3 * time() - on(le) z offset 5m")
+    assert check.metric_names(expr) == {"ray_x_seconds_bucket", "scissorhands_y_bytes", "z"}
+    assert check.metric_names('label_join(m{a="x"}, "series", " x", "policy")') == {"m"}
+    assert check.metric_names("sum(foo) by (bar) and baz") == {"foo", "baz"}
+
+
+def test_l9_every_dashboard_metric_is_in_the_catalogue():
+    exported = set()
+    for spec in METRICS + SERVE_METRICS:
+        exported |= {strip_sample_suffix(n) for n in spec.sample_names}
+    used = {strip_sample_suffix(n) for n in check.dashboard_metric_names(BOARDS)}
+    assert used, "no metric names found in the dashboards"
+    assert used <= exported, f"unknown metrics in dashboards: {sorted(used - exported)}"
+    # and every catalogue metric is shown somewhere (no dead exports, no Serve metric listed for nothing)
+    missing = {strip_sample_suffix(m.exported_name) for m in METRICS + SERVE_METRICS} - used
+    assert not missing, sorted(missing)
+
+
+def test_l21_no_panel_takes_a_mean_from_a_histogram_sum():
+    histograms = {m.exported_name for m in METRICS + SERVE_METRICS if m.kind == "histogram"}
+    assert check.inexact_sums(BOARDS, histograms) == []
+    # every histogram's mean is shown, from its exact sum over its count
+    used = check.dashboard_metric_names(BOARDS)
+    for name in histograms - {m.exported_name for m in SERVE_METRICS}:      # Serve's: quantiles only
+        assert {name + "_exact_sum_total", name + "_count"} <= used, name
+    bad = {"x.json": {"panels": [{"title": "mean", "targets": [
+        {"expr": "rate(ray_scissorhands_ttft_seconds_sum[1m]) / rate(ray_scissorhands_ttft_seconds_count[1m])"}]}]}}
+    assert check.inexact_sums(bad, histograms) == ["x.json / mean: ray_scissorhands_ttft_seconds_sum"]
+
+
+def test_template_substitution():
+    values = {"run_id": "smoke-1", "policy": ".*", "datasource": "prometheus"}
+    expr = 'rate(x{run_id="$run_id", policy=~"${policy}"}[$__rate_interval])'
+    assert check.substitute(expr, values, "20s") == 'rate(x{run_id="smoke-1", policy=~".*"}[20s])'
+    assert check.substitute('label_replace(x, "s", "$1 int$2", "b", "(.*);(.+)")', values) == (
+        'label_replace(x, "s", "$1 int$2", "b", "(.*);(.+)")')
+    with pytest.raises(KeyError, match=r"\$nope"):
+        check.substitute("x{a=\"$nope\"}", values)
+
+
+# --------------------------------------------------------------------------- provisioning, compose, config
+def test_grafana_provisioning_points_at_the_dashboards():
+    prov = DASH / "grafana" / "provisioning"
+    ds = yaml.safe_load((prov / "datasources" / "prometheus.yml").read_text())
+    [source] = ds["datasources"]
+    assert source["type"] == "prometheus" and source["isDefault"] is True and "uid" not in source
+    assert source["url"] == "${SCISSORHANDS_PROMETHEUS_URL}"
+    dp = yaml.safe_load((prov / "dashboards" / "scissorhands.yml").read_text())
+    [provider] = dp["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"] == "${SCISSORHANDS_GRAFANA_DASHBOARDS}"
+    compose = yaml.safe_load((DASH / "docker-compose.yml").read_text())
+    grafana = compose["services"]["grafana"]
+    env = grafana["environment"]
+    mounts = dict(v.rsplit(":", 2)[:2] if v.endswith(":ro") else v.split(":", 1) for v in grafana["volumes"])
+    assert mounts["./grafana/dashboards"] == env["SCISSORHANDS_GRAFANA_DASHBOARDS"]
+    assert mounts["./grafana/provisioning"] == env["GF_PATHS_PROVISIONING"]
+    assert env["SCISSORHANDS_PROMETHEUS_URL"] == "http://127.0.0.1:9090"
+    assert env["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert set(compose["services"]) == {"prometheus", "pushgateway", "grafana"}
+    assert "--web.listen-address=127.0.0.1:9090" in compose["services"]["prometheus"]["command"]
+    assert "--web.listen-address=127.0.0.1:9091" in compose["services"]["pushgateway"]["command"]
+    assert compose["services"]["prometheus"]["image"].endswith(":v2.42.0")
+
+
+def test_prometheus_config_scrapes_ray_the_pushgateway_and_itself():
+    config = yaml.safe_load((DASH / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert jobs["ray"]["file_sd_configs"][0]["files"] == [
+        "/tmp/ray/prom_metrics_service_discovery.json",  # ray start --head
+        "/tmp/scissorhands-ray/prom_metrics_service_discovery.json",  # the embedded Ray of make sweep
+        "/tmp/scissorhands-cluster/prom_metrics_service_discovery.json",  # make cluster-up
+        "/tmp/scissorhands-serve/prom_metrics_service_discovery.json",  # make serve (Ray Serve's own metrics)
+    ]
+    assert serve.CLUSTER_UP_SD_FILE == f"{local_head.DEFAULT_TEMP_DIR}/prom_metrics_service_discovery.json"
+    assert serve.DEFAULT_SD_FILES == tuple(jobs["ray"]["file_sd_configs"][0]["files"])
+    assert serve.EMBEDDED_RAY_SD_FILE == f"{run.EMBEDDED_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
+    assert serve.SERVE_SD_FILE == f"{serve_app.SERVE_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
+    assert jobs["pushgateway"]["honor_labels"] is True
+    assert jobs["pushgateway"]["static_configs"][0]["targets"] == ["127.0.0.1:9091"]
+    assert jobs["prometheus"]["static_configs"][0]["targets"] == ["127.0.0.1:9090"]
+    assert config["global"]["scrape_interval"] == "5s"
+    rendered = yaml.safe_load(serve.render_config(19090, 19091, ("/tmp/a.json", "/tmp/b.json"), "1s"))
+    jobs = {j["job_name"]: j for j in rendered["scrape_configs"]}
+    assert jobs["ray"]["file_sd_configs"][0]["files"] == ["/tmp/a.json", "/tmp/b.json"]
+    assert jobs["pushgateway"]["static_configs"][0]["targets"] == ["127.0.0.1:19091"]
+    assert jobs["prometheus"]["static_configs"][0]["targets"] == ["127.0.0.1:19090"]
+    assert rendered["global"]["scrape_interval"] == "1s"
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool (Debian package prometheus) not installed")
+def test_promtool_accepts_the_config(tmp_path):
+    rendered = tmp_path / "prometheus.yml"
+    rendered.write_text(serve.render_config(19090, 19091))
+    for path in (DASH / "prometheus.yml", rendered):
+        out = subprocess.run(["promtool", "check", "config", str(path)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_monitoring_page_lists_every_panel():
+    body = (ROOT / "docs" / "monitoring.md").read_text()
+    for board in BOARDS.values():
+        for panel in check.iter_panels(board):
+            assert panel["title"] in body, f"docs/monitoring.md does not list panel {panel['title']!r}"
+            for target in panel["targets"]:
+                assert re.sub(r"\s+", " ", target["expr"]) in re.sub(r"\s+", " ", body.replace("\\|", "|"))
+
+
+def test_the_http_row_shows_ray_serves_own_metrics():
+    """Issue 14 part 5: the live dashboard has an HTTP row whose panels read Ray Serve's metrics
+    (requests by status code, latency, queue and ongoing requests), shown in base units."""
+    board = BOARDS["live-replicas.json"]
+    rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
+    assert "HTTP (Ray Serve)" in rows
+    start = next(i for i, p in enumerate(board["panels"]) if p.get("title") == "HTTP (Ray Serve)")
+    http = [p for p in board["panels"][start + 1:] if p["type"] != "row"]
+    names = set().union(*(check.metric_names(t["expr"]) for p in http for t in p["targets"]))
+    assert {strip_sample_suffix(n) for n in names} == {strip_sample_suffix(m.exported_name) for m in SERVE_METRICS}
+    by_title = {p["title"]: p for p in http}
+    assert "status_code" in by_title["HTTP requests/s by status code"]["targets"][0]["expr"]
+    latency = by_title["HTTP request latency p50 / p99"]
+    assert latency["fieldConfig"]["defaults"]["unit"] == "s"
+    assert all(t["expr"].endswith("/ 1000") for t in latency["targets"])          # Serve's ms -> s
+
+
+def test_monitoring_page_lists_the_catalogue_as_generated():
+    """docs/monitoring.md carries `python -m replica.metrics`' table as is (our metrics and Ray Serve's)."""
+    assert catalogue_markdown() in (ROOT / "docs" / "monitoring.md").read_text()

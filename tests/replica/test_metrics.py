@@ -1,0 +1,309 @@
+"""Metric catalogue, naming conventions, ReplicaMetrics without Ray, SweepPusher without a Pushgateway.
+
+The tests against a real Ray head, Prometheus and Pushgateway are in test_metrics_prometheus.py.
+"""
+
+import logging
+import math
+import re
+
+import pytest
+from prometheus_client import generate_latest
+
+from replica.metrics import (
+    LATENCY_BUCKETS_S,
+    METRICS,
+    POINT_LABELS,
+    REPLICA_LABELS,
+    ReplicaMetrics,
+    exported_metric_names,
+    metric,
+    ratio_label,
+    strip_sample_suffix,
+)
+from tests.waiting import free_port
+from workloads.core.push import SweepPusher, resolve_pushgateway_url
+
+ALLOWED_LABELS = {
+    "policy", "compression_ratio", "replica", "model", "run_id", "phase",  # live
+    "budget_tokens", "batch_size", "prompt_tokens", "new_tokens", "concurrency", "request_rate", "kv_bits", "task",
+    "quantile",  # points
+}
+UNIT_SUFFIXES = ("_seconds", "_bytes", "_tokens_total", "_tokens_per_second", "_ratio", "_sequences", "_slots",
+                 "_requests", "_size", "_completed", "_planned", "_perplexity")
+
+
+# --------------------------------------------------------------------------- naming conventions
+@pytest.mark.parametrize("spec", METRICS, ids=lambda m: m.name)
+def test_metric_names_follow_the_conventions(spec):
+    assert re.fullmatch(r"[a-z_][a-z0-9_]*", spec.name), spec.name
+    assert spec.name.startswith("scissorhands_")
+    assert spec.kind in ("counter", "gauge", "histogram")
+    assert spec.source in ("ray", "pushgateway")
+    assert (spec.kind == "counter") == spec.name.endswith("_total"), "counters, and only counters, end in _total"
+    # a histogram's exact-sum counter is `<histogram>_exact_sum_total`: its unit is the histogram's
+    unit_name = spec.name.removesuffix("_exact_sum_total")
+    assert unit_name.endswith(UNIT_SUFFIXES) or spec.name == "scissorhands_sweep_perplexity", spec.name
+    # base units only: no milliseconds, kilobytes, percent
+    assert not re.search(r"_(ms|milliseconds|s|kb|mb|gb|kib|mib|percent|pct)(_|$)", spec.name), spec.name
+    if any(w in spec.name for w in ("ttft", "tpot", "latency", "_load_", "prefill_seconds", "step")):
+        assert unit_name.endswith("_seconds"), spec.name
+    if "bytes" in spec.name:
+        assert spec.name.endswith("_bytes")
+    assert spec.help.strip() and spec.help.endswith(".")
+    assert set(spec.labels) <= ALLOWED_LABELS, set(spec.labels) - ALLOWED_LABELS
+    assert "request_id" not in spec.labels
+    if spec.source == "ray":
+        assert spec.labels in (REPLICA_LABELS, REPLICA_LABELS + ("phase",))
+        assert spec.exported_name == "ray_" + spec.name  # Ray 2.60 prefixes application metrics
+    else:
+        assert spec.exported_name == spec.name
+    if spec.kind == "histogram" and spec.name.endswith("_seconds"):
+        assert spec.buckets[0] == 0.001, "latency buckets start at 1 ms"
+        assert spec.buckets[-1] >= 60.0
+    if spec.kind == "counter":
+        assert spec.ray_name + "_total" == spec.name  # Ray adds _total to counters on export
+
+
+def test_catalogue_names_are_unique_and_complete():
+    names = [m.name for m in METRICS]
+    assert len(names) == len(set(names))
+    assert metric("scissorhands_ttft_seconds").kind == "histogram"
+    with pytest.raises(KeyError, match="scissorhands_ttft_seconds"):
+        metric("scissorhands_ttft_ms")
+    live = exported_metric_names("ray")
+    assert "ray_scissorhands_generated_tokens_total" in live
+    assert "scissorhands_sweep_output_throughput_tokens_per_second" in exported_metric_names("pushgateway")
+    assert all(n.startswith("ray_scissorhands_") for n in live)
+
+
+def test_latency_buckets_are_fine_enough_for_twenty_percent():
+    ratios = [b / a for a, b in zip(LATENCY_BUCKETS_S, LATENCY_BUCKETS_S[1:])]
+    assert all(1.15 < r <= 1.251 for r in ratios), max(ratios)
+    assert LATENCY_BUCKETS_S == tuple(sorted(set(LATENCY_BUCKETS_S)))
+    assert 0.005 > LATENCY_BUCKETS_S[8] and 0.15 in LATENCY_BUCKETS_S  # 4.7 ms < 5 ms <= 5.6 ms
+
+
+def test_strip_sample_suffix():
+    assert strip_sample_suffix("ray_scissorhands_ttft_seconds_bucket") == "ray_scissorhands_ttft_seconds"
+    assert strip_sample_suffix("ray_scissorhands_generated_tokens_total") == "ray_scissorhands_generated_tokens"
+    assert strip_sample_suffix("scissorhands_sweep_kv_cache_bytes") == "scissorhands_sweep_kv_cache_bytes"
+
+
+def test_ratio_label():
+    assert ratio_label("scissorhands", 5) == ratio_label("scissorhands", 5.0) == "5"
+    assert ratio_label("scissorhands", 2.5) == "2.5"
+    assert ratio_label("full", None) == "1"
+    assert ratio_label("scissorhands", None) == ""  # absolute budget
+
+
+# --------------------------------------------------------------------------- ReplicaMetrics without Ray
+def test_replica_metrics_records_in_memory_without_ray():
+    m = ReplicaMetrics("scissorhands", 5, "replica-0", "tiny-llama", "run-1", use_ray=False)
+    assert not m.uses_ray
+    m.observe_prefill(0.25, tokens=512)
+    m.observe_decode_step(0.01, batch_size=4)
+    m.observe_decode_step(0.03, batch_size=4)
+    m.observe_ttft(0.25)
+    m.observe_tpot(0.02)
+    m.set_running(4)
+    m.set_queued(2)
+    m.set_queued(0)
+    m.add_generated_tokens(4)
+    m.add_generated_tokens(12)
+    m.add_generated_tokens(0)  # ignored
+    m.set_kv_cache(bytes=3 * 2**20, slots=128)
+    m.add_evictions(7)
+    m.observe_model_load(1.5)
+    snap = m.snapshot()
+    assert snap["scissorhands_prefill_seconds"] == (1, 0.25)
+    assert snap["scissorhands_prefill_tokens_total"] == 512
+    assert snap["scissorhands_decode_step_seconds"] == (2, pytest.approx(0.04))
+    assert snap["scissorhands_decode_batch_size"] == (2, 8.0)
+    assert snap["scissorhands_ttft_seconds"] == (1, 0.25)
+    assert snap["scissorhands_tpot_seconds"] == (1, 0.02)
+    assert snap["scissorhands_running_sequences"] == 4
+    assert snap["scissorhands_queued_sequences"] == 0
+    assert snap["scissorhands_generated_tokens_total"] == 16
+    assert snap["scissorhands_kv_cache_bytes"] == 3 * 2**20
+    assert snap["scissorhands_kv_cache_slots"] == 128
+    assert snap["scissorhands_evicted_tokens_total"] == 7
+    assert snap["scissorhands_model_load_seconds"] == 1.5
+    assert set(snap) == {s.name for s in METRICS if s.source == "ray"}
+    assert m.tags == {"policy": "scissorhands", "compression_ratio": "5", "replica": "replica-0",
+                      "model": "tiny-llama", "run_id": "run-1"}
+
+
+def test_for_point_keeps_series_apart():
+    base = ReplicaMetrics("full", None, "replica-1", "tiny-llama", "run-2", use_ray=False)
+    a = base.for_point("scissorhands", 2)
+    b = base.for_point("scissorhands", 5)
+    a.add_generated_tokens(3)
+    b.add_generated_tokens(5)
+    base.add_generated_tokens(1)
+    assert a.snapshot()["scissorhands_generated_tokens_total"] == 3
+    assert b.snapshot()["scissorhands_generated_tokens_total"] == 5
+    assert base.snapshot()["scissorhands_generated_tokens_total"] == 1
+    assert base.tags["compression_ratio"] == "1" and b.tags["compression_ratio"] == "5"
+    assert b.tags["replica"] == "replica-1" and b.tags["run_id"] == "run-2"
+    c = base.for_point("scissorhands", 5, run_id="run-3")
+    c.add_generated_tokens(2)
+    assert c.tags["run_id"] == "run-3" and c.snapshot()["scissorhands_generated_tokens_total"] == 2
+    assert b.snapshot()["scissorhands_generated_tokens_total"] == 5
+
+
+def test_replica_metrics_defaults_to_memory_when_ray_is_off():
+    import ray
+
+    if ray.is_initialized():
+        pytest.skip("a Ray session is open in this process")
+    assert ReplicaMetrics("full", None, "r", "m", "run").uses_ray is False
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.observe_ttft(-0.1),
+    lambda m: m.observe_decode_step(0.1, batch_size=-1),
+    lambda m: m.set_kv_cache(bytes=-1, slots=0),
+    lambda m: m.observe_prefill(float("nan"), tokens=3),
+])
+def test_replica_metrics_rejects_negative_values(call):
+    m = ReplicaMetrics("full", None, "r", "m", "run", use_ray=False)
+    with pytest.raises(ValueError, match="must be a number >= 0"):
+        call(m)
+
+
+# --------------------------------------------------------------------------- SweepPusher, no Pushgateway
+RECORD = {
+    "run_id": "run-x", "point_id": "scissorhands-r5-b4-p64-n8-s0-0a1b2c3d", "status": "ok", "error": None,
+    "model": "tiny-llama", "model_id": "tiny-llama", "policy": "scissorhands", "compression_ratio": 5.0,
+    "budget_tokens_requested": None, "budget_tokens": 20, "batch_size": 4, "prompt_tokens": 64, "new_tokens": 8,
+    "ttft_s": 0.05, "ttft_p50_s": 0.05, "ttft_p90_s": 0.05, "ttft_p99_s": 0.05, "tpot_p50_s": 0.01,
+    "e2e_latency_p50_s": 0.12, "output_throughput_tok_per_s": 266.0, "total_throughput_tok_per_s": 2400.0,
+    "kv_cache_bytes": 81920,
+}
+
+
+def _sample(pusher, name, **labels):
+    for registry in (pusher.registry, *pusher.point_registries.values()):
+        for family in registry.collect():
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return s.value
+    return None
+
+
+def test_point_labels_and_values_come_from_the_catalogue_record_keys():
+    p = SweepPusher("off", "run-x")
+    assert p.enabled is False and p.push_point(RECORD) is False  # disabled: no push, no error
+    labels = p.point_labels(RECORD)
+    assert tuple(labels) == POINT_LABELS
+    assert labels == {"policy": "scissorhands", "compression_ratio": "5", "budget_tokens": "", "batch_size": "4",
+                      "prompt_tokens": "64", "new_tokens": "8", "concurrency": "", "request_rate": "",
+                      "kv_bits": "", "task": "", "model": "tiny-llama"}
+    assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", policy="scissorhands") == 266.0
+    assert _sample(p, "scissorhands_sweep_kv_cache_bytes", batch_size="4") == 81920
+    for q in ("0.5", "0.9", "0.99"):
+        assert _sample(p, "scissorhands_sweep_ttft_seconds", quantile=q) == 0.05
+    assert _sample(p, "scissorhands_sweep_tpot_seconds", quantile="0.5") == 0.01
+    assert _sample(p, "scissorhands_sweep_tpot_seconds", quantile="0.99") is None  # no tpot_p99_s: not exported
+    assert _sample(p, "scissorhands_sweep_max_batch_size", policy="scissorhands") == 4
+    assert _sample(p, "scissorhands_sweep_perplexity") is None  # not in the record: not exported
+    # only the catalogue's record keys are read: no other spelling is guessed
+    other = SweepPusher("off", "run-x")
+    other.push_point({k: v for k, v in RECORD.items() if not k.startswith("ttft_p")} | {"ttft_s": {"p50": 1.0}})
+    assert _sample(other, "scissorhands_sweep_ttft_seconds") is None
+    assert {m.record_key for m in METRICS if m.record_key} >= {"output_throughput_tok_per_s", "ttft_{q}_s", "perplexity"}
+
+
+def test_each_point_has_its_own_group_and_failed_points_do_not_count():
+    p = SweepPusher("off", "run-y")
+    p.push_point({**RECORD, "point_id": "a", "ttft_p50_s": 0.04, "ttft_p99_s": 0.09, "batch_size": 16})
+    p.push_point({**RECORD, "point_id": "b", "batch_size": 64, "status": "error", "error": "RuntimeError: out of memory",
+                  "output_throughput_tok_per_s": None})
+    assert set(p.point_registries) == {"a", "b"}
+    assert _sample(p, "scissorhands_sweep_ttft_seconds", batch_size="16", quantile="0.5") == 0.04
+    assert _sample(p, "scissorhands_sweep_ttft_seconds", batch_size="16", quantile="0.99") == 0.09
+    assert _sample(p, "scissorhands_sweep_max_batch_size") == 16  # the failed batch 64 does not count
+    assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", batch_size="64") is None
+    p.push_progress(2, 5)
+    assert _sample(p, "scissorhands_sweep_points_completed") == 2
+    assert _sample(p, "scissorhands_sweep_points_planned") == 5
+    with pytest.raises(ValueError, match="done <= total"):
+        p.push_progress(6, 5)
+    # every exported family is in the catalogue
+    exposed = {f.name for r in (p.registry, *p.point_registries.values()) for f in r.collect()}
+    assert exposed <= exported_metric_names("pushgateway")
+    assert b"scissorhands_sweep_ttft_seconds{" in generate_latest(p.point_registries["a"])
+
+
+def test_pushgateway_url_resolution(monkeypatch):
+    monkeypatch.delenv("SCISSORHANDS_PUSHGATEWAY", raising=False)
+    assert resolve_pushgateway_url(None) == "127.0.0.1:9091"
+    monkeypatch.setenv("SCISSORHANDS_PUSHGATEWAY", "http://127.0.0.1:19091")
+    assert resolve_pushgateway_url(None) == "http://127.0.0.1:19091"
+    assert resolve_pushgateway_url("127.0.0.1:1") == "127.0.0.1:1"
+    monkeypatch.setenv("SCISSORHANDS_PUSHGATEWAY", "off")
+    assert resolve_pushgateway_url(None) is None
+    with pytest.raises(ValueError, match="run_id"):
+        SweepPusher(None, "")
+
+
+def test_unreachable_pushgateway_is_one_notice_then_a_no_op(caplog):
+    port = free_port()  # nothing listens there
+    pusher = SweepPusher(f"127.0.0.1:{port}", "run-down", timeout_s=1.0)
+    with caplog.at_level(logging.WARNING, logger="workloads.core.push"):
+        assert pusher.push_progress(0, 3) is False
+        for i in range(3):
+            assert pusher.push_point({**RECORD, "batch_size": 2**i}) is False
+        assert pusher.push_progress(3, 3) is False
+    notices = [r for r in caplog.records if r.name == "workloads.core.push"]
+    assert len(notices) == 1, [r.getMessage() for r in notices]
+    message = notices[0].getMessage()
+    assert "\n" not in message and f"127.0.0.1:{port}" in message and "not be pushed" in message
+    assert pusher.enabled is False and pusher.pushes == 0
+    assert not math.isnan(_sample(pusher, "scissorhands_sweep_max_batch_size"))  # still kept locally
+
+
+# --------------------------------------------------------------------------- exact means (L21), phases (L20)
+def test_every_histogram_has_an_exact_sum_counter_fed_with_the_exact_values():
+    hists = [s for s in METRICS if s.kind == "histogram"]
+    assert hists and all(metric(h.exact_sum.name).kind == "counter" for h in hists)
+    m = ReplicaMetrics("scissorhands", 5, "replica-0", "tiny-llama", "run-1", use_ray=False)
+    for _ in range(20):
+        m.observe_decode_step(0.005, batch_size=3)      # 5 ms lies between the E12 bounds 4.7 and 5.6 ms
+    snap = m.snapshot()
+    assert snap["scissorhands_decode_batch_size_exact_sum_total"] / snap["scissorhands_decode_batch_size"][0] == 3
+    assert snap["scissorhands_decode_step_seconds_exact_sum_total"] == pytest.approx(20 * 0.005, rel=1e-12)
+    with pytest.raises(ValueError, match="only a histogram"):
+        metric("scissorhands_generated_tokens_total").exact_sum
+
+
+def test_request_level_metrics_keep_warm_up_apart():
+    m = ReplicaMetrics("full", None, "replica-0", "tiny-llama", "run-1", use_ray=False)
+    m.add_generated_tokens(4)
+    m.add_generated_tokens(3, phase="warmup")
+    m.observe_prefill(0.1, tokens=16, warmup_tokens=8)
+    m.observe_ttft(0.2, phase="warmup")
+    assert m.snapshot()["scissorhands_generated_tokens_total"] == 4
+    assert m.snapshot()["scissorhands_prefill_tokens_total"] == 16
+    assert "scissorhands_ttft_seconds" not in m.snapshot()
+    warm = m.snapshot("warmup")
+    assert warm["scissorhands_generated_tokens_total"] == 3 and warm["scissorhands_prefill_tokens_total"] == 8
+    assert warm["scissorhands_ttft_seconds"] == (1, 0.2)
+    with pytest.raises(ValueError, match="phase: expected one of measured, warmup"):
+        m.add_generated_tokens(1, phase="warm")
+
+
+def test_a_process_without_ray_gets_the_in_memory_recorder_and_does_not_import_ray():
+    """Ray runs in a process only once imported: the recorder asks `sys.modules`, never imports Ray itself
+    (importing it costs seconds in every plain-class user: the engine, the benchmarks, the tests)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from replica.metrics import ReplicaMetrics; "
+            "m = ReplicaMetrics('full', None, 'r', 'm', 'run'); print(m.uses_ray, 'ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, timeout=120, env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]

@@ -1,0 +1,82 @@
+"""What the runners send through the Serve handle: dataclasses, never dicts rebuilt by hand. No Ray
+(init_ray, start_replicas and dispatch_points are replaced by fakes that call the runner's `call` with a
+fake handle capturing the arguments)."""
+
+import argparse
+
+import pytest
+
+from replica.static_batch import BatchSpec, ModelReplica
+from scissorhands.testing import tiny_llama
+from workloads.core import run as run_mod
+from workloads import sweep
+from workloads.frontier.suite import FrontierPoint
+from workloads.core.suite import parse_suite
+
+
+class _Handle:
+    """A stand-in for the Serve deployment handle: ``handle.run.remote(method, *args)`` records its call."""
+
+    def __init__(self):
+        self.calls = []
+        self.run = self
+
+    def remote(self, method, *args):
+        self.calls.append((method, args))
+        return None
+
+
+def _fake_cluster(monkeypatch, module, handle):
+    class _RSet:
+        def shutdown(self):
+            pass
+
+    def dispatch(ray, rset, infos, pending, call, *rest, name):
+        for point in pending:
+            call(handle, point)
+        return 0
+
+    monkeypatch.setattr(module, "init_ray", lambda address: (None, False))
+    monkeypatch.setattr(module, "start_replicas", lambda *a, **k: (_RSet(), [{}]))
+    monkeypatch.setattr(module, "dispatch_points", dispatch)
+    monkeypatch.setattr("cluster.inventory.cluster_inventory", lambda: {})
+
+
+def test_sweep_sends_each_point_as_a_batch_spec(monkeypatch):
+    suite = parse_suite(dict(kind="batch", name="t", model="tiny-llama", policies=["full", "scissorhands"],
+                             compression_ratios=[2], budget_tokens=[30], batch_sizes=[3], prompt_tokens=[64],
+                             new_tokens=[16], seed=5))
+    points = suite.points()
+    handle = _Handle()
+    _fake_cluster(monkeypatch, sweep, handle)
+    assert sweep._run_points(argparse.Namespace(address=None), suite, "r", "c", points, 1, publish=None) == 0
+    assert [m for m, _ in handle.calls] == ["run_batch"] * 3
+    specs = [args[0] for _, args in handle.calls]
+    assert all(type(s) is BatchSpec and len(args) == 1 for s, (_, args) in zip(specs, handle.calls))
+    assert [(s.policy, s.compression_ratio, s.budget_tokens) for s in specs] == [
+        ("full", None, None), ("scissorhands", 2.0, None), ("scissorhands", None, 30)]
+    assert {(s.batch_size, s.prompt_tokens, s.new_tokens, s.seed, s.random_ids, s.prompt_ids) for s in specs} == {
+        (3, 64, 16, 5, False, None)}
+
+
+def test_apply_points_are_sent_as_the_workloads_dataclass(monkeypatch):
+    suite = parse_suite({"kind": "frontier", "model": "tiny-llama", "policies": ["full", "scissorhands"],
+                         "compression_ratios": [4], "prompt_tokens": 24, "new_tokens": 8})
+    points = suite.points()
+    handle = _Handle()
+    _fake_cluster(monkeypatch, run_mod, handle)
+
+    def fn(model, tokenizer, point):
+        return {}
+
+    failed = run_mod.run_on_replicas(argparse.Namespace(address=None, local=False), suite, "r", points, 1, fn,
+                                     None, None, None, name="frontier")
+    assert failed == 0
+    assert [(m, args) for m, args in handle.calls] == [("apply", (fn, p)) for p in points]
+    assert all(type(args[1]) is FrontierPoint for _, args in handle.calls)
+
+
+def test_run_batch_refuses_a_mapping_naming_the_type():
+    replica = ModelReplica(model=tiny_llama(seed=0), model_spec="tiny-llama", num_threads=1, warmup=False)
+    with pytest.raises(TypeError, match="BatchSpec, got dict"):
+        replica.run_batch(dict(policy="full", batch_size=1, prompt_tokens=4, new_tokens=2, seed=0))

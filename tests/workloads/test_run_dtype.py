@@ -1,0 +1,148 @@
+"""`dtype: auto` is resolved once per run, not by each replica (issue 13 item 1; workloads.core.run.resolve_run_dtype).
+
+The probe is faked to answer differently on every call (tests/dtype_fakes.py), as a loaded machine's
+probe did: on the code before this fix two replicas of one run loaded bfloat16 and float32.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.dtype_fakes import COUNTER_ENV, install_alternating_probe, probe_calls
+
+
+@pytest.fixture
+def alternating_probe(tmp_path, monkeypatch):
+    import scissorhands.models as models
+
+    path = tmp_path / "probe-calls"
+    monkeypatch.setenv(COUNTER_ENV, str(path))
+    monkeypatch.setattr(models, "cpu_flags", models.cpu_flags)          # restored after the test
+    monkeypatch.setattr(models, "probe_bfloat16_speedup", models.probe_bfloat16_speedup)
+    install_alternating_probe()
+    return path
+
+
+def test_the_fake_probe_splits_replicas_that_resolve_on_their_own(alternating_probe):
+    from replica.static_batch import ModelReplica
+
+    a = ModelReplica("tiny-llama", dtype="auto", warmup=False).info()
+    b = ModelReplica("tiny-llama", dtype="auto", warmup=False).info()
+    assert (a["dtype"], b["dtype"]) == ("bfloat16", "float32")      # the fault this module's tests guard
+
+
+def test_local_run_resolves_once_and_every_replica_runs_it(alternating_probe):
+    from replica.static_batch import ModelReplica
+    from workloads.core.run import resolve_run_dtype
+    from workloads.core.suite import Suite
+
+    suite = Suite(kind="batch", name="t", model="tiny-llama", policies=["full"], batch_sizes=[1], prompt_tokens=[8],
+                  new_tokens=[2], dtype="auto")
+    resolved = resolve_run_dtype(suite)
+    infos = [ModelReplica("tiny-llama", replica_id=f"r{i}", warmup=False, **resolved).info() for i in range(2)]
+    assert probe_calls(alternating_probe) == 1
+    assert [i["dtype"] for i in infos] == ["bfloat16", "bfloat16"]
+    assert infos[0]["dtype_reason"] == infos[1]["dtype_reason"] == resolved["dtype_reason"]
+    assert "bfloat16 2.00x float32's speed" in resolved["dtype_reason"]
+    assert "resolved once for the run on host " in resolved["dtype_reason"]
+
+
+def test_forced_dtype_needs_no_probe(alternating_probe):
+    from replica.static_batch import resolve_run_dtype
+
+    assert resolve_run_dtype("tiny-llama", "float32") == {"dtype": "float32"}
+    assert probe_calls(alternating_probe) == 0
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        resolve_run_dtype("tiny-llama", "fp8")
+
+
+def test_serve_app_deployments_share_one_dtype(alternating_probe):
+    from cluster.serve_app import build_serve_app
+
+    app = build_serve_app("tiny-llama", ["full", "scissorhands:5"], tokenizer_spec=None)
+    handles = app._bound_deployment.init_args[0]
+    args = {m: h._bound_deployment.init_args for m, h in handles.items()}
+    assert probe_calls(alternating_probe) == 1
+    assert len(args) == 2
+    assert {a[3] for a in args.values()} == {"bfloat16"}               # dtype
+    reasons = {a[6] for a in args.values()}                            # dtype_reason
+    assert len(reasons) == 1 and "resolved once for the run" in reasons.pop()
+
+
+@pytest.fixture(scope="module")
+def ray_fake_probe(tmp_path_factory):
+    """A local Ray cluster whose workers run the alternating probe; yields its counter file (emptied per test)."""
+    import os
+
+    import ray
+
+    counter = tmp_path_factory.mktemp("probe") / "probe-calls"
+    before = os.environ.get(COUNTER_ENV)
+    os.environ[COUNTER_ENV] = str(counter)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"worker_process_setup_hook": "tests.dtype_fakes.install_alternating_probe",
+                          "env_vars": {COUNTER_ENV: str(counter)}})
+    yield counter
+    ray.shutdown()
+    if before is None:
+        os.environ.pop(COUNTER_ENV, None)
+    else:
+        os.environ[COUNTER_ENV] = before
+
+
+@pytest.mark.ray
+def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe):
+    """A real sweep on 2 Ray replicas (tiny model): the probe runs once, in one Ray task, and every point
+    records the same dtype and reason (before: each replica probed, bfloat16 on one, float32 on the other)."""
+    from workloads import sweep
+
+    counter = ray_fake_probe
+    counter.unlink(missing_ok=True)
+    suite = tmp_path / "tiny.yaml"
+    suite.write_text(yaml.safe_dump(dict(
+        kind="batch", name="tiny", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[5],
+        batch_sizes=[1], prompt_tokens=[16], new_tokens=[4], seed=0, replicas=2, dtype="auto")))
+    rc = sweep.main([str(suite), "--results-dir", str(tmp_path / "results"), "--run-id", "run1"])
+    run_dir = Path(tmp_path / "results" / "run1")
+    points = [json.loads(line) for line in (run_dir / "points.jsonl").read_text().splitlines()]
+    assert rc == 0
+    assert len(points) == 2 and len({p["replica_id"] for p in points}) == 2     # one point on each replica
+    assert {p["dtype"] for p in points} == {"bfloat16"}
+    assert probe_calls(counter) == 1                                          # one Ray task probed, no replica
+    reasons = {p["dtype_reason"] for p in points}
+    assert len(reasons) == 1 and "resolved once for the run on node " in reasons.pop()
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert [d["dtype"] for d in meta["dtypes"]] == ["bfloat16"]
+
+
+@pytest.mark.ray
+def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, monkeypatch):
+    """A serving sweep on 2 Ray serving replicas: both load the dtype resolved once for the run."""
+    import argparse
+
+    from workloads.serving import runner as serving_sweep
+    counter = ray_fake_probe
+    counter.unlink(missing_ok=True)
+    started = []
+    real_start = serving_sweep.ServeReplicaPool.start
+
+    def start(self):                                    # every replica's info, not only the one start() asks
+        infos = real_start(self)
+        started.extend(self.rset.broadcast("info").values())
+        return infos
+
+    monkeypatch.setattr(serving_sweep.ServeReplicaPool, "start", start)
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump(dict(
+        kind="serving", name="s", model="tiny-llama", policies=["full"], mode="concurrency", loads=[1],
+        prompt_tokens={"dist": "uniform", "min": 8, "max": 12}, new_tokens={"dist": "uniform", "min": 2, "max": 3},
+        num_requests=2, warmup_requests=0, seed=0, replicas=2, dtype="auto")))
+    args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
+                              resume=None, address=None, pushgateway="off")
+    assert serving_sweep.run_serving_sweep(args) == 0
+    assert len(started) == 2
+    assert [i["dtype"] for i in started] == ["bfloat16", "bfloat16"]
+    assert probe_calls(counter) == 1
+    assert started[0]["dtype_reason"] == started[1]["dtype_reason"]
+    assert "resolved once for the run on node " in started[0]["dtype_reason"]

@@ -1,0 +1,253 @@
+"""Serving sweeps (workloads.serving.runner): in-process replicas on the tiny model, and fake pools.
+
+Covers: concurrency and max-batch suites end to end (records with n, table, plots), L7 (killed
+during point 3, resume starts at point 3), L13 (missing model path: non-zero, points kept, path
+named), L14 (every request fails: summary written, nulls, non-zero), OOM points recorded and the
+sweep goes on, a dead replica restarted and its point marked failed, saturation stops a series.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.serving_fakes import FakeReplica, Script
+from workloads import sweep
+from workloads.serving.runner import LocalReplicaPool, run_serving_sweep
+from workloads.core.suite import SuiteError, load_suite
+
+BASE = dict(kind="serving", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2],
+            prompt_tokens={"dist": "uniform", "min": 8, "max": 24}, new_tokens={"dist": "uniform", "min": 2, "max": 8},
+            num_requests=6, warmup_requests=1, seed=0, replicas=1)
+
+
+def _suite(tmp: Path, name="s", **kw) -> str:
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, **BASE, **kw}))
+    return str(path)
+
+
+def _args(suite: str, results: Path, run_id="run", resume=None) -> argparse.Namespace:
+    return argparse.Namespace(suite=suite, replicas=None, results_dir=str(results), run_id=None if resume else run_id,
+                              resume=resume, address=None, pushgateway="off")
+
+
+def _lines(path: Path) -> list[dict]:
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(x) for x in text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.set_num_threads(1)
+    from scissorhands.testing import tiny_llama
+
+    return tiny_llama(0)
+
+
+class CountingPool(LocalReplicaPool):
+    """In-process replicas that count configure calls and can die (KeyboardInterrupt) at call k."""
+
+    def __init__(self, model, kill_at: int | None = None):
+        super().__init__(1, "tiny-llama", model=model)
+        self.configured, self.kill_at = 0, kill_at
+
+    def configure(self, cfg, run_id=None):
+        self.configured += 1
+        if self.configured == self.kill_at:
+            raise KeyboardInterrupt("killed during this point")
+        super().configure(cfg, run_id)
+
+
+def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_path, tiny_model):
+    suite = _suite(tmp_path, mode="concurrency", loads=[1, 4])
+    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
+    assert rc == 0
+    run = tmp_path / "r" / "run"
+    recs = _lines(run / "points.jsonl")
+    assert [r["point_id"] for r in recs] == [p.point_id for p in load_suite(suite).points()]
+    for r in recs:
+        assert r["status"] == "ok" and r["stop_reason"] == "count"
+        assert r["sent_requests"] == 6 and r["completed_requests"] == 6 and r["warmup_requests"] == 1
+        assert r["ttft_n"] == 6 and r["ttft_p99_low_confidence"] is True and r["ttft_p50_s"] > 0
+        assert r["output_throughput_tok_per_s"] > 0 and r["kv_cache_bytes"] > 0
+        assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
+        assert r["replica_id"] == "local-0" and r["replica_ids"] == ["local-0"]  # the header names the replica
+        # the suite's dtype "auto", resolved: what the replica runs in and why
+        assert (r["dtype_requested"], r["dtype"], r["dtype_reason"]) == ("auto", "float32", "given model")
+    assert json.loads((run / "run.json").read_text())["dtypes"] == [
+        {"dtype": "float32", "dtype_requested": "auto", "dtype_reason": "given model"}]
+    assert [r["concurrency"] for r in recs] == [1, 4, 1, 4]       # the pushed series' labels
+    assert recs[1]["achieved_peak_concurrency"] == 4 and max(recs[1]["peak_running_sequences_per_replica"]) >= 2
+    assert recs[2]["budget_tokens"] == 16                     # ceil((24 + 8) / 2)
+    assert "TTFT p50/p99 (s)" in (run / "table.md").read_text()
+    assert (run / "pareto_tokens_per_user.png").stat().st_size > 1000
+
+
+def test_serving_record_header_names_every_replica_and_node_that_answered():
+    from workloads.serving.runner import _where
+
+    stats = [{"replica_id": "serving#b", "node_id": "n2", "hostname": "h"},
+             {"replica_id": "serving#a", "node_id": "n1", "hostname": "h"}]
+    where = _where({"dtype": "float32", "dtype_reason": "r", "replica_id": "serving#a", "hostname": "h"}, stats)
+    assert (where["replica_id"], where["node_id"], where["hostname"], where["dtype"]) == (
+        "serving#a,serving#b", "n1,n2", "h", "float32")
+    assert _where({"replica_id": "x"}, [])["replica_id"] == "x"        # no reply (every request failed early)
+
+
+def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_path, tiny_model):
+    suite = _suite(tmp_path, mode="max_batch", prompt_tokens=40, new_tokens=10, compression_ratios=[5],
+                   kv_memory_limit_bytes=6 * 50 * 528, rounds=1)
+    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
+    assert rc == 0
+    full, sh = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    assert full["max_batch_size"] == 6                         # limit / (50 preallocated slots * 528 B)
+    assert sh["max_batch_size"] >= 3 * full["max_batch_size"]
+    for r in (full, sh):
+        assert r["max_batch_verified"] is True and r["batch_size"] == r["max_batch_size"]
+        assert (r["prompt_tokens"], r["new_tokens"]) == (40, 10)
+        assert max(r["peak_running_sequences_per_replica"]) == r["max_batch_size"]
+        assert r["kv_cache_bytes"] <= 6 * 50 * 528
+    assert (tmp_path / "r" / "run" / "throughput_vs_batch.png").exists()
+
+
+def test_L7_killed_during_point_3_keeps_points_1_and_2_and_resume_starts_at_point_3(tmp_path, tiny_model):
+    suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 3], policies=["full"])
+    with pytest.raises(KeyboardInterrupt):
+        run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model, kill_at=3))
+    recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    assert [r["load"] for r in recs] == [1, 2] and all(r["status"] == "ok" for r in recs)
+    pool = CountingPool(tiny_model)
+    assert run_serving_sweep(_args(suite, tmp_path / "r", resume="run"), pool=pool) == 0
+    assert pool.configured == 1                                # only point 3 ran again
+    assert [r["load"] for r in _lines(tmp_path / "r" / "run" / "points.jsonl")] == [1, 2, 3]
+
+
+def test_L13_missing_model_path_exits_non_zero_names_the_path_and_keeps_points(tmp_path, tiny_model, capsys):
+    suite = _suite(tmp_path, mode="concurrency", loads=[1, 2], policies=["full"])
+    run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
+    before = (tmp_path / "r" / "run" / "points.jsonl").read_text()
+    missing = tmp_path / "no-such-model"
+    bad = _suite(tmp_path, mode="concurrency", loads=[1, 2, 4], policies=["full"], model=str(missing))
+    with pytest.raises(sweep.SweepError) as e:       # resuming the run with another model: refused, nothing run
+        run_serving_sweep(_args(bad, tmp_path / "r", resume="run"), pool=LocalReplicaPool(1, str(missing)))
+    assert e.value.code == 2 and "['model']" in str(e.value) and str(missing) in str(e.value)
+    assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
+    with pytest.raises(sweep.SweepError) as e:       # a new run with replicas that cannot load
+        run_serving_sweep(_args(bad, tmp_path / "r", run_id="run2"), pool=LocalReplicaPool(1, str(missing)))
+    assert e.value.code == 1 and str(missing) in str(e.value)
+    assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
+
+
+def test_sweep_main_hands_serving_suites_over_and_reports_their_errors(tmp_path, capsys):
+    assert sweep.main([_suite(tmp_path, mode="rate", loads=[0]), "--results-dir", str(tmp_path / "r")]) == 2
+    assert "loads[0]" in capsys.readouterr().err
+
+
+class FakePool:
+    """A pool of one scripted fake replica; `behaviour(point_index)` -> 'ok' | 'oom' | 'die' | 'fail'."""
+
+    def __init__(self, behaviour):
+        self.behaviour, self.configured, self.restarted = behaviour, -1, []
+
+    def start(self):
+        return [{"replica_id": "fake-0"}]
+
+    def configure(self, cfg, run_id=None):
+        self.configured += 1
+        kind = self.behaviour(self.configured)
+
+        class RayActorError(Exception):
+            pass
+
+        def script(req):
+            if kind == "oom":
+                return Script(ttft_s=0.001, error_kind="oom")
+            if kind == "fail":
+                return Script(ttft_s=0.001, raises=RuntimeError("boom"))
+            if kind == "die" and not req.request_id.endswith("#0"):
+                return Script(ttft_s=0.001, raises=RayActorError("The actor died unexpectedly"))
+            if kind == "slow":
+                return Script(ttft_s=0.05, gap_s=0.001)
+            return Script(ttft_s=0.001, gap_s=0.0005)
+        self.kind, self.replica = kind, FakeReplica(script=script, clock=time.time)
+
+    def client(self):
+        return self.replica
+
+    def max_batch_for(self, p, n):
+        return 4
+
+    def stats(self, reset=False):
+        return [{"replica_id": "fake-0", "peak_running_sequences": self.replica.peak_running,
+                 "peak_kv_cache_bytes": 1000, "budget_tokens": None, "slot_bytes": 10,
+                 "kv_memory_limit_bytes": None}]
+
+    def restart_dead(self):
+        if self.kind == "die":
+            self.restarted.append("fake-0")
+            return ["fake-0"]
+        return []
+
+    def close(self):
+        pass
+
+
+def test_oom_point_is_recorded_and_a_dead_replica_is_restarted_with_its_point_failed(tmp_path):
+    suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 3], saturation={"max_error_rate": None})
+    pool = FakePool(lambda i: {1: "oom", 2: "die"}.get(i, "ok"))
+    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=pool)
+    assert rc == 1                                              # a failed point
+    recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    # full: ok, oom, then no higher load (skipped); scissorhands: the replica died at load 1, goes on
+    assert [r["status"] for r in recs] == ["ok", "oom", "skipped", "error", "ok", "ok"]
+    assert recs[2]["stop_reason"] == "saturated at load 2: out of memory"
+    recs = recs[:2] + recs[3:]
+    assert recs[1]["stop_reason"] == "out of memory" and recs[1]["errors_by_kind"] == {"oom": 6}
+    assert recs[2]["stop_reason"] == "replica died" and "restarted" in recs[2]["error"]
+    assert pool.restarted == ["fake-0"] and recs[3]["completed_requests"] == 6
+
+
+def test_saturation_stops_raising_the_load_and_resume_keeps_the_skips(tmp_path):
+    suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 4, 8], policies=["full"],
+                   saturation={"max_error_rate": None, "max_p50_ttft_s": 0.02})
+    pool = FakePool(lambda i: "slow" if i >= 1 else "ok")
+    assert run_serving_sweep(_args(suite, tmp_path / "r"), pool=pool) == 0
+    recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    assert [r["status"] for r in recs] == ["ok", "ok", "skipped", "skipped"]
+    assert recs[2]["stop_reason"].startswith("saturated at load 2: p50 TTFT")
+    assert pool.configured == 1
+    pool2 = FakePool(lambda i: "ok")
+    assert run_serving_sweep(_args(suite, tmp_path / "r", resume="run"), pool=pool2) == 0
+    assert pool2.configured == -1                               # nothing ran again
+
+
+def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_path):
+    suite = _suite(tmp_path, mode="rate", loads=[50], policies=["full"], num_requests=5)
+    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=FakePool(lambda i: "fail"))
+    assert rc == 1
+    (r,) = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    assert r["status"] == "error" and r["stop_reason"] == "every request failed"
+    assert (r["completed_requests"], r["failed_requests"], r["errors_by_kind"]) == (0, 5, {"error": 5})
+    assert r["ttft_p50_s"] is None and r["e2e_latency_p99_s"] is None and r["ttft_n"] == 0
+    assert "every request failed" in (tmp_path / "r" / "run" / "table.md").read_text()
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(mode="rate"), "loads"),
+    (dict(mode="concurrency", loads=[4, 2]), "loads"),
+    (dict(mode="max_batch"), "kv_memory_limit_bytes"),
+    (dict(mode="max_batch", kv_memory_limit_bytes=10**6), "fixed lengths"),
+    (dict(mode="rate", loads=[1], burstiness=0.5), "burstiness"),
+    (dict(mode="rate", loads=[1], arrival="uniform"), "arrival"),
+    (dict(mode="streaming", loads=[1]), "mode"),
+])
+def test_serving_suite_errors_name_the_field(tmp_path, kw, field):
+    with pytest.raises(SuiteError, match=field):
+        load_suite(_suite(tmp_path, **kw))

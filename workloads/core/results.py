@@ -1,0 +1,343 @@
+"""Results of a run: the one record builder, `results/<run_id>/points.jsonl`, `points.csv`, `table.md`.
+
+Every runner (batch sweep, serving sweep) builds its records with `build_record`: a typed header
+(`RecordHeader`: schema version, `kind`, run id, point id and the settings it covers, git commit,
+suite, model, dtype, policy with every resolved parameter, replica and node, start and end times)
+followed by the point's metrics under the keys the metrics catalogue (`replica.metrics.METRICS`,
+`MetricSpec.record_key`) names. Output length is `new_tokens` everywhere (requested tokens per
+sequence); `output_tokens` is the count of tokens actually generated.
+
+`points.jsonl` holds one JSON object per line, one line per finished point (ok or error).
+Each line is appended with a single `os.write` of the complete line on an `O_APPEND` file
+descriptor, then fsync'ed, so a killed sweep leaves complete lines only (a torn tail, possible
+only if the machine dies mid-write, is cut off before the file is appended to again).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from scissorhands import POLICIES
+from scissorhands.models import model_id_of
+
+SCHEMA_VERSION = 2
+MIB = 1024 * 1024
+#: Keys of a replica's `info()` copied into every record (where the point ran).
+REPLICA_KEYS = ("replica_id", "node_id", "node_ip", "accelerator_ids", "devices", "hostname", "torch_threads")
+
+
+def resolved_policy_params(policy: str | None, policy_params: dict, budget_tokens: int | None) -> dict | None:
+    """The policy's full parameter set (defaults filled in), plus the effective recent window and drop
+    count (`Policy.resolve`) for ``budget_tokens`` when one was used; None for a point without a
+    policy (a quality persistence point)."""
+    if policy is None:
+        return None
+    pol = POLICIES[policy](**policy_params)
+    params = pol.params()
+    if budget_tokens is not None:
+        params["effective_recent_window"], params["effective_drop_tokens"] = pol.resolve(int(budget_tokens))
+    return params
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """What every record starts with, whatever its kind (`batch`, `serving`)."""
+
+    schema_version: int
+    kind: str
+    run_id: str
+    point_index: int
+    point_id: str
+    point_config: dict            # every setting the point id covers (workloads.core.suite.point_id)
+    status: str                   # ok | error | oom | skipped
+    error: str | None
+    git_commit: str
+    suite: str
+    model: str
+    model_id: str
+    dtype: str                    # the dtype the replica ran in (the suite may ask for "auto")
+    dtype_requested: str
+    dtype_reason: str | None      # why `auto` resolved as it did (scissorhands.models.resolve_dtype)
+    device: str
+    policy: str
+    policy_params: dict           # every parameter resolved, see resolved_policy_params
+    compression_ratio: float | None
+    budget_tokens_requested: int | None
+    seed: int
+    replica_id: str | None
+    node_id: str | None
+    node_ip: str | None
+    accelerator_ids: Any
+    devices: Any
+    hostname: str | None
+    torch_threads: int | None
+    ray_nodes: Any
+    started_at_unix_s: float | None
+    finished_at_unix_s: float | None
+
+
+def build_record(*, kind: str, run_id: str, commit: str, suite, point, status: str, error: str | None = None,
+                 replica: Mapping[str, Any] | None = None, inventory: Any = None, started_at_unix_s: float | None = None,
+                 finished_at_unix_s: float | None = None, metrics: Mapping[str, Any] | None = None) -> dict:
+    """The record of one finished point: the `RecordHeader` fields, then `metrics` (which may add
+    `budget_tokens`, the B used; the resolved policy parameters follow it).
+
+    `suite` and `point` are a suite model of `workloads.core.suite` and one of its points (`index`,
+    `point_id`, `identity`, `policy`, `policy_params`, `compression_ratio`, `budget_tokens`, `seed`);
+    `replica` is the replica's `info()` (None when the point never reached one).
+    """
+    metrics = dict(metrics or {})
+    replica = replica or {}
+    header = RecordHeader(
+        schema_version=SCHEMA_VERSION, kind=kind, run_id=run_id, point_index=point.index, point_id=point.point_id,
+        point_config=point.identity, status=status, error=error, git_commit=commit, suite=suite.name,
+        model=suite.model, model_id=metrics.pop("model_id", None) or replica.get("model_id") or model_id_of(suite.model),
+        dtype=replica.get("dtype") or suite.dtype, dtype_requested=suite.dtype, dtype_reason=replica.get("dtype_reason"),
+        device=suite.device, policy=point.policy,
+        policy_params=resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
+        compression_ratio=point.compression_ratio, budget_tokens_requested=point.budget_tokens, seed=point.seed,
+        **{k: replica.get(k) for k in REPLICA_KEYS}, ray_nodes=inventory, started_at_unix_s=started_at_unix_s,
+        finished_at_unix_s=finished_at_unix_s,
+    )
+    return {**asdict(header), **metrics}
+
+
+def append_record(path: str, record: dict) -> None:
+    """Append one record as one JSON line: a single write of the whole line, flush, fsync.
+
+    Raises OSError when the line could not be written whole.
+    """
+    line = (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, line)
+        if written != len(line):
+            raise OSError(f"{path}: short write ({written} of {len(line)} bytes)")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def repair_tail(path: str) -> int:
+    """Cut an incomplete last line (no trailing newline) off `path`; return bytes removed."""
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        if not data or data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+        return len(data) - keep
+
+
+def read_records(path: str) -> list[dict]:
+    """All complete, valid records of a points file (invalid lines are skipped with a warning)."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                warnings.warn(f"{path}:{n}: incomplete last line ignored")
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{n}: invalid JSON line ignored")
+                continue
+            if isinstance(rec, dict) and "point_id" in rec and "status" in rec:
+                out.append(rec)
+    return out
+
+
+def latest_by_point(records: Iterable[dict]) -> dict[str, dict]:
+    """The last record of every point id (a resumed run may hold an error, then an ok)."""
+    latest: dict[str, dict] = {}
+    for rec in records:
+        latest[rec["point_id"]] = rec
+    return latest
+
+
+def repair_points_file(path: str, who: str) -> None:
+    """Cut an incomplete last line off the points file `path` (a killed run's half-written point),
+    saying so on stderr as `who`; a missing file is left missing."""
+    cut = repair_tail(path)
+    if cut:
+        print(f"{who}: cut an incomplete last line ({cut} bytes) off {path}", file=sys.stderr)
+
+
+def changed_settings(records: Iterable[dict], points: Iterable) -> dict[str, dict[str, tuple]]:
+    """Points of a resumed run whose settings changed since they were recorded.
+
+    A record and a point match when their readable tags match (`workloads.core.suite.tag_of`: policy,
+    budget, shape) but their ids differ, i.e. some setting the id covers changed (model, dtype,
+    device, lengths, load, limits, policy parameters). Returns point id -> {field: (recorded, now)}.
+    """
+    from workloads.core.suite import tag_of
+
+    by_tag = {tag_of(r["point_id"]): r for r in records if r.get("point_config")}
+    out = {}
+    for p in points:
+        old = by_tag.get(tag_of(p.point_id))
+        if old is not None and old["point_id"] != p.point_id:
+            was = old["point_config"]
+            now = json.loads(json.dumps(p.identity, default=str))
+            out[p.point_id] = {k: (was.get(k), now.get(k)) for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)}
+    return out
+
+
+# -- table --------------------------------------------------------------------------------
+COLUMNS = [  # (header with unit, record key, format)
+    ("policy", "policy", "s"),
+    ("params", "params_given", "s"),
+    ("ratio (x)", "compression_ratio", "g"),
+    ("batch", "batch_size", "d"),
+    ("prompt (tok)", "prompt_tokens", "d"),
+    ("new (tok)", "new_tokens", "d"),
+    ("budget (tok)", "budget_tokens", "d"),
+    ("prefill (s)", "prefill_s", ".3f"),
+    ("TTFT (s)", "ttft_s", ".3f"),
+    ("decode (tok/s)", "decode_tokens_per_s", ".1f"),
+    ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
+    ("KV cache (MiB)", "kv_cache_mib", ".2f"),
+    ("KV saved vs full (x)", "kv_saved_vs_full_x", ".2f"),
+    ("peak RSS (MiB)", "peak_rss_mib", ".0f"),
+    ("replica", "replica_id", "s"),
+    ("status", "status", "s"),
+]
+
+CSV_FIELDS = [
+    "schema_version", "run_id", "point_index", "point_id", "status", "error", "git_commit", "suite", "model_id",
+    "dtype", "device", "policy", "policy_params", "compression_ratio", "budget_tokens_requested", "budget_tokens",
+    "batch_size", "prompt_tokens", "new_tokens", "seed", "prefill_s", "ttft_s", "decode_s", "tpot_s",
+    "e2e_latency_s", "process_cpu_s", "decode_tokens_per_s", "output_throughput_tok_per_s", "total_throughput_tok_per_s",
+    "input_tokens", "output_tokens", "kv_cache_bytes", "kv_cache_bytes_final", "kv_saved_vs_full_x",
+    "peak_rss_bytes", "process_max_rss_bytes", "replica_id", "node_id", "hostname", "torch_threads",
+    "started_at_unix_s", "finished_at_unix_s",
+]
+
+
+def _sort_key(rec: dict):
+    return (
+        rec.get("batch_size", 0), rec.get("prompt_tokens", 0), rec.get("new_tokens", 0),
+        rec.get("policy") != "full", rec.get("policy", ""),
+        -(rec.get("compression_ratio") or 0), rec.get("budget_tokens_requested") or 0,
+    )
+
+
+def table_rows(records: Iterable[dict]) -> list[dict]:
+    """One row per point (latest record), sorted, with derived MiB and 'KV saved vs full' columns.
+
+    `kv_saved_vs_full_x` = kv_cache_bytes of the `full` point with the same batch, prompt,
+    new tokens and seed divided by this point's kv_cache_bytes (None without a full point).
+    """
+    latest = list(latest_by_point(records).values())
+    full = {
+        (r["batch_size"], r["prompt_tokens"], r["new_tokens"], r.get("seed")): r["kv_cache_bytes"]
+        for r in latest
+        if r.get("policy") == "full" and r.get("status") == "ok" and r.get("kv_cache_bytes")
+    }
+    rows = []
+    for r in sorted(latest, key=_sort_key):
+        row = dict(r)
+        kv = r.get("kv_cache_bytes")
+        ref = full.get((r.get("batch_size"), r.get("prompt_tokens"), r.get("new_tokens"), r.get("seed")))
+        row["kv_cache_mib"] = kv / MIB if kv is not None else None
+        row["kv_saved_vs_full_x"] = ref / kv if (ref and kv) else None
+        given = (r.get("point_config") or {}).get("policy_params") or {}
+        row["params_given"] = ", ".join(f"{k}={v}" for k, v in sorted(given.items())) or None
+        rss = r.get("peak_rss_bytes")
+        row["peak_rss_mib"] = rss / MIB if rss is not None else None
+        rows.append(row)
+    return rows
+
+
+def format_value(value, fmt: str) -> str:
+    """`value` in `fmt`, '-' for None, `str(value)` when the format does not apply."""
+    if value is None:
+        return "-"
+    try:
+        return format(value, fmt)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The sweep table as aligned Markdown; every numeric column carries its unit in the header."""
+    header = [h for h, _, _ in COLUMNS]
+    body = [[format_value(r.get(k), f) for _, k, f in COLUMNS] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for b in body:
+        lines.append("| " + " | ".join(c.rjust(w) if i > 0 else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict]) -> str:
+    """The points as CSV (fields in `CSV_FIELDS`; policy_params as JSON)."""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        row = dict(r)
+        row["policy_params"] = json.dumps(r.get("policy_params") or {}, sort_keys=True)
+        w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:
+    """The command line of a run's report (``python -m <prog> results/<run_id>``): reads the run's
+    ``points.jsonl``, calls ``write_report(run_dir, records)`` (-> ``{name: path}``), prints the table it
+    wrote (``table``) on stdout and every path on stderr. Exit status 2 for a wrong command line or a run
+    without records (the message names the file), else 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(f"usage: python -m {prog} results/<run_id>", file=sys.stderr)
+        return 2
+    run_dir = Path(argv[0])
+    records = read_records(str(run_dir / "points.jsonl"))
+    if not records:
+        print(f"{prog}: no records in {run_dir / 'points.jsonl'}", file=sys.stderr)
+        return 2
+    written = write_report(run_dir, records)
+    if "table" in written:
+        print(Path(written["table"]).read_text(encoding="utf-8"), end="")
+    print(f"{prog}: wrote " + ", ".join(str(v) for v in written.values()), file=sys.stderr)
+    return 0
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120, tight_layout: bool = True) -> Path:
+    """Write a matplotlib figure as PNG to `path` via a temporary file and rename (as `write_atomic`),
+    laid out tight unless told not to, then close it; return the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.png")
+    if tight_layout:
+        fig.tight_layout()
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write a whole file via a temporary file and rename (readers never see half a file)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,601 @@
+"""What every runner of a suite shares (throughput sweep, serving sweep, quality): the run folder,
+the Ray connection and the per-replica resources.
+
+* `open_run`: the run folder `<results-dir>/<run_id>/` (a new id, or `--resume RUN_ID`), its
+  `points.jsonl` repaired when the last line was cut mid-write, and `run.json` (suite, git commit).
+* `init_ray`: join `--address` / `$RAY_ADDRESS`, or start an embedded Ray on loopback.
+* `replica_resources`: torch threads, Ray CPUs and GPUs per replica.
+* `start_replicas`, `dispatch_points`: the replicas of a batch or quality run (a Ray Serve deployment:
+  `cluster.replica_set`, the one replica lifecycle: a placement-group bundle per replica, Serve's
+  restarts, GPU sharding) and the loop in which idle replicas take the next point, a point whose
+  replica died is queued again, and the nodes the replicas ran on are watched.
+* `SweepError`: stops a run before or between points, with the exit status.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster import submit
+from workloads.core import results as res
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class SweepError(Exception):
+    """An error that stops the sweep before or between points (exit status `code`)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def cli_main(name: str, run) -> int:
+    """The runners' command-line wrapper: ``run()``'s exit status; a `SweepError` printed as
+    ``<name>: error: ...`` with its code; Ctrl-C 130 with where the finished points are."""
+    try:
+        return run()
+    except SweepError as e:
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; finished points are in the points file (use --resume)", file=sys.stderr)
+        return 130
+
+
+def runner_args(argv: list[str] | None, prog: str, doc: str, suite_help: str, *,
+                local: bool = False) -> argparse.Namespace:
+    """The command line every suite runner takes (`python -m workloads.sweep`, the quality and frontier
+    runners): the suite file and the run's options; `local` adds ``--local`` (points in this process)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("suite", help=suite_help)
+    p.add_argument("--replicas", type=int, default=None, help="replicas (overrides the suite's `replicas`)")
+    p.add_argument("--results-dir", default="results", help="folder of run folders (default: results)")
+    p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
+    p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
+    if local:
+        p.add_argument("--local", action="store_true", help="run the points in this process, without Ray")
+    p.add_argument("--pushgateway", default=None,
+                   help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
+                        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
+    return p.parse_args(argv)
+
+
+def git_commit() -> str:
+    """`git rev-parse HEAD` of this repository, else `$SCISSORHANDS_GIT_COMMIT`, else 'unknown'."""
+    return submit.git_commit(REPO_ROOT)
+
+
+def resolve_run_dir(args: argparse.Namespace, suite) -> tuple[str, Path]:
+    if args.resume and args.run_id and args.resume != args.run_id:
+        raise SweepError("--run-id and --resume name different runs; pass only --resume RUN_ID", 2)
+    root = Path(args.results_dir)
+    if args.resume:
+        run_dir = root / args.resume
+        if not (run_dir / "points.jsonl").exists() and not (run_dir / "run.json").exists():
+            raise SweepError(f"--resume: no run {args.resume!r} under {root}/ (no points.jsonl)", 2)
+        return args.resume, run_dir
+    run_id = args.run_id or f"{suite.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    if "/" in run_id or run_id in ("", ".", ".."):
+        raise SweepError(f"--run-id: not a valid folder name: {run_id!r}", 2)
+    run_dir = root / run_id
+    if (run_dir / "points.jsonl").exists():
+        raise SweepError(f"--run-id: run {run_id!r} already exists in {run_dir}; use --resume {run_id}", 2)
+    return run_id, run_dir
+
+
+#: Ray's metrics export interval (ms) for the embedded Ray: the scrape interval of dashboards/prometheus.yml.
+EMBEDDED_METRICS_REPORT_INTERVAL_MS = "5000"
+#: Ray's default dashboard port; the embedded Ray takes another free one when it is in use.
+RAY_DASHBOARD_PORT = 8265
+#: Root folder of the embedded Ray (sessions, logs, its service-discovery file) unless $RAY_TMPDIR
+#: names one. Not /tmp/ray: every Ray head with a dashboard points /tmp/ray's service-discovery link
+#: at its own session and re-points it every 5 s, so with another head on the machine Prometheus would
+#: flip between the two. dashboards/prometheus.yml reads both (`dashboards.serve.EMBEDDED_RAY_SD_FILE`).
+EMBEDDED_RAY_TEMP_DIR = "/tmp/scissorhands-ray"
+
+
+def free_local_port(preferred: int) -> int:
+    """`preferred` when nothing listens on 127.0.0.1:`preferred`, else a free port the OS picks."""
+    import socket
+
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
+
+
+def init_ray(address: str | None):
+    """Join a cluster or start an embedded local one on loopback; return (ray, started_here).
+
+    Joining (`address`, else ``$RAY_ADDRESS``): token authentication is followed as `ray start
+    --head` sets it (`cluster.submit.follow_token_auth`); a cluster that cannot be reached raises
+    SweepError (exit 1) naming the address and what to check. Once connected (joined or embedded), a
+    watch (`workloads.core.supervise`) ends the run with exit 1 and a message naming the cluster, the points
+    kept and ``--resume`` when the GCS is unreachable for ``$SCISSORHANDS_CLUSTER_GONE_S`` (15 s).
+
+    The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
+    holds it) with its files under `EMBEDDED_RAY_TEMP_DIR` (``$RAY_TMPDIR`` wins): its metrics head
+    writes the Prometheus service-discovery file
+    (``/tmp/scissorhands-ray/prom_metrics_service_discovery.json`` links to this session's) listing
+    the node's metrics export port (a free port Ray picks), so a Prometheus started by
+    ``make dashboards-up`` scrapes the replicas' live metrics. Metrics are exported every 5 s (the scrape interval;
+    ``$RAY_metrics_report_interval_ms`` wins). Should the dashboard fail to start (a Ray without
+    its dashboard dependencies), Ray starts again without it, after a one-line notice.
+    """
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return ray, False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        from cluster.submit import follow_token_auth
+
+        follow_token_auth()  # a head from `ray start` (make cluster-up) runs with token auth
+        try:
+            ray.init(address=address)
+        except ConnectionError as e:
+            raise SweepError(
+                f"--address: cannot join the Ray cluster at {address!r} ({error_message(e)[:300]}); is it running "
+                "(`make cluster-up`, `ray status --address ...`)? When its log says InvalidAuthToken, give this "
+                "process the cluster's token: RAY_AUTH_TOKEN=... or RAY_AUTH_TOKEN_PATH=... (a head of this "
+                "machine keeps it in ~/.ray/auth_token)", 1) from None
+        _watch_cluster(ray, address)
+        return ray, True
+    os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
+    try:
+        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1",
+                 dashboard_port=free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1",
+                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR)
+    except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
+        ray.shutdown()
+        if NODE_START_TIMEOUT in str(e):  # not the dashboard: the node itself did not come up
+            raise SweepError(_node_start_message(e), 1) from None
+        print(f"sweep: Ray's dashboard did not start ({error_message(e)[:200]}); running without it: "
+              "no live replica metrics in Prometheus", file=sys.stderr)
+        try:
+            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
+        except Exception as e2:  # noqa: BLE001 - our message, not a traceback
+            ray.shutdown()
+            raise SweepError(_node_start_message(e2) if NODE_START_TIMEOUT in str(e2) else
+                             f"the embedded Ray did not start: {error_message(e2)[:600]}", 1) from None
+    _watch_cluster(ray, "embedded")
+    return ray, True
+
+
+#: What Ray 2.60 raises when the raylet of a node it starts has not registered with the GCS in time.
+NODE_START_TIMEOUT = "timed out during startup"
+
+
+def _node_start_message(exc: BaseException) -> str:
+    """The embedded Ray's node did not register in time: say so, with this machine's load (measured
+    cause of the sweeps that stopped minutes after "Token authentication is enabled" here)."""
+    load1 = os.getloadavg()[0]
+    return (f"the embedded Ray did not start: its node did not register with its GCS within Ray's start timeout "
+            f"({error_message(exc)[:200]}); load average {load1:.1f} on {os.cpu_count()} CPU(s): the machine is "
+            "too busy. Try again when it is less loaded, or give Ray longer: "
+            "RAY_raylet_start_wait_time_s=300 (no point was run)")
+
+
+def _watch_cluster(ray, cluster: str) -> None:
+    """End the run with its own message when the cluster goes away (`workloads.core.supervise`)."""
+    from workloads.core import supervise
+    try:
+        supervise.watch_cluster(ray, cluster)
+    except ValueError as e:  # $SCISSORHANDS_CLUSTER_GONE_S
+        ray.shutdown()
+        raise SweepError(str(e), 2) from None
+
+
+def replica_resources(ray, replicas: int, device: str) -> tuple[int, float, float]:
+    """(torch threads, Ray CPUs, Ray GPUs) per replica, sized so that `replicas` replicas fit on
+    the alive nodes that exist, a replica never spanning nodes (`cluster.placement.fit_share`):
+    two 1-CPU nodes give one replica 1 CPU, not the cluster's 2 (which no node could ever hold).
+
+    Raises:
+        SweepError: (exit 2) device 'cuda' on a cluster without a GPU.
+    """
+    from cluster.placement import fit_share
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", n.get("alive", False))]
+    if not nodes:  # no node list (should not happen): the cluster's totals, as one node
+        nodes = [ray.cluster_resources()]
+    cpus = fit_share([n.get("CPU", 0.0) for n in nodes], replicas) or 1.0
+    if cpus >= 1:  # whole CPUs, one torch thread each (a smaller share still fits)
+        cpus = float(int(cpus))
+    threads = max(1, int(cpus))
+    num_gpus = 0.0
+    if device.startswith("cuda"):
+        gpus = fit_share([n.get("GPU", 0.0) for n in nodes], replicas)
+        if gpus <= 0:
+            raise SweepError("device: 'cuda' requested but the Ray cluster has no GPU", 2)
+        num_gpus = min(1.0, gpus)
+    return threads, cpus, num_gpus
+
+
+def error_message(exc: BaseException) -> str:
+    """`Type: message` of the original exception (Ray wraps it; `.cause` holds it)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text[:2000]}"
+
+
+def load_suite_of_kind(path: str, kind: str | None):
+    """`workloads.core.suite.load_suite(path)`, which must be of `kind` (any kind for None).
+
+    Raises:
+        SweepError: (exit 2) the suite is invalid (the message names the field) or of another kind.
+    """
+    from workloads.core.suite import SuiteError, load_suite
+
+    try:
+        suite = load_suite(path)
+    except SuiteError as e:
+        raise SweepError(str(e), 2) from None
+    if kind is not None and suite.kind != kind:
+        raise SweepError(f"kind: {path} is a {suite.kind} suite; this runner takes kind {kind}", 2)
+    return suite
+
+
+def replica_count(args: argparse.Namespace, suite) -> int:
+    """``--replicas`` when given, else the suite's `replicas`; SweepError (exit 2) below 1."""
+    replicas = args.replicas if args.replicas is not None else suite.replicas
+    if replicas < 1:
+        raise SweepError(f"--replicas: must be >= 1, got {replicas}", 2)
+    return replicas
+
+
+def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...] = ("ok",)) -> list:
+    """The points of a (resumed) run still to run: those without a record in ``done_statuses``.
+
+    Raises:
+        SweepError: (exit 2) a point recorded in this run has changed settings since (the suite was
+            edited: model, dtype, device, lengths, load, limits or policy parameters); the message
+            names the changed fields with their recorded and new values. Start a new run instead.
+    """
+    records = res.read_records(points_path)
+    changed = res.changed_settings(records, points)
+    if changed:
+        fields = sorted({k for diff in changed.values() for k in diff})
+        first = next(iter(changed.values()))
+        detail = ", ".join(f"{k}: {first[k][0]!r} -> {first[k][1]!r}" for k in fields if k in first)
+        raise SweepError(f"--resume: the suite changed since its points were recorded; changed field(s) {fields} "
+                         f"({detail}) in {len(changed)} point(s); start a new run (--run-id) for the new settings", 2)
+    done = {r["point_id"] for r in records if r.get("status") in done_statuses}
+    return [p for p in points if p.point_id not in done]
+
+
+def check_resolved_dtype(earlier: list[dict], record: dict) -> None:
+    """Refuse to add `record` to a resumed run whose `earlier` records ran in another dtype.
+
+    A point's id covers the *requested* dtype; ``auto`` is resolved by each replica on its own machine
+    (`scissorhands.models.resolve_dtype`), so a run resumed elsewhere (or after a change of torch or
+    CPU) may resolve it to bfloat16 before and float32 now, and its table would mix the two. The
+    record is compared with the earlier records of the same requested dtype that ran on a replica
+    (they have a ``dtype_reason``).
+
+    Raises:
+        SweepError: (exit 2) naming ``dtype``, the earlier and the new resolved dtype and why.
+    """
+    if record.get("dtype_reason") is None:
+        return                      # the point never reached a replica (nothing resolved)
+    for old in earlier:
+        if old.get("dtype_reason") is not None and old.get("dtype_requested") == record.get("dtype_requested") \
+                and old.get("dtype") != record.get("dtype"):
+            raise SweepError(
+                f"--resume: dtype: the suite's dtype {record.get('dtype_requested')!r} resolved to "
+                f"{old.get('dtype')!r} for the points this run recorded ({old.get('dtype_reason')}) but to "
+                f"{record.get('dtype')!r} on replica {record.get('replica_id')} now ({record['dtype_reason']}); "
+                "the run would mix their numbers. Start a new run (--run-id) here, or resume where it resolves "
+                f"to {old.get('dtype')!r}", 2)
+
+
+@dataclass
+class OpenedRun:
+    """A run folder ready for points: ``points_path`` repaired, ``run.json`` written once."""
+
+    run_id: str
+    run_dir: Path
+    points_path: str
+    commit: str
+
+
+def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
+    """Resolve the run folder from ``args`` (``results_dir``, ``run_id``, ``resume``, ``suite``), create
+    it, repair a cut last line of its ``points.jsonl`` (``kind`` names the runner in the notice) and
+    write ``run.json`` (the suite as a dict, the git commit) unless it exists.
+
+    Raises:
+        SweepError: (exit 2) as `resolve_run_dir`.
+    """
+    run_id, run_dir = resolve_run_dir(args, suite)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    points_path = str(run_dir / "points.jsonl")
+    res.repair_points_file(points_path, kind)
+    commit = git_commit()
+    from workloads.core import supervise
+    supervise.note_run(kind, run_id, run_dir, points_path)  # named should the cluster go away
+    if not (run_dir / "run.json").exists():
+        meta = {"run_id": run_id, "suite_file": args.suite,
+                "suite": suite.model_dump(mode="json"), "git_commit": commit,
+                "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
+        res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return OpenedRun(run_id, run_dir, points_path, commit)
+
+
+def record_run_dtypes(run_dir, records) -> None:
+    """Add to ``run.json`` the dtypes the run's points ran in and why (``dtypes``: each distinct
+    ``{dtype, dtype_requested, dtype_reason}`` of ``records``), so a suite's ``dtype: auto`` is resolved
+    in the run's own record. A missing or unreadable ``run.json`` is left alone."""
+    path = Path(run_dir) / "run.json"
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    seen = []
+    for r in records:
+        entry = {k: r.get(k) for k in ("dtype", "dtype_requested", "dtype_reason")}
+        if entry["dtype_reason"] is not None and entry not in seen:
+            seen.append(entry)
+    if seen and meta.get("dtypes") != seen:
+        meta["dtypes"] = seen
+        res.write_atomic(str(path), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+                      num_threads: int | None = None) -> dict:
+    """Resolve the suite's ``dtype`` once for the whole run (`replica.static_batch.resolve_run_dtype`): in this
+    process when `ray` is None, else as one Ray task with a replica's resources. Every replica of the run
+    then loads that concrete dtype with the same ``dtype_reason`` (``auto``'s probe is noisy under load:
+    each replica resolving on its own once ran bfloat16 on one replica and float32 on the other).
+    `check_resolved_dtype` still refuses a resumed run that resolves differently now.
+
+    Returns:
+        replica keyword arguments: ``{"dtype": name}`` and, for ``auto``, ``"dtype_reason"``.
+    Raises:
+        SweepError: (exit 1) the probe could not run (the message names ``dtype``).
+    """
+    from replica.static_batch import resolve_run_dtype as resolve
+
+    try:
+        return resolve(suite.model, suite.dtype, suite.device, ray=ray, num_cpus=num_cpus, num_gpus=num_gpus,
+                       num_threads=num_threads, timeout_s=suite.placement.ready_timeout_s)
+    except Exception as e:  # noqa: BLE001 - e.g. no node ran the probe's task within ready_timeout_s
+        if type(e).__name__ == "GetTimeoutError":     # the probe asks a replica's resources: the same fault
+            from cluster.placement import not_ready_message
+
+            raise SweepError("dtype: the run's dtype probe (one task with a replica's resources): "
+                             + not_ready_message(ray, 1, "probe", suite.placement.ready_timeout_s), 1) from None
+        raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
+
+
+def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica",
+                   run_id: str | None = None):
+    """Start `replicas` point replicas of `suite` (`cluster.replica_set.point_replicas`: a Serve application
+    of this run's own, one placement-group bundle per replica, resources from `replica_resources` unless the
+    suite's `placement:` names them) and wait until every one has loaded its model. `replica_kwargs` go to
+    `cluster.placement.PlacedReplica`, their ``dtype`` resolved once for all replicas first (`resolve_run_dtype`).
+
+    Returns:
+        (the started `ServeReplicaSet`, the replicas' `info()` dicts).
+    Raises:
+        SweepError: (exit 1) not placed and loaded within `placement.ready_timeout_s`, or a replica could
+            not load its model (the application is deleted); (exit 2) as `replica_resources`.
+    """
+    from cluster.placement import PlacementError
+    from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
+
+    threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
+    rset = point_replicas(replicas, suite.placement, replica_kwargs, num_cpus=num_cpus, num_gpus=num_gpus,
+                          num_threads=threads, app_name=app_name_for(name, run_id), name_prefix=name_prefix)
+    try:
+        rset.check_fits()                                # refused at once, before the dtype probe asks for them
+    except PlacementError as e:
+        raise SweepError(str(e), 1) from None
+    delete_leftover_apps(rset.app_name)                  # a killed attempt's replicas hold CPUs the probe needs
+    rset.init_kwargs.update(resolve_run_dtype(suite, ray, num_cpus=rset.num_cpus, num_gpus=rset.num_gpus,
+                                              num_threads=rset.num_threads))  # auto: once for all replicas
+    try:
+        rset.start()
+        infos = sorted(rset.broadcast("info").values(), key=lambda i: i["replica_id"])
+    except PlacementError as e:  # no node can hold it, or not placed and loaded within ready_timeout_s
+        rset.shutdown()
+        raise SweepError(str(e), 1) from None
+    except Exception as e:  # a replica could not load its model
+        rset.shutdown()
+        raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
+    print(f"{name}: {replicas} replica(s) ready ({rset.num_threads} torch thread(s), {rset.num_cpus:g} CPU(s) each): "
+          + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
+    return rset, infos
+
+
+#: Seconds between checks, while points are in flight, that the replicas' nodes are still alive.
+WATCH_POLL_S = 5.0
+
+
+def dispatch_points(ray, rset, infos: list[dict], pending: list, call, make_record, publish, one_line, *,
+                    name: str) -> int:
+    """Run `pending` on the replicas of the started `rset`: idle replicas take the next point in order
+    (at most one point in flight per replica).
+
+    Args:
+        call: ``call(handle, point)`` starts the point through the deployment handle; returns the
+            `DeploymentResponse` of a `cluster.replica_set.PointReply` (the replica's info, the point's
+            metrics dict or its error).
+        make_record: ``make_record(point, info, status, metrics, error, t0_unix_s, t1_unix_s)`` -> the record.
+        publish: ``publish(record)`` writes (and pushes) each finished point; ``one_line(record)`` its line.
+        name: the runner's name in messages ("sweep", "quality").
+
+    A point that raises is recorded as ``error`` and its replica goes on. A point whose replica died is
+    queued again (at most ``placement.max_task_retries`` times, then recorded ``replica died: ...``); Serve
+    replaces the replica. Returns the number of failed points.
+
+    Raises:
+        SweepError: (exit 1) replicas died more than ``n x (placement.max_restarts + 1)`` times; a node a
+            replica ran on has left the cluster and no point finished for more than
+            `placement.ready_timeout_s` (checked every `WATCH_POLL_S` s); or the cluster cannot be reached.
+            Points published stay (--resume).
+    """
+    import asyncio
+
+    from tqdm import tqdm
+
+    from cluster.replica_set import is_replica_death
+
+    cfg = rset.placement
+    timeout_s, handle = cfg.ready_timeout_s, rset.handle
+    nodes = {i.get("node_id") for i in infos} - {None}
+    queue, tries = collections.deque(pending), collections.Counter()
+    state = {"failed": 0, "deaths": 0, "last_done": time.monotonic(), "lost_since": None}
+
+    async def settle(point, t0, bar, task) -> None:
+        try:
+            reply = task.result()
+        except Exception as e:  # noqa: BLE001
+            if not is_replica_death(e):
+                rec = make_record(point, None, "error", None, error_message(e), t0, time.time())
+            else:
+                state["deaths"] += 1
+                if state["deaths"] > rset.n * (cfg.max_restarts + 1):
+                    raise SweepError(f"replicas died {state['deaths']} times (more than {rset.n} x (placement."
+                                     f"max_restarts + 1)); {len(queue) + 1} point(s) not run; the points written stay "
+                                     "(--resume)", 1) from None
+                tries[point.point_id] += 1
+                if tries[point.point_id] <= cfg.max_task_retries:
+                    queue.appendleft(point)
+                    bar.write(f"{name}: a replica died running {point.point_id}; queued again", file=sys.stderr)
+                    return
+                rec = make_record(point, None, "error", None, f"replica died: {error_message(e)}", t0, time.time())
+        else:
+            nodes.add(reply.replica.get("node_id"))
+            rec = make_record(point, reply.replica, "ok" if reply.error is None else "error", reply.result,
+                              reply.error, t0, time.time())
+        state["failed"] += rec["status"] != "ok"
+        publish(rec)
+        bar.update(1)
+        bar.write(one_line(rec), file=sys.stderr)
+
+    async def loop(bar) -> None:
+        inflight: dict = {}
+        try:
+            while queue or inflight:
+                while queue and len(inflight) < rset.n:
+                    point = queue.popleft()
+                    response = call(handle, point)
+                    inflight[asyncio.ensure_future(_awaited(response))] = (point, time.time())
+                done, _ = await asyncio.wait(list(inflight), timeout=WATCH_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    _check_nodes(ray, nodes, state, timeout_s, len(inflight) + len(queue))
+                    continue
+                state["last_done"], state["lost_since"] = time.monotonic(), None
+                for task in done:
+                    point, t0 = inflight.pop(task)
+                    await settle(point, t0, bar, task)
+        finally:
+            for task in inflight:
+                task.cancel()
+
+    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
+        asyncio.run(loop(bar))
+    return state["failed"]
+
+
+async def _awaited(response):
+    return await response
+
+
+def _check_nodes(ray, nodes: set, state: dict, timeout_s: float, not_run: int) -> None:
+    """Raise SweepError (exit 1) when a node a replica ran on has left the cluster and no point has finished
+    for more than `timeout_s` since (Ray could not run the replica again), or the cluster cannot be asked.
+    The points already written stay in points.jsonl (--resume runs the rest).
+    """
+    now = time.monotonic()
+    try:
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive", n.get("alive", False))}
+    except Exception as e:  # noqa: BLE001 - the cluster went away
+        raise SweepError(f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
+                         f"{not_run} point(s) not run; the points written stay (--resume)", 1) from None
+    lost = sorted(nodes - alive)
+    if not lost:
+        state["lost_since"] = None
+        return
+    if state["lost_since"] is None:
+        state["lost_since"] = now
+    if now - max(state["lost_since"], state["last_done"]) > timeout_s:
+        raise SweepError(
+            f"a replica's node {lost[0]} left the cluster and Ray did not run the replica again within "
+            f"{timeout_s:g} s (placement.ready_timeout_s); {not_run} point(s) not run; the points "
+            "written stay (--resume runs the rest once the cluster has room)", 1)
+
+
+def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list, replicas: int, fn, make_record,
+                    publish, one_line, *, name: str) -> int:
+    """Run every point of `pending` as ``fn(model, tokenizer, point)`` where a model is loaded, `point` being the
+    workloads dataclass itself (`QualityPoint`, `FrontierPoint`; ``fn`` is workloads code too)
+    (`replica.static_batch.ModelReplica.apply`, the one call seam of quality and frontier points).
+
+    ``args.local``: one replica in this process, no Ray (debugging, tests). Otherwise `replicas` Ray replicas
+    of `suite` (`start_replicas`: a Serve deployment, restarts, GPU sharding) fed by `dispatch_points`, on the
+    cluster at ``args.address`` (else embedded). ``make_record(point, inventory, info, status, metrics, error,
+    t0_unix_s, t1_unix_s)`` builds each record (`workloads.core.results.build_record`); ``publish(record)`` writes
+    it; ``one_line(record)`` is its progress line; `run_id` labels the replicas' live metrics. Returns the number of failed points.
+
+    Raises:
+        SweepError: as `start_replicas` and `dispatch_points`.
+    """
+    if getattr(args, "local", False):
+        return _run_in_process(suite, pending, fn, make_record, publish, one_line)
+    ray, started_here = init_ray(args.address)
+    from cluster.inventory import cluster_inventory
+
+    rset = None
+    try:
+        inventory = cluster_inventory()
+        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, warmup=False, run_id=run_id)
+        rset, infos = start_replicas(ray, suite, replicas, kwargs, name=name, name_prefix=name, run_id=run_id)
+        return dispatch_points(
+            ray, rset, infos, pending, lambda handle, point: handle.run.remote("apply", fn, point),
+            lambda point, info, *rest: make_record(point, inventory, info, *rest), publish, one_line, name=name)
+    finally:
+        if rset is not None:
+            rset.shutdown()
+        if started_here:
+            ray.shutdown()
+
+
+def _run_in_process(suite, pending: list, fn, make_record, publish, one_line) -> int:
+    from tqdm import tqdm
+
+    from replica.static_batch import ModelReplica
+
+    replica = ModelReplica(suite.model, device=suite.device, replica_id="local", warmup=False,
+                           **resolve_run_dtype(suite))
+    info = replica.info()
+    failed = 0
+    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
+        for point in pending:
+            t0 = time.time()
+            try:
+                metrics = replica.apply(fn, point)
+                rec = make_record(point, None, info, "ok", metrics, None, t0, time.time())
+            except Exception as e:  # the point failed; record it and go on
+                failed += 1
+                rec = make_record(point, None, info, "error", None, error_message(e), t0, time.time())
+            publish(rec)
+            bar.update(1)
+            bar.write(one_line(rec))
+    return failed

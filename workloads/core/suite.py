@@ -1,0 +1,377 @@
+"""Suites: one front door (`load_suite`) for every kind, typed pydantic models validated on load.
+
+A suite file (YAML, read with `yaml.safe_load`) names its kind first; `load_suite` dispatches on
+it and nothing else::
+
+    kind: batch              # batch | serving | quality | frontier
+    name: smoke
+    description: the question this suite answers
+    model: embedded          # "embedded", an HF id, a local folder; "tiny-llama" is test-only
+    dtype: auto              # auto (bfloat16 where >= 1.2x faster, see scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16
+    device: cpu
+    policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}, or all (every one;
+                             # the default of quality and frontier suites)
+      - full
+      - name: scissorhands
+        params: {history_window: 400}
+    compression_ratios: [2, 5]   # budget B = ceil((prompt + new) / ratio), ratio >= 1
+    budget_tokens: []            # absolute budgets B (slots per KV head), optional
+    batch_sizes: [1, 4, 16]
+    prompt_tokens: [512]
+    new_tokens: [64]             # output length, the same name in every suite and record
+    seed: 0
+    replicas: 2
+    placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
+
+`kind: serving` suites are `workloads.serving.suite.ServingSuite`; `kind: quality` suites are
+`workloads.quality.suite.QualitySuite`; `kind: frontier` suites are `workloads.frontier.suite.FrontierSuite`.
+Every kind shares `SuiteBase`: the model settings, the
+policy list (each entry checked by the library's own `scissorhands.policies.get_policy`), the
+budgets and their expansion (`SuiteBase.budgets`), with the budget formula taken from the
+library (`scissorhands.budget_from_ratio`).
+
+Batch points are policy x budget (every ratio and every absolute budget) x batch size x prompt
+tokens x new tokens; `full` runs once per batch/prompt/new combination, not once per budget.
+Every error is a `SuiteError` whose message names the field (`policies[1]`, `seed`) and the
+accepted values; the runners exit with status 2 on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, ValidationInfo, field_validator, model_validator
+
+from cluster.placement import PlacementConfig, parse_placement
+from replica.static_batch import BatchSpec
+from scissorhands import POLICIES, budget_from_ratio
+from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
+from scissorhands.policies import get_policy
+
+KINDS = ("batch", "serving", "quality", "frontier")
+
+
+class SuiteError(ValueError):
+    """A suite that cannot run; the message names the field."""
+
+
+# -- shared number types (pydantic strict: 2.0 and True are not integers) -------------------
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+Ratio = Annotated[float, Field(ge=1, allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Name = Annotated[str, Field(min_length=1)]
+
+
+def _one_or_many(value: Any) -> Any:
+    """A scalar where a list is expected is a one-element list."""
+    return value if isinstance(value, (list, tuple)) or value is None else [value]
+
+
+class PolicySpec(BaseModel):
+    """One policy of a suite: a key of `scissorhands.POLICIES` and its keyword parameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Name
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r} (valid policies: {', '.join(POLICIES)})")
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _accepted_by_the_policy(cls, params: dict, info: ValidationInfo) -> dict:
+        if info.data.get("name") in POLICIES:
+            get_policy(info.data["name"], **params)     # ValueError naming the parameter
+        return params
+
+    @property
+    def policy(self):
+        """The library's policy instance for these parameters."""
+        return get_policy(self.name, **self.params)
+
+    def tag(self) -> str:
+        """The policy's part of a readable point id: the name, plus a digest of explicit params."""
+        if not self.params:
+            return self.name
+        return f"{self.name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
+
+
+def _placement(value: Any) -> PlacementConfig:
+    return parse_placement(value)
+
+
+class SuiteBase(BaseModel):
+    """What every kind of suite shares; subclasses add their axes and `points()`.
+
+    Subclasses name the total lengths their ratios apply to in `budget_lengths()` (prompt + new
+    tokens), so the budget check below runs once for every kind.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+    kind: str
+    name: Name = "suite"
+    description: str = ""
+    model: Name = "embedded"
+    dtype: Literal[DTYPE_CHOICES] = "auto"      # auto: bfloat16 where >= 1.2x faster (scissorhands.models.resolve_dtype)
+    device: str = "cpu"                         # where each replica runs its model: cpu, cuda or cuda:<index>
+    policies: Annotated[tuple[PolicySpec, ...], Field(min_length=1)]
+    compression_ratios: tuple[Ratio, ...] = ()
+    budget_tokens: tuple[PositiveInt, ...] = ()
+    seed: NonNegativeInt = 0
+    replicas: PositiveInt = 2
+    placement: Annotated[PlacementConfig, PlainValidator(_placement), PlainSerializer(dataclasses.asdict)] = Field(default_factory=PlacementConfig)
+
+    _list_fields: ClassVar[tuple[str, ...]] = ("compression_ratios", "budget_tokens", "policies")
+    #: `policies` of a suite that names none: None (the key is required) or "all"
+    _policies_default: ClassVar[str | None] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scalars_to_lists(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            if cls._policies_default is not None:
+                data.setdefault("policies", cls._policies_default)
+            if data.get("policies") == "all":                       # every key of scissorhands.POLICIES
+                data["policies"] = list(POLICIES)
+            data = {k: (_one_or_many(v) if k in cls._list_fields else v) for k, v in data.items()}
+            for k in ("compression_ratios", "budget_tokens"):
+                if data.get(k) is None:
+                    data.pop(k, None)
+        return data
+
+    @field_validator("device")
+    @classmethod
+    def _device_kind(cls, value: str) -> str:
+        if not is_device_name(value):
+            raise ValueError(f"expected {DEVICE_NAMES}, got {value!r}")
+        return value
+
+    @field_validator("policies")
+    @classmethod
+    def _distinct(cls, value: tuple[PolicySpec, ...]) -> tuple[PolicySpec, ...]:
+        if len({(p.name, json.dumps(p.params, sort_keys=True)) for p in value}) != len(value):
+            raise ValueError("the same policy with the same params is listed twice")
+        return value
+
+    def budget_lengths(self) -> list[int]:
+        """Total lengths (prompt + new tokens) the compression ratios apply to."""
+        return []
+
+    def budgets(self, policy: PolicySpec) -> list[tuple[float | None, int | None]]:
+        """(compression_ratio, budget_tokens) pairs of `policy`: one `(None, None)` for a policy that
+        never evicts (`full`), else every ratio, then every absolute budget."""
+        if not POLICIES[policy.name].evicts:
+            return [(None, None)]
+        return [(r, None) for r in self.compression_ratios] + [(None, b) for b in self.budget_tokens]
+
+    @model_validator(mode="after")
+    def _budgets_fit_every_policy(self) -> "SuiteBase":
+        for i, spec in enumerate(self.policies):
+            if not POLICIES[spec.name].evicts:
+                continue
+            if not self.compression_ratios and not self.budget_tokens:
+                raise SuiteError(f"compression_ratios: policy {spec.name!r} needs at least one compression ratio "
+                                 "or budget_tokens entry")
+            checks = [(f"budget_tokens[{j}]", b) for j, b in enumerate(self.budget_tokens)]
+            checks += [(f"compression_ratios[{j}] (ratio {r:g} at {n} tokens)", budget_from_ratio(n, r))
+                       for j, r in enumerate(self.compression_ratios) for n in self.budget_lengths()]
+            for where, b in checks:
+                _check_budget(where, spec, b)
+        return self
+
+    def identity(self) -> dict:
+        """The suite-level settings that change a point's numbers (part of every point's identity)."""
+        return {"model": self.model, "dtype": self.dtype, "device": self.device}
+
+
+def _check_budget(where: str, spec: PolicySpec, budget: int) -> None:
+    """A budget must leave room for the policy's protected windows (`Policy.resolve` says which)."""
+    try:
+        spec.policy.resolve(budget)
+    except ValueError as e:
+        raise SuiteError(f"{where}: budget {budget} tokens: {e} (policy {spec.name!r})") from None
+
+
+def point_id(tag: str, identity: dict) -> str:
+    """A readable tag plus a digest of everything that changes the point's numbers.
+
+    Two points differ in id exactly when one of their settings differs; `tag` (policy, budget,
+    shape) only makes the id readable, and `workloads.core.run.pending_points` compares the settings
+    of points with the same tag when a run is resumed.
+    """
+    digest = hashlib.sha1(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"{tag}-{digest}"
+
+
+def tag_of(point_id_: str) -> str:
+    """The readable tag of a point id (what `point_id` put before the digest)."""
+    return point_id_.rsplit("-", 1)[0]
+
+
+def budget_tag(ratio: float | None, budget: int | None) -> str:
+    """The budget's part of a readable point id: ``-B<slots>``, ``-r<ratio>`` or nothing (`full`)."""
+    return f"-B{budget}" if budget is not None else f"-r{ratio:g}" if ratio is not None else ""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One static batch of a batch suite.
+
+    `compression_ratio` is None for absolute budgets and for `full`; `budget_tokens` is the
+    requested absolute budget (None when derived from the ratio, or for `full`). `identity` holds
+    every setting that changes the point's numbers (model, dtype, device, policy and parameters,
+    budget, shape, seed); `point_id` is derived from it.
+    """
+
+    index: int
+    policy: str
+    policy_params: dict
+    compression_ratio: float | None
+    budget_tokens: int | None
+    batch_size: int
+    prompt_tokens: int
+    new_tokens: int
+    seed: int
+    point_id: str
+    identity: dict
+
+    def spec(self) -> BatchSpec:
+        """The `replica.static_batch.BatchSpec` that `replica.static_batch.ModelReplica.run_batch` takes (the
+        batch settings; not the index, id or identity, which only the records use)."""
+        return BatchSpec(policy=self.policy, policy_params=dict(self.policy_params),
+                         compression_ratio=self.compression_ratio, budget_tokens=self.budget_tokens,
+                         batch_size=self.batch_size, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens,
+                         seed=self.seed)
+
+
+class Suite(SuiteBase):
+    """A batch suite (`kind: batch`; see the module docstring for the YAML form)."""
+
+    kind: Literal["batch"]
+    batch_sizes: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
+    prompt_tokens: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
+    new_tokens: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
+
+    _list_fields = SuiteBase._list_fields + ("batch_sizes", "prompt_tokens", "new_tokens")
+
+    def budget_lengths(self) -> list[int]:
+        return sorted({p + n for p in self.prompt_tokens for n in self.new_tokens})
+
+    def points(self) -> list[Point]:
+        """Expand into points, in suite order (batch, prompt, new, policy, budget)."""
+        out: list[Point] = []
+        for batch in self.batch_sizes:
+            for prompt in self.prompt_tokens:
+                for new in self.new_tokens:
+                    for pol in self.policies:
+                        for ratio, budget in self.budgets(pol):
+                            ident = dict(self.identity(), policy=pol.name, policy_params=dict(pol.params),
+                                         compression_ratio=ratio, budget_tokens=budget, batch_size=batch,
+                                         prompt_tokens=prompt, new_tokens=new, seed=self.seed)
+                            tag = f"{pol.tag()}{budget_tag(ratio, budget)}-b{batch}-p{prompt}-n{new}-s{self.seed}"
+                            out.append(Point(len(out), pol.name, dict(pol.params), ratio, budget, batch, prompt, new,
+                                             self.seed, point_id(tag, ident), ident))
+        return out
+
+
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "json-or-python", "lax-or-strict")):
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _message(e: ValidationError, cls: type[BaseModel]) -> str:
+    """One line per error, each naming its field (``policies[1]: ...``) and what was given."""
+    lines = []
+    for err in e.errors(include_url=False):
+        where, msg = _where(err["loc"]), err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key" + (f" (accepted: {', '.join(cls.model_fields)})" if len(err["loc"]) == 1 else "")
+        elif err["type"] == "missing":
+            msg = "missing required key"
+        elif err["type"] == "literal_error":
+            accepted = err["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
+            msg = f"expected one of {accepted}, got {err['input']!r}"
+        elif err["type"] not in ("value_error", "assertion_error") and "input" in err:
+            msg += f", got {err['input']!r}"
+        lines.append(msg if where and msg.startswith(where.split("[")[0]) else f"{where or 'suite'}: {msg}")
+    return "; ".join(lines)
+
+
+def _suite_classes() -> dict[str, type]:
+    from workloads.frontier.suite import FrontierSuite
+    from workloads.quality.suite import QualitySuite
+    from workloads.serving.suite import ServingSuite
+
+    return {"batch": Suite, "serving": ServingSuite, "quality": QualitySuite, "frontier": FrontierSuite}
+
+
+def parse_suite(data: Any, source: str = "<suite>"):
+    """Validate a parsed YAML mapping into the suite model its `kind` names.
+
+    Returns:
+        `Suite` (batch), `workloads.serving.suite.ServingSuite`, `workloads.quality.suite.QualitySuite` or
+        `workloads.frontier.suite.FrontierSuite`.
+    Raises:
+        SuiteError: not a mapping, `kind` missing or not one of batch/serving/quality/frontier, or any field
+            invalid (the message names it: unknown key, wrong type, ratio < 1, unknown policy with the
+            valid names, unknown policy parameter, budget below the policy's windows, empty list).
+    """
+    if not isinstance(data, dict):
+        raise SuiteError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
+    kind = data.get("kind")
+    if kind not in KINDS:
+        raise SuiteError(f"kind: {'missing' if kind is None else f'unknown kind {kind!r}'} "
+                         f"(accepted: {', '.join(KINDS)}); every suite names its kind")
+    data = dict(data)
+    data.setdefault("name", os.path.splitext(os.path.basename(source))[0] or "suite")
+    cls = _suite_classes()[kind]
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise SuiteError(_message(e, cls)) from None
+
+
+def read_suite_file(path: str):
+    """The parsed YAML of a suite file.
+
+    Raises:
+        SuiteError: the file does not exist or is not valid YAML.
+    """
+    if not os.path.isfile(path):
+        raise SuiteError(f"suite: file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise SuiteError(f"suite: {path} is not valid YAML: {e}") from None
+
+
+def load_suite(path: str):
+    """Read and validate a suite file of any kind (see `parse_suite`).
+
+    Raises:
+        SuiteError: the file does not exist / is not valid YAML / fails validation.
+    """
+    return parse_suite(read_suite_file(path), source=path)

@@ -1,0 +1,255 @@
+"""A load-generator client for any OpenAI-compatible server (ours: `cluster.serve_app`; vLLM, SGLang, TGI).
+
+    client = OpenAIHTTPClient("http://127.0.0.1:8000/v1", "smollm2-135m-instruct:scissorhands-x5")
+    result = await client.generate(GenerationRequest("r0", prompt_ids, 64))      # or: async for chunk in client.stream(...)
+    await client.close()
+
+It implements the load generator's client interface (`workloads.load.loadgen`): `generate(request)`
+returns a `GenerationResult`-like object with one time per output token; `stream(request)` yields
+`StreamChunk`-shaped dicts (`token_ids`, `time_s`, and on failure `error_kind`, `error`).
+
+What it sends: `POST {base}/completions` with the prompt as token ids (no re-tokenization on the
+server), `max_tokens`, `stream: true`, `stream_options.include_usage`, `ignore_eos`, and the
+request's sampling (`temperature`, `top_p`, `seed`, `min_tokens` when set). `endpoint="chat"`
+sends the prompt as text through `/chat/completions` instead (needs `tokenizer` to decode it).
+A warm-up request (`GenerationRequest.warmup`, set by the load generator) carries the header
+`X-Scissorhands-Phase: warmup` (`PHASE_HEADER`), so our server counts it apart (the replica's
+``warmup_*`` stats and ``phase="warmup"`` live metrics) and a point's server-side figures cover
+the same requests as the client's; other servers ignore an unknown header.
+
+Timestamps: each SSE event is stamped with `clock()` (default `time.time`, the load generator's
+clock) when its line arrives; every token of an event gets that time (a chunk of k tokens adds
+k - 1 gaps of 0 to the ITL). Client-side TTFT is then first event arrival - send; the server's
+own figure, when it sends one (our server: `scissorhands.replica_ttft_s` in the last chunk), is
+kept apart as `replica_ttft_s`.
+
+Counting output tokens (`output_tokens_source` on the result):
+* `token_ids`: the chunks carry the generated ids (our server, vLLM with `return_token_ids`);
+* `usage`: no ids; one token per non-empty chunk, and the server's final `usage.completion_tokens`
+  is the count: missing tokens get the last chunk's time, their ids are `-1` (placeholders);
+* `chunks`: neither ids nor usage: one token per non-empty chunk (an estimate, said in the record).
+Text is never re-tokenized.
+
+Errors become named kinds, never exceptions: `bad_request` (400), `unknown_model` (404),
+`overloaded` (429/503), `http_<status>`, `replica_died` (the server's error `code` says the replica
+died: our server's last SSE event when it died mid-stream, or its 503 when it died before the first
+token), `server_error` (any other error event inside a stream), `stream_truncated` (the stream ended
+without `[DONE]`), `connection_error`.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from replica.engine import GenerationRequest, GenerationResult
+from replica.openai_api import PHASE_HEADER, REPLICA_DIED
+
+__all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
+
+
+@dataclass
+class HTTPGenerationResult(GenerationResult):
+    """A `GenerationResult` measured over HTTP: `token_times_s` are client-side arrival times."""
+
+    replica_ttft_s: float | None = None        # the server's own TTFT (its clock), when it reports one
+    output_tokens_source: str | None = None     # token_ids | usage | chunks
+    http_status: int | None = None
+
+
+def _status_kind(status: int, code: str | None = None) -> str:
+    """The error kind of an HTTP error reply: `replica_died` whatever the status when the server's error
+    `code` says so (ours answers 503 when the replica died before the first token), else by status."""
+    if code == REPLICA_DIED:
+        return REPLICA_DIED
+    return {400: "bad_request", 404: "unknown_model", 429: "overloaded", 503: "overloaded"}.get(status, f"http_{status}")
+
+
+class OpenAIHTTPClient:
+    """Streams completions from an OpenAI-compatible server (see the module docstring).
+
+    Args:
+        base_url: `http://HOST:PORT/v1`.
+        model: the served model id.
+        endpoint: `completions` (token-id prompts) or `chat` (text through the chat template).
+        tokenizer: decodes prompt ids to text for `chat`.
+        api_key: sent as a bearer token when given.
+        clock: seconds (default `time.time`).
+        extra_body: more JSON fields for every request (e.g. `{"return_token_ids": true}` for vLLM).
+        connect_timeout_s: for opening the connection (the load generator bounds the whole request).
+        session_per_request: a new connection per request (as vLLM's benchmark client does), for callers
+            that run each point on a new event loop and never call `close`; else one pooled session.
+    """
+
+    def __init__(self, base_url: str, model: str, *, endpoint: str = "completions", tokenizer=None,
+                 api_key: str | None = None, clock: Callable[[], float] = time.time, extra_body: dict | None = None,
+                 connect_timeout_s: float = 30.0, max_connections: int = 1024, session_per_request: bool = False):
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"target: expected http://HOST:PORT/v1, got {base_url!r}")
+        if endpoint not in ("completions", "chat"):
+            raise ValueError(f"endpoint: expected completions or chat, got {endpoint!r}")
+        if endpoint == "chat" and tokenizer is None:
+            raise ValueError("tokenizer: the chat endpoint sends text; give the tokenizer that decodes the prompts")
+        self.base_url, self.model, self.endpoint = base_url.rstrip("/"), model, endpoint
+        self.tokenizer, self.api_key, self.clock = tokenizer, api_key, clock
+        self.extra_body = dict(extra_body or {})
+        self.connect_timeout_s, self.max_connections = connect_timeout_s, max_connections
+        self.session_per_request = session_per_request
+        self.replica_id = base_url
+        self._session = None
+        self._loop = None
+
+    async def _get_session(self):
+        import asyncio
+
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+                connector=aiohttp.TCPConnector(limit=self.max_connections))
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    def headers(self, request: GenerationRequest) -> dict:
+        """HTTP headers of `request`: the bearer token, and `PHASE_HEADER` for a warm-up request."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        if getattr(request, "warmup", False):
+            headers[PHASE_HEADER] = "warmup"
+        return headers
+
+    def body(self, request: GenerationRequest) -> tuple[str, dict]:
+        """(url, JSON body) of `request`."""
+        body: dict = {"model": self.model, "max_tokens": request.max_new_tokens, "stream": True,
+                      "stream_options": {"include_usage": True}, "ignore_eos": bool(request.ignore_eos),
+                      "temperature": float(getattr(request, "temperature", 0.0))}
+        if getattr(request, "top_p", 1.0) != 1.0:
+            body["top_p"] = request.top_p
+        if getattr(request, "seed", None) is not None:
+            body["seed"] = request.seed
+        if getattr(request, "min_new_tokens", 0):
+            body["min_tokens"] = request.min_new_tokens
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": self.tokenizer.decode(request.prompt_ids)}]
+            url = f"{self.base_url}/chat/completions"
+        else:
+            body["prompt"] = list(request.prompt_ids)
+            url = f"{self.base_url}/completions"
+        body.update(self.extra_body)
+        return url, body
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
+        """Yield one chunk per SSE event that carries tokens (`token_ids`, `time_s` at arrival), then a
+        last chunk with the count's source, `usage` and `replica_ttft_s` (and any missing tokens);
+        an error of a named kind ends the stream as a chunk with `error_kind`."""
+        import aiohttp
+
+        url, body = self.body(request)
+        headers = self.headers(request)
+        counted = 0
+        usage_tokens = None
+        saw_ids = False
+        last_t = None
+        final: dict = {"token_ids": [], "final": True}
+        own = None
+        try:
+            if self.session_per_request:
+                session = own = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None,
+                                                                                    sock_connect=self.connect_timeout_s))
+            else:
+                session = await self._get_session()
+            async with session.post(url, json=body, headers=headers) as resp:
+                final["http_status"] = resp.status
+                if resp.status != 200:
+                    text = await resp.text()
+                    try:
+                        err = json.loads(text)["error"]
+                        msg, code = err["message"], err.get("code")
+                    except (ValueError, KeyError, TypeError, AttributeError):
+                        msg, code = text[:500], None
+                    yield {**final, "error_kind": _status_kind(resp.status, code), "error": f"HTTP {resp.status}: {msg}"}
+                    return
+                done = False
+                async for raw in resp.content:                  # one line at a time, as it arrives
+                    t = self.clock()
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        done = True
+                        break
+                    try:
+                        ev = json.loads(data)
+                    except ValueError:
+                        yield {**final, "error_kind": "bad_event", "error": f"not JSON: {data[:200]!r}"}
+                        return
+                    if "error" in ev:
+                        err = ev["error"] if isinstance(ev["error"], dict) else {"message": str(ev["error"])}
+                        kind = REPLICA_DIED if err.get("code") == REPLICA_DIED else "server_error"
+                        yield {**final, "error_kind": kind, "error": str(err.get("message"))[:2000]}
+                        return
+                    if isinstance(ev.get("usage"), dict) and ev["usage"].get("completion_tokens") is not None:
+                        usage_tokens = int(ev["usage"]["completion_tokens"])
+                    if isinstance(ev.get("scissorhands"), dict):
+                        final["replica_ttft_s"] = ev["scissorhands"].get("replica_ttft_s")
+                        final["replica_id"] = ev["scissorhands"].get("replica_id")
+                    for choice in ev.get("choices") or []:
+                        ids = choice.get("token_ids")
+                        if isinstance(ids, list):
+                            saw_ids = True
+                            n_ids = list(ids)
+                        else:                              # no ids: a chunk with text is one token
+                            delta = choice.get("delta") or {}
+                            text = choice.get("text") if "text" in choice else delta.get("content")
+                            n_ids = [-1] if text else []
+                        if n_ids:
+                            counted += len(n_ids)
+                            last_t = t
+                            yield {"token_ids": n_ids, "time_s": t}
+                if not done:
+                    yield {**final, "error_kind": "stream_truncated", "error": "the stream ended without [DONE]"}
+                    return
+        except aiohttp.ClientError as e:
+            yield {**final, "error_kind": "connection_error", "error": f"{type(e).__name__}: {e}"[:2000]}
+            return
+        finally:
+            if own is not None:
+                await own.close()
+        if saw_ids:
+            final["output_tokens_source"] = "token_ids"
+        elif usage_tokens is not None:
+            final["output_tokens_source"] = "usage"
+            if usage_tokens > counted and last_t is not None:
+                final["token_ids"] = [-1] * (usage_tokens - counted)       # several tokens in one chunk
+                final["time_s"] = last_t
+        else:
+            final["output_tokens_source"] = "chunks"
+        final["usage_completion_tokens"] = usage_tokens
+        yield final
+
+    async def generate(self, request: GenerationRequest) -> HTTPGenerationResult:
+        """The whole reply as one result (one client-side time per token)."""
+        res = HTTPGenerationResult(request.request_id, len(request.prompt_ids), replica_id=self.replica_id)
+        async for chunk in self.stream(request):
+            ids = chunk.get("token_ids") or []
+            res.output_ids.extend(int(i) for i in ids)
+            res.token_times_s.extend([chunk.get("time_s", self.clock())] * len(ids))
+            if chunk.get("final"):
+                res.http_status = chunk.get("http_status")
+                res.replica_ttft_s = chunk.get("replica_ttft_s")
+                res.output_tokens_source = chunk.get("output_tokens_source")
+                res.replica_id = chunk.get("replica_id") or res.replica_id
+                if chunk.get("error_kind"):
+                    res.error_kind, res.error, res.finish_reason = chunk["error_kind"], chunk.get("error"), "error"
+        res.finish_time_s = self.clock()
+        if res.finish_reason is None:
+            res.finish_reason = "length" if len(res.output_ids) >= request.max_new_tokens else "stop"
+        return res

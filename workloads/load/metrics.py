@@ -1,0 +1,303 @@
+"""Per-request records and per-point metrics of a load test (definitions: shared DESIGN.md).
+
+| metric | definition |
+|---|---|
+| `ttft_s` | request sent -> first generated token |
+| `tpot_s` | `(e2e - ttft) / (output_tokens - 1)`; undefined (left out) for one token |
+| `itl_s` | gaps between successive tokens of one request (pooled over requests); tokens that arrive together have a gap of 0 |
+| `inter_chunk_gap_s` | gaps between successive *arrivals* of tokens (a streamed chunk of several tokens is one arrival) |
+| `e2e_latency_s` | request sent -> last token |
+| `output_throughput_tok_per_s` | output tokens of measured requests produced inside the window / window length |
+| `total_throughput_tok_per_s` | (input tokens of measured requests whose first token came inside the window + output tokens of measured requests produced inside it) / window length |
+| `request_throughput_req_per_s` | measured requests that completed inside the window / window length |
+| `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
+| `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop) |
+| `delayed_arrivals` | arrivals that found the concurrency cap reached and waited for a slot |
+
+The window runs from the first measured send to the last measured token when the count ends the
+run (`stop_reason` `count`), or to `duration_s` after it opened (`stop_reason` `duration`).
+Output token counts are the number of generated ids a replica returned, never a re-tokenization
+of text; a streamed chunk of several ids counts every id, each at the chunk's arrival time. Every
+statistic uses measured requests only: not warm-up requests, not requests sent before the window
+opened (so the replicas' own counts of measured requests, `replica.engine` `stats()`, cover the
+same requests). Every percentile carries its sample count `n`; a percentile `p` over
+fewer than `1 / (1 - p)` samples (p90 below 10, p99 below 100) is flagged low-confidence, and
+every statistic of zero samples is None (JSON null), never NaN or 0.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    """One request as the load generator saw it (times in seconds of the load generator's clock).
+
+    `send_time_s` is None for an arrival that was dropped (never sent). `token_times_s[i]` is when
+    output token `i` was produced (the replica's per-token timestamps).
+    """
+
+    request_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+    scheduled_time_s: float | None = None
+    send_time_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    finish_time_s: float | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    warmup: bool = False
+    replica_id: str | None = None
+    cap_delayed: bool = False          # the arrival found the concurrency cap reached and waited
+    replica_ttft_s: float | None = None  # the replica's own TTFT (its clock: received -> first token), apart from ttft_s
+    output_tokens_source: str | None = None  # over HTTP: token_ids | usage | chunks (workloads/load/http_client.py)
+
+    @property
+    def sent(self) -> bool:
+        return self.send_time_s is not None
+
+    @property
+    def ok(self) -> bool:
+        """Sent, no error, and one time per generated id (the load generator turns a reply without
+        them into an error of kind `missing_token_times` or `token_times_mismatch`)."""
+        return self.sent and self.error_kind is None and self.output_tokens > 0 \
+            and len(self.token_times_s) == self.output_tokens
+
+    @property
+    def delay_s(self) -> float | None:
+        """How late the request was sent after its scheduled arrival (open loop with a cap)."""
+        if self.send_time_s is None or self.scheduled_time_s is None:
+            return None
+        return max(0.0, self.send_time_s - self.scheduled_time_s)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times_s[0] - self.send_time_s if self.ok and self.token_times_s else None
+
+    @property
+    def e2e_latency_s(self) -> float | None:
+        return self.token_times_s[-1] - self.send_time_s if self.ok and self.token_times_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """`(e2e - ttft) / (output_tokens - 1)`: None for a single token."""
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e_latency_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def itl_s(self) -> list[float]:
+        t = self.token_times_s
+        return [b - a for a, b in zip(t, t[1:])] if self.ok else []
+
+    @property
+    def inter_chunk_gap_s(self) -> list[float]:
+        arrivals = sorted(set(self.token_times_s)) if self.ok else []
+        return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+@dataclass
+class LatencyStats:
+    """Mean and percentiles (seconds) of one latency, with the sample count `n`."""
+
+    n: int
+    mean_s: float | None = None
+    p50_s: float | None = None
+    p90_s: float | None = None
+    p99_s: float | None = None
+    p90_low_confidence: bool = True
+    p99_low_confidence: bool = True
+
+    @classmethod
+    def of(cls, values) -> "LatencyStats":
+        v = np.asarray([x for x in values if x is not None], dtype=np.float64)
+        n = int(v.size)
+        if n == 0:
+            return cls(0)
+        p50, p90, p99 = (float(x) for x in np.percentile(v, PERCENTILES))
+        return cls(n, float(v.mean()), p50, p90, p99, p90_low_confidence=low_confidence(90, n),
+                   p99_low_confidence=low_confidence(99, n))
+
+
+def low_confidence(percentile: float, n: int) -> bool:
+    """True when fewer than `1 / (1 - p)` samples back percentile `p` (none lies beyond it)."""
+    return n * (1 - percentile / 100) < 1 - 1e-9
+
+
+#: The metadata of a `PointMetrics` field that summarizes, over the point's completed requests, the
+#: `RequestRecord` attribute of the same name (a number per request, or a list pooled over requests).
+PER_REQUEST = {"per_request": True}
+
+
+@dataclass
+class PointMetrics:
+    """Everything one load point measured (units in the names; counts are requests unless named).
+
+    A per-request latency is one property of `RequestRecord` and one field here of the same name marked
+    `PER_REQUEST`: `summarize` fills every such field (an `AttributeError` there names a marked field with no
+    `RequestRecord` attribute of its name), `flat` writes its keys into the record.
+    """
+
+    mode: str
+    stop_reason: str | None            # which bound ended the window: `count` or `duration`
+    window_start_s: float | None
+    window_end_s: float | None
+    window_s: float | None
+    arrivals: int                      # requests the schedule produced (measured ones, warm-up excluded)
+    sent_requests: int                 # measured requests sent
+    completed_requests: int            # measured requests that finished without error
+    failed_requests: int               # measured requests sent that ended in an error
+    dropped_arrivals: int              # arrivals never sent (concurrency cap, drop policy)
+    delayed_arrivals: int              # arrivals that waited for a slot under the concurrency cap
+    warmup_requests: int
+    errors_by_kind: dict
+    ttft_s: LatencyStats = field(metadata=PER_REQUEST)
+    tpot_s: LatencyStats = field(metadata=PER_REQUEST)
+    itl_s: LatencyStats = field(metadata=PER_REQUEST)
+    inter_chunk_gap_s: LatencyStats = field(metadata=PER_REQUEST)
+    e2e_latency_s: LatencyStats = field(metadata=PER_REQUEST)
+    arrival_delay_s: LatencyStats                # sent requests' delays behind their scheduled arrival
+    input_tokens: int
+    output_tokens: int
+    output_throughput_tok_per_s: float | None
+    total_throughput_tok_per_s: float | None
+    request_throughput_req_per_s: float | None
+    target_rate_req_per_s: float | None = None
+    achieved_rate_req_per_s: float | None = None
+    scheduled_rate_req_per_s: float | None = None
+    target_concurrency: int | None = None
+    achieved_peak_concurrency: int | None = None
+    achieved_mean_concurrency: float | None = None
+    warnings: list = field(default_factory=list)
+    replica_ttft_s: LatencyStats | None = field(default=None, metadata=PER_REQUEST)  # replica's clock; summarize fills it
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def flat(self) -> dict:
+        """One level of keys (`ttft_p99_s`, `ttft_n`, `ttft_p99_low_confidence`, ...) for results files."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, LatencyStats):
+                base = f.name[:-2] if f.name.endswith("_s") else f.name
+                out[f"{base}_n"] = v.n
+                for p in ("mean", "p50", "p90", "p99"):
+                    out[f"{base}_{p}_s"] = getattr(v, f"{p}_s")
+                out[f"{base}_p90_low_confidence"] = v.p90_low_confidence
+                out[f"{base}_p99_low_confidence"] = v.p99_low_confidence
+            else:
+                out[f.name] = v
+        return out
+
+
+def _concurrency(records: list[RequestRecord], start: float, end: float) -> tuple[int, float | None]:
+    """(peak, time-weighted mean) of requests in flight inside [start, end], from send/finish times."""
+    events = []
+    for r in records:
+        if r.send_time_s is not None:
+            events.append((r.send_time_s, 1))
+            events.append((r.finish_time_s if r.finish_time_s is not None else end, -1))
+    events.sort()                                     # at one instant a finish (-1) comes before a send
+    i, level = 0, 0
+    while i < len(events) and events[i][0] < start:   # in flight when the window opens
+        level += events[i][1]
+        i += 1
+    peak, prev, area = level, start, 0.0
+    for t, d in events[i:]:
+        if t > end:
+            break
+        area += level * (t - prev)
+        prev, level = t, level + d
+        peak = max(peak, level)
+    area += level * (end - prev)
+    return peak, (area / (end - start) if end > start else None)
+
+
+def per_request_fields() -> list[str]:
+    """The `PointMetrics` fields marked `PER_REQUEST`, in declaration order."""
+    return [f.name for f in fields(PointMetrics) if f.metadata.get("per_request")]
+
+
+def _pooled(records: list[RequestRecord], name: str):
+    """The values of attribute `name` over `records`: each number, or each element of a list."""
+    for r in records:
+        v = getattr(r, name)
+        yield from (v if isinstance(v, list) else (v,))
+
+
+def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float | None,
+              window_end_s: float | None, stop_reason: str | None = None, target_rate_req_per_s: float | None = None,
+              target_concurrency: int | None = None,
+              replica_peak_running_sequences: int | None = None) -> PointMetrics:
+    """Metrics of one point from its request records and its measurement window.
+
+    `replica_peak_running_sequences` (summed over replicas, when known) adds a warning when the
+    replicas ran fewer sequences at once than the target concurrency (queueing behind memory).
+    The rate warning compares the achieved rate with the rate of the arrival times the run drew
+    for the same requests (a small Poisson sample's rate is not the nominal rate; case L18).
+    """
+    measured = [r for r in records if not r.warmup]
+    sent = [r for r in measured if r.sent]
+    ok = [r for r in sent if r.ok]
+    failed = [r for r in sent if not r.ok]
+    errors = collections.Counter((r.error_kind or "empty_output") for r in failed)
+    start, end = window_start_s, window_end_s
+    window = (end - start) if (start is not None and end is not None) else None
+    if window is not None and window <= 0:
+        window = None
+
+    def inside(t: float) -> bool:
+        return start is not None and end is not None and start <= t <= end
+
+    out_tok = sum(1 for r in ok for t in r.token_times_s if inside(t))
+    in_tok = sum(r.prompt_tokens for r in ok if inside(r.token_times_s[0]))
+    done_in = sum(1 for r in ok if inside(r.token_times_s[-1]))
+
+    def rate_of(times) -> float | None:
+        times = sorted(times)
+        return (len(times) - 1) / (times[-1] - times[0]) if len(times) >= 2 and times[-1] > times[0] else None
+
+    achieved_rate = rate_of(r.send_time_s for r in sent)
+    scheduled = [r.scheduled_time_s for r in measured if r.scheduled_time_s is not None]   # dropped ones too
+    scheduled_rate = rate_of(scheduled) if scheduled and len(scheduled) == len(measured) else None
+    peak, mean_conc = (None, None)
+    if start is not None and end is not None:
+        peak, mean_conc = _concurrency([r for r in records if r.sent], start, end)
+    delays = [r.delay_s for r in sent]
+    warnings = []
+    if target_concurrency is not None and peak is not None and peak < target_concurrency:
+        warnings.append(f"concurrency: target {target_concurrency}, achieved peak {peak} requests in flight")
+    if target_concurrency is not None and replica_peak_running_sequences is not None \
+            and replica_peak_running_sequences < target_concurrency:
+        warnings.append(f"concurrency: target {target_concurrency}, the replicas ran at most "
+                        f"{replica_peak_running_sequences} sequences at once (the rest queued)")
+    if target_rate_req_per_s and achieved_rate is not None and scheduled_rate is not None \
+            and achieved_rate < 0.95 * scheduled_rate:
+        warnings.append(f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
+                        f"{scheduled_rate:.3g} req/s in the arrival times drawn")
+    if len(ok) < 100:
+        warnings.append(f"p99: only {len(ok)} completed requests (low confidence below 100)")
+    rate = (lambda x: x / window if window else None)
+    return PointMetrics(
+        mode=mode, stop_reason=stop_reason, window_start_s=start, window_end_s=end, window_s=window,
+        arrivals=len(measured), sent_requests=len(sent), completed_requests=len(ok), failed_requests=len(failed),
+        dropped_arrivals=sum(1 for r in measured if not r.sent),
+        delayed_arrivals=sum(1 for r in sent if r.cap_delayed),
+        warmup_requests=sum(1 for r in records if r.warmup), errors_by_kind=dict(errors),
+        **{name: LatencyStats.of(_pooled(ok, name)) for name in per_request_fields()},
+        arrival_delay_s=LatencyStats.of(d for d in delays if d is not None),
+        input_tokens=in_tok, output_tokens=out_tok,
+        output_throughput_tok_per_s=rate(out_tok), total_throughput_tok_per_s=rate(in_tok + out_tok),
+        request_throughput_req_per_s=rate(done_in),
+        target_rate_req_per_s=target_rate_req_per_s, achieved_rate_req_per_s=achieved_rate,
+        scheduled_rate_req_per_s=scheduled_rate,
+        target_concurrency=target_concurrency, achieved_peak_concurrency=peak,
+        achieved_mean_concurrency=mean_conc, warnings=warnings,
+    )

@@ -1,0 +1,104 @@
+"""PNG plots of serving points (matplotlib, Agg): written next to the results.
+
+* `throughput_vs_batch.png`: output tokens/s vs batch size (static batches / the max-batch sweep),
+  one line per policy and budget;
+* `latency_vs_rate.png`: p50 and p99 end-to-end latency vs achieved request rate, per policy;
+* `pareto_tokens_per_user.png`: tokens/s per user (1 / mean TPOT) vs output tokens/s per replica,
+  every ok point, with each policy's Pareto front.
+"""
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+from workloads.core.results import save_figure
+
+
+def _label(r: dict) -> str:
+    if r.get("policy") == "full":
+        return "full"
+    if r.get("compression_ratio"):
+        return f"{r['policy']} x{r['compression_ratio']:g}"
+    return f"{r['policy']} B={r.get('budget_tokens_requested') or r.get('budget_tokens')}"
+
+
+def _series(records, x_key, y_key):
+    out = collections.defaultdict(list)
+    for r in records:
+        x, y = r.get(x_key), r.get(y_key)
+        if r.get("status") == "ok" and x is not None and y is not None:
+            out[_label(r)].append((x, y))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not dominated (higher x and higher y are better), sorted by x."""
+    front, best_y = [], float("-inf")
+    for x, y in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if y > best_y:
+            front.append((x, y))
+            best_y = y
+    return sorted(front)
+
+
+def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
+    """Write the plots the records allow; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    written = []
+    batch = []
+    for r in records:
+        if r.get("mode") == "max_batch":
+            batch.append({**r, "_batch": r.get("max_batch_size")})
+        elif r.get("mode") == "serving-batch":
+            batch.append({**r, "_batch": r.get("load")})
+    if _series(batch, "_batch", "output_throughput_tok_per_s"):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, pts in _series(batch, "_batch", "output_throughput_tok_per_s").items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+            for x, y in pts:
+                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+        ax.set_xlabel("batch size (sequences)")
+        ax.set_ylabel("output throughput (tokens/s)")
+        ax.set_title("Throughput vs batch size under one KV memory limit")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        written.append(save_figure(fig, out_dir / "throughput_vs_batch.png", dpi=110))
+    rate = [r for r in records if r.get("mode") == "rate"]
+    if _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s"):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, pts in _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s").items():
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50")
+            p99 = _series([r for r in rate if _label(r) == label], "achieved_rate_req_per_s", "e2e_latency_p99_s")
+            for pts99 in p99.values():
+                ax.plot([p[0] for p in pts99], [p[1] for p in pts99], marker="^", ls="--", color=line.get_color(),
+                        label=f"{label} p99")
+        ax.set_xlabel("achieved request rate (requests/s)")
+        ax.set_ylabel("end-to-end latency (s)")
+        ax.set_title("Latency vs request rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, out_dir / "latency_vs_rate.png", dpi=110))
+    pareto = []
+    for r in records:
+        tpot, thr = r.get("tpot_mean_s"), r.get("output_throughput_tok_per_s")
+        if r.get("status") == "ok" and tpot and thr is not None:
+            pareto.append({**r, "_user": 1.0 / tpot, "_replica": thr / max(1, r.get("replicas") or 1)})
+    if pareto:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for label, pts in _series(pareto, "_user", "_replica").items():
+            sc = ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=label, s=18)
+            front = pareto_front(pts)
+            ax.plot([p[0] for p in front], [p[1] for p in front], color=sc.get_facecolor()[0], alpha=0.8)
+        ax.set_xlabel("tokens/s per user (1 / mean TPOT)")
+        ax.set_ylabel("output tokens/s per replica")
+        ax.set_title("Pareto: per-user speed vs replica throughput")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(save_figure(fig, out_dir / "pareto_tokens_per_user.png", dpi=110))
+    return written
+
