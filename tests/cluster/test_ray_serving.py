@@ -30,7 +30,7 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
     from ray import serve
 
     from replica.engine import GenerationRequest
-    from workloads.serving.runner import ServeReplicaPool
+    from workloads.serving.pools import ServeReplicaPool
 
     pool = ServeReplicaPool(2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0,
                             num_threads=1, run_id="t1")

@@ -1,0 +1,198 @@
+"""The replicas a serving point runs on, behind one interface (`ReplicaPool`): a Ray Serve deployment
+(`ServeReplicaPool`), one in-process replica (`LocalReplicaPool`, tests and benchmarks), or any
+OpenAI-compatible server over HTTP (`HTTPTargetPool`). `client()` is the load generator's client of them all.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+class ReplicaPool(Protocol):
+    """What the sweep needs from its replicas (a Serve deployment, one in-process replica for tests, or an
+    HTTP server): `client()` is the one load-generator client of them all (the routing is theirs)."""
+
+    def start(self) -> list[dict]: ...
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None: ...
+    def client(self): ...
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
+    def stats(self, reset: bool = False) -> list[dict]: ...
+    def restart_dead(self) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+class LocalReplicaPool:
+    """One `ServingReplica` in this process (its engine on a thread of its own); for tests and the benchmark."""
+
+    def __init__(self, n: int, model_spec: str, dtype: str = "auto", device: str = "cpu", model=None,
+                 num_threads: int | None = None):
+        if n != 1:
+            raise ValueError(f"replicas: an in-process pool holds 1 replica, got {n} (Serve runs several)")
+        self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
+        self.model = model
+        self.replica = None
+
+    def start(self) -> list[dict]:
+        from replica.continuous import ServingReplica
+
+        model = self.model
+        if model is None:
+            from replica.static_batch import load_replica_model
+
+            model, _ = load_replica_model(self.kwargs["model_spec"], self.kwargs["dtype"], self.kwargs["device"])
+        self.replica = ServingReplica(replica_id="local-0", model=model, **self.kwargs)
+        return [self.replica.info()]
+
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
+        self.replica.configure(engine_config, run_id)
+
+    def client(self):
+        return self.replica
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        return self.replica.max_batch_for(prompt_tokens, max_new_tokens)
+
+    def stats(self, reset: bool = False) -> list[dict]:
+        return [{**asyncio.run(self.replica.stats(reset)), "node_id": self.replica.node_id}]
+
+    def restart_dead(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        if self.replica is not None:
+            self.replica.shutdown()
+
+
+class ServeClient:
+    """The load generator's client of a serving deployment: each request goes through the deployment
+    handle (Serve picks the replica), as the `GenerationRequest` dataclass itself; the replica-side
+    figures each reply carries (``replica_stats``, `cluster.serve_app.EngineDeployment.generate`) are
+    kept per replica in `stats` (the latest of each, by requests answered) and taken off the reply.
+    A call that fails because its replica died is counted in `died` and raised to the load generator."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.stats: dict[str, dict] = {}
+        self.died = 0
+
+    async def generate(self, request) -> dict:
+        try:
+            out = await self.handle.generate.remote(request)
+        except Exception as e:
+            from workloads.load.loadgen import error_kind
+
+            if error_kind(e) == "replica_died":
+                self.died += 1
+            raise
+        stats = out.pop("replica_stats", None)
+        if stats:
+            seen = self.stats.get(stats["replica_id"])
+            if seen is None or _answered(stats) >= _answered(seen):
+                self.stats[stats["replica_id"]] = stats
+        return out
+
+
+def _answered(stats: dict) -> int:
+    return sum(stats.get(k, 0) for k in ("completed_requests", "failed_requests", "warmup_completed_requests",
+                                         "warmup_failed_requests"))
+
+
+class ServeReplicaPool:
+    """The suite's replicas as one Ray Serve deployment (`cluster.replica_set.ServeReplicaSet` of
+    `cluster.serve_app.EngineDeployment`): a point's engine configuration is broadcast to every running
+    replica (each builds the new engine); Serve routes the requests and replaces a replica that died (the
+    next point configures it). Per-replica figures come back with each reply (`ServeClient`)."""
+
+    def __init__(self, n: int, *, model_spec: str, dtype: str, device: str, placement=None, num_cpus: float,
+                 num_gpus: float, num_threads: int | None, run_id: str | None = None, dtype_reason: str | None = None):
+        from cluster.serve_app import EngineDeployment
+        from cluster.replica_set import ServeReplicaSet, app_name_for
+
+        self.rset = ServeReplicaSet(EngineDeployment, dict(model_id="serving", model_spec=model_spec, dtype=dtype,
+                                                           device=device, dtype_reason=dtype_reason), n,
+                                    placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads,
+                                    app_name=app_name_for("serving", run_id), max_ongoing_requests=100_000,
+                                    what="serving replica(s)")
+        self.n = n
+        self._client: ServeClient | None = None
+
+    def start(self) -> list[dict]:
+        """Deploy and wait (at most ``placement.ready_timeout_s``) until every replica has loaded its model.
+
+        Raises:
+            PlacementError: no node can ever hold a replica, or not every replica was placed and loaded in
+                time (the message gives what is free and the alive nodes).
+            RuntimeError: a replica's own load error (e.g. FileNotFoundError naming the path).
+        """
+        handle = self.rset.start()
+        self._client = ServeClient(handle)
+        return [handle.info.remote().result()]
+
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
+        self.rset.broadcast("configure", engine_config, run_id)
+        self._client = ServeClient(self.rset.handle)
+
+    def client(self) -> ServeClient:
+        return self._client
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        return int(self.rset.handle.max_batch_for.remote(prompt_tokens, max_new_tokens).result())
+
+    def stats(self, reset: bool = False) -> list[dict]:
+        out = [self._client.stats[k] for k in sorted(self._client.stats)]
+        if reset:
+            self._client.stats.clear()
+        return out
+
+    def restart_dead(self) -> list[str]:
+        """How many calls of this point found their replica dead (as ``"<n> replica call(s)"``; Serve
+        replaces the replica), after waiting (at most ``ready_timeout_s``) for the deployment to run again."""
+        died, self._client.died = self._client.died, 0
+        if died:
+            self.rset.wait_running(self.rset.placement.ready_timeout_s)
+        return [f"{died} request(s) on a dead replica"] if died else []
+
+    def close(self) -> None:
+        self.rset.shutdown()
+
+
+class HTTPTargetPool:
+    """The OpenAI-compatible server at `target` as the sweep's pool (ours from `make serve`, or any
+    other): it only checks that `model` is served; the server's cache configuration is its own, so
+    `configure` changes nothing and the records carry the served model's `/v1/models` metadata."""
+
+    def __init__(self, target: str, model: str, timeout_s: float = 30.0):
+        self.target, self.model, self.timeout_s = target.rstrip("/"), model, timeout_s
+        self.metadata: dict = {}
+
+    def start(self) -> list[dict]:
+        import requests
+
+        try:
+            served = requests.get(f"{self.target}/models", timeout=self.timeout_s).json()["data"]
+        except Exception as e:  # noqa: BLE001
+            raise RuntimeError(f"target: no OpenAI-compatible server answered GET {self.target}/models: {e}") from None
+        ids = [m.get("id") for m in served]
+        if self.model not in ids:
+            raise RuntimeError(f"model: {self.model!r} is not served at {self.target} (served: {', '.join(map(str, ids))})")
+        self.metadata = next(m for m in served if m.get("id") == self.model).get("metadata") or {}
+        return [{"replica_id": self.target, "served_model": self.model, **self.metadata}]
+
+    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
+        pass
+
+    def client(self):
+        from workloads.load.http_client import OpenAIHTTPClient
+
+        return OpenAIHTTPClient(f"{self.target}", self.model, session_per_request=True)
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        raise RuntimeError("target: max_batch needs our replicas' memory model, not an HTTP server")
+
+    def stats(self, reset: bool = False) -> list[dict]:
+        return [{"replica_id": self.target, "served_model": self.model, **self.metadata}]
+
+    def restart_dead(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        pass
