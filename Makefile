@@ -12,7 +12,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: install sweep test test-fast cluster-up cluster-down clean
+.PHONY: install sweep test test-fast lint cluster-up cluster-down clean
 .PHONY: submit gpu-check cluster-node
 .PHONY: dashboards-up dashboards-down
 .PHONY: bench-serving serve serve-down crosscheck
@@ -38,6 +38,11 @@ sweep: install
 BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 1024 --full-batch 4 --ratio 5 --generate-new-tokens 512
 bench-serving: install
 	$(PY) -m bench.bench_serving $(BENCH_ARGS) $(ARGS)
+
+# ruff, pinned in the `test` extra, configured in pyproject.toml ([tool.ruff]): lint rules, then the formatter's check.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: install
 	$(PY) -m pytest -q tests $(ARGS)
