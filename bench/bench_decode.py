@@ -47,7 +47,8 @@ import time
 import torch
 
 from bench.bench_prefill import cpu_conditions
-from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+from replica.engine import ContinuousBatchingEngine
+from replica.types import EngineConfig, GenerationRequest
 from scissorhands.models import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

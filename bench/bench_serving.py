@@ -40,8 +40,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
+from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate
+from replica.types import EngineConfig, GenerationRequest
 from workloads.core.run import git_commit
 from workloads.load.prompts import prompts_for
 

@@ -367,8 +367,9 @@ def _random_prompts(vocab: int, n: int, lengths, seed: int) -> list[list[int]]:
 
 def phase_max_batch(a: dict, deadline: float, save) -> dict:
     """Each cache at its own max batch under one KV limit, run and verified; tok/s and ratios to full."""
-    from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+    from replica.engine import ContinuousBatchingEngine
     from replica.generate_baseline import run_engines
+    from replica.types import EngineConfig, GenerationRequest
 
     model = _load(a)
     P, N = a["prompt_tokens"], a["new_tokens"]
@@ -418,7 +419,8 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
     """Our engine vs transformers' generate, full cache, at full's max batch, on one serving mix."""
     import numpy as np
 
-    from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+    from replica.engine import ContinuousBatchingEngine
+    from replica.types import EngineConfig, GenerationRequest
 
     model = _load(a)
     P, N, G = a["prompt_tokens"], a["new_tokens"], a["generate_new_tokens"]

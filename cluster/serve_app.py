@@ -34,9 +34,9 @@ from typing import Any
 
 from ray import serve
 
-from replica.engine import EngineConfig, GenerationRequest
-from replica.openai_api import build_app, cache_metadata
 from replica.continuous import ServingReplica
+from replica.openai_api import build_app, cache_metadata
+from replica.types import EngineConfig, GenerationRequest
 from cluster.signals import StopSignals
 
 APP_NAME = "scissorhands-openai"

@@ -14,8 +14,9 @@ from dataclasses import asdict
 
 import torch
 
-from replica.engine import ContinuousBatchingEngine, EngineConfig, EngineLoop, GenerationRequest, GenerationResult
+from replica.engine import ContinuousBatchingEngine, EngineLoop
 from replica.metrics import ReplicaMetrics
+from replica.types import EngineConfig, GenerationRequest, GenerationResult
 
 
 class ServingReplica:

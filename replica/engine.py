@@ -42,156 +42,17 @@ import contextlib
 import math
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from replica.metrics import NullMetrics
+from replica.sampling import pick_tokens
+from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from scissorhands.checks import check_int
 
-__all__ = ["EngineConfig", "GenerationRequest", "GenerationResult", "ContinuousBatchingEngine", "EngineLoop",
-           "device_memory_bytes", "full_batch_kv_limit_bytes", "pick_tokens"]
-
-
-@dataclass
-class EngineConfig:
-    """What a replica's engine runs: the cache policy and budget, and the memory it may use.
-
-    Attributes:
-        policy: a key of `scissorhands.POLICIES`.
-        policy_params: the policy's keyword parameters.
-        budget_tokens: slots per KV head per sequence (B); wins over `compression_ratio`.
-        compression_ratio: `B = ceil(max_length_tokens / ratio)`; needs `max_length_tokens`.
-        max_length_tokens: the longest prompt + output of the workload (tokens): fixes B for a ratio;
-            with the full cache every row preallocates it (decode writes in place, no regrowth).
-        kv_memory_limit_bytes: the KV memory the running batch may hold (bytes).
-        kv_memory_fraction: else this fraction (0..1] of the device's memory (GPU total, or RAM).
-            Neither: no memory limit.
-        max_batch: most sequences running at once (None: only memory limits).
-        max_prefill_tokens: most prompt tokens prefilled in one step (bounds the stall of running
-            sequences and a prefill's activation memory); a longer single prompt is still
-            prefilled, alone. Measured on the embedded model (2 CPU threads, 1,024-token prompts):
-            prefill costs the same per prompt for 1 to 4 prompts in one call and 10% (full cache)
-            to 30% (Scissorhands) more for 8, so the default is 4,096 (measured before explicit
-            attention sized its query chunks by rows; not re-measured since).
-    """
-
-    policy: str = "full"
-    policy_params: dict = field(default_factory=dict)
-    budget_tokens: int | None = None
-    compression_ratio: float | None = None
-    max_length_tokens: int | None = None
-    kv_memory_limit_bytes: int | None = None
-    kv_memory_fraction: float | None = None
-    max_batch: int | None = None
-    max_prefill_tokens: int = 4096
-
-    def __post_init__(self) -> None:
-        from scissorhands import POLICIES
-
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: unknown policy {self.policy!r}; valid policies: {', '.join(POLICIES)}")
-        if not isinstance(self.policy_params, dict):
-            raise ValueError(f"policy_params: expected a mapping, got {self.policy_params!r}")
-        for name in ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch", "max_prefill_tokens"):
-            check_int(name, getattr(self, name), 1, optional=True)
-        if self.compression_ratio is not None and not (
-                isinstance(self.compression_ratio, (int, float)) and not isinstance(self.compression_ratio, bool)
-                and math.isfinite(self.compression_ratio) and self.compression_ratio >= 1):
-            raise ValueError(f"compression_ratio: expected a number >= 1 or null, got {self.compression_ratio!r}")
-        if self.kv_memory_fraction is not None and not (
-                isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1):
-            raise ValueError(f"kv_memory_fraction: expected a number in (0, 1] or null, got {self.kv_memory_fraction!r}")
-        if self.kv_memory_limit_bytes is not None and self.kv_memory_fraction is not None:
-            raise ValueError("kv_memory_limit_bytes, kv_memory_fraction: give one of them, not both")
-        if POLICIES[self.policy].evicts:
-            if self.budget_tokens is None and self.compression_ratio is None:
-                raise ValueError(f"budget_tokens, compression_ratio: policy {self.policy!r} needs one of them")
-            if self.budget_tokens is None and self.max_length_tokens is None:
-                raise ValueError("max_length_tokens: a compression_ratio needs the workload's longest "
-                                 "prompt + output (tokens) to fix the budget of every sequence")
-
-    def resolved_budget_tokens(self) -> int | None:
-        """B, slots per KV head per sequence (None for a policy that never evicts)."""
-        from scissorhands import POLICIES, budget_from_ratio
-
-        if not POLICIES[self.policy].evicts:
-            return None
-        if self.budget_tokens is not None:
-            return self.budget_tokens
-        return budget_from_ratio(self.max_length_tokens, self.compression_ratio)
-
-
-@dataclass
-class GenerationRequest:
-    """One request: prompt token ids (never text) and how many tokens to generate.
-
-    Greedy by default. `temperature` > 0 samples from softmax(logits / temperature), restricted to
-    the smallest set of tokens whose probability reaches `top_p` (nucleus sampling, Holtzman et
-    al. 2020); `seed` makes the draws repeatable (a generator of its own per request, so a
-    request's tokens do not depend on its batch neighbours' draws). `min_new_tokens`: EOS is masked
-    out of the logits until that many tokens exist (vLLM's `min_tokens`; only when EOS stops it).
-    `warmup`: the load generator's warm-up request; the engine counts it apart (`stats()`'s
-    ``warmup_*`` keys, live metrics with ``phase="warmup"``), so a point's server-side figures
-    cover the same requests as its client-side ones (case L20, shared/cases/load-and-metrics.md).
-    """
-
-    request_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int
-    ignore_eos: bool = True
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    min_new_tokens: int = 0
-    warmup: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError(f"prompt_ids: request {self.request_id!r} has an empty prompt")
-        check_int("max_new_tokens", self.max_new_tokens, 1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed: expected an integer or null, got {self.seed!r}")
-        check_int("min_new_tokens", self.min_new_tokens, 0)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass
-class GenerationResult:
-    """What a replica returns for a request; times are the replica's `clock` (wall clock, seconds).
-
-    `token_times_s[i]` is when `output_ids[i]` was produced; `output_tokens` is `len(output_ids)`.
-    `error_kind`: None (ok), `"rejected"` (cannot fit the memory limit even alone), `"oom"` (the
-    device ran out of memory), `"error"` (any other exception; `error` holds it).
-    """
-
-    request_id: str
-    prompt_tokens: int
-    output_ids: list[int] = field(default_factory=list)
-    token_times_s: list[float] = field(default_factory=list)
-    received_time_s: float | None = None
-    admitted_time_s: float | None = None
-    finish_time_s: float | None = None
-    finish_reason: str | None = None
-    error_kind: str | None = None
-    error: str | None = None
-    replica_id: str | None = None
-
-    @property
-    def output_tokens(self) -> int:
-        return len(self.output_ids)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+__all__ = ["ContinuousBatchingEngine", "EngineLoop", "device_memory_bytes", "full_batch_kv_limit_bytes"]
 
 
 def _recording() -> contextlib.AbstractContextManager:
@@ -218,42 +79,6 @@ class _Seq:
     held_slots: int = 0          # tokens the row holds in the cache now (for the prefill-time bound)
     on_token: Callable[[int, float], None] | None = None
     generator: torch.Generator | None = None     # this request's sampling draws (temperature > 0)
-
-
-def pick_tokens(logits: torch.Tensor, seqs: list, eos_token_id: int | None) -> torch.Tensor:
-    """The next token of each row: `logits` (rows, vocab) -> (rows, 1) long.
-
-    Argmax for greedy rows; sampled (temperature, then top-p) with the row's own generator for the
-    others; EOS masked while a row that stops at EOS has fewer than `min_new_tokens` tokens.
-    """
-    reqs = [s.request for s in seqs]
-    if all(r.greedy and (r.min_new_tokens == 0 or r.ignore_eos or eos_token_id is None) for r in reqs):
-        # argmax's index (the first of tied maxima); torch.max's reduction runs 3x faster than argmax's in
-        # bfloat16 on a CPU (19 x 49,152 logits: 0.63 against 1.93 ms), equal in float32
-        return torch.max(logits, dim=-1, keepdim=True).indices                            # (rows, 1)
-    out = []
-    for row, seq in zip(logits.float(), seqs):                                            # row: (vocab,)
-        r = seq.request
-        if eos_token_id is not None and not r.ignore_eos and len(seq.result.output_ids) < r.min_new_tokens:
-            row = row.clone()
-            row[eos_token_id] = -math.inf
-        if r.greedy:
-            out.append(row.argmax())
-            continue
-        probs = torch.softmax(row / r.temperature, dim=-1)                                # (vocab,)
-        if r.top_p < 1:
-            p_sorted, order = probs.sort(descending=True)
-            outside = p_sorted.cumsum(0) - p_sorted >= r.top_p     # tokens after the nucleus is full
-            p_sorted[outside] = 0
-            probs = torch.zeros_like(probs).scatter_(0, order, p_sorted)
-        if seq.generator is None:
-            seq.generator = torch.Generator(device=row.device)
-            if r.seed is not None:
-                seq.generator.manual_seed(r.seed)
-            else:
-                seq.generator.seed()
-        out.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
-    return torch.stack(out).view(-1, 1).to(logits.device)                                 # (rows, 1)
 
 
 class ContinuousBatchingEngine:

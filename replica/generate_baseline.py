@@ -16,7 +16,8 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+from replica.engine import ContinuousBatchingEngine
+from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
 
 

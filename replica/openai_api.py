@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Protocol
 
-from replica.engine import GenerationRequest
+from replica.types import GenerationRequest
 
 __all__ = ["Backend", "ReplicaBackend", "build_app", "ApiError", "IncrementalDetokenizer", "PHASE_HEADER",
            "REPLICA_DIED", "replica_death"]

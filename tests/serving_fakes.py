@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
-from replica.engine import GenerationRequest, GenerationResult
+from replica.types import GenerationRequest, GenerationResult
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):

@@ -37,8 +37,9 @@ def test_bench_serving_rejects_a_part_2_longer_than_the_limit_allows(capsys):
 
 
 def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(monkeypatch):
-    from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest
+    from replica.engine import ContinuousBatchingEngine
     from replica.static_batch import load_replica_model
+    from replica.types import EngineConfig, GenerationRequest
 
     torch.set_num_threads(1)
     model, _ = load_replica_model("tiny-llama")
@@ -67,8 +68,8 @@ def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(m
 def test_the_progress_bar_counts_every_generated_token(monkeypatch):
     """The bar reads the engine's public `generated_tokens` after each step: it ends at the planned total."""
     from replica import generate_baseline
-    from replica.engine import EngineConfig, GenerationRequest
     from replica.static_batch import load_replica_model
+    from replica.types import EngineConfig, GenerationRequest
 
     class Bar:
         def __init__(self, total, **kwargs):

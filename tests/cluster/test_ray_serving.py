@@ -29,7 +29,7 @@ def ray_session():
 def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_replica(ray_session):
     from ray import serve
 
-    from replica.engine import GenerationRequest
+    from replica.types import GenerationRequest
     from workloads.serving.pools import ServeReplicaPool
 
     pool = ServeReplicaPool(2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0,

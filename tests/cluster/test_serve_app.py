@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from replica.engine import GenerationRequest
+from replica.types import GenerationRequest
 from tests.http_fakes import sse_events
 from tests.waiting import free_port
 

@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from replica.engine import ContinuousBatchingEngine, EngineConfig, EngineLoop, GenerationRequest
+from replica.engine import ContinuousBatchingEngine, EngineLoop
+from replica.types import EngineConfig, GenerationRequest
 from scissorhands import make_cache
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
@@ -394,7 +395,7 @@ def test_shutting_a_serving_replica_down_answers_the_requests_it_holds(model):
 def test_greedy_pick_is_argmax_with_the_first_of_tied_maxima(dtype):
     from types import SimpleNamespace
 
-    from replica.engine import pick_tokens
+    from replica.sampling import pick_tokens
 
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.5, -1.0, 0.25, 0.5], [-2.0, -3.0, -1.0, -1.5]], dtype=dtype)
     seqs = [SimpleNamespace(request=GenerationRequest(f"r{i}", [1], 4)) for i in range(3)]

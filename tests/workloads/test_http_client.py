@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from replica.engine import GenerationRequest
+from replica.types import GenerationRequest
 from tests.http_fakes import ServerThread
 from workloads.load.http_client import OpenAIHTTPClient
 from workloads.load.loadgen import LoadConfig, run_load

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from replica.engine import GenerationRequest
+from replica.types import GenerationRequest
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
 from workloads.load.loadgen import LengthDist, LoadConfig, arrival_gaps_s, build_requests, run_load
 from workloads.load.metrics import LatencyStats, RequestRecord, summarize

@@ -40,8 +40,9 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
             sequence needs), or an invalid policy / parameter (from ``make_cache``).
     """
-    from replica.engine import ContinuousBatchingEngine, EngineConfig, GenerationRequest, full_batch_kv_limit_bytes
+    from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
     from replica.generate_baseline import run_engines
+    from replica.types import EngineConfig, GenerationRequest
     from workloads.load.prompts import prompts_for
     from workloads.quality.perplexity import heldout_windows, perplexity
 

@@ -43,8 +43,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from replica.engine import GenerationRequest, GenerationResult
 from replica.openai_api import PHASE_HEADER, REPLICA_DIED
+from replica.types import GenerationRequest, GenerationResult
 
 __all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
 

@@ -40,7 +40,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
-from replica.engine import EngineConfig
+from replica.types import EngineConfig
 from workloads.load.loadgen import ARRIVALS, CAP_POLICIES, LengthDist, LoadConfig, TraceLoad
 from workloads.core.suite import (Name, NonNegativeInt, PositiveFloat, PositiveInt, SuiteBase, SuiteError, budget_tag,
                              point_id)
