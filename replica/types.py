@@ -7,16 +7,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from replica.rules import need_one_of, not_both, one_line
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.checks import check_int
 
-__all__ = ["EngineConfig", "GenerationRequest", "GenerationResult"]
+__all__ = ["ConfigError", "EngineConfig", "GenerationRequest", "GenerationResult"]
+
+_COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch")
 
 
-@dataclass
-class EngineConfig:
+class ConfigError(ValueError):
+    """An invalid `EngineConfig`: one line per wrong field, each naming it and what it accepts."""
+
+
+class EngineConfig(BaseModel):
     """What a replica's engine runs: the cache policy and budget, and the memory it may use.
+
+    A frozen pydantic model: ``EngineConfig(**fields)`` validates every field, `model_dump()` gives
+    the mapping back, ``cfg.model_copy(update=...)`` changes fields without validating them again
+    (build a new one from ``{**cfg.model_dump(), ...}`` to validate).
 
     Attributes:
         policy: a key of `scissorhands.POLICIES`.
@@ -31,14 +44,18 @@ class EngineConfig:
         max_batch: most sequences running at once (None: only memory limits).
         max_prefill_tokens: most prompt tokens prefilled in one step (bounds the stall of running
             sequences and a prefill's activation memory); a longer single prompt is still
-            prefilled, alone. Measured on the embedded model (2 CPU threads, 1,024-token prompts):
-            prefill costs the same per prompt for 1 to 4 prompts in one call and 10% (full cache)
-            to 30% (Scissorhands) more for 8, so the default is 4,096 (measured before explicit
-            attention sized its query chunks by rows; not re-measured since).
+            prefilled, alone. The default keeps up to 4 prompts of 1,024 tokens in one prefill, where
+            prefilling them together costs no more per prompt (docs/performance.md).
+
+    Raises:
+        ConfigError (a ValueError): an unknown key, or a field out of range; the message names
+            each field and the values it accepts.
     """
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     policy: str = "full"
-    policy_params: dict = field(default_factory=dict)
+    policy_params: dict[str, Any] = Field(default_factory=dict)
     budget_tokens: int | None = None
     compression_ratio: float | None = None
     max_length_tokens: int | None = None
@@ -47,28 +64,64 @@ class EngineConfig:
     max_batch: int | None = None
     max_prefill_tokens: int = 4096
 
-    def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: unknown policy {self.policy!r}; valid policies: {', '.join(POLICIES)}")
-        if not isinstance(self.policy_params, dict):
-            raise ValueError(f"policy_params: expected a mapping, got {self.policy_params!r}")
-        for name in ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch", "max_prefill_tokens"):
-            check_int(name, getattr(self, name), 1, optional=True)
-        if self.compression_ratio is not None and not (
-                isinstance(self.compression_ratio, (int, float)) and not isinstance(self.compression_ratio, bool)
-                and math.isfinite(self.compression_ratio) and self.compression_ratio >= 1):
-            raise ValueError(f"compression_ratio: expected a number >= 1 or null, got {self.compression_ratio!r}")
-        if self.kv_memory_fraction is not None and not (
-                isinstance(self.kv_memory_fraction, (int, float)) and 0 < self.kv_memory_fraction <= 1):
-            raise ValueError(f"kv_memory_fraction: expected a number in (0, 1] or null, got {self.kv_memory_fraction!r}")
-        if self.kv_memory_limit_bytes is not None and self.kv_memory_fraction is not None:
-            raise ValueError("kv_memory_limit_bytes, kv_memory_fraction: give one of them, not both")
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            # one line naming the field, as every other config error of the project reads
+            raise ConfigError(one_line(e, accepted=type(self).model_fields)) from None
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _known_policy(cls, value: Any) -> str:
+        if not isinstance(value, str) or value not in POLICIES:
+            raise ValueError(f"policy: unknown policy {value!r}; valid policies: {', '.join(POLICIES)}")
+        return value
+
+    @field_validator("policy_params", mode="before")
+    @classmethod
+    def _mapping(cls, value: Any) -> dict:
+        if not isinstance(value, Mapping):
+            raise ValueError(f"policy_params: expected a mapping, got {value!r}")
+        return dict(value)
+
+    @field_validator(*_COUNTS, mode="before")
+    @classmethod
+    def _count_or_none(cls, value: Any, info) -> int | None:
+        check_int(info.field_name, value, 1, optional=True)
+        return value
+
+    @field_validator("max_prefill_tokens", mode="before")
+    @classmethod
+    def _count(cls, value: Any, info) -> int:
+        check_int(info.field_name, value, 1)
+        return value
+
+    @field_validator("compression_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, value: Any) -> float | None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value < 1):
+            raise ValueError(f"compression_ratio: expected a number >= 1 or null, got {value!r}")
+        return value
+
+    @field_validator("kv_memory_fraction", mode="before")
+    @classmethod
+    def _fraction(cls, value: Any) -> float | None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 < value <= 1):
+            raise ValueError(f"kv_memory_fraction: expected a number in (0, 1] or null, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _budget_and_limit(self) -> "EngineConfig":
+        not_both(self, "kv_memory_limit_bytes", "kv_memory_fraction")
         if POLICIES[self.policy].evicts:
-            if self.budget_tokens is None and self.compression_ratio is None:
-                raise ValueError(f"budget_tokens, compression_ratio: policy {self.policy!r} needs one of them")
+            need_one_of(self, "budget_tokens", "compression_ratio", what=f"policy {self.policy!r} needs one of them")
             if self.budget_tokens is None and self.max_length_tokens is None:
                 raise ValueError("max_length_tokens: a compression_ratio needs the workload's longest "
                                  "prompt + output (tokens) to fix the budget of every sequence")
+        return self
 
     def resolved_budget_tokens(self) -> int | None:
         """B, slots per KV head per sequence (None for a policy that never evicts)."""

@@ -113,7 +113,7 @@ class ServingSuite(SuiteBase):
     kv_memory_limit_bytes: PositiveInt | None = None
     kv_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     max_batch: PositiveInt | None = None
-    max_prefill_tokens: PositiveInt = EngineConfig.max_prefill_tokens
+    max_prefill_tokens: PositiveInt = EngineConfig.model_fields["max_prefill_tokens"].default
     num_requests: PositiveInt | None = None
     duration_s: PositiveFloat | None = None
     warmup_requests: NonNegativeInt = 1
