@@ -40,10 +40,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
+from pydantic import Field, field_validator
+
+from replica.rules import FrozenConfig, check_fraction, check_number
 from replica.static_batch import BatchSpec, ModelReplica, load_replica_model
+from scissorhands.checks import check_int
 
 #: Placement-group strategies Ray accepts, in the order the docs list them.
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
@@ -97,92 +100,96 @@ class PlacementError(ValueError):
     """Replicas cannot be placed as asked; the message names the field or the missing resource."""
 
 
-@dataclass(frozen=True)
-class PlacementConfig:
+class PlacementConfig(FrozenConfig):
     """Resources and placement of each replica (the suite's ``placement:`` mapping).
 
     Fields: see the module docstring. ``num_cpus``/``num_gpus`` None mean "the sweep decides"
-    (a share of the cluster's CPUs; 1 GPU for ``device: cuda``, else 0).
+    (a share of the cluster's CPUs; 1 GPU for ``device: cuda``, else 0). A frozen pydantic model
+    (`replica.rules.FrozenConfig`); an invalid field raises PlacementError naming ``placement.<field>``.
     """
 
+    error: ClassVar[type[ValueError]] = PlacementError
+    prefix: ClassVar[str] = "placement"
+
     strategy: str = "SPREAD"
-    num_cpus: float | None = None
-    num_gpus: float | None = None
-    resources: dict = field(default_factory=dict)
+    num_cpus: int | float | None = None      # an int stays an int (as written in the suite)
+    num_gpus: int | float | None = None
+    resources: dict[str, float] = Field(default_factory=dict)
     gpu_memory_fraction: float = 0.9
     max_memory_per_gpu_bytes: int | None = None
     max_restarts: int = 2
     max_task_retries: int = 1
-    ready_timeout_s: float = field(default_factory=lambda: default_ready_timeout_s())
+    ready_timeout_s: float = Field(default_factory=lambda: default_ready_timeout_s())
 
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _strategy(cls, value: Any) -> str:
+        if not isinstance(value, str) or value.upper() not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"strategy: unknown strategy {value!r} (accepted: {', '.join(PLACEMENT_STRATEGIES)})")
+        return value.upper()
 
-def _number(name: str, value: Any, minimum: float, *, integer: bool = False, allow_none: bool = False):
-    if value is None and allow_none:
-        return None
-    ok_type = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, ok_type) or not math.isfinite(value):
-        kind = "an integer" if integer else "a number"
-        raise PlacementError(f"placement.{name}: expected {kind} >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise PlacementError(f"placement.{name}: must be >= {minimum}, got {value}")
-    return value
+    @field_validator("num_cpus", "num_gpus", mode="before")
+    @classmethod
+    def _amount_or_none(cls, value: Any, info) -> float | None:
+        check_number(info.field_name, value, 0, optional=True)
+        return value
+
+    @field_validator("num_gpus")
+    @classmethod
+    def _whole_gpus(cls, value: float | None) -> float | None:
+        if value is not None and value > 1 and value != int(value):
+            raise ValueError(f"num_gpus: a replica on several GPUs needs a whole number, got {value:g}")
+        return value
+
+    @field_validator("resources", mode="before")
+    @classmethod
+    def _resources(cls, value: Any) -> dict:
+        value = {} if value is None else value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"resources: expected a mapping of resource name to amount, got {value!r}")
+        for name, amount in value.items():
+            if not isinstance(name, str) or not name or name in _RESERVED_RESOURCES:
+                raise ValueError(
+                    f"resources: invalid resource name {name!r} (use num_cpus / num_gpus for "
+                    f"{', '.join(_RESERVED_RESOURCES[:2])}; reserved: {', '.join(_RESERVED_RESOURCES)})"
+                )
+            check_number(f"resources.{name}", amount, 0)
+        return {k: float(v) for k, v in value.items()}
+
+    @field_validator("gpu_memory_fraction", mode="before")
+    @classmethod
+    def _fraction(cls, value: Any) -> float:
+        check_fraction("gpu_memory_fraction", value)
+        return value
+
+    @field_validator("max_memory_per_gpu_bytes", mode="before")
+    @classmethod
+    def _bytes(cls, value: Any) -> int | None:
+        check_int("max_memory_per_gpu_bytes", value, 1, optional=True)
+        return value
+
+    @field_validator("max_restarts", "max_task_retries", mode="before")
+    @classmethod
+    def _count(cls, value: Any, info) -> int:
+        check_int(info.field_name, value, 0)
+        return value
+
+    @field_validator("ready_timeout_s", mode="before")
+    @classmethod
+    def _seconds(cls, value: Any) -> float:
+        check_number("ready_timeout_s", value, 0)
+        return value
 
 
 def parse_placement(data: Any) -> PlacementConfig:
-    """Validate a suite's ``placement:`` mapping (None gives the defaults).
+    """Validate a suite's ``placement:`` mapping (None gives the defaults; a `PlacementConfig` is returned as is).
 
     Raises:
-        PlacementError: unknown key, unknown strategy (lists the accepted ones), a negative or
-            non-numeric amount, a fractional GPU count above 1, a reserved resource name.
+        PlacementError: not a mapping, unknown key (lists the accepted ones), unknown strategy (lists the
+            accepted ones), a negative or non-numeric amount, a fractional GPU count above 1, a reserved
+            resource name; the message names ``placement.<field>``.
     """
-    if data is None:
-        return PlacementConfig()
-    if isinstance(data, PlacementConfig):
-        return data
-    if not isinstance(data, Mapping):
-        raise PlacementError(f"placement: expected a mapping, got {data!r} ({type(data).__name__})")
-    accepted = [f.name for f in fields(PlacementConfig)]
-    unknown = sorted(set(data) - set(accepted))
-    if unknown:
-        raise PlacementError(f"placement: unknown key(s) {unknown} (accepted: {', '.join(accepted)})")
-    kw: dict[str, Any] = {}
-    if "strategy" in data:
-        strategy = data["strategy"]
-        if not isinstance(strategy, str) or strategy.upper() not in PLACEMENT_STRATEGIES:
-            raise PlacementError(
-                f"placement.strategy: unknown strategy {strategy!r} (accepted: {', '.join(PLACEMENT_STRATEGIES)})"
-            )
-        kw["strategy"] = strategy.upper()
-    kw["num_cpus"] = _number("num_cpus", data.get("num_cpus"), 0, allow_none=True)
-    gpus = _number("num_gpus", data.get("num_gpus"), 0, allow_none=True)
-    if gpus is not None and gpus > 1 and gpus != int(gpus):
-        raise PlacementError(f"placement.num_gpus: a replica on several GPUs needs a whole number, got {gpus}")
-    kw["num_gpus"] = gpus
-    resources = data.get("resources") or {}
-    if not isinstance(resources, Mapping):
-        raise PlacementError(f"placement.resources: expected a mapping of resource name to amount, got {resources!r}")
-    for name, amount in resources.items():
-        if not isinstance(name, str) or not name or name in _RESERVED_RESOURCES:
-            raise PlacementError(
-                f"placement.resources: invalid resource name {name!r} (use num_cpus / num_gpus for "
-                f"{', '.join(_RESERVED_RESOURCES[:2])}; reserved: {', '.join(_RESERVED_RESOURCES)})"
-            )
-        _number(f"resources.{name}", amount, 0)
-    kw["resources"] = {str(k): float(v) for k, v in resources.items()}
-    if "gpu_memory_fraction" in data:
-        frac = _number("gpu_memory_fraction", data["gpu_memory_fraction"], 0)
-        if not 0 < frac <= 1:
-            raise PlacementError(f"placement.gpu_memory_fraction: must lie in (0, 1], got {frac}")
-        kw["gpu_memory_fraction"] = float(frac)
-    kw["max_memory_per_gpu_bytes"] = _number(
-        "max_memory_per_gpu_bytes", data.get("max_memory_per_gpu_bytes"), 1, integer=True, allow_none=True
-    )
-    for name in ("max_restarts", "max_task_retries"):
-        if name in data:
-            kw[name] = _number(name, data[name], 0, integer=True)
-    if "ready_timeout_s" in data:
-        kw["ready_timeout_s"] = float(_number("ready_timeout_s", data["ready_timeout_s"], 0))
-    return PlacementConfig(**kw)
+    return PlacementConfig.parse(data)
 
 
 def replica_bundle(num_cpus: float, num_gpus: float, resources: Mapping[str, float]) -> dict:

@@ -1,23 +1,42 @@
-"""Validation rules every config of the project shares, written once: the field types, the
-"give one of these" and "not both" rules, and one line per pydantic error naming the field.
+"""Validation rules every config of the project shares, written once: the base of a config model,
+the field types, the number checks, the "give one of these" and "not both" rules, and one line per
+pydantic error naming the field.
 
 It lives in `replica/` (the lowest layer with configs) so `replica.types.EngineConfig`,
 `cluster.placement.PlacementConfig` and the workloads' configs all import the same rules.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Iterable
+import math
+from typing import Annotated, Any, ClassVar, Iterable, Mapping
 
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["PositiveInt", "NonNegativeInt", "PositiveFloat", "NonNegativeFloat", "need_one_of", "not_both",
-           "one_line"]
+__all__ = ["FrozenConfig", "PositiveInt", "NonNegativeInt", "PositiveFloat", "NonNegativeFloat",
+           "check_number", "check_fraction", "need_one_of", "not_both", "one_line"]
 
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
 #: A finite number > 0 (an int is accepted, a bool is not).
 PositiveFloat = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+
+
+def check_number(name: str, value: Any, minimum: float, *, optional: bool = False) -> None:
+    """Raise ValueError naming `name` unless `value` is a finite int or float >= `minimum` (or None, when
+    `optional`); reads as `scissorhands.checks.check_int` does: ``<name>: expected a number >= 0, got -1``."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{name}: expected a number >= {minimum:g}{' or null' if optional else ''}, got {value!r}")
+
+
+def check_fraction(name: str, value: Any, *, optional: bool = False) -> None:
+    """Raise ValueError naming `name` unless `value` is a number in (0, 1] (or None, when `optional`)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name}: expected a number in (0, 1]{' or null' if optional else ''}, got {value!r}")
 
 
 def need_one_of(obj: Any, *fields: str, what: str = "give at least one bound") -> None:
@@ -65,3 +84,39 @@ def one_line(e: ValidationError, prefix: str = "", accepted: Iterable[str] = ())
             msg += f", got {err['input']!r}"
         lines.append(f"{where}: {msg}" if where else msg)
     return "; ".join(lines)
+
+
+class FrozenConfig(BaseModel):
+    """The base of a config model: frozen, unknown keys refused, and every construction error raised
+    as one `error` line (a ValueError subclass) naming each field, ``<prefix>.`` first, and what it accepts.
+
+    ``Model(**fields)`` and ``Model.parse(mapping_or_none)`` validate; `model_dump()` gives the mapping back;
+    ``cfg.model_copy(update=...)`` does not validate again (``Model(**{**cfg.model_dump(), ...})`` does).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    #: The exception raised for invalid input (a ValueError subclass).
+    error: ClassVar[type[ValueError]] = ValueError
+    #: The key the config sits under in a suite (``placement``), prefixed to every field it names.
+    prefix: ClassVar[str] = ""
+
+    def __init__(self, /, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise self.error(one_line(e, self.prefix, accepted=type(self).model_fields)) from None
+
+    @classmethod
+    def parse(cls, data: Any):
+        """`data` validated: a mapping of fields, None (the defaults), or an instance (returned as is).
+
+        Raises:
+            `cls.error`: not a mapping, an unknown key, or a field out of range (the message names it).
+        """
+        if data is None:
+            return cls()
+        if isinstance(data, cls):
+            return data
+        if not isinstance(data, Mapping):
+            raise cls.error(f"{cls.prefix or cls.__name__}: expected a mapping, got {data!r} ({type(data).__name__})")
+        return cls(**{str(k): v for k, v in data.items()})

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from replica.rules import need_one_of, not_both, one_line
+from replica.rules import FrozenConfig, check_fraction, check_number, need_one_of, not_both
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.checks import check_int
 
@@ -24,12 +24,11 @@ class ConfigError(ValueError):
     """An invalid `EngineConfig`: one line per wrong field, each naming it and what it accepts."""
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(FrozenConfig):
     """What a replica's engine runs: the cache policy and budget, and the memory it may use.
 
-    A frozen pydantic model: ``EngineConfig(**fields)`` validates every field, `model_dump()` gives
-    the mapping back, ``cfg.model_copy(update=...)`` changes fields without validating them again
-    (build a new one from ``{**cfg.model_dump(), ...}`` to validate).
+    A frozen pydantic model (`replica.rules.FrozenConfig`): ``EngineConfig(**fields)`` validates every
+    field, `model_dump()` gives the mapping back.
 
     Attributes:
         policy: a key of `scissorhands.POLICIES`.
@@ -52,7 +51,7 @@ class EngineConfig(BaseModel):
             each field and the values it accepts.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    error: ClassVar[type[ValueError]] = ConfigError
 
     policy: str = "full"
     policy_params: dict[str, Any] = Field(default_factory=dict)
@@ -63,13 +62,6 @@ class EngineConfig(BaseModel):
     kv_memory_fraction: float | None = None
     max_batch: int | None = None
     max_prefill_tokens: int = 4096
-
-    def __init__(self, /, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            # one line naming the field, as every other config error of the project reads
-            raise ConfigError(one_line(e, accepted=type(self).model_fields)) from None
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -100,17 +92,13 @@ class EngineConfig(BaseModel):
     @field_validator("compression_ratio", mode="before")
     @classmethod
     def _ratio(cls, value: Any) -> float | None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value < 1):
-            raise ValueError(f"compression_ratio: expected a number >= 1 or null, got {value!r}")
+        check_number("compression_ratio", value, 1, optional=True)
         return value
 
     @field_validator("kv_memory_fraction", mode="before")
     @classmethod
     def _fraction(cls, value: Any) -> float | None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not 0 < value <= 1):
-            raise ValueError(f"kv_memory_fraction: expected a number in (0, 1] or null, got {value!r}")
+        check_fraction("kv_memory_fraction", value, optional=True)
         return value
 
     @model_validator(mode="after")

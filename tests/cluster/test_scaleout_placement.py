@@ -14,7 +14,8 @@ from cluster.placement import (
 )
 from cluster.replica_set import point_replicas
 from scissorhands.testing import tiny_llama
-from workloads.core.suite import SuiteError, parse_suite
+from workloads.core.suite import SuiteError
+from workloads.kinds import parse_suite
 
 SUITE = {"kind": "batch", "name": "t", "model": "tiny-llama", "policies": ["full"], "batch_sizes": [1], "prompt_tokens": [8], "new_tokens": [2]}
 
@@ -34,6 +35,15 @@ def test_parse_full_mapping():
     assert (cfg.num_cpus, cfg.num_gpus, cfg.resources) == (4, 2, {"a100": 1.0})
     assert (cfg.gpu_memory_fraction, cfg.max_memory_per_gpu_bytes) == (0.5, 2**30)
     assert (cfg.max_restarts, cfg.max_task_retries, cfg.ready_timeout_s) == (0, 0, 30.0)
+    assert parse_placement(cfg) is cfg and PlacementConfig(**cfg.model_dump()) == cfg
+
+
+def test_placement_config_is_frozen_and_refuses_unknown_keys_built_directly():
+    cfg = PlacementConfig(num_cpus=2)
+    with pytest.raises(Exception, match="frozen"):
+        cfg.num_cpus = 3
+    with pytest.raises(PlacementError, match=r"^placement\.nodes: unknown key"):
+        PlacementConfig(nodes=2)
 
 
 @pytest.mark.parametrize(
@@ -41,14 +51,17 @@ def test_parse_full_mapping():
     [
         ({"strategy": "ROUND_ROBIN"}, "placement.strategy: unknown strategy 'ROUND_ROBIN' (accepted: " + ", ".join(PLACEMENT_STRATEGIES)),
         ({"num_gpus": 1.5}, "placement.num_gpus: a replica on several GPUs needs a whole number, got 1.5"),
-        ({"num_cpus": -1}, "placement.num_cpus: must be >= 0, got -1"),
-        ({"num_cpus": "four"}, "placement.num_cpus: expected a number >= 0, got 'four'"),
+        ({"num_cpus": -1}, "placement.num_cpus: expected a number >= 0 or null, got -1"),
+        ({"num_cpus": "four"}, "placement.num_cpus: expected a number >= 0 or null, got 'four'"),
         ({"resources": {"GPU": 1}}, "placement.resources: invalid resource name 'GPU'"),
-        ({"resources": {"a100": -2}}, "placement.resources.a100: must be >= 0, got -2"),
-        ({"gpu_memory_fraction": 1.5}, "placement.gpu_memory_fraction: must lie in (0, 1], got 1.5"),
+        ({"resources": {"a100": -2}}, "placement.resources.a100: expected a number >= 0, got -2"),
+        ({"gpu_memory_fraction": 1.5}, "placement.gpu_memory_fraction: expected a number in (0, 1], got 1.5"),
         ({"max_restarts": 1.5}, "placement.max_restarts: expected an integer >= 0, got 1.5"),
-        ({"nodes": 2}, "placement: unknown key(s) ['nodes'] (accepted: strategy, num_cpus"),
+        ({"nodes": 2}, "placement.nodes: unknown key (accepted: strategy, num_cpus"),
         ([1, 2], "placement: expected a mapping, got [1, 2]"),
+        ({"num_gpus": 1.5, "max_restarts": -1},
+         "placement.num_gpus: a replica on several GPUs needs a whole number, got 1.5; "
+         "placement.max_restarts: expected an integer >= 0, got -1"),
     ],
 )
 def test_invalid_placement_names_the_field(data, needle):
