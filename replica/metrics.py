@@ -30,19 +30,16 @@ cardinality only.
 
 `NullMetrics` has the same methods and records nothing (live metrics off).
 
-Exact means (case L21 of shared/cases/load-and-metrics.md): Ray 2.60's exporter writes a
-histogram's ``_sum`` as bucket midpoints times bucket counts, not the values observed
-(`ray/_private/telemetry/open_telemetry_metric_recorder.py` in the installed Ray): a 5 ms latency
-counts as 5.15 ms (the midpoint of the E12 bucket 4.7-5.6 ms), a decode step of 5 sequences as 6
-(bucket 4-8). So every histogram has a companion counter
+Exact means: Ray's exporter writes a histogram's ``_sum`` as bucket midpoints times bucket counts,
+not the values observed (an example in docs/performance.md). So every histogram has a companion counter
 ``<histogram>_exact_sum_total`` (`MetricSpec.exact_sum`) that the recorder increments by the exact
 value of each observation; a mean is ``rate(<h>_exact_sum_total) / rate(<h>_count)`` (the
 ``_count`` is exact). Histograms serve quantiles only; no dashboard reads their ``_sum``
 (`dashboards/check.py` refuses it).
 
-Warm-up (case L20): request-level metrics (generated and prefill tokens, TTFT, TPOT) carry a
+Warm-up: request-level metrics (generated and prefill tokens, TTFT, TPOT) carry a
 ``phase`` label, ``measured`` or ``warmup`` (the load generator marks its warm-up requests,
-`replica.engine.GenerationRequest.warmup`), so the server-side figures of a point can be taken
+`replica.types.GenerationRequest.warmup`), so the server-side figures of a point can be taken
 over the same requests as the client's. Step-level metrics (step times, batch sizes, KV bytes)
 describe the engine, whichever requests are in the step, and have no phase.
 """
@@ -89,7 +86,7 @@ def _e12_buckets(low_s: float, high_s: float) -> tuple[float, ...]:
     """Upper bounds from the E12 preferred-number series (IEC 60063) between low and high.
 
     Neighbouring bounds differ by at most 25%, so `histogram_quantile` lands within a bucket of
-    that width around the true value (case L11: within 20% for 5 ms and 150 ms).
+    that width around the true value.
     """
     mantissas = (1.0, 1.2, 1.5, 1.8, 2.2, 2.7, 3.3, 3.9, 4.7, 5.6, 6.8, 8.2)
     out = []
@@ -342,9 +339,8 @@ GAUGE_REFRESH_S = 1.0
 class _RayRecorder:
     """Records into `ray.util.metrics` objects, created once per process and metric name.
 
-    Ray 2.60 exports a gauge only while it is being set: a value set once disappears from the
-    exporter after two export intervals (verified: `ray_<gauge>` is gone 2 s after the last
-    `set` with a 1 s interval). So the recorder keeps every gauge series' last value and a
+    Ray exports a gauge only while it is being set: a value set once disappears from the
+    exporter after about two export intervals (docs/performance.md). So the recorder keeps every gauge series' last value and a
     daemon thread re-records them every `GAUGE_REFRESH_S`; an idle replica still shows
     running 0 and its KV bytes, and the model load time stays visible.
     """
@@ -597,7 +593,7 @@ class NullMetrics:
 
 
 def strip_sample_suffix(name: str) -> str:
-    """Drop one ``_bucket``/``_sum``/``_count``/``_total`` suffix (case L9's normalisation)."""
+    """Drop one ``_bucket``/``_sum``/``_count``/``_total`` suffix (how Prometheus names a metric's samples)."""
     for suffix in ("_bucket", "_sum", "_count", "_total"):
         if name.endswith(suffix):
             return name[: -len(suffix)]

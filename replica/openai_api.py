@@ -322,7 +322,7 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
 
 #: The one error kind / code of a request whose replica process died under it (killed, crashed, OOM-killed,
 #: lost with its node): the API's error `code` (a 503 before the first token, the last SSE event after
-#: it), the HTTP client's and the load generator's `error_kind` (`workloads.load.http_client`, `workloads.load.loadgen`).
+#: it), the HTTP client's and the load generator's `error_kind` (`workloads.load.http_client`, `workloads.load.driver`).
 REPLICA_DIED = "replica_died"
 #: Exception classes (by name: this module does not import Ray) that mean the replica died or cannot be
 #: reached: Ray's actor errors and Serve's unavailable-replica/deployment errors.

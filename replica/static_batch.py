@@ -133,8 +133,8 @@ def resolve_dtype_here(model_spec: str, dtype: str, device: str = "cpu", num_thr
 
     `"auto"` runs `scissorhands.models.resolve_dtype` (its bfloat16 probe at the model's own layer shapes,
     on `num_threads` torch threads: a replica's share; torch's thread count is restored after). The probe is
-    noisy under load, so a run must not let each replica resolve `auto` on its own (one replica ran bfloat16
-    and another float32 in one measured run): it resolves here once and hands every replica the result.
+    noisy under load, so a run must not let each replica resolve `auto` on its own (replicas of one run could
+    differ in dtype): it resolves here once and hands every replica the result.
 
     Returns:
         ``{"dtype": concrete name}`` plus ``"dtype_reason"`` (resolve_dtype's reason, ending

@@ -131,7 +131,7 @@ class GenerationRequest:
     out of the logits until that many tokens exist (vLLM's `min_tokens`; only when EOS stops it).
     `warmup`: the load generator's warm-up request; the engine counts it apart (`stats()`'s
     ``warmup_*`` keys, live metrics with ``phase="warmup"``), so a point's server-side figures
-    cover the same requests as its client-side ones (case L20, shared/cases/load-and-metrics.md).
+    cover the same requests as its client-side ones.
     """
 
     request_id: str
