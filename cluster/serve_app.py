@@ -29,12 +29,11 @@ import argparse
 import os
 import socket
 import sys
-from dataclasses import asdict
 from typing import Any
 
 from ray import serve
 
-from replica.continuous import ServingReplica
+from replica.continuous import ReplicaReply, ServingReplica
 from replica.openai_api import build_app, cache_metadata
 from replica.types import EngineConfig, GenerationRequest
 from cluster.signals import StopSignals
@@ -75,18 +74,17 @@ class EngineDeployment:
         """A new engine with `engine_config` (`ServingReplica.configure`); returns the replica's `info()`."""
         return self.replica.configure(engine_config, run_id)
 
-    async def stream(self, request: dict):
+    async def stream(self, request: GenerationRequest):
+        """`ServingReplica.stream`: the OpenAI API's events of one request."""
         async for ev in self.replica.stream(request):
             yield ev
 
-    async def generate(self, request: GenerationRequest) -> dict:
-        """One request, answered whole: `GenerationResult` fields plus ``replica_stats`` (the engine's
-        counters and peaks after it, `ServingReplica.stats`, with the replica's ``node_id`` and
-        ``hostname``), so the caller learns every replica's figures from the replies it gets."""
-        out = await self.replica.generate(request)
-        out["replica_stats"] = {**await self.replica.stats(), "node_id": self.replica.node_id,
-                                "hostname": socket.gethostname()}
-        return out
+    async def generate(self, request: GenerationRequest) -> ReplicaReply:
+        """One request, answered whole, with the replica's figures after it (`ServingReplica.stats`, its
+        ``node_id`` and ``hostname``), so the caller learns every replica's figures from the replies it gets."""
+        result = await self.replica.generate(request)
+        stats = {**await self.replica.stats(), "node_id": self.replica.node_id, "hostname": socket.gethostname()}
+        return ReplicaReply(result, stats)
 
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         return await self.replica.check(prompt_tokens, max_new_tokens)
@@ -121,7 +119,7 @@ class ServeBackend:
         return await self.handle.check.remote(prompt_tokens, max_new_tokens)
 
     async def stream(self, request):
-        gen = self.stream_handle.stream.remote(asdict(request))
+        gen = self.stream_handle.stream.remote(request)
         finished = False
         try:
             async for ev in gen:

@@ -1,22 +1,47 @@
-"""A replica that serves requests with continuous batching (plain class; Serve wrapper in `serve_app`).
+"""A replica that serves requests with continuous batching (plain class; Serve wrapper in `cluster.serve_app`).
 
 `ServingReplica` owns a model and, once `configure`d, a `ContinuousBatchingEngine` stepping on its
 own thread (`EngineLoop`). `generate(request)` is a coroutine: it queues the request and resolves
-when the engine thread finishes it, so the caller's event loop never runs model code and health
-calls (`health`, `stats`) are answered while a batch is generating.
+to its `GenerationResult` when the engine thread finishes it, so the caller's event loop never runs
+model code and health calls (`health`, `stats`) are answered while a batch is generating.
+`events(request)` streams the same request as typed `StreamChunk`s ended by its `GenerationResult`;
+`stream(request)` is that stream in the OpenAI API's event form (`replica.openai_api`).
 """
 from __future__ import annotations
 
 import asyncio
 import os
 import socket
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from typing import AsyncIterator
 
 import torch
 
 from replica.engine import ContinuousBatchingEngine, EngineLoop
 from replica.metrics import ReplicaMetrics
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
+
+
+@dataclass
+class StreamChunk:
+    """One streamed piece of a reply: the token ids it carries, when they arrived (seconds; None: the
+    reader stamps them on arrival), and an error that ends the stream (`error_kind`, `error`)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    time_s: float | None = None
+    error_kind: str | None = None
+    error: str | None = None
+    replica_id: str | None = None
+
+
+@dataclass
+class ReplicaReply:
+    """A whole reply and the replica's figures after it (`ServingReplica.stats` with `node_id` and
+    `hostname`): how a Serve replica answers, so its caller learns every replica's figures from the
+    replies it gets (`workloads.serving.pools.ServeClient`)."""
+
+    result: GenerationResult
+    replica_stats: dict
 
 
 class ServingReplica:
@@ -84,13 +109,13 @@ class ServingReplica:
             self.loop.stop()
             self.loop = None
 
-    async def generate(self, request: dict | GenerationRequest) -> dict:
-        """Serve one request; returns `GenerationResult` fields as a dict (per-token wall-clock times)."""
-        req = request if isinstance(request, GenerationRequest) else GenerationRequest(**request)
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        """Serve one request; its result has one wall-clock time per generated id. A replica not
+        configured, or whose engine stopped, answers with `error_kind="error"`."""
         if self.engine is None or self.loop is None or not self.loop.alive:
             err = "replica not configured" if self.engine is None else f"engine stopped: {self.loop and self.loop.error}"
-            return asdict(GenerationResult(req.request_id, len(req.prompt_ids), error_kind="error", error=err,
-                                           finish_reason="error", replica_id=self.replica_id))
+            return GenerationResult(req.request_id, len(req.prompt_ids), error_kind="error", error=err,
+                                    finish_reason="error", replica_id=self.replica_id)
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -98,24 +123,23 @@ class ServingReplica:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
         self.engine.submit(req, done)
-        return asdict(await fut)
+        return await fut
 
-    async def stream(self, request: dict | GenerationRequest):
-        """Serve one request token by token: yields `{"token_id", "time_s"}` as each token is decoded,
-        then one `{"result": GenerationResult fields}`. Closing the generator early (a client that went
-        away) aborts the request: its row leaves the cache at the engine's next step."""
-        req = request if isinstance(request, GenerationRequest) else GenerationRequest(**request)
+    async def events(self, req: GenerationRequest) -> AsyncIterator[StreamChunk | GenerationResult]:
+        """Serve one request token by token: one `StreamChunk` per token as it is decoded (its
+        replica-clock time), then the `GenerationResult`. Closing the generator early (a client that
+        went away) aborts the request: its row leaves the cache at the engine's next step."""
         if self.engine is None or self.loop is None or not self.loop.alive:
-            yield {"result": await self.generate(req)}
+            yield await self.generate(req)
             return
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
         def on_token(token_id: int, t: float) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, {"token_id": token_id, "time_s": t})
+            loop.call_soon_threadsafe(queue.put_nowait, StreamChunk([token_id], t, replica_id=self.replica_id))
 
         def on_done(result: GenerationResult) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, {"result": asdict(result)})
+            loop.call_soon_threadsafe(queue.put_nowait, result)
 
         engine = self.engine
         engine.submit(req, on_done, on_token)
@@ -123,13 +147,26 @@ class ServingReplica:
         try:
             while True:
                 ev = await queue.get()
-                finished = "result" in ev
+                finished = isinstance(ev, GenerationResult)
                 yield ev
                 if finished:
                     return
         finally:
             if not finished:
                 engine.abort(req.request_id)
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
+        """`events` in the OpenAI API's event form (`replica.openai_api.Backend`): `{"token_id", "time_s"}`
+        per token, then one `{"result": GenerationResult fields}`. Closing it early aborts the request."""
+        events = self.events(request)
+        try:
+            async for ev in events:
+                if isinstance(ev, GenerationResult):
+                    yield {"result": asdict(ev)}
+                else:
+                    yield {"token_id": ev.token_ids[0], "time_s": ev.time_s}
+        finally:
+            await events.aclose()
 
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why a request of these lengths can never be served under the KV memory limit (None: it can)."""
@@ -183,3 +220,4 @@ class ServingReplica:
     def crash(self) -> None:
         """Exit the process at once (tests of replica restarts)."""
         os._exit(1)
+

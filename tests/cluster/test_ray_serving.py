@@ -1,4 +1,4 @@
-"""Serving replicas as one Ray Serve deployment (`workloads.serving.runner.ServeReplicaPool`, loopback, no
+"""Serving replicas as one Ray Serve deployment (`workloads.serving.pools.ServeReplicaPool`, loopback, no
 HTTP proxy): requests routed by Serve over both replicas, each reply carrying its replica's figures,
 the replica's event loop answering while its engine generates, a point's engine configuration pushed to
 the running replicas, and a replica that dies replaced by Serve and configured again."""
@@ -29,7 +29,7 @@ def ray_session():
 def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_replica(ray_session):
     from ray import serve
 
-    from replica.types import GenerationRequest
+    from replica.types import GenerationRequest, GenerationResult
     from workloads.serving.pools import ServeReplicaPool
 
     pool = ServeReplicaPool(2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0,
@@ -53,8 +53,9 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
             return worst_s, polls, await gen
         worst_s, polls, results = asyncio.run(go())
         assert polls >= 1 and worst_s < 5.0
-        assert all(len(r["output_ids"]) == 300 and r["error_kind"] is None and "replica_stats" not in r for r in results)
-        ids = {r["replica_id"] for r in results}
+        # each reply is the engine's own result (the replica's figures went to the pool, not to the load generator)
+        assert all(type(r) is GenerationResult and len(r.output_ids) == 300 and r.error_kind is None for r in results)
+        ids = {r.replica_id for r in results}
         assert len(ids) == 2                                             # Serve used both replicas
         stats = pool.stats(reset=True)
         assert [s["replica_id"] for s in stats] == sorted(ids)
@@ -68,7 +69,7 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
         async def burst():
             return await asyncio.gather(*(client.generate(GenerationRequest(f"r-{i}", [1, 2, 3], 4)) for i in range(8)))
         results = asyncio.run(burst())
-        assert all(r["error_kind"] is None for r in results)
+        assert all(r.error_kind is None for r in results)
         assert {s["budget_tokens"] for s in pool.stats()} == {16}
     finally:
         pool.close()

@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from replica.types import GenerationRequest
+from replica.types import GenerationRequest, GenerationResult
 from tests.http_fakes import sse_events
 from tests.waiting import free_port
 
@@ -111,7 +111,7 @@ def test_replica_killed_mid_stream_ends_with_an_error_and_is_replaced(app_url):
         client = OpenAIHTTPClient(app_url + "/v1", FULL)
         got = []
         try:
-            async for chunk in client.stream(GenerationRequest("k", list(range(100, 140)), 400)):
+            async for chunk in client.events(GenerationRequest("k", list(range(100, 140)), 400)):
                 got.append(chunk)
                 if len(got) == 3:
                     try:
@@ -123,8 +123,8 @@ def test_replica_killed_mid_stream_ends_with_an_error_and_is_replaced(app_url):
         return got
 
     chunks = asyncio.run(asyncio.wait_for(go(), 300))
-    assert chunks[-1].get("error_kind") == "replica_died", chunks[-1]      # one named kind (ActorDiedError seen here)
-    assert sum(len(c.get("token_ids") or []) for c in chunks) < 400
+    assert chunks[-1].error_kind == "replica_died", chunks[-1]      # one named kind (ActorDiedError seen here)
+    assert sum(len(c.output_ids if isinstance(c, GenerationResult) else c.token_ids) for c in chunks) < 400
     ok = lambda: requests.post(app_url + "/v1/completions", timeout=60, json=dict(  # noqa: E731
         model=FULL, prompt=[1, 2, 3], max_tokens=2, ignore_eos=True)).status_code == 200
     assert _wait(ok, 240), "Serve did not replace the killed replica"

@@ -10,7 +10,8 @@ import pytest
 from replica.types import GenerationRequest
 from tests.http_fakes import ServerThread
 from workloads.load.http_client import OpenAIHTTPClient
-from workloads.load.loadgen import LoadConfig, run_load
+from workloads.load.driver import run_load
+from workloads.load.patterns import LoadConfig
 
 
 def _chunk(text=None, ids=None, finish=None, **extra) -> dict:

@@ -13,7 +13,11 @@ import pytest
 
 from replica.types import GenerationRequest
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
-from workloads.load.loadgen import LengthDist, LoadConfig, arrival_gaps_s, build_requests, run_load
+from replica.continuous import StreamChunk
+from replica.types import GenerationResult
+from workloads.load.driver import run_load
+from workloads.load.lengths import LengthDist, build_requests
+from workloads.load.patterns import LoadConfig, arrival_gaps_s
 from workloads.load.metrics import LatencyStats, RequestRecord, summarize
 
 
@@ -28,8 +32,8 @@ def test_L1_output_tokens_are_the_generated_ids_never_re_encoded_text():
 
     class Client:
         async def generate(self, req):
-            return {"request_id": req.request_id, "prompt_tokens": 3, "output_ids": hello_world_ids,
-                    "token_times_s": [1.0, 1.5], "finish_reason": "length"}
+            return GenerationResult(req.request_id, 3, output_ids=hello_world_ids, token_times_s=[1.0, 1.5],
+                                    finish_reason="length")
 
     res = _run(Client(), [GenerationRequest("a", [1, 2, 3], 2)], LoadConfig(mode="concurrency", concurrency=1,
                                                                             num_requests=1))
@@ -235,8 +239,8 @@ def test_L16_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_poi
     class Client:
         async def generate(self, req):
             second = req.request_id.endswith("#1")
-            return {"request_id": req.request_id, "prompt_tokens": 1, "output_ids": [5, 6, 7],
-                    "token_times_s": [] if second else [1.0, 1.1, 1.2]}
+            return GenerationResult(req.request_id, 1, output_ids=[5, 6, 7],
+                                    token_times_s=[] if second else [1.0, 1.1, 1.2])
 
     res = _run(Client(), requests(4), LoadConfig(mode="batch", batch_size=4, num_requests=4))
     m = res.metrics
@@ -248,13 +252,13 @@ def test_L16_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_poi
 
 def test_L17_four_ids_in_two_streamed_chunks_count_four_tokens_with_zero_gaps_inside_a_chunk():
     class Streamer:
-        async def stream(self, req):
+        async def events(self, req):
             import asyncio
 
             await asyncio.sleep(0.1)
-            yield {"token_ids": [11, 12], "time_s": 0.1}
+            yield StreamChunk([11, 12], 0.1)
             await asyncio.sleep(0.3)
-            yield {"token_ids": [13, 14], "time_s": 0.4}
+            yield StreamChunk([13, 14], 0.4)
 
     res = _run(Streamer(), requests(1), LoadConfig(mode="concurrency", concurrency=1, num_requests=1))
     (rec,) = res.records
@@ -268,13 +272,13 @@ def test_L17_four_ids_in_two_streamed_chunks_count_four_tokens_with_zero_gaps_in
 
 def test_a_stream_without_times_is_stamped_on_arrival_and_an_error_chunk_ends_it():
     class Streamer:
-        async def stream(self, req):
+        async def events(self, req):
             import asyncio
 
             await asyncio.sleep(0.2)
-            yield {"token_ids": [1]}
+            yield StreamChunk([1])
             await asyncio.sleep(0.1)
-            yield {"token_ids": [], "error_kind": "replica_died", "error": "stream ended by the server"}
+            yield StreamChunk([], error_kind="replica_died", error="stream ended by the server")
 
     res = _run(Streamer(), requests(2), LoadConfig(mode="concurrency", concurrency=1, num_requests=2))
     assert res.records[0].token_times_s == [pytest.approx(0.2)]
@@ -307,7 +311,7 @@ def test_L18_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():
     class Instant:
         async def generate(self, req):
             t = time.time()
-            return {"request_id": req.request_id, "prompt_tokens": 1, "output_ids": [1], "token_times_s": [t]}
+            return GenerationResult(req.request_id, 1, output_ids=[1], token_times_s=[t])
 
     cfg = LoadConfig(mode="rate", rate_req_per_s=40, num_requests=16, seed=7)
     m = asyncio.run(run_load(Instant(), requests(16), cfg)).metrics
@@ -347,7 +351,9 @@ def test_L20_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
     import yaml
 
     from scissorhands.testing import tiny_llama
-    from workloads.serving.runner import LocalReplicaPool, run_serving_sweep
+    from workloads.core.template import run_suite
+    from workloads.serving.pools import LocalReplicaPool
+    from workloads.serving.runner import KIND as SERVING, ServingKind
 
     torch.set_num_threads(1)
     suite = tmp_path / "l20.yaml"
@@ -358,7 +364,7 @@ def test_L20_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
 
     args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
                               resume=None, address=None, pushgateway="off")
-    assert run_serving_sweep(args, pool=LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0))) == 0
+    assert run_suite(args, ServingKind(LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0)))) == 0
     [rec] = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
     [stats] = rec["replica_stats"]
     assert rec["warmup_requests"] >= 1 and rec["sent_requests"] == 4
@@ -377,7 +383,8 @@ AZURE_CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
 
 
 def test_trace_replay_sends_each_row_at_its_scaled_time_with_its_lengths(tmp_path):
-    from workloads.load.loadgen import LOAD_PATTERNS, TraceLoad, read_trace
+    from workloads.load.patterns import LOAD_PATTERNS, TraceLoad
+    from workloads.load.traces import read_trace
 
     path = tmp_path / "azure.csv"
     path.write_text(AZURE_CSV)
@@ -399,7 +406,7 @@ def test_trace_replay_sends_each_row_at_its_scaled_time_with_its_lengths(tmp_pat
 
 
 def test_trace_replay_shares_warm_up_and_bounds_and_reads_jsonl(tmp_path):
-    from workloads.load.loadgen import TraceLoad
+    from workloads.load.patterns import TraceLoad
 
     path = tmp_path / "ours.jsonl"
     path.write_text("".join(json.dumps({"arrival_time_s": 0.25 * i, "prompt_tokens": 4 + i, "output_tokens": 2}) + "\n"
@@ -421,7 +428,7 @@ def test_trace_replay_shares_warm_up_and_bounds_and_reads_jsonl(tmp_path):
     ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,2,1\n", r"row 1, TIMESTAMP: not a number of seconds"),
 ])
 def test_trace_errors_name_the_row_and_column(tmp_path, text, match):
-    from workloads.load.loadgen import read_trace
+    from workloads.load.traces import read_trace
 
     path = tmp_path / "t.csv"
     path.write_text(text)
@@ -467,8 +474,11 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
     import yaml
 
     from scissorhands.testing import tiny_llama
-    from workloads.serving.runner import LocalReplicaPool, run_serving_sweep
-    from workloads.core.suite import SuiteError, load_suite
+    from workloads.core.template import run_suite
+    from workloads.serving.pools import LocalReplicaPool
+    from workloads.serving.runner import KIND as SERVING, ServingKind
+    from workloads.core.suite import SuiteError
+    from workloads.kinds import load_suite
 
     torch.set_num_threads(1)
     trace = tmp_path / "azure.csv"
@@ -482,7 +492,7 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
     assert [p.load for p in s.points()] == [0.05, 0.05] and s.max_length_tokens == 11 + 4
     args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
                               resume=None, address=None, pushgateway="off")
-    assert run_serving_sweep(args, pool=LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0))) == 0
+    assert run_suite(args, ServingKind(LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0)))) == 0
     recs = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
     assert [r["status"] for r in recs] == ["ok", "ok"]
     for r in recs:

@@ -1,12 +1,12 @@
 """A load-generator client for any OpenAI-compatible server (ours: `cluster.serve_app`; vLLM, SGLang, TGI).
 
     client = OpenAIHTTPClient("http://127.0.0.1:8000/v1", "smollm2-135m-instruct:scissorhands-x5")
-    result = await client.generate(GenerationRequest("r0", prompt_ids, 64))      # or: async for chunk in client.stream(...)
+    result = await client.generate(GenerationRequest("r0", prompt_ids, 64))      # or: async for ev in client.events(...)
     await client.close()
 
-It implements the load generator's client interface (`workloads.load.loadgen`): `generate(request)`
-returns a `GenerationResult`-like object with one time per output token; `stream(request)` yields
-`StreamChunk`-shaped dicts (`token_ids`, `time_s`, and on failure `error_kind`, `error`).
+It implements the load generator's client interface (`workloads.load.driver`): `generate(request)`
+returns an `HTTPGenerationResult` (a `GenerationResult`) with one time per output token; `events(request)`
+yields `StreamChunk`s (`token_ids`, `time_s`) and ends with the `HTTPGenerationResult` (errors, counts).
 
 What it sends: `POST {base}/completions` with the prompt as token ids (no re-tokenization on the
 server), `max_tokens`, `stream: true`, `stream_options.include_usage`, `ignore_eos`, and the
@@ -43,6 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from replica.continuous import StreamChunk
 from replica.openai_api import PHASE_HEADER, REPLICA_DIED
 from replica.types import GenerationRequest, GenerationResult
 
@@ -56,6 +57,7 @@ class HTTPGenerationResult(GenerationResult):
     replica_ttft_s: float | None = None        # the server's own TTFT (its clock), when it reports one
     output_tokens_source: str | None = None     # token_ids | usage | chunks
     http_status: int | None = None
+    usage_completion_tokens: int | None = None  # the server's own count, when it sends `usage`
 
 
 def _status_kind(status: int, code: str | None = None) -> str:
@@ -145,19 +147,25 @@ class OpenAIHTTPClient:
         body.update(self.extra_body)
         return url, body
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
-        """Yield one chunk per SSE event that carries tokens (`token_ids`, `time_s` at arrival), then a
-        last chunk with the count's source, `usage` and `replica_ttft_s` (and any missing tokens);
-        an error of a named kind ends the stream as a chunk with `error_kind`."""
+    async def events(self, request: GenerationRequest) -> AsyncIterator[StreamChunk | HTTPGenerationResult]:
+        """Yield one `StreamChunk` per SSE event that carries tokens (`token_ids`, `time_s` at arrival),
+        then the request's `HTTPGenerationResult` without ids (the chunks carried them): its
+        `http_status`, the count's source, `replica_ttft_s` and, on failure, an error of a named kind.
+        Tokens the server's `usage` counts beyond the chunks' come as one more chunk before it."""
         import aiohttp
 
         url, body = self.body(request)
         headers = self.headers(request)
+        final = HTTPGenerationResult(request.request_id, len(request.prompt_ids), replica_id=self.replica_id)
+
+        def failed(kind: str, error: str) -> HTTPGenerationResult:
+            final.error_kind, final.error, final.finish_reason = kind, error[:2000], "error"
+            return final
+
         counted = 0
         usage_tokens = None
         saw_ids = False
         last_t = None
-        final: dict = {"token_ids": [], "final": True}
         own = None
         try:
             if self.session_per_request:
@@ -166,7 +174,7 @@ class OpenAIHTTPClient:
             else:
                 session = await self._get_session()
             async with session.post(url, json=body, headers=headers) as resp:
-                final["http_status"] = resp.status
+                final.http_status = resp.status
                 if resp.status != 200:
                     text = await resp.text()
                     try:
@@ -174,7 +182,7 @@ class OpenAIHTTPClient:
                         msg, code = err["message"], err.get("code")
                     except (ValueError, KeyError, TypeError, AttributeError):
                         msg, code = text[:500], None
-                    yield {**final, "error_kind": _status_kind(resp.status, code), "error": f"HTTP {resp.status}: {msg}"}
+                    yield failed(_status_kind(resp.status, code), f"HTTP {resp.status}: {msg}")
                     return
                 done = False
                 async for raw in resp.content:                  # one line at a time, as it arrives
@@ -189,23 +197,23 @@ class OpenAIHTTPClient:
                     try:
                         ev = json.loads(data)
                     except ValueError:
-                        yield {**final, "error_kind": "bad_event", "error": f"not JSON: {data[:200]!r}"}
+                        yield failed("bad_event", f"not JSON: {data[:200]!r}")
                         return
                     if "error" in ev:
                         err = ev["error"] if isinstance(ev["error"], dict) else {"message": str(ev["error"])}
                         kind = REPLICA_DIED if err.get("code") == REPLICA_DIED else "server_error"
-                        yield {**final, "error_kind": kind, "error": str(err.get("message"))[:2000]}
+                        yield failed(kind, str(err.get("message")))
                         return
                     if isinstance(ev.get("usage"), dict) and ev["usage"].get("completion_tokens") is not None:
                         usage_tokens = int(ev["usage"]["completion_tokens"])
                     if isinstance(ev.get("scissorhands"), dict):
-                        final["replica_ttft_s"] = ev["scissorhands"].get("replica_ttft_s")
-                        final["replica_id"] = ev["scissorhands"].get("replica_id")
+                        final.replica_ttft_s = ev["scissorhands"].get("replica_ttft_s")
+                        final.replica_id = ev["scissorhands"].get("replica_id") or final.replica_id
                     for choice in ev.get("choices") or []:
                         ids = choice.get("token_ids")
                         if isinstance(ids, list):
                             saw_ids = True
-                            n_ids = list(ids)
+                            n_ids = [int(i) for i in ids]
                         else:                              # no ids: a chunk with text is one token
                             delta = choice.get("delta") or {}
                             text = choice.get("text") if "text" in choice else delta.get("content")
@@ -213,43 +221,39 @@ class OpenAIHTTPClient:
                         if n_ids:
                             counted += len(n_ids)
                             last_t = t
-                            yield {"token_ids": n_ids, "time_s": t}
+                            yield StreamChunk(n_ids, t)
                 if not done:
-                    yield {**final, "error_kind": "stream_truncated", "error": "the stream ended without [DONE]"}
+                    yield failed("stream_truncated", "the stream ended without [DONE]")
                     return
         except aiohttp.ClientError as e:
-            yield {**final, "error_kind": "connection_error", "error": f"{type(e).__name__}: {e}"[:2000]}
+            yield failed("connection_error", f"{type(e).__name__}: {e}")
             return
         finally:
             if own is not None:
                 await own.close()
         if saw_ids:
-            final["output_tokens_source"] = "token_ids"
+            final.output_tokens_source = "token_ids"
         elif usage_tokens is not None:
-            final["output_tokens_source"] = "usage"
+            final.output_tokens_source = "usage"
             if usage_tokens > counted and last_t is not None:
-                final["token_ids"] = [-1] * (usage_tokens - counted)       # several tokens in one chunk
-                final["time_s"] = last_t
+                yield StreamChunk([-1] * (usage_tokens - counted), last_t)      # several tokens in one chunk
         else:
-            final["output_tokens_source"] = "chunks"
-        final["usage_completion_tokens"] = usage_tokens
+            final.output_tokens_source = "chunks"
+        final.usage_completion_tokens = usage_tokens
+        final.finish_time_s = self.clock()
+        final.finish_reason = "length" if max(counted, usage_tokens or 0) >= request.max_new_tokens else "stop"
         yield final
 
     async def generate(self, request: GenerationRequest) -> HTTPGenerationResult:
         """The whole reply as one result (one client-side time per token)."""
-        res = HTTPGenerationResult(request.request_id, len(request.prompt_ids), replica_id=self.replica_id)
-        async for chunk in self.stream(request):
-            ids = chunk.get("token_ids") or []
-            res.output_ids.extend(int(i) for i in ids)
-            res.token_times_s.extend([chunk.get("time_s", self.clock())] * len(ids))
-            if chunk.get("final"):
-                res.http_status = chunk.get("http_status")
-                res.replica_ttft_s = chunk.get("replica_ttft_s")
-                res.output_tokens_source = chunk.get("output_tokens_source")
-                res.replica_id = chunk.get("replica_id") or res.replica_id
-                if chunk.get("error_kind"):
-                    res.error_kind, res.error, res.finish_reason = chunk["error_kind"], chunk.get("error"), "error"
-        res.finish_time_s = self.clock()
-        if res.finish_reason is None:
-            res.finish_reason = "length" if len(res.output_ids) >= request.max_new_tokens else "stop"
-        return res
+        ids: list[int] = []
+        times: list[float] = []
+        async for ev in self.events(request):
+            if isinstance(ev, StreamChunk):
+                ids.extend(ev.token_ids)
+                times.extend([ev.time_s] * len(ev.token_ids))
+                continue
+            ev.output_ids, ev.token_times_s = ids, times
+            ev.finish_time_s = ev.finish_time_s or self.clock()
+            return ev
+        raise RuntimeError("the stream ended without a result")          # events() always ends with one

@@ -7,6 +7,10 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from replica.types import GenerationRequest, GenerationResult
+from workloads.load.driver import error_kind
+
+
 class ReplicaPool(Protocol):
     """What the sweep needs from its replicas (a Serve deployment, one in-process replica for tests, or an
     HTTP server): `client()` is the one load-generator client of them all (the routing is theirs)."""
@@ -64,31 +68,28 @@ class LocalReplicaPool:
 
 class ServeClient:
     """The load generator's client of a serving deployment: each request goes through the deployment
-    handle (Serve picks the replica), as the `GenerationRequest` dataclass itself; the replica-side
-    figures each reply carries (``replica_stats``, `cluster.serve_app.EngineDeployment.generate`) are
-    kept per replica in `stats` (the latest of each, by requests answered) and taken off the reply.
-    A call that fails because its replica died is counted in `died` and raised to the load generator."""
+    handle (Serve picks the replica), as the `GenerationRequest` dataclass itself; each answer is a
+    `replica.continuous.ReplicaReply`, whose `replica_stats` are kept per replica in `stats` (the latest
+    of each, by requests answered) and whose `result` goes to the load generator. A call that fails
+    because its replica died is counted in `died` and raised to the load generator."""
 
     def __init__(self, handle):
         self.handle = handle
         self.stats: dict[str, dict] = {}
         self.died = 0
 
-    async def generate(self, request) -> dict:
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
         try:
-            out = await self.handle.generate.remote(request)
+            reply = await self.handle.generate.remote(request)
         except Exception as e:
-            from workloads.load.loadgen import error_kind
-
             if error_kind(e) == "replica_died":
                 self.died += 1
             raise
-        stats = out.pop("replica_stats", None)
-        if stats:
-            seen = self.stats.get(stats["replica_id"])
-            if seen is None or _answered(stats) >= _answered(seen):
-                self.stats[stats["replica_id"]] = stats
-        return out
+        stats = reply.replica_stats
+        seen = self.stats.get(stats["replica_id"])
+        if seen is None or _answered(stats) >= _answered(seen):
+            self.stats[stats["replica_id"]] = stats
+        return reply.result
 
 
 def _answered(stats: dict) -> int:

@@ -1,6 +1,6 @@
 """Serving suites (`kind: serving`): load sweeps against continuously batching replicas.
 
-A serving suite (YAML, read through `workloads.core.suite.load_suite`) asks one question; its `mode`
+A serving suite (YAML, read through `workloads.kinds.load_suite`) asks one question; its `mode`
 names the load::
 
     kind: serving
@@ -34,20 +34,20 @@ saturation.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
 from replica.types import EngineConfig
-from workloads.load.loadgen import ARRIVALS, CAP_POLICIES, LengthDist, LoadConfig, TraceLoad
+from workloads.load.lengths import LengthDist
+from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
+from replica.rules import not_both
 from workloads.core.suite import (Name, NonNegativeInt, PositiveFloat, PositiveInt, SuiteBase, SuiteError, budget_tag,
                              point_id)
 
-SERVING_MODES = ("serving-batch", "concurrency", "rate", "max_batch", "trace")
-_LOAD_MODE = {"serving-batch": "batch", "concurrency": "concurrency", "rate": "rate", "max_batch": "batch",
-              "trace": "trace"}
+#: A serving suite's modes: every load pattern's name, and the aliases of `workloads.load.patterns.MODE_ALIASES`.
+SERVING_MODES = tuple(MODES)
 
 
 class Saturation(BaseModel):
@@ -98,7 +98,7 @@ def _lengths(value: Any, info) -> LengthDist:
     return dist
 
 
-Length = Annotated[LengthDist, PlainValidator(_lengths), PlainSerializer(dataclasses.asdict)]
+Length = Annotated[LengthDist, PlainValidator(_lengths), PlainSerializer(LengthDist.model_dump)]
 Load = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
@@ -142,45 +142,31 @@ class ServingSuite(SuiteBase):
     def budget_lengths(self) -> list[int]:
         return [self.max_length_tokens]
 
+    @property
+    def pattern(self) -> type[LoadPattern]:
+        """The load pattern the suite's `mode` sweeps (`workloads.load.patterns.MODES`)."""
+        return MODES[self.mode][0]
+
+    @property
+    def pattern_options(self) -> dict:
+        return MODES[self.mode][1]
+
     @model_validator(mode="before")
     @classmethod
-    def _lengths_from_the_trace(cls, data: Any) -> Any:
-        """In trace mode the trace's rows give arrivals and lengths: none of them may be given too."""
-        if not isinstance(data, dict) or data.get("mode") != "trace":
+    def _pattern_defaults(cls, data: Any) -> Any:
+        """What the mode's pattern supplies itself (a trace's lengths), and the fields it forbids."""
+        if not isinstance(data, dict) or data.get("mode") not in MODES:
             return data
-        for k in ("prompt_tokens", "new_tokens", "loads"):
-            if data.get(k) is not None:
-                raise SuiteError(f"{k}: not used in mode trace (the trace's rows give arrivals and lengths)")
-        if data.get("trace_path") is None:
-            raise SuiteError("trace_path: mode trace needs a trace file (CSV or JSONL, docs/load-generation.md)")
-        prompt, new = TraceLoad(LoadConfig(mode="trace", trace_path=str(data["trace_path"]),
-                                           trace_time_scale=data.get("trace_time_scale", 1.0))).length_range()
-        return {**data, "prompt_tokens": prompt, "new_tokens": new}
+        pattern, options = MODES[data["mode"]]
+        try:
+            return pattern.suite_defaults(data, **options)
+        except ValueError as e:
+            raise SuiteError(str(e)) from None
 
     @model_validator(mode="after")
     def _mode_needs(self) -> "ServingSuite":
-        if self.target is not None and self.mode == "max_batch":
-            raise SuiteError("target: max_batch mode needs our replicas' memory model; use concurrency, rate or "
-                             "serving-batch")
-        if self.mode == "max_batch":
-            if self.loads:
-                raise SuiteError("loads: not used in mode max_batch (the batch is found from the memory limit)")
-            if self.kv_memory_limit_bytes is None and self.kv_memory_fraction is None:
-                raise SuiteError("kv_memory_limit_bytes: mode max_batch needs a KV memory limit (or kv_memory_fraction)")
-            if self.prompt_tokens.dist != "fixed" or self.new_tokens.dist != "fixed":
-                raise SuiteError("prompt_tokens, new_tokens: mode max_batch needs fixed lengths (integers)")
-        elif self.mode != "trace":
-            if not self.loads:
-                what = {"rate": "request rates (req/s)", "serving-batch": "batch sizes"}.get(self.mode, "concurrencies")
-                raise SuiteError(f"loads: mode {self.mode} needs a non-empty list of {what}")
-            if self.mode != "rate" and any(v != int(v) for v in self.loads):
-                raise SuiteError(f"loads: mode {self.mode} needs integers, got {list(self.loads)}")
-            if list(self.loads) != sorted(self.loads):
-                raise SuiteError("loads: must increase (a series stops raising the load at saturation)")
-            if self.num_requests is None and self.duration_s is None:
-                raise SuiteError("num_requests, duration_s: give at least one bound")
-        if self.kv_memory_limit_bytes is not None and self.kv_memory_fraction is not None:
-            raise SuiteError("kv_memory_limit_bytes, kv_memory_fraction: give one of them, not both")
+        self.pattern.check_suite(self, self.mode, **self.pattern_options)
+        not_both(self, "kv_memory_limit_bytes", "kv_memory_fraction")
         for p in self.points():           # every point's load config must be valid now, not mid-sweep
             self.load_config(p, max_batch=1)
         return self
@@ -193,8 +179,7 @@ class ServingSuite(SuiteBase):
 
     def points(self) -> list[ServingPoint]:
         out: list[ServingPoint] = []
-        loads: list[float | None] = [None] if self.mode == "max_batch" else \
-            [self.trace_time_scale] if self.mode == "trace" else list(self.loads)
+        loads = self.pattern.point_loads(self, **self.pattern_options)
         base = self.identity()
         for pol in self.policies:
             for ratio, budget in self.budgets(pol):
@@ -215,21 +200,14 @@ class ServingSuite(SuiteBase):
                     max_prefill_tokens=self.max_prefill_tokens, max_length_tokens=self.max_length_tokens)
 
     def load_config(self, point: ServingPoint, max_batch: int | None = None) -> LoadConfig:
-        """The load generator's config for `point` (`max_batch`: the batch of a max_batch point)."""
-        mode = _LOAD_MODE[self.mode]
-        kw: dict[str, Any] = dict(mode=mode, num_requests=self.num_requests, duration_s=self.duration_s,
-                                  warmup_requests=self.warmup_requests, warmup_s=self.warmup_s,
-                                  request_timeout_s=self.request_timeout_s, seed=self.seed + point.index)
-        if self.mode == "max_batch":
-            kw.update(batch_size=max_batch, num_requests=max_batch * self.rounds, duration_s=None)
-        elif mode == "batch":
-            kw["batch_size"] = int(point.load)
-        elif mode == "concurrency":
-            kw["concurrency"] = int(point.load)
-        elif mode == "trace":
-            kw.update(trace_path=self.trace_path, trace_time_scale=float(point.load),
-                      max_concurrency=self.max_concurrency, cap_policy=self.cap_policy)
-        else:
-            kw.update(rate_req_per_s=float(point.load), arrival=self.arrival, burstiness=self.burstiness,
-                      max_concurrency=self.max_concurrency, cap_policy=self.cap_policy)
-        return LoadConfig(**kw)
+        """The load generator's config for `point` (`max_batch`: the batch of a max_batch point).
+
+        Raises pydantic.ValidationError (a ValueError) naming the field when the point cannot run."""
+        return self.pattern.point_config(self, point.load, seed=self.seed + point.index, max_batch=max_batch,
+                                         **self.pattern_options)
+
+    def record_columns(self, point: ServingPoint, max_batch_size: int | None = None) -> dict:
+        """The record's load columns (`batch_size`, `concurrency`, `request_rate`: every pattern's
+        `record_column`), the mode's own filled with the point's load (a max_batch point's batch:
+        `max_batch_size`), the others None."""
+        return self.pattern.record_columns(point.load, max_batch_size, **self.pattern_options)

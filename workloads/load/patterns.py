@@ -1,0 +1,463 @@
+"""Load patterns: how requests are sent (`LOAD_PATTERNS`, one class each; `LoadConfig.mode` names one),
+and what a suite sweeping each one needs.
+
+* `batch` (`BatchLoad`): `batch_size` requests sent at once; the next batch when all of them
+  finished (the paper's static-batch setting, seen from a client).
+* `concurrency` (`ConcurrencyLoad`): closed loop; `concurrency` workers each send a request as
+  soon as their previous one finished, so exactly N are in flight (no lockstep batches).
+* `rate` (`RateLoad`): open loop; arrivals at `rate_req_per_s` with gamma-distributed gaps of
+  shape `burstiness` (1 = Poisson; below 1 burstier, above 1 more regular).
+* `trace` (`TraceLoad`): open loop replaying a trace file (`workloads.load.traces.read_trace`);
+  arrival offsets are multiplied by `trace_time_scale` (0.5 = twice as fast).
+
+Open-loop patterns yield `Arrival`s (when to send, and what: the lengths of a trace row); they
+are scheduled on absolute times so a late event never shifts later ones. With `max_concurrency`,
+an arrival that finds the cap reached waits for a free slot (`cap_policy: delay`; counted as
+delayed) or is not sent (`drop`, counted as dropped). Warm-up, bounds, the window and the records
+are shared (`workloads.load.driver`).
+
+A new pattern is one class registered in `LOAD_PATTERNS`: its `drive(run)`, the `LoadConfig` fields
+it `requires`, and, for suites, the class attributes of the "suite" block of `LoadPattern` (the
+`LoadConfig` field a point's load sets, where the loads come from, the suite fields it copies or
+forbids, the record column it fills). A suite's `mode` is a pattern's name or one of `MODE_ALIASES`.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal
+
+import numpy as np
+from pydantic import field_validator, model_validator
+
+from replica.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, need_one_of
+from replica.types import GenerationRequest
+from workloads.load.lengths import LengthDist, build_requests, requests_of_lengths
+from workloads.load.metrics import RequestRecord
+from workloads.load.traces import TraceRow, read_trace
+
+if TYPE_CHECKING:
+    from workloads.load.driver import Run
+
+ARRIVALS = ("poisson", "gamma")
+CAP_POLICIES = ("delay", "drop")
+#: `LoadConfig` fields every suite point takes from its suite unchanged.
+SHARED_SUITE_FIELDS = ("num_requests", "duration_s", "warmup_requests", "warmup_s", "request_timeout_s")
+
+
+# ---------------------------------------------------------------------------- config
+class LoadConfig(FrozenConfig):
+    """One load point (see the module docstring and each pattern's class); times in seconds.
+
+    A bad field raises ValueError naming the field and the accepted values; `model_dump()` is its
+    record form.
+    """
+
+    mode: str
+    num_requests: PositiveInt | None = None
+    duration_s: PositiveFloat | None = None
+    batch_size: PositiveInt | None = None
+    concurrency: PositiveInt | None = None
+    rate_req_per_s: PositiveFloat | None = None
+    arrival: Literal[ARRIVALS] = "poisson"
+    burstiness: PositiveFloat = 1.0
+    max_concurrency: PositiveInt | None = None
+    cap_policy: Literal[CAP_POLICIES] = "delay"
+    trace_path: str | None = None
+    trace_time_scale: PositiveFloat = 1.0
+    warmup_requests: NonNegativeInt = 0
+    warmup_s: NonNegativeFloat = 0.0
+    request_timeout_s: PositiveFloat | None = None
+    seed: int = 0
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        if mode not in LOAD_PATTERNS:
+            raise ValueError(f"mode: unknown load pattern {mode!r} (accepted: {', '.join(LOAD_PATTERNS)})")
+        return mode
+
+    @model_validator(mode="after")
+    def _runnable(self) -> "LoadConfig":
+        pattern_cls = LOAD_PATTERNS[self.mode]
+        if not pattern_cls.bounded:
+            need_one_of(self, "num_requests", "duration_s")
+        if self.arrival == "poisson" and self.burstiness != 1.0:
+            raise ValueError("burstiness: Poisson arrivals have burstiness 1; use arrival: gamma")
+        for need in pattern_cls.requires:
+            if getattr(self, need) is None:
+                raise ValueError(f"{need}: required in mode {self.mode!r}")
+        self.pattern.check()
+        return self
+
+    @functools.cached_property
+    def pattern(self) -> "LoadPattern":
+        """This config's pattern (one per config: a trace is read once)."""
+        return LOAD_PATTERNS[self.mode](self)
+
+    @property
+    def target_concurrency(self) -> int | None:
+        return self.pattern.target_concurrency
+
+    @property
+    def target_rate_req_per_s(self) -> float | None:
+        return self.pattern.target_rate_req_per_s
+
+
+def arrival_gaps_s(n: int, rate_req_per_s: float, burstiness: float, seed: int) -> np.ndarray:
+    """`n` gaps between arrivals (s): gamma(shape=burstiness, scale=1/(rate*burstiness)), mean 1/rate."""
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate_req_per_s * burstiness), size=n)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What an open-loop pattern asks for: send the next request `at_s` seconds after the run
+    started; `prompt_tokens`/`output_tokens` are the lengths it must have (a trace row), or None."""
+
+    at_s: float
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+# ---------------------------------------------------------------------------- load patterns
+class LoadPattern:
+    """How requests are sent. Subclasses set `name` and `requires` (the `LoadConfig` fields they
+    need) and implement `drive(run)` with the shared `workloads.load.driver.Run` (`next_index`,
+    `send`, `sleep_until`); register the class in `LOAD_PATTERNS`. `bounded`: the pattern ends by
+    itself (a trace), so neither `num_requests` nor `duration_s` is required.
+
+    What a suite sweeping the pattern needs (read by `workloads.serving.suite.ServingSuite`; the
+    suite is any object with these attributes):
+
+    * `load_field`: the `LoadConfig` field a point's load sets; `integer_loads`: it takes integers.
+    * `loads_from`: the suite field the points' loads come from: `loads` (a list, one point each,
+      described by `loads_are`) or a single field (a trace's `trace_time_scale`: one point).
+    * `suite_fields`: suite fields copied into every point's `LoadConfig`, beside `SHARED_SUITE_FIELDS`.
+    * `suite_forbids`: suite fields that must not be given.
+    * `record_column`: the record column the point's load fills (None: none).
+    """
+
+    name: ClassVar[str] = ""
+    requires: ClassVar[tuple[str, ...]] = ()
+    bounded: ClassVar[bool] = False
+    # ---- what a suite needs
+    load_field: ClassVar[str] = ""
+    integer_loads: ClassVar[bool] = True
+    loads_from: ClassVar[str] = "loads"
+    loads_are: ClassVar[str] = ""
+    suite_fields: ClassVar[tuple[str, ...]] = ()
+    suite_forbids: ClassVar[tuple[str, ...]] = ()
+    record_column: ClassVar[str | None] = None
+
+    def __init__(self, config: LoadConfig):
+        self.cfg = config
+
+    @property
+    def target_concurrency(self) -> int | None:
+        """Requests in flight the pattern aims for (None: not a concurrency target)."""
+        return None
+
+    @property
+    def target_rate_req_per_s(self) -> float | None:
+        """Nominal arrival rate (req/s; None: not an open loop at a rate)."""
+        return None
+
+    def check(self) -> None:
+        """Raise ValueError naming the field when the config cannot run (called by `LoadConfig`)."""
+
+    def requests(self, n: int | None = None, prompt_tokens: LengthDist | None = None,
+                 output_tokens: LengthDist | None = None, *, seed: int = 0, tokenizer=None,
+                 vocab_size: int | None = None, prefix: str = "req") -> list[GenerationRequest]:
+        """The requests to send (`run_load` cycles them): `n` with lengths drawn from the two
+        distributions (`build_requests`); a pattern that brings its own lengths overrides this."""
+        if n is None or prompt_tokens is None or output_tokens is None:
+            raise ValueError(f"prompt_tokens, output_tokens: mode {self.name!r} needs length distributions")
+        return build_requests(n, prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer,
+                              vocab_size=vocab_size, prefix=prefix)
+
+    async def drive(self, run: "Run") -> None:
+        raise NotImplementedError
+
+    # ---- a suite's view (options: a `MODE_ALIASES` entry's)
+    @classmethod
+    def suite_defaults(cls, data: dict, **options) -> dict:
+        """The suite's raw mapping before validation, with what the pattern supplies itself filled in
+        (a trace's lengths); ValueError naming a field given that the pattern forbids."""
+        for k in cls.suite_forbids:
+            if data.get(k) is not None:
+                raise ValueError(f"{k}: not used in mode {data.get('mode')}")
+        return data
+
+    @classmethod
+    def check_suite(cls, suite: Any, mode: str, **options) -> None:
+        """ValueError naming the suite field when `suite` cannot sweep this pattern (the points'
+        `LoadConfig`s are checked apart, by building them)."""
+        if cls.loads_from != "loads":
+            return
+        if not suite.loads:
+            raise ValueError(f"loads: mode {mode} needs a non-empty list of {cls.loads_are}")
+        if cls.integer_loads and any(v != int(v) for v in suite.loads):
+            raise ValueError(f"loads: mode {mode} needs integers, got {list(suite.loads)}")
+        if list(suite.loads) != sorted(suite.loads):
+            raise ValueError("loads: must increase (a series stops raising the load at saturation)")
+
+    @classmethod
+    def point_loads(cls, suite: Any, **options) -> list[float | None]:
+        """The load of each point of a series, in order."""
+        value = getattr(suite, cls.loads_from)
+        return list(value) if cls.loads_from == "loads" else [value]
+
+    @classmethod
+    def point_config(cls, suite: Any, load: float | None, *, seed: int, max_batch: int | None = None,
+                     **options) -> LoadConfig:
+        """The `LoadConfig` of the suite's point at `load` (`max_batch`: a batch the replicas sized)."""
+        kw: dict[str, Any] = {k: getattr(suite, k) for k in SHARED_SUITE_FIELDS + cls.suite_fields}
+        kw[cls.load_field] = int(load) if cls.integer_loads else float(load)
+        return LoadConfig(mode=cls.name, seed=seed, **kw)
+
+    @classmethod
+    def record_columns(cls, load: float | None, max_batch_size: int | None = None, **options) -> dict:
+        """The record columns of every pattern (`RECORD_COLUMNS`), this pattern's filled with the load."""
+        out = dict.fromkeys(RECORD_COLUMNS)
+        if cls.record_column is not None:
+            out[cls.record_column] = load
+        return out
+
+
+class BatchLoad(LoadPattern):
+    """`batch_size` requests at once; the next batch when all finished. Warm-up and measured
+    requests never share a batch. Option `sized_by_memory` (a suite's `max_batch` mode): one point
+    whose batch is the most sequences the replicas' KV memory limit holds, `rounds` batches of it."""
+
+    name = "batch"
+    requires = ("batch_size",)
+    load_field = "batch_size"
+    loads_are = "batch sizes"
+    record_column = "batch_size"
+
+    @property
+    def target_concurrency(self) -> int | None:
+        return self.cfg.batch_size
+
+    async def drive(self, run: "Run") -> None:
+        pushed = None
+        while True:
+            batch = [pushed] if pushed is not None else []
+            pushed = None
+            while len(batch) < self.cfg.batch_size:
+                nxt = run.next_index()
+                if nxt is None:
+                    break
+                if batch and nxt[1] != batch[0][1]:
+                    pushed = nxt
+                    break
+                batch.append(nxt)
+            if not batch:
+                return
+            await asyncio.gather(*(run.send(i, w) for i, w in batch))
+
+    @classmethod
+    def check_suite(cls, suite: Any, mode: str, sized_by_memory: bool = False, **options) -> None:
+        if not sized_by_memory:
+            return super().check_suite(suite, mode)
+        if suite.target is not None:
+            raise ValueError(f"target: mode {mode} needs our replicas' memory model; use concurrency, rate or "
+                             "serving-batch")
+        if suite.loads:
+            raise ValueError(f"loads: not used in mode {mode} (the batch is found from the memory limit)")
+        need_one_of(suite, "kv_memory_limit_bytes", "kv_memory_fraction",
+                    what=f"mode {mode} needs a KV memory limit (or a fraction of device memory)")
+        if suite.prompt_tokens.dist != "fixed" or suite.new_tokens.dist != "fixed":
+            raise ValueError(f"prompt_tokens, new_tokens: mode {mode} needs fixed lengths (integers)")
+
+    @classmethod
+    def point_loads(cls, suite: Any, sized_by_memory: bool = False, **options) -> list[float | None]:
+        return [None] if sized_by_memory else super().point_loads(suite)
+
+    @classmethod
+    def point_config(cls, suite: Any, load: float | None, *, seed: int, max_batch: int | None = None,
+                     sized_by_memory: bool = False, **options) -> LoadConfig:
+        if not sized_by_memory:
+            return super().point_config(suite, load, seed=seed)
+        kw = {k: getattr(suite, k) for k in SHARED_SUITE_FIELDS}
+        kw.update(batch_size=max_batch, num_requests=max_batch * suite.rounds, duration_s=None)
+        return LoadConfig(mode=cls.name, seed=seed, **kw)
+
+    @classmethod
+    def record_columns(cls, load: float | None, max_batch_size: int | None = None, sized_by_memory: bool = False,
+                       **options) -> dict:
+        return super().record_columns(max_batch_size if sized_by_memory else load)
+
+
+class ConcurrencyLoad(LoadPattern):
+    """Closed loop: `concurrency` workers, each sending its next request when its previous one ended."""
+
+    name = "concurrency"
+    requires = ("concurrency",)
+    load_field = "concurrency"
+    loads_are = "concurrencies"
+    record_column = "concurrency"
+
+    @property
+    def target_concurrency(self) -> int | None:
+        return self.cfg.concurrency
+
+    async def drive(self, run: "Run") -> None:
+        async def worker():
+            while (nxt := run.next_index()) is not None:
+                await run.send(*nxt)
+        await asyncio.gather(*(worker() for _ in range(self.cfg.concurrency)))
+
+
+class OpenLoop(LoadPattern):
+    """Open loop: sends at the times `arrivals()` yields, whatever the replies; with
+    `max_concurrency` an arrival that finds the cap reached waits (`delay`) or is dropped (`drop`)."""
+
+    @property
+    def target_concurrency(self) -> int | None:
+        return self.cfg.max_concurrency
+
+    def arrivals(self) -> Iterator[Arrival]:
+        """When to send what, in order (offsets from the run's start)."""
+        raise NotImplementedError
+
+    async def drive(self, run: "Run") -> None:
+        cfg = self.cfg
+        cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+        tasks: list[asyncio.Task] = []
+        for arrival in self.arrivals():
+            t = run.start + arrival.at_s
+            await run.sleep_until(t)
+            nxt = run.next_index()
+            if nxt is None:
+                break
+            index, warm = nxt
+            full = cap is not None and cap.locked()
+            if full and cfg.cap_policy == "drop":
+                req = run.requests(index)
+                run.records.append(RequestRecord(req.request_id, len(req.prompt_ids), req.max_new_tokens,
+                                                 scheduled_time_s=t, warmup=warm))
+                continue
+            tasks.append(asyncio.ensure_future(self._send(run, cap, index, warm, t, full)))
+        else:
+            run.exhausted = True
+        await asyncio.gather(*tasks)
+
+    @staticmethod
+    async def _send(run: "Run", cap, index: int, warm: bool, scheduled: float, waited: bool) -> None:
+        if cap is None:
+            await run.send(index, warm, scheduled)
+            return
+        async with cap:
+            await run.send(index, warm, scheduled, cap_delayed=waited)
+
+
+class RateLoad(OpenLoop):
+    """Arrivals at `rate_req_per_s` with gamma gaps of shape `burstiness` (1: Poisson), seeded by `seed`."""
+
+    name = "rate"
+    requires = ("rate_req_per_s",)
+    load_field = "rate_req_per_s"
+    integer_loads = False
+    loads_are = "request rates (req/s)"
+    suite_fields = ("arrival", "burstiness", "max_concurrency", "cap_policy")
+    record_column = "request_rate"
+
+    @property
+    def target_rate_req_per_s(self) -> float | None:
+        return self.cfg.rate_req_per_s
+
+    def arrivals(self) -> Iterator[Arrival]:
+        cfg, t, chunk = self.cfg, 0.0, 0
+        while True:
+            for gap in arrival_gaps_s(1024, cfg.rate_req_per_s, cfg.burstiness, seed=cfg.seed * 1_000_003 + chunk):
+                t += float(gap)
+                yield Arrival(t)
+            chunk += 1
+
+
+class TraceLoad(OpenLoop):
+    """Replays `trace_path` (`read_trace`): row `i` is sent `arrival_s * trace_time_scale` after the
+    run started, with the row's prompt and output lengths (build the requests with `requests()`).
+    The trace's last row ends the run (as the count would), if no other bound came first. A suite
+    in this mode gives neither loads nor lengths: its one point per series runs at its `trace_time_scale`."""
+
+    name = "trace"
+    requires = ("trace_path",)
+    bounded = True
+    load_field = "trace_time_scale"
+    integer_loads = False
+    loads_from = "trace_time_scale"
+    suite_fields = ("trace_path", "max_concurrency", "cap_policy")
+    suite_forbids = ("prompt_tokens", "new_tokens", "loads")
+
+    def __init__(self, config: LoadConfig):
+        super().__init__(config)
+        self._rows: list[TraceRow] | None = None
+
+    @property
+    def rows(self) -> list[TraceRow]:
+        if self._rows is None:
+            self._rows = read_trace(self.cfg.trace_path)
+        return self._rows
+
+    @property
+    def target_rate_req_per_s(self) -> float | None:
+        rows = self.rows
+        span = (rows[-1].arrival_s - rows[0].arrival_s) * self.cfg.trace_time_scale
+        return (len(rows) - 1) / span if len(rows) > 1 and span > 0 else None
+
+    def check(self) -> None:
+        self.rows                                      # noqa: B018 - reads and checks the file now
+
+    def length_range(self) -> tuple[LengthDist, LengthDist]:
+        """The trace's prompt and output lengths as `LengthDist(dist="trace", min, max)` (for memory
+        budgets and records; not to be sampled)."""
+        p = [r.prompt_tokens for r in self.rows]
+        o = [r.output_tokens for r in self.rows]
+        return LengthDist("trace", min=min(p), max=max(p)), LengthDist("trace", min=min(o), max=max(o))
+
+    def arrivals(self) -> Iterator[Arrival]:
+        for row in self.rows:
+            yield Arrival(row.arrival_s * self.cfg.trace_time_scale, row.prompt_tokens, row.output_tokens)
+
+    def requests(self, n: int | None = None, prompt_tokens: LengthDist | None = None,
+                 output_tokens: LengthDist | None = None, *, seed: int = 0, tokenizer=None,
+                 vocab_size: int | None = None, prefix: str = "trace") -> list[GenerationRequest]:
+        """One request per row, with the row's lengths (prompts as in `requests_of_lengths`); `n` and
+        the distributions are not used (the trace gives the lengths)."""
+        rows = self.rows
+        return requests_of_lengths([r.prompt_tokens for r in rows], [r.output_tokens for r in rows], seed=seed,
+                                   tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix)
+
+    @classmethod
+    def suite_defaults(cls, data: dict, **options) -> dict:
+        """The trace's rows give arrivals and lengths: the suite's `prompt_tokens`/`new_tokens` are its range."""
+        for k in cls.suite_forbids:
+            if data.get(k) is not None:
+                raise ValueError(f"{k}: not used in mode trace (the trace's rows give arrivals and lengths)")
+        if data.get("trace_path") is None:
+            raise ValueError("trace_path: mode trace needs a trace file (CSV or JSONL, docs/load-generation.md)")
+        cfg = LoadConfig(mode="trace", trace_path=str(data["trace_path"]),
+                         trace_time_scale=data.get("trace_time_scale", 1.0))
+        prompt, new = cfg.pattern.length_range()
+        return {**data, "prompt_tokens": prompt, "new_tokens": new}
+
+
+#: Every load pattern by `LoadConfig.mode`; a new pattern is one class and one line here.
+LOAD_PATTERNS: dict[str, type[LoadPattern]] = {p.name: p for p in (BatchLoad, ConcurrencyLoad, RateLoad, TraceLoad)}
+#: The record columns the patterns fill (`LoadPattern.record_column`), in a fixed order.
+RECORD_COLUMNS: tuple[str, ...] = tuple(p.record_column for p in LOAD_PATTERNS.values() if p.record_column)
+#: A suite's modes that are not a pattern's own name: mode -> (pattern, options of its suite methods).
+#: A pattern named here is reached through its aliases only (`batch` is the static-batch suites' mode).
+MODE_ALIASES: dict[str, tuple[str, dict]] = {
+    "serving-batch": ("batch", {}),
+    "max_batch": ("batch", {"sized_by_memory": True}),
+}
+#: Every suite mode: mode -> (pattern class, options).
+MODES: dict[str, tuple[type[LoadPattern], dict]] = {
+    **{n: (p, {}) for n, p in LOAD_PATTERNS.items() if n not in {a for a, _ in MODE_ALIASES.values()}},
+    **{m: (LOAD_PATTERNS[n], opts) for m, (n, opts) in MODE_ALIASES.items()},
+}
