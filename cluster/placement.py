@@ -47,6 +47,7 @@ from pydantic import Field, field_validator
 from replica.rules import FrozenConfig, check_fraction, check_number
 from replica.static_batch import BatchSpec, ModelReplica, load_replica_model
 from scissorhands.checks import check_int
+from scissorhands.models import resolve_dtype
 
 #: Placement-group strategies Ray accepts, in the order the docs list them.
 PLACEMENT_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK", "STRICT_PACK")
@@ -287,8 +288,6 @@ def load_sharded(model_spec: str, dtype: str, max_memory: Mapping[int, int]):
     Raises PlacementError (does not fit), FileNotFoundError (model path missing).
     """
     from accelerate import dispatch_model
-
-    from scissorhands.models import resolve_dtype
 
     # the weights run on the GPUs: resolve "auto" for them, not for the CPU they are loaded on
     torch_dtype, reason = resolve_dtype(dtype, None, "cuda:0")

@@ -50,6 +50,8 @@ import torch
 from replica.metrics import NullMetrics
 from replica.sampling import pick_tokens
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from scissorhands import make_cache
+from scissorhands.batching import merge_rows, row_positions, select_rows, sequence_slot_bytes
 from scissorhands.checks import check_int
 
 __all__ = ["ContinuousBatchingEngine", "EngineLoop", "device_memory_bytes", "full_batch_kv_limit_bytes"]
@@ -101,9 +103,6 @@ class ContinuousBatchingEngine:
 
     def __init__(self, model, config: EngineConfig, *, eos_token_id: int | None = None,
                  clock: Callable[[], float] = time.time, replica_id: str = "replica-0", metrics=None):
-        from scissorhands import make_cache
-        from scissorhands.batching import sequence_slot_bytes
-
         self.model = model
         self.config = config
         self.eos_token_id = eos_token_id
@@ -201,8 +200,6 @@ class ContinuousBatchingEngine:
 
     def _apply_aborts(self) -> None:
         """Fail the aborted requests; running ones leave the cache (`select_rows`), freeing their slots."""
-        from scissorhands.batching import select_rows
-
         with self._lock:
             if not self._aborts:
                 return
@@ -373,14 +370,10 @@ class ContinuousBatchingEngine:
 
     # ------------------------------------------------------------------ phases
     def _new_cache(self):
-        from scissorhands import make_cache
-
         return make_cache(self.config.policy, self.model, **self._cache_kwargs)
 
     def _prefill(self, group: list[_Seq]) -> None:
         """Forward the prompts of `group` (equal lengths) into a fresh cache; merge the rows that go on."""
-        from scissorhands.batching import merge_rows, select_rows
-
         ids = torch.tensor([s.request.prompt_ids for s in group], dtype=torch.long, device=self.device)  # (n, L)
         t0 = time.perf_counter()
         try:
@@ -420,8 +413,6 @@ class ContinuousBatchingEngine:
 
     def _decode_step(self) -> None:
         """One token for every running sequence, each at its own position; retire finished ones."""
-        from scissorhands.batching import row_positions, select_rows
-
         t0 = time.perf_counter()
         evicted0 = self._cache.layers[0].evicted_tokens
         try:

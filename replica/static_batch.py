@@ -35,9 +35,20 @@ from typing import Any, Callable, Mapping, Sequence
 
 import psutil
 import torch
+from transformers import AutoConfig
 
 from replica.metrics import NullMetrics, ReplicaMetrics
-from scissorhands.models import EMBEDDED, model_id_of
+from scissorhands import make_cache
+from scissorhands.models import (
+    EMBEDDED,
+    _resolve_source,
+    check_device_name,
+    check_dtype_name,
+    load_model,
+    model_id_of,
+    resolve_dtype,
+)
+from scissorhands.testing import tiny_llama
 
 #: Test-only model names a suite may use instead of a real model (tiny random weights, no
 #: tokenizer: prompts are random ids drawn with the point's seed). Not for benchmarking.
@@ -86,13 +97,9 @@ def load_replica_model(model_spec: str, dtype: str | torch.dtype = "auto", devic
     when `model_spec` is a filesystem path (absolute, or starting with `.` or `~`) that does
     not exist.
     """
-    from scissorhands.models import check_device_name, check_dtype_name, resolve_dtype
-
     check_dtype_name(dtype)
     check_device_name(device)
     if model_spec == "tiny-llama":
-        from scissorhands.testing import tiny_llama
-
         model = tiny_llama(seed=0)
         torch_dtype, reason = resolve_dtype(dtype, model.config, device)
         model = model.to(device=device, dtype=torch_dtype)
@@ -102,8 +109,6 @@ def load_replica_model(model_spec: str, dtype: str | torch.dtype = "auto", devic
     expanded = os.path.expanduser(model_spec)
     if model_spec.startswith((os.sep, ".", "~")) and not os.path.exists(expanded):
         raise FileNotFoundError(f"model: path does not exist: {expanded}")
-    from scissorhands.models import load_model
-
     model, tokenizer = load_model(expanded, dtype=dtype, device=device)
     model.eval()
     return model, tokenizer
@@ -113,14 +118,8 @@ def _model_config(model_spec: str):
     """The model's config only (no weights), sizing `resolve_dtype`'s probe; None where it cannot be read
     here (the probe then uses SmolLM2-135M's shapes)."""
     if model_spec in TEST_MODEL_NAMES:
-        from scissorhands.testing import tiny_llama
-
         return tiny_llama(seed=0).config
     try:
-        from transformers import AutoConfig
-
-        from scissorhands.models import _resolve_source
-
         source, kwargs = _resolve_source(os.path.expanduser(model_spec))
         return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
     except (OSError, ValueError):
@@ -144,8 +143,6 @@ def resolve_dtype_here(model_spec: str, dtype: str, device: str = "cpu", num_thr
         ValueError: naming ``dtype`` or ``device`` and the accepted values (`scissorhands.models.check_dtype_name`,
             `check_device_name`).
     """
-    from scissorhands.models import check_device_name, check_dtype_name, resolve_dtype
-
     check_dtype_name(dtype)
     check_device_name(device)
     if dtype != "auto":
@@ -318,8 +315,6 @@ class ModelReplica:
 
     # -- cache ----------------------------------------------------------------------------
     def _make_cache(self, point: BatchSpec, max_length: int):
-        from scissorhands import make_cache
-
         policy = point.policy
         params = dict(point.policy_params or {})
         if policy == "full":

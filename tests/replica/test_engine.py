@@ -387,8 +387,8 @@ def test_shutting_a_serving_replica_down_answers_the_requests_it_holds(model):
         return await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
     results = asyncio.run(serve_then_stop())
-    assert [(r["request_id"], r["error_kind"]) for r in results] == [("r0", "error"), ("r1", "error")]
-    assert all("stopped" in r["error"] for r in results) and len(results[0]["output_ids"]) < 500
+    assert [(r.request_id, r.error_kind) for r in results] == [("r0", "error"), ("r1", "error")]
+    assert all("stopped" in r.error for r in results) and len(results[0].output_ids) < 500
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
