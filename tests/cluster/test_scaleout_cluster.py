@@ -185,7 +185,7 @@ def test_replica_killed_mid_sweep_is_restarted_and_nothing_written_is_lost(two_n
     assert replaced and {r["replica_id"] for r in replaced}.isdisjoint({recs[0]["replica_id"]})
 
 
-def test_l13_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tmp_path, capsys):
+def test_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tmp_path, capsys):
     """`make submit` against the head: the job is FAILED, earlier points stay, the error names the path."""
     from cluster import submit
 

