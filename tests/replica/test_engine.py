@@ -128,6 +128,9 @@ def test_engine_loop_serves_requests_from_other_threads(model):
     (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
     (dict(compression_ratio=0.5), "compression_ratio"),
     (dict(max_batch=True), "max_batch"),
+    (dict(kv_memory_limit_bytes=10, kv_memory_fraction=0.5), "kv_memory_limit_bytes, kv_memory_fraction: give one"),
+    (dict(max_prefill_tokens=None), "max_prefill_tokens: expected an integer >= 1, got None"),
+    (dict(batch=2), r"batch: unknown key \(accepted: policy, "),
 ])
 def test_engine_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field.replace(",", ",")):
