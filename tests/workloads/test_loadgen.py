@@ -1,4 +1,4 @@
-"""Load generator and metrics (cases L1-L6, L8, L14, L15 of shared/cases/load-and-metrics.md).
+"""The load generator (`workloads.load.driver`, `workloads.load.patterns`) and its metrics.
 
 Everything runs against `FakeReplica` on a virtual-time event loop: scripted seconds cost no real
 time and every number is exact.
@@ -234,7 +234,7 @@ def test_load_config_errors_name_the_field(kw, field):
         LoadConfig(**kw)
 
 
-# ---------------------------------------------------------------------------- L16-L20 and trace replay
+# ---------------------------------------------------------------------------- replies, windows and trace replay
 def test_L16_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_point_is_summarized():
     class Client:
         async def generate(self, req):

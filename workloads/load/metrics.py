@@ -241,7 +241,7 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
     `replica_peak_running_sequences` (summed over replicas, when known) adds a warning when the
     replicas ran fewer sequences at once than the target concurrency (queueing behind memory).
     The rate warning compares the achieved rate with the rate of the arrival times the run drew
-    for the same requests (a small Poisson sample's rate is not the nominal rate; case L18).
+    for the same requests (a small Poisson sample's rate is not the nominal rate).
     """
     measured = [r for r in records if not r.warmup]
     sent = [r for r in measured if r.sent]
