@@ -13,7 +13,8 @@ from scissorhands import POLICIES
 from workloads.core import results as res
 from workloads.frontier.report import frontier_rows, markdown, pareto_front
 from workloads.frontier.suite import FrontierSuite
-from workloads.core.suite import SuiteError, load_suite, parse_suite
+from workloads.core.suite import SuiteError
+from workloads.kinds import load_suite, parse_suite
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_SUITE = REPO / "tests" / "suites" / "tiny-frontier.yaml"

@@ -1,17 +1,19 @@
 """What the runners send through the Serve handle: dataclasses, never dicts rebuilt by hand. No Ray
-(init_ray, start_replicas and dispatch_points are replaced by fakes that call the runner's `call` with a
+(`workloads.core.dispatch`'s init_ray, start_replicas and dispatch_points are replaced by fakes that call the runner's `call` with a
 fake handle capturing the arguments)."""
 
 import argparse
+from pathlib import Path
 
 import pytest
 
 from replica.static_batch import BatchSpec, ModelReplica
 from scissorhands.testing import tiny_llama
-from workloads.core import run as run_mod
-from workloads import sweep
+from workloads.core import dispatch as dispatch_mod
+from workloads.core.template import Session
+from workloads.frontier.point import run_frontier_point
 from workloads.frontier.suite import FrontierPoint
-from workloads.core.suite import parse_suite
+from workloads.kinds import KINDS, parse_suite
 
 
 class _Handle:
@@ -26,20 +28,26 @@ class _Handle:
         return None
 
 
-def _fake_cluster(monkeypatch, module, handle):
+def _fake_cluster(monkeypatch, handle):
     class _RSet:
+        handle = None
+
         def shutdown(self):
             pass
 
-    def dispatch(ray, rset, infos, pending, call, *rest, name):
+    def dispatch(ray, rset, infos, pending, remote):
         for point in pending:
-            call(handle, point)
-        return 0
+            remote(handle, point)
+        yield from ()
 
-    monkeypatch.setattr(module, "init_ray", lambda address: (None, False))
-    monkeypatch.setattr(module, "start_replicas", lambda *a, **k: (_RSet(), [{}]))
-    monkeypatch.setattr(module, "dispatch_points", dispatch)
-    monkeypatch.setattr("cluster.inventory.cluster_inventory", lambda: {})
+    monkeypatch.setattr(dispatch_mod, "init_ray", lambda address: (None, False))
+    monkeypatch.setattr(dispatch_mod, "start_replicas", lambda *a, **k: (_RSet(), [{}]))
+    monkeypatch.setattr(dispatch_mod, "dispatch_points", dispatch)
+    monkeypatch.setattr(dispatch_mod, "cluster_inventory", lambda: {})
+
+
+def _session(suite) -> Session:
+    return Session(argparse.Namespace(address=None, local=False), suite, "r", Path("."), 1, pusher=None)
 
 
 def test_sweep_sends_each_point_as_a_batch_spec(monkeypatch):
@@ -48,8 +56,8 @@ def test_sweep_sends_each_point_as_a_batch_spec(monkeypatch):
                              new_tokens=[16], seed=5))
     points = suite.points()
     handle = _Handle()
-    _fake_cluster(monkeypatch, sweep, handle)
-    assert sweep._run_points(argparse.Namespace(address=None), suite, "r", "c", points, 1, publish=None) == 0
+    _fake_cluster(monkeypatch, handle)
+    assert list(KINDS["batch"].execute(_session(suite), points)) == []
     assert [m for m, _ in handle.calls] == ["run_batch"] * 3
     specs = [args[0] for _, args in handle.calls]
     assert all(type(s) is BatchSpec and len(args) == 1 for s, (_, args) in zip(specs, handle.calls))
@@ -64,15 +72,9 @@ def test_apply_points_are_sent_as_the_workloads_dataclass(monkeypatch):
                          "compression_ratios": [4], "prompt_tokens": 24, "new_tokens": 8})
     points = suite.points()
     handle = _Handle()
-    _fake_cluster(monkeypatch, run_mod, handle)
-
-    def fn(model, tokenizer, point):
-        return {}
-
-    failed = run_mod.run_on_replicas(argparse.Namespace(address=None, local=False), suite, "r", points, 1, fn,
-                                     None, None, None, name="frontier")
-    assert failed == 0
-    assert [(m, args) for m, args in handle.calls] == [("apply", (fn, p)) for p in points]
+    _fake_cluster(monkeypatch, handle)
+    assert list(KINDS["frontier"].execute(_session(suite), points)) == []
+    assert [(m, args) for m, args in handle.calls] == [("apply", (run_frontier_point, p)) for p in points]
     assert all(type(args[1]) is FrontierPoint for _, args in handle.calls)
 
 

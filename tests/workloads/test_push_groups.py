@@ -11,7 +11,7 @@ from dashboards.serve import find_binary
 from tests.waiting import free_port, wait_for
 from workloads.core import results
 from workloads.core.push import PointPublisher, SweepPusher
-from workloads.core.suite import parse_suite
+from workloads.kinds import parse_suite
 
 PUSHGATEWAY = find_binary("prometheus-pushgateway")
 pytestmark = [pytest.mark.prometheus,

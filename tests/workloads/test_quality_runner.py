@@ -10,7 +10,8 @@ import pytest
 from scissorhands import POLICIES
 from workloads.core import results as res
 from workloads.quality import runner
-from workloads.core.suite import SuiteError, load_suite, parse_suite
+from workloads.core.suite import SuiteError
+from workloads.kinds import load_suite, parse_suite
 
 SUITES = Path(__file__).resolve().parents[2] / "workloads" / "suites"
 
@@ -137,7 +138,7 @@ def test_points_run_on_ray_replicas_and_match_local(tmp_path):
 
 @pytest.mark.ray
 def test_a_replica_that_dies_fails_its_point_and_is_replaced(tmp_path, monkeypatch):
-    """The quality runner shares the sweep's dispatch loop (workloads.core.run.dispatch_points): the replica
+    """The quality runner shares the sweep's dispatch loop (workloads.core.dispatch.dispatch_points): the replica
     running the first point dies (its process exits; no retry: max_task_retries 0), that point is recorded
     as `replica died`, Serve's new replica runs the other two points; exit 1 (a point failed).
     Before the shared loop the dead replica was never replaced and the run stopped with 2 points not run."""
@@ -170,7 +171,7 @@ def test_a_replica_that_dies_fails_its_point_and_is_replaced(tmp_path, monkeypat
 
 
 def test_each_point_is_pushed_like_a_sweep_point(tmp_path, monkeypatch):
-    import workloads.core.push
+    import workloads.core.template
 
     pushed, progress = [], []
 
@@ -186,7 +187,7 @@ def test_each_point_is_pushed_like_a_sweep_point(tmp_path, monkeypatch):
             progress.append((done, total))
             return True
 
-    monkeypatch.setattr(workloads.core.push, "SweepPusher", Recorder)
+    monkeypatch.setattr(workloads.core.template, "SweepPusher", Recorder)
     suite = _write(tmp_path, {**TINY, "fewshot": None, "persistence": None})
     assert runner.main([suite, "--local", "--pushgateway", "127.0.0.1:1", "--results-dir", str(tmp_path), "--run-id", "p"]) == 0
     assert [r["policy"] for r in pushed] == ["full", "scissorhands", "scissorhands"]

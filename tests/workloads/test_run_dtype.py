@@ -35,9 +35,9 @@ def test_the_fake_probe_splits_replicas_that_resolve_on_their_own(alternating_pr
 def test_local_run_resolves_once_and_every_replica_runs_it(alternating_probe):
     from replica.static_batch import ModelReplica
     from workloads.core.run import resolve_run_dtype
-    from workloads.core.suite import Suite
+    from workloads.batch.suite import BatchSuite
 
-    suite = Suite(kind="batch", name="t", model="tiny-llama", policies=["full"], batch_sizes=[1], prompt_tokens=[8],
+    suite = BatchSuite(kind="batch", name="t", model="tiny-llama", policies=["full"], batch_sizes=[1], prompt_tokens=[8],
                   new_tokens=[2], dtype="auto")
     resolved = resolve_run_dtype(suite)
     infos = [ModelReplica("tiny-llama", replica_id=f"r{i}", warmup=False, **resolved).info() for i in range(2)]
@@ -121,26 +121,27 @@ def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, 
     """A serving sweep on 2 Ray serving replicas: both load the dtype resolved once for the run."""
     import argparse
 
-    from workloads.serving import runner as serving_sweep
+    from workloads.core.template import run_suite
+    from workloads.serving import pools, runner
     counter = ray_fake_probe
     counter.unlink(missing_ok=True)
     started = []
-    real_start = serving_sweep.ServeReplicaPool.start
+    real_start = pools.ServeReplicaPool.start
 
     def start(self):                                    # every replica's info, not only the one start() asks
         infos = real_start(self)
         started.extend(self.rset.broadcast("info").values())
         return infos
 
-    monkeypatch.setattr(serving_sweep.ServeReplicaPool, "start", start)
+    monkeypatch.setattr(pools.ServeReplicaPool, "start", start)
     suite = tmp_path / "s.yaml"
     suite.write_text(yaml.safe_dump(dict(
         kind="serving", name="s", model="tiny-llama", policies=["full"], mode="concurrency", loads=[1],
         prompt_tokens={"dist": "uniform", "min": 8, "max": 12}, new_tokens={"dist": "uniform", "min": 2, "max": 3},
         num_requests=2, warmup_requests=0, seed=0, replicas=2, dtype="auto")))
     args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
-                              resume=None, address=None, pushgateway="off")
-    assert serving_sweep.run_serving_sweep(args) == 0
+                              resume=None, address=None, pushgateway="off", local=False)
+    assert run_suite(args, runner.KIND) == 0
     assert len(started) == 2
     assert [i["dtype"] for i in started] == ["bfloat16", "bfloat16"]
     assert probe_calls(counter) == 1

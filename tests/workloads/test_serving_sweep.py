@@ -18,8 +18,11 @@ import yaml
 
 from tests.serving_fakes import FakeReplica, Script
 from workloads import sweep
-from workloads.serving.runner import LocalReplicaPool, run_serving_sweep
-from workloads.core.suite import SuiteError, load_suite
+from workloads.core.template import run_suite
+from workloads.serving.pools import LocalReplicaPool
+from workloads.serving.runner import KIND as SERVING, ServingKind
+from workloads.core.suite import SuiteError
+from workloads.kinds import load_suite
 
 BASE = dict(kind="serving", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2],
             prompt_tokens={"dist": "uniform", "min": 8, "max": 24}, new_tokens={"dist": "uniform", "min": 2, "max": 8},
@@ -67,7 +70,7 @@ class CountingPool(LocalReplicaPool):
 
 def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_path, tiny_model):
     suite = _suite(tmp_path, mode="concurrency", loads=[1, 4])
-    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
+    rc = run_suite(_args(suite, tmp_path / "r"), ServingKind(CountingPool(tiny_model)))
     assert rc == 0
     run = tmp_path / "r" / "run"
     recs = _lines(run / "points.jsonl")
@@ -91,20 +94,23 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
 
 
 def test_serving_record_header_names_every_replica_and_node_that_answered():
-    from workloads.serving.runner import _where
+    from workloads.core.template import Finished
+
+    def where(info, stats):
+        return SERVING.replica_fields(Finished(None, "ok", {"replica_stats": stats}, None, info, 0.0, 0.0))
 
     stats = [{"replica_id": "serving#b", "node_id": "n2", "hostname": "h"},
              {"replica_id": "serving#a", "node_id": "n1", "hostname": "h"}]
-    where = _where({"dtype": "float32", "dtype_reason": "r", "replica_id": "serving#a", "hostname": "h"}, stats)
-    assert (where["replica_id"], where["node_id"], where["hostname"], where["dtype"]) == (
+    fields = where({"dtype": "float32", "dtype_reason": "r", "replica_id": "serving#a", "hostname": "h"}, stats)
+    assert (fields["replica_id"], fields["node_id"], fields["hostname"], fields["dtype"]) == (
         "serving#a,serving#b", "n1,n2", "h", "float32")
-    assert _where({"replica_id": "x"}, [])["replica_id"] == "x"        # no reply (every request failed early)
+    assert where({"replica_id": "x"}, [])["replica_id"] == "x"        # no reply (every request failed early)
 
 
 def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_path, tiny_model):
     suite = _suite(tmp_path, mode="max_batch", prompt_tokens=40, new_tokens=10, compression_ratios=[5],
                    kv_memory_limit_bytes=6 * 50 * 528, rounds=1)
-    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
+    rc = run_suite(_args(suite, tmp_path / "r"), ServingKind(CountingPool(tiny_model)))
     assert rc == 0
     full, sh = _lines(tmp_path / "r" / "run" / "points.jsonl")
     assert full["max_batch_size"] == 6                         # limit / (50 preallocated slots * 528 B)
@@ -120,27 +126,27 @@ def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_pat
 def test_L7_killed_during_point_3_keeps_points_1_and_2_and_resume_starts_at_point_3(tmp_path, tiny_model):
     suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 3], policies=["full"])
     with pytest.raises(KeyboardInterrupt):
-        run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model, kill_at=3))
+        run_suite(_args(suite, tmp_path / "r"), ServingKind(CountingPool(tiny_model, kill_at=3)))
     recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
     assert [r["load"] for r in recs] == [1, 2] and all(r["status"] == "ok" for r in recs)
     pool = CountingPool(tiny_model)
-    assert run_serving_sweep(_args(suite, tmp_path / "r", resume="run"), pool=pool) == 0
+    assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool)) == 0
     assert pool.configured == 1                                # only point 3 ran again
     assert [r["load"] for r in _lines(tmp_path / "r" / "run" / "points.jsonl")] == [1, 2, 3]
 
 
 def test_L13_missing_model_path_exits_non_zero_names_the_path_and_keeps_points(tmp_path, tiny_model, capsys):
     suite = _suite(tmp_path, mode="concurrency", loads=[1, 2], policies=["full"])
-    run_serving_sweep(_args(suite, tmp_path / "r"), pool=CountingPool(tiny_model))
+    run_suite(_args(suite, tmp_path / "r"), ServingKind(CountingPool(tiny_model)))
     before = (tmp_path / "r" / "run" / "points.jsonl").read_text()
     missing = tmp_path / "no-such-model"
     bad = _suite(tmp_path, mode="concurrency", loads=[1, 2, 4], policies=["full"], model=str(missing))
     with pytest.raises(sweep.SweepError) as e:       # resuming the run with another model: refused, nothing run
-        run_serving_sweep(_args(bad, tmp_path / "r", resume="run"), pool=LocalReplicaPool(1, str(missing)))
+        run_suite(_args(bad, tmp_path / "r", resume="run"), ServingKind(LocalReplicaPool(1, str(missing))))
     assert e.value.code == 2 and "['model']" in str(e.value) and str(missing) in str(e.value)
     assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
     with pytest.raises(sweep.SweepError) as e:       # a new run with replicas that cannot load
-        run_serving_sweep(_args(bad, tmp_path / "r", run_id="run2"), pool=LocalReplicaPool(1, str(missing)))
+        run_suite(_args(bad, tmp_path / "r", run_id="run2"), ServingKind(LocalReplicaPool(1, str(missing))))
     assert e.value.code == 1 and str(missing) in str(e.value)
     assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
 
@@ -202,7 +208,7 @@ class FakePool:
 def test_oom_point_is_recorded_and_a_dead_replica_is_restarted_with_its_point_failed(tmp_path):
     suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 3], saturation={"max_error_rate": None})
     pool = FakePool(lambda i: {1: "oom", 2: "die"}.get(i, "ok"))
-    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=pool)
+    rc = run_suite(_args(suite, tmp_path / "r"), ServingKind(pool))
     assert rc == 1                                              # a failed point
     recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
     # full: ok, oom, then no higher load (skipped); scissorhands: the replica died at load 1, goes on
@@ -218,19 +224,19 @@ def test_saturation_stops_raising_the_load_and_resume_keeps_the_skips(tmp_path):
     suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 4, 8], policies=["full"],
                    saturation={"max_error_rate": None, "max_p50_ttft_s": 0.02})
     pool = FakePool(lambda i: "slow" if i >= 1 else "ok")
-    assert run_serving_sweep(_args(suite, tmp_path / "r"), pool=pool) == 0
+    assert run_suite(_args(suite, tmp_path / "r"), ServingKind(pool)) == 0
     recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
     assert [r["status"] for r in recs] == ["ok", "ok", "skipped", "skipped"]
     assert recs[2]["stop_reason"].startswith("saturated at load 2: p50 TTFT")
     assert pool.configured == 1
     pool2 = FakePool(lambda i: "ok")
-    assert run_serving_sweep(_args(suite, tmp_path / "r", resume="run"), pool=pool2) == 0
+    assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool2)) == 0
     assert pool2.configured == -1                               # nothing ran again
 
 
 def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_path):
     suite = _suite(tmp_path, mode="rate", loads=[50], policies=["full"], num_requests=5)
-    rc = run_serving_sweep(_args(suite, tmp_path / "r"), pool=FakePool(lambda i: "fail"))
+    rc = run_suite(_args(suite, tmp_path / "r"), ServingKind(FakePool(lambda i: "fail")))
     assert rc == 1
     (r,) = _lines(tmp_path / "r" / "run" / "points.jsonl")
     assert r["status"] == "error" and r["stop_reason"] == "every request failed"

@@ -7,7 +7,9 @@ import yaml
 
 import scissorhands
 from workloads import sweep
-from workloads.core.suite import SuiteError, load_suite, parse_suite, tag_of
+from workloads.batch.report import COLUMNS, table_rows, warn_contention
+from workloads.core.suite import SuiteError, tag_of
+from workloads.kinds import load_suite, parse_suite
 
 GOOD = dict(
     kind="batch", name="t", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2, 5],
@@ -113,10 +115,10 @@ def test_cli_resume_of_unknown_run(tmp_path, capsys):
 
 def test_contention_warning(capsys):
     rows = [dict(status="ok", process_cpu_s=2.0, e2e_latency_s=10.0, torch_threads=1)]
-    sweep._warn_contention(rows)
+    warn_contention(rows)
     err = capsys.readouterr().err
     assert "2 CPU-s in 10 s" in err and "20% of their torch threads" in err and "waited for cores" in err
-    sweep._warn_contention([dict(status="ok", process_cpu_s=9.5, e2e_latency_s=10.0, torch_threads=1)])
+    warn_contention([dict(status="ok", process_cpu_s=9.5, e2e_latency_s=10.0, torch_threads=1)])
     assert "warning" not in capsys.readouterr().err
 
 
@@ -247,9 +249,9 @@ def test_points_differing_in_one_parameter_have_their_own_table_rows():
                 compression_ratios=[2], batch_sizes=[1])
     suite = parse_suite(data)
     records = [_record_of(suite, p) for p in suite.points()]
-    rows = results.table_rows(records)
+    rows = table_rows(records)
     assert [r["params_given"] for r in rows] == [None, "recent_window=4"]
-    table = results.markdown_table(rows).splitlines()
+    table = results.markdown_table(COLUMNS, rows).splitlines()
     assert len(table) == 4 and "recent_window=4" in table[3] and "recent_window" not in table[2]
     assert records[1]["policy_params"]["recent_window"] == 4 and records[0]["policy_params"]["recent_window"] is None
 

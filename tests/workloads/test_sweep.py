@@ -159,13 +159,13 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
 
     Validation catches bad parameters before any point runs, so the failing point is injected
     into the expansion: it sends the replica history_window=0, which the policy rejects there."""
-    from workloads.core import suite as suite_mod
-    class BadPoint(suite_mod.Point):
+    from workloads.batch import suite as suite_mod
+    class BadPoint(suite_mod.BatchPoint):
         def spec(self):
             return dataclasses.replace(super().spec(), policy_params={"history_window": 0})
 
-    real_points = suite_mod.Suite.points
-    monkeypatch.setattr(suite_mod.Suite, "points", lambda self: [
+    real_points = suite_mod.BatchSuite.points
+    monkeypatch.setattr(suite_mod.BatchSuite, "points", lambda self: [
         BadPoint(0, "scissorhands", {}, 1.5, None, 1, 8, 2, 0, "bad-0", {}), real_points(self)[0]])
     suite = write_suite(tmp_path / "s.yaml", policies=["full"], compression_ratios=[], batch_sizes=[1],
                         prompt_tokens=[8], new_tokens=[2])

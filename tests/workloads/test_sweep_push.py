@@ -59,12 +59,13 @@ def test_sweep_takes_the_pushgateway_flag():
 
 
 def test_replicas_stay_up_for_the_last_scrape_only_when_a_pushgateway_answered(monkeypatch):
-    class Publisher:
-        def __init__(self, pushes):
-            self.pusher = type("P", (), {"pushes": pushes})()
+    from workloads.batch.runner import PROMETHEUS_SCRAPE_INTERVAL_S, final_scrape_wait_s
+
+    def pusher(pushes):
+        return type("P", (), {"pushes": pushes})()
 
     monkeypatch.setenv("RAY_metrics_report_interval_ms", "5000")
-    assert sweep._final_scrape_wait_s(Publisher(pushes=3)) == 5.0 + sweep.PROMETHEUS_SCRAPE_INTERVAL_S
-    assert sweep._final_scrape_wait_s(Publisher(pushes=0)) == 0.0  # Pushgateway down or off: no wait
+    assert final_scrape_wait_s(pusher(3)) == 5.0 + PROMETHEUS_SCRAPE_INTERVAL_S
+    assert final_scrape_wait_s(pusher(0)) == 0.0  # Pushgateway down or off: no wait
     monkeypatch.delenv("RAY_metrics_report_interval_ms")
-    assert sweep._final_scrape_wait_s(Publisher(pushes=1)) == 10.0 + sweep.PROMETHEUS_SCRAPE_INTERVAL_S
+    assert final_scrape_wait_s(pusher(1)) == 10.0 + PROMETHEUS_SCRAPE_INTERVAL_S

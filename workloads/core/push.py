@@ -1,6 +1,6 @@
 """Push per-point sweep summaries to a Prometheus Pushgateway, one group per point.
 
-Usage (what `workloads.sweep`, the serving sweep and `workloads.quality.runner` do, through
+Usage (what the run template, `workloads.core.template.run_suite`, does for every kind through
 `PointPublisher`)::
 
     from workloads.core.push import PointPublisher, SweepPusher

@@ -1,11 +1,12 @@
-"""Results of a run: the one record builder, `results/<run_id>/points.jsonl`, `points.csv`, `table.md`.
+"""Results of a run: the one record builder, `results/<run_id>/points.jsonl`, and what every table shares.
 
-Every runner (batch sweep, serving sweep) builds its records with `build_record`: a typed header
+The run template (`workloads.core.template`) builds every record with `build_record`: a typed header
 (`RecordHeader`: schema version, `kind`, run id, point id and the settings it covers, git commit,
 suite, model, dtype, policy with every resolved parameter, replica and node, start and end times)
 followed by the point's metrics under the keys the metrics catalogue (`replica.metrics.METRICS`,
 `MetricSpec.record_key`) names. Output length is `new_tokens` everywhere (requested tokens per
-sequence); `output_tokens` is the count of tokens actually generated.
+sequence); `output_tokens` is the count of tokens actually generated. Each kind's report writes its tables
+with `markdown_table`, each starting with its `conditions_line`.
 
 `points.jsonl` holds one JSON object per line, one line per finished point (ok or error).
 Each line is appended with a single `os.write` of the complete line on an `O_APPEND` file
@@ -15,8 +16,6 @@ only if the machine dies mid-write, is cut off before the file is appended to ag
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 import sys
@@ -27,11 +26,13 @@ from typing import Any, Iterable, Mapping
 
 from scissorhands import POLICIES
 from scissorhands.models import model_id_of
+from workloads.core.suite import tag_of
 
 SCHEMA_VERSION = 2
 MIB = 1024 * 1024
 #: Keys of a replica's `info()` copied into every record (where the point ran).
-REPLICA_KEYS = ("replica_id", "node_id", "node_ip", "accelerator_ids", "devices", "hostname", "torch_threads")
+REPLICA_KEYS = ("replica_id", "node_id", "node_ip", "accelerator_ids", "devices", "hostname", "cpu_model",
+                "torch_threads")
 
 
 def resolved_policy_params(policy: str | None, policy_params: dict, budget_tokens: int | None) -> dict | None:
@@ -78,6 +79,7 @@ class RecordHeader:
     accelerator_ids: Any
     devices: Any
     hostname: str | None
+    cpu_model: str | None         # the replica's CPU (scissorhands.models.cpu_model_name)
     torch_threads: int | None
     ray_nodes: Any
     started_at_unix_s: float | None
@@ -86,9 +88,11 @@ class RecordHeader:
 
 def build_record(*, kind: str, run_id: str, commit: str, suite, point, status: str, error: str | None = None,
                  replica: Mapping[str, Any] | None = None, inventory: Any = None, started_at_unix_s: float | None = None,
-                 finished_at_unix_s: float | None = None, metrics: Mapping[str, Any] | None = None) -> dict:
-    """The record of one finished point: the `RecordHeader` fields, then `metrics` (which may add
-    `budget_tokens`, the B used; the resolved policy parameters follow it).
+                 finished_at_unix_s: float | None = None, metrics: Mapping[str, Any] | None = None,
+                 fields: Mapping[str, Any] | None = None) -> dict:
+    """The record of one finished point, built once: the `RecordHeader` fields, then `metrics` (which may add
+    `budget_tokens`, the B used; the resolved policy parameters follow it), then the kind's own `fields`
+    (`workloads.core.template.Kind.record_fields`: its columns, e.g. a batch point's shape).
 
     `suite` and `point` are a suite model of `workloads.core.suite` and one of its points (`index`,
     `point_id`, `identity`, `policy`, `policy_params`, `compression_ratio`, `budget_tokens`, `seed`);
@@ -107,7 +111,7 @@ def build_record(*, kind: str, run_id: str, commit: str, suite, point, status: s
         **{k: replica.get(k) for k in REPLICA_KEYS}, ray_nodes=inventory, started_at_unix_s=started_at_unix_s,
         finished_at_unix_s=finished_at_unix_s,
     )
-    return {**asdict(header), **metrics}
+    return {**asdict(header), **metrics, **(fields or {})}
 
 
 def append_record(path: str, record: dict) -> None:
@@ -184,8 +188,6 @@ def changed_settings(records: Iterable[dict], points: Iterable) -> dict[str, dic
     budget, shape) but their ids differ, i.e. some setting the id covers changed (model, dtype,
     device, lengths, load, limits, policy parameters). Returns point id -> {field: (recorded, now)}.
     """
-    from workloads.core.suite import tag_of
-
     by_tag = {tag_of(r["point_id"]): r for r in records if r.get("point_config")}
     out = {}
     for p in points:
@@ -195,72 +197,6 @@ def changed_settings(records: Iterable[dict], points: Iterable) -> dict[str, dic
             now = json.loads(json.dumps(p.identity, default=str))
             out[p.point_id] = {k: (was.get(k), now.get(k)) for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)}
     return out
-
-
-# -- table --------------------------------------------------------------------------------
-COLUMNS = [  # (header with unit, record key, format)
-    ("policy", "policy", "s"),
-    ("params", "params_given", "s"),
-    ("ratio (x)", "compression_ratio", "g"),
-    ("batch", "batch_size", "d"),
-    ("prompt (tok)", "prompt_tokens", "d"),
-    ("new (tok)", "new_tokens", "d"),
-    ("budget (tok)", "budget_tokens", "d"),
-    ("prefill (s)", "prefill_s", ".3f"),
-    ("TTFT (s)", "ttft_s", ".3f"),
-    ("decode (tok/s)", "decode_tokens_per_s", ".1f"),
-    ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
-    ("KV cache (MiB)", "kv_cache_mib", ".2f"),
-    ("KV saved vs full (x)", "kv_saved_vs_full_x", ".2f"),
-    ("peak RSS (MiB)", "peak_rss_mib", ".0f"),
-    ("replica", "replica_id", "s"),
-    ("status", "status", "s"),
-]
-
-CSV_FIELDS = [
-    "schema_version", "run_id", "point_index", "point_id", "status", "error", "git_commit", "suite", "model_id",
-    "dtype", "device", "policy", "policy_params", "compression_ratio", "budget_tokens_requested", "budget_tokens",
-    "batch_size", "prompt_tokens", "new_tokens", "seed", "prefill_s", "ttft_s", "decode_s", "tpot_s",
-    "e2e_latency_s", "process_cpu_s", "decode_tokens_per_s", "output_throughput_tok_per_s", "total_throughput_tok_per_s",
-    "input_tokens", "output_tokens", "kv_cache_bytes", "kv_cache_bytes_final", "kv_saved_vs_full_x",
-    "peak_rss_bytes", "process_max_rss_bytes", "replica_id", "node_id", "hostname", "torch_threads",
-    "started_at_unix_s", "finished_at_unix_s",
-]
-
-
-def _sort_key(rec: dict):
-    return (
-        rec.get("batch_size", 0), rec.get("prompt_tokens", 0), rec.get("new_tokens", 0),
-        rec.get("policy") != "full", rec.get("policy", ""),
-        -(rec.get("compression_ratio") or 0), rec.get("budget_tokens_requested") or 0,
-    )
-
-
-def table_rows(records: Iterable[dict]) -> list[dict]:
-    """One row per point (latest record), sorted, with derived MiB and 'KV saved vs full' columns.
-
-    `kv_saved_vs_full_x` = kv_cache_bytes of the `full` point with the same batch, prompt,
-    new tokens and seed divided by this point's kv_cache_bytes (None without a full point).
-    """
-    latest = list(latest_by_point(records).values())
-    full = {
-        (r["batch_size"], r["prompt_tokens"], r["new_tokens"], r.get("seed")): r["kv_cache_bytes"]
-        for r in latest
-        if r.get("policy") == "full" and r.get("status") == "ok" and r.get("kv_cache_bytes")
-    }
-    rows = []
-    for r in sorted(latest, key=_sort_key):
-        row = dict(r)
-        kv = r.get("kv_cache_bytes")
-        ref = full.get((r.get("batch_size"), r.get("prompt_tokens"), r.get("new_tokens"), r.get("seed")))
-        row["kv_cache_mib"] = kv / MIB if kv is not None else None
-        row["kv_saved_vs_full_x"] = ref / kv if (ref and kv) else None
-        given = (r.get("point_config") or {}).get("policy_params") or {}
-        row["params_given"] = ", ".join(f"{k}={v}" for k, v in sorted(given.items())) or None
-        rss = r.get("peak_rss_bytes")
-        row["peak_rss_mib"] = rss / MIB if rss is not None else None
-        rows.append(row)
-    return rows
 
 
 def format_value(value, fmt: str) -> str:
@@ -273,28 +209,32 @@ def format_value(value, fmt: str) -> str:
         return str(value)
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """The sweep table as aligned Markdown; every numeric column carries its unit in the header."""
-    header = [h for h, _, _ in COLUMNS]
-    body = [[format_value(r.get(k), f) for _, k, f in COLUMNS] for r in rows]
+def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict], *, footer: str = "") -> str:
+    """`rows` as aligned Markdown under `columns` (header with its unit, record key, format); numbers right-aligned,
+    the first column left-aligned; ``footer`` (a note) after a blank line."""
+    header = [h for h, _, _ in columns]
+    body = [[format_value(r.get(k), f) for _, k, f in columns] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for b in body:
         lines.append("| " + " | ".join(c.rjust(w) if i > 0 else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + (f"\n{footer}\n" if footer else "")
 
 
-def csv_text(rows: list[dict]) -> str:
-    """The points as CSV (fields in `CSV_FIELDS`; policy_params as JSON)."""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        row = dict(r)
-        row["policy_params"] = json.dumps(r.get("policy_params") or {}, sort_keys=True)
-        w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
-    return buf.getvalue()
+def conditions_line(records: Iterable[dict]) -> str:
+    """The line every results table starts with: what its numbers ran on (model, dtype and why, device, CPU,
+    torch threads, commit), each distinct value of the run's records, comma-joined."""
+    recs = list(records)
+
+    def distinct(key: str) -> str:
+        return ", ".join(sorted({str(r[key]) for r in recs if r.get(key) is not None})) or "-"
+
+    reasons = distinct("dtype_reason")
+    return (f"Conditions: model {distinct('model_id')}; dtype {distinct('dtype')}"
+            + (f" ({reasons})" if reasons != "-" else "")
+            + f"; device {distinct('device')}; CPU {distinct('cpu_model')}; {distinct('torch_threads')} torch "
+              f"thread(s) per replica; commit {distinct('git_commit')}\n\n")
 
 
 def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:

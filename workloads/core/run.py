@@ -1,20 +1,17 @@
-"""What every runner of a suite shares (throughput sweep, serving sweep, quality): the run folder,
-the Ray connection and the per-replica resources.
+"""What every run shares, whatever its kind: the run folder, the command line, the Ray connection, the replicas.
 
 * `open_run`: the run folder `<results-dir>/<run_id>/` (a new id, or `--resume RUN_ID`), its
-  `points.jsonl` repaired when the last line was cut mid-write, and `run.json` (suite, git commit).
+  `points.jsonl` repaired when the last line was cut mid-write, and `run.json` (suite, git commit);
+  `pending_points`: what a (resumed) run still has to run.
+* `runner_args`, `cli_main`: the command line every runner takes, and its exit statuses.
 * `init_ray`: join `--address` / `$RAY_ADDRESS`, or start an embedded Ray on loopback.
-* `replica_resources`: torch threads, Ray CPUs and GPUs per replica.
-* `start_replicas`, `dispatch_points`: the replicas of a batch or quality run (a Ray Serve deployment:
-  `cluster.replica_set`, the one replica lifecycle: a placement-group bundle per replica, Serve's
-  restarts, GPU sharding) and the loop in which idle replicas take the next point, a point whose
-  replica died is queued again, and the nodes the replicas ran on are watched.
+* `replica_resources`, `resolve_run_dtype`, `start_replicas`: the replicas of a run (a Ray Serve deployment:
+  `cluster.replica_set`), sized to the cluster, in one dtype.
 * `SweepError`: stops a run before or between points, with the exit status.
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -23,7 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster import submit
+from cluster.placement import PlacementError, fit_share, not_ready_message
+from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
+from replica.static_batch import resolve_run_dtype as resolve
 from workloads.core import results as res
+from workloads.core import supervise
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -48,10 +50,9 @@ def cli_main(name: str, run) -> int:
         return 130
 
 
-def runner_args(argv: list[str] | None, prog: str, doc: str, suite_help: str, *,
-                local: bool = False) -> argparse.Namespace:
-    """The command line every suite runner takes (`python -m workloads.sweep`, the quality and frontier
-    runners): the suite file and the run's options; `local` adds ``--local`` (points in this process)."""
+def runner_args(argv: list[str] | None, prog: str, doc: str, suite_help: str) -> argparse.Namespace:
+    """The command line every suite runner takes (`python -m workloads.sweep`, each kind's runner): the suite
+    file and the run's options."""
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument("suite", help=suite_help)
     p.add_argument("--replicas", type=int, default=None, help="replicas (overrides the suite's `replicas`)")
@@ -59,8 +60,8 @@ def runner_args(argv: list[str] | None, prog: str, doc: str, suite_help: str, *,
     p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
     p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
-    if local:
-        p.add_argument("--local", action="store_true", help="run the points in this process, without Ray")
+    p.add_argument("--local", action="store_true", help="run the points in this process, without Ray "
+                   "(one replica; debugging, tests)")
     p.add_argument("--pushgateway", default=None,
                    help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
                         "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
@@ -141,9 +142,7 @@ def init_ray(address: str | None):
         return ray, False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        from cluster.submit import follow_token_auth
-
-        follow_token_auth()  # a head from `ray start` (make cluster-up) runs with token auth
+        submit.follow_token_auth()  # a head from `ray start` (make cluster-up) runs with token auth
         try:
             ray.init(address=address)
         except ConnectionError as e:
@@ -191,7 +190,6 @@ def _node_start_message(exc: BaseException) -> str:
 
 def _watch_cluster(ray, cluster: str) -> None:
     """End the run with its own message when the cluster goes away (`workloads.core.supervise`)."""
-    from workloads.core import supervise
     try:
         supervise.watch_cluster(ray, cluster)
     except ValueError as e:  # $SCISSORHANDS_CLUSTER_GONE_S
@@ -207,8 +205,6 @@ def replica_resources(ray, replicas: int, device: str) -> tuple[int, float, floa
     Raises:
         SweepError: (exit 2) device 'cuda' on a cluster without a GPU.
     """
-    from cluster.placement import fit_share
-
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", n.get("alive", False))]
     if not nodes:  # no node list (should not happen): the cluster's totals, as one node
         nodes = [ray.cluster_resources()]
@@ -232,23 +228,6 @@ def error_message(exc: BaseException) -> str:
         exc = cause
     text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
     return f"{type(exc).__name__}: {text[:2000]}"
-
-
-def load_suite_of_kind(path: str, kind: str | None):
-    """`workloads.core.suite.load_suite(path)`, which must be of `kind` (any kind for None).
-
-    Raises:
-        SweepError: (exit 2) the suite is invalid (the message names the field) or of another kind.
-    """
-    from workloads.core.suite import SuiteError, load_suite
-
-    try:
-        suite = load_suite(path)
-    except SuiteError as e:
-        raise SweepError(str(e), 2) from None
-    if kind is not None and suite.kind != kind:
-        raise SweepError(f"kind: {path} is a {suite.kind} suite; this runner takes kind {kind}", 2)
-    return suite
 
 
 def replica_count(args: argparse.Namespace, suite) -> int:
@@ -327,7 +306,6 @@ def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
     points_path = str(run_dir / "points.jsonl")
     res.repair_points_file(points_path, kind)
     commit = git_commit()
-    from workloads.core import supervise
     supervise.note_run(kind, run_id, run_dir, points_path)  # named should the cluster go away
     if not (run_dir / "run.json").exists():
         meta = {"run_id": run_id, "suite_file": args.suite,
@@ -369,15 +347,11 @@ def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float
     Raises:
         SweepError: (exit 1) the probe could not run (the message names ``dtype``).
     """
-    from replica.static_batch import resolve_run_dtype as resolve
-
     try:
         return resolve(suite.model, suite.dtype, suite.device, ray=ray, num_cpus=num_cpus, num_gpus=num_gpus,
                        num_threads=num_threads, timeout_s=suite.placement.ready_timeout_s)
     except Exception as e:  # noqa: BLE001 - e.g. no node ran the probe's task within ready_timeout_s
         if type(e).__name__ == "GetTimeoutError":     # the probe asks a replica's resources: the same fault
-            from cluster.placement import not_ready_message
-
             raise SweepError("dtype: the run's dtype probe (one task with a replica's resources): "
                              + not_ready_message(ray, 1, "probe", suite.placement.ready_timeout_s), 1) from None
         raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
@@ -396,9 +370,6 @@ def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str
         SweepError: (exit 1) not placed and loaded within `placement.ready_timeout_s`, or a replica could
             not load its model (the application is deleted); (exit 2) as `replica_resources`.
     """
-    from cluster.placement import PlacementError
-    from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
-
     threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
     rset = point_replicas(replicas, suite.placement, replica_kwargs, num_cpus=num_cpus, num_gpus=num_gpus,
                           num_threads=threads, app_name=app_name_for(name, run_id), name_prefix=name_prefix)
@@ -421,181 +392,3 @@ def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str
     print(f"{name}: {replicas} replica(s) ready ({rset.num_threads} torch thread(s), {rset.num_cpus:g} CPU(s) each): "
           + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
     return rset, infos
-
-
-#: Seconds between checks, while points are in flight, that the replicas' nodes are still alive.
-WATCH_POLL_S = 5.0
-
-
-def dispatch_points(ray, rset, infos: list[dict], pending: list, call, make_record, publish, one_line, *,
-                    name: str) -> int:
-    """Run `pending` on the replicas of the started `rset`: idle replicas take the next point in order
-    (at most one point in flight per replica).
-
-    Args:
-        call: ``call(handle, point)`` starts the point through the deployment handle; returns the
-            `DeploymentResponse` of a `cluster.replica_set.PointReply` (the replica's info, the point's
-            metrics dict or its error).
-        make_record: ``make_record(point, info, status, metrics, error, t0_unix_s, t1_unix_s)`` -> the record.
-        publish: ``publish(record)`` writes (and pushes) each finished point; ``one_line(record)`` its line.
-        name: the runner's name in messages ("sweep", "quality").
-
-    A point that raises is recorded as ``error`` and its replica goes on. A point whose replica died is
-    queued again (at most ``placement.max_task_retries`` times, then recorded ``replica died: ...``); Serve
-    replaces the replica. Returns the number of failed points.
-
-    Raises:
-        SweepError: (exit 1) replicas died more than ``n x (placement.max_restarts + 1)`` times; a node a
-            replica ran on has left the cluster and no point finished for more than
-            `placement.ready_timeout_s` (checked every `WATCH_POLL_S` s); or the cluster cannot be reached.
-            Points published stay (--resume).
-    """
-    import asyncio
-
-    from tqdm import tqdm
-
-    from cluster.replica_set import is_replica_death
-
-    cfg = rset.placement
-    timeout_s, handle = cfg.ready_timeout_s, rset.handle
-    nodes = {i.get("node_id") for i in infos} - {None}
-    queue, tries = collections.deque(pending), collections.Counter()
-    state = {"failed": 0, "deaths": 0, "last_done": time.monotonic(), "lost_since": None}
-
-    async def settle(point, t0, bar, task) -> None:
-        try:
-            reply = task.result()
-        except Exception as e:  # noqa: BLE001
-            if not is_replica_death(e):
-                rec = make_record(point, None, "error", None, error_message(e), t0, time.time())
-            else:
-                state["deaths"] += 1
-                if state["deaths"] > rset.n * (cfg.max_restarts + 1):
-                    raise SweepError(f"replicas died {state['deaths']} times (more than {rset.n} x (placement."
-                                     f"max_restarts + 1)); {len(queue) + 1} point(s) not run; the points written stay "
-                                     "(--resume)", 1) from None
-                tries[point.point_id] += 1
-                if tries[point.point_id] <= cfg.max_task_retries:
-                    queue.appendleft(point)
-                    bar.write(f"{name}: a replica died running {point.point_id}; queued again", file=sys.stderr)
-                    return
-                rec = make_record(point, None, "error", None, f"replica died: {error_message(e)}", t0, time.time())
-        else:
-            nodes.add(reply.replica.get("node_id"))
-            rec = make_record(point, reply.replica, "ok" if reply.error is None else "error", reply.result,
-                              reply.error, t0, time.time())
-        state["failed"] += rec["status"] != "ok"
-        publish(rec)
-        bar.update(1)
-        bar.write(one_line(rec), file=sys.stderr)
-
-    async def loop(bar) -> None:
-        inflight: dict = {}
-        try:
-            while queue or inflight:
-                while queue and len(inflight) < rset.n:
-                    point = queue.popleft()
-                    response = call(handle, point)
-                    inflight[asyncio.ensure_future(_awaited(response))] = (point, time.time())
-                done, _ = await asyncio.wait(list(inflight), timeout=WATCH_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    _check_nodes(ray, nodes, state, timeout_s, len(inflight) + len(queue))
-                    continue
-                state["last_done"], state["lost_since"] = time.monotonic(), None
-                for task in done:
-                    point, t0 = inflight.pop(task)
-                    await settle(point, t0, bar, task)
-        finally:
-            for task in inflight:
-                task.cancel()
-
-    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
-        asyncio.run(loop(bar))
-    return state["failed"]
-
-
-async def _awaited(response):
-    return await response
-
-
-def _check_nodes(ray, nodes: set, state: dict, timeout_s: float, not_run: int) -> None:
-    """Raise SweepError (exit 1) when a node a replica ran on has left the cluster and no point has finished
-    for more than `timeout_s` since (Ray could not run the replica again), or the cluster cannot be asked.
-    The points already written stay in points.jsonl (--resume runs the rest).
-    """
-    now = time.monotonic()
-    try:
-        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive", n.get("alive", False))}
-    except Exception as e:  # noqa: BLE001 - the cluster went away
-        raise SweepError(f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
-                         f"{not_run} point(s) not run; the points written stay (--resume)", 1) from None
-    lost = sorted(nodes - alive)
-    if not lost:
-        state["lost_since"] = None
-        return
-    if state["lost_since"] is None:
-        state["lost_since"] = now
-    if now - max(state["lost_since"], state["last_done"]) > timeout_s:
-        raise SweepError(
-            f"a replica's node {lost[0]} left the cluster and Ray did not run the replica again within "
-            f"{timeout_s:g} s (placement.ready_timeout_s); {not_run} point(s) not run; the points "
-            "written stay (--resume runs the rest once the cluster has room)", 1)
-
-
-def run_on_replicas(args: argparse.Namespace, suite, run_id: str, pending: list, replicas: int, fn, make_record,
-                    publish, one_line, *, name: str) -> int:
-    """Run every point of `pending` as ``fn(model, tokenizer, point)`` where a model is loaded, `point` being the
-    workloads dataclass itself (`QualityPoint`, `FrontierPoint`; ``fn`` is workloads code too)
-    (`replica.static_batch.ModelReplica.apply`, the one call seam of quality and frontier points).
-
-    ``args.local``: one replica in this process, no Ray (debugging, tests). Otherwise `replicas` Ray replicas
-    of `suite` (`start_replicas`: a Serve deployment, restarts, GPU sharding) fed by `dispatch_points`, on the
-    cluster at ``args.address`` (else embedded). ``make_record(point, inventory, info, status, metrics, error,
-    t0_unix_s, t1_unix_s)`` builds each record (`workloads.core.results.build_record`); ``publish(record)`` writes
-    it; ``one_line(record)`` is its progress line; `run_id` labels the replicas' live metrics. Returns the number of failed points.
-
-    Raises:
-        SweepError: as `start_replicas` and `dispatch_points`.
-    """
-    if getattr(args, "local", False):
-        return _run_in_process(suite, pending, fn, make_record, publish, one_line)
-    ray, started_here = init_ray(args.address)
-    from cluster.inventory import cluster_inventory
-
-    rset = None
-    try:
-        inventory = cluster_inventory()
-        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, warmup=False, run_id=run_id)
-        rset, infos = start_replicas(ray, suite, replicas, kwargs, name=name, name_prefix=name, run_id=run_id)
-        return dispatch_points(
-            ray, rset, infos, pending, lambda handle, point: handle.run.remote("apply", fn, point),
-            lambda point, info, *rest: make_record(point, inventory, info, *rest), publish, one_line, name=name)
-    finally:
-        if rset is not None:
-            rset.shutdown()
-        if started_here:
-            ray.shutdown()
-
-
-def _run_in_process(suite, pending: list, fn, make_record, publish, one_line) -> int:
-    from tqdm import tqdm
-
-    from replica.static_batch import ModelReplica
-
-    replica = ModelReplica(suite.model, device=suite.device, replica_id="local", warmup=False,
-                           **resolve_run_dtype(suite))
-    info = replica.info()
-    failed = 0
-    with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
-        for point in pending:
-            t0 = time.time()
-            try:
-                metrics = replica.apply(fn, point)
-                rec = make_record(point, None, info, "ok", metrics, None, t0, time.time())
-            except Exception as e:  # the point failed; record it and go on
-                failed += 1
-                rec = make_record(point, None, info, "error", None, error_message(e), t0, time.time())
-            publish(rec)
-            bar.update(1)
-            bar.write(one_line(rec))
-    return failed

@@ -1,60 +1,47 @@
-"""Suites: one front door (`load_suite`) for every kind, typed pydantic models validated on load.
+"""What every suite kind shares: the base model, the policy list, budgets, point ids, validation and YAML reading.
 
-A suite file (YAML, read with `yaml.safe_load`) names its kind first; `load_suite` dispatches on
-it and nothing else::
+A suite file (YAML, read with `yaml.safe_load`) names its kind first; `workloads.kinds.load_suite` (the one front
+door) picks the kind's model from `workloads.kinds.KINDS` and validates the file with `validate_suite`. Every
+kind's model extends `SuiteBase`::
 
-    kind: batch              # batch | serving | quality | frontier
-    name: smoke
+    kind: batch              # a key of workloads.kinds.KINDS: batch | serving | quality | frontier
+    name: smoke              # default: the file's name
     description: the question this suite answers
     model: embedded          # "embedded", an HF id, a local folder; "tiny-llama" is test-only
     dtype: auto              # auto (bfloat16 where >= 1.2x faster, see scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16
-    device: cpu
+    device: cpu              # cpu, cuda or cuda:<index>
     policies:                # names of scissorhands.POLICIES, or {name: ..., params: {...}}, or all (every one;
                              # the default of quality and frontier suites)
       - full
       - name: scissorhands
         params: {history_window: 400}
-    compression_ratios: [2, 5]   # budget B = ceil((prompt + new) / ratio), ratio >= 1
+    compression_ratios: [2, 5]   # budget B = ceil(length / ratio), ratio >= 1
     budget_tokens: []            # absolute budgets B (slots per KV head), optional
-    batch_sizes: [1, 4, 16]
-    prompt_tokens: [512]
-    new_tokens: [64]             # output length, the same name in every suite and record
     seed: 0
     replicas: 2
     placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
 
-`kind: serving` suites are `workloads.serving.suite.ServingSuite`; `kind: quality` suites are
-`workloads.quality.suite.QualitySuite`; `kind: frontier` suites are `workloads.frontier.suite.FrontierSuite`.
-Every kind shares `SuiteBase`: the model settings, the
-policy list (each entry checked by the library's own `scissorhands.policies.get_policy`), the
-budgets and their expansion (`SuiteBase.budgets`), with the budget formula taken from the
-library (`scissorhands.budget_from_ratio`).
-
-Batch points are policy x budget (every ratio and every absolute budget) x batch size x prompt
-tokens x new tokens; `full` runs once per batch/prompt/new combination, not once per budget.
-Every error is a `SuiteError` whose message names the field (`policies[1]`, `seed`) and the
-accepted values; the runners exit with status 2 on it.
+Each policy entry is checked by the library's own `scissorhands.policies.get_policy`; budgets expand with
+`SuiteBase.budgets` and the library's formula (`scissorhands.budget_from_ratio`). Every error is a `SuiteError`
+whose message names the field (`policies[1]`, `seed`) and the accepted values; the runners exit with status 2 on it.
+This module imports no suite kind.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, ValidationError, ValidationInfo, field_validator, model_validator
 
 from cluster.placement import PlacementConfig, parse_placement
-from replica.static_batch import BatchSpec
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy
 
-KINDS = ("batch", "serving", "quality", "frontier")
 
 
 class SuiteError(ValueError):
@@ -135,7 +122,7 @@ class SuiteBase(BaseModel):
     budget_tokens: tuple[PositiveInt, ...] = ()
     seed: NonNegativeInt = 0
     replicas: PositiveInt = 2
-    placement: Annotated[PlacementConfig, PlainValidator(_placement), PlainSerializer(dataclasses.asdict)] = Field(default_factory=PlacementConfig)
+    placement: Annotated[PlacementConfig, PlainValidator(_placement), PlainSerializer(PlacementConfig.model_dump)] = Field(default_factory=PlacementConfig)
 
     _list_fields: ClassVar[tuple[str, ...]] = ("compression_ratios", "budget_tokens", "policies")
     #: `policies` of a suite that names none: None (the key is required) or "all"
@@ -230,67 +217,6 @@ def budget_tag(ratio: float | None, budget: int | None) -> str:
     return f"-B{budget}" if budget is not None else f"-r{ratio:g}" if ratio is not None else ""
 
 
-@dataclass(frozen=True)
-class Point:
-    """One static batch of a batch suite.
-
-    `compression_ratio` is None for absolute budgets and for `full`; `budget_tokens` is the
-    requested absolute budget (None when derived from the ratio, or for `full`). `identity` holds
-    every setting that changes the point's numbers (model, dtype, device, policy and parameters,
-    budget, shape, seed); `point_id` is derived from it.
-    """
-
-    index: int
-    policy: str
-    policy_params: dict
-    compression_ratio: float | None
-    budget_tokens: int | None
-    batch_size: int
-    prompt_tokens: int
-    new_tokens: int
-    seed: int
-    point_id: str
-    identity: dict
-
-    def spec(self) -> BatchSpec:
-        """The `replica.static_batch.BatchSpec` that `replica.static_batch.ModelReplica.run_batch` takes (the
-        batch settings; not the index, id or identity, which only the records use)."""
-        return BatchSpec(policy=self.policy, policy_params=dict(self.policy_params),
-                         compression_ratio=self.compression_ratio, budget_tokens=self.budget_tokens,
-                         batch_size=self.batch_size, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens,
-                         seed=self.seed)
-
-
-class Suite(SuiteBase):
-    """A batch suite (`kind: batch`; see the module docstring for the YAML form)."""
-
-    kind: Literal["batch"]
-    batch_sizes: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
-    prompt_tokens: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
-    new_tokens: Annotated[tuple[PositiveInt, ...], Field(min_length=1)]
-
-    _list_fields = SuiteBase._list_fields + ("batch_sizes", "prompt_tokens", "new_tokens")
-
-    def budget_lengths(self) -> list[int]:
-        return sorted({p + n for p in self.prompt_tokens for n in self.new_tokens})
-
-    def points(self) -> list[Point]:
-        """Expand into points, in suite order (batch, prompt, new, policy, budget)."""
-        out: list[Point] = []
-        for batch in self.batch_sizes:
-            for prompt in self.prompt_tokens:
-                for new in self.new_tokens:
-                    for pol in self.policies:
-                        for ratio, budget in self.budgets(pol):
-                            ident = dict(self.identity(), policy=pol.name, policy_params=dict(pol.params),
-                                         compression_ratio=ratio, budget_tokens=budget, batch_size=batch,
-                                         prompt_tokens=prompt, new_tokens=new, seed=self.seed)
-                            tag = f"{pol.tag()}{budget_tag(ratio, budget)}-b{batch}-p{prompt}-n{new}-s{self.seed}"
-                            out.append(Point(len(out), pol.name, dict(pol.params), ratio, budget, batch, prompt, new,
-                                             self.seed, point_id(tag, ident), ident))
-        return out
-
-
 def _where(loc: tuple) -> str:
     out = ""
     for part in loc:
@@ -319,34 +245,25 @@ def _message(e: ValidationError, cls: type[BaseModel]) -> str:
     return "; ".join(lines)
 
 
-def _suite_classes() -> dict[str, type]:
-    from workloads.frontier.suite import FrontierSuite
-    from workloads.quality.suite import QualitySuite
-    from workloads.serving.suite import ServingSuite
+def validate_suite(cls: type[BaseModel], data: Any, source: str = "<suite>", *, kinds: tuple[str, ...]):
+    """Validate a parsed YAML mapping into the suite model `cls` (whose `kind` is one of `kinds`).
 
-    return {"batch": Suite, "serving": ServingSuite, "quality": QualitySuite, "frontier": FrontierSuite}
+    A suite without ``name`` is named after its file. `workloads.kinds.load_suite` picks `cls` from the file's
+    ``kind``; a kind's own runner passes its model (`workloads.core.template.load_suite_of`).
 
-
-def parse_suite(data: Any, source: str = "<suite>"):
-    """Validate a parsed YAML mapping into the suite model its `kind` names.
-
-    Returns:
-        `Suite` (batch), `workloads.serving.suite.ServingSuite`, `workloads.quality.suite.QualitySuite` or
-        `workloads.frontier.suite.FrontierSuite`.
     Raises:
-        SuiteError: not a mapping, `kind` missing or not one of batch/serving/quality/frontier, or any field
-            invalid (the message names it: unknown key, wrong type, ratio < 1, unknown policy with the
-            valid names, unknown policy parameter, budget below the policy's windows, empty list).
+        SuiteError: not a mapping, `kind` missing or not one of `kinds`, or any field invalid (the message names
+            it: unknown key, wrong type, ratio < 1, unknown policy with the valid names, unknown policy
+            parameter, budget below the policy's windows, empty list).
     """
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
     kind = data.get("kind")
-    if kind not in KINDS:
+    if kind not in kinds:
         raise SuiteError(f"kind: {'missing' if kind is None else f'unknown kind {kind!r}'} "
-                         f"(accepted: {', '.join(KINDS)}); every suite names its kind")
+                         f"(accepted: {', '.join(kinds)}); every suite names its kind")
     data = dict(data)
     data.setdefault("name", os.path.splitext(os.path.basename(source))[0] or "suite")
-    cls = _suite_classes()[kind]
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -366,12 +283,3 @@ def read_suite_file(path: str):
             return yaml.safe_load(f)
     except yaml.YAMLError as e:
         raise SuiteError(f"suite: {path} is not valid YAML: {e}") from None
-
-
-def load_suite(path: str):
-    """Read and validate a suite file of any kind (see `parse_suite`).
-
-    Raises:
-        SuiteError: the file does not exist / is not valid YAML / fails validation.
-    """
-    return parse_suite(read_suite_file(path), source=path)

@@ -1,7 +1,7 @@
 """One frontier point, run where the model is: ``run_frontier_point(model, tokenizer, point) -> metrics``.
 
 The runner sends it to a replica with ``ModelReplica.apply(run_frontier_point, point)`` (the quality runner's
-call seam, `workloads.core.run.run_on_replicas`). ``point`` is the :class:`workloads.frontier.suite.FrontierPoint` itself.
+call seam, `workloads.core.dispatch.replica_points`). ``point`` is the :class:`workloads.frontier.suite.FrontierPoint` itself.
 Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens + new_tokens) / ratio)``.
 
 1. Throughput at the point's own max batch under one KV memory limit (`bench.bench_serving`'s machinery):
@@ -17,12 +17,16 @@ Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .suite import FrontierPoint
+from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
+from replica.generate_baseline import run_engines
+from replica.types import EngineConfig, GenerationRequest
+from scissorhands.models import cpu_flags, cpu_model_name
+from workloads.frontier.suite import FrontierPoint
+from workloads.load.prompts import prompts_for
+from workloads.quality.perplexity import heldout_windows, perplexity
 
 
 def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
@@ -40,12 +44,6 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
             sequence needs), or an invalid policy / parameter (from ``make_cache``).
     """
-    from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
-    from replica.generate_baseline import run_engines
-    from replica.types import EngineConfig, GenerationRequest
-    from workloads.load.prompts import prompts_for
-    from workloads.quality.perplexity import heldout_windows, perplexity
-
     P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)
     policy, params, ratio = point.policy, dict(point.policy_params or {}), point.compression_ratio
     vocab = int(model.config.vocab_size)
@@ -84,7 +82,5 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
 
 def _cpu() -> str:
     """The CPU's model name and the flags that decide the dtype's speed (the conditions of the timing)."""
-    from scissorhands.models import cpu_flags, cpu_model_name
-
     flags = sorted(cpu_flags() & {"amx_bf16", "avx512_bf16", "avx512f", "avx2"})
     return f"{cpu_model_name()} ({', '.join(flags) or 'no AVX flags'})"

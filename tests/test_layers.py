@@ -1,0 +1,108 @@
+"""The layers in the folder names hold: dependencies point one way (workloads -> cluster -> replica -> scissorhands;
+bench may use them all), only cluster/ and workloads/ reach Ray, nothing imports a module of ours inside a
+function, and the modules import each other without a cycle. Read from the source, no module is imported."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: A folder may import the folders of its own rank or below.
+RANK = {"scissorhands": 0, "replica": 1, "cluster": 2, "workloads": 3, "bench": 4}
+OURS = set(RANK) | {"dashboards"}
+#: Folders whose modules never import Ray at module level (Ray is a lazy adapter there, at most).
+NO_RAY_AT_IMPORT = ("scissorhands", "replica")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder in RANK:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, bool, int]]:
+    """(imported module, at module level, line) for every import in the file; relative imports resolved."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    top = {id(n) for n in tree.body} | {id(c) for n in tree.body if isinstance(n, (ast.If, ast.Try))
+                                       for c in ast.walk(n)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] if base.split(".")[0] in OURS else [base]
+        else:
+            continue
+        out += [(name, id(node) in top, node.lineno) for name in names]
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """Our module that `name` (a module, or a module's attribute) names, or None when not ours."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down_the_layers_and_never_inside_a_function(module):
+    layer = module.split(".")[0]
+    for name, at_top, line in _imports(MODULES[module], module):
+        root = name.split(".")[0]
+        where = f"{MODULES[module].relative_to(ROOT)}:{line} imports {name}"
+        if root in RANK:
+            assert RANK[root] <= RANK[layer], f"{where}: {root} is above {layer}"
+            assert at_top, f"{where} inside a function: import it at the top of the module"
+        if root == "ray" and layer in NO_RAY_AT_IMPORT:
+            assert not at_top, f"{where}: {layer}/ never imports Ray when it is imported"
+
+
+def test_no_module_imports_another_in_a_cycle():
+    graph = {m: {r for n, at_top, _ in _imports(p, m) if at_top and (r := _resolve(n)) and r != m}
+             for m, p in MODULES.items()}
+    # a package's __init__ importing its own submodules is how it re-exports them, not a cycle
+    graph = {m: {r for r in deps if not r.startswith(m + ".")} for m, deps in graph.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):                       # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_the_layer_rules_are_read_from_every_folder():
+    assert {m.split(".")[0] for m in MODULES} == set(RANK)
+    assert len(MODULES) > 60

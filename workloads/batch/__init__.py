@@ -1,0 +1,1 @@
+"""The batch kind: static batches of equal-length sequences (`kind: batch`)."""

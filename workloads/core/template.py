@@ -1,0 +1,205 @@
+"""One run template for every suite kind: the steps of a run exist once; a kind supplies its half.
+
+    run_suite(args, kind) -> exit status            (a kind's CLI: ``kind_main(kind)``)
+
+1. load the suite file, which must be of `kind` (exit 2 naming the field otherwise);
+2. the replica count: ``--replicas``, else the suite's `replicas`;
+3. the run folder (`workloads.core.run.open_run`: a new id or ``--resume``, a cut last line repaired, ``run.json``);
+4. the suite's points, and those still to run (`workloads.core.run.pending_points`: a resumed run skips the points
+   whose latest status is in `Kind.done_statuses`; a point whose settings changed since is refused);
+5. one header line, and the kind's own lines (`Kind.announce`);
+6. the publisher (`workloads.core.push.PointPublisher`: each record appended to ``points.jsonl``, then pushed);
+7. the kind runs the pending points and yields each as it finishes (`Kind.execute` -> `Finished`);
+8. one record per finished point, built once (`workloads.core.results.build_record` with the kind's
+   `Kind.record_fields`), published, and its progress line (`Kind.one_line`);
+9. the dtypes the run resolved go into ``run.json``; the kind's report (`Kind.report`: ``table.md`` and the files
+   it writes) is printed and written, also after a `SweepError` stopped the run (then its reason is written next
+   to the points as ``error.json``, and raised);
+10. the exit status: 0 when every point of the suite has a done status, else 1.
+
+A new suite kind is one folder `workloads/<kind>/` whose `runner.py` holds a `Kind` subclass, plus one line in
+`workloads.kinds.KINDS`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Iterator
+
+from tqdm import tqdm
+
+from workloads.core import results as res
+from workloads.core.push import PointPublisher, SweepPusher
+from workloads.core.run import (SweepError, cli_main, open_run, pending_points, record_run_dtypes, replica_count,
+                                runner_args)
+from workloads.core.suite import SuiteBase, SuiteError, read_suite_file, validate_suite
+
+
+@dataclass(frozen=True)
+class Finished:
+    """One point as a kind's executor hands it back; the template builds its record from it.
+
+    `status`: ``ok``, ``error``, or a kind's own (``oom``, ``skipped``); `metrics`: the point's numbers, under the
+    record keys the metrics catalogue names (None when it failed before any); `replica`: where it ran (a replica's
+    `info()`), None when it never reached one; times in Unix seconds.
+    """
+
+    point: Any
+    status: str
+    metrics: dict | None
+    error: str | None
+    replica: dict | None
+    started_at_unix_s: float
+    finished_at_unix_s: float
+
+
+@dataclass
+class Session:
+    """What a kind's executor gets: the command line, the suite, the run and where to report the Ray inventory."""
+
+    args: argparse.Namespace
+    suite: Any
+    run_id: str
+    run_dir: Path
+    replicas: int
+    pusher: SweepPusher
+    inventory: Any = None          # the Ray node inventory, set by an executor that joined a cluster
+
+    @property
+    def local(self) -> bool:
+        """``--local``: the points run in this process, without Ray."""
+        return bool(getattr(self.args, "local", False))
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a kind's report wrote: the table printed at the end, and every file written (table.md first)."""
+
+    table: str
+    files: tuple[Path, ...]
+
+
+class Kind:
+    """A suite kind: its suite model and its half of the run template (see the module docstring).
+
+    Override `execute`, `one_line` and `report`; `record_fields` and `announce` when the kind adds to them.
+    """
+
+    name: ClassVar[str]                                   # the suite file's `kind:`
+    suite_model: ClassVar[type[SuiteBase]]
+    done_statuses: ClassVar[tuple[str, ...]] = ("ok",)    # a resumed run does not run these points again
+
+    def announce(self, suite) -> Iterable[str]:
+        """Lines printed once before the points run (e.g. what the suite's sizes can resolve)."""
+        return ()
+
+    def execute(self, session: Session, pending: list) -> Iterator[Finished]:
+        """Run `pending` and yield each point as it finishes (in any order).
+
+        Raises:
+            SweepError: the run cannot go on (no replica could start, the cluster went away); the points
+                yielded so far are kept.
+        """
+        raise NotImplementedError
+
+    def record_fields(self, suite, point, finished: Finished) -> dict:
+        """The kind's half of the record (the template adds the common header and the metrics)."""
+        return {}
+
+    def replica_fields(self, finished: Finished) -> dict | None:
+        """The record header's replica fields (default: the replica the point ran on)."""
+        return finished.replica
+
+    def one_line(self, record: dict) -> str:
+        """The point's progress line."""
+        raise NotImplementedError
+
+    def report(self, run_dir: Path, suite, records: list[dict]) -> Report:
+        """Write the run's table (and plots) from the latest record of every point of the suite."""
+        raise NotImplementedError
+
+
+def load_suite_of(kind: Kind, path: str):
+    """The suite file at `path`, validated as `kind`'s suite model.
+
+    Raises:
+        SweepError: (exit 2) the file is missing, not YAML, of another kind, or invalid (the message names the field).
+    """
+    try:
+        data = read_suite_file(path)
+        found = data.get("kind") if isinstance(data, dict) else None
+        if found is not None and found != kind.name:
+            raise SuiteError(f"kind: {path} is a {found} suite; this runner takes kind {kind.name}")
+        return validate_suite(kind.suite_model, data, path, kinds=(kind.name,))
+    except SuiteError as e:
+        raise SweepError(str(e), 2) from None
+
+
+def run_suite(args: argparse.Namespace, kind: Kind, suite=None) -> int:
+    """Run the suite file ``args.suite`` (or the already validated `suite`) as `kind`; return the exit status.
+
+    Raises:
+        SweepError: as `load_suite_of`, `workloads.core.run.open_run` and `Kind.execute`; the report is written first.
+    """
+    suite = suite if suite is not None else load_suite_of(kind, args.suite)
+    replicas = replica_count(args, suite)
+    suite = suite.model_copy(update={"replicas": replicas})
+    run = open_run(args, suite, kind.name)
+    points = suite.points()
+    pending = pending_points(run.points_path, points, kind.done_statuses)
+    where = "this process" if getattr(args, "local", False) else f"{replicas} replica(s)"
+    print(f"{kind.name}: run {run.run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
+          f"{len(pending)} to run on {where}; results in {run.run_dir}/", file=sys.stderr)
+    for line in kind.announce(suite):
+        print(f"{kind.name}: {line}", file=sys.stderr)
+    stop = None
+    if pending:
+        session = Session(args, suite, run.run_id, run.run_dir, replicas, SweepPusher(args.pushgateway, run.run_id))
+        publish = PointPublisher(run.points_path, session.pusher, done=len(points) - len(pending),
+                                 planned=len(points))
+        try:
+            with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
+                for done in kind.execute(session, pending):
+                    record = res.build_record(
+                        kind=kind.name, run_id=run.run_id, commit=run.commit, suite=suite, point=done.point,
+                        status=done.status, error=done.error, replica=kind.replica_fields(done),
+                        inventory=session.inventory, started_at_unix_s=done.started_at_unix_s,
+                        finished_at_unix_s=done.finished_at_unix_s, metrics=done.metrics,
+                        fields=kind.record_fields(suite, done.point, done))
+                    publish(record)
+                    bar.update(1)
+                    bar.write(kind.one_line(record), file=sys.stderr)
+        except SweepError as e:               # the report of what is on disk is still written
+            stop = e
+    ids = {p.point_id for p in points}
+    latest = [r for r in res.latest_by_point(res.read_records(run.points_path)).values() if r["point_id"] in ids]
+    record_run_dtypes(run.run_dir, latest)
+    report = kind.report(run.run_dir, suite, latest)
+    print(report.table, end="")
+    print(f"{kind.name}: wrote {', '.join(str(p) for p in (run.points_path, *report.files) if os.path.exists(p))}",
+          file=sys.stderr)
+    error_file = run.run_dir / "error.json"
+    if stop is not None:                      # the reason stays next to the points, not only in the (job) log
+        res.write_atomic(str(error_file), json.dumps({"run_id": run.run_id, "error": str(stop), "exit_code": stop.code,
+                                                      "at_unix_s": time.time()}, sort_keys=True) + "\n")
+        raise stop
+    if error_file.exists():                   # a resumed run got past the earlier stop
+        error_file.unlink()
+    failed = sum(1 for r in latest if r["status"] not in kind.done_statuses)
+    missing = len(points) - len(latest)
+    if failed or missing:
+        print(f"{kind.name}: {failed} point(s) failed, {missing} not run", file=sys.stderr)
+        return 1
+    return 0
+
+
+def kind_main(kind: Kind, argv: list[str] | None = None, doc: str | None = None) -> int:
+    """The command line of one kind's runner (``python -m workloads.<kind>.runner SUITE [options]``)."""
+    args = runner_args(argv, f"python -m workloads.{kind.name}.runner", doc or run_suite.__doc__,
+                       f"{kind.name} suite YAML, e.g. workloads/suites/*.yaml")
+    return cli_main(kind.name, lambda: run_suite(args, kind))
