@@ -1,4 +1,4 @@
-"""Frontier suites (``kind: frontier``): a typed model validated on load (through `workloads.core.suite.load_suite`),
+"""Frontier suites (``kind: frontier``): a typed model validated on load (through `workloads.kinds.load_suite`),
 expanded into one point per policy and compression ratio.
 
 A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite has (`workloads.core.suite`), with
