@@ -2,7 +2,6 @@
 real HTTP on a free loopback port (uvicorn in a thread)."""
 from __future__ import annotations
 
-
 from dataclasses import replace
 
 import pytest
@@ -203,7 +202,8 @@ def test_a_suite_with_a_target_drives_the_server_over_http(model, tmp_path):
 
     from workloads.core import results as res
     from workloads.core.run import SweepError
-    from workloads.serving.runner import run_serving_sweep
+    from workloads.core.template import run_suite
+    from workloads.serving.runner import KIND as SERVING
 
     r = ServingReplica(model=model, replica_id="sh", model_spec="tiny-llama")
     r.configure(SH_CFG)
@@ -216,11 +216,11 @@ def test_a_suite_with_a_target_drives_the_server_over_http(model, tmp_path):
                              "warmup_requests: 0\n")
             args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
                                       resume=None, address=None, pushgateway="off")
-            assert run_serving_sweep(args) == 0
+            assert run_suite(args, SERVING) == 0
             bad = tmp_path / "bad.yaml"
             bad.write_text(suite.read_text().replace(f"'{SH}'", "nope"))
             with pytest.raises(SweepError, match="model: 'nope' is not served"):         # exit status 1
-                run_serving_sweep(argparse.Namespace(**{**vars(args), "suite": str(bad), "run_id": "bad"}))
+                run_suite(argparse.Namespace(**{**vars(args), "suite": str(bad), "run_id": "bad"}), SERVING)
     finally:
         r.shutdown()
     (rec,) = res.read_records(str(tmp_path / "r" / "run" / "points.jsonl"))
@@ -248,7 +248,8 @@ def test_warm_up_travels_over_http_so_server_and_client_count_the_same_requests(
     import asyncio
 
     from replica.openai_api import PHASE_HEADER
-    from workloads.load.loadgen import LoadConfig, run_load
+    from workloads.load.driver import run_load
+    from workloads.load.patterns import LoadConfig
 
     url, replicas, _ = service
     eng = replicas[SH].engine
@@ -318,7 +319,8 @@ def test_a_replica_that_dies_is_one_named_error_kind_before_and_after_the_first_
     point is still summarized."""
     import asyncio
 
-    from workloads.load.loadgen import LoadConfig, run_load
+    from workloads.load.driver import run_load
+    from workloads.load.patterns import LoadConfig
 
     app = build_app({"m": _DyingBackend(tokens)}, None)
     with ServerThread(app) as url:
@@ -340,7 +342,7 @@ def test_a_replica_that_dies_is_one_named_error_kind_before_and_after_the_first_
 
 
 def test_the_load_generator_names_a_wrapped_replica_death_the_same():
-    from workloads.load.loadgen import error_kind
+    from workloads.load.driver import error_kind
 
     class ActorDiedError(Exception):
         pass

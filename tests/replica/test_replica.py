@@ -100,8 +100,8 @@ def test_missing_model_path_names_the_path(tmp_path):
 def test_replica_dtype_auto_is_resolved_and_recorded(monkeypatch):
     from scissorhands import models as sh_models
 
-    monkeypatch.setattr(sh_models, "cpu_flags", lambda: frozenset({"amx_bf16"}))
-    monkeypatch.setattr(sh_models, "probe_bfloat16_speedup", lambda *a: 2.0)
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 2.0)
     r = ModelReplica(model_spec="tiny-llama", num_threads=1, warmup=False)   # dtype defaults to "auto"
     info = r.info()
     assert info["dtype"] == "bfloat16" and "amx_bf16" in info["dtype_reason"] and "2.00x" in info["dtype_reason"]
@@ -114,8 +114,8 @@ def test_replica_dtype_auto_is_resolved_and_recorded(monkeypatch):
 def test_a_bad_device_is_refused_naming_the_field_before_any_load(device):
     """One check (`scissorhands.models.check_device_name`) for the loader and the run's dtype resolution, which
     the suites and `make serve` go through; a bad device failed inside torch after Ray had started before."""
-    from replica.static_batch import resolve_run_dtype
     from cluster.serve_app import main as serve_main
+    from replica.static_batch import resolve_run_dtype
 
     msg = f"device: expected cpu, cuda or cuda:<index>, got '{device}'"
     with pytest.raises(ValueError) as e:
