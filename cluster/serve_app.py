@@ -4,9 +4,10 @@
 
 * `EngineDeployment`: a thin Serve wrapper around `replica.continuous.ServingReplica` (the
   continuous-batching engine on its own thread). Each Serve replica loads the model once and runs
-  one engine with the deployment's cache configuration. `stream(request)` yields the engine's
-  token events; Serve cancels it when the HTTP client goes away, and the replica then aborts the
-  request (its KV row is freed at the next engine step). `check_health` fails when the engine
+  one engine with the deployment's cache configuration. `events(request)` yields the engine's
+  typed token events (`StreamChunk`s, then the `GenerationResult`); `generate(request)` answers a
+  `ReplicaReply` (the result and the replica's figures). Serve cancels a stream when the HTTP client
+  goes away, and the replica then aborts the request (its KV row is freed at the next engine step). `check_health` fails when the engine
   thread died, so Serve replaces the replica; a replica process that dies mid-stream ends its open
   streams with an error event (`replica.openai_api`).
 * `OpenAIIngress`: FastAPI (`replica.openai_api.build_app`) with the tokenizer, routing each
@@ -33,9 +34,9 @@ from typing import Any
 
 from ray import serve
 
-from replica.continuous import ReplicaReply, ServingReplica
+from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import build_app, cache_metadata
-from replica.types import EngineConfig, GenerationRequest
+from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from cluster.signals import StopSignals
 
 APP_NAME = "scissorhands-openai"
@@ -74,9 +75,9 @@ class EngineDeployment:
         """A new engine with `engine_config` (`ServingReplica.configure`); returns the replica's `info()`."""
         return self.replica.configure(engine_config, run_id)
 
-    async def stream(self, request: GenerationRequest):
-        """`ServingReplica.stream`: the OpenAI API's events of one request."""
-        async for ev in self.replica.stream(request):
+    async def events(self, request: GenerationRequest):
+        """`ServingReplica.events`: one request's `StreamChunk`s, then its `GenerationResult` (typed across Ray)."""
+        async for ev in self.replica.events(request):
             yield ev
 
     async def generate(self, request: GenerationRequest) -> ReplicaReply:
@@ -118,13 +119,14 @@ class ServeBackend:
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         return await self.handle.check.remote(prompt_tokens, max_new_tokens)
 
-    async def stream(self, request):
-        gen = self.stream_handle.stream.remote(request)
+    async def stream(self, request: GenerationRequest):
+        """The deployment's typed events of `request` in the OpenAI API's form (`replica.continuous.openai_event`)."""
+        gen = self.stream_handle.events.remote(request)
         finished = False
         try:
             async for ev in gen:
-                finished = "result" in ev
-                yield ev
+                finished = isinstance(ev, GenerationResult)
+                yield openai_event(ev)
         finally:
             if not finished:
                 gen.cancel()                        # the replica's generator closes: the engine aborts

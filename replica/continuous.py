@@ -5,7 +5,7 @@ own thread (`EngineLoop`). `generate(request)` is a coroutine: it queues the req
 to its `GenerationResult` when the engine thread finishes it, so the caller's event loop never runs
 model code and health calls (`health`, `stats`) are answered while a batch is generating.
 `events(request)` streams the same request as typed `StreamChunk`s ended by its `GenerationResult`;
-`stream(request)` is that stream in the OpenAI API's event form (`replica.openai_api`).
+`stream(request)` is that stream in the OpenAI API's event form (`openai_event`, read by `replica.openai_api`).
 """
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ class StreamChunk:
     error_kind: str | None = None
     error: str | None = None
     replica_id: str | None = None
+
+
+def openai_event(ev: StreamChunk | GenerationResult) -> dict:
+    """A replica's event as `replica.openai_api` reads it: ``{"token_id", "time_s"}`` for a one-token
+    chunk, ``{"result": GenerationResult fields}`` for the result that ends the stream."""
+    if isinstance(ev, GenerationResult):
+        return {"result": asdict(ev)}
+    (token_id,) = ev.token_ids
+    return {"token_id": token_id, "time_s": ev.time_s}
 
 
 @dataclass
@@ -156,15 +165,12 @@ class ServingReplica:
                 engine.abort(req.request_id)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
-        """`events` in the OpenAI API's event form (`replica.openai_api.Backend`): `{"token_id", "time_s"}`
-        per token, then one `{"result": GenerationResult fields}`. Closing it early aborts the request."""
+        """`events` in the OpenAI API's event form (`openai_event`; `replica.openai_api.Backend`).
+        Closing it early aborts the request."""
         events = self.events(request)
         try:
             async for ev in events:
-                if isinstance(ev, GenerationResult):
-                    yield {"result": asdict(ev)}
-                else:
-                    yield {"token_id": ev.token_ids[0], "time_s": ev.time_s}
+                yield openai_event(ev)
         finally:
             await events.aclose()
 
