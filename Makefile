@@ -35,7 +35,8 @@ sweep: install
 
 # Serving benchmark (one replica in process, embedded model): Scissorhands x5 vs full at their own max
 # batch under one KV memory limit, and our engine vs transformers' generate. Sizes: BENCH_ARGS.
-BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 1024 --full-batch 4 --ratio 5 --generate-new-tokens 512
+# Threads: the bench tools default to 1 (bench/conditions.py); this target measures the whole 2-core machine.
+BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 1024 --full-batch 4 --ratio 5 --generate-new-tokens 512 --threads 2
 bench-serving: install
 	$(PY) -m bench.bench_serving $(BENCH_ARGS) $(ARGS)
 
@@ -151,7 +152,7 @@ FRONTIER_SUITE ?= workloads/suites/frontier.yaml
 frontier: install
 	$(PY) -m workloads.frontier.runner $(FRONTIER_SUITE) $(ARGS)
 
-# Decode-step cost of every policy vs full, side by side in one run (embedded model, batch 8, context 1,024,
+# Decode-step cost of every policy vs full, side by side in one run (embedded model, batch 8, 1,024-token prompt,
 # 128 decode steps; see bench/bench_cache.py). Not a test: it prints a table (docs/benchmarks.md).
 .PHONY: bench-cache
 bench-cache: install
@@ -164,16 +165,18 @@ bench-prefill: install
 	$(PY) -m bench.bench_prefill $(ARGS)
 
 # Our engine's full-cache decode step against transformers' generate (sdpa + DynamicCache), paired per round,
-# CPU and wall time, batches 1 4 16 32 in float32 and bfloat16 (bench/bench_decode.py; docs/performance.md).
+# CPU and wall time, batches 1,4,16,32 in float32 and bfloat16 (bench/bench_decode.py; docs/performance.md).
 .PHONY: bench-decode
 bench-decode: install
 	$(PY) -m bench.bench_decode $(ARGS)
 
 # This machine's ceilings (memory bandwidth, matmul GFLOP/s per dtype) and decode tok/s of our engine and of
 # transformers' generate per batch and dtype, each as a share of the roofline (bench/roofline.py; docs/performance.md).
+# 2 threads: the ceilings are the whole machine's (the bench tools default to 1: bench/conditions.py).
+ROOFLINE_ARGS ?= --threads 2
 .PHONY: roofline
 roofline: install
-	$(PY) -m bench.roofline $(ARGS)
+	$(PY) -m bench.roofline $(ROOFLINE_ARGS) $(ARGS)
 
 # 4-bit KV layouts: bytes vs a 16-bit full cache and perplexity cost (bench/bench_quant.py; docs/performance.md).
 .PHONY: bench-quant

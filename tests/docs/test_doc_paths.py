@@ -4,6 +4,7 @@ their day and are not checked."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -19,6 +20,15 @@ PATH = re.compile(r"(?<![\w./:~$-])((?:[\w.-]+/)+[\w.-]+\.(?:py|yaml|yml|json|md
 NOT_IN_REPO = ("results/", ".cache/", ".venv", "dashboards/data/", ".gpu-bundle/")
 
 
+def _third_party(path: str) -> bool:
+    """A path inside an installed package other than ours (e.g. `ray/...`): a source cited by module, not a file
+    of this repository."""
+    top = path.split("/", 1)[0]
+    if (ROOT / top).exists() or not top.isidentifier():
+        return False
+    return importlib.util.find_spec(top) is not None
+
+
 def _page_id(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
@@ -32,7 +42,7 @@ def _paths(page: Path) -> list[str]:
         {
             p
             for p in PATH.findall(page.read_text(encoding="utf-8"))
-            if "<" not in p and "*" not in p and not p.startswith(NOT_IN_REPO)
+            if "<" not in p and "*" not in p and not p.startswith(NOT_IN_REPO) and not _third_party(p)
         }
     )
 
