@@ -27,5 +27,5 @@ def install_alternating_probe() -> None:
             f.write(b"x")
         return 2.0 if probe_calls(path) % 2 else 0.5
 
-    models.cpu_flags = lambda: frozenset({"amx_bf16"})
-    models.probe_bfloat16_speedup = probe
+    models.dtype.cpu_flags = lambda: frozenset({"amx_bf16"})
+    models.dtype.probe_bfloat16_speedup = probe

@@ -89,7 +89,7 @@ def test_killed_conversion_leaves_no_folder(monkeypatch, tmp_path):
     def killed(dtype=torch.float32):
         raise KeyboardInterrupt  # as if the process were interrupted mid-conversion
 
-    monkeypatch.setattr(sh_models, "load_embedded_from_gguf", killed)
+    monkeypatch.setattr(sh_models.embedded, "load_embedded_from_gguf", killed)
     with pytest.raises(KeyboardInterrupt):
         sh_models.convert_embedded_model(cache_dir)
     assert not cache_dir.exists()
@@ -113,7 +113,7 @@ def test_embedded_model_converts_once_and_matches_gguf(monkeypatch, tmp_path):
         calls.append(dtype)
         return gguf_model, gguf_tokenizer
 
-    monkeypatch.setattr(sh_models, "load_embedded_from_gguf", load_once)
+    monkeypatch.setattr(sh_models.embedded, "load_embedded_from_gguf", load_once)
 
     model, tokenizer = load_model("embedded")  # converts
     assert calls == [torch.float32]
@@ -151,19 +151,19 @@ def test_resolve_dtype_forced_and_unknown():
 
 def test_resolve_dtype_auto_on_cpu_needs_the_flags_and_a_faster_probe(monkeypatch):
     cfg = tiny_llama(seed=0).config
-    monkeypatch.setattr(sh_models, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     probed = []
-    monkeypatch.setattr(sh_models, "probe_bfloat16_speedup", lambda *a: probed.append(a) or 9.0)
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: probed.append(a) or 9.0)
     dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
     assert dtype == torch.float32 and "neither amx_bf16 nor avx512_bf16" in reason and not probed
 
-    monkeypatch.setattr(sh_models, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
     dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
     assert dtype == torch.bfloat16 and "amx_bf16" in reason and "9.00x" in reason
     # the probe runs at the model's own MLP shape
     assert probed[-1][:2] == (cfg.hidden_size, cfg.intermediate_size)
 
-    monkeypatch.setattr(sh_models, "probe_bfloat16_speedup", lambda *a: 0.8)
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 0.8)
     dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
     assert dtype == torch.float32 and "0.80x" in reason
 
@@ -173,8 +173,8 @@ def test_resolve_dtype_auto_takes_bfloat16_only_when_clearly_faster(monkeypatch,
     """A probe near 1.0x is noise: the tiny model's 64x128 layer measured 1.01-1.05x (either side of 1.0
     across runs), and with a `> 1.0` rule two runs of one suite (Ray replicas, then local) resolved
     differently and their perplexities disagreed (129.3136 vs 129.3044). bfloat16 from 1.2x on."""
-    monkeypatch.setattr(sh_models, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    monkeypatch.setattr(sh_models, "probe_bfloat16_speedup", lambda *a: speedup)
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: speedup)
     dtype, reason = sh_models.resolve_dtype("auto", tiny_llama(seed=0).config, "cpu")
     assert dtype == expected and f"{speedup:.2f}x" in reason
     assert ("below the 1.2x that picks it" in reason) == (expected == torch.float32)
@@ -197,7 +197,7 @@ def test_probe_returns_a_positive_speed_ratio():
 def test_load_model_auto_records_dtype_and_reason(tmp_path, monkeypatch):
     tiny_llama(seed=3).save_pretrained(tmp_path)
     _word_tokenizer().save_pretrained(tmp_path)
-    monkeypatch.setattr(sh_models, "cpu_flags", lambda: frozenset())
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset())
     model, _ = load_model(str(tmp_path), dtype="auto")
     assert model.dtype == torch.float32 and model.scissorhands_dtype_reason.startswith("auto: CPU")
     model, _ = load_model(str(tmp_path), dtype="bfloat16")
@@ -354,7 +354,7 @@ def test_embedded_model_logits_with_packed_weights(monkeypatch, dtype):
     with torch.inference_mode():
         packed = [model(input_ids=x).logits for x in (ids, batch)]
         assert model.model.layers[0].self_attn.q_proj._packed is not None
-        monkeypatch.setattr(sh_models, "onednn_packs", lambda dtype: False)
+        monkeypatch.setattr(sh_models.packed, "onednn_packs", lambda dtype: False)
         plain = [model(input_ids=x).logits for x in (ids, batch)]
     for p, q in zip(packed, plain):
         if dtype == "bfloat16":

@@ -18,8 +18,8 @@ def alternating_probe(tmp_path, monkeypatch):
 
     path = tmp_path / "probe-calls"
     monkeypatch.setenv(COUNTER_ENV, str(path))
-    monkeypatch.setattr(models, "cpu_flags", models.cpu_flags)          # restored after the test
-    monkeypatch.setattr(models, "probe_bfloat16_speedup", models.probe_bfloat16_speedup)
+    monkeypatch.setattr(models.dtype, "cpu_flags", models.dtype.cpu_flags)          # restored after the test
+    monkeypatch.setattr(models.dtype, "probe_bfloat16_speedup", models.dtype.probe_bfloat16_speedup)
     install_alternating_probe()
     return path
 
