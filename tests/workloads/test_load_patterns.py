@@ -155,3 +155,8 @@ def test_a_replica_streams_typed_chunks_then_its_result_and_the_same_as_openai_e
     assert [c.token_ids[0] for c in chunks] == result.output_ids and [c.time_s for c in chunks] == result.token_times_s
     assert [ev["token_id"] for ev in wire[:-1]] == result.output_ids          # greedy: the same ids
     assert wire[-1]["result"]["output_ids"] == result.output_ids and set(wire[-1]) == {"result"}
+
+
+def test_only_the_max_batch_mode_is_sized_by_memory(tmp_path):
+    assert _suite(tmp_path, mode="max_batch", kv_memory_limit_bytes=10**6).sized_by_memory
+    assert not _suite(tmp_path, mode="serving-batch", loads=[2]).sized_by_memory

@@ -443,7 +443,8 @@ def test_trace_errors_name_the_row_and_column(tmp_path, text, match):
 
 
 def test_the_serving_replicas_own_stream_feeds_the_load_generator(tmp_path):
-    """`ServingReplica.stream` (one event per token, then the result) on the tiny model: one time per id."""
+    """`ServingReplica.events` (one `StreamChunk` per token, then the `GenerationResult`) on the tiny model:
+    one time per id."""
     import asyncio
 
     import torch

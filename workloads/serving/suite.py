@@ -39,10 +39,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
+from replica.rules import not_both
 from replica.types import EngineConfig
 from workloads.load.lengths import LengthDist
 from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
-from replica.rules import not_both
 from workloads.core.suite import (Name, NonNegativeInt, PositiveFloat, PositiveInt, SuiteBase, SuiteError, budget_tag,
                              point_id)
 
@@ -149,7 +149,14 @@ class ServingSuite(SuiteBase):
 
     @property
     def pattern_options(self) -> dict:
+        """The options of the mode on its pattern (`workloads.load.patterns.MODE_ALIASES`; {} for a pattern's own name)."""
         return MODES[self.mode][1]
+
+    @property
+    def sized_by_memory(self) -> bool:
+        """Whether a point's batch is the most sequences the replicas' KV memory holds (`max_batch` mode):
+        the runner asks the pool (`max_batch_for`) and passes it to `load_config` and `record_columns`."""
+        return bool(self.pattern_options.get("sized_by_memory"))
 
     @model_validator(mode="before")
     @classmethod
@@ -193,7 +200,7 @@ class ServingSuite(SuiteBase):
         return out
 
     def engine_config(self, point: ServingPoint) -> dict:
-        """`replica.engine.EngineConfig` fields for `point`."""
+        """`replica.types.EngineConfig` fields for `point`."""
         return dict(policy=point.policy, policy_params=dict(point.policy_params), budget_tokens=point.budget_tokens,
                     compression_ratio=point.compression_ratio, kv_memory_limit_bytes=self.kv_memory_limit_bytes,
                     kv_memory_fraction=self.kv_memory_fraction, max_batch=self.max_batch,
@@ -202,7 +209,7 @@ class ServingSuite(SuiteBase):
     def load_config(self, point: ServingPoint, max_batch: int | None = None) -> LoadConfig:
         """The load generator's config for `point` (`max_batch`: the batch of a max_batch point).
 
-        Raises pydantic.ValidationError (a ValueError) naming the field when the point cannot run."""
+        Raises ValueError naming the field (and what it accepts) when the point cannot run."""
         return self.pattern.point_config(self, point.load, seed=self.seed + point.index, max_batch=max_batch,
                                          **self.pattern_options)
 
