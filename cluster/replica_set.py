@@ -18,10 +18,10 @@ all run their replicas as Serve deployment replicas; this module deploys them fo
   the point, so a replaced replica is configured again at the next point.
 * **Calls**: deployment handles, in this process (no HTTP proxy); a handle call goes to the replica
   with the fewest of this handle's calls in flight (`LeastOutstandingRouter`, plugged into Serve's
-  router; Serve's default power-of-two router sent a burst of 6 requests all to one of 2 idle
-  replicas here) among those with room (``max_ongoing_requests``: 1 for exclusive batch and
+  router; Serve's default power-of-two router can send a whole burst to one of several idle replicas:
+  docs/performance.md, "Measurements behind the library and cluster code") among those with room (``max_ongoing_requests``: 1 for exclusive batch and
   quality points), and every reply names the replica and node that produced it.
-* **Bounded time** (issue 12 fault 6): `check_fits` refuses at once a replica no node can hold;
+* **Bounded time**: `check_fits` refuses at once a replica no node can hold;
   a deployment not running within ``placement.ready_timeout_s`` fails with what the cluster has free
   and its alive nodes (`cluster.placement.not_ready_message`); a replica whose constructor fails
   fails the start with the replica's own error (e.g. the missing model path).
@@ -37,12 +37,23 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+import ray
 from ray import serve
+from ray.serve.api import _run
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
-from cluster.placement import PlacementConfig, PlacementError, _alive_nodes, check_fits, not_ready_message, replica_bundle
+from cluster.placement import (
+    PlacedReplica,
+    PlacementConfig,
+    PlacementError,
+    _alive_nodes,
+    check_fits,
+    not_ready_message,
+    replica_bundle,
+)
+
 
 class LeastOutstandingRouter(FIFOMixin, RequestRouter):
     """Serve request router: candidates ranked by this handle's calls in flight on each, fewest first
@@ -93,8 +104,6 @@ def delete_leftover_apps(app_name: str) -> None:
     name with another suffix). A runner killed before its shutdown leaves its replicas deployed (Serve
     applications outlive the driver on a cluster joined with ``--address``), holding their CPUs; a resume
     frees them before anything of its own asks for resources. Nothing to do without a Serve controller."""
-    from ray import serve
-
     prefix = app_name[:-8]
     if prefix.endswith("-adhoc-"):                  # no run id: nothing to tell its own apps apart by
         return
@@ -193,8 +202,6 @@ class ServeReplicaSet:
                 time (the message gives what is free and the alive nodes); the application is deleted.
             RuntimeError: a replica's constructor failed (its own error line, e.g. the missing path).
         """
-        from ray import serve
-
         self.check_fits()
         try:
             serve.context._connect(raise_if_no_controller_running=True)
@@ -211,8 +218,6 @@ class ServeReplicaSet:
     def check_fits(self) -> None:
         """Refuse at once a replica that no alive node can hold (`cluster.placement.check_fits`), after capping
         a default CPU share at the most CPUs one node has. Raises PlacementError naming the resource."""
-        import ray
-
         nodes = _alive_nodes(ray)
         if self.placement.num_cpus is None:
             self._cap_cpus_to_one_node(nodes)
@@ -232,14 +237,12 @@ class ServeReplicaSet:
 
     def deploy(self) -> None:
         """Deploy and wait until the application runs and this process's handle reaches every replica.
-        (A redeploy with a new ``user_config`` took 50 s on the loaded 2-core machine, too slow per point:
-        configurations are `broadcast` instead.)
+        (A redeploy with a new ``user_config`` is too slow per point, docs/performance.md, "Measurements
+        behind the library and cluster code": configurations are `broadcast` instead.)
 
         Raises:
             PlacementError, RuntimeError: as `start`.
         """
-        from ray.serve.api import _run
-
         app = self.deployment.options(**self.options()).bind(**self.init_kwargs, num_threads=self.num_threads)
         self.handle = _run(app, _blocking=False, name=self.app_name, route_prefix=None)
         self.wait_running(self.placement.ready_timeout_s)
@@ -258,8 +261,6 @@ class ServeReplicaSet:
         Raises:
             PlacementError: not every replica answered within `timeout_s` (default ``ready_timeout_s``).
         """
-        import ray
-
         timeout_s = self.placement.ready_timeout_s if timeout_s is None else timeout_s
         deadline, seen = time.monotonic() + timeout_s, {}
         while True:
@@ -279,8 +280,6 @@ class ServeReplicaSet:
 
     def status(self) -> tuple[str, str]:
         """(application status, its message and its deployment's), e.g. ``("RUNNING", "")``."""
-        from ray import serve
-
         app = serve.status().applications.get(self.app_name)
         if app is None:
             return "NOT_STARTED", ""
@@ -294,8 +293,6 @@ class ServeReplicaSet:
             PlacementError: not running within `timeout_s` seconds (`not_ready_message`).
             RuntimeError: the deployment failed (a replica's constructor raised).
         """
-        import ray
-
         deadline = time.monotonic() + timeout_s
         while True:
             status, message = self.status()
@@ -310,8 +307,6 @@ class ServeReplicaSet:
     def shutdown(self) -> None:
         """Delete this set's application, and nothing else (safe to call twice). Serve's controller stays
         (no CPU; a cluster started by the runner goes with it, on a shared one other apps may use it)."""
-        from ray import serve
-
         try:
             serve.delete(self.app_name, _blocking=True)
         except Exception:  # noqa: BLE001 - Serve or the cluster is gone already
@@ -336,8 +331,6 @@ class PointReplica:
     (the model loaded once, sharded over the replica's GPUs when it has several)."""
 
     def __init__(self, name_prefix: str = "replica", **replica_kwargs: Any):
-        from cluster.placement import PlacedReplica
-
         ctx = serve.get_replica_context()
         self.replica = PlacedReplica(replica_id=f"{name_prefix}-{ctx.replica_tag}", **replica_kwargs)
         self.replica._raise_load_error()       # Serve fails the deployment with the replica's own error
@@ -345,15 +338,32 @@ class PointReplica:
     def info(self) -> dict:
         return self.replica.info()
 
+    def run_batch(self, spec: dict) -> PointReply:
+        """``replica.run_batch(spec)`` (one batch point), with the replica's `info()` and any error."""
+        return self._reply(self.replica.run_batch, spec)
+
+    def apply(self, fn: Callable[..., Any], point: Any) -> PointReply:
+        """``replica.apply(fn, point)`` (a quality or frontier point), with the replica's `info()` and any error."""
+        return self._reply(self.replica.apply, fn, point)
+
     def run(self, method: str, *args: Any) -> PointReply:
-        """``replica.<method>(*args)`` (``run_batch``, ``apply``), with the replica's `info()`."""
+        """``run_batch`` or ``apply`` by name: the older call form, kept while runners move to the named methods.
+
+        Raises:
+            ValueError: ``method`` is neither ``"run_batch"`` nor ``"apply"``.
+        """
+        calls = {"run_batch": self.run_batch, "apply": self.apply}
+        if method not in calls:
+            raise ValueError(f"method: expected one of {', '.join(calls)}, got {method!r}")
+        return calls[method](*args)
+
+    def _reply(self, call: Callable[..., Any], *args: Any) -> PointReply:
         info = self.replica.info()
         try:
-            return PointReply(info, getattr(self.replica, method)(*args))
+            return PointReply(info, call(*args))
         except Exception as e:  # noqa: BLE001 - the point failed, the replica goes on
             text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
             return PointReply(info, None, f"{type(e).__name__}: {text[:2000]}")
-
 
 def point_replicas(n: int, placement: PlacementConfig | None, replica_kwargs: dict, *, num_cpus: float,
                    num_gpus: float, num_threads: int | None, app_name: str, name_prefix: str = "replica") -> ServeReplicaSet:

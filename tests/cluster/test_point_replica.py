@@ -1,0 +1,48 @@
+"""`cluster.replica_set.PointReplica`'s calls, on the plain class behind the Serve deployment (no Ray started):
+one named method per call, each returning the replica's info with the result or the error."""
+import pytest
+
+from cluster.replica_set import PointReplica, PointReply
+
+
+class FakeReplica:
+    def info(self) -> dict:
+        return {"replica_id": "replica-1", "node_id": "n1"}
+
+    def run_batch(self, spec: dict) -> dict:
+        if spec.get("fail"):
+            raise RuntimeError("out of memory\n  at step 3")
+        return {"batch_size": spec["batch_size"], "tokens": 4 * spec["batch_size"]}
+
+    def apply(self, fn, *args):
+        return fn(*args)
+
+
+@pytest.fixture
+def point_replica():
+    replica = object.__new__(PointReplica.func_or_class)       # the class Serve wraps, without its constructor
+    replica.replica = FakeReplica()
+    return replica
+
+
+def test_run_batch_returns_the_result_with_the_replica_info(point_replica):
+    reply = point_replica.run_batch({"batch_size": 3})
+    assert reply == PointReply({"replica_id": "replica-1", "node_id": "n1"}, {"batch_size": 3, "tokens": 12}, None)
+
+
+def test_apply_runs_the_function_on_the_point(point_replica):
+    reply = point_replica.apply(lambda point: point * 10, 7)
+    assert reply.result == 70 and reply.error is None and reply.replica["replica_id"] == "replica-1"
+
+
+def test_a_failed_point_returns_the_error_on_one_line_and_no_result(point_replica):
+    reply = point_replica.run_batch({"batch_size": 1, "fail": True})
+    assert reply.result is None and reply.error == "RuntimeError: out of memory at step 3"
+    assert reply.replica["node_id"] == "n1"
+
+
+def test_run_by_name_matches_the_named_methods_and_refuses_other_names(point_replica):
+    assert point_replica.run("run_batch", {"batch_size": 2}) == point_replica.run_batch({"batch_size": 2})
+    assert point_replica.run("apply", abs, -5).result == 5
+    with pytest.raises(ValueError, match="method: expected one of run_batch, apply, got 'info'"):
+        point_replica.run("info")
