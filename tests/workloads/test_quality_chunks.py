@@ -76,7 +76,7 @@ def test_naive_chunking_differs(model, text):
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_quantized_caches_are_fed_one_token_per_call(model, text, policy):
-    """K18: a 4-bit cache is evaluated exactly as decoding feeds it (one token per call, from the first token),
+    """A 4-bit cache is evaluated exactly as decoding feeds it (one token per call, from the first token),
     in perplexity and in the few-shot continuation; an unquantized cache keeps the merged schedule."""
     kw = {} if policy == "full" else dict(compression_ratio=5, max_length=TOKENS)
     q = make_cache(policy, model, kv_bits=4, kv_group_size=16, **kw)
@@ -170,15 +170,12 @@ def _embedded():
 
 @pytest.mark.slow
 def test_embedded_merged_schedule_equals_decoding_without_quantization():
-    """K18 on the real model: without quantization the merged refills keep the very same slots as decoding
+    """On the real model: without quantization the merged refills keep the very same slots as decoding
     (exact) and give its losses up to float32 noise, for every policy that uses them
-    (MERGED_SCHEDULE_POLICIES); `knorm` does not (its key-norm ranking flips: 0.0066 nats max), so it is
-    evaluated one token per call. The noise depends on the CPU's matmul kernels: on an AMX Xeon (an
-    earlier session) mean 3e-6 and max 1.7e-5 nats, `random` (perplexity about 250 here) max 1.0e-4 on a
-    token of log-probability -13.9; on an AVX2 EPYC `random` max 5.4e-4 on that token and mean 1.45e-5,
-    the others max 6.4e-5 (snapkv, on a token of log p -12.3) and mean 5e-6. The bounds (1e-4 + 1e-4 x
-    |log p| a token, mean 1e-4) sit far below the schedule fault they guard against (4-bit merged: mean
-    0.12-0.14)."""
+    (MERGED_SCHEDULE_POLICIES); `knorm` does not (its key-norm ranking flips), so it is evaluated one token
+    per call. The noise depends on the CPU's matmul kernels; the bounds (1e-4 + 1e-4 x |log p| a token,
+    mean 1e-4) sit far below the schedule fault they guard against (4-bit merged). The measured noise per
+    CPU is in docs/performance.md ("Measurements behind the quality code")."""
     from workloads.quality.perplexity import heldout_windows
 
     model, tok = _embedded()
@@ -195,14 +192,14 @@ def test_embedded_merged_schedule_equals_decoding_without_quantization():
         assert len(evaluation_call_lengths(make_cache(policy, model, compression_ratio=3, max_length=n), n)) < n
         assert merged.evicted_tokens > 0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"policy {policy}")
-        assert float((a - b).abs().mean()) < 1e-4, policy             # 4-bit merged: 0.12-0.14 (the fault)
+        assert float((a - b).abs().mean()) < 1e-4, policy             # far below the 4-bit merged fault
         for sa, sb in zip(_slot_times(merged), _slot_times(step)):
             assert torch.equal(sa, sb), policy
 
 
 @pytest.mark.slow
 def test_embedded_4_bit_perplexity_is_decoding():
-    """K18: on SmolLM2-135M a 4-bit point's losses are bit-identical to a plain one-token-per-call decoding loop,
+    """On SmolLM2-135M a 4-bit point's losses are bit-identical to a plain one-token-per-call decoding loop,
     while the merged schedule would be off by more than 0.01 nats per token on average (the fault)."""
     from workloads.quality.perplexity import heldout_windows
 

@@ -19,21 +19,18 @@ From an empty cache that is ``[B, 1, m - 1, 1, m - 1, ...]``: about ``2 (L - B) 
 visible keys, same statistics, same evictions); ``tests/workloads/test_quality_chunks.py`` proves it for
 every policy. No library hook is needed: the single-token call is the library's own decode rule.
 
-What is proved where (issue 12, case K18): the merged calls compute the same quantities as single
-calls, but a matrix product over ``q`` rows is not bit-identical to ``q`` products over one row.
-Without quantization the difference stays in the last float bits: ``tests/workloads/test_quality_chunks.py``
-proves equality (losses within 2e-5 nats and the same kept slots) on the tiny model for every
-policy, and its ``slow`` test does the same on the embedded SmolLM2-135M. With 4-bit keys and
-values (``kv_bits``) those last bits flip rounding to the 4-bit grid: on SmolLM2-135M the merged
-schedule's losses differ from decoding by 0.12-0.14 nats per token on average (max above 0.9, 96
-held-out tokens). So a quantized cache is always fed one token per call
-(:func:`evaluation_call_lengths`), exactly as decoding feeds it, and the merged schedule is used
-only where it is proved equal. The same last bits can flip a policy's *selection* where it ranks
-continuous scores: on SmolLM2-135M ``knorm`` (key norms) kept other slots after its third eviction
-under the merged schedule (0.0066 nats max, 3e-4 mean, 96 tokens at ratio 3), while ``scissorhands``
-(integer counts) kept the very same slots. So only the evicting policies in
-:data:`MERGED_SCHEDULE_POLICIES`, each proved equal on the embedded model by the ``slow`` test, use
-the merged schedule; every other one (a new policy included) is fed one token per call.
+Where the merged schedule is used: the merged calls compute the same quantities as single calls,
+but a matrix product over ``q`` rows is not bit-identical to ``q`` products over one row.
+Without quantization the difference stays in the last float bits, and
+``tests/workloads/test_quality_chunks.py`` proves equality (losses and kept slots) on the tiny model
+for every policy and, in its ``slow`` test, on the embedded model. With 4-bit keys and values
+(``kv_bits``) those last bits flip rounding to the 4-bit grid, so a quantized cache is always fed one
+token per call (:func:`evaluation_call_lengths`), exactly as decoding feeds it. The same last bits can
+flip a policy's *selection* where it ranks continuous scores (``knorm``, key norms), but not where it
+ranks integer counts (``scissorhands``). So only the evicting policies in
+:data:`MERGED_SCHEDULE_POLICIES`, each proved equal on the embedded model by the ``slow`` test, use the
+merged schedule; every other one (a new policy included) is fed one token per call. The measured
+differences are in ``docs/performance.md`` ("Measurements behind the quality code").
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ import time
 import torch
 
 from scissorhands.checks import check_int
+from workloads.load.prompts import heldout_text_ids
 
 from .perplexity import build_cache
 from .stats import wilson_interval
@@ -82,8 +83,6 @@ def build_prompt(tokenizer, length: int, depth: float, passkey: str, seed: int =
         raise ValueError(f"length must exceed {len(head) + len(needle) + len(tail)} tokens (the instruction, "
                          f"needle and question), got {length}")
     if haystack_ids is None:
-        from workloads.load.prompts import heldout_text_ids
-
         haystack_ids = heldout_text_ids(tokenizer, hay, seed=seed)
     if len(haystack_ids) < hay:
         raise ValueError(f"haystack_ids: need {hay} ids, got {len(haystack_ids)}")

@@ -17,6 +17,9 @@ import time
 
 import torch
 
+from scissorhands import make_cache
+from workloads.load.prompts import heldout_text_ids
+
 from .chunks import cache_schedule, evaluation_call_lengths, token_logprobs
 from .stats import spread
 
@@ -31,8 +34,6 @@ def build_cache(model, policy: str, compression_ratio: float = 1.0, max_length: 
     Raises:
         ValueError: from ``make_cache`` (unknown policy or parameter, ratio < 1, ...), naming the field.
     """
-    from scissorhands import make_cache
-
     kwargs = dict(policy_params or {})
     if kv_bits is not None:
         kwargs["kv_bits"] = kv_bits
@@ -126,6 +127,4 @@ def heldout_windows(tokenizer, tokens: int, windows: int, seed: int = 0, vocab_s
             g = torch.Generator().manual_seed(seed + k)
             out.append(torch.randint(0, vocab_size, (tokens + 1,), generator=g).tolist())
         return out
-    from workloads.load.prompts import heldout_text_ids
-
     return [heldout_text_ids(tokenizer, tokens + 1, seed=seed + k) for k in range(windows)]

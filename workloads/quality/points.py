@@ -1,7 +1,8 @@
 """One quality point, run where the model is: ``run_point(model, tokenizer, point) -> metrics``.
 
 The runner sends it to a replica with ``ModelReplica.apply(run_point, point)`` (or calls it
-in-process with ``--local``). ``point`` is the :class:`workloads.quality.suite.QualityPoint` itself.
+in-process with ``--local``). ``point`` is the :class:`workloads.quality.suite.QualityPoint` itself;
+its evaluation (``point.kind``) is looked up in `workloads.quality.evaluations.EVALUATIONS`.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+
+from .evaluations import EVALUATIONS, Evaluation
 
 if TYPE_CHECKING:
     from .suite import QualityPoint
@@ -25,40 +28,34 @@ def _clean(value):
     return value
 
 
+def evaluation_of(kind: str, field: str = "kind") -> Evaluation:
+    """The registry entry of evaluation ``kind``.
+
+    Raises:
+        ValueError: ``kind`` is not a key of ``EVALUATIONS`` (the message names ``field`` and the valid kinds).
+    """
+    try:
+        return EVALUATIONS[kind]
+    except KeyError:
+        raise ValueError(f"{field}: unknown evaluation {kind!r} (valid: {', '.join(EVALUATIONS)})") from None
+
+
 def run_point(model, tokenizer, point: QualityPoint) -> dict:
-    """Evaluate one point; return its metrics (kind-specific, units in the names).
+    """Evaluate one point; return its metrics (kind-specific, units in the names) and ``torch_threads``.
 
     Raises:
         ValueError: an unknown kind, or an invalid policy / parameter (from ``make_cache``).
     """
-    device = next(model.parameters()).device
-    kind, s, seed = point.kind, point.settings or {}, int(point.seed)
-    vocab = int(model.config.vocab_size)
-    if kind == "perplexity":
-        from .perplexity import heldout_windows, perplexity
-
-        windows = heldout_windows(tokenizer, int(s["tokens"]), int(s["windows"]), seed, vocab_size=vocab)
-        out = perplexity(model, windows, point.policy, point.compression_ratio, point.kv_bits,
-                         point.policy_params, device=device)
-    elif kind == "fewshot":
-        from .fewshot import evaluate_task
-
-        out = evaluate_task(model, tokenizer, point.task, point.policy, point.compression_ratio,
-                            point.kv_bits, point.policy_params, docs=s.get("docs"), seed=seed,
-                            device=device)
-    elif kind == "persistence":
-        from .perplexity import heldout_windows
-        from .persistence import persistence_ratio
-
-        windows = heldout_windows(tokenizer, int(s["tokens"]) - 1, int(s["windows"]), seed, vocab_size=vocab)
-        out = persistence_ratio(model, windows, float(s["split_fraction"]), device=device)
-    elif kind == "passkey":
-        from .passkey import evaluate_passkey
-
-        out = evaluate_passkey(model, tokenizer, point.policy, int(s["length"]), list(s["depths"]),
-                               int(s["trials"]), int(s["digits"]), point.compression_ratio, point.kv_bits,
-                               point.policy_params, seed=seed, device=device)
-    else:
-        raise ValueError(f"kind: unknown point kind {kind!r} (valid: perplexity, fewshot, persistence, passkey)")
-    out["torch_threads"] = torch.get_num_threads()
+    evaluation = evaluation_of(point.kind)
+    out = evaluation.run(model, tokenizer, point, next(model.parameters()).device)
+    out["torch_threads"] = torch.get_num_threads()     # CPU timings depend on it; the conditions line shows it
     return _clean(out)
+
+
+def ok_line(rec: dict) -> str:
+    """What an ``ok`` record of this evaluation measured, for its progress line.
+
+    Raises:
+        ValueError: the record's ``evaluation`` is not a registered evaluation.
+    """
+    return evaluation_of(rec["evaluation"], "evaluation").ok_line(rec)

@@ -19,6 +19,10 @@ import sys
 from pathlib import Path
 
 from workloads.core import results as res
+
+from .stats import paired_accuracy
+
+
 def _ok(records) -> list[dict]:
     return [r for r in res.latest_by_point(records).values() if r.get("status") == "ok"]
 
@@ -73,8 +77,6 @@ def _paired(records, key_of) -> dict:
     ``key_of(r)`` groups points that are scored on the same items (a task, a passkey length); each
     record needs ``_items(r)``: ``{item_id: correct}``.
     """
-    from .stats import paired_accuracy
-
     full = {key_of(r): _items(r) for r in records if r.get("policy") == "full" and r.get("kv_bits") is None}
     out = {}
     for r in records:
@@ -133,7 +135,8 @@ def _md(header: list[str], rows: list[list[str]]) -> str:
 
 
 def markdown(records: list[dict]) -> str:
-    """The report's Markdown: perplexity table, one accuracy table per task, persistence per layer."""
+    """The report's Markdown: the conditions line (`workloads.core.results.conditions_line`), then the perplexity
+    table, one accuracy table per task, passkey tables per length, persistence per layer and failed points."""
     ok = _ok(records)
     parts = []
     ppl = [r for r in ok if r.get("evaluation") == "perplexity"]
@@ -198,7 +201,7 @@ def markdown(records: list[dict]) -> str:
     errors = [r for r in res.latest_by_point(records).values() if r.get("status") != "ok"]
     if errors:
         parts.append("### Failed points\n\n" + "".join(f"- `{r['point_id']}`: {r.get('error')}\n" for r in errors))
-    return "\n".join(parts) if parts else "No finished points.\n"
+    return res.conditions_line(records) + ("\n".join(parts) if parts else "No finished points.\n")
 
 
 def _f(v) -> str:
