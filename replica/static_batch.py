@@ -43,6 +43,7 @@ from scissorhands.models import (
     EMBEDDED,
     _resolve_source,
     check_device_name,
+    cpu_model_name,
     check_dtype_name,
     load_model,
     model_id_of,
@@ -276,11 +277,12 @@ class ModelReplica:
         return str(name or self.model_spec)
 
     def info(self) -> dict:
-        """Who this replica is: ids, host, torch threads, model id, peak RSS after loading (bytes)."""
+        """Who this replica is: ids, host and its CPU model, torch threads, model id, peak RSS after loading (bytes)."""
         return {
             "replica_id": self.replica_id,
             "node_id": self.node_id,
             "hostname": self.hostname,
+            "cpu_model": cpu_model_name(),
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
             "model_id": self.model_id,

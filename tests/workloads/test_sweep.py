@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from scissorhands.models import cpu_model_name
 from workloads import sweep
 from workloads.core.suite import tag_of
 
@@ -113,8 +114,11 @@ def test_sweep_writes_table_and_csv(tiny_run):
     assert stdout == table
     for header in ("policy", "ratio (x)", "budget (tok)", "prefill (s)", "TTFT (s)", "decode (tok/s)",
                    "output (tok/s)", "KV cache (MiB)", "KV saved vs full (x)", "peak RSS (MiB)", "replica"):
-        assert header in table.splitlines()[0]
-    assert len(table.splitlines()) == 2 + 6
+        assert header in table.splitlines()[2]
+    conditions = table.splitlines()[0]
+    assert conditions.startswith("Conditions: model tiny-llama; dtype float32 (auto: ") and "1 torch thread(s)" in conditions
+    assert f"CPU {cpu_model_name()};" in conditions
+    assert len(table.splitlines()) == 2 + 2 + 6
     csv_lines = (run_dir / "points.csv").read_text().splitlines()
     assert len(csv_lines) == 7 and csv_lines[0].startswith("schema_version,run_id,")
     assert json.loads((run_dir / "run.json").read_text())["suite"]["model"] == "tiny-llama"

@@ -9,6 +9,7 @@ import io
 import json
 import sys
 from pathlib import Path
+from typing import Iterable
 
 from workloads.core.results import MIB, conditions_line, latest_by_point, markdown_table, write_atomic
 from workloads.core.template import Report

@@ -35,8 +35,15 @@ from tqdm import tqdm
 
 from workloads.core import results as res
 from workloads.core.push import PointPublisher, SweepPusher
-from workloads.core.run import (SweepError, cli_main, open_run, pending_points, record_run_dtypes, replica_count,
-                                runner_args)
+from workloads.core.run import (
+    SweepError,
+    cli_main,
+    open_run,
+    pending_points,
+    record_run_dtypes,
+    replica_count,
+    runner_args,
+)
 from workloads.core.suite import SuiteBase, SuiteError, read_suite_file, validate_suite
 
 

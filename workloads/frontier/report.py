@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from workloads.core import results as res
+
 MIB = 1024 * 1024
 
 
