@@ -17,15 +17,13 @@ from workloads.kinds import KINDS, parse_suite
 
 
 class _Handle:
-    """A stand-in for the Serve deployment handle: ``handle.run.remote(method, *args)`` records its call."""
+    """A stand-in for the Serve deployment handle: ``handle.<method>.remote(*args)`` records the call."""
 
     def __init__(self):
         self.calls = []
-        self.run = self
 
-    def remote(self, method, *args):
-        self.calls.append((method, args))
-        return None
+    def __getattr__(self, method):
+        return type("Method", (), {"remote": lambda _, *args: self.calls.append((method, args))})()
 
 
 def _fake_cluster(monkeypatch, handle):

@@ -60,7 +60,7 @@ class BatchKind(Kind):
     suite_model = BatchSuite
 
     def execute(self, session: Session, pending: list[BatchPoint]) -> Iterator[Finished]:
-        return replica_points(session, pending, remote=lambda handle, point: handle.run.remote("run_batch", point.spec()),
+        return replica_points(session, pending, remote=lambda handle, point: handle.run_batch.remote(point.spec()),
                               local=lambda replica, point: replica.run_batch(point.spec()),
                               replica_kwargs=dict(prompt_fn=make_prompts),
                               linger_s=lambda: final_scrape_wait_s(session.pusher))

@@ -36,7 +36,7 @@ def policy_label(policy: str | None, params: dict | None) -> str | None:
 
 def apply_point(fn):
     """`replica_points`' two ways to run ``fn(model, tokenizer, point)`` where the model is (quality, frontier)."""
-    return dict(remote=lambda handle, point: handle.run.remote("apply", fn, point),
+    return dict(remote=lambda handle, point: handle.apply.remote(fn, point),
                 local=lambda replica, point: replica.apply(fn, point), replica_kwargs=dict(warmup=False))
 
 
