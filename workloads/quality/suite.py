@@ -87,7 +87,7 @@ class _QualitySuite(SuiteBase):
         if self.budget_tokens:
             raise SuiteError("budget_tokens: quality suites compress by compression_ratios (and quantized)")
         if all(self.section(name) is None for name in EVALUATIONS):
-            raise SuiteError(f"suite: needs at least one of {', '.join(EVALUATIONS)}")
+            raise SuiteError(f"needs at least one of {', '.join(EVALUATIONS)}")
         return self
 
     def section(self, name: str) -> Section | None:
