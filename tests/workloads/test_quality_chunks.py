@@ -8,8 +8,13 @@ import torch
 
 from scissorhands import POLICIES, make_cache
 from scissorhands.testing import tiny_llama
-from workloads.quality.chunks import (MERGED_SCHEDULE_POLICIES, cache_schedule, decode_call_lengths,
-                                      evaluation_call_lengths, token_logprobs)
+from workloads.quality.chunks import (
+    MERGED_SCHEDULE_POLICIES,
+    cache_schedule,
+    decode_call_lengths,
+    evaluation_call_lengths,
+    token_logprobs,
+)
 from workloads.quality.perplexity import build_cache, perplexity, window_nll
 
 TOKENS = 96
