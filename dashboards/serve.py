@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "prometheus.yml"
 DEFAULT_DATA_DIR = HERE / "data"
 RAY_SD_FILE = "/tmp/ray/prom_metrics_service_discovery.json"
-#: The embedded Ray of `python -m workloads.sweep` keeps its files in workloads.core.run.EMBEDDED_RAY_TEMP_DIR.
+#: The embedded Ray of `python -m workloads.sweep` keeps its files in cluster.connect.EMBEDDED_RAY_TEMP_DIR.
 EMBEDDED_RAY_SD_FILE = "/tmp/scissorhands-ray/prom_metrics_service_discovery.json"
 #: `make cluster-up` runs its head under cluster.local_head.DEFAULT_TEMP_DIR (the Makefile's CLUSTER_TEMP_DIR).
 CLUSTER_UP_SD_FILE = "/tmp/scissorhands-cluster/prom_metrics_service_discovery.json"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from workloads.core.run import free_local_port
+from cluster.connect import free_local_port
 
 
 def free_port() -> int:

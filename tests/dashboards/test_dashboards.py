@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster import local_head, serve_app
-from replica.metrics import METRICS, SERVE_METRICS, catalogue_markdown, strip_sample_suffix
+from cluster import connect, local_head, serve_app
 from dashboards import check, serve
-from workloads.core import run
+from replica.metrics import METRICS, SERVE_METRICS, catalogue_markdown, strip_sample_suffix
+
 ROOT = Path(__file__).resolve().parents[2]
 DASH = ROOT / "dashboards"
 BOARDS = check.load_dashboards()
@@ -160,7 +160,7 @@ def test_prometheus_config_scrapes_ray_the_pushgateway_and_itself():
     ]
     assert serve.CLUSTER_UP_SD_FILE == f"{local_head.DEFAULT_TEMP_DIR}/prom_metrics_service_discovery.json"
     assert serve.DEFAULT_SD_FILES == tuple(jobs["ray"]["file_sd_configs"][0]["files"])
-    assert serve.EMBEDDED_RAY_SD_FILE == f"{run.EMBEDDED_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
+    assert serve.EMBEDDED_RAY_SD_FILE == f"{connect.EMBEDDED_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
     assert serve.SERVE_SD_FILE == f"{serve_app.SERVE_RAY_TEMP_DIR}/prom_metrics_service_discovery.json"
     assert jobs["pushgateway"]["honor_labels"] is True
     assert jobs["pushgateway"]["static_configs"][0]["targets"] == ["127.0.0.1:9091"]

@@ -10,9 +10,9 @@ import torch
 from scissorhands import make_cache
 from scissorhands.models import load_tokenizer
 from scissorhands.testing import tiny_llama
-from workloads.quality import passkey as pk
 from workloads.core.suite import SuiteError
 from workloads.kinds import parse_suite
+from workloads.quality import passkey as pk
 
 
 @pytest.fixture(scope="module")

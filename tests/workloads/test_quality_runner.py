@@ -9,9 +9,9 @@ import pytest
 
 from scissorhands import POLICIES
 from workloads.core import results as res
-from workloads.quality import runner
 from workloads.core.suite import SuiteError
 from workloads.kinds import load_suite, parse_suite
+from workloads.quality import runner
 
 SUITES = Path(__file__).resolve().parents[2] / "workloads" / "suites"
 

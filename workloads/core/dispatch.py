@@ -17,10 +17,11 @@ from typing import Any, Callable, Iterator
 
 from tqdm import tqdm
 
+from cluster.connect import error_message, init_ray
 from cluster.inventory import cluster_inventory
 from cluster.replica_set import is_replica_death
 from replica.static_batch import ModelReplica
-from workloads.core.run import SweepError, error_message, init_ray, resolve_run_dtype, start_replicas
+from workloads.core.run import SweepError, resolve_run_dtype, start_replicas
 from workloads.core.template import Finished, Session
 
 #: Seconds between checks, while points are in flight, that the replicas' nodes are still alive.

@@ -4,45 +4,40 @@
   `points.jsonl` repaired when the last line was cut mid-write, and `run.json` (suite, git commit);
   `pending_points`: what a (resumed) run still has to run.
 * `runner_args`, `cli_main`: the command line every runner takes, and its exit statuses.
-* `init_ray`: join `--address` / `$RAY_ADDRESS`, or start an embedded Ray on loopback.
-* `replica_resources`, `resolve_run_dtype`, `start_replicas`: the replicas of a run (a Ray Serve deployment:
-  `cluster.replica_set`), sized to the cluster, in one dtype.
+* `resolve_run_dtype`, `start_replicas`: the replicas of a run (a Ray Serve deployment: `cluster.replica_set`),
+  sized to the cluster (`cluster.connect.replica_resources`), in one dtype.
 * `SweepError`: stops a run before or between points, with the exit status.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster import submit
-from cluster.placement import PlacementError, fit_share, not_ready_message
+from cluster import submit, supervise
+from cluster.connect import ClusterError, error_message, replica_resources
+from cluster.placement import PlacementError, not_ready_message
 from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
 from replica.static_batch import resolve_run_dtype as resolve
 from workloads.core import results as res
-from workloads.core import supervise
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class SweepError(Exception):
-    """An error that stops the sweep before or between points (exit status `code`)."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
+class SweepError(ClusterError):
+    """An error that stops the run before or between points (exit status `code`). The runners stop on its base,
+    `cluster.connect.ClusterError`, too: the cluster could not be joined, started or sized."""
 
 
 def cli_main(name: str, run) -> int:
-    """The runners' command-line wrapper: ``run()``'s exit status; a `SweepError` printed as
+    """The runners' command-line wrapper: ``run()``'s exit status; a `SweepError` (or `ClusterError`) printed as
     ``<name>: error: ...`` with its code; Ctrl-C 130 with where the finished points are."""
     try:
         return run()
-    except SweepError as e:
+    except ClusterError as e:
         print(f"{name}: error: {e}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
@@ -89,145 +84,6 @@ def resolve_run_dir(args: argparse.Namespace, suite) -> tuple[str, Path]:
     if (run_dir / "points.jsonl").exists():
         raise SweepError(f"--run-id: run {run_id!r} already exists in {run_dir}; use --resume {run_id}", 2)
     return run_id, run_dir
-
-
-#: Ray's metrics export interval (ms) for the embedded Ray: the scrape interval of dashboards/prometheus.yml.
-EMBEDDED_METRICS_REPORT_INTERVAL_MS = "5000"
-#: Ray's default dashboard port; the embedded Ray takes another free one when it is in use.
-RAY_DASHBOARD_PORT = 8265
-#: Root folder of the embedded Ray (sessions, logs, its service-discovery file) unless $RAY_TMPDIR
-#: names one. Not /tmp/ray: every Ray head with a dashboard points /tmp/ray's service-discovery link
-#: at its own session and re-points it every 5 s, so with another head on the machine Prometheus would
-#: flip between the two. dashboards/prometheus.yml reads both (`dashboards.serve.EMBEDDED_RAY_SD_FILE`).
-EMBEDDED_RAY_TEMP_DIR = "/tmp/scissorhands-ray"
-
-
-def free_local_port(preferred: int) -> int:
-    """`preferred` when nothing listens on 127.0.0.1:`preferred`, else a free port the OS picks."""
-    import socket
-
-    for port in (preferred, 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free port on 127.0.0.1")
-
-
-def init_ray(address: str | None):
-    """Join a cluster or start an embedded local one on loopback; return (ray, started_here).
-
-    Joining (`address`, else ``$RAY_ADDRESS``): token authentication is followed as `ray start
-    --head` sets it (`cluster.submit.follow_token_auth`); a cluster that cannot be reached raises
-    SweepError (exit 1) naming the address and what to check. Once connected (joined or embedded), a
-    watch (`workloads.core.supervise`) ends the run with exit 1 and a message naming the cluster, the points
-    kept and ``--resume`` when the GCS is unreachable for ``$SCISSORHANDS_CLUSTER_GONE_S`` (15 s).
-
-    The embedded Ray runs its dashboard on 127.0.0.1 (port 8265, or a free one when another Ray
-    holds it) with its files under `EMBEDDED_RAY_TEMP_DIR` (``$RAY_TMPDIR`` wins): its metrics head
-    writes the Prometheus service-discovery file
-    (``/tmp/scissorhands-ray/prom_metrics_service_discovery.json`` links to this session's) listing
-    the node's metrics export port (a free port Ray picks), so a Prometheus started by
-    ``make dashboards-up`` scrapes the replicas' live metrics. Metrics are exported every 5 s (the scrape interval;
-    ``$RAY_metrics_report_interval_ms`` wins). Should the dashboard fail to start (a Ray without
-    its dashboard dependencies), Ray starts again without it, after a one-line notice.
-    """
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    if ray.is_initialized():
-        return ray, False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        submit.follow_token_auth()  # a head from `ray start` (make cluster-up) runs with token auth
-        try:
-            ray.init(address=address)
-        except ConnectionError as e:
-            raise SweepError(
-                f"--address: cannot join the Ray cluster at {address!r} ({error_message(e)[:300]}); is it running "
-                "(`make cluster-up`, `ray status --address ...`)? When its log says InvalidAuthToken, give this "
-                "process the cluster's token: RAY_AUTH_TOKEN=... or RAY_AUTH_TOKEN_PATH=... (a head of this "
-                "machine keeps it in ~/.ray/auth_token)", 1) from None
-        _watch_cluster(ray, address)
-        return ray, True
-    os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
-    try:
-        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1",
-                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR)
-    except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
-        ray.shutdown()
-        if NODE_START_TIMEOUT in str(e):  # not the dashboard: the node itself did not come up
-            raise SweepError(_node_start_message(e), 1) from None
-        print(f"sweep: Ray's dashboard did not start ({error_message(e)[:200]}); running without it: "
-              "no live replica metrics in Prometheus", file=sys.stderr)
-        try:
-            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
-        except Exception as e2:  # noqa: BLE001 - our message, not a traceback
-            ray.shutdown()
-            raise SweepError(_node_start_message(e2) if NODE_START_TIMEOUT in str(e2) else
-                             f"the embedded Ray did not start: {error_message(e2)[:600]}", 1) from None
-    _watch_cluster(ray, "embedded")
-    return ray, True
-
-
-#: What Ray 2.60 raises when the raylet of a node it starts has not registered with the GCS in time.
-NODE_START_TIMEOUT = "timed out during startup"
-
-
-def _node_start_message(exc: BaseException) -> str:
-    """The embedded Ray's node did not register in time: say so, with this machine's load (measured
-    cause of the sweeps that stopped minutes after "Token authentication is enabled" here)."""
-    load1 = os.getloadavg()[0]
-    return (f"the embedded Ray did not start: its node did not register with its GCS within Ray's start timeout "
-            f"({error_message(exc)[:200]}); load average {load1:.1f} on {os.cpu_count()} CPU(s): the machine is "
-            "too busy. Try again when it is less loaded, or give Ray longer: "
-            "RAY_raylet_start_wait_time_s=300 (no point was run)")
-
-
-def _watch_cluster(ray, cluster: str) -> None:
-    """End the run with its own message when the cluster goes away (`workloads.core.supervise`)."""
-    try:
-        supervise.watch_cluster(ray, cluster)
-    except ValueError as e:  # $SCISSORHANDS_CLUSTER_GONE_S
-        ray.shutdown()
-        raise SweepError(str(e), 2) from None
-
-
-def replica_resources(ray, replicas: int, device: str) -> tuple[int, float, float]:
-    """(torch threads, Ray CPUs, Ray GPUs) per replica, sized so that `replicas` replicas fit on
-    the alive nodes that exist, a replica never spanning nodes (`cluster.placement.fit_share`):
-    two 1-CPU nodes give one replica 1 CPU, not the cluster's 2 (which no node could ever hold).
-
-    Raises:
-        SweepError: (exit 2) device 'cuda' on a cluster without a GPU.
-    """
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive", n.get("alive", False))]
-    if not nodes:  # no node list (should not happen): the cluster's totals, as one node
-        nodes = [ray.cluster_resources()]
-    cpus = fit_share([n.get("CPU", 0.0) for n in nodes], replicas) or 1.0
-    if cpus >= 1:  # whole CPUs, one torch thread each (a smaller share still fits)
-        cpus = float(int(cpus))
-    threads = max(1, int(cpus))
-    num_gpus = 0.0
-    if device.startswith("cuda"):
-        gpus = fit_share([n.get("GPU", 0.0) for n in nodes], replicas)
-        if gpus <= 0:
-            raise SweepError("device: 'cuda' requested but the Ray cluster has no GPU", 2)
-        num_gpus = min(1.0, gpus)
-    return threads, cpus, num_gpus
-
-
-def error_message(exc: BaseException) -> str:
-    """`Type: message` of the original exception (Ray wraps it; `.cause` holds it)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        exc = cause
-    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
-    return f"{type(exc).__name__}: {text[:2000]}"
 
 
 def replica_count(args: argparse.Namespace, suite) -> int:

@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Iterable, Iterator
 
 from tqdm import tqdm
 
+from cluster.connect import ClusterError
 from workloads.core import results as res
 from workloads.core.push import PointPublisher, SweepPusher
 from workloads.core.run import (
@@ -181,7 +182,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None) -> int:
                     publish(record)
                     bar.update(1)
                     bar.write(kind.one_line(record), file=sys.stderr)
-        except SweepError as e:               # the report of what is on disk is still written
+        except ClusterError as e:             # the report of what is on disk is still written
             stop = e
     ids = {p.point_id for p in points}
     latest = [r for r in res.latest_by_point(res.read_records(run.points_path)).values() if r["point_id"] in ids]

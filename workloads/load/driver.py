@@ -21,6 +21,7 @@ iterator of `StreamChunk`s ended by the request's `GenerationResult` (`ServingRe
 when it arrives, and every token of a chunk gets the chunk's time. Times come from `clock`
 (default `time.time`, the replicas' clock too).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,8 +71,11 @@ def _replica_side(res: GenerationResult, rec: RequestRecord) -> None:
         rec.output_tokens_source = res.output_tokens_source or rec.output_tokens_source
         ttft = res.replica_ttft_s
     else:
-        ttft = res.token_times_s[0] - res.received_time_s \
-            if res.token_times_s and res.received_time_s is not None else None
+        ttft = (
+            res.token_times_s[0] - res.received_time_s
+            if res.token_times_s and res.received_time_s is not None
+            else None
+        )
     if ttft is not None:
         rec.replica_ttft_s = ttft
 
@@ -79,16 +83,21 @@ def _replica_side(res: GenerationResult, rec: RequestRecord) -> None:
 class Run:
     """What every pattern shares: warm-up, bounds, the window, sending and recording."""
 
-    def __init__(self, client: Client | StreamingClient, requests: Callable[[int], GenerationRequest], config: LoadConfig,
-                 clock: Callable[[], float]):
+    def __init__(
+        self,
+        client: Client | StreamingClient,
+        requests: Callable[[int], GenerationRequest],
+        config: LoadConfig,
+        clock: Callable[[], float],
+    ):
         self.client, self.requests, self.cfg, self.clock = client, requests, config, clock
         self.records: list[RequestRecord] = []
-        self.issued = 0              # requests handed out (warm-up included)
-        self.measured = 0            # measured requests handed out
-        self.exhausted = False       # the pattern ran out of requests (a trace's last row)
+        self.issued = 0  # requests handed out (warm-up included)
+        self.measured = 0  # measured requests handed out
+        self.exhausted = False  # the pattern ran out of requests (a trace's last row)
         self.start = clock()
         self.window_start: float | None = None
-        self.deadline: float | None = None      # end of the duration-bound window
+        self.deadline: float | None = None  # end of the duration-bound window
 
     @property
     def count_reached(self) -> bool:
@@ -112,13 +121,20 @@ class Run:
         self.issued += 1
         return i, warm
 
-    async def send(self, index: int, warmup: bool, scheduled: float | None = None,
-                   cap_delayed: bool = False) -> RequestRecord:
+    async def send(
+        self, index: int, warmup: bool, scheduled: float | None = None, cap_delayed: bool = False
+    ) -> RequestRecord:
         req = self.requests(index)
         if req.warmup != warmup:
             req = dataclasses.replace(req, warmup=warmup)
-        rec = RequestRecord(req.request_id, len(req.prompt_ids), req.max_new_tokens, scheduled_time_s=scheduled,
-                            warmup=warmup, cap_delayed=cap_delayed)
+        rec = RequestRecord(
+            req.request_id,
+            len(req.prompt_ids),
+            req.max_new_tokens,
+            scheduled_time_s=scheduled,
+            warmup=warmup,
+            cap_delayed=cap_delayed,
+        )
         self.records.append(rec)
         rec.send_time_s = self.clock()
         try:
@@ -141,7 +157,7 @@ class Run:
         if not isinstance(res, GenerationResult):
             raise TypeError(f"the client's reply is a {type(res).__name__}, not a GenerationResult")
         ids, times = res.output_ids, res.token_times_s
-        rec.output_tokens = len(ids)                      # generated ids, never re-tokenized text
+        rec.output_tokens = len(ids)  # generated ids, never re-tokenized text
         rec.error_kind, rec.error = res.error_kind, res.error
         rec.replica_id = res.replica_id
         _replica_side(res, rec)
@@ -182,8 +198,9 @@ class Run:
     def window_end(self) -> tuple[float | None, str]:
         """(end of the measurement window, `stop_reason`): the last measured token when the count
         was reached first, else the duration's deadline."""
-        ends = [r.token_times_s[-1] if r.token_times_s else r.finish_time_s
-                for r in self.records if not r.warmup and r.sent]
+        ends = [
+            r.token_times_s[-1] if r.token_times_s else r.finish_time_s for r in self.records if not r.warmup and r.sent
+        ]
         last = max(ends) if ends else None
         if self.count_reached and last is not None and (self.deadline is None or last <= self.deadline):
             return last, "count"
@@ -194,10 +211,10 @@ class Run:
 
 def error_kind(exc: BaseException) -> str:
     """A short kind for an exception a client raised: `replica_died`, `oom`, `timeout` or `error`."""
-    if replica_death(exc) is not None:                 # the same test as the OpenAI API's (one list)
+    if replica_death(exc) is not None:  # the same test as the OpenAI API's (one list)
         return REPLICA_DIED
     names = {type(exc).__name__} | {c.__name__ for c in type(exc).__mro__}
-    cause = getattr(exc, "cause", None)                # a Ray task error's own exception
+    cause = getattr(exc, "cause", None)  # a Ray task error's own exception
     if cause is not None:
         names |= {c.__name__ for c in type(cause).__mro__}
     if names & {"OutOfMemoryError", "MemoryError"}:
@@ -207,8 +224,12 @@ def error_kind(exc: BaseException) -> str:
     return "error"
 
 
-async def run_load(client: Client | StreamingClient, requests: Callable[[int], GenerationRequest] | list[GenerationRequest],
-                   config: LoadConfig, clock: Callable[[], float] = time.time) -> LoadResult:
+async def run_load(
+    client: Client | StreamingClient,
+    requests: Callable[[int], GenerationRequest] | list[GenerationRequest],
+    config: LoadConfig,
+    clock: Callable[[], float] = time.time,
+) -> LoadResult:
     """Drive `client` with `config`; return every request's record and the point's metrics.
 
     `requests(i)` builds request `i` (warm-up included, in send order); a list is cycled, each
@@ -228,7 +249,13 @@ async def run_load(client: Client | StreamingClient, requests: Callable[[int], G
     run = Run(client, requests, config, clock)
     await pattern.drive(run)
     end, stop_reason = run.window_end()
-    metrics = summarize(run.records, mode=config.mode, window_start_s=run.window_start, window_end_s=end,
-                        stop_reason=stop_reason, target_rate_req_per_s=pattern.target_rate_req_per_s,
-                        target_concurrency=pattern.target_concurrency)
+    metrics = summarize(
+        run.records,
+        mode=config.mode,
+        window_start_s=run.window_start,
+        window_end_s=end,
+        stop_reason=stop_reason,
+        target_rate_req_per_s=pattern.target_rate_req_per_s,
+        target_concurrency=pattern.target_concurrency,
+    )
     return LoadResult(run.records, metrics, config, run.start, clock())

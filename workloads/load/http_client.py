@@ -36,6 +36,7 @@ died: our server's last SSE event when it died mid-stream, or its 503 when it di
 token), `server_error` (any other error event inside a stream), `stream_truncated` (the stream ended
 without `[DONE]`), `connection_error`.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,8 @@ __all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
 class HTTPGenerationResult(GenerationResult):
     """A `GenerationResult` measured over HTTP: `token_times_s` are client-side arrival times."""
 
-    replica_ttft_s: float | None = None        # the server's own TTFT (its clock), when it reports one
-    output_tokens_source: str | None = None     # token_ids | usage | chunks
+    replica_ttft_s: float | None = None  # the server's own TTFT (its clock), when it reports one
+    output_tokens_source: str | None = None  # token_ids | usage | chunks
     http_status: int | None = None
     usage_completion_tokens: int | None = None  # the server's own count, when it sends `usage`
 
@@ -65,7 +66,9 @@ def _status_kind(status: int, code: str | None = None) -> str:
     `code` says so (ours answers 503 when the replica died before the first token), else by status."""
     if code == REPLICA_DIED:
         return REPLICA_DIED
-    return {400: "bad_request", 404: "unknown_model", 429: "overloaded", 503: "overloaded"}.get(status, f"http_{status}")
+    return {400: "bad_request", 404: "unknown_model", 429: "overloaded", 503: "overloaded"}.get(
+        status, f"http_{status}"
+    )
 
 
 class OpenAIHTTPClient:
@@ -84,9 +87,20 @@ class OpenAIHTTPClient:
             that run each point on a new event loop and never call `close`; else one pooled session.
     """
 
-    def __init__(self, base_url: str, model: str, *, endpoint: str = "completions", tokenizer=None,
-                 api_key: str | None = None, clock: Callable[[], float] = time.time, extra_body: dict | None = None,
-                 connect_timeout_s: float = 30.0, max_connections: int = 1024, session_per_request: bool = False):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        endpoint: str = "completions",
+        tokenizer=None,
+        api_key: str | None = None,
+        clock: Callable[[], float] = time.time,
+        extra_body: dict | None = None,
+        connect_timeout_s: float = 30.0,
+        max_connections: int = 1024,
+        session_per_request: bool = False,
+    ):
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"target: expected http://HOST:PORT/v1, got {base_url!r}")
         if endpoint not in ("completions", "chat"):
@@ -111,7 +125,8 @@ class OpenAIHTTPClient:
         if self._session is None or self._session.closed or self._loop is not loop:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
-                connector=aiohttp.TCPConnector(limit=self.max_connections))
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+            )
             self._loop = loop
         return self._session
 
@@ -129,9 +144,14 @@ class OpenAIHTTPClient:
 
     def body(self, request: GenerationRequest) -> tuple[str, dict]:
         """(url, JSON body) of `request`."""
-        body: dict = {"model": self.model, "max_tokens": request.max_new_tokens, "stream": True,
-                      "stream_options": {"include_usage": True}, "ignore_eos": bool(request.ignore_eos),
-                      "temperature": float(getattr(request, "temperature", 0.0))}
+        body: dict = {
+            "model": self.model,
+            "max_tokens": request.max_new_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": bool(request.ignore_eos),
+            "temperature": float(getattr(request, "temperature", 0.0)),
+        }
         if getattr(request, "top_p", 1.0) != 1.0:
             body["top_p"] = request.top_p
         if getattr(request, "seed", None) is not None:
@@ -169,8 +189,9 @@ class OpenAIHTTPClient:
         own = None
         try:
             if self.session_per_request:
-                session = own = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None,
-                                                                                    sock_connect=self.connect_timeout_s))
+                session = own = aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s)
+                )
             else:
                 session = await self._get_session()
             async with session.post(url, json=body, headers=headers) as resp:
@@ -185,7 +206,7 @@ class OpenAIHTTPClient:
                     yield failed(_status_kind(resp.status, code), f"HTTP {resp.status}: {msg}")
                     return
                 done = False
-                async for raw in resp.content:                  # one line at a time, as it arrives
+                async for raw in resp.content:  # one line at a time, as it arrives
                     t = self.clock()
                     line = raw.strip()
                     if not line.startswith(b"data:"):
@@ -214,7 +235,7 @@ class OpenAIHTTPClient:
                         if isinstance(ids, list):
                             saw_ids = True
                             n_ids = [int(i) for i in ids]
-                        else:                              # no ids: a chunk with text is one token
+                        else:  # no ids: a chunk with text is one token
                             delta = choice.get("delta") or {}
                             text = choice.get("text") if "text" in choice else delta.get("content")
                             n_ids = [-1] if text else []
@@ -236,7 +257,7 @@ class OpenAIHTTPClient:
         elif usage_tokens is not None:
             final.output_tokens_source = "usage"
             if usage_tokens > counted and last_t is not None:
-                yield StreamChunk([-1] * (usage_tokens - counted), last_t)      # several tokens in one chunk
+                yield StreamChunk([-1] * (usage_tokens - counted), last_t)  # several tokens in one chunk
         else:
             final.output_tokens_source = "chunks"
         final.usage_completion_tokens = usage_tokens
@@ -256,4 +277,4 @@ class OpenAIHTTPClient:
             ev.output_ids, ev.token_times_s = ids, times
             ev.finish_time_s = ev.finish_time_s or self.clock()
             return ev
-        raise RuntimeError("the stream ended without a result")          # events() always ends with one
+        raise RuntimeError("the stream ended without a result")  # events() always ends with one

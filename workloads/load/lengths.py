@@ -2,6 +2,7 @@
 `build_requests` (n requests with drawn lengths) and `requests_of_lengths` (given lengths, e.g. a
 trace's rows).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,13 @@ from replica.types import GenerationRequest
 
 LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
 #: The parameters each distribution needs.
-_NEEDS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std"), "lognormal": ("mean", "sigma"),
-          "trace": ("min", "max")}
+_NEEDS = {
+    "fixed": ("value",),
+    "uniform": ("min", "max"),
+    "normal": ("mean", "std"),
+    "lognormal": ("mean", "sigma"),
+    "trace": ("min", "max"),
+}
 
 
 class LengthDist(FrozenConfig):
@@ -56,12 +62,14 @@ class LengthDist(FrozenConfig):
         if isinstance(spec, int) and not isinstance(spec, bool):
             spec = {"dist": "fixed", "value": spec}
         if not isinstance(spec, dict):
-            raise ValueError(f"{name}: expected an integer or a mapping with 'dist' ({', '.join(LENGTH_DISTS)}), got {spec!r}")
-        if spec.get("dist", "fixed") not in LENGTH_DISTS:          # `trace` included: made from a trace only
+            raise ValueError(
+                f"{name}: expected an integer or a mapping with 'dist' ({', '.join(LENGTH_DISTS)}), got {spec!r}"
+            )
+        if spec.get("dist", "fixed") not in LENGTH_DISTS:  # `trace` included: made from a trace only
             raise ValueError(f"{name}.dist: expected one of {', '.join(LENGTH_DISTS)}, got {spec['dist']!r}")
         try:
             return cls(**spec)
-        except ValueError as e:                 # one line per field, each named: `<name>.<field>: ...`
+        except ValueError as e:  # one line per field, each named: `<name>.<field>: ...`
             raise ValueError("; ".join(f"{name}.{part}" for part in str(e).split("; "))) from None
 
     @property
@@ -89,19 +97,35 @@ class LengthDist(FrozenConfig):
         return [int(v) for v in np.clip(np.rint(x), lo, hi)]
 
 
-def build_requests(n: int, prompt_tokens: LengthDist, output_tokens: LengthDist, *, seed: int, tokenizer=None,
-                   vocab_size: int | None = None, prefix: str = "req") -> list[GenerationRequest]:
+def build_requests(
+    n: int,
+    prompt_tokens: LengthDist,
+    output_tokens: LengthDist,
+    *,
+    seed: int,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    prefix: str = "req",
+) -> list[GenerationRequest]:
     """`n` requests with lengths drawn (seeded) from the two distributions (see `requests_of_lengths`)."""
     rng = np.random.default_rng(seed)
     p_len = prompt_tokens.sample(n, rng)
     o_len = output_tokens.sample(n, rng)
-    return requests_of_lengths(p_len, o_len, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix,
-                               rng=rng)
+    return requests_of_lengths(
+        p_len, o_len, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix, rng=rng
+    )
 
 
-def requests_of_lengths(prompt_tokens: list[int], output_tokens: list[int], *, seed: int, tokenizer=None,
-                        vocab_size: int | None = None, prefix: str = "req",
-                        rng: np.random.Generator | None = None) -> list[GenerationRequest]:
+def requests_of_lengths(
+    prompt_tokens: list[int],
+    output_tokens: list[int],
+    *,
+    seed: int,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    prefix: str = "req",
+    rng: np.random.Generator | None = None,
+) -> list[GenerationRequest]:
     """Request `i` has a prompt of `prompt_tokens[i]` tokens and asks for `output_tokens[i]`.
 
     Prompts are windows of real text (`workloads.load.prompts.make_prompts`, the model's own tokenizer)

@@ -24,6 +24,7 @@ same requests). Every percentile carries its sample count `n`; a percentile `p` 
 fewer than `1 / (1 - p)` samples (p90 below 10, p99 below 100) is flagged low-confidence, and
 every statistic of zero samples is None (JSON null), never NaN or 0.
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,8 +55,10 @@ class RequestRecord:
     error: str | None = None
     warmup: bool = False
     replica_id: str | None = None
-    cap_delayed: bool = False          # the arrival found the concurrency cap reached and waited
-    replica_ttft_s: float | None = None  # the replica's own TTFT (its clock: received -> first token), apart from ttft_s
+    cap_delayed: bool = False  # the arrival found the concurrency cap reached and waited
+    replica_ttft_s: float | None = (
+        None  # the replica's own TTFT (its clock: received -> first token), apart from ttft_s
+    )
     output_tokens_source: str | None = None  # over HTTP: token_ids | usage | chunks (workloads/load/http_client.py)
 
     @property
@@ -66,8 +69,12 @@ class RequestRecord:
     def ok(self) -> bool:
         """Sent, no error, and one time per generated id (the load generator turns a reply without
         them into an error of kind `missing_token_times` or `token_times_mismatch`)."""
-        return self.sent and self.error_kind is None and self.output_tokens > 0 \
+        return (
+            self.sent
+            and self.error_kind is None
+            and self.output_tokens > 0
             and len(self.token_times_s) == self.output_tokens
+        )
 
     @property
     def delay_s(self) -> float | None:
@@ -121,8 +128,15 @@ class LatencyStats:
         if n == 0:
             return cls(0)
         p50, p90, p99 = (float(x) for x in np.percentile(v, PERCENTILES))
-        return cls(n, float(v.mean()), p50, p90, p99, p90_low_confidence=low_confidence(90, n),
-                   p99_low_confidence=low_confidence(99, n))
+        return cls(
+            n,
+            float(v.mean()),
+            p50,
+            p90,
+            p99,
+            p90_low_confidence=low_confidence(90, n),
+            p99_low_confidence=low_confidence(99, n),
+        )
 
 
 def low_confidence(percentile: float, n: int) -> bool:
@@ -145,16 +159,16 @@ class PointMetrics:
     """
 
     mode: str
-    stop_reason: str | None            # which bound ended the window: `count` or `duration`
+    stop_reason: str | None  # which bound ended the window: `count` or `duration`
     window_start_s: float | None
     window_end_s: float | None
     window_s: float | None
-    arrivals: int                      # requests the schedule produced (measured ones, warm-up excluded)
-    sent_requests: int                 # measured requests sent
-    completed_requests: int            # measured requests that finished without error
-    failed_requests: int               # measured requests sent that ended in an error
-    dropped_arrivals: int              # arrivals never sent (concurrency cap, drop policy)
-    delayed_arrivals: int              # arrivals that waited for a slot under the concurrency cap
+    arrivals: int  # requests the schedule produced (measured ones, warm-up excluded)
+    sent_requests: int  # measured requests sent
+    completed_requests: int  # measured requests that finished without error
+    failed_requests: int  # measured requests sent that ended in an error
+    dropped_arrivals: int  # arrivals never sent (concurrency cap, drop policy)
+    delayed_arrivals: int  # arrivals that waited for a slot under the concurrency cap
     warmup_requests: int
     errors_by_kind: dict
     ttft_s: LatencyStats = field(metadata=PER_REQUEST)
@@ -162,7 +176,7 @@ class PointMetrics:
     itl_s: LatencyStats = field(metadata=PER_REQUEST)
     inter_chunk_gap_s: LatencyStats = field(metadata=PER_REQUEST)
     e2e_latency_s: LatencyStats = field(metadata=PER_REQUEST)
-    arrival_delay_s: LatencyStats                # sent requests' delays behind their scheduled arrival
+    arrival_delay_s: LatencyStats  # sent requests' delays behind their scheduled arrival
     input_tokens: int
     output_tokens: int
     output_throughput_tok_per_s: float | None
@@ -175,7 +189,9 @@ class PointMetrics:
     achieved_peak_concurrency: int | None = None
     achieved_mean_concurrency: float | None = None
     warnings: list = field(default_factory=list)
-    replica_ttft_s: LatencyStats | None = field(default=None, metadata=PER_REQUEST)  # replica's clock; summarize fills it
+    replica_ttft_s: LatencyStats | None = field(
+        default=None, metadata=PER_REQUEST
+    )  # replica's clock; summarize fills it
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -204,9 +220,9 @@ def _concurrency(records: list[RequestRecord], start: float, end: float) -> tupl
         if r.send_time_s is not None:
             events.append((r.send_time_s, 1))
             events.append((r.finish_time_s if r.finish_time_s is not None else end, -1))
-    events.sort()                                     # at one instant a finish (-1) comes before a send
+    events.sort()  # at one instant a finish (-1) comes before a send
     i, level = 0, 0
-    while i < len(events) and events[i][0] < start:   # in flight when the window opens
+    while i < len(events) and events[i][0] < start:  # in flight when the window opens
         level += events[i][1]
         i += 1
     peak, prev, area = level, start, 0.0
@@ -232,10 +248,17 @@ def _pooled(records: list[RequestRecord], name: str):
         yield from (v if isinstance(v, list) else (v,))
 
 
-def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float | None,
-              window_end_s: float | None, stop_reason: str | None = None, target_rate_req_per_s: float | None = None,
-              target_concurrency: int | None = None,
-              replica_peak_running_sequences: int | None = None) -> PointMetrics:
+def summarize(
+    records: list[RequestRecord],
+    *,
+    mode: str,
+    window_start_s: float | None,
+    window_end_s: float | None,
+    stop_reason: str | None = None,
+    target_rate_req_per_s: float | None = None,
+    target_concurrency: int | None = None,
+    replica_peak_running_sequences: int | None = None,
+) -> PointMetrics:
     """Metrics of one point from its request records and its measurement window.
 
     `replica_peak_running_sequences` (summed over replicas, when known) adds a warning when the
@@ -265,7 +288,7 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
         return (len(times) - 1) / (times[-1] - times[0]) if len(times) >= 2 and times[-1] > times[0] else None
 
     achieved_rate = rate_of(r.send_time_s for r in sent)
-    scheduled = [r.scheduled_time_s for r in measured if r.scheduled_time_s is not None]   # dropped ones too
+    scheduled = [r.scheduled_time_s for r in measured if r.scheduled_time_s is not None]  # dropped ones too
     scheduled_rate = rate_of(scheduled) if scheduled and len(scheduled) == len(measured) else None
     peak, mean_conc = (None, None)
     if start is not None and end is not None:
@@ -274,30 +297,57 @@ def summarize(records: list[RequestRecord], *, mode: str, window_start_s: float 
     warnings = []
     if target_concurrency is not None and peak is not None and peak < target_concurrency:
         warnings.append(f"concurrency: target {target_concurrency}, achieved peak {peak} requests in flight")
-    if target_concurrency is not None and replica_peak_running_sequences is not None \
-            and replica_peak_running_sequences < target_concurrency:
-        warnings.append(f"concurrency: target {target_concurrency}, the replicas ran at most "
-                        f"{replica_peak_running_sequences} sequences at once (the rest queued)")
-    if target_rate_req_per_s and achieved_rate is not None and scheduled_rate is not None \
-            and achieved_rate < 0.95 * scheduled_rate:
-        warnings.append(f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
-                        f"{scheduled_rate:.3g} req/s in the arrival times drawn")
+    if (
+        target_concurrency is not None
+        and replica_peak_running_sequences is not None
+        and replica_peak_running_sequences < target_concurrency
+    ):
+        warnings.append(
+            f"concurrency: target {target_concurrency}, the replicas ran at most "
+            f"{replica_peak_running_sequences} sequences at once (the rest queued)"
+        )
+    if (
+        target_rate_req_per_s
+        and achieved_rate is not None
+        and scheduled_rate is not None
+        and achieved_rate < 0.95 * scheduled_rate
+    ):
+        warnings.append(
+            f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
+            f"{scheduled_rate:.3g} req/s in the arrival times drawn"
+        )
     if len(ok) < 100:
         warnings.append(f"p99: only {len(ok)} completed requests (low confidence below 100)")
-    rate = (lambda x: x / window if window else None)
+
+    def rate(x: float) -> float | None:
+        return x / window if window else None
+
     return PointMetrics(
-        mode=mode, stop_reason=stop_reason, window_start_s=start, window_end_s=end, window_s=window,
-        arrivals=len(measured), sent_requests=len(sent), completed_requests=len(ok), failed_requests=len(failed),
+        mode=mode,
+        stop_reason=stop_reason,
+        window_start_s=start,
+        window_end_s=end,
+        window_s=window,
+        arrivals=len(measured),
+        sent_requests=len(sent),
+        completed_requests=len(ok),
+        failed_requests=len(failed),
         dropped_arrivals=sum(1 for r in measured if not r.sent),
         delayed_arrivals=sum(1 for r in sent if r.cap_delayed),
-        warmup_requests=sum(1 for r in records if r.warmup), errors_by_kind=dict(errors),
+        warmup_requests=sum(1 for r in records if r.warmup),
+        errors_by_kind=dict(errors),
         **{name: LatencyStats.of(_pooled(ok, name)) for name in per_request_fields()},
         arrival_delay_s=LatencyStats.of(d for d in delays if d is not None),
-        input_tokens=in_tok, output_tokens=out_tok,
-        output_throughput_tok_per_s=rate(out_tok), total_throughput_tok_per_s=rate(in_tok + out_tok),
+        input_tokens=in_tok,
+        output_tokens=out_tok,
+        output_throughput_tok_per_s=rate(out_tok),
+        total_throughput_tok_per_s=rate(in_tok + out_tok),
         request_throughput_req_per_s=rate(done_in),
-        target_rate_req_per_s=target_rate_req_per_s, achieved_rate_req_per_s=achieved_rate,
+        target_rate_req_per_s=target_rate_req_per_s,
+        achieved_rate_req_per_s=achieved_rate,
         scheduled_rate_req_per_s=scheduled_rate,
-        target_concurrency=target_concurrency, achieved_peak_concurrency=peak,
-        achieved_mean_concurrency=mean_conc, warnings=warnings,
+        target_concurrency=target_concurrency,
+        achieved_peak_concurrency=peak,
+        achieved_mean_concurrency=mean_conc,
+        warnings=warnings,
     )

@@ -21,6 +21,7 @@ it `requires`, and, for suites, the class attributes of the "suite" block of `Lo
 `LoadConfig` field a point's load sets, where the loads come from, the suite fields it copies or
 forbids, the record column it fills). A suite's `mode` is a pattern's name or one of `MODE_ALIASES`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -167,15 +168,24 @@ class LoadPattern:
     def check(self) -> None:
         """Raise ValueError naming the field when the config cannot run (called by `LoadConfig`)."""
 
-    def requests(self, n: int | None = None, prompt_tokens: LengthDist | None = None,
-                 output_tokens: LengthDist | None = None, *, seed: int = 0, tokenizer=None,
-                 vocab_size: int | None = None, prefix: str = "req") -> list[GenerationRequest]:
+    def requests(
+        self,
+        n: int | None = None,
+        prompt_tokens: LengthDist | None = None,
+        output_tokens: LengthDist | None = None,
+        *,
+        seed: int = 0,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        prefix: str = "req",
+    ) -> list[GenerationRequest]:
         """The requests to send (`run_load` cycles them): `n` with lengths drawn from the two
         distributions (`build_requests`); a pattern that brings its own lengths overrides this."""
         if n is None or prompt_tokens is None or output_tokens is None:
             raise ValueError(f"prompt_tokens, output_tokens: mode {self.name!r} needs length distributions")
-        return build_requests(n, prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer,
-                              vocab_size=vocab_size, prefix=prefix)
+        return build_requests(
+            n, prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix
+        )
 
     async def drive(self, run: "Run") -> None:
         raise NotImplementedError
@@ -210,8 +220,9 @@ class LoadPattern:
         return list(value) if cls.loads_from == "loads" else [value]
 
     @classmethod
-    def point_config(cls, suite: Any, load: float | None, *, seed: int, max_batch: int | None = None,
-                     **options) -> LoadConfig:
+    def point_config(
+        cls, suite: Any, load: float | None, *, seed: int, max_batch: int | None = None, **options
+    ) -> LoadConfig:
         """The `LoadConfig` of the suite's point at `load` (`max_batch`: a batch the replicas sized)."""
         kw: dict[str, Any] = {k: getattr(suite, k) for k in SHARED_SUITE_FIELDS + cls.suite_fields}
         kw[cls.load_field] = int(load) if cls.integer_loads else float(load)
@@ -263,12 +274,17 @@ class BatchLoad(LoadPattern):
         if not sized_by_memory:
             return super().check_suite(suite, mode)
         if suite.target is not None:
-            raise ValueError(f"target: mode {mode} needs our replicas' memory model; use concurrency, rate or "
-                             "serving-batch")
+            raise ValueError(
+                f"target: mode {mode} needs our replicas' memory model; use concurrency, rate or serving-batch"
+            )
         if suite.loads:
             raise ValueError(f"loads: not used in mode {mode} (the batch is found from the memory limit)")
-        need_one_of(suite, "kv_memory_limit_bytes", "kv_memory_fraction",
-                    what=f"mode {mode} needs a KV memory limit (or a fraction of device memory)")
+        need_one_of(
+            suite,
+            "kv_memory_limit_bytes",
+            "kv_memory_fraction",
+            what=f"mode {mode} needs a KV memory limit (or a fraction of device memory)",
+        )
         if suite.prompt_tokens.dist != "fixed" or suite.new_tokens.dist != "fixed":
             raise ValueError(f"prompt_tokens, new_tokens: mode {mode} needs fixed lengths (integers)")
 
@@ -277,8 +293,16 @@ class BatchLoad(LoadPattern):
         return [None] if sized_by_memory else super().point_loads(suite)
 
     @classmethod
-    def point_config(cls, suite: Any, load: float | None, *, seed: int, max_batch: int | None = None,
-                     sized_by_memory: bool = False, **options) -> LoadConfig:
+    def point_config(
+        cls,
+        suite: Any,
+        load: float | None,
+        *,
+        seed: int,
+        max_batch: int | None = None,
+        sized_by_memory: bool = False,
+        **options,
+    ) -> LoadConfig:
         if not sized_by_memory:
             return super().point_config(suite, load, seed=seed)
         kw = {k: getattr(suite, k) for k in SHARED_SUITE_FIELDS}
@@ -286,8 +310,9 @@ class BatchLoad(LoadPattern):
         return LoadConfig(mode=cls.name, seed=seed, **kw)
 
     @classmethod
-    def record_columns(cls, load: float | None, max_batch_size: int | None = None, sized_by_memory: bool = False,
-                       **options) -> dict:
+    def record_columns(
+        cls, load: float | None, max_batch_size: int | None = None, sized_by_memory: bool = False, **options
+    ) -> dict:
         return super().record_columns(max_batch_size if sized_by_memory else load)
 
 
@@ -308,6 +333,7 @@ class ConcurrencyLoad(LoadPattern):
         async def worker():
             while (nxt := run.next_index()) is not None:
                 await run.send(*nxt)
+
         await asyncio.gather(*(worker() for _ in range(self.cfg.concurrency)))
 
 
@@ -337,8 +363,11 @@ class OpenLoop(LoadPattern):
             full = cap is not None and cap.locked()
             if full and cfg.cap_policy == "drop":
                 req = run.requests(index)
-                run.records.append(RequestRecord(req.request_id, len(req.prompt_ids), req.max_new_tokens,
-                                                 scheduled_time_s=t, warmup=warm))
+                run.records.append(
+                    RequestRecord(
+                        req.request_id, len(req.prompt_ids), req.max_new_tokens, scheduled_time_s=t, warmup=warm
+                    )
+                )
                 continue
             tasks.append(asyncio.ensure_future(self._send(run, cap, index, warm, t, full)))
         else:
@@ -410,7 +439,7 @@ class TraceLoad(OpenLoop):
         return (len(rows) - 1) / span if len(rows) > 1 and span > 0 else None
 
     def check(self) -> None:
-        self.rows                                      # noqa: B018 - reads and checks the file now
+        self.rows  # noqa: B018 - reads and checks the file now
 
     def length_range(self) -> tuple[LengthDist, LengthDist]:
         """The trace's prompt and output lengths as `LengthDist(dist="trace", min, max)` (for memory
@@ -423,14 +452,28 @@ class TraceLoad(OpenLoop):
         for row in self.rows:
             yield Arrival(row.arrival_s * self.cfg.trace_time_scale, row.prompt_tokens, row.output_tokens)
 
-    def requests(self, n: int | None = None, prompt_tokens: LengthDist | None = None,
-                 output_tokens: LengthDist | None = None, *, seed: int = 0, tokenizer=None,
-                 vocab_size: int | None = None, prefix: str = "trace") -> list[GenerationRequest]:
+    def requests(
+        self,
+        n: int | None = None,
+        prompt_tokens: LengthDist | None = None,
+        output_tokens: LengthDist | None = None,
+        *,
+        seed: int = 0,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        prefix: str = "trace",
+    ) -> list[GenerationRequest]:
         """One request per row, with the row's lengths (prompts as in `requests_of_lengths`); `n` and
         the distributions are not used (the trace gives the lengths)."""
         rows = self.rows
-        return requests_of_lengths([r.prompt_tokens for r in rows], [r.output_tokens for r in rows], seed=seed,
-                                   tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix)
+        return requests_of_lengths(
+            [r.prompt_tokens for r in rows],
+            [r.output_tokens for r in rows],
+            seed=seed,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            prefix=prefix,
+        )
 
     @classmethod
     def suite_defaults(cls, data: dict, **options) -> dict:
@@ -440,8 +483,9 @@ class TraceLoad(OpenLoop):
                 raise ValueError(f"{k}: not used in mode trace (the trace's rows give arrivals and lengths)")
         if data.get("trace_path") is None:
             raise ValueError("trace_path: mode trace needs a trace file (CSV or JSONL, docs/load-generation.md)")
-        cfg = LoadConfig(mode="trace", trace_path=str(data["trace_path"]),
-                         trace_time_scale=data.get("trace_time_scale", 1.0))
+        cfg = LoadConfig(
+            mode="trace", trace_path=str(data["trace_path"]), trace_time_scale=data.get("trace_time_scale", 1.0)
+        )
         prompt, new = cfg.pattern.length_range()
         return {**data, "prompt_tokens": prompt, "new_tokens": new}
 

@@ -2,6 +2,7 @@
 into `TraceRow`s (arrival offsets in seconds from the first row), in the column layout of the public
 Azure LLM inference traces or ours (`TRACE_LAYOUTS`).
 """
+
 from __future__ import annotations
 
 import csv
@@ -15,8 +16,8 @@ from typing import Any
 
 #: Accepted trace column layouts: (arrival time, prompt tokens, output tokens).
 TRACE_LAYOUTS: tuple[tuple[str, str, str], ...] = (
-    ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),          # Azure LLM inference traces (2023, 2024)
-    ("arrival_time_s", "prompt_tokens", "output_tokens"),         # ours
+    ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),  # Azure LLM inference traces (2023, 2024)
+    ("arrival_time_s", "prompt_tokens", "output_tokens"),  # ours
 )
 _TIMESTAMP = re.compile(r"(?P<base>\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(?P<frac>\d+))?(?P<tz>Z|[+-]\d\d:?\d\d)?")
 
@@ -73,8 +74,10 @@ def read_trace(path: str | Path) -> list[TraceRow]:
     keys = set(rows[0])
     layout = next((lay for lay in TRACE_LAYOUTS if set(lay) <= keys), None)
     if layout is None:
-        raise ValueError(f"trace_path: {str(path)!r} has columns {sorted(keys)}; expected one of "
-                         + " or ".join("(" + ", ".join(lay) + ")" for lay in TRACE_LAYOUTS))
+        raise ValueError(
+            f"trace_path: {str(path)!r} has columns {sorted(keys)}; expected one of "
+            + " or ".join("(" + ", ".join(lay) + ")" for lay in TRACE_LAYOUTS)
+        )
     t_col, p_col, o_col = layout
     out: list[TraceRow] = []
     first: tuple[int, float] | None = None

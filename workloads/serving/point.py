@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from workloads.core.run import error_message
+from cluster.connect import error_message
 from workloads.load.driver import run_load
 from workloads.load.metrics import summarize
 from workloads.serving.pools import ReplicaPool

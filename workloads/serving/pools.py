@@ -2,6 +2,7 @@
 (`ServeReplicaPool`), one in-process replica (`LocalReplicaPool`, tests and benchmarks), or any
 OpenAI-compatible server over HTTP (`HTTPTargetPool`). `client()` is the load generator's client of them all.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,15 @@ class ReplicaPool(Protocol):
 class LocalReplicaPool:
     """One `ServingReplica` in this process (its engine on a thread of its own); for tests and the benchmark."""
 
-    def __init__(self, n: int, model_spec: str, dtype: str = "auto", device: str = "cpu", model=None,
-                 num_threads: int | None = None):
+    def __init__(
+        self,
+        n: int,
+        model_spec: str,
+        dtype: str = "auto",
+        device: str = "cpu",
+        model=None,
+        num_threads: int | None = None,
+    ):
         if n != 1:
             raise ValueError(f"replicas: an in-process pool holds 1 replica, got {n} (Serve runs several)")
         self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
@@ -93,8 +101,10 @@ class ServeClient:
 
 
 def _answered(stats: dict) -> int:
-    return sum(stats.get(k, 0) for k in ("completed_requests", "failed_requests", "warmup_completed_requests",
-                                         "warmup_failed_requests"))
+    return sum(
+        stats.get(k, 0)
+        for k in ("completed_requests", "failed_requests", "warmup_completed_requests", "warmup_failed_requests")
+    )
 
 
 class ServeReplicaPool:
@@ -103,16 +113,35 @@ class ServeReplicaPool:
     replica (each builds the new engine); Serve routes the requests and replaces a replica that died (the
     next point configures it). Per-replica figures come back with each reply (`ServeClient`)."""
 
-    def __init__(self, n: int, *, model_spec: str, dtype: str, device: str, placement=None, num_cpus: float,
-                 num_gpus: float, num_threads: int | None, run_id: str | None = None, dtype_reason: str | None = None):
-        from cluster.serve_app import EngineDeployment
+    def __init__(
+        self,
+        n: int,
+        *,
+        model_spec: str,
+        dtype: str,
+        device: str,
+        placement=None,
+        num_cpus: float,
+        num_gpus: float,
+        num_threads: int | None,
+        run_id: str | None = None,
+        dtype_reason: str | None = None,
+    ):
         from cluster.replica_set import ServeReplicaSet, app_name_for
+        from cluster.serve_app import EngineDeployment
 
-        self.rset = ServeReplicaSet(EngineDeployment, dict(model_id="serving", model_spec=model_spec, dtype=dtype,
-                                                           device=device, dtype_reason=dtype_reason), n,
-                                    placement, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=num_threads,
-                                    app_name=app_name_for("serving", run_id), max_ongoing_requests=100_000,
-                                    what="serving replica(s)")
+        self.rset = ServeReplicaSet(
+            EngineDeployment,
+            dict(model_id="serving", model_spec=model_spec, dtype=dtype, device=device, dtype_reason=dtype_reason),
+            n,
+            placement,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            num_threads=num_threads,
+            app_name=app_name_for("serving", run_id),
+            max_ongoing_requests=100_000,
+            what="serving replica(s)",
+        )
         self.n = n
         self._client: ServeClient | None = None
 
@@ -174,7 +203,9 @@ class HTTPTargetPool:
             raise RuntimeError(f"target: no OpenAI-compatible server answered GET {self.target}/models: {e}") from None
         ids = [m.get("id") for m in served]
         if self.model not in ids:
-            raise RuntimeError(f"model: {self.model!r} is not served at {self.target} (served: {', '.join(map(str, ids))})")
+            raise RuntimeError(
+                f"model: {self.model!r} is not served at {self.target} (served: {', '.join(map(str, ids))})"
+            )
         self.metadata = next(m for m in served if m.get("id") == self.model).get("metadata") or {}
         return [{"replica_id": self.target, "served_model": self.model, **self.metadata}]
 

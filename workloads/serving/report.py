@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from cluster.connect import error_message
 from workloads.core.results import MIB, conditions_line, format_value, markdown_table, write_atomic
-from workloads.core.run import error_message
 from workloads.core.template import Report
 from workloads.serving.plots import write_plots
 

@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from cluster.connect import error_message, init_ray, replica_resources
 from cluster.inventory import cluster_inventory
 from replica.static_batch import TEST_MODEL_NAMES
 from scissorhands.models import load_tokenizer
 from scissorhands.testing import TINY_LLAMA_CONFIG
 from workloads.core import results as res
-from workloads.core.run import SweepError, error_message, init_ray, replica_resources, resolve_run_dtype
+from workloads.core.run import SweepError, resolve_run_dtype
 from workloads.core.template import Finished, Kind, Report, Session, kind_main
 from workloads.serving.point import run_point
 from workloads.serving.pools import HTTPTargetPool, LocalReplicaPool, ReplicaPool, ServeReplicaPool

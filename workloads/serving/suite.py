@@ -32,6 +32,7 @@ The shared fields (model, policies, budgets, seed, replicas, placement) and thei
 stop reason `saturated`) once a point's error rate, p50 TTFT or achieved/target rate shows
 saturation.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,10 +42,18 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 
 from replica.rules import not_both
 from replica.types import EngineConfig
+from workloads.core.suite import (
+    Name,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    SuiteBase,
+    SuiteError,
+    budget_tag,
+    point_id,
+)
 from workloads.load.lengths import LengthDist
 from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
-from workloads.core.suite import (Name, NonNegativeInt, PositiveFloat, PositiveInt, SuiteBase, SuiteError, budget_tag,
-                             point_id)
 
 #: A serving suite's modes: every load pattern's name, and the aliases of `workloads.load.patterns.MODE_ALIASES`.
 SERVING_MODES = tuple(MODES)
@@ -69,9 +78,15 @@ class Saturation(BaseModel):
         # against the arrival times the run drew, not the nominal rate (a small Poisson sample differs)
         target = rec.get("scheduled_rate_req_per_s") or rec.get("target_rate_req_per_s")
         achieved = rec.get("achieved_rate_req_per_s")
-        if self.min_achieved_rate_fraction is not None and target and achieved is not None \
-                and achieved < self.min_achieved_rate_fraction * target:
-            return f"achieved {achieved:.3g} req/s < {self.min_achieved_rate_fraction:.0%} of {target:.3g} req/s scheduled"
+        if (
+            self.min_achieved_rate_fraction is not None
+            and target
+            and achieved is not None
+            and achieved < self.min_achieved_rate_fraction * target
+        ):
+            return (
+                f"achieved {achieved:.3g} req/s < {self.min_achieved_rate_fraction:.0%} of {target:.3g} req/s scheduled"
+            )
         return None
 
 
@@ -81,12 +96,12 @@ class ServingPoint:
     its numbers, `point_id` is derived from it (see `workloads.core.suite.point_id`)."""
 
     index: int
-    series: str                      # policy + budget: the points of one series share it
+    series: str  # policy + budget: the points of one series share it
     policy: str
     policy_params: dict
     compression_ratio: float | None
     budget_tokens: int | None
-    load: float | None               # batch size / concurrency / rate; None for max_batch
+    load: float | None  # batch size / concurrency / rate; None for max_batch
     seed: int
     point_id: str
     identity: dict
@@ -174,14 +189,24 @@ class ServingSuite(SuiteBase):
     def _mode_needs(self) -> "ServingSuite":
         self.pattern.check_suite(self, self.mode, **self.pattern_options)
         not_both(self, "kv_memory_limit_bytes", "kv_memory_fraction")
-        for p in self.points():           # every point's load config must be valid now, not mid-sweep
+        for p in self.points():  # every point's load config must be valid now, not mid-sweep
             self.load_config(p, max_batch=1)
         return self
 
     def identity(self) -> dict:
         """Suite-level settings that change a serving point's numbers (the load axis aside)."""
-        keep = set(type(self).model_fields) - {"kind", "name", "description", "policies", "compression_ratios",
-                                                "budget_tokens", "loads", "replicas", "placement", "saturation"}
+        keep = set(type(self).model_fields) - {
+            "kind",
+            "name",
+            "description",
+            "policies",
+            "compression_ratios",
+            "budget_tokens",
+            "loads",
+            "replicas",
+            "placement",
+            "saturation",
+        }
         return self.model_dump(include=keep, mode="json")
 
     def points(self) -> list[ServingPoint]:
@@ -192,26 +217,52 @@ class ServingSuite(SuiteBase):
             for ratio, budget in self.budgets(pol):
                 series = f"{self.mode}-{pol.tag()}{budget_tag(ratio, budget)}"
                 for load in loads:
-                    ident = dict(base, policy=pol.name, policy_params=dict(pol.params), compression_ratio=ratio,
-                                 budget_tokens=budget, load=load)
+                    ident = dict(
+                        base,
+                        policy=pol.name,
+                        policy_params=dict(pol.params),
+                        compression_ratio=ratio,
+                        budget_tokens=budget,
+                        load=load,
+                    )
                     tag = f"{series}-L{'max' if load is None else f'{load:g}'}-s{self.seed}"
-                    out.append(ServingPoint(len(out), series, pol.name, dict(pol.params), ratio, budget, load,
-                                            self.seed, point_id(tag, ident), ident))
+                    out.append(
+                        ServingPoint(
+                            len(out),
+                            series,
+                            pol.name,
+                            dict(pol.params),
+                            ratio,
+                            budget,
+                            load,
+                            self.seed,
+                            point_id(tag, ident),
+                            ident,
+                        )
+                    )
         return out
 
     def engine_config(self, point: ServingPoint) -> dict:
         """`replica.types.EngineConfig` fields for `point`."""
-        return dict(policy=point.policy, policy_params=dict(point.policy_params), budget_tokens=point.budget_tokens,
-                    compression_ratio=point.compression_ratio, kv_memory_limit_bytes=self.kv_memory_limit_bytes,
-                    kv_memory_fraction=self.kv_memory_fraction, max_batch=self.max_batch,
-                    max_prefill_tokens=self.max_prefill_tokens, max_length_tokens=self.max_length_tokens)
+        return dict(
+            policy=point.policy,
+            policy_params=dict(point.policy_params),
+            budget_tokens=point.budget_tokens,
+            compression_ratio=point.compression_ratio,
+            kv_memory_limit_bytes=self.kv_memory_limit_bytes,
+            kv_memory_fraction=self.kv_memory_fraction,
+            max_batch=self.max_batch,
+            max_prefill_tokens=self.max_prefill_tokens,
+            max_length_tokens=self.max_length_tokens,
+        )
 
     def load_config(self, point: ServingPoint, max_batch: int | None = None) -> LoadConfig:
         """The load generator's config for `point` (`max_batch`: the batch of a max_batch point).
 
         Raises ValueError naming the field (and what it accepts) when the point cannot run."""
-        return self.pattern.point_config(self, point.load, seed=self.seed + point.index, max_batch=max_batch,
-                                         **self.pattern_options)
+        return self.pattern.point_config(
+            self, point.load, seed=self.seed + point.index, max_batch=max_batch, **self.pattern_options
+        )
 
     def record_columns(self, point: ServingPoint, max_batch_size: int | None = None) -> dict:
         """The record's load columns (`batch_size`, `concurrency`, `request_rate`: every pattern's

@@ -1,4 +1,4 @@
-"""The cluster watch (`workloads.core.supervise`): a run whose Ray cluster goes away ends in bounded time
+"""The cluster watch (`cluster.supervise`): a run whose Ray cluster goes away ends in bounded time
 with our message (issue 12 fault 6). No Ray here: the GCS is a real loopback listener that is closed,
 and the watch's `on_gone` is captured instead of ending the process (the end-to-end case, with a real
 `cluster-up` head stopped mid-sweep, is in tests/cluster/test_scaleout_fit.py)."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from workloads.core import supervise
-from workloads.core.supervise import ClusterWatch, gcs_reachable, gone_after_s, gone_message, split_address
+from cluster import supervise
+from cluster.supervise import ClusterWatch, gcs_reachable, gone_after_s, gone_message, split_address
 
 
 def _listener():
@@ -121,7 +121,7 @@ def test_the_default_end_writes_error_json_prints_and_exits_1(tmp_path):
     points = tmp_path / "points.jsonl"
     points.write_text('{"a": 1}\n')
     code = textwrap.dedent(f"""
-        from workloads.core import supervise
+        from cluster import supervise
         supervise.note_run("quality", "q1", {str(tmp_path)!r}, {str(points)!r})
         supervise._end_run(supervise.gone_message("127.0.0.1:9", "127.0.0.1:9", 15.0, supervise._run))
     """)
@@ -160,7 +160,7 @@ def test_an_embedded_ray_that_does_not_start_stops_with_our_message(monkeypatch,
     the cause and the load, exit 1; the dashboard retry is kept for a real dashboard failure only."""
     import ray
 
-    from workloads.core.run import SweepError, init_ray
+    from cluster.connect import ClusterError, init_ray
 
     calls = []
 
@@ -172,7 +172,7 @@ def test_an_embedded_ray_that_does_not_start_stops_with_our_message(monkeypatch,
     monkeypatch.setattr(ray, "init", fake_init)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(SweepError) as e:
+    with pytest.raises(ClusterError) as e:
         init_ray(None)
     assert e.value.code == 1
     message = str(e.value)

@@ -6,7 +6,7 @@ reached the GCS for ``RAY_gcs_rpc_server_reconnect_timeout_s`` (60 s by default)
 thread sits inside Ray calls (``ray.wait``, ``ray.nodes``) that neither return nor raise, so the
 runner's own error handling never runs and the message says nothing about the run.
 
-`ClusterWatch` is a daemon thread, started by `workloads.core.run.init_ray` once this process is
+`ClusterWatch` is a daemon thread, started by `cluster.connect.init_ray` once this process is
 connected, that opens a TCP connection to the GCS port every `POLL_S` s. When no connection has
 succeeded for ``gone_after_s`` (``$SCISSORHANDS_CLUSTER_GONE_S``, default `DEFAULT_GONE_AFTER_S`
 = 15 s, well inside Ray's 60 s) while Ray is still connected, it
