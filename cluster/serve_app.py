@@ -24,6 +24,7 @@ Metrics: `main` starts Ray with its dashboard (so its metrics agent exports Ray 
 ``ray_serve_*`` metrics and the replicas' ``ray_scissorhands_*`` ones) under `SERVE_RAY_TEMP_DIR`,
 whose service-discovery file `dashboards/prometheus.yml` reads (docs/monitoring.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,10 +35,10 @@ from typing import Any
 
 from ray import serve
 
+from cluster.signals import StopSignals
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import build_app, cache_metadata
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
-from cluster.signals import StopSignals
 
 APP_NAME = "scissorhands-openai"
 DEFAULT_MAX_LENGTH_TOKENS = 2048
@@ -51,8 +52,13 @@ SERVE_RAY_TEMP_DIR = "/tmp/scissorhands-serve"
 METRICS_REPORT_INTERVAL_MS = "5000"
 
 
-@serve.deployment(max_ongoing_requests=64, max_queued_requests=256, health_check_period_s=5,
-                  health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+@serve.deployment(
+    max_ongoing_requests=64,
+    max_queued_requests=256,
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    graceful_shutdown_timeout_s=5,
+)
 class EngineDeployment:
     """One Serve replica: a `ServingReplica` running one cache configuration.
 
@@ -60,14 +66,28 @@ class EngineDeployment:
     running replica before each point (`configure`, `cluster.replica_set.ServeReplicaSet.broadcast`).
     """
 
-    def __init__(self, model_id: str, model_spec: str, engine_config: dict | None = None, dtype: str = "auto",
-                 device: str = "cpu", num_threads: int | None = None, dtype_reason: str | None = None):
+    def __init__(
+        self,
+        model_id: str,
+        model_spec: str,
+        engine_config: dict | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        num_threads: int | None = None,
+        dtype_reason: str | None = None,
+    ):
         import ray
 
         ctx = serve.get_replica_context()
-        self.replica = ServingReplica(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads,
-                                      replica_id=f"{model_id}#{ctx.replica_tag if ctx else 0}",
-                                      node_id=ray.get_runtime_context().get_node_id(), dtype_reason=dtype_reason)
+        self.replica = ServingReplica(
+            model_spec=model_spec,
+            dtype=dtype,
+            device=device,
+            num_threads=num_threads,
+            replica_id=f"{model_id}#{ctx.replica_tag if ctx else 0}",
+            node_id=ray.get_runtime_context().get_node_id(),
+            dtype_reason=dtype_reason,
+        )
         if engine_config is not None:
             self.replica.configure(engine_config)
 
@@ -101,7 +121,7 @@ class EngineDeployment:
 
     def check_health(self) -> None:
         loop = self.replica.loop
-        if loop is not None and not loop.alive:                # None only while `configure` swaps engines
+        if loop is not None and not loop.alive:  # None only while `configure` swaps engines
             raise RuntimeError(f"engine thread stopped: {loop and loop.error}")
 
     def crash(self) -> None:
@@ -129,7 +149,7 @@ class ServeBackend:
                 yield openai_event(ev)
         finally:
             if not finished:
-                gen.cancel()                        # the replica's generator closes: the engine aborts
+                gen.cancel()  # the replica's generator closes: the engine aborts
 
 
 @serve.deployment(max_ongoing_requests=1024)
@@ -166,17 +186,30 @@ def parse_cache(spec: str, max_length_tokens: int) -> tuple[str, dict]:
             return f"{policy}-b{int(arg[1:])}", {"policy": policy, "budget_tokens": int(arg[1:])}
         ratio = float(arg)
     except ValueError:
-        raise ValueError(f"--cache: {spec!r}: expected {policy}:<ratio> (e.g. {policy}:5) or {policy}:b<budget>") from None
+        raise ValueError(
+            f"--cache: {spec!r}: expected {policy}:<ratio> (e.g. {policy}:5) or {policy}:b<budget>"
+        ) from None
     label = f"{policy}-x{ratio:g}"
     return label, {"policy": policy, "compression_ratio": ratio, "max_length_tokens": max_length_tokens}
 
 
-def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | None = None,
-                    max_length_tokens: int = DEFAULT_MAX_LENGTH_TOKENS,
-                    kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES, dtype: str = "auto",
-                    device: str = "cpu", num_threads: int | None = 1, replica_cpus: float = 1.0,
-                    replica_gpus: float = 0.0, num_replicas: int = 1, max_pending_requests: int = 256,
-                    tokenizer_spec: str | None | Any = "auto", deployment_options: dict | None = None):
+def build_serve_app(
+    model_spec: str,
+    caches: list[str],
+    *,
+    model_name: str | None = None,
+    max_length_tokens: int = DEFAULT_MAX_LENGTH_TOKENS,
+    kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES,
+    dtype: str = "auto",
+    device: str = "cpu",
+    num_threads: int | None = 1,
+    replica_cpus: float = 1.0,
+    replica_gpus: float = 0.0,
+    num_replicas: int = 1,
+    max_pending_requests: int = 256,
+    tokenizer_spec: str | None | Any = "auto",
+    deployment_options: dict | None = None,
+):
     """The Serve application: one `EngineDeployment` per entry of `caches` behind one `OpenAIIngress`.
 
     `dtype` is resolved once here, for every deployment and replica (`replica.static_batch.resolve_run_dtype`, in
@@ -186,9 +219,8 @@ def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | Non
     Raises:
         ValueError: a bad `--cache` spec or engine config (the message names the field).
     """
-    from scissorhands.models import model_id_of
-
     from replica.static_batch import resolve_run_dtype
+    from scissorhands.models import model_id_of
 
     name = model_name or model_id_of(model_spec).split("/")[-1].lower()
     resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments
@@ -196,20 +228,25 @@ def build_serve_app(model_spec: str, caches: list[str], *, model_name: str | Non
     for spec in caches:
         label, cfg = parse_cache(spec, max_length_tokens)
         cfg["kv_memory_limit_bytes"] = kv_memory_limit_bytes
-        budget = EngineConfig(**cfg).resolved_budget_tokens()          # validates now, names the field
+        budget = EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
         model_id = f"{name}:{label}"
         if model_id in handles:
             raise ValueError(f"--cache: {spec!r} repeats the model {model_id!r}")
-        opts = dict(name=f"engine-{label}", num_replicas=num_replicas,
-                    ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
+        opts = dict(
+            name=f"engine-{label}",
+            num_replicas=num_replicas,
+            ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
+        )
         opts.update(deployment_options or {})
-        handles[model_id] = EngineDeployment.options(**opts).bind(model_id, model_spec, cfg, resolved["dtype"], device,
-                                                                  num_threads, resolved.get("dtype_reason"))
+        handles[model_id] = EngineDeployment.options(**opts).bind(
+            model_id, model_spec, cfg, resolved["dtype"], device, num_threads, resolved.get("dtype_reason")
+        )
         metadata[model_id] = cache_metadata(cfg, budget, model_spec)
     if tokenizer_spec == "auto":
         tokenizer_spec = None if model_spec == "tiny-llama" else model_spec
-    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(handles, metadata, tokenizer_spec,
-                                                                          max_pending_requests)
+    return OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(
+        handles, metadata, tokenizer_spec, max_pending_requests
+    )
 
 
 def start(app, *, host: str = "127.0.0.1", port: int = 8000, route_prefix: str = "/"):
@@ -238,13 +275,22 @@ def init_ray(num_cpus: float):
             port = s.getsockname()[1]
             break
     try:
-        ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=True,
-                 dashboard_host="127.0.0.1", dashboard_port=port,
-                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else SERVE_RAY_TEMP_DIR)
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",
+            num_cpus=num_cpus,
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=port,
+            _temp_dir=None if os.environ.get("RAY_TMPDIR") else SERVE_RAY_TEMP_DIR,
+        )
     except Exception as e:  # noqa: BLE001 - metrics are optional; the service is not
         ray.shutdown()
-        print(f"serve: Ray's dashboard did not start ({type(e).__name__}: {str(e)[:200]}); running without it: "
-              "no Serve or replica metrics in Prometheus", file=sys.stderr)
+        print(
+            f"serve: Ray's dashboard did not start ({type(e).__name__}: {str(e)[:200]}); running without it: "
+            "no Serve or replica metrics in Prometheus",
+            file=sys.stderr,
+        )
         ray.init(address="local", _node_ip_address="127.0.0.1", num_cpus=num_cpus, include_dashboard=False)
     return ray
 
@@ -255,24 +301,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", action="append", help="full | <policy>:<ratio> | <policy>:b<budget> (repeat)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-length-tokens", type=int, default=DEFAULT_MAX_LENGTH_TOKENS,
-                   help="longest prompt + output a ratio's budget is sized for (B = ceil(this / ratio))")
+    p.add_argument(
+        "--max-length-tokens",
+        type=int,
+        default=DEFAULT_MAX_LENGTH_TOKENS,
+        help="longest prompt + output a ratio's budget is sized for (B = ceil(this / ratio))",
+    )
     p.add_argument("--kv-memory-limit-bytes", type=int, default=DEFAULT_KV_MEMORY_LIMIT_BYTES)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per engine replica")
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--replica-gpus", type=float, default=0.0)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights' dtype; auto: bfloat16 where this machine runs it faster (scissorhands.models.resolve_dtype)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype; auto: bfloat16 where this machine runs it faster (scissorhands.models.resolve_dtype)",
+    )
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--pid-file", default=None, help="write this process's id here (make serve-down)")
     args = p.parse_args(argv)
     caches = args.cache or ["full", "scissorhands:5"]
     try:
-        app = build_serve_app(args.model, caches, max_length_tokens=args.max_length_tokens,
-                              kv_memory_limit_bytes=args.kv_memory_limit_bytes, dtype=args.dtype, device=args.device,
-                              num_threads=args.num_threads, replica_cpus=args.replica_cpus,
-                              replica_gpus=args.replica_gpus, num_replicas=args.num_replicas)
+        app = build_serve_app(
+            args.model,
+            caches,
+            max_length_tokens=args.max_length_tokens,
+            kv_memory_limit_bytes=args.kv_memory_limit_bytes,
+            dtype=args.dtype,
+            device=args.device,
+            num_threads=args.num_threads,
+            replica_cpus=args.replica_cpus,
+            replica_gpus=args.replica_gpus,
+            num_replicas=args.num_replicas,
+        )
     except ValueError as e:
         print(f"serve: {e}", file=sys.stderr)
         return 2
@@ -287,8 +349,11 @@ def main(argv: list[str] | None = None) -> int:
         init_ray(max(os.cpu_count() or 1, len(caches) * args.replica_cpus * args.num_replicas))
         stop = StopSignals()
         start(app, host=args.host, port=args.port)
-        print(f"serve: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: "
-              f"GET /v1/models); Ctrl-C or `make serve-down` stops it", flush=True)
+        print(
+            f"serve: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: "
+            f"GET /v1/models); Ctrl-C or `make serve-down` stops it",
+            flush=True,
+        )
         stop.wait()
     finally:
         print("serve: shutting down", flush=True)

@@ -7,6 +7,7 @@ model code and health calls (`health`, `stats`) are answered while a batch is ge
 `events(request)` streams the same request as typed `StreamChunk`s ended by its `GenerationResult`;
 `stream(request)` is that stream in the OpenAI API's event form (`openai_event`, read by `replica.openai_api`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,10 +72,18 @@ class ServingReplica:
         FileNotFoundError: the model path does not exist (the message names it).
     """
 
-    def __init__(self, model_spec: str = "embedded", dtype: str = "auto", device: str = "cpu",
-                 replica_id: str = "replica-0", num_threads: int | None = None,
-                 engine_config: dict | EngineConfig | None = None, model=None, node_id: str | None = None,
-                 dtype_reason: str | None = None):
+    def __init__(
+        self,
+        model_spec: str = "embedded",
+        dtype: str = "auto",
+        device: str = "cpu",
+        replica_id: str = "replica-0",
+        num_threads: int | None = None,
+        engine_config: dict | EngineConfig | None = None,
+        model=None,
+        node_id: str | None = None,
+        dtype_reason: str | None = None,
+    ):
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
         self.replica_id = replica_id
@@ -106,10 +115,11 @@ class ServingReplica:
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.shutdown()
         metrics = ReplicaMetrics(cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec, run_id or "adhoc")
-        self.engine = ContinuousBatchingEngine(self.model, cfg, eos_token_id=self.eos_token_id,
-                                               replica_id=self.replica_id, metrics=metrics)
+        self.engine = ContinuousBatchingEngine(
+            self.model, cfg, eos_token_id=self.eos_token_id, replica_id=self.replica_id, metrics=metrics
+        )
         self.loop = EngineLoop(self.engine).start()
-        return ServingReplica.info(self)          # the plain one (the Ray wrapper's `info` is async)
+        return ServingReplica.info(self)  # the plain one (the Ray wrapper's `info` is async)
 
     def shutdown(self) -> None:
         """Stop the engine thread; requests still queued or running are answered with an error
@@ -122,9 +132,17 @@ class ServingReplica:
         """Serve one request; its result has one wall-clock time per generated id. A replica not
         configured, or whose engine stopped, answers with `error_kind="error"`."""
         if self.engine is None or self.loop is None or not self.loop.alive:
-            err = "replica not configured" if self.engine is None else f"engine stopped: {self.loop and self.loop.error}"
-            return GenerationResult(req.request_id, len(req.prompt_ids), error_kind="error", error=err,
-                                    finish_reason="error", replica_id=self.replica_id)
+            err = (
+                "replica not configured" if self.engine is None else f"engine stopped: {self.loop and self.loop.error}"
+            )
+            return GenerationResult(
+                req.request_id,
+                len(req.prompt_ids),
+                error_kind="error",
+                error=err,
+                finish_reason="error",
+                replica_id=self.replica_id,
+            )
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
@@ -176,27 +194,37 @@ class ServingReplica:
 
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """Why a request of these lengths can never be served under the KV memory limit (None: it can)."""
-        cfg = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        cfg = (
+            self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        )
         context = getattr(cfg, "max_position_embeddings", None)
         if context is not None and prompt_tokens + max_new_tokens > context:
-            return (f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the model's "
-                    f"context of {context} tokens")
+            return (
+                f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the model's "
+                f"context of {context} tokens"
+            )
         e = self.engine
         if e is None or e.kv_memory_limit_bytes is None:
             return None
-        need = max(e.batch_bytes_bound([e.final_slots(prompt_tokens, max_new_tokens)]),
-                   e.prefill_peak_bytes(1, prompt_tokens))
+        need = max(
+            e.batch_bytes_bound([e.final_slots(prompt_tokens, max_new_tokens)]), e.prefill_peak_bytes(1, prompt_tokens)
+        )
         if need > e.kv_memory_limit_bytes:
-            return (f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need} bytes of KV "
-                    f"cache alone, more than the limit of {e.kv_memory_limit_bytes} bytes")
+            return (
+                f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need} bytes of KV "
+                f"cache alone, more than the limit of {e.kv_memory_limit_bytes} bytes"
+            )
         return None
 
     async def health(self) -> dict:
         """Liveness: answered from another thread than the one generating, never queued behind it."""
-        return {"replica_id": self.replica_id, "configured": self.engine is not None,
-                "engine_alive": bool(self.loop and self.loop.alive),
-                "running_sequences": self.engine.running if self.engine else 0,
-                "queued_requests": self.engine.queued if self.engine else 0}
+        return {
+            "replica_id": self.replica_id,
+            "configured": self.engine is not None,
+            "engine_alive": bool(self.loop and self.loop.alive),
+            "running_sequences": self.engine.running if self.engine else 0,
+            "queued_requests": self.engine.queued if self.engine else 0,
+        }
 
     async def stats(self, reset: bool = False) -> dict:
         """The engine's counters and peaks (`ContinuousBatchingEngine.stats`); `reset` zeroes them after."""
@@ -209,13 +237,20 @@ class ServingReplica:
 
     def info(self) -> dict:
         e = self.engine
-        return {"replica_id": self.replica_id, "node_id": self.node_id, "hostname": socket.gethostname(),
-                "pid": os.getpid(), "torch_threads": torch.get_num_threads(), "model_spec": self.model_spec,
-                "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                "dtype_reason": getattr(self.model, "scissorhands_dtype_reason", "given model"),
-                "policy": e.config.policy if e else None, "budget_tokens": e.budget_tokens if e else None,
-                "slot_bytes": e.slot_bytes if e else None,
-                "kv_memory_limit_bytes": e.kv_memory_limit_bytes if e else None}
+        return {
+            "replica_id": self.replica_id,
+            "node_id": self.node_id,
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(),
+            "model_spec": self.model_spec,
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "dtype_reason": getattr(self.model, "scissorhands_dtype_reason", "given model"),
+            "policy": e.config.policy if e else None,
+            "budget_tokens": e.budget_tokens if e else None,
+            "slot_bytes": e.slot_bytes if e else None,
+            "kv_memory_limit_bytes": e.kv_memory_limit_bytes if e else None,
+        }
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """The engine's largest batch of identical requests under its memory limit."""
@@ -226,4 +261,3 @@ class ServingReplica:
     def crash(self) -> None:
         """Exit the process at once (tests of replica restarts)."""
         os._exit(1)
-

@@ -1,5 +1,6 @@
 """Test doubles for the HTTP service: a character tokenizer that fits the tiny model's 128-id
 vocabulary (with a chat template), and a uvicorn server for an ASGI app on a free loopback port."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,10 @@ import time
 
 from tests.waiting import free_port
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def char_tokenizer():
@@ -22,8 +25,9 @@ def char_tokenizer():
     vocab.update({"<|im_start|>": 95, "<|im_end|>": 96, "<unk>": 97, "\n": 98})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-                                   additional_special_tokens=["<|im_start|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"]
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -43,8 +47,9 @@ class ServerThread:
         import uvicorn
 
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:

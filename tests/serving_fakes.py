@@ -4,6 +4,7 @@
 nothing is ready, so scripted seconds cost no real time and results are exact and repeatable.
 Use `clock=asyncio.get_running_loop().time` (or `virtual_clock()`) wherever a clock is injected.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def _run_once(self):
         if not self._ready and self._scheduled:
-            nxt = self._scheduled[0]._when            # the earliest timer (a heap)
+            nxt = self._scheduled[0]._when  # the earliest timer (a heap)
             if nxt > self._virtual_now:
                 self._virtual_now = nxt
         super()._run_once()
@@ -66,7 +67,7 @@ class FakeReplica:
     script: Callable[[GenerationRequest], Script] = lambda r: Script()
     capacity: int | None = None
     replica_id: str = "fake-0"
-    clock: Callable[[], float] | None = None     # None: the event loop's (virtual) time
+    clock: Callable[[], float] | None = None  # None: the event loop's (virtual) time
     received: list = field(default_factory=list)
     running: int = 0
     peak_running: int = 0
@@ -84,8 +85,9 @@ class FakeReplica:
         self.peak_running = max(self.peak_running, self.running)
         try:
             s = self.script(request)
-            res = GenerationResult(request.request_id, len(request.prompt_ids), received_time_s=now_fn(),
-                                   replica_id=self.replica_id)
+            res = GenerationResult(
+                request.request_id, len(request.prompt_ids), received_time_s=now_fn(), replica_id=self.replica_id
+            )
             if s.raises is not None:
                 await asyncio.sleep(s.ttft_s)
                 raise s.raises

@@ -2,6 +2,7 @@
 HTTP proxy): requests routed by Serve over both replicas, each reply carrying its replica's figures,
 the replica's event loop answering while its engine generates, a point's engine configuration pushed to
 the running replicas, and a replica that dies replaced by Serve and configured again."""
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,9 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
     from replica.types import GenerationRequest, GenerationResult
     from workloads.serving.pools import ServeReplicaPool
 
-    pool = ServeReplicaPool(2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0,
-                            num_threads=1, run_id="t1")
+    pool = ServeReplicaPool(
+        2, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0, num_threads=1, run_id="t1"
+    )
     try:
         (info,) = pool.start()
         assert info["replica_id"].startswith("serving#") and info["dtype"] == "float32"
@@ -45,18 +47,19 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
         async def go():
             gen = asyncio.gather(*(client.generate(r) for r in long))
             worst_s, polls = 0.0, 0
-            while not gen.done():                    # the replicas' event loops answer while they generate
+            while not gen.done():  # the replicas' event loops answer while they generate
                 t0 = time.perf_counter()
                 await pool.rset.handle.stats.remote()
                 worst_s, polls = max(worst_s, time.perf_counter() - t0), polls + 1
                 await asyncio.sleep(0.2)
             return worst_s, polls, await gen
+
         worst_s, polls, results = asyncio.run(go())
         assert polls >= 1 and worst_s < 5.0
         # each reply is the engine's own result (the replica's figures went to the pool, not to the load generator)
         assert all(type(r) is GenerationResult and len(r.output_ids) == 300 and r.error_kind is None for r in results)
         ids = {r.replica_id for r in results}
-        assert len(ids) == 2                                             # Serve used both replicas
+        assert len(ids) == 2  # Serve used both replicas
         stats = pool.stats(reset=True)
         assert [s["replica_id"] for s in stats] == sorted(ids)
         assert all(s["budget_tokens"] == 32 and s["node_id"] and s["hostname"] for s in stats)
@@ -66,11 +69,13 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
         time.sleep(3.0)
         pool.configure({"policy": "scissorhands", "budget_tokens": 16}, run_id="t1")
         client = pool.client()
+
         async def burst():
             return await asyncio.gather(*(client.generate(GenerationRequest(f"r-{i}", [1, 2, 3], 4)) for i in range(8)))
+
         results = asyncio.run(burst())
         assert all(r.error_kind is None for r in results)
         assert {s["budget_tokens"] for s in pool.stats()} == {16}
     finally:
         pool.close()
-    assert pool.rset.app_name not in serve.status().applications          # only its own app, deleted
+    assert pool.rset.app_name not in serve.status().applications  # only its own app, deleted

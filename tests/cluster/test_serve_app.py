@@ -1,6 +1,7 @@
 """The OpenAI-compatible service through a real Ray Serve app on the embedded model (slow: one Serve
 start, two engine deployments): routing, streaming, a disconnect that frees the row, and a replica
 killed mid-stream (its open stream ends with an error event; Serve replaces the replica)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,16 @@ def app_url():
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     port = free_port()
     try:
-        start(build_serve_app("embedded", ["full", "scissorhands:5"], max_length_tokens=512, replica_cpus=0.5,
-                              kv_memory_limit_bytes=64 << 20), port=port)
+        start(
+            build_serve_app(
+                "embedded",
+                ["full", "scissorhands:5"],
+                max_length_tokens=512,
+                replica_cpus=0.5,
+                kv_memory_limit_bytes=64 << 20,
+            ),
+            port=port,
+        )
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -61,11 +70,14 @@ def test_models_routing_and_exact_lengths(app_url):
     data = requests.get(app_url + "/v1/models", timeout=30).json()["data"]
     meta = {m["id"]: m["metadata"] for m in data}
     assert set(meta) == {FULL, SH}
-    assert meta[SH]["budget_tokens"] == 103 and meta[SH]["compression_ratio"] == 5     # ceil(512 / 5)
+    assert meta[SH]["budget_tokens"] == 103 and meta[SH]["compression_ratio"] == 5  # ceil(512 / 5)
     replicas = set()
     for model in (FULL, SH):
-        r = requests.post(app_url + "/v1/completions", json=dict(model=model, prompt="The capital of France is",
-                                                                 max_tokens=16, ignore_eos=True), timeout=300).json()
+        r = requests.post(
+            app_url + "/v1/completions",
+            json=dict(model=model, prompt="The capital of France is", max_tokens=16, ignore_eos=True),
+            timeout=300,
+        ).json()
         assert r["usage"]["completion_tokens"] == len(r["choices"][0]["token_ids"]) == 16
         replicas.add(r["scissorhands"]["replica_id"].split("#")[0])
     assert replicas == {FULL, SH}
@@ -74,9 +86,18 @@ def test_models_routing_and_exact_lengths(app_url):
 
 
 def test_streamed_chat_one_event_per_token(app_url):
-    r = requests.post(app_url + "/v1/chat/completions", stream=True, timeout=300, json=dict(
-        model=SH, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
-        stream=True, stream_options={"include_usage": True}))
+    r = requests.post(
+        app_url + "/v1/chat/completions",
+        stream=True,
+        timeout=300,
+        json=dict(
+            model=SH,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+    )
     assert r.status_code == 200
     events = list(sse_events(r))
     assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -89,8 +110,12 @@ def test_streamed_chat_one_event_per_token(app_url):
 def test_disconnect_frees_the_row(app_url):
     eng = _engine("scissorhands-x5")
     before = eng.stats.remote().result()
-    r = requests.post(app_url + "/v1/completions", stream=True, timeout=300, json=dict(
-        model=SH, prompt="Tell me a long story.", max_tokens=400, ignore_eos=True, stream=True))
+    r = requests.post(
+        app_url + "/v1/completions",
+        stream=True,
+        timeout=300,
+        json=dict(model=SH, prompt="Tell me a long story.", max_tokens=400, ignore_eos=True, stream=True),
+    )
     it = sse_events(r)
     for _ in range(3):
         next(it)
@@ -123,8 +148,11 @@ def test_replica_killed_mid_stream_ends_with_an_error_and_is_replaced(app_url):
         return got
 
     chunks = asyncio.run(asyncio.wait_for(go(), 300))
-    assert chunks[-1].error_kind == "replica_died", chunks[-1]      # one named kind (ActorDiedError seen here)
+    assert chunks[-1].error_kind == "replica_died", chunks[-1]  # one named kind (ActorDiedError seen here)
     assert sum(len(c.output_ids if isinstance(c, GenerationResult) else c.token_ids) for c in chunks) < 400
-    ok = lambda: requests.post(app_url + "/v1/completions", timeout=60, json=dict(  # noqa: E731
-        model=FULL, prompt=[1, 2, 3], max_tokens=2, ignore_eos=True)).status_code == 200
+
+    def ok() -> bool:
+        body = dict(model=FULL, prompt=[1, 2, 3], max_tokens=2, ignore_eos=True)
+        return requests.post(app_url + "/v1/completions", timeout=60, json=body).status_code == 200
+
     assert _wait(ok, 240), "Serve did not replace the killed replica"

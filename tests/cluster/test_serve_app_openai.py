@@ -6,6 +6,7 @@ The tiny model has no tokenizer of its own; the ingress gets the character token
 `tests.http_fakes.char_tokenizer` (98 ids, within the tiny model's 128) from a folder, so text prompts
 and the chat template work as they do with `make serve`'s embedded model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,16 @@ def base_url(tmp_path_factory):
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     port = free_port()
     try:
-        start(build_serve_app("tiny-llama", ["full", "scissorhands:5"], max_length_tokens=256, replica_cpus=0.5,
-                              tokenizer_spec=str(tok_dir)), port=port)
+        start(
+            build_serve_app(
+                "tiny-llama",
+                ["full", "scissorhands:5"],
+                max_length_tokens=256,
+                replica_cpus=0.5,
+                tokenizer_spec=str(tok_dir),
+            ),
+            port=port,
+        )
         url = f"http://127.0.0.1:{port}/v1"
         wait_for(lambda: requests.get(url + "/models", timeout=5).status_code == 200, 120, "the Serve app")
         yield url
@@ -54,7 +63,7 @@ def base_url(tmp_path_factory):
 def _docs_example() -> str:
     """The Python block under "The Python `openai` client" in docs/serving-http.md."""
     text = (ROOT / "docs" / "serving-http.md").read_text()
-    section = text[text.index("## The Python `openai` client"):]
+    section = text[text.index("## The Python `openai` client") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -67,8 +76,9 @@ def test_the_documented_example_runs_as_written(base_url):
         exec(compile(code, "docs/serving-http.md", "exec"), {})
     # the example streams max_tokens=32 with ignore_eos: the printed text is the non-streamed reply's
     client = openai.OpenAI(base_url=base_url, api_key="unused")
-    whole = client.completions.create(model=SH, prompt="The capital of France is", max_tokens=32,
-                                      extra_body={"ignore_eos": True})
+    whole = client.completions.create(
+        model=SH, prompt="The capital of France is", max_tokens=32, extra_body={"ignore_eos": True}
+    )
     assert whole.usage.completion_tokens == 32 and len(whole.choices[0].model_extra["token_ids"]) == 32
     assert out.getvalue() == whole.choices[0].text and out.getvalue()
 
@@ -79,14 +89,22 @@ def test_streamed_and_not_agree_with_usage(base_url, model):
     whole = client.completions.create(model=model, prompt="Hello there", max_tokens=12, extra_body={"ignore_eos": True})
     assert whole.usage.prompt_tokens == len("Hello there") and whole.usage.completion_tokens == 12
     assert whole.choices[0].finish_reason == "length"
-    chunks = list(client.completions.create(model=model, prompt="Hello there", max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt="Hello there",
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     texts = [c.choices[0].text for c in chunks if c.choices]
     ids = [i for c in chunks if c.choices for i in c.choices[0].model_extra["token_ids"]]
-    assert "".join(texts) == whole.choices[0].text                       # greedy: the same tokens
+    assert "".join(texts) == whole.choices[0].text  # greedy: the same tokens
     assert ids == whole.choices[0].model_extra["token_ids"] and len(ids) == 12
-    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices     # the usage chunk last
-    assert sum(1 for c in chunks if c.choices and c.choices[0].model_extra["token_ids"]) == 12   # one event per token
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices  # the usage chunk last
+    assert sum(1 for c in chunks if c.choices and c.choices[0].model_extra["token_ids"]) == 12  # one event per token
 
 
 def test_chat_streamed_and_not(base_url):
@@ -94,8 +112,9 @@ def test_chat_streamed_and_not(base_url):
     msgs = [{"role": "user", "content": "Hi"}]
     whole = client.chat.completions.create(model=SH, messages=msgs, max_tokens=8, extra_body={"ignore_eos": True})
     assert whole.usage.completion_tokens == 8 and whole.choices[0].message.role == "assistant"
-    stream = client.chat.completions.create(model=SH, messages=msgs, max_tokens=8, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=SH, messages=msgs, max_tokens=8, stream=True, extra_body={"ignore_eos": True}
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == whole.choices[0].message.content
 

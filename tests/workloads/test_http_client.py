@@ -1,5 +1,6 @@
 """The load generator's HTTP client (workloads/load/http_client.py) against a fake SSE server on a free
 loopback port: every reply is scripted, so the counts and timestamps are exact."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,8 @@ import pytest
 
 from replica.types import GenerationRequest
 from tests.http_fakes import ServerThread
-from workloads.load.http_client import OpenAIHTTPClient
 from workloads.load.driver import run_load
+from workloads.load.http_client import OpenAIHTTPClient
 from workloads.load.patterns import LoadConfig
 
 
@@ -45,9 +46,10 @@ def fake_app(script: dict):
                     yield ev.encode()
                 else:
                     yield b"data: " + json.dumps(ev).encode() + b"\n\n"
+
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    completions.__annotations__["request"] = Request          # (postponed annotations: name the class itself)
+    completions.__annotations__["request"] = Request  # (postponed annotations: name the class itself)
     app.post("/v1/completions")(completions)
     return app
 
@@ -55,14 +57,26 @@ def fake_app(script: dict):
 DONE = "data: [DONE]\n\n"
 SCRIPT = {
     # our server's form: one id per chunk, usage last
-    1: [_chunk("a", [5]), 0.05, _chunk("b", [6]), 0.05, _chunk("c", [7]),
+    1: [
+        _chunk("a", [5]),
+        0.05,
+        _chunk("b", [6]),
+        0.05,
+        _chunk("c", [7]),
         _chunk("", [], "length", scissorhands={"replica_ttft_s": 0.0125, "replica_id": "rep-a"}),
-        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}}, DONE],
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3}},
+        DONE,
+    ],
     # several tokens in one chunk: 4 ids in 2 chunks
     2: [_chunk("ab", [5, 6]), 0.05, _chunk("cd", [7, 8], "length"), DONE],
     # no token ids, usage says 4 over 2 chunks (a foreign server)
-    3: [_chunk("ab"), 0.05, _chunk("cd", finish="length"),
-        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}, DONE],
+    3: [
+        _chunk("ab"),
+        0.05,
+        _chunk("cd", finish="length"),
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
+        DONE,
+    ],
     # a reply with no chunks at all
     4: [DONE],
     # an empty chunk between tokens (no text, no ids) is not a token
@@ -76,8 +90,17 @@ SCRIPT = {
     # neither ids nor usage: one token per chunk with text, said in the record
     10: [_chunk("a"), _chunk("b"), DONE],
     # our server when the replica died before the first token: 503 with code replica_died
-    11: ("status", 503, {"error": {"message": "the model's replica is unavailable (ActorDiedError)",
-                                   "type": "server_error", "code": "replica_died"}}),
+    11: (
+        "status",
+        503,
+        {
+            "error": {
+                "message": "the model's replica is unavailable (ActorDiedError)",
+                "type": "server_error",
+                "code": "replica_died",
+            }
+        },
+    ),
     # any other error event mid-stream
     12: [_chunk("a", [5]), {"error": {"message": "RuntimeError: boom", "code": None}}, DONE],
 }
@@ -97,6 +120,7 @@ def _gen(url, first_id, n=4, **kw):
             return await client.generate(GenerationRequest(f"r{first_id}", [first_id, 2, 3], n))
         finally:
             await client.close()
+
     return asyncio.run(go())
 
 
@@ -105,8 +129,8 @@ def test_one_token_per_chunk_timestamped_at_arrival_and_replica_ttft_apart(serve
     r = _gen(url, 1, n=3)
     assert r.error_kind is None and r.output_ids == [5, 6, 7] and r.output_tokens_source == "token_ids"
     gaps = [b - a for a, b in zip(r.token_times_s, r.token_times_s[1:])]
-    assert all(g > 0 for g in gaps)               # separate arrivals (the server pauses 50 ms; no timing bound)
-    assert r.replica_ttft_s == 0.0125 and r.replica_id == "rep-a"    # the server's own TTFT, kept apart
+    assert all(g > 0 for g in gaps)  # separate arrivals (the server pauses 50 ms; no timing bound)
+    assert r.replica_ttft_s == 0.0125 and r.replica_id == "rep-a"  # the server's own TTFT, kept apart
     body = app.state.bodies[-1]
     assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 3 and body["stream"] is True
     assert body["stream_options"] == {"include_usage": True} and body["ignore_eos"] is True
@@ -137,8 +161,17 @@ def test_no_chunks_and_empty_chunks(server):
     assert guessed.output_tokens == 2 and guessed.output_tokens_source == "chunks"
 
 
-@pytest.mark.parametrize("first_id, kind", [(6, "replica_died"), (7, "stream_truncated"), (8, "overloaded"),
-                                            (9, "unknown_model"), (11, "replica_died"), (12, "server_error")])
+@pytest.mark.parametrize(
+    "first_id, kind",
+    [
+        (6, "replica_died"),
+        (7, "stream_truncated"),
+        (8, "overloaded"),
+        (9, "unknown_model"),
+        (11, "replica_died"),
+        (12, "server_error"),
+    ],
+)
 def test_errors_are_named_kinds(server, first_id, kind):
     url, _ = server
     r = _gen(url, first_id)

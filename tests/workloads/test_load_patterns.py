@@ -1,5 +1,6 @@
 """What a load pattern declares for the suites that sweep it (`workloads.load.patterns`), the configs'
 validation, and the typed replies a Serve deployment hands the load generator (`ServeClient`)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,19 +32,22 @@ def test_every_pattern_is_a_suite_mode_and_fills_its_own_record_column():
     assert RECORD_COLUMNS == ("batch_size", "concurrency", "request_rate")
 
 
-@pytest.mark.parametrize("mode, extra, max_batch_size, columns", [
-    ("serving-batch", dict(loads=[2, 4]), None, dict(batch_size=2)),
-    ("concurrency", dict(loads=[3]), None, dict(concurrency=3)),
-    ("rate", dict(loads=[0.5, 2]), None, dict(request_rate=0.5)),
-    ("max_batch", dict(kv_memory_limit_bytes=10**6), 7, dict(batch_size=7)),
-])
+@pytest.mark.parametrize(
+    "mode, extra, max_batch_size, columns",
+    [
+        ("serving-batch", dict(loads=[2, 4]), None, dict(batch_size=2)),
+        ("concurrency", dict(loads=[3]), None, dict(concurrency=3)),
+        ("rate", dict(loads=[0.5, 2]), None, dict(request_rate=0.5)),
+        ("max_batch", dict(kv_memory_limit_bytes=10**6), 7, dict(batch_size=7)),
+    ],
+)
 def test_a_suite_point_gets_its_patterns_config_and_record_columns(tmp_path, mode, extra, max_batch_size, columns):
     suite = _suite(tmp_path, mode=mode, **extra)
     point = suite.points()[0]
     assert suite.record_columns(point, max_batch_size) == {**dict.fromkeys(RECORD_COLUMNS), **columns}
     cfg = suite.load_config(point, max_batch=max_batch_size)
     assert cfg.mode == suite.pattern.name and cfg.seed == suite.seed + point.index
-    if mode == "max_batch":                             # rounds (2) batches of the batch the replicas sized
+    if mode == "max_batch":  # rounds (2) batches of the batch the replicas sized
         assert (cfg.batch_size, cfg.num_requests, cfg.duration_s) == (7, 14, None)
     else:
         assert getattr(cfg, suite.pattern.load_field) == point.load and cfg.num_requests == 4
@@ -52,8 +56,9 @@ def test_a_suite_point_gets_its_patterns_config_and_record_columns(tmp_path, mod
 def test_a_trace_suite_takes_its_lengths_and_its_one_load_from_the_trace(tmp_path):
     trace = tmp_path / "t.csv"
     trace.write_text("arrival_time_s,prompt_tokens,output_tokens\n0,5,2\n0.5,9,3\n")
-    suite = _suite(tmp_path, mode="trace", trace_path=str(trace), trace_time_scale=0.5, prompt_tokens=None,
-                   new_tokens=None)
+    suite = _suite(
+        tmp_path, mode="trace", trace_path=str(trace), trace_time_scale=0.5, prompt_tokens=None, new_tokens=None
+    )
     (point,) = suite.points()
     assert (suite.prompt_tokens.min, suite.prompt_tokens.max, suite.new_tokens.max) == (5, 9, 3)
     assert point.load == 0.5 and suite.record_columns(point) == dict.fromkeys(RECORD_COLUMNS)
@@ -63,14 +68,25 @@ def test_a_trace_suite_takes_its_lengths_and_its_one_load_from_the_trace(tmp_pat
         _suite(tmp_path, mode="trace", trace_path=str(trace), loads=[1], prompt_tokens=None, new_tokens=None)
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(mode="rate", rate_req_per_s=1, num_requests=1, arrival="uniform"),
-     "arrival: expected one of poisson, gamma, got 'uniform'"),
-    (dict(mode="burst", num_requests=1), "mode: unknown load pattern 'burst' (accepted: batch, concurrency, rate, trace)"),
-    (dict(mode="rate", rate_req_per_s=0, num_requests=1), "rate_req_per_s: Input should be greater than 0, got 0"),
-    (dict(mode="batch", batch_size=2, num_requests=True), "num_requests: Input should be a valid integer, got True"),
-    (dict(mode="batch", batch_size=2, num_requests=1, rounds=2), "rounds: unknown key"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (
+            dict(mode="rate", rate_req_per_s=1, num_requests=1, arrival="uniform"),
+            "arrival: expected one of poisson, gamma, got 'uniform'",
+        ),
+        (
+            dict(mode="burst", num_requests=1),
+            "mode: unknown load pattern 'burst' (accepted: batch, concurrency, rate, trace)",
+        ),
+        (dict(mode="rate", rate_req_per_s=0, num_requests=1), "rate_req_per_s: Input should be greater than 0, got 0"),
+        (
+            dict(mode="batch", batch_size=2, num_requests=True),
+            "num_requests: Input should be a valid integer, got True",
+        ),
+        (dict(mode="batch", batch_size=2, num_requests=1, rounds=2), "rounds: unknown key"),
+    ],
+)
 def test_load_config_errors_are_one_line_naming_the_field_and_what_it_accepts(kw, message):
     with pytest.raises(ValueError) as e:
         LoadConfig(**kw)
@@ -80,7 +96,7 @@ def test_load_config_errors_are_one_line_naming_the_field_and_what_it_accepts(kw
 def test_load_config_round_trips_through_its_record_form():
     cfg = LoadConfig(mode="rate", rate_req_per_s=2.5, duration_s=3, arrival="gamma", burstiness=0.5, seed=4)
     assert LoadConfig(**cfg.model_dump()) == cfg and cfg.model_dump()["duration_s"] == 3.0
-    assert cfg.pattern is cfg.pattern                   # one pattern per config (a trace is read once)
+    assert cfg.pattern is cfg.pattern  # one pattern per config (a trace is read once)
 
 
 def test_length_dist_takes_its_distribution_first_and_names_the_suite_field():
@@ -110,11 +126,14 @@ class _FakeHandle:
     async def _generate(self, request: GenerationRequest):
         replica, answered = self.answers.pop(0)
         if replica is None:
-            class ActorDiedError(Exception):          # Ray's class, matched by name
+
+            class ActorDiedError(Exception):  # Ray's class, matched by name
                 pass
+
             raise ActorDiedError("the replica died")
-        result = GenerationResult(request.request_id, len(request.prompt_ids), output_ids=[1], token_times_s=[0.0],
-                                  replica_id=replica)
+        result = GenerationResult(
+            request.request_id, len(request.prompt_ids), output_ids=[1], token_times_s=[0.0], replica_id=replica
+        )
         return ReplicaReply(result, {"replica_id": replica, "completed_requests": answered})
 
 
@@ -130,8 +149,10 @@ def test_serve_client_hands_the_result_on_and_keeps_each_replicas_latest_figures
     results = asyncio.run(go())
     assert all(type(r) is GenerationResult for r in results) and [r.replica_id for r in results] == ["a", "b", "a", "a"]
     # the latest figures of each replica by requests answered (a reply overtaken in flight does not go back)
-    assert client.stats == {"a": {"replica_id": "a", "completed_requests": 3},
-                            "b": {"replica_id": "b", "completed_requests": 1}}
+    assert client.stats == {
+        "a": {"replica_id": "a", "completed_requests": 3},
+        "b": {"replica_id": "b", "completed_requests": 1},
+    }
     assert client.died == 1
 
 
@@ -153,7 +174,7 @@ def test_a_replica_streams_typed_chunks_then_its_result_and_the_same_as_openai_e
     assert all(type(c) is StreamChunk and len(c.token_ids) == 1 and c.replica_id == "r0" for c in chunks)
     assert type(result) is GenerationResult and result.error_kind is None
     assert [c.token_ids[0] for c in chunks] == result.output_ids and [c.time_s for c in chunks] == result.token_times_s
-    assert [ev["token_id"] for ev in wire[:-1]] == result.output_ids          # greedy: the same ids
+    assert [ev["token_id"] for ev in wire[:-1]] == result.output_ids  # greedy: the same ids
     assert wire[-1]["result"]["output_ids"] == result.output_ids and set(wire[-1]) == {"result"}
 
 

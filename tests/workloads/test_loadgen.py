@@ -3,6 +3,7 @@
 Everything runs against `FakeReplica` on a virtual-time event loop: scripted seconds cost no real
 time and every number is exact.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,32 +12,34 @@ import time
 import numpy as np
 import pytest
 
-from replica.types import GenerationRequest
-from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
 from replica.continuous import StreamChunk
-from replica.types import GenerationResult
+from replica.types import GenerationRequest, GenerationResult
+from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
 from workloads.load.driver import run_load
 from workloads.load.lengths import LengthDist, build_requests
-from workloads.load.patterns import LoadConfig, arrival_gaps_s
 from workloads.load.metrics import LatencyStats, RequestRecord, summarize
+from workloads.load.patterns import LoadConfig, arrival_gaps_s
 
 
 def _run(client, reqs, cfg):
     async def go():
         return await run_load(client, reqs, cfg, clock=virtual_clock())
+
     return run_virtual(go())
 
 
 def test_L1_output_tokens_are_the_generated_ids_never_re_encoded_text():
-    hello_world_ids = [28120, 905]          # what a model generated; its text is "hello world"
+    hello_world_ids = [28120, 905]  # what a model generated; its text is "hello world"
 
     class Client:
         async def generate(self, req):
-            return GenerationResult(req.request_id, 3, output_ids=hello_world_ids, token_times_s=[1.0, 1.5],
-                                    finish_reason="length")
+            return GenerationResult(
+                req.request_id, 3, output_ids=hello_world_ids, token_times_s=[1.0, 1.5], finish_reason="length"
+            )
 
-    res = _run(Client(), [GenerationRequest("a", [1, 2, 3], 2)], LoadConfig(mode="concurrency", concurrency=1,
-                                                                            num_requests=1))
+    res = _run(
+        Client(), [GenerationRequest("a", [1, 2, 3], 2)], LoadConfig(mode="concurrency", concurrency=1, num_requests=1)
+    )
     (rec,) = res.records
     assert rec.output_tokens == len(hello_world_ids) == 2
     assert res.metrics.output_tokens == 2
@@ -49,9 +52,9 @@ def test_L2_tpot_is_e2e_minus_ttft_over_tokens_minus_one_and_chunk_gap_is_separa
     m = res.metrics
     assert m.ttft_s.mean_s == pytest.approx(0.3)
     assert m.e2e_latency_s.mean_s == pytest.approx(0.3 + 24 * 0.04)
-    assert m.tpot_s.mean_s == pytest.approx((0.3 + 24 * 0.04 - 0.3) / 99)        # 9.7 ms, not 40 ms / 4
+    assert m.tpot_s.mean_s == pytest.approx((0.3 + 24 * 0.04 - 0.3) / 99)  # 9.7 ms, not 40 ms / 4
     assert m.inter_chunk_gap_s.mean_s == pytest.approx(0.04) and m.inter_chunk_gap_s.n == 24
-    assert m.itl_s.n == 99 and m.itl_s.p50_s == pytest.approx(0.0)               # tokens of one chunk: gap 0
+    assert m.itl_s.n == 99 and m.itl_s.p50_s == pytest.approx(0.0)  # tokens of one chunk: gap 0
     assert RequestRecord("x", 1, 1, send_time_s=0, token_times_s=[1.0], output_tokens=1).tpot_s is None
 
 
@@ -62,24 +65,24 @@ def test_every_per_request_field_summarizes_the_record_attribute_of_its_name_ove
 
     marked = per_request_fields()
     assert marked == ["ttft_s", "tpot_s", "itl_s", "inter_chunk_gap_s", "e2e_latency_s", "replica_ttft_s"]
-    recs = [RequestRecord("a", 4, 3, send_time_s=0.0, token_times_s=[0.5, 0.75, 1.0], output_tokens=3,
-                          replica_ttft_s=0.25),
-            RequestRecord("b", 4, 2, send_time_s=1.0, token_times_s=[1.25, 1.75], output_tokens=2),
-            RequestRecord("c", 4, 2, send_time_s=1.0, error_kind="error")]           # failed: not summarized
+    recs = [
+        RequestRecord("a", 4, 3, send_time_s=0.0, token_times_s=[0.5, 0.75, 1.0], output_tokens=3, replica_ttft_s=0.25),
+        RequestRecord("b", 4, 2, send_time_s=1.0, token_times_s=[1.25, 1.75], output_tokens=2),
+        RequestRecord("c", 4, 2, send_time_s=1.0, error_kind="error"),
+    ]  # failed: not summarized
     m = summarize(recs, mode="batch", window_start_s=0.0, window_end_s=2.0)
     assert (m.ttft_s.n, m.ttft_s.mean_s) == (2, pytest.approx(0.375))
-    assert (m.tpot_s.n, m.tpot_s.mean_s) == (2, pytest.approx(0.375))              # (0.25 + 0.5) / 2
-    assert (m.itl_s.n, m.itl_s.p50_s) == (3, pytest.approx(0.25))                  # 0.25, 0.25, 0.5 pooled
+    assert (m.tpot_s.n, m.tpot_s.mean_s) == (2, pytest.approx(0.375))  # (0.25 + 0.5) / 2
+    assert (m.itl_s.n, m.itl_s.p50_s) == (3, pytest.approx(0.25))  # 0.25, 0.25, 0.5 pooled
     assert (m.e2e_latency_s.n, m.e2e_latency_s.mean_s) == (2, pytest.approx(0.875))
-    assert (m.replica_ttft_s.n, m.replica_ttft_s.mean_s) == (1, pytest.approx(0.25))   # only "a" reports it
+    assert (m.replica_ttft_s.n, m.replica_ttft_s.mean_s) == (1, pytest.approx(0.25))  # only "a" reports it
     flat = m.flat()
     assert {f"{name[:-2]}_{q}_s" for name in marked for q in ("mean", "p50", "p90", "p99")} <= set(flat)
 
 
 def test_L3_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
     slow = {"q0"}
-    fake = FakeReplica(script=lambda r: Script(ttft_s=10.0 if r.request_id.startswith("q0#") else 0.5,
-                                               gap_s=0.5 / 3))
+    fake = FakeReplica(script=lambda r: Script(ttft_s=10.0 if r.request_id.startswith("q0#") else 0.5, gap_s=0.5 / 3))
     res = _run(fake, requests(40), LoadConfig(mode="concurrency", concurrency=4, num_requests=40))
     m = res.metrics
     assert m.completed_requests == 40
@@ -94,15 +97,21 @@ def test_L3_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
 
 
 def test_L4_concurrency_shortfall_is_measured_and_warned_not_silently_capped():
-    fake = FakeReplica(capacity=8)                      # the replicas run at most 8 at once
+    fake = FakeReplica(capacity=8)  # the replicas run at most 8 at once
     res = _run(fake, requests(40), LoadConfig(mode="concurrency", concurrency=64, num_requests=40))
     m = res.metrics
     assert m.target_concurrency == 64
-    assert m.achieved_peak_concurrency == 40            # only 40 requests exist: measured, reported
+    assert m.achieved_peak_concurrency == 40  # only 40 requests exist: measured, reported
     assert any("concurrency: target 64, achieved peak 40" in w for w in m.warnings)
     # what the replicas ran is reported by the sweep next to it (replica peak running sequences)
-    m2 = summarize(res.records, mode="concurrency", window_start_s=m.window_start_s, window_end_s=m.window_end_s,
-                   target_concurrency=64, replica_peak_running_sequences=fake.peak_running)
+    m2 = summarize(
+        res.records,
+        mode="concurrency",
+        window_start_s=m.window_start_s,
+        window_end_s=m.window_end_s,
+        target_concurrency=64,
+        replica_peak_running_sequences=fake.peak_running,
+    )
     assert fake.peak_running == 8
     assert any("the replicas ran at most 8 sequences" in w for w in m2.warnings)
 
@@ -111,7 +120,7 @@ def test_L5_exactly_the_requests_sent_reach_the_replicas_and_all_are_accounted_f
     fake = FakeReplica(script=lambda r: Script(error_kind="oom") if r.request_id.endswith(("#5", "#9")) else Script())
     res = _run(fake, requests(20), LoadConfig(mode="concurrency", concurrency=20, num_requests=20, warmup_requests=2))
     m = res.metrics
-    assert len(fake.received) == 22                      # 20 + 2 declared warm-ups
+    assert len(fake.received) == 22  # 20 + 2 declared warm-ups
     assert len(res.records) == 22 and sorted(fake.received) == sorted(r.request_id for r in res.records)
     assert m.sent_requests == 20 and m.warmup_requests == 2
     assert m.completed_requests + m.failed_requests == 20
@@ -120,11 +129,11 @@ def test_L5_exactly_the_requests_sent_reach_the_replicas_and_all_are_accounted_f
 
 @pytest.mark.parametrize("policy", ["delay", "drop"])
 def test_L6_open_loop_with_a_cap_reports_target_and_achieved_rate_and_late_or_dropped_arrivals(policy):
-    fake = FakeReplica(script=lambda r: Script(ttft_s=0.5, gap_s=0.5 / 3))      # 1 s per request
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.5, gap_s=0.5 / 3))  # 1 s per request
     cfg = LoadConfig(mode="rate", rate_req_per_s=50, max_concurrency=10, cap_policy=policy, num_requests=200)
     m = _run(fake, requests(200), cfg).metrics
     assert m.target_rate_req_per_s == 50
-    assert m.achieved_rate_req_per_s < 12                # 10 in flight x 1 s each
+    assert m.achieved_rate_req_per_s < 12  # 10 in flight x 1 s each
     assert any(w.startswith("rate: target 50 req/s, achieved") for w in m.warnings)
     assert m.achieved_peak_concurrency <= 10
     if policy == "delay":
@@ -136,6 +145,7 @@ def test_L6_open_loop_with_a_cap_reports_target_and_achieved_rate_and_late_or_dr
 def test_L8_warm_up_requests_and_requests_sent_before_the_window_are_excluded():
     def script(r):
         return Script(ttft_s=20.0) if r.request_id == "slow" else Script(ttft_s=0.5, gap_s=0.1)
+
     sent_at_9 = []
 
     def make(i):
@@ -144,9 +154,12 @@ def test_L8_warm_up_requests_and_requests_sent_before_the_window_are_excluded():
 
     async def go():
         clock = virtual_clock()
-        res = await run_load(FakeReplica(script=script), make,
-                             LoadConfig(mode="concurrency", concurrency=1, warmup_s=10.0, duration_s=20.0),
-                             clock=clock)
+        res = await run_load(
+            FakeReplica(script=script),
+            make,
+            LoadConfig(mode="concurrency", concurrency=1, warmup_s=10.0, duration_s=20.0),
+            clock=clock,
+        )
         sent_at_9.extend(r.send_time_s for r in res.records if r.request_id == "slow")
         return res
 
@@ -156,7 +169,7 @@ def test_L8_warm_up_requests_and_requests_sent_before_the_window_are_excluded():
     assert m.window_start_s >= 10.0
     assert m.warmup_requests >= 10
     assert m.e2e_latency_s.n == m.completed_requests > 0
-    assert m.e2e_latency_s.p99_s < 1.0                   # the 20 s warm-up request is not in it
+    assert m.e2e_latency_s.p99_s < 1.0  # the 20 s warm-up request is not in it
     assert all(not r.warmup for r in res.records if r.send_time_s >= m.window_start_s)
 
 
@@ -166,7 +179,7 @@ def test_L14_every_request_failing_still_gives_a_complete_summary_with_null_perc
     assert (m.completed_requests, m.failed_requests, m.errors_by_kind) == (0, 6, {"error": 6})
     assert m.ttft_s == LatencyStats(0) and m.ttft_s.p99_s is None and m.e2e_latency_s.mean_s is None
     assert m.output_throughput_tok_per_s == 0
-    json.dumps(m.flat(), allow_nan=False)                # no NaN anywhere
+    json.dumps(m.flat(), allow_nan=False)  # no NaN anywhere
 
 
 def test_L15_percentiles_carry_n_and_p99_of_eight_samples_is_low_confidence():
@@ -193,7 +206,7 @@ def test_gamma_burstiness_changes_the_spread_not_the_mean_rate():
     poisson = arrival_gaps_s(20000, 10.0, 1.0, seed=0)
     bursty = arrival_gaps_s(20000, 10.0, 0.25, seed=0)
     assert poisson.mean() == pytest.approx(0.1, rel=0.03) and bursty.mean() == pytest.approx(0.1, rel=0.05)
-    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)            # CV = 1 / sqrt(shape)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)  # CV = 1 / sqrt(shape)
     assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
 
 
@@ -201,10 +214,10 @@ def test_batch_mode_sends_static_batches():
     fake = FakeReplica(script=lambda r: Script(ttft_s=0.2 + 0.1 * int(r.request_id.split("#")[1]), gap_s=0.01))
     res = _run(fake, requests(12), LoadConfig(mode="batch", batch_size=4, num_requests=12, warmup_requests=1))
     warm = [r for r in res.records if r.warmup]
-    assert len(warm) == 1 and warm[0].send_time_s == 0   # the warm-up request runs alone first
+    assert len(warm) == 1 and warm[0].send_time_s == 0  # the warm-up request runs alone first
     res.records = [r for r in res.records if not r.warmup]
     sends = sorted({round(r.send_time_s, 9) for r in res.records})
-    assert len(sends) == 3                               # then three waves of four
+    assert len(sends) == 3  # then three waves of four
     assert all(sum(round(r.send_time_s, 9) == t for r in res.records) == 4 for t in sends)
     first_wave_done = max(r.finish_time_s for r in res.records if round(r.send_time_s, 9) == sends[0])
     assert sends[1] == pytest.approx(first_wave_done)
@@ -222,13 +235,16 @@ def test_build_requests_is_seeded_and_follows_the_length_distributions():
         LengthDist.parse("prompt_tokens", {"dist": "zipf", "value": 3})
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(mode="poisson", num_requests=1), "mode"),
-    (dict(mode="rate", num_requests=1), "rate_req_per_s"),
-    (dict(mode="concurrency", concurrency=2), "num_requests, duration_s"),
-    (dict(mode="rate", rate_req_per_s=1, burstiness=0.5, num_requests=1), "burstiness"),
-    (dict(mode="batch", batch_size=0, num_requests=1), "batch_size"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(mode="poisson", num_requests=1), "mode"),
+        (dict(mode="rate", num_requests=1), "rate_req_per_s"),
+        (dict(mode="concurrency", concurrency=2), "num_requests, duration_s"),
+        (dict(mode="rate", rate_req_per_s=1, burstiness=0.5, num_requests=1), "burstiness"),
+        (dict(mode="batch", batch_size=0, num_requests=1), "batch_size"),
+    ],
+)
 def test_load_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         LoadConfig(**kw)
@@ -239,8 +255,9 @@ def test_L16_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_poi
     class Client:
         async def generate(self, req):
             second = req.request_id.endswith("#1")
-            return GenerationResult(req.request_id, 1, output_ids=[5, 6, 7],
-                                    token_times_s=[] if second else [1.0, 1.1, 1.2])
+            return GenerationResult(
+                req.request_id, 1, output_ids=[5, 6, 7], token_times_s=[] if second else [1.0, 1.1, 1.2]
+            )
 
     res = _run(Client(), requests(4), LoadConfig(mode="batch", batch_size=4, num_requests=4))
     m = res.metrics
@@ -266,7 +283,7 @@ def test_L17_four_ids_in_two_streamed_chunks_count_four_tokens_with_zero_gaps_in
     assert rec.output_tokens == 4 and m.output_tokens == 4
     assert rec.token_times_s == [0.1, 0.1, 0.4, 0.4]
     assert sorted(rec.itl_s) == pytest.approx([0.0, 0.0, 0.3])
-    assert m.tpot_s.mean_s == pytest.approx(0.3 / 3)                     # (e2e - ttft) / (4 - 1)
+    assert m.tpot_s.mean_s == pytest.approx(0.3 / 3)  # (e2e - ttft) / (4 - 1)
     assert m.inter_chunk_gap_s.mean_s == pytest.approx(0.3) and m.inter_chunk_gap_s.n == 1
 
 
@@ -320,11 +337,11 @@ def test_L18_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():
 
 
 def test_L19_a_count_that_ends_first_closes_the_window_at_the_last_token():
-    fake = FakeReplica(script=lambda r: Script(ttft_s=0.02, gap_s=0.02))          # 10 tokens, 20 ms apart
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.02, gap_s=0.02))  # 10 tokens, 20 ms apart
     cfg = LoadConfig(mode="concurrency", concurrency=2, num_requests=6, duration_s=10)
     m = _run(fake, requests(6, new_tokens=10), cfg).metrics
     assert m.stop_reason == "count"
-    assert m.window_s == pytest.approx(0.6)                                       # 3 waves of 0.2 s, not 10 s
+    assert m.window_s == pytest.approx(0.6)  # 3 waves of 0.2 s, not 10 s
     assert m.output_tokens == 60 and m.output_throughput_tok_per_s == pytest.approx(100.0)
     assert m.request_throughput_req_per_s == pytest.approx(10.0)
 
@@ -353,17 +370,40 @@ def test_L20_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
     from scissorhands.testing import tiny_llama
     from workloads.core.template import run_suite
     from workloads.serving.pools import LocalReplicaPool
-    from workloads.serving.runner import KIND as SERVING, ServingKind
+    from workloads.serving.runner import ServingKind
 
     torch.set_num_threads(1)
     suite = tmp_path / "l20.yaml"
-    suite.write_text(yaml.safe_dump(dict(
-        kind="serving", name="l20", mode="rate", model="tiny-llama", policies=["full"], loads=[20], prompt_tokens=8, new_tokens=3,
-        num_requests=4, warmup_requests=0, warmup_s=0.3, seed=0, replicas=1)))
+    suite.write_text(
+        yaml.safe_dump(
+            dict(
+                kind="serving",
+                name="l20",
+                mode="rate",
+                model="tiny-llama",
+                policies=["full"],
+                loads=[20],
+                prompt_tokens=8,
+                new_tokens=3,
+                num_requests=4,
+                warmup_requests=0,
+                warmup_s=0.3,
+                seed=0,
+                replicas=1,
+            )
+        )
+    )
     import argparse
 
-    args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
-                              resume=None, address=None, pushgateway="off")
+    args = argparse.Namespace(
+        suite=str(suite),
+        replicas=None,
+        results_dir=str(tmp_path / "r"),
+        run_id="run",
+        resume=None,
+        address=None,
+        pushgateway="off",
+    )
     assert run_suite(args, ServingKind(LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0)))) == 0
     [rec] = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
     [stats] = rec["replica_stats"]
@@ -397,7 +437,7 @@ def test_trace_replay_sends_each_row_at_its_scaled_time_with_its_lengths(tmp_pat
     fake = FakeReplica(script=lambda r: Script(ttft_s=0.01, gap_s=0.001))
     res = _run(fake, reqs, cfg)
     sends = [r.send_time_s for r in res.records]
-    assert sends == pytest.approx([0.0, 0.05, 0.20000025, 1.5], abs=1e-9)        # offsets x 0.5
+    assert sends == pytest.approx([0.0, 0.05, 0.20000025, 1.5], abs=1e-9)  # offsets x 0.5
     assert [(r.prompt_tokens, r.max_new_tokens) for r in res.records] == [(374, 44), (396, 109), (879, 4), (91, 7)]
     m = res.metrics
     assert m.stop_reason == "count" and m.sent_requests == 4 and m.output_tokens == 44 + 109 + 4 + 7
@@ -409,8 +449,12 @@ def test_trace_replay_shares_warm_up_and_bounds_and_reads_jsonl(tmp_path):
     from workloads.load.patterns import TraceLoad
 
     path = tmp_path / "ours.jsonl"
-    path.write_text("".join(json.dumps({"arrival_time_s": 0.25 * i, "prompt_tokens": 4 + i, "output_tokens": 2}) + "\n"
-                            for i in range(10)))
+    path.write_text(
+        "".join(
+            json.dumps({"arrival_time_s": 0.25 * i, "prompt_tokens": 4 + i, "output_tokens": 2}) + "\n"
+            for i in range(10)
+        )
+    )
     cfg = LoadConfig(mode="trace", trace_path=str(path), warmup_requests=2, num_requests=5)
     res = _run(FakeReplica(), TraceLoad(cfg).requests(vocab_size=50), cfg)
     assert [r.warmup for r in res.records] == [True, True, False, False, False, False, False]
@@ -418,15 +462,21 @@ def test_trace_replay_shares_warm_up_and_bounds_and_reads_jsonl(tmp_path):
     assert res.metrics.window_start_s == pytest.approx(0.5) and res.metrics.stop_reason == "count"
     cfg = LoadConfig(mode="trace", trace_path=str(path), duration_s=1.0)
     res = _run(FakeReplica(), TraceLoad(cfg).requests(vocab_size=50), cfg)
-    assert res.metrics.stop_reason == "duration" and len(res.records) == 4       # sent at 0, 0.25, 0.5, 0.75
+    assert res.metrics.stop_reason == "duration" and len(res.records) == 4  # sent at 0, 0.25, 0.5, 0.75
 
 
-@pytest.mark.parametrize("text, match", [
-    ("time,ContextTokens,GeneratedTokens\n1,2,3\n", r"expected one of \(TIMESTAMP, ContextTokens, GeneratedTokens\)"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,3\n4,2,3\n", r"row 2, TIMESTAMP: earlier than the row before"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,0\n", r"row 1, GeneratedTokens: expected an integer >= 1"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,2,1\n", r"row 1, TIMESTAMP: not a number of seconds"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (
+            "time,ContextTokens,GeneratedTokens\n1,2,3\n",
+            r"expected one of \(TIMESTAMP, ContextTokens, GeneratedTokens\)",
+        ),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,3\n4,2,3\n", r"row 2, TIMESTAMP: earlier than the row before"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\n5,2,0\n", r"row 1, GeneratedTokens: expected an integer >= 1"),
+        ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,2,1\n", r"row 1, TIMESTAMP: not a number of seconds"),
+    ],
+)
 def test_trace_errors_name_the_row_and_column(tmp_path, text, match):
     from workloads.load.traces import read_trace
 
@@ -435,7 +485,7 @@ def test_trace_errors_name_the_row_and_column(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
         read_trace(path)
     with pytest.raises(ValueError, match=match):
-        LoadConfig(mode="trace", trace_path=str(path))              # checked when the config is made
+        LoadConfig(mode="trace", trace_path=str(path))  # checked when the config is made
     with pytest.raises(ValueError, match="trace_path: required in mode 'trace'"):
         LoadConfig(mode="trace")
     with pytest.raises(ValueError, match="trace_path: no such file"):
@@ -456,8 +506,13 @@ def test_the_serving_replicas_own_stream_feeds_the_load_generator(tmp_path):
     replica = ServingReplica(replica_id="s0", model_spec="tiny-llama", model=tiny_llama(0))
     replica.configure({"policy": "full"})
     try:
-        res = asyncio.run(run_load(replica, requests(3, new_tokens=5),
-                                   LoadConfig(mode="concurrency", concurrency=2, num_requests=3, warmup_requests=1)))
+        res = asyncio.run(
+            run_load(
+                replica,
+                requests(3, new_tokens=5),
+                LoadConfig(mode="concurrency", concurrency=2, num_requests=3, warmup_requests=1),
+            )
+        )
         stats = asyncio.run(replica.stats())
     finally:
         replica.shutdown()
@@ -475,35 +530,56 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
     import yaml
 
     from scissorhands.testing import tiny_llama
-    from workloads.core.template import run_suite
-    from workloads.serving.pools import LocalReplicaPool
-    from workloads.serving.runner import KIND as SERVING, ServingKind
     from workloads.core.suite import SuiteError
+    from workloads.core.template import run_suite
     from workloads.kinds import load_suite
+    from workloads.serving.pools import LocalReplicaPool
+    from workloads.serving.runner import ServingKind
 
     torch.set_num_threads(1)
     trace = tmp_path / "azure.csv"
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
-        f"2023-11-16 18:15:4{i}.5000000,{6 + i},{2 + i % 3}\n" for i in range(6)))
-    body = dict(kind="serving", name="replay", mode="trace", model="tiny-llama", policies=["full", "scissorhands"],
-                compression_ratios=[2], trace_path=str(trace), trace_time_scale=0.05, warmup_requests=1, seed=0)
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        + "".join(f"2023-11-16 18:15:4{i}.5000000,{6 + i},{2 + i % 3}\n" for i in range(6))
+    )
+    body = dict(
+        kind="serving",
+        name="replay",
+        mode="trace",
+        model="tiny-llama",
+        policies=["full", "scissorhands"],
+        compression_ratios=[2],
+        trace_path=str(trace),
+        trace_time_scale=0.05,
+        warmup_requests=1,
+        seed=0,
+    )
     suite = tmp_path / "replay.yaml"
     suite.write_text(yaml.safe_dump(body))
     s = load_suite(str(suite))
     assert [p.load for p in s.points()] == [0.05, 0.05] and s.max_length_tokens == 11 + 4
-    args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
-                              resume=None, address=None, pushgateway="off")
+    args = argparse.Namespace(
+        suite=str(suite),
+        replicas=None,
+        results_dir=str(tmp_path / "r"),
+        run_id="run",
+        resume=None,
+        address=None,
+        pushgateway="off",
+    )
     assert run_suite(args, ServingKind(LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0)))) == 0
     recs = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
     assert [r["status"] for r in recs] == ["ok", "ok"]
     for r in recs:
         assert (r["warmup_requests"], r["sent_requests"], r["completed_requests"]) == (1, 5, 5)
         assert r["stop_reason"] == "count" and r["load_config"]["trace_time_scale"] == 0.05
-        assert r["output_tokens"] == sum(2 + i % 3 for i in range(1, 6))           # rows 2-6, measured
+        assert r["output_tokens"] == sum(2 + i % 3 for i in range(1, 6))  # rows 2-6, measured
         assert r["target_rate_req_per_s"] == pytest.approx(5 / (5 * 0.05))
-    for bad, match in ((dict(body, prompt_tokens=8), "prompt_tokens: not used in mode trace"),
-                       (dict(body, trace_path=str(tmp_path / "none.csv")), "trace_path: no such file"),
-                       ({k: v for k, v in body.items() if k != "trace_path"}, "trace_path: mode trace needs a trace file")):
+    for bad, match in (
+        (dict(body, prompt_tokens=8), "prompt_tokens: not used in mode trace"),
+        (dict(body, trace_path=str(tmp_path / "none.csv")), "trace_path: no such file"),
+        ({k: v for k, v in body.items() if k != "trace_path"}, "trace_path: mode trace needs a trace file"),
+    ):
         suite.write_text(yaml.safe_dump(bad))
         with pytest.raises(SuiteError, match=match):
             load_suite(str(suite))

@@ -9,6 +9,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from scissorhands.models import load_tokenizer
 from workloads.load import prompts
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer("embedded")
@@ -89,8 +91,14 @@ def test_too_long_prompt_names_the_field(tokenizer):
         prompts.heldout_text_ids(tokenizer, n_tokens=10**7)
 
 
-@pytest.mark.parametrize("kwargs, field", [({"n": 0, "prompt_tokens": 8}, "n"), ({"n": 2, "prompt_tokens": 0}, "prompt_tokens"),
-                                           ({"n": 2, "prompt_tokens": 8.5}, "prompt_tokens")])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"n": 0, "prompt_tokens": 8}, "n"),
+        ({"n": 2, "prompt_tokens": 0}, "prompt_tokens"),
+        ({"n": 2, "prompt_tokens": 8.5}, "prompt_tokens"),
+    ],
+)
 def test_invalid_arguments_name_the_field(tokenizer, kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field}: expected an integer >= 1"):
         prompts.make_prompts(tokenizer, seed=0, **kwargs)
