@@ -11,9 +11,9 @@ import pytest
 
 from scissorhands import POLICIES
 from workloads.core import results as res
+from workloads.core.suite import SuiteError
 from workloads.frontier.report import frontier_rows, markdown, pareto_front
 from workloads.frontier.suite import FrontierSuite
-from workloads.core.suite import SuiteError
 from workloads.kinds import load_suite, parse_suite
 
 REPO = Path(__file__).resolve().parents[2]

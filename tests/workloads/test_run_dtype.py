@@ -34,8 +34,8 @@ def test_the_fake_probe_splits_replicas_that_resolve_on_their_own(alternating_pr
 
 def test_local_run_resolves_once_and_every_replica_runs_it(alternating_probe):
     from replica.static_batch import ModelReplica
-    from workloads.core.run import resolve_run_dtype
     from workloads.batch.suite import BatchSuite
+    from workloads.core.run import resolve_run_dtype
 
     suite = BatchSuite(kind="batch", name="t", model="tiny-llama", policies=["full"], batch_sizes=[1], prompt_tokens=[8],
                   new_tokens=[2], dtype="auto")

@@ -18,11 +18,12 @@ import yaml
 
 from tests.serving_fakes import FakeReplica, Script
 from workloads import sweep
-from workloads.core.template import run_suite
-from workloads.serving.pools import LocalReplicaPool
-from workloads.serving.runner import KIND as SERVING, ServingKind
 from workloads.core.suite import SuiteError
+from workloads.core.template import run_suite
 from workloads.kinds import load_suite
+from workloads.serving.pools import LocalReplicaPool
+from workloads.serving.runner import KIND as SERVING
+from workloads.serving.runner import ServingKind
 
 BASE = dict(kind="serving", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2],
             prompt_tokens={"dist": "uniform", "min": 8, "max": 24}, new_tokens={"dist": "uniform", "min": 2, "max": 8},
