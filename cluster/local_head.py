@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 DEFAULT_TEMP_DIR = "/tmp/scissorhands-cluster"
 STATE_FILE = "cluster.json"
 
@@ -68,8 +70,6 @@ def cluster_pids(temp_dir: str | Path) -> list[int]:
     A process belongs to the head when its command line names `<temp_dir>/session_...` or
     `--temp-dir=<temp_dir>` exactly (so `/tmp/x` never matches `/tmp/x2`). This process is never listed.
     """
-    import psutil
-
     root = os.path.normpath(os.path.abspath(str(temp_dir)))
     marks = (root + "/session_", "--temp-dir=" + root + " ", "--temp-dir=" + root + "/ ")
     found: dict[int, psutil.Process] = {}
@@ -95,8 +95,6 @@ def stop(temp_dir: str | Path, timeout_s: float = 10.0, log=print) -> int:
 
     Returns the number of processes still running at the end (0 on success).
     """
-    import psutil
-
     pids = cluster_pids(temp_dir)
     if not pids:
         log(f"cluster-down: no Ray process of the cluster under {temp_dir} is running; nothing stopped")

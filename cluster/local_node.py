@@ -22,6 +22,8 @@ import json
 import os
 import sys
 
+from cluster.signals import StopSignals
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cluster.local_node", description=__doc__.split("\n\n")[0])
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from cluster.signals import StopSignals
+    # imported after the environment above is set: Ray (also imported by cluster.submit) reads it on import
     from cluster.submit import auth_env
 
     os.environ.update(auth_env(dict(os.environ)))  # a head from `ray start` uses token auth

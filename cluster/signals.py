@@ -4,8 +4,8 @@ A Python signal handler runs in the main thread between two bytecodes, wherever 
 handler that takes a lock, such as `threading.Event.set`, deadlocks when a second signal lands while
 the main thread holds that same lock inside `Event.wait`; and two signals at once are the usual case
 here: `kill` of a process group reaches both `make` and its child, and `make` forwards SIGTERM to
-the child again. (A CI run hung so in `make cluster-node`; with 50 SIGTERMs, the Event pattern hung in
-19 of 40 runs, tests/cluster/test_signals.py.) So the handler here only appends to a list.
+the child again (how often the Event pattern hung: docs/performance.md, "Measurements behind the
+library and cluster code"; tests/cluster/test_signals.py). So the handler here only appends to a list.
 """
 
 from __future__ import annotations

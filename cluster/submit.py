@@ -45,6 +45,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+import yaml
+from ray._private import ray_constants
+from ray._private.runtime_env import packaging
+from ray.job_submission import JobSubmissionClient
+
+from scissorhands.models import embedded_cache_dir
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 #: Excluded from the uploaded working dir (gitignore syntax, relative to the working dir; a
@@ -86,8 +93,6 @@ class SubmitError(Exception):
 # -- the package -------------------------------------------------------------------------
 def ray_default_excludes() -> list[str]:
     """Ray's own default excludes (`RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES` respected)."""
-    from ray._private import ray_constants
-
     return list(ray_constants.get_runtime_env_default_excludes())
 
 
@@ -97,8 +102,6 @@ def package_files(working_dir: str | Path, excludes: list[str]) -> list[tuple[st
     Uses Ray's own traversal (`ray._private.runtime_env.packaging`), so `.gitignore`,
     `.rayignore` (in every folder) and Ray's default excludes apply exactly as in the upload.
     """
-    from ray._private.runtime_env import packaging
-
     root = Path(working_dir).absolute()
     include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
     out: list[tuple[str, int]] = []
@@ -169,8 +172,6 @@ def is_loopback(address: str) -> bool:
 
 def suite_name(suite_path: Path) -> str:
     """The suite's `name:` (YAML), else the file's stem."""
-    import yaml
-
     try:
         data = yaml.safe_load(suite_path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError) as e:
@@ -253,8 +254,6 @@ def build(args: argparse.Namespace) -> dict:
         },
     }
     if local:  # same machine: the job reuses this checkout's converted model and token caches
-        from scissorhands.models import embedded_cache_dir
-
         runtime_env["env_vars"][MODEL_CACHE_ENV] = str(embedded_cache_dir())
         runtime_env["env_vars"][TOKEN_CACHE_ENV] = str(working_dir / ".cache" / "tokens")  # workloads.load.prompts' default
     for name in PASS_THROUGH_ENV:  # what the user set here wins (e.g. shared cache paths on a cluster)
@@ -292,8 +291,6 @@ def save_job_record(plan: dict, status: str, message: str | None, logs: str | No
 
 def job_exists(address: str, submission_id: str) -> bool:
     """Whether the job server knows the job (False when it cannot be asked)."""
-    from ray.job_submission import JobSubmissionClient
-
     try:
         JobSubmissionClient(address).get_job_info(submission_id)
         return True
@@ -303,8 +300,6 @@ def job_exists(address: str, submission_id: str) -> bool:
 
 def job_outcome(address: str, submission_id: str) -> tuple[str, str | None, str | None]:
     """(status, message, logs) of a job from the job server."""
-    from ray.job_submission import JobSubmissionClient
-
     client = JobSubmissionClient(address)
     info = client.get_job_info(submission_id)
     try:
@@ -344,7 +339,7 @@ def follow_token_auth() -> bool:
     if mode == "token" and os.environ.get("RAY_AUTH_MODE") != "token":
         os.environ["RAY_AUTH_MODE"] = "token"
         try:  # Ray caches the mode per process; re-read it as Ray's own auto-detection does
-            from ray._raylet import Config
+            from ray._raylet import Config  # private and absent from some Ray builds: guarded, so here
 
             Config.initialize("")
         except ImportError:

@@ -66,7 +66,7 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
         scores = torch.matmul(qg, keys.transpose(-1, -2))                               # (b, hkv, g * q_c, S)
     else:
         # keys @ q^T, transposed after: oneDNN's bfloat16 batched matmul copies a transposed view of keys whose
-        # slots are a slice of the layer's buffer (decode, 19 rows, 300 used slots of 410: 0.38 against 0.14 ms a layer)
+        # slots are a slice of the layer's buffer (timings: docs/performance.md, "Measurements behind the library and cluster code")
         scores = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2)             # (b, hkv, g * q_c, S)
     scores = scores.to(torch.float32, memory_format=torch.contiguous_format).view(b, hkv, group, qc, n)
     if not fp32:
@@ -94,8 +94,7 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> to
 
     Per-chunk tensors of a prefill (scores of up to ``CHUNK_SCORE_ELEMENTS``) are reused instead of
     allocated afresh: a fresh multi-megabyte tensor comes from new pages of memory and the page faults of
-    its first write cost more than the arithmetic (an out-of-place ``exp`` of 1.7 M floats measured 10x an
-    in-place one on this project's CPU machine)."""
+    its first write can cost more than the arithmetic (timings: docs/performance.md, "Measurements behind the library and cluster code")."""
     buffers = getattr(_ACTIVE, "scratch", None)
     if buffers is None:
         buffers = _ACTIVE.scratch = {}
@@ -166,9 +165,8 @@ def causal_probs_chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float,
         chunk_queries: queries per yielded chunk (its float32 passes stay in the CPU's cache).
         matmul_queries: queries per score matmul in a low-precision dtype (a multiple of ``chunk_queries``):
             a bfloat16 ``bmm`` of a few queries runs several times slower per score than one of a hundred
-            (measured on this project's AMX Xeon, 1 thread: 16 queries 29 ms, 192 queries 7 ms per 362 queries
-            of one layer at batch 8), so its scores are computed for ``matmul_queries`` at once, in the model
-            dtype, and each chunk reads its slice. float32 runs ``baddbmm`` per chunk (no such effect).
+            (timings: docs/performance.md, "Measurements behind the library and cluster code"), so its scores are computed for ``matmul_queries`` at
+            once, in the model dtype, and each chunk reads its slice. float32 runs ``baddbmm`` per chunk (no such effect).
     Yields:
         ``(s, e, probs)``: queries ``[s, e)`` counted from the first of ``query`` and their probabilities
         ``(batch_size, num_kv_heads, group, e - s, L - q_o + e)`` float32 over the keys they can see, in a
@@ -182,7 +180,7 @@ def causal_probs_chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float,
     first = length - q_o                                                                 # token index of query 0
     low_precision = query.dtype != torch.float32
     if low_precision:
-        keys = keys.contiguous()                           # (b, hkv, L, d): a strided batch slows bmm 1.5x
+        keys = keys.contiguous()                           # (b, hkv, L, d): a strided batch slows bmm
         matmul_queries = max(chunk_queries, matmul_queries // chunk_queries * chunk_queries)
     neg_lse = lse.neg().view(b, hkv, group, q_o, 1)
     for ms in range(0, q_o, matmul_queries if low_precision else q_o):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import make_cache
 from .cache import BudgetedCache
 
 __all__ = ["merge_rows", "select_rows", "row_positions", "physical_slots", "sequence_slot_bytes", "use_row_clocks"]
@@ -112,8 +113,6 @@ def sequence_slot_bytes(model, policy: str, **cache_kwargs) -> int:
     per-row counters, in every layer. A sequence holding ``n`` tokens in a batch whose buffers hold
     ``S >= n`` slots costs ``S * sequence_slot_bytes`` (``S`` is the budget for a policy that evicts).
     """
-    from . import make_cache
-
     cache = make_cache(policy, model, **cache_kwargs)
     device = next(model.parameters()).device
     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True,

@@ -60,7 +60,14 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import causal_attention_lse, causal_probs, causal_probs_chunks, explicit_attention, scratch, set_active_layer
+from .attention import (
+    causal_attention_lse,
+    causal_probs,
+    causal_probs_chunks,
+    explicit_attention,
+    scratch,
+    set_active_layer,
+)
 from .policies.base import Policy
 from .storage import DenseKV, SlotStore
 
@@ -357,9 +364,8 @@ class BudgetedLayer(CacheLayerMixin):
         heads that share a KV head are passed to sdpa as that head's ``group`` queries, ``(b, hkv, group, d)``
         against ``(b, hkv, S, d)``, with the layer's ``(b, hkv, 1, S)`` mask broadcast over them. The same
         attention (one query sees the same slots as its group), computed by sdpa's ordinary kernel instead of
-        its grouped-query one, which on a CPU in bfloat16 runs one query 7-9x slower; in float32 the
-        grouped-query kernel is the faster one (1.3-2.6x at 1-16 rows), so float32 keeps it
-        (docs/performance.md, "Decode attention").
+        its grouped-query one, which on a CPU in bfloat16 runs one query several times slower; in float32 the
+        grouped-query kernel is the faster one, so float32 keeps it (docs/performance.md, "Decode attention").
         """
         b, hq, q_c, _ = query.shape
         hkv = keys.shape[1]

@@ -20,8 +20,8 @@ BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 BF16_MIN_SPEEDUP = 1.2
 """The probe's bfloat16 speedup (float32 time / bfloat16 time) at or above which ``dtype: auto`` picks
 bfloat16 on a CPU. Not 1.0: bfloat16 rounds every matmul input to 8 mantissa bits, worth it only when
-clearly faster, and a probe near 1.0x is noise (a 64x128 layer measured 1.01-1.05x, both ways of 1.0
-across runs, so two runs of one suite resolved differently and their numbers disagreed)."""
+clearly faster, and a probe near 1.0x is noise that can resolve two runs of one suite differently
+(docs/performance.md, "Measurements behind the library and cluster code")."""
 
 
 def cpu_flags() -> frozenset[str]:
@@ -65,7 +65,7 @@ def probe_bfloat16_speedup(hidden: int, intermediate: int, threads: int, rows: t
     (a decode step at batch 1 and a batched one), run as :class:`PackedLinear` runs it in a loaded model
     (packed in oneDNN's layout where :func:`onednn_packs` says so, else ``F.linear``), float32 and bfloat16
     interleaved, ``repeats`` rounds after one warm-up; the result is sum over row counts of the median
-    float32 time over the same sum for bfloat16 (> 1: bfloat16 faster). About 0.1 s on a 2-core Xeon.
+    float32 time over the same sum for bfloat16 (> 1: bfloat16 faster); short enough to run at every load.
     Cached per shape and thread count for the process.
     """
     gen = torch.Generator().manual_seed(0)

@@ -100,7 +100,7 @@ def embedded_cache_is_complete(cache_dir: Path | None = None) -> bool:
 
 
 def load_embedded_from_gguf(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load model and tokenizer straight from the GGUF file (slow: about 40 s on CPU).
+    """Load model and tokenizer straight from the GGUF file (slow: it dequantizes every weight).
 
     Used for the one-time conversion and by the test that checks the conversion is exact.
     """

@@ -96,7 +96,7 @@ def load_tokenizer(model: str = EMBEDDED) -> PreTrainedTokenizerBase:
     """Load only the tokenizer of ``model`` (same names as :func:`load_model`), prepared for batching.
 
     For the embedded model this reads the converted folder when it exists (fast) and the
-    GGUF file otherwise (about 10 s); it never starts a conversion.
+    GGUF file otherwise (slower); it never starts a conversion.
 
     Raises:
         FileNotFoundError: as :func:`load_model`.

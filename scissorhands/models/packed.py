@@ -24,16 +24,14 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 class PackedLinear(torch.nn.Module):
     """An ``nn.Linear`` whose weight is reordered once into oneDNN's blocked layout on a CPU (float32,
-    bfloat16), and multiplied in that layout: our engine's decode step runs faster at every batch measured.
+    bfloat16), and multiplied in that layout, so our engine's decode step runs faster on a CPU.
 
     Why: on a CPU a bfloat16 ``F.linear`` runs in oneDNN, which copies the ``(out, in)`` weight into its own
     layout on every call, so a decode step of a few rows reads each weight about twice; a float32 one runs
     MKL's sgemm, far below the machine's speed at a few rows and many weight rows. The packed copy
     (``torch.ops.mkldnn._reorder_linear_weight``, the one torch's own compiler uses for frozen CPU models)
     is made at the first such forward and kept while the weight is unchanged (same storage and version).
-    Measured (2-core AMD EPYC with AVX512-BF16, 2 threads, ``make bench-decode ARGS="--packing-ab"``,
-    docs/performance.md): our engine's decode step 1.16-1.51x faster in float32 and 1.09-1.46x in bfloat16
-    at batch 1-32 (one matrix alone, a float32 576 x 576 at 1 row is slower packed: 43 against 25 us).
+    The speedups (``make bench-decode ARGS="--packing-ab"``): docs/performance.md, "Measurements behind the library and cluster code".
 
     Numbers: in bfloat16 the same as ``F.linear`` bit for bit (both are oneDNN's kernel); in float32 the same
     float32 products summed in another order (within float32 rounding of ``F.linear``, tests/scissorhands/test_models.py).

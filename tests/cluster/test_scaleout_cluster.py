@@ -9,7 +9,7 @@ node exporting metrics on its own port. The custom resource `fake_gpu` stands in
   cluster has 3, but on two nodes) is refused at once, naming the resource;
 * a replica process killed mid-sweep is replaced by Serve, the point in flight runs again, the
   sweep finishes with every point ok, and the lines written before the kill are unchanged;
-* case L13 through `ray job submit`: a suite whose model path does not exist makes the job
+* through `ray job submit`: a suite whose model path does not exist makes the job
   FAILED (exit 1), the points already written stay, the error names the path;
 * both nodes' metrics reach Prometheus (when its binaries are installed).
 """

@@ -1,4 +1,4 @@
-"""The documented ways to reach a cluster, end to end from the Makefile (case L24, issue 12 faults 5 and 7).
+"""The documented ways to reach a cluster, end to end from the Makefile.
 
 One module-scoped head started by the real `make cluster-up` (`ray start --head`) on free loopback
 ports (never 6379/8265, which a user's own `make cluster-up` holds) under its own root folder, in
@@ -103,7 +103,7 @@ def _sweep_ok(head, run_id: str, extra_env: dict | None = None, args: str = "") 
 
 
 def test_sweep_with_address_joins_the_token_auth_head(head):
-    # case L24: `make cluster-up`, then `make sweep ARGS="--address 127.0.0.1:PORT"`
+    # `make cluster-up`, then `make sweep ARGS="--address 127.0.0.1:PORT"`
     rec = _sweep_ok(head, "by-address", args=f"--address {head['address']}")
     assert rec["node_id"]
 

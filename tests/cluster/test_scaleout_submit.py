@@ -1,5 +1,5 @@
-"""`make submit` without a cluster: case L12 (what is uploaded, and a too-large package fails
-before upload with a message that says why), and the argument checks.
+"""`make submit` without a cluster: what is uploaded and that a too-large package fails
+before upload with a message that says why, and the argument checks.
 
 The upload contents are checked with Ray's own packaging code (`create_package`, the function
 `ray job submit` zips the working dir with), given the runtime env `cluster.submit` builds.

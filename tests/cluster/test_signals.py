@@ -1,8 +1,9 @@
 """cluster/signals.py: the foreground wait of `make serve` and `make cluster-node` survives a burst of signals.
 
-The CI failure this guards: `make cluster-node` got SIGTERM twice at once (the process group's `kill` and
-make's forwarding) and hung for good, its handler deadlocked on `threading.Event`'s lock. With that
-pattern, 50 SIGTERMs hung about one run in two on a 2-core AMD EPYC, so 20 runs catch it all but surely.
+The failure this guards: `make cluster-node` got SIGTERM twice at once (the process group's `kill` and
+make's forwarding) and hung for good, its handler deadlocked on `threading.Event`'s lock. That pattern
+hung often enough under a burst of SIGTERMs that 20 runs catch it all but surely (how often:
+docs/performance.md, "Measurements behind the library and cluster code").
 """
 
 import signal

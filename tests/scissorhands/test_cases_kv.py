@@ -1,6 +1,6 @@
-"""The KV-cache cases K1..K17 of ../shared/cases/kv-cache.md, each with its right value, over every
-registered policy where it applies. Tiny random Llama (4 query heads, 2 KV heads, head_dim 16,
-float32, CPU) unless a case names the embedded model (K13, K17: slow)."""
+"""The KV cache's behaviour, each check with its right value, over every registered policy where it
+applies. Tiny random Llama (4 query heads, 2 KV heads, head_dim 16, float32, CPU) unless a test loads
+the embedded model (the long-prompt fluency and ratio-1 tests: slow)."""
 from __future__ import annotations
 
 import pytest
@@ -60,7 +60,7 @@ class Positions:
         self._handle.remove()
 
 
-# --------------------------------------------------------------------------------------------- K1
+# --------------------------------------------------------------------------- grouped-query heads
 @pytest.mark.parametrize("policy", ALL)
 def test_grouped_query_model_stores_kv_heads_within_budget(model, policy):
     cache = _cache(policy, model, budget_tokens=8)
@@ -92,7 +92,7 @@ def test_per_kv_head_probabilities_are_the_mean_of_the_groups_query_heads(model,
     assert torch.allclose(seen[0], expect[:, :, 6 - n_obs:], atol=1e-6)
 
 
-# --------------------------------------------------------------------------------------------- K2
+# -------------------------------------------------------- KV heads never repeated, bytes bounded
 @pytest.mark.parametrize("policy", EVICTING)
 def test_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
     budget, batch = 8, 2
@@ -109,7 +109,7 @@ def test_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
     assert cache.kv_cache_bytes() <= kv_bound + bookkeeping
 
 
-# --------------------------------------------------------------------------------------------- K3
+# ---------------------------------------------------------------------- positions after eviction
 @pytest.mark.parametrize("policy", ALL)
 def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(model, policy):
     ids = _ids(1, 64, 1)
@@ -130,7 +130,7 @@ def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(mo
     assert _max_diff(real, simulated) < 1e-5
 
 
-# --------------------------------------------------------------------------------------------- K4
+# ---------------------------------------------------------------------------------- edge budgets
 @pytest.mark.parametrize("policy", EVICTING)
 def test_one_token_prompt_at_ratio_2_keeps_a_token_and_stays_finite(model, policy):
     cache = make_cache(policy, model, compression_ratio=2)
@@ -148,7 +148,7 @@ def test_budget_below_one_raises_naming_the_field(model, policy, kw, field):
         make_cache(policy, model, **kw)
 
 
-# --------------------------------------------------------------------------------------------- K5
+# ------------------------------------------------------------- budget above and below the length
 @pytest.mark.parametrize("policy", EVICTING)
 def test_budget_128_changes_nothing_at_100_and_holds_128_slots_at_1000(model, policy):
     ids = _ids(1, 100, 3)
@@ -164,7 +164,7 @@ def test_budget_128_changes_nothing_at_100_and_holds_128_slots_at_1000(model, po
         assert all(len(_valid_times(layer, 0, h)) == 128 for h in range(2))
 
 
-# --------------------------------------------------------------------------------------------- K6
+# -------------------------------------------------------------- time order and the recent window
 def _greedy_steps(model, cache, ids, steps, mask=None):
     """Prefill, then ``steps`` greedy decode calls; yields after every call."""
     mask = torch.ones_like(ids) if mask is None else mask
@@ -196,7 +196,7 @@ def test_kept_slots_in_time_order_and_recent_window_is_the_newest(model, policy,
     assert cache.evicted_tokens > 0 and r == (recent if recent is not None else cache.budget.recent_window)
 
 
-# --------------------------------------------------------------------------------------------- K7
+# ----------------------------------------------------------------- long generation within budget
 @pytest.mark.parametrize("policy", EVICTING)
 def test_budget_32_prompt_16_generate_100_stays_within_budget_and_counts_116(model, policy):
     cache = make_cache(policy, model, budget_tokens=32)
@@ -209,7 +209,7 @@ def test_budget_32_prompt_16_generate_100_stays_within_budget_and_counts_116(mod
     assert first_full <= 17 and len(set(byte_trace[first_full:])) == 1           # flat once the budget is reached
 
 
-# --------------------------------------------------------------------------------------------- K8
+# ----------------------------------------------------------------------- bytes follow the budget
 @pytest.mark.parametrize("policy", EVICTING)
 def test_bytes_follow_the_budget_not_the_text_and_simulation_saves_nothing(model, policy):
     def kv_bytes(budget, n, simulate=False):
@@ -228,7 +228,7 @@ def test_bytes_follow_the_budget_not_the_text_and_simulation_saves_nothing(model
     assert sim_bytes - sim_book == full.kv_cache_bytes() - full.bookkeeping_bytes()  # simulation saves none
 
 
-# --------------------------------------------------------------------------------------------- K9
+# ---------------------------------------------------------------------- attention implementation
 @pytest.mark.parametrize("policy", EVICTING)
 def test_sdpa_model_gets_the_scoring_attention_or_a_clear_error(policy):
     model = tiny_llama(0, attn_implementation="sdpa")
@@ -243,7 +243,7 @@ def test_sdpa_model_gets_the_scoring_attention_or_a_clear_error(policy):
         _generate(model, _ids(1, 20, 8), make_cache(policy, model.config, budget_tokens=8), 8)
 
 
-# --------------------------------------------------------------------------------------------- K10
+# ----------------------------------------------------------------------------------- left padding
 @pytest.mark.parametrize("policy", ALL)
 def test_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
     short, long = _ids(1, 5, 9), _ids(1, 20, 10)
@@ -267,7 +267,7 @@ def test_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
         assert policy == "full" or max(layer.held.tolist()) <= 8
 
 
-# --------------------------------------------------------------------------------------------- K11
+# --------------------------------------------------------------------------------- chunked prompt
 @pytest.mark.parametrize("policy", EVICTING)
 def test_chunked_prompt_keeps_the_budget_after_every_call(model, policy):
     ids = _ids(1, 100, 11)
@@ -284,7 +284,7 @@ def test_chunked_prompt_keeps_the_budget_after_every_call(model, policy):
         assert cache.budget_tokens == (24 if "budget_tokens" in kw else 25)
 
 
-# --------------------------------------------------------------------------------------------- K12
+# ------------------------------------------------------------------------------ position counting
 @pytest.mark.parametrize("policy", EVICTING)
 def test_300_decoded_tokens_are_counted_and_the_next_position_is_300(model, policy):
     cache = make_cache(policy, model, budget_tokens=128)
@@ -301,7 +301,7 @@ def test_300_decoded_tokens_are_counted_and_the_next_position_is_300(model, poli
         pos.close()
 
 
-# --------------------------------------------------------------------------------------------- K13
+# ----------------------------------------------------------------------- long prompt stays fluent
 def _teacher_forced_nll(model, ids, prompt_tokens, cache) -> float:
     with torch.inference_mode():
         logits = [model(ids[:, :prompt_tokens], cache=cache, logits_to_keep=1).logits[0, -1]]
@@ -331,7 +331,7 @@ def test_2000_token_prompt_at_budget_512_stays_fluent():
     assert math.exp(nll) <= 1.25 * math.exp(nll_full), (math.exp(nll), math.exp(nll_full))
 
 
-# --------------------------------------------------------------------------------------------- K14
+# ------------------------------------------------------------------------------------ beam search
 @pytest.mark.parametrize("policy", ALL)
 def test_beam_search_with_budget_above_length_equals_full(model, policy):
     ids = _ids(1, 12, 13)
@@ -370,7 +370,7 @@ def test_reorder_cache_reorders_every_per_slot_tensor_and_counter(model, policy)
     assert "slot_time" in before and (POLICIES[policy].state_width == 0 or "state" in before)
 
 
-# --------------------------------------------------------------------------------------------- K15
+# ------------------------------------------------------------------------- the eviction threshold
 @pytest.mark.parametrize("policy", EVICTING)
 def test_no_eviction_at_b_and_exactly_m_at_b_plus_1(model, policy):
     budget = 16
@@ -384,7 +384,7 @@ def test_no_eviction_at_b_and_exactly_m_at_b_plus_1(model, policy):
     assert cache.num_slots() == [budget - m + 1] * 2
 
 
-# --------------------------------------------------------------------------------------------- K16
+# --------------------------------------------------------------------------- determinism and ties
 @pytest.mark.parametrize("policy", EVICTING)
 def test_same_seed_same_selections_also_when_sampling(model, policy):
     def run(sample):
@@ -419,7 +419,7 @@ def test_scores_accumulate_in_float32_and_counts_are_exact_integers(model):
         assert cache.layers[0].state.dtype == dtype
 
 
-# --------------------------------------------------------------------------------------------- K17
+# ---------------------------------------------------------------------------- ratio 1 equals full
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ALL)
 def test_ratio_1_on_the_embedded_model_equals_full(policy):

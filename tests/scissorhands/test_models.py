@@ -170,9 +170,8 @@ def test_resolve_dtype_auto_on_cpu_needs_the_flags_and_a_faster_probe(monkeypatc
 
 @pytest.mark.parametrize("speedup, expected", [(1.03, torch.float32), (1.19, torch.float32), (1.2, torch.bfloat16)])
 def test_resolve_dtype_auto_takes_bfloat16_only_when_clearly_faster(monkeypatch, speedup, expected):
-    """A probe near 1.0x is noise: the tiny model's 64x128 layer measured 1.01-1.05x (either side of 1.0
-    across runs), and with a `> 1.0` rule two runs of one suite (Ray replicas, then local) resolved
-    differently and their perplexities disagreed (129.3136 vs 129.3044). bfloat16 from 1.2x on."""
+    """A probe near 1.0x is noise that resolved two runs of one suite differently under a `> 1.0` rule
+    (docs/performance.md, "Measurements behind the library and cluster code"), so bfloat16 from 1.2x on."""
     monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: speedup)
     dtype, reason = sh_models.resolve_dtype("auto", tiny_llama(seed=0).config, "cpu")
@@ -208,8 +207,8 @@ def test_load_model_auto_records_dtype_and_reason(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_bfloat16_full_cache_perplexity_within_1_percent_of_float32():
-    """dtype: auto picks bfloat16 on AMX/AVX512-BF16 CPUs; quality must hold. Measured 2026-12-01 on
-    4 held-out windows of 512 tokens: float32 24.030, bfloat16 24.033 (+0.014%)."""
+    """dtype: auto picks bfloat16 on AMX/AVX512-BF16 CPUs; quality must hold (the perplexities measured:
+    docs/performance.md, "Measurements behind the library and cluster code")."""
     from workloads.quality.perplexity import heldout_windows, perplexity
 
     torch.set_num_threads(1)
