@@ -38,7 +38,10 @@ from ray import serve
 from cluster.signals import StopSignals
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import build_app, cache_metadata
+from replica.static_batch import resolve_run_dtype
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from scissorhands import POLICIES
+from scissorhands.models import load_tokenizer, model_id_of
 
 APP_NAME = "scissorhands-openai"
 DEFAULT_MAX_LENGTH_TOKENS = 2048
@@ -164,8 +167,6 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         tokenizer = None
         if self.tokenizer_spec is not None:
-            from scissorhands.models import load_tokenizer
-
             tokenizer = load_tokenizer(self.tokenizer_spec)
         backends = {m: ServeBackend(h, self.metadata[m]) for m, h in self.handles.items()}
         return build_app(backends, tokenizer, context_tokens=None, max_pending_requests=self.max_pending_requests)
@@ -174,8 +175,6 @@ class OpenAIIngress:
 def parse_cache(spec: str, max_length_tokens: int) -> tuple[str, dict]:
     """`full`, `<policy>:<ratio>` (e.g. `scissorhands:5`) or `<policy>:b<budget>` -> (label, EngineConfig
     fields). Raises ValueError naming `--cache` and the accepted forms."""
-    from scissorhands import POLICIES
-
     policy, _, arg = spec.partition(":")
     if policy not in POLICIES:
         raise ValueError(f"--cache: unknown policy {policy!r} in {spec!r} (accepted: {', '.join(POLICIES)})")
@@ -219,8 +218,6 @@ def build_serve_app(
     Raises:
         ValueError: a bad `--cache` spec or engine config (the message names the field).
     """
-    from replica.static_batch import resolve_run_dtype
-    from scissorhands.models import model_id_of
 
     name = model_name or model_id_of(model_spec).split("/")[-1].lower()
     resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments

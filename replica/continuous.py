@@ -20,6 +20,7 @@ import torch
 
 from replica.engine import ContinuousBatchingEngine, EngineLoop
 from replica.metrics import ReplicaMetrics
+from replica.static_batch import load_replica_model
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
 
 
@@ -91,8 +92,6 @@ class ServingReplica:
         self.model_spec = model_spec
         tokenizer = None
         if model is None:
-            from replica.static_batch import load_replica_model
-
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
             if dtype_reason is not None:  # the run resolved `auto` once (`replica.static_batch.resolve_run_dtype`)
                 model.scissorhands_dtype_reason = dtype_reason

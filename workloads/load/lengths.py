@@ -13,6 +13,7 @@ from pydantic import model_validator
 
 from replica.rules import FrozenConfig, PositiveFloat, PositiveInt
 from replica.types import GenerationRequest
+from workloads.load.prompts import make_prompts
 
 LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")
 #: The parameters each distribution needs.
@@ -138,8 +139,6 @@ def requests_of_lengths(
     rng = rng if rng is not None else np.random.default_rng(seed)
     prompts: list[list[int] | None] = [None] * n
     if tokenizer is not None:
-        from workloads.load.prompts import make_prompts
-
         for length in sorted(set(prompt_tokens)):
             idx = [i for i, x in enumerate(prompt_tokens) if x == length]
             for i, ids in zip(idx, make_prompts(tokenizer, len(idx), length, seed=seed + length)):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Literal
+from typing import Any, Callable, ClassVar, Iterator, Literal, Protocol
 
 import numpy as np
 from pydantic import field_validator, model_validator
@@ -37,9 +37,6 @@ from replica.types import GenerationRequest
 from workloads.load.lengths import LengthDist, build_requests, requests_of_lengths
 from workloads.load.metrics import RequestRecord
 from workloads.load.traces import TraceRow, read_trace
-
-if TYPE_CHECKING:
-    from workloads.load.driver import Run
 
 ARRIVALS = ("poisson", "gamma")
 CAP_POLICIES = ("delay", "drop")
@@ -123,6 +120,22 @@ class Arrival:
 
 
 # ---------------------------------------------------------------------------- load patterns
+class SharedRun(Protocol):
+    """What a pattern's `drive` uses of the shared run (`workloads.load.driver.Run`): the next request
+    to send, sending it, waiting, and the records (a dropped arrival is recorded by the pattern)."""
+
+    start: float  # the run's start on its clock (s)
+    exhausted: bool  # set by a pattern that ran out of requests (a trace's last row)
+    records: list[RequestRecord]
+    requests: Callable[[int], GenerationRequest]
+
+    def next_index(self) -> tuple[int, bool] | None: ...
+    async def send(
+        self, index: int, warmup: bool, scheduled: float | None = None, cap_delayed: bool = False
+    ) -> RequestRecord: ...
+    async def sleep_until(self, t: float) -> None: ...
+
+
 class LoadPattern:
     """How requests are sent. Subclasses set `name` and `requires` (the `LoadConfig` fields they
     need) and implement `drive(run)` with the shared `workloads.load.driver.Run` (`next_index`,
@@ -187,7 +200,7 @@ class LoadPattern:
             n, prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix
         )
 
-    async def drive(self, run: "Run") -> None:
+    async def drive(self, run: SharedRun) -> None:
         raise NotImplementedError
 
     # ---- a suite's view (options: a `MODE_ALIASES` entry's)
@@ -252,7 +265,7 @@ class BatchLoad(LoadPattern):
     def target_concurrency(self) -> int | None:
         return self.cfg.batch_size
 
-    async def drive(self, run: "Run") -> None:
+    async def drive(self, run: SharedRun) -> None:
         pushed = None
         while True:
             batch = [pushed] if pushed is not None else []
@@ -329,7 +342,7 @@ class ConcurrencyLoad(LoadPattern):
     def target_concurrency(self) -> int | None:
         return self.cfg.concurrency
 
-    async def drive(self, run: "Run") -> None:
+    async def drive(self, run: SharedRun) -> None:
         async def worker():
             while (nxt := run.next_index()) is not None:
                 await run.send(*nxt)
@@ -349,7 +362,7 @@ class OpenLoop(LoadPattern):
         """When to send what, in order (offsets from the run's start)."""
         raise NotImplementedError
 
-    async def drive(self, run: "Run") -> None:
+    async def drive(self, run: SharedRun) -> None:
         cfg = self.cfg
         cap = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         tasks: list[asyncio.Task] = []
@@ -375,7 +388,7 @@ class OpenLoop(LoadPattern):
         await asyncio.gather(*tasks)
 
     @staticmethod
-    async def _send(run: "Run", cap, index: int, warm: bool, scheduled: float, waited: bool) -> None:
+    async def _send(run: SharedRun, cap, index: int, warm: bool, scheduled: float, waited: bool) -> None:
         if cap is None:
             await run.send(index, warm, scheduled)
             return

@@ -8,8 +8,13 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
+from cluster.replica_set import ServeReplicaSet, app_name_for
+from cluster.serve_app import EngineDeployment
+from replica.continuous import ServingReplica
+from replica.static_batch import load_replica_model
 from replica.types import GenerationRequest, GenerationResult
 from workloads.load.driver import error_kind
+from workloads.load.http_client import OpenAIHTTPClient
 
 
 class ReplicaPool(Protocol):
@@ -44,12 +49,8 @@ class LocalReplicaPool:
         self.replica = None
 
     def start(self) -> list[dict]:
-        from replica.continuous import ServingReplica
-
         model = self.model
         if model is None:
-            from replica.static_batch import load_replica_model
-
             model, _ = load_replica_model(self.kwargs["model_spec"], self.kwargs["dtype"], self.kwargs["device"])
         self.replica = ServingReplica(replica_id="local-0", model=model, **self.kwargs)
         return [self.replica.info()]
@@ -127,9 +128,6 @@ class ServeReplicaPool:
         run_id: str | None = None,
         dtype_reason: str | None = None,
     ):
-        from cluster.replica_set import ServeReplicaSet, app_name_for
-        from cluster.serve_app import EngineDeployment
-
         self.rset = ServeReplicaSet(
             EngineDeployment,
             dict(model_id="serving", model_spec=model_spec, dtype=dtype, device=device, dtype_reason=dtype_reason),
@@ -213,8 +211,6 @@ class HTTPTargetPool:
         pass
 
     def client(self):
-        from workloads.load.http_client import OpenAIHTTPClient
-
         return OpenAIHTTPClient(f"{self.target}", self.model, session_per_request=True)
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
