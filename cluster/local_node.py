@@ -23,6 +23,7 @@ import os
 import sys
 
 from cluster.signals import StopSignals
+from cluster.submit import auth_env
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,11 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # imported after the environment above is set: Ray (also imported by cluster.submit) reads it on import
-    from cluster.submit import auth_env
-
     os.environ.update(auth_env(dict(os.environ)))  # a head from `ray start` uses token auth
-    import ray._private.node
+    import ray._private.node  # after the environment above is set: Ray reads it on import
     import ray._private.parameter
 
     params = ray._private.parameter.RayParams(

@@ -46,9 +46,6 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import yaml
-from ray._private import ray_constants
-from ray._private.runtime_env import packaging
-from ray.job_submission import JobSubmissionClient
 
 from scissorhands.models import embedded_cache_dir
 
@@ -93,6 +90,9 @@ class SubmitError(Exception):
 # -- the package -------------------------------------------------------------------------
 def ray_default_excludes() -> list[str]:
     """Ray's own default excludes (`RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES` respected)."""
+    # Ray on use only: cluster.connect sets the environment Ray reads on import first; --local runs never need it
+    from ray._private import ray_constants
+
     return list(ray_constants.get_runtime_env_default_excludes())
 
 
@@ -102,6 +102,8 @@ def package_files(working_dir: str | Path, excludes: list[str]) -> list[tuple[st
     Uses Ray's own traversal (`ray._private.runtime_env.packaging`), so `.gitignore`,
     `.rayignore` (in every folder) and Ray's default excludes apply exactly as in the upload.
     """
+    from ray._private.runtime_env import packaging  # on use, as ray_default_excludes
+
     root = Path(working_dir).absolute()
     include_gitignore = os.environ.get("RAY_RUNTIME_ENV_IGNORE_GITIGNORE", "0") != "1"
     out: list[tuple[str, int]] = []
@@ -291,6 +293,8 @@ def save_job_record(plan: dict, status: str, message: str | None, logs: str | No
 
 def job_exists(address: str, submission_id: str) -> bool:
     """Whether the job server knows the job (False when it cannot be asked)."""
+    from ray.job_submission import JobSubmissionClient  # on use, as ray_default_excludes
+
     try:
         JobSubmissionClient(address).get_job_info(submission_id)
         return True
@@ -300,6 +304,8 @@ def job_exists(address: str, submission_id: str) -> bool:
 
 def job_outcome(address: str, submission_id: str) -> tuple[str, str | None, str | None]:
     """(status, message, logs) of a job from the job server."""
+    from ray.job_submission import JobSubmissionClient  # on use, as ray_default_excludes
+
     client = JobSubmissionClient(address)
     info = client.get_job_info(submission_id)
     try:
