@@ -19,9 +19,12 @@ import time
 
 import torch
 
+import scissorhands.models.packed as packed
 from bench.conditions import add_threads, comma_list, conditions_line, parser
 from replica.engine import ContinuousBatchingEngine
 from replica.types import EngineConfig, GenerationRequest
+from scissorhands import ATTN_IMPLEMENTATION
+from scissorhands.cache import BudgetedLayer
 from scissorhands.models import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,20 +57,17 @@ def ours_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, fl
 
 def ours_steps_unpacked(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
     """:func:`ours_steps` with every ``PackedLinear`` running plain ``F.linear`` (the weights unpacked)."""
-    import scissorhands.models as sh_models
-
-    real = sh_models.onednn_packs
-    sh_models.onednn_packs = lambda dtype: False
+    real = packed.onednn_packs
+    packed.onednn_packs = lambda dtype: False  # PackedLinear reads the name in its own module
     try:
         return ours_steps(model, rows, steps)
     finally:
-        sh_models.onednn_packs = real
+        packed.onednn_packs = real
 
 
 def ours_steps_gqa_kernel(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
     """:func:`ours_steps` with one-query decode attention run by sdpa's grouped-query kernel (the baseline of
     ``--attention-ab``)."""
-    from scissorhands.cache import BudgetedLayer
 
     def gqa_kernel(query, keys, values, visible, scaling):
         group = query.shape[1] // keys.shape[1]
@@ -88,7 +88,6 @@ def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float
     """``(wall_s, cpu_s)`` between consecutive logits-processor calls of transformers' ``generate``."""
     from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-    from scissorhands import ATTN_IMPLEMENTATION
 
     marks = []
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from bench.conditions import add_threads, conditions_line, parser
 from scissorhands import make_cache
 from scissorhands.models import load_model
+from workloads.quality import perplexity as ppl
 
 DEFAULT_LAYOUTS = [
     "kg=32",
@@ -94,7 +95,6 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     torch.set_num_threads(args.threads)
-    from workloads.quality import perplexity as ppl
 
     model, tok = load_model("embedded", dtype=torch.float32)
     windows = ppl.heldout_windows(tok, args.tokens, args.windows, seed=0)

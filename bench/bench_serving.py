@@ -27,7 +27,9 @@ from tqdm import tqdm
 from bench.conditions import DEFAULT_THREADS, THREADS_HELP, conditions_line, git_commit, parser
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate
+from replica.static_batch import load_replica_model
 from replica.types import EngineConfig, GenerationRequest
+from scissorhands.models import DTYPE_CHOICES, cpu_flags, cpu_model_name
 from workloads.load.prompts import prompts_for
 
 
@@ -54,7 +56,6 @@ def parse_args(argv=None):
     for name in ("prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    from scissorhands.models import DTYPE_CHOICES
 
     if args.dtype not in DTYPE_CHOICES:
         p.error(f"--dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
@@ -95,11 +96,9 @@ def _part2(model, tokenizer, vocab, args, b, limit):
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from replica.static_batch import load_replica_model
 
     t_load = time.perf_counter()
     model, tokenizer = load_replica_model(args.model, dtype=args.dtype)
-    from scissorhands.models import cpu_flags, cpu_model_name
 
     dtype = str(model.dtype).removeprefix("torch.")
     dtype_reason = getattr(model, "scissorhands_dtype_reason", "")

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from scissorhands.models import cpu_flags, cpu_model_name
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_THREADS = 1
 THREADS_HELP = (
@@ -36,7 +38,6 @@ def cpu_conditions() -> str:
     """``model | CPUs | flags: ... | torch | threads: n`` of this machine (the flags that decide the dtype)."""
     import torch
 
-    from scissorhands.models import cpu_flags, cpu_model_name
 
     keep = ("avx512f", "avx512_bf16", "avx2", "avx512_vnni")
     shown = sorted(f for f in cpu_flags() if f.startswith("amx") or f in keep)

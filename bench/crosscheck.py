@@ -55,6 +55,13 @@ import sys
 import time
 from pathlib import Path
 
+from bench.conditions import conditions_line, parser
+from scissorhands.models import EMBEDDED, convert_embedded_model, load_tokenizer
+from workloads.load.driver import run_load
+from workloads.load.http_client import OpenAIHTTPClient
+from workloads.load.lengths import LengthDist, build_requests
+from workloads.load.patterns import LoadConfig
+
 GOALS = {"median": 0.10, "throughput": 0.05}
 
 
@@ -70,10 +77,6 @@ async def run_ours(
     seed: int,
 ) -> dict:
     """Our load generator through the HTTP client: the table's metrics (seconds, tok/s)."""
-    from workloads.load.driver import run_load
-    from workloads.load.http_client import OpenAIHTTPClient
-    from workloads.load.lengths import LengthDist, build_requests
-    from workloads.load.patterns import LoadConfig
 
     reqs = build_requests(
         num_requests,
@@ -311,7 +314,6 @@ def run_guidellm(guidellm: str, target: str, model: str, processor: str, *, out_
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.conditions import conditions_line, parser
 
     p = parser(
         "crosscheck",
@@ -334,7 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         help="Prometheus with the service's live metrics, for the server-side rows ('' skips them)",
     )
     args = p.parse_args(argv)
-    from scissorhands.models import EMBEDDED, convert_embedded_model, load_tokenizer
 
     processor = str(convert_embedded_model())  # the tokenizer folder guidellm reads (no hub access)
     tokenizer = load_tokenizer(EMBEDDED)

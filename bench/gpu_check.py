@@ -57,6 +57,12 @@ import threading
 import time
 from pathlib import Path
 
+from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
+from replica.generate_baseline import run_engines, run_generate
+from replica.types import EngineConfig, GenerationRequest
+from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
+from scissorhands.models import DUMMY_MODEL_IDS, dummy_config, load_dummy_model, tiny_overrides
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 MIB = 1024**2
@@ -262,7 +268,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--budget-s: must be > 0, got {args.budget_s}")
     if args.box_scale <= 0:
         p.error(f"--box-scale: must be > 0, got {args.box_scale}")
-    from scissorhands.models import DUMMY_MODEL_IDS
 
     if args.model not in DUMMY_MODEL_IDS:
         p.error(f"--model: unknown dummy-weights config {args.model!r}; shipped: {', '.join(DUMMY_MODEL_IDS)}")
@@ -288,7 +293,6 @@ def _free_device_memory(device) -> None:
 
 def _load(a: dict, name: str | None = None, tiny: bool | None = None):
     """The dummy-weights model `name` (default `--model`) on the run's device and dtype, frozen."""
-    from scissorhands.models import dummy_config, load_dummy_model, tiny_overrides
 
     name = name or a["model"]
     tiny = a["tiny"] if tiny is None else tiny
@@ -366,7 +370,6 @@ def phase_library(a: dict, deadline: float, save) -> dict:
     import torch
     from transformers import DynamicCache
 
-    from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 
     budget, prompt, new = 8, 24, 8
     result = {
@@ -429,7 +432,6 @@ def _head_dim(model) -> int:
 
 def _kv_limit(a: dict, model) -> int:
     """The run's KV memory limit (bytes): `--kv-limit-gib`, else `--full-batch` full-cache sequences."""
-    from replica.engine import full_batch_kv_limit_bytes
 
     if a["kv_limit_gib"] is not None:
         return int(a["kv_limit_gib"] * GIB)
@@ -448,9 +450,6 @@ def _random_prompts(vocab: int, n: int, lengths, seed: int) -> list[list[int]]:
 
 def phase_max_batch(a: dict, deadline: float, save) -> dict:
     """Each cache at its own max batch under one KV limit, run and verified; tok/s and ratios to full."""
-    from replica.engine import ContinuousBatchingEngine
-    from replica.generate_baseline import run_engines
-    from replica.types import EngineConfig, GenerationRequest
 
     model = _load(a)
     P, N = a["prompt_tokens"], a["new_tokens"]
@@ -512,8 +511,6 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
     """Our engine vs transformers' generate, full cache, at full's max batch, on one serving mix."""
     import numpy as np
 
-    from replica.engine import ContinuousBatchingEngine
-    from replica.types import EngineConfig, GenerationRequest
 
     model = _load(a)
     P, N, G = a["prompt_tokens"], a["new_tokens"], a["generate_new_tokens"]
@@ -538,7 +535,6 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
         "output_tokens_range": [min(out_lengths), max(out_lengths)],
     }
     print(f"gpu-check: engine_vs_generate: batch {b}, {m} requests: generate ...", file=sys.stderr, flush=True)
-    from replica.generate_baseline import run_engines, run_generate
 
     gen = run_generate(model, reqs, b, device=a["device"], deadline=deadline)
     result["generate"] = {k: v for k, v in gen.items() if k != "outputs"}
@@ -852,7 +848,6 @@ def main(argv: list[str] | None = None) -> int:
         or REPO_ROOT / "results" / f"gpu-check-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     )
     out.mkdir(parents=True, exist_ok=True)
-    from scissorhands.models import DUMMY_MODEL_IDS
 
     a = {k: v for k, v in vars(args).items() if k not in ("phase", "phase_dir")}
     report = {

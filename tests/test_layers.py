@@ -27,12 +27,15 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, module: str) -> list[tuple[str, bool, int]]:
-    """(imported module, at module level, line) for every import in the file; relative imports resolved."""
+def _imports(path: Path, module: str, *, type_checking: bool = True) -> list[tuple[str, bool, int]]:
+    """(imported module, at module level, line) for every import in the file; relative imports resolved.
+    ``type_checking=False`` leaves out the imports under ``if TYPE_CHECKING:`` (they never run)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     top = {id(n) for n in tree.body} | {id(c) for n in tree.body if isinstance(n, (ast.If, ast.Try))
                                        for c in ast.walk(n)}
+    typing_only = {id(c) for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+                   for c in ast.walk(n)}
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -44,7 +47,8 @@ def _imports(path: Path, module: str) -> list[tuple[str, bool, int]]:
             names = [f"{base}.{a.name}" for a in node.names] if base.split(".")[0] in OURS else [base]
         else:
             continue
-        out += [(name, id(node) in top, node.lineno) for name in names]
+        if type_checking or id(node) not in typing_only:
+            out += [(name, id(node) in top, node.lineno) for name in names]
     return out
 
 
@@ -74,7 +78,7 @@ def test_imports_point_down_the_layers_and_never_inside_a_function(module):
 
 
 def test_no_module_imports_another_in_a_cycle():
-    graph = {m: {r for n, at_top, _ in _imports(p, m) if at_top and (r := _resolve(n)) and r != m}
+    graph = {m: {r for n, at_top, _ in _imports(p, m, type_checking=False) if at_top and (r := _resolve(n)) and r != m}
              for m, p in MODULES.items()}
     # a package's __init__ importing its own submodules is how it re-exports them, not a cycle
     graph = {m: {r for r in deps if not r.startswith(m + ".")} for m, deps in graph.items()}
