@@ -30,7 +30,7 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
     except Exception as e:  # noqa: BLE001 - an invalid config / model error ends this point only
         return {"status": "error", "stop_reason": "configure failed", "error": error_message(e)}
     max_batch = None
-    if suite.mode == "max_batch":
+    if suite.sized_by_memory:
         max_batch = pool.max_batch_for(suite.prompt_tokens.upper, suite.new_tokens.upper)
         out["max_batch_size"] = max_batch
         if max_batch < 1:
