@@ -105,7 +105,7 @@ def test_raycluster_recipe_has_a_shared_results_volume():
 
 
 def test_rayjob_entrypoint_runs_a_real_suite_into_the_shared_volume():
-    from workloads.core.suite import load_suite
+    from workloads.kinds import load_suite
     from workloads.sweep import parse_args
 
     job = _docs("kuberay-rayjob.yaml")["RayJob"]
