@@ -346,17 +346,6 @@ class PointReplica:
         """``replica.apply(fn, point)`` (a quality or frontier point), with the replica's `info()` and any error."""
         return self._reply(self.replica.apply, fn, point)
 
-    def run(self, method: str, *args: Any) -> PointReply:
-        """``run_batch`` or ``apply`` by name: the older call form, kept while runners move to the named methods.
-
-        Raises:
-            ValueError: ``method`` is neither ``"run_batch"`` nor ``"apply"``.
-        """
-        calls = {"run_batch": self.run_batch, "apply": self.apply}
-        if method not in calls:
-            raise ValueError(f"method: expected one of {', '.join(calls)}, got {method!r}")
-        return calls[method](*args)
-
     def _reply(self, call: Callable[..., Any], *args: Any) -> PointReply:
         info = self.replica.info()
         try:

@@ -41,13 +41,13 @@ from replica.metrics import NullMetrics, ReplicaMetrics
 from scissorhands import make_cache
 from scissorhands.models import (
     EMBEDDED,
-    _resolve_source,
     check_device_name,
     cpu_model_name,
     check_dtype_name,
     load_model,
     model_id_of,
     resolve_dtype,
+    resolve_source,
 )
 from scissorhands.testing import tiny_llama
 
@@ -121,7 +121,7 @@ def _model_config(model_spec: str):
     if model_spec in TEST_MODEL_NAMES:
         return tiny_llama(seed=0).config
     try:
-        source, kwargs = _resolve_source(os.path.expanduser(model_spec))
+        source, kwargs = resolve_source(os.path.expanduser(model_spec))
         return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
     except (OSError, ValueError):
         return None

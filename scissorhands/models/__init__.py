@@ -48,9 +48,6 @@ from .loading import (
 )
 from .packed import PACKED_DTYPES, PackedLinear, onednn_packs, pack_linear_weights
 
-# The old private name, still imported by replica/static_batch.py.
-_resolve_source = resolve_source
-
 __all__ = [
     "BF16_CPU_FLAGS", "BF16_MIN_SPEEDUP", "CACHE_DIR_ENV", "DEVICE_NAMES", "DTYPE_CHOICES", "DUMMY_CONFIG_DIR",
     "DUMMY_MODEL_IDS", "EMBEDDED", "EMBEDDED_GGUF_FILE", "EMBEDDED_GGUF_PACKAGE", "EMBEDDED_MODEL_ID",

@@ -39,10 +39,3 @@ def test_a_failed_point_returns_the_error_on_one_line_and_no_result(point_replic
     reply = point_replica.run_batch({"batch_size": 1, "fail": True})
     assert reply.result is None and reply.error == "RuntimeError: out of memory at step 3"
     assert reply.replica["node_id"] == "n1"
-
-
-def test_run_by_name_matches_the_named_methods_and_refuses_other_names(point_replica):
-    assert point_replica.run("run_batch", {"batch_size": 2}) == point_replica.run_batch({"batch_size": 2})
-    assert point_replica.run("apply", abs, -5).result == 5
-    with pytest.raises(ValueError, match="method: expected one of run_batch, apply, got 'info'"):
-        point_replica.run("info")
