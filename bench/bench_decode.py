@@ -88,7 +88,6 @@ def generate_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float
     """``(wall_s, cpu_s)`` between consecutive logits-processor calls of transformers' ``generate``."""
     from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-
     marks = []
 
     class Mark(LogitsProcessor):

@@ -38,7 +38,6 @@ def cpu_conditions() -> str:
     """``model | CPUs | flags: ... | torch | threads: n`` of this machine (the flags that decide the dtype)."""
     import torch
 
-
     keep = ("avx512f", "avx512_bf16", "avx2", "avx512_vnni")
     shown = sorted(f for f in cpu_flags() if f.startswith("amx") or f in keep)
     return (

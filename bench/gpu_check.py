@@ -370,7 +370,6 @@ def phase_library(a: dict, deadline: float, save) -> dict:
     import torch
     from transformers import DynamicCache
 
-
     budget, prompt, new = 8, 24, 8
     result = {
         "checks": [],
@@ -510,7 +509,6 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
 def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
     """Our engine vs transformers' generate, full cache, at full's max batch, on one serving mix."""
     import numpy as np
-
 
     model = _load(a)
     P, N, G = a["prompt_tokens"], a["new_tokens"], a["generate_new_tokens"]

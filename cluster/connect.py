@@ -5,6 +5,7 @@
 * `replica_resources`: torch threads, Ray CPUs and GPUs per replica, so that the replicas fit the nodes.
 * `ClusterError`: the cluster cannot be used; its `code` is the exit status a runner ends with.
 """
+
 from __future__ import annotations
 
 import os
@@ -89,26 +90,40 @@ def init_ray(address: str | None):
                 f"--address: cannot join the Ray cluster at {address!r} ({error_message(e)[:300]}); is it running "
                 "(`make cluster-up`, `ray status --address ...`)? When its log says InvalidAuthToken, give this "
                 "process the cluster's token: RAY_AUTH_TOKEN=... or RAY_AUTH_TOKEN_PATH=... (a head of this "
-                "machine keeps it in ~/.ray/auth_token)", 1) from None
+                "machine keeps it in ~/.ray/auth_token)",
+                1,
+            ) from None
         _watch_cluster(ray, address)
         return ray, True
     os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
     try:
-        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1",
-                 dashboard_port=free_local_port(RAY_DASHBOARD_PORT), _node_ip_address="127.0.0.1",
-                 _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR)
+        ray.init(
+            address="local",
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=free_local_port(RAY_DASHBOARD_PORT),
+            _node_ip_address="127.0.0.1",
+            _temp_dir=None if os.environ.get("RAY_TMPDIR") else EMBEDDED_RAY_TEMP_DIR,
+        )
     except Exception as e:  # noqa: BLE001 - live metrics are optional; the sweep is not
         ray.shutdown()
         if NODE_START_TIMEOUT in str(e):  # not the dashboard: the node itself did not come up
             raise ClusterError(_node_start_message(e), 1) from None
-        print(f"sweep: Ray's dashboard did not start ({error_message(e)[:200]}); running without it: "
-              "no live replica metrics in Prometheus", file=sys.stderr)
+        print(
+            f"sweep: Ray's dashboard did not start ({error_message(e)[:200]}); running without it: "
+            "no live replica metrics in Prometheus",
+            file=sys.stderr,
+        )
         try:
             ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
         except Exception as e2:  # noqa: BLE001 - our message, not a traceback
             ray.shutdown()
-            raise ClusterError(_node_start_message(e2) if NODE_START_TIMEOUT in str(e2) else
-                             f"the embedded Ray did not start: {error_message(e2)[:600]}", 1) from None
+            raise ClusterError(
+                _node_start_message(e2)
+                if NODE_START_TIMEOUT in str(e2)
+                else f"the embedded Ray did not start: {error_message(e2)[:600]}",
+                1,
+            ) from None
     _watch_cluster(ray, "embedded")
     return ray, True
 
@@ -121,10 +136,12 @@ def _node_start_message(exc: BaseException) -> str:
     """The embedded Ray's node did not register in time: say so, with this machine's load (measured
     cause of the sweeps that stopped minutes after "Token authentication is enabled" here)."""
     load1 = os.getloadavg()[0]
-    return (f"the embedded Ray did not start: its node did not register with its GCS within Ray's start timeout "
-            f"({error_message(exc)[:200]}); load average {load1:.1f} on {os.cpu_count()} CPU(s): the machine is "
-            "too busy. Try again when it is less loaded, or give Ray longer: "
-            "RAY_raylet_start_wait_time_s=300 (no point was run)")
+    return (
+        f"the embedded Ray did not start: its node did not register with its GCS within Ray's start timeout "
+        f"({error_message(exc)[:200]}); load average {load1:.1f} on {os.cpu_count()} CPU(s): the machine is "
+        "too busy. Try again when it is less loaded, or give Ray longer: "
+        "RAY_raylet_start_wait_time_s=300 (no point was run)"
+    )
 
 
 def _watch_cluster(ray, cluster: str) -> None:

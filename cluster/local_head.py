@@ -51,14 +51,22 @@ def _ray_cli() -> str:
 
 def start_command(args: argparse.Namespace) -> list[str]:
     """The `ray start --head` command line of `up` (loopback only, every port explicit)."""
-    cmd = [_ray_cli(), "start", "--head", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-           f"--port={args.port}", f"--dashboard-port={args.dashboard_port}",
-           f"--metrics-export-port={args.metrics_export_port}",
-           # the agent gets its own port: the default 52365 is taken by any other Ray on the machine,
-           # and without it `ray job submit` fails with "No available agent to submit job"
-           f"--dashboard-agent-listen-port={args.dashboard_agent_listen_port}",
-           f"--ray-client-server-port={args.ray_client_server_port}",
-           f"--temp-dir={args.temp_dir}", "--disable-usage-stats"]
+    cmd = [
+        _ray_cli(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        "--dashboard-host=127.0.0.1",
+        f"--port={args.port}",
+        f"--dashboard-port={args.dashboard_port}",
+        f"--metrics-export-port={args.metrics_export_port}",
+        # the agent gets its own port: the default 52365 is taken by any other Ray on the machine,
+        # and without it `ray job submit` fails with "No available agent to submit job"
+        f"--dashboard-agent-listen-port={args.dashboard_agent_listen_port}",
+        f"--ray-client-server-port={args.ray_client_server_port}",
+        f"--temp-dir={args.temp_dir}",
+        "--disable-usage-stats",
+    ]
     if args.num_cpus is not None:
         cmd.append(f"--num-cpus={args.num_cpus}")
     return cmd
@@ -114,8 +122,11 @@ def stop(temp_dir: str | Path, timeout_s: float = 10.0, log=print) -> int:
         except psutil.Error:
             pass
     _, alive = psutil.wait_procs(alive, timeout=10)
-    log(f"cluster-down: stopped {len(procs) - len(alive)} process(es) of the cluster under {temp_dir}"
-        + (f"; still running: {[p.pid for p in alive]}" if alive else "") + "; no other Ray was touched")
+    log(
+        f"cluster-down: stopped {len(procs) - len(alive)} process(es) of the cluster under {temp_dir}"
+        + (f"; still running: {[p.pid for p in alive]}" if alive else "")
+        + "; no other Ray was touched"
+    )
     return len(alive)
 
 
@@ -123,21 +134,30 @@ def up(args: argparse.Namespace) -> int:
     temp_dir = Path(os.path.abspath(args.temp_dir))
     args.temp_dir = str(temp_dir)
     if cluster_pids(temp_dir):
-        print(f"cluster-up: a cluster under {temp_dir} is already running (make cluster-down stops it)",
-              file=sys.stderr)
+        print(
+            f"cluster-up: a cluster under {temp_dir} is already running (make cluster-down stops it)", file=sys.stderr
+        )
         return 1
     temp_dir.mkdir(parents=True, exist_ok=True)
     rc = subprocess.run(start_command(args)).returncode
     if rc != 0:
         return 1
     latest = temp_dir / "session_latest"
-    state = {"gcs_address": f"127.0.0.1:{args.port}", "dashboard_url": f"http://127.0.0.1:{args.dashboard_port}",
-             "temp_dir": str(temp_dir), "session_dir": os.path.realpath(latest) if latest.exists() else None,
-             "pids": cluster_pids(temp_dir), "started_at_unix_s": time.time()}
+    state = {
+        "gcs_address": f"127.0.0.1:{args.port}",
+        "dashboard_url": f"http://127.0.0.1:{args.dashboard_port}",
+        "temp_dir": str(temp_dir),
+        "session_dir": os.path.realpath(latest) if latest.exists() else None,
+        "pids": cluster_pids(temp_dir),
+        "started_at_unix_s": time.time(),
+    }
     (temp_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n", encoding="utf-8")
-    print(f"cluster-up: head on {state['gcs_address']} (sweeps: --address {state['gcs_address']}), "
-          f"job server {state['dashboard_url']} (make submit), files under {temp_dir}; "
-          f"`make cluster-down` stops this cluster only", file=sys.stderr)
+    print(
+        f"cluster-up: head on {state['gcs_address']} (sweeps: --address {state['gcs_address']}), "
+        f"job server {state['dashboard_url']} (make submit), files under {temp_dir}; "
+        f"`make cluster-down` stops this cluster only",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -147,8 +167,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     u = sub.add_parser("up", help="ray start --head on loopback under its own --temp-dir")
     d = sub.add_parser("down", help="stop only the cluster started under --temp-dir")
     for q in (u, d):
-        q.add_argument("--temp-dir", default=DEFAULT_TEMP_DIR,
-                       help=f"root folder of the cluster's Ray files (default {DEFAULT_TEMP_DIR})")
+        q.add_argument(
+            "--temp-dir",
+            default=DEFAULT_TEMP_DIR,
+            help=f"root folder of the cluster's Ray files (default {DEFAULT_TEMP_DIR})",
+        )
     u.add_argument("--port", type=int, default=6379, help="GCS port (the --address of sweeps)")
     u.add_argument("--dashboard-port", type=int, default=8265, help="dashboard and job server port")
     u.add_argument("--metrics-export-port", type=int, default=8080)

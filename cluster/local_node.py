@@ -31,9 +31,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--address", default="127.0.0.1:6379", help="GCS address of the head (loopback only)")
     p.add_argument("--num-cpus", type=int, default=1)
     p.add_argument("--num-gpus", type=int, default=0)
-    p.add_argument("--resources", default="", help='custom resources: node_b=1[,name=amount] or JSON \'{"node_b": 1}\'')
-    p.add_argument("--metrics-export-port", type=int, default=8081,
-                   help="this node's Prometheus metrics port (the head's is 8080 with make cluster-up)")
+    p.add_argument("--resources", default="", help="custom resources: node_b=1[,name=amount] or JSON '{\"node_b\": 1}'")
+    p.add_argument(
+        "--metrics-export-port",
+        type=int,
+        default=8081,
+        help="this node's Prometheus metrics port (the head's is 8080 with make cluster-up)",
+    )
     p.add_argument("--object-store-mib", type=int, default=80)
     args = p.parse_args(argv)
     host = args.address.rsplit(":", 1)[0]
@@ -44,7 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if text.startswith("{"):
             args.resources = json.loads(text)
         else:  # name=amount[,name=amount]: no quotes or spaces, easy to pass through make ARGS=
-            args.resources = {k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv.strip())}
+            args.resources = {
+                k.strip(): float(v) for k, v in (kv.split("=", 1) for kv in text.split(",") if kv.strip())
+            }
     except (json.JSONDecodeError, ValueError) as e:
         p.error(f"--resources: expected name=amount[,name=amount] or a JSON object, got {text!r} ({e})")
     if not isinstance(args.resources, dict):
@@ -76,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     params.dashboard_agent_listen_port = None
     node = ray._private.node.Node(params, head=False, shutdown_at_exit=True, spawn_reaper=True)
     stop = StopSignals()  # from here on in place of Ray's own SIGTERM handler
-    print(f"local_node: node {node.node_id} joined {args.address} on 127.0.0.1 "
-          f"(CPU {args.num_cpus}, GPU {args.num_gpus}, resources {args.resources}, "
-          f"metrics on 127.0.0.1:{args.metrics_export_port}); pid {os.getpid()}; Ctrl-C or kill to stop",
-          flush=True)
+    print(
+        f"local_node: node {node.node_id} joined {args.address} on 127.0.0.1 "
+        f"(CPU {args.num_cpus}, GPU {args.num_gpus}, resources {args.resources}, "
+        f"metrics on 127.0.0.1:{args.metrics_export_port}); pid {os.getpid()}; Ctrl-C or kill to stop",
+        flush=True,
+    )
     stop.wait()
     node.kill_all_processes(check_alive=False, allow_graceful=True)
     print("local_node: stopped", flush=True)

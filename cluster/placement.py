@@ -113,7 +113,7 @@ class PlacementConfig(FrozenConfig):
     prefix: ClassVar[str] = "placement"
 
     strategy: str = "SPREAD"
-    num_cpus: int | float | None = None      # an int stays an int (as written in the suite)
+    num_cpus: int | float | None = None  # an int stays an int (as written in the suite)
     num_gpus: int | float | None = None
     resources: dict[str, float] = Field(default_factory=dict)
     gpu_memory_fraction: float = 0.9
@@ -335,8 +335,9 @@ class PlacedReplica(ModelReplica):
                 if visible > 1:
                     if num_threads := kwargs.get("num_threads"):
                         torch.set_num_threads(int(num_threads))
-                    max_memory = gpu_max_memory(visible, fraction=gpu_memory_fraction,
-                                                per_gpu_bytes=max_memory_per_gpu_bytes)
+                    max_memory = gpu_max_memory(
+                        visible, fraction=gpu_memory_fraction, per_gpu_bytes=max_memory_per_gpu_bytes
+                    )
                     t0 = time.perf_counter()
                     model, tokenizer, self.device_map = load_sharded(
                         kwargs.get("model_spec", "embedded"), kwargs.get("dtype", "auto"), max_memory
@@ -393,14 +394,24 @@ def _count_by_device(device_map: Mapping[str, int] | None) -> dict | None:
 def not_ready_message(ray, n: int, what: str, timeout_s: float | None) -> str:
     """Why `n` replicas are not ready after `timeout_s`: what the cluster has free, its alive nodes."""
     try:
-        free = {k: round(v, 2) for k, v in ray.available_resources().items() if not k.startswith(("node:", "bundle_group"))
-                and k not in ("memory", "object_store_memory")}
-        nodes = [{k: v for k, v in n_.get("Resources", {}).items() if k in ("CPU", "GPU") or not (
-            k.startswith("node:") or k in ("memory", "object_store_memory"))} for n_ in _alive_nodes(ray)]
+        free = {
+            k: round(v, 2)
+            for k, v in ray.available_resources().items()
+            if not k.startswith(("node:", "bundle_group")) and k not in ("memory", "object_store_memory")
+        }
+        nodes = [
+            {
+                k: v
+                for k, v in n_.get("Resources", {}).items()
+                if k in ("CPU", "GPU") or not (k.startswith("node:") or k in ("memory", "object_store_memory"))
+            }
+            for n_ in _alive_nodes(ray)
+        ]
     except Exception as e:  # noqa: BLE001 - the cluster itself may be gone
         free, nodes = f"unknown ({type(e).__name__})", "unknown"
-    return (f"placement: {n} {what} not placed and loaded within {timeout_s:g} s (placement.ready_timeout_s, or "
-            f"${READY_TIMEOUT_ENV}); free now: {free}; alive nodes: {nodes}. Either the resources each asks for are "
-            "held by other work on the cluster and never freed, the node it was on left, or its model did not load "
-            "in time (then raise the timeout)")
-
+    return (
+        f"placement: {n} {what} not placed and loaded within {timeout_s:g} s (placement.ready_timeout_s, or "
+        f"${READY_TIMEOUT_ENV}); free now: {free}; alive nodes: {nodes}. Either the resources each asks for are "
+        "held by other work on the cluster and never freed, the node it was on left, or its model did not load "
+        "in time (then raise the timeout)"
+    )

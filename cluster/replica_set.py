@@ -31,6 +31,7 @@ all run their replicas as Serve deployment replicas; this module deploys them fo
 
 Runners import this module (and with it Ray Serve) only when they start replicas.
 """
+
 from __future__ import annotations
 
 import re
@@ -61,9 +62,9 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
     fewer. Serve falls through the ranks when a replica has no room (``max_ongoing_requests``)."""
 
     def initialize_state(self, **kwargs) -> None:
-        self.outstanding: dict = {}     # replica id -> calls routed (or about to be) and not completed
+        self.outstanding: dict = {}  # replica id -> calls routed (or about to be) and not completed
         self.last_pick: dict = {}
-        self.expected: dict = {}        # request id -> the replica its routing ranked first
+        self.expected: dict = {}  # request id -> the replica its routing ranked first
         self.picks = 0
 
     def _count(self, replica_id, delta: int) -> None:
@@ -75,8 +76,10 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
         rid = pending_request.metadata.internal_request_id if pending_request is not None else None
         if rid in self.expected:
             self._count(self.expected.pop(rid), -1)
-        ranked = sorted(candidate_replicas, key=lambda r: (self.outstanding.get(r.replica_id, 0),
-                                                           self.last_pick.get(r.replica_id, -1)))
+        ranked = sorted(
+            candidate_replicas,
+            key=lambda r: (self.outstanding.get(r.replica_id, 0), self.last_pick.get(r.replica_id, -1)),
+        )
         if rid is not None and ranked:
             self.expected[rid] = ranked[0].replica_id
             self._count(ranked[0].replica_id, +1)
@@ -105,14 +108,14 @@ def delete_leftover_apps(app_name: str) -> None:
     applications outlive the driver on a cluster joined with ``--address``), holding their CPUs; a resume
     frees them before anything of its own asks for resources. Nothing to do without a Serve controller."""
     prefix = app_name[:-8]
-    if prefix.endswith("-adhoc-"):                  # no run id: nothing to tell its own apps apart by
+    if prefix.endswith("-adhoc-"):  # no run id: nothing to tell its own apps apart by
         return
     try:
         serve.context._connect(raise_if_no_controller_running=True)
     except Exception:  # noqa: BLE001 - no Serve on this cluster: no earlier application
         return
     for name in list(serve.status().applications):
-        if name.startswith(prefix) and name != app_name and re.fullmatch(r"[0-9a-f]{8}", name[len(prefix):]):
+        if name.startswith(prefix) and name != app_name and re.fullmatch(r"[0-9a-f]{8}", name[len(prefix) :]):
             serve.delete(name, _blocking=True)
 
 
@@ -158,9 +161,21 @@ class ServeReplicaSet:
         PlacementError: ``n`` < 1.
     """
 
-    def __init__(self, deployment, init_kwargs: dict, n: int, placement: PlacementConfig | None = None, *,
-                 num_cpus: float = 1.0, num_gpus: float = 0.0, num_threads: int | None = None, app_name: str,
-                 max_ongoing_requests: int = 1, max_queued_requests: int = -1, what: str = "replica(s)"):
+    def __init__(
+        self,
+        deployment,
+        init_kwargs: dict,
+        n: int,
+        placement: PlacementConfig | None = None,
+        *,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        num_threads: int | None = None,
+        app_name: str,
+        max_ongoing_requests: int = 1,
+        max_queued_requests: int = -1,
+        what: str = "replica(s)",
+    ):
         if n < 1:
             raise PlacementError(f"replicas: must be >= 1, got {n}")
         self.deployment, self.init_kwargs, self.n = deployment, dict(init_kwargs), n
@@ -179,16 +194,23 @@ class ServeReplicaSet:
     def options(self) -> dict:
         """The deployment options that place and size each replica (see the module docstring)."""
         opts: dict[str, Any] = dict(
-            name="replica", num_replicas=self.n,
-            ray_actor_options={"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
-                               **({"resources": dict(self.resources)} if self.resources else {})},
-            placement_group_bundles=[dict(self.bundle)], placement_group_strategy="STRICT_PACK",
-            max_ongoing_requests=self.max_ongoing_requests, max_queued_requests=self.max_queued_requests,
+            name="replica",
+            num_replicas=self.n,
+            ray_actor_options={
+                "num_cpus": self.num_cpus,
+                "num_gpus": self.num_gpus,
+                **({"resources": dict(self.resources)} if self.resources else {}),
+            },
+            placement_group_bundles=[dict(self.bundle)],
+            placement_group_strategy="STRICT_PACK",
+            max_ongoing_requests=self.max_ongoing_requests,
+            max_queued_requests=self.max_queued_requests,
             max_constructor_retry_count=self.n,
             request_router_config={"request_router_class": f"{__name__}:LeastOutstandingRouter"},
-            logging_config={"enable_access_log": False})   # one log line per request or point otherwise
-        if self.placement.strategy == "STRICT_SPREAD":   # Serve refuses it beside placement_group_bundles; the
-            opts["max_replicas_per_node"] = 1           # actor alone still never spans nodes
+            logging_config={"enable_access_log": False},
+        )  # one log line per request or point otherwise
+        if self.placement.strategy == "STRICT_SPREAD":  # Serve refuses it beside placement_group_bundles; the
+            opts["max_replicas_per_node"] = 1  # actor alone still never spans nodes
             del opts["placement_group_bundles"], opts["placement_group_strategy"]
         return opts
 
@@ -227,8 +249,11 @@ class ServeReplicaSet:
         """A default CPU share (cluster CPUs / replicas) can exceed every node; cap it at the most CPUs
         one node that holds the replica's other resources has."""
         others = {k: v for k, v in self.bundle.items() if k != "CPU"}
-        cpus = [n.get("Resources", {}).get("CPU", 0.0) for n in nodes
-                if all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in others.items())]
+        cpus = [
+            n.get("Resources", {}).get("CPU", 0.0)
+            for n in nodes
+            if all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in others.items())
+        ]
         most = max(cpus, default=0.0)
         if 0 < most < self.num_cpus:
             self.num_cpus = float(most)
@@ -284,7 +309,9 @@ class ServeReplicaSet:
         if app is None:
             return "NOT_STARTED", ""
         messages = [app.message] + [d.message for d in app.deployments.values()]
-        return str(app.status.value if hasattr(app.status, "value") else app.status), "\n".join(m for m in messages if m)
+        return str(app.status.value if hasattr(app.status, "value") else app.status), "\n".join(
+            m for m in messages if m
+        )
 
     def wait_running(self, timeout_s: float) -> None:
         """Wait until the application runs (every replica constructed and healthy).
@@ -333,7 +360,7 @@ class PointReplica:
     def __init__(self, name_prefix: str = "replica", **replica_kwargs: Any):
         ctx = serve.get_replica_context()
         self.replica = PlacedReplica(replica_id=f"{name_prefix}-{ctx.replica_tag}", **replica_kwargs)
-        self.replica._raise_load_error()       # Serve fails the deployment with the replica's own error
+        self.replica._raise_load_error()  # Serve fails the deployment with the replica's own error
 
     def info(self) -> dict:
         return self.replica.info()
@@ -354,12 +381,35 @@ class PointReplica:
             text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
             return PointReply(info, None, f"{type(e).__name__}: {text[:2000]}")
 
-def point_replicas(n: int, placement: PlacementConfig | None, replica_kwargs: dict, *, num_cpus: float,
-                   num_gpus: float, num_threads: int | None, app_name: str, name_prefix: str = "replica") -> ServeReplicaSet:
+
+def point_replicas(
+    n: int,
+    placement: PlacementConfig | None,
+    replica_kwargs: dict,
+    *,
+    num_cpus: float,
+    num_gpus: float,
+    num_threads: int | None,
+    app_name: str,
+    name_prefix: str = "replica",
+) -> ServeReplicaSet:
     """A `ServeReplicaSet` of `n` point replicas (`PlacedReplica` with `replica_kwargs`: model_spec, dtype,
     device, ...; ``max_ongoing_requests=1``: a replica runs one point at a time), not started yet."""
     cfg = placement or PlacementConfig()
-    kwargs = dict(replica_kwargs, name_prefix=name_prefix, gpu_memory_fraction=cfg.gpu_memory_fraction,
-                  max_memory_per_gpu_bytes=cfg.max_memory_per_gpu_bytes)
-    return ServeReplicaSet(PointReplica, kwargs, n, placement, num_cpus=num_cpus, num_gpus=num_gpus,
-                           num_threads=num_threads, app_name=app_name, max_ongoing_requests=1)
+    kwargs = dict(
+        replica_kwargs,
+        name_prefix=name_prefix,
+        gpu_memory_fraction=cfg.gpu_memory_fraction,
+        max_memory_per_gpu_bytes=cfg.max_memory_per_gpu_bytes,
+    )
+    return ServeReplicaSet(
+        PointReplica,
+        kwargs,
+        n,
+        placement,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        num_threads=num_threads,
+        app_name=app_name,
+        max_ongoing_requests=1,
+    )

@@ -113,8 +113,9 @@ def package_files(working_dir: str | Path, excludes: list[str]) -> list[tuple[st
             out.append((str(path.relative_to(root)), path.stat().st_size))
 
     all_excludes = ray_default_excludes() + list(excludes)
-    packaging._dir_travel(root, [packaging._get_excludes(root, all_excludes)], handler,
-                          include_gitignore=include_gitignore, logger=_QUIET)
+    packaging._dir_travel(
+        root, [packaging._get_excludes(root, all_excludes)], handler, include_gitignore=include_gitignore, logger=_QUIET
+    )
     return out
 
 
@@ -185,8 +186,9 @@ def suite_name(suite_path: Path) -> str:
 def git_commit(working_dir: Path) -> str:
     """`git rev-parse HEAD` in `working_dir`, else `$SCISSORHANDS_GIT_COMMIT` (set for a job), else 'unknown'."""
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=working_dir, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=working_dir, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return os.environ.get(GIT_COMMIT_ENV) or "unknown"
 
@@ -214,7 +216,9 @@ def build(args: argparse.Namespace) -> dict:
     try:
         suite_rel = suite_abs.resolve().relative_to(working_dir.resolve())
     except ValueError:
-        raise SubmitError(f"suite: {suite_abs} is outside the working dir {working_dir}; only the working dir is uploaded") from None
+        raise SubmitError(
+            f"suite: {suite_abs} is outside the working dir {working_dir}; only the working dir is uploaded"
+        ) from None
     address = normalize_address(args.address)
     local = is_loopback(address)
     if args.results_dir:
@@ -257,7 +261,9 @@ def build(args: argparse.Namespace) -> dict:
     }
     if local:  # same machine: the job reuses this checkout's converted model and token caches
         runtime_env["env_vars"][MODEL_CACHE_ENV] = str(embedded_cache_dir())
-        runtime_env["env_vars"][TOKEN_CACHE_ENV] = str(working_dir / ".cache" / "tokens")  # workloads.load.prompts' default
+        runtime_env["env_vars"][TOKEN_CACHE_ENV] = str(
+            working_dir / ".cache" / "tokens"
+        )  # workloads.load.prompts' default
     for name in PASS_THROUGH_ENV:  # what the user set here wins (e.g. shared cache paths on a cluster)
         if os.environ.get(name):
             runtime_env["env_vars"][name] = os.environ[name]
@@ -265,17 +271,43 @@ def build(args: argparse.Namespace) -> dict:
         # the job's driver joins the cluster with an explicit RAY_ADDRESS, for which Ray does not
         # turn token auth on by itself; the nodes hold the token (~/.ray/auth_token or RAY_AUTH_TOKEN)
         runtime_env["env_vars"]["RAY_AUTH_MODE"] = "token"
-    entrypoint = [job_python, "-m", "workloads.sweep", str(suite_rel), "--results-dir", str(results), "--run-id", run_id]
+    entrypoint = [
+        job_python,
+        "-m",
+        "workloads.sweep",
+        str(suite_rel),
+        "--results-dir",
+        str(results),
+        "--run-id",
+        run_id,
+    ]
     entrypoint += list(args.sweep_args or [])
     submission_id = f"sweep-{run_id}"
-    cmd = [ray_cli(), "job", "submit", "--address", address, "--submission-id", submission_id,
-           "--runtime-env-json", json.dumps(runtime_env)]
+    cmd = [
+        ray_cli(),
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--submission-id",
+        submission_id,
+        "--runtime-env-json",
+        json.dumps(runtime_env),
+    ]
     if args.no_wait:
         cmd.append("--no-wait")
     cmd += ["--", *entrypoint]
-    return {"cmd": cmd, "runtime_env": runtime_env, "address": address, "run_id": run_id, "results_dir": results,
-            "submission_id": submission_id, "working_dir": working_dir, "excludes": excludes,
-            "entrypoint": entrypoint}
+    return {
+        "cmd": cmd,
+        "runtime_env": runtime_env,
+        "address": address,
+        "run_id": run_id,
+        "results_dir": results,
+        "submission_id": submission_id,
+        "working_dir": working_dir,
+        "excludes": excludes,
+        "entrypoint": entrypoint,
+    }
 
 
 def save_job_record(plan: dict, status: str, message: str | None, logs: str | None) -> Path | None:
@@ -283,8 +315,14 @@ def save_job_record(plan: dict, status: str, message: str | None, logs: str | No
     run_dir = Path(plan["results_dir"]) / plan["run_id"]
     if not run_dir.is_dir():
         return None
-    record = {"submission_id": plan["submission_id"], "address": plan["address"], "status": status,
-              "message": message, "entrypoint": shlex.join(plan["entrypoint"]), "saved_at_unix_s": time.time()}
+    record = {
+        "submission_id": plan["submission_id"],
+        "address": plan["address"],
+        "status": status,
+        "message": message,
+        "entrypoint": shlex.join(plan["entrypoint"]),
+        "saved_at_unix_s": time.time(),
+    }
     (run_dir / "job.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if logs is not None:
         (run_dir / "job.log").write_text(logs, encoding="utf-8")
@@ -361,17 +399,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         argv, sweep_args = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(prog="python -m cluster.submit", description=__doc__.split("\n\n")[0])
     p.add_argument("suite", help="suite YAML inside the working dir, e.g. workloads/suites/smoke.yaml")
-    p.add_argument("--address", default=os.environ.get("RAY_JOB_ADDRESS") or DEFAULT_ADDRESS,
-                   help=f"job server (dashboard) address (default: $RAY_JOB_ADDRESS or {DEFAULT_ADDRESS})")
-    p.add_argument("--results-dir", default=None,
-                   help="folder of run folders as the cluster sees it (shared storage on a real cluster; "
-                        "default for a loopback address: ./results)")
+    p.add_argument(
+        "--address",
+        default=os.environ.get("RAY_JOB_ADDRESS") or DEFAULT_ADDRESS,
+        help=f"job server (dashboard) address (default: $RAY_JOB_ADDRESS or {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--results-dir",
+        default=None,
+        help="folder of run folders as the cluster sees it (shared storage on a real cluster; "
+        "default for a loopback address: ./results)",
+    )
     p.add_argument("--run-id", default=None, help="run id (default: <suite name>-<UTC time>)")
-    p.add_argument("--working-dir", default=str(REPO_ROOT), help="folder uploaded as the job's working dir (default: this repo)")
-    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
-                   help="another gitignore-style pattern left out of the upload (repeatable)")
-    p.add_argument("--max-package-mib", type=float, default=DEFAULT_MAX_PACKAGE_MIB,
-                   help=f"refuse to upload a package larger than this (default {DEFAULT_MAX_PACKAGE_MIB:g}, Ray's limit)")
+    p.add_argument(
+        "--working-dir", default=str(REPO_ROOT), help="folder uploaded as the job's working dir (default: this repo)"
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="another gitignore-style pattern left out of the upload (repeatable)",
+    )
+    p.add_argument(
+        "--max-package-mib",
+        type=float,
+        default=DEFAULT_MAX_PACKAGE_MIB,
+        help=f"refuse to upload a package larger than this (default {DEFAULT_MAX_PACKAGE_MIB:g}, Ray's limit)",
+    )
     p.add_argument("--job-python", default=None, help="interpreter of the job (default: see the module docs)")
     p.add_argument("--no-wait", action="store_true", help="submit and return; follow with `ray job logs -f`")
     p.add_argument("--dry-run", action="store_true", help="check the package and print the command; submit nothing")
@@ -390,10 +445,15 @@ def main(argv: list[str] | None = None) -> int:
     except SubmitError as e:
         print(f"submit: error: {e}", file=sys.stderr)
         return 2
-    print(f"submit: package {report['bytes'] / MIB:.2f} MiB in {report['files']} files "
-          f"(limit {report['max_bytes'] / MIB:.0f} MiB); excludes: {' '.join(plan['excludes'])}", file=sys.stderr)
-    print(f"submit: results -> {plan['results_dir']}/{plan['run_id']}/ ; job {plan['submission_id']} at {plan['address']}",
-          file=sys.stderr)
+    print(
+        f"submit: package {report['bytes'] / MIB:.2f} MiB in {report['files']} files "
+        f"(limit {report['max_bytes'] / MIB:.0f} MiB); excludes: {' '.join(plan['excludes'])}",
+        file=sys.stderr,
+    )
+    print(
+        f"submit: results -> {plan['results_dir']}/{plan['run_id']}/ ; job {plan['submission_id']} at {plan['address']}",
+        file=sys.stderr,
+    )
     print("submit: " + shlex.join(plan["cmd"]), file=sys.stderr)
     if args.dry_run:
         return 0
@@ -402,12 +462,18 @@ def main(argv: list[str] | None = None) -> int:
         if rc == 0 or attempt == SUBMIT_ATTEMPTS or job_exists(plan["address"], plan["submission_id"]):
             break
         # the job server took no job (e.g. "No available agent": a head that just started)
-        print(f"submit: the job server did not accept the job (attempt {attempt} of {SUBMIT_ATTEMPTS}); "
-              f"retrying in {SUBMIT_RETRY_S:g} s", file=sys.stderr)
+        print(
+            f"submit: the job server did not accept the job (attempt {attempt} of {SUBMIT_ATTEMPTS}); "
+            f"retrying in {SUBMIT_RETRY_S:g} s",
+            file=sys.stderr,
+        )
         time.sleep(SUBMIT_RETRY_S)
     if args.no_wait:
         if rc == 0:
-            print(f"submit: follow with: ray job logs -f --address {plan['address']} {plan['submission_id']}", file=sys.stderr)
+            print(
+                f"submit: follow with: ray job logs -f --address {plan['address']} {plan['submission_id']}",
+                file=sys.stderr,
+            )
         return 0 if rc == 0 else 1
     try:
         status, message, logs = job_outcome(plan["address"], plan["submission_id"])

@@ -24,6 +24,7 @@ or timed-out connect counts as unreachable. The watch stops with `stop`, at inte
 as soon as this process is no longer connected to that GCS (``ray.shutdown()`` at the end of a run
 stops the GCS of an embedded Ray, which must not be reported; a later ``ray.init`` is another cluster).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -116,13 +117,17 @@ def _count_lines(path: Path) -> int:
 def gone_message(cluster: str, gcs_address: str, waited_s: float, run: RunNote | None) -> str:
     """The one message printed when the cluster is gone: cause, address, points kept, how to resume."""
     what = "the embedded Ray" if cluster == "embedded" else f"the Ray cluster at {cluster}"
-    text = (f"{what} is gone: its GCS at {gcs_address} has not accepted a connection for {waited_s:.0f} s "
-            f"(${GONE_AFTER_ENV}; Ray itself would end this process after 60 s)")
+    text = (
+        f"{what} is gone: its GCS at {gcs_address} has not accepted a connection for {waited_s:.0f} s "
+        f"(${GONE_AFTER_ENV}; Ray itself would end this process after 60 s)"
+    )
     if run is None:
         return text
-    return (f"{text}; the {_count_lines(run.points_path)} point(s) written to {run.points_path} stay; once a "
-            f"cluster is up again (`make cluster-up`), run the rest with the same command and `--resume {run.run_id}` "
-            f"(without --run-id)")
+    return (
+        f"{text}; the {_count_lines(run.points_path)} point(s) written to {run.points_path} stay; once a "
+        f"cluster is up again (`make cluster-up`), run the rest with the same command and `--resume {run.run_id}` "
+        f"(without --run-id)"
+    )
 
 
 class ClusterWatch(threading.Thread):
@@ -136,8 +141,16 @@ class ClusterWatch(threading.Thread):
         on_gone: called with the message; the default writes ``error.json``, prints and exits (status 1).
     """
 
-    def __init__(self, cluster: str, gcs_address: str, connected, gone_after_s: float = DEFAULT_GONE_AFTER_S,
-                 poll_s: float = POLL_S, on_gone=None, probe=gcs_reachable):
+    def __init__(
+        self,
+        cluster: str,
+        gcs_address: str,
+        connected,
+        gone_after_s: float = DEFAULT_GONE_AFTER_S,
+        poll_s: float = POLL_S,
+        on_gone=None,
+        probe=gcs_reachable,
+    ):
         super().__init__(name="scissorhands-cluster-watch", daemon=True)
         self.cluster, self.gcs_address = cluster, gcs_address
         self.host, self.port = split_address(gcs_address)
@@ -172,8 +185,13 @@ def _end_run(message: str) -> None:
         path = run.run_dir / "error.json"
         try:
             tmp = path.with_name(f".error.json.{os.getpid()}")
-            tmp.write_text(json.dumps({"run_id": run.run_id, "error": message, "exit_code": EXIT_CLUSTER_GONE,
-                                       "at_unix_s": time.time()}, sort_keys=True) + "\n")
+            tmp.write_text(
+                json.dumps(
+                    {"run_id": run.run_id, "error": message, "exit_code": EXIT_CLUSTER_GONE, "at_unix_s": time.time()},
+                    sort_keys=True,
+                )
+                + "\n"
+            )
             os.replace(tmp, path)
         except OSError:
             pass

@@ -26,8 +26,20 @@ HERE = Path(__file__).resolve().parent
 DASHBOARD_DIR = HERE / "grafana" / "dashboards"
 
 PROMQL_KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-    "offset", "inf", "nan", "atan2",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "atan2",
 }
 
 
@@ -92,7 +104,7 @@ def metric_names(expr: str) -> set[str]:
     names = set()
     for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
         word = m.group(0)
-        rest = text[m.end():].lstrip()
+        rest = text[m.end() :].lstrip()
         if rest.startswith("(") or word.lower() in PROMQL_KEYWORDS:
             continue  # a function or an aggregation, or a keyword
         names.add(word)

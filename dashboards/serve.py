@@ -102,7 +102,12 @@ def render_config(
     """dashboards/prometheus.yml with the given ports, Ray service-discovery files and intervals."""
     text = template.read_text()
     template_files = "\n".join(f"          - {f}" for f in DEFAULT_SD_FILES)
-    for needle in (_TEMPLATE_PROMETHEUS, _TEMPLATE_PUSHGATEWAY, template_files, f"scrape_interval: {_TEMPLATE_INTERVAL}"):
+    for needle in (
+        _TEMPLATE_PROMETHEUS,
+        _TEMPLATE_PUSHGATEWAY,
+        template_files,
+        f"scrape_interval: {_TEMPLATE_INTERVAL}",
+    ):
         if needle not in text:
             raise ValueError(f"{template}: expected {needle!r} in the template")
     text = text.replace(_TEMPLATE_PROMETHEUS, f"{HOST}:{prometheus_port}")
@@ -163,12 +168,16 @@ def _start(name: str, cmd: list[str], data_dir: Path, ready_url: str) -> int:
         print(f"{name}: already running (pid {pid})")
         if name == "prometheus":  # pick up the config just written
             try:
-                urllib.request.urlopen(urllib.request.Request(ready_url.replace("/-/ready", "/-/reload"), method="POST"), timeout=5)
+                urllib.request.urlopen(
+                    urllib.request.Request(ready_url.replace("/-/ready", "/-/reload"), method="POST"), timeout=5
+                )
             except OSError as exc:
                 print(f"prometheus: config reload failed ({exc}); run `down` then `up`")
         return pid
     log_file = open(data_dir / f"{name}.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+    )
     log_file.close()
     pid_file.write_text(f"{proc.pid}\n")
     try:
@@ -290,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prometheus-port", type=int, default=int(os.environ.get("PROMETHEUS_PORT", 9090)))
     parser.add_argument("--pushgateway-port", type=int, default=int(os.environ.get("PUSHGATEWAY_PORT", 9091)))
     parser.add_argument(
-        "--ray-sd-file", action="append", default=None, help=f"Ray service-discovery file, repeatable (default {' and '.join(DEFAULT_SD_FILES)})"
+        "--ray-sd-file",
+        action="append",
+        default=None,
+        help=f"Ray service-discovery file, repeatable (default {' and '.join(DEFAULT_SD_FILES)})",
     )
     parser.add_argument("--scrape-interval", default=_TEMPLATE_INTERVAL, help="e.g. 5s")
     parser.add_argument("--no-install", action="store_true", help="fail instead of apt-get installing missing binaries")

@@ -35,6 +35,7 @@ So the cache never holds more than the limit between forward calls (the transien
 `torch.cat` makes during an update are not counted; they are at most one layer's tensors).
 A request that could not fit even alone is rejected (`error_kind="rejected"`), never queued forever.
 """
+
 from __future__ import annotations
 
 import collections
@@ -78,9 +79,9 @@ class _Seq:
     result: GenerationResult
     on_done: Callable[[GenerationResult], None]
     final_slots: int
-    held_slots: int = 0          # tokens the row holds in the cache now (for the prefill-time bound)
+    held_slots: int = 0  # tokens the row holds in the cache now (for the prefill-time bound)
     on_token: Callable[[int, float], None] | None = None
-    generator: torch.Generator | None = None     # this request's sampling draws (temperature > 0)
+    generator: torch.Generator | None = None  # this request's sampling draws (temperature > 0)
 
 
 class ContinuousBatchingEngine:
@@ -101,8 +102,16 @@ class ContinuousBatchingEngine:
         ValueError: from `make_cache` for an invalid policy parameter or budget.
     """
 
-    def __init__(self, model, config: EngineConfig, *, eos_token_id: int | None = None,
-                 clock: Callable[[], float] = time.time, replica_id: str = "replica-0", metrics=None):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        *,
+        eos_token_id: int | None = None,
+        clock: Callable[[], float] = time.time,
+        replica_id: str = "replica-0",
+        metrics=None,
+    ):
         self.model = model
         self.config = config
         self.eos_token_id = eos_token_id
@@ -121,7 +130,7 @@ class ContinuousBatchingEngine:
             # max_length = B: every layer preallocates B slots per row, so decode tokens are written in
             # place; a sequence then holds B slots from its prefill on (its bytes, known in advance)
             self._cache_kwargs.update(budget_tokens=self.budget_tokens, max_length=self.budget_tokens)
-        make_cache(config.policy, model, **self._cache_kwargs)          # validate now, not at the first request
+        make_cache(config.policy, model, **self._cache_kwargs)  # validate now, not at the first request
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(text_config.num_hidden_layers)
         self.slot_bytes = sequence_slot_bytes(model, config.policy, **self._cache_kwargs)
@@ -135,7 +144,7 @@ class ContinuousBatchingEngine:
         self._queue: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
         self._cache = None
-        self._next_tokens: torch.Tensor | None = None       # (rows, 1) last token of each running row
+        self._next_tokens: torch.Tensor | None = None  # (rows, 1) last token of each running row
         self._aborts: set[str] = set()
         self.reset_stats()
 
@@ -172,20 +181,33 @@ class ContinuousBatchingEngine:
         per_row = self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes
         n = min(cap, self.kv_memory_limit_bytes // per_row)
         kept = self._prefill_slots(prompt_tokens)
-        while n > 0 and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens) \
-                > self.kv_memory_limit_bytes:
-            n -= 1               # the last one's prefill, next to the others' prompts, must fit too
+        while (
+            n > 0
+            and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens)
+            > self.kv_memory_limit_bytes
+        ):
+            n -= 1  # the last one's prefill, next to the others' prompts, must fit too
         return int(n)
 
     # ------------------------------------------------------------------ submission
-    def submit(self, request: GenerationRequest, on_done: Callable[[GenerationResult], None],
-               on_token: Callable[[int, float], None] | None = None) -> None:
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_done: Callable[[GenerationResult], None],
+        on_token: Callable[[int, float], None] | None = None,
+    ) -> None:
         """Queue `request`; `on_done(result)` is called once, from the thread running `step()`, and
         `on_token(token_id, time_s)` for each token as it is decoded (before `on_done` for the last)."""
-        result = GenerationResult(request.request_id, len(request.prompt_ids), received_time_s=self.clock(),
-                                  replica_id=self.replica_id)
-        seq = _Seq(request, result, on_done, self.final_slots(len(request.prompt_ids), request.max_new_tokens),
-                   on_token=on_token)
+        result = GenerationResult(
+            request.request_id, len(request.prompt_ids), received_time_s=self.clock(), replica_id=self.replica_id
+        )
+        seq = _Seq(
+            request,
+            result,
+            on_done,
+            self.final_slots(len(request.prompt_ids), request.max_new_tokens),
+            on_token=on_token,
+        )
         with self._lock:
             self._queue.append(seq)
             self._stats[self._key(seq, "received")] += 1
@@ -278,8 +300,8 @@ class ContinuousBatchingEngine:
             "warmup_generated_tokens": s.get("warmup_tokens", 0),
             "decode_steps": s.get("decode_steps", 0),
             "prefill_calls": s.get("prefill_calls", 0),
-            "prefill_s": s.get("prefill_s", 0.0),            # wall time in prefill phases
-            "decode_s": s.get("decode_s", 0.0),              # wall time in decode steps
+            "prefill_s": s.get("prefill_s", 0.0),  # wall time in prefill phases
+            "decode_s": s.get("decode_s", 0.0),  # wall time in decode steps
         }
 
     # ------------------------------------------------------------------ scheduling
@@ -287,33 +309,40 @@ class ContinuousBatchingEngine:
         """Pop the requests that fit now, grouped for prefill (same prompt length, consecutive)."""
         limit = self.kv_memory_limit_bytes
         cap = self.config.max_batch or 1 << 30
-        finals = [s.final_slots for s in self._running]          # every row once admitted, at its end
-        held = [s.held_slots for s in self._running]             # rows in the cache, tokens held now
+        finals = [s.final_slots for s in self._running]  # every row once admitted, at its end
+        held = [s.held_slots for s in self._running]  # rows in the cache, tokens held now
         groups: list[list[_Seq]] = []
-        group_held: list[int] = []                               # tokens each admitted row holds after prefill
+        group_held: list[int] = []  # tokens each admitted row holds after prefill
         prefill_tokens = 0
         with self._lock:
             while self._queue and len(finals) < cap:
                 seq = self._queue[0]
                 n_prompt = len(seq.request.prompt_ids)
-                if limit is not None and (self.batch_bytes_bound([seq.final_slots]) > limit
-                                          or self.prefill_peak_bytes(1, n_prompt) > limit):
+                if limit is not None and (
+                    self.batch_bytes_bound([seq.final_slots]) > limit or self.prefill_peak_bytes(1, n_prompt) > limit
+                ):
                     self._queue.popleft()
                     self._fail(seq, "rejected", f"request needs more than the KV memory limit ({limit} bytes) alone")
                     continue
                 if groups and prefill_tokens + n_prompt > self.config.max_prefill_tokens:
-                    break                       # enough prefill for this step; running rows decode first
+                    break  # enough prefill for this step; running rows decode first
                 same = bool(groups) and len(groups[-1][0].request.prompt_ids) == n_prompt
                 if limit is not None:
                     if self.batch_bytes_bound(finals + [seq.final_slots]) > limit:
-                        break                   # steady state would not fit: wait for rows to finish
+                        break  # steady state would not fit: wait for rows to finish
                     # the rows in the cache while this request's group is prefilled: join the last
                     # group if its prefill still fits, else prefill alone after it is merged
-                    if same and self.batch_bytes_bound(held + group_held[:-len(groups[-1])]) \
-                            + self.prefill_peak_bytes(len(groups[-1]) + 1, n_prompt) > limit:
+                    if (
+                        same
+                        and self.batch_bytes_bound(held + group_held[: -len(groups[-1])])
+                        + self.prefill_peak_bytes(len(groups[-1]) + 1, n_prompt)
+                        > limit
+                    ):
                         same = False
-                    if not same and self.batch_bytes_bound(held + group_held) \
-                            + self.prefill_peak_bytes(1, n_prompt) > limit:
+                    if (
+                        not same
+                        and self.batch_bytes_bound(held + group_held) + self.prefill_peak_bytes(1, n_prompt) > limit
+                    ):
                         break
                 self._queue.popleft()
                 if same:
@@ -380,13 +409,13 @@ class ContinuousBatchingEngine:
             cache = self._new_cache()
             with torch.inference_mode():
                 out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-                first = pick_tokens(out.logits[:, -1, :], group, self.eos_token_id)               # (n, 1)
+                first = pick_tokens(out.logits[:, -1, :], group, self.eos_token_id)  # (n, 1)
             tokens = first[:, 0].tolist()
         except Exception as e:  # noqa: BLE001 - every failure is reported per request
             self._fail_all(group, e)
             return
         t = self.clock()
-        warm = sum(s.request.warmup for s in group)          # warm-up rows: phase "warmup", counted apart
+        warm = sum(s.request.warmup for s in group)  # warm-up rows: phase "warmup", counted apart
         per_row = ids.shape[1]
         with _recording():
             self.metrics.observe_prefill(time.perf_counter() - t0, (len(group) - warm) * per_row, warm * per_row)
@@ -417,9 +446,14 @@ class ContinuousBatchingEngine:
         evicted0 = self._cache.layers[0].evicted_tokens
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=self._next_tokens, position_ids=row_positions(self._cache),
-                                 cache=self._cache, use_cache=True, logits_to_keep=1)
-                nxt = pick_tokens(out.logits[:, -1, :], self._running, self.eos_token_id)          # (rows, 1)
+                out = self.model(
+                    input_ids=self._next_tokens,
+                    position_ids=row_positions(self._cache),
+                    cache=self._cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                nxt = pick_tokens(out.logits[:, -1, :], self._running, self.eos_token_id)  # (rows, 1)
             tokens = nxt[:, 0].tolist()
         except Exception as e:  # noqa: BLE001
             running, self._running, self._cache, self._next_tokens = self._running, [], None, None
@@ -437,7 +471,7 @@ class ContinuousBatchingEngine:
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, tokens)):
             if self.row_capacity is None or seq.held_slots < self.row_capacity:
-                seq.held_slots += 1       # the full cache's buffers grow past their capacity
+                seq.held_slots += 1  # the full cache's buffers grow past their capacity
             if not self._emit(seq, tok, t):
                 keep.append(i)
         if len(keep) < len(self._running):
@@ -465,8 +499,9 @@ class ContinuousBatchingEngine:
             with _recording():
                 self.metrics.observe_ttft(max(0.0, r.token_times_s[0] - r.received_time_s), self._phase(seq))
                 if len(r.output_ids) > 1:
-                    self.metrics.observe_tpot(max(0.0, t - r.token_times_s[0]) / (len(r.output_ids) - 1),
-                                              self._phase(seq))
+                    self.metrics.observe_tpot(
+                        max(0.0, t - r.token_times_s[0]) / (len(r.output_ids) - 1), self._phase(seq)
+                    )
             self._stats[self._key(seq, "completed")] += 1
             self._done(seq)
             return True
@@ -544,7 +579,7 @@ class EngineLoop:
         self._stop.set()
         with self.engine._lock:
             self.engine._lock.notify_all()
-        if self._thread.ident is not None:                  # started
+        if self._thread.ident is not None:  # started
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self.engine.abort_all("the replica's engine was stopped (reconfigured or shut down)")

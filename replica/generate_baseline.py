@@ -6,6 +6,7 @@ Used by `bench/bench_serving.py`, `workloads/frontier/point.py` and `bench/gpu_c
 one of them times the engine, and compares it with the same baseline, the same way. Imports torch,
 transformers and tqdm only (never Ray).
 """
+
 from __future__ import annotations
 
 import sys
@@ -26,8 +27,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engines(model, runs: Sequence[tuple[EngineConfig, Sequence[GenerationRequest]]], *,
-                max_steps: int = 10_000_000, deadline: float | None = None, desc: str | None = "engines") -> list[dict]:
+def run_engines(
+    model,
+    runs: Sequence[tuple[EngineConfig, Sequence[GenerationRequest]]],
+    *,
+    max_steps: int = 10_000_000,
+    deadline: float | None = None,
+    desc: str | None = "engines",
+) -> list[dict]:
     """Run one engine per ``(config, requests)`` on ``model``, each after a 2-token warm-up, interleaved: one
     `step()` of each busy engine in turn, each engine timed over its own steps (wall and CPU seconds; CUDA is
     synchronised around each step). A slower stretch of a shared machine thus slows every run alike instead
@@ -67,8 +74,9 @@ def run_engines(model, runs: Sequence[tuple[EngineConfig, Sequence[GenerationReq
         torch.cuda.reset_peak_memory_stats(device)
     planned = sum(r.max_new_tokens for _, requests in runs for r in requests)
     finished = True
-    with tqdm(total=planned, desc=desc, unit="tok", file=sys.stderr, dynamic_ncols=True, mininterval=1.0,
-              disable=desc is None) as bar:
+    with tqdm(
+        total=planned, desc=desc, unit="tok", file=sys.stderr, dynamic_ncols=True, mininterval=1.0, disable=desc is None
+    ) as bar:
         for _ in range(max_steps):
             busy = [st for st in states if st["busy"]]
             if not busy:
@@ -102,18 +110,36 @@ def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
         raise RuntimeError(f"engine requests failed: {errors[:3]}")
     out_tok = sum(len(r.output_ids) for r in done.values())
     decode_tok = sum(max(0, len(r.output_ids) - 1) for r in done.values())
-    return {"finished": finished, "wall_s": wall, "cpu_s": cpu, "output_tokens": out_tok,
-            "output_tok_per_s": out_tok / wall if wall else None, "output_tok_per_cpu_s": out_tok / cpu if cpu else None,
-            "decode_tokens": decode_tok, "decode_s": s["decode_s"], "prefill_s": s["prefill_s"],
-            "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
-            "completed_requests": s["completed_requests"], "peak_running_sequences": s["peak_running_sequences"],
-            "peak_kv_cache_bytes": s["peak_kv_cache_bytes"], "budget_tokens": s["budget_tokens"],
-            "slot_bytes": s["slot_bytes"], "peak_device_allocated_bytes": peak_device,
-            "outputs": {k: v.output_ids for k, v in done.items()}}
+    return {
+        "finished": finished,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": out_tok,
+        "output_tok_per_s": out_tok / wall if wall else None,
+        "output_tok_per_cpu_s": out_tok / cpu if cpu else None,
+        "decode_tokens": decode_tok,
+        "decode_s": s["decode_s"],
+        "prefill_s": s["prefill_s"],
+        "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
+        "completed_requests": s["completed_requests"],
+        "peak_running_sequences": s["peak_running_sequences"],
+        "peak_kv_cache_bytes": s["peak_kv_cache_bytes"],
+        "budget_tokens": s["budget_tokens"],
+        "slot_bytes": s["slot_bytes"],
+        "peak_device_allocated_bytes": peak_device,
+        "outputs": {k: v.output_ids for k, v in done.items()},
+    }
 
 
-def run_generate(model, requests: Sequence[GenerationRequest], batch: int, *, device: str | torch.device = "cpu",
-                 deadline: float | None = None, on_batch: Callable[[], None] | None = None) -> dict:
+def run_generate(
+    model,
+    requests: Sequence[GenerationRequest],
+    batch: int,
+    *,
+    device: str | torch.device = "cpu",
+    deadline: float | None = None,
+    on_batch: Callable[[], None] | None = None,
+) -> dict:
     """Greedy `model.generate` over `requests`, `batch` at a time, after a 2-token warm-up.
 
     Args:
@@ -135,8 +161,14 @@ def run_generate(model, requests: Sequence[GenerationRequest], batch: int, *, de
     model.set_attn_implementation("sdpa")
     try:
         warm = torch.tensor([requests[0].prompt_ids[:32]], device=device)
-        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
+        model.generate(
+            warm,
+            attention_mask=torch.ones_like(warm),
+            max_new_tokens=2,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         outputs, finished, useful = {}, True, 0
         _sync(device)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -144,18 +176,25 @@ def run_generate(model, requests: Sequence[GenerationRequest], batch: int, *, de
             if deadline is not None and time.time() > deadline:
                 finished = False
                 break
-            chunk = requests[i:i + batch]
+            chunk = requests[i : i + batch]
             width = max(len(r.prompt_ids) for r in chunk)
             # (b, width) left-padded prompts and their mask, as a transformers user batches them
             ids = torch.tensor([[0] * (width - len(r.prompt_ids)) + r.prompt_ids for r in chunk], device=device)
-            mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk],
-                                device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in chunk], device=device
+            )
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config),
-                                     max_new_tokens=max(r.max_new_tokens for r in chunk), do_sample=False,
-                                     eos_token_id=None, pad_token_id=0)
+                out = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    cache=DynamicCache(config=model.config),
+                    max_new_tokens=max(r.max_new_tokens for r in chunk),
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
             for r, row in zip(chunk, out[:, width:].tolist()):
-                outputs[r.request_id] = row[:r.max_new_tokens]      # useful tokens: what the request asked for
+                outputs[r.request_id] = row[: r.max_new_tokens]  # useful tokens: what the request asked for
                 useful += r.max_new_tokens
             if on_batch is not None:
                 on_batch()
@@ -163,7 +202,13 @@ def run_generate(model, requests: Sequence[GenerationRequest], batch: int, *, de
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return {"finished": finished, "wall_s": wall, "cpu_s": cpu, "output_tokens": useful,
-            "output_tok_per_s": useful / wall if wall else None,
-            "output_tok_per_cpu_s": useful / cpu if cpu else None,
-            "completed_requests": len(outputs), "outputs": outputs}
+    return {
+        "finished": finished,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": useful,
+        "output_tok_per_s": useful / wall if wall else None,
+        "output_tok_per_cpu_s": useful / cpu if cpu else None,
+        "completed_requests": len(outputs),
+        "outputs": outputs,
+    }

@@ -147,9 +147,13 @@ class MetricSpec:
         under Ray's exporter; see the module docstring). ValueError for a counter or gauge."""
         if self.kind != "histogram":
             raise ValueError(f"{self.name}: only a histogram has an exact-sum counter (kind is {self.kind!r})")
-        return MetricSpec(self.name + "_exact_sum_total", "counter",
-                          f"Exact sum of the values observed in {self.name} (mean = this / {self.name}_count).",
-                          self.labels, self.source)
+        return MetricSpec(
+            self.name + "_exact_sum_total",
+            "counter",
+            f"Exact sum of the values observed in {self.name} (mean = this / {self.name}_count).",
+            self.labels,
+            self.source,
+        )
 
     @property
     def sample_names(self) -> tuple[str, ...]:
@@ -170,8 +174,9 @@ RECORD_QUANTILES: dict[str, str] = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
 
 
 def _point(name: str, record_key: str, help: str, extra_labels: tuple[str, ...] = ()) -> MetricSpec:
-    return MetricSpec(PREFIX + "sweep_" + name, "gauge", help, POINT_LABELS + extra_labels, "pushgateway",
-                      record_key=record_key)
+    return MetricSpec(
+        PREFIX + "sweep_" + name, "gauge", help, POINT_LABELS + extra_labels, "pushgateway", record_key=record_key
+    )
 
 
 #: Every metric the project exports, live and pushed. Tests and dashboards read this list.
@@ -179,18 +184,35 @@ METRICS: tuple[MetricSpec, ...] = (
     # live, per replica, through ray.util.metrics
     _replica("running_sequences", "gauge", "Sequences in the batch the replica is running now."),
     _replica("queued_sequences", "gauge", "Sequences waiting in the replica's queue."),
-    _replica("generated_tokens_total", "counter", "Output tokens generated (counted from generated ids).",
-             per_request=True),
+    _replica(
+        "generated_tokens_total", "counter", "Output tokens generated (counted from generated ids).", per_request=True
+    ),
     _replica("prefill_tokens_total", "counter", "Prompt tokens processed by prefill forwards.", per_request=True),
     _replica("prefill_seconds", "histogram", "Wall time of one prefill forward.", LATENCY_BUCKETS_S),
-    _replica("decode_step_seconds", "histogram", "Wall time of one decode-step forward (whole batch).", LATENCY_BUCKETS_S),
+    _replica(
+        "decode_step_seconds", "histogram", "Wall time of one decode-step forward (whole batch).", LATENCY_BUCKETS_S
+    ),
     _replica("decode_batch_size", "histogram", "Sequences in one decode-step forward.", BATCH_SIZE_BUCKETS),
-    _replica("ttft_seconds", "histogram", "Time to first token: request start to first generated token.", LATENCY_BUCKETS_S,
-             per_request=True),
-    _replica("tpot_seconds", "histogram", "Time per output token: (e2e - ttft) / (output tokens - 1).", LATENCY_BUCKETS_S,
-             per_request=True),
-    _replica("kv_cache_bytes", "gauge", "Bytes of every tensor the replica's KV caches hold now, bookkeeping included."),
-    _replica("kv_cache_slots", "gauge", "KV slots in use now (token positions kept per KV head, summed over sequences)."),
+    _replica(
+        "ttft_seconds",
+        "histogram",
+        "Time to first token: request start to first generated token.",
+        LATENCY_BUCKETS_S,
+        per_request=True,
+    ),
+    _replica(
+        "tpot_seconds",
+        "histogram",
+        "Time per output token: (e2e - ttft) / (output tokens - 1).",
+        LATENCY_BUCKETS_S,
+        per_request=True,
+    ),
+    _replica(
+        "kv_cache_bytes", "gauge", "Bytes of every tensor the replica's KV caches hold now, bookkeeping included."
+    ),
+    _replica(
+        "kv_cache_slots", "gauge", "KV slots in use now (token positions kept per KV head, summed over sequences)."
+    ),
     _replica(
         "evicted_tokens_total",
         "counter",
@@ -198,11 +220,32 @@ METRICS: tuple[MetricSpec, ...] = (
     ),
     _replica("model_load_seconds", "gauge", "Wall time of the replica's last model load."),
     # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id, point_id)
-    _point("output_throughput_tokens_per_second", "output_throughput_tok_per_s", "Output tokens finished in the window / window length."),
-    _point("total_throughput_tokens_per_second", "total_throughput_tok_per_s", "(Input + output tokens) / window length."),
-    _point("ttft_seconds", "ttft_{q}_s", "Time to first token at the given quantile of the point's requests.", ("quantile",)),
-    _point("tpot_seconds", "tpot_{q}_s", "Time per output token at the given quantile of the point's requests.", ("quantile",)),
-    _point("e2e_latency_seconds", "e2e_latency_{q}_s", "Request latency (start to last token) at the given quantile.", ("quantile",)),
+    _point(
+        "output_throughput_tokens_per_second",
+        "output_throughput_tok_per_s",
+        "Output tokens finished in the window / window length.",
+    ),
+    _point(
+        "total_throughput_tokens_per_second", "total_throughput_tok_per_s", "(Input + output tokens) / window length."
+    ),
+    _point(
+        "ttft_seconds",
+        "ttft_{q}_s",
+        "Time to first token at the given quantile of the point's requests.",
+        ("quantile",),
+    ),
+    _point(
+        "tpot_seconds",
+        "tpot_{q}_s",
+        "Time per output token at the given quantile of the point's requests.",
+        ("quantile",),
+    ),
+    _point(
+        "e2e_latency_seconds",
+        "e2e_latency_{q}_s",
+        "Request latency (start to last token) at the given quantile.",
+        ("quantile",),
+    ),
     _point("kv_cache_bytes", "kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
     _point("perplexity", "perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),
     _point("accuracy_ratio", "accuracy", "Accuracy in 0..1 of the policy's cache on the point's task (quality runs)."),
@@ -237,8 +280,8 @@ METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 #: same node metrics port and service discovery as the replicas' live metrics. Listed here so that every
 #: name a dashboard uses is in one catalogue; the project never records them itself. Labels: the ones
 #: Serve sets that the dashboards group by (Serve adds others, e.g. `method`, `replica`, `handle`).
-_SERVE_PROXY_LABELS = ("route", "method", "application", "status_code")        # an HTTP request at the proxy
-_SERVE_CALL_LABELS = ("deployment", "replica", "route", "application")          # one call of a deployment
+_SERVE_PROXY_LABELS = ("route", "method", "application", "status_code")  # an HTTP request at the proxy
+_SERVE_CALL_LABELS = ("deployment", "replica", "route", "application")  # one call of a deployment
 
 
 def _serve(name: str, kind: str, labels: tuple[str, ...], help: str) -> MetricSpec:
@@ -246,18 +289,42 @@ def _serve(name: str, kind: str, labels: tuple[str, ...], help: str) -> MetricSp
 
 
 SERVE_METRICS: tuple[MetricSpec, ...] = (
-    _serve("serve_num_http_requests_total", "counter", _SERVE_PROXY_LABELS,
-           "HTTP requests the Serve proxy answered, by status code and route."),
-    _serve("serve_http_request_latency_ms", "histogram", _SERVE_PROXY_LABELS,
-           "End-to-end latency of an HTTP request at the Serve proxy (ms; a stream counts until its last byte)."),
-    _serve("serve_deployment_queued_queries", "gauge", ("deployment", "application"),
-           "Requests to a deployment waiting in its callers' routers for a replica (Serve's queue)."),
-    _serve("serve_replica_processing_queries", "gauge", ("deployment", "replica", "application"),
-           "Requests a deployment's replica is processing now (ongoing; bounded by max_ongoing_requests)."),
-    _serve("serve_deployment_request_counter_total", "counter", _SERVE_CALL_LABELS,
-           "Calls a deployment's replicas processed (the engine deployment gets 2 per HTTP request: check and stream)."),
-    _serve("serve_deployment_processing_latency_ms", "histogram", _SERVE_CALL_LABELS,
-           "Time a deployment's replica spent on one call (ms; a stream until its last item)."),
+    _serve(
+        "serve_num_http_requests_total",
+        "counter",
+        _SERVE_PROXY_LABELS,
+        "HTTP requests the Serve proxy answered, by status code and route.",
+    ),
+    _serve(
+        "serve_http_request_latency_ms",
+        "histogram",
+        _SERVE_PROXY_LABELS,
+        "End-to-end latency of an HTTP request at the Serve proxy (ms; a stream counts until its last byte).",
+    ),
+    _serve(
+        "serve_deployment_queued_queries",
+        "gauge",
+        ("deployment", "application"),
+        "Requests to a deployment waiting in its callers' routers for a replica (Serve's queue).",
+    ),
+    _serve(
+        "serve_replica_processing_queries",
+        "gauge",
+        ("deployment", "replica", "application"),
+        "Requests a deployment's replica is processing now (ongoing; bounded by max_ongoing_requests).",
+    ),
+    _serve(
+        "serve_deployment_request_counter_total",
+        "counter",
+        _SERVE_CALL_LABELS,
+        "Calls a deployment's replicas processed (the engine deployment gets 2 per HTTP request: check and stream).",
+    ),
+    _serve(
+        "serve_deployment_processing_latency_ms",
+        "histogram",
+        _SERVE_CALL_LABELS,
+        "Time a deployment's replica spent on one call (ms; a stream until its last item).",
+    ),
 )
 
 
@@ -449,7 +516,11 @@ class ReplicaMetrics:
     def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "ReplicaMetrics":
         """A recorder with this replica's labels but the point's policy, ratio (and run id, if given)."""
         child = object.__new__(ReplicaMetrics)
-        child.tags = {**self.tags, "policy": str(policy), "compression_ratio": ratio_label(str(policy), compression_ratio)}
+        child.tags = {
+            **self.tags,
+            "policy": str(policy),
+            "compression_ratio": ratio_label(str(policy), compression_ratio),
+        }
         if run_id is not None:
             child.tags["run_id"] = str(run_id)
         child.uses_ray = self.uses_ray
@@ -465,7 +536,7 @@ class ReplicaMetrics:
                 raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {phase!r}")
             tags = {**tags, PHASE_LABEL: phase}
         self._recorder.record(spec, float(value), tags)
-        if spec.kind == "histogram" and value > 0:      # Ray's counters take increments > 0 only
+        if spec.kind == "histogram" and value > 0:  # Ray's counters take increments > 0 only
             self._recorder.record(_REPLICA_SPECS[spec.exact_sum.name], float(value), tags)
 
     @staticmethod

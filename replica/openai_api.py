@@ -45,8 +45,16 @@ from typing import Any, AsyncIterator, Protocol
 
 from replica.types import GenerationRequest
 
-__all__ = ["Backend", "ReplicaBackend", "build_app", "ApiError", "IncrementalDetokenizer", "PHASE_HEADER",
-           "REPLICA_DIED", "replica_death"]
+__all__ = [
+    "Backend",
+    "ReplicaBackend",
+    "build_app",
+    "ApiError",
+    "IncrementalDetokenizer",
+    "PHASE_HEADER",
+    "REPLICA_DIED",
+    "replica_death",
+]
 
 RETRY_AFTER_S = 1
 #: Request header carrying the load generator's phase of a request (`replica.metrics.PHASES`).
@@ -64,8 +72,15 @@ class Backend(Protocol):
 class ApiError(Exception):
     """An error answered as OpenAI's error JSON with `status`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
         self.headers = headers or {}
@@ -89,9 +104,14 @@ class ReplicaBackend:
 
 def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: str) -> dict:
     """`/v1/models` metadata of one cache configuration."""
-    return {"policy": engine_config.get("policy", "full"), "compression_ratio": engine_config.get("compression_ratio"),
-            "budget_tokens": budget_tokens, "policy_params": engine_config.get("policy_params", {}),
-            "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"), "model_spec": model_spec}
+    return {
+        "policy": engine_config.get("policy", "full"),
+        "compression_ratio": engine_config.get("compression_ratio"),
+        "budget_tokens": budget_tokens,
+        "policy_params": engine_config.get("policy_params", {}),
+        "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"),
+        "model_spec": model_spec,
+    }
 
 
 # ---------------------------------------------------------------------------- request parsing
@@ -110,8 +130,9 @@ def _parse_common(body: dict) -> dict:
     """The sampling and length fields shared by both endpoints (raises ApiError naming the field)."""
     max_tokens = _field(body, "max_tokens", (int,), None, check=lambda v: v >= 1, accepted="an integer >= 1")
     if "max_completion_tokens" in body and max_tokens is None:
-        max_tokens = _field(body, "max_completion_tokens", (int,), None, check=lambda v: v >= 1,
-                            accepted="an integer >= 1")
+        max_tokens = _field(
+            body, "max_completion_tokens", (int,), None, check=lambda v: v >= 1, accepted="an integer >= 1"
+        )
     n = _field(body, "n", (int,), 1, check=lambda v: v == 1, accepted="1 (one choice per request)")
     stop = body.get("stop")
     if stop is None:
@@ -122,11 +143,15 @@ def _parse_common(body: dict) -> dict:
         raise ApiError(400, f"stop: expected a non-empty string or a list of them, got {body.get('stop')!r}", "stop")
     stream_options = _field(body, "stream_options", (dict,), {}, accepted="an object")
     return dict(
-        max_tokens=max_tokens, n=n, stop=stop,
-        temperature=float(_field(body, "temperature", (int, float), 0.0, check=lambda v: 0 <= v <= 2,
-                                 accepted="a number in [0, 2]")),
-        top_p=float(_field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1,
-                           accepted="a number in (0, 1]")),
+        max_tokens=max_tokens,
+        n=n,
+        stop=stop,
+        temperature=float(
+            _field(body, "temperature", (int, float), 0.0, check=lambda v: 0 <= v <= 2, accepted="a number in [0, 2]")
+        ),
+        top_p=float(
+            _field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1, accepted="a number in (0, 1]")
+        ),
         seed=_field(body, "seed", (int,), None, accepted="an integer"),
         ignore_eos=_field(body, "ignore_eos", (bool,), False, accepted="a boolean"),
         min_tokens=_field(body, "min_tokens", (int,), 0, check=lambda v: v >= 0, accepted="an integer >= 0"),
@@ -142,7 +167,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
-        self.sent = 0                 # characters of the text already emitted
+        self.sent = 0  # characters of the text already emitted
         self.text = ""
         self.stopped = False
 
@@ -159,14 +184,20 @@ class IncrementalDetokenizer:
                 end -= 1
             hold = max((len(s) - 1 for s in self.stop), default=0)
             end = min(end, max(self.sent, len(self.text) - hold)) if hold else end
-        delta = self.text[self.sent:end] if end > self.sent else ""
+        delta = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
 
 
 # ---------------------------------------------------------------------------- the app
-def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | None = None,
-              max_pending_requests: int = 256, owner: str = "scissorhands-bench"):
+def build_app(
+    backends: dict[str, Backend],
+    tokenizer,
+    *,
+    context_tokens: int | None = None,
+    max_pending_requests: int = 256,
+    owner: str = "scissorhands-bench",
+):
     """A FastAPI app serving `backends` (model id -> backend) with `tokenizer` (a transformers
     tokenizer with a chat template for `/v1/chat/completions`).
 
@@ -194,7 +225,7 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
         return error_response(ApiError(400, f"invalid request: {exc.errors()}"))
 
     @app.exception_handler(Exception)
-    async def _any_error(request, exc):                 # never a bare 500 page
+    async def _any_error(request, exc):  # never a bare 500 page
         return error_response(ApiError(500, f"{type(exc).__name__}: {exc}", type_="internal_error"))
 
     @app.get("/health")
@@ -203,9 +234,13 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": created, "owned_by": owner, "metadata": b.metadata}
-            for m, b in backends.items()]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": created, "owned_by": owner, "metadata": b.metadata}
+                for m, b in backends.items()
+            ],
+        }
 
     async def read_json(request: Request) -> dict:
         try:
@@ -221,14 +256,18 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
         if not isinstance(m, str):
             raise ApiError(400, f"model: expected a string (one of {', '.join(backends)}), got {m!r}", "model")
         if m not in backends:
-            raise ApiError(404, f"model: the model {m!r} does not exist (served: {', '.join(backends)})", "model",
-                           code="model_not_found")
+            raise ApiError(
+                404,
+                f"model: the model {m!r} does not exist (served: {', '.join(backends)})",
+                "model",
+                code="model_not_found",
+            )
         return m
 
     def prompt_ids_of(body: dict) -> list[int]:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]                                         # a batch of one
+            p = p[0]  # a batch of one
         if isinstance(p, str):
             if tokenizer is None:
                 raise ApiError(400, "prompt: this server has no tokenizer; send token ids", "prompt")
@@ -246,14 +285,20 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
 
     def chat_ids_of(body: dict) -> list[int]:
         msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs or not all(
+        if (
+            not isinstance(msgs, list)
+            or not msgs
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs):
+                for m in msgs
+            )
+        ):
             raise ApiError(400, "messages: expected a non-empty list of {role, content} strings", "messages")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "messages: this model's tokenizer has no chat template", "messages")
-        out = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
-                                            add_generation_prompt=True, tokenize=True)
+        out = tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m["content"]} for m in msgs], add_generation_prompt=True, tokenize=True
+        )
         if isinstance(out, dict) or hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)
@@ -274,25 +319,47 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
         if max_tokens is None:
             max_tokens = max(1, (context_tokens - len(ids)) if context_tokens else 16)
         if context_tokens is not None and len(ids) + max_tokens > context_tokens:
-            raise ApiError(400, f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                                f"the model's context of {context_tokens} tokens", "max_tokens")
+            raise ApiError(
+                400,
+                f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {context_tokens} tokens",
+                "max_tokens",
+            )
         backend = backends[model]
         why = await backend.check(len(ids), max_tokens)
         if why is not None:
-            raise ApiError(400, f"max_tokens: {why}", "max_tokens",
-                           code="context_length_exceeded" if "context" in why else "kv_memory_limit")
+            raise ApiError(
+                400,
+                f"max_tokens: {why}",
+                "max_tokens",
+                code="context_length_exceeded" if "context" in why else "kv_memory_limit",
+            )
         if pending[model] >= max_pending_requests:
-            raise ApiError(429, f"model {model!r} has {pending[model]} requests in flight (the bound); retry later",
-                           type_="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(
+                429,
+                f"model {model!r} has {pending[model]} requests in flight (the bound); retry later",
+                type_="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        req = GenerationRequest(rid, ids, max_tokens, ignore_eos=opts["ignore_eos"], temperature=opts["temperature"],
-                                top_p=opts["top_p"], seed=opts["seed"], min_new_tokens=opts["min_tokens"], warmup=warmup)
+        req = GenerationRequest(
+            rid,
+            ids,
+            max_tokens,
+            ignore_eos=opts["ignore_eos"],
+            temperature=opts["temperature"],
+            top_p=opts["top_p"],
+            seed=opts["seed"],
+            min_new_tokens=opts["min_tokens"],
+            warmup=warmup,
+        )
         # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
         # string, the end of a stream), or garbage-collected (a client gone before its body started)
         events = _counted(backend.stream(req), lambda: pending.__setitem__(model, pending[model] - 1))
         pending[model] += 1
         try:
-            first = await events.__anext__()       # an error before the first token is answered as JSON
+            first = await events.__anext__()  # an error before the first token is answered as JSON
         except BaseException as e:
             raise _backend_error(e) from None
         if "result" in first and first["result"].get("error_kind"):
@@ -305,9 +372,21 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
                 return JSONResponse(await _collect(first, events, detok, rid, obj, model, created, chat, len(ids)))
             finally:
                 await events.aclose()
-        return StreamingResponse(_sse(first, events, detok, rid, obj + (".chunk" if chat else ""), model, chat,
-                                      len(ids), opts["include_usage"]),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            _sse(
+                first,
+                events,
+                detok,
+                rid,
+                obj + (".chunk" if chat else ""),
+                model,
+                chat,
+                len(ids),
+                opts["include_usage"],
+            ),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -326,8 +405,15 @@ def build_app(backends: dict[str, Backend], tokenizer, *, context_tokens: int | 
 REPLICA_DIED = "replica_died"
 #: Exception classes (by name: this module does not import Ray) that mean the replica died or cannot be
 #: reached: Ray's actor errors and Serve's unavailable-replica/deployment errors.
-REPLICA_DEATH_ERRORS = frozenset({"RayActorError", "ActorDiedError", "ActorUnavailableError",
-                                  "ReplicaUnavailableError", "DeploymentUnavailableError"})
+REPLICA_DEATH_ERRORS = frozenset(
+    {
+        "RayActorError",
+        "ActorDiedError",
+        "ActorUnavailableError",
+        "ReplicaUnavailableError",
+        "DeploymentUnavailableError",
+    }
+)
 
 
 def replica_death(exc: BaseException | None) -> BaseException | None:
@@ -351,12 +437,22 @@ def _backend_error(e: BaseException) -> ApiError:
         return e
     names = {c.__name__ for c in type(e).__mro__}
     if "BackPressureError" in names:
-        return ApiError(503, f"the model's queue is full; retry later ({e})", type_="server_overloaded",
-                        code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ApiError(
+            503,
+            f"the model's queue is full; retry later ({e})",
+            type_="server_overloaded",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     died = replica_death(e)
     if died is not None:
-        return ApiError(503, f"the model's replica is unavailable ({type(died).__name__}); retry later",
-                        type_="server_error", code=REPLICA_DIED, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ApiError(
+            503,
+            f"the model's replica is unavailable ({type(died).__name__}); retry later",
+            type_="server_error",
+            code=REPLICA_DIED,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if isinstance(e, StopAsyncIteration):
         return ApiError(500, "the backend ended the stream without a result", type_="server_error")
     return ApiError(500, f"{type(e).__name__}: {e}"[:1000], type_="server_error")
@@ -367,8 +463,13 @@ def _result_error(result: dict) -> ApiError:
     if kind == "rejected":
         return ApiError(400, f"max_tokens: {result.get('error')}", "max_tokens", code="kv_memory_limit")
     if kind == "oom":
-        return ApiError(503, f"the replica ran out of device memory: {result.get('error')}", type_="server_error",
-                        code="oom", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return ApiError(
+            503,
+            f"the replica ran out of device memory: {result.get('error')}",
+            type_="server_error",
+            code="oom",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     return ApiError(500, f"{kind}: {result.get('error')}", type_="server_error", code=kind)
 
 
@@ -383,9 +484,12 @@ def _finish_reason(result: dict | None, stopped: bool) -> str | None:
 def _replica_times(result: dict) -> dict:
     times = result.get("token_times_s") or []
     recv = result.get("received_time_s")
-    return {"replica_id": result.get("replica_id"), "received_time_s": recv,
-            "first_token_time_s": times[0] if times else None,
-            "replica_ttft_s": (times[0] - recv) if times and recv is not None else None}
+    return {
+        "replica_id": result.get("replica_id"),
+        "received_time_s": recv,
+        "first_token_time_s": times[0] if times else None,
+        "replica_ttft_s": (times[0] - recv) if times and recv is not None else None,
+    }
 
 
 async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_tokens) -> dict:
@@ -402,7 +506,7 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
             detok.add([ev["token_id"]])
             if detok.stopped:
                 stopped = True
-                await events.aclose()               # the backend aborts the rest
+                await events.aclose()  # the backend aborts the rest
                 break
         try:
             ev = await events.__anext__()
@@ -416,10 +520,19 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice.update(text=text, logprobs=None)
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(ids),
-                      "total_tokens": prompt_tokens + len(ids)},
-            "scissorhands": _replica_times(result) if result else None}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ids),
+            "total_tokens": prompt_tokens + len(ids),
+        },
+        "scissorhands": _replica_times(result) if result else None,
+    }
 
 
 def _sse_event(obj: dict) -> bytes:
@@ -460,9 +573,15 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
 
     try:
         if chat:
-            yield _sse_event({"id": rid, "object": obj, "created": created, "model": model,
-                              "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                           "finish_reason": None}]})
+            yield _sse_event(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                }
+            )
         ev = first
         while True:
             if "result" in ev:
@@ -480,18 +599,33 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
         if result is not None and result.get("error_kind"):
             raise _result_error(result)
         tail = detok.add([], final=True) if detok is not None and not stopped else ""
-        yield chunk(tail if not chat or tail else None, [], _finish_reason(result, stopped),
-                    {"scissorhands": _replica_times(result)} if result else None)
+        yield chunk(
+            tail if not chat or tail else None,
+            [],
+            _finish_reason(result, stopped),
+            {"scissorhands": _replica_times(result)} if result else None,
+        )
         if include_usage:
-            yield _sse_event({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                              "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
-                                        "total_tokens": prompt_tokens + n}})
+            yield _sse_event(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": n,
+                        "total_tokens": prompt_tokens + n,
+                    },
+                }
+            )
     except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a hang
         err = e if isinstance(e, ApiError) else _backend_error(e)
         yield _sse_event(err.body())
     finally:
         try:
-            await events.aclose()                  # a disconnect or a stop string aborts the request
+            await events.aclose()  # a disconnect or a stop string aborts the request
         except Exception:  # noqa: BLE001
             pass
     yield b"data: [DONE]\n\n"

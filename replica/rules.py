@@ -5,6 +5,7 @@ pydantic error naming the field.
 It lives in `replica/` (the lowest layer with configs) so `replica.types.EngineConfig`,
 `cluster.placement.PlacementConfig` and the workloads' configs all import the same rules.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,18 @@ from typing import Annotated, Any, ClassVar, Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-__all__ = ["FrozenConfig", "PositiveInt", "NonNegativeInt", "PositiveFloat", "NonNegativeFloat",
-           "check_number", "check_fraction", "need_one_of", "not_both", "one_line"]
+__all__ = [
+    "FrozenConfig",
+    "PositiveInt",
+    "NonNegativeInt",
+    "PositiveFloat",
+    "NonNegativeFloat",
+    "check_number",
+    "check_fraction",
+    "need_one_of",
+    "not_both",
+    "one_line",
+]
 
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]

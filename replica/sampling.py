@@ -3,6 +3,7 @@
 The engine calls `pick_tokens` once per forward; a row's draws come from a generator of its own, so
 a request's tokens do not depend on its batch neighbours' draws.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,9 +22,9 @@ def pick_tokens(logits: torch.Tensor, seqs: list, eos_token_id: int | None) -> t
     reqs = [s.request for s in seqs]
     if all(r.greedy and (r.min_new_tokens == 0 or r.ignore_eos or eos_token_id is None) for r in reqs):
         # argmax's index (the first of tied maxima): torch.max's reduction is the faster one in bfloat16 on a CPU
-        return torch.max(logits, dim=-1, keepdim=True).indices                            # (rows, 1)
+        return torch.max(logits, dim=-1, keepdim=True).indices  # (rows, 1)
     out = []
-    for row, seq in zip(logits.float(), seqs):                                            # row: (vocab,)
+    for row, seq in zip(logits.float(), seqs):  # row: (vocab,)
         r = seq.request
         if eos_token_id is not None and not r.ignore_eos and len(seq.result.output_ids) < r.min_new_tokens:
             row = row.clone()
@@ -31,10 +32,10 @@ def pick_tokens(logits: torch.Tensor, seqs: list, eos_token_id: int | None) -> t
         if r.greedy:
             out.append(row.argmax())
             continue
-        probs = torch.softmax(row / r.temperature, dim=-1)                                # (vocab,)
+        probs = torch.softmax(row / r.temperature, dim=-1)  # (vocab,)
         if r.top_p < 1:
             p_sorted, order = probs.sort(descending=True)
-            outside = p_sorted.cumsum(0) - p_sorted >= r.top_p     # tokens after the nucleus is full
+            outside = p_sorted.cumsum(0) - p_sorted >= r.top_p  # tokens after the nucleus is full
             p_sorted[outside] = 0
             probs = torch.zeros_like(probs).scatter_(0, order, p_sorted)
         if seq.generator is None:
@@ -44,4 +45,4 @@ def pick_tokens(logits: torch.Tensor, seqs: list, eos_token_id: int | None) -> t
             else:
                 seq.generator.seed()
         out.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
-    return torch.stack(out).view(-1, 1).to(logits.device)                                 # (rows, 1)
+    return torch.stack(out).view(-1, 1).to(logits.device)  # (rows, 1)

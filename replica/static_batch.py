@@ -42,8 +42,8 @@ from scissorhands import make_cache
 from scissorhands.models import (
     EMBEDDED,
     check_device_name,
-    cpu_model_name,
     check_dtype_name,
+    cpu_model_name,
     load_model,
     model_id_of,
     resolve_dtype,
@@ -54,6 +54,7 @@ from scissorhands.testing import tiny_llama
 #: Test-only model names a suite may use instead of a real model (tiny random weights, no
 #: tokenizer: prompts are random ids drawn with the point's seed). Not for benchmarking.
 TEST_MODEL_NAMES = ("tiny-llama",)
+
 
 @dataclass(frozen=True)
 class BatchSpec:
@@ -127,8 +128,9 @@ def _model_config(model_spec: str):
         return None
 
 
-def resolve_dtype_here(model_spec: str, dtype: str, device: str = "cpu", num_threads: int | None = None,
-                       where: str | None = None) -> dict:
+def resolve_dtype_here(
+    model_spec: str, dtype: str, device: str = "cpu", num_threads: int | None = None, where: str | None = None
+) -> dict:
     """Resolve a run's `dtype` once, in this process, for every replica of the run.
 
     `"auto"` runs `scissorhands.models.resolve_dtype` (its bfloat16 probe at the model's own layer shapes,
@@ -156,12 +158,23 @@ def resolve_dtype_here(model_spec: str, dtype: str, device: str = "cpu", num_thr
     finally:
         torch.set_num_threads(before)
     where = where or f"host {socket.gethostname()}"
-    return {"dtype": str(torch_dtype).removeprefix("torch."),
-            "dtype_reason": f"{reason}; resolved once for the run on {where}"}
+    return {
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "dtype_reason": f"{reason}; resolved once for the run on {where}",
+    }
 
 
-def resolve_run_dtype(model_spec: str, dtype: str, device: str = "cpu", *, ray=None, num_cpus: float = 1.0,
-                      num_gpus: float = 0.0, num_threads: int | None = None, timeout_s: float | None = None) -> dict:
+def resolve_run_dtype(
+    model_spec: str,
+    dtype: str,
+    device: str = "cpu",
+    *,
+    ray=None,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    num_threads: int | None = None,
+    timeout_s: float | None = None,
+) -> dict:
     """`resolve_dtype_here` for a whole run: in this process when `ray` is None (local runs, `make serve`),
     else as one small Ray task with a replica's resources (`num_cpus`, `num_gpus`, `num_threads` torch
     threads) on a node of the cluster, so the probe measures what a replica will run on. Forced dtypes need
@@ -173,8 +186,13 @@ def resolve_run_dtype(model_spec: str, dtype: str, device: str = "cpu", *, ray=N
     def task(spec: str, dt: str, dev: str, threads: int | None) -> dict:
         import ray as ray_
 
-        return resolve_dtype_here(spec, dt, dev, threads, f"node {ray_.get_runtime_context().get_node_id()[:12]} "
-                                                          f"(host {socket.gethostname()})")
+        return resolve_dtype_here(
+            spec,
+            dt,
+            dev,
+            threads,
+            f"node {ray_.get_runtime_context().get_node_id()[:12]} (host {socket.gethostname()})",
+        )
 
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)(task)
     ref = remote.remote(model_spec, dtype, device, num_threads)
@@ -252,8 +270,9 @@ class ModelReplica:
         self.hostname = socket.gethostname()
         self.model_spec = model_spec
         self.device = torch.device(device)
-        self.live_metrics = metrics if metrics is not None else ReplicaMetrics(
-            "full", None, replica_id, model_spec, run_id)
+        self.live_metrics = (
+            metrics if metrics is not None else ReplicaMetrics("full", None, replica_id, model_spec, run_id)
+        )
         if model is None:
             t0 = time.perf_counter()
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
@@ -323,7 +342,9 @@ class ModelReplica:
             return make_cache("full", self.model, **params)
         if point.budget_tokens is not None:
             return make_cache(policy, self.model, budget_tokens=int(point.budget_tokens), **params)
-        return make_cache(policy, self.model, compression_ratio=point.compression_ratio, max_length=max_length, **params)
+        return make_cache(
+            policy, self.model, compression_ratio=point.compression_ratio, max_length=max_length, **params
+        )
 
     # -- the two phases -------------------------------------------------------------------
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache) -> torch.Tensor:
@@ -339,8 +360,14 @@ class ModelReplica:
         the cache has seen (not the slots it keeps); return the greedy next tokens [batch, 1]."""
         seen = cache.get_seq_length()
         position_ids = torch.arange(seen, seen + input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, n]
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return out.logits[:, -1, :].argmax(dim=-1, keepdim=True)  # [batch, vocab] -> [batch, 1]
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -384,8 +411,7 @@ class ModelReplica:
         _, metrics = self._run(point, live)
         return metrics
 
-    def _run(self, point: BatchSpec, live: ReplicaMetrics | NullMetrics = NullMetrics()
-             ) -> tuple[torch.Tensor, dict]:
+    def _run(self, point: BatchSpec, live: ReplicaMetrics | NullMetrics = NullMetrics()) -> tuple[torch.Tensor, dict]:
         _check_spec(point)
         batch, prompt_tokens, new_tokens = int(point.batch_size), int(point.prompt_tokens), int(point.new_tokens)
         if batch < 1 or prompt_tokens < 1 or new_tokens < 1:
@@ -480,6 +506,6 @@ def _record_forward(live: ReplicaMetrics | NullMetrics, cache, batch: int, evict
     """
     live.add_generated_tokens(batch)
     live.set_kv_cache(cache.kv_cache_bytes(), cache.held_tokens())
-    evicted = cache.layers[0].evicted_tokens      # layer 0, summed over sequences
+    evicted = cache.layers[0].evicted_tokens  # layer 0, summed over sequences
     live.add_evictions(evicted - evicted_before)
     return evicted

@@ -3,6 +3,7 @@
 Every caller (the engine, the replicas, the load generator, the HTTP client, the Serve app) imports
 them from here, so a request is typed the same at both ends.
 """
+
 from __future__ import annotations
 
 import math
@@ -107,8 +108,10 @@ class EngineConfig(FrozenConfig):
         if POLICIES[self.policy].evicts:
             need_one_of(self, "budget_tokens", "compression_ratio", what=f"policy {self.policy!r} needs one of them")
             if self.budget_tokens is None and self.max_length_tokens is None:
-                raise ValueError("max_length_tokens: a compression_ratio needs the workload's longest "
-                                 "prompt + output (tokens) to fix the budget of every sequence")
+                raise ValueError(
+                    "max_length_tokens: a compression_ratio needs the workload's longest "
+                    "prompt + output (tokens) to fix the budget of every sequence"
+                )
         return self
 
     def resolved_budget_tokens(self) -> int | None:
@@ -148,8 +151,12 @@ class GenerationRequest:
         if not self.prompt_ids:
             raise ValueError(f"prompt_ids: request {self.request_id!r} has an empty prompt")
         check_int("max_new_tokens", self.max_new_tokens, 1)
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")

@@ -6,6 +6,7 @@
 
 No Ray anywhere in this package (it imports torch and transformers only).
 """
+
 from __future__ import annotations
 
 import functools
@@ -20,8 +21,18 @@ from .policies import POLICIES, Policy, get_policy
 from .quant import Int4KV, check_group_size, check_scale_format, hadamard
 from .storage import DenseKV
 
-__all__ = ["ATTN_IMPLEMENTATION", "budget_from_ratio", "POLICIES", "SUPPORTED_MODEL_TYPES", "Policy", "BudgetedCache", "BudgetedLayer",
-           "make_cache", "get_policy", "check_model_supported"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "budget_from_ratio",
+    "POLICIES",
+    "SUPPORTED_MODEL_TYPES",
+    "Policy",
+    "BudgetedCache",
+    "BudgetedLayer",
+    "make_cache",
+    "get_policy",
+    "check_model_supported",
+]
 
 #: ``config.model_type`` values whose attention goes through transformers' attention interface with
 #: ``cache.update(...)`` and no sliding window: tested with tiny random configs in tests/scissorhands/test_standalone.py.
@@ -38,22 +49,38 @@ def check_model_supported(config) -> None:
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported by the budgeted cache; supported model "
-                         f"types: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise ValueError(
+            f"model type {model_type!r} is not supported by the budgeted cache; supported model "
+            f"types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     layer_types = getattr(config, "layer_types", None) or []
     sliding = any(t != "full_attention" for t in layer_types)
     if model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
         sliding = True
     if sliding or getattr(config, "use_sliding_window", False):
-        raise ValueError(f"model type {model_type!r} with sliding-window attention layers is not supported "
-                         f"(the budgeted cache does not apply a window); set config.sliding_window = None "
-                         f"(and use_sliding_window = False) if your sequences stay inside the window")
+        raise ValueError(
+            f"model type {model_type!r} with sliding-window attention layers is not supported "
+            f"(the budgeted cache does not apply a window); set config.sliding_window = None "
+            f"(and use_sliding_window = False) if your sequences stay inside the window"
+        )
 
 
-def make_cache(policy: str, model, *, budget_tokens: int | None = None, compression_ratio: float | None = None,
-               max_length: int | None = None, simulate: bool = False, kv_bits: int | None = None,
-               kv_group_size: int = 32, kv_value_group_size: int | None = None, kv_scale_bits: int = 16,
-               kv_zero_point: bool = True, kv_rotate: bool = False, **policy_params) -> BudgetedCache:
+def make_cache(
+    policy: str,
+    model,
+    *,
+    budget_tokens: int | None = None,
+    compression_ratio: float | None = None,
+    max_length: int | None = None,
+    simulate: bool = False,
+    kv_bits: int | None = None,
+    kv_group_size: int = 32,
+    kv_value_group_size: int | None = None,
+    kv_scale_bits: int = 16,
+    kv_zero_point: bool = True,
+    kv_rotate: bool = False,
+    **policy_params,
+) -> BudgetedCache:
     """Build a budgeted KV cache for ``model`` (a transformers model or its config).
 
     Args:
@@ -90,8 +117,9 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
         if (budget_tokens is None) == (compression_ratio is None):
             raise ValueError(f"policy {policy!r} needs exactly one of budget_tokens or compression_ratio")
         check_int("budget_tokens", budget_tokens, 1, optional=True)
-        if compression_ratio is not None and not (isinstance(compression_ratio, (int, float))
-                                                  and math.isfinite(compression_ratio) and compression_ratio >= 1):
+        if compression_ratio is not None and not (
+            isinstance(compression_ratio, (int, float)) and math.isfinite(compression_ratio) and compression_ratio >= 1
+        ):
             raise ValueError(f"compression_ratio must be a number >= 1, got {compression_ratio!r}")
     if max_length is not None and (not isinstance(max_length, int) or max_length < 1):
         raise ValueError(f"max_length must be an integer >= 1, got {max_length!r}")
@@ -102,10 +130,10 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
     check_model_supported(text_config)
     if kv_bits == 4:
         check_scale_format(kv_scale_bits, kv_zero_point)
-        Int4KV(rotate=kv_rotate)                          # validates kv_rotate
+        Int4KV(rotate=kv_rotate)  # validates kv_rotate
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         if kv_rotate:
-            hadamard(head_dim)                            # raises unless head_dim is a power of two
+            hadamard(head_dim)  # raises unless head_dim is a power of two
         check_group_size(head_dim, kv_group_size)
         if kv_value_group_size is not None:
             try:
@@ -114,14 +142,21 @@ def make_cache(policy: str, model, *, budget_tokens: int | None = None, compress
                 raise ValueError(str(e).replace("kv_group_size", "kv_value_group_size")) from None
     budget = Budget(pol, budget_tokens=budget_tokens, compression_ratio=compression_ratio, max_length=max_length)
     if pol.evicts and (budget_tokens is not None or max_length is not None):
-        budget.resolve(max_length or 1)          # validate recent_window / drop_tokens now
-    if hasattr(model, "set_attn_implementation") and getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        budget.resolve(max_length or 1)  # validate recent_window / drop_tokens now
+    if (
+        hasattr(model, "set_attn_implementation")
+        and getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION
+    ):
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    codec = (functools.partial(Int4KV, kv_group_size, kv_value_group_size, kv_scale_bits, kv_zero_point, kv_rotate)
-             if kv_bits == 4 else DenseKV)
+    codec = (
+        functools.partial(Int4KV, kv_group_size, kv_value_group_size, kv_scale_bits, kv_zero_point, kv_rotate)
+        if kv_bits == 4
+        else DenseKV
+    )
     # slot times: 2 bytes when every token index the model (and max_length) allows fits in int16; a layer that
     # still meets a longer sequence widens to int32 itself (scissorhands.cache)
     longest = max(max_length or 0, getattr(text_config, "max_position_embeddings", None) or INT16_MAX_TIME + 1)
     time_dtype = torch.int16 if longest <= INT16_MAX_TIME + 1 else torch.int32
-    return BudgetedCache(pol, text_config.num_hidden_layers, budget, simulate=simulate, codec_factory=codec,
-                         time_dtype=time_dtype)
+    return BudgetedCache(
+        pol, text_config.num_hidden_layers, budget, simulate=simulate, codec_factory=codec, time_dtype=time_dtype
+    )

@@ -11,6 +11,7 @@ With any other cache, or none, it computes ordinary causal attention, so a model
 budgeted layer hands them to its policy, and the persistence analysis (``workloads/quality/persistence.py``)
 folds them into its pivotal sets.
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,8 +41,9 @@ def active_layer(layer_idx: int):
     return None
 
 
-def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None,
-                       visible: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+def explicit_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor | None, visible: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Attention with explicit probabilities, per query head, grouped by the KV head they share.
 
     Args:
@@ -60,27 +62,27 @@ def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     b, hq, qc, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     group = hq // hkv
-    fp32 = query.dtype == torch.float32                       # else scale the float32 scores, not the query
-    qg = (query * scaling if fp32 else query).reshape(b, hkv, group * qc, d)           # (b, hkv, g * q_c, d)
+    fp32 = query.dtype == torch.float32  # else scale the float32 scores, not the query
+    qg = (query * scaling if fp32 else query).reshape(b, hkv, group * qc, d)  # (b, hkv, g * q_c, d)
     if fp32:
-        scores = torch.matmul(qg, keys.transpose(-1, -2))                               # (b, hkv, g * q_c, S)
+        scores = torch.matmul(qg, keys.transpose(-1, -2))  # (b, hkv, g * q_c, S)
     else:
         # keys @ q^T, transposed after: oneDNN's bfloat16 batched matmul copies a transposed view of keys whose
         # slots are a slice of the layer's buffer (timings: docs/performance.md, "Measurements behind the library and cluster code")
-        scores = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2)             # (b, hkv, g * q_c, S)
+        scores = torch.matmul(keys, qg.transpose(-1, -2)).transpose(-1, -2)  # (b, hkv, g * q_c, S)
     scores = scores.to(torch.float32, memory_format=torch.contiguous_format).view(b, hkv, group, qc, n)
     if not fp32:
         scores.mul_(scaling)
     if visible is not None:
         scores.masked_fill_(~visible[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)                                               # (b, hkv, g, q_c, S)
-    if visible is not None:                                                             # padded queries see nothing
-        seen = visible[:, :, None].any(-1, keepdim=True)                                # (b, hkv, 1, q_c, 1)
+    probs = torch.softmax(scores, dim=-1)  # (b, hkv, g, q_c, S)
+    if visible is not None:  # padded queries see nothing
+        seen = visible[:, :, None].any(-1, keepdim=True)  # (b, hkv, 1, q_c, 1)
         if not bool(seen.all()):
             probs = torch.where(seen, probs, probs.new_zeros(()))
     if values is None:
         return None, probs
-    out = torch.matmul(probs.view(b, hkv, group * qc, n).to(values.dtype), values)     # (b, hkv, g * q_c, d_v)
+    out = torch.matmul(probs.view(b, hkv, group * qc, n).to(values.dtype), values)  # (b, hkv, g * q_c, d_v)
     return out.view(b, hq, qc, -1), probs
 
 
@@ -101,15 +103,16 @@ def scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> to
     numel = 1
     for n in shape:
         numel *= n
-    key = (name, torch.is_inference_mode_enabled())          # an inference tensor cannot be written outside
+    key = (name, torch.is_inference_mode_enabled())  # an inference tensor cannot be written outside
     buf = buffers.get(key)
     if buf is None or buf.dtype != dtype or buf.device != torch.device(device) or buf.numel() < numel:
         buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
 
-def causal_attention_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                         scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_attention_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of a fresh prompt (query ``i`` sees keys ``0..i``) with sdpa's fused kernel, and the
     log-sum-exp of each query's scores where the kernel returns it.
 
@@ -123,16 +126,17 @@ def causal_attention_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.
         keys, from the CPU flash kernel, or None on other devices.
     """
     if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, keys, values, 0.0, True,
-                                                                              scale=scaling)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, keys, values, 0.0, True, scale=scaling
+        )
         return out, lse
-    out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scaling,
-                                                           enable_gqa=query.shape[1] != keys.shape[1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
+    )
     return out, None
 
 
-def causal_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float,
-                 lse: torch.Tensor | None) -> torch.Tensor:
+def causal_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float, lse: torch.Tensor | None) -> torch.Tensor:
     """Attention probabilities of the last ``q_c`` queries of a causal prompt prefix, without the output.
 
     Args:
@@ -150,13 +154,14 @@ def causal_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float,
     e, qc = keys.shape[2], query.shape[2]
     if lse is None:
         visible = torch.ones(qc, e, dtype=torch.bool, device=query.device)
-        visible[:, e - qc:] = ~torch.ones(qc, qc, dtype=torch.bool, device=query.device).triu(1)
+        visible[:, e - qc :] = ~torch.ones(qc, qc, dtype=torch.bool, device=query.device).triu(1)
         return explicit_attention(query, keys, None, visible.expand(query.shape[0], keys.shape[1], qc, e), scaling)[1]
     return next(causal_probs_chunks(query, keys, scaling, lse, qc, qc))[2]
 
 
-def causal_probs_chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float, lse: torch.Tensor,
-                        chunk_queries: int, matmul_queries: int):
+def causal_probs_chunks(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, lse: torch.Tensor, chunk_queries: int, matmul_queries: int
+):
     """The probabilities of :func:`causal_probs` for the last ``q_o`` queries of a causal prompt, chunk by chunk.
 
     Args:
@@ -177,39 +182,50 @@ def causal_probs_chunks(query: torch.Tensor, keys: torch.Tensor, scaling: float,
         return
     hkv, length = keys.shape[1], keys.shape[2]
     group = hq // hkv
-    first = length - q_o                                                                 # token index of query 0
+    first = length - q_o  # token index of query 0
     low_precision = query.dtype != torch.float32
     if low_precision:
-        keys = keys.contiguous()                           # (b, hkv, L, d): a strided batch slows bmm
+        keys = keys.contiguous()  # (b, hkv, L, d): a strided batch slows bmm
         matmul_queries = max(chunk_queries, matmul_queries // chunk_queries * chunk_queries)
     neg_lse = lse.neg().view(b, hkv, group, q_o, 1)
     for ms in range(0, q_o, matmul_queries if low_precision else q_o):
         me = min(q_o, ms + matmul_queries) if low_precision else q_o
-        if low_precision:                                  # (b * hkv, g * q_m, first + me) scores, model dtype
+        if low_precision:  # (b * hkv, g * q_m, first + me) scores, model dtype
             mq = me - ms
             qg = query[:, :, ms:me].reshape(b * hkv, group * mq, d)
-            kt = keys[:, :, :first + me].reshape(b * hkv, first + me, d).transpose(-1, -2)
-            low = torch.bmm(qg, kt, out=scratch("scores", (b * hkv, group * mq, first + me), query.dtype,
-                                                   query.device)).view(b, hkv, group, mq, first + me)
+            kt = keys[:, :, : first + me].reshape(b * hkv, first + me, d).transpose(-1, -2)
+            low = torch.bmm(
+                qg, kt, out=scratch("scores", (b * hkv, group * mq, first + me), query.dtype, query.device)
+            ).view(b, hkv, group, mq, first + me)
         for s in range(ms, me, chunk_queries):
             e = min(me, s + chunk_queries)
             qc, n = e - s, first + e
             probs = scratch("probs", (b, hkv, group, qc, n), torch.float32, query.device)
-            if low_precision:                              # -lse + scaling * q.k, float32
-                torch.add(neg_lse[:, :, :, s:e], low[:, :, :, s - ms:e - ms, :n], alpha=scaling, out=probs)
-            else:                                          # -lse + scaling * q.k in one call
-                torch.baddbmm(neg_lse[:, :, :, s:e].reshape(b * hkv, group * qc, 1),
-                              query[:, :, s:e].reshape(b * hkv, group * qc, d),
-                              keys[:, :, :n].reshape(b * hkv, n, d).transpose(-1, -2), alpha=scaling,
-                              out=probs.view(b * hkv, group * qc, n))
-            future = torch.ones(qc, qc, dtype=torch.bool, device=query.device).triu(1)   # (q_c, q_c) key after query
-            probs[..., n - qc:].masked_fill_(future, float("-inf"))
+            if low_precision:  # -lse + scaling * q.k, float32
+                torch.add(neg_lse[:, :, :, s:e], low[:, :, :, s - ms : e - ms, :n], alpha=scaling, out=probs)
+            else:  # -lse + scaling * q.k in one call
+                torch.baddbmm(
+                    neg_lse[:, :, :, s:e].reshape(b * hkv, group * qc, 1),
+                    query[:, :, s:e].reshape(b * hkv, group * qc, d),
+                    keys[:, :, :n].reshape(b * hkv, n, d).transpose(-1, -2),
+                    alpha=scaling,
+                    out=probs.view(b * hkv, group * qc, n),
+                )
+            future = torch.ones(qc, qc, dtype=torch.bool, device=query.device).triu(1)  # (q_c, q_c) key after query
+            probs[..., n - qc :].masked_fill_(future, float("-inf"))
             yield s, e, probs.exp_()
 
 
-def scissorhands_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                           **kwargs) -> tuple[torch.Tensor, None]:
+def scissorhands_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Attention forward.
 
     Args:
@@ -236,15 +252,16 @@ def _causal_attention(query, key, value, attention_mask, scaling, dropout):
         mask = attention_mask[..., :kv_len]
     else:
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
-        mask = torch.arange(kv_len, device=query.device)[None, :] <= q_pos[:, None]              # (q, kv)
+        mask = torch.arange(kv_len, device=query.device)[None, :] <= q_pos[:, None]  # (q, kv)
         mask = mask[None, None]
         if attention_mask is not None:
-            pad = attention_mask[:, -kv_len:].to(torch.bool)                                      # (b, kv)
+            pad = attention_mask[:, -kv_len:].to(torch.bool)  # (b, kv)
             mask = mask & pad[:, None, None, :]
             # a padded query sees nothing; let it see itself so the softmax stays finite
             mask = mask | _self_mask(q_len, kv_len, query.device)
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != hq)
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=key.shape[1] != hq
+    )
     return out.transpose(1, 2).contiguous()
 
 

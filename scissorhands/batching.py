@@ -18,6 +18,7 @@ Memory: the cache's tensors hold ``rows * num_slots`` slots per layer and head, 
 measures the bytes of one slot in every layer (keys, values and bookkeeping), so an engine can
 bound the bytes of a batch before admitting a sequence into it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,7 @@ def use_row_clocks(cache: BudgetedCache) -> None:
     """
     for layer in cache.layers:
         if layer.is_initialized and layer.row_time is None:
-            layer.row_time = torch.full((layer.batch_size,), layer.tokens_seen, dtype=torch.int64,
-                                        device=layer.device)
+            layer.row_time = torch.full((layer.batch_size,), layer.tokens_seen, dtype=torch.int64, device=layer.device)
 
 
 def merge_rows(running: BudgetedCache | None, new: BudgetedCache) -> BudgetedCache:
@@ -67,7 +67,7 @@ def merge_rows(running: BudgetedCache | None, new: BudgetedCache) -> BudgetedCac
     _check_compatible(running, new)
     use_row_clocks(running)
     for a, b in zip(running.layers, new.layers):
-        a.append_rows(b)          # filler slots on the shorter side, then (b_a + b_b, h, S, ...) per buffer
+        a.append_rows(b)  # filler slots on the shorter side, then (b_a + b_b, h, S, ...) per buffer
     return running
 
 
@@ -85,7 +85,7 @@ def select_rows(cache: BudgetedCache, keep: torch.Tensor | list[int]) -> Budgete
         if not layer.is_initialized:
             continue
         layer.batch_select_indices(keep.to(layer.device))
-        layer._compact()                     # drop slots that only removed rows needed
+        layer._compact()  # drop slots that only removed rows needed
     return cache
 
 
@@ -115,6 +115,5 @@ def sequence_slot_bytes(model, policy: str, **cache_kwargs) -> int:
     """
     cache = make_cache(policy, model, **cache_kwargs)
     device = next(model.parameters()).device
-    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True,
-          logits_to_keep=1)
+    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True, logits_to_keep=1)
     return int(sum(layer.slot_nbytes() for layer in cache.layers))

@@ -52,6 +52,7 @@ slots, never counted as tokens).
 Simulation mode (``simulate=True``) runs the same policy but masks evicted slots instead of
 removing them: it saves no memory and exists to prove that real eviction computes the same logits.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,7 @@ from .storage import DenseKV, SlotStore
 
 PAD = -1
 EVICTED = -2
-INT16_MAX_TIME = torch.iinfo(torch.int16).max      # largest token index an int16 slot time holds
+INT16_MAX_TIME = torch.iinfo(torch.int16).max  # largest token index an int16 slot time holds
 # Scores of one explicit-attention chunk, (batch_size, num_heads, query_chunk, num_slots), hold at most
 # this many elements (8 MiB in float32), so a prefill of several rows runs smaller query chunks instead of
 # tensors that outgrow the CPU's caches: over 1,024 slots the embedded model (9 heads) gets chunks of 227
@@ -140,8 +141,15 @@ class BudgetedLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, layer_idx: int, policy: Policy, budget: Budget, simulate: bool = False, codec=None,
-                 time_dtype: torch.dtype = torch.int32):
+    def __init__(
+        self,
+        layer_idx: int,
+        policy: Policy,
+        budget: Budget,
+        simulate: bool = False,
+        codec=None,
+        time_dtype: torch.dtype = torch.int32,
+    ):
         super().__init__()
         if time_dtype not in (torch.int16, torch.int32):
             raise ValueError(f"time_dtype must be torch.int16 or torch.int32, got {time_dtype!r}")
@@ -152,11 +160,11 @@ class BudgetedLayer(CacheLayerMixin):
         self.simulate = simulate
         self.codec = codec if codec is not None else DenseKV()
         self.store = SlotStore()
-        self.tokens_seen = 0          # tokens this layer has seen (padding included)
-        self.held: torch.Tensor | None = None        # (batch_size,) int64 tokens held per sequence
+        self.tokens_seen = 0  # tokens this layer has seen (padding included)
+        self.held: torch.Tensor | None = None  # (batch_size,) int64 tokens held per sequence
         self.pad_tokens: torch.Tensor | None = None  # (batch_size,) int64 padding tokens seen per sequence
-        self.row_time: torch.Tensor | None = None    # (batch_size,) int64 per-row clocks, or None (shared)
-        self.evicted_tokens = 0       # tokens evicted so far, summed over sequences
+        self.row_time: torch.Tensor | None = None  # (batch_size,) int64 per-row clocks, or None (shared)
+        self.evicted_tokens = 0  # tokens evicted so far, summed over sequences
         self._pending_q: int | None = None
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
         # False only while no slot time is negative (no padding, filler or evicted slot): attention then
@@ -206,7 +214,7 @@ class BudgetedLayer(CacheLayerMixin):
         if self.policy.state_width:
             specs["state"] = ((self.policy.state_width,), self.policy.state_dtype)
         self.store.allocate(b, h, specs, self.device)
-        self.kv_dims = (d, value_states.shape[-1])     # head_dim of keys and of values, as computed
+        self.kv_dims = (d, value_states.shape[-1])  # head_dim of keys and of values, as computed
         self.held = torch.zeros(b, dtype=torch.int64, device=self.device)
         self.pad_tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
         self.is_initialized = True
@@ -240,10 +248,10 @@ class BudgetedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
         if self.tokens_seen + q - 1 > INT16_MAX_TIME and self.store.buffers["slot_time"].dtype == torch.int16:
-            self.store.retype("slot_time", torch.int32)                 # row clocks never pass tokens_seen
+            self.store.retype("slot_time", torch.int32)  # row clocks never pass tokens_seen
         if self.policy.evicts:
             budget = self.budget.resolve(self.tokens_seen + q)
-            if q == 1:                                                  # Algorithm 1: full -> drop m, then append
+            if q == 1:  # Algorithm 1: full -> drop m, then append
                 self.evict(torch.where(self.held >= budget, self.budget.drop_tokens, 0))
         # slot times, broadcast over heads (and rows) by the store's write: a decode call writes the clock
         # itself (a Python int or a (b, 1, 1) view, no arange: a few small ops fewer per layer and step)
@@ -251,17 +259,25 @@ class BudgetedLayer(CacheLayerMixin):
             times = self.tokens_seen if self.row_time is None else self.row_time[:, None, None]
         else:
             times = torch.arange(q, dtype=torch.int32, device=self.device)
-            times = ((times + self.tokens_seen)[None, None, :] if self.row_time is None        # (1, 1, q): shared
-                     else (times + self.row_time[:, None].to(torch.int32))[:, None, :])        # (b, 1, q): per row
+            times = (
+                (times + self.tokens_seen)[None, None, :]
+                if self.row_time is None  # (1, 1, q): shared
+                else (times + self.row_time[:, None].to(torch.int32))[:, None, :]
+            )  # (b, 1, q): per row
         new = self.codec.encode(key_states, value_states)
         new["slot_time"] = times
-        if self.policy.state_width:                                      # the policy's key seam, else zero
-            init = self.policy.init_state(key_states, value_states)           # (b, h, q, state_width) or None
-            new["state"] = init if init is not None else torch.zeros(
-                (), dtype=self.policy.state_dtype, device=self.device).expand(b, h, q, self.policy.state_width)
+        if self.policy.state_width:  # the policy's key seam, else zero
+            init = self.policy.init_state(key_states, value_states)  # (b, h, q, state_width) or None
+            new["state"] = (
+                init
+                if init is not None
+                else torch.zeros((), dtype=self.policy.state_dtype, device=self.device).expand(
+                    b, h, q, self.policy.state_width
+                )
+            )
         self.store.append(new, self._capacity(self.store.num_slots + q))
         if self.row_time is not None:
-            self.row_time += q                                           # after the write: `times` may view it
+            self.row_time += q  # after the write: `times` may view it
         self.tokens_seen += q
         self.held += q
         self._pending_q = q
@@ -270,8 +286,9 @@ class BudgetedLayer(CacheLayerMixin):
         return self._kv
 
     # ------------------------------------------------------------------ attention
-    def attend(self, query: torch.Tensor, padding_mask: torch.Tensor | None, scaling: float,
-               query_chunk: int | None = None) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, padding_mask: torch.Tensor | None, scaling: float, query_chunk: int | None = None
+    ) -> torch.Tensor:
         """Attention of this call's queries over the kept slots, then observe and compress.
 
         Args:
@@ -287,11 +304,11 @@ class BudgetedLayer(CacheLayerMixin):
         keys, values = self._kv
         self._kv = None
         b, hq, _, d = query.shape
-        st = self.slot_time                                                             # (b, hkv, S)
+        st = self.slot_time  # (b, hkv, S)
         if query_chunk is None:
             query_chunk = max(1, CHUNK_SCORE_ELEMENTS // (b * hq * st.shape[-1]))
         if padding_mask is not None and padding_mask.shape[-1] >= q_len:
-            new_valid = padding_mask[:, -q_len:].to(torch.bool)                          # (b, q)
+            new_valid = padding_mask[:, -q_len:].to(torch.bool)  # (b, q)
             if not bool(new_valid.all()):
                 tail = st[:, :, -q_len:]
                 tail.copy_(torch.where(new_valid[:, None, :], tail, tail.new_full((), PAD)))
@@ -307,10 +324,9 @@ class BudgetedLayer(CacheLayerMixin):
             # decode_step of a policy that needs no probabilities (full, streaming_llm, knorm, random): one sdpa
             # over the kept slots, the layer's validity mask only when a slot is masked
             out = self._sdpa_chunk(query, keys, values, None if all_valid else (st >= 0)[:, :, None, :], scaling)
-            return out.transpose(1, 2).contiguous()                                     # (b, 1, hq, d_v)
+            return out.transpose(1, 2).contiguous()  # (b, 1, hq, d_v)
         # first query's token index: (1,) the shared clock, or (b,) each row's own
-        t0 = (torch.tensor([self.tokens_seen], device=self.device) if self.row_time is None
-              else self.row_time) - q_len
+        t0 = (torch.tensor([self.tokens_seen], device=self.device) if self.row_time is None else self.row_time) - q_len
         # Only the last `n_obs` queries feed the policy's statistics (Scissorhands: those inside the
         # history window; TOVA: the last one); they run the explicit attention that yields the
         # probabilities, every query before them runs sdpa's fused kernel.
@@ -329,13 +345,18 @@ class BudgetedLayer(CacheLayerMixin):
             if lse is None:
                 chunks = ((s, min(q_len, s + query_chunk)) for s in range(obs_from, q_len, query_chunk))
                 observed = ((s, e, causal_probs(query[:, :, s:e], keys[:, :, :e], scaling, None)) for s, e in chunks)
-            else:                                                                       # (s, e, (b, hkv, g, q_c, e))
-                observed = ((obs_from + s, obs_from + e, p) for s, e, p in causal_probs_chunks(
-                    query[:, :, obs_from:], keys, scaling, lse[:, :, obs_from:], query_chunk, CAUSAL_MATMUL_QUERIES))
+            else:  # (s, e, (b, hkv, g, q_c, e))
+                observed = (
+                    (obs_from + s, obs_from + e, p)
+                    for s, e, p in causal_probs_chunks(
+                        query[:, :, obs_from:], keys, scaling, lse[:, :, obs_from:], query_chunk, CAUSAL_MATMUL_QUERIES
+                    )
+                )
             for s, e, probs in observed:
                 visible = torch.ones(e - s, e, dtype=torch.bool, device=self.device).tril(s)[None, None]
-                mean = torch.mean(probs, 2, out=scratch("mean_probs", probs.shape[:2] + probs.shape[3:], probs.dtype,
-                                                          self.device))              # GQA: average the group
+                mean = torch.mean(
+                    probs, 2, out=scratch("mean_probs", probs.shape[:2] + probs.shape[3:], probs.dtype, self.device)
+                )  # GQA: average the group
                 self._observe(mean, visible, t0 + s, None if state is None else state[:, :, :e])
             chunks = ()
         else:
@@ -343,16 +364,16 @@ class BudgetedLayer(CacheLayerMixin):
             chunks = [*range(0, obs_from, query_chunk), *range(obs_from, q_len, query_chunk)]
         for s in chunks:
             e = min(obs_from if s < obs_from else q_len, s + query_chunk)
-            if e - s == 1 and s == q_len - 1:                                           # the newest query sees every valid slot
-                visible = None if all_valid else (st >= 0)[:, :, None, :]               # (b, hkv, 1, S)
+            if e - s == 1 and s == q_len - 1:  # the newest query sees every valid slot
+                visible = None if all_valid else (st >= 0)[:, :, None, :]  # (b, hkv, 1, S)
             else:
-                qt = (t0[:, None] + torch.arange(s, e, device=self.device)).to(torch.int32)   # (1 or b, q_c)
+                qt = (t0[:, None] + torch.arange(s, e, device=self.device)).to(torch.int32)  # (1 or b, q_c)
                 visible = (st[:, :, None, :] >= 0) & (st[:, :, None, :] <= qt[:, None, :, None])  # (b, hkv, q_c, S)
             if s < obs_from:
                 out[:, :, s:e] = self._sdpa_chunk(query[:, :, s:e], keys, values, visible, scaling)
             else:
                 out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], keys, values, visible, scaling, t0 + s)
-        if self.policy.evicts:                                                       # prompt / chunk: compress to B
+        if self.policy.evicts:  # prompt / chunk: compress to B
             self.evict((self.held - self.budget.tokens).clamp(min=0))
         return out.transpose(1, 2).contiguous()
 
@@ -372,17 +393,22 @@ class BudgetedLayer(CacheLayerMixin):
         group = hq // hkv
         sdpa = torch.nn.functional.scaled_dot_product_attention
         if q_c == 1 and query.dtype != torch.float32:
-            o = sdpa(query.reshape(b, hkv, group, -1), keys, values, attn_mask=visible,      # (b, hkv, g, d_v)
-                     scale=scaling).reshape(b, hq, 1, -1)                               # (b, hq, 1, d_v)
+            o = sdpa(
+                query.reshape(b, hkv, group, -1),
+                keys,
+                values,
+                attn_mask=visible,  # (b, hkv, g, d_v)
+                scale=scaling,
+            ).reshape(b, hq, 1, -1)  # (b, hq, 1, d_v)
         else:
             mask = None if visible is None else visible.repeat_interleave(group, dim=1)  # (b, hq, q_c, S)
             o = sdpa(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=group > 1)
         if visible is None:
             return o
-        seen = visible.any(-1, keepdim=True)                                            # padded queries see nothing
+        seen = visible.any(-1, keepdim=True)  # padded queries see nothing
         if bool(seen.all()):
             return o
-        return torch.where(seen.repeat_interleave(group, dim=1), o, o.new_zeros(()))    # (b, hq, q_c, 1) mask
+        return torch.where(seen.repeat_interleave(group, dim=1), o, o.new_zeros(()))  # (b, hq, q_c, 1) mask
 
     def _attend_chunk(self, query, keys, values, visible, scaling, first_query, state=None):
         """Attention of ``query`` ``(b, hq, q_c, d)`` over ``keys``/``values`` ``(b, hkv, S, d)`` with explicit
@@ -393,8 +419,8 @@ class BudgetedLayer(CacheLayerMixin):
         index of the first query; ``state``: the policy statistics of these ``S`` slots (default: all).
         Returns ``(b, hq, q_c, d_v)``, or None when ``values`` is None (probabilities only).
         """
-        out, probs = explicit_attention(query, keys, values, visible, scaling)          # probs (b, hkv, g, q_c, S)
-        self._observe(probs.mean(2), visible, first_query, state)                       # GQA: average the group
+        out, probs = explicit_attention(query, keys, values, visible, scaling)  # probs (b, hkv, g, q_c, S)
+        self._observe(probs.mean(2), visible, first_query, state)  # GQA: average the group
         return out
 
     def _observe(self, probs, visible, first_query, state=None) -> None:
@@ -427,16 +453,17 @@ class BudgetedLayer(CacheLayerMixin):
         if not bool((n_drop > 0).any()):
             return
         st = self.slot_time
-        valid = st >= 0                                                                 # (b, h, S)
-        score = self.policy.keep_score(self.state, self.token_index(), layer_idx=self.layer_idx,
-                                       budget_tokens=self.budget.tokens).masked_fill(~valid, float("inf"))
+        valid = st >= 0  # (b, h, S)
+        score = self.policy.keep_score(
+            self.state, self.token_index(), layer_idx=self.layer_idx, budget_tokens=self.budget.tokens
+        ).masked_fill(~valid, float("inf"))
         r = self.budget.recent_window
         if r:
-            newer = valid.flip(-1).cumsum(-1).flip(-1)                                  # tokens at or after the slot
+            newer = valid.flip(-1).cumsum(-1).flip(-1)  # tokens at or after the slot
             score = score.masked_fill(valid & (newer <= r), float("inf"))
-        order = torch.sort(score, dim=-1, stable=True).indices                          # lowest keep score first
+        order = torch.sort(score, dim=-1, stable=True).indices  # lowest keep score first
         positions = torch.arange(order.shape[-1], device=self.device).expand_as(order)
-        rank = torch.empty_like(order).scatter_(-1, order, positions)                   # rank of each slot
+        rank = torch.empty_like(order).scatter_(-1, order, positions)  # rank of each slot
         st.masked_fill_(rank < n_drop[:, None, None], EVICTED)
         self._maybe_masked = True
         self.held -= n_drop
@@ -451,8 +478,8 @@ class BudgetedLayer(CacheLayerMixin):
         n_keep = int(valid.sum(-1).max())
         if n_keep == n:
             return
-        key = valid.to(torch.int64) * n + torch.arange(n, device=self.device)          # tokens first, then filler
-        idx = key.topk(n_keep, dim=-1).indices.sort(dim=-1).values                      # (b, h, n_keep) time order
+        key = valid.to(torch.int64) * n + torch.arange(n, device=self.device)  # tokens first, then filler
+        idx = key.topk(n_keep, dim=-1).indices.sort(dim=-1).values  # (b, h, n_keep) time order
         # keep the budget allocated when evicting (the next tokens refill it in place); else what is kept
         self.store.gather(idx, self.budget.tokens if self._compacts else n_keep)
 
@@ -482,14 +509,14 @@ class BudgetedLayer(CacheLayerMixin):
         Both must run per-row clocks (``row_time``); the side with fewer slots gets filler slots first.
         """
         n = max(self.num_slots, other.num_slots)
-        for layer, peer in ((self, other), (other, self)):               # widen int16 slot times to match
+        for layer, peer in ((self, other), (other, self)):  # widen int16 slot times to match
             if layer.store.buffers["slot_time"].dtype.itemsize < peer.store.buffers["slot_time"].dtype.itemsize:
                 layer.store.retype("slot_time", peer.store.buffers["slot_time"].dtype)
         self.prepend_filler_slots(n - self.num_slots)
         other.prepend_filler_slots(n - other.num_slots)
         self.store.concat_rows(other.store)
         self._maybe_masked = self._maybe_masked or other._maybe_masked
-        self.held = torch.cat([self.held, other.held])                                  # (b_a + b_b,)
+        self.held = torch.cat([self.held, other.held])  # (b_a + b_b,)
         self.pad_tokens = torch.cat([self.pad_tokens, other.pad_tokens])
         self.row_time = torch.cat([self.row_time, other.row_time])
         self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
@@ -552,8 +579,11 @@ class BudgetedLayer(CacheLayerMixin):
         """The part of :meth:`nbytes` that is not keys/values: slot times and policy statistics."""
         if not self.is_initialized:
             return 0
-        kv = sum(buf.numel() * buf.element_size() for name, buf in self.store.buffers.items()
-                 if name not in ("slot_time", "state"))
+        kv = sum(
+            buf.numel() * buf.element_size()
+            for name, buf in self.store.buffers.items()
+            if name not in ("slot_time", "state")
+        )
         return self.nbytes() - kv
 
     def uncompressed_nbytes(self, bytes_per_value: int) -> int:
@@ -571,19 +601,27 @@ class BudgetedCache(Cache):
     get their true absolute positions after evictions.
     """
 
-    def __init__(self, policy: Policy, num_layers: int, budget: Budget, simulate: bool = False,
-                 codec_factory=DenseKV, time_dtype: torch.dtype = torch.int32):
-        super().__init__(layers=[BudgetedLayer(i, policy, budget, simulate, codec_factory(), time_dtype)
-                                 for i in range(num_layers)])
+    def __init__(
+        self,
+        policy: Policy,
+        num_layers: int,
+        budget: Budget,
+        simulate: bool = False,
+        codec_factory=DenseKV,
+        time_dtype: torch.dtype = torch.int32,
+    ):
+        super().__init__(
+            layers=[BudgetedLayer(i, policy, budget, simulate, codec_factory(), time_dtype) for i in range(num_layers)]
+        )
         self.policy = policy
         self.budget = budget
         self.simulate = simulate
-        self.kv_bits = self.layers[0].codec.bits          # None (stored as computed) or 4
+        self.kv_bits = self.layers[0].codec.bits  # None (stored as computed) or 4
         self._peak_bytes = 0
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if layer_idx == 0:
-            self._track_peak()                     # bytes held after the previous forward call
+            self._track_peak()  # bytes held after the previous forward call
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _track_peak(self) -> None:

@@ -4,6 +4,7 @@ Used by the library (policies, `make_cache`), the engine and the load generator 
 error reads the same: ``<field>: expected an integer >= <minimum>[ or null], got <value>``. A bool is
 not an integer here (``True`` is refused where a count is expected).
 """
+
 from __future__ import annotations
 
 

@@ -37,25 +37,32 @@ the table above (:func:`int4_bytes_per_vector`); d = 64: group 32 float16 40 byt
 Attention runs on dequantized keys and values (no fused 4-bit kernel): the saving is memory. The
 whole slot's bytes, and what the 18x goal at ratio 5 needs, are stated in ``scissorhands.storage``.
 """
+
 from __future__ import annotations
 
 import torch
 
 SCALE_DTYPE = torch.float16
-LEVELS = 15   # 4 bits: 0..15
+LEVELS = 15  # 4 bits: 0..15
 SCALE_BITS = (16, 8)
-LOG8_STEPS = 8       # 8-bit scale codes per octave
-LOG8_OFFSET = 19     # code 0 is 2 ** -19
+LOG8_STEPS = 8  # 8-bit scale codes per octave
+LOG8_OFFSET = 19  # code 0 is 2 ** -19
 _LOG8_TABLE: dict[torch.device, torch.Tensor] = {}
 _HADAMARD: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def check_group_size(head_dim: int, group_size: int) -> None:
     """Raises ValueError unless ``group_size`` is an even integer dividing ``head_dim``."""
-    if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 or group_size % 2
-            or head_dim % group_size):
-        raise ValueError(f"kv_group_size must be an even integer >= 2 dividing head_dim ({head_dim}), "
-                         f"got {group_size!r}")
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size < 2
+        or group_size % 2
+        or head_dim % group_size
+    ):
+        raise ValueError(
+            f"kv_group_size must be an even integer >= 2 dividing head_dim ({head_dim}), got {group_size!r}"
+        )
 
 
 def check_scale_format(scale_bits: int, zero_point: bool) -> None:
@@ -79,11 +86,12 @@ def _log8_code(needed: torch.Tensor) -> torch.Tensor:
     """Smallest uint8 code whose scale is >= ``needed`` (float32, >= 0). Raises ValueError past code 255."""
     table = log8_scales(needed.device)
     code = torch.ceil((torch.log2(needed.clamp(min=float(table[0]))) + LOG8_OFFSET) * LOG8_STEPS)
-    code = code.nan_to_num(256.0).clamp_(0, 255).to(torch.int64)                  # (...,) in 0..255
-    code = torch.where(table[code] < needed, code + 1, code)            # float rounding of log2, or too large
+    code = code.nan_to_num(256.0).clamp_(0, 255).to(torch.int64)  # (...,) in 0..255
+    code = torch.where(table[code] < needed, code + 1, code)  # float rounding of log2, or too large
     if bool((code > 255).any()):
-        raise ValueError(f"values out of range for 8-bit scales (a group's range may be at most "
-                         f"{float(table[-1]) * (LEVELS - 1):g})")
+        raise ValueError(
+            f"values out of range for 8-bit scales (a group's range may be at most {float(table[-1]) * (LEVELS - 1):g})"
+        )
     code = torch.where((code > 0) & (table[(code - 1).clamp(min=0)] >= needed), code - 1, code)
     return code
 
@@ -96,7 +104,7 @@ def _pack(q: torch.Tensor) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, n_groups: int) -> torch.Tensor:
     """``(..., d // 2)`` uint8 -> ``(..., G, g)`` float32 codes."""
-    q = torch.stack((packed & 15, packed >> 4), dim=-1)                               # (..., d // 2, 2)
+    q = torch.stack((packed & 15, packed >> 4), dim=-1)  # (..., d // 2, 2)
     return q.reshape(*packed.shape[:-1], n_groups, -1).float()
 
 
@@ -111,28 +119,31 @@ def quantize_int4(x: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, 
     """
     d = x.shape[-1]
     check_group_size(d, group_size)
-    xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)                 # (..., G, g)
-    lo, hi = xg.amin(-1), xg.amax(-1)                                                 # (..., G)
+    xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # (..., G, g)
+    lo, hi = xg.amin(-1), xg.amax(-1)  # (..., G)
     zero = lo.to(SCALE_DTYPE)
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, zero.new_full((), float("-inf"))), zero)
     scale = ((hi - zero.float()) / LEVELS).to(SCALE_DTYPE)
-    scale = torch.where(scale.float() * LEVELS + zero.float() < hi,
-                        torch.nextafter(scale, scale.new_full((), float("inf"))), scale)
+    scale = torch.where(
+        scale.float() * LEVELS + zero.float() < hi, torch.nextafter(scale, scale.new_full((), float("inf"))), scale
+    )
     s = scale.float()[..., None]
     q = ((xg - zero.float()[..., None]) / torch.where(s > 0, s, torch.ones_like(s))).round_().clamp_(0, LEVELS)
     return _pack(q.reshape(*x.shape[:-1], d)), scale, zero
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of :func:`quantize_int4`: ``(..., d // 2)`` uint8 + ``(..., G)`` scales/zeros -> ``(..., d)``."""
-    q = _unpack(packed, scale.shape[-1])                                              # (..., G, g)
-    x = torch.addcmul(zero.float()[..., None], q, scale.float()[..., None])          # q * scale + zero
+    q = _unpack(packed, scale.shape[-1])  # (..., G, g)
+    x = torch.addcmul(zero.float()[..., None], q, scale.float()[..., None])  # q * scale + zero
     return x.reshape(*packed.shape[:-1], -1).to(dtype)
 
 
-def quantize(x: torch.Tensor, group_size: int = 32, scale_bits: int = 16,
-             zero_point: bool = True) -> dict[str, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, group_size: int = 32, scale_bits: int = 16, zero_point: bool = True
+) -> dict[str, torch.Tensor]:
     """Quantize ``x`` ``(..., d)`` in any format of the module table.
 
     Returns:
@@ -147,13 +158,13 @@ def quantize(x: torch.Tensor, group_size: int = 32, scale_bits: int = 16,
         return {"packed": packed, "scale": scale, "zero": zero}
     d = x.shape[-1]
     check_group_size(d, group_size)
-    xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)                 # (..., G, g)
-    lo, hi = xg.amin(-1), xg.amax(-1)                                                 # (..., G)
-    if zero_point:                                                     # 8-bit code + int8 zero: (q + z) * s
+    xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # (..., G, g)
+    lo, hi = xg.amin(-1), xg.amax(-1)  # (..., G)
+    if zero_point:  # 8-bit code + int8 zero: (q + z) * s
         needed = torch.maximum(torch.maximum((hi - lo) / (LEVELS - 1), -lo / 128), hi / (127 + LEVELS))
         code = _log8_code(needed)
         table = log8_scales(x.device)
-        for _ in range(2):                                             # float rounding: widen until covered
+        for _ in range(2):  # float rounding: widen until covered
             s = table[code.clamp(max=255)]
             z = torch.floor(lo / s).clamp_(-128, 127)
             covered = (z * s <= lo) & ((z + LEVELS) * s >= hi)
@@ -165,14 +176,14 @@ def quantize(x: torch.Tensor, group_size: int = 32, scale_bits: int = 16,
         s = table[code]
         z = torch.floor(lo / s).clamp_(-128, 127)
         q = (xg / s[..., None] - z[..., None]).round_().clamp_(0, LEVELS)
-        return {"packed": _pack(q.reshape(*x.shape[:-1], d)), "scale": code.to(torch.uint8),
-                "zero": z.to(torch.int8)}
+        return {"packed": _pack(q.reshape(*x.shape[:-1], d)), "scale": code.to(torch.uint8), "zero": z.to(torch.int8)}
     absmax = torch.maximum(hi, -lo)
-    half = LEVELS / 2                                                  # symmetric, mid-rise: (q - 7.5) * s
+    half = LEVELS / 2  # symmetric, mid-rise: (q - 7.5) * s
     if scale_bits == 16:
         scale = (absmax / half).to(SCALE_DTYPE)
-        scale = torch.where(scale.float() * half < absmax, torch.nextafter(scale, scale.new_full((), float("inf"))),
-                            scale)
+        scale = torch.where(
+            scale.float() * half < absmax, torch.nextafter(scale, scale.new_full((), float("inf"))), scale
+        )
         if not bool(torch.isfinite(scale).all()):
             raise ValueError("values out of float16 range for 4-bit quantization")
         s = scale.float()
@@ -186,12 +197,13 @@ def quantize(x: torch.Tensor, group_size: int = 32, scale_bits: int = 16,
     return {"packed": _pack(q.reshape(*x.shape[:-1], d)), "scale": stored}
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of :func:`quantize`; the format is read from the dtypes (float16 or uint8 scale, zero or None)."""
     if zero is not None and scale.dtype == SCALE_DTYPE:
         return dequantize_int4(packed, scale, zero, dtype)
-    q = _unpack(packed, scale.shape[-1])                                              # (..., G, g)
+    q = _unpack(packed, scale.shape[-1])  # (..., G, g)
     s = (log8_scales(packed.device)[scale.long()] if scale.dtype == torch.uint8 else scale.float())[..., None]
     q = q.add_(zero.float()[..., None]) if zero is not None else q.sub_(LEVELS / 2)
     return (q * s).reshape(*packed.shape[:-1], -1).to(dtype)
@@ -217,7 +229,7 @@ def hadamard(dim: int, device=None) -> torch.Tensor:
         h = torch.ones(1, 1, dtype=torch.float64)
         while h.shape[0] < dim:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        _HADAMARD[key] = (h / dim ** 0.5).float().to(key[1])
+        _HADAMARD[key] = (h / dim**0.5).float().to(key[1])
     return _HADAMARD[key]
 
 
@@ -237,8 +249,14 @@ class Int4KV:
 
     bits = 4
 
-    def __init__(self, group_size: int = 32, value_group_size: int | None = None, scale_bits: int = 16,
-                 zero_point: bool = True, rotate: bool = False):
+    def __init__(
+        self,
+        group_size: int = 32,
+        value_group_size: int | None = None,
+        scale_bits: int = 16,
+        zero_point: bool = True,
+        rotate: bool = False,
+    ):
         check_scale_format(scale_bits, zero_point)
         if not isinstance(rotate, bool):
             raise ValueError(f"kv_rotate must be True or False, got {rotate!r}")
@@ -257,7 +275,7 @@ class Int4KV:
         for (name, group), dim in zip(self._groups(), (key_dim, value_dim)):
             check_group_size(dim, group)
             if self.rotate:
-                hadamard(dim)                                           # raises unless a power of two
+                hadamard(dim)  # raises unless a power of two
             g = dim // group
             out.update({f"{name}_packed": ((dim // 2,), torch.uint8), f"{name}_scale": ((g,), scale_dtype)})
             if self.zero_point:
@@ -267,7 +285,7 @@ class Int4KV:
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
         for (name, group), x in zip(self._groups(), (keys, values)):
-            if self.rotate:                                             # (..., d) @ (d, d)
+            if self.rotate:  # (..., d) @ (d, d)
                 x = x.float() @ hadamard(x.shape[-1], x.device)
             out.update({f"{name}_{k}": v for k, v in quantize(x, group, self.scale_bits, self.zero_point).items()})
         return out
@@ -275,8 +293,11 @@ class Int4KV:
     def decode(self, store, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
         for n in ("keys", "values"):
-            x = dequantize(store.view(f"{n}_packed"), store.view(f"{n}_scale"),
-                           store.view(f"{n}_zero") if self.zero_point else None,
-                           torch.float32 if self.rotate else dtype)            # (b, h, S, d)
+            x = dequantize(
+                store.view(f"{n}_packed"),
+                store.view(f"{n}_scale"),
+                store.view(f"{n}_zero") if self.zero_point else None,
+                torch.float32 if self.rotate else dtype,
+            )  # (b, h, S, d)
             out.append((x @ hadamard(x.shape[-1], x.device)).to(dtype) if self.rotate else x)
         return tuple(out)

@@ -25,6 +25,7 @@ default, 18.3x with the 70-byte slot (18.2x at L = 512, where B = 103). The pack
 are 64 bytes, so 18x (a slot of at most 71 bytes) leaves 7 bytes for every scale, zero, slot time and
 counter; what that costs in perplexity is measured in docs/performance.md (``make bench-quant``).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -58,8 +59,10 @@ class SlotStore:
         self.num_slots = 0
 
     def allocate(self, batch_size: int, num_heads: int, specs: Spec, device, capacity: int = 0) -> None:
-        self.buffers = {name: torch.empty(batch_size, num_heads, capacity, *trailing, dtype=dtype, device=device)
-                        for name, (trailing, dtype) in specs.items()}
+        self.buffers = {
+            name: torch.empty(batch_size, num_heads, capacity, *trailing, dtype=dtype, device=device)
+            for name, (trailing, dtype) in specs.items()
+        }
         self.num_slots = 0
 
     @property
@@ -68,7 +71,7 @@ class SlotStore:
 
     def view(self, name: str) -> torch.Tensor:
         """``(batch_size, num_kv_heads, num_slots, *trailing)`` view of the used slots."""
-        return self.buffers[name][:, :, :self.num_slots]
+        return self.buffers[name][:, :, : self.num_slots]
 
     def append(self, new: dict[str, torch.Tensor], capacity: int) -> None:
         """Write ``new[name]`` ``(batch_size, num_kv_heads, q, *trailing)`` after the used slots (anything that
@@ -81,7 +84,7 @@ class SlotStore:
         if n + q > self.capacity:
             self.resize(max(capacity, n + q))
         for name, t in new.items():
-            self.buffers[name][:, :, n:n + q] = t
+            self.buffers[name][:, :, n : n + q] = t
         self.num_slots = n + q
 
     def resize(self, capacity: int) -> None:
@@ -105,9 +108,9 @@ class SlotStore:
             buf = buf.contiguous()
             cap, trailing = buf.shape[2], buf.shape[3:]
             if rows is None or rows[1] != cap:
-                base = torch.arange(b * h, device=idx.device)[:, None] * cap                   # (b * h, 1)
-                rows = ((base + idx.reshape(b * h, n_keep)).reshape(-1), cap)                  # (b * h * k,)
-            kept = buf.view(b * h * cap, *trailing).index_select(0, rows[0])                   # (b * h * k, *trailing)
+                base = torch.arange(b * h, device=idx.device)[:, None] * cap  # (b * h, 1)
+                rows = ((base + idx.reshape(b * h, n_keep)).reshape(-1), cap)  # (b * h * k,)
+            kept = buf.view(b * h * cap, *trailing).index_select(0, rows[0])  # (b * h * k, *trailing)
             new = buf.new_empty(b, h, max(capacity, n_keep), *trailing)
             new[:, :, :n_keep] = kept.view(b, h, n_keep, *trailing)
             self.buffers[name] = new
@@ -118,7 +121,7 @@ class SlotStore:
         fill = fill or {}
         for name, buf in self.buffers.items():
             new = buf.new_full((buf.shape[0], buf.shape[1], n + self.num_slots, *buf.shape[3:]), fill.get(name, 0))
-            new[:, :, n:] = buf[:, :, :self.num_slots]
+            new[:, :, n:] = buf[:, :, : self.num_slots]
             self.buffers[name] = new
         self.num_slots += n
 
@@ -134,7 +137,7 @@ class SlotStore:
 
     def map_batch(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-dim operation (reorder, repeat, select) to the used slots of every buffer."""
-        self.buffers = {name: fn(buf[:, :, :self.num_slots]).contiguous() for name, buf in self.buffers.items()}
+        self.buffers = {name: fn(buf[:, :, : self.num_slots]).contiguous() for name, buf in self.buffers.items()}
 
     def nbytes(self) -> int:
         """Bytes of every buffer, capacity included (the memory the layer really holds)."""

@@ -6,6 +6,7 @@ of a loaded machine: one replica measured bfloat16 1.55x, the other 0.69x, in on
 anywhere (counted in the file ``$SCISSORHANDS_TEST_PROBE_COUNTER``) answers 2.0x when n is odd and 0.5x
 when even, so two replicas that each probe run bfloat16 and float32.
 """
+
 import os
 
 COUNTER_ENV = "SCISSORHANDS_TEST_PROBE_COUNTER"
@@ -23,7 +24,7 @@ def install_alternating_probe() -> None:
     import scissorhands.models as models
 
     def probe(hidden: int, intermediate: int, threads: int) -> float:
-        with open(path, "ab") as f:   # O_APPEND: one byte per call, whatever the process
+        with open(path, "ab") as f:  # O_APPEND: one byte per call, whatever the process
             f.write(b"x")
         return 2.0 if probe_calls(path) % 2 else 0.5
 

@@ -2,6 +2,7 @@
 bench may use them all), only cluster/ imports Ray (the replica's metrics recorder reaches it lazily), nothing imports
 a module of ours inside a function, and the modules import each other without a cycle. Read from the source: no
 module is imported."""
+
 from __future__ import annotations
 
 import ast
@@ -32,10 +33,15 @@ def _imports(path: Path, module: str, *, type_checking: bool = True) -> list[tup
     ``type_checking=False`` leaves out the imports under ``if TYPE_CHECKING:`` (they never run)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    top = {id(n) for n in tree.body} | {id(c) for n in tree.body if isinstance(n, (ast.If, ast.Try))
-                                       for c in ast.walk(n)}
-    typing_only = {id(c) for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
-                   for c in ast.walk(n)}
+    top = {id(n) for n in tree.body} | {
+        id(c) for n in tree.body if isinstance(n, (ast.If, ast.Try)) for c in ast.walk(n)
+    }
+    typing_only = {
+        id(c)
+        for n in tree.body
+        if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+        for c in ast.walk(n)
+    }
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -43,7 +49,9 @@ def _imports(path: Path, module: str, *, type_checking: bool = True) -> list[tup
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             names = [f"{base}.{a.name}" for a in node.names] if base.split(".")[0] in OURS else [base]
         else:
             continue
@@ -78,13 +86,15 @@ def test_imports_point_down_the_layers_and_never_inside_a_function(module):
 
 
 def test_no_module_imports_another_in_a_cycle():
-    graph = {m: {r for n, at_top, _ in _imports(p, m, type_checking=False) if at_top and (r := _resolve(n)) and r != m}
-             for m, p in MODULES.items()}
+    graph = {
+        m: {r for n, at_top, _ in _imports(p, m, type_checking=False) if at_top and (r := _resolve(n)) and r != m}
+        for m, p in MODULES.items()
+    }
     # a package's __init__ importing its own submodules is how it re-exports them, not a cycle
     graph = {m: {r for r in deps if not r.startswith(m + ".")} for m, deps in graph.items()}
     index, low, stack, on_stack, cycles = {}, {}, [], set(), []
 
-    def visit(v):                       # Tarjan's strongly connected components
+    def visit(v):  # Tarjan's strongly connected components
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)

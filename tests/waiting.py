@@ -1,4 +1,5 @@
 """Helpers the tests that start servers share: a free loopback port and waiting for a condition."""
+
 from __future__ import annotations
 
 import time

@@ -7,6 +7,7 @@ A kind is one folder `workloads/<kind>/` (`suite.py`: its model and points; `run
 the run template it supplies; `report.py`: its tables) plus one line here, as a policy is one file plus one line
 in `scissorhands.POLICIES`.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -12,6 +12,7 @@ table printed and written at the end, each point pushed to the Pushgateway.
 Exit status: 0 all points ok; 1 a point failed or no replica could start (e.g. a missing model
 path); 2 the suite or the arguments are invalid (nothing is recorded); 130 interrupted.
 """
+
 from __future__ import annotations
 
 import argparse

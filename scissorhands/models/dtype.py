@@ -57,8 +57,9 @@ def _layer_shapes(model_config) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=16)
-def probe_bfloat16_speedup(hidden: int, intermediate: int, threads: int, rows: tuple[int, ...] = (1, 16),
-                           repeats: int = 15) -> float:
+def probe_bfloat16_speedup(
+    hidden: int, intermediate: int, threads: int, rows: tuple[int, ...] = (1, 16), repeats: int = 15
+) -> float:
     """Time of the model's linear layer in float32 over its time in bfloat16 on this CPU at the model's shapes.
 
     One up-projection ``(rows, hidden) @ (intermediate, hidden)^T`` per row count in ``rows``
@@ -85,7 +86,7 @@ def probe_bfloat16_speedup(hidden: int, intermediate: int, threads: int, rows: t
                     t0 = time.perf_counter()
                     for _ in range(4):
                         layer(x)
-                    if rep:                                       # round 0 warms up (and packs)
+                    if rep:  # round 0 warms up (and packs)
                         times[dt][i].append(time.perf_counter() - t0)
     med = {dt: sum(sorted(ts)[len(ts) // 2] for ts in per) for dt, per in times.items()}
     return med[torch.float32] / med[torch.bfloat16]
@@ -115,8 +116,11 @@ def check_dtype_name(requested) -> None:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
 
 
-def resolve_dtype(requested="auto", model_config=None, device: str | torch.device = "cpu",
-                  ) -> tuple[torch.dtype, str]:
+def resolve_dtype(
+    requested="auto",
+    model_config=None,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.dtype, str]:
     """The parameter dtype to run in, and why: ``(torch.dtype, reason)``.
 
     ``float32``, ``bfloat16``, ``float16`` (or the ``torch.dtype``) force that dtype. ``auto``:
@@ -154,8 +158,10 @@ def resolve_dtype(requested="auto", model_config=None, device: str | torch.devic
     hidden, inter = _layer_shapes(model_config) if model_config is not None else (576, 1536)
     threads = torch.get_num_threads()
     speedup = probe_bfloat16_speedup(hidden, inter, threads)
-    probe = (f"probe linear layer {hidden}x{inter} at 1 and 16 rows, {threads} thread{'s' * (threads != 1)}: "
-             f"bfloat16 {speedup:.2f}x float32's speed")
+    probe = (
+        f"probe linear layer {hidden}x{inter} at 1 and 16 rows, {threads} thread{'s' * (threads != 1)}: "
+        f"bfloat16 {speedup:.2f}x float32's speed"
+    )
     if speedup >= BF16_MIN_SPEEDUP:
         return torch.bfloat16, f"auto: CPU has {', '.join(flags)}; {probe}"
     return torch.float32, f"auto: CPU has {', '.join(flags)} but {probe}, below the {BF16_MIN_SPEEDUP}x that picks it"

@@ -56,8 +56,15 @@ def tiny_overrides(name: str) -> dict:
     return {**base, "intermediate_size": 128, "num_key_value_heads": 2}
 
 
-def load_dummy_model(name: str, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                     seed: int = 0, attn_implementation: str | None = None, **overrides) -> PreTrainedModel:
+def load_dummy_model(
+    name: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attn_implementation: str | None = None,
+    **overrides,
+) -> PreTrainedModel:
     """A model of a real architecture with dummy weights (as vLLM's ``load_format="dummy"``): for speed
     and memory measurements only, never for quality.
 

@@ -57,8 +57,12 @@ class PackedLinear(torch.nn.Module):
     def _packed_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed weight for input ``x``, or None where ``F.linear`` runs."""
         w = self.weight
-        if (x.device.type != "cpu" or x.dtype != w.dtype or not onednn_packs(w.dtype)
-                or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        if (
+            x.device.type != "cpu"
+            or x.dtype != w.dtype
+            or not onednn_packs(w.dtype)
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        ):
             return None
         # an inference tensor (made under torch.inference_mode) has no version counter: it is keyed by its
         # storage, so an in-place change made to it inside inference mode is not seen (a new tensor is)
@@ -76,10 +80,10 @@ class PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
 
     def _apply(self, fn, recurse=True):
-        self._packed, self._packed_key = None, None               # .to() / .bfloat16(): pack afresh
+        self._packed, self._packed_key = None, None  # .to() / .bfloat16(): pack afresh
         return super()._apply(fn, recurse)
 
-    def __getstate__(self):                                       # copy / pickle without the opaque tensor
+    def __getstate__(self):  # copy / pickle without the opaque tensor
         state = self.__dict__.copy()
         state["_packed"], state["_packed_key"] = None, None
         return state

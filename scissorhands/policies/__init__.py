@@ -2,6 +2,7 @@
 
 The CLI, docs/library.md and the tests all read this dict. One policy per file.
 """
+
 from __future__ import annotations
 
 from .base import Policy

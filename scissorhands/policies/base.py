@@ -17,6 +17,7 @@ registry then covers it.
 Ties are broken by the layer: among slots with equal keep score the *older* slot is dropped
 first. Slots in the recent window (and a policy's sinks, via ``+inf`` keep score) are never dropped.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -115,8 +116,7 @@ class Policy:
         """
         return None
 
-    def observe(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None,
-                first_query: int) -> None:
+    def observe(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None, first_query: int) -> None:
         """Update ``state`` in place from one forward call's attention (only when ``needs_attention``): the
         probabilities of the call's last ``observed_queries`` queries.
 
@@ -135,8 +135,9 @@ class Policy:
                 the queries are consecutive.
         """
 
-    def observe_rows(self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None,
-                     first_query: torch.Tensor) -> None:
+    def observe_rows(
+        self, state: torch.Tensor, probs: torch.Tensor, visible: torch.Tensor | None, first_query: torch.Tensor
+    ) -> None:
         """``observe`` for rows on clocks of their own (continuous batching): ``first_query`` is
         ``(batch_size,)`` int64, each row's first query index. Here: ``observe`` once when the policy
         ignores query indices (``uses_query_time`` False) or all rows share one, else once per group of
@@ -146,8 +147,8 @@ class Policy:
             self.observe(state, probs, visible, starts[0])
             return
         for t in sorted(set(starts)):
-            rows = torch.tensor([i for i, x in enumerate(starts) if x == t], device=state.device)   # (n_rows,)
-            sub = state[rows]                                                           # (n_rows, hkv, S, w) copy
+            rows = torch.tensor([i for i, x in enumerate(starts) if x == t], device=state.device)  # (n_rows,)
+            sub = state[rows]  # (n_rows, hkv, S, w) copy
             self.observe(sub, probs[rows], None if visible is None else visible[rows], t)
             state[rows] = sub
 
@@ -161,8 +162,9 @@ class Policy:
         """
         return q_len
 
-    def keep_score(self, state: torch.Tensor | None, token_index: torch.Tensor, *, layer_idx: int,
-                   budget_tokens: int) -> torch.Tensor:
+    def keep_score(
+        self, state: torch.Tensor | None, token_index: torch.Tensor, *, layer_idx: int, budget_tokens: int
+    ) -> torch.Tensor:
         """Keep score per slot, ``(batch_size, num_kv_heads, num_slots)`` float64; higher is kept.
 
         Args:

@@ -1,4 +1,5 @@
 """``full``: the uncompressed reference cache. Keeps every token; never evicts."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -7,6 +7,7 @@ the rest of the budget holds the slots with the largest accumulated attention (t
 As in the paper, one token is evicted per step (``drop_tokens`` defaults to 1). A prompt longer
 than the budget is compressed once with the accumulated attention of all its queries.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ class H2O(Policy):
         return 1
 
     def observe(self, state, probs, visible, first_query) -> None:
-        state[..., 0] += probs.sum(2)                                    # (b, h, q, S) -> (b, h, S)
+        state[..., 0] += probs.sum(2)  # (b, h, q, S) -> (b, h, S)
 
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         return state[..., 0].to(torch.float64)

@@ -9,6 +9,7 @@ any 4-bit encoding. Same schedule as ``scissorhands`` (``drop_tokens`` defaults 
 ``budget_tokens // 2``, recent window 10): the paper compresses once and keeps no window; the newest
 tokens are protected here so every policy is compared with the same recent window.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

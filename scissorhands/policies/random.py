@@ -7,6 +7,7 @@ between evictions, layers and heads, identical in real and simulation mode, and 
 sequence alone or in a left-padded batch. Same schedule as ``scissorhands`` (``drop_tokens``
 defaults to ``budget_tokens // 2``, recent window 10).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ class Random(Policy):
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         """A uniform number in [0, 1) per slot, fresh for every eviction (keyed by tokens seen)."""
         b, h, _ = token_index.shape
-        seen = token_index.amax(-1, keepdim=True) + 1                       # (b, h, 1) tokens of the sequence
+        seen = token_index.amax(-1, keepdim=True) + 1  # (b, h, 1) tokens of the sequence
         head = torch.arange(h, device=token_index.device).view(1, h, 1)
         x = token_index.clamp(min=0) + (seen << 20) + (head << 44) + (layer_idx << 50)
         x = _mix(_mix(x ^ (self.seed & 0xFFFFFFFF)) + self.seed)

@@ -18,6 +18,7 @@ slot of head_dim 64, 3.1% of a 16-bit one and 10% of a 4-bit one (80 bytes with 
 4-bit KV, ``count_chunk_steps=100`` (4 bytes, 5%) keeps the counts within 5%.
 A step is one query token: a prompt of L tokens contributes its queries as L steps.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -76,19 +77,19 @@ class Scissorhands(Policy):
         chunk that starts inside this call is zeroed before it is filled: a bucket never mixes steps of
         two windows.
         """
-        below = self._below(probs, visible)                               # (b, h, q, S) bool
+        below = self._below(probs, visible)  # (b, h, q, S) bool
         c, k = self.count_chunk_steps, self.num_buckets
-        t0, t1 = first_query, first_query + probs.shape[2] - 1            # query token indices
+        t0, t1 = first_query, first_query + probs.shape[2] - 1  # query token indices
         first, last = t0 // c, t1 // c
-        continued = (t0 - 1) // c if t0 > 0 else -1                       # chunk the previous call was filling
+        continued = (t0 - 1) // c if t0 > 0 else -1  # chunk the previous call was filling
         for g in range(max(first, last - k + 1), last + 1):
-            col = state[..., g % k]                                       # (b, h, S) view
+            col = state[..., g % k]  # (b, h, S) view
             if g != continued:
                 col.zero_()
-            s, e = max(t0, g * c) - t0, min(t1 + 1, (g + 1) * c) - t0     # this chunk's queries in the call
+            s, e = max(t0, g * c) - t0, min(t1 + 1, (g + 1) * c) - t0  # this chunk's queries in the call
             if e - s == 1:
                 col.add_(below[:, :, s])
-            else:                                                         # (b, h, q_g, S) -> (b, h, S); <= c <= 255
+            else:  # (b, h, q_g, S) -> (b, h, S); <= c <= 255
                 col.add_(below[:, :, s:e].view(torch.uint8).sum(2, dtype=torch.uint8))
 
     def _below(self, probs, visible):
@@ -96,11 +97,11 @@ class Scissorhands(Policy):
         ``p * n_t < threshold`` in exact arithmetic, as one float32 comparison per slot: ``p < c`` with ``c``
         the smallest float32 at or above ``threshold / n_t`` (no float32 lies between the two, so for a float32
         ``p`` the comparisons agree; no product pass over the probabilities)."""
-        if visible is None:                                               # every slot visible: n_t = num_slots
+        if visible is None:  # every slot visible: n_t = num_slots
             limit = torch.tensor(self.threshold / probs.shape[-1], dtype=torch.float64, device=probs.device)
             return probs < _ceil_float32(limit)
-        n_t = visible.sum(-1, keepdim=True)                               # (b, h, q, 1) keys attended
-        return visible & (probs < _ceil_float32(self.threshold / n_t.to(torch.float64)))   # p < threshold / n_t
+        n_t = visible.sum(-1, keepdim=True)  # (b, h, q, 1) keys attended
+        return visible & (probs < _ceil_float32(self.threshold / n_t.to(torch.float64)))  # p < threshold / n_t
 
     def observe_rows(self, state, probs, visible, first_query) -> None:
         """One decode step of rows on their own clocks in one pass: row ``i``'s query ``t_i`` adds to
@@ -109,11 +110,11 @@ class Scissorhands(Policy):
             super().observe_rows(state, probs, visible, first_query)
             return
         b, h, n, _ = state.shape
-        t = first_query.to(state.device)                                  # (b,) each row's query index
+        t = first_query.to(state.device)  # (b,) each row's query index
         idx = ((t // self.count_chunk_steps) % self.num_buckets).view(b, 1, 1, 1).expand(b, h, n, 1)
-        count = state.gather(-1, idx)                                     # (b, h, S, 1) the row's bucket
+        count = state.gather(-1, idx)  # (b, h, S, 1) the row's bucket
         fresh = (t % self.count_chunk_steps == 0).view(b, 1, 1, 1)
-        below = self._below(probs, visible)[:, :, 0, :, None]             # (b, h, S, 1)
+        below = self._below(probs, visible)[:, :, 0, :, None]  # (b, h, S, 1)
         state.scatter_(-1, idx, count.masked_fill(fresh, 0) + below)
 
     def observed_queries(self, first_query: int, q_len: int) -> int:

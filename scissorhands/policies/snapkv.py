@@ -17,6 +17,7 @@ Choices this project makes (SCISSORHANDS.md: a documented parameter, never a sil
 * The observation window is the recent window (``recent_window`` defaults to
   ``min(window_size, budget_tokens // 2)``); ``drop_tokens`` defaults to ``budget_tokens // 2``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,14 +64,15 @@ class SnapKV(Policy):
         return min(self.window_size, q_len)
 
     def observe(self, state, probs, visible, first_query) -> None:
-        state[..., 0] += probs.sum(2)                                    # (b, h, q, S) -> (b, h, S)
+        state[..., 0] += probs.sum(2)  # (b, h, q, S) -> (b, h, S)
 
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         """The votes averaged over ``kernel_size`` neighbouring held tokens (time order, zero-padded)."""
-        held = token_index >= 0                                          # (b, h, S)
-        order = torch.sort((~held).to(torch.uint8), dim=-1, stable=True).indices   # held slots first, in time order
+        held = token_index >= 0  # (b, h, S)
+        order = torch.sort((~held).to(torch.uint8), dim=-1, stable=True).indices  # held slots first, in time order
         votes = state[..., 0].to(torch.float64).masked_fill(~held, 0.0).gather(-1, order)
         k = self.kernel_size
-        pooled = torch.nn.functional.avg_pool1d(votes.flatten(0, 1)[:, None], k, stride=1, padding=k // 2,
-                                                count_include_pad=True).view_as(votes)
+        pooled = torch.nn.functional.avg_pool1d(
+            votes.flatten(0, 1)[:, None], k, stride=1, padding=k // 2, count_include_pad=True
+        ).view_as(votes)
         return torch.empty_like(pooled).scatter_(-1, order, pooled)

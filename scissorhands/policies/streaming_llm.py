@@ -7,6 +7,7 @@ in the paper's rolling variant: SCISSORHANDS.md compares every policy at the sam
 Padding is never a sink: sinks are counted in each sequence's own tokens. The paper evicts one
 token per step, so ``drop_tokens`` defaults to 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

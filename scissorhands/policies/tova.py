@@ -6,6 +6,7 @@ layer keeps the same tokens. The paper keeps no separate recent window (``recent
 defaults to 0) and evicts one token per step (``drop_tokens`` defaults to 1). A prompt longer than
 the budget is compressed with the attention of its last token.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ class TOVA(Policy):
         state[..., 0] = probs[:, :, -1].mean(1, keepdim=True)
 
     def observed_queries(self, first_query: int, q_len: int) -> int:
-        return 1                                                         # the last query only
+        return 1  # the last query only
 
     def keep_score(self, state, token_index, *, layer_idx, budget_tokens):
         return state[..., 0].to(torch.float64)

@@ -1,5 +1,6 @@
 """`cluster.replica_set.PointReplica`'s calls, on the plain class behind the Serve deployment (no Ray started):
 one named method per call, each returning the replica's info with the result or the error."""
+
 import pytest
 
 from cluster.replica_set import PointReplica, PointReply
@@ -20,7 +21,7 @@ class FakeReplica:
 
 @pytest.fixture
 def point_replica():
-    replica = object.__new__(PointReplica.func_or_class)       # the class Serve wraps, without its constructor
+    replica = object.__new__(PointReplica.func_or_class)  # the class Serve wraps, without its constructor
     replica.replica = FakeReplica()
     return replica
 

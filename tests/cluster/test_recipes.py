@@ -6,10 +6,10 @@ entrypoint is parsed with the sweep's own argument parser and its suite is loade
 
 import re
 import shlex
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]

@@ -62,9 +62,14 @@ def two_nodes(tmp_path_factory):
     cluster = Cluster(
         initialize_head=True,
         head_node_args=dict(
-            num_cpus=2, resources={"node_head": 1, "fake_gpu": 1}, object_store_memory=OBJECT_STORE_BYTES,
-            node_ip_address="127.0.0.1", include_dashboard=True, dashboard_host="127.0.0.1",
-            dashboard_port=dashboard_port, dashboard_agent_listen_port=agent_port,
+            num_cpus=2,
+            resources={"node_head": 1, "fake_gpu": 1},
+            object_store_memory=OBJECT_STORE_BYTES,
+            node_ip_address="127.0.0.1",
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=dashboard_port,
+            dashboard_agent_listen_port=agent_port,
             metrics_export_port=ports["head"],
         ),
     )
@@ -72,14 +77,21 @@ def two_nodes(tmp_path_factory):
         # the worker node gets a temp folder of its own, as a second machine would: sharing the head's, both
         # nodes' runtime-env agents unpacked a job's working dir into one folder, and once a job's driver lost a
         # module it was importing (FileNotFoundError under runtime_resources/working_dir_files/_ray_pkg_*)
-        cluster.add_node(num_cpus=2, resources={"node_worker": 1, "fake_gpu": 2}, object_store_memory=OBJECT_STORE_BYTES,
-                         node_ip_address="127.0.0.1", metrics_export_port=ports["worker"],
-                         temp_dir=str(temp_root / "worker"))
+        cluster.add_node(
+            num_cpus=2,
+            resources={"node_worker": 1, "fake_gpu": 2},
+            object_store_memory=OBJECT_STORE_BYTES,
+            node_ip_address="127.0.0.1",
+            metrics_export_port=ports["worker"],
+            temp_dir=str(temp_root / "worker"),
+        )
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
         wait_for(lambda: _port_open(agent_port), 120, "the head's job agent")  # jobs go through it
         nodes = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-        by_resource = {("node_head" if "node_head" in n["Resources"] else "node_worker"): nid for nid, n in nodes.items()}
+        by_resource = {
+            ("node_head" if "node_head" in n["Resources"] else "node_worker"): nid for nid, n in nodes.items()
+        }
         yield {
             "cluster": cluster,
             "head": by_resource["node_head"],
@@ -100,9 +112,18 @@ def two_nodes(tmp_path_factory):
 
 
 def _suite(path: Path, **over) -> Path:
-    data = {"kind": "batch", "name": "scaleout", "model": "tiny-llama", "policies": ["full", "scissorhands"], "compression_ratios": [2],
-            "batch_sizes": [1, 2], "prompt_tokens": [8], "new_tokens": [3], "replicas": 2,
-            "placement": {"strategy": "STRICT_SPREAD", "num_cpus": 1}}
+    data = {
+        "kind": "batch",
+        "name": "scaleout",
+        "model": "tiny-llama",
+        "policies": ["full", "scissorhands"],
+        "compression_ratios": [2],
+        "batch_sizes": [1, 2],
+        "prompt_tokens": [8],
+        "new_tokens": [3],
+        "replicas": 2,
+        "placement": {"strategy": "STRICT_SPREAD", "num_cpus": 1},
+    }
     data.update(over)
     import yaml
 
@@ -141,21 +162,37 @@ def test_multi_gpu_replica_stays_on_one_node(two_nodes):
     from cluster.placement import PlacementError, parse_placement
     from cluster.replica_set import point_replicas
 
-    rs = point_replicas(1, parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 2}}),
-                        {"model_spec": "tiny-llama", "warmup": False}, num_cpus=1, num_gpus=0, num_threads=1,
-                        app_name="multi-gpu-test")
+    rs = point_replicas(
+        1,
+        parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 2}}),
+        {"model_spec": "tiny-llama", "warmup": False},
+        num_cpus=1,
+        num_gpus=0,
+        num_threads=1,
+        app_name="multi-gpu-test",
+    )
     try:
         rs.start()
         (info,) = rs.broadcast("info").values()
         assert info["node_id"] == two_nodes["worker"]  # the only node with 2 fake GPUs
-        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"
-                  and g["bundles"] == {0: {"CPU": 1.0, "fake_gpu": 2.0}}]
+        groups = [
+            g
+            for g in ray.util.placement_group_table().values()
+            if g["state"] == "CREATED" and g["bundles"] == {0: {"CPU": 1.0, "fake_gpu": 2.0}}
+        ]
         assert len(groups) == 1 and set(groups[0]["bundles_to_node_id"].values()) == {two_nodes["worker"]}
     finally:
         rs.shutdown()
     # 3 fake GPUs exist, but no node has 3: refused at once, before any replica starts
-    too_big = point_replicas(1, parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 3}}), {}, num_cpus=1,
-                             num_gpus=0, num_threads=1, app_name="too-big-test")
+    too_big = point_replicas(
+        1,
+        parse_placement({"num_cpus": 1, "resources": {"fake_gpu": 3}}),
+        {},
+        num_cpus=1,
+        num_gpus=0,
+        num_threads=1,
+        app_name="too-big-test",
+    )
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match="fake_gpu: asks 3, the largest node has 2"):
         too_big.start()
@@ -163,8 +200,13 @@ def test_multi_gpu_replica_stays_on_one_node(two_nodes):
 
 
 def test_replica_killed_mid_sweep_is_restarted_and_nothing_written_is_lost(two_nodes, tmp_path):
-    suite = _suite(tmp_path / "suite.yaml", replicas=1, batch_sizes=[1, 2, 3, 4, 5, 6, 7, 8], new_tokens=[48],
-                   placement={"num_cpus": 1, "max_restarts": 2, "max_task_retries": 1})
+    suite = _suite(
+        tmp_path / "suite.yaml",
+        replicas=1,
+        batch_sizes=[1, 2, 3, 4, 5, 6, 7, 8],
+        new_tokens=[48],
+        placement={"num_cpus": 1, "max_restarts": 2, "max_task_retries": 1},
+    )
     results = tmp_path / "results"
     points = results / "kill" / "points.jsonl"
     outcome = {}
@@ -181,7 +223,7 @@ def test_replica_killed_mid_sweep_is_restarted_and_nothing_written_is_lost(two_n
     recs = [json.loads(line) for line in lines]
     assert len(recs) == 16 and all(r["status"] == "ok" for r in recs)
     assert len({r["point_id"] for r in recs}) == 16
-    replaced = [r for r in recs if r["replica_pid"] != victim]   # Serve's new replica ran the rest
+    replaced = [r for r in recs if r["replica_pid"] != victim]  # Serve's new replica ran the rest
     assert replaced and {r["replica_id"] for r in replaced}.isdisjoint({recs[0]["replica_id"]})
 
 
@@ -195,16 +237,48 @@ def test_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tm
     work.mkdir()
     for name in ("scissorhands", "cluster", "workloads"):
         (work / name).symlink_to(REPO / name, target_is_directory=True)
-    suite = _suite(work / "l13.yaml", name="l13", model=missing, policies=["full"], batch_sizes=[1, 2], replicas=1,
-                   placement={"num_cpus": 1})
+    suite = _suite(
+        work / "l13.yaml",
+        name="l13",
+        model=missing,
+        policies=["full"],
+        batch_sizes=[1, 2],
+        replicas=1,
+        placement={"num_cpus": 1},
+    )
     results = tmp_path / "results"
     run_dir = results / "l13"
     run_dir.mkdir(parents=True)
-    earlier = json.dumps({"point_id": "full-b1-p8-n3-s0", "status": "ok", "model": missing, "policy": "full",
-                          "batch_size": 1, "prompt_tokens": 8, "new_tokens": 3, "run_id": "l13"}, sort_keys=True)
+    earlier = json.dumps(
+        {
+            "point_id": "full-b1-p8-n3-s0",
+            "status": "ok",
+            "model": missing,
+            "policy": "full",
+            "batch_size": 1,
+            "prompt_tokens": 8,
+            "new_tokens": 3,
+            "run_id": "l13",
+        },
+        sort_keys=True,
+    )
     (run_dir / "points.jsonl").write_text(earlier + "\n")
-    rc = submit.main([str(suite), "--working-dir", str(work), "--address", two_nodes["dashboard"],
-                      "--results-dir", str(results), "--run-id", "l13", "--", "--resume", "l13"])
+    rc = submit.main(
+        [
+            str(suite),
+            "--working-dir",
+            str(work),
+            "--address",
+            two_nodes["dashboard"],
+            "--results-dir",
+            str(results),
+            "--run-id",
+            "l13",
+            "--",
+            "--resume",
+            "l13",
+        ]
+    )
     assert rc == 1
     assert (run_dir / "points.jsonl").read_text() == earlier + "\n"  # the point written before stays
     job = json.loads((run_dir / "job.json").read_text())
@@ -226,8 +300,11 @@ def test_both_nodes_metrics_reach_prometheus(two_nodes, tmp_path):
 
     sd_file = two_nodes["session_dir"] / "prom_metrics_service_discovery.json"
     targets = {f"127.0.0.1:{p}" for p in two_nodes["metrics_ports"].values()}
-    wait_for(lambda: sd_file.exists() and targets <= set(json.loads(sd_file.read_text())[0]["targets"]), 60,
-          "both metrics ports in Ray's service-discovery file")
+    wait_for(
+        lambda: sd_file.exists() and targets <= set(json.loads(sd_file.read_text())[0]["targets"]),
+        60,
+        "both metrics ports in Ray's service-discovery file",
+    )
 
     def record(run_id: str, replica: str) -> int:
         from replica.metrics import ReplicaMetrics
@@ -250,11 +327,18 @@ def test_both_nodes_metrics_reach_prometheus(two_nodes, tmp_path):
         run_id = f"scaleout-{os.getpid()}"
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         fn = ray.remote(num_cpus=0)(record)
-        refs = [fn.options(resources={res: 0.01}).remote(run_id, f"replica-{res}") for res in ("node_head", "node_worker")]
+        refs = [
+            fn.options(resources={res: 0.01}).remote(run_id, f"replica-{res}") for res in ("node_head", "node_worker")
+        ]
         assert all(n > 5 for n in ray.get(refs))
-        series = wait_for(lambda: len(check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}')) >= 2
-                       and check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}'), 60,
-                       "replica metrics of both nodes in Prometheus")
+        series = wait_for(
+            lambda: (
+                len(check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}')) >= 2
+                and check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{run_id}"}}')
+            ),
+            60,
+            "replica metrics of both nodes in Prometheus",
+        )
         instances = {s["metric"]["instance"] for s in series}
         assert instances == targets
         up = check.query(prom, 'up{job="ray"} == 1')

@@ -16,30 +16,59 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.placement import (DEFAULT_READY_TIMEOUT_S, READY_TIMEOUT_ENV, PlacementConfig, PlacementError,
-                               default_ready_timeout_s, fit_share)
-from workloads import sweep
 from cluster.connect import replica_resources
+from cluster.placement import (
+    DEFAULT_READY_TIMEOUT_S,
+    READY_TIMEOUT_ENV,
+    PlacementConfig,
+    PlacementError,
+    default_ready_timeout_s,
+    fit_share,
+)
+from workloads import sweep
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
-BATCH = dict(kind="batch", model="tiny-llama", policies=["full"], compression_ratios=[2], batch_sizes=[1, 2], prompt_tokens=[16],
-             new_tokens=[4], seed=0, replicas=1)
-SERVING = dict(kind="serving", model="tiny-llama", policies=["full"], compression_ratios=[2], mode="concurrency", loads=[1, 2],
-               prompt_tokens={"dist": "uniform", "min": 8, "max": 16}, new_tokens={"dist": "uniform", "min": 2, "max": 4},
-               num_requests=3, warmup_requests=0, seed=0, replicas=1)
+BATCH = dict(
+    kind="batch",
+    model="tiny-llama",
+    policies=["full"],
+    compression_ratios=[2],
+    batch_sizes=[1, 2],
+    prompt_tokens=[16],
+    new_tokens=[4],
+    seed=0,
+    replicas=1,
+)
+SERVING = dict(
+    kind="serving",
+    model="tiny-llama",
+    policies=["full"],
+    compression_ratios=[2],
+    mode="concurrency",
+    loads=[1, 2],
+    prompt_tokens={"dist": "uniform", "min": 8, "max": 16},
+    new_tokens={"dist": "uniform", "min": 2, "max": 4},
+    num_requests=3,
+    warmup_requests=0,
+    seed=0,
+    replicas=1,
+)
 
 
 # -- units --------------------------------------------------------------------------------
-@pytest.mark.parametrize("amounts,replicas,share", [
-    ([1, 1], 1, 1.0),          # two 1-CPU nodes: not the cluster's 2
-    ([1, 1], 2, 1.0),
-    ([1, 1], 3, 0.5),
-    ([4, 2], 3, 2.0),          # 2 on the 4-CPU node, 1 on the 2-CPU node
-    ([3], 2, 1.5),
-    ([8], 1, 8.0),
-    ([0, 2], 1, 2.0),
-    ([], 1, 0.0),
-])
+@pytest.mark.parametrize(
+    "amounts,replicas,share",
+    [
+        ([1, 1], 1, 1.0),  # two 1-CPU nodes: not the cluster's 2
+        ([1, 1], 2, 1.0),
+        ([1, 1], 3, 0.5),
+        ([4, 2], 3, 2.0),  # 2 on the 4-CPU node, 1 on the 2-CPU node
+        ([3], 2, 1.5),
+        ([8], 1, 8.0),
+        ([0, 2], 1, 2.0),
+        ([], 1, 0.0),
+    ],
+)
 def test_fit_share_is_the_largest_amount_every_replica_gets_on_one_node(amounts, replicas, share):
     assert fit_share(amounts, replicas) == pytest.approx(share)
 
@@ -55,14 +84,17 @@ class FakeRay:
         raise AssertionError("the totals of the cluster must not size a replica")
 
 
-@pytest.mark.parametrize("nodes,replicas,device,expected", [
-    ([{"CPU": 1.0}, {"CPU": 1.0}], 1, "cpu", (1, 1.0, 0.0)),   # not (2, 2.0, 0.0), which no node holds
-    ([{"CPU": 2.0}], 2, "cpu", (1, 1.0, 0.0)),
-    ([{"CPU": 3.0}], 2, "cpu", (1, 1.0, 0.0)),                 # whole CPUs when they fit
-    ([{"CPU": 1.0}], 2, "cpu", (1, 0.5, 0.0)),
-    ([{"CPU": 16.0, "GPU": 1.0}, {"CPU": 16.0, "GPU": 1.0}], 2, "cuda", (16, 16.0, 1.0)),
-    ([{"CPU": 8.0, "GPU": 1.0}], 2, "cuda", (4, 4.0, 0.5)),
-])
+@pytest.mark.parametrize(
+    "nodes,replicas,device,expected",
+    [
+        ([{"CPU": 1.0}, {"CPU": 1.0}], 1, "cpu", (1, 1.0, 0.0)),  # not (2, 2.0, 0.0), which no node holds
+        ([{"CPU": 2.0}], 2, "cpu", (1, 1.0, 0.0)),
+        ([{"CPU": 3.0}], 2, "cpu", (1, 1.0, 0.0)),  # whole CPUs when they fit
+        ([{"CPU": 1.0}], 2, "cpu", (1, 0.5, 0.0)),
+        ([{"CPU": 16.0, "GPU": 1.0}, {"CPU": 16.0, "GPU": 1.0}], 2, "cuda", (16, 16.0, 1.0)),
+        ([{"CPU": 8.0, "GPU": 1.0}], 2, "cuda", (4, 4.0, 0.5)),
+    ],
+)
 def test_replica_resources_fit_the_nodes_that_exist(nodes, replicas, device, expected):
     assert replica_resources(FakeRay(nodes), replicas, device) == expected
 
@@ -95,8 +127,12 @@ def one_cpu_nodes():
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args=dict(
-        num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1", include_dashboard=False))
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args=dict(
+            num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1", include_dashboard=False
+        ),
+    )
     try:
         cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
         ray.init(address=cluster.address)
@@ -183,9 +219,20 @@ def test_quality_replicas_never_placed_fail_within_the_bound(cpus_held, tmp_path
     from workloads.quality import runner
 
     suite = tmp_path / "quality-held.yaml"
-    suite.write_text(yaml.safe_dump({"name": "quality-held", "kind": "quality", "model": "tiny-llama",
-                                     "dtype": "float32", "policies": ["full"], "replicas": 1,
-                                     "perplexity": {"tokens": 16, "windows": 1}, "placement": {"ready_timeout_s": 4}}))
+    suite.write_text(
+        yaml.safe_dump(
+            {
+                "name": "quality-held",
+                "kind": "quality",
+                "model": "tiny-llama",
+                "dtype": "float32",
+                "policies": ["full"],
+                "replicas": 1,
+                "perplexity": {"tokens": 16, "windows": 1},
+                "placement": {"ready_timeout_s": 4},
+            }
+        )
+    )
     t0 = time.monotonic()
     rc = runner.main([str(suite), "--results-dir", str(tmp_path / "r"), "--run-id", "q", "--pushgateway", "off"])
     err = capsys.readouterr().err
@@ -194,10 +241,13 @@ def test_quality_replicas_never_placed_fail_within_the_bound(cpus_held, tmp_path
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("placement,names", [
-    ({"num_gpus": 1}, "GPU: asks 1, the largest node has 0"),
-    ({"resources": {"nobody_has_this": 1}}, "nobody_has_this: asks 1, the largest node has 0"),
-])
+@pytest.mark.parametrize(
+    "placement,names",
+    [
+        ({"num_gpus": 1}, "GPU: asks 1, the largest node has 0"),
+        ({"resources": {"nobody_has_this": 1}}, "nobody_has_this: asks 1, the largest node has 0"),
+    ],
+)
 def test_a_resource_no_node_has_is_refused_at_once(one_cpu_nodes, tmp_path, capsys, placement, names):
     rc, run_dir, took_s = _run(tmp_path, "batch-never", {**BATCH, "placement": placement}, "b3")
     err = capsys.readouterr().err
@@ -214,21 +264,30 @@ def test_a_replica_whose_node_leaves_fails_the_sweep_within_the_bound(one_cpu_no
     import threading
 
     cluster = one_cpu_nodes.cluster
-    node = cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=OBJECT_STORE_BYTES,
-                            node_ip_address="127.0.0.1")
+    node = cluster.add_node(
+        num_cpus=1, resources={"node_b": 1}, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1"
+    )
     cluster.wait_for_nodes()
-    body = {**BATCH, "batch_sizes": [1], "new_tokens": [4, 3000, 3001, 3002],
-            "placement": {"resources": {"node_b": 1}, "ready_timeout_s": 30, "max_restarts": 1}}
+    body = {
+        **BATCH,
+        "batch_sizes": [1],
+        "new_tokens": [4, 3000, 3001, 3002],
+        "placement": {"resources": {"node_b": 1}, "ready_timeout_s": 30, "max_restarts": 1},
+    }
     out: dict = {}
-    worker = threading.Thread(target=lambda: out.update(zip(("rc", "run_dir", "took_s"),
-                                                            _run(tmp_path, "node-leaves", body, "n1"))))
+    worker = threading.Thread(
+        target=lambda: out.update(zip(("rc", "run_dir", "took_s"), _run(tmp_path, "node-leaves", body, "n1")))
+    )
     worker.start()
     points = tmp_path / "r" / "n1" / "points.jsonl"
     from tests.waiting import wait_for
 
     try:
-        wait_for(lambda: not worker.is_alive() or (points.exists() and points.read_text().count("\n") >= 1), 240,
-                 "the first point")
+        wait_for(
+            lambda: not worker.is_alive() or (points.exists() and points.read_text().count("\n") >= 1),
+            240,
+            "the first point",
+        )
         assert worker.is_alive(), capsys.readouterr().err[-3000:]
         written = points.read_text()
         cluster.remove_node(node)
@@ -261,8 +320,8 @@ def test_a_cluster_that_goes_away_ends_the_sweep_with_our_message_and_keeps_its_
     import tempfile
 
     from cluster import local_head
-    from tests.waiting import free_port, wait_for
     from cluster.supervise import DEFAULT_GONE_AFTER_S, GONE_AFTER_ENV
+    from tests.waiting import free_port, wait_for
 
     repo = Path(__file__).resolve().parents[2]
     root = Path(tempfile.mkdtemp(prefix="shg-"))
@@ -270,19 +329,55 @@ def test_a_cluster_that_goes_away_ends_the_sweep_with_our_message_and_keeps_its_
     env.pop("RAY_ADDRESS", None)
     env.pop(GONE_AFTER_ENV, None)  # the default bound
     port = free_port()
-    up = subprocess.run([sys.executable, "-m", "cluster.local_head", "up", "--temp-dir", str(root / "ray"),
-                         "--port", str(port), "--dashboard-port", str(free_port()), "--metrics-export-port",
-                         str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-                         "--ray-client-server-port", str(free_port()), "--num-cpus", "1"],
-                        env=env, capture_output=True, text=True, timeout=180)
+    up = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.local_head",
+            "up",
+            "--temp-dir",
+            str(root / "ray"),
+            "--port",
+            str(port),
+            "--dashboard-port",
+            str(free_port()),
+            "--metrics-export-port",
+            str(free_port()),
+            "--dashboard-agent-listen-port",
+            str(free_port()),
+            "--ray-client-server-port",
+            str(free_port()),
+            "--num-cpus",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         suite = tmp_path / "long.yaml"
         suite.write_text(yaml.safe_dump({"name": "long", **BATCH, "new_tokens": [4, 400, 401, 402]}))
         points = tmp_path / "r" / "gone" / "points.jsonl"
-        proc = subprocess.Popen([sys.executable, "-m", "workloads.sweep", str(suite), "--address", f"127.0.0.1:{port}",
-                                 "--results-dir", str(tmp_path / "r"), "--run-id", "gone"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "workloads.sweep",
+                str(suite),
+                "--address",
+                f"127.0.0.1:{port}",
+                "--results-dir",
+                str(tmp_path / "r"),
+                "--run-id",
+                "gone",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             wait_for(lambda: points.exists() and points.read_text().count("\n") >= 1, 240, "the first point")
             written = points.read_text()
@@ -298,10 +393,12 @@ def test_a_cluster_that_goes_away_ends_the_sweep_with_our_message_and_keeps_its_
         # the bound plus a poll and the probe's timeout; Ray's own exit came after 60 s
         assert took_s < DEFAULT_GONE_AFTER_S + 20, (took_s, err[-3000:])
         assert "Failed to connect to GCS" not in err, err[-3000:]
-        n_written = points.read_text().count("\n")     # what the file holds at exit: a point may land during the stop
+        n_written = points.read_text().count("\n")  # what the file holds at exit: a point may land during the stop
         assert n_written >= written.count("\n") >= 1
-        message = (f"sweep: error: the Ray cluster at 127.0.0.1:{port} is gone: its GCS at 127.0.0.1:{port} has not "
-                   f"accepted a connection for")
+        message = (
+            f"sweep: error: the Ray cluster at 127.0.0.1:{port} is gone: its GCS at 127.0.0.1:{port} has not "
+            f"accepted a connection for"
+        )
         assert message in err, err[-3000:]
         assert f"the {n_written} point(s) written to {points} stay" in err and "--resume gone" in err, err[-3000:]
         assert points.read_text().startswith(written) and json.loads(written.splitlines()[0])["status"] == "ok"

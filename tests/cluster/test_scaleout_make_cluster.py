@@ -22,13 +22,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.waiting import free_port, wait_for
+from tests.waiting import free_port
 
 pytestmark = pytest.mark.ray
 
@@ -58,18 +57,35 @@ def head():
     temp_dir = home / "ray"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_AUTH_MODE", "RAY_ADDRESS", "RAY_TMPDIR")}
     env.update(HOME=str(home), PYTHONPATH=str(REPO), SCISSORHANDS_PUSHGATEWAY="off")
-    subprocess.run([str(VENV / "bin" / "ray"), "get-auth-token", "--generate"], env=env, capture_output=True,
-                   check=True, timeout=60)
+    subprocess.run(
+        [str(VENV / "bin" / "ray"), "get-auth-token", "--generate"],
+        env=env,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
     assert (home / ".ray" / "auth_token").is_file()
-    ports = dict(RAY_PORT=free_port(), DASHBOARD_PORT=free_port(), METRICS_PORT=free_port(), AGENT_PORT=free_port(),
-                 CLIENT_PORT=free_port())
+    ports = dict(
+        RAY_PORT=free_port(),
+        DASHBOARD_PORT=free_port(),
+        METRICS_PORT=free_port(),
+        AGENT_PORT=free_port(),
+        CLIENT_PORT=free_port(),
+    )
     variables = {k: str(v) for k, v in ports.items()} | {"CLUSTER_TEMP_DIR": str(temp_dir)}
     suite = SUITE
     try:
         up = _make(env, "cluster-up", **variables)
         assert up.returncode == 0, up.stdout + up.stderr
-        yield {"env": env, "home": home, "temp_dir": temp_dir, "vars": variables, "suite": suite,
-               "address": f"127.0.0.1:{ports['RAY_PORT']}", "up": up}
+        yield {
+            "env": env,
+            "home": home,
+            "temp_dir": temp_dir,
+            "vars": variables,
+            "suite": suite,
+            "address": f"127.0.0.1:{ports['RAY_PORT']}",
+            "up": up,
+        }
     finally:
         local_head.stop(temp_dir, timeout_s=10, log=lambda s: None)  # only this test's cluster
         shutil.rmtree(home, ignore_errors=True)
@@ -114,8 +130,15 @@ def test_sweep_with_ray_address_env_joins_the_head(head):
 
 def test_make_submit_runs_the_suite_as_a_job(head):
     results = head["home"] / "job-results"
-    out = _make(head["env"], "submit", timeout=420, SUITE=str(SUITE.relative_to(REPO)),
-                DASHBOARD_PORT=head["vars"]["DASHBOARD_PORT"], RESULTS=str(results), ARGS="--run-id job1")
+    out = _make(
+        head["env"],
+        "submit",
+        timeout=420,
+        SUITE=str(SUITE.relative_to(REPO)),
+        DASHBOARD_PORT=head["vars"]["DASHBOARD_PORT"],
+        RESULTS=str(results),
+        ARGS="--run-id job1",
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (rec,) = _lines(results / "job1" / "points.jsonl")
     assert rec["status"] == "ok"
@@ -127,18 +150,36 @@ def test_cluster_node_joins_and_takes_a_replica(head):
     suite = head["home"] / "on-node-b.yaml"
     suite.write_text(yaml.safe_dump(dict(yaml.safe_load(SUITE.read_text()), placement={"resources": {"node_b": 1}})))
     node = subprocess.Popen(
-        ["make", "-s", "-C", str(REPO), f"VENV={VENV}", "-o", f"{VENV}/.installed", "cluster-node",
-         f"RAY_PORT={head['vars']['RAY_PORT']}",
-         f"ARGS=--num-cpus 1 --resources node_b=1 --metrics-export-port {free_port()}"],
-        env=head["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        [
+            "make",
+            "-s",
+            "-C",
+            str(REPO),
+            f"VENV={VENV}",
+            "-o",
+            f"{VENV}/.installed",
+            "cluster-node",
+            f"RAY_PORT={head['vars']['RAY_PORT']}",
+            f"ARGS=--num-cpus 1 --resources node_b=1 --metrics-export-port {free_port()}",
+        ],
+        env=head["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         seen = []
         while not seen or "joined" not in seen[-1]:
             seen.append(node.stdout.readline())
             assert seen[-1] and len(seen) < 200, "".join(seen)  # the node exited, or never said it joined
         line = seen[-1]
-        out = _make(head["env"], "sweep", SUITE=str(suite),
-                    ARGS=f"--address {head['address']} --results-dir {results} --run-id on-node-b")
+        out = _make(
+            head["env"],
+            "sweep",
+            SUITE=str(suite),
+            ARGS=f"--address {head['address']} --results-dir {results} --run-id on-node-b",
+        )
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         (rec,) = _lines(results / "on-node-b" / "points.jsonl")
         node_id = line.split("node ", 1)[1].split(" ", 1)[0]
@@ -164,8 +205,14 @@ def test_cluster_down_stops_only_its_cluster(head):
 
     other_dir = head["home"] / "other"
     env = dict(head["env"], RAY_AUTH_MODE="disabled")
-    other = subprocess.Popen([sys.executable, "-c", OTHER_RAY, str(other_dir)], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    other = subprocess.Popen(
+        [sys.executable, "-c", OTHER_RAY, str(other_dir)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert other.stdout.readline().strip() == "READY"
         other_pids = cluster_pids(other_dir)

@@ -17,7 +17,15 @@ from scissorhands.testing import tiny_llama
 from workloads.core.suite import SuiteError
 from workloads.kinds import parse_suite
 
-SUITE = {"kind": "batch", "name": "t", "model": "tiny-llama", "policies": ["full"], "batch_sizes": [1], "prompt_tokens": [8], "new_tokens": [2]}
+SUITE = {
+    "kind": "batch",
+    "name": "t",
+    "model": "tiny-llama",
+    "policies": ["full"],
+    "batch_sizes": [1],
+    "prompt_tokens": [8],
+    "new_tokens": [2],
+}
 
 
 def test_defaults_spread_with_restarts():
@@ -28,9 +36,19 @@ def test_defaults_spread_with_restarts():
 
 
 def test_parse_full_mapping():
-    cfg = parse_placement({"strategy": "strict_pack", "num_cpus": 4, "num_gpus": 2, "resources": {"a100": 1},
-                           "gpu_memory_fraction": 0.5, "max_memory_per_gpu_bytes": 2**30, "max_restarts": 0,
-                           "max_task_retries": 0, "ready_timeout_s": 30})
+    cfg = parse_placement(
+        {
+            "strategy": "strict_pack",
+            "num_cpus": 4,
+            "num_gpus": 2,
+            "resources": {"a100": 1},
+            "gpu_memory_fraction": 0.5,
+            "max_memory_per_gpu_bytes": 2**30,
+            "max_restarts": 0,
+            "max_task_retries": 0,
+            "ready_timeout_s": 30,
+        }
+    )
     assert cfg.strategy == "STRICT_PACK"
     assert (cfg.num_cpus, cfg.num_gpus, cfg.resources) == (4, 2, {"a100": 1.0})
     assert (cfg.gpu_memory_fraction, cfg.max_memory_per_gpu_bytes) == (0.5, 2**30)
@@ -49,7 +67,10 @@ def test_placement_config_is_frozen_and_refuses_unknown_keys_built_directly():
 @pytest.mark.parametrize(
     "data, needle",
     [
-        ({"strategy": "ROUND_ROBIN"}, "placement.strategy: unknown strategy 'ROUND_ROBIN' (accepted: " + ", ".join(PLACEMENT_STRATEGIES)),
+        (
+            {"strategy": "ROUND_ROBIN"},
+            "placement.strategy: unknown strategy 'ROUND_ROBIN' (accepted: " + ", ".join(PLACEMENT_STRATEGIES),
+        ),
         ({"num_gpus": 1.5}, "placement.num_gpus: a replica on several GPUs needs a whole number, got 1.5"),
         ({"num_cpus": -1}, "placement.num_cpus: expected a number >= 0 or null, got -1"),
         ({"num_cpus": "four"}, "placement.num_cpus: expected a number >= 0 or null, got 'four'"),
@@ -59,9 +80,11 @@ def test_placement_config_is_frozen_and_refuses_unknown_keys_built_directly():
         ({"max_restarts": 1.5}, "placement.max_restarts: expected an integer >= 0, got 1.5"),
         ({"nodes": 2}, "placement.nodes: unknown key (accepted: strategy, num_cpus"),
         ([1, 2], "placement: expected a mapping, got [1, 2]"),
-        ({"num_gpus": 1.5, "max_restarts": -1},
-         "placement.num_gpus: a replica on several GPUs needs a whole number, got 1.5; "
-         "placement.max_restarts: expected an integer >= 0, got -1"),
+        (
+            {"num_gpus": 1.5, "max_restarts": -1},
+            "placement.num_gpus: a replica on several GPUs needs a whole number, got 1.5; "
+            "placement.max_restarts: expected an integer >= 0, got -1",
+        ),
     ],
 )
 def test_invalid_placement_names_the_field(data, needle):
@@ -85,12 +108,21 @@ def test_bundle_holds_every_resource_of_one_replica():
 
 
 def ReplicaSet(n, placement=None, num_cpus=1.0, num_gpus=0.0, num_threads=None):
-    return point_replicas(n, placement, {"model_spec": "tiny-llama"}, num_cpus=num_cpus, num_gpus=num_gpus,
-                          num_threads=num_threads, app_name="t")
+    return point_replicas(
+        n,
+        placement,
+        {"model_spec": "tiny-llama"},
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        num_threads=num_threads,
+        app_name="t",
+    )
 
 
 def test_replica_set_resources_config_wins_over_sweep_defaults():
-    rs = ReplicaSet(2, parse_placement({"num_cpus": 3, "resources": {"fake_gpu": 2}}), num_cpus=1, num_gpus=0, num_threads=1)
+    rs = ReplicaSet(
+        2, parse_placement({"num_cpus": 3, "resources": {"fake_gpu": 2}}), num_cpus=1, num_gpus=0, num_threads=1
+    )
     assert rs.bundle == {"CPU": 3.0, "fake_gpu": 2.0}
     assert rs.num_threads == 3  # torch threads follow the replica's CPUs
     rs = ReplicaSet(2, None, num_cpus=1, num_gpus=1, num_threads=1)
@@ -103,11 +135,21 @@ def test_serve_deployment_options_place_each_replica_in_one_bundle():
     """Serve's options carry the placement: one bundle per replica holding all its resources, the actor
     asking for the same (so Ray sets CUDA_VISIBLE_DEVICES to its GPUs), one point at a time, STRICT_SPREAD
     as one replica per node, the weight caps and torch threads for the replica's own loading."""
-    rs = ReplicaSet(3, parse_placement({"num_cpus": 2, "num_gpus": 2, "resources": {"a100": 1},
-                                        "strategy": "STRICT_SPREAD", "gpu_memory_fraction": 0.5}))
+    rs = ReplicaSet(
+        3,
+        parse_placement(
+            {
+                "num_cpus": 2,
+                "num_gpus": 2,
+                "resources": {"a100": 1},
+                "strategy": "STRICT_SPREAD",
+                "gpu_memory_fraction": 0.5,
+            }
+        ),
+    )
     opts = rs.options()
     assert opts["num_replicas"] == 3 and opts["max_ongoing_requests"] == 1
-    assert opts["max_replicas_per_node"] == 1 and "placement_group_bundles" not in opts   # Serve allows one of them
+    assert opts["max_replicas_per_node"] == 1 and "placement_group_bundles" not in opts  # Serve allows one of them
     assert opts["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 2.0, "resources": {"a100": 1.0}}
     assert rs.init_kwargs["gpu_memory_fraction"] == 0.5 and rs.num_threads == 2
     spread = ReplicaSet(2, parse_placement({"num_cpus": 2, "resources": {"a100": 1}})).options()
@@ -167,11 +209,13 @@ def test_device_map_refuses_a_model_that_does_not_fit():
     assert "do not fit in max_memory" in msg and "left over:" in msg and "placement.num_gpus" in msg
 
 
-
 def test_default_cpu_share_is_capped_at_one_node():
     """12 CPUs over 2 replicas is 6 each, but no node has 6: each replica gets a node's 4."""
-    nodes = [{"Resources": {"CPU": 4.0, "GPU": 1.0}}, {"Resources": {"CPU": 4.0, "GPU": 1.0}},
-             {"Resources": {"CPU": 4.0}}]
+    nodes = [
+        {"Resources": {"CPU": 4.0, "GPU": 1.0}},
+        {"Resources": {"CPU": 4.0, "GPU": 1.0}},
+        {"Resources": {"CPU": 4.0}},
+    ]
     rs = ReplicaSet(2, None, num_cpus=6, num_gpus=1, num_threads=6)
     rs._cap_cpus_to_one_node(nodes)
     assert rs.bundle == {"CPU": 4.0, "GPU": 1.0} and rs.num_threads == 4

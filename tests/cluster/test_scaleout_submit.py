@@ -36,8 +36,13 @@ def repo(tmp_path):
     _write(root / "workloads" / "sweep.py", text="# sweep\n")
     _write(root / "cluster" / "placement.py", text="# placement\n")
     _write(root / ".gitignore", text=".venv/\nresults/\n.cache/\ndashboards/data/\n")
-    for big in (".git/objects/pack/pack-1.pack", "results/run-1/points.jsonl", ".venv/lib/torch/libtorch.so",
-                ".cache/models/model.safetensors", "dashboards/data/prometheus/chunk"):
+    for big in (
+        ".git/objects/pack/pack-1.pack",
+        "results/run-1/points.jsonl",
+        ".venv/lib/torch/libtorch.so",
+        ".cache/models/model.safetensors",
+        "dashboards/data/prometheus/chunk",
+    ):
         _write(root / big, 2 * MIB)
     _write(root / "workloads" / "__pycache__" / "sweep.cpython-311.pyc", 1024)
     return root
@@ -51,8 +56,9 @@ def _ray_zip_names(repo: Path, runtime_env: dict, tmp_path: Path) -> set[str]:
     from ray._private.runtime_env.packaging import create_package
 
     out = tmp_path / "pkg.zip"
-    create_package(str(repo), out, include_gitignore=True,
-                   excludes=submit.ray_default_excludes() + runtime_env["excludes"])
+    create_package(
+        str(repo), out, include_gitignore=True, excludes=submit.ray_default_excludes() + runtime_env["excludes"]
+    )
     with zipfile.ZipFile(out) as z:
         return {n for n in z.namelist() if not n.endswith("/")}
 
@@ -61,8 +67,13 @@ def test_git_results_venv_caches_are_not_uploaded(repo, tmp_path, monkeypatch):
     monkeypatch.chdir(repo)
     plan = submit.build(_args(repo))
     names = _ray_zip_names(repo, plan["runtime_env"], tmp_path)
-    assert names == {"workloads/suites/tiny.yaml", "workloads/core/results.py", "workloads/sweep.py",
-                     "cluster/placement.py", ".gitignore"}
+    assert names == {
+        "workloads/suites/tiny.yaml",
+        "workloads/core/results.py",
+        "workloads/sweep.py",
+        "cluster/placement.py",
+        ".gitignore",
+    }
     # the size check lists the same files Ray zips
     assert {p for p, _ in submit.package_files(repo, plan["excludes"])} == names
 
@@ -119,8 +130,22 @@ def test_command_passes_suite_results_run_id_and_runtime_env(repo, monkeypatch):
     monkeypatch.chdir(repo)
     for name in submit.PASS_THROUGH_ENV:
         monkeypatch.delenv(name, raising=False)
-    plan = submit.build(_args(repo, "--run-id", "r1", "--results-dir", "/mnt/shared/results", "--address",
-                              "10.0.0.5:8265", "--job-python", "python3", "--", "--replicas", "4"))
+    plan = submit.build(
+        _args(
+            repo,
+            "--run-id",
+            "r1",
+            "--results-dir",
+            "/mnt/shared/results",
+            "--address",
+            "10.0.0.5:8265",
+            "--job-python",
+            "python3",
+            "--",
+            "--replicas",
+            "4",
+        )
+    )
     cmd = plan["cmd"]
     assert cmd[1:4] == ["job", "submit", "--address"] and cmd[4] == "http://10.0.0.5:8265"
     assert cmd[cmd.index("--submission-id") + 1] == "sweep-r1"
@@ -129,9 +154,18 @@ def test_command_passes_suite_results_run_id_and_runtime_env(repo, monkeypatch):
     assert env["working_dir"] == str(repo)
     assert env["env_vars"]["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "1"  # remote: Ray's multi-node behaviour
     assert "SCISSORHANDS_GIT_COMMIT" in env["env_vars"]
-    assert cmd[cmd.index("--") + 1 :] == ["python3", "-m", "workloads.sweep", "workloads/suites/tiny.yaml",
-                                          "--results-dir", "/mnt/shared/results", "--run-id", "r1",
-                                          "--replicas", "4"]
+    assert cmd[cmd.index("--") + 1 :] == [
+        "python3",
+        "-m",
+        "workloads.sweep",
+        "workloads/suites/tiny.yaml",
+        "--results-dir",
+        "/mnt/shared/results",
+        "--run-id",
+        "r1",
+        "--replicas",
+        "4",
+    ]
 
 
 def test_loopback_defaults_results_to_the_repo_and_this_python(repo, monkeypatch):
@@ -180,4 +214,6 @@ def test_auth_mode_token_when_a_token_exists(tmp_path):
     assert "RAY_AUTH_MODE" not in submit.auth_env({"RAY_AUTH_TOKEN_PATH": str(token)})
     token.write_text("t")
     assert submit.auth_env({"RAY_AUTH_TOKEN_PATH": str(token)})["RAY_AUTH_MODE"] == "token"
-    assert submit.auth_env({"RAY_AUTH_TOKEN_PATH": str(token), "RAY_AUTH_MODE": "disabled"})["RAY_AUTH_MODE"] == "disabled"
+    assert (
+        submit.auth_env({"RAY_AUTH_TOKEN_PATH": str(token), "RAY_AUTH_MODE": "disabled"})["RAY_AUTH_MODE"] == "disabled"
+    )

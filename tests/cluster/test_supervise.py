@@ -2,6 +2,7 @@
 with our message (issue 12 fault 6). No Ray here: the GCS is a real loopback listener that is closed,
 and the watch's `on_gone` is captured instead of ending the process (the end-to-end case, with a real
 `cluster-up` head stopped mid-sweep, is in tests/cluster/test_scaleout_fit.py)."""
+
 import json
 import socket
 import subprocess
@@ -53,8 +54,14 @@ def test_probe_sees_a_listener_and_its_absence():
 def _watch(address, connected=lambda: True, gone_after_s=0.6):
     gone = []
     event = threading.Event()
-    w = ClusterWatch("127.0.0.1:1234", address, connected, gone_after_s=gone_after_s, poll_s=0.1,
-                     on_gone=lambda m: (gone.append((time.monotonic(), m)), event.set()))
+    w = ClusterWatch(
+        "127.0.0.1:1234",
+        address,
+        connected,
+        gone_after_s=gone_after_s,
+        poll_s=0.1,
+        on_gone=lambda m: (gone.append((time.monotonic(), m)), event.set()),
+    )
     return w, gone, event
 
 
@@ -75,8 +82,9 @@ def test_a_gcs_that_stops_answering_is_reported_once_after_the_bound(tmp_path, m
     assert not w.is_alive() and len(gone) == 1
     at, message = gone[0]
     assert 0.6 - 0.1 - 0.05 <= at - t0 < 5  # the bound, less the poll since the last connect that opened
-    assert message.startswith(f"the Ray cluster at 127.0.0.1:1234 is gone: its GCS at {address} has not accepted a "
-                              "connection for")
+    assert message.startswith(
+        f"the Ray cluster at 127.0.0.1:1234 is gone: its GCS at {address} has not accepted a connection for"
+    )
     assert f"the 2 point(s) written to {points} stay" in message and "--resume run-7" in message
 
 
@@ -113,7 +121,8 @@ def test_a_short_outage_is_not_reported():
 
 def test_embedded_ray_is_named_as_such():
     assert gone_message("embedded", "127.0.0.1:5", 15.2, None).startswith(
-        "the embedded Ray is gone: its GCS at 127.0.0.1:5 has not accepted a connection for 15 s")
+        "the embedded Ray is gone: its GCS at 127.0.0.1:5 has not accepted a connection for 15 s"
+    )
 
 
 def test_the_default_end_writes_error_json_prints_and_exits_1(tmp_path):
@@ -140,8 +149,9 @@ def test_a_later_ray_init_of_the_same_process_is_another_cluster():
 
     def fake_ray(initialized, address):
         worker = SimpleNamespace(gcs_client=SimpleNamespace(address=address))
-        return SimpleNamespace(is_initialized=lambda: initialized,
-                               _private=SimpleNamespace(worker=SimpleNamespace(global_worker=worker)))
+        return SimpleNamespace(
+            is_initialized=lambda: initialized, _private=SimpleNamespace(worker=SimpleNamespace(global_worker=worker))
+        )
 
     assert supervise._connected_to(fake_ray(True, "127.0.0.1:6379"), "127.0.0.1:6379")
     assert not supervise._connected_to(fake_ray(True, "127.0.0.1:6400"), "127.0.0.1:6379")
@@ -149,8 +159,10 @@ def test_a_later_ray_init_of_the_same_process_is_another_cluster():
 
 
 # -- an embedded Ray whose node does not come up (issue 12 fault 6: the sweeps that said nothing for minutes) --
-NODE_TIMEOUT = ("The current node timed out during startup. This could happen because some of the raylet failed to "
-                "startup or the GCS has become overloaded.")
+NODE_TIMEOUT = (
+    "The current node timed out during startup. This could happen because some of the raylet failed to "
+    "startup or the GCS has become overloaded."
+)
 
 
 @pytest.mark.parametrize("first_error", [NODE_TIMEOUT, "dashboard: address already in use"])
@@ -176,8 +188,13 @@ def test_an_embedded_ray_that_does_not_start_stops_with_our_message(monkeypatch,
         init_ray(None)
     assert e.value.code == 1
     message = str(e.value)
-    assert message.startswith("the embedded Ray did not start: its node did not register with its GCS within Ray's "
-                              "start timeout") and "load average" in message and "RAY_raylet_start_wait_time_s" in message
+    assert (
+        message.startswith(
+            "the embedded Ray did not start: its node did not register with its GCS within Ray's start timeout"
+        )
+        and "load average" in message
+        and "RAY_raylet_start_wait_time_s" in message
+    )
     if first_error == NODE_TIMEOUT:
         assert calls == [True] and "dashboard did not start" not in capsys.readouterr().err
     else:

@@ -83,9 +83,11 @@ def test_import_into_a_grafana_with_another_datasource_uid():
 
 # --------------------------------------------------------------------------- L9 against the catalogue
 def test_promql_metric_name_extraction():
-    expr = ('histogram_quantile(0.99, sum by (le, policy) (rate(ray_x_seconds_bucket{run_id=~"$run_id", '
-            'a="b{c}"}[$__rate_interval]))) / ignoring(policy) group_left scissorhands_y_bytes{p="full"} '
-            "+ 1e3 * time() - on(le) z offset 5m")
+    expr = (
+        'histogram_quantile(0.99, sum by (le, policy) (rate(ray_x_seconds_bucket{run_id=~"$run_id", '
+        'a="b{c}"}[$__rate_interval]))) / ignoring(policy) group_left scissorhands_y_bytes{p="full"} '
+        "+ 1e3 * time() - on(le) z offset 5m"
+    )
     assert check.metric_names(expr) == {"ray_x_seconds_bucket", "scissorhands_y_bytes", "z"}
     assert check.metric_names('label_join(m{a="x"}, "series", " x", "policy")') == {"m"}
     assert check.metric_names("sum(foo) by (bar) and baz") == {"foo", "baz"}
@@ -108,10 +110,22 @@ def test_no_panel_takes_a_mean_from_a_histogram_sum():
     assert check.inexact_sums(BOARDS, histograms) == []
     # every histogram's mean is shown, from its exact sum over its count
     used = check.dashboard_metric_names(BOARDS)
-    for name in histograms - {m.exported_name for m in SERVE_METRICS}:      # Serve's: quantiles only
+    for name in histograms - {m.exported_name for m in SERVE_METRICS}:  # Serve's: quantiles only
         assert {name + "_exact_sum_total", name + "_count"} <= used, name
-    bad = {"x.json": {"panels": [{"title": "mean", "targets": [
-        {"expr": "rate(ray_scissorhands_ttft_seconds_sum[1m]) / rate(ray_scissorhands_ttft_seconds_count[1m])"}]}]}}
+    bad = {
+        "x.json": {
+            "panels": [
+                {
+                    "title": "mean",
+                    "targets": [
+                        {
+                            "expr": "rate(ray_scissorhands_ttft_seconds_sum[1m]) / rate(ray_scissorhands_ttft_seconds_count[1m])"
+                        }
+                    ],
+                }
+            ]
+        }
+    }
     assert check.inexact_sums(bad, histograms) == ["x.json / mean: ray_scissorhands_ttft_seconds_sum"]
 
 
@@ -120,9 +134,10 @@ def test_template_substitution():
     expr = 'rate(x{run_id="$run_id", policy=~"${policy}"}[$__rate_interval])'
     assert check.substitute(expr, values, "20s") == 'rate(x{run_id="smoke-1", policy=~".*"}[20s])'
     assert check.substitute('label_replace(x, "s", "$1 int$2", "b", "(.*);(.+)")', values) == (
-        'label_replace(x, "s", "$1 int$2", "b", "(.*);(.+)")')
+        'label_replace(x, "s", "$1 int$2", "b", "(.*);(.+)")'
+    )
     with pytest.raises(KeyError, match=r"\$nope"):
-        check.substitute("x{a=\"$nope\"}", values)
+        check.substitute('x{a="$nope"}', values)
 
 
 # --------------------------------------------------------------------------- provisioning, compose, config
@@ -199,14 +214,14 @@ def test_the_http_row_shows_ray_serves_own_metrics():
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert "HTTP (Ray Serve)" in rows
     start = next(i for i, p in enumerate(board["panels"]) if p.get("title") == "HTTP (Ray Serve)")
-    http = [p for p in board["panels"][start + 1:] if p["type"] != "row"]
+    http = [p for p in board["panels"][start + 1 :] if p["type"] != "row"]
     names = set().union(*(check.metric_names(t["expr"]) for p in http for t in p["targets"]))
     assert {strip_sample_suffix(n) for n in names} == {strip_sample_suffix(m.exported_name) for m in SERVE_METRICS}
     by_title = {p["title"]: p for p in http}
     assert "status_code" in by_title["HTTP requests/s by status code"]["targets"][0]["expr"]
     latency = by_title["HTTP request latency p50 / p99"]
     assert latency["fieldConfig"]["defaults"]["unit"] == "s"
-    assert all(t["expr"].endswith("/ 1000") for t in latency["targets"])          # Serve's ms -> s
+    assert all(t["expr"].endswith("/ 1000") for t in latency["targets"])  # Serve's ms -> s
 
 
 def test_monitoring_page_lists_the_catalogue_as_generated():

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from replica.metrics import METRICS, SERVE_METRICS, strip_sample_suffix
 from dashboards import check, serve
+from replica.metrics import METRICS, SERVE_METRICS, strip_sample_suffix
 from tests.waiting import free_port, wait_for
 from workloads.core.push import SweepPusher
 
@@ -54,13 +54,19 @@ def _http_load(prom: str, url: str, n: int = 4) -> None:
     sel = 'ray_serve_num_http_requests_total{status_code="200"}'
     before = sum(check.finite_values(check.query(prom, f"sum({sel})")))
     for i in range(n):
-        r = requests.post(url + "/v1/completions", timeout=120, json=dict(
-            model=SERVED_MODEL, prompt=[1, 2, 3, 4], max_tokens=6, ignore_eos=True, stream=bool(i % 2)))
+        r = requests.post(
+            url + "/v1/completions",
+            timeout=120,
+            json=dict(model=SERVED_MODEL, prompt=[1, 2, 3, 4], max_tokens=6, ignore_eos=True, stream=bool(i % 2)),
+        )
         assert r.status_code == 200, r.text
         r.content
     assert requests.post(url + "/v1/completions", json=dict(model="nope", prompt=[1]), timeout=60).status_code == 404
-    wait_for(lambda: sum(check.finite_values(check.query(prom, f"sum({sel})"))) >= before + n, 60,
-             "Prometheus to scrape Ray Serve's HTTP request count")
+    wait_for(
+        lambda: sum(check.finite_values(check.query(prom, f"sum({sel})"))) >= before + n,
+        60,
+        "Prometheus to scrape Ray Serve's HTTP request count",
+    )
 
 
 class _FakeReplica:
@@ -95,7 +101,7 @@ def _replica_load(run_id: str, seconds: float) -> int:
                 m.observe_decode_step(0.004 * (i + 1), batch_size=batch)
             m.observe_tpot(0.004 * (i + 1))
             m.add_generated_tokens(5 * batch)
-            m.add_generated_tokens(batch, phase="warmup")      # the load generator's warm-up requests
+            m.add_generated_tokens(batch, phase="warmup")  # the load generator's warm-up requests
             m.set_kv_cache(bytes=4096 * batch // (i + 1), slots=32 * batch // (i + 1))
             m.add_evictions(3 * i if i else 0)
         steps += 1
@@ -133,25 +139,66 @@ def _sweep_records(run_id: str) -> list[dict]:
     records = []
     for policy, ratio, bytes_factor in (("full", None, 1.0), ("scissorhands", 2.0, 0.5), ("scissorhands", 5.0, 0.2)):
         for batch in (1, 4):
-            records.append({
-                "run_id": run_id, "point_id": f"{policy}-r{ratio}-b{batch}", "status": "ok", "error": None,
-                "model": "tiny-llama", "model_id": "tiny-llama",
-                "policy": policy, "compression_ratio": ratio, "budget_tokens_requested": None,
-                "batch_size": batch, "prompt_tokens": 64, "new_tokens": 8,
-                **{f"{name}_{q}_s": value for q in ("p50", "p90", "p99") for name, value in
-                   (("ttft", 0.01 * batch), ("tpot", 0.002 * batch), ("e2e_latency", 0.01 * batch + 7 * 0.002 * batch))},
-                "output_throughput_tok_per_s": 100.0 * batch, "total_throughput_tok_per_s": 900.0 * batch,
-                "kv_cache_bytes": int(65536 * batch * bytes_factor),
-                "perplexity": 12.0 / bytes_factor ** 0.1, "accuracy": 0.9 * bytes_factor ** 0.05,
-            })
-    # a quality point of a quantized cache: no batch, a task, KV bits
-    records.append({"run_id": run_id, "point_id": "fewshot-copa", "status": "ok", "error": None, "kind": "quality", "evaluation": "fewshot",
+            records.append(
+                {
+                    "run_id": run_id,
+                    "point_id": f"{policy}-r{ratio}-b{batch}",
+                    "status": "ok",
+                    "error": None,
                     "model": "tiny-llama",
-                    "policy": "scissorhands", "compression_ratio": 5.0, "kv_bits": 4, "task": "copa",
-                    "accuracy": 0.7, "perplexity": 14.5})
-    failed = {k: v for k, v in records[-2].items() if not k.endswith(("_s", "_tok_per_s", "_bytes", "perplexity", "accuracy"))}
-    records.append({**failed, "point_id": "scissorhands-r5-b16", "batch_size": 16, "status": "error",
-                    "error": "RuntimeError: out of memory"})
+                    "model_id": "tiny-llama",
+                    "policy": policy,
+                    "compression_ratio": ratio,
+                    "budget_tokens_requested": None,
+                    "batch_size": batch,
+                    "prompt_tokens": 64,
+                    "new_tokens": 8,
+                    **{
+                        f"{name}_{q}_s": value
+                        for q in ("p50", "p90", "p99")
+                        for name, value in (
+                            ("ttft", 0.01 * batch),
+                            ("tpot", 0.002 * batch),
+                            ("e2e_latency", 0.01 * batch + 7 * 0.002 * batch),
+                        )
+                    },
+                    "output_throughput_tok_per_s": 100.0 * batch,
+                    "total_throughput_tok_per_s": 900.0 * batch,
+                    "kv_cache_bytes": int(65536 * batch * bytes_factor),
+                    "perplexity": 12.0 / bytes_factor**0.1,
+                    "accuracy": 0.9 * bytes_factor**0.05,
+                }
+            )
+    # a quality point of a quantized cache: no batch, a task, KV bits
+    records.append(
+        {
+            "run_id": run_id,
+            "point_id": "fewshot-copa",
+            "status": "ok",
+            "error": None,
+            "kind": "quality",
+            "evaluation": "fewshot",
+            "model": "tiny-llama",
+            "policy": "scissorhands",
+            "compression_ratio": 5.0,
+            "kv_bits": 4,
+            "task": "copa",
+            "accuracy": 0.7,
+            "perplexity": 14.5,
+        }
+    )
+    failed = {
+        k: v for k, v in records[-2].items() if not k.endswith(("_s", "_tok_per_s", "_bytes", "perplexity", "accuracy"))
+    }
+    records.append(
+        {
+            **failed,
+            "point_id": "scissorhands-r5-b16",
+            "batch_size": 16,
+            "status": "error",
+            "error": "RuntimeError: out of memory",
+        }
+    )
     return records
 
 
@@ -208,10 +255,12 @@ def stack(tmp_path_factory):
         assert ray.get(load) > 10
         _http_load(prom, serve_url)
         wait_for(
-            lambda: check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{RUN_ID}"}}')
-            and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
-            and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="l11-mixed"} == 2000')
-            and check.query(prom, 'ray_scissorhands_decode_batch_size_exact_sum_total{policy="l21-5rows"} == 100'),
+            lambda: (
+                check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{RUN_ID}"}}')
+                and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
+                and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="l11-mixed"} == 2000')
+                and check.query(prom, 'ray_scissorhands_decode_batch_size_exact_sum_total{policy="l21-5rows"} == 100')
+            ),
             60,
             "Prometheus to scrape the replica metrics and the pushed sweep",
         )
@@ -244,14 +293,19 @@ def test_prometheus_finds_ray_through_the_service_discovery_file(stack):
         return check.prom_get(stack["prometheus"], "/api/v1/targets", {"state": "active"})["activeTargets"]
 
     def node(ts):
-        return [t for t in ts if t["scrapePool"] == "ray" and t["labels"]["instance"].endswith(f":{stack['metrics_port']}")]
+        return [
+            t for t in ts if t["scrapePool"] == "ray" and t["labels"]["instance"].endswith(f":{stack['metrics_port']}")
+        ]
 
     ts = targets()
     assert any(t["labels"]["instance"] == f"127.0.0.1:{stack['metrics_port']}" for t in node(ts)), ts
     # one scrape may time out on a loaded machine (1 s interval = 1 s timeout; Serve's series are many):
     # the node's target must be up again within a few scrapes
-    wait_for(lambda: all(t["health"] == "up" for t in node(targets())), 30,
-             f"the node's metrics target to be up ({[(t['health'], t.get('lastError')) for t in node(ts)]})")
+    wait_for(
+        lambda: all(t["health"] == "up" for t in node(targets())),
+        30,
+        f"the node's metrics target to be up ({[(t['health'], t.get('lastError')) for t in node(ts)]})",
+    )
     pools = {t["scrapePool"]: t["health"] for t in targets()}
     assert pools.get("pushgateway") == "up" and pools.get("prometheus") == "up"
 
@@ -266,7 +320,7 @@ def _health(url: str) -> bool:
 
 
 def test_every_panel_of_every_dashboard_returns_data(stack):
-    _http_load(stack["prometheus"], stack["serve_url"])          # fresh samples for the HTTP row's rates
+    _http_load(stack["prometheus"], stack["serve_url"])  # fresh samples for the HTTP row's rates
     rows = check.check(stack["prometheus"], RUN_ID, rate_interval="30s")
     assert len(rows) >= 25
     empty = [f"{file} / {title} [{ref}]: {expr}" for file, title, ref, expr, values in rows if not values]
@@ -335,8 +389,10 @@ def _nearest_rank(values: list[float], q: float) -> float:
 )
 @pytest.mark.parametrize("q", [0.5, 0.99])
 def test_histogram_quantiles_within_twenty_percent(stack, policy, samples, q):
-    expr = (f'histogram_quantile({q}, sum by (le) '
-            f'(ray_scissorhands_ttft_seconds_bucket{{run_id="{RUN_ID}", policy="{policy}"}}))')
+    expr = (
+        f"histogram_quantile({q}, sum by (le) "
+        f'(ray_scissorhands_ttft_seconds_bucket{{run_id="{RUN_ID}", policy="{policy}"}}))'
+    )
     [estimate] = check.finite_values(check.query(stack["prometheus"], expr))
     exact = _nearest_rank(samples, q)
     assert abs(estimate - exact) <= 0.2 * exact, f"p{q * 100:g} of {policy}: {estimate} vs exact {exact}"
@@ -364,17 +420,24 @@ def test_pushed_points_keep_job_and_run_id_and_values(stack):
     result = check.query(stack["prometheus"], f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}"}}')
     assert len(result) == 6  # the failed point has no kv value
     assert {r["metric"]["job"] for r in result} == {"scissorhands_sweep"}
-    by_key = {(r["metric"]["policy"], r["metric"]["compression_ratio"], r["metric"]["batch_size"]): float(r["value"][1])
-              for r in result}
+    by_key = {
+        (r["metric"]["policy"], r["metric"]["compression_ratio"], r["metric"]["batch_size"]): float(r["value"][1])
+        for r in result
+    }
     assert by_key[("full", "1", "4")] == 65536 * 4
     assert by_key[("scissorhands", "5", "4")] == int(65536 * 4 * 0.2)
-    [saved] = check.query(stack["prometheus"], (
-        f'1 - (scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="scissorhands", compression_ratio="5", '
-        f'batch_size="4"}} / ignoring(policy, compression_ratio, budget_tokens, kv_bits, point_id) group_left '
-        f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="full"}})'))
+    [saved] = check.query(
+        stack["prometheus"],
+        (
+            f'1 - (scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="scissorhands", compression_ratio="5", '
+            f'batch_size="4"}} / ignoring(policy, compression_ratio, budget_tokens, kv_bits, point_id) group_left '
+            f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", policy="full"}})'
+        ),
+    )
     assert float(saved["value"][1]) == pytest.approx(0.8, abs=1e-4)
-    [max_batch] = check.query(stack["prometheus"],
-                              f'scissorhands_sweep_max_batch_size{{run_id="{RUN_ID}", compression_ratio="5"}}')
+    [max_batch] = check.query(
+        stack["prometheus"], f'scissorhands_sweep_max_batch_size{{run_id="{RUN_ID}", compression_ratio="5"}}'
+    )
     assert float(max_batch["value"][1]) == 4  # batch 16 failed
     # the quality panels name a quantized cache "<policy> x<ratio> int<bits>"
     board = check.load_dashboards()["sweep-overview.json"]
@@ -424,9 +487,22 @@ def _run_sweep(stack, tmp_path, run_id: str, pushgateway: str, new_tokens: int =
     }
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "workloads.sweep", str(suite), "--results-dir", str(tmp_path / "results"),
-         "--run-id", run_id, "--address", stack["ray_address"]],
-        env=env, capture_output=True, text=True, timeout=480,
+        [
+            sys.executable,
+            "-m",
+            "workloads.sweep",
+            str(suite),
+            "--results-dir",
+            str(tmp_path / "results"),
+            "--run-id",
+            run_id,
+            "--address",
+            stack["ray_address"],
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
     )
     points = tmp_path / "results" / run_id / "points.jsonl"
     return proc, points, started
@@ -457,16 +533,20 @@ def test_sweep_completes_with_the_pushgateway_down(stack, tmp_path):
 @pytest.fixture(scope="module")
 def real_sweep(stack, tmp_path_factory):
     run_id = "metrics-test-real-sweep"
-    proc, points, started = _run_sweep(stack, tmp_path_factory.mktemp("sweep"), run_id, stack["pushgateway"],
-                                       new_tokens=LIVE_NEW_TOKENS)
+    proc, points, started = _run_sweep(
+        stack, tmp_path_factory.mktemp("sweep"), run_id, stack["pushgateway"], new_tokens=LIVE_NEW_TOKENS
+    )
     records = _assert_results_whole(proc, points)
     return {"run_id": run_id, "records": records, "started": started, "finished": time.time()}
 
 
 def test_real_sweep_feeds_every_sweep_panel(stack, real_sweep):
     prom, run_id = stack["prometheus"], real_sweep["run_id"]
-    wait_for(lambda: check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{run_id}"}} == {TINY_POINTS}'),
-          30, "the sweep's progress in Prometheus")
+    wait_for(
+        lambda: check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{run_id}"}} == {TINY_POINTS}'),
+        30,
+        "the sweep's progress in Prometheus",
+    )
     kv = check.query(prom, f'scissorhands_sweep_kv_cache_bytes{{run_id="{run_id}"}}')
     assert len(kv) == TINY_POINTS
     by_point = {(r["metric"]["policy"], r["metric"]["batch_size"]): float(r["value"][1]) for r in kv}
@@ -474,9 +554,16 @@ def test_real_sweep_feeds_every_sweep_panel(stack, real_sweep):
         assert by_point[(rec["policy"], str(rec["batch_size"]))] == rec["kv_cache_bytes"]
     has_quality = any(r.get("perplexity") is not None or r.get("accuracy") is not None for r in real_sweep["records"])
     rows = [r for r in check.check(prom, run_id, rate_interval="30s") if r[0] == "sweep-overview.json"]
-    empty = [f"{title} [{ref}]: {expr}" for _, title, ref, expr, values in rows
-             if not values and (has_quality or "scissorhands_sweep_perplexity" not in expr
-                                and "scissorhands_sweep_accuracy_ratio" not in expr)]
+    empty = [
+        f"{title} [{ref}]: {expr}"
+        for _, title, ref, expr, values in rows
+        if not values
+        and (
+            has_quality
+            or "scissorhands_sweep_perplexity" not in expr
+            and "scissorhands_sweep_accuracy_ratio" not in expr
+        )
+    ]
     assert not empty, "sweep panels without data:\n" + "\n".join(empty)
 
 
@@ -497,14 +584,24 @@ def test_real_sweep_feeds_every_live_panel(stack, real_sweep):
     rows = check.check(prom, run_id, rate_interval=f"{window_s}s", at={"live-replicas.json": max(stamps)})
     # the HTTP row reads Ray Serve's metrics: the batch sweep drives its replicas as actors, not over HTTP
     # (that row is checked with the service's load in test_every_panel_of_every_dashboard_returns_data)
-    empty = [f"{title} [{ref}]: {expr}" for file, title, ref, expr, values in rows
-             if file == "live-replicas.json" and not values and "ray_serve_" not in expr]
+    empty = [
+        f"{title} [{ref}]: {expr}"
+        for file, title, ref, expr, values in rows
+        if file == "live-replicas.json" and not values and "ray_serve_" not in expr
+    ]
     assert not empty, "live panels without data during the sweep:\n" + "\n".join(empty)
     # the replicas stay up one export + scrape interval after the last point, so the counters end whole:
     # one token per sequence per forward (prefill + every decode step)
-    tokens = check.query(prom, f'sum by (policy) (max_over_time(ray_scissorhands_generated_tokens_total'
-                               f'{{run_id="{run_id}"}}[{window_s}s]))', max(stamps))
+    tokens = check.query(
+        prom,
+        f'sum by (policy) (max_over_time(ray_scissorhands_generated_tokens_total{{run_id="{run_id}"}}[{window_s}s]))',
+        max(stamps),
+    )
     expected: dict[str, float] = {}
     for rec in real_sweep["records"]:
         expected[rec["policy"]] = expected.get(rec["policy"], 0) + rec["batch_size"] * LIVE_NEW_TOKENS
-    assert {r["metric"]["policy"]: float(r["value"][1]) for r in tokens} == expected == {"full": 1344, "scissorhands": 1344}
+    assert (
+        {r["metric"]["policy"]: float(r["value"][1]) for r in tokens}
+        == expected
+        == {"full": 1344, "scissorhands": 1344}
+    )

@@ -1,4 +1,5 @@
 """The continuous-batching engine (replica.engine), without Ray, on a tiny random-weight model."""
+
 from __future__ import annotations
 
 import threading
@@ -18,8 +19,13 @@ def _requests(n: int, seed: int, prompt=(5, 40), new=(1, 25)) -> list[Generation
     out = []
     for i in range(n):
         length = int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g))
-        out.append(GenerationRequest(f"r{i}", torch.randint(0, 128, (length,), generator=g).tolist(),
-                                     int(torch.randint(new[0], new[1] + 1, (1,), generator=g))))
+        out.append(
+            GenerationRequest(
+                f"r{i}",
+                torch.randint(0, 128, (length,), generator=g).tolist(),
+                int(torch.randint(new[0], new[1] + 1, (1,), generator=g)),
+            )
+        )
     return out
 
 
@@ -29,9 +35,10 @@ def _alone(model, req: GenerationRequest, cfg: EngineConfig) -> list[int]:
         kwargs["budget_tokens"] = cfg.budget_tokens
     cache = make_cache(cfg.policy, model, **kwargs)
     ids = torch.tensor([req.prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=req.max_new_tokens,
-                         do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=req.max_new_tokens, do_sample=False
+    )
+    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(**SH)], ids=["full", "scissorhands-B16"])
@@ -41,13 +48,13 @@ def test_requests_joining_a_running_batch_get_their_batch_of_one_tokens(model, c
     done = {}
     for r in reqs[:3]:
         engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
-    for _ in range(4):                       # a batch is running when the others arrive
+    for _ in range(4):  # a batch is running when the others arrive
         engine.step()
     assert engine.running > 0
     for r in reqs[3:]:
         engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
     engine.run_until_idle()
-    assert engine.stats()["peak_running_sequences"] >= 4        # they really shared batches
+    assert engine.stats()["peak_running_sequences"] >= 4  # they really shared batches
     for r in reqs:
         res = done[r.request_id]
         assert res.error_kind is None and res.finish_reason == "length"
@@ -57,8 +64,9 @@ def test_requests_joining_a_running_batch_get_their_batch_of_one_tokens(model, c
         assert res.received_time_s <= res.admitted_time_s <= res.token_times_s[0]
 
 
-@pytest.mark.parametrize("cfg_kw", [dict(), dict(max_length_tokens=50), SH],
-                         ids=["full", "full-preallocated", "scissorhands-B16"])
+@pytest.mark.parametrize(
+    "cfg_kw", [dict(), dict(max_length_tokens=50), SH], ids=["full", "full-preallocated", "scissorhands-B16"]
+)
 def test_admission_never_exceeds_the_kv_memory_limit(model, cfg_kw):
     probe = ContinuousBatchingEngine(model, EngineConfig(**cfg_kw))
     reqs = _requests(12, seed=2, prompt=(20, 30), new=(10, 20))
@@ -75,16 +83,18 @@ def test_admission_never_exceeds_the_kv_memory_limit(model, cfg_kw):
         assert held <= limit
     stats = engine.stats()
     assert len(done) == 12 and all(r.error_kind is None for r in done.values())
-    assert stats["peak_kv_cache_bytes"] <= limit                 # prefill caches included
-    assert 2 <= stats["peak_running_sequences"] < 12             # requests queued behind the limit
+    assert stats["peak_kv_cache_bytes"] <= limit  # prefill caches included
+    assert 2 <= stats["peak_running_sequences"] < 12  # requests queued behind the limit
     # waiting requests were admitted later than received
     assert max(r.admitted_time_s - r.received_time_s for r in done.values()) > 0
 
 
 def test_budget_admits_about_ratio_times_more_sequences(model):
     full = ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=400_000))
-    sh = ContinuousBatchingEngine(model, EngineConfig(policy="scissorhands", compression_ratio=5,
-                                                      max_length_tokens=300, kv_memory_limit_bytes=400_000))
+    sh = ContinuousBatchingEngine(
+        model,
+        EngineConfig(policy="scissorhands", compression_ratio=5, max_length_tokens=300, kv_memory_limit_bytes=400_000),
+    )
     b_full, b_sh = full.max_batch_for(256, 44), sh.max_batch_for(256, 44)
     assert b_full == 400_000 // (299 * full.slot_bytes)
     assert b_sh >= 4 * b_full
@@ -111,6 +121,7 @@ def test_engine_loop_serves_requests_from_other_threads(model):
             def cb(res, ev=events[r.request_id]):
                 results[res.request_id] = res
                 ev.set()
+
             engine.submit(r, cb)
         assert all(ev.wait(60) for ev in events.values())
         assert engine.stats()["peak_running_sequences"] <= 3
@@ -120,18 +131,21 @@ def test_engine_loop_serves_requests_from_other_threads(model):
     assert not loop.alive and loop.error is None
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(policy="nope"), "policy"),
-    (dict(policy="scissorhands"), "budget_tokens, compression_ratio"),
-    (dict(policy="scissorhands", compression_ratio=5), "max_length_tokens"),
-    (dict(kv_memory_limit_bytes=0), "kv_memory_limit_bytes"),
-    (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
-    (dict(compression_ratio=0.5), "compression_ratio"),
-    (dict(max_batch=True), "max_batch"),
-    (dict(kv_memory_limit_bytes=10, kv_memory_fraction=0.5), "kv_memory_limit_bytes, kv_memory_fraction: give one"),
-    (dict(max_prefill_tokens=None), "max_prefill_tokens: expected an integer >= 1, got None"),
-    (dict(batch=2), r"batch: unknown key \(accepted: policy, "),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(policy="nope"), "policy"),
+        (dict(policy="scissorhands"), "budget_tokens, compression_ratio"),
+        (dict(policy="scissorhands", compression_ratio=5), "max_length_tokens"),
+        (dict(kv_memory_limit_bytes=0), "kv_memory_limit_bytes"),
+        (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
+        (dict(compression_ratio=0.5), "compression_ratio"),
+        (dict(max_batch=True), "max_batch"),
+        (dict(kv_memory_limit_bytes=10, kv_memory_fraction=0.5), "kv_memory_limit_bytes, kv_memory_fraction: give one"),
+        (dict(max_prefill_tokens=None), "max_prefill_tokens: expected an integer >= 1, got None"),
+        (dict(batch=2), r"batch: unknown key \(accepted: policy, "),
+    ],
+)
 def test_engine_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field.replace(",", ",")):
         EngineConfig(**kw)
@@ -146,12 +160,12 @@ def test_engine_feeds_the_live_replica_metrics(model):
         engine.submit(GenerationRequest(f"r{i}", list(range(1, 30)), 5), lambda r: None)
     engine.run_until_idle()
     snap = rm.snapshot()
-    assert snap["scissorhands_generated_tokens_total"] == 15            # 3 requests x 5 ids
+    assert snap["scissorhands_generated_tokens_total"] == 15  # 3 requests x 5 ids
     assert snap["scissorhands_prefill_tokens_total"] == 3 * 29
     # layer 0: each prompt compressed to B (29 - 16), then one decode eviction of m = B // 2 = 8 per row
     assert snap["scissorhands_evicted_tokens_total"] == 3 * (29 - 16) + 3 * 8
     assert snap["scissorhands_ttft_seconds"][0] == 3 and snap["scissorhands_tpot_seconds"][0] == 3
-    assert list(snap["scissorhands_decode_batch_size"]) == [4, 12.0]          # 4 steps of 3 sequences
+    assert list(snap["scissorhands_decode_batch_size"]) == [4, 12.0]  # 4 steps of 3 sequences
     assert snap["scissorhands_running_sequences"] == 0
 
 
@@ -165,8 +179,10 @@ def test_the_null_recorder_has_every_recorder_method_with_its_signature():
     public = {n for n, f in inspect.getmembers(ReplicaMetrics, inspect.isfunction) if not n.startswith("_")}
     assert public == {n for n, f in inspect.getmembers(NullMetrics, inspect.isfunction) if not n.startswith("_")}
     for name in public:
-        assert inspect.signature(getattr(NullMetrics, name)).parameters.keys() == \
-            inspect.signature(getattr(ReplicaMetrics, name)).parameters.keys(), name
+        assert (
+            inspect.signature(getattr(NullMetrics, name)).parameters.keys()
+            == inspect.signature(getattr(ReplicaMetrics, name)).parameters.keys()
+        ), name
     null = NullMetrics()
     assert null.for_point("scissorhands", 5) is null and null.snapshot() == {}
 
@@ -184,10 +200,12 @@ def test_an_engine_without_metrics_records_nothing_and_serves(model):
 
 def test_a_failing_recorder_never_stops_the_engine(model):
     """Recorder errors are dropped (metrics never stop serving): the results and stats are unchanged."""
+
     class Failing:
         def __getattr__(self, name):
             def fail(*args, **kwargs):
                 raise RuntimeError(f"recorder {name} is down")
+
             return fail
 
     cfg = EngineConfig(**SH)
@@ -208,9 +226,9 @@ def test_stopping_the_loop_answers_the_requests_it_still_holds(model):
     done = []
     for i in range(3):
         engine.submit(GenerationRequest(f"r{i}", [1, 2, 3], 50), done.append)
-    engine.step()                                            # r0 running, r1 and r2 queued
+    engine.step()  # r0 running, r1 and r2 queued
     loop = EngineLoop(engine)
-    loop.stop()                                              # never started: nothing to join
+    loop.stop()  # never started: nothing to join
     assert sorted((r.request_id, r.error_kind) for r in done) == [("r0", "error"), ("r1", "error"), ("r2", "error")]
     assert "stopped" in done[0].error and engine.running == 0 and engine.queued == 0
 
@@ -249,7 +267,7 @@ def test_sampling_with_a_seed_repeats_and_does_not_depend_on_batch_neighbours(mo
     c = _run_one(model, req("a", 8)).output_ids
     greedy = _run_one(model, GenerationRequest("g", prompt, 12)).output_ids
     assert a == b and len(a) == 12
-    assert a != c                        # another seed draws other tokens (tiny model: flat logits)
+    assert a != c  # another seed draws other tokens (tiny model: flat logits)
     assert a != greedy
 
 
@@ -263,20 +281,23 @@ def test_top_p_that_keeps_one_token_is_greedy(model):
 def test_min_new_tokens_masks_eos_until_reached(model):
     prompt = list(range(5, 17))
     greedy = _run_one(model, GenerationRequest("g", prompt, 6)).output_ids
-    eos = greedy[1]                       # pretend the 2nd greedy token is EOS: it stops there ...
+    eos = greedy[1]  # pretend the 2nd greedy token is EOS: it stops there ...
     stopped = _run_one(model, GenerationRequest("e", prompt, 6, ignore_eos=False), eos_token_id=eos)
     assert stopped.output_ids == greedy[:2] and stopped.finish_reason == "eos"
     held = _run_one(model, GenerationRequest("m", prompt, 6, ignore_eos=False, min_new_tokens=4), eos_token_id=eos)
-    assert eos not in held.output_ids[:4] and held.output_ids[0] == greedy[0]   # ... unless min_new_tokens says not yet
+    assert eos not in held.output_ids[:4] and held.output_ids[0] == greedy[0]  # ... unless min_new_tokens says not yet
 
 
 def test_on_token_streams_each_token_before_on_done(model):
     engine = ContinuousBatchingEngine(model, EngineConfig(**SH))
     events = []
-    engine.submit(GenerationRequest("r", list(range(30)), 5), lambda res: events.append(("done", res.output_ids)),
-                  on_token=lambda tok, t: events.append(("tok", tok)))
+    engine.submit(
+        GenerationRequest("r", list(range(30)), 5),
+        lambda res: events.append(("done", res.output_ids)),
+        on_token=lambda tok, t: events.append(("tok", tok)),
+    )
     engine.step()
-    assert [e[0] for e in events] == ["tok", "tok"]   # prefill's token and one decode token, not held back
+    assert [e[0] for e in events] == ["tok", "tok"]  # prefill's token and one decode token, not held back
     engine.run_until_idle()
     toks = [e[1] for e in events if e[0] == "tok"]
     assert events[-1] == ("done", toks) and len(toks) == 5
@@ -297,11 +318,11 @@ def test_abort_frees_the_row_at_the_next_step_and_others_go_on(model, cfg):
     engine.step()
     assert engine.running == rows_before + 1
     engine.abort("r2")
-    engine.abort("queued-never")                     # an unknown id is ignored
+    engine.abort("queued-never")  # an unknown id is ignored
     engine.step()
     assert engine.running == rows_before
     assert done["r2"].error_kind == "aborted" and 0 < len(done["r2"].output_ids) < 12
-    if cfg.policy != "full":                         # budgeted rows hold B slots: bytes back exactly
+    if cfg.policy != "full":  # budgeted rows hold B slots: bytes back exactly
         assert engine.stats()["kv_cache_bytes"] == before
     engine.run_until_idle()
     alone = _run_one(model, GenerationRequest("x", reqs[0].prompt_ids, 12))
@@ -319,8 +340,15 @@ def test_abort_of_a_queued_request(model):
     assert done["q"].error_kind == "aborted" and done["q"].output_ids == [] and engine.queued == 0
 
 
-@pytest.mark.parametrize("kw, field", [(dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
-                                       (dict(seed="x"), "seed"), (dict(min_new_tokens=-1), "min_new_tokens")])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(seed="x"), "seed"),
+        (dict(min_new_tokens=-1), "min_new_tokens"),
+    ],
+)
 def test_sampling_fields_are_validated(kw, field):
     with pytest.raises(ValueError, match=field):
         GenerationRequest("r", [1], 2, **kw)
@@ -340,7 +368,7 @@ def test_engine_counts_warm_up_requests_apart(model):
     s = engine.stats()
     assert (s["received_requests"], s["completed_requests"], s["generated_tokens"]) == (4, 4, 20)
     assert (s["warmup_received_requests"], s["warmup_completed_requests"], s["warmup_generated_tokens"]) == (3, 3, 9)
-    assert engine.generated_tokens == 20                               # the public read: measured tokens only
+    assert engine.generated_tokens == 20  # the public read: measured tokens only
     assert rm.snapshot()["scissorhands_generated_tokens_total"] == 20
     assert rm.snapshot()["scissorhands_prefill_tokens_total"] == 4 * 8
     assert rm.snapshot()["scissorhands_ttft_seconds"][0] == 4
@@ -359,10 +387,14 @@ def test_full_batch_kv_limit_holds_exactly_that_many_full_cache_sequences(model,
     assert sequence_slot_bytes(model, "full", max_length=prompt + new) == 2 * 2 * (2 * 16 * 4 + 2) == 520
     assert limit == full_batch * (prompt + new) * 520
     cfg = dict(policy="full", max_length_tokens=prompt + new)
-    assert ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit, **cfg)).max_batch_for(
-        prompt, new) == full_batch
-    assert ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit - 1, **cfg)).max_batch_for(
-        prompt, new) == full_batch - 1
+    assert (
+        ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit, **cfg)).max_batch_for(prompt, new)
+        == full_batch
+    )
+    assert (
+        ContinuousBatchingEngine(model, EngineConfig(kv_memory_limit_bytes=limit - 1, **cfg)).max_batch_for(prompt, new)
+        == full_batch - 1
+    )
 
 
 @pytest.mark.parametrize("field", ["full_batch", "prompt_tokens", "new_tokens"])
@@ -384,7 +416,7 @@ def test_shutting_a_serving_replica_down_answers_the_requests_it_holds(model):
 
     async def serve_then_stop():
         tasks = [asyncio.create_task(replica.generate(GenerationRequest(f"r{i}", [1, 2, 3], 500))) for i in range(2)]
-        while replica.engine.running == 0:                       # r0 running, r1 queued behind max_batch 1
+        while replica.engine.running == 0:  # r0 running, r1 queued behind max_batch 1
             await asyncio.sleep(0.01)
         await asyncio.to_thread(replica.shutdown)
         return await asyncio.wait_for(asyncio.gather(*tasks), 60)

@@ -25,12 +25,36 @@ from tests.waiting import free_port
 from workloads.core.push import SweepPusher, resolve_pushgateway_url
 
 ALLOWED_LABELS = {
-    "policy", "compression_ratio", "replica", "model", "run_id", "phase",  # live
-    "budget_tokens", "batch_size", "prompt_tokens", "new_tokens", "concurrency", "request_rate", "kv_bits", "task",
+    "policy",
+    "compression_ratio",
+    "replica",
+    "model",
+    "run_id",
+    "phase",  # live
+    "budget_tokens",
+    "batch_size",
+    "prompt_tokens",
+    "new_tokens",
+    "concurrency",
+    "request_rate",
+    "kv_bits",
+    "task",
     "quantile",  # points
 }
-UNIT_SUFFIXES = ("_seconds", "_bytes", "_tokens_total", "_tokens_per_second", "_ratio", "_sequences", "_slots",
-                 "_requests", "_size", "_completed", "_planned", "_perplexity")
+UNIT_SUFFIXES = (
+    "_seconds",
+    "_bytes",
+    "_tokens_total",
+    "_tokens_per_second",
+    "_ratio",
+    "_sequences",
+    "_slots",
+    "_requests",
+    "_size",
+    "_completed",
+    "_planned",
+    "_perplexity",
+)
 
 
 # --------------------------------------------------------------------------- naming conventions
@@ -130,8 +154,13 @@ def test_replica_metrics_records_in_memory_without_ray():
     assert snap["scissorhands_evicted_tokens_total"] == 7
     assert snap["scissorhands_model_load_seconds"] == 1.5
     assert set(snap) == {s.name for s in METRICS if s.source == "ray"}
-    assert m.tags == {"policy": "scissorhands", "compression_ratio": "5", "replica": "replica-0",
-                      "model": "tiny-llama", "run_id": "run-1"}
+    assert m.tags == {
+        "policy": "scissorhands",
+        "compression_ratio": "5",
+        "replica": "replica-0",
+        "model": "tiny-llama",
+        "run_id": "run-1",
+    }
 
 
 def test_for_point_keeps_series_apart():
@@ -160,12 +189,15 @@ def test_replica_metrics_defaults_to_memory_when_ray_is_off():
     assert ReplicaMetrics("full", None, "r", "m", "run").uses_ray is False
 
 
-@pytest.mark.parametrize("call", [
-    lambda m: m.observe_ttft(-0.1),
-    lambda m: m.observe_decode_step(0.1, batch_size=-1),
-    lambda m: m.set_kv_cache(bytes=-1, slots=0),
-    lambda m: m.observe_prefill(float("nan"), tokens=3),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m: m.observe_ttft(-0.1),
+        lambda m: m.observe_decode_step(0.1, batch_size=-1),
+        lambda m: m.set_kv_cache(bytes=-1, slots=0),
+        lambda m: m.observe_prefill(float("nan"), tokens=3),
+    ],
+)
 def test_replica_metrics_rejects_negative_values(call):
     m = ReplicaMetrics("full", None, "r", "m", "run", use_ray=False)
     with pytest.raises(ValueError, match="must be a number >= 0"):
@@ -174,11 +206,27 @@ def test_replica_metrics_rejects_negative_values(call):
 
 # --------------------------------------------------------------------------- SweepPusher, no Pushgateway
 RECORD = {
-    "run_id": "run-x", "point_id": "scissorhands-r5-b4-p64-n8-s0-0a1b2c3d", "status": "ok", "error": None,
-    "model": "tiny-llama", "model_id": "tiny-llama", "policy": "scissorhands", "compression_ratio": 5.0,
-    "budget_tokens_requested": None, "budget_tokens": 20, "batch_size": 4, "prompt_tokens": 64, "new_tokens": 8,
-    "ttft_s": 0.05, "ttft_p50_s": 0.05, "ttft_p90_s": 0.05, "ttft_p99_s": 0.05, "tpot_p50_s": 0.01,
-    "e2e_latency_p50_s": 0.12, "output_throughput_tok_per_s": 266.0, "total_throughput_tok_per_s": 2400.0,
+    "run_id": "run-x",
+    "point_id": "scissorhands-r5-b4-p64-n8-s0-0a1b2c3d",
+    "status": "ok",
+    "error": None,
+    "model": "tiny-llama",
+    "model_id": "tiny-llama",
+    "policy": "scissorhands",
+    "compression_ratio": 5.0,
+    "budget_tokens_requested": None,
+    "budget_tokens": 20,
+    "batch_size": 4,
+    "prompt_tokens": 64,
+    "new_tokens": 8,
+    "ttft_s": 0.05,
+    "ttft_p50_s": 0.05,
+    "ttft_p90_s": 0.05,
+    "ttft_p99_s": 0.05,
+    "tpot_p50_s": 0.01,
+    "e2e_latency_p50_s": 0.12,
+    "output_throughput_tok_per_s": 266.0,
+    "total_throughput_tok_per_s": 2400.0,
     "kv_cache_bytes": 81920,
 }
 
@@ -197,9 +245,19 @@ def test_point_labels_and_values_come_from_the_catalogue_record_keys():
     assert p.enabled is False and p.push_point(RECORD) is False  # disabled: no push, no error
     labels = p.point_labels(RECORD)
     assert tuple(labels) == POINT_LABELS
-    assert labels == {"policy": "scissorhands", "compression_ratio": "5", "budget_tokens": "", "batch_size": "4",
-                      "prompt_tokens": "64", "new_tokens": "8", "concurrency": "", "request_rate": "",
-                      "kv_bits": "", "task": "", "model": "tiny-llama"}
+    assert labels == {
+        "policy": "scissorhands",
+        "compression_ratio": "5",
+        "budget_tokens": "",
+        "batch_size": "4",
+        "prompt_tokens": "64",
+        "new_tokens": "8",
+        "concurrency": "",
+        "request_rate": "",
+        "kv_bits": "",
+        "task": "",
+        "model": "tiny-llama",
+    }
     assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", policy="scissorhands") == 266.0
     assert _sample(p, "scissorhands_sweep_kv_cache_bytes", batch_size="4") == 81920
     for q in ("0.5", "0.9", "0.99"):
@@ -212,14 +270,26 @@ def test_point_labels_and_values_come_from_the_catalogue_record_keys():
     other = SweepPusher("off", "run-x")
     other.push_point({k: v for k, v in RECORD.items() if not k.startswith("ttft_p")} | {"ttft_s": {"p50": 1.0}})
     assert _sample(other, "scissorhands_sweep_ttft_seconds") is None
-    assert {m.record_key for m in METRICS if m.record_key} >= {"output_throughput_tok_per_s", "ttft_{q}_s", "perplexity"}
+    assert {m.record_key for m in METRICS if m.record_key} >= {
+        "output_throughput_tok_per_s",
+        "ttft_{q}_s",
+        "perplexity",
+    }
 
 
 def test_each_point_has_its_own_group_and_failed_points_do_not_count():
     p = SweepPusher("off", "run-y")
     p.push_point({**RECORD, "point_id": "a", "ttft_p50_s": 0.04, "ttft_p99_s": 0.09, "batch_size": 16})
-    p.push_point({**RECORD, "point_id": "b", "batch_size": 64, "status": "error", "error": "RuntimeError: out of memory",
-                  "output_throughput_tok_per_s": None})
+    p.push_point(
+        {
+            **RECORD,
+            "point_id": "b",
+            "batch_size": 64,
+            "status": "error",
+            "error": "RuntimeError: out of memory",
+            "output_throughput_tok_per_s": None,
+        }
+    )
     assert set(p.point_registries) == {"a", "b"}
     assert _sample(p, "scissorhands_sweep_ttft_seconds", batch_size="16", quantile="0.5") == 0.04
     assert _sample(p, "scissorhands_sweep_ttft_seconds", batch_size="16", quantile="0.99") == 0.09
@@ -270,7 +340,7 @@ def test_every_histogram_has_an_exact_sum_counter_fed_with_the_exact_values():
     assert hists and all(metric(h.exact_sum.name).kind == "counter" for h in hists)
     m = ReplicaMetrics("scissorhands", 5, "replica-0", "tiny-llama", "run-1", use_ray=False)
     for _ in range(20):
-        m.observe_decode_step(0.005, batch_size=3)      # 5 ms lies between the E12 bounds 4.7 and 5.6 ms
+        m.observe_decode_step(0.005, batch_size=3)  # 5 ms lies between the E12 bounds 4.7 and 5.6 ms
     snap = m.snapshot()
     assert snap["scissorhands_decode_batch_size_exact_sum_total"] / snap["scissorhands_decode_batch_size"][0] == 3
     assert snap["scissorhands_decode_step_seconds_exact_sum_total"] == pytest.approx(20 * 0.005, rel=1e-12)
@@ -301,9 +371,17 @@ def test_a_process_without_ray_gets_the_in_memory_recorder_and_does_not_import_r
     import sys
     from pathlib import Path
 
-    code = ("import sys; from replica.metrics import ReplicaMetrics; "
-            "m = ReplicaMetrics('full', None, 'r', 'm', 'run'); print(m.uses_ray, 'ray' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
-                         text=True, timeout=120, env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    code = (
+        "import sys; from replica.metrics import ReplicaMetrics; "
+        "m = ReplicaMetrics('full', None, 'r', 'm', 'run'); print(m.uses_ray, 'ray' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]

@@ -1,5 +1,6 @@
 """The OpenAI-compatible API (replica.openai_api) over in-process replicas of the tiny model, through
 real HTTP on a free loopback port (uvicorn in a thread)."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -32,7 +33,9 @@ def service(model):
     # the full cache's KV limit: room for one sequence of 150 tokens, so 200 can never fit
     full = replicas[FULL]
     full.configure(dict(kv_memory_limit_bytes=150 * full.engine.slot_bytes))
-    backends = {m: ReplicaBackend(r, cache_metadata({}, r.engine.budget_tokens, "tiny-llama")) for m, r in replicas.items()}
+    backends = {
+        m: ReplicaBackend(r, cache_metadata({}, r.engine.budget_tokens, "tiny-llama")) for m, r in replicas.items()
+    }
     app = build_app(backends, tok, context_tokens=CONTEXT, max_pending_requests=2)
     with ServerThread(app) as url:
         yield url, replicas, tok
@@ -75,8 +78,14 @@ def test_completion_not_streamed_usage_equals_ids_and_two_models_route_to_two_ca
 def test_streamed_completion_sends_one_event_per_token_then_usage_then_done(service):
     url, replicas, tok = service
     prompt = tok("Stream me")["input_ids"]
-    r = post(url, "/v1/completions", dict(model=SH, prompt=prompt, max_tokens=9, ignore_eos=True, stream=True,
-                                          stream_options={"include_usage": True}), stream=True)
+    r = post(
+        url,
+        "/v1/completions",
+        dict(
+            model=SH, prompt=prompt, max_tokens=9, ignore_eos=True, stream=True, stream_options={"include_usage": True}
+        ),
+        stream=True,
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse(r)
     assert events[-1] == "[DONE]"
@@ -101,45 +110,62 @@ def test_chat_uses_the_chat_template(service):
     expected_prompt = len(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"])
     assert r.json()["usage"]["prompt_tokens"] == expected_prompt == 21
     assert r.json()["object"] == "chat.completion" and r.json()["choices"][0]["message"]["role"] == "assistant"
-    s = post(url, "/v1/chat/completions", dict(model=FULL, messages=msgs, max_tokens=3, ignore_eos=True,
-                                               stream=True), stream=True)
+    s = post(
+        url,
+        "/v1/chat/completions",
+        dict(model=FULL, messages=msgs, max_tokens=3, ignore_eos=True, stream=True),
+        stream=True,
+    )
     events = sse(s)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant" and events[-1] == "[DONE]"
     assert sum(len(e["choices"][0]["token_ids"]) for e in events[1:-1]) == 3
-    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:-1]) \
+    assert (
+        "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:-1])
         == r.json()["choices"][0]["message"]["content"]
+    )
 
 
 def test_min_tokens_and_stop(service):
     url, replicas, tok = service
     base = post(url, "/v1/completions", dict(model=FULL, prompt="abc", max_tokens=12, ignore_eos=True)).json()
     text = base["choices"][0]["text"]
-    stop = next((text[i:i + 1] for i in range(2, len(text)) if text[i:i + 1].strip()), None)
+    stop = next((text[i : i + 1] for i in range(2, len(text)) if text[i : i + 1].strip()), None)
     if stop is None:
         pytest.skip("the tiny model's greedy text has no visible character to stop at")
     k = text.find(stop)
     r = post(url, "/v1/completions", dict(model=FULL, prompt="abc", max_tokens=12, ignore_eos=True, stop=[stop])).json()
     assert r["choices"][0]["text"] == text[:k] and r["choices"][0]["finish_reason"] == "stop"
-    s = sse(post(url, "/v1/completions", dict(model=FULL, prompt="abc", max_tokens=12, ignore_eos=True, stop=stop,
-                                              stream=True), stream=True))
-    assert "".join(e["choices"][0]["text"] for e in s[:-1]) == text[:k] and s[-2]["choices"][0]["finish_reason"] == "stop"
+    s = sse(
+        post(
+            url,
+            "/v1/completions",
+            dict(model=FULL, prompt="abc", max_tokens=12, ignore_eos=True, stop=stop, stream=True),
+            stream=True,
+        )
+    )
+    assert (
+        "".join(e["choices"][0]["text"] for e in s[:-1]) == text[:k] and s[-2]["choices"][0]["finish_reason"] == "stop"
+    )
 
 
-@pytest.mark.parametrize("body, status, param", [
-    (dict(model=FULL, prompt="x", max_tokens="5"), 400, "max_tokens"),
-    (dict(model=FULL, prompt="x", max_tokens=0), 400, "max_tokens"),
-    (dict(model=FULL, prompt="x" * 200, max_tokens=100), 400, "max_tokens"),        # beyond the context (256)
-    (dict(model=FULL, prompt="x" * 150, max_tokens=60), 400, "max_tokens"),         # never fits the KV limit
-    (dict(model="nope", prompt="x", max_tokens=5), 404, "model"),
-    (dict(model=FULL, prompt="x", max_tokens=5, n=2), 400, "n"),
-    (dict(model=FULL, prompt=3, max_tokens=5), 400, "prompt"),
-    (dict(model=FULL, prompt="x", max_tokens=5, temperature="hot"), 400, "temperature"),
-    (dict(model=FULL, prompt="x", max_tokens=5, top_p=0), 400, "top_p"),
-    (dict(model=FULL, prompt="x", max_tokens=5, stream="yes"), 400, "stream"),
-    (dict(model=FULL, prompt="x", max_tokens=5, ignore_eos=1), 400, "ignore_eos"),
-    (dict(model=FULL, prompt="x", max_tokens=5, stop=7), 400, "stop"),
-    (dict(model=SH, messages="hi", max_tokens=5), 400, "messages"),
-])
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (dict(model=FULL, prompt="x", max_tokens="5"), 400, "max_tokens"),
+        (dict(model=FULL, prompt="x", max_tokens=0), 400, "max_tokens"),
+        (dict(model=FULL, prompt="x" * 200, max_tokens=100), 400, "max_tokens"),  # beyond the context (256)
+        (dict(model=FULL, prompt="x" * 150, max_tokens=60), 400, "max_tokens"),  # never fits the KV limit
+        (dict(model="nope", prompt="x", max_tokens=5), 404, "model"),
+        (dict(model=FULL, prompt="x", max_tokens=5, n=2), 400, "n"),
+        (dict(model=FULL, prompt=3, max_tokens=5), 400, "prompt"),
+        (dict(model=FULL, prompt="x", max_tokens=5, temperature="hot"), 400, "temperature"),
+        (dict(model=FULL, prompt="x", max_tokens=5, top_p=0), 400, "top_p"),
+        (dict(model=FULL, prompt="x", max_tokens=5, stream="yes"), 400, "stream"),
+        (dict(model=FULL, prompt="x", max_tokens=5, ignore_eos=1), 400, "ignore_eos"),
+        (dict(model=FULL, prompt="x", max_tokens=5, stop=7), 400, "stop"),
+        (dict(model=SH, messages="hi", max_tokens=5), 400, "messages"),
+    ],
+)
 def test_errors_are_openai_error_json_naming_the_field(service, body, status, param):
     url, _, _ = service
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -165,8 +191,12 @@ def test_client_disconnect_mid_stream_frees_the_slots(service):
     eng = replicas[SH].engine
     assert _wait(lambda: eng.running == 0)
     aborted0 = eng.stats()["failed_requests"]
-    r = post(url, "/v1/completions", dict(model=SH, prompt="go on and on", max_tokens=200, ignore_eos=True,
-                                          stream=True), stream=True)
+    r = post(
+        url,
+        "/v1/completions",
+        dict(model=SH, prompt="go on and on", max_tokens=200, ignore_eos=True, stream=True),
+        stream=True,
+    )
     lines = r.iter_lines()
     got = 0
     for line in lines:
@@ -175,7 +205,7 @@ def test_client_disconnect_mid_stream_frees_the_slots(service):
             if got == 3:
                 break
     assert eng.running == 1
-    r.close()                                     # the client goes away mid-stream
+    r.close()  # the client goes away mid-stream
     assert _wait(lambda: eng.running == 0), "the aborted request still holds its row"
     assert eng.stats()["kv_cache_bytes"] == 0 and eng.stats()["failed_requests"] == aborted0 + 1
     assert eng.stats()["generated_tokens"] < 200 + 1000
@@ -184,7 +214,7 @@ def test_client_disconnect_mid_stream_frees_the_slots(service):
 def test_queue_bound_answers_429_with_retry_after(service):
     url, replicas, _ = service
     body = dict(model=SH, prompt="hold", max_tokens=150, ignore_eos=True, stream=True)
-    held = [post(url, "/v1/completions", body, stream=True) for _ in range(2)]        # max_pending_requests=2
+    held = [post(url, "/v1/completions", body, stream=True) for _ in range(2)]  # max_pending_requests=2
     try:
         assert all(h.status_code == 200 for h in held)
         r = post(url, "/v1/completions", {**body, "stream": False})
@@ -207,19 +237,28 @@ def test_a_suite_with_a_target_drives_the_server_over_http(model, tmp_path):
 
     r = ServingReplica(model=model, replica_id="sh", model_spec="tiny-llama")
     r.configure(SH_CFG)
-    app = build_app({SH: ReplicaBackend(r, cache_metadata(SH_CFG, 16, "tiny-llama"))}, None)   # ids only
+    app = build_app({SH: ReplicaBackend(r, cache_metadata(SH_CFG, 16, "tiny-llama"))}, None)  # ids only
     try:
         with ServerThread(app) as url:
             suite = tmp_path / "http.yaml"
-            suite.write_text(f"kind: serving\nname: http\nmode: concurrency\ntarget: {url}/v1\nmodel: '{SH}'\ntokenizer: tiny-llama\n"
-                             "policies: [full]\nloads: [2]\nprompt_tokens: 12\nnew_tokens: 5\nnum_requests: 6\n"
-                             "warmup_requests: 0\n")
-            args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
-                                      resume=None, address=None, pushgateway="off")
+            suite.write_text(
+                f"kind: serving\nname: http\nmode: concurrency\ntarget: {url}/v1\nmodel: '{SH}'\ntokenizer: tiny-llama\n"
+                "policies: [full]\nloads: [2]\nprompt_tokens: 12\nnew_tokens: 5\nnum_requests: 6\n"
+                "warmup_requests: 0\n"
+            )
+            args = argparse.Namespace(
+                suite=str(suite),
+                replicas=None,
+                results_dir=str(tmp_path / "r"),
+                run_id="run",
+                resume=None,
+                address=None,
+                pushgateway="off",
+            )
             assert run_suite(args, SERVING) == 0
             bad = tmp_path / "bad.yaml"
             bad.write_text(suite.read_text().replace(f"'{SH}'", "nope"))
-            with pytest.raises(SweepError, match="model: 'nope' is not served"):         # exit status 1
+            with pytest.raises(SweepError, match="model: 'nope' is not served"):  # exit status 1
                 run_suite(argparse.Namespace(**{**vars(args), "suite": str(bad), "run_id": "bad"}), SERVING)
     finally:
         r.shutdown()
@@ -233,9 +272,11 @@ def test_pending_count_returns_to_zero_after_every_kind_of_ending(service):
     under the 429 bound (max_pending_requests=2): three more requests in a row still get 200."""
     url, replicas, _ = service
     post(url, "/v1/completions", dict(model=SH, prompt="a", max_tokens=3, ignore_eos=True, stream=True)).close()
-    r = post(url, "/v1/completions", dict(model=SH, prompt="b", max_tokens=50, ignore_eos=True, stream=True), stream=True)
+    r = post(
+        url, "/v1/completions", dict(model=SH, prompt="b", max_tokens=50, ignore_eos=True, stream=True), stream=True
+    )
     r.close()
-    post(url, "/v1/completions", dict(model=FULL, prompt="x" * 150, max_tokens=60))           # refused (400)
+    post(url, "/v1/completions", dict(model=FULL, prompt="x" * 150, max_tokens=60))  # refused (400)
     assert _wait(lambda: replicas[SH].engine.running == 0)
     for _ in range(3):
         assert post(url, "/v1/completions", dict(model=SH, prompt="c", max_tokens=2)).status_code == 200
@@ -255,15 +296,20 @@ def test_warm_up_travels_over_http_so_server_and_client_count_the_same_requests(
     eng = replicas[SH].engine
     assert _wait(lambda: eng.running == 0)
     eng.reset_stats()
-    tokens0 = {ph: eng.metrics.snapshot(ph).get("scissorhands_generated_tokens_total", 0) for ph in ("measured", "warmup")}
+    tokens0 = {
+        ph: eng.metrics.snapshot(ph).get("scissorhands_generated_tokens_total", 0) for ph in ("measured", "warmup")
+    }
     reqs = [GenerationRequest(f"w{i}", [5, 6, 7, 8], 3) for i in range(40)]
-    cfg = LoadConfig(mode="rate", rate_req_per_s=20.0, num_requests=4, warmup_s=0.3, seed=3,
-                     max_concurrency=2)                     # the fixture answers 429 past 2 in flight
+    cfg = LoadConfig(
+        mode="rate", rate_req_per_s=20.0, num_requests=4, warmup_s=0.3, seed=3, max_concurrency=2
+    )  # the fixture answers 429 past 2 in flight
 
     async def go():
         client = OpenAIHTTPClient(url + "/v1", SH)
         try:
-            assert client.headers(reqs[0]) == {} and client.headers(replace(reqs[0], warmup=True)) == {PHASE_HEADER: "warmup"}
+            assert client.headers(reqs[0]) == {} and client.headers(replace(reqs[0], warmup=True)) == {
+                PHASE_HEADER: "warmup"
+            }
             return await run_load(client, reqs, cfg)
         finally:
             await client.close()
@@ -274,8 +320,11 @@ def test_warm_up_travels_over_http_so_server_and_client_count_the_same_requests(
     assert len(measured) == 4 and len(warm) >= 1 and all(r.error_kind is None for r in res.records)
     assert _wait(lambda: eng.running == 0 and eng.queued == 0)
     s = eng.stats()
-    assert (s["received_requests"], s["completed_requests"], s["generated_tokens"]) == (4, 4, 12) \
+    assert (
+        (s["received_requests"], s["completed_requests"], s["generated_tokens"])
+        == (4, 4, 12)
         == (len(measured), res.metrics.completed_requests, res.metrics.output_tokens)
+    )
     assert (s["warmup_received_requests"], s["warmup_generated_tokens"]) == (len(warm), 3 * len(warm))
     # the live metrics label the same split (in memory here: no Ray)
     tokens = {ph: eng.metrics.snapshot(ph)["scissorhands_generated_tokens_total"] - tokens0[ph] for ph in tokens0}
@@ -301,7 +350,7 @@ class _DyingBackend:
         return None
 
     async def stream(self, request):
-        class ActorDiedError(Exception):            # Ray's class, matched by name (no Ray imported here)
+        class ActorDiedError(Exception):  # Ray's class, matched by name (no Ray imported here)
             pass
 
         for i in range(self.tokens):
@@ -331,8 +380,11 @@ def test_a_replica_that_dies_is_one_named_error_kind_before_and_after_the_first_
         async def go():
             client = OpenAIHTTPClient(url + "/v1", "m")
             try:
-                return await run_load(client, [GenerationRequest(f"d{i}", [1, 2], 4) for i in range(3)],
-                                      LoadConfig(mode="concurrency", concurrency=1, num_requests=3))
+                return await run_load(
+                    client,
+                    [GenerationRequest(f"d{i}", [1, 2], 4) for i in range(3)],
+                    LoadConfig(mode="concurrency", concurrency=1, num_requests=3),
+                )
             finally:
                 await client.close()
 
@@ -357,7 +409,7 @@ def test_the_load_generator_names_a_wrapped_replica_death_the_same():
         try:
             raise ActorDiedError("x")
         except ActorDiedError:
-            raise RuntimeError("wrapped")                  # implicit __context__
+            raise RuntimeError("wrapped")  # implicit __context__
     except RuntimeError as e:
         assert error_kind(e) == "replica_died"
     assert error_kind(RuntimeError("boom")) == "error"

@@ -24,8 +24,9 @@ def test_greedy_ids_match_generate(replica):
     ids = replica.generate_ids(p)
     prompts = replica._prompt_ids(p)
     assert prompts.shape == (3, 24)
-    ref = replica.model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=12,
-                                 min_new_tokens=12, do_sample=False)
+    ref = replica.model.generate(
+        prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=12, min_new_tokens=12, do_sample=False
+    )
     assert torch.equal(ids, ref[:, 24:])
 
 
@@ -58,7 +59,9 @@ def test_one_new_token_has_no_decode_rate(replica):
 
 def test_budget_from_ratio_and_absolute(replica):
     full = replica.run_batch(point(batch_size=2, prompt_tokens=64, new_tokens=16))
-    r5 = replica.run_batch(point(policy="scissorhands", compression_ratio=5, batch_size=2, prompt_tokens=64, new_tokens=16))
+    r5 = replica.run_batch(
+        point(policy="scissorhands", compression_ratio=5, batch_size=2, prompt_tokens=64, new_tokens=16)
+    )
     assert r5["budget_tokens"] == 16  # ceil((64 + 16) / 5)
     # 1/5 of full plus the stated bookkeeping (slot times + uint8 count buckets: 12 B per 128 B slot here)
     assert r5["kv_cache_bytes"] <= full["kv_cache_bytes"] / 5 * 1.15
@@ -81,7 +84,9 @@ def test_prompt_fn_gets_tokenizer_and_seed():
         calls.append((tokenizer, n, prompt_tokens, seed))
         return [[7] * prompt_tokens for _ in range(n)]
 
-    r = ModelReplica(model=tiny_llama(seed=0), tokenizer="TOK", model_spec="tiny-llama", prompt_fn=prompt_fn, warmup=False)
+    r = ModelReplica(
+        model=tiny_llama(seed=0), tokenizer="TOK", model_spec="tiny-llama", prompt_fn=prompt_fn, warmup=False
+    )
     r.run_batch(point(batch_size=3, prompt_tokens=5, new_tokens=2, seed=11))
     assert calls == [("TOK", 3, 5, 11)]
 
@@ -102,10 +107,12 @@ def test_replica_dtype_auto_is_resolved_and_recorded(monkeypatch):
 
     monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"amx_bf16"}))
     monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 2.0)
-    r = ModelReplica(model_spec="tiny-llama", num_threads=1, warmup=False)   # dtype defaults to "auto"
+    r = ModelReplica(model_spec="tiny-llama", num_threads=1, warmup=False)  # dtype defaults to "auto"
     info = r.info()
     assert info["dtype"] == "bfloat16" and "amx_bf16" in info["dtype_reason"] and "2.00x" in info["dtype_reason"]
-    assert ModelReplica(model_spec="tiny-llama", dtype="float32", num_threads=1, warmup=False).info()["dtype"] == "float32"
+    assert (
+        ModelReplica(model_spec="tiny-llama", dtype="float32", num_threads=1, warmup=False).info()["dtype"] == "float32"
+    )
     with pytest.raises(ValueError, match="dtype: expected one of auto, float32, bfloat16, float16"):
         load_replica_model("tiny-llama", dtype="int8")
 

@@ -39,7 +39,9 @@ def trace(replica):
 
 
 def _snapshot(replica, policy, ratio):
-    return {k.removeprefix("scissorhands_"): v for k, v in replica.live_metrics.for_point(policy, ratio).snapshot().items()}
+    return {
+        k.removeprefix("scissorhands_"): v for k, v in replica.live_metrics.for_point(policy, ratio).snapshot().items()
+    }
 
 
 def test_warmup_and_an_injected_model_record_nothing():
@@ -62,7 +64,7 @@ def test_run_batch_records_counts_per_sequence_and_per_step(replica, trace):
     assert snap["generated_tokens_total"] == batch * new == out["output_tokens"]
     assert snap["prefill_tokens_total"] == batch * prompt
     assert snap["prefill_seconds"] == (1, pytest.approx(out["prefill_s"]))
-    assert snap["ttft_seconds"] == (batch, pytest.approx(batch * out["ttft_s"]))             # one per sequence
+    assert snap["ttft_seconds"] == (batch, pytest.approx(batch * out["ttft_s"]))  # one per sequence
     assert snap["decode_step_seconds"] == (new - 1, pytest.approx(sum(out["decode_step_s"])))  # one per step
     assert snap["decode_batch_size"] == (new - 1, batch * (new - 1))
     assert snap["tpot_seconds"] == (batch, pytest.approx(batch * out["tpot_s"]))
@@ -74,14 +76,16 @@ def test_run_batch_records_counts_per_sequence_and_per_step(replica, trace):
     assert trace.values_of("kv_cache_slots") == [batch * (prompt + i) for i in range(new)] + [0]
     kv_bytes = trace.values_of("kv_cache_bytes")
     assert kv_bytes[-1] == 0 and max(kv_bytes) == out["kv_cache_bytes"] and all(b > 0 for b in kv_bytes[:-1])
-    assert {(t["policy"], t["compression_ratio"], t["replica"], t["model"], t["run_id"]) for _, _, t in trace.calls} == {
-        ("full", "1", "replica-7", "tiny-llama", "run-live")}
+    assert {
+        (t["policy"], t["compression_ratio"], t["replica"], t["model"], t["run_id"]) for _, _, t in trace.calls
+    } == {("full", "1", "replica-7", "tiny-llama", "run-live")}
 
 
 def test_evictions_and_slots_of_a_budgeted_cache(replica, trace):
     batch, prompt, new, ratio = 2, 32, 8, 2
-    out = replica.run_batch(BatchSpec(policy="h2o", compression_ratio=ratio, batch_size=batch, prompt_tokens=prompt,
-                                 new_tokens=new, seed=1))
+    out = replica.run_batch(
+        BatchSpec(policy="h2o", compression_ratio=ratio, batch_size=batch, prompt_tokens=prompt, new_tokens=new, seed=1)
+    )
     budget = out["budget_tokens"]
     assert budget == (prompt + new) // ratio == 20
     snap = _snapshot(replica, "h2o", ratio)

@@ -62,8 +62,10 @@ def test_engine_config_is_frozen_round_trips_and_raises_one_line():
         cfg.max_batch = 2
     with pytest.raises(ConfigError) as e:
         EngineConfig(max_batch=0, kv_memory_limit_bytes=-1, colour="red")
-    assert str(e.value) == ("kv_memory_limit_bytes: expected an integer >= 1 or null, got -1; "
-                            "max_batch: expected an integer >= 1 or null, got 0; "
-                            "colour: unknown key (accepted: policy, policy_params, budget_tokens, compression_ratio, "
-                            "max_length_tokens, kv_memory_limit_bytes, kv_memory_fraction, max_batch, max_prefill_tokens)")
+    assert str(e.value) == (
+        "kv_memory_limit_bytes: expected an integer >= 1 or null, got -1; "
+        "max_batch: expected an integer >= 1 or null, got 0; "
+        "colour: unknown key (accepted: policy, policy_params, budget_tokens, compression_ratio, "
+        "max_length_tokens, kv_memory_limit_bytes, kv_memory_fraction, max_batch, max_prefill_tokens)"
+    )
     assert isinstance(e.value, ValueError)

@@ -4,6 +4,7 @@ A sequence that joins a running batch (prefilled alone, then merged), or that st
 left, must produce exactly the greedy tokens of its batch-of-1 `generate` run: with a budget that
 never evicts, and with a real budget that evicts (per-row clocks keep each row's eviction decisions).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ CONFIGS = {
     "real-budget": dict(policy="scissorhands", budget_tokens=16, history_window=20, count_chunk_steps=5),
     "real-budget-exact-window": dict(policy="scissorhands", budget_tokens=12, history_window=8, count_chunk_steps=1),
     # one token dropped at a time: slots outlive the window, so expired counts must be cleared per row
-    "real-budget-long-lived": dict(policy="scissorhands", budget_tokens=12, history_window=8, count_chunk_steps=2,
-                                   drop_tokens=1),
+    "real-budget-long-lived": dict(
+        policy="scissorhands", budget_tokens=12, history_window=8, count_chunk_steps=2, drop_tokens=1
+    ),
     # the key seam (state from the key) and an observation window + pooling, on per-row clocks
     "knorm-real-budget": dict(policy="knorm", budget_tokens=12),
     "snapkv-real-budget": dict(policy="snapkv", budget_tokens=12, window_size=4, kernel_size=3),
@@ -32,18 +34,23 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def _alone(model, ids, new_tokens, cfg, caches=None) -> list[int]:
     cache = make_cache(model=model, **cfg)
-    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         cache=cache, max_new_tokens=new_tokens, do_sample=False)
+    out = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        cache=cache,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+    )
     if caches is not None:
         caches.append(cache)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def _kept(cache, row: int) -> list:
     """Per layer and KV head: the row's kept slot times (its own clock) and their policy statistics."""
     out = []
     for layer in cache.layers:
-        st = layer.slot_time[row]                                          # (h, S)
+        st = layer.slot_time[row]  # (h, S)
         for h in range(st.shape[0]):
             keep = st[h] >= 0
             out.append((st[h][keep].tolist(), None if layer.state is None else layer.state[row, h][keep].tolist()))
@@ -54,14 +61,13 @@ def _prefill(model, ids, cfg):
     cache = make_cache(model=model, **cfg)
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
-    return cache, out.logits[:, -1].argmax(-1, keepdim=True)          # (1, 1)
+    return cache, out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
 
 
 def _decode(model, cache, tokens):
     with torch.inference_mode():
-        out = model(input_ids=tokens, position_ids=row_positions(cache), cache=cache, use_cache=True,
-                    logits_to_keep=1)
-    return out.logits[:, -1].argmax(-1, keepdim=True)                # (rows, 1)
+        out = model(input_ids=tokens, position_ids=row_positions(cache), cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].argmax(-1, keepdim=True)  # (rows, 1)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -76,7 +82,7 @@ def test_joined_and_remaining_rows_match_their_batch_of_one_runs(model, name):
     cache = merge_rows(None, cache)
     outs = [[int(tokens[0, 0])]]
     for step in range(new - 1):
-        if step in (7, 12):                                       # b joins at step 7, c at step 12
+        if step in (7, 12):  # b joins at step 7, c at step 12
             joined, first = _prefill(model, b if step == 7 else c, cfg)
             cache = merge_rows(cache, joined)
             tokens = torch.cat([tokens, first])
@@ -105,7 +111,7 @@ def test_joined_and_remaining_rows_match_their_batch_of_one_runs(model, name):
             torch.testing.assert_close(torch.tensor(state), torch.tensor(state_alone), atol=1e-6, rtol=1e-5)
     if "real-budget" in name:
         budget = cfg["budget_tokens"]
-        assert 0 < physical_slots(cache) <= budget                   # evicted: never more than B slots
+        assert 0 < physical_slots(cache) <= budget  # evicted: never more than B slots
         assert cache.evicted_tokens > 0
     else:
         # slots no remaining row needed were removed: the fullest row (b: 23 + 36 - 1 tokens) sets the size
@@ -117,7 +123,7 @@ def test_select_rows_compacts_and_empty_selection_is_none(model):
     long, _ = _prefill(model, _ids(50, 4), cfg)
     short, _ = _prefill(model, _ids(5, 5), cfg)
     cache = merge_rows(merge_rows(None, long), short)
-    assert cache.num_slots() == [50, 50]                             # the short row is padded to 50
+    assert cache.num_slots() == [50, 50]  # the short row is padded to 50
     one_row_bytes = cache.kv_cache_bytes() // 2
     cache = select_rows(cache, [1])
     assert cache.num_slots() == [5, 5]
@@ -139,7 +145,6 @@ def test_sequence_slot_bytes_is_one_slot_of_every_layer(model):
     assert sequence_slot_bytes(model, "scissorhands", budget_tokens=16) == 2 * 2 * (2 * 16 * 4 + 2 + 400 // 50)
 
 
-
 @pytest.mark.parametrize("name", ["full", "real-budget"])
 def test_validity_check_is_skipped_only_while_no_slot_is_masked(model, name):
     """Decode attention skips the per-layer look for masked slots while `_maybe_masked` is False, so every
@@ -153,11 +158,11 @@ def test_validity_check_is_skipped_only_while_no_slot_is_masked(model, name):
 
     cache, tokens = _prefill(model, _ids(20, 1), cfg)
     check(cache)
-    if name == "full":                                                  # a fresh unpadded prompt: nothing masked
+    if name == "full":  # a fresh unpadded prompt: nothing masked
         assert not any(layer._maybe_masked for layer in cache.layers)
     cache = merge_rows(None, cache)
     for step in range(12):
-        if step == 3:                                                   # a shorter row joins: filler slots
+        if step == 3:  # a shorter row joins: filler slots
             joined, first = _prefill(model, _ids(7, 2), cfg)
             cache = merge_rows(cache, joined)
             tokens = torch.cat([tokens, first])
@@ -167,7 +172,7 @@ def test_validity_check_is_skipped_only_while_no_slot_is_masked(model, name):
         check(cache)
     padded = make_cache(model=model, **cfg)
     ids, mask = torch.tensor(_ids(18, 4)).view(2, 9), torch.ones(2, 9, dtype=torch.long)
-    mask[0, :4] = 0                                                     # left padding
+    mask[0, :4] = 0  # left padding
     with torch.inference_mode():
         model(input_ids=ids, attention_mask=mask, cache=padded)
     check(padded)

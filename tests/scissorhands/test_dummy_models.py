@@ -21,7 +21,11 @@ PUBLISHED_PARAMETERS = {
 
 
 def test_every_shipped_config_is_listed_and_no_listed_one_is_missing():
-    assert sorted(p.stem for p in DUMMY_CONFIG_DIR.glob("*.json")) == sorted(DUMMY_MODEL_IDS) == sorted(PUBLISHED_PARAMETERS)
+    assert (
+        sorted(p.stem for p in DUMMY_CONFIG_DIR.glob("*.json"))
+        == sorted(DUMMY_MODEL_IDS)
+        == sorted(PUBLISHED_PARAMETERS)
+    )
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
@@ -41,17 +45,21 @@ def test_shipped_config_loads_on_meta_with_its_published_size(name):
 def test_tiny_copy_runs_with_a_budgeted_cache_in_bfloat16(name):
     tiny = tiny_overrides(name)
     if name.startswith("mistral"):
-        tiny["sliding_window"] = None         # the budgeted cache refuses sliding-window layers
+        tiny["sliding_window"] = None  # the budgeted cache refuses sliding-window layers
     model = load_dummy_model(name, seed=3, **tiny)
     # derived from the overridden sizes: 64 / 4 heads (Qwen2's config has no head_dim field)
-    assert model.model.layers[0].self_attn.head_dim == 16 if not name.startswith("opt") else \
-        model.model.decoder.layers[0].self_attn.head_dim == 16
+    assert (
+        model.model.layers[0].self_attn.head_dim == 16
+        if not name.startswith("opt")
+        else model.model.decoder.layers[0].self_attn.head_dim == 16
+    )
     assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (2, 64, 256)
     assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
     cache = make_cache("scissorhands", model, budget_tokens=8)
     with torch.inference_mode():
-        out = model.generate(torch.arange(1, 21)[None], cache=cache, max_new_tokens=4, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            torch.arange(1, 21)[None], cache=cache, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
     assert out.shape == (1, 24)
     assert max(cache.num_slots()) <= 8
     again = load_dummy_model(name, seed=3, **tiny)
@@ -59,7 +67,7 @@ def test_tiny_copy_runs_with_a_budgeted_cache_in_bfloat16(name):
     first = next(model.parameters()).detach()
     assert torch.equal(first, next(again.parameters()))
     assert not torch.equal(first, next(other.parameters()))
-    assert 0 < float(first.float().std()) < 0.1               # small random values, not zeros or garbage
+    assert 0 < float(first.float().std()) < 0.1  # small random values, not zeros or garbage
 
 
 def test_loading_leaves_the_global_rng_alone():
@@ -71,11 +79,13 @@ def test_loading_leaves_the_global_rng_alone():
 
 
 def test_unknown_name_lists_the_shipped_ones():
-    with pytest.raises(ValueError, match=r"'llama-2-7b'.*llama-3\.1-8b, qwen2\.5-7b, mistral-7b-v0\.1, opt-6\.7b, opt-125m"):
+    with pytest.raises(
+        ValueError, match=r"'llama-2-7b'.*llama-3\.1-8b, qwen2\.5-7b, mistral-7b-v0\.1, opt-6\.7b, opt-125m"
+    ):
         load_dummy_model("llama-2-7b", device="meta")
 
 
 def test_an_override_that_is_not_a_field_is_refused_naming_it():
     with pytest.raises(ValueError, match="'ffn_dim'"):
         dummy_config("llama-3.1-8b", ffn_dim=64)
-    assert dummy_config("llama-3.1-8b", num_hidden_layers=2, hidden_size=64).head_dim == 2   # derived fields follow
+    assert dummy_config("llama-3.1-8b", num_hidden_layers=2, hidden_size=64).head_dim == 2  # derived fields follow

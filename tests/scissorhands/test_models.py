@@ -216,13 +216,14 @@ def test_bfloat16_full_cache_perplexity_within_1_percent_of_float32():
     m16, _ = load_model("embedded", dtype="bfloat16")
     windows = heldout_windows(tok, 512, 4, seed=0)
     p32, p16 = perplexity(m32, windows, "full")["perplexity"], perplexity(m16, windows, "full")["perplexity"]
-    assert 15 < p32 < 40                              # the real model on real text, not noise
+    assert 15 < p32 < 40  # the real model on real text, not noise
     assert abs(p16 / p32 - 1) < 0.01, (p32, p16)
 
 
 # ---------------------------------------------------------------- the packed weights
-needs_onednn_bf16 = pytest.mark.skipif(not sh_models.onednn_packs(torch.bfloat16),
-                                       reason="this CPU's torch runs no bfloat16 matmul in oneDNN")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not sh_models.onednn_packs(torch.bfloat16), reason="this CPU's torch runs no bfloat16 matmul in oneDNN"
+)
 needs_onednn = pytest.mark.skipif(not sh_models.onednn_packs(torch.float32), reason="this torch has no oneDNN")
 
 
@@ -234,7 +235,7 @@ def test_packed_linear_gives_f_linear_bitwise_in_bfloat16(bias, rows):
     linear = torch.nn.Linear(96, 200, bias=bias).bfloat16()
     packed = sh_models.PackedLinear(linear)
     assert packed.weight is linear.weight and packed.bias is linear.bias
-    x = torch.randn(2, rows, 96, generator=g).bfloat16()                        # (batch, q_len, in_features)
+    x = torch.randn(2, rows, 96, generator=g).bfloat16()  # (batch, q_len, in_features)
     with torch.inference_mode():
         out, ref = packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias)
     assert packed._packed is not None and out.shape == (2, rows, 200) and out.dtype == torch.bfloat16
@@ -252,11 +253,12 @@ def test_packed_linear_is_within_float32_rounding_of_f_linear(bias, rows):
     x = torch.randn(2, rows, 576, generator=g)
     with torch.inference_mode():
         out, ref = packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias)
-        exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
-                                           None if linear.bias is None else linear.bias.double())
+        exact = torch.nn.functional.linear(
+            x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double()
+        )
     assert packed._packed is not None and out.dtype == torch.float32 and out.shape == ref.shape
     bound = 576 * torch.finfo(torch.float32).eps * (x.double().abs() @ linear.weight.double().abs().t()).max()
-    assert (out.double() - exact).abs().max() <= bound                          # the float32 dot-product bound
+    assert (out.double() - exact).abs().max() <= bound  # the float32 dot-product bound
     assert (ref.double() - exact).abs().max() <= bound
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -268,10 +270,10 @@ def test_packed_linear_packs_again_when_the_weight_changes():
     x = torch.randn(4, 32).bfloat16()
     with torch.no_grad():
         first = packed(x)
-        linear.weight.mul_(2)                                                    # in place: a new version
+        linear.weight.mul_(2)  # in place: a new version
         assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight))
         assert not torch.equal(packed(x), first)
-        linear.weight.data = torch.randn(48, 32).bfloat16()                      # new storage
+        linear.weight.data = torch.randn(48, 32).bfloat16()  # new storage
         assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight))
 
 
@@ -281,10 +283,10 @@ def test_packed_linear_runs_f_linear_in_float16_and_with_autograd():
     x = torch.randn(3, 16).half()
     with torch.no_grad():
         assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
-    assert packed._packed is None                                                # float16: never packed
+    assert packed._packed is None  # float16: never packed
     packed.float()
     xf = x.float().requires_grad_()
-    packed(xf).sum().backward()                                                  # records gradients: F.linear
+    packed(xf).sum().backward()  # records gradients: F.linear
     assert packed._packed is None
     grads = xf.grad.clone(), linear.weight.grad.clone()
     xf.grad = linear.weight.grad = linear.bias.grad = None
@@ -294,11 +296,12 @@ def test_packed_linear_runs_f_linear_in_float16_and_with_autograd():
 
 def test_packed_linear_takes_a_weight_made_under_inference_mode():
     with torch.inference_mode():
-        linear = torch.nn.Linear(16, 8)                                          # inference tensors: no version
+        linear = torch.nn.Linear(16, 8)  # inference tensors: no version
         packed = sh_models.PackedLinear(linear)
         x = torch.randn(2, 16)
-        torch.testing.assert_close(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_probe_times_the_linear_layer_a_loaded_model_runs(monkeypatch):
@@ -308,7 +311,7 @@ def test_probe_times_the_linear_layer_a_loaded_model_runs(monkeypatch):
     monkeypatch.setattr(sh_models.PackedLinear, "forward", lambda self, x: calls.append(x.dtype) or real(self, x))
     sh_models.probe_bfloat16_speedup.cache_clear()
     assert sh_models.probe_bfloat16_speedup(24, 40, 1, rows=(1, 3), repeats=1) > 0
-    assert calls.count(torch.float32) == calls.count(torch.bfloat16) == 2 * 2 * 4   # 2 rounds x 2 row counts x 4
+    assert calls.count(torch.float32) == calls.count(torch.bfloat16) == 2 * 2 * 4  # 2 rounds x 2 row counts x 4
     sh_models.probe_bfloat16_speedup.cache_clear()
 
 
@@ -332,15 +335,16 @@ def test_load_model_packs_every_linear_and_keeps_the_tie(tmp_path, dtype):
         assert torch.allclose(logits, ref, atol=1e-5)
     if sh_models.onednn_packs(getattr(torch, dtype)):
         assert model.model.layers[0].mlp.up_proj._packed is not None
-    twin = copy.deepcopy(model)                                                  # the opaque copy is not copied
+    twin = copy.deepcopy(model)  # the opaque copy is not copied
     assert twin.model.layers[0].mlp.up_proj._packed is None
     with torch.inference_mode():
         assert torch.equal(twin(ids).logits, logits)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_onednn_bf16),
-                                   pytest.param("float32", marks=needs_onednn)])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param("bfloat16", marks=needs_onednn_bf16), pytest.param("float32", marks=needs_onednn)]
+)
 def test_embedded_model_logits_with_packed_weights(monkeypatch, dtype):
     """A claim about the real model, checked on it: with every weight packed its bfloat16 logits are the same,
     bit for bit, as with plain ``F.linear``, and its float32 logits within 1e-3 (of values up to ~20, after 30 layers) with the same greedy tokens,
@@ -348,8 +352,8 @@ def test_embedded_model_logits_with_packed_weights(monkeypatch, dtype):
     torch.set_num_threads(2)
     text = "The budget keeps the pivotal tokens of every sequence, and the rest are dropped. " * 8
     model, tok = load_model("embedded", dtype=dtype)
-    ids = tok(text, return_tensors="pt").input_ids                                       # (1, L)
-    batch = ids[:, -32:].repeat(4, 1)                                                    # (4, 32)
+    ids = tok(text, return_tensors="pt").input_ids  # (1, L)
+    batch = ids[:, -32:].repeat(4, 1)  # (4, 32)
     with torch.inference_mode():
         packed = [model(input_ids=x).logits for x in (ids, batch)]
         assert model.model.layers[0].self_attn.q_proj._packed is not None
@@ -359,4 +363,4 @@ def test_embedded_model_logits_with_packed_weights(monkeypatch, dtype):
         if dtype == "bfloat16":
             assert torch.equal(p, q)
         else:
-            assert (p - q).abs().max() < 1e-3 and torch.equal(p.argmax(-1), q.argmax(-1))   # logits up to ~20
+            assert (p - q).abs().max() < 1e-3 and torch.equal(p.argmax(-1), q.argmax(-1))  # logits up to ~20

@@ -6,6 +6,7 @@ to the policy (recorded on layer 0) and decides, with plain lists and dicts, whi
 and KV head keeps (Algorithm 1's schedule, Algorithm 2's protections and ties, each policy's score).
 After every call the layer's kept tokens must be exactly the reference's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,14 @@ from scissorhands.policies.random import _MASK62
 from scissorhands.testing import tiny_llama
 
 EVICTING = [name for name, cls in POLICIES.items() if cls.evicts]
-SOURCES = {"scissorhands": "2305.17118", "streaming_llm": "2309.17453", "h2o": "2306.14048", "tova": "2401.06104",
-           "knorm": "2406.11430", "snapkv": "2404.14469"}
+SOURCES = {
+    "scissorhands": "2305.17118",
+    "streaming_llm": "2309.17453",
+    "h2o": "2306.14048",
+    "tova": "2401.06104",
+    "knorm": "2406.11430",
+    "snapkv": "2404.14469",
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +39,7 @@ def model():
 
 # ----------------------------------------------------------------------------- parameters and docs
 def test_registry_holds_every_policy_of_the_issue():
-    assert set(POLICIES) == {"full", "scissorhands", "streaming_llm", "h2o", "tova", "random", "knorm",
-                             "snapkv"}
+    assert set(POLICIES) == {"full", "scissorhands", "streaming_llm", "h2o", "tova", "random", "knorm", "snapkv"}
     for name, cls in POLICIES.items():
         assert cls.name == name
         assert dataclasses.is_dataclass(cls)
@@ -51,19 +57,29 @@ def test_docstring_says_what_it_keeps_and_cites_the_paper(name):
 
 
 @pytest.mark.parametrize("name", EVICTING)
-@pytest.mark.parametrize("field,bad", [("recent_window", -1), ("recent_window", 1.5), ("drop_tokens", 0),
-                                       ("drop_tokens", True)])
+@pytest.mark.parametrize(
+    "field,bad", [("recent_window", -1), ("recent_window", 1.5), ("drop_tokens", 0), ("drop_tokens", True)]
+)
 def test_shared_fields_are_validated_and_named(name, field, bad):
     with pytest.raises(ValueError, match=field):
         POLICIES[name](**{field: bad})
 
 
-@pytest.mark.parametrize("name,field,bad", [
-    ("scissorhands", "history_window", 0), ("scissorhands", "threshold", 0.0),
-    ("scissorhands", "count_chunk_steps", 7), ("scissorhands", "count_chunk_steps", 400),
-    ("streaming_llm", "n_sink", -1), ("random", "seed", -3), ("random", "seed", "a"),
-    ("snapkv", "window_size", 0), ("snapkv", "kernel_size", 4), ("snapkv", "kernel_size", True),
-])
+@pytest.mark.parametrize(
+    "name,field,bad",
+    [
+        ("scissorhands", "history_window", 0),
+        ("scissorhands", "threshold", 0.0),
+        ("scissorhands", "count_chunk_steps", 7),
+        ("scissorhands", "count_chunk_steps", 400),
+        ("streaming_llm", "n_sink", -1),
+        ("random", "seed", -3),
+        ("random", "seed", "a"),
+        ("snapkv", "window_size", 0),
+        ("snapkv", "kernel_size", 4),
+        ("snapkv", "kernel_size", True),
+    ],
+)
 def test_policy_fields_are_validated_and_named(name, field, bad):
     with pytest.raises(ValueError, match=field):
         POLICIES[name](**{field: bad})
@@ -76,10 +92,18 @@ def test_unknown_policy_and_parameter_name_the_valid_ones(model):
         make_cache("h2o", model, budget_tokens=8, n_sink=2)
 
 
-@pytest.mark.parametrize("name,budget,expect", [
-    ("scissorhands", 64, (10, 32)), ("scissorhands", 8, (4, 4)), ("random", 64, (10, 32)),
-    ("h2o", 64, (32, 1)), ("tova", 64, (0, 1)), ("streaming_llm", 64, (10, 1)), ("streaming_llm", 8, (2, 1)),
-])
+@pytest.mark.parametrize(
+    "name,budget,expect",
+    [
+        ("scissorhands", 64, (10, 32)),
+        ("scissorhands", 8, (4, 4)),
+        ("random", 64, (10, 32)),
+        ("h2o", 64, (32, 1)),
+        ("tova", 64, (0, 1)),
+        ("streaming_llm", 64, (10, 1)),
+        ("streaming_llm", 8, (2, 1)),
+    ],
+)
 def test_default_recent_window_and_drop_tokens(name, budget, expect):
     assert POLICIES[name]().resolve(budget) == expect
 
@@ -88,7 +112,7 @@ def test_streaming_sinks_shrink_to_fit_a_tiny_budget_and_explicit_windows_are_ch
     p = POLICIES["streaming_llm"]()
     assert p.sink_tokens(64) == 4 and p.sink_tokens(3) == 2 and p.resolve(1) == (0, 1)
     with pytest.raises(ValueError, match="budget_tokens"):
-        POLICIES["streaming_llm"](recent_window=5).resolve(9)       # 5 + 4 sinks + 1 > 9
+        POLICIES["streaming_llm"](recent_window=5).resolve(9)  # 5 + 4 sinks + 1 > 9
     with pytest.raises(ValueError, match="drop_tokens"):
         POLICIES["scissorhands"](recent_window=4, drop_tokens=5).resolve(8)
 
@@ -100,17 +124,17 @@ def test_state_dtypes_counts_are_integers_and_attention_sums_float32():
 
 def test_random_scores_are_seeded_uniform_and_fresh_per_eviction():
     p = POLICIES["random"](seed=1)
-    idx = torch.arange(4000).view(1, 1, -1).expand(2, 2, -1)                 # (b, h, S) token indices
+    idx = torch.arange(4000).view(1, 1, -1).expand(2, 2, -1)  # (b, h, S) token indices
     a = p.keep_score(None, idx, layer_idx=0, budget_tokens=8)
-    assert torch.equal(a, p.keep_score(None, idx, layer_idx=0, budget_tokens=8))        # deterministic
-    assert torch.equal(a[0], a[1])                                           # a row's draw depends on its tokens only
-    assert not torch.equal(a[:, 0], a[:, 1])                                 # heads differ
+    assert torch.equal(a, p.keep_score(None, idx, layer_idx=0, budget_tokens=8))  # deterministic
+    assert torch.equal(a[0], a[1])  # a row's draw depends on its tokens only
+    assert not torch.equal(a[:, 0], a[:, 1])  # heads differ
     assert not torch.equal(a, POLICIES["random"](seed=2).keep_score(None, idx, layer_idx=0, budget_tokens=8))
     assert not torch.equal(a, p.keep_score(None, idx, layer_idx=1, budget_tokens=8))
     later = p.keep_score(None, torch.cat([idx, idx[..., :1] + 4000], -1), layer_idx=0, budget_tokens=8)
-    assert not torch.equal(a, later[..., :-1])                               # a new eviction draws anew
+    assert not torch.equal(a, later[..., :-1])  # a new eviction draws anew
     assert 0 <= float(a.min()) and float(a.max()) < 1
-    hist = torch.histc(a[0, 0].float(), bins=10, min=0, max=1)               # 4000 draws, 400 expected per bin
+    hist = torch.histc(a[0, 0].float(), bins=10, min=0, max=1)  # 4000 draws, 400 expected per bin
     assert int(hist.min()) > 300 and int(hist.max()) < 500
 
 
@@ -142,8 +166,14 @@ class Recorder:
         return self._policy.init_state(keys, values)
 
     def observe(self, state, probs, visible, first_query):
-        self.log.append((probs.clone(), None if visible is None else visible.expand(probs.shape).clone(), first_query,
-                         self._layer.slot_time.clone()))
+        self.log.append(
+            (
+                probs.clone(),
+                None if visible is None else visible.expand(probs.shape).clone(),
+                first_query,
+                self._layer.slot_time.clone(),
+            )
+        )
         self._policy.observe(state, probs, visible, first_query)
 
 
@@ -154,7 +184,7 @@ class Reference:
         self.policy, self.budget = cache.policy, cache.budget
         self.kept = [[[] for _ in range(heads)] for _ in range(batch)]
         self.obs = [[defaultdict(dict) for _ in range(heads)] for _ in range(batch)]  # t -> {slot time: (p, n_t)}
-        self.key_norm = [[{} for _ in range(heads)] for _ in range(batch)]             # slot time -> L2 norm
+        self.key_norm = [[{} for _ in range(heads)] for _ in range(batch)]  # slot time -> L2 norm
         self.pads = [0] * batch
         self.heads = heads
 
@@ -173,7 +203,7 @@ class Reference:
     def record_keys(self, keys, times: list[int]):
         # float32 norms as the policy rounds them: in layer 0 a repeated token's keys differ only by RoPE,
         # which keeps the norm, so their norms tie up to rounding and a float64 sum could order them otherwise
-        norms = torch.linalg.vector_norm(keys.float(), dim=-1).tolist()             # (b, h, q)
+        norms = torch.linalg.vector_norm(keys.float(), dim=-1).tolist()  # (b, h, q)
         for i, row in enumerate(norms):
             for j, head in enumerate(row):
                 for t, norm in zip(times, head):
@@ -196,8 +226,11 @@ class Reference:
         if name == "scissorhands":
             w, c = pol.history_window, pol.count_chunk_steps
             in_window = (lambda q: q > t_last - w) if c == 1 else (lambda q: q // c > t_last // c - w // c)
-            count = sum(1 for q, row in self.obs[i][j].items() if in_window(q) and t in row
-                        and row[t][0] * row[t][1] < pol.threshold)
+            count = sum(
+                1
+                for q, row in self.obs[i][j].items()
+                if in_window(q) and t in row and row[t][0] * row[t][1] < pol.threshold
+            )
             return -count
         if name == "h2o":
             return sum(row[t][0] for row in self.obs[i][j].values() if t in row)
@@ -207,10 +240,10 @@ class Reference:
             return t - self.pads[i]
         if name == "knorm":
             return -self.key_norm[i][j][t]
-        if name == "snapkv":                                # votes averaged over the held neighbours in time order
+        if name == "snapkv":  # votes averaged over the held neighbours in time order
             kept, k = self.kept[i][j], pol.kernel_size
             at = kept.index(t)
-            near = kept[max(0, at - k // 2):at + k // 2 + 1]
+            near = kept[max(0, at - k // 2) : at + k // 2 + 1]
             return sum(sum(row[u][0] for row in self.obs[i][j].values() if u in row) for u in near) / k
         if name == "random":
             seen = max(self.kept[i][j]) - self.pads[i] + 1
@@ -222,11 +255,11 @@ class Reference:
         sinks = self.policy.sink_tokens(b)
         for j in range(self.heads):
             kept = self.kept[i][j]
-            protected = set(kept[len(kept) - r:]) if r else set()
+            protected = set(kept[len(kept) - r :]) if r else set()
             protected |= {t for t in kept if t - self.pads[i] < sinks}
             cands = [t for t in kept if t not in protected]
             assert len(cands) >= n
-            order = sorted(cands, key=lambda t: (self.score(i, j, t, t_last), t))   # ties: the older first
+            order = sorted(cands, key=lambda t: (self.score(i, j, t, t_last), t))  # ties: the older first
             gone = set(order[:n])
             self.kept[i][j] = [t for t in kept if t not in gone]
 
@@ -243,15 +276,17 @@ def _run_against_reference(model, policy, budget, prompt_ids, prompt_mask, chunk
     layer = cache.layers[0]
     rec = layer.policy = Recorder(layer.policy, layer)
     ref = Reference(cache, batch, model.config.num_key_value_heads)
-    pieces = [(prompt_ids[:, s:s + chunk], prompt_mask[:, s:s + chunk]) for s in range(0, prompt_ids.shape[1], chunk)]
+    pieces = [
+        (prompt_ids[:, s : s + chunk], prompt_mask[:, s : s + chunk]) for s in range(0, prompt_ids.shape[1], chunk)
+    ]
     pieces += [None] * decode_steps
-    mask, seen = prompt_mask[:, :0], 0
+    mask, seen, nxt = prompt_mask[:, :0], 0, None  # nxt: the token picked after each call, fed to the next
     with torch.inference_mode():
         for call, piece in enumerate(pieces):
             ids, piece_mask = piece if piece is not None else (nxt, torch.ones(batch, 1, dtype=torch.long))
             q = ids.shape[1]
-            mask = torch.cat([mask, piece_mask], 1)                                  # (batch, tokens seen)
-            if q == 1:                                                               # Algorithm 1: drop, then append
+            mask = torch.cat([mask, piece_mask], 1)  # (batch, tokens seen)
+            if q == 1:  # Algorithm 1: drop, then append
                 for i in range(batch):
                     if ref.held(i) >= budget:
                         ref.drop(i, cache.budget.drop_tokens, seen - 1)
@@ -262,7 +297,7 @@ def _run_against_reference(model, policy, budget, prompt_ids, prompt_mask, chunk
             ref.record(rec.log)
             for keys in rec.keys:
                 ref.record_keys(keys, list(range(seen, seen + q)))
-            if q > 1:                                                                # a multi-token call: compress
+            if q > 1:  # a multi-token call: compress
                 for i in range(batch):
                     if ref.held(i) > budget:
                         ref.drop(i, ref.held(i) - budget, seen + q - 1)
@@ -275,10 +310,10 @@ def _run_against_reference(model, policy, budget, prompt_ids, prompt_mask, chunk
 
 CASES = [
     ("scissorhands", {}),
-    ("scissorhands", dict(history_window=8, count_chunk_steps=1)),          # exact window, expires often
-    ("scissorhands", dict(history_window=12, count_chunk_steps=4)),         # chunked window, expires often
+    ("scissorhands", dict(history_window=8, count_chunk_steps=1)),  # exact window, expires often
+    ("scissorhands", dict(history_window=12, count_chunk_steps=4)),  # chunked window, expires often
     ("scissorhands", dict(recent_window=3, drop_tokens=2, threshold=0.5)),
-    ("scissorhands", dict(history_window=12, count_chunk_steps=4, drop_tokens=1)),   # long-lived slots
+    ("scissorhands", dict(history_window=12, count_chunk_steps=4, drop_tokens=1)),  # long-lived slots
     ("scissorhands", dict(history_window=6, count_chunk_steps=1, drop_tokens=2, recent_window=1)),
     ("streaming_llm", {}),
     ("streaming_llm", dict(n_sink=2, drop_tokens=3)),
@@ -290,7 +325,7 @@ CASES = [
     ("knorm", {}),
     ("knorm", dict(recent_window=2, drop_tokens=1)),
     ("snapkv", {}),
-    ("snapkv", dict(window_size=4, kernel_size=3, recent_window=2, drop_tokens=3)),   # window < chunk, decode votes
+    ("snapkv", dict(window_size=4, kernel_size=3, recent_window=2, drop_tokens=3)),  # window < chunk, decode votes
     ("snapkv", dict(window_size=8, kernel_size=1)),
 ]
 assert {c[0] for c in CASES} == set(EVICTING)
@@ -300,22 +335,27 @@ def _ids(batch, n, seed):
     return torch.randint(0, 128, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("policy,params", CASES, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
-                                                      for p, kw in CASES])
+@pytest.mark.parametrize(
+    "policy,params", CASES, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for p, kw in CASES]
+)
 def test_left_padded_batch_matches_the_reference(model, policy, params):
     ids = _ids(2, 24, 1)
     mask = torch.ones_like(ids)
-    mask[0, :5] = 0                                                          # row 0: 5 pads, 19 tokens
+    mask[0, :5] = 0  # row 0: 5 pads, 19 tokens
     cache, calls = _run_against_reference(model, policy, 12, ids, mask, chunk=24, decode_steps=40, **params)
     assert cache.evicted_tokens > 0 and calls == 41
 
 
-@pytest.mark.parametrize("policy,params", [c for c in CASES if not c[1] or c[1].get("count_chunk_steps")],
-                         ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()))
+@pytest.mark.parametrize(
+    "policy,params",
+    [c for c in CASES if not c[1] or c[1].get("count_chunk_steps")],
+    ids=lambda x: x if isinstance(x, str) else "-".join(f"{k}{v}" for k, v in x.items()),
+)
 def test_chunked_prefill_matches_the_reference(model, policy, params):
     ids = _ids(1, 40, 2)
-    cache, calls = _run_against_reference(model, policy, 12, ids, torch.ones_like(ids), chunk=16, decode_steps=20,
-                                          **params)
+    cache, calls = _run_against_reference(
+        model, policy, 12, ids, torch.ones_like(ids), chunk=16, decode_steps=20, **params
+    )
     assert calls == 3 + 20
 
 
@@ -326,8 +366,9 @@ def _greedy_steps(model, cache, ids, mask, calls: int) -> list:
     with torch.inference_mode():
         for _ in range(calls):
             out = model(nxt, attention_mask=seen_mask, cache=cache)
-            steps.append((out.logits.clone(), [(layer.slot_time.clone(), layer.state.clone())
-                                                for layer in cache.layers]))
+            steps.append(
+                (out.logits.clone(), [(layer.slot_time.clone(), layer.state.clone()) for layer in cache.layers])
+            )
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             seen_mask = torch.cat([seen_mask, torch.ones_like(nxt)], 1)
     return steps
@@ -345,13 +386,17 @@ def _assert_same_steps(run_a: list, run_b: list) -> None:
 
 # snapkv is left out: its observation window (the last `window_size` queries of a call) is its rule,
 # so observing more queries is another policy (test_snapkv_observes_the_last_window_size_queries).
-SKIPPING = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention and p != "snapkv"
-            and POLICIES[p](**kw).observed_queries(0, 40) < 40]
+SKIPPING = [
+    (p, kw)
+    for p, kw in CASES
+    if POLICIES[p].needs_attention and p != "snapkv" and POLICIES[p](**kw).observed_queries(0, 40) < 40
+]
 
 
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("policy,params", SKIPPING, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
-                                                         for p, kw in SKIPPING])
+@pytest.mark.parametrize(
+    "policy,params", SKIPPING, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for p, kw in SKIPPING]
+)
 def test_observing_only_the_needed_queries_changes_nothing(model, policy, params, padded):
     """A call hands `observe` only its last `observed_queries()` queries (the others run sdpa, the
     fresh unpadded prompt in one causal kernel): statistics, kept slots and logits equal a run in
@@ -373,8 +418,11 @@ def test_observing_only_the_needed_queries_changes_nothing(model, policy, params
 ATTENTION_CASES = [(p, kw) for p, kw in CASES if POLICIES[p].needs_attention]
 
 
-@pytest.mark.parametrize("policy,params", ATTENTION_CASES, ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}"
-                                                                for p, kw in ATTENTION_CASES])
+@pytest.mark.parametrize(
+    "policy,params",
+    ATTENTION_CASES,
+    ids=[f"{p}-{'-'.join(f'{k}{v}' for k, v in kw.items())}" for p, kw in ATTENTION_CASES],
+)
 def test_query_chunks_sized_by_rows_change_nothing(model, policy, params, monkeypatch):
     """Explicit attention runs in query chunks whose scores stay within CHUNK_SCORE_ELEMENTS, so a
     prefill of more rows runs smaller chunks: with chunks of 5 queries (2 rows, 40-token padded
@@ -402,7 +450,7 @@ def test_query_chunks_sized_by_rows_change_nothing(model, policy, params, monkey
         runs.append(_greedy_steps(model, cache, ids, mask, 13))
         chunk_calls.append(calls)
     observed = POLICIES[policy](**params).observed_queries(0, 40)
-    assert chunk_calls == [-(-observed // 5) + 12, (1 if observed else 0) + 12]   # prompt chunks + decode steps
+    assert chunk_calls == [-(-observed // 5) + 12, (1 if observed else 0) + 12]  # prompt chunks + decode steps
     _assert_same_steps(*runs)
 
 
@@ -418,7 +466,7 @@ def test_knorm_state_is_the_norm_of_the_key_as_computed_before_4_bit_encoding(mo
     assert torch.equal(layer.state[..., 0], torch.linalg.vector_norm(k, dim=-1))
     assert not torch.allclose(layer.state[..., 0], torch.linalg.vector_norm(layer.keys, dim=-1), atol=1e-3)
     score = cache.policy.keep_score(layer.state, layer.token_index(), layer_idx=0, budget_tokens=8)
-    assert torch.equal(score.argmax(-1), torch.linalg.vector_norm(k, dim=-1).argmin(-1))   # lowest norm kept first
+    assert torch.equal(score.argmax(-1), torch.linalg.vector_norm(k, dim=-1).argmin(-1))  # lowest norm kept first
 
 
 def test_snapkv_pools_votes_over_the_held_tokens_in_time_order():
@@ -426,9 +474,9 @@ def test_snapkv_pools_votes_over_the_held_tokens_in_time_order():
     skipped, so its neighbours pool each other as after a real eviction."""
     p = POLICIES["snapkv"](kernel_size=3)
     state = torch.tensor([3.0, 9.0, 0.0, 6.0, 5.0]).view(1, 1, 5, 1)
-    token_index = torch.tensor([[[0, -2, 1, 2, -1]]])              # slot 1 evicted, slot 4 padding filler
+    token_index = torch.tensor([[[0, -2, 1, 2, -1]]])  # slot 1 evicted, slot 4 padding filler
     score = p.keep_score(state, token_index, layer_idx=0, budget_tokens=4)
-    assert score[0, 0, [0, 2, 3]].tolist() == [1.0, 3.0, 2.0]      # (0+3+0)/3, (3+0+6)/3, (0+6+0)/3
+    assert score[0, 0, [0, 2, 3]].tolist() == [1.0, 3.0, 2.0]  # (0+3+0)/3, (3+0+6)/3, (0+6+0)/3
 
 
 def test_snapkv_observes_the_last_window_size_queries(model):
@@ -439,7 +487,7 @@ def test_snapkv_observes_the_last_window_size_queries(model):
         out = model(_ids(1, 40, 6), cache=cache)
         assert [(tuple(probs.shape[:3]), first) for probs, _, first, _ in rec.log] == [((1, 2, 4), 36)]
         rec.log.clear()
-        model(out.logits[:, -1:].argmax(-1), cache=cache)          # a decode step: its one query votes
+        model(out.logits[:, -1:].argmax(-1), cache=cache)  # a decode step: its one query votes
     assert [(tuple(probs.shape[:3]), first) for probs, _, first, _ in rec.log] == [((1, 2, 1), 40)]
 
 
@@ -453,14 +501,21 @@ def test_check_int_refuses_what_is_not_a_whole_number_in_range_naming_the_field(
     check_int("recent_window", None, 0, optional=True)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: __import__("replica.types").types.GenerationRequest("r", [1], -1),
-     "max_new_tokens: expected an integer >= 1, got -1"),
-    (lambda: __import__("replica.types").types.EngineConfig(max_batch=-1),
-     "max_batch: expected an integer >= 1 or null, got -1"),
-    (lambda: POLICIES["h2o"](recent_window=-1), "recent_window: expected an integer >= 0 or null, got -1"),
-    (lambda: POLICIES["snapkv"](window_size=True), "window_size: expected an integer >= 1, got True"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda: __import__("replica.types").types.GenerationRequest("r", [1], -1),
+            "max_new_tokens: expected an integer >= 1, got -1",
+        ),
+        (
+            lambda: __import__("replica.types").types.EngineConfig(max_batch=-1),
+            "max_batch: expected an integer >= 1 or null, got -1",
+        ),
+        (lambda: POLICIES["h2o"](recent_window=-1), "recent_window: expected an integer >= 0 or null, got -1"),
+        (lambda: POLICIES["snapkv"](window_size=True), "window_size: expected an integer >= 1, got True"),
+    ],
+)
 def test_the_library_and_the_engine_give_one_integer_message(make, message):
     """One integer check (scissorhands.checks.check_int) behind the library's, the engine's and the load
     generator's arguments, so every such error names its field the same way."""
@@ -476,9 +531,9 @@ def test_scissorhands_below_threshold_is_exact_arithmetic():
     for threshold in (1.0, 0.7, 0.5):
         pol = POLICIES["scissorhands"](threshold=threshold)
         visible = torch.rand(2, 3, 40, 37, generator=g) > 0.3
-        visible[0, 0, 0] = False                                            # a query that sees nothing
+        visible[0, 0, 0] = False  # a query that sees nothing
         n_t = visible.sum(-1, keepdim=True)
-        at = (threshold / n_t.clamp(min=1).double()).float()                # nearest float32 to the threshold
+        at = (threshold / n_t.clamp(min=1).double()).float()  # nearest float32 to the threshold
         probs = torch.rand(2, 3, 40, 37, generator=g) / 10
         probs[..., :5] = at.expand(-1, -1, -1, 5)
         probs[..., 5:10] = torch.nextafter(at, torch.zeros(())).expand(-1, -1, -1, 5)

@@ -1,5 +1,6 @@
 """Standalone use as a transformers user expects (no Ray): the README example, both cache keyword
 spellings, and the supported architectures (Llama, Mistral, Qwen2, OPT) with tiny random configs."""
+
 from __future__ import annotations
 
 import re
@@ -7,8 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import (DynamicCache, GPT2Config, MistralConfig, MistralForCausalLM, OPTConfig, OPTForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    DynamicCache,
+    GPT2Config,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.tokenization_utils_base import BatchEncoding
 
 import scissorhands
@@ -56,8 +65,9 @@ def test_readme_example_runs_with_a_tiny_model(model, monkeypatch, capsys):
 
 
 def _generate(model, ids, **kw):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
-                          pad_token_id=0, **kw)
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False, pad_token_id=0, **kw
+    )
 
 
 def test_cache_and_past_key_values_spellings_give_the_same_tokens(model):
@@ -66,7 +76,7 @@ def test_cache_and_past_key_values_spellings_give_the_same_tokens(model):
     a = _generate(model, ids, cache=caches[0])
     b = _generate(model, ids, past_key_values=caches[1])
     assert torch.equal(a, b) and caches[1].get_seq_length() == 49 and caches[1].evicted_tokens > 0
-    with torch.inference_mode():                                                 # a direct forward call
+    with torch.inference_mode():  # a direct forward call
         out = model(ids, cache=caches[2])
         assert out.past_key_values is caches[2] and max(caches[2].num_slots()) <= 12
 
@@ -87,18 +97,20 @@ def test_no_ray_in_the_library():
 
 # ----------------------------------------------------------------------------- architectures
 def _tiny(kind: str):
-    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=512)
+    common = dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         if kind == "llama":
             m = tiny_llama(0)
         elif kind == "mistral":
-            m = MistralForCausalLM(MistralConfig(intermediate_size=128, num_key_value_heads=2, sliding_window=None,
-                                                 **common))
+            m = MistralForCausalLM(
+                MistralConfig(intermediate_size=128, num_key_value_heads=2, sliding_window=None, **common)
+            )
         elif kind == "qwen2":
             m = Qwen2ForCausalLM(Qwen2Config(intermediate_size=128, num_key_value_heads=2, **common))
-        else:                                       # OPT: multi-head attention, learned positions
+        else:  # OPT: multi-head attention, learned positions
             m = OPTForCausalLM(OPTConfig(ffn_dim=128, word_embed_proj_dim=64, **common))
     m.eval()
     m.generation_config.eos_token_id = None
@@ -112,8 +124,16 @@ def _run(m, cache, new=24):
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
-    return m.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new, do_sample=False,
-                      output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return m.generate(
+        ids,
+        attention_mask=mask,
+        cache=cache,
+        max_new_tokens=new,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -147,5 +167,6 @@ def test_unsupported_architectures_raise_naming_the_type_and_the_supported_ones(
     with pytest.raises(ValueError, match="sliding"):
         make_cache("scissorhands", MistralConfig(sliding_window=4096), budget_tokens=8)
     with pytest.raises(ValueError, match="sliding"):
-        make_cache("full", Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0,
-                                       num_hidden_layers=2))
+        make_cache(
+            "full", Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=2)
+        )

@@ -1,5 +1,6 @@
 """The throughput-quality frontier (`make frontier`, workloads/frontier): the Pareto rule, the suite, one point's
 two measurements on one cache, and the whole path end to end on the tiny model (Ray, through `make`)."""
+
 import json
 import math
 import shutil
@@ -36,23 +37,33 @@ def test_shipped_frontier_suite_runs_every_policy_at_each_ratio_and_full_once():
     points = suite.points()
     evicting = [p for p in POLICIES if POLICIES[p].evicts]
     assert [(p.policy, p.compression_ratio) for p in points] == [
-        (name, r) for name in POLICIES for r in ((None,) if name not in evicting else (2.0, 5.0))]
+        (name, r) for name in POLICIES for r in ((None,) if name not in evicting else (2.0, 5.0))
+    ]
     assert len({p.point_id for p in points}) == len(points)
     assert {(p.prompt_tokens, p.new_tokens, p.kv_limit_full_sequences) for p in points} == {(512, 128, 2)}
 
 
-BASE = {"kind": "frontier", "model": "tiny-llama", "policies": ["full", "scissorhands"], "compression_ratios": [4],
-        "prompt_tokens": 24, "new_tokens": 8}
+BASE = {
+    "kind": "frontier",
+    "model": "tiny-llama",
+    "policies": ["full", "scissorhands"],
+    "compression_ratios": [4],
+    "prompt_tokens": 24,
+    "new_tokens": 8,
+}
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"kv_memory_limit": {"full_sequences": 2, "bytes": 1000}}, r"kv_memory_limit: give exactly one"),
-    ({"kv_memory_limit": {}}, r"kv_memory_limit: give exactly one"),
-    ({"budget_tokens": [8]}, r"budget_tokens: frontier suites compress by compression_ratios"),
-    ({"prompt_tokens": 0}, r"prompt_tokens"),
-    ({"perplexity_tokens": 64}, r"perplexity_tokens: unknown key"),
-    ({"kv_memory_limit": {"bytes": 0}}, r"kv_memory_limit.bytes: Input should be greater than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"kv_memory_limit": {"full_sequences": 2, "bytes": 1000}}, r"kv_memory_limit: give exactly one"),
+        ({"kv_memory_limit": {}}, r"kv_memory_limit: give exactly one"),
+        ({"budget_tokens": [8]}, r"budget_tokens: frontier suites compress by compression_ratios"),
+        ({"prompt_tokens": 0}, r"prompt_tokens"),
+        ({"perplexity_tokens": 64}, r"perplexity_tokens: unknown key"),
+        ({"kv_memory_limit": {"bytes": 0}}, r"kv_memory_limit.bytes: Input should be greater than or equal to 1"),
+    ],
+)
 def test_invalid_frontier_suites_name_the_field(change, message):
     with pytest.raises(SuiteError, match=message):
         parse_suite({**BASE, **change})
@@ -74,8 +85,10 @@ def test_one_point_measures_both_numbers_on_one_cache(model):
     from workloads.frontier.point import run_frontier_point
     from workloads.quality.perplexity import heldout_windows, perplexity
 
-    full_row_bytes = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=32)).final_slots(24, 8) * \
-        ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=32)).slot_bytes
+    full_row_bytes = (
+        ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=32)).final_slots(24, 8)
+        * ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=32)).slot_bytes
+    )
     points = parse_suite(BASE).points()
     full, sh = (run_frontier_point(model, None, p) for p in points)
     assert full["kv_memory_limit_bytes"] == sh["kv_memory_limit_bytes"] == 2 * full_row_bytes
@@ -84,22 +97,48 @@ def test_one_point_measures_both_numbers_on_one_cache(model):
     assert sh["batch_size"] > full["batch_size"] and sh["max_batch_verified"] and full["max_batch_verified"]
     assert sh["kv_cache_bytes"] <= sh["kv_memory_limit_bytes"]
     assert sh["output_tokens"] == 8 * sh["batch_size"] and sh["output_throughput_tok_per_s"] > 0
-    expected = perplexity(model, heldout_windows(None, 32, 1, 0, vocab_size=model.config.vocab_size), "scissorhands", 4.0)
+    expected = perplexity(
+        model, heldout_windows(None, 32, 1, 0, vocab_size=model.config.vocab_size), "scissorhands", 4.0
+    )
     assert sh["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-9) and sh["perplexity_tokens_scored"] == 32
 
 
 def test_report_marks_the_frontier_in_the_table():
     def rec(pid, policy, ratio, tok_s, ppl):
-        return {"point_id": pid, "status": "ok", "policy": policy, "compression_ratio": ratio, "budget_tokens": 8,
-                "batch_size": 2, "output_throughput_tok_per_s": tok_s, "output_tok_per_cpu_s": tok_s / 2,
-                "decode_tokens_per_s": tok_s, "perplexity": ppl, "kv_cache_bytes": 1 << 20, "max_batch_verified": True,
-                "kv_memory_limit_bytes": 2 << 20, "prompt_tokens": 24, "new_tokens": 8, "perplexity_tokens_scored": 32,
-                "dtype": "bfloat16"}
-    rows = frontier_rows([rec("a", "full", None, 10.0, 20.0), rec("b", "h2o", 4.0, 30.0, 25.0),
-                          rec("c", "tova", 4.0, 20.0, 26.0),
-                          {"point_id": "d", "status": "error", "error": "boom", "policy": "random"}])
+        return {
+            "point_id": pid,
+            "status": "ok",
+            "policy": policy,
+            "compression_ratio": ratio,
+            "budget_tokens": 8,
+            "batch_size": 2,
+            "output_throughput_tok_per_s": tok_s,
+            "output_tok_per_cpu_s": tok_s / 2,
+            "decode_tokens_per_s": tok_s,
+            "perplexity": ppl,
+            "kv_cache_bytes": 1 << 20,
+            "max_batch_verified": True,
+            "kv_memory_limit_bytes": 2 << 20,
+            "prompt_tokens": 24,
+            "new_tokens": 8,
+            "perplexity_tokens_scored": 32,
+            "dtype": "bfloat16",
+        }
+
+    rows = frontier_rows(
+        [
+            rec("a", "full", None, 10.0, 20.0),
+            rec("b", "h2o", 4.0, 30.0, 25.0),
+            rec("c", "tova", 4.0, 20.0, 26.0),
+            {"point_id": "d", "status": "error", "error": "boom", "policy": "random"},
+        ]
+    )
     assert [(r["label"], r["on_frontier"]) for r in rows] == [
-        ("h2o x4", True), ("tova x4", False), ("full", True), ("random", None)]
+        ("h2o x4", True),
+        ("tova x4", False),
+        ("full", True),
+        ("random", None),
+    ]
     table = markdown(rows)
     assert "| h2o x4 | bfloat16 | 8 | 2 | 30.0 | 15.00 | 30.0 | 25.000 | 1.00 | True | yes | ok |" in table
     assert "| tova x4 | bfloat16 | 8 | 2 | 20.0 | 10.00 | 20.0 | 26.000 | 1.00 | True |  | ok |" in table
@@ -109,16 +148,35 @@ def test_report_marks_the_frontier_in_the_table():
 def test_points_of_another_dtype_get_their_own_frontier():
     """Measured: under load, `dtype: auto` resolved to bfloat16 on one replica and float32 on the other; a
     float32 point (its own KV limit in bytes) must not be ranked against the bfloat16 ones."""
-    base = {"status": "ok", "policy": "h2o", "batch_size": 2, "kv_memory_limit_bytes": 100, "prompt_tokens": 24,
-            "new_tokens": 8, "perplexity_tokens_scored": 32, "dtype": "bfloat16"}
-    rows = frontier_rows([
-        dict(base, point_id="a", compression_ratio=2.0, output_throughput_tok_per_s=10.0, perplexity=20.0),
-        dict(base, point_id="b", compression_ratio=5.0, output_throughput_tok_per_s=30.0, perplexity=19.0),
-        dict(base, point_id="c", compression_ratio=4.0, output_throughput_tok_per_s=5.0, perplexity=21.0,
-             dtype="float32", kv_memory_limit_bytes=200)])
+    base = {
+        "status": "ok",
+        "policy": "h2o",
+        "batch_size": 2,
+        "kv_memory_limit_bytes": 100,
+        "prompt_tokens": 24,
+        "new_tokens": 8,
+        "perplexity_tokens_scored": 32,
+        "dtype": "bfloat16",
+    }
+    rows = frontier_rows(
+        [
+            dict(base, point_id="a", compression_ratio=2.0, output_throughput_tok_per_s=10.0, perplexity=20.0),
+            dict(base, point_id="b", compression_ratio=5.0, output_throughput_tok_per_s=30.0, perplexity=19.0),
+            dict(
+                base,
+                point_id="c",
+                compression_ratio=4.0,
+                output_throughput_tok_per_s=5.0,
+                perplexity=21.0,
+                dtype="float32",
+                kv_memory_limit_bytes=200,
+            ),
+        ]
+    )
     assert [(r["point_id"], r["on_frontier"]) for r in rows] == [("b", True), ("a", False), ("c", True)]
-    assert markdown(rows).startswith("**Not one comparison: the points ran in 2 settings (dtype, KV limit in bytes): "
-                                     "bfloat16, 100 B; float32, 200 B")
+    assert markdown(rows).startswith(
+        "**Not one comparison: the points ran in 2 settings (dtype, KV limit in bytes): bfloat16, 100 B; float32, 200 B"
+    )
 
 
 @pytest.mark.ray
@@ -128,27 +186,45 @@ def test_make_frontier_end_to_end_on_the_tiny_model(tmp_path):
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
     venv = Path(sys.executable).parent.parent
-    cmd = ["make", "-s", "-C", str(REPO), f"VENV={venv}", "-o", f"{venv}/.installed", "frontier",
-           f"FRONTIER_SUITE={TINY_SUITE}", f"ARGS=--results-dir {tmp_path} --run-id e2e --pushgateway off"]
+    cmd = [
+        "make",
+        "-s",
+        "-C",
+        str(REPO),
+        f"VENV={venv}",
+        "-o",
+        f"{venv}/.installed",
+        "frontier",
+        f"FRONTIER_SUITE={TINY_SUITE}",
+        f"ARGS=--results-dir {tmp_path} --run-id e2e --pushgateway off",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = tmp_path / "e2e"
     recs = res.read_records(str(run_dir / "points.jsonl"))
     assert [(r["kind"], r["policy"], r["status"]) for r in recs] == [
-        ("frontier", "full", "ok"), ("frontier", "scissorhands", "ok")]
-    replica_ids = {r["replica_id"] for r in recs}                 # Serve's id of the one replica, on both
+        ("frontier", "full", "ok"),
+        ("frontier", "scissorhands", "ok"),
+    ]
+    replica_ids = {r["replica_id"] for r in recs}  # Serve's id of the one replica, on both
     assert len(replica_ids) == 1 and isinstance(replica_ids.pop(), str)
     assert recs[1]["batch_size"] > recs[0]["batch_size"] == 2 and recs[1]["budget_tokens"] == 8
-    assert recs[1]["policy_params"]["effective_recent_window"] is not None     # build_record resolved them
+    assert recs[1]["policy_params"]["effective_recent_window"] is not None  # build_record resolved them
     assert (run_dir / "frontier.png").stat().st_size > 10_000
     table = (run_dir / "table.md").read_text()
-    assert "| scissorhands x4 | float32 | 8 |" in table and "| full | float32 | - | 2 |" in table and table in out.stdout
+    assert (
+        "| scissorhands x4 | float32 | 8 |" in table and "| full | float32 | - | 2 |" in table and table in out.stdout
+    )
     assert json.loads((run_dir / "run.json").read_text())["suite"]["kind"] == "frontier"
 
     from workloads.frontier import runner
 
-    assert runner.main([str(TINY_SUITE), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path),
-                        "--run-id", "local"]) == 0
+    assert (
+        runner.main(
+            [str(TINY_SUITE), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path), "--run-id", "local"]
+        )
+        == 0
+    )
     local = res.read_records(str(tmp_path / "local" / "points.jsonl"))
     for a, b in zip(recs, local):
         assert a["point_id"] == b["point_id"] and a["batch_size"] == b["batch_size"]

@@ -49,9 +49,20 @@ def _session(suite) -> Session:
 
 
 def test_sweep_sends_each_point_as_a_batch_spec(monkeypatch):
-    suite = parse_suite(dict(kind="batch", name="t", model="tiny-llama", policies=["full", "scissorhands"],
-                             compression_ratios=[2], budget_tokens=[30], batch_sizes=[3], prompt_tokens=[64],
-                             new_tokens=[16], seed=5))
+    suite = parse_suite(
+        dict(
+            kind="batch",
+            name="t",
+            model="tiny-llama",
+            policies=["full", "scissorhands"],
+            compression_ratios=[2],
+            budget_tokens=[30],
+            batch_sizes=[3],
+            prompt_tokens=[64],
+            new_tokens=[16],
+            seed=5,
+        )
+    )
     points = suite.points()
     handle = _Handle()
     _fake_cluster(monkeypatch, handle)
@@ -60,14 +71,26 @@ def test_sweep_sends_each_point_as_a_batch_spec(monkeypatch):
     specs = [args[0] for _, args in handle.calls]
     assert all(type(s) is BatchSpec and len(args) == 1 for s, (_, args) in zip(specs, handle.calls))
     assert [(s.policy, s.compression_ratio, s.budget_tokens) for s in specs] == [
-        ("full", None, None), ("scissorhands", 2.0, None), ("scissorhands", None, 30)]
+        ("full", None, None),
+        ("scissorhands", 2.0, None),
+        ("scissorhands", None, 30),
+    ]
     assert {(s.batch_size, s.prompt_tokens, s.new_tokens, s.seed, s.random_ids, s.prompt_ids) for s in specs} == {
-        (3, 64, 16, 5, False, None)}
+        (3, 64, 16, 5, False, None)
+    }
 
 
 def test_apply_points_are_sent_as_the_workloads_dataclass(monkeypatch):
-    suite = parse_suite({"kind": "frontier", "model": "tiny-llama", "policies": ["full", "scissorhands"],
-                         "compression_ratios": [4], "prompt_tokens": 24, "new_tokens": 8})
+    suite = parse_suite(
+        {
+            "kind": "frontier",
+            "model": "tiny-llama",
+            "policies": ["full", "scissorhands"],
+            "compression_ratios": [4],
+            "prompt_tokens": 24,
+            "new_tokens": 8,
+        }
+    )
     points = suite.points()
     handle = _Handle()
     _fake_cluster(monkeypatch, handle)

@@ -14,18 +14,31 @@ from workloads.core.push import PointPublisher, SweepPusher
 from workloads.kinds import parse_suite
 
 PUSHGATEWAY = find_binary("prometheus-pushgateway")
-pytestmark = [pytest.mark.prometheus,
-              pytest.mark.skipif(PUSHGATEWAY is None, reason="prometheus-pushgateway not installed")]
+pytestmark = [
+    pytest.mark.prometheus,
+    pytest.mark.skipif(PUSHGATEWAY is None, reason="prometheus-pushgateway not installed"),
+]
 
-SUITE = dict(kind="batch", name="t", model="tiny-llama", compression_ratios=[2], batch_sizes=[1], prompt_tokens=[64],
-             new_tokens=[16], policies=["scissorhands", {"name": "scissorhands", "params": {"recent_window": 4}}])
+SUITE = dict(
+    kind="batch",
+    name="t",
+    model="tiny-llama",
+    compression_ratios=[2],
+    batch_sizes=[1],
+    prompt_tokens=[64],
+    new_tokens=[16],
+    policies=["scissorhands", {"name": "scissorhands", "params": {"recent_window": 4}}],
+)
 
 
 @pytest.fixture()
 def pushgateway(tmp_path):
     port = free_port()
-    proc = subprocess.Popen([PUSHGATEWAY, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PUSHGATEWAY, f"--web.listen-address=127.0.0.1:{port}", "--persistence.file="],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"127.0.0.1:{port}"
 
     def up():
@@ -55,10 +68,23 @@ def _series(url: str, name: str, run_id: str) -> dict[str, float]:
 
 def _records(run_id: str) -> list[dict]:
     suite = parse_suite(SUITE)
-    return [results.build_record(kind="batch", run_id=run_id, commit="c", suite=suite, point=p, status="ok",
-                                 metrics={"budget_tokens": 40, "batch_size": 1, "kv_cache_bytes": 1000 + p.index,
-                                          "output_throughput_tok_per_s": 10.0 + p.index})
-            for p in suite.points()]
+    return [
+        results.build_record(
+            kind="batch",
+            run_id=run_id,
+            commit="c",
+            suite=suite,
+            point=p,
+            status="ok",
+            metrics={
+                "budget_tokens": 40,
+                "batch_size": 1,
+                "kv_cache_bytes": 1000 + p.index,
+                "output_throughput_tok_per_s": 10.0 + p.index,
+            },
+        )
+        for p in suite.points()
+    ]
 
 
 def test_points_differing_only_in_recent_window_have_their_own_series(pushgateway):
@@ -66,19 +92,23 @@ def test_points_differing_only_in_recent_window_have_their_own_series(pushgatewa
     assert a["point_id"] != b["point_id"] and a["policy"] == b["policy"] == "scissorhands"
     pusher = SweepPusher(pushgateway, "run-window")
     assert pusher.push_point(a) and pusher.push_point(b)
-    assert _series(pushgateway, "scissorhands_sweep_kv_cache_bytes", "run-window") == {a["point_id"]: 1000,
-                                                                                       b["point_id"]: 1001}
+    assert _series(pushgateway, "scissorhands_sweep_kv_cache_bytes", "run-window") == {
+        a["point_id"]: 1000,
+        b["point_id"]: 1001,
+    }
 
 
 def test_a_resumed_run_keeps_the_series_pushed_before_the_resume(pushgateway, tmp_path):
     a, b = _records("run-resume")
     path = str(tmp_path / "points.jsonl")
     first = PointPublisher(path, SweepPusher(pushgateway, "run-resume"), done=0, planned=2)
-    first(a)                                                     # the run stops after its first point
+    first(a)  # the run stops after its first point
     resumed = PointPublisher(path, SweepPusher(pushgateway, "run-resume"), done=1, planned=2)
     resumed(b)
     assert _series(pushgateway, "scissorhands_sweep_output_throughput_tokens_per_second", "run-resume") == {
-        a["point_id"]: 10.0, b["point_id"]: 11.0}
+        a["point_id"]: 10.0,
+        b["point_id"]: 11.0,
+    }
     assert _series(pushgateway, "scissorhands_sweep_points_completed", "run-resume") == {"": 2}
     # the largest completed batch still counts the point recorded before the resume
     assert resumed.pusher._max_batch == {("scissorhands", "2", "", "tiny-llama"): 1}
@@ -91,14 +121,21 @@ def test_after_resume_of_a_quality_run_the_earlier_points_keep_their_series(push
 
     from workloads.quality import runner
 
-    suite = {"name": "q", "kind": "quality", "model": "tiny-llama", "policies": ["full", "scissorhands"],
-             "compression_ratios": [1, 3], "perplexity": {"tokens": 32, "windows": 1}, "replicas": 1}
+    suite = {
+        "name": "q",
+        "kind": "quality",
+        "model": "tiny-llama",
+        "policies": ["full", "scissorhands"],
+        "compression_ratios": [1, 3],
+        "perplexity": {"tokens": 32, "windows": 1},
+        "replicas": 1,
+    }
     path = tmp_path / "q.yaml"
-    path.write_text(yaml.safe_dump(dict(suite, policies=["full"])))     # the first run: one point
+    path.write_text(yaml.safe_dump(dict(suite, policies=["full"])))  # the first run: one point
     args = ["--local", "--pushgateway", pushgateway, "--results-dir", str(tmp_path / "r")]
     assert runner.main([str(path), *args, "--run-id", "q-resume"]) == 0
     [first] = results.read_records(str(tmp_path / "r" / "q-resume" / "points.jsonl"))
-    path.write_text(yaml.safe_dump(suite))                              # resumed with the whole suite
+    path.write_text(yaml.safe_dump(suite))  # resumed with the whole suite
     assert runner.main([str(path), *args, "--resume", "q-resume"]) == 0
     records = results.read_records(str(tmp_path / "r" / "q-resume" / "points.jsonl"))
     assert len(records) == 3 and records[0]["point_id"] == first["point_id"]

@@ -1,4 +1,5 @@
 """Chunked evaluation equals token-by-token decoding with eviction (workloads.quality.chunks / perplexity)."""
+
 from __future__ import annotations
 
 import math
@@ -34,10 +35,10 @@ def text():
 def test_call_lengths_follow_the_decode_rule():
     # B = 10, m = 5 from empty: 10 at once, then (1 drop-and-append, 4 refill) per compression
     assert decode_call_lengths(23, 10, 5) == [10, 1, 4, 1, 4, 1, 2]
-    assert decode_call_lengths(7, 10, 5) == [7]                     # never reaches B: one call
+    assert decode_call_lengths(7, 10, 5) == [7]  # never reaches B: one call
     assert decode_call_lengths(4, 10, 5, held_tokens=10) == [1, 3]  # after a prompt compressed to B
     assert decode_call_lengths(3, 4, 1) == [3]
-    assert decode_call_lengths(6, 4, 1) == [4, 1, 1]                # m = 1: every step past B is a single call
+    assert decode_call_lengths(6, 4, 1) == [4, 1, 1]  # m = 1: every step past B is a single call
     assert decode_call_lengths(50, None, None) == [50]
     with pytest.raises(ValueError, match="drop_tokens"):
         decode_call_lengths(5, 4, 0)
@@ -59,11 +60,11 @@ def test_chunked_equals_token_by_token(model, text, policy, ratio):
     b = token_logprobs(model, stepwise, x, y, call_lengths=[1] * TOKENS)
     budget, drop = cache_schedule(chunked)
     assert budget == math.ceil(TOKENS / ratio)
-    assert chunked.evicted_tokens > 0                               # compressions did happen
+    assert chunked.evicted_tokens > 0  # compressions did happen
     calls = decode_call_lengths(TOKENS, budget, drop)
-    assert calls[0] == budget and all(q == 1 for q in calls[1::2])        # every compression is a 1-token call
+    assert calls[0] == budget and all(q == 1 for q in calls[1::2])  # every compression is a 1-token call
     if drop > 1:
-        assert len(calls) < TOKENS / 2                                    # prefill speed: far fewer calls
+        assert len(calls) < TOKENS / 2  # prefill speed: far fewer calls
     torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
     for sa, sb in zip(_slot_times(chunked), _slot_times(stepwise)):  # the very same tokens were kept
         assert torch.equal(sa, sb)
@@ -72,10 +73,16 @@ def test_chunked_equals_token_by_token(model, text, policy, ratio):
 def test_naive_chunking_differs(model, text):
     """The control: fixed 32-token chunks put compressions inside calls, so the losses change."""
     x, y = text[:, :-1], text[:, 1:]
-    naive = token_logprobs(model, make_cache("scissorhands", model, compression_ratio=3, max_length=TOKENS), x, y,
-                           call_lengths=[32] * 3)
-    exact = token_logprobs(model, make_cache("scissorhands", model, compression_ratio=3, max_length=TOKENS), x, y,
-                           call_lengths=[1] * TOKENS)
+    naive = token_logprobs(
+        model, make_cache("scissorhands", model, compression_ratio=3, max_length=TOKENS), x, y, call_lengths=[32] * 3
+    )
+    exact = token_logprobs(
+        model,
+        make_cache("scissorhands", model, compression_ratio=3, max_length=TOKENS),
+        x,
+        y,
+        call_lengths=[1] * TOKENS,
+    )
     assert (naive - exact).abs().max() > 1e-3
 
 
@@ -90,15 +97,16 @@ def test_quantized_caches_are_fed_one_token_per_call(model, text, policy):
     plain = make_cache(policy, model, **kw)
     if policy == "full" or policy in MERGED_SCHEDULE_POLICIES:
         assert evaluation_call_lengths(plain, TOKENS) == decode_call_lengths(TOKENS, *cache_schedule(plain))
-    else:   # not proved equal on the embedded model (knorm is not): decoding's own schedule
+    else:  # not proved equal on the embedded model (knorm is not): decoding's own schedule
         assert evaluation_call_lengths(plain, TOKENS) == [1] * TOKENS
     w = text[0].tolist()
     assert window_nll(model, w, policy, 5, kv_bits=4, policy_params={"kv_group_size": 16})["forward_calls"] == TOKENS
     x, y = text[:, :-1], text[:, 1:]
     a = token_logprobs(model, make_cache(policy, model, kv_bits=4, kv_group_size=16, **kw), x, y)
-    b = token_logprobs(model, make_cache(policy, model, kv_bits=4, kv_group_size=16, **kw), x, y,
-                       call_lengths=[1] * TOKENS)
-    assert torch.equal(a, b)                                          # bit for bit: the very same calls
+    b = token_logprobs(
+        model, make_cache(policy, model, kv_bits=4, kv_group_size=16, **kw), x, y, call_lengths=[1] * TOKENS
+    )
+    assert torch.equal(a, b)  # bit for bit: the very same calls
 
 
 def test_fewshot_continuation_with_4_bit_is_decoded_one_token_per_call(model, monkeypatch):
@@ -112,7 +120,9 @@ def test_fewshot_continuation_with_4_bit_is_decoded_one_token_per_call(model, mo
         return calls[-1]
 
     monkeypatch.setattr(chunks, "evaluation_call_lengths", spy)
-    doc = fewshot.Doc(0, (("a context that is long enough", " one answer"), ("a context that is long enough", " two")), 0)
+    doc = fewshot.Doc(
+        0, (("a context that is long enough", " one answer"), ("a context that is long enough", " two")), 0
+    )
     fewshot.score_doc(model, None, doc, "scissorhands", 3, kv_bits=4, policy_params={"kv_group_size": 16})
     assert calls == [[1] * (len(" one answer") - 1), [1] * (len(" two") - 1)]
     calls.clear()
@@ -197,7 +207,7 @@ def test_embedded_merged_schedule_equals_decoding_without_quantization():
         assert len(evaluation_call_lengths(make_cache(policy, model, compression_ratio=3, max_length=n), n)) < n
         assert merged.evicted_tokens > 0
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"policy {policy}")
-        assert float((a - b).abs().mean()) < 1e-4, policy             # far below the 4-bit merged fault
+        assert float((a - b).abs().mean()) < 1e-4, policy  # far below the 4-bit merged fault
         for sa, sb in zip(_slot_times(merged), _slot_times(step)):
             assert torch.equal(sa, sb), policy
 
@@ -217,12 +227,13 @@ def test_embedded_4_bit_perplexity_is_decoding():
     cache = make_cache("scissorhands", model, compression_ratio=5, max_length=n, kv_bits=4)
     step = torch.empty(n)
     with torch.inference_mode():
-        for i in range(n):                                        # decoding, written out
-            logits = model(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True).logits
+        for i in range(n):  # decoding, written out
+            logits = model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits
             step[i] = torch.log_softmax(logits[0, -1].float(), -1)[ids[0, i + 1]]
     assert point["nll_sum"] == pytest.approx(-float(step.double().sum()), rel=1e-9, abs=1e-6)
     merged_cache = make_cache("scissorhands", model, compression_ratio=5, max_length=n, kv_bits=4)
     budget, drop = cache_schedule(merged_cache)
-    merged = token_logprobs(model, merged_cache, ids[:, :-1], ids[:, 1:],
-                            call_lengths=decode_call_lengths(n, budget, drop))
+    merged = token_logprobs(
+        model, merged_cache, ids[:, :-1], ids[:, 1:], call_lengths=decode_call_lengths(n, budget, drop)
+    )
     assert float((merged - step).abs().mean()) > 0.01

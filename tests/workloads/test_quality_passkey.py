@@ -1,4 +1,5 @@
 """Passkey retrieval (workloads.quality.passkey): the prompt, greedy decoding through the cache, scoring, suites."""
+
 from __future__ import annotations
 
 import math
@@ -38,18 +39,18 @@ def test_prompt_has_the_length_and_the_needle_at_the_depth(tokenizer, hay, depth
     head, tail = _ids(tokenizer, pk.INSTRUCTION), _ids(tokenizer, pk.QUESTION)
     needle = _ids(tokenizer, pk.NEEDLE.format(passkey="48213"))
     assert len(ids) == 300
-    assert ids[:len(head)] == head and ids[-len(tail):] == tail
-    assert ids[p["needle_start"]:p["needle_end"]] == needle
+    assert ids[: len(head)] == head and ids[-len(tail) :] == tail
+    assert ids[p["needle_start"] : p["needle_end"]] == needle
     hay_n = p["haystack_tokens"]
     assert hay_n == 300 - len(head) - len(needle) - len(tail)
-    before = p["needle_start"] - len(head)                     # haystack tokens before the needle
+    before = p["needle_start"] - len(head)  # haystack tokens before the needle
     target = round(depth * hay_n)
     assert target - pk.SNAP_TOKENS <= before <= target
-    if 0 < before < hay_n and before != target:                # moved back: it sits after a sentence end
+    if 0 < before < hay_n and before != target:  # moved back: it sits after a sentence end
         assert tokenizer.decode([hay[before - 1]]).rstrip().endswith(".")
     # the rest is the real text, in order, without the needle
-    assert ids[len(head):p["needle_start"]] + ids[p["needle_end"]:-len(tail)] == hay[:hay_n]
-    assert tokenizer.decode(ids).count("48213") == 2           # stated twice in the needle, nowhere else
+    assert ids[len(head) : p["needle_start"]] + ids[p["needle_end"] : -len(tail)] == hay[:hay_n]
+    assert tokenizer.decode(ids).count("48213") == 2  # stated twice in the needle, nowhere else
 
 
 def test_depth_zero_and_one_are_the_ends(tokenizer, hay):
@@ -81,19 +82,22 @@ def test_passkeys_have_their_digits():
         pk.make_passkey(rng, 0)
 
 
-@pytest.mark.parametrize("text, answer", [(" 53719.\n", "53719"), ("53719", "53719"), (" is 5371 9", "5371"),
-                                          (" unknown.", None), (" 053719", "053719")])
+@pytest.mark.parametrize(
+    "text, answer",
+    [(" 53719.\n", "53719"), ("53719", "53719"), (" is 5371 9", "5371"), (" unknown.", None), (" 053719", "053719")],
+)
 def test_answer_is_the_first_run_of_digits(text, answer):
     assert pk.extract_answer(text) == answer
 
 
 def test_scoring_is_exact_match(tokenizer, monkeypatch):
     """Right at depth 0, one digit off at depth 1: accuracy per depth 1 and 0, over all 0.5."""
+
     def fake_answer(model, cache, prompt_ids, new_tokens, device="cpu"):
         key = tokenizer.decode(prompt_ids).split("The pass key is ")[1][:5]
         start = _ids(tokenizer, " The pass key is")
         head = len(_ids(tokenizer, pk.INSTRUCTION))
-        depth0 = prompt_ids[head:head + len(start)] == start
+        depth0 = prompt_ids[head : head + len(start)] == start
         said = key if depth0 else key[:4] + str((int(key[4]) + 1) % 10)
         return _ids(tokenizer, " " + said + ".")
 
@@ -145,28 +149,44 @@ def test_passkey_needs_a_tokenizer():
         pk.evaluate_passkey(tiny_llama(seed=0), None, "full", 100, [0.5])
 
 
-SUITE = {"name": "pk", "kind": "quality", "model": "tiny-llama", "policies": ["full", "scissorhands"],
-         "compression_ratios": [2, 4], "quantized": [{"compression_ratio": 4, "kv_bits": 4}],
-         "passkey": {"lengths": [128, 256], "depths": [0, 0.5, 1], "trials": 3, "compression_ratios": [4]}}
+SUITE = {
+    "name": "pk",
+    "kind": "quality",
+    "model": "tiny-llama",
+    "policies": ["full", "scissorhands"],
+    "compression_ratios": [2, 4],
+    "quantized": [{"compression_ratio": 4, "kv_bits": 4}],
+    "passkey": {"lengths": [128, 256], "depths": [0, 0.5, 1], "trials": 3, "compression_ratios": [4]},
+}
 
 
 def test_suite_passkey_points():
     points = [p for p in parse_suite(SUITE).points() if p.kind == "passkey"]
     got = {(p.policy, p.compression_ratio, p.kv_bits, p.settings["length"]) for p in points}
-    assert got == {(pol, r, b, n) for n in (128, 256)
-                   for pol, r, b in [("full", 1.0, None), ("full", 1.0, 4), ("scissorhands", 4.0, None),
-                                     ("scissorhands", 4.0, 4)]}
-    assert all(p.settings["depths"] == [0.0, 0.5, 1.0] and p.settings["trials"] == 3 and p.settings["digits"] == 5
-               for p in points)
+    assert got == {
+        (pol, r, b, n)
+        for n in (128, 256)
+        for pol, r, b in [("full", 1.0, None), ("full", 1.0, 4), ("scissorhands", 4.0, None), ("scissorhands", 4.0, 4)]
+    }
+    assert all(
+        p.settings["depths"] == [0.0, 0.5, 1.0] and p.settings["trials"] == 3 and p.settings["digits"] == 5
+        for p in points
+    )
     assert len({p.point_id for p in points}) == len(points)
 
 
-@pytest.mark.parametrize("section, field", [
-    ({"lengths": [32]}, r"passkey.lengths\[0\]"), ({"lengths": []}, "passkey.lengths"),
-    ({"depths": [1.2]}, r"passkey.depths\[0\]"), ({"trials": 0}, "passkey.trials"),
-    ({"digits": 20}, "passkey.digits"), ({"compression_ratios": [0.5]}, r"passkey.compression_ratios\[0\]"),
-    ({"length": [128]}, "passkey"),
-])
+@pytest.mark.parametrize(
+    "section, field",
+    [
+        ({"lengths": [32]}, r"passkey.lengths\[0\]"),
+        ({"lengths": []}, "passkey.lengths"),
+        ({"depths": [1.2]}, r"passkey.depths\[0\]"),
+        ({"trials": 0}, "passkey.trials"),
+        ({"digits": 20}, "passkey.digits"),
+        ({"compression_ratios": [0.5]}, r"passkey.compression_ratios\[0\]"),
+        ({"length": [128]}, "passkey"),
+    ],
+)
 def test_invalid_passkey_sections_name_the_field(section, field):
     with pytest.raises(SuiteError, match=field):
         parse_suite({**SUITE, "passkey": section})
@@ -187,11 +207,25 @@ def test_embedded_full_cache_retrieves_the_passkey():
 def _pk_record(policy, ratio, length, by_depth, trials=2, bits=None):
     depths = [0.0, 0.5, 1.0]
     right = [int(t < round(a * trials)) for a in by_depth for t in range(trials)]
-    return {"status": "ok", "evaluation": "passkey", "point_id": f"pk-{policy}-{ratio}-{length}-{bits}", "policy": policy,
-            "policy_label": policy, "compression_ratio": ratio, "kv_bits": bits, "length_tokens": length,
-            "depths": depths, "trials": trials, "digits": 5, "accuracy_by_depth": by_depth,
-            "accuracy": sum(right) / len(right), "correct_trials": right, "model_id": "m",
-            "accuracy_ci95_low": 0.0, "accuracy_ci95_high": 1.0}
+    return {
+        "status": "ok",
+        "evaluation": "passkey",
+        "point_id": f"pk-{policy}-{ratio}-{length}-{bits}",
+        "policy": policy,
+        "policy_label": policy,
+        "compression_ratio": ratio,
+        "kv_bits": bits,
+        "length_tokens": length,
+        "depths": depths,
+        "trials": trials,
+        "digits": 5,
+        "accuracy_by_depth": by_depth,
+        "accuracy": sum(right) / len(right),
+        "correct_trials": right,
+        "model_id": "m",
+        "accuracy_ci95_low": 0.0,
+        "accuracy_ci95_high": 1.0,
+    }
 
 
 def test_report_writes_the_passkey_table_and_heatmap(tmp_path):
@@ -199,15 +233,16 @@ def test_report_writes_the_passkey_table_and_heatmap(tmp_path):
 
     from workloads.quality.report import markdown, write_report
 
-    records = [_pk_record("full", 1.0, n, [1.0, 1.0, 1.0]) for n in (128, 256)] + \
-              [_pk_record("scissorhands", 4.0, n, [0.0, 0.5, 1.0]) for n in (128, 256)] + \
-              [_pk_record("scissorhands", 4.0, 128, [0.0, 0.0, 1.0], bits=4)]
+    records = (
+        [_pk_record("full", 1.0, n, [1.0, 1.0, 1.0]) for n in (128, 256)]
+        + [_pk_record("scissorhands", 4.0, n, [0.0, 0.5, 1.0]) for n in (128, 256)]
+        + [_pk_record("scissorhands", 4.0, 128, [0.0, 0.0, 1.0], bits=4)]
+    )
     md = " ".join(markdown(records).split(" "))
-    md = "\n".join(" ".join(line.split()) for line in md.splitlines())      # cells without their padding
+    md = "\n".join(" ".join(line.split()) for line in md.splitlines())  # cells without their padding
     assert "### Passkey retrieval at 128 tokens" in md and "### Passkey retrieval at 256 tokens" in md
     assert "| scissorhands 4x | 0.00 | 0.50 | 1.00 |" in md
-    assert "-0.500 (p=0.25, 3/0)" in md                      # 3 trials right only with full: 2 / 2^3
+    assert "-0.500 (p=0.25, 3/0)" in md  # 3 trials right only with full: 2 / 2^3
     written = write_report(tmp_path, records)
     png = Image.open(written["passkey_png"])
     assert png.size[0] > 300 and png.size[1] > 200
-

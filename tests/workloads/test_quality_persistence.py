@@ -1,4 +1,5 @@
 """The persistence ratio (workloads.quality.persistence) on a hand-built pattern and on a tiny model."""
+
 from __future__ import annotations
 
 import math
@@ -23,12 +24,12 @@ def _causal_rows(rows: list[list[float]]) -> torch.Tensor:
 def test_hand_built_pattern_has_the_known_answer():
     # T = 6, split t = 3. "Pivotal" = strictly above 1 / (i + 1).
     rows = [
-        [1.0],                                  # q0: 0 is not above 1/1 -> nothing
-        [0.8, 0.2],                             # q1: token 0 (0.8 > 0.5)
-        [0.1, 0.1, 0.8],                        # q2: token 2
-        [0.7, 0.1, 0.1, 0.1],                   # q3: token 0 (> 0.25)
-        [0.1, 0.5, 0.1, 0.2, 0.1],              # q4: token 1 (> 0.2), token 3 not before t
-        [0.05, 0.05, 0.3, 0.3, 0.2, 0.1],       # q5: token 2 (> 1/6), 3 and 4 not before t
+        [1.0],  # q0: 0 is not above 1/1 -> nothing
+        [0.8, 0.2],  # q1: token 0 (0.8 > 0.5)
+        [0.1, 0.1, 0.8],  # q2: token 2
+        [0.7, 0.1, 0.1, 0.1],  # q3: token 0 (> 0.25)
+        [0.1, 0.5, 0.1, 0.2, 0.1],  # q4: token 1 (> 0.2), token 3 not before t
+        [0.05, 0.05, 0.3, 0.3, 0.2, 0.1],  # q5: token 2 (> 1/6), 3 and 4 not before t
     ]
     sets = PivotalSets(split_token=3)
     sets.update(0, _causal_rows(rows), torch.arange(6))
@@ -41,11 +42,11 @@ def test_hand_built_pattern_has_the_known_answer():
 
 
 def test_heads_are_averaged_and_chunks_accumulate():
-    uniform = [[1.0 / (i + 1)] * (i + 1) for i in range(4)]      # never above average: empty sets
+    uniform = [[1.0 / (i + 1)] * (i + 1) for i in range(4)]  # never above average: empty sets
     focused = [[1.0], [0.9, 0.1], [0.8, 0.1, 0.1], [0.7, 0.1, 0.1, 0.1]]
-    probs = torch.cat([_causal_rows(focused), _causal_rows(uniform)])        # (2 heads, 4, 4)
+    probs = torch.cat([_causal_rows(focused), _causal_rows(uniform)])  # (2 heads, 4, 4)
     sets = PivotalSets(split_token=2)
-    sets.update(0, probs[:, :2], torch.arange(2))                            # queries 0-1 first, then 2-3
+    sets.update(0, probs[:, :2], torch.arange(2))  # queries 0-1 first, then 2-3
     sets.update(0, probs[:, 2:], torch.arange(2, 4))
     out = sets.result()
     # head 0: S_before = {0}, S_after = {0} -> 1.0; head 1 has an empty S_after and is left out
@@ -62,7 +63,7 @@ def test_model_path_matches_eager_attention_maps():
     ours = persistence_ratio(model, [w], split_fraction=0.5)
     with torch.inference_mode():
         after = model(torch.tensor([w]), use_cache=False).logits
-    torch.testing.assert_close(before, after)                                # attention implementation restored
+    torch.testing.assert_close(before, after)  # attention implementation restored
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try:

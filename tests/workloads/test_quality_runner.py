@@ -1,4 +1,5 @@
 """Quality suites: validation, expansion into points, the runner (local and on Ray replicas), resume, report."""
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,15 @@ from workloads.quality import runner
 SUITES = Path(__file__).resolve().parents[2] / "workloads" / "suites"
 
 TINY = {
-    "name": "tiny", "kind": "quality", "model": "tiny-llama", "policies": ["full", "scissorhands"],
-    "compression_ratios": [1, 3], "perplexity": {"tokens": 48, "windows": 1},
-    "fewshot": {"tasks": ["copa"], "docs": 2}, "persistence": {"tokens": 32, "windows": 1}, "replicas": 2,
+    "name": "tiny",
+    "kind": "quality",
+    "model": "tiny-llama",
+    "policies": ["full", "scissorhands"],
+    "compression_ratios": [1, 3],
+    "perplexity": {"tokens": 48, "windows": 1},
+    "fewshot": {"tasks": ["copa"], "docs": 2},
+    "persistence": {"tokens": 32, "windows": 1},
+    "replicas": 2,
 }
 
 
@@ -31,38 +38,50 @@ def test_shipped_quality_suites_are_valid():
         assert len(ids) == len(set(ids)), f"{f.name}: duplicate point ids"
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"kind": "throughput"}, "kind"),
-    ({"policies": ["nope"]}, "policies[0]"),
-    ({"policies": [{"name": "scissorhands", "params": {"history_window": 0}}]}, "policies[0].params"),
-    ({"compression_ratios": [0.5]}, "compression_ratios[0]"),
-    ({"quantized": [{"compression_ratio": 5}]}, "quantized[0]"),
-    ({"perplexity": {"tokens": 1}}, "perplexity.tokens"),
-    ({"perplexity": {"tokenz": 5}}, "perplexity"),
-    ({"fewshot": {"tasks": ["mathqa"]}}, "fewshot.tasks[0]"),
-    ({"persistence": {"split_fraction": 1.5}}, "persistence.split_fraction"),
-    ({"fewshot": {"tasks": ["copa"], "docs": {"piqa": 3}}}, "fewshot.docs"),
-    ({"fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 3}}}, "fewshot.docs"),
-    ({"batch_sizes": [1]}, "batch_sizes: unknown key"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"kind": "throughput"}, "kind"),
+        ({"policies": ["nope"]}, "policies[0]"),
+        ({"policies": [{"name": "scissorhands", "params": {"history_window": 0}}]}, "policies[0].params"),
+        ({"compression_ratios": [0.5]}, "compression_ratios[0]"),
+        ({"quantized": [{"compression_ratio": 5}]}, "quantized[0]"),
+        ({"perplexity": {"tokens": 1}}, "perplexity.tokens"),
+        ({"perplexity": {"tokenz": 5}}, "perplexity"),
+        ({"fewshot": {"tasks": ["mathqa"]}}, "fewshot.tasks[0]"),
+        ({"persistence": {"split_fraction": 1.5}}, "persistence.split_fraction"),
+        ({"fewshot": {"tasks": ["copa"], "docs": {"piqa": 3}}}, "fewshot.docs"),
+        ({"fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 3}}}, "fewshot.docs"),
+        ({"batch_sizes": [1]}, "batch_sizes: unknown key"),
+    ],
+)
 def test_invalid_suites_name_the_field(change, field):
     with pytest.raises(SuiteError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_suite({**TINY, **change})
 
 
 def test_points_cover_every_policy_and_ratio():
-    suite = parse_suite({**TINY, "policies": "all", "compression_ratios": [1, 2, 5],
-                         "quantized": [{"compression_ratio": 5, "kv_bits": 4}]})
+    suite = parse_suite(
+        {
+            **TINY,
+            "policies": "all",
+            "compression_ratios": [1, 2, 5],
+            "quantized": [{"compression_ratio": 5, "kv_bits": 4}],
+        }
+    )
     ppl = [p for p in suite.points() if p.kind == "perplexity"]
     evicting = [n for n in POLICIES if n != "full"]
     assert {(p.policy, p.compression_ratio, p.kv_bits) for p in ppl} == (
         {("full", 1.0, None), ("full", 1.0, 4)}
-        | {(n, r, None) for n in evicting for r in (1.0, 2.0, 5.0)} | {(n, 5.0, 4) for n in evicting})
+        | {(n, r, None) for n in evicting for r in (1.0, 2.0, 5.0)}
+        | {(n, 5.0, 4) for n in evicting}
+    )
     few = [p for p in suite.points() if p.kind == "fewshot"]
     assert len(few) == len(ppl) and {p.task for p in few} == {"copa"}
     assert [p.kind for p in suite.points()][len(ppl)] == "persistence"
-    per_task = parse_suite({**TINY, "fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 20, "piqa": 8},
-                                                "compression_ratios": [3]}})
+    per_task = parse_suite(
+        {**TINY, "fewshot": {"tasks": ["copa", "piqa"], "docs": {"copa": 20, "piqa": 8}, "compression_ratios": [3]}}
+    )
     few = [p for p in per_task.points() if p.kind == "fewshot"]
     assert {(p.task, p.settings["docs"]) for p in few} == {("copa", 20), ("piqa", 8)}
     assert {(p.policy, p.compression_ratio) for p in few} == {("full", 1.0), ("scissorhands", 3.0)}
@@ -81,7 +100,7 @@ def test_local_run_records_points_resumes_and_reports(tmp_path):
     out = tmp_path / "results"
     assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "r1"]) == 0
     recs = res.read_records(str(out / "r1" / "points.jsonl"))
-    assert len(recs) == 7 and all(r["status"] == "ok" for r in recs)          # 3 ppl + 3 fewshot + 1 persistence
+    assert len(recs) == 7 and all(r["status"] == "ok" for r in recs)  # 3 ppl + 3 fewshot + 1 persistence
     for r in recs:
         assert r["schema_version"] == res.SCHEMA_VERSION and r["git_commit"] and r["model_id"] == "tiny-llama"
     ppl = {(r["policy"], r["compression_ratio"]): r for r in recs if r["evaluation"] == "perplexity"}
@@ -99,8 +118,16 @@ def test_local_run_records_points_resumes_and_reports(tmp_path):
     assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(out), "--resume", "r1"]) == 0
     assert os.path.getsize(out / "r1" / "points.jsonl") == size
     # a failed point is recorded as an error and the run exits 1
-    bad = _write(tmp_path, {**TINY, "name": "bad", "fewshot": None, "persistence": None,
-                            "policies": [{"name": "scissorhands", "params": {"recent_window": 40}}]})
+    bad = _write(
+        tmp_path,
+        {
+            **TINY,
+            "name": "bad",
+            "fewshot": None,
+            "persistence": None,
+            "policies": [{"name": "scissorhands", "params": {"recent_window": 40}}],
+        },
+    )
     assert runner.main([bad, "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "r2"]) == 1
     errors = [r for r in res.read_records(str(out / "r2" / "points.jsonl")) if r["status"] == "error"]
     assert errors and "recent_window" in errors[0]["error"]
@@ -118,15 +145,38 @@ def test_points_run_on_ray_replicas_and_match_local(tmp_path):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    data = {**TINY, "fewshot": None, "persistence": None, "dtype": "float32"}   # each run resolves `auto` itself
+    data = {**TINY, "fewshot": None, "persistence": None, "dtype": "float32"}  # each run resolves `auto` itself
     suite = _write(tmp_path, data)
-    ray.init(address="local", include_dashboard=False, num_cpus=2, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}},
+    )
     try:
-        assert runner.main([suite, "--pushgateway", "off", "--results-dir", str(tmp_path / "ray"), "--run-id", "d", "--replicas", "2"]) == 0
+        assert (
+            runner.main(
+                [
+                    suite,
+                    "--pushgateway",
+                    "off",
+                    "--results-dir",
+                    str(tmp_path / "ray"),
+                    "--run-id",
+                    "d",
+                    "--replicas",
+                    "2",
+                ]
+            )
+            == 0
+        )
     finally:
         ray.shutdown()
-    assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "loc"), "--run-id", "l"]) == 0
+    assert (
+        runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "loc"), "--run-id", "l"])
+        == 0
+    )
     dist = {r["point_id"]: r for r in res.read_records(str(tmp_path / "ray" / "d" / "points.jsonl"))}
     local = {r["point_id"]: r for r in res.read_records(str(tmp_path / "loc" / "l" / "points.jsonl"))}
     assert set(dist) == set(local) and len(dist) == 3
@@ -154,18 +204,35 @@ def test_a_replica_that_dies_fails_its_point_and_is_replaced(tmp_path, monkeypat
         return real_run_point(model, tokenizer, point)
 
     monkeypatch.setattr(runner, "run_point", dies_on_full)
-    suite = _write(tmp_path, {**TINY, "fewshot": None, "persistence": None, "replicas": 1,
-                              "placement": {"max_restarts": 0, "max_task_retries": 0, "ready_timeout_s": 120}})
-    ray.init(address="local", include_dashboard=False, num_cpus=2, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}})
+    suite = _write(
+        tmp_path,
+        {
+            **TINY,
+            "fewshot": None,
+            "persistence": None,
+            "replicas": 1,
+            "placement": {"max_restarts": 0, "max_task_retries": 0, "ready_timeout_s": 120},
+        },
+    )
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=2,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}},
+    )
     try:
         rc = runner.main([suite, "--pushgateway", "off", "--results-dir", str(tmp_path), "--run-id", "dies"])
     finally:
         ray.shutdown()
     recs = sorted(res.read_records(str(tmp_path / "dies" / "points.jsonl")), key=lambda r: r["point_index"])
     assert rc == 1
-    assert [(r["policy"], r["status"]) for r in recs] == [("full", "error"), ("scissorhands", "ok"), ("scissorhands", "ok")]
-    assert recs[0]["error"].startswith("replica died: ") and recs[0]["replica_id"] is None   # its call died with it
+    assert [(r["policy"], r["status"]) for r in recs] == [
+        ("full", "error"),
+        ("scissorhands", "ok"),
+        ("scissorhands", "ok"),
+    ]
+    assert recs[0]["error"].startswith("replica died: ") and recs[0]["replica_id"] is None  # its call died with it
     (new_replica,) = {r["replica_id"] for r in recs[1:]}
     assert new_replica.startswith("quality-") and all(r["perplexity"] > 1 for r in recs[1:])
 
@@ -189,6 +256,14 @@ def test_each_point_is_pushed_like_a_sweep_point(tmp_path, monkeypatch):
 
     monkeypatch.setattr(workloads.core.template, "SweepPusher", Recorder)
     suite = _write(tmp_path, {**TINY, "fewshot": None, "persistence": None})
-    assert runner.main([suite, "--local", "--pushgateway", "127.0.0.1:1", "--results-dir", str(tmp_path), "--run-id", "p"]) == 0
+    assert (
+        runner.main([suite, "--local", "--pushgateway", "127.0.0.1:1", "--results-dir", str(tmp_path), "--run-id", "p"])
+        == 0
+    )
     assert [r["policy"] for r in pushed] == ["full", "scissorhands", "scissorhands"]
-    assert all(r["perplexity"] > 1 for r in pushed) and progress == [(0, 3), (1, 3), (2, 3), (3, 3)]  # 0 / planned before the first point
+    assert all(r["perplexity"] > 1 for r in pushed) and progress == [
+        (0, 3),
+        (1, 3),
+        (2, 3),
+        (3, 3),
+    ]  # 0 / planned before the first point

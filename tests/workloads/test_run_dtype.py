@@ -3,6 +3,7 @@
 The probe is faked to answer differently on every call (tests/dtype_fakes.py), as a loaded machine's
 probe did: on the code before this fix two replicas of one run loaded bfloat16 and float32.
 """
+
 import json
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def alternating_probe(tmp_path, monkeypatch):
 
     path = tmp_path / "probe-calls"
     monkeypatch.setenv(COUNTER_ENV, str(path))
-    monkeypatch.setattr(models.dtype, "cpu_flags", models.dtype.cpu_flags)          # restored after the test
+    monkeypatch.setattr(models.dtype, "cpu_flags", models.dtype.cpu_flags)  # restored after the test
     monkeypatch.setattr(models.dtype, "probe_bfloat16_speedup", models.dtype.probe_bfloat16_speedup)
     install_alternating_probe()
     return path
@@ -29,7 +30,7 @@ def test_the_fake_probe_splits_replicas_that_resolve_on_their_own(alternating_pr
 
     a = ModelReplica("tiny-llama", dtype="auto", warmup=False).info()
     b = ModelReplica("tiny-llama", dtype="auto", warmup=False).info()
-    assert (a["dtype"], b["dtype"]) == ("bfloat16", "float32")      # the fault this module's tests guard
+    assert (a["dtype"], b["dtype"]) == ("bfloat16", "float32")  # the fault this module's tests guard
 
 
 def test_local_run_resolves_once_and_every_replica_runs_it(alternating_probe):
@@ -37,8 +38,16 @@ def test_local_run_resolves_once_and_every_replica_runs_it(alternating_probe):
     from workloads.batch.suite import BatchSuite
     from workloads.core.run import resolve_run_dtype
 
-    suite = BatchSuite(kind="batch", name="t", model="tiny-llama", policies=["full"], batch_sizes=[1], prompt_tokens=[8],
-                  new_tokens=[2], dtype="auto")
+    suite = BatchSuite(
+        kind="batch",
+        name="t",
+        model="tiny-llama",
+        policies=["full"],
+        batch_sizes=[1],
+        prompt_tokens=[8],
+        new_tokens=[2],
+        dtype="auto",
+    )
     resolved = resolve_run_dtype(suite)
     infos = [ModelReplica("tiny-llama", replica_id=f"r{i}", warmup=False, **resolved).info() for i in range(2)]
     assert probe_calls(alternating_probe) == 1
@@ -65,8 +74,8 @@ def test_serve_app_deployments_share_one_dtype(alternating_probe):
     args = {m: h._bound_deployment.init_args for m, h in handles.items()}
     assert probe_calls(alternating_probe) == 1
     assert len(args) == 2
-    assert {a[3] for a in args.values()} == {"bfloat16"}               # dtype
-    reasons = {a[6] for a in args.values()}                            # dtype_reason
+    assert {a[3] for a in args.values()} == {"bfloat16"}  # dtype
+    reasons = {a[6] for a in args.values()}  # dtype_reason
     assert len(reasons) == 1 and "resolved once for the run" in reasons.pop()
 
 
@@ -80,9 +89,16 @@ def ray_fake_probe(tmp_path_factory):
     counter = tmp_path_factory.mktemp("probe") / "probe-calls"
     before = os.environ.get(COUNTER_ENV)
     os.environ[COUNTER_ENV] = str(counter)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"worker_process_setup_hook": "tests.dtype_fakes.install_alternating_probe",
-                          "env_vars": {COUNTER_ENV: str(counter)}})
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={
+            "worker_process_setup_hook": "tests.dtype_fakes.install_alternating_probe",
+            "env_vars": {COUNTER_ENV: str(counter)},
+        },
+    )
     yield counter
     ray.shutdown()
     if before is None:
@@ -100,16 +116,30 @@ def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe):
     counter = ray_fake_probe
     counter.unlink(missing_ok=True)
     suite = tmp_path / "tiny.yaml"
-    suite.write_text(yaml.safe_dump(dict(
-        kind="batch", name="tiny", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[5],
-        batch_sizes=[1], prompt_tokens=[16], new_tokens=[4], seed=0, replicas=2, dtype="auto")))
+    suite.write_text(
+        yaml.safe_dump(
+            dict(
+                kind="batch",
+                name="tiny",
+                model="tiny-llama",
+                policies=["full", "scissorhands"],
+                compression_ratios=[5],
+                batch_sizes=[1],
+                prompt_tokens=[16],
+                new_tokens=[4],
+                seed=0,
+                replicas=2,
+                dtype="auto",
+            )
+        )
+    )
     rc = sweep.main([str(suite), "--results-dir", str(tmp_path / "results"), "--run-id", "run1"])
     run_dir = Path(tmp_path / "results" / "run1")
     points = [json.loads(line) for line in (run_dir / "points.jsonl").read_text().splitlines()]
     assert rc == 0
-    assert len(points) == 2 and len({p["replica_id"] for p in points}) == 2     # one point on each replica
+    assert len(points) == 2 and len({p["replica_id"] for p in points}) == 2  # one point on each replica
     assert {p["dtype"] for p in points} == {"bfloat16"}
-    assert probe_calls(counter) == 1                                          # one Ray task probed, no replica
+    assert probe_calls(counter) == 1  # one Ray task probed, no replica
     reasons = {p["dtype_reason"] for p in points}
     assert len(reasons) == 1 and "resolved once for the run on node " in reasons.pop()
     meta = json.loads((run_dir / "run.json").read_text())
@@ -123,24 +153,48 @@ def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, 
 
     from workloads.core.template import run_suite
     from workloads.serving import pools, runner
+
     counter = ray_fake_probe
     counter.unlink(missing_ok=True)
     started = []
     real_start = pools.ServeReplicaPool.start
 
-    def start(self):                                    # every replica's info, not only the one start() asks
+    def start(self):  # every replica's info, not only the one start() asks
         infos = real_start(self)
         started.extend(self.rset.broadcast("info").values())
         return infos
 
     monkeypatch.setattr(pools.ServeReplicaPool, "start", start)
     suite = tmp_path / "s.yaml"
-    suite.write_text(yaml.safe_dump(dict(
-        kind="serving", name="s", model="tiny-llama", policies=["full"], mode="concurrency", loads=[1],
-        prompt_tokens={"dist": "uniform", "min": 8, "max": 12}, new_tokens={"dist": "uniform", "min": 2, "max": 3},
-        num_requests=2, warmup_requests=0, seed=0, replicas=2, dtype="auto")))
-    args = argparse.Namespace(suite=str(suite), replicas=None, results_dir=str(tmp_path / "r"), run_id="run",
-                              resume=None, address=None, pushgateway="off", local=False)
+    suite.write_text(
+        yaml.safe_dump(
+            dict(
+                kind="serving",
+                name="s",
+                model="tiny-llama",
+                policies=["full"],
+                mode="concurrency",
+                loads=[1],
+                prompt_tokens={"dist": "uniform", "min": 8, "max": 12},
+                new_tokens={"dist": "uniform", "min": 2, "max": 3},
+                num_requests=2,
+                warmup_requests=0,
+                seed=0,
+                replicas=2,
+                dtype="auto",
+            )
+        )
+    )
+    args = argparse.Namespace(
+        suite=str(suite),
+        replicas=None,
+        results_dir=str(tmp_path / "r"),
+        run_id="run",
+        resume=None,
+        address=None,
+        pushgateway="off",
+        local=False,
+    )
     assert run_suite(args, runner.KIND) == 0
     assert len(started) == 2
     assert [i["dtype"] for i in started] == ["bfloat16", "bfloat16"]

@@ -5,6 +5,7 @@ during point 3, resume starts at point 3), L13 (missing model path: non-zero, po
 named), L14 (every request fails: summary written, nulls, non-zero), OOM points recorded and the
 sweep goes on, a dead replica restarted and its point marked failed, saturation stops a series.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,18 @@ from workloads.serving.pools import LocalReplicaPool
 from workloads.serving.runner import KIND as SERVING
 from workloads.serving.runner import ServingKind
 
-BASE = dict(kind="serving", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2],
-            prompt_tokens={"dist": "uniform", "min": 8, "max": 24}, new_tokens={"dist": "uniform", "min": 2, "max": 8},
-            num_requests=6, warmup_requests=1, seed=0, replicas=1)
+BASE = dict(
+    kind="serving",
+    model="tiny-llama",
+    policies=["full", "scissorhands"],
+    compression_ratios=[2],
+    prompt_tokens={"dist": "uniform", "min": 8, "max": 24},
+    new_tokens={"dist": "uniform", "min": 2, "max": 8},
+    num_requests=6,
+    warmup_requests=1,
+    seed=0,
+    replicas=1,
+)
 
 
 def _suite(tmp: Path, name="s", **kw) -> str:
@@ -37,8 +47,15 @@ def _suite(tmp: Path, name="s", **kw) -> str:
 
 
 def _args(suite: str, results: Path, run_id="run", resume=None) -> argparse.Namespace:
-    return argparse.Namespace(suite=suite, replicas=None, results_dir=str(results), run_id=None if resume else run_id,
-                              resume=resume, address=None, pushgateway="off")
+    return argparse.Namespace(
+        suite=suite,
+        replicas=None,
+        results_dir=str(results),
+        run_id=None if resume else run_id,
+        resume=resume,
+        address=None,
+        pushgateway="off",
+    )
 
 
 def _lines(path: Path) -> list[dict]:
@@ -86,10 +103,11 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         # the suite's dtype "auto", resolved: what the replica runs in and why
         assert (r["dtype_requested"], r["dtype"], r["dtype_reason"]) == ("auto", "float32", "given model")
     assert json.loads((run / "run.json").read_text())["dtypes"] == [
-        {"dtype": "float32", "dtype_requested": "auto", "dtype_reason": "given model"}]
-    assert [r["concurrency"] for r in recs] == [1, 4, 1, 4]       # the pushed series' labels
+        {"dtype": "float32", "dtype_requested": "auto", "dtype_reason": "given model"}
+    ]
+    assert [r["concurrency"] for r in recs] == [1, 4, 1, 4]  # the pushed series' labels
     assert recs[1]["achieved_peak_concurrency"] == 4 and max(recs[1]["peak_running_sequences_per_replica"]) >= 2
-    assert recs[2]["budget_tokens"] == 16                     # ceil((24 + 8) / 2)
+    assert recs[2]["budget_tokens"] == 16  # ceil((24 + 8) / 2)
     assert "TTFT p50/p99 (s)" in (run / "table.md").read_text()
     assert (run / "pareto_tokens_per_user.png").stat().st_size > 1000
 
@@ -100,21 +118,34 @@ def test_serving_record_header_names_every_replica_and_node_that_answered():
     def where(info, stats):
         return SERVING.replica_fields(Finished(None, "ok", {"replica_stats": stats}, None, info, 0.0, 0.0))
 
-    stats = [{"replica_id": "serving#b", "node_id": "n2", "hostname": "h"},
-             {"replica_id": "serving#a", "node_id": "n1", "hostname": "h"}]
+    stats = [
+        {"replica_id": "serving#b", "node_id": "n2", "hostname": "h"},
+        {"replica_id": "serving#a", "node_id": "n1", "hostname": "h"},
+    ]
     fields = where({"dtype": "float32", "dtype_reason": "r", "replica_id": "serving#a", "hostname": "h"}, stats)
     assert (fields["replica_id"], fields["node_id"], fields["hostname"], fields["dtype"]) == (
-        "serving#a,serving#b", "n1,n2", "h", "float32")
-    assert where({"replica_id": "x"}, [])["replica_id"] == "x"        # no reply (every request failed early)
+        "serving#a,serving#b",
+        "n1,n2",
+        "h",
+        "float32",
+    )
+    assert where({"replica_id": "x"}, [])["replica_id"] == "x"  # no reply (every request failed early)
 
 
 def test_max_batch_suite_finds_and_verifies_the_largest_batch_per_policy(tmp_path, tiny_model):
-    suite = _suite(tmp_path, mode="max_batch", prompt_tokens=40, new_tokens=10, compression_ratios=[5],
-                   kv_memory_limit_bytes=6 * 50 * 528, rounds=1)
+    suite = _suite(
+        tmp_path,
+        mode="max_batch",
+        prompt_tokens=40,
+        new_tokens=10,
+        compression_ratios=[5],
+        kv_memory_limit_bytes=6 * 50 * 528,
+        rounds=1,
+    )
     rc = run_suite(_args(suite, tmp_path / "r"), ServingKind(CountingPool(tiny_model)))
     assert rc == 0
     full, sh = _lines(tmp_path / "r" / "run" / "points.jsonl")
-    assert full["max_batch_size"] == 6                         # limit / (50 preallocated slots * 528 B)
+    assert full["max_batch_size"] == 6  # limit / (50 preallocated slots * 528 B)
     assert sh["max_batch_size"] >= 3 * full["max_batch_size"]
     for r in (full, sh):
         assert r["max_batch_verified"] is True and r["batch_size"] == r["max_batch_size"]
@@ -132,7 +163,7 @@ def test_L7_killed_during_point_3_keeps_points_1_and_2_and_resume_starts_at_poin
     assert [r["load"] for r in recs] == [1, 2] and all(r["status"] == "ok" for r in recs)
     pool = CountingPool(tiny_model)
     assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool)) == 0
-    assert pool.configured == 1                                # only point 3 ran again
+    assert pool.configured == 1  # only point 3 ran again
     assert [r["load"] for r in _lines(tmp_path / "r" / "run" / "points.jsonl")] == [1, 2, 3]
 
 
@@ -142,11 +173,11 @@ def test_L13_missing_model_path_exits_non_zero_names_the_path_and_keeps_points(t
     before = (tmp_path / "r" / "run" / "points.jsonl").read_text()
     missing = tmp_path / "no-such-model"
     bad = _suite(tmp_path, mode="concurrency", loads=[1, 2, 4], policies=["full"], model=str(missing))
-    with pytest.raises(sweep.SweepError) as e:       # resuming the run with another model: refused, nothing run
+    with pytest.raises(sweep.SweepError) as e:  # resuming the run with another model: refused, nothing run
         run_suite(_args(bad, tmp_path / "r", resume="run"), ServingKind(LocalReplicaPool(1, str(missing))))
     assert e.value.code == 2 and "['model']" in str(e.value) and str(missing) in str(e.value)
     assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
-    with pytest.raises(sweep.SweepError) as e:       # a new run with replicas that cannot load
+    with pytest.raises(sweep.SweepError) as e:  # a new run with replicas that cannot load
         run_suite(_args(bad, tmp_path / "r", run_id="run2"), ServingKind(LocalReplicaPool(1, str(missing))))
     assert e.value.code == 1 and str(missing) in str(e.value)
     assert (tmp_path / "r" / "run" / "points.jsonl").read_text() == before
@@ -183,6 +214,7 @@ class FakePool:
             if kind == "slow":
                 return Script(ttft_s=0.05, gap_s=0.001)
             return Script(ttft_s=0.001, gap_s=0.0005)
+
         self.kind, self.replica = kind, FakeReplica(script=script, clock=time.time)
 
     def client(self):
@@ -192,9 +224,16 @@ class FakePool:
         return 4
 
     def stats(self, reset=False):
-        return [{"replica_id": "fake-0", "peak_running_sequences": self.replica.peak_running,
-                 "peak_kv_cache_bytes": 1000, "budget_tokens": None, "slot_bytes": 10,
-                 "kv_memory_limit_bytes": None}]
+        return [
+            {
+                "replica_id": "fake-0",
+                "peak_running_sequences": self.replica.peak_running,
+                "peak_kv_cache_bytes": 1000,
+                "budget_tokens": None,
+                "slot_bytes": 10,
+                "kv_memory_limit_bytes": None,
+            }
+        ]
 
     def restart_dead(self):
         if self.kind == "die":
@@ -210,7 +249,7 @@ def test_oom_point_is_recorded_and_a_dead_replica_is_restarted_with_its_point_fa
     suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 3], saturation={"max_error_rate": None})
     pool = FakePool(lambda i: {1: "oom", 2: "die"}.get(i, "ok"))
     rc = run_suite(_args(suite, tmp_path / "r"), ServingKind(pool))
-    assert rc == 1                                              # a failed point
+    assert rc == 1  # a failed point
     recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
     # full: ok, oom, then no higher load (skipped); scissorhands: the replica died at load 1, goes on
     assert [r["status"] for r in recs] == ["ok", "oom", "skipped", "error", "ok", "ok"]
@@ -222,8 +261,13 @@ def test_oom_point_is_recorded_and_a_dead_replica_is_restarted_with_its_point_fa
 
 
 def test_saturation_stops_raising_the_load_and_resume_keeps_the_skips(tmp_path):
-    suite = _suite(tmp_path, mode="concurrency", loads=[1, 2, 4, 8], policies=["full"],
-                   saturation={"max_error_rate": None, "max_p50_ttft_s": 0.02})
+    suite = _suite(
+        tmp_path,
+        mode="concurrency",
+        loads=[1, 2, 4, 8],
+        policies=["full"],
+        saturation={"max_error_rate": None, "max_p50_ttft_s": 0.02},
+    )
     pool = FakePool(lambda i: "slow" if i >= 1 else "ok")
     assert run_suite(_args(suite, tmp_path / "r"), ServingKind(pool)) == 0
     recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
@@ -232,7 +276,7 @@ def test_saturation_stops_raising_the_load_and_resume_keeps_the_skips(tmp_path):
     assert pool.configured == 1
     pool2 = FakePool(lambda i: "ok")
     assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool2)) == 0
-    assert pool2.configured == -1                               # nothing ran again
+    assert pool2.configured == -1  # nothing ran again
 
 
 def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_path):
@@ -246,15 +290,18 @@ def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_pat
     assert "every request failed" in (tmp_path / "r" / "run" / "table.md").read_text()
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(mode="rate"), "loads"),
-    (dict(mode="concurrency", loads=[4, 2]), "loads"),
-    (dict(mode="max_batch"), "kv_memory_limit_bytes"),
-    (dict(mode="max_batch", kv_memory_limit_bytes=10**6), "fixed lengths"),
-    (dict(mode="rate", loads=[1], burstiness=0.5), "burstiness"),
-    (dict(mode="rate", loads=[1], arrival="uniform"), "arrival"),
-    (dict(mode="streaming", loads=[1]), "mode"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(mode="rate"), "loads"),
+        (dict(mode="concurrency", loads=[4, 2]), "loads"),
+        (dict(mode="max_batch"), "kv_memory_limit_bytes"),
+        (dict(mode="max_batch", kv_memory_limit_bytes=10**6), "fixed lengths"),
+        (dict(mode="rate", loads=[1], burstiness=0.5), "burstiness"),
+        (dict(mode="rate", loads=[1], arrival="uniform"), "arrival"),
+        (dict(mode="streaming", loads=[1]), "mode"),
+    ],
+)
 def test_serving_suite_errors_name_the_field(tmp_path, kw, field):
     with pytest.raises(SuiteError, match=field):
         load_suite(_suite(tmp_path, **kw))

@@ -12,8 +12,16 @@ from workloads.core.suite import SuiteError, tag_of
 from workloads.kinds import load_suite, parse_suite
 
 GOOD = dict(
-    kind="batch", name="t", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2, 5],
-    batch_sizes=[1, 4], prompt_tokens=[64], new_tokens=[16], seed=0, replicas=2,
+    kind="batch",
+    name="t",
+    model="tiny-llama",
+    policies=["full", "scissorhands"],
+    compression_ratios=[2, 5],
+    batch_sizes=[1, 4],
+    prompt_tokens=[64],
+    new_tokens=[16],
+    seed=0,
+    replicas=2,
 )
 
 
@@ -31,9 +39,13 @@ def test_smoke_suite_is_valid_and_expands():
 def test_expansion_order_and_ids():
     points = parse_suite(dict(GOOD, budget_tokens=[30])).points()
     assert [tag_of(p.point_id) for p in points] == [
-        "full-b1-p64-n16-s0", "scissorhands-r2-b1-p64-n16-s0", "scissorhands-r5-b1-p64-n16-s0",
+        "full-b1-p64-n16-s0",
+        "scissorhands-r2-b1-p64-n16-s0",
+        "scissorhands-r5-b1-p64-n16-s0",
         "scissorhands-B30-b1-p64-n16-s0",
-        "full-b4-p64-n16-s0", "scissorhands-r2-b4-p64-n16-s0", "scissorhands-r5-b4-p64-n16-s0",
+        "full-b4-p64-n16-s0",
+        "scissorhands-r2-b4-p64-n16-s0",
+        "scissorhands-r5-b4-p64-n16-s0",
         "scissorhands-B30-b4-p64-n16-s0",
     ]
     assert [p.index for p in points] == list(range(8))
@@ -47,21 +59,30 @@ def test_policy_params_change_the_id():
 
 
 BAD = [
-    ({k: v for k, v in GOOD.items() if k != "kind"}, "kind"),                    # every suite names its kind
-    (dict(GOOD, kind="batches"), "kind"),                                        # ... one of the accepted ones
-    (dict(GOOD, batch_size=[1]), "batch_size"),                                  # unknown key
-    (dict(GOOD, batch_sizes=["four"]), "batch_sizes[0]"),                        # wrong type
-    (dict(GOOD, seed=True), "seed"),                                             # bool is not an int
-    (dict(GOOD, compression_ratios=[0.5]), "compression_ratios[0]"),             # ratio < 1
-    (dict(GOOD, policies=["full", "nope"]), "policies[1]"),                      # unknown policy
-    (dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 10}}], compression_ratios=[],
-          budget_tokens=[8]), "budget_tokens[0]"),                               # budget < recent_window + 1
-    (dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 20}}]),
-     "compression_ratios[1]"),                                                   # ratio 5 of 80 tokens -> B=16 < 21
+    ({k: v for k, v in GOOD.items() if k != "kind"}, "kind"),  # every suite names its kind
+    (dict(GOOD, kind="batches"), "kind"),  # ... one of the accepted ones
+    (dict(GOOD, batch_size=[1]), "batch_size"),  # unknown key
+    (dict(GOOD, batch_sizes=["four"]), "batch_sizes[0]"),  # wrong type
+    (dict(GOOD, seed=True), "seed"),  # bool is not an int
+    (dict(GOOD, compression_ratios=[0.5]), "compression_ratios[0]"),  # ratio < 1
+    (dict(GOOD, policies=["full", "nope"]), "policies[1]"),  # unknown policy
+    (
+        dict(
+            GOOD,
+            policies=[{"name": "scissorhands", "params": {"recent_window": 10}}],
+            compression_ratios=[],
+            budget_tokens=[8],
+        ),
+        "budget_tokens[0]",
+    ),  # budget < recent_window + 1
+    (
+        dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 20}}]),
+        "compression_ratios[1]",
+    ),  # ratio 5 of 80 tokens -> B=16 < 21
     (dict(GOOD, policies=[{"name": "scissorhands", "params": {"windw": 3}}]), "policies[0].params"),
     (dict(GOOD, policies=["scissorhands"], compression_ratios=[]), "compression_ratios"),
     ({k: v for k, v in GOOD.items() if k != "new_tokens"}, "new_tokens"),
-    (dict(GOOD, device="tpu"), "device"),                                        # cpu, cuda or cuda:N
+    (dict(GOOD, device="tpu"), "device"),  # cpu, cuda or cuda:N
 ]
 
 
@@ -98,10 +119,12 @@ def test_cli_missing_suite_file(tmp_path, capsys):
 
 def test_cli_invalid_yaml(tmp_path, capsys):
     path = tmp_path / "suite.yaml"
-    path.write_text(textwrap.dedent("""\
+    path.write_text(
+        textwrap.dedent("""\
         policies: [full
         batch_sizes: 1
-    """))
+    """)
+    )
     assert sweep.main([str(path), "--results-dir", str(tmp_path / "results")]) == 2
     assert "not valid YAML" in capsys.readouterr().err
 
@@ -160,10 +183,17 @@ def test_every_shipped_suite_names_its_kind_and_loads(tmp_path):
 def test_point_id_covers_every_setting_that_changes_the_numbers():
     """Case (issue 11): two points differing only in one policy parameter, or only in dtype, differ in id."""
     base = parse_suite(dict(GOOD, policies=["scissorhands"], compression_ratios=[2], batch_sizes=[1])).points()
-    window = parse_suite(dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 4}}],
-                              compression_ratios=[2], batch_sizes=[1])).points()
-    bf16 = parse_suite(dict(GOOD, dtype="bfloat16", policies=["scissorhands"], compression_ratios=[2],
-                            batch_sizes=[1])).points()
+    window = parse_suite(
+        dict(
+            GOOD,
+            policies=[{"name": "scissorhands", "params": {"recent_window": 4}}],
+            compression_ratios=[2],
+            batch_sizes=[1],
+        )
+    ).points()
+    bf16 = parse_suite(
+        dict(GOOD, dtype="bfloat16", policies=["scissorhands"], compression_ratios=[2], batch_sizes=[1])
+    ).points()
     assert len({base[0].point_id, window[0].point_id, bf16[0].point_id}) == 3
     assert tag_of(base[0].point_id) == tag_of(bf16[0].point_id) == "scissorhands-r2-b1-p64-n16-s0"
     assert window[0].identity["policy_params"] == {"recent_window": 4} and bf16[0].identity["dtype"] == "bfloat16"
@@ -181,14 +211,17 @@ def test_budget_formula_is_the_librarys():
 
 def _record_of(suite, point, status="ok"):
     from workloads.core import results
-    return results.build_record(kind="batch", run_id="r", commit="c", suite=suite, point=point, status=status,
-                                metrics={"budget_tokens": 16})
+
+    return results.build_record(
+        kind="batch", run_id="r", commit="c", suite=suite, point=point, status=status, metrics={"budget_tokens": 16}
+    )
 
 
 def test_resume_with_a_changed_dtype_exits_2_naming_the_field(tmp_path, capsys):
     """Case (issue 11): --resume of a batch suite whose dtype changed from float32 to bfloat16 refuses
     with exit status 2 naming the changed field, and runs nothing (no Ray is started)."""
     from workloads.core import results
+
     data = dict(GOOD, dtype="float32", policies=["full"], batch_sizes=[1])
     suite = parse_suite(data)
     run_dir = tmp_path / "results" / "r"
@@ -201,7 +234,7 @@ def test_resume_with_a_changed_dtype_exits_2_naming_the_field(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "changed field(s) ['dtype']" in err and "'float32' -> 'bfloat16'" in err
-    assert len(results.read_records(str(run_dir / "points.jsonl"))) == 1    # nothing new recorded
+    assert len(results.read_records(str(run_dir / "points.jsonl"))) == 1  # nothing new recorded
     # the unchanged suite resumes: its one point is done, nothing to run
     path.write_text(yaml.safe_dump(data))
     assert sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "r"]) == 0
@@ -219,13 +252,28 @@ def test_resume_where_auto_resolves_to_another_dtype_is_refused_naming_dtype(tmp
     suite = parse_suite(dict(GOOD, dtype="auto", policies=["full"], batch_sizes=[1, 2]))
     first, second = suite.points()
     assert first.identity["dtype"] == second.identity["dtype"] == "auto"
-    bf16 = {"dtype": "bfloat16", "dtype_reason": "auto: CPU has amx_bf16; bfloat16 1.40x float32's speed",
-            "replica_id": "replica-0"}
-    f32 = {"dtype": "float32", "dtype_reason": "auto: CPU has neither amx_bf16 nor avx512_bf16", "replica_id": "replica-1"}
+    bf16 = {
+        "dtype": "bfloat16",
+        "dtype_reason": "auto: CPU has amx_bf16; bfloat16 1.40x float32's speed",
+        "replica_id": "replica-0",
+    }
+    f32 = {
+        "dtype": "float32",
+        "dtype_reason": "auto: CPU has neither amx_bf16 nor avx512_bf16",
+        "replica_id": "replica-1",
+    }
 
     def record(point, replica, status="ok"):
-        return results.build_record(kind="batch", run_id="r", commit="c", suite=suite, point=point, status=status,
-                                    replica=replica, metrics={"budget_tokens": None})
+        return results.build_record(
+            kind="batch",
+            run_id="r",
+            commit="c",
+            suite=suite,
+            point=point,
+            status=status,
+            replica=replica,
+            metrics={"budget_tokens": None},
+        )
 
     path = str(tmp_path / "points.jsonl")
     results.append_record(path, record(first, bf16))
@@ -235,18 +283,26 @@ def test_resume_where_auto_resolves_to_another_dtype_is_refused_naming_dtype(tmp
     assert refused.value.code == 2
     assert "dtype: the suite's dtype 'auto' resolved to 'bfloat16'" in str(refused.value)
     assert "to 'float32' on replica replica-1" in str(refused.value)
-    assert len(results.read_records(path)) == 1                                   # nothing written
-    publish(record(second, None, status="error"))     # never reached a replica: nothing resolved, recorded
+    assert len(results.read_records(path)) == 1  # nothing written
+    publish(record(second, None, status="error"))  # never reached a replica: nothing resolved, recorded
     publish(record(second, bf16))
     assert [(r["status"], r["dtype"]) for r in results.read_records(path)] == [
-        ("ok", "bfloat16"), ("error", "auto"), ("ok", "bfloat16")]
+        ("ok", "bfloat16"),
+        ("error", "auto"),
+        ("ok", "bfloat16"),
+    ]
 
 
 def test_points_differing_in_one_parameter_have_their_own_table_rows():
     """Case (issue 11): the table tells apart two points that differ only in `recent_window: 4`."""
     from workloads.core import results
-    data = dict(GOOD, policies=["scissorhands", {"name": "scissorhands", "params": {"recent_window": 4}}],
-                compression_ratios=[2], batch_sizes=[1])
+
+    data = dict(
+        GOOD,
+        policies=["scissorhands", {"name": "scissorhands", "params": {"recent_window": 4}}],
+        compression_ratios=[2],
+        batch_sizes=[1],
+    )
     suite = parse_suite(data)
     records = [_record_of(suite, p) for p in suite.points()]
     rows = table_rows(records)
@@ -260,10 +316,15 @@ def test_a_trace_suite_takes_its_lengths_and_arrivals_from_the_trace(tmp_path):
     import json
 
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"arrival_time_s": 0.5 * i, "prompt_tokens": 4 + i, "output_tokens": 2 + i}) + "\n"
-                             for i in range(3)))
-    data = dict(kind="serving", mode="trace", model="tiny-llama", policies=["full"], trace_path=str(trace),
-                trace_time_scale=0.5)
+    trace.write_text(
+        "".join(
+            json.dumps({"arrival_time_s": 0.5 * i, "prompt_tokens": 4 + i, "output_tokens": 2 + i}) + "\n"
+            for i in range(3)
+        )
+    )
+    data = dict(
+        kind="serving", mode="trace", model="tiny-llama", policies=["full"], trace_path=str(trace), trace_time_scale=0.5
+    )
     suite = parse_suite(data)
     assert (suite.prompt_tokens.min, suite.prompt_tokens.max, suite.new_tokens.max) == (4, 6, 4)
     [point] = suite.points()
@@ -282,12 +343,13 @@ def test_save_figure_writes_a_whole_png_and_closes_the_figure(tmp_path):
     import matplotlib.pyplot as plt
 
     from workloads.core import results
+
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])
     path = results.save_figure(fig, tmp_path / "line.png", dpi=50)
     assert path == tmp_path / "line.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert fig.number not in plt.get_fignums()                        # closed
-    assert [p.name for p in tmp_path.iterdir()] == ["line.png"]       # no temporary file left
+    assert fig.number not in plt.get_fignums()  # closed
+    assert [p.name for p in tmp_path.iterdir()] == ["line.png"]  # no temporary file left
 
 
 def test_policies_all_is_every_registered_policy_in_every_kind():
@@ -301,8 +363,9 @@ def test_policies_all_is_every_registered_policy_in_every_kind():
     no_policies = {k: v for k, v in GOOD.items() if k != "policies"}
     with pytest.raises(SuiteError, match="policies"):
         parse_suite(no_policies)
-    quality = QualitySuite.model_validate(dict(kind="quality", name="q", model="tiny-llama", compression_ratios=[2],
-                                               perplexity={"windows": 1}))
+    quality = QualitySuite.model_validate(
+        dict(kind="quality", name="q", model="tiny-llama", compression_ratios=[2], perplexity={"windows": 1})
+    )
     frontier = FrontierSuite.model_validate(dict(kind="frontier", name="f", model="tiny-llama", compression_ratios=[2]))
     assert [p.name for p in quality.policies] == [p.name for p in frontier.policies] == list(scissorhands.POLICIES)
 

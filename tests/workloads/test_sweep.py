@@ -24,16 +24,56 @@ pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(
-    kind="batch", name="tiny", model="tiny-llama", policies=["full", "scissorhands"], compression_ratios=[2, 5],
-    batch_sizes=[1, 4], prompt_tokens=[64], new_tokens=[16], seed=0, replicas=2,
+    kind="batch",
+    name="tiny",
+    model="tiny-llama",
+    policies=["full", "scissorhands"],
+    compression_ratios=[2, 5],
+    batch_sizes=[1, 4],
+    prompt_tokens=[64],
+    new_tokens=[16],
+    seed=0,
+    replicas=2,
 )
 FIELDS = {
-    "schema_version", "run_id", "point_id", "point_index", "status", "error", "git_commit", "model", "model_id",
-    "policy", "policy_params", "compression_ratio", "budget_tokens", "budget_tokens_requested", "batch_size",
-    "prompt_tokens", "new_tokens", "seed", "replica_id", "node_id", "hostname", "torch_threads", "ray_nodes",
-    "prefill_s", "ttft_s", "decode_s", "decode_step_s", "tpot_s", "e2e_latency_s", "decode_tokens_per_s",
-    "output_throughput_tok_per_s", "total_throughput_tok_per_s", "input_tokens", "output_tokens",
-    "kv_cache_bytes", "peak_rss_bytes", "started_at_unix_s", "finished_at_unix_s",
+    "schema_version",
+    "run_id",
+    "point_id",
+    "point_index",
+    "status",
+    "error",
+    "git_commit",
+    "model",
+    "model_id",
+    "policy",
+    "policy_params",
+    "compression_ratio",
+    "budget_tokens",
+    "budget_tokens_requested",
+    "batch_size",
+    "prompt_tokens",
+    "new_tokens",
+    "seed",
+    "replica_id",
+    "node_id",
+    "hostname",
+    "torch_threads",
+    "ray_nodes",
+    "prefill_s",
+    "ttft_s",
+    "decode_s",
+    "decode_step_s",
+    "tpot_s",
+    "e2e_latency_s",
+    "decode_tokens_per_s",
+    "output_throughput_tok_per_s",
+    "total_throughput_tok_per_s",
+    "input_tokens",
+    "output_tokens",
+    "kv_cache_bytes",
+    "peak_rss_bytes",
+    "started_at_unix_s",
+    "finished_at_unix_s",
 }
 
 
@@ -82,7 +122,12 @@ def test_sweep_records_every_point(tiny_run):
     for r in recs:
         assert FIELDS <= set(r), FIELDS - set(r)
         assert r["status"] == "ok" and r["error"] is None
-        assert r["schema_version"] == 2 and r["kind"] == "batch" and r["run_id"] == "run1" and r["model_id"] == "tiny-llama"
+        assert (
+            r["schema_version"] == 2
+            and r["kind"] == "batch"
+            and r["run_id"] == "run1"
+            and r["model_id"] == "tiny-llama"
+        )
         assert len(r["git_commit"]) == 40 or r["git_commit"] == "unknown"
         assert r["input_tokens"] == r["batch_size"] * r["prompt_tokens"]
         assert r["output_tokens"] == r["batch_size"] * r["new_tokens"]
@@ -112,11 +157,25 @@ def test_sweep_writes_table_and_csv(tiny_run):
     tmp, run_dir, stdout, rc = tiny_run
     table = (run_dir / "table.md").read_text()
     assert stdout == table
-    for header in ("policy", "ratio (x)", "budget (tok)", "prefill (s)", "TTFT (s)", "decode (tok/s)",
-                   "output (tok/s)", "KV cache (MiB)", "KV saved vs full (x)", "peak RSS (MiB)", "replica"):
+    for header in (
+        "policy",
+        "ratio (x)",
+        "budget (tok)",
+        "prefill (s)",
+        "TTFT (s)",
+        "decode (tok/s)",
+        "output (tok/s)",
+        "KV cache (MiB)",
+        "KV saved vs full (x)",
+        "peak RSS (MiB)",
+        "replica",
+    ):
         assert header in table.splitlines()[2]
     conditions = table.splitlines()[0]
-    assert conditions.startswith("Conditions: model tiny-llama; dtype float32 (auto: ") and "1 torch thread(s)" in conditions
+    assert (
+        conditions.startswith("Conditions: model tiny-llama; dtype float32 (auto: ")
+        and "1 torch thread(s)" in conditions
+    )
     assert f"CPU {cpu_model_name()};" in conditions
     assert len(table.splitlines()) == 2 + 2 + 6
     csv_lines = (run_dir / "points.csv").read_text().splitlines()
@@ -138,12 +197,12 @@ def test_resume_where_auto_now_resolves_to_another_dtype_exits_2_naming_dtype(ti
     the replicas resolve auto to the other, the sweep refuses (exit 2, naming dtype) and adds no point."""
     tmp, run_dir, _, _ = tiny_run
     recs = lines(run_dir / "points.jsonl")
-    now = recs[0]["dtype"]                                       # what auto resolves to on these replicas
+    now = recs[0]["dtype"]  # what auto resolves to on these replicas
     assert recs[0]["dtype_requested"] == "auto" and recs[0]["dtype_reason"].startswith("auto:")
     other = "bfloat16" if now == "float32" else "float32"
-    moved = run_dir.parent / "moved"                            # as if recorded on a machine resolving `other`
+    moved = run_dir.parent / "moved"  # as if recorded on a machine resolving `other`
     moved.mkdir()
-    text = "".join(json.dumps({**r, "dtype": other}) + "\n" for r in recs[:-1])     # the last point still to run
+    text = "".join(json.dumps({**r, "dtype": other}) + "\n" for r in recs[:-1])  # the last point still to run
     (moved / "points.jsonl").write_text(text)
     rc = sweep.main([str(tmp / "tiny.yaml"), "--results-dir", str(run_dir.parent), "--resume", "moved"])
     err = capsys.readouterr().err
@@ -164,36 +223,68 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
     Validation catches bad parameters before any point runs, so the failing point is injected
     into the expansion: it sends the replica history_window=0, which the policy rejects there."""
     from workloads.batch import suite as suite_mod
+
     class BadPoint(suite_mod.BatchPoint):
         def spec(self):
             return dataclasses.replace(super().spec(), policy_params={"history_window": 0})
 
     real_points = suite_mod.BatchSuite.points
-    monkeypatch.setattr(suite_mod.BatchSuite, "points", lambda self: [
-        BadPoint(0, "scissorhands", {}, 1.5, None, 1, 8, 2, 0, "bad-0", {}), real_points(self)[0]])
-    suite = write_suite(tmp_path / "s.yaml", policies=["full"], compression_ratios=[], batch_sizes=[1],
-                        prompt_tokens=[8], new_tokens=[2])
+    monkeypatch.setattr(
+        suite_mod.BatchSuite,
+        "points",
+        lambda self: [BadPoint(0, "scissorhands", {}, 1.5, None, 1, 8, 2, 0, "bad-0", {}), real_points(self)[0]],
+    )
+    suite = write_suite(
+        tmp_path / "s.yaml",
+        policies=["full"],
+        compression_ratios=[],
+        batch_sizes=[1],
+        prompt_tokens=[8],
+        new_tokens=[2],
+    )
     rc = sweep.main([suite, "--results-dir", str(tmp_path / "results"), "--run-id", "f", "--replicas", "1"])
     assert rc == 1
     recs = sorted(lines(tmp_path / "results" / "f" / "points.jsonl"), key=lambda r: r["point_index"])
     assert [r["status"] for r in recs] == ["error", "ok"]
     assert "ValueError" in recs[0]["error"] and "history_window" in recs[0]["error"]
     assert recs[0]["replica_id"].startswith("replica-") and "prefill_s" not in recs[0]
-    assert recs[1]["replica_id"] == recs[0]["replica_id"]          # the replica went on after the failed point
+    assert recs[1]["replica_id"] == recs[0]["replica_id"]  # the replica went on after the failed point
     assert "1 point(s) failed" in capsys.readouterr().err
 
 
 def test_kill_during_point_3_then_resume_starts_at_3(ray_address, tmp_path):
     """L7: a 3-point sweep killed during point 3 leaves points 1-2 complete; resume runs only point 3."""
-    suite = write_suite(tmp_path / "s.yaml", policies=["full"], compression_ratios=[], batch_sizes=[1],
-                        prompt_tokens=[16], new_tokens=[2, 3, 200])
+    suite = write_suite(
+        tmp_path / "s.yaml",
+        policies=["full"],
+        compression_ratios=[],
+        batch_sizes=[1],
+        prompt_tokens=[16],
+        new_tokens=[2, 3, 200],
+    )
     results = tmp_path / "results"
     points = results / "k" / "points.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workloads.sweep", suite, "--results-dir", str(results), "--run-id", "k",
-         "--replicas", "1", "--address", ray_address],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "workloads.sweep",
+            suite,
+            "--results-dir",
+            str(results),
+            "--run-id",
+            "k",
+            "--replicas",
+            "1",
+            "--address",
+            ray_address,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     try:
         deadline = time.time() + 120
@@ -224,7 +315,7 @@ def test_missing_model_path_fails_and_keeps_points(tiny_run, capsys):
     suite = write_suite(tmp / "missing.yaml", model=missing)
     before = (run_dir / "points.jsonl").read_bytes()
     rc = sweep.main([suite, "--results-dir", str(run_dir.parent), "--resume", "run1"])
-    assert rc == 2                                   # resuming with another model: refused, naming it
+    assert rc == 2  # resuming with another model: refused, naming it
     err = capsys.readouterr().err
     assert missing in err and "changed field(s) ['model']" in err
     rc = sweep.main([suite, "--results-dir", str(run_dir.parent), "--run-id", "run-missing"])

@@ -45,8 +45,15 @@ def test_publisher_with_a_dead_pushgateway_keeps_every_record_and_says_so_once(t
     with caplog.at_level(logging.WARNING, logger="workloads.core.push"):
         publish = PointPublisher(str(path), SweepPusher(_dead_address(), "run-dead"), done=0, planned=3)
         for i in range(3):
-            publish({"point_id": f"p{i}", "status": "ok", "policy": "full", "batch_size": 1,
-                     "output_throughput_tok_per_s": 10.0})
+            publish(
+                {
+                    "point_id": f"p{i}",
+                    "status": "ok",
+                    "policy": "full",
+                    "batch_size": 1,
+                    "output_throughput_tok_per_s": 10.0,
+                }
+            )
     assert [json.loads(line)["point_id"] for line in path.read_text().splitlines()] == ["p0", "p1", "p2"]
     notices = [r for r in caplog.records if "Pushgateway" in r.getMessage()]
     assert len(notices) == 1 and "run-dead" in notices[0].getMessage()

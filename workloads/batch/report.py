@@ -2,6 +2,7 @@
 
 `kv_saved_vs_full_x` divides the `full` point's KV bytes (same batch, prompt, new tokens and seed) by each point's.
 """
+
 from __future__ import annotations
 
 import csv
@@ -34,21 +35,60 @@ COLUMNS = [  # (header with unit, record key, format)
 ]
 
 CSV_FIELDS = [
-    "schema_version", "run_id", "point_index", "point_id", "status", "error", "git_commit", "suite", "model_id",
-    "dtype", "device", "policy", "policy_params", "compression_ratio", "budget_tokens_requested", "budget_tokens",
-    "batch_size", "prompt_tokens", "new_tokens", "seed", "prefill_s", "ttft_s", "decode_s", "tpot_s",
-    "e2e_latency_s", "process_cpu_s", "decode_tokens_per_s", "output_throughput_tok_per_s", "total_throughput_tok_per_s",
-    "input_tokens", "output_tokens", "kv_cache_bytes", "kv_cache_bytes_final", "kv_saved_vs_full_x",
-    "peak_rss_bytes", "process_max_rss_bytes", "replica_id", "node_id", "hostname", "torch_threads",
-    "started_at_unix_s", "finished_at_unix_s",
+    "schema_version",
+    "run_id",
+    "point_index",
+    "point_id",
+    "status",
+    "error",
+    "git_commit",
+    "suite",
+    "model_id",
+    "dtype",
+    "device",
+    "policy",
+    "policy_params",
+    "compression_ratio",
+    "budget_tokens_requested",
+    "budget_tokens",
+    "batch_size",
+    "prompt_tokens",
+    "new_tokens",
+    "seed",
+    "prefill_s",
+    "ttft_s",
+    "decode_s",
+    "tpot_s",
+    "e2e_latency_s",
+    "process_cpu_s",
+    "decode_tokens_per_s",
+    "output_throughput_tok_per_s",
+    "total_throughput_tok_per_s",
+    "input_tokens",
+    "output_tokens",
+    "kv_cache_bytes",
+    "kv_cache_bytes_final",
+    "kv_saved_vs_full_x",
+    "peak_rss_bytes",
+    "process_max_rss_bytes",
+    "replica_id",
+    "node_id",
+    "hostname",
+    "torch_threads",
+    "started_at_unix_s",
+    "finished_at_unix_s",
 ]
 
 
 def _sort_key(rec: dict):
     return (
-        rec.get("batch_size", 0), rec.get("prompt_tokens", 0), rec.get("new_tokens", 0),
-        rec.get("policy") != "full", rec.get("policy", ""),
-        -(rec.get("compression_ratio") or 0), rec.get("budget_tokens_requested") or 0,
+        rec.get("batch_size", 0),
+        rec.get("prompt_tokens", 0),
+        rec.get("new_tokens", 0),
+        rec.get("policy") != "full",
+        rec.get("policy", ""),
+        -(rec.get("compression_ratio") or 0),
+        rec.get("budget_tokens_requested") or 0,
     )
 
 
@@ -111,8 +151,14 @@ def warn_contention(rows: list[dict]) -> None:
     cpu_s = sum(r["process_cpu_s"] for r in ok)
     busy_s = sum(r["e2e_latency_s"] * (r.get("torch_threads") or 1) for r in ok)
     share = cpu_s / busy_s
-    print(f"batch: points used {cpu_s:.0f} CPU-s in {sum(r['e2e_latency_s'] for r in ok):.0f} s of point time "
-          f"({share:.0%} of their torch threads)", file=sys.stderr)
+    print(
+        f"batch: points used {cpu_s:.0f} CPU-s in {sum(r['e2e_latency_s'] for r in ok):.0f} s of point time "
+        f"({share:.0%} of their torch threads)",
+        file=sys.stderr,
+    )
     if share < 0.7:
-        print("batch: warning: the replicas waited for cores (other load on the machine); "
-              "absolute timings are pessimistic", file=sys.stderr)
+        print(
+            "batch: warning: the replicas waited for cores (other load on the machine); "
+            "absolute timings are pessimistic",
+            file=sys.stderr,
+        )

@@ -23,6 +23,7 @@
 Exit status: 0 all points ok; 1 a point failed or no replica could start (e.g. a missing model
 path); 2 the suite or the arguments are invalid (nothing is recorded); 130 interrupted.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,25 +61,40 @@ class BatchKind(Kind):
     suite_model = BatchSuite
 
     def execute(self, session: Session, pending: list[BatchPoint]) -> Iterator[Finished]:
-        return replica_points(session, pending, remote=lambda handle, point: handle.run_batch.remote(point.spec()),
-                              local=lambda replica, point: replica.run_batch(point.spec()),
-                              replica_kwargs=dict(prompt_fn=make_prompts),
-                              linger_s=lambda: final_scrape_wait_s(session.pusher))
+        return replica_points(
+            session,
+            pending,
+            remote=lambda handle, point: handle.run_batch.remote(point.spec()),
+            local=lambda replica, point: replica.run_batch(point.spec()),
+            replica_kwargs=dict(prompt_fn=make_prompts),
+            linger_s=lambda: final_scrape_wait_s(session.pusher),
+        )
 
     def record_fields(self, suite: BatchSuite, point: BatchPoint, finished: Finished) -> dict:
         metrics = finished.metrics or {}
-        quantiles = {f"{name}_{q}_s": metrics[f"{name}_s"] for name in ("ttft", "tpot", "e2e_latency")
-                     if metrics.get(f"{name}_s") is not None for q in STATIC_BATCH_QUANTILES}
-        return dict(quantiles, batch_size=point.batch_size, prompt_tokens=point.prompt_tokens,
-                    new_tokens=point.new_tokens, budget_tokens=metrics.get("budget_tokens"))
+        quantiles = {
+            f"{name}_{q}_s": metrics[f"{name}_s"]
+            for name in ("ttft", "tpot", "e2e_latency")
+            if metrics.get(f"{name}_s") is not None
+            for q in STATIC_BATCH_QUANTILES
+        }
+        return dict(
+            quantiles,
+            batch_size=point.batch_size,
+            prompt_tokens=point.prompt_tokens,
+            new_tokens=point.new_tokens,
+            budget_tokens=metrics.get("budget_tokens"),
+        )
 
     def one_line(self, rec: dict) -> str:
         what = f"{rec['point_id']} on {rec.get('replica_id')}"
         if rec["status"] != "ok":
             return f"  error  {what}: {rec['error']}"
         kv = rec.get("kv_cache_bytes") or 0
-        return (f"  ok     {what}: prefill {rec['prefill_s']:.2f} s, decode {rec.get('decode_tokens_per_s') or 0:.1f} "
-                f"tok/s, KV {kv / MIB:.1f} MiB, budget {rec.get('budget_tokens') or '-'} tok")
+        return (
+            f"  ok     {what}: prefill {rec['prefill_s']:.2f} s, decode {rec.get('decode_tokens_per_s') or 0:.1f} "
+            f"tok/s, KV {kv / MIB:.1f} MiB, budget {rec.get('budget_tokens') or '-'} tok"
+        )
 
     def report(self, run_dir: Path, suite: BatchSuite, records: list[dict]) -> Report:
         return write_report(run_dir, records)

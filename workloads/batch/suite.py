@@ -15,6 +15,7 @@
 (the shared keys: `workloads.core.suite`). Points are policy x budget (every ratio and every absolute budget) x
 batch size x prompt tokens x new tokens; `full` runs once per batch/prompt/new combination, not once per budget.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,10 +52,16 @@ class BatchPoint:
     def spec(self) -> BatchSpec:
         """The `replica.static_batch.BatchSpec` that `replica.static_batch.ModelReplica.run_batch` takes (the
         batch settings; not the index, id or identity, which only the records use)."""
-        return BatchSpec(policy=self.policy, policy_params=dict(self.policy_params),
-                         compression_ratio=self.compression_ratio, budget_tokens=self.budget_tokens,
-                         batch_size=self.batch_size, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens,
-                         seed=self.seed)
+        return BatchSpec(
+            policy=self.policy,
+            policy_params=dict(self.policy_params),
+            compression_ratio=self.compression_ratio,
+            budget_tokens=self.budget_tokens,
+            batch_size=self.batch_size,
+            prompt_tokens=self.prompt_tokens,
+            new_tokens=self.new_tokens,
+            seed=self.seed,
+        )
 
 
 class BatchSuite(SuiteBase):
@@ -78,10 +85,31 @@ class BatchSuite(SuiteBase):
                 for new in self.new_tokens:
                     for pol in self.policies:
                         for ratio, budget in self.budgets(pol):
-                            ident = dict(self.identity(), policy=pol.name, policy_params=dict(pol.params),
-                                         compression_ratio=ratio, budget_tokens=budget, batch_size=batch,
-                                         prompt_tokens=prompt, new_tokens=new, seed=self.seed)
+                            ident = dict(
+                                self.identity(),
+                                policy=pol.name,
+                                policy_params=dict(pol.params),
+                                compression_ratio=ratio,
+                                budget_tokens=budget,
+                                batch_size=batch,
+                                prompt_tokens=prompt,
+                                new_tokens=new,
+                                seed=self.seed,
+                            )
                             tag = f"{pol.tag()}{budget_tag(ratio, budget)}-b{batch}-p{prompt}-n{new}-s{self.seed}"
-                            out.append(BatchPoint(len(out), pol.name, dict(pol.params), ratio, budget, batch, prompt, new,
-                                             self.seed, point_id(tag, ident), ident))
+                            out.append(
+                                BatchPoint(
+                                    len(out),
+                                    pol.name,
+                                    dict(pol.params),
+                                    ratio,
+                                    budget,
+                                    batch,
+                                    prompt,
+                                    new,
+                                    self.seed,
+                                    point_id(tag, ident),
+                                    ident,
+                                )
+                            )
         return out

@@ -7,6 +7,7 @@ placement-group bundle per replica, Serve's restarts, GPU sharding) fed by `disp
 replicas take the next point, a point whose replica died is queued again, and the nodes the replicas ran on are
 watched. The caller (`workloads.core.template.run_suite`) builds and publishes each record.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -28,9 +29,15 @@ from workloads.core.template import Finished, Session
 WATCH_POLL_S = 5.0
 
 
-def replica_points(session: Session, pending: list, *, remote: Callable[[Any, Any], Any],
-                   local: Callable[[ModelReplica, Any], dict], replica_kwargs: dict,
-                   linger_s: Callable[[], float] = lambda: 0.0) -> Iterator[Finished]:
+def replica_points(
+    session: Session,
+    pending: list,
+    *,
+    remote: Callable[[Any, Any], Any],
+    local: Callable[[ModelReplica, Any], dict],
+    replica_kwargs: dict,
+    linger_s: Callable[[], float] = lambda: 0.0,
+) -> Iterator[Finished]:
     """Run `pending` where a model is loaded and yield each point as it finishes.
 
     Args:
@@ -52,14 +59,17 @@ def replica_points(session: Session, pending: list, *, remote: Callable[[Any, An
     rset = None
     try:
         session.inventory = cluster_inventory()
-        kwargs = dict(model_spec=suite.model, dtype=suite.dtype, device=suite.device, run_id=session.run_id,
-                      **replica_kwargs)
+        kwargs = dict(
+            model_spec=suite.model, dtype=suite.dtype, device=suite.device, run_id=session.run_id, **replica_kwargs
+        )
         rset, infos = start_replicas(ray, suite, session.replicas, kwargs, name=suite.kind, run_id=session.run_id)
         yield from dispatch_points(ray, rset, infos, pending, remote)
         wait_s = linger_s()
         if wait_s:
-            tqdm.write(f"{suite.kind}: keeping the replicas up {wait_s:g} s more so Prometheus scrapes their last "
-                       "live values", file=sys.stderr)
+            tqdm.write(
+                f"{suite.kind}: keeping the replicas up {wait_s:g} s more so Prometheus scrapes their last live values",
+                file=sys.stderr,
+            )
             time.sleep(wait_s)
     finally:
         if rset is not None:
@@ -70,8 +80,9 @@ def replica_points(session: Session, pending: list, *, remote: Callable[[Any, An
 
 def _in_process(suite, pending: list, local, replica_kwargs: dict) -> Iterator[Finished]:
     kwargs = {k: v for k, v in replica_kwargs.items() if k != "warmup"}
-    replica = ModelReplica(suite.model, device=suite.device, replica_id="local", warmup=False,
-                           **resolve_run_dtype(suite), **kwargs)
+    replica = ModelReplica(
+        suite.model, device=suite.device, replica_id="local", warmup=False, **resolve_run_dtype(suite), **kwargs
+    )
     info = replica.info()
     for point in pending:
         t0 = time.time()
@@ -107,8 +118,9 @@ def dispatch_points(ray, rset, infos: list[dict], pending: list, remote) -> Iter
             while queue and len(inflight) < rset.n:
                 point = queue.popleft()
                 inflight[loop.create_task(_awaited(remote(rset.handle, point)))] = (point, time.time())
-            done, _ = loop.run_until_complete(asyncio.wait(list(inflight), timeout=WATCH_POLL_S,
-                                                           return_when=asyncio.FIRST_COMPLETED))
+            done, _ = loop.run_until_complete(
+                asyncio.wait(list(inflight), timeout=WATCH_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            )
             if not done:
                 _check_nodes(ray, nodes, state, cfg.ready_timeout_s, len(inflight) + len(queue))
                 continue
@@ -123,9 +135,12 @@ def dispatch_points(ray, rset, infos: list[dict], pending: list, remote) -> Iter
                         continue
                     state["deaths"] += 1
                     if state["deaths"] > rset.n * (cfg.max_restarts + 1):
-                        raise SweepError(f"replicas died {state['deaths']} times (more than {rset.n} x (placement."
-                                         f"max_restarts + 1)); {len(queue) + len(inflight) + 1} point(s) not run; the "
-                                         "points written stay (--resume)", 1) from None
+                        raise SweepError(
+                            f"replicas died {state['deaths']} times (more than {rset.n} x (placement."
+                            f"max_restarts + 1)); {len(queue) + len(inflight) + 1} point(s) not run; the "
+                            "points written stay (--resume)",
+                            1,
+                        ) from None
                     tries[point.point_id] += 1
                     if tries[point.point_id] <= cfg.max_task_retries:
                         queue.appendleft(point)
@@ -134,8 +149,15 @@ def dispatch_points(ray, rset, infos: list[dict], pending: list, remote) -> Iter
                     yield Finished(point, "error", None, f"replica died: {error_message(e)}", None, t0, time.time())
                     continue
                 nodes.add(reply.replica.get("node_id"))
-                yield Finished(point, "ok" if reply.error is None else "error", reply.result, reply.error,
-                               reply.replica, t0, time.time())
+                yield Finished(
+                    point,
+                    "ok" if reply.error is None else "error",
+                    reply.result,
+                    reply.error,
+                    reply.replica,
+                    t0,
+                    time.time(),
+                )
     finally:
         for task in inflight:
             task.cancel()
@@ -155,8 +177,11 @@ def _check_nodes(ray, nodes: set, state: dict, timeout_s: float, not_run: int) -
     try:
         alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive", n.get("alive", False))}
     except Exception as e:  # noqa: BLE001 - the cluster went away
-        raise SweepError(f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
-                         f"{not_run} point(s) not run; the points written stay (--resume)", 1) from None
+        raise SweepError(
+            f"the Ray cluster cannot be reached ({error_message(e)[:300]}); "
+            f"{not_run} point(s) not run; the points written stay (--resume)",
+            1,
+        ) from None
     lost = sorted(nodes - alive)
     if not lost:
         state["lost_since"] = None
@@ -167,4 +192,6 @@ def _check_nodes(ray, nodes: set, state: dict, timeout_s: float, not_run: int) -
         raise SweepError(
             f"a replica's node {lost[0]} left the cluster and Ray did not run the replica again within "
             f"{timeout_s:g} s (placement.ready_timeout_s); {not_run} point(s) not run; the points "
-            "written stay (--resume runs the rest once the cluster has room)", 1)
+            "written stay (--resume runs the rest once the cluster has room)",
+            1,
+        )

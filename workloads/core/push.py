@@ -89,8 +89,10 @@ class SweepPusher:
         self.registry = CollectorRegistry()
         self.point_registries: dict[str, CollectorRegistry] = {}
         run_metrics = [m for m in METRICS if m.source == "pushgateway" and not m.record_key]
-        self._run = {m.name.removeprefix(SWEEP_PREFIX): Gauge(m.name, m.help, list(m.labels), registry=self.registry)
-                     for m in run_metrics}
+        self._run = {
+            m.name.removeprefix(SWEEP_PREFIX): Gauge(m.name, m.help, list(m.labels), registry=self.registry)
+            for m in run_metrics
+        }
         self._max_batch: dict[tuple[str, str, str, str], int] = {}
 
     # ------------------------------------------------------------------ points
@@ -98,8 +100,11 @@ class SweepPusher:
     def point_labels(record: Mapping[str, Any]) -> dict[str, str]:
         """The label values of a record's series (`replica.metrics.POINT_LABELS`; "" when absent)."""
         labels = {k: label_value(record.get(k)) for k in POINT_LABELS}
-        labels.update(policy=str(record["policy"]), compression_ratio=ratio_label(record["policy"], record.get("compression_ratio")),
-                      budget_tokens=label_value(record.get("budget_tokens_requested")))  # the budget asked for, not B used
+        labels.update(
+            policy=str(record["policy"]),
+            compression_ratio=ratio_label(record["policy"], record.get("compression_ratio")),
+            budget_tokens=label_value(record.get("budget_tokens_requested")),
+        )  # the budget asked for, not B used
         return labels
 
     def point_registry(self, record: Mapping[str, Any]) -> CollectorRegistry:
@@ -130,8 +135,9 @@ class SweepPusher:
             key = (labels["policy"], labels["compression_ratio"], labels["kv_bits"], labels["model"])
             self._max_batch[key] = max(self._max_batch.get(key, 0), int(batch))
             policy, ratio, bits, model = key
-            self._run["max_batch_size"].labels(policy=policy, compression_ratio=ratio, kv_bits=bits,
-                                               model=model).set(self._max_batch[key])
+            self._run["max_batch_size"].labels(policy=policy, compression_ratio=ratio, kv_bits=bits, model=model).set(
+                self._max_batch[key]
+            )
         self._run["last_success_timestamp_seconds"].set(record.get("finished_at_unix_s") or time.time())
 
     def push_point(self, record: Mapping[str, Any]) -> bool:
@@ -202,7 +208,7 @@ class PointPublisher:
         self.pusher = pusher
         self.planned = int(planned)
         self.done = min(int(done), self.planned)
-        self.earlier = read_records(self.points_path)      # the records of the run before this resume
+        self.earlier = read_records(self.points_path)  # the records of the run before this resume
         for record in self.earlier:
             pusher.remember(record)
         pusher.push_progress(self.done, self.planned)

@@ -31,8 +31,16 @@ from workloads.core.suite import tag_of
 SCHEMA_VERSION = 2
 MIB = 1024 * 1024
 #: Keys of a replica's `info()` copied into every record (where the point ran).
-REPLICA_KEYS = ("replica_id", "node_id", "node_ip", "accelerator_ids", "devices", "hostname", "cpu_model",
-                "torch_threads")
+REPLICA_KEYS = (
+    "replica_id",
+    "node_id",
+    "node_ip",
+    "accelerator_ids",
+    "devices",
+    "hostname",
+    "cpu_model",
+    "torch_threads",
+)
 
 
 def resolved_policy_params(policy: str | None, policy_params: dict, budget_tokens: int | None) -> dict | None:
@@ -57,19 +65,19 @@ class RecordHeader:
     run_id: str
     point_index: int
     point_id: str
-    point_config: dict            # every setting the point id covers (workloads.core.suite.point_id)
-    status: str                   # ok | error | oom | skipped
+    point_config: dict  # every setting the point id covers (workloads.core.suite.point_id)
+    status: str  # ok | error | oom | skipped
     error: str | None
     git_commit: str
     suite: str
     model: str
     model_id: str
-    dtype: str                    # the dtype the replica ran in (the suite may ask for "auto")
+    dtype: str  # the dtype the replica ran in (the suite may ask for "auto")
     dtype_requested: str
-    dtype_reason: str | None      # why `auto` resolved as it did (scissorhands.models.resolve_dtype)
+    dtype_reason: str | None  # why `auto` resolved as it did (scissorhands.models.resolve_dtype)
     device: str
     policy: str
-    policy_params: dict           # every parameter resolved, see resolved_policy_params
+    policy_params: dict  # every parameter resolved, see resolved_policy_params
     compression_ratio: float | None
     budget_tokens_requested: int | None
     seed: int
@@ -79,17 +87,29 @@ class RecordHeader:
     accelerator_ids: Any
     devices: Any
     hostname: str | None
-    cpu_model: str | None         # the replica's CPU (scissorhands.models.cpu_model_name)
+    cpu_model: str | None  # the replica's CPU (scissorhands.models.cpu_model_name)
     torch_threads: int | None
     ray_nodes: Any
     started_at_unix_s: float | None
     finished_at_unix_s: float | None
 
 
-def build_record(*, kind: str, run_id: str, commit: str, suite, point, status: str, error: str | None = None,
-                 replica: Mapping[str, Any] | None = None, inventory: Any = None, started_at_unix_s: float | None = None,
-                 finished_at_unix_s: float | None = None, metrics: Mapping[str, Any] | None = None,
-                 fields: Mapping[str, Any] | None = None) -> dict:
+def build_record(
+    *,
+    kind: str,
+    run_id: str,
+    commit: str,
+    suite,
+    point,
+    status: str,
+    error: str | None = None,
+    replica: Mapping[str, Any] | None = None,
+    inventory: Any = None,
+    started_at_unix_s: float | None = None,
+    finished_at_unix_s: float | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    fields: Mapping[str, Any] | None = None,
+) -> dict:
     """The record of one finished point, built once: the `RecordHeader` fields, then `metrics` (which may add
     `budget_tokens`, the B used; the resolved policy parameters follow it), then the kind's own `fields`
     (`workloads.core.template.Kind.record_fields`: its columns, e.g. a batch point's shape).
@@ -101,14 +121,30 @@ def build_record(*, kind: str, run_id: str, commit: str, suite, point, status: s
     metrics = dict(metrics or {})
     replica = replica or {}
     header = RecordHeader(
-        schema_version=SCHEMA_VERSION, kind=kind, run_id=run_id, point_index=point.index, point_id=point.point_id,
-        point_config=point.identity, status=status, error=error, git_commit=commit, suite=suite.name,
-        model=suite.model, model_id=metrics.pop("model_id", None) or replica.get("model_id") or model_id_of(suite.model),
-        dtype=replica.get("dtype") or suite.dtype, dtype_requested=suite.dtype, dtype_reason=replica.get("dtype_reason"),
-        device=suite.device, policy=point.policy,
+        schema_version=SCHEMA_VERSION,
+        kind=kind,
+        run_id=run_id,
+        point_index=point.index,
+        point_id=point.point_id,
+        point_config=point.identity,
+        status=status,
+        error=error,
+        git_commit=commit,
+        suite=suite.name,
+        model=suite.model,
+        model_id=metrics.pop("model_id", None) or replica.get("model_id") or model_id_of(suite.model),
+        dtype=replica.get("dtype") or suite.dtype,
+        dtype_requested=suite.dtype,
+        dtype_reason=replica.get("dtype_reason"),
+        device=suite.device,
+        policy=point.policy,
         policy_params=resolved_policy_params(point.policy, point.policy_params, metrics.get("budget_tokens")),
-        compression_ratio=point.compression_ratio, budget_tokens_requested=point.budget_tokens, seed=point.seed,
-        **{k: replica.get(k) for k in REPLICA_KEYS}, ray_nodes=inventory, started_at_unix_s=started_at_unix_s,
+        compression_ratio=point.compression_ratio,
+        budget_tokens_requested=point.budget_tokens,
+        seed=point.seed,
+        **{k: replica.get(k) for k in REPLICA_KEYS},
+        ray_nodes=inventory,
+        started_at_unix_s=started_at_unix_s,
         finished_at_unix_s=finished_at_unix_s,
     )
     return {**asdict(header), **metrics, **(fields or {})}
@@ -195,7 +231,9 @@ def changed_settings(records: Iterable[dict], points: Iterable) -> dict[str, dic
         if old is not None and old["point_id"] != p.point_id:
             was = old["point_config"]
             now = json.loads(json.dumps(p.identity, default=str))
-            out[p.point_id] = {k: (was.get(k), now.get(k)) for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)}
+            out[p.point_id] = {
+                k: (was.get(k), now.get(k)) for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)
+            }
     return out
 
 
@@ -218,7 +256,9 @@ def markdown_table(columns: list[tuple[str, str, str]], rows: list[dict], *, foo
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |"]
     lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for b in body:
-        lines.append("| " + " | ".join(c.rjust(w) if i > 0 else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))) + " |")
+        lines.append(
+            "| " + " | ".join(c.rjust(w) if i > 0 else c.ljust(w) for i, (c, w) in enumerate(zip(b, widths))) + " |"
+        )
     return "\n".join(lines) + "\n" + (f"\n{footer}\n" if footer else "")
 
 
@@ -231,10 +271,12 @@ def conditions_line(records: Iterable[dict]) -> str:
         return ", ".join(sorted({str(r[key]) for r in recs if r.get(key) is not None})) or "-"
 
     reasons = distinct("dtype_reason")
-    return (f"Conditions: model {distinct('model_id')}; dtype {distinct('dtype')}"
-            + (f" ({reasons})" if reasons != "-" else "")
-            + f"; device {distinct('device')}; CPU {distinct('cpu_model')}; {distinct('torch_threads')} torch "
-              f"thread(s) per replica; commit {distinct('git_commit')}\n\n")
+    return (
+        f"Conditions: model {distinct('model_id')}; dtype {distinct('dtype')}"
+        + (f" ({reasons})" if reasons != "-" else "")
+        + f"; device {distinct('device')}; CPU {distinct('cpu_model')}; {distinct('torch_threads')} torch "
+        f"thread(s) per replica; commit {distinct('git_commit')}\n\n"
+    )
 
 
 def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:

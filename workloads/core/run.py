@@ -8,6 +8,7 @@
   sized to the cluster (`cluster.connect.replica_resources`), in one dtype.
 * `SweepError`: stops a run before or between points, with the exit status.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,11 +56,17 @@ def runner_args(argv: list[str] | None, prog: str, doc: str, suite_help: str) ->
     p.add_argument("--run-id", default=None, help="id of a new run (default: <suite>-<UTC time>)")
     p.add_argument("--resume", metavar="RUN_ID", default=None, help="continue this run; skip its ok points")
     p.add_argument("--address", default=None, help="Ray cluster address (default: $RAY_ADDRESS, else embedded)")
-    p.add_argument("--local", action="store_true", help="run the points in this process, without Ray "
-                   "(one replica; debugging, tests)")
-    p.add_argument("--pushgateway", default=None,
-                   help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
-                        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="run the points in this process, without Ray (one replica; debugging, tests)",
+    )
+    p.add_argument(
+        "--pushgateway",
+        default=None,
+        help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "
+        "127.0.0.1:9091; 'off' disables); an unreachable one is reported once and skipped",
+    )
     return p.parse_args(argv)
 
 
@@ -108,8 +115,11 @@ def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...
         fields = sorted({k for diff in changed.values() for k in diff})
         first = next(iter(changed.values()))
         detail = ", ".join(f"{k}: {first[k][0]!r} -> {first[k][1]!r}" for k in fields if k in first)
-        raise SweepError(f"--resume: the suite changed since its points were recorded; changed field(s) {fields} "
-                         f"({detail}) in {len(changed)} point(s); start a new run (--run-id) for the new settings", 2)
+        raise SweepError(
+            f"--resume: the suite changed since its points were recorded; changed field(s) {fields} "
+            f"({detail}) in {len(changed)} point(s); start a new run (--run-id) for the new settings",
+            2,
+        )
     done = {r["point_id"] for r in records if r.get("status") in done_statuses}
     return [p for p in points if p.point_id not in done]
 
@@ -127,16 +137,21 @@ def check_resolved_dtype(earlier: list[dict], record: dict) -> None:
         SweepError: (exit 2) naming ``dtype``, the earlier and the new resolved dtype and why.
     """
     if record.get("dtype_reason") is None:
-        return                      # the point never reached a replica (nothing resolved)
+        return  # the point never reached a replica (nothing resolved)
     for old in earlier:
-        if old.get("dtype_reason") is not None and old.get("dtype_requested") == record.get("dtype_requested") \
-                and old.get("dtype") != record.get("dtype"):
+        if (
+            old.get("dtype_reason") is not None
+            and old.get("dtype_requested") == record.get("dtype_requested")
+            and old.get("dtype") != record.get("dtype")
+        ):
             raise SweepError(
                 f"--resume: dtype: the suite's dtype {record.get('dtype_requested')!r} resolved to "
                 f"{old.get('dtype')!r} for the points this run recorded ({old.get('dtype_reason')}) but to "
                 f"{record.get('dtype')!r} on replica {record.get('replica_id')} now ({record['dtype_reason']}); "
                 "the run would mix their numbers. Start a new run (--run-id) here, or resume where it resolves "
-                f"to {old.get('dtype')!r}", 2)
+                f"to {old.get('dtype')!r}",
+                2,
+            )
 
 
 @dataclass
@@ -164,9 +179,14 @@ def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
     commit = git_commit()
     supervise.note_run(kind, run_id, run_dir, points_path)  # named should the cluster go away
     if not (run_dir / "run.json").exists():
-        meta = {"run_id": run_id, "suite_file": args.suite,
-                "suite": suite.model_dump(mode="json"), "git_commit": commit,
-                "created_at_unix_s": time.time(), "schema_version": res.SCHEMA_VERSION}
+        meta = {
+            "run_id": run_id,
+            "suite_file": args.suite,
+            "suite": suite.model_dump(mode="json"),
+            "git_commit": commit,
+            "created_at_unix_s": time.time(),
+            "schema_version": res.SCHEMA_VERSION,
+        }
         res.write_atomic(str(run_dir / "run.json"), json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return OpenedRun(run_id, run_dir, points_path, commit)
 
@@ -190,8 +210,9 @@ def record_run_dtypes(run_dir, records) -> None:
         res.write_atomic(str(path), json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                      num_threads: int | None = None) -> dict:
+def resolve_run_dtype(
+    suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float = 0.0, num_threads: int | None = None
+) -> dict:
     """Resolve the suite's ``dtype`` once for the whole run (`replica.static_batch.resolve_run_dtype`): in this
     process when `ray` is None, else as one Ray task with a replica's resources. Every replica of the run
     then loads that concrete dtype with the same ``dtype_reason`` (``auto``'s probe is noisy under load:
@@ -204,17 +225,36 @@ def resolve_run_dtype(suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float
         SweepError: (exit 1) the probe could not run (the message names ``dtype``).
     """
     try:
-        return resolve(suite.model, suite.dtype, suite.device, ray=ray, num_cpus=num_cpus, num_gpus=num_gpus,
-                       num_threads=num_threads, timeout_s=suite.placement.ready_timeout_s)
+        return resolve(
+            suite.model,
+            suite.dtype,
+            suite.device,
+            ray=ray,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            num_threads=num_threads,
+            timeout_s=suite.placement.ready_timeout_s,
+        )
     except Exception as e:  # noqa: BLE001 - e.g. no node ran the probe's task within ready_timeout_s
-        if type(e).__name__ == "GetTimeoutError":     # the probe asks a replica's resources: the same fault
-            raise SweepError("dtype: the run's dtype probe (one task with a replica's resources): "
-                             + not_ready_message(ray, 1, "probe", suite.placement.ready_timeout_s), 1) from None
+        if type(e).__name__ == "GetTimeoutError":  # the probe asks a replica's resources: the same fault
+            raise SweepError(
+                "dtype: the run's dtype probe (one task with a replica's resources): "
+                + not_ready_message(ray, 1, "probe", suite.placement.ready_timeout_s),
+                1,
+            ) from None
         raise SweepError(f"dtype: could not resolve {suite.dtype!r} for the run: {error_message(e)}", 1) from None
 
 
-def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str, name_prefix: str = "replica",
-                   run_id: str | None = None):
+def start_replicas(
+    ray,
+    suite,
+    replicas: int,
+    replica_kwargs: dict,
+    *,
+    name: str,
+    name_prefix: str = "replica",
+    run_id: str | None = None,
+):
     """Start `replicas` point replicas of `suite` (`cluster.replica_set.point_replicas`: a Serve application
     of this run's own, one placement-group bundle per replica, resources from `replica_resources` unless the
     suite's `placement:` names them) and wait until every one has loaded its model. `replica_kwargs` go to
@@ -227,15 +267,24 @@ def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str
             not load its model (the application is deleted); (exit 2) as `replica_resources`.
     """
     threads, num_cpus, num_gpus = replica_resources(ray, replicas, suite.device)
-    rset = point_replicas(replicas, suite.placement, replica_kwargs, num_cpus=num_cpus, num_gpus=num_gpus,
-                          num_threads=threads, app_name=app_name_for(name, run_id), name_prefix=name_prefix)
+    rset = point_replicas(
+        replicas,
+        suite.placement,
+        replica_kwargs,
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        num_threads=threads,
+        app_name=app_name_for(name, run_id),
+        name_prefix=name_prefix,
+    )
     try:
-        rset.check_fits()                                # refused at once, before the dtype probe asks for them
+        rset.check_fits()  # refused at once, before the dtype probe asks for them
     except PlacementError as e:
         raise SweepError(str(e), 1) from None
-    delete_leftover_apps(rset.app_name)                  # a killed attempt's replicas hold CPUs the probe needs
-    rset.init_kwargs.update(resolve_run_dtype(suite, ray, num_cpus=rset.num_cpus, num_gpus=rset.num_gpus,
-                                              num_threads=rset.num_threads))  # auto: once for all replicas
+    delete_leftover_apps(rset.app_name)  # a killed attempt's replicas hold CPUs the probe needs
+    rset.init_kwargs.update(
+        resolve_run_dtype(suite, ray, num_cpus=rset.num_cpus, num_gpus=rset.num_gpus, num_threads=rset.num_threads)
+    )  # auto: once for all replicas
     try:
         rset.start()
         infos = sorted(rset.broadcast("info").values(), key=lambda i: i["replica_id"])
@@ -245,6 +294,9 @@ def start_replicas(ray, suite, replicas: int, replica_kwargs: dict, *, name: str
     except Exception as e:  # a replica could not load its model
         rset.shutdown()
         raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
-    print(f"{name}: {replicas} replica(s) ready ({rset.num_threads} torch thread(s), {rset.num_cpus:g} CPU(s) each): "
-          + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos), file=sys.stderr)
+    print(
+        f"{name}: {replicas} replica(s) ready ({rset.num_threads} torch thread(s), {rset.num_cpus:g} CPU(s) each): "
+        + ", ".join(f"{i['replica_id']}@{i['hostname']}" for i in infos),
+        file=sys.stderr,
+    )
     return rset, infos

@@ -93,7 +93,7 @@ class PolicySpec(BaseModel):
     @classmethod
     def _accepted_by_the_policy(cls, params: dict, info: ValidationInfo) -> dict:
         if info.data.get("name") in POLICIES:
-            get_policy(info.data["name"], **params)     # ValueError naming the parameter
+            get_policy(info.data["name"], **params)  # ValueError naming the parameter
         return params
 
     @property
@@ -124,14 +124,16 @@ class SuiteBase(BaseModel):
     name: Name = "suite"
     description: str = ""
     model: Name = "embedded"
-    dtype: Literal[DTYPE_CHOICES] = "auto"      # auto: bfloat16 where >= 1.2x faster (scissorhands.models.resolve_dtype)
-    device: str = "cpu"                         # where each replica runs its model: cpu, cuda or cuda:<index>
+    dtype: Literal[DTYPE_CHOICES] = "auto"  # auto: bfloat16 where >= 1.2x faster (scissorhands.models.resolve_dtype)
+    device: str = "cpu"  # where each replica runs its model: cpu, cuda or cuda:<index>
     policies: Annotated[tuple[PolicySpec, ...], Field(min_length=1)]
     compression_ratios: tuple[Ratio, ...] = ()
     budget_tokens: tuple[PositiveInt, ...] = ()
     seed: NonNegativeInt = 0
     replicas: PositiveInt = 2
-    placement: Annotated[PlacementConfig, PlainValidator(_placement), PlainSerializer(PlacementConfig.model_dump)] = Field(default_factory=PlacementConfig)
+    placement: Annotated[PlacementConfig, PlainValidator(_placement), PlainSerializer(PlacementConfig.model_dump)] = (
+        Field(default_factory=PlacementConfig)
+    )
 
     _list_fields: ClassVar[tuple[str, ...]] = ("compression_ratios", "budget_tokens", "policies")
     #: `policies` of a suite that names none: None (the key is required) or "all"
@@ -144,7 +146,7 @@ class SuiteBase(BaseModel):
             data = dict(data)
             if cls._policies_default is not None:
                 data.setdefault("policies", cls._policies_default)
-            if data.get("policies") == "all":                       # every key of scissorhands.POLICIES
+            if data.get("policies") == "all":  # every key of scissorhands.POLICIES
                 data["policies"] = list(POLICIES)
             data = {k: (_one_or_many(v) if k in cls._list_fields else v) for k, v in data.items()}
             for k in ("compression_ratios", "budget_tokens"):
@@ -183,11 +185,16 @@ class SuiteBase(BaseModel):
             if not POLICIES[spec.name].evicts:
                 continue
             if not self.compression_ratios and not self.budget_tokens:
-                raise SuiteError(f"compression_ratios: policy {spec.name!r} needs at least one compression ratio "
-                                 "or budget_tokens entry")
+                raise SuiteError(
+                    f"compression_ratios: policy {spec.name!r} needs at least one compression ratio "
+                    "or budget_tokens entry"
+                )
             checks = [(f"budget_tokens[{j}]", b) for j, b in enumerate(self.budget_tokens)]
-            checks += [(f"compression_ratios[{j}] (ratio {r:g} at {n} tokens)", budget_from_ratio(n, r))
-                       for j, r in enumerate(self.compression_ratios) for n in self.budget_lengths()]
+            checks += [
+                (f"compression_ratios[{j}] (ratio {r:g} at {n} tokens)", budget_from_ratio(n, r))
+                for j, r in enumerate(self.compression_ratios)
+                for n in self.budget_lengths()
+            ]
             for where, b in checks:
                 _check_budget(where, spec, b)
         return self
@@ -269,8 +276,10 @@ def validate_suite(cls: type[BaseModel], data: Any, source: str = "<suite>", *, 
         raise SuiteError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
     kind = data.get("kind")
     if kind not in kinds:
-        raise SuiteError(f"kind: {'missing' if kind is None else f'unknown kind {kind!r}'} "
-                         f"(accepted: {', '.join(kinds)}); every suite names its kind")
+        raise SuiteError(
+            f"kind: {'missing' if kind is None else f'unknown kind {kind!r}'} "
+            f"(accepted: {', '.join(kinds)}); every suite names its kind"
+        )
     data = dict(data)
     data.setdefault("name", os.path.splitext(os.path.basename(source))[0] or "suite")
     try:

@@ -20,6 +20,7 @@
 A new suite kind is one folder `workloads/<kind>/` whose `runner.py` holds a `Kind` subclass, plus one line in
 `workloads.kinds.KINDS`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,7 @@ class Session:
     run_dir: Path
     replicas: int
     pusher: SweepPusher
-    inventory: Any = None          # the Ray node inventory, set by an executor that joined a cluster
+    inventory: Any = None  # the Ray node inventory, set by an executor that joined a cluster
 
     @property
     def local(self) -> bool:
@@ -98,9 +99,9 @@ class Kind:
     Override `execute`, `one_line` and `report`; `record_fields` and `announce` when the kind adds to them.
     """
 
-    name: ClassVar[str]                                   # the suite file's `kind:`
+    name: ClassVar[str]  # the suite file's `kind:`
     suite_model: ClassVar[type[SuiteBase]]
-    done_statuses: ClassVar[tuple[str, ...]] = ("ok",)    # a resumed run does not run these points again
+    done_statuses: ClassVar[tuple[str, ...]] = ("ok",)  # a resumed run does not run these points again
 
     def announce(self, suite) -> Iterable[str]:
         """Lines printed once before the points run (e.g. what the suite's sizes can resolve)."""
@@ -161,42 +162,61 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None) -> int:
     points = suite.points()
     pending = pending_points(run.points_path, points, kind.done_statuses)
     where = "this process" if getattr(args, "local", False) else f"{replicas} replica(s)"
-    print(f"{kind.name}: run {run.run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
-          f"{len(pending)} to run on {where}; results in {run.run_dir}/", file=sys.stderr)
+    print(
+        f"{kind.name}: run {run.run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
+        f"{len(pending)} to run on {where}; results in {run.run_dir}/",
+        file=sys.stderr,
+    )
     for line in kind.announce(suite):
         print(f"{kind.name}: {line}", file=sys.stderr)
     stop = None
     if pending:
         session = Session(args, suite, run.run_id, run.run_dir, replicas, SweepPusher(args.pushgateway, run.run_id))
-        publish = PointPublisher(run.points_path, session.pusher, done=len(points) - len(pending),
-                                 planned=len(points))
+        publish = PointPublisher(run.points_path, session.pusher, done=len(points) - len(pending), planned=len(points))
         try:
             with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
                 for done in kind.execute(session, pending):
                     record = res.build_record(
-                        kind=kind.name, run_id=run.run_id, commit=run.commit, suite=suite, point=done.point,
-                        status=done.status, error=done.error, replica=kind.replica_fields(done),
-                        inventory=session.inventory, started_at_unix_s=done.started_at_unix_s,
-                        finished_at_unix_s=done.finished_at_unix_s, metrics=done.metrics,
-                        fields=kind.record_fields(suite, done.point, done))
+                        kind=kind.name,
+                        run_id=run.run_id,
+                        commit=run.commit,
+                        suite=suite,
+                        point=done.point,
+                        status=done.status,
+                        error=done.error,
+                        replica=kind.replica_fields(done),
+                        inventory=session.inventory,
+                        started_at_unix_s=done.started_at_unix_s,
+                        finished_at_unix_s=done.finished_at_unix_s,
+                        metrics=done.metrics,
+                        fields=kind.record_fields(suite, done.point, done),
+                    )
                     publish(record)
                     bar.update(1)
                     bar.write(kind.one_line(record), file=sys.stderr)
-        except ClusterError as e:             # the report of what is on disk is still written
+        except ClusterError as e:  # the report of what is on disk is still written
             stop = e
     ids = {p.point_id for p in points}
     latest = [r for r in res.latest_by_point(res.read_records(run.points_path)).values() if r["point_id"] in ids]
     record_run_dtypes(run.run_dir, latest)
     report = kind.report(run.run_dir, suite, latest)
     print(report.table, end="")
-    print(f"{kind.name}: wrote {', '.join(str(p) for p in (run.points_path, *report.files) if os.path.exists(p))}",
-          file=sys.stderr)
+    print(
+        f"{kind.name}: wrote {', '.join(str(p) for p in (run.points_path, *report.files) if os.path.exists(p))}",
+        file=sys.stderr,
+    )
     error_file = run.run_dir / "error.json"
-    if stop is not None:                      # the reason stays next to the points, not only in the (job) log
-        res.write_atomic(str(error_file), json.dumps({"run_id": run.run_id, "error": str(stop), "exit_code": stop.code,
-                                                      "at_unix_s": time.time()}, sort_keys=True) + "\n")
+    if stop is not None:  # the reason stays next to the points, not only in the (job) log
+        res.write_atomic(
+            str(error_file),
+            json.dumps(
+                {"run_id": run.run_id, "error": str(stop), "exit_code": stop.code, "at_unix_s": time.time()},
+                sort_keys=True,
+            )
+            + "\n",
+        )
         raise stop
-    if error_file.exists():                   # a resumed run got past the earlier stop
+    if error_file.exists():  # a resumed run got past the earlier stop
         error_file.unlink()
     failed = sum(1 for r in latest if r["status"] not in kind.done_statuses)
     missing = len(points) - len(latest)
@@ -208,6 +228,10 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None) -> int:
 
 def kind_main(kind: Kind, argv: list[str] | None = None, doc: str | None = None) -> int:
     """The command line of one kind's runner (``python -m workloads.<kind>.runner SUITE [options]``)."""
-    args = runner_args(argv, f"python -m workloads.{kind.name}.runner", doc or run_suite.__doc__,
-                       f"{kind.name} suite YAML, e.g. workloads/suites/*.yaml")
+    args = runner_args(
+        argv,
+        f"python -m workloads.{kind.name}.runner",
+        doc or run_suite.__doc__,
+        f"{kind.name} suite YAML, e.g. workloads/suites/*.yaml",
+    )
     return cli_main(kind.name, lambda: run_suite(args, kind))

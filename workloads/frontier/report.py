@@ -16,6 +16,7 @@ bfloat16, one float32); the report then says so first and draws one frontier per
 A point is on the frontier when no other point is at least as fast (output tok/s) and at most as perplexed
 with one of the two strictly better (`pareto_front`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -61,8 +62,12 @@ def frontier_rows(records) -> list[dict]:
     on = {}
     for g in dict.fromkeys(_group(r) for r in ok):
         members = [r for r in ok if _group(r) == g]
-        on.update(zip((r["point_id"] for r in members),
-                      pareto_front([(r["output_throughput_tok_per_s"], r["perplexity"]) for r in members])))
+        on.update(
+            zip(
+                (r["point_id"] for r in members),
+                pareto_front([(r["output_throughput_tok_per_s"], r["perplexity"]) for r in members]),
+            )
+        )
     rows = [dict(r, on_frontier=on[r["point_id"]], label=_label(r)) for r in ok]
     rows.sort(key=lambda r: -r["output_throughput_tok_per_s"])
     return rows + [dict(r, on_frontier=None, label=_label(r)) for r in latest if r.get("status") != "ok"]
@@ -78,21 +83,30 @@ def _conditions(rows: list[dict]) -> str:
         return ", ".join(str(v) for v in dict.fromkeys(r.get(key) for r in ok))
 
     groups = list(dict.fromkeys(_group(r) for r in ok))
-    mixed = "" if len(groups) == 1 else (
-        f"**Not one comparison: the points ran in {len(groups)} settings (dtype, KV limit in bytes): "
-        + "; ".join(f"{d}, {b} B" for d, b in groups) + " (`dtype: auto` resolved differently on the replicas); "
-        "each has its own frontier. Force `dtype:` in the suite.** ")
+    mixed = (
+        ""
+        if len(groups) == 1
+        else (
+            f"**Not one comparison: the points ran in {len(groups)} settings (dtype, KV limit in bytes): "
+            + "; ".join(f"{d}, {b} B" for d, b in groups)
+            + " (`dtype: auto` resolved differently on the replicas); "
+            "each has its own frontier. Force `dtype:` in the suite.** "
+        )
+    )
     limit = first["kv_memory_limit_bytes"]
     full_seq = (first.get("point_config") or {}).get("kv_limit_full_sequences")
-    return mixed + (f"Conditions: model {first.get('model')} ({first.get('model_id')}), dtype {distinct('dtype')} "
-            f"({distinct('dtype_reason')}), CPU {distinct('cpu')}, {distinct('torch_threads')} torch thread(s) per "
-            f"replica, replicas {distinct('replica_id')}, git commit {first.get('git_commit')}. KV memory limit "
-            f"{limit} B ({limit / MIB:.3g} MiB" + (f" = {full_seq} full-cache sequences" if full_seq else "") +
-            f"); every request {first['prompt_tokens']} prompt tokens of {first.get('text_source', 'load-test text')} "
-            f"(the same prompts for every point) + {first['new_tokens']} new tokens; perplexity over "
-            f"{first['perplexity_tokens_scored']} held-out tokens; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. Points ran "
-            "one after another on the replicas (not interleaved): on a shared machine their timings carry its load; "
-            "output tokens per CPU-second is less sensitive to it.")
+    return mixed + (
+        f"Conditions: model {first.get('model')} ({first.get('model_id')}), dtype {distinct('dtype')} "
+        f"({distinct('dtype_reason')}), CPU {distinct('cpu')}, {distinct('torch_threads')} torch thread(s) per "
+        f"replica, replicas {distinct('replica_id')}, git commit {first.get('git_commit')}. KV memory limit "
+        f"{limit} B ({limit / MIB:.3g} MiB"
+        + (f" = {full_seq} full-cache sequences" if full_seq else "")
+        + f"); every request {first['prompt_tokens']} prompt tokens of {first.get('text_source', 'load-test text')} "
+        f"(the same prompts for every point) + {first['new_tokens']} new tokens; perplexity over "
+        f"{first['perplexity_tokens_scored']} held-out tokens; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. Points ran "
+        "one after another on the replicas (not interleaved): on a shared machine their timings carry its load; "
+        "output tokens per CPU-second is less sensitive to it."
+    )
 
 
 COLUMNS = [  # (header with unit, key, format)
@@ -115,8 +129,11 @@ def markdown(rows: list[dict]) -> str:
     """The conditions line and the table (one row per point; ``frontier`` = "yes" for frontier points)."""
     body = []
     for r in rows:
-        r = dict(r, kv_cache_mib=r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None,
-                 frontier_mark={True: "yes", False: "", None: "-"}[r.get("on_frontier")])
+        r = dict(
+            r,
+            kv_cache_mib=r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None,
+            frontier_mark={True: "yes", False: "", None: "-"}[r.get("on_frontier")],
+        )
         if r.get("status") != "ok":
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
         body.append("| " + " | ".join(res.format_value(r.get(k), f) for _, k, f in COLUMNS) + " |")
@@ -149,32 +166,62 @@ def plot(rows: list[dict], path: Path) -> Path:
         shown = [r for r in ok if not zoom or r["perplexity"] <= best * ZOOM_PERPLEXITY_FACTOR]
         for r in shown:
             pol, q = r.get("policy_label") or r["policy"], r.get("compression_ratio") or 1.0
-            ax.scatter(r["output_throughput_tok_per_s"], r["perplexity"], color=colors[pol],
-                       marker=markers.get(q, "o"), s=55, zorder=3)
-            ax.annotate(r["label"], (r["output_throughput_tok_per_s"], r["perplexity"]), textcoords="offset points",
-                        xytext=(5, 4), fontsize=7)
+            ax.scatter(
+                r["output_throughput_tok_per_s"],
+                r["perplexity"],
+                color=colors[pol],
+                marker=markers.get(q, "o"),
+                s=55,
+                zorder=3,
+            )
+            ax.annotate(
+                r["label"],
+                (r["output_throughput_tok_per_s"], r["perplexity"]),
+                textcoords="offset points",
+                xytext=(5, 4),
+                fontsize=7,
+            )
         for k, g in enumerate(groups):
-            front = sorted((r for r in shown if r["on_frontier"] and _group(r) == g),
-                           key=lambda r: r["output_throughput_tok_per_s"])
+            front = sorted(
+                (r for r in shown if r["on_frontier"] and _group(r) == g),
+                key=lambda r: r["output_throughput_tok_per_s"],
+            )
             if front:
-                ax.plot([r["output_throughput_tok_per_s"] for r in front], [r["perplexity"] for r in front],
-                        "--" if k == 0 else ":", color="black", lw=1, zorder=2,
-                        label="Pareto frontier" + (f" ({g[0]}, {g[1] / MIB:.3g} MiB)" if len(groups) > 1 else ""))
-                ax.scatter([r["output_throughput_tok_per_s"] for r in front], [r["perplexity"] for r in front], s=160,
-                           facecolors="none", edgecolors="black", zorder=4)
+                ax.plot(
+                    [r["output_throughput_tok_per_s"] for r in front],
+                    [r["perplexity"] for r in front],
+                    "--" if k == 0 else ":",
+                    color="black",
+                    lw=1,
+                    zorder=2,
+                    label="Pareto frontier" + (f" ({g[0]}, {g[1] / MIB:.3g} MiB)" if len(groups) > 1 else ""),
+                )
+                ax.scatter(
+                    [r["output_throughput_tok_per_s"] for r in front],
+                    [r["perplexity"] for r in front],
+                    s=160,
+                    facecolors="none",
+                    edgecolors="black",
+                    zorder=4,
+                )
         ax.set_xlabel("output tok/s at the policy's own max batch")
         ax.set_ylabel("perplexity on held-out text (lower is better)")
         ax.grid(True, which="both", alpha=0.3)
         if zoom:
-            ax.set_title(f"zoom: perplexity within {ZOOM_PERPLEXITY_FACTOR:g}x of the lowest ({len(shown)} of "
-                         f"{len(ok)} points)", fontsize=9)
+            ax.set_title(
+                f"zoom: perplexity within {ZOOM_PERPLEXITY_FACTOR:g}x of the lowest ({len(shown)} of {len(ok)} points)",
+                fontsize=9,
+            )
         elif ok:
-            if max(r["perplexity"] for r in ok) / best > 3:   # a far-off point would flatten the rest
+            if max(r["perplexity"] for r in ok) / best > 3:  # a far-off point would flatten the rest
                 ax.set_yscale("log")
             first = ok[0]
-            ax.set_title(f"all points: one KV limit ({first['kv_memory_limit_bytes'] / MIB:.3g} MiB), "
-                         f"{first.get('model')} {first.get('dtype')}, {first['prompt_tokens']} + "
-                         f"{first['new_tokens']} tokens per request", fontsize=9)
+            ax.set_title(
+                f"all points: one KV limit ({first['kv_memory_limit_bytes'] / MIB:.3g} MiB), "
+                f"{first.get('model')} {first.get('dtype')}, {first['prompt_tokens']} + "
+                f"{first['new_tokens']} tokens per request",
+                fontsize=9,
+            )
             for p in policies:
                 ax.scatter([], [], color=colors[p], label=p)
             for q in ratios:

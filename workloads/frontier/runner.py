@@ -12,6 +12,7 @@ skips the points already ``ok``. At the end ``frontier.png`` and ``table.md`` (t
 Exit status: 0 all points ok; 1 a point failed or no replica could start; 2 invalid suite or arguments
 (nothing recorded); 130 interrupted.
 """
+
 from __future__ import annotations
 
 import sys
@@ -36,15 +37,21 @@ class FrontierKind(Kind):
         return replica_points(session, pending, **apply_point(run_frontier_point))
 
     def record_fields(self, suite: FrontierSuite, point: FrontierPoint, finished: Finished) -> dict:
-        return dict(policy_label=policy_label(point.policy, point.policy_params), prompt_tokens=point.prompt_tokens,
-                    new_tokens=point.new_tokens)
+        return dict(
+            policy_label=policy_label(point.policy, point.policy_params),
+            prompt_tokens=point.prompt_tokens,
+            new_tokens=point.new_tokens,
+        )
 
     def one_line(self, rec: dict) -> str:
         what = f"{rec['point_id']} on {rec.get('replica_id')}"
         if rec["status"] != "ok":
             return f"  error  {what}: {rec['error']}"
-        return (f"  ok     {what}: max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s, "
-                f"perplexity {rec['perplexity']:.3f}" + (f", B {rec['budget_tokens']} tok" if rec.get("budget_tokens") else ""))
+        return (
+            f"  ok     {what}: max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s, "
+            f"perplexity {rec['perplexity']:.3f}"
+            + (f", B {rec['budget_tokens']} tok" if rec.get("budget_tokens") else "")
+        )
 
     def report(self, run_dir: Path, suite: FrontierSuite, records: list[dict]) -> Report:
         written = write_report(run_dir, records)

@@ -19,6 +19,7 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
 derive B from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
 Every error is a `workloads.core.suite.SuiteError` naming the field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,8 +40,10 @@ class KVMemoryLimit(BaseModel):
     @model_validator(mode="after")
     def _exactly_one(self) -> "KVMemoryLimit":
         if (self.full_sequences is None) == (self.bytes is None):
-            raise ValueError("kv_memory_limit: give exactly one of full_sequences (full-cache sequences of prompt + "
-                             "new tokens the limit holds) or bytes")
+            raise ValueError(
+                "kv_memory_limit: give exactly one of full_sequences (full-cache sequences of prompt + "
+                "new tokens the limit holds) or bytes"
+            )
         return self
 
 
@@ -80,8 +83,10 @@ class FrontierSuite(SuiteBase):
     @model_validator(mode="after")
     def _ratios_only(self) -> "FrontierSuite":
         if self.budget_tokens:
-            raise SuiteError("budget_tokens: frontier suites compress by compression_ratios (B = ceil((prompt_tokens "
-                             "+ new_tokens) / ratio) in both measurements)")
+            raise SuiteError(
+                "budget_tokens: frontier suites compress by compression_ratios (B = ceil((prompt_tokens "
+                "+ new_tokens) / ratio) in both measurements)"
+            )
         return self
 
     def budget_lengths(self) -> list[int]:
@@ -93,14 +98,37 @@ class FrontierSuite(SuiteBase):
         lim = self.kv_memory_limit
         for pol in self.policies:
             for ratio, _ in self.budgets(pol):
-                ident = dict(self.identity(), policy=pol.name, policy_params=dict(pol.params), compression_ratio=ratio,
-                             prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens,
-                             kv_limit_full_sequences=lim.full_sequences, kv_memory_limit_bytes=lim.bytes,
-                             perplexity_windows=self.perplexity_windows, seed=self.seed)
+                ident = dict(
+                    self.identity(),
+                    policy=pol.name,
+                    policy_params=dict(pol.params),
+                    compression_ratio=ratio,
+                    prompt_tokens=self.prompt_tokens,
+                    new_tokens=self.new_tokens,
+                    kv_limit_full_sequences=lim.full_sequences,
+                    kv_memory_limit_bytes=lim.bytes,
+                    perplexity_windows=self.perplexity_windows,
+                    seed=self.seed,
+                )
                 limit_tag = f"f{lim.full_sequences}" if lim.bytes is None else f"m{lim.bytes}"
-                tag = (f"frontier-{pol.tag()}{budget_tag(ratio, None)}-p{self.prompt_tokens}-n{self.new_tokens}-"
-                       f"{limit_tag}-w{self.perplexity_windows}-s{self.seed}")
-                out.append(FrontierPoint(len(out), pol.name, dict(pol.params), ratio, self.prompt_tokens,
-                                         self.new_tokens, lim.full_sequences, lim.bytes, self.perplexity_windows,
-                                         self.seed, point_id(tag, ident), ident))
+                tag = (
+                    f"frontier-{pol.tag()}{budget_tag(ratio, None)}-p{self.prompt_tokens}-n{self.new_tokens}-"
+                    f"{limit_tag}-w{self.perplexity_windows}-s{self.seed}"
+                )
+                out.append(
+                    FrontierPoint(
+                        len(out),
+                        pol.name,
+                        dict(pol.params),
+                        ratio,
+                        self.prompt_tokens,
+                        self.new_tokens,
+                        lim.full_sequences,
+                        lim.bytes,
+                        self.perplexity_windows,
+                        self.seed,
+                        point_id(tag, ident),
+                        ident,
+                    )
+                )
         return out

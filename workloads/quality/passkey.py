@@ -24,6 +24,7 @@ correct when the first run of digits in the decoded text equals the passkey (exa
 Passkeys and text windows are drawn from ``random.Random`` seeded by ``(seed, depth index,
 trial)``, so every policy and ratio sees the same prompts (paired with the full cache).
 """
+
 from __future__ import annotations
 
 import random
@@ -38,25 +39,28 @@ from workloads.load.prompts import heldout_text_ids
 from .perplexity import build_cache
 from .stats import wilson_interval
 
-INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
-               "I will quiz you about the pass key.\n\n")
+INSTRUCTION = (
+    "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the pass key.\n\n"
+)
 NEEDLE = " The pass key is {passkey}. Remember it. {passkey} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
-SNAP_TOKENS = 40          # how far back the needle may move to sit after a sentence end
+SNAP_TOKENS = 40  # how far back the needle may move to sit after a sentence end
 
 
 def make_passkey(rng: random.Random, digits: int) -> str:
     """A ``digits``-digit number without a leading zero, as a string."""
     check_int("digits", digits, 1)
-    return str(rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits))
+    return str(rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits))
 
 
 def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def build_prompt(tokenizer, length: int, depth: float, passkey: str, seed: int = 0,
-                 haystack_ids: list[int] | None = None) -> dict:
+def build_prompt(
+    tokenizer, length: int, depth: float, passkey: str, seed: int = 0, haystack_ids: list[int] | None = None
+) -> dict:
     """The passkey prompt of exactly ``length`` token ids with the needle at ``depth``.
 
     Args:
@@ -76,27 +80,37 @@ def build_prompt(tokenizer, length: int, depth: float, passkey: str, seed: int =
     """
     if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 <= depth <= 1:
         raise ValueError(f"depth must be a number in [0, 1], got {depth!r}")
-    head, needle, tail = _ids(tokenizer, INSTRUCTION), _ids(tokenizer, NEEDLE.format(passkey=passkey)), \
-        _ids(tokenizer, QUESTION)
+    head, needle, tail = (
+        _ids(tokenizer, INSTRUCTION),
+        _ids(tokenizer, NEEDLE.format(passkey=passkey)),
+        _ids(tokenizer, QUESTION),
+    )
     hay = length - len(head) - len(needle) - len(tail)
     if hay < 1:
-        raise ValueError(f"length must exceed {len(head) + len(needle) + len(tail)} tokens (the instruction, "
-                         f"needle and question), got {length}")
+        raise ValueError(
+            f"length must exceed {len(head) + len(needle) + len(tail)} tokens (the instruction, "
+            f"needle and question), got {length}"
+        )
     if haystack_ids is None:
         haystack_ids = heldout_text_ids(tokenizer, hay, seed=seed)
     if len(haystack_ids) < hay:
         raise ValueError(f"haystack_ids: need {hay} ids, got {len(haystack_ids)}")
     haystack = list(haystack_ids[:hay])
     cut = round(depth * hay)
-    if 0 < cut < hay:                                    # after the nearest sentence end, if close enough
+    if 0 < cut < hay:  # after the nearest sentence end, if close enough
         for k in range(cut, max(0, cut - SNAP_TOKENS) - 1, -1):
             if k > 0 and tokenizer.decode([haystack[k - 1]]).rstrip().endswith("."):
                 cut = k
                 break
     ids = head + haystack[:cut] + needle + haystack[cut:] + tail
     assert len(ids) == length
-    return {"input_ids": ids, "needle_start": len(head) + cut, "needle_end": len(head) + cut + len(needle),
-            "haystack_tokens": hay, "passkey": passkey}
+    return {
+        "input_ids": ids,
+        "needle_start": len(head) + cut,
+        "needle_end": len(head) + cut + len(needle),
+        "haystack_tokens": hay,
+        "passkey": passkey,
+    }
 
 
 def extract_answer(text: str) -> str | None:
@@ -118,8 +132,8 @@ def greedy_answer(model, cache, prompt_ids: list[int], new_tokens: int, device="
     Returns:
         The ``new_tokens`` generated ids.
     """
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)             # (1, prompt)
-    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits   # (1, 1, vocab)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # (1, prompt)
+    logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits  # (1, 1, vocab)
     out = []
     for i in range(new_tokens):
         nxt = int(logits[0, -1].float().argmax())
@@ -134,9 +148,20 @@ def answer_tokens(tokenizer, digits: int) -> int:
     return len(_ids(tokenizer, " " + "9" * digits)) + 2
 
 
-def evaluate_passkey(model, tokenizer, policy: str, length: int, depths: list[float], trials: int = 4,
-                     digits: int = 5, compression_ratio: float = 1.0, kv_bits: int | None = None,
-                     policy_params: dict | None = None, seed: int = 0, device="cpu") -> dict:
+def evaluate_passkey(
+    model,
+    tokenizer,
+    policy: str,
+    length: int,
+    depths: list[float],
+    trials: int = 4,
+    digits: int = 5,
+    compression_ratio: float = 1.0,
+    kv_bits: int | None = None,
+    policy_params: dict | None = None,
+    seed: int = 0,
+    device="cpu",
+) -> dict:
     """Passkey accuracy of one policy / ratio at one prompt length, per depth.
 
     Trial ``t`` at depth index ``j`` uses ``random.Random(f"passkey-{seed}-{j}-{t}")`` for its passkey
@@ -162,9 +187,15 @@ def evaluate_passkey(model, tokenizer, policy: str, length: int, depths: list[fl
         for t in range(trials):
             rng = random.Random(f"passkey-{seed}-{j}-{t}")
             key = make_passkey(rng, digits)
-            prompt = build_prompt(tokenizer, length, depth, key, seed=rng.randrange(2 ** 31))
-            cache = build_cache(model, policy, compression_ratio, max_length=length + n_new, kv_bits=kv_bits,
-                                policy_params=policy_params)
+            prompt = build_prompt(tokenizer, length, depth, key, seed=rng.randrange(2**31))
+            cache = build_cache(
+                model,
+                policy,
+                compression_ratio,
+                max_length=length + n_new,
+                kv_bits=kv_bits,
+                policy_params=policy_params,
+            )
             budget = getattr(getattr(cache, "budget", None), "tokens", None)
             text = tokenizer.decode(greedy_answer(model, cache, prompt["input_ids"], n_new, device=device))
             ok = extract_answer(text) == key

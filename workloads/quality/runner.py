@@ -13,6 +13,7 @@ the points in this process without Ray (debugging, tests).
 Exit status: 0 all points ok; 1 a point failed or no replica could start; 2 invalid suite or
 arguments (nothing recorded); 130 interrupted.
 """
+
 from __future__ import annotations
 
 import sys
@@ -36,8 +37,11 @@ def policy_label(policy: str | None, params: dict | None) -> str | None:
 
 def apply_point(fn):
     """`replica_points`' two ways to run ``fn(model, tokenizer, point)`` where the model is (quality, frontier)."""
-    return dict(remote=lambda handle, point: handle.apply.remote(fn, point),
-                local=lambda replica, point: replica.apply(fn, point), replica_kwargs=dict(warmup=False))
+    return dict(
+        remote=lambda handle, point: handle.apply.remote(fn, point),
+        local=lambda replica, point: replica.apply(fn, point),
+        replica_kwargs=dict(warmup=False),
+    )
 
 
 class QualityKind(Kind):
@@ -47,7 +51,7 @@ class QualityKind(Kind):
     suite_model = QualitySuite
 
     def announce(self, suite: QualitySuite):
-        if suite.fewshot is not None:   # what the document counts can resolve, before hours are spent on them
+        if suite.fewshot is not None:  # what the document counts can resolve, before hours are spent on them
             return [precision_line(task, suite.fewshot.docs_of(task)) for task in suite.fewshot.tasks]
         return []
 
@@ -56,10 +60,15 @@ class QualityKind(Kind):
 
     def record_fields(self, suite: QualitySuite, point: QualityPoint, finished: Finished) -> dict:
         ratio, bits = point.compression_ratio, point.kv_bits
-        return dict(evaluation=point.kind, policy_label=policy_label(point.policy, point.policy_params), kv_bits=bits,
-                    # nominal KV compression against a 16-bit cache (the paper's convention; scales/zero points not counted)
-                    compression_vs_16bit_x=None if ratio is None else ratio * (16 / bits if bits else 1),
-                    task=point.task, settings=point.settings)
+        return dict(
+            evaluation=point.kind,
+            policy_label=policy_label(point.policy, point.policy_params),
+            kv_bits=bits,
+            # nominal KV compression against a 16-bit cache (the paper's convention; scales/zero points not counted)
+            compression_vs_16bit_x=None if ratio is None else ratio * (16 / bits if bits else 1),
+            task=point.task,
+            settings=point.settings,
+        )
 
     def one_line(self, rec: dict) -> str:
         what = f"{rec['point_id']} on {rec.get('replica_id')}"

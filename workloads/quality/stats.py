@@ -14,13 +14,14 @@
 
 Pure Python (``math.comb``): no SciPy needed.
 """
+
 from __future__ import annotations
 
 import math
 
 from scissorhands.checks import check_int
 
-Z_95 = 1.959963984540054          # the standard normal's 97.5% quantile
+Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
 
 def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float]:
@@ -36,7 +37,7 @@ def wilson_interval(correct: int, n: int, z: float = Z_95) -> tuple[float, float
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    low = 0.0 if correct == 0 else max(0.0, centre - half)        # exact ends (no 0.9999999999999999)
+    low = 0.0 if correct == 0 else max(0.0, centre - half)  # exact ends (no 0.9999999999999999)
     high = 1.0 if correct == n else min(1.0, centre + half)
     return low, high
 
@@ -88,7 +89,7 @@ def mcnemar_exact(b: int, c: int) -> float:
     if n == 0:
         return 1.0
     k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
 
 
@@ -111,8 +112,13 @@ def paired_accuracy(reference: dict[int, bool], other: dict[int, bool]) -> dict:
         raise ValueError("paired_accuracy: the two points share no document")
     b = sum(1 for d in shared if reference[d] and not other[d])
     c = sum(1 for d in shared if other[d] and not reference[d])
-    return {"docs_paired": len(shared), "accuracy_diff": (c - b) / len(shared), "only_reference_right": b,
-            "only_other_right": c, "mcnemar_p": mcnemar_exact(b, c)}
+    return {
+        "docs_paired": len(shared),
+        "accuracy_diff": (c - b) / len(shared),
+        "only_reference_right": b,
+        "only_other_right": c,
+        "mcnemar_p": mcnemar_exact(b, c),
+    }
 
 
 def spread(values: list[float]) -> dict:

@@ -26,6 +26,7 @@ At least one section is required; the sections are the keys of `workloads.qualit
 ``full`` never evicts, so it runs at ratio 1 only (and at ratio 1 with each ``kv_bits`` of
 ``quantized``: quantization alone). Every error is a `workloads.core.suite.SuiteError` naming the field.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -102,8 +103,11 @@ class _QualitySuite(SuiteBase):
 
     def configs_within(self, policy: str, ratios: tuple[float, ...] | None) -> list[tuple[float, int | None]]:
         """``configs(policy)`` with the unquantized ratios of an evicting policy limited to ``ratios`` (None: all)."""
-        return [(r, bits) for r, bits in self.configs(policy)
-                if ratios is None or bits is not None or not POLICIES[policy].evicts or r in ratios]
+        return [
+            (r, bits)
+            for r, bits in self.configs(policy)
+            if ratios is None or bits is not None or not POLICIES[policy].evicts or r in ratios
+        ]
 
     def points(self) -> list[QualityPoint]:
         """Every point, in a stable order: each evaluation in the registry's order, expanded by its entry."""
@@ -121,5 +125,9 @@ class _QualitySuite(SuiteBase):
 
 #: The quality suite model: `_QualitySuite` plus one optional section per registered evaluation.
 QualitySuite = create_model(
-    "QualitySuite", __base__=_QualitySuite, __module__=__name__, __doc__=_QualitySuite.__doc__,
-    **{name: (evaluation.section | None, None) for name, evaluation in EVALUATIONS.items()})
+    "QualitySuite",
+    __base__=_QualitySuite,
+    __module__=__name__,
+    __doc__=_QualitySuite.__doc__,
+    **{name: (evaluation.section | None, None) for name, evaluation in EVALUATIONS.items()},
+)

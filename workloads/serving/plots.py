@@ -6,6 +6,7 @@
 * `pareto_tokens_per_user.png`: tokens/s per user (1 / mean TPOT) vs output tokens/s per replica,
   every ok point, with each policy's Pareto front.
 """
+
 from __future__ import annotations
 
 import collections
@@ -72,11 +73,17 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
     if _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s"):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for label, pts in _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s").items():
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50")
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50")
             p99 = _series([r for r in rate if _label(r) == label], "achieved_rate_req_per_s", "e2e_latency_p99_s")
             for pts99 in p99.values():
-                ax.plot([p[0] for p in pts99], [p[1] for p in pts99], marker="^", ls="--", color=line.get_color(),
-                        label=f"{label} p99")
+                ax.plot(
+                    [p[0] for p in pts99],
+                    [p[1] for p in pts99],
+                    marker="^",
+                    ls="--",
+                    color=line.get_color(),
+                    label=f"{label} p99",
+                )
         ax.set_xlabel("achieved request rate (requests/s)")
         ax.set_ylabel("end-to-end latency (s)")
         ax.set_title("Latency vs request rate")
@@ -101,4 +108,3 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=8)
         written.append(save_figure(fig, out_dir / "pareto_tokens_per_user.png", dpi=110))
     return written
-

@@ -3,6 +3,7 @@
 `run_point(pool, suite, point)` returns the point's metrics, with its ``status`` (``ok``, ``oom`` or ``error``),
 ``stop_reason`` and ``error``; a load error never raises.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -17,12 +18,26 @@ from workloads.serving.suite import ServingPoint, ServingSuite
 
 def _requests_for(suite: ServingSuite, point: ServingPoint, cfg, n: int, tokenizer, vocab_size: int | None):
     """The point's requests, as its load pattern builds them (drawn lengths, or a trace's rows)."""
-    return cfg.pattern.requests(max(1, n), suite.prompt_tokens, suite.new_tokens, seed=suite.seed + 7919 * point.index,
-                                tokenizer=tokenizer, vocab_size=vocab_size, prefix=point.point_id)
+    return cfg.pattern.requests(
+        max(1, n),
+        suite.prompt_tokens,
+        suite.new_tokens,
+        seed=suite.seed + 7919 * point.index,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        prefix=point.point_id,
+    )
 
 
-def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, tokenizer=None,
-              vocab_size: int | None = None, run_id: str | None = None) -> dict:
+def run_point(
+    pool: ReplicaPool,
+    suite: ServingSuite,
+    point: ServingPoint,
+    *,
+    tokenizer=None,
+    vocab_size: int | None = None,
+    run_id: str | None = None,
+) -> dict:
     """Run one point on `pool`; return the metrics part of its record (never raises for load errors)."""
     out: dict[str, Any] = {}
     try:
@@ -34,8 +49,12 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
         max_batch = pool.max_batch_for(suite.prompt_tokens.upper, suite.new_tokens.upper)
         out["max_batch_size"] = max_batch
         if max_batch < 1:
-            return {**out, "status": "error", "stop_reason": "does not fit",
-                    "error": "not even one sequence fits the KV memory limit"}
+            return {
+                **out,
+                "status": "error",
+                "stop_reason": "does not fit",
+                "error": "not even one sequence fits the KV memory limit",
+            }
     cfg = suite.load_config(point, max_batch=max_batch)
     n_pool = (cfg.num_requests or 256) + cfg.warmup_requests
     reqs = _requests_for(suite, point, cfg, n_pool, tokenizer, vocab_size)
@@ -47,35 +66,56 @@ def run_point(pool: ReplicaPool, suite: ServingSuite, point: ServingPoint, *, to
     peak_kv = [s.get("peak_kv_cache_bytes") for s in stats]
     live = [x for x in peak_running if x is not None]
     if live and cfg.target_concurrency is not None:
-        m = summarize(result.records, mode=cfg.mode, window_start_s=m.window_start_s, window_end_s=m.window_end_s,
-                      stop_reason=m.stop_reason, target_rate_req_per_s=m.target_rate_req_per_s, target_concurrency=m.target_concurrency,
-                      replica_peak_running_sequences=sum(live))
+        m = summarize(
+            result.records,
+            mode=cfg.mode,
+            window_start_s=m.window_start_s,
+            window_end_s=m.window_end_s,
+            stop_reason=m.stop_reason,
+            target_rate_req_per_s=m.target_rate_req_per_s,
+            target_concurrency=m.target_concurrency,
+            replica_peak_running_sequences=sum(live),
+        )
     flat = m.flat()
-    flat["load_mode"] = flat.pop("mode")          # the record's `mode` is the suite's
+    flat["load_mode"] = flat.pop("mode")  # the record's `mode` is the suite's
     out.update(flat)
-    out.update({
-        "load": point.load, "load_config": cfg.model_dump(),
-        "replica_stats": stats, "replica_ids": [s.get("replica_id") for s in stats],
-        "peak_running_sequences_per_replica": peak_running, "peak_kv_cache_bytes_per_replica": peak_kv,
-        "kv_cache_bytes": max([x for x in peak_kv if x is not None], default=None),
-        "budget_tokens": next((s.get("budget_tokens") for s in stats if "budget_tokens" in s), None),
-        "kv_memory_limit_bytes": next((s.get("kv_memory_limit_bytes") for s in stats if "slot_bytes" in s), None),
-        "slot_bytes": next((s.get("slot_bytes") for s in stats if "slot_bytes" in s), None),
-        "replicas": getattr(pool, "n", len(stats)),
-    })
+    out.update(
+        {
+            "load": point.load,
+            "load_config": cfg.model_dump(),
+            "replica_stats": stats,
+            "replica_ids": [s.get("replica_id") for s in stats],
+            "peak_running_sequences_per_replica": peak_running,
+            "peak_kv_cache_bytes_per_replica": peak_kv,
+            "kv_cache_bytes": max([x for x in peak_kv if x is not None], default=None),
+            "budget_tokens": next((s.get("budget_tokens") for s in stats if "budget_tokens" in s), None),
+            "kv_memory_limit_bytes": next((s.get("kv_memory_limit_bytes") for s in stats if "slot_bytes" in s), None),
+            "slot_bytes": next((s.get("slot_bytes") for s in stats if "slot_bytes" in s), None),
+            "replicas": getattr(pool, "n", len(stats)),
+        }
+    )
     if max_batch is not None:
-        out["max_batch_verified"] = bool(live) and max(live) >= max_batch and all(
-            x is None or x <= (out["kv_memory_limit_bytes"] or x) for x in peak_kv)
+        out["max_batch_verified"] = (
+            bool(live)
+            and max(live) >= max_batch
+            and all(x is None or x <= (out["kv_memory_limit_bytes"] or x) for x in peak_kv)
+        )
     replaced = pool.restart_dead()
     errors = m.errors_by_kind
     if replaced or errors.get("replica_died"):
-        out.update(status="error", stop_reason="replica died",
-                   error=f"replica(s) died during the point and were restarted: {', '.join(replaced) or '?'}")
+        out.update(
+            status="error",
+            stop_reason="replica died",
+            error=f"replica(s) died during the point and were restarted: {', '.join(replaced) or '?'}",
+        )
     elif errors.get("oom"):
         out.update(status="oom", stop_reason="out of memory", error=f"{errors['oom']} request(s) ran out of memory")
     elif m.sent_requests and not m.completed_requests:
-        out.update(status="error", stop_reason="every request failed",
-                   error=", ".join(f"{k}: {v}" for k, v in sorted(errors.items())))
+        out.update(
+            status="error",
+            stop_reason="every request failed",
+            error=", ".join(f"{k}: {v}" for k, v in sorted(errors.items())),
+        )
     else:
-        out.update(status="ok", stop_reason=m.stop_reason, error=None)   # `count` or `duration` (the load generator's)
+        out.update(status="ok", stop_reason=m.stop_reason, error=None)  # `count` or `duration` (the load generator's)
     return out

@@ -1,5 +1,6 @@
 """The serving sweep's report: `table.md` (conditions line first, every numeric column with its unit) and the
 PNG plots (`workloads.serving.plots`)."""
+
 from __future__ import annotations
 
 import sys
@@ -11,13 +12,23 @@ from workloads.core.template import Report
 from workloads.serving.plots import write_plots
 
 TABLE = [  # (header with unit, key, format)
-    ("series", "series", "s"), ("load", "load", "g"), ("max batch", "max_batch_size", "d"),
-    ("budget (tok)", "budget_tokens", "d"), ("ok/sent", "ok_sent", "s"),
-    ("output (tok/s)", "output_throughput_tok_per_s", ".1f"), ("total (tok/s)", "total_throughput_tok_per_s", ".1f"),
-    ("req/s", "request_throughput_req_per_s", ".3f"), ("rate target/scheduled/achieved (req/s)", "rate", "s"),
-    ("conc. target/peak", "conc", "s"), ("TTFT p50/p99 (s)", "ttft", "s"), ("TPOT p50 (s)", "tpot_p50_s", ".4f"),
-    ("e2e p99 (s)", "e2e_latency_p99_s", ".2f"), ("n", "e2e_latency_n", "d"),
-    ("peak KV (MiB)", "kv_mib", ".1f"), ("peak running", "peak_running", "s"), ("status", "status", "s"),
+    ("series", "series", "s"),
+    ("load", "load", "g"),
+    ("max batch", "max_batch_size", "d"),
+    ("budget (tok)", "budget_tokens", "d"),
+    ("ok/sent", "ok_sent", "s"),
+    ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
+    ("total (tok/s)", "total_throughput_tok_per_s", ".1f"),
+    ("req/s", "request_throughput_req_per_s", ".3f"),
+    ("rate target/scheduled/achieved (req/s)", "rate", "s"),
+    ("conc. target/peak", "conc", "s"),
+    ("TTFT p50/p99 (s)", "ttft", "s"),
+    ("TPOT p50 (s)", "tpot_p50_s", ".4f"),
+    ("e2e p99 (s)", "e2e_latency_p99_s", ".2f"),
+    ("n", "e2e_latency_n", "d"),
+    ("peak KV (MiB)", "kv_mib", ".1f"),
+    ("peak running", "peak_running", "s"),
+    ("status", "status", "s"),
     ("stop reason", "stop_reason", "s"),
 ]
 
@@ -29,8 +40,11 @@ def table_rows(records: list[dict]) -> list[dict]:
         g = lambda k, f=".3g": format_value(r.get(k), f)  # noqa: E731
         d = dict(r)
         d["ok_sent"] = f"{r.get('completed_requests', '-')}/{r.get('sent_requests', '-')}"
-        d["rate"] = (f"{g('target_rate_req_per_s')}/{g('scheduled_rate_req_per_s')}/{g('achieved_rate_req_per_s')}"
-                     if r.get("target_rate_req_per_s") else "-")   # scheduled: the arrival times the run drew
+        d["rate"] = (
+            f"{g('target_rate_req_per_s')}/{g('scheduled_rate_req_per_s')}/{g('achieved_rate_req_per_s')}"
+            if r.get("target_rate_req_per_s")
+            else "-"
+        )  # scheduled: the arrival times the run drew
         d["conc"] = f"{g('target_concurrency', 'd')}/{g('achieved_peak_concurrency', 'd')}"
         d["ttft"] = f"{g('ttft_p50_s')}/{g('ttft_p99_s')}" + ("*" if r.get("ttft_p99_low_confidence") else "")
         d["kv_mib"] = r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None
@@ -42,7 +56,8 @@ def table_rows(records: list[dict]) -> list[dict]:
 def table_markdown(records: list[dict]) -> str:
     """The serving points as a Markdown table under their conditions line."""
     return conditions_line(records) + markdown_table(
-        TABLE, table_rows(records), footer="`*` p99 over fewer than 100 samples (low confidence).")
+        TABLE, table_rows(records), footer="`*` p99 over fewer than 100 samples (low confidence)."
+    )
 
 
 def write_report(run_dir: Path, records: list[dict]) -> Report:

@@ -19,6 +19,7 @@ replicas' peak KV bytes and running sequences, status and `stop_reason`.
 Exit status: 0 every point ok/oom/skipped; 1 a point failed or no replica could start (the error
 names the missing model path); 2 invalid suite or arguments.
 """
+
 from __future__ import annotations
 
 import sys
@@ -63,9 +64,17 @@ class ServingKind(Kind):
         threads, num_cpus, num_gpus = replica_resources(ray, suite.replicas, suite.device)
         session.inventory = cluster_inventory()
         resolved = resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads)
-        pool = ServeReplicaPool(suite.replicas, model_spec=suite.model, device=suite.device, placement=suite.placement,
-                                num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads, run_id=session.run_id,
-                                **resolved)
+        pool = ServeReplicaPool(
+            suite.replicas,
+            model_spec=suite.model,
+            device=suite.device,
+            placement=suite.placement,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            num_threads=threads,
+            run_id=session.run_id,
+            **resolved,
+        )
         return pool, (ray.shutdown if started_ray else (lambda: None))
 
     def execute(self, session: Session, pending: list[ServingPoint]) -> Iterator[Finished]:
@@ -90,7 +99,9 @@ class ServingKind(Kind):
                     body = run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab, run_id=session.run_id)
                 status, error = body.pop("status"), body.pop("error", None)
                 yield Finished(point, status, body, error, dtype_info, t0, time.time())
-                reason = "out of memory" if status == "oom" else suite.saturation.reason(body) if status == "ok" else None
+                reason = (
+                    "out of memory" if status == "oom" else suite.saturation.reason(body) if status == "ok" else None
+                )
                 if reason and point.load is not None and point.series not in saturated:
                     saturated[point.series] = f"saturated at load {point.load:g}: {reason}"
         finally:
@@ -104,26 +115,38 @@ class ServingKind(Kind):
         stats = [s for s in (finished.metrics or {}).get("replica_stats") or [] if s.get("replica_id")]
         if stats:
             join = lambda key: ",".join(sorted({str(s[key]) for s in stats if s.get(key)})) or None  # noqa: E731
-            where.update(replica_id=join("replica_id"), node_id=join("node_id"),
-                         hostname=join("hostname") or where.get("hostname"))
+            where.update(
+                replica_id=join("replica_id"),
+                node_id=join("node_id"),
+                hostname=join("hostname") or where.get("hostname"),
+            )
         return where
 
     def record_fields(self, suite: ServingSuite, point: ServingPoint, finished: Finished) -> dict:
         fixed = lambda d: d.value if d.dist == "fixed" else None  # noqa: E731 - exact lengths label the pushed series
-        return dict(mode=suite.mode, series=point.series, load=point.load, target=suite.target,
-                    prompt_tokens=fixed(suite.prompt_tokens), new_tokens=fixed(suite.new_tokens),
-                    prompt_tokens_dist=suite.prompt_tokens.model_dump(), new_tokens_dist=suite.new_tokens.model_dump(),
-                    **suite.record_columns(point, (finished.metrics or {}).get("max_batch_size")))
+        return dict(
+            mode=suite.mode,
+            series=point.series,
+            load=point.load,
+            target=suite.target,
+            prompt_tokens=fixed(suite.prompt_tokens),
+            new_tokens=fixed(suite.new_tokens),
+            prompt_tokens_dist=suite.prompt_tokens.model_dump(),
+            new_tokens_dist=suite.new_tokens.model_dump(),
+            **suite.record_columns(point, (finished.metrics or {}).get("max_batch_size")),
+        )
 
     def one_line(self, rec: dict) -> str:
         what = f"{rec['point_id']}"
         if rec["status"] not in ("ok",):
             return f"  {rec['status']:<7} {what}: {rec.get('stop_reason')}{': ' + rec['error'] if rec.get('error') else ''}"
         f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
-        return (f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50 "
-                f"{f(rec.get('ttft_p50_s'), '.3f')} s (n={rec.get('ttft_n')}), TPOT p50 {f(rec.get('tpot_p50_s'), '.4f')} s, "
-                f"{rec.get('completed_requests')}/{rec.get('sent_requests')} ok"
-                + "".join(f"\n          warning: {w}" for w in rec.get("warnings") or [] if not w.startswith("p99:")))
+        return (
+            f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50 "
+            f"{f(rec.get('ttft_p50_s'), '.3f')} s (n={rec.get('ttft_n')}), TPOT p50 {f(rec.get('tpot_p50_s'), '.4f')} s, "
+            f"{rec.get('completed_requests')}/{rec.get('sent_requests')} ok"
+            + "".join(f"\n          warning: {w}" for w in rec.get("warnings") or [] if not w.startswith("p99:"))
+        )
 
     def report(self, run_dir: Path, suite: ServingSuite, records: list[dict]) -> Report:
         return write_report(run_dir, records)
