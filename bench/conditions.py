@@ -46,12 +46,16 @@ def cpu_conditions() -> str:
     )
 
 
-def git_commit() -> str:
-    """Short ``git rev-parse HEAD`` of this repository (``+dirty`` when files changed), else
-    ``$SCISSORHANDS_GIT_COMMIT``, else ``unknown``."""
+def git_commit(*, short: bool = True, fallback: str | None = None) -> str | None:
+    """``git rev-parse HEAD`` of this repository (short unless told; ``+dirty`` when tracked files changed), else
+    ``$SCISSORHANDS_GIT_COMMIT``, else `fallback` (default ``unknown``)."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20
+            ["git", "rev-parse", *(["--short"] if short else []), "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
         if head.returncode == 0 and head.stdout.strip():
             dirty = subprocess.run(
@@ -64,7 +68,7 @@ def git_commit() -> str:
             return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("SCISSORHANDS_GIT_COMMIT", "unknown")
+    return os.environ.get("SCISSORHANDS_GIT_COMMIT") or (fallback if fallback is not None else "unknown")
 
 
 def conditions_line(*, model: str, dtype: str, extra: str = "") -> str:

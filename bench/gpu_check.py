@@ -57,6 +57,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.conditions import git_commit
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate
 from replica.types import EngineConfig, GenerationRequest
@@ -125,21 +126,10 @@ def _nvidia_driver() -> str | None:
 
 def commit() -> str | None:
     """The checkout's commit (`+dirty` when files differ), else the one `make gpu-bundle` recorded, else None."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
-        if head.returncode == 0:
-            dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=REPO_ROOT,
-                capture_output=True,
-                text=True,
-                timeout=20,
-            ).stdout.strip()
-            return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.TimeoutExpired):
-        pass
     recorded = BUNDLE_DIR / "COMMIT"
-    return recorded.read_text().strip() or None if recorded.is_file() else None
+    return git_commit(short=False, fallback="") or (
+        recorded.read_text().strip() or None if recorded.is_file() else None
+    )
 
 
 def ray_importable() -> bool:

@@ -13,6 +13,7 @@ from replica.openai_api import ReplicaBackend, build_app, cache_metadata
 from replica.types import GenerationRequest
 from tests.http_fakes import ServerThread, char_tokenizer, sse_events
 from tests.waiting import wait_for
+from workloads import sweep
 from workloads.load.http_client import OpenAIHTTPClient
 
 FULL = "tiny:full"
@@ -246,14 +247,8 @@ def test_a_suite_with_a_target_drives_the_server_over_http(model, tmp_path):
                 "policies: [full]\nloads: [2]\nprompt_tokens: 12\nnew_tokens: 5\nnum_requests: 6\n"
                 "warmup_requests: 0\n"
             )
-            args = argparse.Namespace(
-                suite=str(suite),
-                replicas=None,
-                results_dir=str(tmp_path / "r"),
-                run_id="run",
-                resume=None,
-                address=None,
-                pushgateway="off",
+            args = sweep.parse_args(
+                [str(suite), "--results-dir", str(tmp_path / "r"), "--run-id", "run", "--pushgateway", "off"]
             )
             assert run_suite(args, SERVING) == 0
             bad = tmp_path / "bad.yaml"

@@ -15,6 +15,7 @@ import pytest
 from replica.continuous import StreamChunk
 from replica.types import GenerationRequest, GenerationResult
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
+from workloads import sweep
 from workloads.load.driver import run_load
 from workloads.load.lengths import LengthDist, build_requests
 from workloads.load.metrics import LatencyStats, RequestRecord, summarize
@@ -393,16 +394,9 @@ def test_L20_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
             )
         )
     )
-    import argparse
 
-    args = argparse.Namespace(
-        suite=str(suite),
-        replicas=None,
-        results_dir=str(tmp_path / "r"),
-        run_id="run",
-        resume=None,
-        address=None,
-        pushgateway="off",
+    args = sweep.parse_args(
+        [str(suite), "--results-dir", str(tmp_path / "r"), "--run-id", "run", "--pushgateway", "off"]
     )
     assert run_suite(args, ServingKind(LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0)))) == 0
     [rec] = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
@@ -524,7 +518,6 @@ def test_the_serving_replicas_own_stream_feeds_the_load_generator(tmp_path):
 
 def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
     """`mode: trace` with `trace_path` and `trace_time_scale`: one point per series, the trace's lengths."""
-    import argparse
 
     import torch
     import yaml
@@ -558,14 +551,8 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
     suite.write_text(yaml.safe_dump(body))
     s = load_suite(str(suite))
     assert [p.load for p in s.points()] == [0.05, 0.05] and s.max_length_tokens == 11 + 4
-    args = argparse.Namespace(
-        suite=str(suite),
-        replicas=None,
-        results_dir=str(tmp_path / "r"),
-        run_id="run",
-        resume=None,
-        address=None,
-        pushgateway="off",
+    args = sweep.parse_args(
+        [str(suite), "--results-dir", str(tmp_path / "r"), "--run-id", "run", "--pushgateway", "off"]
     )
     assert run_suite(args, ServingKind(LocalReplicaPool(1, "tiny-llama", model=tiny_llama(0)))) == 0
     recs = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]

@@ -149,8 +149,8 @@ def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe):
 @pytest.mark.ray
 def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, monkeypatch):
     """A serving sweep on 2 Ray serving replicas: both load the dtype resolved once for the run."""
-    import argparse
 
+    from workloads import sweep
     from workloads.core.template import run_suite
     from workloads.serving import pools, runner
 
@@ -185,15 +185,8 @@ def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, 
             )
         )
     )
-    args = argparse.Namespace(
-        suite=str(suite),
-        replicas=None,
-        results_dir=str(tmp_path / "r"),
-        run_id="run",
-        resume=None,
-        address=None,
-        pushgateway="off",
-        local=False,
+    args = sweep.parse_args(
+        [str(suite), "--results-dir", str(tmp_path / "r"), "--run-id", "run", "--pushgateway", "off"]
     )
     assert run_suite(args, runner.KIND) == 0
     assert len(started) == 2
