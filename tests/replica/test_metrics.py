@@ -44,6 +44,7 @@ ALLOWED_LABELS = {
 UNIT_SUFFIXES = (
     "_seconds",
     "_bytes",
+    "_tokens",
     "_tokens_total",
     "_tokens_per_second",
     "_ratio",

@@ -38,8 +38,8 @@ def model():
 
 
 # ----------------------------------------------------------------------------- parameters and docs
-def test_registry_holds_every_policy_of_the_issue():
-    assert set(POLICIES) == {"full", "scissorhands", "streaming_llm", "h2o", "tova", "random", "knorm", "snapkv"}
+def test_registry_holds_scissorhands_and_every_baseline():
+    assert set(POLICIES) >= {"full", "scissorhands", "streaming_llm", "h2o", "tova", "random", "knorm", "snapkv"}
     for name, cls in POLICIES.items():
         assert cls.name == name
         assert dataclasses.is_dataclass(cls)

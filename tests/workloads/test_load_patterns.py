@@ -29,7 +29,8 @@ def test_every_pattern_is_a_suite_mode_and_fills_its_own_record_column():
     aliased = {name for name, _ in MODE_ALIASES.values()}
     assert {p for p, _ in MODES.values()} == set(LOAD_PATTERNS.values())
     assert set(MODES) == (set(LOAD_PATTERNS) - aliased) | set(MODE_ALIASES)
-    assert RECORD_COLUMNS == ("batch_size", "concurrency", "request_rate")
+    assert set(RECORD_COLUMNS) == {p.record_column for p in LOAD_PATTERNS.values()} - {None}
+    assert {"batch_size", "concurrency", "request_rate"} <= set(RECORD_COLUMNS)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +78,7 @@ def test_a_trace_suite_takes_its_lengths_and_its_one_load_from_the_trace(tmp_pat
         ),
         (
             dict(mode="burst", num_requests=1),
-            "mode: unknown load pattern 'burst' (accepted: batch, concurrency, rate, trace)",
+            f"mode: unknown load pattern 'burst' (accepted: {', '.join(LOAD_PATTERNS)})",
         ),
         (dict(mode="rate", rate_req_per_s=0, num_requests=1), "rate_req_per_s: Input should be greater than 0, got 0"),
         (

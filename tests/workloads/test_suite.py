@@ -9,7 +9,7 @@ import scissorhands
 from workloads import sweep
 from workloads.batch.report import COLUMNS, table_rows, warn_contention
 from workloads.core.suite import SuiteError, tag_of
-from workloads.kinds import load_suite, parse_suite
+from workloads.kinds import KINDS, load_suite, parse_suite
 
 GOOD = dict(
     kind="batch",
@@ -165,7 +165,7 @@ def test_dtype_defaults_to_auto_and_rejects_unknown_values():
 
 def test_missing_or_unknown_kind_names_the_accepted_values():
     for data in ({k: v for k, v in GOOD.items() if k != "kind"}, dict(GOOD, kind="sweep")):
-        with pytest.raises(SuiteError, match=r"kind: .*\(accepted: batch, serving, quality, frontier\)"):
+        with pytest.raises(SuiteError, match=rf"kind: .*\(accepted: {', '.join(KINDS)}\)"):
             parse_suite(data)
 
 
