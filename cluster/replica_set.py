@@ -54,6 +54,7 @@ from cluster.placement import (
     not_ready_message,
     replica_bundle,
 )
+from replica.openai_api import replica_death
 
 
 class LeastOutstandingRouter(FIFOMixin, RequestRouter):
@@ -126,12 +127,6 @@ def app_name_for(kind: str, run_id: str | None) -> str:
 
 def _app_prefix(kind: str, run_id: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "-", f"{kind}-{run_id or 'adhoc'}")[:80] + "-"
-
-
-def is_replica_death(exc: BaseException) -> bool:
-    """Whether a handle call failed because its replica's process died or became unreachable."""
-    names = {c.__name__ for c in type(exc).__mro__}
-    return bool(names & {"RayActorError", "ActorDiedError", "ActorUnavailableError"})
 
 
 def replica_failure(message: str) -> str:
@@ -293,7 +288,7 @@ class ServeReplicaSet:
                 try:
                     answer = call.result()
                 except Exception as e:  # noqa: BLE001 - a replica that died since: Serve replaces it, ask again
-                    if not is_replica_death(e):
+                    if replica_death(e) is None:
                         raise
                     continue
                 seen.setdefault(answer["replica_id"], answer)

@@ -1,4 +1,4 @@
-"""End a run with our own message, in bounded time, when its Ray cluster goes away (issue 12 fault 6).
+"""End a run with our own message, in bounded time, when its Ray cluster goes away.
 
 A driver whose Ray head (its GCS) stops is ended by Ray's core worker from C++ once it has not
 reached the GCS for ``RAY_gcs_rpc_server_reconnect_timeout_s`` (60 s by default), with Ray's own

@@ -127,7 +127,7 @@ def dashboard_metric_names(dashboards: dict[str, dict]) -> set[str]:
 def inexact_sums(dashboards: dict[str, dict], histograms: set[str]) -> list[str]:
     """Targets that read a histogram's ``_sum`` (``<file> / <panel>: <name>``), given the exported
     names of the histograms. Ray's exporter writes that ``_sum`` from bucket midpoints, so a mean
-    taken from it is not the mean observed (case L21); means use ``<histogram>_exact_sum_total``."""
+    taken from it is not the mean observed; means use ``<histogram>_exact_sum_total``."""
     bad = []
     for file, board in dashboards.items():
         for panel, target in iter_targets(board):

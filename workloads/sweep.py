@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         suite = load_suite(args.suite)
     except SuiteError as e:
         raise SweepError(str(e), 2) from None
-    return run_suite(args, KINDS[suite.kind], suite)
+    return run_suite(args, KINDS[suite.kind], suite, name="sweep")
 
 
 def main(argv: list[str] | None = None) -> int:

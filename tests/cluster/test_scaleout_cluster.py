@@ -134,7 +134,7 @@ def _suite(path: Path, **over) -> Path:
 def _sweep(suite: Path, results: Path, *extra: str) -> int:
     from workloads import sweep
 
-    return sweep.run_sweep(sweep.parse_args([str(suite), "--results-dir", str(results), *extra]))
+    return sweep.run(sweep.parse_args([str(suite), "--results-dir", str(results), *extra]))
 
 
 def _records(results: Path, run_id: str) -> list[dict]:
@@ -238,8 +238,8 @@ def test_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tm
     for name in ("scissorhands", "cluster", "workloads"):
         (work / name).symlink_to(REPO / name, target_is_directory=True)
     suite = _suite(
-        work / "l13.yaml",
-        name="l13",
+        work / "missing-model.yaml",
+        name="missing-model",
         model=missing,
         policies=["full"],
         batch_sizes=[1, 2],
@@ -247,7 +247,7 @@ def test_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tm
         placement={"num_cpus": 1},
     )
     results = tmp_path / "results"
-    run_dir = results / "l13"
+    run_dir = results / "missing-model"
     run_dir.mkdir(parents=True)
     earlier = json.dumps(
         {
@@ -258,7 +258,7 @@ def test_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tm
             "batch_size": 1,
             "prompt_tokens": 8,
             "new_tokens": 3,
-            "run_id": "l13",
+            "run_id": "missing-model",
         },
         sort_keys=True,
     )
@@ -273,16 +273,16 @@ def test_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tm
             "--results-dir",
             str(results),
             "--run-id",
-            "l13",
+            "missing-model",
             "--",
             "--resume",
-            "l13",
+            "missing-model",
         ]
     )
     assert rc == 1
     assert (run_dir / "points.jsonl").read_text() == earlier + "\n"  # the point written before stays
     job = json.loads((run_dir / "job.json").read_text())
-    assert job["status"] == "FAILED" and job["submission_id"] == "sweep-l13"
+    assert job["status"] == "FAILED" and job["submission_id"] == "sweep-missing-model"
     error = json.loads((run_dir / "error.json").read_text())
     assert error["exit_code"] == 1
     assert f"FileNotFoundError: model: path does not exist: {missing}" in error["error"]

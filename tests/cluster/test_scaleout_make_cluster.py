@@ -199,7 +199,7 @@ print("ANSWER", ray.get(ray.remote(lambda: 41 + 1).remote(), timeout=120), flush
 
 
 def test_cluster_down_stops_only_its_cluster(head):
-    """Fault 7: another Ray (like a sweep's embedded one) started beside the head still answers after
+    """Another Ray (like a sweep's embedded one) started beside the head still answers after
     `make cluster-down`, and every process of the head is gone."""
     from cluster.local_head import cluster_pids
 

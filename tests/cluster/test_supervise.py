@@ -1,5 +1,5 @@
 """The cluster watch (`cluster.supervise`): a run whose Ray cluster goes away ends in bounded time
-with our message (issue 12 fault 6). No Ray here: the GCS is a real loopback listener that is closed,
+with our message. No Ray here: the GCS is a real loopback listener that is closed,
 and the watch's `on_gone` is captured instead of ending the process (the end-to-end case, with a real
 `cluster-up` head stopped mid-sweep, is in tests/cluster/test_scaleout_fit.py)."""
 
@@ -158,7 +158,7 @@ def test_a_later_ray_init_of_the_same_process_is_another_cluster():
     assert not supervise._connected_to(fake_ray(False, "127.0.0.1:6379"), "127.0.0.1:6379")
 
 
-# -- an embedded Ray whose node does not come up (issue 12 fault 6: the sweeps that said nothing for minutes) --
+# -- an embedded Ray whose node does not come up (the sweeps that said nothing for minutes) --
 NODE_TIMEOUT = (
     "The current node timed out during startup. This could happen because some of the raylet failed to "
     "startup or the GCS has become overloaded."

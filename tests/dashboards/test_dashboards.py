@@ -1,5 +1,5 @@
-"""Dashboards, provisioning and Prometheus config, checked without servers (L9 against the
-catalogue, L10). The live checks (every panel returns data, L9 against the exporters, L11) are in
+"""Dashboards, provisioning and Prometheus config, checked without servers (metrics against the
+catalogue, datasources). The live checks (every panel returns data, metrics against the exporters, quantile accuracy) are in
 test_metrics_prometheus.py."""
 
 import json
@@ -31,7 +31,7 @@ def test_there_are_two_dashboards_with_unique_uids():
         assert len(list(check.iter_panels(board))) >= 10
 
 
-# --------------------------------------------------------------------------- L10
+# --------------------------------------------------------------------------- datasources
 def _walk(node, path=""):
     if isinstance(node, dict):
         for k, v in node.items():
@@ -81,7 +81,7 @@ def test_import_into_a_grafana_with_another_datasource_uid():
         assert refs and all(r["uid"] == other_uid for r in refs)
 
 
-# --------------------------------------------------------------------------- L9 against the catalogue
+# --------------------------------------------------------------------------- metrics against the catalogue
 def test_promql_metric_name_extraction():
     expr = (
         'histogram_quantile(0.99, sum by (le, policy) (rate(ray_x_seconds_bucket{run_id=~"$run_id", '
@@ -208,7 +208,7 @@ def test_monitoring_page_lists_every_panel():
 
 
 def test_the_http_row_shows_ray_serves_own_metrics():
-    """Issue 14 part 5: the live dashboard has an HTTP row whose panels read Ray Serve's metrics
+    """the live dashboard has an HTTP row whose panels read Ray Serve's metrics
     (requests by status code, latency, queue and ongoing requests), shown in base units."""
     board = BOARDS["live-replicas.json"]
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]

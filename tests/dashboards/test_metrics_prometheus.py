@@ -8,8 +8,7 @@ service-discovery file of this session. A Ray actor records replica metrics thro
 The OpenAI service (`cluster.serve_app`, tiny model, one engine deployment) runs on the same Ray
 and answers a short HTTP load (streamed and not, and one 404), so Ray Serve's own metrics
 (`replica.metrics.SERVE_METRICS`, the dashboards' HTTP row) reach Prometheus the same way.
-Then every target of every panel of every dashboard must return data (cases L9, L10's sibling
-checks live in test_dashboards.py), and the histogram quantiles must be accurate (L11).
+Then every target of every panel of every dashboard must return data (the static checks live in test_dashboards.py), and the histogram quantiles must be accurate.
 
 Needs the binaries `prometheus` and `prometheus-pushgateway` (Debian packages of the same
 names; `.ci/run` installs them); skipped with that reason when they are missing.
@@ -75,8 +74,8 @@ class _FakeReplica:
     def load(self, run_id: str, seconds: float) -> int:
         return _replica_load(run_id, seconds)
 
-    def l11(self, run_id: str) -> None:
-        _l11_samples(run_id)
+    def quantile_samples(self, run_id: str) -> None:
+        _quantile_samples(run_id)
         _l21_samples(run_id)
 
 
@@ -109,12 +108,12 @@ def _replica_load(run_id: str, seconds: float) -> int:
     return steps
 
 
-def _l11_samples(run_id: str) -> None:
-    """Case L11: 1,000 latencies of 5 ms and 1,000 of 150 ms into the exported TTFT histogram."""
+def _quantile_samples(run_id: str) -> None:
+    """1,000 latencies of 5 ms and 1,000 of 150 ms into the exported TTFT histogram."""
     from replica.metrics import ReplicaMetrics
 
-    base = ReplicaMetrics("l11", None, "replica-l11", "tiny-llama", run_id)
-    only5, only150, mixed = (base.for_point(p, None) for p in ("l11-5ms", "l11-150ms", "l11-mixed"))
+    base = ReplicaMetrics("quantiles", None, "replica-quantiles", "tiny-llama", run_id)
+    only5, only150, mixed = (base.for_point(p, None) for p in ("quantile-5ms", "quantile-150ms", "quantile-mixed"))
     for _ in range(1000):
         only5.observe_ttft(0.005)
         only150.observe_ttft(0.150)
@@ -123,7 +122,7 @@ def _l11_samples(run_id: str) -> None:
 
 
 def _l21_samples(run_id: str) -> None:
-    """Case L21: 20 decode steps of exactly 3 rows (5 ms each), and 20 of 5 rows (the bucket 4-8,
+    """20 decode steps of exactly 3 rows (5 ms each), and 20 of 5 rows (the bucket 4-8,
     whose midpoint 6 is what Ray's exporter puts in `_sum`), into the exported histograms."""
     from replica.metrics import ReplicaMetrics
 
@@ -244,7 +243,7 @@ def stack(tmp_path_factory):
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         actor = ray.remote(num_cpus=0)(_FakeReplica).remote()
         load = actor.load.remote(RUN_ID, LIVE_SECONDS)
-        ray.get(actor.l11.remote(RUN_ID))
+        ray.get(actor.quantile_samples.remote(RUN_ID))
         # sweep summaries, pushed point by point
         records = _sweep_records(RUN_ID)
         pusher = SweepPusher(pushgateway, RUN_ID)
@@ -258,7 +257,7 @@ def stack(tmp_path_factory):
             lambda: (
                 check.query(prom, f'ray_scissorhands_running_sequences{{run_id="{RUN_ID}"}}')
                 and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
-                and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="l11-mixed"} == 2000')
+                and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="quantile-mixed"} == 2000')
                 and check.query(prom, 'ray_scissorhands_decode_batch_size_exact_sum_total{policy="l21-5rows"} == 100')
             ),
             60,
@@ -385,7 +384,11 @@ def _nearest_rank(values: list[float], q: float) -> float:
 
 @pytest.mark.parametrize(
     "policy, samples",
-    [("l11-5ms", [0.005] * 1000), ("l11-150ms", [0.150] * 1000), ("l11-mixed", [0.005] * 1000 + [0.150] * 1000)],
+    [
+        ("quantile-5ms", [0.005] * 1000),
+        ("quantile-150ms", [0.150] * 1000),
+        ("quantile-mixed", [0.005] * 1000 + [0.150] * 1000),
+    ],
 )
 @pytest.mark.parametrize("q", [0.5, 0.99])
 def test_histogram_quantiles_within_twenty_percent(stack, policy, samples, q):

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from workloads.kinds import load_suite
+
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -51,13 +53,8 @@ def _first_line(code: str) -> str:
 
 
 def _load_suite():
-    """The one front door: `workloads.kinds.load_suite`, else (before it lands) `workloads.kinds.load_suite`."""
-    try:
-        return importlib.import_module("workloads.kinds").load_suite
-    except ModuleNotFoundError as e:
-        if e.name != "workloads.kinds":
-            raise
-    return importlib.import_module("workloads.core.suite").load_suite
+    """The one front door of every suite kind."""
+    return load_suite
 
 
 PYTHON = _blocks("python")

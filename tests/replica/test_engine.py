@@ -355,7 +355,7 @@ def test_sampling_fields_are_validated(kw, field):
 
 
 def test_engine_counts_warm_up_requests_apart(model):
-    """Case L20 on the server side: the measured counters and live series cover measured requests only."""
+    """On the server side: the measured counters and live series cover measured requests only."""
     from replica.metrics import ReplicaMetrics
 
     rm = ReplicaMetrics("full", None, "r0", "tiny-llama", "run", use_ray=False)

@@ -335,7 +335,7 @@ def test_unreachable_pushgateway_is_one_notice_then_a_no_op(caplog):
     assert not math.isnan(_sample(pusher, "scissorhands_sweep_max_batch_size"))  # still kept locally
 
 
-# --------------------------------------------------------------------------- exact means (L21), phases (L20)
+# --------------------------------------------------------------------------- exact means, phases
 def test_every_histogram_has_an_exact_sum_counter_fed_with_the_exact_values():
     hists = [s for s in METRICS if s.kind == "histogram"]
     assert hists and all(metric(h.exact_sum.name).kind == "counter" for h in hists)

@@ -278,7 +278,7 @@ def test_pending_count_returns_to_zero_after_every_kind_of_ending(service):
 
 
 def test_warm_up_travels_over_http_so_server_and_client_count_the_same_requests(service):
-    """Issue 12 fault 2 over HTTP: a rate-mode point with a time-based warm-up (`warmup_s`) sent by the
+    """Over HTTP: a rate-mode point with a time-based warm-up (`warmup_s`) sent by the
     HTTP client; the replica's measured counts equal the client's measured records (and its warm-up
     counts the client's warm-up records), because the client sends `X-Scissorhands-Phase: warmup`."""
     import asyncio
@@ -358,7 +358,7 @@ class _DyingBackend:
 
 @pytest.mark.parametrize("tokens", [0, 2])
 def test_a_replica_that_dies_is_one_named_error_kind_before_and_after_the_first_token(tokens):
-    """Issue 14: a replica that dies mid-stream (or before its first token) is recorded by the load
+    """a replica that dies mid-stream (or before its first token) is recorded by the load
     generator as an error of the one kind `replica_died` (not `server_error`, not `overloaded`), and the
     point is still summarized."""
     import asyncio

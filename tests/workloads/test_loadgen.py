@@ -29,7 +29,7 @@ def _run(client, reqs, cfg):
     return run_virtual(go())
 
 
-def test_L1_output_tokens_are_the_generated_ids_never_re_encoded_text():
+def test_output_tokens_are_the_generated_ids_never_re_encoded_text():
     hello_world_ids = [28120, 905]  # what a model generated; its text is "hello world"
 
     class Client:
@@ -46,7 +46,7 @@ def test_L1_output_tokens_are_the_generated_ids_never_re_encoded_text():
     assert res.metrics.output_tokens == 2
 
 
-def test_L2_tpot_is_e2e_minus_ttft_over_tokens_minus_one_and_chunk_gap_is_separate():
+def test_tpot_is_e2e_minus_ttft_over_tokens_minus_one_and_chunk_gap_is_separate():
     # 25 chunks of 4 tokens, 40 ms apart, the first one 300 ms after the request was sent
     fake = FakeReplica(script=lambda r: Script(ttft_s=0.3, gap_s=0.04, chunk_tokens=4))
     res = _run(fake, [GenerationRequest("a", [1], 100)], LoadConfig(mode="concurrency", concurrency=1, num_requests=1))
@@ -81,7 +81,7 @@ def test_every_per_request_field_summarizes_the_record_attribute_of_its_name_ove
     assert {f"{name[:-2]}_{q}_s" for name in marked for q in ("mean", "p50", "p90", "p99")} <= set(flat)
 
 
-def test_L3_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
+def test_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
     slow = {"q0"}
     fake = FakeReplica(script=lambda r: Script(ttft_s=10.0 if r.request_id.startswith("q0#") else 0.5, gap_s=0.5 / 3))
     res = _run(fake, requests(40), LoadConfig(mode="concurrency", concurrency=4, num_requests=40))
@@ -97,7 +97,7 @@ def test_L3_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
     assert slow  # (q0#0 is the slow one)
 
 
-def test_L4_concurrency_shortfall_is_measured_and_warned_not_silently_capped():
+def test_concurrency_shortfall_is_measured_and_warned_not_silently_capped():
     fake = FakeReplica(capacity=8)  # the replicas run at most 8 at once
     res = _run(fake, requests(40), LoadConfig(mode="concurrency", concurrency=64, num_requests=40))
     m = res.metrics
@@ -117,7 +117,7 @@ def test_L4_concurrency_shortfall_is_measured_and_warned_not_silently_capped():
     assert any("the replicas ran at most 8 sequences" in w for w in m2.warnings)
 
 
-def test_L5_exactly_the_requests_sent_reach_the_replicas_and_all_are_accounted_for():
+def test_exactly_the_requests_sent_reach_the_replicas_and_all_are_accounted_for():
     fake = FakeReplica(script=lambda r: Script(error_kind="oom") if r.request_id.endswith(("#5", "#9")) else Script())
     res = _run(fake, requests(20), LoadConfig(mode="concurrency", concurrency=20, num_requests=20, warmup_requests=2))
     m = res.metrics
@@ -129,7 +129,7 @@ def test_L5_exactly_the_requests_sent_reach_the_replicas_and_all_are_accounted_f
 
 
 @pytest.mark.parametrize("policy", ["delay", "drop"])
-def test_L6_open_loop_with_a_cap_reports_target_and_achieved_rate_and_late_or_dropped_arrivals(policy):
+def test_open_loop_with_a_cap_reports_target_and_achieved_rate_and_late_or_dropped_arrivals(policy):
     fake = FakeReplica(script=lambda r: Script(ttft_s=0.5, gap_s=0.5 / 3))  # 1 s per request
     cfg = LoadConfig(mode="rate", rate_req_per_s=50, max_concurrency=10, cap_policy=policy, num_requests=200)
     m = _run(fake, requests(200), cfg).metrics
@@ -143,7 +143,7 @@ def test_L6_open_loop_with_a_cap_reports_target_and_achieved_rate_and_late_or_dr
         assert m.dropped_arrivals > 140 and m.sent_requests + m.dropped_arrivals == 200
 
 
-def test_L8_warm_up_requests_and_requests_sent_before_the_window_are_excluded():
+def test_warm_up_requests_and_requests_sent_before_the_window_are_excluded():
     def script(r):
         return Script(ttft_s=20.0) if r.request_id == "slow" else Script(ttft_s=0.5, gap_s=0.1)
 
@@ -174,7 +174,7 @@ def test_L8_warm_up_requests_and_requests_sent_before_the_window_are_excluded():
     assert all(not r.warmup for r in res.records if r.send_time_s >= m.window_start_s)
 
 
-def test_L14_every_request_failing_still_gives_a_complete_summary_with_null_percentiles():
+def test_every_request_failing_still_gives_a_complete_summary_with_null_percentiles():
     fake = FakeReplica(script=lambda r: Script(raises=RuntimeError("CUDA error")))
     m = _run(fake, requests(6), LoadConfig(mode="concurrency", concurrency=2, num_requests=6)).metrics
     assert (m.completed_requests, m.failed_requests, m.errors_by_kind) == (0, 6, {"error": 6})
@@ -183,7 +183,7 @@ def test_L14_every_request_failing_still_gives_a_complete_summary_with_null_perc
     json.dumps(m.flat(), allow_nan=False)  # no NaN anywhere
 
 
-def test_L15_percentiles_carry_n_and_p99_of_eight_samples_is_low_confidence():
+def test_percentiles_carry_n_and_p99_of_eight_samples_is_low_confidence():
     m = _run(FakeReplica(), requests(8), LoadConfig(mode="concurrency", concurrency=2, num_requests=8)).metrics
     assert m.ttft_s.n == 8 and m.e2e_latency_s.n == 8 and m.tpot_s.n == 8
     assert m.ttft_s.p99_low_confidence and m.ttft_s.p90_low_confidence
@@ -252,7 +252,7 @@ def test_load_config_errors_name_the_field(kw, field):
 
 
 # ---------------------------------------------------------------------------- replies, windows and trace replay
-def test_L16_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_point_is_summarized():
+def test_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_point_is_summarized():
     class Client:
         async def generate(self, req):
             second = req.request_id.endswith("#1")
@@ -268,7 +268,7 @@ def test_L16_a_reply_without_token_times_is_an_error_of_a_named_kind_and_the_poi
     assert m.output_tokens == 9 and m.e2e_latency_s.n == 3
 
 
-def test_L17_four_ids_in_two_streamed_chunks_count_four_tokens_with_zero_gaps_inside_a_chunk():
+def test_four_ids_in_two_streamed_chunks_count_four_tokens_with_zero_gaps_inside_a_chunk():
     class Streamer:
         async def events(self, req):
             import asyncio
@@ -307,7 +307,7 @@ def _instant(req):
     return Script(ttft_s=0.0, gap_s=0.0)
 
 
-def test_L18_an_instant_client_at_40_req_s_is_not_saturated_nor_delayed():
+def test_an_instant_client_at_40_req_s_is_not_saturated_nor_delayed():
     from workloads.serving.suite import Saturation
 
     cfg = LoadConfig(mode="rate", rate_req_per_s=40, num_requests=16, seed=7)
@@ -321,7 +321,7 @@ def test_L18_an_instant_client_at_40_req_s_is_not_saturated_nor_delayed():
     assert Saturation().reason(m.flat()) is None
 
 
-def test_L18_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():
+def test_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():
     import asyncio
 
     from workloads.serving.suite import Saturation
@@ -337,7 +337,7 @@ def test_L18_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():
     assert Saturation().reason(m.flat()) is None
 
 
-def test_L19_a_count_that_ends_first_closes_the_window_at_the_last_token():
+def test_a_count_that_ends_first_closes_the_window_at_the_last_token():
     fake = FakeReplica(script=lambda r: Script(ttft_s=0.02, gap_s=0.02))  # 10 tokens, 20 ms apart
     cfg = LoadConfig(mode="concurrency", concurrency=2, num_requests=6, duration_s=10)
     m = _run(fake, requests(6, new_tokens=10), cfg).metrics
@@ -347,7 +347,7 @@ def test_L19_a_count_that_ends_first_closes_the_window_at_the_last_token():
     assert m.request_throughput_req_per_s == pytest.approx(10.0)
 
 
-def test_L19_a_duration_that_ends_first_says_duration():
+def test_a_duration_that_ends_first_says_duration():
     fake = FakeReplica(script=lambda r: Script(ttft_s=0.02, gap_s=0.02))
     cfg = LoadConfig(mode="concurrency", concurrency=2, num_requests=100, duration_s=0.91)
     m = _run(fake, requests(6, new_tokens=10), cfg).metrics
@@ -363,7 +363,7 @@ def test_L19_a_duration_that_ends_first_says_duration():
     assert m.stop_reason == "duration" and m.window_s == pytest.approx(1.0)
 
 
-def test_L20_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
+def test_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
     """Rate mode with a time-based warm-up, then 4 measured requests, on the tiny model's real engine."""
     import torch
     import yaml

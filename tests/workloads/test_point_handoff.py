@@ -1,5 +1,5 @@
 """What the runners send through the Serve handle: dataclasses, never dicts rebuilt by hand. No Ray
-(`workloads.core.dispatch`'s init_ray, start_replicas and dispatch_points are replaced by fakes that call the runner's `call` with a
+(`workloads.core.dispatch`'s init_ray, start_replicas and dispatch_points are replaced by fakes that call the kind's `remote` with a
 fake handle capturing the arguments)."""
 
 import argparse

@@ -1,4 +1,4 @@
-"""Cases of issue 11 against a real Pushgateway (loopback): every point is its own series, and a
+"""Against a real Pushgateway (loopback): every point is its own series, and a
 resumed run's pushes never erase the series of the points pushed before the resume."""
 
 import subprocess
@@ -115,7 +115,7 @@ def test_a_resumed_run_keeps_the_series_pushed_before_the_resume(pushgateway, tm
 
 
 def test_after_resume_of_a_quality_run_the_earlier_points_keep_their_series(pushgateway, tmp_path):
-    """Case (issue 11): the quality runner (`--local`, tiny model), stopped after its first point's
+    """the quality runner (`--local`, tiny model), stopped after its first point's
     record and resumed, pushes the rest; every point, the earlier one included, has its series."""
     import yaml
 

@@ -1,4 +1,4 @@
-"""`dtype: auto` is resolved once per run, not by each replica (issue 13 item 1; workloads.core.run.resolve_run_dtype).
+"""`dtype: auto` is resolved once per run, not by each replica (workloads.core.run.resolve_run_dtype).
 
 The probe is faked to answer differently on every call (tests/dtype_fakes.py), as a loaded machine's
 probe did: on the code before this fix two replicas of one run loaded bfloat16 and float32.

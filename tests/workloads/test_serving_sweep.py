@@ -1,8 +1,8 @@
 """Serving sweeps (workloads.serving.runner): in-process replicas on the tiny model, and fake pools.
 
-Covers: concurrency and max-batch suites end to end (records with n, table, plots), L7 (killed
-during point 3, resume starts at point 3), L13 (missing model path: non-zero, points kept, path
-named), L14 (every request fails: summary written, nulls, non-zero), OOM points recorded and the
+Covers: concurrency and max-batch suites end to end (records with n, table, plots), a sweep killed
+during point 3 (resume starts at point 3), a missing model path (non-zero, points kept, path
+named), every request failing (summary written, nulls, non-zero), OOM points recorded and the
 sweep goes on, a dead replica restarted and its point marked failed, saturation stops a series.
 """
 

@@ -181,7 +181,7 @@ def test_every_shipped_suite_names_its_kind_and_loads(tmp_path):
 
 
 def test_point_id_covers_every_setting_that_changes_the_numbers():
-    """Case (issue 11): two points differing only in one policy parameter, or only in dtype, differ in id."""
+    """two points differing only in one policy parameter, or only in dtype, differ in id."""
     base = parse_suite(dict(GOOD, policies=["scissorhands"], compression_ratios=[2], batch_sizes=[1])).points()
     window = parse_suite(
         dict(
@@ -218,7 +218,7 @@ def _record_of(suite, point, status="ok"):
 
 
 def test_resume_with_a_changed_dtype_exits_2_naming_the_field(tmp_path, capsys):
-    """Case (issue 11): --resume of a batch suite whose dtype changed from float32 to bfloat16 refuses
+    """--resume of a batch suite whose dtype changed from float32 to bfloat16 refuses
     with exit status 2 naming the changed field, and runs nothing (no Ray is started)."""
     from workloads.core import results
 
@@ -242,7 +242,7 @@ def test_resume_with_a_changed_dtype_exits_2_naming_the_field(tmp_path, capsys):
 
 
 def test_resume_where_auto_resolves_to_another_dtype_is_refused_naming_dtype(tmp_path):
-    """Case (issue 11, `dtype: auto`): a point's id covers the requested dtype, so a resumed run whose
+    """a point's id covers the requested dtype, so a resumed run whose
     replicas now resolve auto to float32 while its recorded points ran in bfloat16 would mix the two:
     the record is refused (exit 2, naming dtype) and nothing is written; the same resolved dtype goes on."""
     from workloads.core import results
@@ -294,7 +294,7 @@ def test_resume_where_auto_resolves_to_another_dtype_is_refused_naming_dtype(tmp
 
 
 def test_points_differing_in_one_parameter_have_their_own_table_rows():
-    """Case (issue 11): the table tells apart two points that differ only in `recent_window: 4`."""
+    """the table tells apart two points that differ only in `recent_window: 4`."""
     from workloads.core import results
 
     data = dict(

@@ -1,7 +1,7 @@
 """The sweep end to end on the tiny model and 2 Ray replicas (loopback), resume, kill, missing model.
 
 One local Ray cluster serves the whole module; the sweep joins it (in-process, or as a
-subprocess through `--address`). Cases L7 and L13 of ../shared/cases/load-and-metrics.md.
+subprocess through `--address`).
 """
 
 import dataclasses
@@ -193,7 +193,7 @@ def test_resume_of_a_finished_run_runs_nothing(tiny_run, capsys):
 
 
 def test_resume_where_auto_now_resolves_to_another_dtype_exits_2_naming_dtype(tiny_run, capsys):
-    """Case (issue 11, `dtype: auto`): the run's points were recorded in one resolved dtype; resumed where
+    """the run's points were recorded in one resolved dtype; resumed where
     the replicas resolve auto to the other, the sweep refuses (exit 2, naming dtype) and adds no point."""
     tmp, run_dir, _, _ = tiny_run
     recs = lines(run_dir / "points.jsonl")
@@ -253,7 +253,7 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
 
 
 def test_kill_during_point_3_then_resume_starts_at_3(ray_address, tmp_path):
-    """L7: a 3-point sweep killed during point 3 leaves points 1-2 complete; resume runs only point 3."""
+    """a 3-point sweep killed during point 3 leaves points 1-2 complete; resume runs only point 3."""
     suite = write_suite(
         tmp_path / "s.yaml",
         policies=["full"],
@@ -308,7 +308,7 @@ def test_kill_during_point_3_then_resume_starts_at_3(ray_address, tmp_path):
 
 
 def test_missing_model_path_fails_and_keeps_points(tiny_run, capsys):
-    """L13: a replica whose model path does not exist -> exit non-zero, the error names the path,
+    """a replica whose model path does not exist -> exit non-zero, the error names the path,
     points already written stay."""
     tmp, run_dir, _, _ = tiny_run
     missing = str(tmp / "no-such-model")

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from cluster.connect import error_message, init_ray
 from cluster.inventory import cluster_inventory
-from cluster.replica_set import is_replica_death
+from replica.openai_api import replica_death
 from replica.static_batch import ModelReplica
 from workloads.core.run import SweepError, resolve_run_dtype, start_replicas
 from workloads.core.template import Finished, Session
@@ -79,9 +79,8 @@ def replica_points(
 
 
 def _in_process(suite, pending: list, local, replica_kwargs: dict) -> Iterator[Finished]:
-    kwargs = {k: v for k, v in replica_kwargs.items() if k != "warmup"}
     replica = ModelReplica(
-        suite.model, device=suite.device, replica_id="local", warmup=False, **resolve_run_dtype(suite), **kwargs
+        suite.model, device=suite.device, replica_id="local", **resolve_run_dtype(suite), **replica_kwargs
     )
     info = replica.info()
     for point in pending:
@@ -130,7 +129,7 @@ def dispatch_points(ray, rset, infos: list[dict], pending: list, remote) -> Iter
                 try:
                     reply = task.result()
                 except Exception as e:  # noqa: BLE001
-                    if not is_replica_death(e):
+                    if replica_death(e) is None:
                         yield Finished(point, "error", None, error_message(e), None, t0, time.time())
                         continue
                     state["deaths"] += 1

@@ -215,8 +215,8 @@ def resolve_run_dtype(
 ) -> dict:
     """Resolve the suite's ``dtype`` once for the whole run (`replica.static_batch.resolve_run_dtype`): in this
     process when `ray` is None, else as one Ray task with a replica's resources. Every replica of the run
-    then loads that concrete dtype with the same ``dtype_reason`` (``auto``'s probe is noisy under load:
-    each replica resolving on its own once ran bfloat16 on one replica and float32 on the other).
+    then loads that concrete dtype with the same ``dtype_reason`` (``auto``'s probe is noisy under load, so
+    replicas resolving on their own could disagree; docs/sweep.md).
     `check_resolved_dtype` still refuses a resumed run that resolves differently now.
 
     Returns:

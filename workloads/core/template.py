@@ -24,6 +24,7 @@ A new suite kind is one folder `workloads/<kind>/` whose `runner.py` holds a `Ki
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -149,33 +150,39 @@ def load_suite_of(kind: Kind, path: str):
         raise SweepError(str(e), 2) from None
 
 
-def run_suite(args: argparse.Namespace, kind: Kind, suite=None) -> int:
+def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | None = None) -> int:
     """Run the suite file ``args.suite`` (or the already validated `suite`) as `kind`; return the exit status.
+    `name` (default: the kind's) starts every message, as the command that runs it names itself.
 
     Raises:
         SweepError: as `load_suite_of`, `workloads.core.run.open_run` and `Kind.execute`; the report is written first.
     """
+    name = name or kind.name
     suite = suite if suite is not None else load_suite_of(kind, args.suite)
     replicas = replica_count(args, suite)
     suite = suite.model_copy(update={"replicas": replicas})
-    run = open_run(args, suite, kind.name)
+    run = open_run(args, suite, name)
     points = suite.points()
     pending = pending_points(run.points_path, points, kind.done_statuses)
     where = "this process" if getattr(args, "local", False) else f"{replicas} replica(s)"
     print(
-        f"{kind.name}: run {run.run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
+        f"{name}: run {run.run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
         f"{len(pending)} to run on {where}; results in {run.run_dir}/",
         file=sys.stderr,
     )
     for line in kind.announce(suite):
-        print(f"{kind.name}: {line}", file=sys.stderr)
+        print(f"{name}: {line}", file=sys.stderr)
     stop = None
     if pending:
         session = Session(args, suite, run.run_id, run.run_dir, replicas, SweepPusher(args.pushgateway, run.run_id))
         publish = PointPublisher(run.points_path, session.pusher, done=len(points) - len(pending), planned=len(points))
         try:
-            with tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
-                for done in kind.execute(session, pending):
+            # closing: the executor's replicas and Ray are released even when publishing a record raises
+            with (
+                tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar,
+                contextlib.closing(kind.execute(session, pending)) as finished,
+            ):
+                for done in finished:
                     record = res.build_record(
                         kind=kind.name,
                         run_id=run.run_id,
@@ -202,7 +209,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None) -> int:
     report = kind.report(run.run_dir, suite, latest)
     print(report.table, end="")
     print(
-        f"{kind.name}: wrote {', '.join(str(p) for p in (run.points_path, *report.files) if os.path.exists(p))}",
+        f"{name}: wrote {', '.join(str(p) for p in (run.points_path, *report.files) if os.path.exists(p))}",
         file=sys.stderr,
     )
     error_file = run.run_dir / "error.json"
@@ -221,7 +228,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None) -> int:
     failed = sum(1 for r in latest if r["status"] not in kind.done_statuses)
     missing = len(points) - len(latest)
     if failed or missing:
-        print(f"{kind.name}: {failed} point(s) failed, {missing} not run", file=sys.stderr)
+        print(f"{name}: {failed} point(s) failed, {missing} not run", file=sys.stderr)
         return 1
     return 0
 

@@ -9,9 +9,9 @@
 * ``table.md``: the conditions (model, dtype, CPU, threads, limit, lengths) and one row per point, frontier
   points marked, sorted by output tok/s.
 
-Points are compared only within one dtype and one KV limit in bytes: with ``dtype: auto`` each replica resolves
-the dtype by its own speed probe, and on a loaded machine two replicas can resolve differently (measured: one
-bfloat16, one float32); the report then says so first and draws one frontier per group.
+Points are compared only within one dtype and one KV limit in bytes: a run resolves ``dtype: auto`` once, but
+records of runs that resolved differently (or of older runs) may be reported together; the report then says so
+first and draws one frontier per group.
 
 A point is on the frontier when no other point is at least as fast (output tok/s) and at most as perplexed
 with one of the two strictly better (`pareto_front`).
