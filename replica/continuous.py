@@ -22,6 +22,7 @@ from replica.engine import ContinuousBatchingEngine, EngineLoop
 from replica.metrics import ReplicaMetrics
 from replica.static_batch import load_replica_model
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from scissorhands.models import cpu_model_name
 
 
 @dataclass
@@ -240,6 +241,7 @@ class ServingReplica:
             "replica_id": self.replica_id,
             "node_id": self.node_id,
             "hostname": socket.gethostname(),
+            "cpu_model": cpu_model_name(),
             "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
             "model_spec": self.model_spec,

@@ -305,3 +305,13 @@ def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_pat
 def test_serving_suite_errors_name_the_field(tmp_path, kw, field):
     with pytest.raises(SuiteError, match=field):
         load_suite(_suite(tmp_path, **kw))
+
+
+def test_a_local_serving_run_in_dtype_auto_records_the_reason_and_the_cpu(tmp_path):
+    """`--local` runs the suite's one replica in this process with the dtype the run resolved once (`auto` here)."""
+    suite = _suite(tmp_path, mode="concurrency", loads=[1], policies=["full"], num_requests=2, warmup_requests=0)
+    out = tmp_path / "r"
+    assert sweep.main([suite, "--local", "--results-dir", str(out), "--run-id", "run", "--pushgateway", "off"]) == 0
+    (rec,) = _lines(out / "run" / "points.jsonl")
+    assert rec["status"] == "ok" and rec["dtype_requested"] == "auto" and rec["dtype_reason"].startswith("auto: ")
+    assert rec["cpu_model"] and f"CPU {rec['cpu_model']};" in (out / "run" / "table.md").read_text()

@@ -1,5 +1,6 @@
 """Suite validation and expansion; bad input exits 2 naming the field and records nothing. No Ray."""
 
+import json
 import textwrap
 
 import pytest
@@ -392,3 +393,20 @@ def test_a_report_command_line_reads_the_run_and_prints_its_table(tmp_path, caps
     assert seen == [(tmp_path, [suite.points()[0].point_id])]
     out, err = capsys.readouterr()
     assert out == "| policy |\n|---|\n| full |\n" and f"x.report: wrote {tmp_path / 'table.md'}" in err
+
+
+def test_resume_with_a_suite_of_another_kind_or_name_exits_2_and_records_nothing(tmp_path, capsys):
+    """A run folder holds one suite's points: resuming it with another kind's (or another name's) suite would
+    mix two suites' points, table and plots."""
+    run_dir = tmp_path / "results" / "r"
+    run_dir.mkdir(parents=True)
+    (run_dir / "points.jsonl").write_text("")
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "r", "suite": {"kind": "quality", "name": "t"}}))
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(GOOD))
+    assert sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "r", "--local"]) == 2
+    assert "--resume: kind: run 'r' was made by a 'quality' suite, not 'batch'" in capsys.readouterr().err
+    (run_dir / "run.json").write_text(json.dumps({"run_id": "r", "suite": {"kind": "batch", "name": "other"}}))
+    assert sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "r", "--local"]) == 2
+    assert "--resume: name: run 'r' was made by a 'other' suite, not 't'" in capsys.readouterr().err
+    assert (run_dir / "points.jsonl").read_text() == "" and not (run_dir / "table.md").exists()

@@ -164,15 +164,36 @@ class OpenedRun:
     commit: str
 
 
+def check_same_suite(run_dir: Path, suite) -> None:
+    """Refuse to resume the run in `run_dir` with a suite of another kind or name than its ``run.json`` records
+    (its points, table and plots would mix two suites). A run without a readable ``run.json`` is not checked.
+
+    Raises:
+        SweepError: (exit 2) naming ``kind`` or ``name``, the run's and the suite's.
+    """
+    try:
+        recorded = json.loads((run_dir / "run.json").read_text())["suite"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    for field in ("kind", "name"):
+        if recorded.get(field) != getattr(suite, field):
+            raise SweepError(
+                f"--resume: {field}: run {run_dir.name!r} was made by a {recorded.get(field)!r} suite, not "
+                f"{getattr(suite, field)!r}; resume it with its own suite, or start a new run (--run-id)",
+                2,
+            )
+
+
 def open_run(args: argparse.Namespace, suite, kind: str) -> OpenedRun:
     """Resolve the run folder from ``args`` (``results_dir``, ``run_id``, ``resume``, ``suite``), create
     it, repair a cut last line of its ``points.jsonl`` (``kind`` names the runner in the notice) and
     write ``run.json`` (the suite as a dict, the git commit) unless it exists.
 
     Raises:
-        SweepError: (exit 2) as `resolve_run_dir`.
+        SweepError: (exit 2) as `resolve_run_dir` and `check_same_suite`.
     """
     run_id, run_dir = resolve_run_dir(args, suite)
+    check_same_suite(run_dir, suite)
     run_dir.mkdir(parents=True, exist_ok=True)
     points_path = str(run_dir / "points.jsonl")
     res.repair_points_file(points_path, kind)

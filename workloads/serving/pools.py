@@ -11,7 +11,6 @@ from typing import Protocol
 from cluster.replica_set import ServeReplicaSet, app_name_for
 from cluster.serve_app import EngineDeployment
 from replica.continuous import ServingReplica
-from replica.static_batch import load_replica_model
 from replica.types import GenerationRequest, GenerationResult
 from workloads.load.driver import error_kind
 from workloads.load.http_client import OpenAIHTTPClient
@@ -41,18 +40,19 @@ class LocalReplicaPool:
         device: str = "cpu",
         model=None,
         num_threads: int | None = None,
+        dtype_reason: str | None = None,
     ):
         if n != 1:
             raise ValueError(f"replicas: an in-process pool holds 1 replica, got {n} (Serve runs several)")
-        self.kwargs = dict(model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads)
+        self.kwargs = dict(
+            model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads, dtype_reason=dtype_reason
+        )
         self.model = model
         self.replica = None
 
     def start(self) -> list[dict]:
-        model = self.model
-        if model is None:
-            model, _ = load_replica_model(self.kwargs["model_spec"], self.kwargs["dtype"], self.kwargs["device"])
-        self.replica = ServingReplica(replica_id="local-0", model=model, **self.kwargs)
+        # without a given model the replica loads its own (with its tokenizer's EOS and the run's dtype reason)
+        self.replica = ServingReplica(replica_id="local-0", model=self.model, **self.kwargs)
         return [self.replica.info()]
 
     def configure(self, engine_config: dict, run_id: str | None = None) -> None:
