@@ -37,6 +37,7 @@ def replica_points(
     local: Callable[[ModelReplica, Any], dict],
     replica_kwargs: dict,
     linger_s: Callable[[], float] = lambda: 0.0,
+    replica_name: str = "replica",
 ) -> Iterator[Finished]:
     """Run `pending` where a model is loaded and yield each point as it finishes.
 
@@ -47,6 +48,7 @@ def replica_points(
         replica_kwargs: keyword arguments of every replica (`cluster.placement.PlacedReplica`) besides the
             suite's model, dtype and device.
         linger_s: seconds to keep the replicas up after the last point (asked once the points are done).
+        replica_name: the replicas' ids are ``<replica_name>-<n>`` (records name where each point ran).
 
     Raises:
         SweepError: as `workloads.core.run.start_replicas` and `dispatch_points`.
@@ -62,7 +64,9 @@ def replica_points(
         kwargs = dict(
             model_spec=suite.model, dtype=suite.dtype, device=suite.device, run_id=session.run_id, **replica_kwargs
         )
-        rset, infos = start_replicas(ray, suite, session.replicas, kwargs, name=suite.kind, run_id=session.run_id)
+        rset, infos = start_replicas(
+            ray, suite, session.replicas, kwargs, name=suite.kind, name_prefix=replica_name, run_id=session.run_id
+        )
         yield from dispatch_points(ray, rset, infos, pending, remote)
         wait_s = linger_s()
         if wait_s:

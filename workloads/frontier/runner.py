@@ -34,7 +34,7 @@ class FrontierKind(Kind):
     suite_model = FrontierSuite
 
     def execute(self, session: Session, pending: list[FrontierPoint]) -> Iterator[Finished]:
-        return replica_points(session, pending, **apply_point(run_frontier_point))
+        return replica_points(session, pending, **apply_point(run_frontier_point, self.name))
 
     def record_fields(self, suite: FrontierSuite, point: FrontierPoint, finished: Finished) -> dict:
         return dict(

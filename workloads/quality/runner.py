@@ -35,12 +35,14 @@ def policy_label(policy: str | None, params: dict | None) -> str | None:
     return f"{policy} (" + ", ".join(f"{k}={v}" for k, v in sorted(params.items())) + ")"
 
 
-def apply_point(fn):
-    """`replica_points`' two ways to run ``fn(model, tokenizer, point)`` where the model is (quality, frontier)."""
+def apply_point(fn, kind: str):
+    """`replica_points`' two ways to run ``fn(model, tokenizer, point)`` where the model is (quality, frontier), on
+    replicas named after the `kind`."""
     return dict(
         remote=lambda handle, point: handle.apply.remote(fn, point),
         local=lambda replica, point: replica.apply(fn, point),
         replica_kwargs=dict(warmup=False),
+        replica_name=kind,
     )
 
 
@@ -56,7 +58,7 @@ class QualityKind(Kind):
         return []
 
     def execute(self, session: Session, pending: list[QualityPoint]) -> Iterator[Finished]:
-        return replica_points(session, pending, **apply_point(run_point))
+        return replica_points(session, pending, **apply_point(run_point, self.name))
 
     def record_fields(self, suite: QualitySuite, point: QualityPoint, finished: Finished) -> dict:
         ratio, bits = point.compression_ratio, point.kv_bits
