@@ -49,7 +49,7 @@ from typing import Any, Callable
 import torch
 
 from replica.metrics import NullMetrics
-from replica.sampling import pick_tokens
+from replica.sampling import pick_tokens, score_prompt
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import make_cache
 from scissorhands.batching import merge_rows, row_positions, select_rows, sequence_slot_bytes
@@ -82,6 +82,9 @@ class _Seq:
     held_slots: int = 0  # tokens the row holds in the cache now (for the prefill-time bound)
     on_token: Callable[[int, float], None] | None = None
     generator: torch.Generator | None = None  # this request's sampling draws (temperature > 0)
+    sample_error: str | None = None  # why this row's last pick failed (pick_tokens): it fails alone
+    token_logprob: float | None = None  # the last picked token's log-probability (request.logprobs)
+    token_top_logprobs: list | None = None  # ... and its alternatives, [[token_id, logprob], ...]
 
 
 class ContinuousBatchingEngine:
@@ -403,6 +406,9 @@ class ContinuousBatchingEngine:
 
     def _prefill(self, group: list[_Seq]) -> None:
         """Forward the prompts of `group` (equal lengths) into a fresh cache; merge the rows that go on."""
+        group = [s for s in group if not self._score_prompt(s)]  # score-only requests end here
+        if not group:
+            return
         ids = torch.tensor([s.request.prompt_ids for s in group], dtype=torch.long, device=self.device)  # (n, L)
         t0 = time.perf_counter()
         try:
@@ -481,11 +487,39 @@ class ContinuousBatchingEngine:
         self._next_tokens = nxt
 
     # ------------------------------------------------------------------ results
+    def _score_prompt(self, seq: _Seq) -> bool:
+        """The prompt's log-probabilities of a request that asks for them (`score_prompt`: a cache of its
+        own, fed as decoding would); True when that finished the request (no new tokens, or a failure)."""
+        req = seq.request
+        if req.prompt_logprobs is None:
+            return False
+        try:
+            lps, tops = score_prompt(self.model, self._new_cache(), req.prompt_ids, req.prompt_logprobs, self.device)
+        except Exception as e:  # noqa: BLE001 - reported on this request only
+            self._fail_all([seq], e)
+            return True
+        seq.result.prompt_logprobs, seq.result.prompt_top_logprobs = lps, tops
+        if req.max_new_tokens > 0:
+            return False
+        seq.result.finish_reason, seq.result.finish_time_s = "length", self.clock()
+        self._stats[self._key(seq, "completed")] += 1
+        self._done(seq)
+        return True
+
     def _emit(self, seq: _Seq, token: int, t: float) -> bool:
-        """Record one token; finish the request when done. Returns True when it finished."""
+        """Record one token; finish the request when done. Returns True when it finished (or its pick
+        failed: `seq.sample_error`, then it fails alone and its row leaves the batch)."""
         r = seq.result
+        if seq.sample_error is not None:
+            self._fail(seq, "error", seq.sample_error)
+            return True
         r.output_ids.append(int(token))
         r.token_times_s.append(t)
+        if seq.request.logprobs is not None:
+            if r.output_logprobs is None:
+                r.output_logprobs, r.output_top_logprobs = [], []
+            r.output_logprobs.append(seq.token_logprob)
+            r.output_top_logprobs.append(seq.token_top_logprobs)
         self._stats[self._key(seq, "tokens")] += 1
         if seq.on_token is not None:
             try:

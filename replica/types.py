@@ -16,7 +16,14 @@ from replica.rules import FrozenConfig, check_fraction, check_number, need_one_o
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.checks import check_int
 
-__all__ = ["ConfigError", "EngineConfig", "GenerationRequest", "GenerationResult"]
+__all__ = [
+    "ConfigError",
+    "EngineConfig",
+    "GREEDY_BELOW_TEMPERATURE",
+    "GenerationRequest",
+    "GenerationResult",
+    "MAX_LOGPROBS",
+]
 
 _COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch")
 
@@ -123,6 +130,12 @@ class EngineConfig(FrozenConfig):
         return budget_from_ratio(self.max_length_tokens, self.compression_ratio)
 
 
+#: A temperature below this samples greedily (vLLM's `_SAMPLING_EPS`): logits / 5e-324 overflow to inf.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+#: The most alternatives `logprobs` / `prompt_logprobs` may ask for per token (vLLM's default cap).
+MAX_LOGPROBS = 20
+
+
 @dataclass
 class GenerationRequest:
     """One request: prompt token ids (never text) and how many tokens to generate.
@@ -135,6 +148,18 @@ class GenerationRequest:
     `warmup`: the load generator's warm-up request; the engine counts it apart (`stats()`'s
     ``warmup_*`` keys, live metrics with ``phase="warmup"``), so a point's server-side figures
     cover the same requests as its client-side ones.
+
+    Sampling values every sampler can use, as vLLM maps them: a `temperature` below
+    `GREEDY_BELOW_TEMPERATURE` (1e-5) is greedy (dividing logits by it would overflow); `seed` must
+    fit in 64 bits (``[-2**63, 2**64)``, the range `torch.Generator.manual_seed` takes).
+    `logprobs` (0..`MAX_LOGPROBS`): each generated token's log-probability and that many most
+    likely alternatives (`GenerationResult.output_logprobs`). `prompt_logprobs` (0..`MAX_LOGPROBS`):
+    each prompt token's log-probability given the tokens before it, the prompt fed as decoding would
+    feed it (`replica.sampling.score_prompt`; `GenerationResult.prompt_logprobs`); with it,
+    `max_new_tokens` may be 0 (score only).
+
+    Raises:
+        ValueError: a field out of range; the message names it and what it accepts.
     """
 
     request_id: str
@@ -146,11 +171,20 @@ class GenerationRequest:
     seed: int | None = None
     min_new_tokens: int = 0
     warmup: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"prompt_ids: request {self.request_id!r} has an empty prompt")
-        check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("logprobs", self.logprobs, 0, optional=True)
+        check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(self, name) or 0) > MAX_LOGPROBS:
+                raise ValueError(
+                    f"{name}: expected an integer in [0, {MAX_LOGPROBS}] or null, got {getattr(self, name)!r}"
+                )
+        check_int("max_new_tokens", self.max_new_tokens, 0 if self.prompt_logprobs is not None else 1)
         if (
             isinstance(self.temperature, bool)
             or not isinstance(self.temperature, (int, float))
@@ -160,13 +194,16 @@ class GenerationRequest:
             raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed: expected an integer or null, got {self.seed!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
+            raise ValueError(f"seed: expected a 64-bit integer (in [-2**63, 2**64)) or null, got {self.seed!r}")
         check_int("min_new_tokens", self.min_new_tokens, 0)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax: temperature 0, or below `GREEDY_BELOW_TEMPERATURE` (vLLM's rule)."""
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass
@@ -175,7 +212,12 @@ class GenerationResult:
 
     `token_times_s[i]` is when `output_ids[i]` was produced; `output_tokens` is `len(output_ids)`.
     `error_kind`: None (ok), `"rejected"` (cannot fit the memory limit even alone), `"oom"` (the
-    device ran out of memory), `"error"` (any other exception; `error` holds it).
+    device ran out of memory), `"error"` (any other exception, a failed sampling of this request's
+    row included; `error` holds it).
+    With the request's `logprobs`: `output_logprobs[i]` is `output_ids[i]`'s log-probability (nats)
+    and `output_top_logprobs[i]` its alternatives as ``[[token_id, logprob], ...]``, best first. With
+    `prompt_logprobs`: the same per prompt token (`prompt_logprobs[0]` and `prompt_top_logprobs[0]`
+    are None: the first token has no context).
     """
 
     request_id: str
@@ -189,6 +231,10 @@ class GenerationResult:
     error_kind: str | None = None
     error: str | None = None
     replica_id: str | None = None
+    output_logprobs: list[float] | None = None
+    output_top_logprobs: list[list[list]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[list] | None] | None = None
 
     @property
     def output_tokens(self) -> int:

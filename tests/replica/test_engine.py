@@ -439,3 +439,105 @@ def test_greedy_pick_is_argmax_with_the_first_of_tied_maxima(dtype):
     assert picked[:, 0].tolist() == [1, 0, 2] == logits.argmax(-1).tolist()
     wide = torch.randn(5, 49152).to(dtype)
     assert torch.equal(pick_tokens(wide, seqs[:1] * 5, None)[:, 0], wide.argmax(-1))
+
+
+# ---------------------------------------------------------------- one row's sampling failure, log-probabilities
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_its_neighbours_go_on(model):
+    prompt = list(range(3, 15))
+    greedy = _run_one(model, GenerationRequest("g", prompt, 8)).output_ids
+    tiny = GenerationRequest("t", prompt, 8, temperature=5e-324)
+    neighbours = [GenerationRequest(f"n{i}", prompt, 8, temperature=1.0, seed=i) for i in range(2)]
+    res = _run_one(model, tiny, neighbours=neighbours)
+    assert tiny.greedy and res.error_kind is None and res.output_ids == greedy
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(prompt_logprobs=99), "prompt_logprobs"),
+    ],
+)
+def test_values_no_sampler_can_use_are_refused_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        GenerationRequest("r", [1], 2, **kw)
+
+
+def test_64_bit_seeds_are_accepted_and_zero_new_tokens_only_when_scoring_the_prompt():
+    for seed in (2**63, 2**64 - 1, -(2**63)):
+        GenerationRequest("r", [1], 2, temperature=1.0, seed=seed)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationRequest("r", [1], 0)
+    assert GenerationRequest("r", [1, 2], 0, prompt_logprobs=0).max_new_tokens == 0
+
+
+@pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(**SH)], ids=["full", "scissorhands-B16"])
+def test_a_row_whose_sampling_fails_fails_alone_at_prefill_and_at_decode(model, cfg):
+    """Three prompts prefilled in one step; one row's sampler fails (a seed torch refuses, set past the
+    request's checks) at prefill, another at a later decode step: each fails alone, the others' tokens are
+    their batch-of-one tokens."""
+    prompt = list(range(30, 50))
+    engine = ContinuousBatchingEngine(model, cfg)
+    done = {}
+    reqs = [GenerationRequest(f"r{i}", prompt, 10, temperature=1.0, seed=i) for i in range(4)]
+    reqs[1].seed = 2**70  # torch.Generator.manual_seed raises for it
+    for r in reqs:
+        engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
+    engine.step()  # prefill (one group: equal prompts) and one decode step
+    assert done["r1"].error_kind == "error" and "sampling failed" in done["r1"].error and done["r1"].output_ids == []
+    assert engine.running == 3
+    row = next(s for s in engine._running if s.request.request_id == "r2")
+    row.generator, row.request.seed = None, 2**70  # its next draw fails
+    engine.run_until_idle()
+    assert done["r2"].error_kind == "error" and "sampling failed" in done["r2"].error
+    assert 0 < len(done["r2"].output_ids) < 10
+    for rid in ("r0", "r3"):
+        alone = _run_one(model, GenerationRequest("x", prompt, 10, temperature=1.0, seed=int(rid[1])))
+        if cfg.policy == "full":
+            assert done[rid].output_ids == alone.output_ids
+        assert done[rid].error_kind is None and len(done[rid].output_ids) == 10
+    assert engine.stats()["failed_requests"] == 2 and engine.stats()["completed_requests"] == 2
+
+
+def test_logprobs_of_generated_tokens_are_the_model_distribution_and_top_k(model):
+    prompt = list(range(5, 25))
+    res = _run_one(model, GenerationRequest("l", prompt, 4, logprobs=3))
+    assert res.output_ids == _run_one(model, GenerationRequest("g", prompt, 4)).output_ids
+    with torch.inference_mode():
+        ids = torch.tensor([prompt + res.output_ids])
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # (n, vocab)
+    for i, tok in enumerate(res.output_ids):
+        row = logp[len(prompt) - 1 + i]
+        assert res.output_logprobs[i] == pytest.approx(float(row[tok]), abs=1e-4)
+        top = res.output_top_logprobs[i]
+        assert [t for t, _ in top] == row.topk(3).indices.tolist() and top[0][0] == tok  # greedy: the best
+
+
+@pytest.mark.parametrize("cfg", [EngineConfig(), EngineConfig(**SH)], ids=["full", "scissorhands-B16"])
+def test_prompt_logprobs_with_no_new_tokens_score_the_prompt_as_decoding_would(model, cfg):
+    """A score-only request (max_new_tokens 0): each prompt token's log-probability equals feeding the
+    prompt one token per call into the engine's cache (evictions included), within float32 noise."""
+    prompt = list(range(2, 42))
+    res = _run_one_cfg(model, cfg, GenerationRequest("p", prompt, 0, prompt_logprobs=2))
+    assert res.error_kind is None and res.output_ids == [] and res.finish_reason == "length"
+    engine = ContinuousBatchingEngine(model, cfg)
+    cache = engine._new_cache()
+    want = []
+    with torch.inference_mode():
+        for i, tok in enumerate(prompt[:-1]):
+            logits = model(input_ids=torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1].float()
+            want.append(float(torch.log_softmax(logits, -1)[prompt[i + 1]]))
+    assert res.prompt_logprobs[0] is None and res.prompt_top_logprobs[0] is None
+    assert res.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(t) == 2 for t in res.prompt_top_logprobs[1:])
+
+
+def _run_one_cfg(model, cfg, req):
+    engine = ContinuousBatchingEngine(model, cfg)
+    done = {}
+    engine.submit(req, lambda res: done.__setitem__(res.request_id, res))
+    engine.run_until_idle()
+    return done[req.request_id]
