@@ -6,8 +6,17 @@ import pytest
 import torch
 
 from scissorhands import POLICIES
+from scissorhands.models import load_tokenizer
 from scissorhands.testing import tiny_llama
-from workloads.quality.fewshot import Doc, encode_request, evaluate_task, load_docs, score_doc, select_docs
+from workloads.quality.fewshot import (
+    Doc,
+    UnscorableDoc,
+    encode_request,
+    evaluate_task,
+    load_docs,
+    score_doc,
+    select_docs,
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +110,45 @@ def test_a_cache_error_fails_the_point_instead_of_skipping_documents(model, docs
     unscorable = Doc(doc_id=1, requests=(("", " a"), ("", " b")), gold=0)
     with pytest.raises(ValueError, match="none of the 1 documents"):
         evaluate_task(model, None, "copa", "full", doc_list=[unscorable])
+
+
+# --------------------------------------------------------------------------- the context/continuation boundary
+@pytest.fixture(scope="module")
+def embedded_tokenizer():
+    return load_tokenizer("embedded")
+
+
+def test_trailing_whitespace_of_the_context_is_scored_with_the_continuation(embedded_tokenizer):
+    """As lm-evaluation-harness: ``"Answer: " + "Paris"`` scores the token ``" Paris"``, as ``"Answer:" + " Paris"``
+    does (not a lone space in the context and a space-less ``"Paris"``)."""
+    tok = embedded_tokenizer
+    moved = encode_request(tok, "Answer: ", "Paris")
+    assert moved == encode_request(tok, "Answer:", " Paris")
+    ctx, cont = moved
+    assert ctx == tok("Answer:", add_special_tokens=False)["input_ids"] == [21350, 42]
+    assert cont == tok(" Paris", add_special_tokens=False)["input_ids"] == [7042]
+    assert tok.decode(cont) == " Paris"
+    # every trailing whitespace character moves, newlines included; the continuation keeps them in order
+    ctx, cont = encode_request(tok, "Answer:  ", "Paris")
+    assert ctx == [21350, 42] and tok.decode(cont) == "  Paris"
+    ctx, cont = encode_request(tok, "Q:\n\n", "A")
+    assert tok.decode(ctx) == "Q:" and tok.decode(cont) == "\n\nA"
+
+
+def test_trailing_whitespace_moves_with_the_byte_stand_in_too():
+    assert encode_request(None, "Answer: ", "Paris") == (list(b"Answer:"), list(b" Paris"))
+    assert encode_request(None, "Answer:", " Paris") == (list(b"Answer:"), list(b" Paris"))
+
+
+def test_a_context_of_whitespace_only_is_unscorable(model):
+    assert encode_request(None, " \n", "a") == ([], list(b" \na"))
+    with pytest.raises(UnscorableDoc, match="empty context"):
+        score_doc(model, None, Doc(doc_id=7, requests=((" ", "a"), (" ", "b")), gold=0), "full")
+
+
+def test_per_character_length_counts_the_continuation_as_given(model):
+    """``acc_per_char`` divides by the choice's own length (lm-eval's ``len(choice)``), not by the moved whitespace."""
+    doc = Doc(doc_id=3, requests=(("Answer: ", "yes"), ("Answer: ", "no")), gold=0)
+    out = score_doc(model, None, doc, "full")
+    assert out["chars"] == [3, 2]
+    assert out["context_tokens"] == [7, 7] and out["continuation_tokens"] == [4, 3]

@@ -173,8 +173,14 @@ def precision_line(task: str, docs: int | None, available: int | None = None) ->
 def encode_request(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """Context and continuation ids, split the lm-eval way: ``encode(context + continuation)`` minus ``encode(context)``.
 
-    With ``tokenizer=None`` (test-only tiny models) bytes stand in for tokens (``byte % 128``).
+    As lm-evaluation-harness' ``_encode_pair``, the context's trailing whitespace first moves to the
+    front of the continuation, so ``("Answer: ", "Paris")`` and ``("Answer:", " Paris")`` give the same
+    ids (a BPE tokenizer writes the space into the next word's token). A context of whitespace only
+    becomes empty (the caller refuses it: `UnscorableDoc`). With ``tokenizer=None`` (test-only tiny
+    models) bytes stand in for tokens (``byte % 128``).
     """
+    stripped = context.rstrip()
+    context, continuation = stripped, context[len(stripped) :] + continuation
     if tokenizer is None:
         return [b % 128 for b in context.encode()], [b % 128 for b in continuation.encode()]
     whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
@@ -200,7 +206,8 @@ def score_doc(
 
     Returns:
         ``{"logprob_sums": [float] (nats), "chars": [int], "budget_tokens": int | None,
-        "context_tokens": [int], "continuation_tokens": [int]}``.
+        "context_tokens": [int], "continuation_tokens": [int]}``; ``chars`` is the length of each
+        continuation as given (lm-eval's ``len(choice)``), the token counts are after `encode_request`.
     """
     enc = [encode_request(tokenizer, c, x) for c, x in doc.requests]
     if any(not ctx or not cont for ctx, cont in enc):
