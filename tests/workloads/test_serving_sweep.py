@@ -209,7 +209,7 @@ class FakePool:
                 return Script(ttft_s=0.001, error_kind="oom")
             if kind == "fail":
                 return Script(ttft_s=0.001, raises=RuntimeError("boom"))
-            if kind == "die" and not req.request_id.endswith("#0"):
+            if kind == "die" and not req.request_id.endswith("-0"):
                 return Script(ttft_s=0.001, raises=RayActorError("The actor died unexpectedly"))
             if kind == "slow":
                 return Script(ttft_s=0.05, gap_s=0.001)

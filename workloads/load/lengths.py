@@ -149,3 +149,69 @@ def requests_of_lengths(
         for i, length in enumerate(prompt_tokens):
             prompts[i] = rng.integers(0, vocab_size, size=length).tolist()
     return [GenerationRequest(f"{prefix}-{i}", prompts[i], int(output_tokens[i])) for i in range(n)]
+
+
+class RequestStream:
+    """Requests drawn on demand, never cycled: ``stream(i)`` is request `i` (warm-up included) with
+    lengths drawn from the two distributions and id ``<prefix>-<i>``. For a duration-bound point, which
+    sends as many requests as the server answers in time.
+
+    Requests are drawn `chunk` at a time (chunk `k` seeded by `seed` and `k`), so the same `seed` gives
+    the same requests in the same order whatever the load pattern asks for first. A prompt equal to an
+    earlier one of the stream (warm-up included) is drawn again (at most `redraws` times, seeded too),
+    so a server's prefix cache never sees a prompt twice; when the prompt space is too small for that
+    (a few tokens over a small vocabulary), the repeat stays and is counted: `repeated` holds the
+    indices of such requests, `repeats_sent` how many of them were asked for.
+    """
+
+    def __init__(
+        self,
+        prompt_tokens: LengthDist,
+        output_tokens: LengthDist,
+        *,
+        seed: int,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        prefix: str = "req",
+        chunk: int = 256,
+        redraws: int = 16,
+    ):
+        if tokenizer is None and vocab_size is None:
+            raise ValueError("vocab_size: needed for random prompts when there is no tokenizer")
+        self.prompt_tokens, self.output_tokens = prompt_tokens, output_tokens
+        self.seed, self.tokenizer, self.vocab_size, self.prefix = seed, tokenizer, vocab_size, prefix
+        self.chunk, self.redraws = int(chunk), int(redraws)
+        self._built: list[GenerationRequest] = []
+        self._seen: set[tuple[int, ...]] = set()
+        self.repeated: set[int] = set()
+        self.repeats_sent = 0
+
+    def _draw(self, n: int, seed: int, prompt_tokens: LengthDist, output_tokens: LengthDist) -> list[GenerationRequest]:
+        return build_requests(
+            n, prompt_tokens, output_tokens, seed=seed, tokenizer=self.tokenizer, vocab_size=self.vocab_size
+        )
+
+    def _extend(self) -> None:
+        """Draw the next chunk, each prompt unseen so far where the redraws find one."""
+        k = len(self._built) // self.chunk
+        base = (self.seed * 1_000_003 + k) % (1 << 63)  # chunk k's own draw, the same for every caller
+        for j, req in enumerate(self._draw(self.chunk, base, self.prompt_tokens, self.output_tokens)):
+            i = len(self._built)
+            prompt = tuple(req.prompt_ids)
+            for attempt in range(1, self.redraws + 1):
+                if prompt not in self._seen:
+                    break
+                length = LengthDist("fixed", value=len(prompt))
+                again = self._draw(1, (base * 7919 + j * 131 + attempt) % (1 << 63), length, length)[0]
+                prompt = tuple(again.prompt_ids)
+            if prompt in self._seen:
+                self.repeated.add(i)
+            self._seen.add(prompt)
+            self._built.append(GenerationRequest(f"{self.prefix}-{i}", list(prompt), req.max_new_tokens))
+
+    def __call__(self, i: int) -> GenerationRequest:
+        while len(self._built) <= i:
+            self._extend()
+        if i in self.repeated:
+            self.repeats_sent += 1
+        return self._built[i]

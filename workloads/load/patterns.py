@@ -34,7 +34,7 @@ from pydantic import field_validator, model_validator
 
 from replica.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, need_one_of
 from replica.types import GenerationRequest
-from workloads.load.lengths import LengthDist, build_requests, requests_of_lengths
+from workloads.load.lengths import LengthDist, RequestStream, build_requests, requests_of_lengths
 from workloads.load.metrics import RequestRecord
 from workloads.load.traces import TraceRow, read_trace
 
@@ -198,6 +198,25 @@ class LoadPattern:
             raise ValueError(f"prompt_tokens, output_tokens: mode {self.name!r} needs length distributions")
         return build_requests(
             n, prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix
+        )
+
+    def request_source(
+        self,
+        prompt_tokens: LengthDist | None,
+        output_tokens: LengthDist | None,
+        *,
+        seed: int,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        prefix: str = "req",
+    ) -> Callable[[int], GenerationRequest]:
+        """What `run_load` asks for request `i`: drawn on demand (`RequestStream`), never cycled, so a
+        point sends no prompt twice however many requests its duration lets through; a pattern that brings
+        its own lengths overrides this."""
+        if prompt_tokens is None or output_tokens is None:
+            raise ValueError(f"prompt_tokens, output_tokens: mode {self.name!r} needs length distributions")
+        return RequestStream(
+            prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix
         )
 
     async def drive(self, run: SharedRun) -> None:
@@ -487,6 +506,20 @@ class TraceLoad(OpenLoop):
             vocab_size=vocab_size,
             prefix=prefix,
         )
+
+    def request_source(
+        self,
+        prompt_tokens: LengthDist | None = None,
+        output_tokens: LengthDist | None = None,
+        *,
+        seed: int,
+        tokenizer=None,
+        vocab_size: int | None = None,
+        prefix: str = "trace",
+    ) -> Callable[[int], GenerationRequest]:
+        """Request `i` is row `i` (`requests`); the trace ends with its last row, so none is sent twice."""
+        reqs = self.requests(seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix)
+        return reqs.__getitem__
 
     @classmethod
     def suite_defaults(cls, data: dict, **options) -> dict:

@@ -16,13 +16,13 @@ from workloads.serving.pools import ReplicaPool
 from workloads.serving.suite import ServingPoint, ServingSuite
 
 
-def _requests_for(suite: ServingSuite, point: ServingPoint, cfg, n: int, tokenizer, vocab_size: int | None):
-    """The point's requests, as its load pattern builds them (drawn lengths, or a trace's rows)."""
-    return cfg.pattern.requests(
-        max(1, n),
+def _requests_for(suite: ServingSuite, point: ServingPoint, cfg, tokenizer, vocab_size: int | None):
+    """The point's requests, drawn on demand as its load pattern builds them (drawn lengths, or a trace's
+    rows), from the seed of its load: every series at one load gets the same requests in the same order."""
+    return cfg.pattern.request_source(
         suite.prompt_tokens,
         suite.new_tokens,
-        seed=suite.seed + 7919 * point.index,
+        seed=suite.workload_seed(point),
         tokenizer=tokenizer,
         vocab_size=vocab_size,
         prefix=point.point_id,
@@ -56,8 +56,7 @@ def run_point(
                 "error": "not even one sequence fits the KV memory limit",
             }
     cfg = suite.load_config(point, max_batch=max_batch)
-    n_pool = (cfg.num_requests or 256) + cfg.warmup_requests
-    reqs = _requests_for(suite, point, cfg, n_pool, tokenizer, vocab_size)
+    reqs = _requests_for(suite, point, cfg, tokenizer, vocab_size)
     pool.stats(reset=True)
     result = asyncio.run(run_load(pool.client(), reqs, cfg))
     stats = pool.stats(reset=True)
@@ -92,8 +91,15 @@ def run_point(
             "kv_memory_limit_bytes": next((s.get("kv_memory_limit_bytes") for s in stats if "slot_bytes" in s), None),
             "slot_bytes": next((s.get("slot_bytes") for s in stats if "slot_bytes" in s), None),
             "replicas": getattr(pool, "n", len(stats)),
+            # requests whose prompt an earlier one of the point already had (0 unless the prompt space is tiny)
+            "repeated_prompts": getattr(reqs, "repeats_sent", 0),
         }
     )
+    if out["repeated_prompts"]:
+        out["warnings"] = list(out.get("warnings") or []) + [
+            f"{out['repeated_prompts']} request(s) repeated an earlier prompt of the point (warm-up included): "
+            "too few distinct prompts of these lengths; a server with a prefix cache answers them faster"
+        ]
     if max_batch is not None:
         out["max_batch_verified"] = (
             bool(live)

@@ -256,12 +256,20 @@ class ServingSuite(SuiteBase):
             max_length_tokens=self.max_length_tokens,
         )
 
+    def workload_seed(self, point: ServingPoint) -> int:
+        """The seed of `point`'s requests and arrival times: the suite's `seed` and the point's load (its
+        place in the series), never the series, so every policy at one load is measured on the same
+        requests in the same order at the same times (a paired comparison); other loads draw anew."""
+        loads = self.pattern.point_loads(self, **self.pattern_options)
+        return self.seed * 1_009 + loads.index(point.load)
+
     def load_config(self, point: ServingPoint, max_batch: int | None = None) -> LoadConfig:
-        """The load generator's config for `point` (`max_batch`: the batch of a max_batch point).
+        """The load generator's config for `point` (`max_batch`: the batch of a max_batch point), seeded
+        by `workload_seed`.
 
         Raises ValueError naming the field (and what it accepts) when the point cannot run."""
         return self.pattern.point_config(
-            self, point.load, seed=self.seed + point.index, max_batch=max_batch, **self.pattern_options
+            self, point.load, seed=self.workload_seed(point), max_batch=max_batch, **self.pattern_options
         )
 
     def record_columns(self, point: ServingPoint, max_batch_size: int | None = None) -> dict:
