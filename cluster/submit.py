@@ -13,9 +13,13 @@
    one upload; Ray zips without compression, so the size is the files' bytes plus headers), the
    command stops with exit status 2 and a message that gives the size, the limit and the largest
    entries, before `ray job submit` runs.
-2. **Submit.** Runs `ray job submit --address ... --submission-id sweep-<run_id>
-   --runtime-env-json {working_dir, excludes, env_vars} -- <python> -m workloads.sweep SUITE
-   --results-dir DIR --run-id RUN_ID [SWEEP ARGS]`, streaming the job's output.
+2. **Submit.** Runs `ray job submit --address ... --submission-id sweep-<run_id>-<UTC time>-<4 hex>
+   --metadata-json {"scissorhands_run_id": RUN_ID} --runtime-env-json {working_dir, excludes, env_vars}
+   -- <python> -m workloads.sweep SUITE --results-dir DIR --run-id RUN_ID [SWEEP ARGS]`, streaming the
+   job's output. Every submission has an id of its own, so a run submitted again (to resume it, or
+   the same `--run-id` by mistake) is never read as its earlier job; while a job of the same run id
+   is still pending or running, the submission is refused (exit 2, naming `--run-id` and that job)
+   before anything is uploaded: two jobs would write one `points.jsonl`.
    The job writes `DIR/<run_id>/points.jsonl` (+ `run.json`, `table.md`, `points.csv`, and
    `error.json` when the sweep stops early). On a real cluster DIR must be storage every node
    sees at the same path (NFS, a PVC mounted at the same path in every pod); a relative path
@@ -25,7 +29,8 @@
    sweep exits non-zero on any failed point, so `ray job status` says FAILED), 2 for errors
    before submission. When `DIR/<run_id>/` is reachable from here (a local head, or shared
    storage mounted here too) the job's log and final status are saved next to the points as
-   `job.log` and `job.json`, so `ray job logs` is not the only record.
+   `job.log` and `job.json`, so `ray job logs` is not the only record; a later submission of the
+   same run id writes `job-<submission id>.log` and `.json` beside them, never over an earlier job's.
 
 `--job-python` is the interpreter the job runs: the `python` on the cluster's PATH (the image's)
 for remote addresses, this interpreter for a loopback address (a head started by
@@ -38,6 +43,7 @@ import argparse
 import json
 import logging
 import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -76,6 +82,10 @@ MODEL_CACHE_ENV = "SCISSORHANDS_CACHE_DIR"
 TOKEN_CACHE_ENV = "SCISSORHANDS_TOKEN_CACHE_DIR"
 #: Passed on to the job when set here: the Pushgateway of per-point summaries, cache folders.
 PASS_THROUGH_ENV = ("SCISSORHANDS_PUSHGATEWAY", MODEL_CACHE_ENV, TOKEN_CACHE_ENV)
+#: The job metadata key naming the run a job writes (`--metadata-json`), to find a run's earlier jobs.
+RUN_ID_METADATA = "scissorhands_run_id"
+#: Job states in which a job still runs (or will): a second job of its run id is refused meanwhile.
+LIVE_JOB_STATES = ("PENDING", "RUNNING")
 #: `ray job submit` runs again when the job server took no job (its job agent was not up yet).
 SUBMIT_ATTEMPTS = 3
 SUBMIT_RETRY_S = 10.0
@@ -282,7 +292,8 @@ def build(args: argparse.Namespace) -> dict:
         run_id,
     ]
     entrypoint += list(args.sweep_args or [])
-    submission_id = f"sweep-{run_id}"
+    # one id per submission: a run id used before must not find (and report) its earlier job
+    submission_id = f"sweep-{run_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
     cmd = [
         ray_cli(),
         "job",
@@ -291,6 +302,8 @@ def build(args: argparse.Namespace) -> dict:
         address,
         "--submission-id",
         submission_id,
+        "--metadata-json",
+        json.dumps({RUN_ID_METADATA: run_id}),
         "--runtime-env-json",
         json.dumps(runtime_env),
     ]
@@ -310,23 +323,60 @@ def build(args: argparse.Namespace) -> dict:
     }
 
 
+def job_files(run_dir: Path, submission_id: str) -> tuple[Path, Path]:
+    """(status file, log file) of `submission_id` in `run_dir`: ``job.json`` and ``job.log`` for the run's
+    first job (or when they are this job's already), else ``job-<submission_id>.json`` and ``.log``, so an
+    earlier job's files are never overwritten."""
+    first = run_dir / "job.json"
+    try:
+        owner = json.loads(first.read_text(encoding="utf-8")).get("submission_id") if first.exists() else None
+    except (OSError, ValueError, AttributeError):
+        owner = "unreadable"  # someone's file: keep it
+    if owner is None or owner == submission_id:
+        return first, run_dir / "job.log"
+    return run_dir / f"job-{submission_id}.json", run_dir / f"job-{submission_id}.log"
+
+
 def save_job_record(plan: dict, status: str, message: str | None, logs: str | None) -> Path | None:
-    """Write job.json (+ job.log) into the run folder when it is reachable from here."""
+    """Write the job's status (+ log) into the run folder when it is reachable from here (`job_files`:
+    never over an earlier job's); return the status file written, None when the folder is not reachable."""
     run_dir = Path(plan["results_dir"]) / plan["run_id"]
     if not run_dir.is_dir():
         return None
     record = {
         "submission_id": plan["submission_id"],
+        "run_id": plan["run_id"],
         "address": plan["address"],
         "status": status,
         "message": message,
         "entrypoint": shlex.join(plan["entrypoint"]),
         "saved_at_unix_s": time.time(),
     }
-    (run_dir / "job.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    status_file, log_file = job_files(run_dir, plan["submission_id"])
+    status_file.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if logs is not None:
-        (run_dir / "job.log").write_text(logs, encoding="utf-8")
-    return run_dir
+        log_file.write_text(logs, encoding="utf-8")
+    return status_file
+
+
+def live_jobs_of_run(address: str, run_id: str) -> list[tuple[str, str]]:
+    """[(submission id, status)] of the jobs at `address` that write `run_id` (their metadata says so, or the
+    id of this command's earlier releases, ``sweep-<run_id>``) and are still pending or running. [] when the
+    job server cannot be asked (the submission itself then reports why)."""
+    from ray.job_submission import JobSubmissionClient  # on use, as ray_default_excludes
+
+    try:
+        jobs = JobSubmissionClient(address).list_jobs()
+    except Exception:  # noqa: BLE001 - no job server: `ray job submit` says so itself
+        return []
+    out = []
+    for job in jobs:
+        sid = getattr(job, "submission_id", None) or ""
+        status = str(getattr(job.status, "value", job.status))
+        ours = (getattr(job, "metadata", None) or {}).get(RUN_ID_METADATA) == run_id or sid == f"sweep-{run_id}"
+        if ours and status in LIVE_JOB_STATES:
+            out.append((sid, status))
+    return out
 
 
 def job_exists(address: str, submission_id: str) -> bool:
@@ -457,6 +507,16 @@ def main(argv: list[str] | None = None) -> int:
     print("submit: " + shlex.join(plan["cmd"]), file=sys.stderr)
     if args.dry_run:
         return 0
+    live = live_jobs_of_run(plan["address"], plan["run_id"])
+    if live:
+        sid, status = live[0]
+        print(
+            f"submit: error: --run-id {plan['run_id']}: job {sid} of this run is still {status} at "
+            f"{plan['address']}; two jobs would write one run folder. Wait for it (ray job logs -f --address "
+            f"{plan['address']} {sid}), stop it (ray job stop ...), or give another --run-id; nothing was submitted",
+            file=sys.stderr,
+        )
+        return 2
     for attempt in range(1, SUBMIT_ATTEMPTS + 1):
         rc = run_ray_cli(plan["cmd"])
         if rc == 0 or attempt == SUBMIT_ATTEMPTS or job_exists(plan["address"], plan["submission_id"]):
@@ -481,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"submit: could not read the job's status: {e}", file=sys.stderr)
         return rc or 1
     saved = save_job_record(plan, status, message, logs)
-    where = f"; log and status saved in {saved}/" if saved else ""
+    where = f"; status and log saved as {saved} (+ .log)" if saved else ""
     print(f"submit: job {plan['submission_id']} {status}{where}", file=sys.stderr)
     return 0 if status == "SUCCEEDED" else 1
 

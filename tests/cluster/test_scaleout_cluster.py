@@ -282,7 +282,7 @@ def test_missing_model_path_fails_the_job_and_keeps_written_points(two_nodes, tm
     assert rc == 1
     assert (run_dir / "points.jsonl").read_text() == earlier + "\n"  # the point written before stays
     job = json.loads((run_dir / "job.json").read_text())
-    assert job["status"] == "FAILED" and job["submission_id"] == "sweep-missing-model"
+    assert job["status"] == "FAILED" and job["submission_id"].startswith("sweep-missing-model-")
     error = json.loads((run_dir / "error.json").read_text())
     assert error["exit_code"] == 1
     assert f"FileNotFoundError: model: path does not exist: {missing}" in error["error"]

@@ -9,6 +9,7 @@ import json
 import os
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -148,7 +149,8 @@ def test_command_passes_suite_results_run_id_and_runtime_env(repo, monkeypatch):
     )
     cmd = plan["cmd"]
     assert cmd[1:4] == ["job", "submit", "--address"] and cmd[4] == "http://10.0.0.5:8265"
-    assert cmd[cmd.index("--submission-id") + 1] == "sweep-r1"
+    assert cmd[cmd.index("--submission-id") + 1].startswith("sweep-r1-")
+    assert json.loads(cmd[cmd.index("--metadata-json") + 1]) == {"scissorhands_run_id": "r1"}
     env = json.loads(cmd[cmd.index("--runtime-env-json") + 1])
     assert "SCISSORHANDS_CACHE_DIR" not in env["env_vars"]  # a remote cluster's paths are its own
     assert env["working_dir"] == str(repo)
@@ -217,3 +219,95 @@ def test_auth_mode_token_when_a_token_exists(tmp_path):
     assert (
         submit.auth_env({"RAY_AUTH_TOKEN_PATH": str(token), "RAY_AUTH_MODE": "disabled"})["RAY_AUTH_MODE"] == "disabled"
     )
+
+
+class FakeJobServer:
+    """The job server's side of `ray job submit`: jobs by submission id, each with its metadata and status."""
+
+    def __init__(self):
+        self.jobs: dict = {}
+
+    def submit(self, cmd):  # what `run_ray_cli` runs
+        sid = cmd[cmd.index("--submission-id") + 1]
+        meta = json.loads(cmd[cmd.index("--metadata-json") + 1])
+        self.jobs[sid] = {"submission_id": sid, "metadata": meta, "status": "RUNNING", "log": f"log of {sid}\n"}
+        return 0
+
+    def client(self, address):
+        server = self
+
+        class Client:
+            def list_jobs(self):
+                return [SimpleNamespace(**j) for j in server.jobs.values()]
+
+            def get_job_info(self, sid):
+                return SimpleNamespace(**server.jobs[sid], message=None)
+
+            def get_job_logs(self, sid):
+                return server.jobs[sid]["log"]
+
+        return Client()
+
+
+def test_a_run_id_submitted_again_is_refused_while_its_job_runs_and_never_overwrites_its_files(
+    repo, monkeypatch, capsys
+):
+    import ray.job_submission
+
+    monkeypatch.chdir(repo)
+    server = FakeJobServer()
+    monkeypatch.setattr(submit, "run_ray_cli", server.submit)
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", server.client)
+    run_dir = repo / "results" / "again"
+    run_dir.mkdir(parents=True)
+    argv = [
+        "workloads/suites/tiny.yaml",
+        "--working-dir",
+        str(repo),
+        "--run-id",
+        "again",
+        "--address",
+        "127.0.0.1:8265",
+    ]
+    assert submit.main([*argv, "--no-wait"]) == 0
+    (first,) = server.jobs
+    assert first.startswith("sweep-again-")
+    # the same suite and run id while the first job still runs: refused before submitting, both named
+    assert submit.main([*argv, "--no-wait"]) == 2
+    err = capsys.readouterr().err
+    assert "--run-id again" in err and first in err and "RUNNING" in err
+    assert list(server.jobs) == [first]
+    # the first job ends; its files are saved; a resubmission is a job of its own with files of its own
+    server.jobs[first]["status"] = "FAILED"
+    submit.save_job_record(
+        {
+            "results_dir": repo / "results",
+            "run_id": "again",
+            "submission_id": first,
+            "address": "a",
+            "entrypoint": ["x"],
+        },
+        "FAILED",
+        None,
+        server.jobs[first]["log"],
+    )
+    monkeypatch.setattr(
+        submit,
+        "run_ray_cli",
+        lambda cmd: (server.submit(cmd), server.jobs[cmd[cmd.index("--submission-id") + 1]].update(status="SUCCEEDED"))[
+            0
+        ],
+    )
+    assert submit.main(argv) == 0
+    second = [s for s in server.jobs if s != first][0]
+    assert f"job {second} SUCCEEDED" in capsys.readouterr().err
+    assert json.loads((run_dir / "job.json").read_text())["submission_id"] == first
+    assert (run_dir / "job.log").read_text() == f"log of {first}\n"
+    assert json.loads((run_dir / f"job-{second}.json").read_text())["status"] == "SUCCEEDED"
+    assert (run_dir / f"job-{second}.log").read_text() == f"log of {second}\n"
+
+
+def test_each_submission_of_one_run_id_gets_its_own_job_id(repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    ids = {submit.build(_args(repo, "--run-id", "r1"))["submission_id"] for _ in range(3)}
+    assert len(ids) == 3 and all(i.startswith("sweep-r1-") for i in ids)
