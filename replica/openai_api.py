@@ -43,7 +43,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Protocol
 
-from replica.types import GenerationRequest
+from replica.openai_fields import chat_logprobs, completion_logprobs, unsupported_field
+from replica.types import MAX_LOGPROBS, GenerationRequest
 
 __all__ = [
     "Backend",
@@ -126,9 +127,17 @@ def _field(body: dict, name: str, kinds: tuple, default: Any, *, check=None, acc
     return v
 
 
-def _parse_common(body: dict) -> dict:
-    """The sampling and length fields shared by both endpoints (raises ApiError naming the field)."""
-    max_tokens = _field(body, "max_tokens", (int,), None, check=lambda v: v >= 1, accepted="an integer >= 1")
+def _parse_common(body: dict, chat: bool = False) -> dict:
+    """The sampling and length fields of both endpoints (raises ApiError naming the field): a field the
+    endpoint does not implement (`replica.openai_fields`), a wrong type or a value out of range."""
+    refused = unsupported_field(body, chat)
+    if refused is not None:
+        raise ApiError(
+            400, f"{refused}: this server does not implement the field {refused!r} (docs/serving-http.md)", refused
+        )
+    echo = False if chat else _field(body, "echo", (bool,), False, accepted="a boolean")
+    low = 0 if echo else 1  # echo with max_tokens 0 scores the prompt only
+    max_tokens = _field(body, "max_tokens", (int,), None, check=lambda v: v >= low, accepted=f"an integer >= {low}")
     if "max_completion_tokens" in body and max_tokens is None:
         max_tokens = _field(
             body, "max_completion_tokens", (int,), None, check=lambda v: v >= 1, accepted="an integer >= 1"
@@ -152,12 +161,27 @@ def _parse_common(body: dict) -> dict:
         top_p=float(
             _field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1, accepted="a number in (0, 1]")
         ),
-        seed=_field(body, "seed", (int,), None, accepted="an integer"),
+        seed=_field(body, "seed", (int,), None, check=lambda v: -(2**63) <= v < 2**64, accepted="a 64-bit integer"),
         ignore_eos=_field(body, "ignore_eos", (bool,), False, accepted="a boolean"),
         min_tokens=_field(body, "min_tokens", (int,), 0, check=lambda v: v >= 0, accepted="an integer >= 0"),
+        echo=echo,
+        **_parse_logprobs(body, chat, echo),
         stream=_field(body, "stream", (bool,), False, accepted="a boolean"),
         include_usage=bool(_field(stream_options, "include_usage", (bool,), False, accepted="a boolean")),
     )
+
+
+def _parse_logprobs(body: dict, chat: bool, echo: bool) -> dict:
+    """`logprobs` (alternatives per generated token, None: none asked) and `prompt_logprobs` (echo's)."""
+    top = f"an integer in [0, {MAX_LOGPROBS}]"
+    if chat:
+        want = _field(body, "logprobs", (bool,), False, accepted="a boolean")
+        k = _field(body, "top_logprobs", (int,), None, check=lambda v: 0 <= v <= MAX_LOGPROBS, accepted=top)
+        if k is not None and not want:
+            raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        return dict(logprobs=(k or 0) if want else None, prompt_logprobs=None)
+    k = _field(body, "logprobs", (int,), None, check=lambda v: 0 <= v <= MAX_LOGPROBS, accepted=top)
+    return dict(logprobs=k, prompt_logprobs=(k or 0) if echo else None)
 
 
 class IncrementalDetokenizer:
@@ -313,7 +337,12 @@ def build_app(
         body = await read_json(request)
         warmup = warmup_of(request)
         model = pick_model(body)
-        opts = _parse_common(body)
+        opts = _parse_common(body, chat)
+        wants_logprobs = opts["logprobs"] is not None or opts["echo"]
+        if wants_logprobs and opts["stream"]:
+            raise ApiError(400, "stream: logprobs and echo are answered whole only (stream: false)", "stream")
+        if wants_logprobs and opts["stop"]:
+            raise ApiError(400, "stop: logprobs and echo are not served together with stop strings", "stop")
         ids = chat_ids_of(body) if chat else prompt_ids_of(body)
         max_tokens = opts["max_tokens"]
         if max_tokens is None:
@@ -326,7 +355,7 @@ def build_app(
                 "max_tokens",
             )
         backend = backends[model]
-        why = await backend.check(len(ids), max_tokens)
+        why = await backend.check(len(ids), max(1, max_tokens))
         if why is not None:
             raise ApiError(
                 400,
@@ -343,20 +372,28 @@ def build_app(
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        req = GenerationRequest(
-            rid,
-            ids,
-            max_tokens,
-            ignore_eos=opts["ignore_eos"],
-            temperature=opts["temperature"],
-            top_p=opts["top_p"],
-            seed=opts["seed"],
-            min_new_tokens=opts["min_tokens"],
-            warmup=warmup,
-        )
+        try:
+            req = GenerationRequest(
+                rid,
+                ids,
+                max_tokens,
+                ignore_eos=opts["ignore_eos"],
+                temperature=opts["temperature"],
+                top_p=opts["top_p"],
+                seed=opts["seed"],
+                min_new_tokens=opts["min_tokens"],
+                warmup=warmup,
+                logprobs=opts["logprobs"],
+                prompt_logprobs=opts["prompt_logprobs"],
+            )
+        except ValueError as e:  # a range the request itself checks: the field is the message's first word
+            raise ApiError(400, str(e), str(e).split(":")[0]) from None
         # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
         # string, the end of a stream), or garbage-collected (a client gone before its body started)
-        events = _counted(backend.stream(req), lambda: pending.__setitem__(model, pending[model] - 1))
+        seen: dict = {}  # the result event, for its log-probabilities
+        events = _counted(
+            _keeping_result(backend.stream(req), seen), lambda: pending.__setitem__(model, pending[model] - 1)
+        )
         pending[model] += 1
         try:
             first = await events.__anext__()  # an error before the first token is answered as JSON
@@ -369,7 +406,10 @@ def build_app(
         obj = "chat.completion" if chat else "text_completion"
         if not opts["stream"]:
             try:
-                return JSONResponse(await _collect(first, events, detok, rid, obj, model, created, chat, len(ids)))
+                reply = await _collect(first, events, detok, rid, obj, model, created, chat, len(ids))
+                if wants_logprobs:
+                    _add_logprobs(reply, seen.get("result"), ids, opts, tokenizer, chat)
+                return JSONResponse(reply)
             finally:
                 await events.aclose()
         return StreamingResponse(
@@ -533,6 +573,41 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
         },
         "scissorhands": _replica_times(result) if result else None,
     }
+
+
+async def _keeping_result(events: AsyncIterator[dict], seen: dict):
+    """`events`, keeping the result event's fields in ``seen["result"]`` (closing `events` when closed)."""
+    it = events.__aiter__()
+    try:
+        async for ev in it:
+            if "result" in ev:
+                seen["result"] = ev["result"]
+            yield ev
+    finally:
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def _add_logprobs(reply: dict, result: dict | None, prompt_ids: list[int], opts: dict, tokenizer, chat: bool) -> None:
+    """Put the `logprobs` object (and echo's prompt text) into a whole reply's choice."""
+    choice = reply["choices"][0]
+    out_ids = choice["token_ids"]
+    result = result or {}
+    lps = (result.get("output_logprobs") or [])[: len(out_ids)]
+    tops = (result.get("output_top_logprobs") or [])[: len(out_ids)]
+    if chat:
+        choice["logprobs"] = chat_logprobs(tokenizer, out_ids, lps, tops, opts["logprobs"])
+        return
+    ids, all_lps, all_tops = out_ids, lps, tops
+    if opts["echo"]:
+        prompt_text = tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+        choice["text"] = prompt_text + choice["text"]
+        ids = prompt_ids + out_ids
+        all_lps = (result.get("prompt_logprobs") or [None] * len(prompt_ids)) + lps
+        all_tops = (result.get("prompt_top_logprobs") or [None] * len(prompt_ids)) + tops
+    if opts["logprobs"] is not None:
+        choice["logprobs"] = completion_logprobs(tokenizer, ids, all_lps, all_tops)
 
 
 def _sse_event(obj: dict) -> bytes:

@@ -408,3 +408,129 @@ def test_the_load_generator_names_a_wrapped_replica_death_the_same():
     except RuntimeError as e:
         assert error_kind(e) == "replica_died"
     assert error_kind(RuntimeError("boom")) == "error"
+
+
+# ---------------------------------------------------------------- fields refused, sampling ranges, logprobs and echo
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("/v1/completions", "best_of", 2),
+        ("/v1/completions", "logit_bias", {"50": 100}),
+        ("/v1/completions", "frequency_penalty", 0.5),
+        ("/v1/completions", "suffix", "!"),
+        ("/v1/completions", "top_logprobs", 2),  # chat's field
+        ("/v1/chat/completions", "echo", True),  # completions' field
+        ("/v1/chat/completions", "best_of", 2),
+        ("/v1/chat/completions", "tools", [{"type": "function"}]),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ],
+)
+def test_a_field_the_server_does_not_implement_is_a_400_naming_it(service, path, field, value):
+    url, _, _ = service
+    body = dict(model=FULL, max_tokens=3, **{field: value})
+    body.update(dict(messages=[{"role": "user", "content": "hi"}]) if "chat" in path else dict(prompt="hi"))
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and f"{field!r}" in err["message"]
+    assert post(url, path, {**body, field: None}).status_code == 200  # null is the default: accepted
+
+
+def test_accepted_field_lists_name_every_parsed_field_and_refuse_the_known_unimplemented_ones():
+    from replica.openai_fields import CHAT_FIELDS, COMPLETIONS_FIELDS, REFUSED_FIELDS
+
+    assert {"prompt", "echo", "logprobs", "seed", "temperature", "top_p", "stop", "n"} <= COMPLETIONS_FIELDS
+    assert {"messages", "logprobs", "top_logprobs", "max_completion_tokens"} <= CHAT_FIELDS
+    assert not set(REFUSED_FIELDS) & (COMPLETIONS_FIELDS | CHAT_FIELDS)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_its_batch_neighbours_succeed(service):
+    """Three completions at once, one at temperature 5e-324: all succeed; that one is greedy (vLLM's rule)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, replicas, tok = service
+    app = build_app({FULL: ReplicaBackend(replicas[FULL], {})}, tok, context_tokens=CONTEXT, max_pending_requests=8)
+    base = dict(model=FULL, prompt="Same prompt!", max_tokens=6, ignore_eos=True)
+    bodies = [{**base, "temperature": 5e-324}, {**base, "temperature": 1.0, "seed": 1}, {**base, "seed": 2**63}]
+    with ServerThread(app) as url, ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies))
+        greedy = post(url, "/v1/completions", base).json()["choices"][0]["token_ids"]
+    assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+    assert replies[0].json()["choices"][0]["token_ids"] == greedy
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(echo="yes"), "echo"),
+        (dict(logprobs=1, stream=True), "stream"),
+        (dict(logprobs=1, stop=["x"]), "stop"),
+    ],
+)
+def test_sampling_and_logprobs_values_out_of_range_are_a_400_naming_the_field(service, extra, param):
+    url, _, _ = service
+    r = post(url, "/v1/completions", dict(model=FULL, prompt="hi", max_tokens=3, **extra))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_completion_logprobs_are_the_models_with_top_k_and_text_offsets(service, model):
+    import torch
+
+    url, _, tok = service
+    r = post(url, "/v1/completions", dict(model=FULL, prompt="Hello there", max_tokens=4, ignore_eos=True, logprobs=2))
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    lp = ch["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert lp["tokens"] == [tok.decode([i]) for i in ch["token_ids"]]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
+    prompt = tok("Hello there", add_special_tokens=False)["input_ids"]
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + ch["token_ids"]])).logits[0].float(), -1)
+    for i, t in enumerate(ch["token_ids"]):
+        row = logp[len(prompt) - 1 + i]
+        assert lp["token_logprobs"][i] == pytest.approx(float(row[t]), abs=1e-4)
+        assert max(lp["top_logprobs"][i].values()) == pytest.approx(float(row.max()), abs=1e-4)  # greedy: the best
+        assert 2 <= len(lp["top_logprobs"][i]) <= 3
+
+
+def test_echo_with_no_new_tokens_returns_the_prompts_own_logprobs(service, model):
+    import torch
+
+    url, _, tok = service
+    body = dict(model=FULL, prompt="Echo me, please", max_tokens=0, echo=True, logprobs=1)
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    ch = reply["choices"][0]
+    prompt = tok("Echo me, please", add_special_tokens=False)["input_ids"]
+    assert ch["text"] == "Echo me, please" and ch["token_ids"] == [] and reply["usage"]["completion_tokens"] == 0
+    lp = ch["logprobs"]
+    assert lp["tokens"] == list("Echo me, please") and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+    want = [float(logp[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    # lm-evaluation-harness's request: max_tokens 1, the last entry is the generated token's
+    one = post(url, "/v1/completions", {**body, "max_tokens": 1}).json()["choices"][0]
+    assert len(one["logprobs"]["token_logprobs"]) == len(prompt) + 1
+    assert one["logprobs"]["token_logprobs"][1:-1] == pytest.approx(want, abs=1e-4)
+
+
+def test_chat_logprobs_list_each_generated_token_with_its_top_alternatives(service):
+    url, _, _ = service
+    body = dict(model=FULL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, ignore_eos=True)
+    r = post(url, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"][0]
+    content = ch["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 for c in content)
+    assert all(c["logprob"] <= 0 and c["bytes"] == list(c["token"].encode()) for c in content)
+    r = post(url, "/v1/chat/completions", {**body, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
