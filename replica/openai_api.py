@@ -185,32 +185,83 @@ def _parse_logprobs(body: dict, chat: bool, echo: bool) -> dict:
 
 
 class IncrementalDetokenizer:
-    """Text deltas of a growing id list: decode all ids, emit what is new; hold back an incomplete
-    UTF-8 character (U+FFFD at the end) and the tail that could start a stop string."""
+    """Text deltas of a growing list of generated ids, at a constant cost per token, cut at stop strings.
+
+    Decodes a bounded window of the ids, as vLLM's detokenizer does: `ids[prefix_offset:read_offset]` were
+    emitted already and are kept as context (a decoder's merges and leading-space rules see their left
+    neighbours), `ids[read_offset:]` are new. The window's new text is taken when it grew and does not end
+    in an incomplete UTF-8 character (U+FFFD: its other bytes are in tokens still to come). So `text` is
+    the whole output's `decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`, built
+    without decoding it again.
+
+    Stop strings: the text ends before the earliest occurrence of any of them (`stopped` is then True);
+    a tail of complete characters that could still begin one is held back, so the deltas always add up to
+    `text`, streamed or not.
+    """
+
+    #: How far back from the end an incomplete character is looked for (a UTF-8 character has 4 bytes at most).
+    MAX_PENDING_TOKENS = 4
+    #: Tokens without text (special ones) the window keeps before starting again after them.
+    MAX_SILENT_TOKENS = 16
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+        self.tokenizer, self.stop = tokenizer, list(stop)
         self.ids: list[int] = []
-        self.sent = 0  # characters of the text already emitted
-        self.text = ""
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""  # complete characters decoded so far (cut at a stop string)
+        self.sent = 0  # characters of `text` already returned as deltas
         self.stopped = False
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _read(self, final: bool) -> None:
+        """Append the window's new complete text to `text` and move the offsets past it."""
+        n = len(self.ids)
+        if self.read_offset >= n:
+            return
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text, end = self._decode(self.ids[self.prefix_offset :]), n
+        if not final and new_text.endswith("\ufffd"):
+            # an incomplete character at the end: take the text up to the last complete one, if any
+            new_text, end = prefix_text, self.read_offset
+            for cut in range(n - 1, max(self.read_offset, n - self.MAX_PENDING_TOKENS) - 1, -1):
+                text = self._decode(self.ids[self.prefix_offset : cut])
+                if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
+                    new_text, end = text, cut
+                    break
+        if len(new_text) > len(prefix_text):
+            self.text += new_text[len(prefix_text) :]
+            # the next window starts where this text was complete: a clean boundary for every decoder
+            self.prefix_offset, self.read_offset = self.read_offset, end
+        elif new_text == prefix_text and end == n:
+            self.read_offset = n  # ids without text (special tokens): read, kept as context up to a bound
+            if self.read_offset - self.prefix_offset > self.MAX_SILENT_TOKENS:
+                self.prefix_offset = self.read_offset
+
     def add(self, token_ids: list[int], final: bool = False) -> str:
+        """Add generated ids; return the text that is now certain (`final`: the output ended, flush all)."""
+        if self.stopped:
+            return ""
         self.ids.extend(token_ids)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            k = self.text.find(s)
-            if k >= 0:
-                self.text, self.stopped, final = self.text[:k], True, True
-        end = len(self.text)
-        if not final:
-            if self.text.endswith("\ufffd"):
-                end -= 1
-            hold = max((len(s) - 1 for s in self.stop), default=0)
-            end = min(end, max(self.sent, len(self.text) - hold)) if hold else end
-        delta = self.text[self.sent : end] if end > self.sent else ""
+        self._read(final)
+        tail = self.text[self.sent :]  # a stop string never starts in emitted text: it was held back
+        hits = [k for s in self.stop if (k := tail.find(s)) >= 0]
+        if hits:
+            self.text = self.text[: self.sent + min(hits)]
+            self.stopped = final = True
+        end = len(self.text) if final else self.sent + self._held_from(tail)
+        delta = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return delta
+
+    def _held_from(self, tail: str) -> int:
+        """Where the part of `tail` that could begin a stop string starts (`len(tail)`: none)."""
+        longest = max((len(s) for s in self.stop), default=1) - 1
+        for i in range(max(0, len(tail) - longest), len(tail)):
+            if any(s.startswith(tail[i:]) for s in self.stop):
+                return i
+        return len(tail)
 
 
 # ---------------------------------------------------------------------------- the app
@@ -554,6 +605,8 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
             break
     if result is not None and result.get("error_kind"):
         raise _result_error(result)
+    if detok is not None and not stopped:
+        detok.add([], final=True)  # an incomplete character at the very end is text too
     text = detok.text if detok is not None else ""
     choice = {"index": 0, "finish_reason": _finish_reason(result, stopped), "token_ids": ids}
     if chat:
@@ -666,8 +719,8 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
             text = detok.add([ev["token_id"]]) if detok is not None else ""
             if detok is not None and detok.stopped:
                 stopped = True
-                if text:
-                    yield chunk(text, [ev["token_id"]], None)
+                # the token that completed the stop string is counted in usage: its id goes out even without text
+                yield chunk(text, [ev["token_id"]], None)
                 break
             yield chunk(text, [ev["token_id"]], None)
             ev = await events.__anext__()
