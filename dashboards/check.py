@@ -137,6 +137,81 @@ def inexact_sums(dashboards: dict[str, dict], histograms: set[str]) -> list[str]
     return bad
 
 
+def quantile_calls(expr: str) -> list[str]:
+    """Every ``histogram_quantile(...)`` call in a PromQL expression, as written (balanced parentheses).
+    ValueError for a call whose parentheses do not close."""
+    calls, start = [], 0
+    while (i := expr.find("histogram_quantile(", start)) >= 0:
+        depth, j = 0, i + len("histogram_quantile")
+        for j in range(j, len(expr)):
+            depth += {"(": 1, ")": -1}.get(expr[j], 0)
+            if depth == 0:
+                break
+        if depth:
+            raise ValueError(f"unbalanced parentheses after histogram_quantile in {expr!r}")
+        calls.append(expr[i : j + 1])
+        start = j + 1
+    return calls
+
+
+def guard_quantile(call: str, top: float) -> str:
+    """`call` (a ``histogram_quantile(...)``) guarded against the +Inf bucket: its value where it lies below
+    the histogram's top finite bound `top`, NaN where it does not, nothing where there were no observations.
+
+    Prometheus answers a quantile that falls in the +Inf bucket with the top finite bound, which a panel
+    would plot as if it were measured; the panel maps the NaN to the text `above_top_text` instead.
+    """
+    bound = f"{top:g}"
+    return f"({call} < {bound} or ({call} >= {bound}) * NaN)"
+
+
+def above_top_text(top: float, unit: str) -> str:
+    """What a panel shows for a quantile above the top bucket (`top` in the histogram's `unit`, s or ms)."""
+    seconds = top / 1000 if unit == "ms" else top
+    return f"above the top bucket ({seconds:,g} s)"
+
+
+def above_top_override(ref_id: str, top: float, unit: str) -> dict:
+    """The Grafana field override that shows target `ref_id`'s NaN (a guarded quantile above the top bucket)
+    as `above_top_text`."""
+    result = {"text": above_top_text(top, unit), "color": "red", "index": 0}
+    return {
+        "matcher": {"id": "byFrameRefID", "options": ref_id},
+        "properties": [
+            {"id": "mappings", "value": [{"type": "special", "options": {"match": "nan", "result": result}}]}
+        ],
+    }
+
+
+def unguarded_quantiles(dashboards: dict[str, dict], tops: dict[str, float]) -> list[str]:
+    """Quantile targets that could show the +Inf bucket's stand-in as a number (``<file> / <panel> [<ref>]: why``).
+
+    `tops` maps each histogram's exported name to its top finite bucket bound (in its own unit). Every
+    ``histogram_quantile`` call must be written as `guard_quantile` of that bound, and its panel must map the
+    target's NaN to `above_top_text` (`above_top_override`).
+    """
+    bad = []
+    for file, board in dashboards.items():
+        for panel, target in iter_targets(board):
+            expr = target.get("expr", "")
+            where = f"{file} / {panel.get('title')} [{target.get('refId')}]"
+            for call in quantile_calls(expr):
+                buckets = [n for n in metric_names(call) if n.endswith("_bucket")]
+                if len(buckets) != 1 or buckets[0].removesuffix("_bucket") not in tops:
+                    bad.append(f"{where}: no known histogram in {call}")
+                    continue
+                name = buckets[0].removesuffix("_bucket")
+                top = tops[name]
+                if guard_quantile(call, top) not in expr:
+                    bad.append(f"{where}: {call} is not guarded by its top bucket {top:g}")
+                unit = "ms" if name.endswith("_ms") else "s"
+                if above_top_override(target.get("refId"), top, unit) not in panel.get("fieldConfig", {}).get(
+                    "overrides", []
+                ):
+                    bad.append(f"{where}: no override showing NaN as {above_top_text(top, unit)!r}")
+    return bad
+
+
 def prom_get(prometheus: str, path: str, params: dict) -> dict:
     """GET `path` of Prometheus' HTTP API; returns the ``data`` field. RuntimeError on an API error."""
     url = prometheus.rstrip("/") + path + "?" + urllib.parse.urlencode(params, doseq=True)

@@ -37,6 +37,12 @@ value of each observation; a mean is ``rate(<h>_exact_sum_total) / rate(<h>_coun
 ``_count`` is exact). Histograms serve quantiles only; no dashboard reads their ``_sum``
 (`dashboards/check.py` refuses it).
 
+Quantiles: latency histograms have E12 buckets from 1 ms to `LATENCY_TOP_S` (27.8 h), so
+`histogram_quantile` lands within 25% of the true value anywhere in that range. A quantile beyond the
+top bucket falls in +Inf, where Prometheus returns the top bound; every dashboard quantile is guarded
+to show it as "above the top bucket" instead (`dashboards/check.py`, `guard_quantile`), and Ray
+Serve's own latency histograms (top 10 min) the same way.
+
 Warm-up: request-level metrics (generated and prefill tokens, TTFT, TPOT) carry a
 ``phase`` label, ``measured`` or ``warmup`` (the load generator marks its warm-up requests,
 `replica.types.GenerationRequest.warmup`), so the server-side figures of a point can be taken
@@ -101,8 +107,13 @@ def _e12_buckets(low_s: float, high_s: float) -> tuple[float, ...]:
         exponent += 1
 
 
-#: Latency buckets in seconds: 1 ms .. 68 s, E12 steps (59 bounds; +Inf is implicit).
-LATENCY_BUCKETS_S: tuple[float, ...] = _e12_buckets(0.001, 68.0)
+#: Top finite latency bucket in seconds (27.8 h): a request a suite waits a day for still lands in a
+#: finite bucket. Suites set no upper limit on `request_timeout_s` (none by default), so anything
+#: longer falls in +Inf, where `histogram_quantile` returns this bound; the dashboards show such a
+#: quantile as "above the top bucket", never as a number (`dashboards.check.guard_quantile`).
+LATENCY_TOP_S = 100_000.0
+#: Latency buckets in seconds: 1 ms .. `LATENCY_TOP_S`, E12 steps (97 bounds; +Inf is implicit).
+LATENCY_BUCKETS_S: tuple[float, ...] = _e12_buckets(0.001, LATENCY_TOP_S)
 #: Batch-size buckets in sequences: powers of two, 1 .. 1024.
 BATCH_SIZE_BUCKETS: tuple[float, ...] = tuple(float(2**i) for i in range(11))
 
@@ -284,8 +295,17 @@ _SERVE_PROXY_LABELS = ("route", "method", "application", "status_code")  # an HT
 _SERVE_CALL_LABELS = ("deployment", "replica", "route", "application")  # one call of a deployment
 
 
+#: Ray Serve 2.60's latency buckets in ms (`DEFAULT_LATENCY_BUCKET_MS` of `ray/serve/_private/constants.py`;
+#: the environment variable `RAY_SERVE_REQUEST_LATENCY_BUCKETS_MS` replaces them): the top is 10 minutes.
+SERVE_LATENCY_BUCKETS_MS: tuple[float, ...] = (
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 300.0, 400.0, 500.0, 1000.0, 2000.0, 5000.0,
+    10000.0, 60000.0, 120000.0, 300000.0, 600000.0,
+)  # fmt: skip
+
+
 def _serve(name: str, kind: str, labels: tuple[str, ...], help: str) -> MetricSpec:
-    return MetricSpec(name, kind, help, labels, "ray_serve")
+    buckets = SERVE_LATENCY_BUCKETS_MS if kind == "histogram" else ()
+    return MetricSpec(name, kind, help, labels, "ray_serve", buckets)
 
 
 SERVE_METRICS: tuple[MetricSpec, ...] = (

@@ -129,6 +129,42 @@ def test_no_panel_takes_a_mean_from_a_histogram_sum():
     assert check.inexact_sums(bad, histograms) == ["x.json / mean: ray_scissorhands_ttft_seconds_sum"]
 
 
+def _top_buckets() -> dict[str, float]:
+    return {m.exported_name: m.buckets[-1] for m in METRICS + SERVE_METRICS if m.kind == "histogram"}
+
+
+def test_every_quantile_panel_shows_the_inf_bucket_as_text():
+    """Every `histogram_quantile` on a dashboard is NaN above its histogram's top bucket (never the top bound
+    as a number), and its panel shows that NaN as "above the top bucket"."""
+    assert check.unguarded_quantiles(BOARDS, _top_buckets()) == []
+    exprs = [t["expr"] for b in BOARDS.values() for _, t in check.iter_targets(b) if "histogram_quantile" in t["expr"]]
+    assert len(exprs) == 11  # p50 and p99 of TTFT, TPOT, prefill, decode step and HTTP; the deployment's p50
+    # a raw quantile, and a guarded one whose panel lacks the text, are both refused
+    call = "histogram_quantile(0.99, sum by (le) (rate(ray_scissorhands_ttft_seconds_bucket[1m])))"
+    raw = {"x.json": {"panels": [{"title": "TTFT", "targets": [{"refId": "A", "expr": call}]}]}}
+    assert check.unguarded_quantiles(raw, _top_buckets()) == [
+        f"x.json / TTFT [A]: {call} is not guarded by its top bucket 100000",
+        "x.json / TTFT [A]: no override showing NaN as 'above the top bucket (100,000 s)'",
+    ]
+    guarded = check.guard_quantile(call, 100_000.0)
+    assert guarded == f"({call} < 100000 or ({call} >= 100000) * NaN)"
+    raw["x.json"]["panels"][0]["targets"][0]["expr"] = guarded
+    raw["x.json"]["panels"][0]["fieldConfig"] = {"overrides": [check.above_top_override("A", 100_000.0, "s")]}
+    assert check.unguarded_quantiles(raw, _top_buckets()) == []
+    # Serve's histograms count milliseconds: the text says seconds
+    assert check.above_top_text(600_000.0, "ms") == "above the top bucket (600 s)"
+
+
+def test_quantile_calls_are_found_whole():
+    expr = "(histogram_quantile(0.5, sum by (le) (rate(a_bucket[1m]))) < 3) / histogram_quantile(0.9, b_bucket)"
+    assert check.quantile_calls(expr) == [
+        "histogram_quantile(0.5, sum by (le) (rate(a_bucket[1m])))",
+        "histogram_quantile(0.9, b_bucket)",
+    ]
+    with pytest.raises(ValueError, match="unbalanced"):
+        check.quantile_calls("histogram_quantile(0.5, sum(x)")
+
+
 def test_template_substitution():
     values = {"run_id": "smoke-1", "policy": ".*", "datasource": "prometheus"}
     expr = 'rate(x{run_id="$run_id", policy=~"${policy}"}[$__rate_interval])'

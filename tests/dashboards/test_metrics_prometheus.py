@@ -16,6 +16,7 @@ names; `.ci/run` installs them); skipped with that reason when they are missing.
 
 import math
 import os
+import re
 import sys
 import time
 import urllib.request
@@ -25,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards import check, serve
-from replica.metrics import METRICS, SERVE_METRICS, strip_sample_suffix
+from replica.metrics import LATENCY_TOP_S, METRICS, SERVE_METRICS, strip_sample_suffix
 from tests.waiting import free_port, wait_for
 from workloads.core.push import SweepPusher
 
@@ -77,6 +78,37 @@ class _FakeReplica:
     def quantile_samples(self, run_id: str) -> None:
         _quantile_samples(run_id)
         _l21_samples(run_id)
+
+    def long_latencies(self, run_id: str, first: bool) -> None:
+        _long_latencies(run_id, first)
+
+
+#: Latencies of a saturated point: 1,000 evenly from 100 to 150 s (mean 125 s).
+SATURATED_S = [100.0 + 50.0 * i / 999 for i in range(1000)]
+#: Latencies beyond the top finite bucket (they fall in +Inf).
+ABOVE_TOP_S = [2.0 * LATENCY_TOP_S] * 10
+LONG_LATENCIES = {"latency-saturated": SATURATED_S, "latency-above-top": ABOVE_TOP_S}
+#: How the replica records each latency histogram of the catalogue (seconds in, one observation).
+LATENCY_OBSERVERS = {
+    "scissorhands_ttft_seconds": lambda m, s: m.observe_ttft(s),
+    "scissorhands_tpot_seconds": lambda m, s: m.observe_tpot(s),
+    "scissorhands_prefill_seconds": lambda m, s: m.observe_prefill(s, tokens=1),
+    "scissorhands_decode_step_seconds": lambda m, s: m.observe_decode_step(s, batch_size=1),
+}
+LATENCY_HISTOGRAMS = [m for m in METRICS if m.kind == "histogram" and m.name.endswith("_seconds")]
+
+
+def _long_latencies(run_id: str, first: bool) -> None:
+    """Every latency histogram, per policy of `LONG_LATENCIES`: its first value alone (`first`: the series is
+    born with it, so a rate() sees none of it), else all of them (the increase a panel's rate() shows)."""
+    from replica.metrics import ReplicaMetrics
+
+    base = ReplicaMetrics("long", None, "replica-long", "tiny-llama", run_id)
+    for policy, values in LONG_LATENCIES.items():
+        m = base.for_point(policy, None)
+        for value in values[:1] if first else values:
+            for observe in LATENCY_OBSERVERS.values():
+                observe(m, value)
 
 
 def _replica_load(run_id: str, seconds: float) -> int:
@@ -244,6 +276,12 @@ def stack(tmp_path_factory):
         actor = ray.remote(num_cpus=0)(_FakeReplica).remote()
         load = actor.load.remote(RUN_ID, LIVE_SECONDS)
         ray.get(actor.quantile_samples.remote(RUN_ID))
+        # long latencies: the series are born (scraped once) before the values a rate() is to see
+        ray.get(actor.long_latencies.remote(RUN_ID, True))
+        born = _latency_counts_are(1)
+        wait_for(lambda: check.query(prom, born), 60, "Prometheus to scrape the long-latency series once")
+        long_from = time.time()
+        ray.get(actor.long_latencies.remote(RUN_ID, False))
         # sweep summaries, pushed point by point
         records = _sweep_records(RUN_ID)
         pusher = SweepPusher(pushgateway, RUN_ID)
@@ -259,6 +297,7 @@ def stack(tmp_path_factory):
                 and check.query(prom, f'scissorhands_sweep_points_completed{{run_id="{RUN_ID}"}} == {len(records)}')
                 and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="quantile-mixed"} == 2000')
                 and check.query(prom, 'ray_scissorhands_decode_batch_size_exact_sum_total{policy="l21-5rows"} == 100')
+                and check.query(prom, _latency_counts_are(None))
             ),
             60,
             "Prometheus to scrape the replica metrics and the pushed sweep",
@@ -272,6 +311,7 @@ def stack(tmp_path_factory):
             "metrics_port": metrics_port,
             "records": records,
             "serve_url": serve_url,
+            "long_from": long_from,
         }
     finally:
         from ray import serve as ray_serve
@@ -285,6 +325,18 @@ def stack(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _latency_counts_are(first: int | None) -> str:
+    """PromQL true when every latency histogram of every long-latency policy counts `first` observations
+    (None: all of its values plus the first)."""
+    want = len(LATENCY_HISTOGRAMS) * len(LONG_LATENCIES)
+    terms = []
+    for policy, values in LONG_LATENCIES.items():
+        n = first if first is not None else len(values) + 1
+        names = "|".join(m.exported_name for m in LATENCY_HISTOGRAMS)
+        terms.append(f'count({{__name__=~"({names})_count", run_id="{RUN_ID}", policy="{policy}"}} == {n})')
+    return f"({' + '.join(terms)}) == {want}"
 
 
 def test_prometheus_finds_ray_through_the_service_discovery_file(stack):
@@ -399,6 +451,93 @@ def test_histogram_quantiles_within_twenty_percent(stack, policy, samples, q):
     [estimate] = check.finite_values(check.query(stack["prometheus"], expr))
     exact = _nearest_rank(samples, q)
     assert abs(estimate - exact) <= 0.2 * exact, f"p{q * 100:g} of {policy}: {estimate} vs exact {exact}"
+
+
+def test_every_latency_histogram_of_the_catalogue_is_recorded_here():
+    """A new latency histogram needs its line in `LATENCY_OBSERVERS` (so the long-latency tests cover it)."""
+    assert set(LATENCY_OBSERVERS) == {m.name for m in LATENCY_HISTOGRAMS}
+
+
+def _latency_panel(spec):
+    """The live panel showing `spec`'s quantiles and mean, with the values of its template variables."""
+    board = check.load_dashboards()["live-replicas.json"]
+    [panel] = [
+        p
+        for p in check.iter_panels(board)
+        if any(spec.exported_name + "_bucket" in check.metric_names(t["expr"]) for t in p["targets"])
+    ]
+    return panel
+
+
+def _panel_values(stack, panel, policy: str) -> dict[str, list[float]]:
+    """{legend: values} of every target of `panel` for `policy`'s series, as Grafana would query them now
+    (the rate window reaches back before the long latencies were recorded); NaN kept."""
+    window = f"{math.ceil(time.time() - stack['long_from']) + 15}s"
+    values = {"run_id": RUN_ID, "policy": policy, "replica": ".*", "datasource": "prometheus"}
+    out = {}
+    for target in panel["targets"]:
+        result = check.query(stack["prometheus"], check.substitute(target["expr"], values, window))
+        out[target["legendFormat"].split()[0]] = [float(r["value"][1]) for r in result]
+    return out
+
+
+@pytest.mark.parametrize("name", [m.name for m in LATENCY_HISTOGRAMS])
+def test_saturated_latencies_read_right_on_every_latency_panel(stack, name):
+    """100-150 s latencies (a saturated point): the panel's p50 and p99 within 20% of the exact ones, its
+    mean 125 s, for every latency histogram the replicas export."""
+    got = _panel_values(stack, _latency_panel(next(m for m in METRICS if m.name == name)), "latency-saturated")
+    assert set(got) == {"p50", "p99", "mean"}
+    for q in (0.5, 0.99):
+        [estimate] = got[f"p{q * 100:g}"]
+        exact = _nearest_rank(SATURATED_S, q)
+        assert abs(estimate - exact) <= 0.2 * exact, f"{name} p{q * 100:g}: {estimate} vs exact {exact}"
+    [mean] = got["mean"]
+    assert mean == pytest.approx(125.0, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", [m.name for m in LATENCY_HISTOGRAMS])
+def test_a_quantile_above_the_top_bucket_is_never_shown_as_a_number(stack, name):
+    """Latencies past the top bucket: Prometheus' quantile is the top bound itself, the panel's is NaN (which
+    the panel shows as "above the top bucket"); the exact mean still reads the latencies."""
+    spec = next(m for m in METRICS if m.name == name)
+    raw = f'histogram_quantile(0.99, sum by (le) ({spec.exported_name}_bucket{{policy="latency-above-top"}}))'
+    assert check.finite_values(check.query(stack["prometheus"], raw)) == [LATENCY_TOP_S]
+    panel = _latency_panel(spec)
+    got = _panel_values(stack, panel, "latency-above-top")
+    for q in ("p50", "p99"):
+        assert len(got[q]) == 1 and math.isnan(got[q][0]), f"{name} {q}: {got[q]}"
+    assert got["mean"] == [pytest.approx(2.0 * LATENCY_TOP_S, rel=1e-3)]
+    texts = [
+        m["options"]["result"]["text"]
+        for o in panel["fieldConfig"]["overrides"]
+        for p in o["properties"]
+        for m in p["value"]
+        if m["options"]["match"] == "nan"
+    ]
+    assert texts == ["above the top bucket (100,000 s)"] * 2
+
+
+def test_saturated_point_summaries_read_exact_on_the_sweep_panels(stack):
+    """A saturated point's pushed TTFT, TPOT and e2e quantiles reach every sweep panel as they were measured."""
+    run_id = "test-metrics-saturated-point"
+    exact = {q: _nearest_rank(SATURATED_S, float(f"0.{q[1:]}")) for q in ("p50", "p90", "p99")}
+    record = {
+        **_sweep_records(run_id)[0],
+        **{f"{name}_{q}_s": v for name in ("ttft", "tpot", "e2e_latency") for q, v in exact.items()},
+    }
+    assert SweepPusher(stack["pushgateway"].removeprefix("http://"), run_id).push_point(record)
+    prom = stack["prometheus"]
+    wait_for(lambda: check.query(prom, f'scissorhands_sweep_ttft_seconds{{run_id="{run_id}"}}'), 30, "the pushed point")
+    board = check.load_dashboards()["sweep-overview.json"]
+    values = {"run_id": run_id, "policy": ".*", "datasource": "prometheus"}
+    seen = 0
+    for _, target in check.iter_targets(board):
+        m = re.search(r'scissorhands_sweep_(ttft|tpot|e2e_latency)_seconds\{[^}]*quantile="(0\.\d+)"', target["expr"])
+        if m:
+            got = check.finite_values(check.query(prom, check.substitute(target["expr"], values)))
+            assert got == [exact["p" + m.group(2)[2:].ljust(2, "0")]], target["expr"]
+            seen += 1
+    assert seen >= 5
 
 
 @pytest.mark.parametrize("policy, rows", [("l21-3rows", 3), ("l21-5rows", 5)])

@@ -12,9 +12,12 @@ from prometheus_client import generate_latest
 
 from replica.metrics import (
     LATENCY_BUCKETS_S,
+    LATENCY_TOP_S,
     METRICS,
     POINT_LABELS,
     REPLICA_LABELS,
+    SERVE_LATENCY_BUCKETS_MS,
+    SERVE_METRICS,
     ReplicaMetrics,
     exported_metric_names,
     metric,
@@ -84,8 +87,7 @@ def test_metric_names_follow_the_conventions(spec):
     else:
         assert spec.exported_name == spec.name
     if spec.kind == "histogram" and spec.name.endswith("_seconds"):
-        assert spec.buckets[0] == 0.001, "latency buckets start at 1 ms"
-        assert spec.buckets[-1] >= 60.0
+        assert spec.buckets == LATENCY_BUCKETS_S, "every latency histogram has the latency buckets"
     if spec.kind == "counter":
         assert spec.ray_name + "_total" == spec.name  # Ray adds _total to counters on export
 
@@ -107,6 +109,25 @@ def test_latency_buckets_are_fine_enough_for_twenty_percent():
     assert all(1.15 < r <= 1.251 for r in ratios), max(ratios)
     assert LATENCY_BUCKETS_S == tuple(sorted(set(LATENCY_BUCKETS_S)))
     assert 0.005 > LATENCY_BUCKETS_S[8] and 0.15 in LATENCY_BUCKETS_S  # 4.7 ms < 5 ms <= 5.6 ms
+
+
+def test_latency_buckets_reach_past_a_day():
+    """1 ms .. 100,000 s: a saturated point's 100-150 s TTFTs, or a request waited on for a day, land in
+    finite buckets no more than 25% wide, not in +Inf (where a quantile would read as the top bound)."""
+    assert LATENCY_BUCKETS_S[0] == 0.001 and LATENCY_BUCKETS_S[-1] == LATENCY_TOP_S == 100_000.0
+    assert len(LATENCY_BUCKETS_S) == 97
+    assert LATENCY_TOP_S > 24 * 3600
+    assert {100.0, 120.0, 150.0} <= set(LATENCY_BUCKETS_S)  # 100-150 s lies in two buckets
+
+
+def test_serve_latency_buckets_are_the_ones_ray_serve_records():
+    """The catalogue's top bound of Serve's latency histograms (what its panels guard against) is Ray's own."""
+    from ray.serve._private.constants import REQUEST_LATENCY_BUCKETS_MS
+
+    assert SERVE_LATENCY_BUCKETS_MS == tuple(float(b) for b in REQUEST_LATENCY_BUCKETS_MS)
+    assert SERVE_LATENCY_BUCKETS_MS[-1] == 600_000.0  # 10 minutes
+    for spec in SERVE_METRICS:
+        assert spec.buckets == (SERVE_LATENCY_BUCKETS_MS if spec.kind == "histogram" else ())
 
 
 def test_strip_sample_suffix():
