@@ -77,6 +77,10 @@ class BatchSuite(SuiteBase):
     def budget_lengths(self) -> list[int]:
         return sorted({p + n for p in self.prompt_tokens for n in self.new_tokens})
 
+    def context_lengths(self) -> list[tuple[str, int]]:
+        p, n = max(self.prompt_tokens), max(self.new_tokens)
+        return [(f"prompt_tokens ({p}) + new_tokens ({n})", p + n)]
+
     def points(self) -> list[BatchPoint]:
         """Expand into points, in suite order (batch, prompt, new, policy, budget)."""
         out: list[BatchPoint] = []

@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoConfig
+
 from cluster import submit, supervise
 from cluster.connect import ClusterError, error_message, replica_resources
 from cluster.placement import PlacementError, not_ready_message
 from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
+from replica.static_batch import TEST_MODEL_NAMES
 from replica.static_batch import resolve_run_dtype as resolve
+from scissorhands.models import resolve_source
+from scissorhands.testing import TINY_LLAMA_CONFIG
 from workloads.core import results as res
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -229,6 +235,41 @@ def record_run_dtypes(run_dir, records) -> None:
     if seen and meta.get("dtypes") != seen:
         meta["dtypes"] = seen
         res.write_atomic(str(path), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def model_context_tokens(model_spec: str) -> int | None:
+    """The model's context (``max_position_embeddings``, tokens) from its config alone (no weights); None when
+    the config cannot be read here (the replicas then report the model's own error, naming its path)."""
+    if model_spec in TEST_MODEL_NAMES:
+        return int(TINY_LLAMA_CONFIG["max_position_embeddings"])
+    try:
+        source, kwargs = resolve_source(os.path.expanduser(model_spec))
+        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
+    except (OSError, ValueError):
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None)
+    return int(context) if context else None
+
+
+def check_model_context(suite) -> None:
+    """Every sequence the suite runs (`SuiteBase.context_lengths`: prompt + output) must fit its model's context,
+    the rule the OpenAI API applies to one request.
+
+    Raises:
+        SweepError: (exit 2) naming the fields, their total and the model's context.
+    """
+    needs = suite.context_lengths()
+    context = model_context_tokens(suite.model) if needs else None
+    if context is None:
+        return
+    for fields, tokens in needs:
+        if tokens > context:
+            raise SweepError(
+                f"{fields} = {tokens} tokens exceeds the context of model {suite.model!r} ({context} tokens); "
+                "shorten the prompt or the output",
+                2,
+            )
 
 
 def resolve_run_dtype(

@@ -172,6 +172,11 @@ class SuiteBase(BaseModel):
         """Total lengths (prompt + new tokens) the compression ratios apply to."""
         return []
 
+    def context_lengths(self) -> list[tuple[str, int]]:
+        """The longest sequences the suite runs on its model, as (the fields that make it, tokens): each must
+        fit the model's context (`workloads.core.run.check_model_context`, when the suite loads for a run)."""
+        return []
+
     def budgets(self, policy: PolicySpec) -> list[tuple[float | None, int | None]]:
         """(compression_ratio, budget_tokens) pairs of `policy`: one `(None, None)` for a policy that
         never evicts (`full`), else every ratio, then every absolute budget."""

@@ -2,7 +2,8 @@
 
     run_suite(args, kind) -> exit status            (a kind's CLI: ``kind_main(kind)``)
 
-1. load the suite file, which must be of `kind` (exit 2 naming the field otherwise);
+1. load the suite file, which must be of `kind` (exit 2 naming the field otherwise), and check that its longest
+   sequences (prompt + output) fit the model's context (`workloads.core.run.check_model_context`, exit 2);
 2. the replica count: ``--replicas``, else the suite's `replicas`;
 3. the run folder (`workloads.core.run.open_run`: a new id or ``--resume``, a cut last line repaired, ``run.json``);
 4. the suite's points, and those still to run (`workloads.core.run.pending_points`: a resumed run skips the points
@@ -40,6 +41,7 @@ from workloads.core import results as res
 from workloads.core.push import PointPublisher, SweepPusher
 from workloads.core.run import (
     SweepError,
+    check_model_context,
     cli_main,
     open_run,
     pending_points,
@@ -159,6 +161,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | N
     """
     name = name or kind.name
     suite = suite if suite is not None else load_suite_of(kind, args.suite)
+    check_model_context(suite)  # before a run folder exists: a suite that cannot run records nothing
     replicas = replica_count(args, suite)
     suite = suite.model_copy(update={"replicas": replicas})
     run = open_run(args, suite, name)

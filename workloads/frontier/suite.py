@@ -92,6 +92,10 @@ class FrontierSuite(SuiteBase):
     def budget_lengths(self) -> list[int]:
         return [self.prompt_tokens + self.new_tokens]
 
+    def context_lengths(self) -> list[tuple[str, int]]:
+        p, n = self.prompt_tokens, self.new_tokens
+        return [(f"prompt_tokens ({p}) + new_tokens ({n})", p + n)]
+
     def points(self) -> list[FrontierPoint]:
         """One point per policy and ratio (``full`` once), in suite order."""
         out: list[FrontierPoint] = []

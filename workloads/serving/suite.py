@@ -157,6 +157,14 @@ class ServingSuite(SuiteBase):
     def budget_lengths(self) -> list[int]:
         return [self.max_length_tokens]
 
+    def context_lengths(self) -> list[tuple[str, int]]:
+        """The longest request (largest prompt + largest output); none for a `target:` (the server applies
+        its own context, and answers a request beyond it with a 400)."""
+        if self.target is not None:
+            return []
+        p, n = self.prompt_tokens.upper, self.new_tokens.upper
+        return [(f"prompt_tokens (at most {p}) + new_tokens (at most {n})", p + n)]
+
     @property
     def pattern(self) -> type[LoadPattern]:
         """The load pattern the suite's `mode` sweeps (`workloads.load.patterns.MODES`)."""
