@@ -130,7 +130,8 @@ class ServingReplica:
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         """Serve one request; its result has one wall-clock time per generated id. A replica not
-        configured, or whose engine stopped, answers with `error_kind="error"`."""
+        configured, or whose engine stopped, answers with `error_kind="error"`. A caller that gives up
+        (cancels: a client's timeout, a cancelled Serve call) aborts the request, as `events` does."""
         if self.engine is None or self.loop is None or not self.loop.alive:
             err = (
                 "replica not configured" if self.engine is None else f"engine stopped: {self.loop and self.loop.error}"
@@ -149,8 +150,13 @@ class ServingReplica:
         def done(result: GenerationResult) -> None:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
 
-        self.engine.submit(req, done)
-        return await fut
+        engine = self.engine
+        engine.submit(req, done)
+        try:
+            return await fut
+        except asyncio.CancelledError:  # nobody waits for the answer: free its slot, count it failed
+            engine.abort(req.request_id)
+            raise
 
     async def events(self, req: GenerationRequest) -> AsyncIterator[StreamChunk | GenerationResult]:
         """Serve one request token by token: one `StreamChunk` per token as it is decoded (its

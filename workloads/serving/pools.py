@@ -6,7 +6,8 @@ OpenAI-compatible server over HTTP (`HTTPTargetPool`). `client()` is the load ge
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+import time
+from typing import Callable, Protocol
 
 from cluster.replica_set import ServeReplicaSet, app_name_for
 from cluster.serve_app import EngineDeployment
@@ -14,6 +15,23 @@ from replica.continuous import ServingReplica
 from replica.types import GenerationRequest, GenerationResult
 from workloads.load.driver import error_kind
 from workloads.load.http_client import OpenAIHTTPClient
+
+#: Seconds a pool waits, when a point ends, for its replicas to drop the requests the load generator gave up on
+#: (each aborted at the engine's next step), so the point's replica figures count them failed and the next point
+#: starts on idle replicas.
+SETTLE_S = 10.0
+SETTLE_POLL_S = 0.02
+
+
+def settled(read: Callable[[], list[dict]], timeout_s: float = SETTLE_S) -> list[dict]:
+    """`read()` (every replica's stats) once no replica runs or queues a request, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = read()
+        busy = any(s.get("running_sequences") or s.get("queued_requests") for s in stats)
+        if not busy or time.monotonic() > deadline:
+            return stats
+        time.sleep(SETTLE_POLL_S)
 
 
 class ReplicaPool(Protocol):
@@ -65,6 +83,8 @@ class LocalReplicaPool:
         return self.replica.max_batch_for(prompt_tokens, max_new_tokens)
 
     def stats(self, reset: bool = False) -> list[dict]:
+        """The replica's figures once it is idle (`settled`: the requests given up on aborted and counted)."""
+        settled(lambda: [asyncio.run(self.replica.stats())])
         return [{**asyncio.run(self.replica.stats(reset)), "node_id": self.replica.node_id}]
 
     def restart_dead(self) -> list[str]:
@@ -80,16 +100,23 @@ class ServeClient:
     handle (Serve picks the replica), as the `GenerationRequest` dataclass itself; each answer is a
     `replica.continuous.ReplicaReply`, whose `replica_stats` are kept per replica in `stats` (the latest
     of each, by requests answered) and whose `result` goes to the load generator. A call that fails
-    because its replica died is counted in `died` and raised to the load generator."""
+    because its replica died is counted in `died` and raised to the load generator. A call the load
+    generator gives up on (its `request_timeout_s`) is cancelled in Serve: the replica aborts it."""
 
     def __init__(self, handle):
         self.handle = handle
         self.stats: dict[str, dict] = {}
         self.died = 0
+        self.cancelled = 0  # calls given up on: their replicas' figures are not in any reply
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        response = self.handle.generate.remote(request)
         try:
-            reply = await self.handle.generate.remote(request)
+            reply = await response
+        except asyncio.CancelledError:  # awaiting alone leaves it running on the replica
+            response.cancel()
+            self.cancelled += 1
+            raise
         except Exception as e:
             if error_kind(e) == "replica_died":
                 self.died += 1
@@ -166,9 +193,17 @@ class ServeReplicaPool:
         return int(self.rset.handle.max_batch_for.remote(prompt_tokens, max_new_tokens).result())
 
     def stats(self, reset: bool = False) -> list[dict]:
-        out = [self._client.stats[k] for k in sorted(self._client.stats)]
+        """Every replica's latest figures from the replies; after calls given up on (whose replicas answered
+        nothing), asked of every replica once it is idle (`settled`), so the aborted requests count as failed."""
+        client = self._client
+        if client.cancelled:
+            fresh = settled(lambda: list(self.rset.broadcast("stats").values()))
+            for s in fresh:
+                client.stats[s["replica_id"]] = {**client.stats.get(s["replica_id"], {}), **s}
+            client.cancelled = 0
+        out = [client.stats[k] for k in sorted(client.stats)]
         if reset:
-            self._client.stats.clear()
+            client.stats.clear()
         return out
 
     def restart_dead(self) -> list[str]:
