@@ -38,9 +38,13 @@ of `{"token_id", "time_s"}` events ending with one `{"result": GenerationResult 
 (`replica.continuous.ServingReplica.stream`).
 """
 
+import asyncio
+import hashlib
+import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Protocol
 
 from replica.openai_fields import chat_logprobs, completion_logprobs, unsupported_field
@@ -51,6 +55,7 @@ __all__ = [
     "ReplicaBackend",
     "build_app",
     "ApiError",
+    "ApiKey",
     "IncrementalDetokenizer",
     "PHASE_HEADER",
     "REPLICA_DIED",
@@ -58,6 +63,14 @@ __all__ = [
 ]
 
 RETRY_AFTER_S = 1
+#: Request bodies larger than this (bytes) are answered 413 before any parsing (`build_app`'s `max_body_bytes`):
+#: a full context of 8,192 tokens is under 100 kB as text or as token ids.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: `max_tokens` of a completion that does not give it (OpenAI's and vLLM's default); chat runs to EOS or the context.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: The largest `max_tokens` tried for a chat without it when the model's context is unknown (the backend's
+#: `check` then finds the longest that fits).
+UNKNOWN_CONTEXT_MAX_TOKENS = 1 << 20
 #: Request header carrying the load generator's phase of a request (`replica.metrics.PHASES`).
 PHASE_HEADER = "X-Scissorhands-Phase"
 
@@ -88,6 +101,22 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ApiKey:
+    """An API key kept only as its SHA-256 digest: it never travels in clear to a Serve replica, a log or a
+    record, and a bearer token is compared with it in constant time (`hmac.compare_digest`)."""
+
+    def __init__(self, key: str):
+        if not isinstance(key, str) or not key:
+            raise ValueError("api_key: expected a non-empty string")
+        self.sha256 = hashlib.sha256(key.encode()).digest()
+
+    def matches(self, token: str) -> bool:
+        return hmac.compare_digest(hashlib.sha256(token.encode()).digest(), self.sha256)
+
+    def __repr__(self) -> str:
+        return "ApiKey(<redacted>)"
 
 
 class ReplicaBackend:
@@ -272,13 +301,22 @@ def build_app(
     context_tokens: int | None = None,
     max_pending_requests: int = 256,
     owner: str = "scissorhands-bench",
+    api_key: "ApiKey | str | None" = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ):
     """A FastAPI app serving `backends` (model id -> backend) with `tokenizer` (a transformers
     tokenizer with a chat template for `/v1/chat/completions`).
 
     Args:
-        context_tokens: the model's context (prompt + max_tokens must fit; None: unchecked).
+        context_tokens: the model's context (prompt + max_tokens must fit; None: unchecked here, the
+            backend's `check` still refuses). A chat without `max_tokens` generates up to it.
         max_pending_requests: per model, requests in flight beyond which new ones get 429.
+        api_key: when given, every `/v1/*` request needs `Authorization: Bearer <key>` (else 401,
+            code `invalid_api_key`); `/health` stays open.
+        max_body_bytes: larger request bodies get 413 before they are parsed.
+
+    Bodies are parsed and prompts tokenized on one worker thread (as vLLM's tokenizer executor), so a
+    long prompt never stalls the event loop that streams other requests' tokens.
     """
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -287,9 +325,26 @@ def build_app(
     app = FastAPI(title="scissorhands-bench OpenAI-compatible API")
     pending = {m: 0 for m in backends}
     created = int(time.time())
+    key = ApiKey(api_key) if isinstance(api_key, str) else api_key
+    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-api-parse")
 
     def error_response(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        if key is not None and request.url.path.startswith("/v1/"):
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not key.matches(token.strip()):
+                return error_response(
+                    ApiError(
+                        401,
+                        "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                )
+        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
@@ -312,14 +367,41 @@ def build_app(
         return {
             "object": "list",
             "data": [
-                {"id": m, "object": "model", "created": created, "owned_by": owner, "metadata": b.metadata}
+                {
+                    "id": m,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": owner,
+                    "max_model_len": context_tokens,  # vLLM's name for the context
+                    "metadata": b.metadata,
+                }
                 for m, b in backends.items()
             ],
         }
 
-    async def read_json(request: Request) -> dict:
+    def too_large(size: str) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body is {size} bytes, more than this server's limit of {max_body_bytes} bytes",
+            code="request_too_large",
+        )
+
+    async def read_body(request: Request) -> bytes:
+        """The raw body, refused (413) as soon as it is known to exceed `max_body_bytes`."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large(f"over {size}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse_json(raw: bytes) -> dict:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except ValueError as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
@@ -384,9 +466,10 @@ def build_app(
             raise ApiError(400, f"{PHASE_HEADER}: expected warmup or measured, got {phase!r}", PHASE_HEADER)
         return phase == "warmup"
 
-    async def handle(request: Request, chat: bool):
-        body = await read_json(request)
-        warmup = warmup_of(request)
+    def parse(raw: bytes, chat: bool) -> tuple:
+        """Body -> (model, options, prompt ids): the JSON, the fields, the chat template and tokenization
+        (on the worker thread; raises ApiError naming the field)."""
+        body = parse_json(raw)
         model = pick_model(body)
         opts = _parse_common(body, chat)
         wants_logprobs = opts["logprobs"] is not None or opts["echo"]
@@ -394,18 +477,37 @@ def build_app(
             raise ApiError(400, "stream: logprobs and echo are answered whole only (stream: false)", "stream")
         if wants_logprobs and opts["stop"]:
             raise ApiError(400, "stop: logprobs and echo are not served together with stop strings", "stop")
-        ids = chat_ids_of(body) if chat else prompt_ids_of(body)
+        return model, opts, chat_ids_of(body) if chat else prompt_ids_of(body)
+
+    async def default_max_tokens(backend, prompt_tokens: int) -> int:
+        """A chat without `max_tokens` runs to EOS or the end of the context (OpenAI's and vLLM's rule),
+        capped at what the KV memory limit holds for it alone (the longest `check` accepts)."""
+        hi = context_tokens - prompt_tokens if context_tokens is not None else UNKNOWN_CONTEXT_MAX_TOKENS
+        if hi < 1 or await backend.check(prompt_tokens, hi) is None:
+            return max(1, hi)
+        lo = 0  # the longest known to fit (0: none yet); hi does not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if await backend.check(prompt_tokens, mid) is None else (lo, mid)
+        return max(1, lo)  # 0: not even one token fits; the check below names why
+
+    async def handle(request: Request, chat: bool):
+        raw = await read_body(request)
+        warmup = warmup_of(request)
+        model, opts, ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, parse, raw, chat)
+        backend = backends[model]
+        wants_logprobs = opts["logprobs"] is not None or opts["echo"]
         max_tokens = opts["max_tokens"]
         if max_tokens is None:
-            max_tokens = max(1, (context_tokens - len(ids)) if context_tokens else 16)
+            max_tokens = await default_max_tokens(backend, len(ids)) if chat else DEFAULT_COMPLETION_MAX_TOKENS
         if context_tokens is not None and len(ids) + max_tokens > context_tokens:
             raise ApiError(
                 400,
                 f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                 f"the model's context of {context_tokens} tokens",
                 "max_tokens",
+                code="context_length_exceeded",
             )
-        backend = backends[model]
         why = await backend.check(len(ids), max(1, max_tokens))
         if why is not None:
             raise ApiError(
