@@ -54,6 +54,7 @@ from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import make_cache
 from scissorhands.batching import merge_rows, row_positions, select_rows, sequence_slot_bytes
 from scissorhands.checks import check_int
+from scissorhands.paged import BlockPool, release_cache
 
 __all__ = ["ContinuousBatchingEngine", "EngineLoop", "device_memory_bytes", "full_batch_kv_limit_bytes"]
 
@@ -82,6 +83,12 @@ class _Seq:
     held_slots: int = 0  # tokens the row holds in the cache now (for the prefill-time bound)
     on_token: Callable[[int, float], None] | None = None
     generator: torch.Generator | None = None  # this request's sampling draws (temperature > 0)
+    preempted: bool = False  # paged layout: its row was freed; its next prefill recomputes prompt + output
+
+    def prefill_ids(self) -> list[int]:
+        """The tokens its next prefill feeds: the prompt, plus every output token after a preemption."""
+        return self.request.prompt_ids + self.result.output_ids if self.preempted else self.request.prompt_ids
+
     sample_error: str | None = None  # why this row's last pick failed (pick_tokens): it fails alone
     token_logprob: float | None = None  # the last picked token's log-probability (request.logprobs)
     token_top_logprobs: list | None = None  # ... and its alternatives, [[token_id, logprob], ...]
@@ -143,6 +150,17 @@ class ContinuousBatchingEngine:
             self.kv_memory_limit_bytes = int(config.kv_memory_fraction * device_memory_bytes(self.device))
         else:
             self.kv_memory_limit_bytes = None
+        self.pool: BlockPool | None = None
+        if config.kv_layout == "paged":
+            # a block holds block_tokens slots of one layer (all KV heads): slot_bytes covers every layer
+            self.block_bytes = math.ceil(config.block_tokens * self.slot_bytes / self.num_layers)
+            usable = self.kv_memory_limit_bytes // self.block_bytes
+            if usable < self.num_layers:
+                raise ValueError(
+                    f"kv_memory_limit_bytes: {self.kv_memory_limit_bytes} bytes hold {usable} KV blocks of "
+                    f"{self.block_bytes} bytes; a paged pool needs at least one block per layer ({self.num_layers})"
+                )
+            self.pool = BlockPool(usable + 1, config.block_tokens)  # + the zero block
         self._lock = threading.Condition()
         self._queue: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
@@ -192,6 +210,58 @@ class ContinuousBatchingEngine:
             n -= 1  # the last one's prefill, next to the others' prompts, must fit too
         return int(n)
 
+    # ------------------------------------------------------------------ paged accounting (blocks)
+    def _blocks(self, slots: int) -> int:
+        return -(-slots // self.config.block_tokens)
+
+    def _kept_slots(self, tokens: int) -> int:
+        return tokens if self.budget_tokens is None else min(tokens, self.budget_tokens)
+
+    def prefill_peak_blocks(self, prompt_tokens: int) -> int:
+        """Blocks one row's prefill of `prompt_tokens` holds at its peak, all layers: the layers before the
+        current one their kept slots, the current one the whole prompt (paged layout)."""
+        return (self.num_layers - 1) * self._blocks(self._kept_slots(prompt_tokens)) + self._blocks(prompt_tokens)
+
+    def final_blocks(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Blocks a row holds at its end, all layers (paged layout): what it needs to finish alone."""
+        return self.num_layers * self._blocks(self._kept_slots(prompt_tokens + max_new_tokens - 1))
+
+    def _growing_rows(self) -> list[int]:
+        """Running rows that take a block at their next decode step (a budgeted row at its budget evicts
+        before it writes, so it never grows past its budget's blocks)."""
+        if self._cache is None:
+            return []
+        store = self._cache.layers[0].store
+        bt = self.config.block_tokens
+        return [
+            i
+            for i, (n, blocks) in enumerate(zip(store.row_slots.tolist(), store.blocks))
+            if self._kept_slots(n + 1) > len(blocks) * bt
+        ]
+
+    def _make_room_for_decode(self) -> None:
+        """Preempt the most recently admitted running rows until the next decode step's blocks are free
+        (vLLM's rule: the newest sequence goes back to the head of the queue and is recomputed later)."""
+        while self._running and self.num_layers * len(self._growing_rows()) > self.pool.free_blocks:
+            seq = self._running.pop()
+            keep = list(range(len(self._running)))
+            self._cache = self._select(self._cache, keep)
+            self._next_tokens = self._next_tokens[keep] if keep else None
+            seq.preempted = True
+            self._stats["preemptions"] += 1
+            # every token whose KV it held is computed again: the prompt and the outputs fed so far
+            self._stats["recomputed_tokens"] += len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1
+            with self._lock:
+                self._queue.appendleft(seq)
+
+    @staticmethod
+    def _select(cache, keep: list[int]):
+        """`select_rows`, or None with every block returned when no row stays."""
+        if keep:
+            return select_rows(cache, keep)
+        release_cache(cache)
+        return None
+
     # ------------------------------------------------------------------ submission
     def submit(
         self,
@@ -236,7 +306,7 @@ class ContinuousBatchingEngine:
         if len(keep) < len(self._running):
             gone += [s for s in self._running if s.request.request_id in aborts]
             self._running = [self._running[i] for i in keep]
-            self._cache = select_rows(self._cache, keep) if keep else None
+            self._cache = self._select(self._cache, keep)
             self._next_tokens = self._next_tokens[keep] if keep else None
         for s in gone:
             self._fail(s, "aborted", "the client aborted the request")
@@ -274,6 +344,8 @@ class ContinuousBatchingEngine:
         self._stats = collections.Counter()
         self._peak_bytes = 0
         self._peak_running = 0
+        if self.pool is not None:
+            self.pool.peak_blocks_in_use = self.pool.blocks_in_use
 
     def stats(self) -> dict:
         """Counters since `reset_stats` (units in the names). Request counts and generated tokens
@@ -305,6 +377,15 @@ class ContinuousBatchingEngine:
             "prefill_calls": s.get("prefill_calls", 0),
             "prefill_s": s.get("prefill_s", 0.0),  # wall time in prefill phases
             "decode_s": s.get("decode_s", 0.0),  # wall time in decode steps
+            "kv_layout": self.config.kv_layout,
+            "block_tokens": self.config.block_tokens if self.pool is not None else None,
+            "kv_pool_blocks": self.pool.usable_blocks if self.pool is not None else None,
+            "peak_kv_blocks_in_use": self.pool.peak_blocks_in_use if self.pool is not None else None,
+            "mean_kv_blocks_in_use": (
+                s.get("block_steps", 0) / s["decode_steps"] if self.pool is not None and s.get("decode_steps") else None
+            ),
+            "preemptions": s.get("preemptions", 0),
+            "recomputed_tokens": s.get("recomputed_tokens", 0),
         }
 
     # ------------------------------------------------------------------ scheduling
@@ -357,20 +438,64 @@ class ContinuousBatchingEngine:
                 prefill_tokens += n_prompt
         return groups
 
+    def _admit_paged(self) -> list[list[_Seq]]:
+        """`_admit` for the paged layout: a request is admitted when the blocks its prefill takes now are
+        free (next to the blocks the running rows take at their next step), not what it holds at its end."""
+        cap = self.config.max_batch or 1 << 30
+        free = self.pool.free_blocks - self.num_layers * len(self._growing_rows())
+        groups: list[list[_Seq]] = []
+        committed = 0  # blocks the rows admitted in this step hold after their prefill
+        before_last = 0  # ... before the last group
+        prefill_tokens = 0
+        with self._lock:
+            while self._queue and len(self._running) + sum(map(len, groups)) < cap:
+                seq = self._queue[0]
+                n = len(seq.prefill_ids())
+                req = seq.request
+                usable = self.pool.usable_blocks
+                if (
+                    self.final_blocks(len(req.prompt_ids), req.max_new_tokens) > usable
+                    or self.prefill_peak_blocks(n) > usable
+                ):
+                    self._queue.popleft()
+                    self._fail(seq, "rejected", f"request needs more than the KV block pool ({usable} blocks) alone")
+                    continue
+                if groups and prefill_tokens + n > self.config.max_prefill_tokens:
+                    break  # enough prefill for this step; running rows decode first
+                peak, steady = self.prefill_peak_blocks(n), self.num_layers * self._blocks(self._kept_slots(n))
+                if (
+                    groups
+                    and len(groups[-1][0].prefill_ids()) == n
+                    and before_last + (len(groups[-1]) + 1) * peak <= free
+                ):
+                    groups[-1].append(seq)  # prefilled with the last group: its rows peak together
+                elif committed + peak <= free:
+                    groups.append([seq])
+                    before_last = committed
+                else:
+                    break  # wait for blocks: rows finish or are preempted
+                self._queue.popleft()
+                committed += steady
+                prefill_tokens += n
+        return groups
+
     def step(self) -> bool:
         """One scheduling iteration (aborts, admit, prefill, one decode step, retire); False when idle."""
         if self._aborts:
             self._apply_aborts()
-        groups = self._admit()
+        groups = self._admit() if self.pool is None else self._admit_paged()
         if not groups and not self._running:
             return False
         now = self.clock()
         t0 = time.perf_counter()
         for group in groups:
             for seq in group:
-                seq.result.admitted_time_s = now
+                if seq.result.admitted_time_s is None:  # a preempted request keeps its first admission
+                    seq.result.admitted_time_s = now
             self._prefill(group)
         t1 = time.perf_counter()
+        if self.pool is not None:
+            self._make_room_for_decode()
         if self._running:
             self._decode_step()
         self._stats["prefill_s"] += t1 - t0
@@ -388,6 +513,7 @@ class ContinuousBatchingEngine:
         with self._lock:
             seqs = list(self._queue) + self._running
             self._queue.clear()
+        release_cache(self._cache)
         self._running, self._cache, self._next_tokens = [], None, None
         for seq in seqs:
             self._fail(seq, "error", message)
@@ -401,16 +527,19 @@ class ContinuousBatchingEngine:
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
     # ------------------------------------------------------------------ phases
-    def _new_cache(self):
-        return make_cache(self.config.policy, self.model, **self._cache_kwargs)
+    def _new_cache(self, paged: bool = True):
+        """A cache of the engine's policy, in its block pool (paged layout) unless `paged` is False."""
+        pool = self.pool if paged else None
+        return make_cache(self.config.policy, self.model, pool=pool, **self._cache_kwargs)
 
     def _prefill(self, group: list[_Seq]) -> None:
         """Forward the prompts of `group` (equal lengths) into a fresh cache; merge the rows that go on."""
-        group = [s for s in group if not self._score_prompt(s)]  # score-only requests end here
+        group = [s for s in group if s.preempted or not self._score_prompt(s)]  # score-only requests end here
         if not group:
             return
-        ids = torch.tensor([s.request.prompt_ids for s in group], dtype=torch.long, device=self.device)  # (n, L)
+        ids = torch.tensor([s.prefill_ids() for s in group], dtype=torch.long, device=self.device)  # (n, L)
         t0 = time.perf_counter()
+        cache = None
         try:
             cache = self._new_cache()
             with torch.inference_mode():
@@ -418,6 +547,7 @@ class ContinuousBatchingEngine:
                 first = pick_tokens(out.logits[:, -1, :], group, self.eos_token_id)  # (n, 1)
             tokens = first[:, 0].tolist()
         except Exception as e:  # noqa: BLE001 - every failure is reported per request
+            release_cache(cache)
             self._fail_all(group, e)
             return
         t = self.clock()
@@ -436,6 +566,7 @@ class ContinuousBatchingEngine:
             if not self._emit(seq, tok, t):
                 keep.append(i)
         if not keep:
+            release_cache(cache)
             return
         if len(keep) < len(group):
             cache = select_rows(cache, keep)
@@ -462,6 +593,7 @@ class ContinuousBatchingEngine:
                 nxt = pick_tokens(out.logits[:, -1, :], self._running, self.eos_token_id)  # (rows, 1)
             tokens = nxt[:, 0].tolist()
         except Exception as e:  # noqa: BLE001
+            release_cache(self._cache)
             running, self._running, self._cache, self._next_tokens = self._running, [], None, None
             self._fail_all(running, e)
             return
@@ -473,6 +605,8 @@ class ContinuousBatchingEngine:
             self.metrics.add_generated_tokens(warm, "warmup")
             self.metrics.add_evictions(int(self._cache.layers[0].evicted_tokens - evicted0))
         self._stats["decode_steps"] += 1
+        if self.pool is not None:
+            self._stats["block_steps"] += self.pool.blocks_in_use
         self._track_bytes(self._cache.kv_cache_bytes())
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, tokens)):
@@ -482,7 +616,7 @@ class ContinuousBatchingEngine:
                 keep.append(i)
         if len(keep) < len(self._running):
             self._running = [self._running[i] for i in keep]
-            self._cache = select_rows(self._cache, keep) if keep else None
+            self._cache = self._select(self._cache, keep)
             nxt = nxt[keep] if keep else None
         self._next_tokens = nxt
 
@@ -494,7 +628,9 @@ class ContinuousBatchingEngine:
         if req.prompt_logprobs is None:
             return False
         try:
-            lps, tops = score_prompt(self.model, self._new_cache(), req.prompt_ids, req.prompt_logprobs, self.device)
+            lps, tops = score_prompt(
+                self.model, self._new_cache(paged=False), req.prompt_ids, req.prompt_logprobs, self.device
+            )
         except Exception as e:  # noqa: BLE001 - reported on this request only
             self._fail_all([seq], e)
             return True

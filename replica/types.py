@@ -25,6 +25,7 @@ __all__ = [
     "MAX_LOGPROBS",
 ]
 
+KV_LAYOUTS = ("preallocated", "paged")
 _COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch")
 
 
@@ -49,6 +50,11 @@ class EngineConfig(FrozenConfig):
         kv_memory_fraction: else this fraction (0..1] of the device's memory (GPU total, or RAM).
             Neither: no memory limit.
         max_batch: most sequences running at once (None: only memory limits).
+        kv_layout: ``"preallocated"`` (each row reserves its final length up front, padded to the batch's
+            longest row: the paper's setting) or ``"paged"`` (one pool of blocks sized to the memory limit,
+            taken as sequences grow, newest sequence preempted and recomputed when it runs out, as vLLM;
+            `scissorhands.paged`); paged needs `kv_memory_limit_bytes` or `kv_memory_fraction`.
+        block_tokens: slots per block of the paged layout (per KV head).
         max_prefill_tokens: most prompt tokens prefilled in one step (bounds the stall of running
             sequences and a prefill's activation memory); a longer single prompt is still
             prefilled, alone. The default keeps up to 4 prompts of 1,024 tokens in one prefill, where
@@ -70,6 +76,8 @@ class EngineConfig(FrozenConfig):
     kv_memory_fraction: float | None = None
     max_batch: int | None = None
     max_prefill_tokens: int = 4096
+    kv_layout: str = "preallocated"
+    block_tokens: int = 16
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -91,7 +99,14 @@ class EngineConfig(FrozenConfig):
         check_int(info.field_name, value, 1, optional=True)
         return value
 
-    @field_validator("max_prefill_tokens", mode="before")
+    @field_validator("kv_layout", mode="before")
+    @classmethod
+    def _layout(cls, value: Any) -> str:
+        if value not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {value!r}")
+        return value
+
+    @field_validator("max_prefill_tokens", "block_tokens", mode="before")
     @classmethod
     def _count(cls, value: Any, info) -> int:
         check_int(info.field_name, value, 1)
@@ -112,6 +127,10 @@ class EngineConfig(FrozenConfig):
     @model_validator(mode="after")
     def _budget_and_limit(self) -> "EngineConfig":
         not_both(self, "kv_memory_limit_bytes", "kv_memory_fraction")
+        if self.kv_layout == "paged" and self.kv_memory_limit_bytes is None and self.kv_memory_fraction is None:
+            raise ValueError(
+                "kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes or kv_memory_fraction; give one"
+            )
         if POLICIES[self.policy].evicts:
             need_one_of(self, "budget_tokens", "compression_ratio", what=f"policy {self.policy!r} needs one of them")
             if self.budget_tokens is None and self.max_length_tokens is None:

@@ -17,6 +17,7 @@ import torch
 from .attention import ATTN_IMPLEMENTATION
 from .cache import INT16_MAX_TIME, Budget, BudgetedCache, BudgetedLayer, budget_from_ratio
 from .checks import check_int
+from .paged import BlockPool, PagedLayer
 from .policies import POLICIES, Policy, get_policy
 from .quant import Int4KV, check_group_size, check_scale_format, hadamard
 from .storage import DenseKV
@@ -29,6 +30,7 @@ __all__ = [
     "Policy",
     "BudgetedCache",
     "BudgetedLayer",
+    "BlockPool",
     "make_cache",
     "get_policy",
     "check_model_supported",
@@ -79,6 +81,7 @@ def make_cache(
     kv_scale_bits: int = 16,
     kv_zero_point: bool = True,
     kv_rotate: bool = False,
+    pool: BlockPool | None = None,
     **policy_params,
 ) -> BudgetedCache:
     """Build a budgeted KV cache for ``model`` (a transformers model or its config).
@@ -103,6 +106,9 @@ def make_cache(
         kv_zero_point: True (asymmetric, a zero per group) or False (symmetric, no zero stored).
         kv_rotate: quantize keys and values after a fixed Hadamard rotation of head_dim (a power of two);
             nothing more is stored (``scissorhands.quant.Int4KV``).
+        pool: a ``scissorhands.paged.BlockPool``: keys and values live in its blocks (paged layout, as
+            serving engines hold them: blocks taken as a sequence grows); None: each cache holds its own
+            buffers (the preallocated layout).
         **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``history_window``, ...).
 
     Raises:
@@ -158,5 +164,11 @@ def make_cache(
     longest = max(max_length or 0, getattr(text_config, "max_position_embeddings", None) or INT16_MAX_TIME + 1)
     time_dtype = torch.int16 if longest <= INT16_MAX_TIME + 1 else torch.int32
     return BudgetedCache(
-        pol, text_config.num_hidden_layers, budget, simulate=simulate, codec_factory=codec, time_dtype=time_dtype
+        pol,
+        text_config.num_hidden_layers,
+        budget,
+        simulate=simulate,
+        codec_factory=codec,
+        time_dtype=time_dtype,
+        layer_factory=BudgetedLayer if pool is None else functools.partial(PagedLayer, pool=pool),
     )

@@ -609,9 +609,10 @@ class BudgetedCache(Cache):
         simulate: bool = False,
         codec_factory=DenseKV,
         time_dtype: torch.dtype = torch.int32,
+        layer_factory=BudgetedLayer,
     ):
         super().__init__(
-            layers=[BudgetedLayer(i, policy, budget, simulate, codec_factory(), time_dtype) for i in range(num_layers)]
+            layers=[layer_factory(i, policy, budget, simulate, codec_factory(), time_dtype) for i in range(num_layers)]
         )
         self.policy = policy
         self.budget = budget
