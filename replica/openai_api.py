@@ -559,7 +559,9 @@ def build_app(
         obj = "chat.completion" if chat else "text_completion"
         if not opts["stream"]:
             try:
-                reply = await _collect(first, events, detok, rid, obj, model, created, chat, len(ids))
+                reply = await _until_disconnected(
+                    request, _collect(first, events, detok, rid, obj, model, created, chat, len(ids))
+                )
                 if wants_logprobs:
                     _add_logprobs(reply, seen.get("result"), ids, opts, tokenizer, chat)
                 return JSONResponse(reply)
@@ -683,6 +685,34 @@ def _replica_times(result: dict) -> dict:
         "first_token_time_s": times[0] if times else None,
         "replica_ttft_s": (times[0] - recv) if times and recv is not None else None,
     }
+
+
+#: Seconds before asking again for the client's disconnect when the server answered something else.
+DISCONNECT_POLL_S = 0.25
+
+
+async def _disconnect(request) -> None:
+    """Return once the client of `request` (its body already read) disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _until_disconnected(request, work):
+    """`work`'s result, unless the client disconnects first (a timeout, a cancelled call): then `work` is
+    cancelled, so the request's events close and the backend aborts it, and a 499 is raised (never sent)."""
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - nobody reads the answer
+        pass
+    raise ApiError(499, "the client closed the connection", type_="client_closed")
 
 
 async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_tokens) -> dict:

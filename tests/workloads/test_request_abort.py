@@ -11,12 +11,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import requests
 import torch
 import yaml
 
 from replica.continuous import ReplicaReply, ServingReplica
+from replica.openai_api import ReplicaBackend, build_app
 from replica.types import GenerationRequest
 from scissorhands.testing import tiny_llama
+from tests.http_fakes import ServerThread
 from workloads.core.template import run_suite
 from workloads.serving.pools import LocalReplicaPool, ServeReplicaPool
 from workloads.serving.runner import ServingKind
@@ -51,6 +54,29 @@ def test_a_whole_reply_its_caller_stopped_waiting_for_is_aborted_and_counted_fai
             0,
             1,
         )
+    finally:
+        replica.shutdown()
+
+
+def _settled_stats(replica: ServingReplica, failed: int) -> dict:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        s = replica.engine.stats()
+        if s["failed_requests"] >= failed and not s["running_sequences"]:
+            break
+        time.sleep(0.01)
+    return replica.engine.stats()
+
+
+def test_a_whole_http_reply_whose_client_disconnected_is_aborted_on_the_replica(slow_model):
+    replica = ServingReplica(model=slow_model, engine_config={"policy": "full", "max_length_tokens": 256})
+    try:
+        with ServerThread(build_app({"m": ReplicaBackend(replica, {})}, None)) as url:
+            body = {"model": "m", "prompt": [1] * 8, "max_tokens": 200}
+            with pytest.raises(requests.exceptions.ReadTimeout):  # the client gives up and closes the connection
+                requests.post(f"{url}/v1/completions", json=body, timeout=0.3)
+            s = _settled_stats(replica, 1)
+        assert (s["completed_requests"], s["failed_requests"], s["running_sequences"]) == (0, 1, 0)
     finally:
         replica.shutdown()
 
