@@ -79,3 +79,28 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
     finally:
         pool.close()
     assert pool.rset.app_name not in serve.status().applications  # only its own app, deleted
+
+
+def test_a_serve_call_the_load_generator_gave_up_on_is_aborted_on_its_replica(ray_session):
+    from replica.types import GenerationRequest
+    from workloads.serving.pools import ServeReplicaPool
+
+    pool = ServeReplicaPool(
+        1, model_spec="tiny-llama", dtype="float32", device="cpu", num_cpus=0.5, num_gpus=0, num_threads=1, run_id="t2"
+    )
+    try:
+        pool.start()
+        pool.configure({"policy": "full", "max_length_tokens": 512}, run_id="t2")
+        client = pool.client()
+
+        async def give_up():
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.generate(GenerationRequest("long", list(range(1, 100)), 400)), 0.05)
+
+        asyncio.run(give_up())
+        # Serve cancelled the replica's call, whose engine dropped the request: counted failed, the slot free
+        (stats,) = pool.stats()
+        assert (stats["completed_requests"], stats["failed_requests"]) == (0, 1)
+        assert (stats["running_sequences"], stats["queued_requests"]) == (0, 0)
+    finally:
+        pool.close()
