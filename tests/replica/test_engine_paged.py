@@ -1,0 +1,110 @@
+"""The engine on the paged KV layout: blocks taken as sequences grow, preemption and recompute, the same tokens
+as the preallocated layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
+from replica.types import ConfigError, EngineConfig, GenerationRequest
+
+SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
+
+
+def _requests(n: int, seed: int = 0) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(5, 40, (1,), generator=g))
+        prompt = torch.randint(0, 128, (length,), generator=g).tolist()
+        out.append(GenerationRequest(f"r{i}", prompt, int(torch.randint(1, 40, (1,), generator=g)), ignore_eos=True))
+    return out
+
+
+def _serve(model, cfg: EngineConfig, requests):
+    engine = ContinuousBatchingEngine(model, cfg)
+    results = {}
+    for r in requests:
+        engine.submit(r, lambda res: results.__setitem__(res.request_id, res))
+    engine.run_until_idle()
+    return results, engine
+
+
+@pytest.mark.parametrize("policy", [{}, SH], ids=["full", "scissorhands-B16"])
+@pytest.mark.parametrize("limit", [10**7, 60_000], ids=["roomy", "preempting"])
+def test_paged_engine_gives_the_preallocated_tokens_and_returns_every_block(model, policy, limit):
+    requests = _requests(12)
+    want, _ = _serve(model, EngineConfig(**policy), requests)
+    got, engine = _serve(
+        model, EngineConfig(kv_layout="paged", kv_memory_limit_bytes=limit, block_tokens=4, **policy), requests
+    )
+    assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
+    assert all(r.error is None for r in got.values())
+    stats = engine.stats()
+    assert engine.pool.blocks_in_use == 0 and stats["kv_layout"] == "paged" and stats["block_tokens"] == 4
+    assert 0 < stats["mean_kv_blocks_in_use"] <= stats["peak_kv_blocks_in_use"] <= stats["kv_pool_blocks"]
+    if limit == 60_000 and not policy:  # the full cache outgrows 57 blocks: the newest rows are preempted
+        assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
+    if policy:  # 12 rows of at most 16 slots, 4 blocks a layer each: never preempted
+        assert stats["preemptions"] == 0
+
+
+def test_paged_admission_counts_what_a_request_holds_now_not_at_its_end(model):
+    """Eight requests of 8 + 56 tokens: preallocated full rows reserve 63 slots each, paged rows start at 2
+    blocks of 4 a layer, so under one limit the paged engine runs more of them at once."""
+    requests = [GenerationRequest(f"r{i}", list(range(i, i + 8)), 56, ignore_eos=True) for i in range(8)]
+    limit = full_batch_kv_limit_bytes(model, 3, 8, 56)  # three preallocated full rows
+    _, pre = _serve(model, EngineConfig(kv_memory_limit_bytes=limit, max_length_tokens=64), requests)
+    _, paged = _serve(model, EngineConfig(kv_layout="paged", kv_memory_limit_bytes=limit, block_tokens=4), requests)
+    assert pre.stats()["peak_running_sequences"] == 3
+    assert paged.stats()["peak_running_sequences"] >= 6
+
+
+def test_a_request_larger_than_the_pool_is_rejected_and_the_others_run(model):
+    cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=20_000, block_tokens=4)
+    big = GenerationRequest("big", list(range(100)), 50, ignore_eos=True)
+    small = GenerationRequest("small", list(range(6)), 4, ignore_eos=True)
+    results, engine = _serve(model, cfg, [big, small])
+    assert results["big"].error_kind == "rejected" and "KV block pool" in results["big"].error
+    assert results["small"].error is None and len(results["small"].output_ids) == 4
+    assert engine.pool.blocks_in_use == 0
+
+
+def test_an_aborted_paged_row_returns_its_blocks(model):
+    cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4)
+    engine = ContinuousBatchingEngine(model, cfg)
+    results = {}
+    for r in _requests(3):
+        engine.submit(
+            GenerationRequest(r.request_id, r.prompt_ids, 30, ignore_eos=True),
+            lambda x: results.__setitem__(x.request_id, x),
+        )
+    engine.step()
+    engine.step()
+    held = engine.pool.blocks_in_use
+    engine.abort("r1")
+    engine.step()
+    assert results["r1"].error_kind == "aborted"
+    assert engine.pool.blocks_in_use < held
+    engine.run_until_idle()
+    assert engine.pool.blocks_in_use == 0
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(kv_layout="blocks"), "kv_layout"),
+        (dict(kv_layout="paged"), "kv_layout"),
+        (dict(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=0), "block_tokens"),
+        (dict(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens="16"), "block_tokens"),
+    ],
+)
+def test_paged_config_errors_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig(**kw)
+
+
+def test_a_pool_smaller_than_one_block_per_layer_is_refused(model):
+    with pytest.raises(ValueError, match="kv_memory_limit_bytes: .* at least one block per layer"):
+        ContinuousBatchingEngine(model, EngineConfig(kv_layout="paged", kv_memory_limit_bytes=100, block_tokens=16))
