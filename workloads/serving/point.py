@@ -57,6 +57,8 @@ def run_point(
             }
     cfg = suite.load_config(point, max_batch=max_batch)
     reqs = _requests_for(suite, point, cfg, tokenizer, vocab_size)
+    if hasattr(reqs, "prepare"):  # drawn before the clock starts: a count-bound point's all, else the first 256
+        reqs.prepare((cfg.num_requests or 256) + cfg.warmup_requests)
     pool.stats(reset=True)
     result = asyncio.run(run_load(pool.client(), reqs, cfg))
     stats = pool.stats(reset=True)
