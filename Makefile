@@ -127,6 +127,22 @@ crosscheck: install $(CROSSCHECK_VENV)/.installed
 	$(PY) -m bench.crosscheck --target http://127.0.0.1:$(SERVE_PORT)/v1 --guidellm $(CROSSCHECK_VENV)/bin/guidellm $(CROSSCHECK_ARGS); rc=$$?; \
 	if [ $$started != 0 ]; then echo "crosscheck: stopping the server it started (pid $$started)"; kill -TERM $$started; wait $$started; fi; exit $$rc
 
+# Peer parity of the adapted baselines (bench/kvpress_parity.py; docs/library.md "Baselines at decode time"): kvpress
+# (pinned; it pins transformers < 5.3) in its own venv under .cache/, scoring the same windows in the prompt-compression
+# protocol as our snapkv, knorm and streaming_llm; exit 1 when one is beyond 1% perplexity. Table in results/kvpress-parity/.
+KVPRESS_SPEC ?= kvpress==0.5.5
+KVPRESS_VENV ?= .cache/venv-kvpress
+KVPRESS_ARGS ?=
+$(KVPRESS_VENV)/.installed:
+	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/pip install -q $(TORCH_SPEC)
+	$(KVPRESS_VENV)/bin/pip install -q $(KVPRESS_SPEC)
+	touch $@
+
+.PHONY: kvpress-parity
+kvpress-parity: install $(KVPRESS_VENV)/.installed
+	$(PY) -m bench.kvpress_parity --peer-python $(KVPRESS_VENV)/bin/python $(KVPRESS_ARGS)
+
 # Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
 # missing). Data, logs and pid files in dashboards/data/. Grafana: see docs/monitoring.md.
 PROMETHEUS_PORT ?= 9090

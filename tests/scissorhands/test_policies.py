@@ -102,6 +102,9 @@ def test_unknown_policy_and_parameter_name_the_valid_ones(model):
         ("tova", 64, (0, 1)),
         ("streaming_llm", 64, (10, 1)),
         ("streaming_llm", 8, (2, 1)),
+        ("snapkv", 39, (19, 1)),  # one token per decode step: B // 2 left one slot outside the window at 5x of 192
+        ("snapkv", 128, (32, 1)),
+        ("knorm", 64, (10, 32)),
     ],
 )
 def test_default_recent_window_and_drop_tokens(name, budget, expect):
@@ -240,10 +243,13 @@ class Reference:
             return t - self.pads[i]
         if name == "knorm":
             return -self.key_norm[i][j][t]
-        if name == "snapkv":  # votes averaged over the held neighbours in time order
-            kept, k = self.kept[i][j], pol.kernel_size
-            at = kept.index(t)
-            near = kept[max(0, at - k // 2) : at + k // 2 + 1]
+        if (
+            name == "snapkv"
+        ):  # votes averaged over the neighbouring candidates (outside the recent window) in time order
+            r, k = self.budget.recent_window, pol.kernel_size
+            cands = self.kept[i][j][: len(self.kept[i][j]) - r] if r else self.kept[i][j]
+            at = cands.index(t)
+            near = cands[max(0, at - k // 2) : at + k // 2 + 1]
             return sum(sum(row[u][0] for row in self.obs[i][j].values() if u in row) for u in near) / k
         if name == "random":
             seen = max(self.kept[i][j]) - self.pads[i] + 1
@@ -472,11 +478,21 @@ def test_knorm_state_is_the_norm_of_the_key_as_computed_before_4_bit_encoding(mo
 def test_snapkv_pools_votes_over_the_held_tokens_in_time_order():
     """Kernel 3, zero-padded: a masked slot between two held ones (evicted in simulation, or padding) is
     skipped, so its neighbours pool each other as after a real eviction."""
-    p = POLICIES["snapkv"](kernel_size=3)
+    p = POLICIES["snapkv"](kernel_size=3, recent_window=0)
     state = torch.tensor([3.0, 9.0, 0.0, 6.0, 5.0]).view(1, 1, 5, 1)
     token_index = torch.tensor([[[0, -2, 1, 2, -1]]])  # slot 1 evicted, slot 4 padding filler
     score = p.keep_score(state, token_index, layer_idx=0, budget_tokens=4)
     assert score[0, 0, [0, 2, 3]].tolist() == [1.0, 3.0, 2.0]  # (0+3+0)/3, (3+0+6)/3, (0+6+0)/3
+
+
+def test_snapkv_pools_only_the_candidates_so_the_observation_window_lends_no_votes():
+    """As the paper and kvpress's SnapKVPress pool the tokens before the observation window (zero-padded): the
+    protected recent window's votes never raise the score of the candidate next to it."""
+    p = POLICIES["snapkv"](kernel_size=3, recent_window=2)
+    state = torch.tensor([3.0, 6.0, 9.0, 30.0, 30.0]).view(1, 1, 5, 1)
+    token_index = torch.arange(5).view(1, 1, 5)  # tokens 3 and 4 are the recent window
+    score = p.keep_score(state, token_index, layer_idx=0, budget_tokens=5)
+    assert score[0, 0, :3].tolist() == [3.0, 6.0, 5.0]  # (0+3+6)/3, (3+6+9)/3, (6+9+0)/3: no 30 from token 3
 
 
 def test_snapkv_observes_the_last_window_size_queries(model):
