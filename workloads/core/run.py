@@ -245,7 +245,7 @@ def model_context_tokens(model_spec: str) -> int | None:
     try:
         source, kwargs = resolve_source(os.path.expanduser(model_spec))
         config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - any unreadable model: the replicas report its own error
         return None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     context = getattr(text, "max_position_embeddings", None)
