@@ -20,6 +20,11 @@
 Model ids: `<model name>:<cache label>`, e.g. `smollm2-135m-instruct:full` and
 `smollm2-135m-instruct:scissorhands-x5`. Binds 127.0.0.1 unless `--host` says otherwise.
 
+Authentication, as vLLM's `--api-key`: with `--api-key` (or `$SCISSORHANDS_API_KEY`) every `/v1/*` request
+needs `Authorization: Bearer <key>` (401 otherwise); the key reaches the ingress only as its SHA-256
+(`replica.openai_api.ApiKey`), so no Serve config, log or record holds it. Binding beyond loopback without a
+key refuses to start (exit 2) unless `--allow-unauthenticated` says so.
+
 Metrics: `main` starts Ray with its dashboard (so its metrics agent exports Ray Serve's own
 ``ray_serve_*`` metrics and the replicas' ``ray_scissorhands_*`` ones) under `SERVE_RAY_TEMP_DIR`,
 whose service-discovery file `dashboards/prometheus.yml` reads (docs/monitoring.md).
@@ -28,6 +33,7 @@ whose service-discovery file `dashboards/prometheus.yml` reads (docs/monitoring.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
@@ -37,8 +43,8 @@ from ray import serve
 
 from cluster.signals import StopSignals
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
-from replica.openai_api import build_app, cache_metadata
-from replica.static_batch import resolve_run_dtype
+from replica.openai_api import DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
+from replica.static_batch import _model_config, resolve_run_dtype
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import POLICIES
 from scissorhands.models import load_tokenizer, model_id_of
@@ -53,6 +59,8 @@ DEFAULT_KV_MEMORY_LIMIT_BYTES = 1 << 30
 SERVE_RAY_TEMP_DIR = "/tmp/scissorhands-serve"
 #: Ray's metrics export interval (ms): the scrape interval of dashboards/prometheus.yml.
 METRICS_REPORT_INTERVAL_MS = "5000"
+#: The environment variable `--api-key` defaults to (vLLM's is VLLM_API_KEY).
+API_KEY_ENV = "SCISSORHANDS_API_KEY"
 
 
 @serve.deployment(
@@ -160,16 +168,63 @@ class ServeBackend:
 class OpenAIIngress:
     """The HTTP front: tokenizes, validates and routes by `model` to the engine deployments."""
 
-    def __init__(self, handles: dict, metadata: dict, tokenizer_spec: str | None, max_pending_requests: int = 256):
+    def __init__(
+        self,
+        handles: dict,
+        metadata: dict,
+        tokenizer_spec: str | None,
+        max_pending_requests: int = 256,
+        context_tokens: int | None = None,
+        api_key: ApiKey | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
         self.handles, self.metadata = handles, metadata
         self.tokenizer_spec, self.max_pending_requests = tokenizer_spec, max_pending_requests
+        self.context_tokens, self.api_key, self.max_body_bytes = context_tokens, api_key, max_body_bytes
 
     def __serve_build_asgi_app__(self):
         tokenizer = None
         if self.tokenizer_spec is not None:
             tokenizer = load_tokenizer(self.tokenizer_spec)
         backends = {m: ServeBackend(h, self.metadata[m]) for m, h in self.handles.items()}
-        return build_app(backends, tokenizer, context_tokens=None, max_pending_requests=self.max_pending_requests)
+        return build_app(
+            backends,
+            tokenizer,
+            context_tokens=self.context_tokens,
+            max_pending_requests=self.max_pending_requests,
+            api_key=self.api_key,
+            max_body_bytes=self.max_body_bytes,
+        )
+
+
+def context_tokens_of(model_spec: str) -> int | None:
+    """The model's context (`max_position_embeddings` of its config; no weights loaded), None when unknown."""
+    cfg = _model_config(model_spec)
+    if cfg is None:
+        return None
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost may resolve to any interface
+
+
+def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """Refuse to serve beyond loopback without a key. Raises ValueError naming `--host`, `--api-key`,
+    `$SCISSORHANDS_API_KEY` and `--allow-unauthenticated`."""
+    if api_key or allow_unauthenticated or is_loopback(host):
+        return
+    raise ValueError(
+        f"--host {host} serves beyond this machine, and no API key is set: anyone who reaches the port would be "
+        f"served. Give --api-key KEY (or ${API_KEY_ENV}), or pass --allow-unauthenticated to serve without one"
+    )
 
 
 def parse_cache(spec: str, max_length_tokens: int) -> tuple[str, dict]:
@@ -208,8 +263,13 @@ def build_serve_app(
     max_pending_requests: int = 256,
     tokenizer_spec: str | None | Any = "auto",
     deployment_options: dict | None = None,
+    api_key: str | ApiKey | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ):
     """The Serve application: one `EngineDeployment` per entry of `caches` behind one `OpenAIIngress`.
+
+    The ingress learns the model's context (`context_tokens_of`: a chat without `max_tokens` runs to it),
+    `api_key` only as its digest (`ApiKey`), and the body limit `max_body_bytes`.
 
     `dtype` is resolved once here, for every deployment and replica (`replica.static_batch.resolve_run_dtype`, in
     this process on `num_threads` torch threads): with `auto` resolved per replica, the full cache and
@@ -241,8 +301,9 @@ def build_serve_app(
         metadata[model_id] = cache_metadata(cfg, budget, model_spec)
     if tokenizer_spec == "auto":
         tokenizer_spec = None if model_spec == "tiny-llama" else model_spec
+    key = ApiKey(api_key) if isinstance(api_key, str) else api_key
     return OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(
-        handles, metadata, tokenizer_spec, max_pending_requests
+        handles, metadata, tokenizer_spec, max_pending_requests, context_tokens_of(model_spec), key, max_body_bytes
     )
 
 
@@ -296,7 +357,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.serve_app", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded", help="model spec (embedded, an HF id or folder)")
     p.add_argument("--cache", action="append", help="full | <policy>:<ratio> | <policy>:b<budget> (repeat)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="beyond loopback needs --api-key or --allow-unauthenticated")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"every /v1/* request needs 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}; prefer it: "
+        "a flag shows in the process list)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="serve beyond loopback without an API key (anyone who reaches the port is served)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413 before they are parsed",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
         "--max-length-tokens",
@@ -320,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     caches = args.cache or ["full", "scissorhands:5"]
     try:
+        check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+        if args.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes: expected an integer >= 1, got {args.max_body_bytes}")
         app = build_serve_app(
             args.model,
             caches,
@@ -331,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             replica_cpus=args.replica_cpus,
             replica_gpus=args.replica_gpus,
             num_replicas=args.num_replicas,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
         )
     except ValueError as e:
         print(f"serve: {e}", file=sys.stderr)
@@ -348,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         start(app, host=args.host, port=args.port)
         print(
             f"serve: OpenAI-compatible API on http://{args.host}:{args.port}/v1 (models: "
-            f"GET /v1/models); Ctrl-C or `make serve-down` stops it",
+            f"GET /v1/models; {'a bearer API key required' if args.api_key else 'no API key'}); "
+            "Ctrl-C or `make serve-down` stops it",
             flush=True,
         )
         stop.wait()
