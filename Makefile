@@ -194,6 +194,11 @@ ROOFLINE_ARGS ?= --threads 2
 roofline: install
 	$(PY) -m bench.roofline $(ROOFLINE_ARGS) $(ARGS)
 
+# The API's streaming detokenizer: per-token cost at 100 and 4,000 output tokens and their ratio (bench/bench_detokenizer.py).
+.PHONY: bench-detokenizer
+bench-detokenizer: install
+	$(PY) -m bench.bench_detokenizer $(ARGS)
+
 # 4-bit KV layouts: bytes vs a 16-bit full cache and perplexity cost (bench/bench_quant.py; docs/performance.md).
 .PHONY: bench-quant
 bench-quant: install
