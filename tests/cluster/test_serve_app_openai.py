@@ -25,6 +25,8 @@ openai = pytest.importorskip("openai", reason="the openai client is in the test 
 ROOT = Path(__file__).resolve().parents[2]
 SH = "tiny-llama:scissorhands-x5"
 FULL = "tiny-llama:full"
+KEY = "sk-serve-test-5f1c0ffee"  # the app below requires it (--api-key)
+CONTEXT = 512  # the tiny model's positions
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,15 @@ def base_url(tmp_path_factory):
                 max_length_tokens=256,
                 replica_cpus=0.5,
                 tokenizer_spec=str(tok_dir),
+                api_key=KEY,
             ),
             port=port,
         )
         url = f"http://127.0.0.1:{port}/v1"
-        wait_for(lambda: requests.get(url + "/models", timeout=5).status_code == 200, 120, "the Serve app")
+        auth = {"Authorization": f"Bearer {KEY}"}
+        wait_for(
+            lambda: requests.get(url + "/models", headers=auth, timeout=5).status_code == 200, 120, "the Serve app"
+        )
         yield url
     finally:
         serve.shutdown()
@@ -71,11 +77,12 @@ def test_the_documented_example_runs_as_written(base_url):
     code = _docs_example()
     assert 'base_url="http://127.0.0.1:8000/v1"' in code and '"smollm2-135m-instruct:scissorhands-x5"' in code
     code = code.replace("http://127.0.0.1:8000/v1", base_url).replace("smollm2-135m-instruct:scissorhands-x5", SH)
+    code = code.replace('api_key="unused"', f'api_key="{KEY}"')  # this app requires its key
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, "docs/serving-http.md", "exec"), {})
     # the example streams max_tokens=32 with ignore_eos: the printed text is the non-streamed reply's
-    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
     whole = client.completions.create(
         model=SH, prompt="The capital of France is", max_tokens=32, extra_body={"ignore_eos": True}
     )
@@ -85,7 +92,7 @@ def test_the_documented_example_runs_as_written(base_url):
 
 @pytest.mark.parametrize("model", [FULL, SH])
 def test_streamed_and_not_agree_with_usage(base_url, model):
-    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
     whole = client.completions.create(model=model, prompt="Hello there", max_tokens=12, extra_body={"ignore_eos": True})
     assert whole.usage.prompt_tokens == len("Hello there") and whole.usage.completion_tokens == 12
     assert whole.choices[0].finish_reason == "length"
@@ -108,7 +115,7 @@ def test_streamed_and_not_agree_with_usage(base_url, model):
 
 
 def test_chat_streamed_and_not(base_url):
-    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
     msgs = [{"role": "user", "content": "Hi"}]
     whole = client.chat.completions.create(model=SH, messages=msgs, max_tokens=8, extra_body={"ignore_eos": True})
     assert whole.usage.completion_tokens == 8 and whole.choices[0].message.role == "assistant"
@@ -120,7 +127,7 @@ def test_chat_streamed_and_not(base_url):
 
 
 def test_errors_reach_the_client_as_openai_exceptions(base_url):
-    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     assert e.value.body["param"] == "model" or e.value.body.get("error", {}).get("param") == "model"
@@ -128,3 +135,32 @@ def test_errors_reach_the_client_as_openai_exceptions(base_url):
         client.completions.create(model=SH, prompt="x", max_tokens=0)
     assert "max_tokens" in str(e.value)
     assert [m.id for m in client.models.list()] == [FULL, SH]
+
+
+def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    r = client.chat.completions.create(
+        model=FULL, messages=[{"role": "user", "content": "Hi"}], extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == CONTEXT - r.usage.prompt_tokens and r.choices[0].finish_reason == "length"
+    assert {m.id: m.model_extra["max_model_len"] for m in client.models.list()} == {FULL: CONTEXT, SH: CONTEXT}
+
+
+def test_requests_without_the_key_get_401_and_the_key_is_in_no_log(base_url):
+    import ray
+
+    for key in ("wrong", KEY[:-1]):
+        client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            client.completions.create(model=SH, prompt="x", max_tokens=2)
+        assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+    import requests
+
+    assert requests.get(base_url.removesuffix("/v1") + "/health", timeout=10).status_code == 200
+    models = requests.get(base_url + "/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert models.status_code == 200 and KEY not in models.text
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    leaked = [p.name for p in logs.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
+    assert not leaked and any(logs.rglob("*serve*"))  # Serve's logs were read, and none holds the key
