@@ -739,6 +739,7 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
         raise _result_error(result)
     if detok is not None and not stopped:
         detok.add([], final=True)  # an incomplete character at the very end is text too
+        stopped = detok.stopped  # that last text may complete a stop string
     text = detok.text if detok is not None else ""
     choice = {"index": 0, "finish_reason": _finish_reason(result, stopped), "token_ids": ids}
     if chat:
@@ -859,6 +860,7 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
         if result is not None and result.get("error_kind"):
             raise _result_error(result)
         tail = detok.add([], final=True) if detok is not None and not stopped else ""
+        stopped = stopped or (detok is not None and detok.stopped)  # the flushed text may complete a stop
         yield chunk(
             tail if not chat or tail else None,
             [],
