@@ -24,6 +24,11 @@ counts it apart (`GenerationRequest.warmup`: the ``warmup_*`` stats, ``phase="wa
 metrics), so the server-side figures of a point cover the same requests as the client's. Any
 other value is a 400 naming the header.
 
+A chat without `max_tokens` (or `max_completion_tokens`) runs to EOS or the end of the context (capped at what
+the KV memory limit holds for it alone); a completion without it gets 16. With `api_key`, every `/v1/*`
+request needs `Authorization: Bearer <key>` (401 otherwise). A body over `max_body_bytes` gets 413 before
+it is parsed; bodies are parsed and prompts tokenized on a worker thread, never on the event loop.
+
 Errors are OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`: 400 naming the
 field (`param`) for a wrong type or value, a prompt + `max_tokens` beyond the context, or a request
 that can never fit the KV memory limit; 404 for an unknown model; 429 with `Retry-After` when a
@@ -331,20 +336,29 @@ def build_app(
     def error_response(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
-        if key is not None and request.url.path.startswith("/v1/"):
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not key.matches(token.strip()):
-                return error_response(
-                    ApiError(
+    class BearerAuth:
+        """ASGI middleware: a `/v1/*` request without `Authorization: Bearer <key>` gets 401 (plain ASGI, so
+        streams pass through untouched)."""
+
+        def __init__(self, asgi):
+            self.asgi = asgi
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+                header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+                scheme, _, token = header.partition(" ")
+                if scheme.lower() != "bearer" or not key.matches(token.strip()):
+                    refusal = ApiError(
                         401,
                         "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
                         code="invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"},
                     )
-                )
-        return await call_next(request)
+                    return await error_response(refusal)(scope, receive, send)
+            await self.asgi(scope, receive, send)
+
+    if key is not None:
+        app.add_middleware(BearerAuth)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
