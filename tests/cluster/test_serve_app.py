@@ -71,6 +71,7 @@ def test_models_routing_and_exact_lengths(app_url):
     meta = {m["id"]: m["metadata"] for m in data}
     assert set(meta) == {FULL, SH}
     assert meta[SH]["budget_tokens"] == 103 and meta[SH]["compression_ratio"] == 5  # ceil(512 / 5)
+    assert {m["max_model_len"] for m in data} == {8192}  # the embedded SmolLM2's context, from its config
     replicas = set()
     for model in (FULL, SH):
         r = requests.post(
