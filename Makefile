@@ -99,7 +99,7 @@ SERVE_PORT ?= 8000
 SERVE_ARGS ?=
 SERVE_PID := $(CURDIR)/.serve.pid
 serve: install
-	$(PY) -m cluster.serve_app --port $(SERVE_PORT) --pid-file $(SERVE_PID) $(SERVE_ARGS)
+	$(PY) -m cluster.serve_app --port $(SERVE_PORT) --pid-file $(SERVE_PID) $(SERVE_ARGS) $(ARGS)
 
 serve-down:
 	@if [ -f $(SERVE_PID) ]; then pid=$$(cat $(SERVE_PID)); echo "serve-down: stopping pid $$pid"; kill -TERM $$pid; \
