@@ -101,17 +101,19 @@ def prompt_call_lengths(cache, total_tokens: int) -> list[int]:
     """The forward calls that feed a prompt of `total_tokens` into an empty `cache` as token-by-token
     decoding would (the quality runner's rule, `workloads.quality.chunks.evaluation_call_lengths`).
 
-    * a cache that never evicts, or a prompt within the budget ``B``: one call;
-    * a 4-bit cache (``kv_bits``) or an evicting policy outside `MERGED_SCHEDULE_POLICIES`: one token per call;
+    * a 4-bit cache (``kv_bits``: its rounding depends on the calls), or a prompt beyond the budget ``B``
+      of an evicting policy outside `MERGED_SCHEDULE_POLICIES`: one token per call;
+    * a cache that never evicts, or a prompt within ``B``: one call;
     * else ``[B, 1, m - 1, 1, m - 1, ...]`` (refill to ``B`` in one call, one token when full: drop
       ``m = drop_tokens`` first, then append).
     """
     budget = getattr(cache, "budget", None)
     policy = getattr(cache, "policy", None)
-    if budget is None or policy is None or not policy.evicts or total_tokens <= budget.tokens:
-        return [total_tokens] if total_tokens else []
-    if getattr(cache, "kv_bits", None) is not None or policy.name not in MERGED_SCHEDULE_POLICIES:
+    never_evicts = budget is None or policy is None or not policy.evicts or total_tokens <= budget.tokens
+    if getattr(cache, "kv_bits", None) is not None or not (never_evicts or policy.name in MERGED_SCHEDULE_POLICIES):
         return [1] * total_tokens
+    if never_evicts:
+        return [total_tokens] if total_tokens else []
     calls, held, left = [], 0, total_tokens
     while left:
         if held >= budget.tokens:

@@ -541,3 +541,24 @@ def _run_one_cfg(model, cfg, req):
     engine.submit(req, lambda res: done.__setitem__(res.request_id, res))
     engine.run_until_idle()
     return done[req.request_id]
+
+
+@pytest.mark.parametrize(
+    "policy, kw",
+    [
+        ("full", {}),
+        ("scissorhands", dict(budget_tokens=16, history_window=20, count_chunk_steps=5)),
+        ("h2o", dict(budget_tokens=12)),
+        ("knorm", dict(budget_tokens=12)),  # outside the merged schedule: one token per call
+        ("scissorhands", dict(budget_tokens=16, kv_bits=4, kv_group_size=16)),  # quantized: one token per call
+    ],
+)
+def test_prompt_scoring_calls_are_the_quality_runners(model, policy, kw):
+    """The engine scores an echoed prompt with the quality runner's calls (replica may not import workloads)."""
+    from replica.sampling import MERGED_SCHEDULE_POLICIES, prompt_call_lengths
+    from workloads.quality import chunks
+
+    assert MERGED_SCHEDULE_POLICIES == chunks.MERGED_SCHEDULE_POLICIES
+    for n in (1, 12, 16, 17, 40):
+        cache = make_cache(policy, model, **kw)
+        assert prompt_call_lengths(cache, n) == chunks.evaluation_call_lengths(cache, n), n
