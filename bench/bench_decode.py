@@ -4,6 +4,7 @@
     make bench-decode ARGS="--batches 1,16 --rounds 7 --threads 2"
     make bench-decode ARGS="--packing-ab --threads 2"     # packed weights (PackedLinear) vs plain F.linear
     make bench-decode ARGS="--attention-ab --dtypes bfloat16 --prompt-tokens 1024 --batches 4,16"   # layouts
+    make bench-decode ARGS="--paged-ab --prompt-tokens 1024 --batches 4,16"   # paged KV vs preallocated, full cache
 
 Goal: our engine's full-cache decode step at least as fast as transformers' ``generate`` at batch 1, 4, 16 and
 32, in float32 and bfloat16. Both sides run the same loaded model (weights packed), so the ratio compares
@@ -40,9 +41,15 @@ def prompts(tokenizer, batch: int, tokens: int) -> list[list[int]]:
     return ids[: batch * tokens].view(batch, tokens).tolist()
 
 
-def ours_steps(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
-    """``(wall_s, cpu_s)`` of each of our engine's decode-only steps (full cache)."""
-    eng = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=len(rows[0]) + steps + 1, max_batch=len(rows)))
+def ours_steps(model, rows: list[list[int]], steps: int, paged: bool = False) -> list[tuple[float, float]]:
+    """``(wall_s, cpu_s)`` of each of our engine's decode-only steps (full cache; preallocated, or paged with a
+    pool twice what the rows reach)."""
+    length = len(rows[0]) + steps + 1
+    layout = {}
+    if paged:
+        slot_bytes = ContinuousBatchingEngine(model, EngineConfig()).slot_bytes
+        layout = dict(kv_layout="paged", kv_memory_limit_bytes=2 * len(rows) * (length + 16) * slot_bytes)
+    eng = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=length, max_batch=len(rows), **layout))
     for i, p in enumerate(rows):
         eng.submit(GenerationRequest(f"r{i}", p, steps + 2, ignore_eos=True), lambda r: None)
     eng.step()  # admit, prefill, first decode step
@@ -63,6 +70,11 @@ def ours_steps_unpacked(model, rows: list[list[int]], steps: int) -> list[tuple[
         return ours_steps(model, rows, steps)
     finally:
         packed.onednn_packs = real
+
+
+def ours_steps_paged(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
+    """:func:`ours_steps` on the paged KV layout (``--paged-ab``: keys and values read through block tables)."""
+    return ours_steps(model, rows, steps, paged=True)
 
 
 def ours_steps_gqa_kernel(model, rows: list[list[int]], steps: int) -> list[tuple[float, float]]:
@@ -158,7 +170,13 @@ def run(dtype_name: str, args) -> list[dict]:
     out = []
     for b in args.batches:
         baseline = (
-            ours_steps_unpacked if args.packing_ab else ours_steps_gqa_kernel if args.attention_ab else generate_steps
+            ours_steps_unpacked
+            if args.packing_ab
+            else ours_steps_gqa_kernel
+            if args.attention_ab
+            else ours_steps_paged
+            if args.paged_ab
+            else generate_steps
         )
         row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.new_tokens, args.rounds, baseline))
         print(
@@ -191,9 +209,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="our engine's one-query decode attention, grouped layout against sdpa's grouped-query kernel",
     )
+    ap.add_argument(
+        "--paged-ab",
+        action="store_true",
+        help="our engine's full cache, preallocated rows against the paged layout (goal: paged <= 1.10x)",
+    )
     args = ap.parse_args(argv)
-    if args.packing_ab and args.attention_ab:
-        ap.error("--packing-ab, --attention-ab: give at most one of them")
+    if args.packing_ab + args.attention_ab + args.paged_ab > 1:
+        ap.error("--packing-ab, --attention-ab, --paged-ab: give at most one of them")
     dtypes = comma_list(ap, "--dtypes", args.dtypes, valid=list(DTYPES))
     args.batches = comma_list(ap, "--batches", args.batches, cast=int)
     if args.attention_ab and "float32" in dtypes:
@@ -218,7 +241,15 @@ def main(argv=None) -> int:
         f"# decode step, prompt {args.prompt_tokens} tokens, {args.new_tokens} steps per run, "
         f"{args.rounds} paired rounds (order alternates)"
     )
-    theirs = "unpacked" if args.packing_ab else "gqa-kernel" if args.attention_ab else "transformers"
+    theirs = (
+        "unpacked"
+        if args.packing_ab
+        else "gqa-kernel"
+        if args.attention_ab
+        else "paged"
+        if args.paged_ab
+        else "transformers"
+    )
     print(
         f"| dtype | batch | ours, CPU ms/step | {theirs}, CPU ms/step | {theirs} / ours, CPU (median of "
         f"paired rounds) | min-max | ours, wall ms | {theirs}, wall ms | {theirs} / ours, wall | min-max |"

@@ -88,11 +88,11 @@ class BlockPool:
             return
         slots = self.num_blocks * self.block_tokens
         self.buffers = {
-            name: torch.empty(num_heads, slots, *trailing, dtype=dtype, device=device)
+            # zeros: the pool is committed memory from the start, and a stale slot read past a row's count (in
+            # its last block, masked) is always finite, never an uninitialized NaN that 0 * NaN would spread
+            name: torch.zeros(num_heads, slots, *trailing, dtype=dtype, device=device)
             for name, (trailing, dtype) in specs.items()
         }
-        for buf in self.buffers.values():
-            buf[:, : self.block_tokens].zero_()  # block 0: what a slot past a row's count reads
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks. Raises ``PoolExhausted`` (nothing taken) when fewer are free."""
@@ -126,7 +126,8 @@ class PagedStore:
         self.dense = SlotStore()
         self.blocks: list[list[int]] = []
         self.row_slots: torch.Tensor | None = None
-        self._index: torch.Tensor | None = None  # (b, h, num_slots) flat pool index, rebuilt after a change
+        self._table_t: torch.Tensor | None = None  # (b, max_blocks) block ids, rebuilt after blocks change
+        self._index: torch.Tensor | None = None  # (b, h, max_blocks) block index for reads, likewise
 
     # ------------------------------------------------------------------ shape
     @property
@@ -143,15 +144,21 @@ class PagedStore:
         self.dense.allocate(batch_size, num_heads, {n: s for n, s in specs.items() if n in BOOKKEEPING}, device)
         self.blocks = [[] for _ in range(batch_size)]
         self.row_slots = torch.zeros(batch_size, dtype=torch.int64, device=device)
-        self._index = None
+        self._changed()
 
     # ------------------------------------------------------------------ addressing
     def _table(self) -> torch.Tensor:
         """``(batch_size, max_blocks)`` int64 block ids, 0 (the zero block) past a row's own."""
-        width = max((len(b) for b in self.blocks), default=0)
-        return torch.tensor(
-            [b + [0] * (width - len(b)) for b in self.blocks], dtype=torch.int64, device=self.row_slots.device
-        ).view(len(self.blocks), width)
+        if self._table_t is None:
+            width = max((len(b) for b in self.blocks), default=0)
+            self._table_t = torch.tensor(
+                [b + [0] * (width - len(b)) for b in self.blocks], dtype=torch.int64, device=self.row_slots.device
+            ).view(len(self.blocks), width)
+        return self._table_t
+
+    def _changed(self) -> None:
+        """Blocks or rows changed: the cached table and read index are stale."""
+        self._table_t = self._index = None
 
     def _addresses(self, slots: torch.Tensor) -> torch.Tensor:
         """Pool slot of each row's slot ``slots`` ``(batch_size, n)``; slots past a row's count read block 0."""
@@ -169,21 +176,26 @@ class PagedStore:
         return addresses[:, None, :] + torch.arange(h, device=addresses.device)[None, :, None] * slots
 
     def _read_index(self) -> torch.Tensor:
+        """``(b, h, max_blocks)``: each row's blocks as rows of a buffer viewed ``(h * num_blocks, block_tokens, ...)``."""
         if self._index is None:
-            n = self.num_slots
-            slots = torch.arange(n, device=self.row_slots.device).expand(len(self.blocks), n)
-            self._index = self._flat(self._addresses(slots))
+            table = self._table()
+            h = next(iter(self.pool.buffers.values())).shape[0]
+            heads = torch.arange(h, device=table.device)[None, :, None] * self.pool.num_blocks
+            self._index = table[:, None, :] + heads
         return self._index
 
     def view(self, name: str) -> torch.Tensor:
         """``(batch_size, num_kv_heads, num_slots, *trailing)``: a view for bookkeeping, a gathered copy of
-        the pool for keys and values (slots past a row's count read zeros)."""
+        the pool for keys and values. Whole blocks are copied (a few KiB each, many times faster than slot by
+        slot); slots past a row's count read what its last block or the zero block holds, always masked."""
         if name in BOOKKEEPING:
             return self.dense.view(name)
         buf = self.pool.buffers[name]
         idx = self._read_index()
-        b, h, n = idx.shape
-        return buf.view(-1, *buf.shape[2:]).index_select(0, idx.reshape(-1)).view(b, h, n, *buf.shape[2:])
+        b, h, nb = idx.shape
+        bt, trailing = self.pool.block_tokens, buf.shape[2:]
+        blocks = buf.view(h * self.pool.num_blocks, bt, *trailing).index_select(0, idx.reshape(-1))
+        return blocks.view(b, h, nb * bt, *trailing)[:, :, : self.num_slots]
 
     # ------------------------------------------------------------------ writes
     def _grow(self, slots_needed: torch.Tensor) -> None:
@@ -195,6 +207,7 @@ class PagedStore:
             for b, k in zip(self.blocks, want):
                 b.extend(taken[:k])
                 del taken[:k]
+            self._changed()
 
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
     def append(self, new: dict[str, torch.Tensor], capacity: int) -> None:
@@ -232,8 +245,8 @@ class PagedStore:
                 buf[rows, :, pos] = full.movedim(2, 1)
         self.dense.num_slots = n_after
         self.row_slots += q
-        self._pad_tail()
-        self._index = None
+        if not uniform:
+            self._pad_tail()
 
     def _addresses_for_write(self, pos: torch.Tensor) -> torch.Tensor:
         bt = self.pool.block_tokens
@@ -262,6 +275,7 @@ class PagedStore:
             if need < len(blocks):
                 self.pool.release(blocks[need:])
                 del blocks[need:]
+                self._changed()
         pos = torch.arange(n_keep, device=idx.device).expand(b, n_keep)
         dst = torch.where(kept, self._addresses_for_write(pos.clamp(max=max(0, self._table().shape[1] * bt - 1))), 0)
         pool_slots = next(iter(self.pool.buffers.values())).shape[1]
@@ -272,11 +286,8 @@ class PagedStore:
             flat = buf.view(-1, *buf.shape[2:])
             moved = flat.index_select(0, src.reshape(-1))  # read every kept slot before any write
             flat.index_copy_(0, dst.reshape(-1), moved)
-        for buf in self.pool.buffers.values():  # rows without slots wrote block 0's zeros back to it
-            buf[:, :bt].zero_()
         self.dense.gather(idx, max(keep_slots, n_keep))
         self._pad_tail()
-        self._index = None
 
     def _addresses_all(self, idx: torch.Tensor) -> torch.Tensor:
         """Pool slots ``(b, h, n)`` of row-slots ``idx`` ``(b, h, n)`` (slots past a row's count: block 0)."""
@@ -288,7 +299,6 @@ class PagedStore:
         n = int(self.row_slots.max()) if len(self.blocks) else 0
         if n < self.dense.num_slots:
             self.dense.num_slots = n
-            self._index = None
 
     # ------------------------------------------------------------------ rows
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
@@ -307,7 +317,7 @@ class PagedStore:
         self.blocks += other.blocks
         other.blocks = []
         self.row_slots = torch.cat([self.row_slots, other.row_slots])
-        self._index = None
+        self._changed()
 
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
     def select_rows(self, keep: torch.Tensor) -> None:
@@ -320,13 +330,14 @@ class PagedStore:
         self.dense.map_batch(lambda t: t.index_select(0, keep))
         self.row_slots = self.row_slots.index_select(0, keep)
         self.trim()
-        self._index = None
+        self._changed()
 
     def release(self) -> None:
         """Return every block to the pool (the cache is dropped)."""
         for blocks in self.blocks:
             self.pool.release(blocks)
         self.blocks = [[] for _ in self.blocks]
+        self._changed()
 
     def retype(self, name: str, dtype: torch.dtype) -> None:
         self.dense.retype(name, dtype)
