@@ -51,10 +51,14 @@ import torch
 from replica.metrics import NullMetrics
 from replica.sampling import pick_tokens, score_prompt
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
-from scissorhands import make_cache
+from scissorhands import budget_from_ratio, make_cache
 from scissorhands.batching import merge_rows, row_positions, select_rows, sequence_slot_bytes
 from scissorhands.checks import check_int
 from scissorhands.paged import BlockPool, release_cache
+
+# The budget of the cache an engine under `budget: per_request` builds once, only to validate its policy parameters
+# and measure the bytes of one slot (which do not depend on B); every request's cache gets the request's own B.
+PROBE_BUDGET_TOKENS = 1024
 
 __all__ = ["ContinuousBatchingEngine", "EngineLoop", "device_memory_bytes", "full_batch_kv_limit_bytes"]
 
@@ -80,6 +84,7 @@ class _Seq:
     result: GenerationResult
     on_done: Callable[[GenerationResult], None]
     final_slots: int
+    budget_tokens: int | None  # this sequence's B (its own under `budget: per_request`), None for full
     held_slots: int = 0  # tokens the row holds in the cache now (for the prefill-time bound)
     on_token: Callable[[int, float], None] | None = None
     generator: torch.Generator | None = None  # this request's sampling draws (temperature > 0)
@@ -130,6 +135,7 @@ class ContinuousBatchingEngine:
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.device = next(model.parameters()).device
         self.budget_tokens = config.resolved_budget_tokens()
+        self.per_request = config.budget == "per_request"
         self._cache_kwargs: dict[str, Any] = dict(config.policy_params)
         # slots every row's buffers preallocate: B (budgeted), the workload's longest sequence (full,
         # when max_length_tokens is given), or None (full: buffers grow with the longest row)
@@ -140,6 +146,8 @@ class ContinuousBatchingEngine:
             # max_length = B: every layer preallocates B slots per row, so decode tokens are written in
             # place; a sequence then holds B slots from its prefill on (its bytes, known in advance)
             self._cache_kwargs.update(budget_tokens=self.budget_tokens, max_length=self.budget_tokens)
+        elif self.per_request:  # each group's cache gets its requests' B; this one only validates and measures
+            self._cache_kwargs.update(budget_tokens=PROBE_BUDGET_TOKENS, max_length=PROBE_BUDGET_TOKENS)
         make_cache(config.policy, model, **self._cache_kwargs)  # validate now, not at the first request
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(text_config.num_hidden_layers)
@@ -170,23 +178,32 @@ class ContinuousBatchingEngine:
         self.reset_stats()
 
     # ------------------------------------------------------------------ accounting
+    def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
+        """A request's B: its own ``ceil((prompt + max_new) / ratio)`` under ``budget: per_request``, else
+        the engine's fixed B (None for a policy that keeps every token)."""
+        if self.per_request:
+            return budget_from_ratio(prompt_tokens + max_new_tokens, self.config.compression_ratio)
+        return self.budget_tokens
+
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Slots a sequence's row needs at most: ``B`` (budgeted), else ``prompt + max_new - 1`` or the
         preallocated ``max_length_tokens``, whichever is larger."""
-        if self.budget_tokens is not None:
-            return self.budget_tokens
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        if budget is not None:
+            return budget
         return max(prompt_tokens + max_new_tokens - 1, self.row_capacity or 0)
 
-    def _prefill_slots(self, prompt_tokens: int) -> int:
+    def _prefill_slots(self, prompt_tokens: int, budget: int | None = None) -> int:
         """Slots one row holds per layer after its prefill (the preallocated capacity, or the prompt)."""
-        if self.budget_tokens is not None:
-            return self.budget_tokens
+        budget = budget if budget is not None else self.budget_tokens
+        if budget is not None:
+            return budget
         return max(prompt_tokens, self.row_capacity or 0)
 
-    def prefill_peak_bytes(self, rows: int, prompt_tokens: int) -> int:
+    def prefill_peak_bytes(self, rows: int, prompt_tokens: int, budget: int | None = None) -> int:
         """Peak bytes of a prefill cache of `rows` prompts of `prompt_tokens` (all layers): the layers
         before the current one hold their compressed slots, the current one the whole prompt."""
-        kept = self._prefill_slots(prompt_tokens)
+        kept = self._prefill_slots(prompt_tokens, budget)
         layer_slots = (self.num_layers - 1) * kept + max(prompt_tokens, kept)
         return math.ceil(rows * layer_slots * self.slot_bytes / self.num_layers)
 
@@ -201,10 +218,11 @@ class ContinuousBatchingEngine:
             return cap
         per_row = self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes
         n = min(cap, self.kv_memory_limit_bytes // per_row)
-        kept = self._prefill_slots(prompt_tokens)
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        kept = self._prefill_slots(prompt_tokens, budget)
         while (
             n > 0
-            and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens)
+            and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens, budget)
             > self.kv_memory_limit_bytes
         ):
             n -= 1  # the last one's prefill, next to the others' prompts, must fit too
@@ -214,17 +232,20 @@ class ContinuousBatchingEngine:
     def _blocks(self, slots: int) -> int:
         return -(-slots // self.config.block_tokens)
 
-    def _kept_slots(self, tokens: int) -> int:
-        return tokens if self.budget_tokens is None else min(tokens, self.budget_tokens)
+    @staticmethod
+    def _kept_slots(tokens: int, budget: int | None) -> int:
+        return tokens if budget is None else min(tokens, budget)
 
-    def prefill_peak_blocks(self, prompt_tokens: int) -> int:
+    def prefill_peak_blocks(self, prompt_tokens: int, budget: int | None) -> int:
         """Blocks one row's prefill of `prompt_tokens` holds at its peak, all layers: the layers before the
         current one their kept slots, the current one the whole prompt (paged layout)."""
-        return (self.num_layers - 1) * self._blocks(self._kept_slots(prompt_tokens)) + self._blocks(prompt_tokens)
+        kept = self._kept_slots(prompt_tokens, budget)
+        return (self.num_layers - 1) * self._blocks(kept) + self._blocks(prompt_tokens)
 
     def final_blocks(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Blocks a row holds at its end, all layers (paged layout): what it needs to finish alone."""
-        return self.num_layers * self._blocks(self._kept_slots(prompt_tokens + max_new_tokens - 1))
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        return self.num_layers * self._blocks(self._kept_slots(prompt_tokens + max_new_tokens - 1, budget))
 
     def _growing_rows(self) -> list[int]:
         """Running rows that take a block at their next decode step (a budgeted row at its budget evicts
@@ -235,8 +256,8 @@ class ContinuousBatchingEngine:
         bt = self.config.block_tokens
         return [
             i
-            for i, (n, blocks) in enumerate(zip(store.row_slots.tolist(), store.blocks))
-            if self._kept_slots(n + 1) > len(blocks) * bt
+            for i, (seq, n, blocks) in enumerate(zip(self._running, store.row_slots.tolist(), store.blocks))
+            if self._kept_slots(n + 1, seq.budget_tokens) > len(blocks) * bt
         ]
 
     def _make_room_for_decode(self) -> None:
@@ -279,6 +300,7 @@ class ContinuousBatchingEngine:
             result,
             on_done,
             self.final_slots(len(request.prompt_ids), request.max_new_tokens),
+            self.budget_of(len(request.prompt_ids), request.max_new_tokens),
             on_token=on_token,
         )
         with self._lock:
@@ -357,7 +379,8 @@ class ContinuousBatchingEngine:
         return {
             "replica_id": self.replica_id,
             "policy": self.config.policy,
-            "budget_tokens": self.budget_tokens,
+            "budget_tokens": self.budget_tokens,  # None under budget: per_request (each request its own)
+            "budget": self.config.budget,
             "slot_bytes": self.slot_bytes,
             "kv_memory_limit_bytes": self.kv_memory_limit_bytes,
             "running_sequences": len(self._running),
@@ -403,14 +426,15 @@ class ContinuousBatchingEngine:
                 seq = self._queue[0]
                 n_prompt = len(seq.request.prompt_ids)
                 if limit is not None and (
-                    self.batch_bytes_bound([seq.final_slots]) > limit or self.prefill_peak_bytes(1, n_prompt) > limit
+                    self.batch_bytes_bound([seq.final_slots]) > limit
+                    or self.prefill_peak_bytes(1, n_prompt, seq.budget_tokens) > limit
                 ):
                     self._queue.popleft()
                     self._fail(seq, "rejected", f"request needs more than the KV memory limit ({limit} bytes) alone")
                     continue
                 if groups and prefill_tokens + n_prompt > self.config.max_prefill_tokens:
                     break  # enough prefill for this step; running rows decode first
-                same = bool(groups) and len(groups[-1][0].request.prompt_ids) == n_prompt
+                same = bool(groups) and self._same_group(groups[-1][0], seq)
                 if limit is not None:
                     if self.batch_bytes_bound(finals + [seq.final_slots]) > limit:
                         break  # steady state would not fit: wait for rows to finish
@@ -419,13 +443,15 @@ class ContinuousBatchingEngine:
                     if (
                         same
                         and self.batch_bytes_bound(held + group_held[: -len(groups[-1])])
-                        + self.prefill_peak_bytes(len(groups[-1]) + 1, n_prompt)
+                        + self.prefill_peak_bytes(len(groups[-1]) + 1, n_prompt, seq.budget_tokens)
                         > limit
                     ):
                         same = False
                     if (
                         not same
-                        and self.batch_bytes_bound(held + group_held) + self.prefill_peak_bytes(1, n_prompt) > limit
+                        and self.batch_bytes_bound(held + group_held)
+                        + self.prefill_peak_bytes(1, n_prompt, seq.budget_tokens)
+                        > limit
                     ):
                         break
                 self._queue.popleft()
@@ -434,7 +460,7 @@ class ContinuousBatchingEngine:
                 else:
                     groups.append([seq])
                 finals.append(seq.final_slots)
-                group_held.append(self._prefill_slots(n_prompt))
+                group_held.append(self._prefill_slots(n_prompt, seq.budget_tokens))
                 prefill_tokens += n_prompt
         return groups
 
@@ -453,19 +479,17 @@ class ContinuousBatchingEngine:
                 n = len(seq.prefill_ids())
                 req = seq.request
                 usable = self.pool.usable_blocks
-                if (
-                    self.final_blocks(len(req.prompt_ids), req.max_new_tokens) > usable
-                    or self.prefill_peak_blocks(n) > usable
-                ):
+                peak = self.prefill_peak_blocks(n, seq.budget_tokens)
+                if self.final_blocks(len(req.prompt_ids), req.max_new_tokens) > usable or peak > usable:
                     self._queue.popleft()
                     self._fail(seq, "rejected", f"request needs more than the KV block pool ({usable} blocks) alone")
                     continue
                 if groups and prefill_tokens + n > self.config.max_prefill_tokens:
                     break  # enough prefill for this step; running rows decode first
-                peak, steady = self.prefill_peak_blocks(n), self.num_layers * self._blocks(self._kept_slots(n))
+                steady = self.num_layers * self._blocks(self._kept_slots(n, seq.budget_tokens))
                 if (
                     groups
-                    and len(groups[-1][0].prefill_ids()) == n
+                    and self._same_group(groups[-1][0], seq)
                     and before_last + (len(groups[-1]) + 1) * peak <= free
                 ):
                     groups[-1].append(seq)  # prefilled with the last group: its rows peak together
@@ -527,10 +551,21 @@ class ContinuousBatchingEngine:
         raise RuntimeError(f"engine still busy after {max_steps} steps")
 
     # ------------------------------------------------------------------ phases
-    def _new_cache(self, paged: bool = True):
-        """A cache of the engine's policy, in its block pool (paged layout) unless `paged` is False."""
+    @staticmethod
+    def _same_group(a: _Seq, b: _Seq) -> bool:
+        """Whether two requests prefill in one call: the same length fed and the same budget."""
+        return len(a.prefill_ids()) == len(b.prefill_ids()) and a.budget_tokens == b.budget_tokens
+
+    def _new_cache(self, group: list[_Seq], paged: bool = True):
+        """A cache for `group`'s rows (one budget), in the block pool (paged layout) unless `paged` is False."""
         pool = self.pool if paged else None
-        return make_cache(self.config.policy, self.model, pool=pool, **self._cache_kwargs)
+        if not self.per_request:
+            return make_cache(self.config.policy, self.model, pool=pool, **self._cache_kwargs)
+        budget = group[0].budget_tokens
+        kwargs = {**self._cache_kwargs, "budget_tokens": budget, "max_length": budget}
+        cache = make_cache(self.config.policy, self.model, pool=pool, **kwargs)
+        cache.set_row_budgets([budget] * len(group))  # rows of other budgets merge into one batch
+        return cache
 
     def _prefill(self, group: list[_Seq]) -> None:
         """Forward the prompts of `group` (equal lengths) into a fresh cache; merge the rows that go on."""
@@ -541,7 +576,7 @@ class ContinuousBatchingEngine:
         t0 = time.perf_counter()
         cache = None
         try:
-            cache = self._new_cache()
+            cache = self._new_cache(group)
             with torch.inference_mode():
                 out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
                 first = pick_tokens(out.logits[:, -1, :], group, self.eos_token_id)  # (n, 1)
@@ -562,7 +597,7 @@ class ContinuousBatchingEngine:
         self._track_bytes(cache.peak_kv_cache_bytes)
         keep = []
         for i, (seq, tok) in enumerate(zip(group, tokens)):
-            seq.held_slots = self._prefill_slots(len(seq.request.prompt_ids))
+            seq.held_slots = self._prefill_slots(len(seq.request.prompt_ids), seq.budget_tokens)
             if not self._emit(seq, tok, t):
                 keep.append(i)
         if not keep:
@@ -629,7 +664,7 @@ class ContinuousBatchingEngine:
             return False
         try:
             lps, tops = score_prompt(
-                self.model, self._new_cache(paged=False), req.prompt_ids, req.prompt_logprobs, self.device
+                self.model, self._new_cache([seq], paged=False), req.prompt_ids, req.prompt_logprobs, self.device
             )
         except Exception as e:  # noqa: BLE001 - reported on this request only
             self._fail_all([seq], e)

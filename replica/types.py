@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 KV_LAYOUTS = ("preallocated", "paged")
+BUDGETS = ("fixed", "per_request")
 _COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch")
 
 
@@ -55,6 +56,10 @@ class EngineConfig(FrozenConfig):
             taken as sequences grow, newest sequence preempted and recomputed when it runs out, as vLLM;
             `scissorhands.paged`); paged needs `kv_memory_limit_bytes` or `kv_memory_fraction`.
         block_tokens: slots per block of the paged layout (per KV head).
+        budget: ``"fixed"`` (every sequence gets B from `budget_tokens`, or from `compression_ratio` of
+            `max_length_tokens`) or ``"per_request"`` (each request ``B_i = ceil((prompt_i + max_new_i) / ratio)``:
+            a short request does not reserve the longest one's budget); per_request needs `compression_ratio`
+            and a policy that evicts, and takes no `budget_tokens`.
         max_prefill_tokens: most prompt tokens prefilled in one step (bounds the stall of running
             sequences and a prefill's activation memory); a longer single prompt is still
             prefilled, alone. The default keeps up to 4 prompts of 1,024 tokens in one prefill, where
@@ -77,6 +82,7 @@ class EngineConfig(FrozenConfig):
     max_batch: int | None = None
     max_prefill_tokens: int = 4096
     kv_layout: str = "preallocated"
+    budget: str = "fixed"
     block_tokens: int = 16
 
     @field_validator("policy", mode="before")
@@ -106,6 +112,13 @@ class EngineConfig(FrozenConfig):
             raise ValueError(f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {value!r}")
         return value
 
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget_kind(cls, value: Any) -> str:
+        if value not in BUDGETS:
+            raise ValueError(f"budget: expected one of {', '.join(BUDGETS)}, got {value!r}")
+        return value
+
     @field_validator("max_prefill_tokens", "block_tokens", mode="before")
     @classmethod
     def _count(cls, value: Any, info) -> int:
@@ -131,7 +144,15 @@ class EngineConfig(FrozenConfig):
             raise ValueError(
                 "kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes or kv_memory_fraction; give one"
             )
-        if POLICIES[self.policy].evicts:
+        if self.budget == "per_request":
+            if not POLICIES[self.policy].evicts:
+                raise ValueError(f"budget: 'per_request' needs a policy that evicts; {self.policy!r} keeps every token")
+            if self.budget_tokens is not None or self.compression_ratio is None:
+                raise ValueError(
+                    "budget: 'per_request' computes each request's budget from compression_ratio; give "
+                    "compression_ratio and no budget_tokens"
+                )
+        elif POLICIES[self.policy].evicts:
             need_one_of(self, "budget_tokens", "compression_ratio", what=f"policy {self.policy!r} needs one of them")
             if self.budget_tokens is None and self.max_length_tokens is None:
                 raise ValueError(
@@ -142,7 +163,7 @@ class EngineConfig(FrozenConfig):
 
     def resolved_budget_tokens(self) -> int | None:
         """B, slots per KV head per sequence (None for a policy that never evicts)."""
-        if not POLICIES[self.policy].evicts:
+        if not POLICIES[self.policy].evicts or self.budget == "per_request":
             return None
         if self.budget_tokens is not None:
             return self.budget_tokens

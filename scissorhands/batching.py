@@ -32,7 +32,8 @@ __all__ = ["merge_rows", "select_rows", "row_positions", "physical_slots", "sequ
 def _check_compatible(a: BudgetedCache, b: BudgetedCache) -> None:
     if type(a.policy) is not type(b.policy) or a.policy != b.policy:
         raise ValueError(f"cannot merge caches of different policies: {a.policy!r} and {b.policy!r}")
-    if a.policy.evicts and a.budget.tokens != b.budget.tokens:
+    per_row = a.layers[0].row_budget is not None and b.layers[0].row_budget is not None
+    if a.policy.evicts and not per_row and a.budget.tokens != b.budget.tokens:
         raise ValueError(f"cannot merge caches of different budgets: {a.budget.tokens} and {b.budget.tokens} tokens")
     if len(a.layers) != len(b.layers) or a.simulate != b.simulate:
         raise ValueError("cannot merge caches of different models (layer count) or simulation modes")

@@ -72,6 +72,12 @@ from .attention import (
 from .policies.base import Policy
 from .storage import DenseKV, SlotStore
 
+
+def min_budget(tokens) -> int:
+    """The smallest budget of ``tokens`` (an int, or a ``(batch_size,)`` tensor of per-row budgets)."""
+    return tokens if isinstance(tokens, int) else int(tokens.min())
+
+
 PAD = -1
 EVICTED = -2
 INT16_MAX_TIME = torch.iinfo(torch.int16).max  # largest token index an int16 slot time holds
@@ -165,6 +171,11 @@ class BudgetedLayer(CacheLayerMixin):
         self.pad_tokens: torch.Tensor | None = None  # (batch_size,) int64 padding tokens seen per sequence
         self.row_time: torch.Tensor | None = None  # (batch_size,) int64 per-row clocks, or None (shared)
         self.evicted_tokens = 0  # tokens evicted so far, summed over sequences
+        # per-sequence budgets (BudgetedCache.set_row_budgets), (batch_size,) int64 each, or None: every row has
+        # the shared budget; a row's recent window and drop size are its own budget's
+        self.row_budget: torch.Tensor | None = None
+        self.row_recent: torch.Tensor | None = None
+        self.row_drop: torch.Tensor | None = None
         self._pending_q: int | None = None
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
         # False only while no slot time is negative (no padding, filler or evicted slot): attention then
@@ -217,6 +228,12 @@ class BudgetedLayer(CacheLayerMixin):
         self.kv_dims = (d, value_states.shape[-1])  # head_dim of keys and of values, as computed
         self.held = torch.zeros(b, dtype=torch.int64, device=self.device)
         self.pad_tokens = torch.zeros(b, dtype=torch.int64, device=self.device)
+        if self.row_budget is not None:
+            if self.row_budget.shape[0] != b:
+                raise ValueError(f"set_row_budgets gave {self.row_budget.shape[0]} budgets for a batch of {b} rows")
+            self.row_budget, self.row_recent, self.row_drop = (
+                t.to(self.device) for t in (self.row_budget, self.row_recent, self.row_drop)
+            )
         self.is_initialized = True
 
     @property
@@ -227,7 +244,7 @@ class BudgetedLayer(CacheLayerMixin):
         """Slots to allocate when ``needed`` slots must fit (see the module docstring)."""
         target = self.budget.max_length or 0
         if self._compacts and target:
-            target = min(target, self.budget.tokens)
+            target = min(target, self.budget_capacity())
         return max(needed, target)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -252,7 +269,10 @@ class BudgetedLayer(CacheLayerMixin):
         if self.policy.evicts:
             budget = self.budget.resolve(self.tokens_seen + q)
             if q == 1:  # Algorithm 1: full -> drop m, then append
-                self.evict(torch.where(self.held >= budget, self.budget.drop_tokens, 0))
+                if self.row_budget is None:
+                    self.evict(torch.where(self.held >= budget, self.budget.drop_tokens, 0))
+                else:
+                    self.evict(torch.where(self.held >= self.row_budget, self.row_drop, 0))
         # slot times, broadcast over heads (and rows) by the store's write: a decode call writes the clock
         # itself (a Python int or a (b, 1, 1) view, no arange: a few small ops fewer per layer and step)
         if q == 1:
@@ -374,7 +394,7 @@ class BudgetedLayer(CacheLayerMixin):
             else:
                 out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], keys, values, visible, scaling, t0 + s)
         if self.policy.evicts:  # prompt / chunk: compress to B
-            self.evict((self.held - self.budget.tokens).clamp(min=0))
+            self.evict((self.held - self.row_tokens()).clamp(min=0))
         return out.transpose(1, 2).contiguous()
 
     @staticmethod
@@ -455,10 +475,10 @@ class BudgetedLayer(CacheLayerMixin):
         st = self.slot_time
         valid = st >= 0  # (b, h, S)
         score = self.policy.keep_score(
-            self.state, self.token_index(), layer_idx=self.layer_idx, budget_tokens=self.budget.tokens
+            self.state, self.token_index(), layer_idx=self.layer_idx, budget_tokens=int(min_budget(self.row_tokens()))
         ).masked_fill(~valid, float("inf"))
-        r = self.budget.recent_window
-        if r:
+        r = self.budget.recent_window if self.row_budget is None else self.row_recent[:, None, None]
+        if self.row_budget is not None or r:
             newer = valid.flip(-1).cumsum(-1).flip(-1)  # tokens at or after the slot
             score = score.masked_fill(valid & (newer <= r), float("inf"))
         order = torch.sort(score, dim=-1, stable=True).indices  # lowest keep score first
@@ -481,15 +501,39 @@ class BudgetedLayer(CacheLayerMixin):
         key = valid.to(torch.int64) * n + torch.arange(n, device=self.device)  # tokens first, then filler
         idx = key.topk(n_keep, dim=-1).indices.sort(dim=-1).values  # (b, h, n_keep) time order
         # keep the budget allocated when evicting (the next tokens refill it in place); else what is kept
-        self.store.gather(idx, self.budget.tokens if self._compacts else n_keep)
+        self.store.gather(idx, self.budget_capacity() if self._compacts else n_keep)
+
+    # ------------------------------------------------------------------ per-sequence budgets
+    def row_tokens(self) -> torch.Tensor | int:
+        """Each row's budget: ``(batch_size,)`` int64 under per-sequence budgets, else the shared ``B``."""
+        return self.budget.tokens if self.row_budget is None else self.row_budget
+
+    def budget_capacity(self) -> int:
+        """Slots a row's buffers keep after an eviction: the largest budget of any row."""
+        return self.budget.tokens if self.row_budget is None else int(self.row_budget.max())
+
+    def _map_rows(self, fn) -> None:
+        """Apply a batch-dim operation to every per-row tensor (counters, clocks, budgets)."""
+        self.held, self.pad_tokens = fn(self.held), fn(self.pad_tokens)
+        for name in ("row_time", "row_budget", "row_recent", "row_drop"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def _cat_rows(self, other: "BudgetedLayer") -> None:
+        """Append ``other``'s per-row tensors after this layer's (both or neither with per-row budgets)."""
+        if (self.row_budget is None) != (other.row_budget is None):
+            raise ValueError("cannot merge rows with per-sequence budgets and rows with the shared budget")
+        for name in ("held", "pad_tokens", "row_time", "row_budget", "row_recent", "row_drop"):
+            if getattr(self, name) is not None:
+                setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
+        self.evicted_tokens += other.evicted_tokens
 
     # ------------------------------------------------------------------ transformers API
     def _map_batch(self, fn) -> None:
         if self.is_initialized:
             self.store.map_batch(fn)
-            self.held, self.pad_tokens = fn(self.held), fn(self.pad_tokens)
-            if self.row_time is not None:
-                self.row_time = fn(self.row_time)
+            self._map_rows(fn)
 
     # ------------------------------------------------------------------ rows (continuous batching)
     @property
@@ -516,11 +560,7 @@ class BudgetedLayer(CacheLayerMixin):
         other.prepend_filler_slots(n - other.num_slots)
         self.store.concat_rows(other.store)
         self._maybe_masked = self._maybe_masked or other._maybe_masked
-        self.held = torch.cat([self.held, other.held])  # (b_a + b_b,)
-        self.pad_tokens = torch.cat([self.pad_tokens, other.pad_tokens])
-        self.row_time = torch.cat([self.row_time, other.row_time])
-        self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
-        self.evicted_tokens += other.evicted_tokens
+        self._cat_rows(other)  # (b_a + b_b,) counters, clocks and budgets
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: reorder keys, values, slot times, every per-slot statistic and the counters."""
@@ -552,6 +592,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.store = SlotStore()
         self.is_initialized = False
         self.held = self.pad_tokens = self.row_time = None
+        self.row_budget = self.row_recent = self.row_drop = None
         self.tokens_seen = self.evicted_tokens = 0
         self._pending_q = None
         self._kv = None
@@ -632,6 +673,28 @@ class BudgetedCache(Cache):
     def budget_tokens(self) -> int | None:
         """Slots per KV head actually used (``None`` for ``full``; resolved at the first call)."""
         return self.budget.tokens if self.policy.evicts else None
+
+    def set_row_budgets(self, budgets: list[int]) -> None:
+        """Give each row of the first call its own budget ``budgets[i]`` (slots per KV head), with the recent
+        window and drop size its policy resolves for that budget; call it before the first forward. Rows keep
+        their budgets through merges and removals (``scissorhands.batching``).
+
+        Raises:
+            ValueError: the policy does not evict, a budget below 1 or too small for the policy's recent
+                window (``Policy.resolve``), or the cache has already seen tokens.
+        """
+        if not self.policy.evicts:
+            raise ValueError(f"policy {self.policy.name!r} keeps every token: it takes no per-sequence budget")
+        if self.layers[0].is_initialized:
+            raise ValueError("set_row_budgets must be called before the cache's first forward call")
+        resolved = []
+        for b in budgets:
+            if not isinstance(b, int) or b < 1:
+                raise ValueError(f"budget_tokens must be an integer >= 1, got {b!r}")
+            resolved.append((b, *self.policy.resolve(b)))
+        columns = [torch.tensor(c, dtype=torch.int64) for c in zip(*resolved)]
+        for layer in self.layers:
+            layer.row_budget, layer.row_recent, layer.row_drop = columns
 
     def kv_cache_bytes(self) -> int:
         """Bytes of every tensor the cache holds now, bookkeeping included."""

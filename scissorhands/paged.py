@@ -261,17 +261,19 @@ class PagedStore:
             st.masked_fill_(past[:, None, :], PAD)
 
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
-    def compact(self, idx: torch.Tensor, row_slots: torch.Tensor, keep_slots: int) -> None:
+    def compact(self, idx: torch.Tensor, row_slots: torch.Tensor, keep_slots) -> None:
         """Keep slots ``idx`` ``(batch_size, num_kv_heads, n_keep)`` (each row's own first, in order) as the
         rows' slots ``0 .. row_slots[i] - 1``; a row keeps blocks for ``max(row_slots[i], keep_slots)``
-        slots (at most what it has) and returns the rest."""
+        slots (at most what it has; ``keep_slots`` an int or a ``(batch_size,)`` tensor: its budget) and
+        returns the rest."""
         b, h, n_keep = idx.shape
         kept = torch.arange(n_keep, device=idx.device)[None, :] < row_slots[:, None]  # (b, n_keep)
         src_slots = self._addresses_all(idx)  # (b, h, n_keep) pool slots of the kept slots
         self.row_slots = row_slots.clone()
         bt = self.pool.block_tokens
+        keep = keep_slots.tolist() if isinstance(keep_slots, torch.Tensor) else [keep_slots] * b
         for i, blocks in enumerate(self.blocks):  # return blocks a row no longer needs
-            need = min(len(blocks), max(-(-int(row_slots[i]) // bt), -(-keep_slots // bt)))
+            need = min(len(blocks), max(-(-int(row_slots[i]) // bt), -(-keep[i] // bt)))
             if need < len(blocks):
                 self.pool.release(blocks[need:])
                 del blocks[need:]
@@ -286,7 +288,7 @@ class PagedStore:
             flat = buf.view(-1, *buf.shape[2:])
             moved = flat.index_select(0, src.reshape(-1))  # read every kept slot before any write
             flat.index_copy_(0, dst.reshape(-1), moved)
-        self.dense.gather(idx, max(keep_slots, n_keep))
+        self.dense.gather(idx, max(max(keep), n_keep))
         self._pad_tail()
 
     def _addresses_all(self, idx: torch.Tensor) -> torch.Tensor:
@@ -395,7 +397,7 @@ class PagedLayer(BudgetedLayer):
             return
         key = (~valid).to(torch.int64) * n + torch.arange(n, device=self.device)  # valid first, in time order
         idx = key.sort(dim=-1).indices[..., :n_keep]  # (b, h, n_keep)
-        self.store.compact(idx, self.held.clone(), self.budget.tokens if self._compacts else 0)
+        self.store.compact(idx, self.held.clone(), self.row_tokens() if self._compacts else 0)
 
     def append_rows(self, other: "PagedLayer") -> None:
         for layer, peer in ((self, other), (other, self)):  # widen int16 slot times to match
@@ -403,19 +405,13 @@ class PagedLayer(BudgetedLayer):
                 layer.store.retype("slot_time", peer.store.buffers["slot_time"].dtype)
         self.store.concat_rows(other.store)
         self._maybe_masked = True  # rows of different lengths: padding past the shorter ones
-        self.held = torch.cat([self.held, other.held])
-        self.pad_tokens = torch.cat([self.pad_tokens, other.pad_tokens])
-        self.row_time = torch.cat([self.row_time, other.row_time])
-        self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
-        self.evicted_tokens += other.evicted_tokens
+        self._cat_rows(other)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
         self.store.select_rows(indices)
-        self.held, self.pad_tokens = self.held[indices], self.pad_tokens[indices]
-        if self.row_time is not None:
-            self.row_time = self.row_time[indices]
+        self._map_rows(lambda t: t[indices])
 
     def release(self) -> None:
         """Return this layer's blocks to the pool."""

@@ -108,3 +108,40 @@ def test_paged_config_errors_name_the_field(kw, field):
 def test_a_pool_smaller_than_one_block_per_layer_is_refused(model):
     with pytest.raises(ValueError, match="kv_memory_limit_bytes: .* at least one block per layer"):
         ContinuousBatchingEngine(model, EngineConfig(kv_layout="paged", kv_memory_limit_bytes=100, block_tokens=16))
+
+
+@pytest.mark.parametrize(
+    "layout", [{}, dict(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4)], ids=["preallocated", "paged"]
+)
+def test_per_request_budgets_give_each_request_its_own_ceil_of_length_over_ratio(model, layout):
+    """Under budget: per_request, every request runs as it would alone with B = ceil((prompt + max_new) / 2)."""
+    params = dict(history_window=4, count_chunk_steps=2)
+    cfg = EngineConfig(policy="scissorhands", compression_ratio=2, budget="per_request", policy_params=params, **layout)
+    requests = _requests(8, seed=3)
+    got, engine = _serve(model, cfg, requests)
+    assert engine.stats()["budget"] == "per_request" and engine.budget_tokens is None
+    for r in requests:
+        budget = -(-(len(r.prompt_ids) + r.max_new_tokens) // 2)
+        assert engine.budget_of(len(r.prompt_ids), r.max_new_tokens) == budget
+        alone, _ = _serve(model, EngineConfig(policy="scissorhands", budget_tokens=budget, policy_params=params), [r])
+        assert got[r.request_id].output_ids == alone[r.request_id].output_ids, r.request_id
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            dict(policy="full", budget="per_request", compression_ratio=2),
+            "budget: 'per_request' needs a policy that evicts",
+        ),
+        (dict(policy="h2o", budget="per_request", budget_tokens=8), "give compression_ratio and no budget_tokens"),
+        (dict(policy="h2o", budget="per_request"), "give compression_ratio and no budget_tokens"),
+        (
+            dict(policy="h2o", budget="each", compression_ratio=2, max_length_tokens=64),
+            "budget: expected one of fixed, per_request",
+        ),
+    ],
+)
+def test_per_request_budget_errors_name_the_field(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kw)

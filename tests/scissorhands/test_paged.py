@@ -125,3 +125,49 @@ def test_what_the_paged_layout_cannot_do_is_refused_clearly(model):
     mask[0, :3] = 0
     with pytest.raises(ValueError, match="takes no padded batch"):
         model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["preallocated", "paged"])
+@pytest.mark.parametrize("policy", ["scissorhands", "h2o", "streaming_llm"])
+@torch.inference_mode()
+def test_rows_with_their_own_budgets_compute_what_each_computes_alone(model, policy, paged):
+    """Rows of one batch, budgets 8 and 20 (set_row_budgets), merged and decoded: each row's logits are those of
+    the row run alone with its budget, and each holds at most its own budget."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (1, n), generator=g) for n in (30, 12)]
+    budgets = [8, 20]
+    params = dict(history_window=4, count_chunk_steps=2) if policy == "scissorhands" else {}
+    pool = BlockPool(100, 4) if paged else None
+
+    def alone(i):
+        cache = make_cache(policy, model, budget_tokens=budgets[i], **params)
+        out = [model(input_ids=prompts[i], cache=cache, use_cache=True).logits[0, -1]]
+        for _ in range(25):
+            out.append(model(input_ids=out[-1].argmax()[None, None], cache=cache, use_cache=True).logits[0, -1])
+        return out
+
+    caches = []
+    logits = []
+    for i in range(2):
+        cache = make_cache(policy, model, pool=pool, budget_tokens=max(budgets), **params)
+        cache.set_row_budgets([budgets[i]])
+        logits.append(model(input_ids=prompts[i], cache=cache, use_cache=True).logits[:, -1])
+        caches.append(cache)
+    cache = merge_rows(*caches)
+    steps = [torch.cat(logits)]
+    for _ in range(25):
+        nxt = steps[-1].argmax(-1, keepdim=True)
+        steps.append(model(input_ids=nxt, position_ids=row_positions(cache), cache=cache, use_cache=True).logits[:, -1])
+        held = cache.layers[0].held.tolist()
+        assert held[0] <= budgets[0] and held[1] <= budgets[1]
+    for i in range(2):
+        for got, want in zip((s[i] for s in steps), alone(i)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_per_row_budgets_are_checked(model):
+    with pytest.raises(ValueError, match="keeps every token"):
+        make_cache("full", model).set_row_budgets([4])
+    cache = make_cache("h2o", model, budget_tokens=8)
+    with pytest.raises(ValueError, match="budget_tokens must be an integer >= 1, got 0"):
+        cache.set_row_budgets([0])
