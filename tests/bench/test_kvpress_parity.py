@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from bench import kvpress_peer
+from bench import baseline_defaults, kvpress_parity, kvpress_peer
 from bench.kvpress_parity import GOAL_REL, compare, format_table, kept_tokens, main, perplexity_of, score_ours
 from scissorhands.testing import tiny_llama
 
@@ -53,6 +53,31 @@ def test_compare_refuses_sides_that_scored_different_windows():
         compare({"snapkv": [_w(1.0, n=10)]}, {"snapkv": [_w(1.0, n=9)]})
     with pytest.raises(ValueError, match="no tokens scored"):
         perplexity_of([])
+
+
+@pytest.mark.parametrize("tool", [kvpress_parity, baseline_defaults], ids=["kvpress_parity", "baseline_defaults"])
+def test_both_tools_help_gives_defaults_and_run_time(tool, capsys):
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "(default:" in out and "Run time" in out and f"python -m {tool.__name__}" in out
+
+
+def test_baseline_defaults_reads_a_run_as_policy_and_typed_fields():
+    assert baseline_defaults.parse_run("snapkv:kernel_size=1, drop_tokens=1") == (
+        "snapkv",
+        {"kernel_size": 1, "drop_tokens": 1},
+    )
+    assert baseline_defaults.parse_run("scissorhands:threshold=0.5") == ("scissorhands", {"threshold": 0.5})
+    assert baseline_defaults.parse_run("full") == ("full", {})
+    with pytest.raises(ValueError, match="'drop_tokens' in 'h2o:drop_tokens' is not field=value"):
+        baseline_defaults.parse_run("h2o:drop_tokens")
+
+
+def test_parity_refuses_a_missing_peer_interpreter_before_loading_anything(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        kvpress_parity.main(["--peer-python", str(tmp_path / "nope" / "python")])
+    assert e.value.code == 2 and "--peer-python" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
