@@ -212,10 +212,14 @@ class ContinuousBatchingEngine:
         return len(slots) * max(slots, default=0) * self.slot_bytes
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Largest batch of identical requests the memory limit (and `max_batch`) admits at once."""
+        """Largest batch of identical requests the memory limit (and `max_batch`) admits at once: on the paged
+        layout, as many as hold their final blocks together (so none is preempted)."""
         cap = self.config.max_batch or 1 << 30
         if self.kv_memory_limit_bytes is None:
             return cap
+        if self.pool is not None:
+            final = self.final_blocks(prompt_tokens, max_new_tokens)
+            return min(cap, self.pool.usable_blocks // max(final, 1))
         per_row = self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes
         n = min(cap, self.kv_memory_limit_bytes // per_row)
         budget = self.budget_of(prompt_tokens, max_new_tokens)

@@ -93,6 +93,11 @@ def run_point(
             "kv_memory_limit_bytes": next((s.get("kv_memory_limit_bytes") for s in stats if "slot_bytes" in s), None),
             "slot_bytes": next((s.get("slot_bytes") for s in stats if "slot_bytes" in s), None),
             "replicas": getattr(pool, "n", len(stats)),
+            # paged KV layout: sequences preempted when the block pool ran out, and the tokens prefilled again
+            "kv_layout": next((s.get("kv_layout") for s in stats if "kv_layout" in s), None),
+            "preemptions": sum(s.get("preemptions") or 0 for s in stats),
+            "recomputed_tokens": sum(s.get("recomputed_tokens") or 0 for s in stats),
+            "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],
             # requests whose prompt an earlier one of the point already had (0 unless the prompt space is tiny)
             "repeated_prompts": getattr(reqs, "repeats_sent", 0),
         }

@@ -16,6 +16,9 @@ names the load::
     new_tokens: {dist: uniform, min: 16, max: 64}        # output length, as in every suite and record
     kv_memory_limit_bytes: 200000000   # or kv_memory_fraction: 0.5 (of device memory); per replica
     max_batch: 64                 # most running sequences per replica
+    kv_layout: preallocated       # or paged: one block pool of the limit, blocks taken as sequences grow
+    block_tokens: 16              # paged: slots per block
+    budget: fixed                 # or per_request: B_i = ceil((prompt_i + new_i) / ratio) per request
     num_requests: 64              # and/or duration_s; measured requests per point
     warmup_requests: 1
     arrival: poisson              # rate mode: poisson | gamma (with burstiness)
@@ -41,7 +44,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
 from replica.rules import not_both
-from replica.types import EngineConfig
+from replica.types import BUDGETS, KV_LAYOUTS, EngineConfig
+from scissorhands import POLICIES
 from workloads.core.suite import (
     Name,
     NonNegativeInt,
@@ -129,6 +133,11 @@ class ServingSuite(SuiteBase):
     kv_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     max_batch: PositiveInt | None = None
     max_prefill_tokens: PositiveInt = EngineConfig.model_fields["max_prefill_tokens"].default
+    # KV memory: rows reserve their final length (preallocated, the paper's setting) or take blocks as they grow
+    kv_layout: Literal[KV_LAYOUTS] = "preallocated"
+    block_tokens: PositiveInt = EngineConfig.model_fields["block_tokens"].default
+    # budgeted policies: one B for every request (fixed) or B_i = ceil((prompt_i + max_new_i) / ratio)
+    budget: Literal[BUDGETS] = "fixed"
     num_requests: PositiveInt | None = None
     duration_s: PositiveFloat | None = None
     warmup_requests: NonNegativeInt = 1
@@ -197,6 +206,12 @@ class ServingSuite(SuiteBase):
     def _mode_needs(self) -> "ServingSuite":
         self.pattern.check_suite(self, self.mode, **self.pattern_options)
         not_both(self, "kv_memory_limit_bytes", "kv_memory_fraction")
+        if self.kv_layout == "paged" and self.kv_memory_limit_bytes is None and self.kv_memory_fraction is None:
+            raise SuiteError("kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes or kv_memory_fraction")
+        if self.budget == "per_request" and self.budget_tokens:
+            raise SuiteError(
+                "budget: 'per_request' computes each request's budget from compression_ratios; drop budget_tokens"
+            )
         for p in self.points():  # every point's load config must be valid now, not mid-sweep
             self.load_config(p, max_batch=1)
         return self
@@ -262,6 +277,9 @@ class ServingSuite(SuiteBase):
             max_batch=self.max_batch,
             max_prefill_tokens=self.max_prefill_tokens,
             max_length_tokens=self.max_length_tokens,
+            kv_layout=self.kv_layout,
+            block_tokens=self.block_tokens,
+            budget=self.budget if POLICIES[point.policy].evicts else "fixed",
         )
 
     def workload_seed(self, point: ServingPoint) -> int:
