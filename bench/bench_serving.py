@@ -1,15 +1,21 @@
-"""`make bench-serving`: the paper's throughput claim on one replica, measured side by side in one run.
+"""`make bench-serving`: the paper's throughput claim on one replica, against the engine people serve with.
 
-1. Max batch under one KV memory limit that fits `--full-batch` full-cache sequences: Scissorhands at `--ratio`
-   against the full cache, each at its own largest batch, output tokens/s (goal >= 3x).
+1. Under one KV memory limit (`--full-batch` preallocated full-cache sequences of `--prompt-tokens` +
+   `--new-tokens`), the same requests for every row, on two workloads: (a) every request of those lengths;
+   (b) a length mix (prompts uniform in [P/4, P], outputs log-uniform in [16, N]: most requests end far before
+   the longest, as serving traffic does; a synthetic spread, not a trace). Rows: the paged full cache (the
+   denominator of the headline), the preallocated full cache (the paper's setting and the older
+   denominator), Scissorhands x`--ratio` paged with per-request budgets, the same with 4-bit storage,
+   Scissorhands x1 on the paged engine (what the engine alone changes), and Scissorhands x`--ratio`
+   preallocated with one budget (the older row). Output tokens/s, each row over its own steps.
 2. Our engine against transformers' `generate`, both with the full cache, on one serving mix (goal >= 1.3x).
 
-Why interleaved step by step: the drift of a shared machine's speed over minutes falls on both runs alike. What
-each part runs and how its tokens/s are counted: docs/performance.md, "How the bench tools measure". Part 1's
-table is written to `--out` (bench.md, bench.json) as soon as it ends; part 2 rewrites both with every row.
+Why interleaved step by step: the drift of a shared machine's speed over minutes falls on every run alike. What
+each part runs and how its tokens/s are counted: docs/performance.md, "How the bench tools measure". Each
+workload's table is written to `--out` (bench.md, bench.json) as soon as it ends.
 
     python -m bench.bench_serving [--prompt-tokens 1024] [--new-tokens 1024] [--full-batch 4] [--ratio 5]
-                                  [--generate-new-tokens 512]
+                                  [--requests 24] [--workloads equal,mix] [--generate-new-tokens 512]
 """
 
 from __future__ import annotations
@@ -40,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=1024, help="output tokens per request of part 1")
     p.add_argument("--full-batch", type=int, default=4, help="full-cache sequences the KV limit holds")
     p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands compression ratio")
+    p.add_argument("--requests", type=int, default=None, help="requests of each part 1 workload (None: 6 x full batch)")
+    p.add_argument("--workloads", default="equal,mix", help="part 1 workloads, comma-separated: equal, mix")
+    p.add_argument("--block-tokens", type=int, default=16, help="slots per block of the paged rows")
     p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (None: 4 x full batch)")
     p.add_argument("--generate-new-tokens", type=int, default=512, help="longest output of part 2's serving mix")
     p.add_argument("--skip-generate", action="store_true", help="run part 1 only (no engine vs generate)")
@@ -53,7 +62,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
     p.add_argument("--out", default="results/bench-serving", help="folder for bench.json and bench.md")
     args = p.parse_args(argv)
-    for name in ("prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens"):
+    args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if not args.workloads or any(w not in WORKLOADS for w in args.workloads):
+        p.error(
+            f"--workloads: expected a comma-separated list of {', '.join(WORKLOADS)}, got {','.join(args.workloads)!r}"
+        )
+    if args.requests is None:
+        args.requests = 6 * args.full_batch
+    for name in ("prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens", "requests", "block_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
@@ -93,6 +109,47 @@ def _part2(model, tokenizer, vocab, args, b, limit):
     return gen, eng, same, ratio_engine, m, lengths, p_lengths
 
 
+WORKLOADS = ("equal", "mix")
+
+
+def part1_rows(
+    P: int, N: int, ratio: float, limit: int, block_tokens: int, head_dim: int
+) -> list[tuple[str, EngineConfig]]:
+    """(label, engine config) of every part 1 row, all under the KV memory `limit`; the first is the denominator.
+    The 4-bit row quantizes groups of 32 values (or the whole head, `head_dim`, when smaller)."""
+    int4 = {"kv_bits": 4, "kv_group_size": min(32, head_dim)}
+    paged = dict(kv_layout="paged", kv_memory_limit_bytes=limit, block_tokens=block_tokens)
+    sh = dict(policy="scissorhands", budget="per_request", **paged)
+    return [
+        ("full, paged", EngineConfig(**paged)),
+        ("full, preallocated", EngineConfig(kv_memory_limit_bytes=limit, max_length_tokens=P + N)),
+        (f"scissorhands x{ratio:g}, paged", EngineConfig(compression_ratio=ratio, **sh)),
+        (
+            f"scissorhands x{ratio:g} 4-bit, paged",
+            EngineConfig(compression_ratio=ratio, policy_params=int4, **sh),
+        ),
+        ("scissorhands x1, paged", EngineConfig(compression_ratio=1, **sh)),
+        (
+            f"scissorhands x{ratio:g}, preallocated",
+            EngineConfig(
+                policy="scissorhands", compression_ratio=ratio, max_length_tokens=P + N, kv_memory_limit_bytes=limit
+            ),
+        ),
+    ]
+
+
+def workload_lengths(name: str, P: int, N: int, n: int, seed: int) -> tuple[list[int], list[int]]:
+    """Prompt and output lengths of `n` requests: `equal` (all P and N) or `mix` (prompts uniform in
+    [P/4, P], outputs log-uniform in [min(16, N), N]), drawn from `seed`."""
+    if name == "equal":
+        return [P] * n, [N] * n
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(max(1, P // 4), P + 1, size=n)
+    low = min(16, N)
+    outputs = np.exp(rng.uniform(np.log(low), np.log(N), size=n)).round().clip(low, N)
+    return [int(x) for x in prompts], [int(x) for x in outputs]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -110,143 +167,87 @@ def main(argv=None) -> int:
     print(
         f"bench-serving: model {args.model} loaded in {time.perf_counter() - t_load:.1f} s; {torch.get_num_threads()} "
         f"torch thread(s); prompt {P} tok, {N} new tok; KV limit {limit / 2**20:.1f} MiB "
-        f"(= {args.full_batch} full-cache sequences)",
+        f"(= {args.full_batch} preallocated full-cache sequences)",
         file=sys.stderr,
     )
-
-    # -- part 1: each policy at its own max batch under the limit, both runs interleaved step by step
-    policies, runs = [], []
-    for policy, ratio in (("full", None), ("scissorhands", args.ratio)):
-        kw = dict(policy=policy, kv_memory_limit_bytes=limit, max_length_tokens=P + N)
-        if ratio is not None:
-            kw.update(compression_ratio=ratio)
-        cfg = EngineConfig(**kw)
-        b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
-        prompts = prompts_for(tokenizer, vocab, b, P, args.seed)
-        policies.append((policy, ratio, b))
-        runs.append((cfg, [GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(prompts)]))
-    print(
-        "bench-serving: "
-        + ", ".join(f"{p}{f' x{r:g}' if r else ''} at max batch {b}" for p, r, b in policies)
-        + ": running them interleaved ...",
-        file=sys.stderr,
-    )
-    rows = run_engines(model, runs, desc="part 1 (both, interleaved)")
-    for r, (policy, ratio, b) in zip(rows, policies):
-        r.update(
-            policy=policy,
-            ratio=ratio,
-            max_batch=b,
-            verified=r["peak_running_sequences"] == b and r["peak_kv_cache_bytes"] <= limit,
-        )
-    full, sh = rows
-    ratio_max_batch = sh["output_tok_per_s"] / full["output_tok_per_s"]
-    ratio_decode = (sh["decode_tok_per_s"] / full["decode_tok_per_s"]) if full["decode_tok_per_s"] else None
-    ratio_cpu = sh["output_tok_per_cpu_s"] / full["output_tok_per_cpu_s"]
-    # what the end-to-end ratio could reach at these sizes if Scissorhands' decode cost nothing: prefill
-    # (the same work per prompt for every policy) alone bounds it
-    ratio_ceiling = sh["output_tokens"] / sh["prefill_s"] / full["output_tok_per_s"] if sh["prefill_s"] else None
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    b = full["max_batch"]
+    text_config = model.config.get_text_config()
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    rows = part1_rows(P, N, args.ratio, limit, args.block_tokens, head_dim)
+    results: dict = {"args": vars(args), "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu}
+    results.update(torch_threads=torch.get_num_threads(), kv_memory_limit_bytes=limit, workloads={})
+    lines = [
+        conditions_line(model=args.model, dtype=f"{dtype} ({dtype_reason})").rstrip(".") + "; one replica in "
+        f"process; prompts of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B "
+        f"({limit / 2**20:.1f} MiB) = {args.full_batch} preallocated full-cache sequences of {P} + {N} tokens; "
+        f"paged rows: blocks of {args.block_tokens} slots; every row of a workload gets the same {args.requests} "
+        f"requests, all submitted at once, runs interleaved step by step.",
+    ]
 
-    def report(gen, eng, same, ratio_engine, m=None, lengths=None, p_lengths=None) -> None:
-        """Print the table of what is measured so far and write bench.md / bench.json (after each part)."""
-
-        def row(name, batch, r, extra=""):
-            dec = f"{r['decode_tok_per_s']:.1f}" if r.get("decode_tok_per_s") else "-"
-            kv = f"{r['peak_kv_cache_bytes'] / 2**20:.1f}" if r.get("peak_kv_cache_bytes") is not None else "-"
-            return (
-                f"| {name} | {batch} | {r['output_tokens']} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
-                f"{r['output_tok_per_s']:.1f} | {r['output_tok_per_cpu_s']:.2f} | {dec} | {kv} | {extra} |"
-            )
-
-        commit = git_commit()
-        lines = [
-            conditions_line(model=args.model, dtype=f"{dtype} ({dtype_reason})").rstrip(".") + "; one replica in "
-            f"process; prompts {P} tokens of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B ({limit / 2**20:.1f} MiB) = "
-            f"{args.full_batch} full-cache sequences of {P} + {N} tokens.",
-            "",
-            "| run | batch | output tokens | wall (s) | CPU (s) | output (tok/s) | output (tok/CPU-s) | decode (tok/s) "
-            "| peak KV (MiB) | note |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-            row("full, max batch", full["max_batch"], full, f"verified {full['verified']}"),
-            row(
-                f"scissorhands x{args.ratio:g}, max batch",
-                sh["max_batch"],
-                sh,
-                f"B = {sh['budget_tokens']} slots; verified {sh['verified']}",
-            ),
-        ]
-        if gen is not None:
-            lines += [
-                row(
-                    "transformers generate, full",
-                    b,
-                    gen,
-                    f"{m} requests, prompts {min(p_lengths)}-{max(p_lengths)} tok, "
-                    f"outputs {min(lengths)}-{max(lengths)} tok, static batches",
-                ),
-                row("our engine, full", b, eng, f"same requests, continuous batching; identical tokens {same}/{m}"),
-            ]
-        lines += [
-            "",
-            "| ratio | measured | goal |",
-            "|---|---|---|",
-            f"| Scissorhands x{args.ratio:g} / full, output tok/s at own max batch | {ratio_max_batch:.2f}x | >= 3x |",
-            f"| same, decode tok/s only | {ratio_decode:.2f}x | - |" if ratio_decode else "",
-            f"| same, output tokens per CPU-second (insensitive to other jobs on shared cores) | {ratio_cpu:.2f}x | - |",
-            f"| ceiling of the first ratio at these sizes (Scissorhands' decode free: its output tokens / its prefill "
-            f"time, over full's output tok/s) | {ratio_ceiling:.2f}x | - |"
-            if ratio_ceiling
-            else "",
-            f"| our engine / transformers generate, full cache, batch {b} | {ratio_engine[0]:.2f}x | >= 1.3x |"
-            if ratio_engine is not None
-            else "",
-            f"| same, output tokens per CPU-second | {ratio_engine[1]:.2f}x | - |" if ratio_engine is not None else "",
-        ]
-        text = "\n".join(x for x in lines if x is not None) + "\n"
+    def write() -> None:
+        text = "\n".join(lines) + "\n"
         print(text, flush=True)
-        for r in (full, sh, gen, eng):
-            if r is not None:
-                r.pop("outputs", None)
-        (out / "bench.json").write_text(
-            json.dumps(
-                {
-                    "args": vars(args),
-                    "git_commit": commit,
-                    "dtype": dtype,
-                    "dtype_reason": dtype_reason,
-                    "cpu": cpu,
-                    "torch_threads": torch.get_num_threads(),
-                    "kv_memory_limit_bytes": limit,
-                    "max_batch": {"full": full, "scissorhands": sh},
-                    "generate": gen,
-                    "engine": eng,
-                    "identical_tokens": same,
-                    "ratio_max_batch_output": ratio_max_batch,
-                    "ratio_max_batch_decode": ratio_decode,
-                    "ratio_max_batch_output_per_cpu_s": ratio_cpu,
-                    "ratio_max_batch_output_ceiling": ratio_ceiling,
-                    "ratio_engine_vs_generate": ratio_engine[0] if ratio_engine else None,
-                    "ratio_engine_vs_generate_per_cpu_s": ratio_engine[1] if ratio_engine else None,
-                },
-                indent=2,
-                default=str,
-            )
-            + "\n"
-        )
+        results["git_commit"] = git_commit()
+        (out / "bench.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
         (out / "bench.md").write_text(text)
         print(f"bench-serving: wrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
 
-    for r in (full, sh):
-        r.pop("outputs", None)
-    report(None, None, None, None)  # part 1 is kept even if part 2 is stopped
-    # -- part 2: our engine vs transformers' generate, full cache, same batch
+    # -- part 1: every row on the same requests, per workload
+    for w, name in enumerate(args.workloads):
+        p_lens, n_lens = workload_lengths(name, P, N, args.requests, args.seed + 10 + w)
+        prompts = [prompts_for(tokenizer, vocab, 1, p, args.seed + 100 * w + i)[0] for i, p in enumerate(p_lens)]
+        runs = [
+            (cfg, [GenerationRequest(f"{label}-{i}", pr, n) for i, (pr, n) in enumerate(zip(prompts, n_lens))])
+            for label, cfg in rows
+        ]
+        print(f"bench-serving: workload {name}, {len(rows)} rows interleaved ...", file=sys.stderr)
+        measured = run_engines(model, runs, desc=f"part 1, {name}")
+        base = measured[0]["output_tok_per_s"]
+        table = {}
+        lines += [
+            "",
+            f"**Workload {name}**: {args.requests} requests, prompts {min(p_lens)}-{max(p_lens)} tokens, outputs "
+            f"{min(n_lens)}-{max(n_lens)} tokens ({sum(n_lens)} in all).",
+            "",
+            "| row | x of paged full, output tok/s | output tok/s | decode tok/s | peak / mean running | preemptions "
+            "| recomputed tokens | peak KV (MiB) | wall (s) | CPU (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for (label, _), r in zip(rows, measured):
+            r.pop("outputs", None)
+            table[label] = r
+            mean = f"{r['mean_running_sequences']:.1f}" if r["mean_running_sequences"] else "-"
+            dec = f"{r['decode_tok_per_s']:.1f}" if r["decode_tok_per_s"] else "-"
+            lines.append(
+                f"| {label} | {r['output_tok_per_s'] / base:.2f}x | {r['output_tok_per_s']:.1f} | {dec} | "
+                f"{r['peak_running_sequences']} / {mean} | {r['preemptions']} | {r['recomputed_tokens']} | "
+                f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} |"
+            )
+        results["workloads"][name] = {"prompt_tokens": p_lens, "new_tokens": n_lens, "rows": table}
+        write()  # each workload's table is kept even if a later part is stopped
+    # -- part 2: our engine vs transformers' generate, full cache, the preallocated full cache's batch
     if not args.skip_generate:
+        b = ContinuousBatchingEngine(
+            model, EngineConfig(kv_memory_limit_bytes=limit, max_length_tokens=P + N)
+        ).max_batch_for(P, N)
         gen, eng, same, ratio_engine, m, lengths, p_lengths = _part2(model, tokenizer, vocab, args, b, limit)
-        report(gen, eng, same, ratio_engine, m, lengths, p_lengths)
+        for r in (gen, eng):
+            r.pop("outputs", None)
+        results.update(generate=gen, engine=eng, identical_tokens=same, ratio_engine_vs_generate=ratio_engine[0])
+        results["ratio_engine_vs_generate_per_cpu_s"] = ratio_engine[1]
+        lines += [
+            "",
+            f"**Engine vs transformers generate** (full cache, batch {b}, {m} requests, prompts "
+            f"{min(p_lengths)}-{max(p_lengths)} tokens, outputs {min(lengths)}-{max(lengths)} tokens; generate runs "
+            f"static batches; identical tokens {same}/{m}):",
+            "",
+            "| ratio | measured | goal |",
+            "|---|---|---|",
+            f"| our engine / transformers generate, output tok/s | {ratio_engine[0]:.2f}x | >= 1.3x |",
+            f"| same, output tokens per CPU-second | {ratio_engine[1]:.2f}x | - |",
+        ]
+        write()
     return 0
 
 

@@ -560,8 +560,9 @@ class ContinuousBatchingEngine:
         """Whether two requests prefill in one call: the same length fed and the same budget."""
         return len(a.prefill_ids()) == len(b.prefill_ids()) and a.budget_tokens == b.budget_tokens
 
-    def _new_cache(self, group: list[_Seq], paged: bool = True):
-        """A cache for `group`'s rows (one budget), in the block pool (paged layout) unless `paged` is False."""
+    def _new_cache(self, group: list[_Seq] | None = None, paged: bool = True):
+        """A cache for `group`'s rows (one budget; needed under `budget: per_request`), in the block pool (paged
+        layout) unless `paged` is False."""
         pool = self.pool if paged else None
         if not self.per_request:
             return make_cache(self.config.policy, self.model, pool=pool, **self._cache_kwargs)

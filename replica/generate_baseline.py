@@ -51,7 +51,9 @@ def run_engines(
         One dict per run: `finished`; `wall_s`, `cpu_s` (its own steps); `output_tokens`, `output_tok_per_s`,
         `output_tok_per_cpu_s` (prefill included); `decode_tokens`, `decode_s`, `decode_tok_per_s` (tokens of
         decode steps / time in decode steps); `prefill_s`; `completed_requests`, `peak_running_sequences`,
-        `peak_kv_cache_bytes`, `budget_tokens`, `slot_bytes` (the engine's `stats()`);
+        `peak_kv_cache_bytes`, `budget_tokens`, `slot_bytes`, `kv_layout`, `peak_kv_blocks_in_use`,
+        `mean_kv_blocks_in_use`, `preemptions`, `recomputed_tokens` (the engine's `stats()`);
+        `mean_running_sequences` (decode tokens / decode steps);
         `peak_device_allocated_bytes` (CUDA, over all the runs; None elsewhere); `outputs` (request id ->
         generated ids).
 
@@ -126,6 +128,12 @@ def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
         "peak_kv_cache_bytes": s["peak_kv_cache_bytes"],
         "budget_tokens": s["budget_tokens"],
         "slot_bytes": s["slot_bytes"],
+        "mean_running_sequences": decode_tok / s["decode_steps"] if s["decode_steps"] else None,
+        "kv_layout": s["kv_layout"],
+        "peak_kv_blocks_in_use": s["peak_kv_blocks_in_use"],
+        "mean_kv_blocks_in_use": s["mean_kv_blocks_in_use"],
+        "preemptions": s["preemptions"],
+        "recomputed_tokens": s["recomputed_tokens"],
         "peak_device_allocated_bytes": peak_device,
         "outputs": {k: v.output_ids for k, v in done.items()},
     }

@@ -9,39 +9,41 @@ import torch
 from bench import bench_serving
 
 
-def test_bench_serving_runs_both_parts_and_records_verified_max_batches(tmp_path, capsys):
+def test_bench_serving_runs_every_row_on_the_same_requests_and_part_2(tmp_path, capsys):
     torch.set_num_threads(1)
-    rc = bench_serving.main(
-        [
-            "--model",
-            "tiny-llama",
-            "--prompt-tokens",
-            "64",
-            "--new-tokens",
-            "12",
-            "--full-batch",
-            "2",
-            "--generate-new-tokens",
-            "8",
-            "--out",
-            str(tmp_path),
-        ]
-    )
-    assert rc == 0
+    args = ["--model", "tiny-llama", "--prompt-tokens", "64", "--new-tokens", "24", "--full-batch", "2"]
+    args += ["--block-tokens", "4", "--generate-new-tokens", "8", "--out", str(tmp_path)]
+    assert bench_serving.main(args) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
-    full, sh = data["max_batch"]["full"], data["max_batch"]["scissorhands"]
-    assert full["max_batch"] == 2 and full["verified"] is True
-    assert sh["max_batch"] >= 3 * full["max_batch"] and sh["verified"] is True  # (2 layers: big prefill transient)
-    assert sh["peak_kv_cache_bytes"] <= data["kv_memory_limit_bytes"] >= full["peak_kv_cache_bytes"]
-    assert full["output_tokens"] == 2 * 12 and sh["output_tokens"] == sh["max_batch"] * 12
-    assert data["generate"]["output_tokens"] == data["engine"]["output_tokens"] <= 4 * 2 * 8  # part 2: outputs <= 8
-    assert data["identical_tokens"] == 4 * 2  # 4 x batch requests: engine == generate, token for token
-    assert data["ratio_max_batch_output"] > 0 and data["ratio_engine_vs_generate"] > 0
-    # the ceiling divides by Scissorhands' prefill time only, a part of its wall time
-    assert data["ratio_max_batch_output_ceiling"] >= data["ratio_max_batch_output"]
+    assert list(data["workloads"]) == ["equal", "mix"] and data["args"]["requests"] == 12
+    limit = data["kv_memory_limit_bytes"]
+    for name, w in data["workloads"].items():
+        rows = w["rows"]
+        assert list(rows) == [label for label, _ in bench_serving.part1_rows(64, 24, 5.0, limit, 4, 16)]
+        planned = sum(w["new_tokens"])
+        assert all(r["output_tokens"] == planned and r["completed_requests"] == 12 for r in rows.values())
+        for label, r in rows.items():  # paged bookkeeping is dense per row, padded to the longest (a few %)
+            assert r["peak_kv_cache_bytes"] <= (limit if r["kv_layout"] == "preallocated" else 1.05 * limit), label
+        pre, paged = rows["full, preallocated"], rows["full, paged"]
+        assert pre["kv_layout"] == "preallocated" and paged["kv_layout"] == "paged"
+        assert pre["peak_running_sequences"] == 2  # the limit holds two preallocated rows
+        assert rows["scissorhands x5, paged"]["peak_running_sequences"] > pre["peak_running_sequences"]
+    mix = data["workloads"]["mix"]
+    assert min(mix["new_tokens"]) >= 16 and max(mix["new_tokens"]) <= 24 and 16 <= min(mix["prompt_tokens"])
+    # outputs shorter than the longest: the paged full cache runs more rows than the preallocated one reserves
+    assert mix["rows"]["full, paged"]["peak_running_sequences"] > 2
+    assert data["identical_tokens"] == 4 * 2 and data["ratio_engine_vs_generate"] > 0
     out = capsys.readouterr().out
-    assert "| Scissorhands x5 / full, output tok/s at own max batch |" in out
-    assert "| our engine / transformers generate, full cache, batch 2 |" in out
+    assert "| scissorhands x5, paged | " in out and "| our engine / transformers generate, output tok/s |" in out
+
+
+def test_bench_serving_names_an_unknown_workload(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main(["--model", "tiny-llama", "--workloads", "equal,azure"])
+    assert e.value.code == 2
+    assert "--workloads: expected a comma-separated list of equal, mix, got 'equal,azure'" in capsys.readouterr().err
 
 
 def test_bench_serving_rejects_a_part_2_longer_than_the_limit_allows(capsys):
@@ -154,10 +156,10 @@ def test_part_1_is_printed_and_written_before_part_2_runs(tmp_path, monkeypatch,
             ]
         )
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert data["max_batch"]["full"]["output_tokens"] == 2 * 6 and data["generate"] is None
+    assert data["workloads"]["mix"]["rows"]["full, paged"]["completed_requests"] == 12 and "generate" not in data
     assert data["dtype"] == "float32" and data["dtype_reason"] == "forced"
     md = (tmp_path / "bench.md").read_text()
-    assert "| Scissorhands x5 / full, output tok/s at own max batch |" in md and "generate" not in md
+    assert "**Workload equal**" in md and "**Workload mix**" in md and "generate" not in md
     captured = capsys.readouterr()
     assert md in captured.out
-    assert "part 1 (both, interleaved)" in captured.err and "tok" in captured.err  # the progress bar
+    assert "part 1, mix" in captured.err and "tok" in captured.err  # the progress bar
