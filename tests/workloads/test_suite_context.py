@@ -56,3 +56,19 @@ def test_a_suite_that_fits_the_context_or_drives_a_server_passes():
 @pytest.mark.slow
 def test_the_embedded_models_context_is_read_from_its_config():
     assert model_context_tokens("embedded") == 8192
+
+
+def test_a_quality_suite_longer_than_the_models_context_exits_2_naming_the_section(tmp_path, capsys):
+    path = tmp_path / "long-quality.yaml"
+    data = dict(kind="quality", name="q", model="tiny-llama", policies=["full"], replicas=1, compression_ratios=[1])
+    path.write_text(yaml.safe_dump({**data, "passkey": {"lengths": [256, 600], "depths": [0.5], "trials": 1}}))
+    assert sweep.main([str(path), "--local", "--results-dir", str(tmp_path / "r"), "--pushgateway", "off"]) == 2
+    err = capsys.readouterr().err
+    assert "passkey.lengths (at most 600) + its answer" in err and "606 tokens" in err and "(512 tokens)" in err
+    ok = parse_suite(
+        {**data, "perplexity": {"tokens": 256}, "passkey": {"lengths": [256], "depths": [0.5], "trials": 1}}
+    )
+    assert ok.context_lengths() == [
+        ("perplexity.tokens (256)", 256),
+        ("passkey.lengths (at most 256) + its answer", 262),
+    ]

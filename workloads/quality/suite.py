@@ -91,6 +91,19 @@ class _QualitySuite(SuiteBase):
             raise SuiteError(f"needs at least one of {', '.join(EVALUATIONS)}")
         return self
 
+    def context_lengths(self) -> list[tuple[str, int]]:
+        """The longest sequences each section runs: a perplexity or persistence window, a passkey prompt and
+        its answer (one token per digit at most, and one more); few-shot documents are short and only known
+        once tokenized (a document beyond the context fails alone, as `UnscorableDoc`)."""
+        out = []
+        for name in ("perplexity", "persistence"):
+            if (section := self.section(name)) is not None:
+                out.append((f"{name}.tokens ({section.tokens})", section.tokens))
+        if (passkey := self.section("passkey")) is not None:
+            longest = max(passkey.lengths)
+            out.append((f"passkey.lengths (at most {longest}) + its answer", longest + passkey.digits + 1))
+        return out
+
     def section(self, name: str) -> Section | None:
         """The suite's section of evaluation ``name`` (None: the evaluation is skipped)."""
         return getattr(self, name)
