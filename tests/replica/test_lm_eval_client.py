@@ -37,7 +37,9 @@ CONTINUATIONS = (
 BUDGET = 48  # >= the context (so the few-shot scorer keeps it whole), < context + continuation: evictions
 CONFIGS = {
     "full": dict(policy="full"),
-    "scissorhands": dict(policy="scissorhands", budget_tokens=BUDGET, policy_params=dict(history_window=20, count_chunk_steps=5)),
+    "scissorhands": dict(
+        policy="scissorhands", budget_tokens=BUDGET, policy_params=dict(history_window=20, count_chunk_steps=5)
+    ),
 }
 
 
