@@ -209,18 +209,10 @@ class ServingReplica:
                 f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the model's "
                 f"context of {context} tokens"
             )
-        e = self.engine
-        if e is None or e.kv_memory_limit_bytes is None:
+        if self.engine is None:
             return None
-        need = max(
-            e.batch_bytes_bound([e.final_slots(prompt_tokens, max_new_tokens)]), e.prefill_peak_bytes(1, prompt_tokens)
-        )
-        if need > e.kv_memory_limit_bytes:
-            return (
-                f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need} bytes of KV "
-                f"cache alone, more than the limit of {e.kv_memory_limit_bytes} bytes"
-            )
-        return None
+        why = self.engine.fits_alone(prompt_tokens, max_new_tokens)
+        return None if why is None else f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens: {why}"
 
     async def health(self) -> dict:
         """Liveness: answered from another thread than the one generating, never queued behind it."""

@@ -31,6 +31,13 @@ rows is admitted only when
   (`n * ((layers - 1) * kept + max(L, kept))` slots of one layer, `kept` = B or L: a budgeted
   prefill compresses one layer at a time) stay within the limit.
 
+The paged layout (`kv_layout: paged`, `scissorhands.paged`) replaces these bounds with blocks of one pool sized
+to the limit: a request is admitted when the blocks its prefill takes now are free (next to the block each
+running row may take at its next step); before each decode step, while the running rows' next blocks are not
+free, the most recently admitted row is preempted (its blocks freed; back to the head of the queue; prefilled
+again later from its prompt and the tokens it generated). `fits_alone` rejects at submission what the pool
+could never hold alone, counting a recompute's prefill, so an admitted request is never rejected later.
+
 So the cache never holds more than the limit between forward calls (the transient copies a
 `torch.cat` makes during an update are not counted; they are at most one layer's tensors).
 A request that could not fit even alone is rejected (`error_kind="rejected"`), never queued forever.
@@ -89,6 +96,7 @@ class _Seq:
     on_token: Callable[[int, float], None] | None = None
     generator: torch.Generator | None = None  # this request's sampling draws (temperature > 0)
     preempted: bool = False  # paged layout: its row was freed; its next prefill recomputes prompt + output
+    unfit: str | None = None  # why it can never run under the memory limit (`fits_alone`), checked at submit
 
     def prefill_ids(self) -> list[int]:
         """The tokens its next prefill feeds: the prompt, plus every output token after a preemption."""
@@ -217,9 +225,11 @@ class ContinuousBatchingEngine:
         cap = self.config.max_batch or 1 << 30
         if self.kv_memory_limit_bytes is None:
             return cap
-        if self.pool is not None:
+        if self.pool is not None:  # the others at their final blocks while the last one's prefill peaks
             final = self.final_blocks(prompt_tokens, max_new_tokens)
-            return min(cap, self.pool.usable_blocks // max(final, 1))
+            peak = self.prefill_peak_blocks(prompt_tokens, self.budget_of(prompt_tokens, max_new_tokens))
+            usable = self.pool.usable_blocks
+            return max(0, min(cap, usable // final, 1 + (usable - peak) // final if peak <= usable else 0))
         per_row = self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes
         n = min(cap, self.kv_memory_limit_bytes // per_row)
         budget = self.budget_of(prompt_tokens, max_new_tokens)
@@ -231,6 +241,39 @@ class ContinuousBatchingEngine:
         ):
             n -= 1  # the last one's prefill, next to the others' prompts, must fit too
         return int(n)
+
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of these lengths can never run under the KV memory limit, even alone (None: it can).
+
+        Preallocated layout: its final slots and its prefill's peak in bytes. Paged layout: its final blocks,
+        and the peak of a prefill of its prompt plus every output but the last (what a recompute after a
+        preemption feeds), so an admitted request is never refused later. Under `budget: per_request`, also
+        whether the policy accepts the request's own budget (`Policy.resolve`: a recent window must fit).
+        """
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        if self.per_request:
+            try:
+                make_cache(self.config.policy, self.model, **{**self._cache_kwargs, "budget_tokens": budget})
+            except ValueError as e:
+                return f"its budget of {budget} slots (ceil((prompt + max_new) / ratio)) does not suit the policy: {e}"
+        if self.kv_memory_limit_bytes is None:
+            return None
+        if self.pool is not None:
+            usable = self.pool.usable_blocks
+            need = max(
+                self.final_blocks(prompt_tokens, max_new_tokens),
+                self.prefill_peak_blocks(prompt_tokens + max(0, max_new_tokens - 1), budget),
+            )
+            if need > usable:
+                return f"it needs {need} KV blocks alone, more than the pool's {usable}"
+            return None
+        need = max(
+            self.batch_bytes_bound([self.final_slots(prompt_tokens, max_new_tokens)]),
+            self.prefill_peak_bytes(1, prompt_tokens, budget),
+        )
+        if need > self.kv_memory_limit_bytes:
+            return f"it needs {need} bytes of KV cache alone, more than the limit of {self.kv_memory_limit_bytes} bytes"
+        return None
 
     # ------------------------------------------------------------------ paged accounting (blocks)
     def _blocks(self, slots: int) -> int:
@@ -306,6 +349,7 @@ class ContinuousBatchingEngine:
             self.final_slots(len(request.prompt_ids), request.max_new_tokens),
             self.budget_of(len(request.prompt_ids), request.max_new_tokens),
             on_token=on_token,
+            unfit=self.fits_alone(len(request.prompt_ids), request.max_new_tokens),
         )
         with self._lock:
             self._queue.append(seq)
@@ -429,12 +473,9 @@ class ContinuousBatchingEngine:
             while self._queue and len(finals) < cap:
                 seq = self._queue[0]
                 n_prompt = len(seq.request.prompt_ids)
-                if limit is not None and (
-                    self.batch_bytes_bound([seq.final_slots]) > limit
-                    or self.prefill_peak_bytes(1, n_prompt, seq.budget_tokens) > limit
-                ):
+                if seq.unfit is not None:
                     self._queue.popleft()
-                    self._fail(seq, "rejected", f"request needs more than the KV memory limit ({limit} bytes) alone")
+                    self._fail(seq, "rejected", f"request cannot run under the KV memory limit: {seq.unfit}")
                     continue
                 if groups and prefill_tokens + n_prompt > self.config.max_prefill_tokens:
                     break  # enough prefill for this step; running rows decode first
@@ -481,16 +522,16 @@ class ContinuousBatchingEngine:
             while self._queue and len(self._running) + sum(map(len, groups)) < cap:
                 seq = self._queue[0]
                 n = len(seq.prefill_ids())
-                req = seq.request
-                usable = self.pool.usable_blocks
-                peak = self.prefill_peak_blocks(n, seq.budget_tokens)
-                if self.final_blocks(len(req.prompt_ids), req.max_new_tokens) > usable or peak > usable:
+                if seq.unfit is not None:  # never a preempted one: fits_alone counted its recompute
                     self._queue.popleft()
-                    self._fail(seq, "rejected", f"request needs more than the KV block pool ({usable} blocks) alone")
+                    self._fail(seq, "rejected", f"request cannot run under the KV memory limit: {seq.unfit}")
                     continue
                 if groups and prefill_tokens + n > self.config.max_prefill_tokens:
                     break  # enough prefill for this step; running rows decode first
-                steady = self.num_layers * self._blocks(self._kept_slots(n, seq.budget_tokens))
+                peak = self.prefill_peak_blocks(n, seq.budget_tokens)
+                # what it holds once merged, with the block its first decode step may take
+                steady = self.num_layers * self._blocks(self._kept_slots(n + 1, seq.budget_tokens))
+                peak = max(peak, steady)
                 if (
                     groups
                     and self._same_group(groups[-1][0], seq)
@@ -650,7 +691,8 @@ class ContinuousBatchingEngine:
         self._track_bytes(self._cache.kv_cache_bytes())
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, tokens)):
-            if self.row_capacity is None or seq.held_slots < self.row_capacity:
+            cap = seq.budget_tokens or self.row_capacity
+            if cap is None or seq.held_slots < cap:
                 seq.held_slots += 1  # the full cache's buffers grow past their capacity
             if not self._emit(seq, tok, t):
                 keep.append(i)

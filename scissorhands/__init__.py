@@ -108,7 +108,9 @@ def make_cache(
             nothing more is stored (``scissorhands.quant.Int4KV``).
         pool: a ``scissorhands.paged.BlockPool``: keys and values live in its blocks (paged layout, as
             serving engines hold them: blocks taken as a sequence grows); None: each cache holds its own
-            buffers (the preallocated layout).
+            buffers (the preallocated layout). A paged cache's blocks go back to the pool with
+            ``scissorhands.paged.release_cache(cache)`` (an engine does it as rows leave).
+            When it runs out: ``scissorhands.paged.PoolExhausted``.
         **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``history_window``, ...).
 
     Raises:

@@ -243,7 +243,9 @@ class BudgetedLayer(CacheLayerMixin):
     def _capacity(self, needed: int) -> int:
         """Slots to allocate when ``needed`` slots must fit (see the module docstring)."""
         target = self.budget.max_length or 0
-        if self._compacts and target:
+        if self._compacts and self.row_budget is not None:
+            target = self.budget_capacity()  # rows of other budgets joined: the largest, not this cache's first
+        elif self._compacts and target:
             target = min(target, self.budget_capacity())
         return max(needed, target)
 
@@ -678,6 +680,9 @@ class BudgetedCache(Cache):
         """Give each row of the first call its own budget ``budgets[i]`` (slots per KV head), with the recent
         window and drop size its policy resolves for that budget; call it before the first forward. Rows keep
         their budgets through merges and removals (``scissorhands.batching``).
+
+        A policy whose scores read the budget itself (``snapkv``'s candidate window, ``streaming_llm``'s sink
+        count when B is tiny) scores a batch of mixed budgets with its smallest.
 
         Raises:
             ValueError: the policy does not evict, a budget below 1 or too small for the policy's recent

@@ -62,7 +62,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_tokens = block_tokens
         self.buffers: dict[str, torch.Tensor] = {}
-        self._free = list(range(num_blocks - 1, 0, -1))  # a stack: the lowest free block first
+        self._free = list(range(num_blocks - 1, 0, -1))  # a stack of free block ids
         self.peak_blocks_in_use = 0
 
     @property
@@ -103,6 +103,12 @@ class BlockPool:
         return taken
 
     def release(self, blocks: list[int]) -> None:
+        """Return ``blocks`` to the pool. Raises ``ValueError`` for block 0 or more blocks than are in use (a
+        double release)."""
+        if 0 in blocks or len(blocks) > self.blocks_in_use:
+            raise ValueError(
+                f"cannot release blocks {blocks[:8]}: block 0 or more than the {self.blocks_in_use} in use"
+            )
         self._free.extend(sorted(blocks, reverse=True))
 
     def block_nbytes(self) -> int:

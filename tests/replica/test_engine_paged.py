@@ -66,7 +66,7 @@ def test_a_request_larger_than_the_pool_is_rejected_and_the_others_run(model):
     big = GenerationRequest("big", list(range(100)), 50, ignore_eos=True)
     small = GenerationRequest("small", list(range(6)), 4, ignore_eos=True)
     results, engine = _serve(model, cfg, [big, small])
-    assert results["big"].error_kind == "rejected" and "KV block pool" in results["big"].error
+    assert results["big"].error_kind == "rejected" and "KV blocks alone" in results["big"].error
     assert results["small"].error is None and len(results["small"].output_ids) == 4
     assert engine.pool.blocks_in_use == 0
 
@@ -145,3 +145,57 @@ def test_per_request_budgets_give_each_request_its_own_ceil_of_length_over_ratio
 def test_per_request_budget_errors_name_the_field(kw, match):
     with pytest.raises(ConfigError, match=match):
         EngineConfig(**kw)
+
+
+def test_budgeted_rows_preempted_and_recomputed_all_finish_and_return_their_blocks(model):
+    """Scissorhands with per-request budgets on a pool too small for every row at once: rows are preempted,
+    recomputed from prompt + outputs, never rejected after they started, and finish whole; a preempted request
+    keeps its first admission time and its token times never go back."""
+    params = dict(history_window=4, count_chunk_steps=2)
+    cfg = EngineConfig(
+        policy="scissorhands",
+        compression_ratio=2,
+        budget="per_request",
+        policy_params=params,
+        kv_layout="paged",
+        kv_memory_limit_bytes=30_000,
+        block_tokens=4,
+    )
+    requests = [GenerationRequest(f"r{i}", list(range(i, i + 12)), 40, ignore_eos=True) for i in range(8)]
+    got, engine = _serve(model, cfg, requests)
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
+    assert all(r.error is None and len(r.output_ids) == 40 for r in got.values())
+    for r in got.values():
+        assert r.received_time_s <= r.admitted_time_s <= r.token_times_s[0]
+        assert r.token_times_s == sorted(r.token_times_s)
+    assert engine.pool.blocks_in_use == 0
+
+
+def test_failed_stopped_and_aborted_paged_rows_return_every_block(model):
+    cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4)
+    engine = ContinuousBatchingEngine(model, cfg)
+    results = {}
+    for i in range(3):
+        req = GenerationRequest(f"r{i}", list(range(i, i + 9)), 30, ignore_eos=True)
+        engine.submit(req, lambda x: results.__setitem__(x.request_id, x))
+    engine.step()
+    layers = engine.num_layers
+    assert engine.pool.blocks_in_use == 3 * layers * 3  # 10 tokens held: ceil(10 / 4) blocks per layer and row
+    engine.abort("r1")
+    engine.step()  # r1 leaves; r0 and r2 hold 11 tokens, still 3 blocks a layer
+    assert results["r1"].error_kind == "aborted" and engine.pool.blocks_in_use == 2 * layers * 3
+    assert engine.abort_all("stopped") == 2
+    assert engine.pool.blocks_in_use == 0 and results["r0"].error_kind == "error"
+
+
+def test_a_paged_request_is_refused_at_submission_when_even_its_recompute_cannot_fit(model):
+    """The pool's fit rule counts a prefill of prompt + all outputs but the last, so a request admitted once is
+    never refused after a preemption; one that could not be recomputed is refused before it starts."""
+    cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=20_000, block_tokens=4)
+    engine = ContinuousBatchingEngine(model, cfg)
+    usable = engine.pool.usable_blocks
+    per_token_layer = engine.num_layers
+    longest = usable // per_token_layer * 4  # tokens a lone row can hold in every layer
+    assert engine.fits_alone(longest - 10, 11) is None
+    assert "KV blocks alone" in engine.fits_alone(longest - 10, 20)
