@@ -177,6 +177,9 @@ class ContinuousBatchingEngine:
                     f"{self.block_bytes} bytes; a paged pool needs at least one block per layer ({self.num_layers})"
                 )
             self.pool = BlockPool(usable + 1, config.block_tokens)  # + the zero block
+        else:
+            with _recording():  # no pool: no block series (not the pool of a paged engine these labels had before)
+                self.metrics.clear_kv_blocks()
         self._lock = threading.Condition()
         self._queue: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
@@ -316,9 +319,12 @@ class ContinuousBatchingEngine:
             self._cache = self._select(self._cache, keep)
             self._next_tokens = self._next_tokens[keep] if keep else None
             seq.preempted = True
-            self._stats["preemptions"] += 1
             # every token whose KV it held is computed again: the prompt and the outputs fed so far
-            self._stats["recomputed_tokens"] += len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1
+            recomputed = len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1
+            self._stats["preemptions"] += 1
+            self._stats["recomputed_tokens"] += recomputed
+            with _recording():
+                self.metrics.add_preemption(recomputed)
             with self._lock:
                 self._queue.appendleft(seq)
 
@@ -550,10 +556,13 @@ class ContinuousBatchingEngine:
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, admit, prefill, one decode step, retire); False when idle."""
-        if self._aborts:
+        aborted = bool(self._aborts)
+        if aborted:
             self._apply_aborts()
         groups = self._admit() if self.pool is None else self._admit_paged()
         if not groups and not self._running:
+            if aborted:  # the aborted rows' slots and blocks are free now: the gauges say so
+                self._record_state()
             return False
         now = self.clock()
         t0 = time.perf_counter()
@@ -569,12 +578,19 @@ class ContinuousBatchingEngine:
             self._decode_step()
         self._stats["prefill_s"] += t1 - t0
         self._stats["decode_s"] += time.perf_counter() - t1
+        self._record_state()
+        return True
+
+    def _record_state(self) -> None:
+        """The live gauges now: running and queued sequences, KV bytes and slots, and on the paged layout the
+        pool's used and free blocks (the preallocated layout has no pool, so no block series)."""
         cache = self._cache
         with _recording():
             self.metrics.set_running(len(self._running))
             self.metrics.set_queued(len(self._queue))
             self.metrics.set_kv_cache(*((cache.kv_cache_bytes(), cache.held_tokens()) if cache is not None else (0, 0)))
-        return True
+            if self.pool is not None:
+                self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
 
     def abort_all(self, message: str) -> int:
         """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
@@ -586,6 +602,7 @@ class ContinuousBatchingEngine:
         self._running, self._cache, self._next_tokens = [], None, None
         for seq in seqs:
             self._fail(seq, "error", message)
+        self._record_state()
         return len(seqs)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:

@@ -48,6 +48,13 @@ Warm-up: request-level metrics (generated and prefill tokens, TTFT, TPOT) carry 
 `replica.types.GenerationRequest.warmup`), so the server-side figures of a point can be taken
 over the same requests as the client's. Step-level metrics (step times, batch sizes, KV bytes)
 describe the engine, whichever requests are in the step, and have no phase.
+
+Paged KV layout: an engine with a block pool (`EngineConfig.kv_layout` ``paged``) also records its used and free
+blocks after every step (`set_kv_blocks`) and each preemption with the tokens it will recompute
+(`add_preemption`). On the preallocated layout there is no pool: those series are absent, never zero (an
+engine without a pool calls `clear_kv_blocks`, so a replica reconfigured from paged to preallocated stops
+showing its old pool); a paged replica that never preempted has no preemption series yet (a Ray counter
+is exported from its first increment).
 """
 
 from __future__ import annotations
@@ -230,6 +237,29 @@ METRICS: tuple[MetricSpec, ...] = (
         "Token positions the policy evicted from the KV cache, summed over sequences (per KV head: tokens seen minus slots kept).",
     ),
     _replica("model_load_seconds", "gauge", "Wall time of the replica's last model load."),
+    # the paged KV layout only (`kv_layout: paged`); a replica on the preallocated layout has no pool and exports none
+    _replica(
+        "kv_used_blocks",
+        "gauge",
+        "Paged KV layout only: blocks of the replica's KV pool held by sequences now (all layers; a block is "
+        "block_tokens slots of one layer).",
+    ),
+    _replica(
+        "kv_free_blocks",
+        "gauge",
+        "Paged KV layout only: blocks of the replica's KV pool free now (used + free = the pool's blocks).",
+    ),
+    _replica(
+        "preemptions_total",
+        "counter",
+        "Paged KV layout only: running sequences preempted for want of free blocks (freed, requeued, recomputed).",
+    ),
+    _replica(
+        "recomputed_tokens_total",
+        "counter",
+        "Paged KV layout only: tokens whose KV a preemption freed, fed again by the sequence's next prefill "
+        "(its prompt and the outputs fed so far).",
+    ),
     # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id, point_id)
     _point(
         "output_throughput_tokens_per_second",
@@ -284,6 +314,13 @@ METRICS: tuple[MetricSpec, ...] = (
 METRICS = METRICS + tuple(m.exact_sum for m in METRICS if m.kind == "histogram")
 
 METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+
+#: Live metrics that only a replica on the paged KV layout exports (its block pool and its preemptions); on the
+#: preallocated layout, and in static batches, they are absent (see the module docstring), so their panels are
+#: titled "(paged layout)" and a batch sweep never feeds them.
+PAGED_LAYOUT_METRICS: frozenset[str] = frozenset(
+    PREFIX + n for n in ("kv_used_blocks", "kv_free_blocks", "preemptions_total", "recomputed_tokens_total")
+)
 
 #: Ray Serve's own metrics that the dashboards read (`source="ray_serve"`): Serve defines and records
 #: them (`ray/serve/_private/request_ingress_metrics.py`, `replica.py`, `router.py` in the installed
@@ -418,6 +455,10 @@ class _LocalRecorder:
             count, total = series.get(key, (0, 0.0))
             series[key] = (count + 1, total + value)
 
+    def forget(self, spec: MetricSpec, tags: Mapping[str, str]) -> None:
+        """Drop the series of `spec` with `tags` (its labels' values)."""
+        self.values.get(spec.name, {}).pop(tuple(tags[k] for k in spec.labels), None)
+
 
 #: Seconds between re-records of every gauge's last value (see `_RayRecorder`).
 GAUGE_REFRESH_S = 1.0
@@ -465,6 +506,12 @@ class _RayRecorder:
                 self._ensure_refresher()
             else:
                 m.observe(value, tags=tags)
+
+    def forget(self, spec: MetricSpec, tags: Mapping[str, str]) -> None:
+        """Stop re-recording the gauge series of `spec` with `tags`: Ray drops it after about two export
+        intervals (Ray cannot remove a series at once)."""
+        with self._lock:
+            self._gauge_values.pop((spec.name, tuple(sorted(dict(tags).items()))), None)
 
     @classmethod
     def _ensure_refresher(cls) -> None:
@@ -619,6 +666,28 @@ class ReplicaMetrics:
         """Wall time of the model load (s); a gauge holding the last load."""
         self._record("model_load_seconds", self._check("seconds", seconds))
 
+    def set_kv_blocks(self, used: int, free: int) -> None:
+        """Paged KV layout: blocks of the pool held by sequences now (`used`, all layers) and free (`free`).
+
+        Never called on the preallocated layout (no pool, so no block series); see `clear_kv_blocks`."""
+        self._record("kv_used_blocks", self._check("used", used))
+        self._record("kv_free_blocks", self._check("free", free))
+
+    def clear_kv_blocks(self) -> None:
+        """Stop reporting this recorder's block gauges (an engine without a block pool took over its labels):
+        in memory they are dropped; under Ray they are no longer re-recorded, so the exporter drops them after
+        about two export intervals, instead of repeating the last pool's blocks."""
+        for short in ("kv_used_blocks", "kv_free_blocks"):
+            self._recorder.forget(_REPLICA_SPECS[PREFIX + short], self.tags)
+
+    def add_preemption(self, recomputed_tokens: int) -> None:
+        """One sequence preempted (paged KV layout), whose next prefill recomputes `recomputed_tokens` tokens
+        (its prompt and the outputs fed so far)."""
+        recomputed_tokens = self._check("recomputed_tokens", recomputed_tokens)  # before anything is recorded
+        self._record("preemptions_total", 1)
+        if recomputed_tokens > 0:
+            self._record("recomputed_tokens_total", recomputed_tokens)
+
     def snapshot(self, phase: str = "measured") -> dict[str, object]:
         """In-memory values of this recorder's labels, by project metric name ({} under Ray);
         request-level metrics of `phase` (``measured`` or ``warmup``).
@@ -677,6 +746,15 @@ class NullMetrics:
         pass
 
     def observe_model_load(self, seconds: float) -> None:
+        pass
+
+    def set_kv_blocks(self, used: int, free: int) -> None:
+        pass
+
+    def clear_kv_blocks(self) -> None:
+        pass
+
+    def add_preemption(self, recomputed_tokens: int) -> None:
         pass
 
     def snapshot(self, phase: str = "measured") -> dict[str, object]:

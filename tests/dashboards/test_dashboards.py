@@ -13,7 +13,7 @@ import yaml
 
 from cluster import connect, local_head, serve_app
 from dashboards import check, serve
-from replica.metrics import METRICS, SERVE_METRICS, catalogue_markdown, strip_sample_suffix
+from replica.metrics import METRICS, PAGED_LAYOUT_METRICS, SERVE_METRICS, catalogue_markdown, strip_sample_suffix
 
 ROOT = Path(__file__).resolve().parents[2]
 DASH = ROOT / "dashboards"
@@ -258,6 +258,29 @@ def test_the_http_row_shows_ray_serves_own_metrics():
     latency = by_title["HTTP request latency p50 / p99"]
     assert latency["fieldConfig"]["defaults"]["unit"] == "s"
     assert all(t["expr"].endswith("/ 1000") for t in latency["targets"])  # Serve's ms -> s
+
+
+def test_paged_layout_panels_say_so_and_show_each_replica():
+    """A panel of the paged layout's series (absent on the preallocated layout) is titled "(paged layout)", reads
+    only those series, per replica, and says in its description that the preallocated layout has none; every
+    other panel reads none of them (the live sweep test exempts exactly these panels from a batch sweep)."""
+    board = BOARDS["live-replicas.json"]
+    paged = {m.exported_name for m in METRICS if m.name in PAGED_LAYOUT_METRICS}
+    seen = set()
+    for panel in check.iter_panels(board):
+        names = set().union(*(check.metric_names(t["expr"]) for t in panel["targets"]))
+        if names & paged:
+            assert names <= paged and panel["title"].endswith("(paged layout)"), panel["title"]
+            assert "preallocated layout" in panel["description"], panel["title"]
+            assert all(t["expr"].startswith("sum by (replica, ") for t in panel["targets"]), panel["title"]
+            seen |= names
+        else:
+            assert "(paged layout)" not in panel["title"]
+    assert seen == paged
+    assert not any(
+        names & paged
+        for names in (check.metric_names(t["expr"]) for _, t in check.iter_targets(BOARDS["sweep-overview.json"]))
+    )
 
 
 def test_monitoring_page_lists_the_catalogue_as_generated():

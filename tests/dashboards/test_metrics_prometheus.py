@@ -7,7 +7,10 @@ service-discovery file of this session. A Ray actor records replica metrics thro
 `replica.metrics.ReplicaMetrics`, and `workloads.core.push.SweepPusher` pushes the points of a sweep.
 The OpenAI service (`cluster.serve_app`, tiny model, one engine deployment) runs on the same Ray
 and answers a short HTTP load (streamed and not, and one 404), so Ray Serve's own metrics
-(`replica.metrics.SERVE_METRICS`, the dashboards' HTTP row) reach Prometheus the same way.
+(`replica.metrics.SERVE_METRICS`, the dashboards' HTTP row) reach Prometheus the same way. A real
+continuous-batching engine on the paged KV layout, too small a pool for its requests, runs in the actor twice
+(so its preemption counters rise between scrapes) and feeds the paged-layout panels, which a batch sweep
+(static batches, no block pool) never does.
 Then every target of every panel of every dashboard must return data (the static checks live in test_dashboards.py), and the histogram quantiles must be accurate.
 
 Needs the binaries `prometheus` and `prometheus-pushgateway` (Debian packages of the same
@@ -26,7 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards import check, serve
-from replica.metrics import LATENCY_TOP_S, METRICS, SERVE_METRICS, strip_sample_suffix
+from replica.metrics import LATENCY_TOP_S, METRICS, PAGED_LAYOUT_METRICS, SERVE_METRICS, strip_sample_suffix
 from tests.waiting import free_port, wait_for
 from workloads.core.push import SweepPusher
 
@@ -81,6 +84,52 @@ class _FakeReplica:
 
     def long_latencies(self, run_id: str, first: bool) -> None:
         _long_latencies(run_id, first)
+
+    def paged_run(self, run_id: str) -> dict:
+        """One more run of the same paged engine (kept in the actor); its stats since the first."""
+        if not hasattr(self, "paged_engine"):
+            self.paged_engine = _paged_engine(run_id)
+        return _paged_run(self.paged_engine)
+
+
+#: Policy label of the paged engine's series (the fake load's "full" series stay its own).
+PAGED_POLICY = "paged-full"
+#: The paged-layout panels' series, as Prometheus stores them (a batch sweep exports none).
+PAGED_NAMES = sorted(m.exported_name for m in METRICS if m.name in PAGED_LAYOUT_METRICS)
+
+
+def _paged_engine(run_id: str):
+    """A full-cache engine on the paged layout (tiny model, blocks of 4 slots, a 60 kB pool: 12 requests outgrow
+    it, so the newest rows are preempted), recording its live metrics through Ray."""
+    import torch
+
+    from replica.engine import ContinuousBatchingEngine
+    from replica.metrics import ReplicaMetrics
+    from replica.types import EngineConfig
+    from scissorhands.testing import tiny_llama
+
+    torch.set_num_threads(1)
+    model = tiny_llama(0)
+    model.generation_config.eos_token_id = None
+    metrics = ReplicaMetrics(PAGED_POLICY, None, "replica-paged", "tiny-llama", run_id)
+    assert metrics.uses_ray
+    cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=60_000, block_tokens=4)
+    return ContinuousBatchingEngine(model, cfg, metrics=metrics)
+
+
+def _paged_run(engine) -> dict:
+    import torch
+
+    from replica.types import GenerationRequest
+
+    g = torch.Generator().manual_seed(0)
+    for i in range(12):
+        prompt = torch.randint(0, 128, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist()
+        engine.submit(GenerationRequest(f"p{i}", prompt, 39, ignore_eos=True), lambda r: None)
+    engine.run_until_idle()
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and engine.pool.blocks_in_use == 0
+    return stats
 
 
 #: Latencies of a saturated point: 1,000 evenly from 100 to 150 s (mean 125 s).
@@ -282,6 +331,16 @@ def stack(tmp_path_factory):
         wait_for(lambda: check.query(prom, born), 60, "Prometheus to scrape the long-latency series once")
         long_from = time.time()
         ray.get(actor.long_latencies.remote(RUN_ID, False))
+        # the paged engine: its counters are born (scraped once) before the second run raises them
+        paged_first = ray.get(actor.paged_run.remote(RUN_ID))
+        preempted = f'ray_scissorhands_preemptions_total{{run_id="{RUN_ID}", policy="{PAGED_POLICY}"}}'
+        wait_for(
+            lambda: check.query(prom, f"{preempted} == {paged_first['preemptions']}"),
+            60,
+            "Prometheus to scrape the paged engine's first preemptions",
+        )
+        paged_from = time.time()
+        paged = ray.get(actor.paged_run.remote(RUN_ID))
         # sweep summaries, pushed point by point
         records = _sweep_records(RUN_ID)
         pusher = SweepPusher(pushgateway, RUN_ID)
@@ -298,6 +357,7 @@ def stack(tmp_path_factory):
                 and check.query(prom, 'ray_scissorhands_ttft_seconds_count{policy="quantile-mixed"} == 2000')
                 and check.query(prom, 'ray_scissorhands_decode_batch_size_exact_sum_total{policy="l21-5rows"} == 100')
                 and check.query(prom, _latency_counts_are(None))
+                and check.query(prom, f"{preempted} == {paged['preemptions']}")
             ),
             60,
             "Prometheus to scrape the replica metrics and the pushed sweep",
@@ -312,6 +372,8 @@ def stack(tmp_path_factory):
             "records": records,
             "serve_url": serve_url,
             "long_from": long_from,
+            "paged_stats": paged,
+            "paged_from": paged_from,
         }
     finally:
         from ray import serve as ray_serve
@@ -376,6 +438,38 @@ def test_every_panel_of_every_dashboard_returns_data(stack):
     assert len(rows) >= 25
     empty = [f"{file} / {title} [{ref}]: {expr}" for file, title, ref, expr, values in rows if not values]
     assert not empty, "queries without data:\n" + "\n".join(empty)
+
+
+def test_a_paged_engine_feeds_the_paged_panels_with_its_own_counts(stack):
+    """A real paged engine that preempts, through Ray's exporter: Prometheus holds its stats' preemptions and
+    recomputed tokens, and its pool (every block free at the end); every "(paged layout)" panel shows it, its
+    rates rising over the second run."""
+    prom, stats = stack["prometheus"], stack["paged_stats"]
+    sel = f'{{run_id="{RUN_ID}", policy="{PAGED_POLICY}"}}'
+
+    def value(name: str) -> float:
+        [v] = check.finite_values(check.query(prom, f"sum({name}{sel})"))
+        return v
+
+    assert value("ray_scissorhands_preemptions_total") == stats["preemptions"] > 0
+    assert value("ray_scissorhands_recomputed_tokens_total") == stats["recomputed_tokens"] > 0
+    assert value("ray_scissorhands_kv_used_blocks") == 0
+    assert value("ray_scissorhands_kv_free_blocks") == stats["kv_pool_blocks"]
+    board = check.load_dashboards()["live-replicas.json"]
+    panels = [
+        p
+        for p in check.iter_panels(board)
+        if any(set(PAGED_NAMES) & check.metric_names(t["expr"]) for t in p["targets"])
+    ]
+    assert len(panels) == 3 and all(p["title"].endswith("(paged layout)") for p in panels)
+    window = f"{math.ceil(time.time() - stack['paged_from']) + 5}s"  # from before the second run
+    values = {"run_id": RUN_ID, "policy": PAGED_POLICY, "replica": ".*", "datasource": "prometheus"}
+    for panel in panels:
+        for target in panel["targets"]:
+            got = check.finite_values(check.query(prom, check.substitute(target["expr"], values, window)))
+            assert len(got) == 1, f"{panel['title']} [{target['refId']}]: {got}"
+            if "rate(" in target["expr"]:
+                assert got[0] > 0, f"{panel['title']}: no rise over the second run"
 
 
 def test_every_variable_query_returns_values(stack):
@@ -725,13 +819,22 @@ def test_real_sweep_feeds_every_live_panel(stack, real_sweep):
     window_s = math.ceil(max(stamps) - real_sweep["started"]) + 5
     rows = check.check(prom, run_id, rate_interval=f"{window_s}s", at={"live-replicas.json": max(stamps)})
     # the HTTP row reads Ray Serve's metrics: the batch sweep drives its replicas as actors, not over HTTP
-    # (that row is checked with the service's load in test_every_panel_of_every_dashboard_returns_data)
+    # (that row is checked with the service's load in test_every_panel_of_every_dashboard_returns_data); the
+    # "(paged layout)" panels read series a static batch has none of (no block pool, no preemption): they are
+    # checked against a real paged engine in test_a_paged_engine_feeds_the_paged_panels_with_its_own_counts,
+    # and here the sweep must have exported none of them (absent, never a made-up zero)
     empty = [
         f"{title} [{ref}]: {expr}"
         for file, title, ref, expr, values in rows
-        if file == "live-replicas.json" and not values and "ray_serve_" not in expr
+        if file == "live-replicas.json"
+        and not values
+        and "ray_serve_" not in expr
+        and not check.metric_names(expr) & set(PAGED_NAMES)
     ]
     assert not empty, "live panels without data during the sweep:\n" + "\n".join(empty)
+    for name in PAGED_NAMES:
+        seen = check.query(prom, f'count_over_time({name}{{run_id="{run_id}"}}[{window_s}s])', max(stamps))
+        assert not seen, f"a batch sweep (no block pool) exported {name}: {seen}"
     # the replicas stay up one export + scrape interval after the last point, so the counters end whole:
     # one token per sequence per forward (prefill + every decode step)
     tokens = check.query(

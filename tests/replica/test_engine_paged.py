@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
+from replica.metrics import PAGED_LAYOUT_METRICS, ReplicaMetrics
 from replica.types import ConfigError, EngineConfig, GenerationRequest
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
@@ -199,3 +200,85 @@ def test_a_paged_request_is_refused_at_submission_when_even_its_recompute_cannot
     longest = usable // per_token_layer * 4  # tokens a lone row can hold in every layer
     assert engine.fits_alone(longest - 10, 11) is None
     assert "KV blocks alone" in engine.fits_alone(longest - 10, 20)
+
+
+# --------------------------------------------------------------------------- live metrics of the paged layout
+class _BlockSpy(ReplicaMetrics):
+    """`ReplicaMetrics` in memory that also keeps every (used, free) pair the engine records."""
+
+    def __init__(self, *args):
+        super().__init__(*args, use_ray=False)
+        self.block_log: list[tuple[int, int]] = []
+
+    def set_kv_blocks(self, used: int, free: int) -> None:
+        self.block_log.append((used, free))
+        super().set_kv_blocks(used, free)
+
+
+def _blocks_and_preemptions(snap: dict) -> dict:
+    return {k: v for k, v in snap.items() if k in PAGED_LAYOUT_METRICS}
+
+
+def test_a_paged_engine_that_preempts_records_its_stats_counts_and_its_pool(model):
+    """The live series of a run that preempts: the counters equal the engine's `preemptions` and
+    `recomputed_tokens`, every block reading sums to the pool, and the last one shows every block returned."""
+    metrics = _BlockSpy("full", None, "r0", "tiny-llama", "run")
+    cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=60_000, block_tokens=4)
+    engine = ContinuousBatchingEngine(model, cfg, metrics=metrics)
+    for r in _requests(12):
+        engine.submit(r, lambda res: None)
+    engine.run_until_idle()
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > stats["preemptions"]
+    assert _blocks_and_preemptions(metrics.snapshot()) == {
+        "scissorhands_preemptions_total": stats["preemptions"],
+        "scissorhands_recomputed_tokens_total": stats["recomputed_tokens"],
+        "scissorhands_kv_used_blocks": 0,  # every block returned at the end
+        "scissorhands_kv_free_blocks": stats["kv_pool_blocks"],
+    }
+    assert len(metrics.block_log) >= stats["decode_steps"]  # once per step
+    assert all(used + free == stats["kv_pool_blocks"] for used, free in metrics.block_log)
+    assert 0 < max(used for used, _ in metrics.block_log) <= stats["peak_kv_blocks_in_use"]
+
+
+def test_the_preallocated_layout_reports_no_blocks_and_clears_a_paged_engines(model):
+    """No pool, no block series: a preallocated engine records none, and one built on the labels a paged engine
+    used drops that engine's last pool (never a stale reading); it never preempts, so no preemption series."""
+    metrics = ReplicaMetrics("full", None, "r0", "tiny-llama", "run", use_ray=False)
+    paged = ContinuousBatchingEngine(
+        model, EngineConfig(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4), metrics=metrics
+    )
+    paged.submit(GenerationRequest("p", list(range(1, 9)), 3, ignore_eos=True), lambda r: None)
+    paged.run_until_idle()
+    assert set(_blocks_and_preemptions(metrics.snapshot())) == {
+        "scissorhands_kv_used_blocks",
+        "scissorhands_kv_free_blocks",
+    }
+    limit = full_batch_kv_limit_bytes(model, 2, 8, 40)  # a preallocated engine under a limit: it queues
+    pre = ContinuousBatchingEngine(
+        model, EngineConfig(kv_memory_limit_bytes=limit, max_length_tokens=48), metrics=metrics
+    )
+    for r in [GenerationRequest(f"r{i}", list(range(i, i + 8)), 40, ignore_eos=True) for i in range(5)]:
+        pre.submit(r, lambda r: None)
+    pre.run_until_idle()
+    snap = metrics.snapshot()
+    assert pre.stats()["peak_running_sequences"] == 2 and snap["scissorhands_generated_tokens_total"] == 3 + 5 * 40
+    assert _blocks_and_preemptions(snap) == {}
+
+
+def test_an_abort_that_empties_the_engine_shows_its_blocks_free(model):
+    """The step that applies an abort and then finds nothing to run still records the gauges: the aborted row's
+    blocks read free, not held."""
+    metrics = ReplicaMetrics("full", None, "r0", "tiny-llama", "run", use_ray=False)
+    engine = ContinuousBatchingEngine(
+        model, EngineConfig(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4), metrics=metrics
+    )
+    engine.submit(GenerationRequest("r0", list(range(1, 10)), 30, ignore_eos=True), lambda r: None)
+    engine.step()
+    assert metrics.snapshot()["scissorhands_kv_used_blocks"] == 3 * engine.num_layers > 0
+    engine.abort("r0")
+    assert engine.step() is False
+    snap = metrics.snapshot()
+    assert snap["scissorhands_kv_used_blocks"] == 0
+    assert snap["scissorhands_kv_free_blocks"] == engine.pool.usable_blocks
+    assert snap["scissorhands_running_sequences"] == 0

@@ -14,6 +14,7 @@ from replica.metrics import (
     LATENCY_BUCKETS_S,
     LATENCY_TOP_S,
     METRICS,
+    PAGED_LAYOUT_METRICS,
     POINT_LABELS,
     REPLICA_LABELS,
     SERVE_LATENCY_BUCKETS_MS,
@@ -58,6 +59,8 @@ UNIT_SUFFIXES = (
     "_completed",
     "_planned",
     "_perplexity",
+    "_blocks",  # KV blocks of the paged layout's pool
+    "_preemptions_total",  # a count of events is its own unit, as requests are
 )
 
 
@@ -161,6 +164,9 @@ def test_replica_metrics_records_in_memory_without_ray():
     m.set_kv_cache(bytes=3 * 2**20, slots=128)
     m.add_evictions(7)
     m.observe_model_load(1.5)
+    m.set_kv_blocks(used=12, free=30)
+    m.add_preemption(recomputed_tokens=40)
+    m.add_preemption(recomputed_tokens=9)
     snap = m.snapshot()
     assert snap["scissorhands_prefill_seconds"] == (1, 0.25)
     assert snap["scissorhands_prefill_tokens_total"] == 512
@@ -175,6 +181,8 @@ def test_replica_metrics_records_in_memory_without_ray():
     assert snap["scissorhands_kv_cache_slots"] == 128
     assert snap["scissorhands_evicted_tokens_total"] == 7
     assert snap["scissorhands_model_load_seconds"] == 1.5
+    assert snap["scissorhands_kv_used_blocks"] == 12 and snap["scissorhands_kv_free_blocks"] == 30
+    assert snap["scissorhands_preemptions_total"] == 2 and snap["scissorhands_recomputed_tokens_total"] == 49
     assert set(snap) == {s.name for s in METRICS if s.source == "ray"}
     assert m.tags == {
         "policy": "scissorhands",
@@ -209,6 +217,29 @@ def test_replica_metrics_defaults_to_memory_when_ray_is_off():
     if ray.is_initialized():
         pytest.skip("a Ray session is open in this process")
     assert ReplicaMetrics("full", None, "r", "m", "run").uses_ray is False
+
+
+def test_paged_layout_metrics_are_marked_and_their_blocks_can_be_cleared():
+    """The paged layout's series are catalogued as such, and `clear_kv_blocks` drops only this recorder's block
+    gauges (an engine without a pool on the same labels), never its counters or other labels' blocks."""
+    assert PAGED_LAYOUT_METRICS <= {m.name for m in METRICS if m.source == "ray"}
+    assert {metric(n).kind for n in PAGED_LAYOUT_METRICS} == {"gauge", "counter"}
+    assert all(metric(n).help.startswith("Paged KV layout only: ") for n in PAGED_LAYOUT_METRICS)
+    base = ReplicaMetrics("full", None, "r", "m", "run", use_ray=False)
+    other = base.for_point("scissorhands", 5)
+    for m in (base, other):
+        m.set_kv_blocks(used=3, free=5)
+        m.add_preemption(recomputed_tokens=0)  # a zero token count is ignored, the preemption is not
+    base.clear_kv_blocks()
+    assert {k: v for k, v in base.snapshot().items() if k in PAGED_LAYOUT_METRICS} == {
+        "scissorhands_preemptions_total": 1
+    }
+    assert other.snapshot()["scissorhands_kv_used_blocks"] == 3
+    base.clear_kv_blocks()  # clearing what is not there is a no-op
+    with pytest.raises(ValueError, match="free must be a number >= 0"):
+        base.set_kv_blocks(used=1, free=-1)
+    with pytest.raises(ValueError, match="recomputed_tokens must be a number >= 0"):
+        base.add_preemption(recomputed_tokens=-2)
 
 
 @pytest.mark.parametrize(
