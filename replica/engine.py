@@ -67,7 +67,13 @@ from scissorhands.paged import BlockPool, release_cache
 # and measure the bytes of one slot (which do not depend on B); every request's cache gets the request's own B.
 PROBE_BUDGET_TOKENS = 1024
 
-__all__ = ["ContinuousBatchingEngine", "EngineLoop", "device_memory_bytes", "full_batch_kv_limit_bytes"]
+__all__ = [
+    "ContinuousBatchingEngine",
+    "EngineLoop",
+    "device_memory_bytes",
+    "full_batch_kv_limit_bytes",
+    "full_rows_kv_bytes",
+]
 
 
 def _recording() -> contextlib.AbstractContextManager:
@@ -164,6 +170,10 @@ class ContinuousBatchingEngine:
             self.kv_memory_limit_bytes: int | None = config.kv_memory_limit_bytes
         elif config.kv_memory_fraction is not None:
             self.kv_memory_limit_bytes = int(config.kv_memory_fraction * device_memory_bytes(self.device))
+        elif config.kv_limit_full_sequences is not None:  # full-cache rows in this model's dtype
+            self.kv_memory_limit_bytes = full_rows_kv_bytes(
+                model, config.kv_limit_full_sequences, config.max_length_tokens
+            )
         else:
             self.kv_memory_limit_bytes = None
         self.pool: BlockPool | None = None
@@ -800,10 +810,26 @@ class ContinuousBatchingEngine:
         self._peak_bytes = max(self._peak_bytes, int(nbytes))
 
 
+def full_rows_kv_bytes(model, rows: int, length_tokens: int) -> int:
+    """The bytes `rows` full-cache rows of `length_tokens` slots need: ``rows * length_tokens * slot_bytes``, with
+    the bytes per slot (all layers, bookkeeping included) of the full cache preallocating `length_tokens` per row,
+    measured on `model` as loaded, so in its dtype (a float32 slot holds about twice a bfloat16 one's bytes).
+
+    What `EngineConfig.kv_limit_full_sequences` resolves to when an engine is built (the suites'
+    ``kv_memory_limit: {full_sequences: N}``, `length_tokens` their longest prompt + longest output).
+
+    Raises:
+        ValueError: `rows` or `length_tokens` below 1 (the message names it).
+    """
+    check_int("rows", rows, 1)
+    check_int("length_tokens", length_tokens, 1)
+    return rows * length_tokens * sequence_slot_bytes(model, "full", max_length=length_tokens)
+
+
 def full_batch_kv_limit_bytes(model, full_batch: int, prompt_tokens: int, new_tokens: int) -> int:
     """The KV memory limit (bytes) that holds exactly `full_batch` full-cache sequences of `prompt_tokens`
-    + `new_tokens` tokens: ``full_batch * final_slots(P, N) * slot_bytes``, with the slots and the bytes
-    per slot (all layers, bookkeeping included) of a full-cache engine preallocating ``P + N`` per row.
+    + `new_tokens` tokens: ``full_batch * (P + N) * slot_bytes`` (`full_rows_kv_bytes`), the final slots and the
+    bytes per slot (all layers, bookkeeping included) of a full-cache engine preallocating ``P + N`` per row.
 
     Under this limit a full-cache engine's `max_batch_for(P, N)` is `full_batch` (one byte less gives
     `full_batch - 1`); the benchmarks give every other policy the same limit and let it fit its own batch.
@@ -813,8 +839,7 @@ def full_batch_kv_limit_bytes(model, full_batch: int, prompt_tokens: int, new_to
     """
     for name, value in (("full_batch", full_batch), ("prompt_tokens", prompt_tokens), ("new_tokens", new_tokens)):
         check_int(name, value, 1)
-    probe = ContinuousBatchingEngine(model, EngineConfig(max_length_tokens=prompt_tokens + new_tokens))
-    return full_batch * probe.final_slots(prompt_tokens, new_tokens) * probe.slot_bytes
+    return full_rows_kv_bytes(model, full_batch, prompt_tokens + new_tokens)
 
 
 class EngineLoop:

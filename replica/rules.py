@@ -23,6 +23,7 @@ __all__ = [
     "check_fraction",
     "need_one_of",
     "not_both",
+    "at_most_one",
     "one_line",
 ]
 
@@ -60,6 +61,14 @@ def not_both(obj: Any, a: str, b: str, what: str = "give one of them, not both")
     """Raise ValueError naming `a` and `b` when both are set on `obj` (a limit or a fraction, not both)."""
     if getattr(obj, a) is not None and getattr(obj, b) is not None:
         raise ValueError(f"{a}, {b}: {what}")
+
+
+def at_most_one(obj: Any, *fields: str, what: str = "give one of them, not several") -> None:
+    """Raise ValueError naming the fields given when more than one of `fields` is set on `obj` (one KV memory
+    limit: bytes, a fraction of device memory, or full-cache sequences)."""
+    given = [f for f in fields if getattr(obj, f) is not None]
+    if len(given) > 1:
+        raise ValueError(f"{', '.join(given)}: {what}")
 
 
 def _prefixed(names: str, prefix: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Mapping
 
 from pydantic import Field, field_validator, model_validator
 
-from replica.rules import FrozenConfig, check_fraction, check_number, need_one_of, not_both
+from replica.rules import FrozenConfig, at_most_one, check_fraction, check_number, need_one_of
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.checks import check_int
 
@@ -27,7 +27,9 @@ __all__ = [
 
 KV_LAYOUTS = ("preallocated", "paged")
 BUDGETS = ("fixed", "per_request")
-_COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "max_batch")
+_COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "kv_limit_full_sequences", "max_batch")
+#: The ways to give the engine its KV memory limit (at most one; none: no limit).
+KV_LIMIT_FIELDS = ("kv_memory_limit_bytes", "kv_memory_fraction", "kv_limit_full_sequences")
 
 
 class ConfigError(ValueError):
@@ -49,12 +51,15 @@ class EngineConfig(FrozenConfig):
             with the full cache every row preallocates it (decode writes in place, no regrowth).
         kv_memory_limit_bytes: the KV memory the running batch may hold (bytes).
         kv_memory_fraction: else this fraction (0..1] of the device's memory (GPU total, or RAM).
-            Neither: no memory limit.
+        kv_limit_full_sequences: else the bytes this many full-cache rows of `max_length_tokens` slots need
+            in the model's own dtype (`replica.engine.full_rows_kv_bytes`), resolved when the engine is built,
+            so "room for N full sequences" holds in float32 and bfloat16 alike; needs `max_length_tokens`.
+            None of the three: no memory limit; more than one: an error.
         max_batch: most sequences running at once (None: only memory limits).
         kv_layout: ``"preallocated"`` (each row reserves its final length up front, padded to the batch's
             longest row: the paper's setting) or ``"paged"`` (one pool of blocks sized to the memory limit,
             taken as sequences grow, newest sequence preempted and recomputed when it runs out, as vLLM;
-            `scissorhands.paged`); paged needs `kv_memory_limit_bytes` or `kv_memory_fraction`.
+            `scissorhands.paged`); paged needs one of the three limits above.
         block_tokens: slots per block of the paged layout (per KV head).
         budget: ``"fixed"`` (every sequence gets B from `budget_tokens`, or from `compression_ratio` of
             `max_length_tokens`) or ``"per_request"`` (each request ``B_i = ceil((prompt_i + max_new_i) / ratio)``:
@@ -79,6 +84,7 @@ class EngineConfig(FrozenConfig):
     max_length_tokens: int | None = None
     kv_memory_limit_bytes: int | None = None
     kv_memory_fraction: float | None = None
+    kv_limit_full_sequences: int | None = None
     max_batch: int | None = None
     max_prefill_tokens: int = 4096
     kv_layout: str = "preallocated"
@@ -139,10 +145,16 @@ class EngineConfig(FrozenConfig):
 
     @model_validator(mode="after")
     def _budget_and_limit(self) -> "EngineConfig":
-        not_both(self, "kv_memory_limit_bytes", "kv_memory_fraction")
-        if self.kv_layout == "paged" and self.kv_memory_limit_bytes is None and self.kv_memory_fraction is None:
+        at_most_one(self, *KV_LIMIT_FIELDS, what="give one KV memory limit, not several")
+        if self.kv_layout == "paged" and all(getattr(self, f) is None for f in KV_LIMIT_FIELDS):
             raise ValueError(
-                "kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes or kv_memory_fraction; give one"
+                "kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes, kv_memory_fraction or "
+                "kv_limit_full_sequences; give one"
+            )
+        if self.kv_limit_full_sequences is not None and self.max_length_tokens is None:
+            raise ValueError(
+                "max_length_tokens: kv_limit_full_sequences sizes the limit from full-cache rows of the workload's "
+                "longest prompt + output (tokens); give it"
             )
         if self.budget == "per_request":
             if not POLICIES[self.policy].evicts:

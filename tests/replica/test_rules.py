@@ -66,7 +66,7 @@ def test_engine_config_is_frozen_round_trips_and_raises_one_line():
         "kv_memory_limit_bytes: expected an integer >= 1 or null, got -1; "
         "max_batch: expected an integer >= 1 or null, got 0; "
         "colour: unknown key (accepted: policy, policy_params, budget_tokens, compression_ratio, "
-        "max_length_tokens, kv_memory_limit_bytes, kv_memory_fraction, max_batch, max_prefill_tokens, kv_layout, "
-        "budget, block_tokens)"
+        "max_length_tokens, kv_memory_limit_bytes, kv_memory_fraction, kv_limit_full_sequences, max_batch, "
+        "max_prefill_tokens, kv_layout, budget, block_tokens)"
     )
     assert isinstance(e.value, ValueError)

@@ -21,6 +21,11 @@ kind's model extends `SuiteBase`::
     replicas: 2
     placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
 
+Serving and frontier suites also state one KV memory limit per replica the same way (`KVMemoryLimit`)::
+
+    kv_memory_limit: {full_sequences: 4}   # room for 4 full-cache sequences of the suite's longest prompt +
+                                           # longest output, in the run's dtype; or {bytes: 200000000}
+
 Each policy entry is checked by the library's own `scissorhands.policies.get_policy`; budgets expand with
 `SuiteBase.budgets` and the library's formula (`scissorhands.budget_from_ratio`). Every error is a `SuiteError`
 whose message names the field (`policies[1]`, `seed`) and the accepted values; the runners exit with status 2 on it.
@@ -106,6 +111,43 @@ class PolicySpec(BaseModel):
         if not self.params:
             return self.name
         return f"{self.name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
+
+
+class KVMemoryLimit(BaseModel):
+    """One KV memory limit per replica (``kv_memory_limit`` of serving and frontier suites): exactly one of
+
+    * ``full_sequences: N``: the bytes N full-cache sequences of the suite's lengths need, resolved on the replica
+      in the dtype the run resolved (`replica.engine.full_rows_kv_bytes`: ``N x (prompt + output) x slot_bytes`` of
+      the full cache preallocating prompt + output per row; the longest prompt + the longest output for a suite
+      with length distributions). A slot holds about twice the bytes in float32 as in bfloat16, so "room for N full
+      sequences" stays true whichever dtype ``auto`` picks;
+    * ``bytes: N``: an absolute limit, the same bytes in every dtype (so about twice the rows in bfloat16).
+
+    Records carry the resolved bytes (``kv_memory_limit_bytes``) and ``kv_limit_full_sequences`` (None for bytes).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    full_sequences: PositiveInt | None = None
+    bytes: PositiveInt | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, value: Any) -> Any:
+        if not isinstance(value, (dict, KVMemoryLimit)):
+            raise ValueError(
+                f"kv_memory_limit: expected {{full_sequences: N}} or {{bytes: N}} (N a whole number >= 1), got {value!r}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "KVMemoryLimit":
+        if (self.full_sequences is None) == (self.bytes is None):
+            raise ValueError(
+                "kv_memory_limit: give exactly one of full_sequences (how many full-cache sequences of the suite's "
+                "longest prompt + output it holds, in the run's dtype) or bytes (an absolute limit), each a whole "
+                f"number >= 1; got {self.model_dump(exclude_none=True) or 'neither'}"
+            )
+        return self
 
 
 def _placement(value: Any) -> PlacementConfig:

@@ -5,8 +5,9 @@ call seam, `workloads.core.dispatch.replica_points`). ``point`` is the :class:`w
 Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens + new_tokens) / ratio)``.
 
 1. Throughput at the point's own max batch under one KV memory limit (`bench.bench_serving`'s machinery):
-   the limit holds ``kv_limit_full_sequences`` full-cache sequences of prompt + new tokens
-   (`replica.engine.full_batch_kv_limit_bytes`) or is ``kv_memory_limit_bytes``; the policy runs the
+   the limit holds ``kv_limit_full_sequences`` full-cache sequences of prompt + new tokens in the model's dtype
+   (`EngineConfig.kv_limit_full_sequences`, resolved by the engine: `replica.engine.full_rows_kv_bytes`) or is
+   ``kv_memory_limit_bytes``; the policy runs the
    largest batch the continuous-batching engine admits under it (`ContinuousBatchingEngine.max_batch_for`) of
    equal requests: the first ``max batch`` prompts of one seeded draw of load-test text (every point shares
    them), ``new_tokens`` each, EOS ignored. ``output_throughput_tok_per_s`` = output tokens / the run's wall
@@ -21,7 +22,7 @@ import time
 
 import torch
 
-from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
+from replica.engine import ContinuousBatchingEngine
 from replica.generate_baseline import run_engines
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands.models import cpu_flags, cpu_model_name
@@ -33,7 +34,8 @@ from workloads.quality.perplexity import heldout_windows, perplexity
 def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     """Measure one point; return its metrics (units in the names).
 
-    Returns a dict with ``kv_memory_limit_bytes``, ``batch_size`` (the max batch), ``budget_tokens`` (B),
+    Returns a dict with ``kv_memory_limit_bytes`` (resolved), ``kv_limit_full_sequences`` (None for a limit in
+    bytes), ``batch_size`` (the max batch), ``budget_tokens`` (B),
     ``output_throughput_tok_per_s``, ``output_tok_per_cpu_s``, ``decode_tokens_per_s``, ``output_tokens``,
     ``wall_s``, ``cpu_s``, ``prefill_s``, ``decode_s``, ``kv_cache_bytes`` (peak of the throughput run),
     ``peak_running_sequences``, ``max_batch_verified`` (the batch ran whole and its peak KV bytes stayed under
@@ -48,15 +50,16 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)
     policy, params, ratio = point.policy, dict(point.policy_params or {}), point.compression_ratio
     vocab = int(model.config.vocab_size)
-    limit = point.kv_memory_limit_bytes or full_batch_kv_limit_bytes(model, int(point.kv_limit_full_sequences), P, N)
     cfg = EngineConfig(
         policy=policy,
         policy_params=params,
         compression_ratio=ratio,
         max_length_tokens=P + N,
-        kv_memory_limit_bytes=int(limit),
+        kv_memory_limit_bytes=point.kv_memory_limit_bytes,
+        kv_limit_full_sequences=point.kv_limit_full_sequences,
     )
     probe = ContinuousBatchingEngine(model, cfg)
+    limit = probe.kv_memory_limit_bytes  # full-cache rows resolved in the model's dtype
     batch = probe.max_batch_for(P, N)
     if batch < 1:
         raise ValueError(
@@ -80,6 +83,7 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     )
     return {
         "kv_memory_limit_bytes": int(limit),
+        "kv_limit_full_sequences": point.kv_limit_full_sequences,
         "batch_size": batch,
         "budget_tokens": run["budget_tokens"],
         "prompt_tokens": P,

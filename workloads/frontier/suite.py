@@ -10,8 +10,9 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
     compression_ratios: [2, 5]   # B = ceil((prompt_tokens + new_tokens) / ratio), the same B in both measurements
     prompt_tokens: 512           # every request's prompt (real load-test text, the same prompts for every point)
     new_tokens: 128              # every request's output (EOS ignored)
-    kv_memory_limit:             # one limit for every point: give exactly one of
-      full_sequences: 2          #   the bytes the full cache needs for this many sequences of prompt + new tokens
+    kv_memory_limit:             # one limit for every point (`workloads.core.suite.KVMemoryLimit`): exactly one of
+      full_sequences: 2          #   the bytes the full cache needs for this many sequences of prompt + new tokens,
+                                 #   in the run's dtype (resolved on the replica)
       # bytes: 50000000          #   or an absolute limit in bytes
     perplexity_windows: 1        # held-out windows of prompt_tokens + new_tokens tokens each
 
@@ -25,26 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from workloads.core.suite import PositiveInt, SuiteBase, SuiteError, budget_tag, point_id
-
-
-class KVMemoryLimit(BaseModel):
-    """The one KV memory limit of a frontier run: ``full_sequences`` or ``bytes``, exactly one."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    full_sequences: PositiveInt | None = None
-    bytes: PositiveInt | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "KVMemoryLimit":
-        if (self.full_sequences is None) == (self.bytes is None):
-            raise ValueError(
-                "kv_memory_limit: give exactly one of full_sequences (full-cache sequences of prompt + "
-                "new tokens the limit holds) or bytes"
-            )
-        return self
+from workloads.core.suite import KVMemoryLimit, PositiveInt, SuiteBase, SuiteError, budget_tag, point_id
 
 
 @dataclass(frozen=True)

@@ -313,6 +313,7 @@ class BatchLoad(LoadPattern):
             raise ValueError(f"loads: not used in mode {mode} (the batch is found from the memory limit)")
         need_one_of(
             suite,
+            "kv_memory_limit",
             "kv_memory_limit_bytes",
             "kv_memory_fraction",
             what=f"mode {mode} needs a KV memory limit (or a fraction of device memory)",

@@ -123,8 +123,11 @@ class ServingKind(Kind):
         return where
 
     def record_fields(self, suite: ServingSuite, point: ServingPoint, finished: Finished) -> dict:
+        """The suite's columns of a point's record. Its KV limit: ``kv_limit_full_sequences`` (None for a limit in
+        bytes) beside the bytes each replica resolved it to (``kv_memory_limit_bytes``, from the replicas' stats)."""
         fixed = lambda d: d.value if d.dist == "fixed" else None  # noqa: E731 - exact lengths label the pushed series
         return dict(
+            kv_limit_full_sequences=suite.kv_limit.full_sequences if suite.kv_limit else None,
             mode=suite.mode,
             series=point.series,
             load=point.load,

@@ -14,7 +14,9 @@ names the load::
     loads: [0.5, 1, 2, 4]         # batch sizes | concurrencies | request rates (req/s); not for max_batch
     prompt_tokens: {dist: uniform, min: 128, max: 512}   # or an integer
     new_tokens: {dist: uniform, min: 16, max: 64}        # output length, as in every suite and record
-    kv_memory_limit_bytes: 200000000   # or kv_memory_fraction: 0.5 (of device memory); per replica
+    kv_memory_limit: {full_sequences: 4}   # per replica: room for 4 full-cache sequences of the longest prompt +
+                                  #   the longest output, in the run's dtype; or {bytes: 200000000};
+                                  #   or kv_memory_fraction: 0.5 (of device memory)
     max_batch: 64                 # most running sequences per replica
     kv_layout: preallocated       # or paged: one block pool of the limit, blocks taken as sequences grow
     block_tokens: 16              # paged: slots per block
@@ -30,10 +32,16 @@ names the load::
     replicas: 1
 
 The shared fields (model, policies, budgets, seed, replicas, placement) and their checks are
-`workloads.core.suite.SuiteBase`'s. Points are policy x budget x load, in that order, so each
-(policy, budget) is a series of increasing load; the series stops (remaining points `skipped`,
-stop reason `saturated`) once a point's error rate, p50 TTFT or achieved/target rate shows
-saturation.
+`workloads.core.suite.SuiteBase`'s; `kv_memory_limit` is `workloads.core.suite.KVMemoryLimit`, the frontier's:
+``full_sequences`` resolves on each replica (`replica.engine.full_rows_kv_bytes`, the model in the run's dtype)
+to the bytes of that many full-cache rows of ``max(prompt_tokens) + max(new_tokens)`` (the longest prompt plus
+the longest output, what one preallocated full row reserves), so its rows are the same in float32 and bfloat16.
+The older ``kv_memory_limit_bytes: N`` still loads, as ``kv_memory_limit: {bytes: N}`` (the same point ids as
+before). At most one limit; none: the replicas' memory is the only limit.
+
+Points are policy x budget x load, in that order, so each (policy, budget) is a series of increasing load; the
+series stops (remaining points `skipped`, stop reason `saturated`) once a point's error rate, p50 TTFT or
+achieved/target rate shows saturation.
 """
 
 from __future__ import annotations
@@ -43,10 +51,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
-from replica.rules import not_both
+from replica.rules import at_most_one
 from replica.types import BUDGETS, KV_LAYOUTS, EngineConfig
 from scissorhands import POLICIES
 from workloads.core.suite import (
+    KVMemoryLimit,
     Name,
     NonNegativeInt,
     PositiveFloat,
@@ -129,7 +138,8 @@ class ServingSuite(SuiteBase):
     prompt_tokens: Length
     new_tokens: Length
     loads: tuple[Load, ...] = ()
-    kv_memory_limit_bytes: PositiveInt | None = None
+    kv_memory_limit: KVMemoryLimit | None = None
+    kv_memory_limit_bytes: PositiveInt | None = None  # the older spelling of kv_memory_limit: {bytes: N}
     kv_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
     max_batch: PositiveInt | None = None
     max_prefill_tokens: PositiveInt = EngineConfig.model_fields["max_prefill_tokens"].default
@@ -162,6 +172,14 @@ class ServingSuite(SuiteBase):
     @property
     def max_length_tokens(self) -> int:
         return self.prompt_tokens.upper + self.new_tokens.upper
+
+    @property
+    def kv_limit(self) -> KVMemoryLimit | None:
+        """The suite's KV memory limit however it is spelled (`kv_memory_limit`, or the older
+        `kv_memory_limit_bytes`); None without one (or with `kv_memory_fraction`)."""
+        if self.kv_memory_limit_bytes is not None:
+            return KVMemoryLimit(bytes=self.kv_memory_limit_bytes)
+        return self.kv_memory_limit
 
     def budget_lengths(self) -> list[int]:
         return [self.max_length_tokens]
@@ -205,9 +223,19 @@ class ServingSuite(SuiteBase):
     @model_validator(mode="after")
     def _mode_needs(self) -> "ServingSuite":
         self.pattern.check_suite(self, self.mode, **self.pattern_options)
-        not_both(self, "kv_memory_limit_bytes", "kv_memory_fraction")
-        if self.kv_layout == "paged" and self.kv_memory_limit_bytes is None and self.kv_memory_fraction is None:
-            raise SuiteError("kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes or kv_memory_fraction")
+        at_most_one(
+            self,
+            "kv_memory_limit",
+            "kv_memory_limit_bytes",
+            "kv_memory_fraction",
+            what="give one KV memory limit: kv_memory_limit ({full_sequences: N} or {bytes: N}), its older form "
+            "kv_memory_limit_bytes, or kv_memory_fraction",
+        )
+        if self.kv_layout == "paged" and self.kv_limit is None and self.kv_memory_fraction is None:
+            raise SuiteError(
+                "kv_layout: 'paged' sizes its block pool from kv_memory_limit ({full_sequences: N} or {bytes: N}) "
+                "or kv_memory_fraction"
+            )
         if self.budget == "per_request" and self.budget_tokens:
             raise SuiteError(
                 "budget: 'per_request' computes each request's budget from compression_ratios; drop budget_tokens"
@@ -229,8 +257,17 @@ class ServingSuite(SuiteBase):
             "replicas",
             "placement",
             "saturation",
+            "kv_memory_limit",
         }
-        return self.model_dump(include=keep, mode="json")
+        ident = self.model_dump(include=keep, mode="json")
+        # the limit under the record's names: {bytes: N} and the older kv_memory_limit_bytes are one setting (and
+        # keep the ids of suites written before kv_memory_limit); full_sequences adds its own key
+        lim = self.kv_limit
+        if lim is not None and lim.bytes is not None:
+            ident["kv_memory_limit_bytes"] = lim.bytes
+        elif lim is not None:
+            ident["kv_limit_full_sequences"] = lim.full_sequences
+        return ident
 
     def points(self) -> list[ServingPoint]:
         out: list[ServingPoint] = []
@@ -272,7 +309,9 @@ class ServingSuite(SuiteBase):
             policy_params=dict(point.policy_params),
             budget_tokens=point.budget_tokens,
             compression_ratio=point.compression_ratio,
-            kv_memory_limit_bytes=self.kv_memory_limit_bytes,
+            # full_sequences resolves on the replica (the model in the run's dtype), rows of max_length_tokens
+            kv_memory_limit_bytes=self.kv_limit.bytes if self.kv_limit else None,
+            kv_limit_full_sequences=self.kv_limit.full_sequences if self.kv_limit else None,
             kv_memory_fraction=self.kv_memory_fraction,
             max_batch=self.max_batch,
             max_prefill_tokens=self.max_prefill_tokens,
