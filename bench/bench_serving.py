@@ -7,7 +7,10 @@
    denominator of the headline), the preallocated full cache (the paper's setting and the older
    denominator), Scissorhands x`--ratio` paged with per-request budgets, the same with 4-bit storage,
    Scissorhands x1 on the paged engine (what the engine alone changes), and Scissorhands x`--ratio`
-   preallocated with one budget (the older row). Output tokens/s, each row over its own steps.
+   preallocated with one budget (the older row). Output tokens/s, each row over its own steps. Then, on the same
+   requests, an outside peer: transformers' continuous batching (`generate_batch`'s engine, its paged cache sized to
+   the same KV bytes; `replica.generate_baseline.run_generate_batch`), after the interleaved rows (it runs in a
+   thread of its own, so it cannot be interleaved step by step; `--no-peer-generate-batch` leaves it out).
 2. Our engine against transformers' `generate`, both with the full cache, on one serving mix (goal >= 1.3x).
 
 Why interleaved step by step: the drift of a shared machine's speed over minutes falls on every run alike. What
@@ -16,10 +19,12 @@ workload's table is written to `--out` (bench.md, bench.json) as soon as it ends
 
     python -m bench.bench_serving [--prompt-tokens 1024] [--new-tokens 1024] [--full-batch 4] [--ratio 5]
                                   [--requests 24] [--workloads equal,mix] [--generate-new-tokens 512]
+                                  [--no-peer-generate-batch]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -32,7 +37,7 @@ from tqdm import tqdm
 
 from bench.conditions import DEFAULT_THREADS, THREADS_HELP, conditions_line, git_commit, parser
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
-from replica.generate_baseline import run_engines, run_generate
+from replica.generate_baseline import run_engines, run_generate, run_generate_batch
 from replica.static_batch import load_replica_model
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands.models import DTYPE_CHOICES, cpu_flags, cpu_model_name
@@ -48,7 +53,14 @@ def parse_args(argv=None):
     p.add_argument("--ratio", type=float, default=5.0, help="Scissorhands compression ratio")
     p.add_argument("--requests", type=int, default=None, help="requests of each part 1 workload (None: 6 x full batch)")
     p.add_argument("--workloads", default="equal,mix", help="part 1 workloads, comma-separated: equal, mix")
-    p.add_argument("--block-tokens", type=int, default=16, help="slots per block of the paged rows")
+    p.add_argument("--block-tokens", type=int, default=16, help="slots per block of the paged rows (and the peer's)")
+    p.add_argument(
+        "--peer-generate-batch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after each workload's interleaved rows, run its requests through transformers' continuous batching "
+        "(generate_batch's paged cache, sized to the same KV bytes)",
+    )
     p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (None: 4 x full batch)")
     p.add_argument("--generate-new-tokens", type=int, default=512, help="longest output of part 2's serving mix")
     p.add_argument("--skip-generate", action="store_true", help="run part 1 only (no engine vs generate)")
@@ -73,6 +85,11 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
+    if args.peer_generate_batch and args.block_tokens < 4:
+        p.error(
+            f"--block-tokens {args.block_tokens}: transformers' paged cache (--peer-generate-batch) takes pages of "
+            "4 tokens or more; give --block-tokens >= 4 or --no-peer-generate-batch"
+        )
     if args.dtype not in DTYPE_CHOICES:
         p.error(f"--dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
     if args.generate_new_tokens > args.new_tokens:
@@ -138,6 +155,31 @@ def part1_rows(
     ]
 
 
+PEER_LABEL = "transformers generate_batch (after the rows, not interleaved)"
+
+
+def _peer_lines(peer: dict, base: dict, requests: int) -> list[str]:
+    """The peer's table row (its ratios over the paged full row `base`) and the note under the table."""
+    per_cpu = (
+        peer["output_tok_per_cpu_s"] / base["output_tok_per_cpu_s"]
+        if peer["output_tok_per_cpu_s"] and base["output_tok_per_cpu_s"]
+        else None
+    )
+    return [
+        f"| {PEER_LABEL} | {peer['output_tok_per_s'] / base['output_tok_per_s']:.2f}x | "
+        f"{peer['output_tok_per_s']:.1f} | - | - | - | - | {peer['kv_cache_bytes'] / 2**20:.1f} | {peer['wall_s']:.1f} "
+        f"| {peer['cpu_s']:.1f} |",
+        "",
+        f"transformers `generate_batch`: its continuous batching and paged cache ({peer['kv_cache_blocks']} blocks of "
+        f"{peer['page_tokens']} tokens of every layer, the KV limit's bytes; {peer['attn_implementation']} attention, "
+        f"at most {peer['max_batch_tokens']} tokens a forward, prefix sharing off), greedy, EOS off, the same requests "
+        f"submitted at once. It runs in a thread of its own, so it ran after the interleaved rows, not step by step "
+        f"with them: the machine's drift between the two falls on its ratio (output tokens per CPU-second: "
+        f"{f'{per_cpu:.2f}x' if per_cpu else '-'} of paged full's). Its peak KV is its whole pool, allocated at the "
+        f"start. Identical tokens vs paged full: {peer['identical_tokens']}/{requests} requests.",
+    ]
+
+
 def workload_lengths(name: str, P: int, N: int, n: int, seed: int) -> tuple[list[int], list[int]]:
     """Prompt and output lengths of `n` requests: `equal` (all P and N) or `mix` (prompts uniform in
     [P/4, P], outputs log-uniform in [min(16, N), N]), drawn from `seed`."""
@@ -182,7 +224,8 @@ def main(argv=None) -> int:
         f"process; prompts of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B "
         f"({limit / 2**20:.1f} MiB) = {args.full_batch} preallocated full-cache sequences of {P} + {N} tokens; "
         f"paged rows: blocks of {args.block_tokens} slots; every row of a workload gets the same {args.requests} "
-        f"requests, all submitted at once, runs interleaved step by step.",
+        f"requests, all submitted at once, runs interleaved step by step"
+        + (", then transformers' `generate_batch` on them." if args.peer_generate_batch else "."),
     ]
 
     def write() -> None:
@@ -203,6 +246,22 @@ def main(argv=None) -> int:
         ]
         print(f"bench-serving: workload {name}, {len(rows)} rows interleaved ...", file=sys.stderr)
         measured = run_engines(model, runs, desc=f"part 1, {name}")
+        peer = None
+        if args.peer_generate_batch:
+            print(f"bench-serving: workload {name}, transformers generate_batch ...", file=sys.stderr)
+            peer_reqs = [GenerationRequest(f"peer-{i}", pr, n) for i, (pr, n) in enumerate(zip(prompts, n_lens))]
+            peer = run_generate_batch(
+                model,
+                peer_reqs,
+                kv_memory_limit_bytes=limit,
+                page_tokens=args.block_tokens,
+                desc=f"generate_batch, {name}",
+            )
+            ours = measured[0]["outputs"]  # the paged full cache's, the same prompts in the same order
+            peer["identical_tokens"] = sum(
+                peer["outputs"].get(f"peer-{i}") == ours.get(f"{rows[0][0]}-{i}") for i in range(len(peer_reqs))
+            )
+            peer.pop("outputs")
         base = measured[0]["output_tok_per_s"]
         table = {}
         lines += [
@@ -224,7 +283,10 @@ def main(argv=None) -> int:
                 f"{r['peak_running_sequences']} / {mean} | {r['preemptions']} | {r['recomputed_tokens']} | "
                 f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} |"
             )
+        if peer is not None:
+            lines += _peer_lines(peer, measured[0], args.requests)
         results["workloads"][name] = {"prompt_tokens": p_lens, "new_tokens": n_lens, "rows": table}
+        results["workloads"][name]["peer_generate_batch"] = peer
         write()  # each workload's table is kept even if a later part is stopped
     # -- part 2: our engine vs transformers' generate, full cache, the preallocated full cache's batch
     if not args.skip_generate:

@@ -1,9 +1,11 @@
-"""Timed runs of our engine (`run_engines`) and of the reference it is measured against (`run_generate`:
-transformers' own `generate`, sdpa attention + `DynamicCache`, static batches of left-padded prompts,
-each batch run to its longest output).
+"""Timed runs of our engine (`run_engines`) and of the transformers baselines it is measured against:
+`run_generate` (transformers' own `generate`, sdpa attention + `DynamicCache`, static batches of left-padded
+prompts, each batch run to its longest output) and `run_generate_batch` (transformers' continuous batching,
+`model.generate_batch`'s engine: its own paged cache, sized to a KV memory limit with
+`generate_batch_cache_blocks`).
 
 Used by `bench/bench_serving.py`, `workloads/frontier/point.py` and `bench/gpu_check.py`, so every
-one of them times the engine, and compares it with the same baseline, the same way. Imports torch,
+one of them times the engine, and compares it with the same baselines, the same way. Imports torch,
 transformers and tqdm only (never Ray).
 """
 
@@ -15,11 +17,12 @@ from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
 
 from replica.engine import ContinuousBatchingEngine
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
+from scissorhands.checks import check_int
 
 
 def _sync(device: torch.device) -> None:
@@ -220,3 +223,159 @@ def run_generate(
         "completed_requests": len(outputs),
         "outputs": outputs,
     }
+
+
+def generate_batch_cache_blocks(model, kv_memory_limit_bytes: int, page_tokens: int) -> tuple[int, int]:
+    """Blocks of transformers' continuous-batching cache that fit in `kv_memory_limit_bytes`, and the bytes of one.
+
+    A block of that cache (`transformers.generation.continuous_batching.PagedAttentionCache`) holds the keys and
+    values of `page_tokens` tokens in every layer: ``layers * 2 * kv_heads * head_dim * itemsize * page_tokens``
+    bytes in the model's dtype, and nothing else (no per-slot bookkeeping). So the blocks are
+    ``kv_memory_limit_bytes // block_bytes``: the same bytes of keys and values our paged rows may hold.
+
+    Raises:
+        ValueError: the limit holds no block, or `page_tokens` below 4 (transformers' own lower bound).
+    """
+    check_int("page_tokens", page_tokens, 4)
+    text = model.config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    block_bytes = int(text.num_hidden_layers) * 2 * int(kv_heads) * int(head_dim) * model.dtype.itemsize * page_tokens
+    blocks = kv_memory_limit_bytes // block_bytes
+    if blocks < 1:
+        raise ValueError(
+            f"kv_memory_limit_bytes: {kv_memory_limit_bytes} bytes hold no block of transformers' paged cache "
+            f"({page_tokens} tokens of every layer: {block_bytes} bytes)"
+        )
+    return blocks, block_bytes
+
+
+def run_generate_batch(
+    model,
+    requests: Sequence[GenerationRequest],
+    *,
+    kv_memory_limit_bytes: int,
+    page_tokens: int = 16,
+    max_batch_tokens: int = EngineConfig.model_fields["max_prefill_tokens"].default,
+    attn_implementation: str = "sdpa",
+    deadline: float | None = None,
+    desc: str | None = "generate_batch",
+) -> dict:
+    """Greedy generation of `requests` by transformers' continuous batching (the engine behind
+    `model.generate_batch`: its paged cache, its scheduler, its preemption), after a 2-token warm-up request.
+
+    Driven through its manager (`model.init_continuous_batching`), as `generate_batch` drives it, so each request
+    keeps its own `max_new_tokens` (`generate_batch` takes one for all). All requests are submitted at once, EOS
+    disabled, so each runs to its `max_new_tokens`. Its cache gets ``generate_batch_cache_blocks`` blocks of
+    `page_tokens` tokens (`ContinuousBatchingConfig.num_blocks`, `page_size`); prefix sharing is off (our engine
+    has none, and the prompts share no prefix); `max_batch_tokens` (tokens of one forward) defaults to our engine's
+    `max_prefill_tokens`; its generation thread runs in inference mode, as our engine's steps do. Timed from the first submission to the last result (wall and this process's CPU
+    seconds, its generation thread included); it runs in a thread of its own, so it cannot be interleaved step by
+    step with `run_engines`.
+
+    Args:
+        model: a causal LM; its attention implementation is `attn_implementation` (``"sdpa"``, or transformers'
+            ``"paged|eager"``) for the run and scissorhands' own afterwards.
+        requests: prompts (token ids) and `max_new_tokens` each.
+        deadline: `time.time()` after which the run stops (`finished` False; the numbers cover the requests done).
+        desc: label of a progress bar (stderr) of output tokens done of those planned, updated as requests
+            finish; None: no bar.
+
+    Returns:
+        `finished`, `wall_s`, `cpu_s`, `output_tokens`, `output_tok_per_s`, `output_tok_per_cpu_s`,
+        `completed_requests`, `outputs` (request id -> generated ids), and the cache it built: `kv_cache_blocks`,
+        `page_tokens`, `kv_cache_bytes` (its blocks' bytes; the cache tensor adds two never-allocated padding
+        blocks, `kv_cache_tensor_bytes`), `max_batch_tokens`, `attn_implementation`.
+
+    Raises:
+        RuntimeError: a request failed, or transformers' generation loop stopped.
+        ValueError: the limit holds no block (`generate_batch_cache_blocks`).
+    """
+    device = next(model.parameters()).device
+    blocks, _ = generate_batch_cache_blocks(model, kv_memory_limit_bytes, page_tokens)
+    gen_config = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(r.max_new_tokens for r in requests)
+    )
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_tokens,
+        num_blocks=blocks,
+        max_batch_tokens=max_batch_tokens,
+        allow_block_sharing=False,
+        auto_switch_to_flash=False,
+        seed=0,
+    )
+    model.set_attn_implementation(attn_implementation)
+    manager = None
+    try:
+        manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+        with torch.inference_mode():  # its generation thread takes the caller's mode, as our engine runs
+            manager.start()
+        manager.add_request(requests[0].prompt_ids[:32], request_id="warmup", max_new_tokens=2, eos_token_id=-1)
+        _collect(manager, {"warmup"}, {}, None, None)
+        cache = manager.batch_processor.cache  # built by the generation thread before the warm-up ran
+        outputs: dict[str, list[int]] = {}
+        planned = sum(r.max_new_tokens for r in requests)
+        with tqdm(
+            total=planned,
+            desc=desc,
+            unit="tok",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            mininterval=1.0,
+            disable=desc is None,
+        ) as bar:
+            _sync(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for r in requests:
+                manager.add_request(
+                    r.prompt_ids, request_id=r.request_id, max_new_tokens=r.max_new_tokens, eos_token_id=-1
+                )
+            finished = _collect(manager, {r.request_id for r in requests}, outputs, deadline, bar.update)
+            _sync(device)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        if manager is not None:
+            manager.stop(block=True, hard_stop=True)  # nothing left to flush: every request ended or is dropped
+            manager.destroy()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    out_tok = sum(len(v) for v in outputs.values())
+    return {
+        "finished": finished,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": out_tok,
+        "output_tok_per_s": out_tok / wall if wall else None,
+        "output_tok_per_cpu_s": out_tok / cpu if cpu else None,
+        "completed_requests": len(outputs),
+        "outputs": outputs,
+        "kv_cache_blocks": int(cache.num_blocks),
+        "page_tokens": page_tokens,
+        "kv_cache_bytes": int(cache.num_sectors * cache.bytes_per_sector),
+        "kv_cache_tensor_bytes": int(cache.cache_tensor.numel() * cache.cache_tensor.element_size()),
+        "max_batch_tokens": int(cache.max_batch_tokens),
+        "attn_implementation": attn_implementation,
+    }
+
+
+def _collect(manager, pending: set[str], outputs: dict, deadline: float | None, on_tokens) -> bool:
+    """Wait for the finished results of `pending` (request ids) into `outputs`; False when `deadline` passed first.
+    Raises RuntimeError for a failed request or a generation loop that stopped."""
+    pending = set(pending)
+    while pending:
+        if deadline is not None and time.time() > deadline:
+            return False
+        res = manager.get_result(timeout=0.5)
+        if res is None:
+            if not manager.is_running():
+                error = getattr(manager.background_thread_status, "fatal_error", None)
+                raise RuntimeError(f"transformers' continuous batching loop stopped: {error}")
+            continue
+        if not res.is_finished() or res.request_id not in pending:
+            continue
+        if res.error is not None:
+            raise RuntimeError(f"generate_batch request {res.request_id} failed: {res.error}")
+        outputs[res.request_id] = list(res.generated_tokens)
+        pending.discard(res.request_id)
+        if on_tokens is not None:
+            on_tokens(len(res.generated_tokens))
+    return True

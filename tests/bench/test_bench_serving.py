@@ -24,6 +24,9 @@ def test_bench_serving_runs_every_row_on_the_same_requests_and_part_2(tmp_path, 
         assert all(r["output_tokens"] == planned and r["completed_requests"] == 12 for r in rows.values())
         for label, r in rows.items():  # paged bookkeeping is dense per row, padded to the longest (a few %)
             assert r["peak_kv_cache_bytes"] <= (limit if r["kv_layout"] == "preallocated" else 1.05 * limit), label
+        peer = w["peer_generate_batch"]  # transformers' continuous batching, its paged cache of the same bytes
+        assert peer["output_tokens"] == planned and peer["completed_requests"] == 12 and peer["kv_cache_bytes"] <= limit
+        assert 0 <= peer["identical_tokens"] <= 12 and "outputs" not in peer
         pre, paged = rows["full, preallocated"], rows["full, paged"]
         assert pre["kv_layout"] == "preallocated" and paged["kv_layout"] == "paged"
         assert pre["peak_running_sequences"] == 2  # the limit holds two preallocated rows
@@ -35,6 +38,22 @@ def test_bench_serving_runs_every_row_on_the_same_requests_and_part_2(tmp_path, 
     assert data["identical_tokens"] == 4 * 2 and data["ratio_engine_vs_generate"] > 0
     out = capsys.readouterr().out
     assert "| scissorhands x5, paged | " in out and "| our engine / transformers generate, output tok/s |" in out
+    assert f"| {bench_serving.PEER_LABEL} | " in out and "Identical tokens vs paged full: " in out
+
+
+def test_bench_serving_leaves_the_peer_out_on_request_and_checks_its_page_size(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main(["--model", "tiny-llama", "--block-tokens", "3"])
+    assert e.value.code == 2 and "--block-tokens 3: transformers' paged cache" in capsys.readouterr().err
+    args = ["--model", "tiny-llama", "--prompt-tokens", "16", "--new-tokens", "4", "--full-batch", "2"]
+    args += ["--block-tokens", "3", "--workloads", "equal", "--generate-new-tokens", "4", "--skip-generate"]
+    args += ["--no-peer-generate-batch"]
+    assert bench_serving.main([*args, "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["workloads"]["equal"]["peer_generate_batch"] is None
+    assert bench_serving.PEER_LABEL not in capsys.readouterr().out
 
 
 def test_bench_serving_names_an_unknown_workload(capsys):
@@ -159,7 +178,7 @@ def test_part_1_is_printed_and_written_before_part_2_runs(tmp_path, monkeypatch,
     assert data["workloads"]["mix"]["rows"]["full, paged"]["completed_requests"] == 12 and "generate" not in data
     assert data["dtype"] == "float32" and data["dtype_reason"] == "forced"
     md = (tmp_path / "bench.md").read_text()
-    assert "**Workload equal**" in md and "**Workload mix**" in md and "generate" not in md
+    assert "**Workload equal**" in md and "**Workload mix**" in md and "Engine vs transformers generate" not in md
     captured = capsys.readouterr()
     assert md in captured.out
     assert "part 1, mix" in captured.err and "tok" in captured.err  # the progress bar
