@@ -44,8 +44,8 @@ from ray import serve
 from cluster.signals import StopSignals
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
-from replica.static_batch import _model_config, resolve_run_dtype
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from replica.static_batch import model_context_tokens, resolve_run_dtype
+from replica.types import BUDGETS, KV_LAYOUTS, EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import POLICIES
 from scissorhands.models import load_tokenizer, model_id_of
 
@@ -197,15 +197,6 @@ class OpenAIIngress:
         )
 
 
-def context_tokens_of(model_spec: str) -> int | None:
-    """The model's context (`max_position_embeddings` of its config; no weights loaded), None when unknown."""
-    cfg = _model_config(model_spec)
-    if cfg is None:
-        return None
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return getattr(cfg, "max_position_embeddings", None)
-
-
 def is_loopback(host: str) -> bool:
     """Whether binding `host` serves this machine only (127.0.0.0/8, ::1, localhost)."""
     if host.lower() == "localhost":
@@ -227,9 +218,20 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
     )
 
 
-def parse_cache(spec: str, max_length_tokens: int) -> tuple[str, dict]:
+def parse_cache(spec: str, max_length_tokens: int, budget: str = "per_request") -> tuple[str, dict]:
     """`full`, `<policy>:<ratio>` (e.g. `scissorhands:5`) or `<policy>:b<budget>` -> (label, EngineConfig
-    fields). Raises ValueError naming `--cache` and the accepted forms."""
+    fields, without the layout and the memory limit, which `build_serve_app` adds to every cache).
+
+    A ratio under ``budget="per_request"`` (the default) gives each request its own budget,
+    ``B_i = ceil((prompt_i + max_new_i) / ratio)``, so a short request evicts as a long one does; under
+    ``"fixed"`` every request gets ``B = ceil(max_length_tokens / ratio)``, sized for the longest. A
+    ``b<budget>`` is that fixed budget for every request.
+
+    Raises:
+        ValueError: naming `--cache` and the accepted forms, or `--budget` and its values.
+    """
+    if budget not in BUDGETS:
+        raise ValueError(f"--budget: expected one of {', '.join(BUDGETS)}, got {budget!r}")
     policy, _, arg = spec.partition(":")
     if policy not in POLICIES:
         raise ValueError(f"--cache: unknown policy {policy!r} in {spec!r} (accepted: {', '.join(POLICIES)})")
@@ -244,7 +246,33 @@ def parse_cache(spec: str, max_length_tokens: int) -> tuple[str, dict]:
             f"--cache: {spec!r}: expected {policy}:<ratio> (e.g. {policy}:5) or {policy}:b<budget>"
         ) from None
     label = f"{policy}-x{ratio:g}"
+    if budget == "per_request":
+        return label, {"policy": policy, "compression_ratio": ratio, "budget": "per_request"}
     return label, {"policy": policy, "compression_ratio": ratio, "max_length_tokens": max_length_tokens}
+
+
+def serve_engine_config(
+    spec: str,
+    *,
+    max_length_tokens: int = DEFAULT_MAX_LENGTH_TOKENS,
+    kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES,
+    kv_layout: str = "paged",
+    budget: str = "per_request",
+) -> tuple[str, dict, int | None]:
+    """One `--cache` spec -> (label, EngineConfig fields, fixed budget or None): `parse_cache`'s fields plus the
+    KV layout and memory limit every cache of the service shares. The default is the engine people serve with:
+    the paged layout (blocks taken as a sequence grows, the newest sequence preempted when the pool runs out), a
+    ratio's budget per request. The fields are validated here (`EngineConfig`), so a bad combination fails at
+    start, naming the field (the paged layout needs a memory limit).
+
+    Raises:
+        ValueError: a bad spec, `--kv-layout`, `--budget`, or engine config.
+    """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"--kv-layout: expected one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
+    label, cfg = parse_cache(spec, max_length_tokens, budget)
+    cfg.update(kv_layout=kv_layout, kv_memory_limit_bytes=kv_memory_limit_bytes)
+    return label, cfg, EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
 
 
 def build_serve_app(
@@ -254,6 +282,8 @@ def build_serve_app(
     model_name: str | None = None,
     max_length_tokens: int = DEFAULT_MAX_LENGTH_TOKENS,
     kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES,
+    kv_layout: str = "paged",
+    budget: str = "per_request",
     dtype: str = "auto",
     device: str = "cpu",
     num_threads: int | None = 1,
@@ -268,7 +298,9 @@ def build_serve_app(
 ):
     """The Serve application: one `EngineDeployment` per entry of `caches` behind one `OpenAIIngress`.
 
-    The ingress learns the model's context (`context_tokens_of`: a chat without `max_tokens` runs to it),
+    Every cache runs on the `kv_layout` (default paged) under `kv_memory_limit_bytes`, a ratio's budget per
+    request unless `budget` is ``"fixed"`` (`serve_engine_config`). The ingress learns the model's context
+    (`replica.static_batch.model_context_tokens`: a chat without `max_tokens` runs to it),
     `api_key` only as its digest (`ApiKey`), and the body limit `max_body_bytes`.
 
     `dtype` is resolved once here, for every deployment and replica (`replica.static_batch.resolve_run_dtype`, in
@@ -283,9 +315,13 @@ def build_serve_app(
     resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments
     handles, metadata = {}, {}
     for spec in caches:
-        label, cfg = parse_cache(spec, max_length_tokens)
-        cfg["kv_memory_limit_bytes"] = kv_memory_limit_bytes
-        budget = EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
+        label, cfg, budget_tokens = serve_engine_config(
+            spec,
+            max_length_tokens=max_length_tokens,
+            kv_memory_limit_bytes=kv_memory_limit_bytes,
+            kv_layout=kv_layout,
+            budget=budget,
+        )
         model_id = f"{name}:{label}"
         if model_id in handles:
             raise ValueError(f"--cache: {spec!r} repeats the model {model_id!r}")
@@ -298,12 +334,12 @@ def build_serve_app(
         handles[model_id] = EngineDeployment.options(**opts).bind(
             model_id, model_spec, cfg, resolved["dtype"], device, num_threads, resolved.get("dtype_reason")
         )
-        metadata[model_id] = cache_metadata(cfg, budget, model_spec)
+        metadata[model_id] = cache_metadata(cfg, budget_tokens, model_spec)
     if tokenizer_spec == "auto":
         tokenizer_spec = None if model_spec == "tiny-llama" else model_spec
     key = ApiKey(api_key) if isinstance(api_key, str) else api_key
     return OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(
-        handles, metadata, tokenizer_spec, max_pending_requests, context_tokens_of(model_spec), key, max_body_bytes
+        handles, metadata, tokenizer_spec, max_pending_requests, model_context_tokens(model_spec), key, max_body_bytes
     )
 
 
@@ -380,9 +416,23 @@ def main(argv: list[str] | None = None) -> int:
         "--max-length-tokens",
         type=int,
         default=DEFAULT_MAX_LENGTH_TOKENS,
-        help="longest prompt + output a ratio's budget is sized for (B = ceil(this / ratio))",
+        help="with --budget fixed: the longest prompt + output a ratio's budget is sized for (B = ceil(this / ratio))",
     )
-    p.add_argument("--kv-memory-limit-bytes", type=int, default=DEFAULT_KV_MEMORY_LIMIT_BYTES)
+    p.add_argument(
+        "--budget",
+        default="per_request",
+        choices=list(BUDGETS),
+        help="a ratio's budget: per_request (B_i = ceil((prompt_i + max_tokens_i) / ratio)) or fixed (one B, "
+        "from --max-length-tokens)",
+    )
+    p.add_argument(
+        "--kv-layout",
+        default="paged",
+        choices=list(KV_LAYOUTS),
+        help="paged (one block pool of the KV limit, taken as sequences grow) or preallocated (each request "
+        "reserves its final length)",
+    )
+    p.add_argument("--kv-memory-limit-bytes", type=int, default=DEFAULT_KV_MEMORY_LIMIT_BYTES, help="per engine")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per engine replica")
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--replica-gpus", type=float, default=0.0)
@@ -406,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
             caches,
             max_length_tokens=args.max_length_tokens,
             kv_memory_limit_bytes=args.kv_memory_limit_bytes,
+            kv_layout=args.kv_layout,
+            budget=args.budget,
             dtype=args.dtype,
             device=args.device,
             num_threads=args.num_threads,

@@ -142,7 +142,9 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
     return {
         "policy": engine_config.get("policy", "full"),
         "compression_ratio": engine_config.get("compression_ratio"),
-        "budget_tokens": budget_tokens,
+        "budget_tokens": budget_tokens,  # None for the full cache and under budget: per_request
+        "budget": engine_config.get("budget", "fixed"),
+        "kv_layout": engine_config.get("kv_layout", "preallocated"),
         "policy_params": engine_config.get("policy_params", {}),
         "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"),
         "model_spec": model_spec,

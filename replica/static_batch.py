@@ -116,16 +116,29 @@ def load_replica_model(model_spec: str, dtype: str | torch.dtype = "auto", devic
     return model, tokenizer
 
 
-def _model_config(model_spec: str):
-    """The model's config only (no weights), sizing `resolve_dtype`'s probe; None where it cannot be read
-    here (the probe then uses SmolLM2-135M's shapes)."""
+def model_config(model_spec: str):
+    """The config of the model `model_spec` names (as `load_replica_model` takes it), read without its weights;
+    None where it cannot be read here (`resolve_dtype`'s probe then uses SmolLM2-135M's shapes; a replica that
+    loads the model reports the model's own error, naming its path)."""
     if model_spec in TEST_MODEL_NAMES:
         return tiny_llama(seed=0).config
     try:
         source, kwargs = resolve_source(os.path.expanduser(model_spec))
         return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - any unreadable model: whoever loads it reports its own error
         return None
+
+
+def model_context_tokens(model_spec: str) -> int | None:
+    """The model's context (``max_position_embeddings`` of its text config, tokens), read without its weights
+    (`model_config`); None when unknown. The one source of a model's context for the suites' checks
+    (`workloads.core.run.check_model_context`) and the HTTP service (`cluster.serve_app`)."""
+    config = model_config(model_spec)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = getattr(text, "max_position_embeddings", None)
+    return int(context) if context else None
 
 
 def resolve_dtype_here(
@@ -154,7 +167,7 @@ def resolve_dtype_here(
     if num_threads is not None:
         torch.set_num_threads(int(num_threads))
     try:
-        torch_dtype, reason = resolve_dtype("auto", _model_config(model_spec), device)
+        torch_dtype, reason = resolve_dtype("auto", model_config(model_spec), device)
     finally:
         torch.set_num_threads(before)
     where = where or f"host {socket.gethostname()}"

@@ -34,7 +34,6 @@ def app_url():
             build_serve_app(
                 "embedded",
                 ["full", "scissorhands:5"],
-                max_length_tokens=512,
                 replica_cpus=0.5,
                 kv_memory_limit_bytes=64 << 20,
             ),
@@ -70,7 +69,8 @@ def test_models_routing_and_exact_lengths(app_url):
     data = requests.get(app_url + "/v1/models", timeout=30).json()["data"]
     meta = {m["id"]: m["metadata"] for m in data}
     assert set(meta) == {FULL, SH}
-    assert meta[SH]["budget_tokens"] == 103 and meta[SH]["compression_ratio"] == 5  # ceil(512 / 5)
+    assert meta[SH]["budget"] == "per_request" and meta[SH]["budget_tokens"] is None  # B_i = ceil((p + n) / 5)
+    assert meta[SH]["compression_ratio"] == 5 and meta[SH]["kv_layout"] == meta[FULL]["kv_layout"] == "paged"
     assert {m["max_model_len"] for m in data} == {8192}  # the embedded SmolLM2's context, from its config
     replicas = set()
     for model in (FULL, SH):

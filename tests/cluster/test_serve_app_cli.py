@@ -7,8 +7,9 @@ import pytest
 from ray import cloudpickle
 
 from cluster import serve_app
-from cluster.serve_app import API_KEY_ENV, build_serve_app, check_exposure, context_tokens_of, is_loopback, main
+from cluster.serve_app import API_KEY_ENV, build_serve_app, check_exposure, is_loopback, main
 from replica.openai_api import DEFAULT_MAX_BODY_BYTES, ApiKey
+from replica.static_batch import model_context_tokens
 
 KEY = "sk-serve-0123456789abcdef"
 
@@ -69,7 +70,7 @@ def test_the_body_limit_flag_reaches_the_app_and_is_checked(monkeypatch, capsys)
 def test_the_ingress_gets_the_models_context_and_only_the_keys_digest():
     app = build_serve_app("tiny-llama", ["full"], api_key=KEY, dtype="float32", max_body_bytes=5000)
     handles, metadata, tokenizer_spec, pending, context, key, body_limit = app._bound_deployment.init_args
-    assert context == context_tokens_of("tiny-llama") == 512 and body_limit == 5000  # the tiny model's positions
+    assert context == model_context_tokens("tiny-llama") == 512 and body_limit == 5000  # the tiny model's positions
     assert isinstance(key, ApiKey) and key.matches(KEY)
     assert KEY.encode() not in cloudpickle.dumps(app._bound_deployment.init_args)  # what Serve ships and may show
     assert KEY not in repr(app._bound_deployment.init_args) and KEY not in repr(metadata)

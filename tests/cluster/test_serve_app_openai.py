@@ -48,7 +48,7 @@ def base_url(tmp_path_factory):
             build_serve_app(
                 "tiny-llama",
                 ["full", "scissorhands:5"],
-                max_length_tokens=256,
+                kv_memory_limit_bytes=16 << 20,  # the paged pool is committed at the first request: a small one
                 replica_cpus=0.5,
                 tokenizer_spec=str(tok_dir),
                 api_key=KEY,

@@ -13,22 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig
-
 from cluster import submit, supervise
 from cluster.connect import ClusterError, error_message, replica_resources
 from cluster.placement import PlacementError, not_ready_message
 from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
-from replica.static_batch import TEST_MODEL_NAMES
+from replica.static_batch import model_context_tokens
 from replica.static_batch import resolve_run_dtype as resolve
-from scissorhands.models import resolve_source
-from scissorhands.testing import TINY_LLAMA_CONFIG
 from workloads.core import results as res
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -235,21 +230,6 @@ def record_run_dtypes(run_dir, records) -> None:
     if seen and meta.get("dtypes") != seen:
         meta["dtypes"] = seen
         res.write_atomic(str(path), json.dumps(meta, indent=2, sort_keys=True) + "\n")
-
-
-def model_context_tokens(model_spec: str) -> int | None:
-    """The model's context (``max_position_embeddings``, tokens) from its config alone (no weights); None when
-    the config cannot be read here (the replicas then report the model's own error, naming its path)."""
-    if model_spec in TEST_MODEL_NAMES:
-        return int(TINY_LLAMA_CONFIG["max_position_embeddings"])
-    try:
-        source, kwargs = resolve_source(os.path.expanduser(model_spec))
-        config = AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
-    except Exception:  # noqa: BLE001 - any unreadable model: the replicas report its own error
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = getattr(text, "max_position_embeddings", None)
-    return int(context) if context else None
 
 
 def check_model_context(suite) -> None:
