@@ -106,9 +106,11 @@ serve-down:
 	  for i in $$(seq 60); do kill -0 $$pid 2>/dev/null || exit 0; sleep 1; done; echo "serve-down: pid $$pid still running"; exit 1; \
 	else echo "serve-down: no $(SERVE_PID): make serve is not running from this folder"; fi
 
-# A peer load generator confirms our numbers (bench/crosscheck.py; docs/serving-http.md): guidellm (pinned)
-# in its own venv, and our HTTP client, at one fixed load against the service; starts `make serve` when
-# nothing answers on SERVE_PORT and then stops only that server.
+# A peer load generator confirms our numbers (bench/crosscheck.py; docs/benchmarks.md): guidellm (pinned) in its
+# own venv, and our HTTP client, on one paired request list, each run --repeats times interleaved, the server and
+# the clients on CPUs of their own (--affinity, default auto: on 2 CPUs server 1, clients 0). Uses a running
+# `make serve` (its .serve.pid) when one answers on SERVE_PORT, else starts the service on the server's CPUs and
+# then stops only it. E.g. CROSSCHECK_ARGS="--repeats 2 --num-requests 16" or "--affinity off".
 GUIDELLM_SPEC ?= guidellm==0.8.1
 CROSSCHECK_VENV ?= .venv-crosscheck
 CROSSCHECK_ARGS ?=
@@ -119,13 +121,8 @@ $(CROSSCHECK_VENV)/.installed:
 	touch $@
 
 crosscheck: install $(CROSSCHECK_VENV)/.installed
-	@started=0; \
-	if ! curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null; then \
-	  mkdir -p results; $(PY) -m cluster.serve_app --port $(SERVE_PORT) > results/serve-crosscheck.log 2>&1 & started=$$!; \
-	  for i in $$(seq 600); do curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null && break; sleep 1; done; \
-	fi; \
-	$(PY) -m bench.crosscheck --target http://127.0.0.1:$(SERVE_PORT)/v1 --guidellm $(CROSSCHECK_VENV)/bin/guidellm $(CROSSCHECK_ARGS); rc=$$?; \
-	if [ $$started != 0 ]; then echo "crosscheck: stopping the server it started (pid $$started)"; kill -TERM $$started; wait $$started; fi; exit $$rc
+	$(PY) -m bench.crosscheck --target http://127.0.0.1:$(SERVE_PORT)/v1 --guidellm $(CROSSCHECK_VENV)/bin/guidellm \
+	  --server-pid-file $(SERVE_PID) $(CROSSCHECK_ARGS)
 
 # Peer parity of the adapted baselines (bench/kvpress_parity.py; docs/library.md "Baselines at decode time"): kvpress
 # (pinned; it pins transformers < 5.3) in its own venv under .cache/, scoring the same windows in the prompt-compression

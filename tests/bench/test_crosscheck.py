@@ -1,17 +1,33 @@
-"""make crosscheck's pieces (bench/crosscheck.py) without running guidellm: its scenario, the parse
-of its JSON report (the keys of guidellm 0.8.1's output), and the side-by-side table."""
+"""make crosscheck's pieces (bench/crosscheck.py) without running guidellm: the paired request list and the
+dataset guidellm reads from it (exact against the server's tokenization, embedded tokenizer), its scenario, the
+parse of its JSON report (the keys of guidellm 0.8.1's output), the run order, and the medians, ratios and
+spreads of the table."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from bench.crosscheck import guidellm_scenario, parse_guidellm, table
+from bench.crosscheck import (
+    compare,
+    guidellm_rows,
+    guidellm_scenario,
+    median,
+    paired_requests,
+    parse_guidellm,
+    run_order,
+    spread,
+    table,
+    text_of,
+    verdict,
+    write_jsonl,
+)
 
 
-def _stat(median, p90=None):
-    return {"successful": {"median": median, "percentiles": {"p50": median, "p90": p90}}}
+def _stat(med, p90=None):
+    return {"successful": {"median": med, "percentiles": {"p50": med, "p90": p90}}}
 
 
 REPORT = {
@@ -20,6 +36,7 @@ REPORT = {
             "duration": 200.0,
             "metrics": {
                 "request_totals": {"successful": 32, "errored": 0, "incomplete": 0, "total": 32},
+                "prompt_token_count": {"successful": {"total_sum": 8192.0}},
                 "time_to_first_token_ms": _stat(400.0, 900.0),
                 "inter_token_latency_ms": _stat(50.0),
                 "request_latency": _stat(3.6),
@@ -35,46 +52,7 @@ def test_parse_guidellm_converts_ms_to_s_and_throughput_is_tokens_over_duration(
     assert p["requests"] == 32 and p["errors"] == 0
     assert p["ttft_p50_s"] == 0.4 and p["ttft_p90_s"] == 0.9 and p["itl_p50_s"] == 0.05 and p["e2e_p50_s"] == 3.6
     assert p["output_tok_per_s"] == 2048 / 200
-
-
-def test_table_ratios_against_the_mean_of_our_runs_and_the_goals():
-    peer = parse_guidellm(REPORT)
-    ours = [
-        dict(peer, ttft_p50_s=0.5, output_tok_per_s=10.0, pooled_itl_p50_s=0.049),
-        dict(peer, ttft_p50_s=0.3, output_tok_per_s=10.5, pooled_itl_p50_s=0.051),
-    ]
-    rows = {
-        line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")
-        for line in table(peer, ours).splitlines()
-        if line.startswith("| ")
-    }
-    assert rows["TTFT p50 (s)"][4:6] == ["1.000", "ok"]  # 0.4 / mean(0.5, 0.3)
-    assert rows["output (tok/s)"][4] == "0.999" and rows["output (tok/s)"][5].startswith("ok")  # 10.24 / 10.25
-    assert rows["ITL p50 (s) [ours: TPOT]"][4:6] == ["1.000", "ok"]
-    worse = table(peer, [dict(peer, e2e_p50_s=3.0)])
-    assert "| e2e p50 (s) | 3.600 | 3.000 | 1.200 | outside ±10% |" in worse
-
-
-def test_scenario_names_the_fixed_load():
-    sc = guidellm_scenario(
-        "http://127.0.0.1:8000/v1",
-        "m:x5",
-        "/tok",
-        concurrency=4,
-        num_requests=32,
-        prompt_tokens=256,
-        output_tokens=64,
-        out=Path("/o.json"),
-    )["spec"]
-    assert sc["backend"] == {
-        "kind": "openai_http",
-        "target": "http://127.0.0.1:8000",
-        "model": "m:x5",
-        "request_format": "/v1/completions",
-    }
-    assert sc["profile"]["streams"] == [4] and sc["constraints"] == [{"kind": "max_requests", "count": 32}]
-    assert sc["data"] == [{"kind": "synthetic_text", "prompt_tokens": 256, "output_tokens": 64}]
-    assert sc["tokenizer"]["model"] == "/tok"
+    assert p["prompt_tokens"] == 8192  # the server's usage counts: 32 x 256 when guidellm sent our prompts
 
 
 def test_resend_delay_is_send_minus_the_completion_that_freed_the_slot():
@@ -116,36 +94,6 @@ def test_server_side_rows_are_counter_differences_over_the_run():
     assert server_side(None, after, 256) == {}
 
 
-def test_table_prints_the_diagnostic_rows_per_run():
-    peer = dict(
-        parse_guidellm(REPORT),
-        resend_delay_p50_s=0.25,
-        server_ttft_mean_s=9.5,
-        server_prefill_forwards=32,
-        server_prompts_per_prefill=1.0,
-    )
-    peer.update(client_cpu_s=61.25, client_cpu_share=0.25)
-    ours = [
-        dict(
-            peer,
-            resend_delay_p50_s=0.002,
-            replica_ttft_p50_s=2.5,
-            server_ttft_mean_s=2.6,
-            server_prefill_forwards=8,
-            server_prompts_per_prefill=4.0,
-            client_cpu_s=12.0,
-            client_cpu_share=0.05,
-        )
-    ]
-    text = table(peer, ours)
-    assert "| client CPU-s over the run [the tool's own processes] | 61.2 | 12.0 |" in text
-    assert "| client CPU share of the machine [CPU-s / (wall x cores)] | 0.25 | 0.05 |" in text
-    assert "| re-send delay p50 (s) [client] | 0.2500 | 0.0020 |" in text
-    assert "| server prefill forwards [Prometheus] | 32 | 8 |" in text
-    assert "| server prompts per prefill forward [Prometheus] | 1.00 | 4.00 |" in text
-    assert "| replica TTFT p50 (s) [server's own figure, ours only] | - | 2.5000 |" in text
-
-
 def test_client_cpu_counts_a_waited_child_process_tree():
     """The peer's CPU (a child process we wait for, with children of its own) is in `client_cpu_s`,
     so the table can say how much of a shared machine each client took from the server."""
@@ -161,3 +109,138 @@ def test_client_cpu_counts_a_waited_child_process_tree():
         check=True,
     )
     assert client_cpu_s() - before >= 0.6  # the child's 0.3 s and its own child's 0.3 s
+
+
+# ------------------------------------------------------------------------------------------- the paired list
+@pytest.fixture(scope="module")
+def tokenizer():
+    from scissorhands.models import load_tokenizer
+
+    return load_tokenizer("embedded")
+
+
+def test_paired_list_is_the_same_prompts_lengths_and_order_for_guidellm(tokenizer, tmp_path):
+    """What guidellm sends (each row's `prompt` text, tokenized by the server as `replica.openai_api` does) is
+    exactly our request's ids, with the same output length, row i = request i."""
+    requests, texts = paired_requests(tokenizer, 12, 128, 24, seed=3)
+    assert [r.request_id for r in requests] == [f"xc-{i}" for i in range(12)]
+    assert all(len(r.prompt_ids) == 128 and r.max_new_tokens == 24 and r.ignore_eos for r in requests)
+    assert len({tuple(r.prompt_ids) for r in requests}) == 12  # no prompt twice
+    rows = guidellm_rows(requests, texts)
+    path = write_jsonl(tmp_path / "requests.jsonl", rows)
+    read = [json.loads(line) for line in path.read_text().splitlines()]
+    assert read == rows and len(read) == 12
+    for r, row in zip(requests, read):
+        assert tokenizer(row["prompt"], add_special_tokens=False)["input_ids"] == r.prompt_ids
+        assert row["prompt_tokens_count"] == 128 and row["output_tokens_count"] == 24
+    again, _ = paired_requests(tokenizer, 12, 128, 24, seed=3)
+    assert [r.prompt_ids for r in again] == [r.prompt_ids for r in requests]  # the same arguments, the same list
+    other, _ = paired_requests(tokenizer, 12, 128, 24, seed=4)
+    assert [r.prompt_ids for r in other] != [r.prompt_ids for r in requests]
+
+
+def test_paired_list_keeps_the_draws_order_and_skips_only_windows_text_cannot_carry(tokenizer):
+    from bench.crosscheck import CANDIDATES_PER_REQUEST
+    from workloads.load.prompts import make_prompts
+
+    requests, _ = paired_requests(tokenizer, 6, 96, 8, seed=1)
+    draws = [list(map(int, d)) for d in make_prompts(tokenizer, CANDIDATES_PER_REQUEST * 6, 96, seed=1 + 96)]
+    kept = [d for d in draws if text_of(tokenizer, d) is not None]
+    assert [r.prompt_ids for r in requests] == kept[:6]
+
+
+def test_text_of_refuses_ids_the_server_would_tokenize_otherwise(tokenizer):
+    merged = tokenizer(" hello world", add_special_tokens=False)["input_ids"]
+    assert text_of(tokenizer, merged) == " hello world"
+    split = tokenizer.convert_tokens_to_ids(list("hello"))  # one id per character: the server merges them
+    assert tokenizer.decode(split) == "hello" and text_of(tokenizer, split) is None
+
+
+def test_guidellm_rows_need_a_text_per_request(tokenizer):
+    requests, texts = paired_requests(tokenizer, 2, 32, 4, seed=0)
+    with pytest.raises(ValueError, match="texts: 1 texts for 2 requests"):
+        guidellm_rows(requests, texts[:1])
+
+
+# ------------------------------------------------------------------------------------------- order and figures
+def test_runs_alternate_which_tool_goes_first():
+    assert run_order(1) == ["ours", "guidellm"]
+    assert run_order(3) == ["ours", "guidellm", "guidellm", "ours", "ours", "guidellm"]
+    with pytest.raises(ValueError, match="--repeats: expected an integer >= 1, got 0"):
+        run_order(0)
+
+
+def test_spread_is_max_minus_min_over_the_median():
+    assert spread([10.0, 10.5, 9.5]) == pytest.approx(0.1)
+    assert spread([2.0, 4.0]) == pytest.approx(2.0 / 3.0)  # median of two: their mean
+    assert spread([5.0, 5.0, 5.0]) == 0.0
+    assert spread([5.0]) is None and spread([]) is None and spread([0.0, 0.0]) is None
+    assert spread([1.0, None, 1.1]) == pytest.approx(0.1 / 1.05)  # a missing figure is left out
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0]) == 2.5 and median([]) is None
+
+
+def _runs(ours_tok, peer_tok, ours_ttft=(0.40, 0.40, 0.40), peer_ttft=(0.41, 0.41, 0.41)):
+    base = {"requests": 32, "prompt_tokens": 8192, "ttft_p90_s": 0.9, "itl_p50_s": 0.05, "e2e_p50_s": 3.6}
+    runs = []
+    for tool, i in zip(run_order(3), (0, 0, 1, 1, 2, 2)):
+        tok, ttft = (ours_tok, ours_ttft) if tool == "ours" else (peer_tok, peer_ttft)
+        runs.append((tool, dict(base, output_tok_per_s=tok[i], ttft_p50_s=ttft[i])))
+    return runs
+
+
+def test_compare_takes_each_tools_median_and_the_ratio_of_medians():
+    rows = {r["key"]: r for r in compare(_runs((20.0, 20.2, 19.9), (19.0, 19.8, 19.4)))}
+    tok = rows["output_tok_per_s"]
+    assert tok["median"] == {"ours": 20.0, "guidellm": 19.4}
+    assert tok["ratio"] == pytest.approx(19.4 / 20.0) and tok["ratio_ok"] is True  # 0.97
+    assert tok["spread"]["ours"] == pytest.approx(0.3 / 20.0) and tok["spread_ok"] is True  # 1.5%
+    assert tok["spread"]["guidellm"] == pytest.approx(0.8 / 19.4)
+    assert rows["ttft_p50_s"]["ratio"] == pytest.approx(1.025) and rows["ttft_p50_s"]["spread"]["ours"] == 0.0
+    assert verdict(compare(_runs((20.0, 20.2, 19.9), (19.0, 19.8, 19.4)))).startswith("Goal met")
+
+
+def test_the_goals_judge_the_ratio_and_our_own_spread():
+    rows = {r["key"]: r for r in compare(_runs((20.0, 21.0, 19.0), (18.0, 18.5, 18.9)))}
+    assert rows["output_tok_per_s"]["ratio"] == pytest.approx(0.925) and rows["output_tok_per_s"]["ratio_ok"] is False
+    assert rows["output_tok_per_s"]["spread_ok"] is False  # (21 - 19) / 20 = 10%
+    text = verdict(list(rows.values()))
+    assert text == "Goal missed: outside ±5%: output (tok/s); our spread 3% or more: output (tok/s)."
+    exact = {r["key"]: r for r in compare(_runs((20.0,) * 3, (21.0,) * 3))}
+    assert exact["output_tok_per_s"]["ratio_ok"] is True  # 1.05 is within 5%
+    one = compare([("ours", {"output_tok_per_s": 20.0}), ("guidellm", {"output_tok_per_s": 20.0})])
+    assert one[-1]["spread_ok"] is None and "our spread not judged (fewer than 2 runs" in verdict(one)
+
+
+def test_table_shows_medians_ratios_spreads_and_every_run():
+    text = table(_runs((20.0, 20.2, 19.9), (19.0, 19.8, 19.4)))
+    assert "| output (tok/s) | 19.40 | 20.00 | 0.970 | ok | 4.1% | 1.5% | ok |" in text  # 0.8 / 19.4 and 0.3 / 20
+    assert "| TTFT p50 (s) | 0.4100 | 0.4000 | 1.025 | ok | 0.0% | 0.0% | ok |" in text
+    assert (
+        "| metric | 1: ours #1 | 2: guidellm #1 | 3: guidellm #2 | 4: ours #2 | 5: ours #3 | 6: guidellm #3 |" in text
+    )
+    assert "| prompt tokens (sum) | 8192 | 8192 | 8192 | 8192 | 8192 | 8192 |" in text
+    assert "| output (tok/s) | 20.00 | 19.00 | 19.80 | 20.20 | 19.90 | 19.40 |" in text
+    assert "Goal met" in text
+
+
+def test_scenario_reads_the_paired_dataset_at_the_fixed_load():
+    sc = guidellm_scenario(
+        "http://127.0.0.1:8000/v1",
+        "m:x5",
+        "/tok",
+        concurrency=4,
+        num_requests=32,
+        dataset=Path("/run/requests.jsonl"),
+        out=Path("/o.json"),
+    )["spec"]
+    assert sc["backend"] == {
+        "kind": "openai_http",
+        "target": "http://127.0.0.1:8000",
+        "model": "m:x5",
+        "request_format": "/v1/completions",
+        "extras": {"body": {"temperature": 0.0}},
+    }
+    assert sc["profile"] == {"kind": "concurrent", "streams": [4]}  # no warm-up, as ours
+    assert sc["constraints"] == [{"kind": "max_requests", "count": 32}]
+    assert sc["data"] == [{"kind": "json_file", "path": "/run/requests.jsonl"}]
+    assert sc["tokenizer"]["model"] == "/tok" and sc["outputs"][0] == {"kind": "json", "path": "/o.json"}
