@@ -37,7 +37,8 @@ Definitions (each tool's own; where they differ, the table says so next to it):
 * output tok/s: output tokens / the run's window (ours: first send -> last token; guidellm: its
   `output_token_count` total / benchmark `duration`).
 * prompt tokens: the sum over the run's requests (ours: the ids sent; guidellm: the server's `usage`
-  counts of its text prompts), equal when both sent the same prompts.
+  counts of its text prompts), equal when both sent the same prompts; "sent in the paired list's order":
+  each tool's sends, by send time, are requests 0, 1, 2, ... of the list (guidellm's matched by prompt text).
 
 Where a difference comes from (rows under the table, measured in the same runs):
 * client CPU: user + system CPU seconds of each tool over its run (ours: this process; guidellm: its
@@ -179,7 +180,10 @@ async def run_ours(target: str, model: str, requests: list[GenerationRequest], *
         await client.close()
     m = res.metrics
     sent = [r for r in res.records if r.send_time_s is not None and r.finish_time_s is not None]
+    place = {r.request_id: i for i, r in enumerate(requests)}
+    by_send = sorted((r for r in res.records if r.send_time_s is not None), key=lambda r: r.send_time_s)
     return {
+        "in_list_order": in_list_order([place.get(r.request_id.split("#")[0], -1) for r in by_send]),
         "resend_delay_p50_s": resend_delay_p50_s(
             [r.send_time_s for r in sent], [r.finish_time_s for r in sent], concurrency
         ),
@@ -205,6 +209,12 @@ def resend_delay_p50_s(starts: list[float], ends: list[float], concurrency: int)
     return median([s[k] - e[k - concurrency] for k in range(concurrency, min(len(s), len(e) + concurrency))])
 
 
+def in_list_order(indices: list[int]) -> bool:
+    """Whether requests were sent as the list orders them: `indices` (each request's place in the paired list,
+    in the order of its send) is 0, 1, 2, ..."""
+    return indices == list(range(len(indices)))
+
+
 def _find(d, *keys):
     for k in keys:
         if not isinstance(d, dict) or k not in d:
@@ -213,8 +223,22 @@ def _find(d, *keys):
     return d
 
 
-def parse_guidellm(report: dict) -> dict:
-    """guidellm 0.8's JSON report -> the table's metrics (its `_ms` latencies converted to seconds)."""
+def guidellm_send_order(report: dict, prompts: list[str]) -> list[int]:
+    """Each successful request's place in the paired list (`prompts`, by its prompt text; -1 when not there), in
+    the order guidellm sent them (its `request_start`)."""
+    reqs = _find(report["benchmarks"][0], "requests", "successful") or []
+    place = {p: i for i, p in enumerate(prompts)}
+    out = []
+    for r in sorted(reqs, key=lambda r: _find(r, "info", "timings", "request_start") or math.inf):
+        args = r.get("request_args")
+        args = json.loads(args) if isinstance(args, str) else args or {}
+        out.append(place.get(_find(args, "body", "prompt"), -1))
+    return out
+
+
+def parse_guidellm(report: dict, prompts: list[str] | None = None) -> dict:
+    """guidellm 0.8's JSON report -> the table's metrics (its `_ms` latencies converted to seconds); with the paired
+    list's `prompts`, whether guidellm sent them in the list's order."""
     bench = report["benchmarks"][0]
     m = bench["metrics"]
 
@@ -231,6 +255,7 @@ def parse_guidellm(report: dict) -> dict:
     ends = [t.get("request_end") or t.get("resolve_end") for t in timings]
     concurrency = _find(bench, "config", "strategy", "streams")
     return {
+        "in_list_order": None if prompts is None else in_list_order(guidellm_send_order(report, prompts)),
         "resend_delay_p50_s": resend_delay_p50_s(starts, [e for e in ends if e is not None], int(concurrency))
         if concurrency and len(starts) == len(timings)
         else None,
@@ -257,7 +282,11 @@ FIGURES = [
     ("output (tok/s)", "output_tok_per_s", ".2f"),
 ]
 #: Counts that must be equal in every run (the same paired requests, all completed).
-COUNTS = [("requests (ok)", "requests", "d"), ("prompt tokens (sum)", "prompt_tokens", "d")]
+COUNTS = [
+    ("requests (ok)", "requests", "d"),
+    ("prompt tokens (sum)", "prompt_tokens", "d"),
+    ("sent in the paired list's order", "in_list_order", ""),
+]
 DIAGNOSTIC_ROWS = [
     ("client CPU-s over the run [the tool's own processes]", "client_cpu_s", ".1f"),
     ("client CPU share [CPU-s / (wall x the client's CPUs)]", "client_cpu_share", ".2f"),
@@ -316,6 +345,8 @@ def verdict(rows: list[dict]) -> str:
 
 
 def _f(v, fmt: str) -> str:
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     return "-" if v is None else format(v, fmt)
 
 
@@ -676,7 +707,7 @@ def _measure(
                 report = run_guidellm(
                     args.guidellm, scenario, out_dir, index, None if plan is None else plan.client, guidellm_log
                 )
-                row = parse_guidellm(report)
+                row = parse_guidellm(report, texts)
             wall = time.time() - t0
             cpu = client_cpu_s() - cpu0
             row.update(client_cpu_s=cpu, client_cpu_share=cpu / (wall * client_cpus), wall_s=wall)

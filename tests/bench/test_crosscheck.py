@@ -244,3 +244,20 @@ def test_scenario_reads_the_paired_dataset_at_the_fixed_load():
     assert sc["constraints"] == [{"kind": "max_requests", "count": 32}]
     assert sc["data"] == [{"kind": "json_file", "path": "/run/requests.jsonl"}]
     assert sc["tokenizer"]["model"] == "/tok" and sc["outputs"][0] == {"kind": "json", "path": "/o.json"}
+
+
+def test_guidellm_send_order_is_read_from_its_requests_by_prompt_text():
+    from bench.crosscheck import guidellm_send_order, in_list_order
+
+    def req(prompt, start):
+        body = {"model": "m", "prompt": prompt, "max_tokens": 4}
+        return {"request_args": json.dumps({"body": body}), "info": {"timings": {"request_start": start}}}
+
+    report = {"benchmarks": [dict(REPORT["benchmarks"][0], requests={"successful": [req("b", 2.0), req("a", 1.0)]})]}
+    assert guidellm_send_order(report, ["a", "b"]) == [0, 1] and parse_guidellm(report, ["a", "b"])["in_list_order"]
+    assert guidellm_send_order(report, ["b", "a"]) == [1, 0] and not parse_guidellm(report, ["b", "a"])["in_list_order"]
+    assert guidellm_send_order(report, ["a"]) == [0, -1]  # a prompt not in the list
+    assert parse_guidellm(report)["in_list_order"] is None
+    assert in_list_order([0, 1, 2]) and not in_list_order([1, 0, 2]) and in_list_order([])
+    runs = [("ours", {"in_list_order": True}), ("guidellm", {"in_list_order": False})]
+    assert "| sent in the paired list's order | yes | no |" in table(runs)
