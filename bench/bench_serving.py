@@ -158,6 +158,11 @@ def part1_rows(
 PEER_LABEL = "transformers generate_batch (after the rows, not interleaved)"
 
 
+def _pair(p50: float | None, p99: float | None, scale: float, fmt: str) -> str:
+    """'p50 / p99' scaled (seconds to the column's unit), '-' where a request count gave none."""
+    return "-" if p50 is None else f"{p50 * scale:{fmt}} / {p99 * scale:{fmt}}"
+
+
 def _peer_lines(peer: dict, base: dict, requests: int) -> list[str]:
     """The peer's table row (its ratios over the paged full row `base`) and the note under the table."""
     per_cpu = (
@@ -167,7 +172,7 @@ def _peer_lines(peer: dict, base: dict, requests: int) -> list[str]:
     )
     return [
         f"| {PEER_LABEL} | {peer['output_tok_per_s'] / base['output_tok_per_s']:.2f}x | "
-        f"{peer['output_tok_per_s']:.1f} | - | - | - | - | {peer['kv_cache_bytes'] / 2**20:.1f} | {peer['wall_s']:.1f} "
+        f"{peer['output_tok_per_s']:.1f} | - | - | - | - | - | - | {peer['kv_cache_bytes'] / 2**20:.1f} | {peer['wall_s']:.1f} "
         f"| {peer['cpu_s']:.1f} |",
         "",
         f"transformers `generate_batch`: its continuous batching and paged cache ({peer['kv_cache_blocks']} blocks of "
@@ -269,9 +274,9 @@ def main(argv=None) -> int:
             f"**Workload {name}**: {args.requests} requests, prompts {min(p_lens)}-{max(p_lens)} tokens, outputs "
             f"{min(n_lens)}-{max(n_lens)} tokens ({sum(n_lens)} in all).",
             "",
-            "| row | x of paged full, output tok/s | output tok/s | decode tok/s | peak / mean running | preemptions "
-            "| recomputed tokens | peak KV (MiB) | wall (s) | CPU (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| row | x of paged full, output tok/s | output tok/s | decode tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 "
+            "(ms) | peak / mean running | preemptions | recomputed tokens | peak KV (MiB) | wall (s) | CPU (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for (label, _), r in zip(rows, measured):
             r.pop("outputs", None)
@@ -280,6 +285,7 @@ def main(argv=None) -> int:
             dec = f"{r['decode_tok_per_s']:.1f}" if r["decode_tok_per_s"] else "-"
             lines.append(
                 f"| {label} | {r['output_tok_per_s'] / base:.2f}x | {r['output_tok_per_s']:.1f} | {dec} | "
+                f"{_pair(r['ttft_p50_s'], r['ttft_p99_s'], 1, '.1f')} | {_pair(r['tpot_p50_s'], r['tpot_p99_s'], 1000, '.0f')} | "
                 f"{r['peak_running_sequences']} / {mean} | {r['preemptions']} | {r['recomputed_tokens']} | "
                 f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} |"
             )

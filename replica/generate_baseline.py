@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
@@ -56,7 +57,9 @@ def run_engines(
         decode steps / time in decode steps); `prefill_s`; `completed_requests`, `peak_running_sequences`,
         `peak_kv_cache_bytes`, `budget_tokens`, `slot_bytes`, `kv_layout`, `peak_kv_blocks_in_use`,
         `mean_kv_blocks_in_use`, `preemptions`, `recomputed_tokens` (the engine's `stats()`);
-        `mean_running_sequences` (decode tokens / decode steps);
+        `mean_running_sequences` (decode tokens / decode steps); `ttft_p50_s`, `ttft_p99_s`, `tpot_p50_s`,
+        `tpot_p99_s` (seconds of the run's own steps, every request submitted at 0, so TTFT includes its wait in
+        the queue; TPOT over requests of 2 or more tokens; a preempted request's recompute falls in its TPOT);
         `peak_device_allocated_bytes` (CUDA, over all the runs; None elsewhere); `outputs` (request id ->
         generated ids).
 
@@ -72,9 +75,14 @@ def run_engines(
         engine.run_until_idle()
         engine.reset_stats()
         done: dict = {}
+        st = {"engine": engine, "done": done, "wall_s": 0.0, "cpu_s": 0.0, "busy": True, "t0": 0.0, "tokens": {}}
         for r in requests:
-            engine.submit(r, lambda res, done=done: done.__setitem__(res.request_id, res))
-        states.append({"engine": engine, "done": done, "wall_s": 0.0, "cpu_s": 0.0, "busy": True})
+            engine.submit(
+                r,
+                lambda res, done=done: done.__setitem__(res.request_id, res),
+                on_token=lambda _tok, _t, rid=r.request_id, st=st: _token_time(st, rid),
+            )
+        states.append(st)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     planned = sum(r.max_new_tokens for _, requests in runs for r in requests)
@@ -92,17 +100,37 @@ def run_engines(
             for st in busy:
                 engine = st["engine"]
                 _sync(device)
-                t0, c0 = time.perf_counter(), time.process_time()
+                st["t0"], c0 = time.perf_counter(), time.process_time()
                 before = engine.generated_tokens
                 st["busy"] = engine.step() or engine.queued > 0
                 _sync(device)
-                st["wall_s"] += time.perf_counter() - t0
+                st["wall_s"] += time.perf_counter() - st["t0"]
                 st["cpu_s"] += time.process_time() - c0
                 bar.update(engine.generated_tokens - before)
         else:
             raise RuntimeError(f"engines still busy after {max_steps} steps")
     peak_device = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
     return [_engine_result(st, finished or not st["busy"], peak_device) for st in states]
+
+
+def _token_time(st: dict, request_id: str) -> None:
+    """Note a token of `request_id` at the run's own clock (its steps' wall seconds so far, every request
+    submitted at 0): [first token's time, last token's time, tokens]."""
+    now = st["wall_s"] + time.perf_counter() - st["t0"]
+    times = st["tokens"].setdefault(request_id, [now, now, 0])
+    times[1], times[2] = now, times[2] + 1
+
+
+def _latency_percentiles(tokens: dict) -> dict:
+    """TTFT (first token, queueing included) and TPOT ((last - first) / (tokens - 1), requests of 2 or more
+    tokens) p50 and p99 in seconds of the run's own clock; None where no request qualifies."""
+    ttft = [t[0] for t in tokens.values()]
+    tpot = [(t[1] - t[0]) / (t[2] - 1) for t in tokens.values() if t[2] > 1]
+    out = {}
+    for name, xs in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 99):
+            out[f"{name}_p{q}_s"] = float(np.percentile(xs, q)) if xs else None
+    return out
 
 
 def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
@@ -138,6 +166,7 @@ def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
         "preemptions": s["preemptions"],
         "recomputed_tokens": s["recomputed_tokens"],
         "peak_device_allocated_bytes": peak_device,
+        **_latency_percentiles(st["tokens"]),
         "outputs": {k: v.output_ids for k, v in done.items()},
     }
 
