@@ -9,7 +9,7 @@
    Scissorhands x1 on the paged engine (what the engine alone changes), and Scissorhands x`--ratio`
    preallocated with one budget (the older row). Output tokens/s, each row over its own steps. Then, on the same
    requests, an outside peer: transformers' continuous batching (`generate_batch`'s engine, its paged cache sized to
-   the same KV bytes; `replica.generate_baseline.run_generate_batch`), after the interleaved rows (it runs in a
+   the same KV bytes; `replica.generate_baseline.run_generate_batch`), after every workload's rows (it runs in a
    thread of its own, so it cannot be interleaved step by step; `--no-peer-generate-batch` leaves it out).
 2. Our engine against transformers' `generate`, both with the full cache, on one serving mix (goal >= 1.3x).
 
@@ -242,6 +242,7 @@ def main(argv=None) -> int:
         print(f"bench-serving: wrote {out / 'bench.json'} and {out / 'bench.md'}", file=sys.stderr)
 
     # -- part 1: every row on the same requests, per workload
+    peers = []  # what the outside peer runs after the rows: (workload, prompts, outputs, ours, paged full, line)
     for w, name in enumerate(args.workloads):
         p_lens, n_lens = workload_lengths(name, P, N, args.requests, args.seed + 10 + w)
         prompts = [prompts_for(tokenizer, vocab, 1, p, args.seed + 100 * w + i)[0] for i, p in enumerate(p_lens)]
@@ -251,22 +252,7 @@ def main(argv=None) -> int:
         ]
         print(f"bench-serving: workload {name}, {len(rows)} rows interleaved ...", file=sys.stderr)
         measured = run_engines(model, runs, desc=f"part 1, {name}")
-        peer = None
-        if args.peer_generate_batch:
-            print(f"bench-serving: workload {name}, transformers generate_batch ...", file=sys.stderr)
-            peer_reqs = [GenerationRequest(f"peer-{i}", pr, n) for i, (pr, n) in enumerate(zip(prompts, n_lens))]
-            peer = run_generate_batch(
-                model,
-                peer_reqs,
-                kv_memory_limit_bytes=limit,
-                page_tokens=args.block_tokens,
-                desc=f"generate_batch, {name}",
-            )
-            ours = measured[0]["outputs"]  # the paged full cache's, the same prompts in the same order
-            peer["identical_tokens"] = sum(
-                peer["outputs"].get(f"peer-{i}") == ours.get(f"{rows[0][0]}-{i}") for i in range(len(peer_reqs))
-            )
-            peer.pop("outputs")
+        ours = measured[0]["outputs"]  # the paged full cache's, compared with the peer's
         base = measured[0]["output_tok_per_s"]
         table = {}
         lines += [
@@ -289,11 +275,27 @@ def main(argv=None) -> int:
                 f"{r['peak_running_sequences']} / {mean} | {r['preemptions']} | {r['recomputed_tokens']} | "
                 f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} |"
             )
-        if peer is not None:
-            lines += _peer_lines(peer, measured[0], args.requests)
         results["workloads"][name] = {"prompt_tokens": p_lens, "new_tokens": n_lens, "rows": table}
-        results["workloads"][name]["peer_generate_batch"] = peer
+        results["workloads"][name]["peer_generate_batch"] = None
+        peers.append((name, prompts, n_lens, ours, measured[0], len(lines)))
         write()  # each workload's table is kept even if a later part is stopped
+    # -- the outside peer, after every workload's rows (so its run cannot touch theirs), its row under each table
+    added = 0
+    for name, prompts, n_lens, ours, base_row, at in peers if args.peer_generate_batch else []:
+        print(f"bench-serving: workload {name}, transformers generate_batch ...", file=sys.stderr)
+        peer_reqs = [GenerationRequest(f"peer-{i}", pr, n) for i, (pr, n) in enumerate(zip(prompts, n_lens))]
+        peer = run_generate_batch(
+            model, peer_reqs, kv_memory_limit_bytes=limit, page_tokens=args.block_tokens, desc=f"generate_batch, {name}"
+        )
+        theirs = peer.pop("outputs")
+        peer["identical_tokens"] = sum(
+            theirs.get(f"peer-{i}") == ours.get(f"{rows[0][0]}-{i}") for i in range(len(peer_reqs))
+        )
+        new = _peer_lines(peer, base_row, args.requests)
+        lines[at + added : at + added] = new
+        added += len(new)
+        results["workloads"][name]["peer_generate_batch"] = peer
+        write()
     # -- part 2: our engine vs transformers' generate, full cache, the preallocated full cache's batch
     if not args.skip_generate:
         b = ContinuousBatchingEngine(
