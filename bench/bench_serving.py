@@ -92,7 +92,7 @@ def parse_args(argv=None):
         )
     if args.dtype not in DTYPE_CHOICES:
         p.error(f"--dtype: expected one of {', '.join(DTYPE_CHOICES)}, got {args.dtype!r}")
-    if args.generate_new_tokens > args.new_tokens:
+    if not args.skip_generate and args.generate_new_tokens > args.new_tokens:
         p.error(
             f"--generate-new-tokens ({args.generate_new_tokens}) must be <= --new-tokens ({args.new_tokens}): "
             f"part 2 runs full's max batch under the KV limit sized for --new-tokens"
@@ -279,23 +279,6 @@ def main(argv=None) -> int:
         results["workloads"][name]["peer_generate_batch"] = None
         peers.append((name, prompts, n_lens, ours, measured[0], len(lines)))
         write()  # each workload's table is kept even if a later part is stopped
-    # -- the outside peer, after every workload's rows (so its run cannot touch theirs), its row under each table
-    added = 0
-    for name, prompts, n_lens, ours, base_row, at in peers if args.peer_generate_batch else []:
-        print(f"bench-serving: workload {name}, transformers generate_batch ...", file=sys.stderr)
-        peer_reqs = [GenerationRequest(f"peer-{i}", pr, n) for i, (pr, n) in enumerate(zip(prompts, n_lens))]
-        peer = run_generate_batch(
-            model, peer_reqs, kv_memory_limit_bytes=limit, page_tokens=args.block_tokens, desc=f"generate_batch, {name}"
-        )
-        theirs = peer.pop("outputs")
-        peer["identical_tokens"] = sum(
-            theirs.get(f"peer-{i}") == ours.get(f"{rows[0][0]}-{i}") for i in range(len(peer_reqs))
-        )
-        new = _peer_lines(peer, base_row, args.requests)
-        lines[at + added : at + added] = new
-        added += len(new)
-        results["workloads"][name]["peer_generate_batch"] = peer
-        write()
     # -- part 2: our engine vs transformers' generate, full cache, the preallocated full cache's batch
     if not args.skip_generate:
         b = ContinuousBatchingEngine(
@@ -317,6 +300,24 @@ def main(argv=None) -> int:
             f"| our engine / transformers generate, output tok/s | {ratio_engine[0]:.2f}x | >= 1.3x |",
             f"| same, output tokens per CPU-second | {ratio_engine[1]:.2f}x | - |",
         ]
+        write()
+    # -- the outside peer, last (after every workload's rows and part 2, so its run cannot touch theirs), its row
+    # under each workload's table
+    added = 0
+    for name, prompts, n_lens, ours, base_row, at in peers if args.peer_generate_batch else []:
+        print(f"bench-serving: workload {name}, transformers generate_batch ...", file=sys.stderr)
+        peer_reqs = [GenerationRequest(f"peer-{i}", pr, n) for i, (pr, n) in enumerate(zip(prompts, n_lens))]
+        peer = run_generate_batch(
+            model, peer_reqs, kv_memory_limit_bytes=limit, page_tokens=args.block_tokens, desc=f"generate_batch, {name}"
+        )
+        theirs = peer.pop("outputs")
+        peer["identical_tokens"] = sum(
+            theirs.get(f"peer-{i}") == ours.get(f"{rows[0][0]}-{i}") for i in range(len(peer_reqs))
+        )
+        new = _peer_lines(peer, base_row, args.requests)
+        lines[at + added : at + added] = new
+        added += len(new)
+        results["workloads"][name]["peer_generate_batch"] = peer
         write()
     return 0
 

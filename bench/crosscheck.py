@@ -614,9 +614,16 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_affinity(args.affinity, os.sched_getaffinity(0))
     except ValueError as e:
         p.error(str(e))
-    for flag, v in (("--concurrency", args.concurrency), ("--num-requests", args.num_requests)):
+    for flag, v in (
+        ("--concurrency", args.concurrency),
+        ("--num-requests", args.num_requests),
+        ("--prompt-tokens", args.prompt_tokens),
+        ("--new-tokens", args.new_tokens),
+    ):
         if v < 1:
             p.error(f"{flag}: expected an integer >= 1, got {v}")
+    if args.server_timeout_s <= 0:
+        p.error(f"--server-timeout-s: expected seconds > 0, got {args.server_timeout_s}")
     if not os.access(args.guidellm, os.X_OK):
         p.error(
             f"--guidellm: {args.guidellm} is not an executable; `make crosscheck` installs guidellm in .venv-crosscheck"
@@ -641,6 +648,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"pass --server-pid (the `python -m cluster.serve_app` process; make serve writes {args.server_pid_file}), "
                 "stop it so that crosscheck starts its own, or pass --affinity off"
             )
+    elif args.server_pid is not None:
+        p.error(
+            f"--server-pid: names a running server, but nothing answers at {health} (stop the flag to let crosscheck start one)"
+        )
     out_dir = Path(args.out_dir) / time.strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     try:

@@ -415,8 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-length-tokens",
         type=int,
-        default=DEFAULT_MAX_LENGTH_TOKENS,
-        help="with --budget fixed: the longest prompt + output a ratio's budget is sized for (B = ceil(this / ratio))",
+        default=None,
+        help="only with --budget fixed: the longest prompt + output a ratio's budget is sized for "
+        f"(B = ceil(this / ratio); default {DEFAULT_MAX_LENGTH_TOKENS})",
     )
     p.add_argument(
         "--budget",
@@ -451,10 +452,15 @@ def main(argv: list[str] | None = None) -> int:
         check_exposure(args.host, args.api_key, args.allow_unauthenticated)
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes: expected an integer >= 1, got {args.max_body_bytes}")
+        if args.max_length_tokens is not None and args.budget != "fixed":
+            raise ValueError(
+                f"--max-length-tokens: sizes the one budget of --budget fixed; under --budget {args.budget} each "
+                "request's budget comes from its own prompt + max_tokens, so drop it or pass --budget fixed"
+            )
         app = build_serve_app(
             args.model,
             caches,
-            max_length_tokens=args.max_length_tokens,
+            max_length_tokens=args.max_length_tokens or DEFAULT_MAX_LENGTH_TOKENS,
             kv_memory_limit_bytes=args.kv_memory_limit_bytes,
             kv_layout=args.kv_layout,
             budget=args.budget,

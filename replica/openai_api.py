@@ -143,7 +143,7 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
         "policy": engine_config.get("policy", "full"),
         "compression_ratio": engine_config.get("compression_ratio"),
         "budget_tokens": budget_tokens,  # None for the full cache and under budget: per_request
-        "budget": engine_config.get("budget", "fixed"),
+        "budget": engine_config.get("budget", "fixed") if engine_config.get("policy", "full") != "full" else None,
         "kv_layout": engine_config.get("kv_layout", "preallocated"),
         "policy_params": engine_config.get("policy_params", {}),
         "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"),

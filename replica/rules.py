@@ -22,7 +22,6 @@ __all__ = [
     "check_number",
     "check_fraction",
     "need_one_of",
-    "not_both",
     "at_most_one",
     "one_line",
 ]
@@ -55,12 +54,6 @@ def need_one_of(obj: Any, *fields: str, what: str = "give at least one bound") -
     """Raise ValueError naming `fields` when every one of them is None on `obj`."""
     if all(getattr(obj, f) is None for f in fields):
         raise ValueError(f"{', '.join(fields)}: {what}")
-
-
-def not_both(obj: Any, a: str, b: str, what: str = "give one of them, not both") -> None:
-    """Raise ValueError naming `a` and `b` when both are set on `obj` (a limit or a fraction, not both)."""
-    if getattr(obj, a) is not None and getattr(obj, b) is not None:
-        raise ValueError(f"{a}, {b}: {what}")
 
 
 def at_most_one(obj: Any, *fields: str, what: str = "give one of them, not several") -> None:

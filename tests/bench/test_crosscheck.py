@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import crosscheck
 from bench.crosscheck import (
     compare,
     guidellm_rows,
@@ -261,3 +262,17 @@ def test_guidellm_send_order_is_read_from_its_requests_by_prompt_text():
     assert in_list_order([0, 1, 2]) and not in_list_order([1, 0, 2]) and in_list_order([])
     runs = [("ours", {"in_list_order": True}), ("guidellm", {"in_list_order": False})]
     assert "| sent in the paired list's order | yes | no |" in table(runs)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--prompt-tokens", "0"], "--prompt-tokens: expected an integer >= 1, got 0"),
+        (["--new-tokens", "-1"], "--new-tokens: expected an integer >= 1, got -1"),
+        (["--server-timeout-s", "0"], "--server-timeout-s: expected seconds > 0, got 0.0"),
+    ],
+)
+def test_bad_lengths_and_timeout_exit_2_naming_the_flag(flags, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        crosscheck.main(["--affinity", "off", *flags])
+    assert e.value.code == 2 and named in capsys.readouterr().err

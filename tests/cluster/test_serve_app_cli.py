@@ -67,6 +67,13 @@ def test_the_body_limit_flag_reaches_the_app_and_is_checked(monkeypatch, capsys)
     assert main(["--max-body-bytes", "0"]) == 2 and "--max-body-bytes" in capsys.readouterr().err
 
 
+def test_max_length_tokens_is_refused_unless_the_budget_is_fixed(monkeypatch, capsys):
+    seen = _stops_after_the_check(monkeypatch)
+    assert main(["--max-length-tokens", "512"]) == 2
+    assert "--max-length-tokens: sizes the one budget of --budget fixed" in capsys.readouterr().err
+    assert main(["--max-length-tokens", "512", "--budget", "fixed"]) == 2 and seen["max_length_tokens"] == 512
+
+
 def test_the_ingress_gets_the_models_context_and_only_the_keys_digest():
     app = build_serve_app("tiny-llama", ["full"], api_key=KEY, dtype="float32", max_body_bytes=5000)
     handles, metadata, tokenizer_spec, pending, context, key, body_limit = app._bound_deployment.init_args

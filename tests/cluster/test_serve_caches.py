@@ -53,7 +53,7 @@ def test_the_service_ships_per_request_budgets_and_lists_them():
     assert EngineConfig(**engine_config).budget == "per_request" and engine_config["kv_layout"] == "paged"
     assert metadata[sh]["budget"] == "per_request" and metadata[sh]["budget_tokens"] is None
     assert metadata[sh]["compression_ratio"] == 5.0 and metadata[sh]["kv_layout"] == "paged"
-    assert metadata["tiny-llama:full"]["kv_layout"] == "paged" and metadata["tiny-llama:full"]["budget"] == "fixed"
+    assert metadata["tiny-llama:full"]["kv_layout"] == "paged" and metadata["tiny-llama:full"]["budget"] is None
 
 
 def test_a_short_request_gets_a_smaller_budget_and_holds_fewer_blocks(model):

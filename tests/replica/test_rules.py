@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from replica.rules import FrozenConfig, check_fraction, check_number, need_one_of, not_both
+from replica.rules import FrozenConfig, at_most_one, check_fraction, check_number, need_one_of
 from replica.types import ConfigError, EngineConfig
 
 
@@ -24,7 +24,7 @@ def test_check_fraction_accepts_only_zero_to_one(value):
     check_fraction("f", 0.25)
 
 
-def test_one_of_and_not_both_name_their_fields():
+def test_one_of_and_at_most_one_name_their_fields():
     class Obj:
         a, b = None, None
 
@@ -32,8 +32,10 @@ def test_one_of_and_not_both_name_their_fields():
         need_one_of(Obj(), "a", "b")
     obj = Obj()
     obj.a = obj.b = 1
-    with pytest.raises(ValueError, match="^a, b: give one of them, not both$"):
-        not_both(obj, "a", "b")
+    with pytest.raises(ValueError, match="^a, b: give one of them, not several$"):
+        at_most_one(obj, "a", "b")
+    obj.b = None
+    at_most_one(obj, "a", "b")  # one given: accepted
 
 
 class _Limits(FrozenConfig):
