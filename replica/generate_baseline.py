@@ -113,6 +113,19 @@ def run_engines(
     return [_engine_result(st, finished or not st["busy"], peak_device) for st in states]
 
 
+def _throughput(finished: bool, wall: float, cpu: float, output_tokens: int) -> dict:
+    """The figures every runner here reports: `finished`, `wall_s`, `cpu_s`, `output_tokens`, `output_tok_per_s`,
+    `output_tok_per_cpu_s` (None where the time is 0)."""
+    return {
+        "finished": finished,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "output_tokens": output_tokens,
+        "output_tok_per_s": output_tokens / wall if wall else None,
+        "output_tok_per_cpu_s": output_tokens / cpu if cpu else None,
+    }
+
+
 def _token_time(st: dict, request_id: str) -> None:
     """Note a token of `request_id` at the run's own clock (its steps' wall seconds so far, every request
     submitted at 0): [first token's time, last token's time, tokens]."""
@@ -144,12 +157,7 @@ def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
     out_tok = sum(len(r.output_ids) for r in done.values())
     decode_tok = sum(max(0, len(r.output_ids) - 1) for r in done.values())
     return {
-        "finished": finished,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "output_tokens": out_tok,
-        "output_tok_per_s": out_tok / wall if wall else None,
-        "output_tok_per_cpu_s": out_tok / cpu if cpu else None,
+        **_throughput(finished, wall, cpu, out_tok),
         "decode_tokens": decode_tok,
         "decode_s": s["decode_s"],
         "prefill_s": s["prefill_s"],
@@ -243,12 +251,7 @@ def run_generate(
     finally:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return {
-        "finished": finished,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "output_tokens": useful,
-        "output_tok_per_s": useful / wall if wall else None,
-        "output_tok_per_cpu_s": useful / cpu if cpu else None,
+        **_throughput(finished, wall, cpu, useful),
         "completed_requests": len(outputs),
         "outputs": outputs,
     }
@@ -371,12 +374,7 @@ def run_generate_batch(
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     out_tok = sum(len(v) for v in outputs.values())
     return {
-        "finished": finished,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "output_tokens": out_tok,
-        "output_tok_per_s": out_tok / wall if wall else None,
-        "output_tok_per_cpu_s": out_tok / cpu if cpu else None,
+        **_throughput(finished, wall, cpu, out_tok),
         "completed_requests": len(outputs),
         "outputs": outputs,
         "kv_cache_blocks": int(cache.num_blocks),
