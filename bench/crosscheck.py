@@ -25,7 +25,7 @@ fixed lengths, greedy, EOS ignored. Conditions made equal:
   guidellm, ours, ours, guidellm, ... so a slow drift of the machine falls on both tools alike.
 
 The report: for each figure, the median over each tool's runs, guidellm / ours (the medians' ratio), and each
-tool's run-to-run spread, (max - min) / median (`spread`). Goals (issue 26 item 15, `GOALS`): every figure
+tool's run-to-run spread, (max - min) / median (`spread`). Goals (`GOALS`): every figure
 within 5% of guidellm's, and our own spread under 3%.
 
 Definitions (each tool's own; where they differ, the table says so next to it):
@@ -79,7 +79,7 @@ from workloads.load.http_client import OpenAIHTTPClient
 from workloads.load.patterns import LoadConfig
 from workloads.load.prompts import make_prompts
 
-#: Goals of issue 26 item 15: |guidellm / ours - 1| within `ratio` for every figure; our spread under `spread`.
+#: Goals: |guidellm / ours - 1| within `ratio` for every figure; our spread under `spread`.
 GOALS = {"ratio": 0.05, "spread": 0.03}
 #: Candidate windows drawn per request needed (`paired_requests`): prompts whose text does not tokenize back to
 #: their ids are skipped, so draw more than needed.

@@ -111,18 +111,12 @@ class EngineConfig(FrozenConfig):
         check_int(info.field_name, value, 1, optional=True)
         return value
 
-    @field_validator("kv_layout", mode="before")
+    @field_validator("kv_layout", "budget", mode="before")
     @classmethod
-    def _layout(cls, value: Any) -> str:
-        if value not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout: expected one of {', '.join(KV_LAYOUTS)}, got {value!r}")
-        return value
-
-    @field_validator("budget", mode="before")
-    @classmethod
-    def _budget_kind(cls, value: Any) -> str:
-        if value not in BUDGETS:
-            raise ValueError(f"budget: expected one of {', '.join(BUDGETS)}, got {value!r}")
+    def _one_of(cls, value: Any, info) -> str:
+        accepted = {"kv_layout": KV_LAYOUTS, "budget": BUDGETS}[info.field_name]
+        if value not in accepted:
+            raise ValueError(f"{info.field_name}: expected one of {', '.join(accepted)}, got {value!r}")
         return value
 
     @field_validator("max_prefill_tokens", "block_tokens", mode="before")
