@@ -20,12 +20,13 @@ class StopSignals:
     """Records SIGINT and SIGTERM from construction on; `wait()` blocks until the first.
 
     Install it before a long start-up, so a `kill` during the start-up is kept and the caller still
-    shuts down what it started. Later signals are recorded too and do not interrupt the caller's
-    shutdown (only SIGKILL does).
+    shuts down what it started. Later signals do not interrupt the caller's shutdown, nor its exit
+    (only SIGKILL does).
     """
 
     def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS):
         self.received: list[int] = []
+        self.signals = signals
         for sig in signals:
             signal.signal(sig, self._record)
 
@@ -33,7 +34,13 @@ class StopSignals:
         self.received.append(signum)  # no lock: see the module docstring
 
     def wait(self, poll_s: float = 0.2) -> int:
-        """Block until a stop signal has arrived (checked every `poll_s` seconds); return its number."""
+        """Block until a stop signal has arrived (checked every `poll_s` seconds); return its number.
+
+        From then on the stop signals are ignored: at exit Python puts its handlers back to the default,
+        and a late signal of the same burst would kill the process after a clean shutdown (exit -15).
+        """
         while not self.received:
             time.sleep(poll_s)
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
         return self.received[0]

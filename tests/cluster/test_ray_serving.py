@@ -93,11 +93,18 @@ def test_a_serve_call_the_load_generator_gave_up_on_is_aborted_on_its_replica(ra
         pool.configure({"policy": "full", "max_length_tokens": 512}, run_id="t2")
         client = pool.client()
 
-        async def give_up():
-            with pytest.raises(asyncio.TimeoutError):
-                await asyncio.wait_for(client.generate(GenerationRequest("long", list(range(1, 100)), 400)), 0.05)
+        async def give_up_once_it_runs():
+            call = asyncio.ensure_future(client.generate(GenerationRequest("long", list(range(1, 100)), 400)))
+            deadline = time.monotonic() + 60
+            # cancelled before it reaches the replica, a call leaves nothing there to abort: wait until it runs
+            while not (await pool.rset.handle.stats.remote())["running_sequences"]:
+                assert not call.done() and time.monotonic() < deadline, "the call never ran on its replica"
+                await asyncio.sleep(0.01)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
 
-        asyncio.run(give_up())
+        asyncio.run(give_up_once_it_runs())
         # Serve cancelled the replica's call, whose engine dropped the request: counted failed, the slot free
         (stats,) = pool.stats()
         assert (stats["completed_requests"], stats["failed_requests"]) == (0, 1)
