@@ -15,7 +15,7 @@ export PYTHONPATH := $(CURDIR)
 .PHONY: install sweep test test-fast lint cluster-up cluster-down clean
 .PHONY: submit gpu-check cluster-node
 .PHONY: dashboards-up dashboards-down
-.PHONY: bench-serving serve serve-down crosscheck
+.PHONY: bench-serving bench-scheduler serve serve-down crosscheck
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,11 @@ sweep: install
 BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 1024 --full-batch 4 --ratio 5 --generate-new-tokens 512 --threads 2
 bench-serving: install
 	$(PY) -m bench.bench_serving $(BENCH_ARGS) $(ARGS)
+
+# The schedulers side by side (prefill-first, mixed at several token budgets), full and Scissorhands x5, paged,
+# one KV limit, the same requests (docs/serving.md, "Schedulers").
+bench-scheduler: install
+	$(PY) -m bench.bench_scheduler --threads 2 $(ARGS)
 
 # ruff, pinned in the `test` extra, configured in pyproject.toml ([tool.ruff]): lint rules, then the formatter's check.
 lint: install

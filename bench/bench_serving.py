@@ -6,8 +6,11 @@
    the longest, as serving traffic does; a synthetic spread, not a trace). Rows: the paged full cache (the
    denominator of the headline), the preallocated full cache (the paper's setting and the older
    denominator), Scissorhands x`--ratio` paged with per-request budgets, the same with 4-bit storage,
-   Scissorhands x1 on the paged engine (what the engine alone changes), and Scissorhands x`--ratio`
-   preallocated with one budget (the older row). Output tokens/s, each row over its own steps. Then, on the same
+   Scissorhands x1 on the paged engine (what the engine alone changes), Scissorhands x`--ratio`
+   preallocated with one budget (the older row), and, under the mixed scheduler (`--mixed`, on by default: one
+   token budget of `--max-num-batched-tokens` a step, decodes first, then prompt chunks), the paged full cache and
+   Scissorhands x`--ratio` paged again. Every other row prefills first. Output tokens/s, each row over its own
+   steps; TTFT, TPOT and ITL percentiles on each row's own clock. Then, on the same
    requests, an outside peer: transformers' continuous batching (`generate_batch`'s engine, its paged cache sized to
    the same KV bytes; `replica.generate_baseline.run_generate_batch`), after every workload's rows (it runs in a
    thread of its own, so it cannot be interleaved step by step; `--no-peer-generate-batch` leaves it out).
@@ -55,6 +58,18 @@ def parse_args(argv=None):
     p.add_argument("--workloads", default="equal,mix", help="part 1 workloads, comma-separated: equal, mix")
     p.add_argument("--block-tokens", type=int, default=16, help="slots per block of the paged rows (and the peer's)")
     p.add_argument(
+        "--mixed",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="add the paged full and Scissorhands rows under the mixed scheduler (scheduler: mixed)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.model_fields["max_num_batched_tokens"].default,
+        help="the mixed rows' token budget a step",
+    )
+    p.add_argument(
         "--peer-generate-batch",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -84,6 +99,11 @@ def parse_args(argv=None):
     for name in ("prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens", "requests", "block_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.mixed and args.max_num_batched_tokens < args.block_tokens:
+        p.error(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} is below one block (--block-tokens "
+            f"{args.block_tokens}); give at least {args.block_tokens}"
+        )
 
     if args.peer_generate_batch and args.block_tokens < 4:
         p.error(
@@ -130,10 +150,11 @@ WORKLOADS = ("equal", "mix")
 
 
 def part1_rows(
-    P: int, N: int, ratio: float, limit: int, block_tokens: int, head_dim: int
+    P: int, N: int, ratio: float, limit: int, block_tokens: int, head_dim: int, mixed_tokens: int | None = None
 ) -> list[tuple[str, EngineConfig]]:
     """(label, engine config) of every part 1 row, all under the KV memory `limit`; the first is the denominator.
-    The 4-bit row quantizes groups of 32 values (or the whole head, `head_dim`, when smaller)."""
+    The 4-bit row quantizes groups of 32 values (or the whole head, `head_dim`, when smaller). `mixed_tokens`:
+    the paged full and Scissorhands rows again, under the mixed scheduler with this token budget a step."""
     int4 = {"kv_bits": 4, "kv_group_size": min(32, head_dim)}
     paged = dict(kv_layout="paged", kv_memory_limit_bytes=limit, block_tokens=block_tokens)
     sh = dict(policy="scissorhands", budget="per_request", **paged)
@@ -152,7 +173,17 @@ def part1_rows(
                 policy="scissorhands", compression_ratio=ratio, max_length_tokens=P + N, kv_memory_limit_bytes=limit
             ),
         ),
-    ]
+    ] + (
+        []
+        if mixed_tokens is None
+        else [
+            ("full, paged, mixed", EngineConfig(**paged, scheduler="mixed", max_num_batched_tokens=mixed_tokens)),
+            (
+                f"scissorhands x{ratio:g}, paged, mixed",
+                EngineConfig(compression_ratio=ratio, scheduler="mixed", max_num_batched_tokens=mixed_tokens, **sh),
+            ),
+        ]
+    )
 
 
 PEER_LABEL = "transformers generate_batch (after the rows, not interleaved)"
@@ -172,7 +203,7 @@ def _peer_lines(peer: dict, base: dict, requests: int) -> list[str]:
     )
     return [
         f"| {PEER_LABEL} | {peer['output_tok_per_s'] / base['output_tok_per_s']:.2f}x | "
-        f"{peer['output_tok_per_s']:.1f} | - | - | - | - | - | - | {peer['kv_cache_bytes'] / 2**20:.1f} | {peer['wall_s']:.1f} "
+        f"{peer['output_tok_per_s']:.1f} | - | - | - | - | - | - | - | {peer['kv_cache_bytes'] / 2**20:.1f} | {peer['wall_s']:.1f} "
         f"| {peer['cpu_s']:.1f} |",
         "",
         f"transformers `generate_batch`: its continuous batching and paged cache ({peer['kv_cache_blocks']} blocks of "
@@ -221,7 +252,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     text_config = model.config.get_text_config()
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    rows = part1_rows(P, N, args.ratio, limit, args.block_tokens, head_dim)
+    rows = part1_rows(
+        P, N, args.ratio, limit, args.block_tokens, head_dim, args.max_num_batched_tokens if args.mixed else None
+    )
     results: dict = {"args": vars(args), "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu}
     results.update(torch_threads=torch.get_num_threads(), kv_memory_limit_bytes=limit, workloads={})
     lines = [
@@ -261,8 +294,9 @@ def main(argv=None) -> int:
             f"{min(n_lens)}-{max(n_lens)} tokens ({sum(n_lens)} in all).",
             "",
             "| row | x of paged full, output tok/s | output tok/s | decode tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 "
-            "(ms) | peak / mean running | preemptions | recomputed tokens | peak KV (MiB) | wall (s) | CPU (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "(ms) | ITL p50 / p99 (ms) | peak / mean running | preemptions | recomputed tokens | peak KV (MiB) | "
+            "wall (s) | CPU (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for (label, _), r in zip(rows, measured):
             r.pop("outputs", None)
@@ -272,9 +306,18 @@ def main(argv=None) -> int:
             lines.append(
                 f"| {label} | {r['output_tok_per_s'] / base:.2f}x | {r['output_tok_per_s']:.1f} | {dec} | "
                 f"{_pair(r['ttft_p50_s'], r['ttft_p99_s'], 1, '.1f')} | {_pair(r['tpot_p50_s'], r['tpot_p99_s'], 1000, '.0f')} | "
+                f"{_pair(r['itl_p50_s'], r['itl_p99_s'], 1000, '.0f')} | "
                 f"{r['peak_running_sequences']} / {mean} | {r['preemptions']} | {r['recomputed_tokens']} | "
                 f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} |"
             )
+        if args.mixed:  # the mixed rows' own ratio: Scissorhands over the full cache, both under the mixed scheduler
+            full_m, sh_m = table["full, paged, mixed"], table[f"scissorhands x{args.ratio:g}, paged, mixed"]
+            lines += [
+                "",
+                f"Mixed scheduler ({args.max_num_batched_tokens} tokens a step): Scissorhands x{args.ratio:g} / full, "
+                f"output tok/s **{sh_m['output_tok_per_s'] / full_m['output_tok_per_s']:.2f}x** (prefill-first: "
+                f"{table[f'scissorhands x{args.ratio:g}, paged']['output_tok_per_s'] / base:.2f}x).",
+            ]
         results["workloads"][name] = {"prompt_tokens": p_lens, "new_tokens": n_lens, "rows": table}
         results["workloads"][name]["peer_generate_batch"] = None
         peers.append((name, prompts, n_lens, ours, measured[0], len(lines)))

@@ -45,7 +45,7 @@ from cluster.signals import StopSignals
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
 from replica.static_batch import model_context_tokens, resolve_run_dtype
-from replica.types import BUDGETS, KV_LAYOUTS, EngineConfig, GenerationRequest, GenerationResult
+from replica.types import BUDGETS, KV_LAYOUTS, SCHEDULERS, EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import POLICIES
 from scissorhands.models import load_tokenizer, model_id_of
 
@@ -258,20 +258,31 @@ def serve_engine_config(
     kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES,
     kv_layout: str = "paged",
     budget: str = "per_request",
+    scheduler: str | None = None,
+    max_num_batched_tokens: int = EngineConfig.model_fields["max_num_batched_tokens"].default,
 ) -> tuple[str, dict, int | None]:
     """One `--cache` spec -> (label, EngineConfig fields, fixed budget or None): `parse_cache`'s fields plus the
     KV layout and memory limit every cache of the service shares. The default is the engine people serve with:
     the paged layout (blocks taken as a sequence grows, the newest sequence preempted when the pool runs out), a
-    ratio's budget per request. The fields are validated here (`EngineConfig`), so a bad combination fails at
-    start, naming the field (the paged layout needs a memory limit).
+    ratio's budget per request, and on it the mixed scheduler (one token budget a step, `max_num_batched_tokens`:
+    decodes first, then prompt chunks; `scheduler` None picks mixed on the paged layout, prefill_first on the
+    preallocated one). The fields are validated here (`EngineConfig`), so a bad combination fails at start, naming
+    the field (the paged layout needs a memory limit; mixed needs the paged layout).
 
     Raises:
-        ValueError: a bad spec, `--kv-layout`, `--budget`, or engine config.
+        ValueError: a bad spec, `--kv-layout`, `--budget`, `--scheduler`, or engine config.
     """
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"--kv-layout: expected one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
     label, cfg = parse_cache(spec, max_length_tokens, budget)
-    cfg.update(kv_layout=kv_layout, kv_memory_limit_bytes=kv_memory_limit_bytes)
+    if scheduler is None:
+        scheduler = "mixed" if kv_layout == "paged" else "prefill_first"
+    cfg.update(
+        kv_layout=kv_layout,
+        kv_memory_limit_bytes=kv_memory_limit_bytes,
+        scheduler=scheduler,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
     return label, cfg, EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
 
 
@@ -284,6 +295,8 @@ def build_serve_app(
     kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES,
     kv_layout: str = "paged",
     budget: str = "per_request",
+    scheduler: str | None = None,
+    max_num_batched_tokens: int = EngineConfig.model_fields["max_num_batched_tokens"].default,
     dtype: str = "auto",
     device: str = "cpu",
     num_threads: int | None = 1,
@@ -321,6 +334,8 @@ def build_serve_app(
             kv_memory_limit_bytes=kv_memory_limit_bytes,
             kv_layout=kv_layout,
             budget=budget,
+            scheduler=scheduler,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
         model_id = f"{name}:{label}"
         if model_id in handles:
@@ -433,6 +448,19 @@ def main(argv: list[str] | None = None) -> int:
         help="paged (one block pool of the KV limit, taken as sequences grow) or preallocated (each request "
         "reserves its final length)",
     )
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        choices=list(SCHEDULERS),
+        help="a step's work: mixed (one token budget, decodes first, then prompt chunks; the default on the paged "
+        "layout) or prefill_first (whole prompts, then a decode step; the default on the preallocated layout)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.model_fields["max_num_batched_tokens"].default,
+        help="the mixed scheduler's token budget a step",
+    )
     p.add_argument("--kv-memory-limit-bytes", type=int, default=DEFAULT_KV_MEMORY_LIMIT_BYTES, help="per engine")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per engine replica")
     p.add_argument("--replica-cpus", type=float, default=1.0)
@@ -464,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_memory_limit_bytes=args.kv_memory_limit_bytes,
             kv_layout=args.kv_layout,
             budget=args.budget,
+            scheduler=args.scheduler,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             dtype=args.dtype,
             device=args.device,
             num_threads=args.num_threads,

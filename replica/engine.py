@@ -113,6 +113,22 @@ class _Seq:
     token_top_logprobs: list | None = None  # ... and its alternatives, [[token_id, logprob], ...]
 
 
+class _Prefill:
+    """A group of requests whose prompts are being prefilled (equal lengths fed, one budget): under
+    ``scheduler: mixed`` chunk by chunk across steps, under ``prefill_first`` in one chunk."""
+
+    def __init__(self, group: list[_Seq]):
+        self.group = group
+        self.cache = None  # built at the first chunk (in the block pool on the paged layout)
+        self.ids: torch.Tensor | None = None  # (n, L) the tokens to feed
+        self.fed = 0  # tokens of each row fed so far
+        self.length = len(group[0].prefill_ids())
+
+    @property
+    def rows(self) -> int:
+        return len(self.group)
+
+
 class ContinuousBatchingEngine:
     """The continuous-batching scheduler of one replica (thread-safe `submit`, single-threaded `step`).
 
@@ -193,6 +209,8 @@ class ContinuousBatchingEngine:
         self._lock = threading.Condition()
         self._queue: collections.deque[_Seq] = collections.deque()
         self._running: list[_Seq] = []
+        self._prefilling: list[_Prefill] = []  # scheduler: mixed, prompts part-way fed (oldest first)
+        self.mixed = config.scheduler == "mixed"
         self._cache = None
         self._next_tokens: torch.Tensor | None = None  # (rows, 1) last token of each running row
         self._aborts: set[str] = set()
@@ -324,6 +342,9 @@ class ContinuousBatchingEngine:
         """Preempt the most recently admitted running rows until the next decode step's blocks are free
         (vLLM's rule: the newest sequence goes back to the head of the queue and is recomputed later)."""
         while self._running and self.num_layers * len(self._growing_rows()) > self.pool.free_blocks:
+            if self._prefilling:  # a prompt part-way fed is newer than every running row: it goes first
+                self._requeue(self._prefilling.pop())
+                continue
             seq = self._running.pop()
             keep = list(range(len(self._running)))
             self._cache = self._select(self._cache, keep)
@@ -337,6 +358,19 @@ class ContinuousBatchingEngine:
                 self.metrics.add_preemption(recomputed)
             with self._lock:
                 self._queue.appendleft(seq)
+
+    def _requeue(self, p: _Prefill) -> None:
+        """Preempt a group part-way prefilled: its blocks back to the pool, its requests back to the head of
+        the queue (in order), their chunks fed so far counted as recomputed."""
+        release_cache(p.cache)
+        for seq in p.group:
+            seq.preempted = True  # scored already (prompt_logprobs): the next prefill only feeds
+            self._stats["preemptions"] += 1
+            self._stats["recomputed_tokens"] += p.fed
+            with _recording():
+                self.metrics.add_preemption(p.fed)
+        with self._lock:
+            self._queue.extendleft(reversed(p.group))
 
     @staticmethod
     def _select(cache, keep: list[int]):
@@ -388,6 +422,17 @@ class ContinuousBatchingEngine:
             gone = [s for s in self._queue if s.request.request_id in aborts]
             for s in gone:
                 self._queue.remove(s)
+        for p in list(self._prefilling):
+            rows = [i for i, s in enumerate(p.group) if s.request.request_id not in aborts]
+            if len(rows) < p.rows:
+                gone += [s for s in p.group if s.request.request_id in aborts]
+                if not rows:
+                    release_cache(p.cache)
+                    self._prefilling.remove(p)
+                    continue
+                p.group = [p.group[i] for i in rows]
+                p.cache = select_rows(p.cache, rows) if p.cache is not None else None
+                p.ids = p.ids[rows] if p.ids is not None else None
         keep = [i for i, s in enumerate(self._running) if s.request.request_id not in aborts]
         if len(keep) < len(self._running):
             gone += [s for s in self._running if s.request.request_id in aborts]
@@ -400,11 +445,14 @@ class ContinuousBatchingEngine:
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a request is queued or running (or `timeout_s` passes); return whether one is."""
         with self._lock:
-            return self._lock.wait_for(lambda: bool(self._queue or self._running), timeout=timeout_s)
+            return self._lock.wait_for(
+                lambda: bool(self._queue or self._running or self._prefilling), timeout=timeout_s
+            )
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Requests admitted and not finished: decoding, or part-way prefilled (`scheduler: mixed`)."""
+        return len(self._running) + sum(p.rows for p in self._prefilling)
 
     @property
     def queued(self) -> int:
@@ -447,7 +495,7 @@ class ContinuousBatchingEngine:
             "budget": self.config.budget,
             "slot_bytes": self.slot_bytes,
             "kv_memory_limit_bytes": self.kv_memory_limit_bytes,
-            "running_sequences": len(self._running),
+            "running_sequences": self.running,
             "queued_requests": queued,
             "peak_running_sequences": self._peak_running,
             "peak_kv_cache_bytes": self._peak_bytes,
@@ -465,6 +513,8 @@ class ContinuousBatchingEngine:
             "prefill_s": s.get("prefill_s", 0.0),  # wall time in prefill phases
             "decode_s": s.get("decode_s", 0.0),  # wall time in decode steps
             "kv_layout": self.config.kv_layout,
+            "scheduler": self.config.scheduler,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens if self.mixed else None,
             "block_tokens": self.config.block_tokens if self.pool is not None else None,
             "kv_pool_blocks": self.pool.usable_blocks if self.pool is not None else None,
             "peak_kv_blocks_in_use": self.pool.peak_blocks_in_use if self.pool is not None else None,
@@ -564,23 +614,110 @@ class ContinuousBatchingEngine:
                 prefill_tokens += n
         return groups
 
+    def _chunk_blocks(self, fed: int, chunk: int, budget: int | None, last: bool) -> tuple[int, int]:
+        """``(peak, after)``: blocks one row holds, all layers, while `chunk` tokens after the `fed` it holds are
+        prefilled (the layers before the current one compressed, the current one its kept slots plus the
+        chunk), and after (with the block its first decode step may take, after the prompt's last chunk)."""
+        after = self.num_layers * self._blocks(self._kept_slots(fed + chunk + last, budget))
+        peak = (self.num_layers - 1) * self._blocks(self._kept_slots(fed + chunk, budget)) + self._blocks(
+            self._kept_slots(fed, budget) + chunk
+        )
+        return max(peak, after), after
+
+    def _schedule_chunks(self) -> list[tuple[_Prefill, int]]:
+        """`scheduler: mixed`: this step's prompt chunks, as vLLM V1 spends a step's token budget. Every running
+        row's decode token comes first; the rest of `max_num_batched_tokens` goes to the prompts part-way fed
+        (oldest first), then to queued requests (first come, first served; equal lengths fed join one chunk),
+        each chunk as long as the tokens left and the free blocks allow (the running rows' next blocks kept)."""
+        tokens = self.config.max_num_batched_tokens - len(self._running)
+        free = self.pool.free_blocks - self.num_layers * len(self._growing_rows())
+        committed = 0  # blocks the planned chunks add, once fed
+
+        def longest(p: _Prefill, rows: int, most: int, base: int) -> int:
+            """The longest chunk <= `most` tokens whose peak fits beside `base` committed blocks (0: none)."""
+            budget = p.group[0].budget_tokens
+            held = self.num_layers * self._blocks(self._kept_slots(p.fed, budget))
+            lo, hi = 0, most
+            while lo < hi:  # blocks grow with the chunk: bisect
+                mid = (lo + hi + 1) // 2
+                peak, _ = self._chunk_blocks(p.fed, mid, budget, p.fed + mid == p.length)
+                lo, hi = (mid, hi) if base + rows * (peak - held) <= free else (lo, mid - 1)
+            return lo
+
+        def grown(p: _Prefill, rows: int, chunk: int) -> int:
+            budget = p.group[0].budget_tokens
+            held = self.num_layers * self._blocks(self._kept_slots(p.fed, budget))
+            return rows * (self._chunk_blocks(p.fed, chunk, budget, p.fed + chunk == p.length)[1] - held)
+
+        plan: list[tuple[_Prefill, int]] = []
+        for p in self._prefilling:
+            chunk = longest(p, p.rows, min(p.length - p.fed, tokens // p.rows), committed)
+            if chunk == 0:
+                break  # the older prompt waits for blocks or tokens: so do the newer ones
+            plan.append((p, chunk))
+            tokens -= p.rows * chunk
+            committed += grown(p, p.rows, chunk)
+        if len(plan) < len(self._prefilling):
+            return plan
+        cap = self.config.max_batch or 1 << 30
+        last: _Prefill | None = None  # the newest group of this step, which an equal request may join
+        before_last = committed
+        with self._lock:
+            while self._queue and tokens > 0 and self.running < cap:
+                seq = self._queue[0]
+                if seq.unfit is not None:  # never a preempted one: fits_alone counted its recompute
+                    self._queue.popleft()
+                    self._fail(seq, "rejected", f"request cannot run under the KV memory limit: {seq.unfit}")
+                    continue
+                chunk = plan[-1][1] if last is not None else 0
+                if (
+                    last is not None
+                    and self._same_group(last.group[0], seq)
+                    and tokens >= chunk
+                    and longest(last, last.rows + 1, chunk, before_last) == chunk
+                ):
+                    last.group.append(seq)  # fed with the newest group: its rows peak together
+                    committed = before_last + grown(last, last.rows, chunk)
+                else:
+                    p = _Prefill([seq])
+                    chunk = longest(p, 1, min(p.length, tokens), committed)
+                    if chunk == 0:
+                        break  # wait for blocks: rows finish or are preempted
+                    plan.append((p, chunk))
+                    self._prefilling.append(p)
+                    last, before_last = p, committed
+                    committed += grown(p, 1, chunk)
+                self._queue.popleft()
+                tokens -= chunk
+        return plan
+
     def step(self) -> bool:
-        """One scheduling iteration (aborts, admit, prefill, one decode step, retire); False when idle."""
+        """One scheduling iteration (aborts, admit, prefill, one decode step, retire); False when idle.
+
+        Under ``scheduler: mixed`` the prefill phase feeds this step's prompt chunks (`_schedule_chunks`);
+        a prompt's last chunk picks its first token and its rows join the decode step of the same step."""
         aborted = bool(self._aborts)
         if aborted:
             self._apply_aborts()
-        groups = self._admit() if self.pool is None else self._admit_paged()
-        if not groups and not self._running:
+        if self.mixed:
+            plan = self._schedule_chunks()
+            while not plan and not self._running and len(self._prefilling) > 1:
+                self._requeue(self._prefilling.pop())  # prompts part-way fed hold the pool: the newest yields
+                plan = self._schedule_chunks()
+        else:
+            groups = self._admit() if self.pool is None else self._admit_paged()
+            plan = [(_Prefill(g), None) for g in groups]
+        if not plan and not self._running:
             if aborted:  # the aborted rows' slots and blocks are free now: the gauges say so
                 self._record_state()
             return False
         now = self.clock()
         t0 = time.perf_counter()
-        for group in groups:
-            for seq in group:
+        for p, chunk in plan:
+            for seq in p.group:
                 if seq.result.admitted_time_s is None:  # a preempted request keeps its first admission
                     seq.result.admitted_time_s = now
-            self._prefill(group)
+            self._prefill_chunk(p, chunk)
         t1 = time.perf_counter()
         if self.pool is not None:
             self._make_room_for_decode()
@@ -606,10 +743,12 @@ class ContinuousBatchingEngine:
         """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
         when `step()` is not running (the loop stopped)."""
         with self._lock:
-            seqs = list(self._queue) + self._running
+            seqs = list(self._queue) + [s for p in self._prefilling for s in p.group] + self._running
             self._queue.clear()
+        for p in self._prefilling:
+            release_cache(p.cache)
         release_cache(self._cache)
-        self._running, self._cache, self._next_tokens = [], None, None
+        self._running, self._prefilling, self._cache, self._next_tokens = [], [], None, None
         for seq in seqs:
             self._fail(seq, "error", message)
         self._record_state()
@@ -640,34 +779,54 @@ class ContinuousBatchingEngine:
         cache.set_row_budgets([budget] * len(group))  # rows of other budgets merge into one batch
         return cache
 
-    def _prefill(self, group: list[_Seq]) -> None:
-        """Forward the prompts of `group` (equal lengths) into a fresh cache; merge the rows that go on."""
-        group = [s for s in group if s.preempted or not self._score_prompt(s)]  # score-only requests end here
-        if not group:
-            return
-        ids = torch.tensor([s.prefill_ids() for s in group], dtype=torch.long, device=self.device)  # (n, L)
+    def _drop(self, p: _Prefill) -> None:
+        if p in self._prefilling:
+            self._prefilling.remove(p)
+
+    def _prefill_chunk(self, p: _Prefill, chunk: int | None = None) -> None:
+        """Forward the next `chunk` tokens of `p`'s prompts (equal lengths; None: all of them) into its cache,
+        a fresh one at the first chunk; after the last, pick each row's first token and merge the rows that go
+        on into the running batch. A policy that evicts compresses to its budget after every chunk (its
+        layer's `attend`), so a chunk as long as the prompt is the whole-prompt prefill."""
+        if p.cache is None:
+            p.group = [s for s in p.group if s.preempted or not self._score_prompt(s)]  # score-only ones end here
+            if not p.group:
+                self._drop(p)
+                return
+            p.ids = torch.tensor([s.prefill_ids() for s in p.group], dtype=torch.long, device=self.device)  # (n, L)
+        group, chunk = p.group, p.length - p.fed if chunk is None else chunk
+        last = p.fed + chunk == p.length
         t0 = time.perf_counter()
-        cache = None
         try:
-            cache = self._new_cache(group)
+            if p.cache is None:
+                p.cache = self._new_cache(group)
+            evicted0 = p.cache.layers[0].evicted_tokens
             with torch.inference_mode():
-                out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-                first = pick_tokens(out.logits[:, -1, :], group, self.eos_token_id)  # (n, 1)
-            tokens = first[:, 0].tolist()
+                out = self.model(
+                    input_ids=p.ids[:, p.fed : p.fed + chunk], cache=p.cache, use_cache=True, logits_to_keep=1
+                )  # positions follow the tokens the cache has seen
+                first = pick_tokens(out.logits[:, -1, :], group, self.eos_token_id) if last else None  # (n, 1)
+            tokens = first[:, 0].tolist() if last else []
         except Exception as e:  # noqa: BLE001 - every failure is reported per request
-            release_cache(cache)
+            release_cache(p.cache)
+            self._drop(p)
             self._fail_all(group, e)
             return
+        p.fed += chunk
+        cache = p.cache
         t = self.clock()
         warm = sum(s.request.warmup for s in group)  # warm-up rows: phase "warmup", counted apart
-        per_row = ids.shape[1]
         with _recording():
-            self.metrics.observe_prefill(time.perf_counter() - t0, (len(group) - warm) * per_row, warm * per_row)
-            self.metrics.add_evictions(int(cache.layers[0].evicted_tokens))
-            self.metrics.add_generated_tokens(len(group) - warm)
-            self.metrics.add_generated_tokens(warm, "warmup")
+            self.metrics.observe_prefill(time.perf_counter() - t0, (len(group) - warm) * chunk, warm * chunk)
+            self.metrics.add_evictions(int(cache.layers[0].evicted_tokens - evicted0))
+            if last:
+                self.metrics.add_generated_tokens(len(group) - warm)
+                self.metrics.add_generated_tokens(warm, "warmup")
         self._stats["prefill_calls"] += 1
         self._track_bytes(cache.peak_kv_cache_bytes)
+        if not last:
+            return
+        self._drop(p)
         keep = []
         for i, (seq, tok) in enumerate(zip(group, tokens)):
             seq.held_slots = self._prefill_slots(len(seq.request.prompt_ids), seq.budget_tokens)

@@ -57,9 +57,10 @@ def run_engines(
         decode steps / time in decode steps); `prefill_s`; `completed_requests`, `peak_running_sequences`,
         `peak_kv_cache_bytes`, `budget_tokens`, `slot_bytes`, `kv_layout`, `peak_kv_blocks_in_use`,
         `mean_kv_blocks_in_use`, `preemptions`, `recomputed_tokens` (the engine's `stats()`);
-        `mean_running_sequences` (decode tokens / decode steps); `ttft_p50_s`, `ttft_p99_s`, `tpot_p50_s`,
-        `tpot_p99_s` (seconds of the run's own steps, every request submitted at 0, so TTFT includes its wait in
-        the queue; TPOT over requests of 2 or more tokens; a preempted request's recompute falls in its TPOT);
+        `scheduler`; `mean_running_sequences` (decode tokens / decode steps); `ttft_p50_s`, `ttft_p99_s`,
+        `tpot_p50_s`, `tpot_p99_s`, `itl_p50_s`, `itl_p99_s` (seconds of the run's own steps, every request
+        submitted at 0, so TTFT includes its wait in the queue; TPOT over requests of 2 or more tokens; ITL every
+        gap between two tokens of a request, pooled; a preempted request's recompute falls in its TPOT and ITL);
         `peak_device_allocated_bytes` (CUDA, over all the runs; None elsewhere); `outputs` (request id ->
         generated ids).
 
@@ -128,19 +129,22 @@ def _throughput(finished: bool, wall: float, cpu: float, output_tokens: int) -> 
 
 def _token_time(st: dict, request_id: str) -> None:
     """Note a token of `request_id` at the run's own clock (its steps' wall seconds so far, every request
-    submitted at 0): [first token's time, last token's time, tokens]."""
+    submitted at 0): [first token's time, last token's time, tokens], and the gap since its previous token."""
     now = st["wall_s"] + time.perf_counter() - st["t0"]
     times = st["tokens"].setdefault(request_id, [now, now, 0])
+    if times[2]:
+        st.setdefault("itl", []).append(now - times[1])
     times[1], times[2] = now, times[2] + 1
 
 
-def _latency_percentiles(tokens: dict) -> dict:
-    """TTFT (first token, queueing included) and TPOT ((last - first) / (tokens - 1), requests of 2 or more
-    tokens) p50 and p99 in seconds of the run's own clock; None where no request qualifies."""
+def _latency_percentiles(tokens: dict, itl: list[float]) -> dict:
+    """TTFT (first token, queueing included), TPOT ((last - first) / (tokens - 1), requests of 2 or more
+    tokens) and ITL (every gap between two tokens of one request, pooled) p50 and p99 in seconds of the run's
+    own clock; None where no request qualifies."""
     ttft = [t[0] for t in tokens.values()]
     tpot = [(t[1] - t[0]) / (t[2] - 1) for t in tokens.values() if t[2] > 1]
     out = {}
-    for name, xs in (("ttft", ttft), ("tpot", tpot)):
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         for q in (50, 99):
             out[f"{name}_p{q}_s"] = float(np.percentile(xs, q)) if xs else None
     return out
@@ -174,7 +178,8 @@ def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
         "preemptions": s["preemptions"],
         "recomputed_tokens": s["recomputed_tokens"],
         "peak_device_allocated_bytes": peak_device,
-        **_latency_percentiles(st["tokens"]),
+        "scheduler": s["scheduler"],
+        **_latency_percentiles(st["tokens"], st.get("itl", [])),
         "outputs": {k: v.output_ids for k, v in done.items()},
     }
 

@@ -188,7 +188,7 @@ def _replica(name: str, kind: str, help: str, buckets: tuple[float, ...] = (), p
 
 
 #: Record-key suffix -> the `quantile` label value of a per-point latency summary.
-RECORD_QUANTILES: dict[str, str] = {"p50": "0.5", "p90": "0.9", "p99": "0.99"}
+RECORD_QUANTILES: dict[str, str] = {"p50": "0.5", "p90": "0.9", "p95": "0.95", "p99": "0.99"}
 
 
 def _point(name: str, record_key: str, help: str, extra_labels: tuple[str, ...] = ()) -> MetricSpec:
@@ -286,6 +286,23 @@ METRICS: tuple[MetricSpec, ...] = (
         "e2e_latency_{q}_s",
         "Request latency (start to last token) at the given quantile.",
         ("quantile",),
+    ),
+    _point(
+        "slo_attainment_ratio",
+        "slo_attainment",
+        "Serving points: fraction (0..1) of the point's measured requests that met every latency SLO "
+        "(TTFT, TPOT, optionally e2e; failed and dropped ones miss).",
+    ),
+    _point(
+        "goodput_requests_per_second",
+        "goodput_req_per_s",
+        "Serving points: requests that met every latency SLO and completed in the window / window length.",
+    ),
+    _point(
+        "goodput_tokens_per_second",
+        "goodput_tok_per_s",
+        "Serving points: output tokens of the requests that met every latency SLO, produced in the window / window "
+        "length.",
     ),
     _point("kv_cache_bytes", "kv_cache_bytes", "Peak bytes the KV cache held during the point, bookkeeping included."),
     _point("perplexity", "perplexity", "Perplexity of the policy's cache on the evaluation text (quality runs)."),

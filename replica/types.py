@@ -27,6 +27,7 @@ __all__ = [
 
 KV_LAYOUTS = ("preallocated", "paged")
 BUDGETS = ("fixed", "per_request")
+SCHEDULERS = ("prefill_first", "mixed")
 _COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "kv_limit_full_sequences", "max_batch")
 #: The ways to give the engine its KV memory limit (at most one; none: no limit).
 KV_LIMIT_FIELDS = ("kv_memory_limit_bytes", "kv_memory_fraction", "kv_limit_full_sequences")
@@ -68,7 +69,15 @@ class EngineConfig(FrozenConfig):
         max_prefill_tokens: most prompt tokens prefilled in one step (bounds the stall of running
             sequences and a prefill's activation memory); a longer single prompt is still
             prefilled, alone. The default keeps up to 4 prompts of 1,024 tokens in one prefill, where
-            prefilling them together costs no more per prompt (docs/performance.md).
+            prefilling them together costs no more per prompt (docs/performance.md). Read by
+            ``scheduler: prefill_first`` only.
+        scheduler: ``"prefill_first"`` (a step prefills whole prompts, up to `max_prefill_tokens`, then runs one
+            decode step: running sequences wait while prompts prefill) or ``"mixed"`` (one token budget per
+            step, `max_num_batched_tokens`: every running sequence's decode token first, then chunks of
+            waiting prompts filling the rest, as vLLM V1 and Sarathi-Serve schedule); mixed needs
+            ``kv_layout: paged`` (a prompt's chunks take blocks as they arrive).
+        max_num_batched_tokens: the token budget of one step under ``scheduler: mixed`` (decode tokens +
+            prompt-chunk tokens); at least one block (`block_tokens`).
 
     Raises:
         ConfigError (a ValueError): an unknown key, or a field out of range; the message names
@@ -90,6 +99,8 @@ class EngineConfig(FrozenConfig):
     kv_layout: str = "preallocated"
     budget: str = "fixed"
     block_tokens: int = 16
+    scheduler: str = "prefill_first"
+    max_num_batched_tokens: int = 512
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -111,15 +122,15 @@ class EngineConfig(FrozenConfig):
         check_int(info.field_name, value, 1, optional=True)
         return value
 
-    @field_validator("kv_layout", "budget", mode="before")
+    @field_validator("kv_layout", "budget", "scheduler", mode="before")
     @classmethod
     def _one_of(cls, value: Any, info) -> str:
-        accepted = {"kv_layout": KV_LAYOUTS, "budget": BUDGETS}[info.field_name]
+        accepted = {"kv_layout": KV_LAYOUTS, "budget": BUDGETS, "scheduler": SCHEDULERS}[info.field_name]
         if value not in accepted:
             raise ValueError(f"{info.field_name}: expected one of {', '.join(accepted)}, got {value!r}")
         return value
 
-    @field_validator("max_prefill_tokens", "block_tokens", mode="before")
+    @field_validator("max_prefill_tokens", "block_tokens", "max_num_batched_tokens", mode="before")
     @classmethod
     def _count(cls, value: Any, info) -> int:
         check_int(info.field_name, value, 1)
@@ -144,6 +155,16 @@ class EngineConfig(FrozenConfig):
             raise ValueError(
                 "kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes, kv_memory_fraction or "
                 "kv_limit_full_sequences; give one"
+            )
+        if self.scheduler == "mixed" and self.kv_layout != "paged":
+            raise ValueError(
+                "scheduler: 'mixed' feeds prompts in chunks that take KV blocks as they arrive; it needs "
+                f"kv_layout: 'paged' (got {self.kv_layout!r})"
+            )
+        if self.max_num_batched_tokens < self.block_tokens:
+            raise ValueError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block ({self.block_tokens} "
+                "tokens, block_tokens); give at least block_tokens"
             )
         if self.kv_limit_full_sequences is not None and self.max_length_tokens is None:
             raise ValueError(

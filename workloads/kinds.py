@@ -10,7 +10,7 @@ in `scissorhands.POLICIES`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 from workloads.batch.runner import KIND as BATCH
 from workloads.core.suite import read_suite_file, validate_suite
@@ -33,10 +33,12 @@ def parse_suite(data: Any, source: str = "<suite>"):
     return validate_suite(model, data, source, kinds=tuple(KINDS))
 
 
-def load_suite(path: str):
-    """Read and validate a suite file of any kind.
+def load_suite(path: str, overrides: Sequence[str] = ()):
+    """Read and validate a suite file of any kind, `overrides` (``KEY=VALUE``, the command line's ``--set``)
+    applied first (`workloads.core.suite.read_suite_file`).
 
     Raises:
-        workloads.core.suite.SuiteError: the file does not exist / is not valid YAML / fails validation.
+        workloads.core.suite.SuiteError: the file does not exist / is not valid YAML / an override is malformed /
+            validation fails.
     """
-    return parse_suite(read_suite_file(path), source=path)
+    return parse_suite(read_suite_file(path, overrides), source=path)

@@ -2,6 +2,7 @@
 
     python -m workloads.sweep SUITE.yaml [--replicas N] [--results-dir results] [--run-id ID]
                               [--resume RUN_ID] [--address ADDR] [--local] [--pushgateway HOST:PORT|off]
+                              [--set KEY=VALUE ...]
 
 The suite's `kind:` picks its runner from `workloads.kinds.KINDS` (batch: `workloads.batch.runner`, serving:
 `workloads.serving.runner`, quality: `workloads.quality.runner`, frontier: `workloads.frontier.runner`); every
@@ -31,7 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     """Run ``args.suite`` as the kind it names; the exit status (see the module docstring)."""
     try:
-        suite = load_suite(args.suite)
+        suite = load_suite(args.suite, args.set or ())
     except SuiteError as e:
         raise SweepError(str(e), 2) from None
     return run_suite(args, KINDS[suite.kind], suite, name="sweep")

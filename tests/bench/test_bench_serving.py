@@ -20,7 +20,9 @@ def test_bench_serving_runs_every_row_on_the_same_requests_and_part_2(tmp_path, 
     limit = data["kv_memory_limit_bytes"]
     for name, w in data["workloads"].items():
         rows = w["rows"]
-        assert list(rows) == [label for label, _ in bench_serving.part1_rows(64, 24, 5.0, limit, 4, 16)]
+        assert list(rows) == [label for label, _ in bench_serving.part1_rows(64, 24, 5.0, limit, 4, 16, 512)]
+        assert rows["full, paged, mixed"]["scheduler"] == rows["scissorhands x5, paged, mixed"]["scheduler"] == "mixed"
+        assert rows["full, paged"]["scheduler"] == "prefill_first" and rows["full, paged"]["itl_p99_s"] > 0
         planned = sum(w["new_tokens"])
         assert all(r["output_tokens"] == planned and r["completed_requests"] == 12 for r in rows.values())
         for label, r in rows.items():
@@ -44,6 +46,7 @@ def test_bench_serving_runs_every_row_on_the_same_requests_and_part_2(tmp_path, 
     out = capsys.readouterr().out
     assert "| scissorhands x5, paged | " in out and "| our engine / transformers generate, output tok/s |" in out
     assert f"| {bench_serving.PEER_LABEL} | " in out and "Identical tokens vs paged full: " in out
+    assert "Mixed scheduler (512 tokens a step): Scissorhands x5 / full, output tok/s **" in out
 
 
 def test_bench_serving_leaves_the_peer_out_on_request_and_checks_its_page_size(tmp_path, capsys):
@@ -193,10 +196,12 @@ def test_latency_percentiles_are_taken_on_the_runs_own_clock():
     from replica.generate_baseline import _latency_percentiles
 
     # [first token s, last token s, tokens]: TPOT = (last - first) / (tokens - 1); a 1-token request has none
-    got = _latency_percentiles({"a": [1.0, 3.0, 5], "b": [2.0, 2.0, 1], "c": [3.0, 7.0, 3]})
+    # ITL: every gap between two tokens of one request, pooled over the requests
+    got = _latency_percentiles({"a": [1.0, 3.0, 5], "b": [2.0, 2.0, 1], "c": [3.0, 7.0, 3]}, [0.5] * 4 + [2.0, 2.0])
     assert got["ttft_p50_s"] == 2.0 and abs(got["ttft_p99_s"] - 2.98) < 1e-9
     assert got["tpot_p50_s"] == 1.25 and abs(got["tpot_p99_s"] - 1.985) < 1e-9
-    assert _latency_percentiles({}) == {"ttft_p50_s": None, "ttft_p99_s": None, "tpot_p50_s": None, "tpot_p99_s": None}
+    assert got["itl_p50_s"] == 0.5 and got["itl_p99_s"] == 2.0
+    assert _latency_percentiles({}, []) == {f"{m}_p{q}_s": None for m in ("ttft", "tpot", "itl") for q in (50, 99)}
 
 
 def test_a_queued_requests_ttft_includes_its_wait_for_the_one_running_before_it():

@@ -18,7 +18,12 @@ from cluster.serve_app import (
 from replica.engine import ContinuousBatchingEngine
 from replica.types import EngineConfig, GenerationRequest
 
-PAGED = {"kv_layout": "paged", "kv_memory_limit_bytes": DEFAULT_KV_MEMORY_LIMIT_BYTES}
+PAGED = {
+    "kv_layout": "paged",
+    "kv_memory_limit_bytes": DEFAULT_KV_MEMORY_LIMIT_BYTES,
+    "scheduler": "mixed",
+    "max_num_batched_tokens": EngineConfig.model_fields["max_num_batched_tokens"].default,
+}
 
 
 def test_a_ratio_gets_a_budget_per_request_on_the_paged_layout_by_default():
@@ -29,6 +34,7 @@ def test_a_ratio_gets_a_budget_per_request_on_the_paged_layout_by_default():
     # the older setting on request: one B sized for the longest request, every row reserving its final length
     label, cfg, budget = serve_engine_config("scissorhands:5", budget="fixed", kv_layout="preallocated")
     assert budget == math.ceil(DEFAULT_MAX_LENGTH_TOKENS / 5) == 410 and cfg["kv_layout"] == "preallocated"
+    assert cfg["scheduler"] == "prefill_first"  # whole prompts first: mixed chunks take blocks of a paged pool
     assert "budget" not in cfg and cfg["max_length_tokens"] == DEFAULT_MAX_LENGTH_TOKENS
     # b<budget> asks for one fixed budget, whatever --budget says
     assert parse_cache("h2o:b256", 2048) == ("h2o-b256", {"policy": "h2o", "budget_tokens": 256})
@@ -43,6 +49,10 @@ def test_a_bad_layout_budget_or_missing_limit_names_the_flag_or_field():
     with pytest.raises(ValueError, match="kv_memory_limit_bytes"):  # the paged pool is sized from the limit
         serve_engine_config("full", kv_memory_limit_bytes=None)
     assert serve_engine_config("full", kv_memory_limit_bytes=None, kv_layout="preallocated")[1]["kv_layout"]
+    with pytest.raises(ValueError, match="scheduler: 'mixed' .* needs kv_layout: 'paged'"):
+        serve_engine_config("full", kv_layout="preallocated", scheduler="mixed")
+    with pytest.raises(ValueError, match="max_num_batched_tokens: 8 is below one block"):
+        serve_engine_config("full", max_num_batched_tokens=8)
 
 
 def test_the_service_ships_per_request_budgets_and_lists_them():

@@ -286,3 +286,38 @@ def test_paged_layout_panels_say_so_and_show_each_replica():
 def test_monitoring_page_lists_the_catalogue_as_generated():
     """docs/monitoring.md carries `python -m replica.metrics`' table as is (our metrics and Ray Serve's)."""
     assert catalogue_markdown() in (ROOT / "docs" / "monitoring.md").read_text()
+
+
+def test_the_sweep_overview_shows_slo_attainment_and_goodput_per_policy_against_the_load():
+    """One panel for attainment (0..1) and one for goodput (req/s), each reading only its pushed series, one bar per
+    policy x ratio at each load, the load taken from whichever load label the point's mode sets; the table of points
+    shows attainment and both goodputs."""
+    board = BOARDS["sweep-overview.json"]
+    panels = {p["title"]: p for p in check.iter_panels(board)}
+    wanted = {
+        "SLO attainment vs load, per policy": ("scissorhands_sweep_slo_attainment_ratio", "percentunit"),
+        "Goodput vs load, per policy": ("scissorhands_sweep_goodput_requests_per_second", "reqps"),
+    }
+    for title, (name, unit) in wanted.items():
+        panel = panels[title]
+        [target] = panel["targets"]
+        assert check.metric_names(target["expr"]) == {name}
+        assert '"load", "", "batch_size", "concurrency", "request_rate"' in target["expr"]
+        assert panel["fieldConfig"]["defaults"]["unit"] == unit
+        [grouping] = panel["transformations"]
+        assert grouping["options"] == {"columnField": "series", "rowField": "load", "valueField": "Value"}
+    assert (
+        panels["SLO attainment vs load, per policy"]["fieldConfig"]["defaults"] | {"min": 0, "max": 1}
+        == (panels["SLO attainment vs load, per policy"]["fieldConfig"]["defaults"])
+    )
+    table = set().union(*(check.metric_names(t["expr"]) for t in panels["Points of the run"]["targets"]))
+    assert {
+        "scissorhands_sweep_slo_attainment_ratio",
+        "scissorhands_sweep_goodput_requests_per_second",
+        "scissorhands_sweep_goodput_tokens_per_second",
+    } <= table
+    # the catalogue reads them from the record keys the load generator's summary writes
+    keys = {m.name: m.record_key for m in METRICS}
+    assert keys["scissorhands_sweep_slo_attainment_ratio"] == "slo_attainment"
+    assert keys["scissorhands_sweep_goodput_requests_per_second"] == "goodput_req_per_s"
+    assert keys["scissorhands_sweep_goodput_tokens_per_second"] == "goodput_tok_per_s"

@@ -270,6 +270,7 @@ def _sweep_records(run_id: str) -> list[dict]:
     failed = {
         k: v for k, v in records[-2].items() if not k.endswith(("_s", "_tok_per_s", "_bytes", "perplexity", "accuracy"))
     }
+    records += _serving_records(run_id)
     records.append(
         {
             **failed,
@@ -280,6 +281,45 @@ def _sweep_records(run_id: str) -> list[dict]:
         }
     )
     return records
+
+
+#: (policy, ratio) -> {request rate (req/s): (SLO attainment, goodput req/s)} of `_serving_records`
+SERVING_POINTS = {
+    ("full", None): {1.0: (1.0, 1.0), 2.0: (0.5, 1.0)},
+    ("scissorhands", 5.0): {1.0: (1.0, 1.0), 2.0: (0.875, 1.75)},
+}
+
+
+def _serving_records(run_id: str) -> list[dict]:
+    """Serving points of a rate sweep as `workloads.serving.runner` writes them: no batch size, a request rate, the
+    SLO attainment and goodputs (8 output tokens per request)."""
+    return [
+        {
+            "run_id": run_id,
+            "point_id": f"rate-{policy}-r{ratio}-L{rate:g}",
+            "status": "ok",
+            "error": None,
+            "kind": "serving",
+            "model": "tiny-llama",
+            "model_id": "tiny-llama",
+            "policy": policy,
+            "compression_ratio": ratio,
+            "budget_tokens_requested": None,
+            "batch_size": None,
+            "concurrency": None,
+            "request_rate": rate,
+            "prompt_tokens": 64,
+            "new_tokens": 8,
+            "output_throughput_tok_per_s": 8.0 * rate,
+            "kv_cache_bytes": 65536 if policy == "full" else 13107,
+            "slo_attainment": attainment,
+            "slo_requests": 32,
+            "goodput_req_per_s": goodput,
+            "goodput_tok_per_s": 8.0 * goodput,
+        }
+        for (policy, ratio), by_rate in SERVING_POINTS.items()
+        for rate, (attainment, goodput) in by_rate.items()
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -653,8 +693,8 @@ def test_means_through_the_real_exporter_are_exact(stack, policy, rows):
 
 
 def test_pushed_points_keep_job_and_run_id_and_values(stack):
-    result = check.query(stack["prometheus"], f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}"}}')
-    assert len(result) == 6  # the failed point has no kv value
+    result = check.query(stack["prometheus"], f'scissorhands_sweep_kv_cache_bytes{{run_id="{RUN_ID}", batch_size!=""}}')
+    assert len(result) == 6  # the batch points; the failed one has no kv value
     assert {r["metric"]["job"] for r in result} == {"scissorhands_sweep"}
     by_key = {
         (r["metric"]["policy"], r["metric"]["compression_ratio"], r["metric"]["batch_size"]): float(r["value"][1])
@@ -682,6 +722,29 @@ def test_pushed_points_keep_job_and_run_id_and_values(stack):
     series = {r["metric"]["series"]: float(r["value"][1]) for r in check.query(stack["prometheus"], expr)}
     assert series["scissorhands x5 int4"] == pytest.approx(0.7)
     assert series["full x1"] == pytest.approx(0.9)
+
+
+def test_the_slo_panels_show_each_serving_points_attainment_and_goodput_at_its_load(stack):
+    """The sweep overview's SLO row: one value per (policy x ratio, load), the load read from the point's request
+    rate; and the table of points carries attainment and both goodputs per point, exactly as pushed."""
+    board = check.load_dashboards()["sweep-overview.json"]
+    values = {"run_id": RUN_ID, "policy": ".*", "datasource": "prometheus"}
+    panels = {p["title"]: p for p in check.iter_panels(board)}
+    for title, which in (("SLO attainment vs load, per policy", 0), ("Goodput vs load, per policy", 1)):
+        [target] = panels[title]["targets"]
+        result = check.query(stack["prometheus"], check.substitute(target["expr"], values))
+        got = {(r["metric"]["series"], r["metric"]["load"]): float(r["value"][1]) for r in result}
+        assert got == {
+            (f"{policy} x{1 if ratio is None else int(ratio)}", f"{rate:g}"): point[which]
+            for (policy, ratio), by_rate in SERVING_POINTS.items()
+            for rate, point in by_rate.items()
+        }, title
+    table = panels["Points of the run"]
+    for ref, key in (("H", "slo_attainment"), ("I", "goodput_req_per_s"), ("J", "goodput_tok_per_s")):
+        [target] = [t for t in table["targets"] if t["refId"] == ref]
+        result = check.query(stack["prometheus"], check.substitute(target["expr"], values))
+        got = sorted(float(r["value"][1]) for r in result)
+        assert got == sorted(r[key] for r in _serving_records(RUN_ID)), key
 
 
 # --------------------------------------------------------------------------- a real sweep on the tiny model
@@ -789,6 +852,10 @@ def test_real_sweep_feeds_every_sweep_panel(stack, real_sweep):
     for rec in real_sweep["records"]:
         assert by_point[(rec["policy"], str(rec["batch_size"]))] == rec["kv_cache_bytes"]
     has_quality = any(r.get("perplexity") is not None or r.get("accuracy") is not None for r in real_sweep["records"])
+    # SLO attainment and goodput are serving points' (a batch sweep pushes none; the stack's serving records feed
+    # those panels in test_the_slo_panels_show_each_serving_points_attainment_and_goodput_at_its_load)
+    has_slo = any(r.get("slo_attainment") is not None for r in real_sweep["records"])
+    slo_series = ("scissorhands_sweep_slo_attainment_ratio", "scissorhands_sweep_goodput_")
     rows = [r for r in check.check(prom, run_id, rate_interval="30s") if r[0] == "sweep-overview.json"]
     empty = [
         f"{title} [{ref}]: {expr}"
@@ -799,6 +866,7 @@ def test_real_sweep_feeds_every_sweep_panel(stack, real_sweep):
             or "scissorhands_sweep_perplexity" not in expr
             and "scissorhands_sweep_accuracy_ratio" not in expr
         )
+        and (has_slo or not any(name in expr for name in slo_series))
     ]
     assert not empty, "sweep panels without data:\n" + "\n".join(empty)
 

@@ -16,6 +16,7 @@ from replica.metrics import (
     METRICS,
     PAGED_LAYOUT_METRICS,
     POINT_LABELS,
+    RECORD_QUANTILES,
     REPLICA_LABELS,
     SERVE_LATENCY_BUCKETS_MS,
     SERVE_METRICS,
@@ -51,6 +52,7 @@ UNIT_SUFFIXES = (
     "_tokens",
     "_tokens_total",
     "_tokens_per_second",
+    "_requests_per_second",  # goodput in requests
     "_ratio",
     "_sequences",
     "_slots",
@@ -328,6 +330,37 @@ def test_point_labels_and_values_come_from_the_catalogue_record_keys():
         "ttft_{q}_s",
         "perplexity",
     }
+
+
+def test_a_serving_point_pushes_attainment_goodput_and_p95_from_the_keys_its_summary_writes():
+    """The SLO series and the p95 quantile are read from the record keys `summarize(...).flat()` writes (one
+    definition: the catalogue's `record_key`s are the summary's own keys)."""
+    from workloads.load.metrics import RequestRecord, summarize
+    from workloads.load.slo import SLO
+
+    recs = [  # TTFT 0.25 s and 1.25 s, TPOT 62.5 ms: an SLO of TTFT 1 s (TPOT 100 ms) keeps the first
+        RequestRecord("r0", 8, 4, send_time_s=0.0, token_times_s=[0.25, 0.3125, 0.375, 0.4375], output_tokens=4),
+        RequestRecord("r1", 8, 4, send_time_s=1.0, token_times_s=[2.25, 2.3125, 2.375, 2.4375], output_tokens=4),
+    ]
+    flat = summarize(recs, mode="concurrency", window_start_s=0.0, window_end_s=4.0, slo=SLO(ttft_s=1.0)).flat()
+    assert (flat["slo_attainment"], flat["goodput_req_per_s"], flat["goodput_tok_per_s"]) == (0.5, 0.25, 1.0)
+    for spec in METRICS:
+        if spec.name.startswith(("scissorhands_sweep_slo_", "scissorhands_sweep_goodput_")):
+            assert spec.record_key in flat, spec.name
+        if spec.source == "pushgateway" and "quantile" in spec.labels:  # every latency quantile, p95 included
+            assert {spec.record_key.format(q=q) for q in RECORD_QUANTILES} <= set(flat), spec.name
+    record = {**RECORD, "batch_size": None, "concurrency": 2, **flat}
+    p = SweepPusher("off", "run-slo")
+    p.push_point(record)
+    assert _sample(p, "scissorhands_sweep_slo_attainment_ratio", concurrency="2") == 0.5
+    assert _sample(p, "scissorhands_sweep_goodput_requests_per_second", concurrency="2") == 0.25
+    assert _sample(p, "scissorhands_sweep_goodput_tokens_per_second", concurrency="2") == 1.0
+    for q, key in (("0.5", "p50"), ("0.9", "p90"), ("0.95", "p95"), ("0.99", "p99")):
+        assert _sample(p, "scissorhands_sweep_ttft_seconds", quantile=q) == flat[f"ttft_{key}_s"]
+    # a batch point carries none of them: no series, never a made-up 0
+    batch = SweepPusher("off", "run-batch")
+    batch.push_point(RECORD)
+    assert _sample(batch, "scissorhands_sweep_slo_attainment_ratio") is None
 
 
 def test_each_point_has_its_own_group_and_failed_points_do_not_count():

@@ -255,6 +255,7 @@ def test_the_shipped_suites_state_their_limits_in_full_rows():
         "memory-limit.yaml": 4,
         "serving-bursty.yaml": 4,
         "serving-concurrency.yaml": 4,
+        "serving-mixed.yaml": 2,
         "serving-paged.yaml": 2,
         "serving-rate.yaml": 4,
     }

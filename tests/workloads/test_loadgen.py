@@ -78,7 +78,7 @@ def test_every_per_request_field_summarizes_the_record_attribute_of_its_name_ove
     assert (m.e2e_latency_s.n, m.e2e_latency_s.mean_s) == (2, pytest.approx(0.875))
     assert (m.replica_ttft_s.n, m.replica_ttft_s.mean_s) == (1, pytest.approx(0.25))  # only "a" reports it
     flat = m.flat()
-    assert {f"{name[:-2]}_{q}_s" for name in marked for q in ("mean", "p50", "p90", "p99")} <= set(flat)
+    assert {f"{name[:-2]}_{q}_s" for name in marked for q in ("mean", "p50", "p90", "p95", "p99")} <= set(flat)
 
 
 def test_closed_loop_keeps_n_in_flight_while_one_request_is_slow():
@@ -191,6 +191,28 @@ def test_percentiles_carry_n_and_p99_of_eight_samples_is_low_confidence():
     assert big.n == 100 and not big.p99_low_confidence and not big.p90_low_confidence
     flat = m.flat()
     assert flat["ttft_n"] == 8 and flat["ttft_p99_low_confidence"] is True
+
+
+def test_p95_sits_beside_p50_p90_p99_and_is_low_confidence_below_20_samples():
+    """p95 (GuideLLM's and vLLM's reports give it) is numpy's linear-interpolation percentile like the others, and is
+    flagged low-confidence below 1 / (1 - 0.95) = 20 samples."""
+    twenty = LatencyStats.of(np.arange(1, 21, dtype=float))  # 1 .. 20 s
+    assert (twenty.p50_s, twenty.p90_s, twenty.p95_s, twenty.p99_s) == pytest.approx((10.5, 18.1, 19.05, 19.81))
+    assert not twenty.p95_low_confidence and not twenty.p90_low_confidence and twenty.p99_low_confidence
+    nineteen = LatencyStats.of(np.arange(1, 20, dtype=float))
+    assert nineteen.p95_low_confidence and not nineteen.p90_low_confidence
+    assert LatencyStats(0).p95_s is None
+    flat = summarize(
+        [
+            RequestRecord(f"r{i}", 4, 2, send_time_s=0.0, token_times_s=[i + 1.0, i + 2.0], output_tokens=2)
+            for i in range(20)
+        ],
+        mode="concurrency",
+        window_start_s=0.0,
+        window_end_s=30.0,
+    ).flat()
+    assert flat["ttft_p95_s"] == pytest.approx(19.05) and flat["ttft_p95_low_confidence"] is False
+    assert flat["e2e_latency_p95_s"] == pytest.approx(20.05) and flat["tpot_p95_s"] == pytest.approx(1.0)
 
 
 def test_open_loop_2000_scripted_arrivals_within_5_percent_of_the_target_rate():

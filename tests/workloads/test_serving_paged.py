@@ -47,3 +47,38 @@ def test_a_paged_serving_suite_records_its_layout_blocks_and_preemptions(tmp_pat
     # the same requests for both series (a paired comparison); the full cache outgrows the pool and is preempted
     assert full["input_tokens"] == sh["input_tokens"]
     assert full["preemptions"] > 0 and sh["preemptions"] == 0
+
+
+def test_a_mixed_scheduler_suite_runs_records_its_scheduler_and_keeps_the_older_point_ids(tmp_path):
+    """The same suite file twice, the second with `--set` (a flag wins over the file, validated as the file is)."""
+    path = tmp_path / "paged.yaml"
+    path.write_text(SUITE)
+    for name, extra in (("first", []), ("mixed", ["--set", "scheduler=mixed", "--set", "max_num_batched_tokens=16"])):
+        args = [str(path), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / name), "--run-id", "p"]
+        assert sweep.main(args + extra) == 0
+    first, mixed = (
+        [json.loads(line) for line in (tmp_path / n / "p" / "points.jsonl").read_text().splitlines()]
+        for n in ("first", "mixed")
+    )
+    assert [(r["scheduler"], r["max_num_batched_tokens"]) for r in first] == [("prefill_first", None)] * 2
+    assert [(r["scheduler"], r["max_num_batched_tokens"]) for r in mixed] == [("mixed", 16)] * 2
+    assert all(r["status"] == "ok" and r["completed_requests"] == 12 for r in first + mixed)
+    # prefill_first adds nothing to a point's identity (ids written before `scheduler:` stay); mixed does
+    assert "scheduler" not in first[0]["point_config"] and mixed[0]["point_config"]["scheduler"] == "mixed"
+    assert first[0]["point_id"] != mixed[0]["point_id"]
+    assert first[0]["input_tokens"] == mixed[0]["input_tokens"]  # the same requests under both schedulers
+
+
+def test_a_mixed_scheduler_without_paged_blocks_or_below_one_block_exits_2_naming_the_field(tmp_path, capsys):
+    path = tmp_path / "paged.yaml"
+    path.write_text(SUITE)
+    for sets, field in (
+        (["scheduler=mixed", "kv_layout=preallocated"], "scheduler: 'mixed'"),
+        (["scheduler=mixed", "max_num_batched_tokens=3"], "max_num_batched_tokens: 3 is below one block"),
+        (["scheduler"], "--set: expected KEY=VALUE"),
+        (["slo.ttft_s=-1"], "ttft_s"),
+    ):
+        args = [str(path), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path)]
+        assert sweep.main(args + [a for s in sets for a in ("--set", s)]) == 2
+        assert field in capsys.readouterr().err
+    assert not any(tmp_path.glob("*/points.jsonl"))  # nothing recorded

@@ -87,7 +87,7 @@ class CountingPool(LocalReplicaPool):
 
 
 def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_path, tiny_model):
-    suite = _suite(tmp_path, mode="concurrency", loads=[1, 4])
+    suite = _suite(tmp_path, mode="concurrency", loads=[1, 4], slo={"ttft_s": 600, "tpot_s": 600})
     rc = run_suite(_args(suite, tmp_path / "r"), ServingKind(CountingPool(tiny_model)))
     assert rc == 0
     run = tmp_path / "r" / "run"
@@ -98,6 +98,12 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         assert r["sent_requests"] == 6 and r["completed_requests"] == 6 and r["warmup_requests"] == 1
         assert r["ttft_n"] == 6 and r["ttft_p99_low_confidence"] is True and r["ttft_p50_s"] > 0
         assert r["output_throughput_tok_per_s"] > 0 and r["kv_cache_bytes"] > 0
+        # the suite's SLO (generous: every request meets it) judged every measured request of the point
+        assert (r["slo_ttft_s"], r["slo_tpot_s"], r["slo_e2e_latency_s"]) == (600.0, 600.0, None)
+        assert (r["slo_requests"], r["slo_met_requests"], r["slo_attainment"]) == (6, 6, 1.0)
+        assert r["goodput_req_per_s"] == r["request_throughput_req_per_s"] > 0  # count-bound: all end inside
+        assert r["goodput_tok_per_s"] == r["output_throughput_tok_per_s"]
+        assert r["ttft_p95_s"] >= r["ttft_p90_s"] and r["ttft_p95_low_confidence"] is True  # 6 < 20 samples
         assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
         assert r["replica_id"] == "local-0" and r["replica_ids"] == ["local-0"]  # the header names the replica
         # the suite's dtype "auto", resolved: what the replica runs in and why
@@ -108,8 +114,46 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
     assert [r["concurrency"] for r in recs] == [1, 4, 1, 4]  # the pushed series' labels
     assert recs[1]["achieved_peak_concurrency"] == 4 and max(recs[1]["peak_running_sequences_per_replica"]) >= 2
     assert recs[2]["budget_tokens"] == 16  # ceil((24 + 8) / 2)
-    assert "TTFT p50/p99 (s)" in (run / "table.md").read_text()
+    table = (run / "table.md").read_text()
+    assert "TTFT p50/p90/p95/p99 (ms)" in table and "SLO attainment" in table and "goodput (tok/s)" in table
+    assert "1.000 (n=6)" in table and "SLO per request: TTFT <= 600000 ms, TPOT <= 600000 ms" in table
     assert (run / "pareto_tokens_per_user.png").stat().st_size > 1000
+
+
+def test_the_serving_table_prints_latencies_in_ms_with_p95_flags_attainment_with_n_and_the_slo():
+    from workloads.serving.report import table_markdown
+
+    rec = {
+        "point_index": 0,
+        "series": "rate-full",
+        "load": 2.0,
+        "completed_requests": 19,
+        "sent_requests": 20,
+        **{f"ttft_{p}_s": v for p, v in (("p50", 0.0123), ("p90", 0.0456), ("p95", 0.05), ("p99", 0.0601))},
+        **{f"tpot_{p}_s": v for p, v in (("p50", 0.004), ("p90", 0.0045), ("p95", 0.0047), ("p99", 0.0049))},
+        "ttft_p90_low_confidence": False,
+        "ttft_p95_low_confidence": False,
+        "ttft_p99_low_confidence": True,  # 20 samples: p99 only
+        "tpot_p99_low_confidence": True,
+        "slo_attainment": 0.9,
+        "slo_requests": 20,
+        "goodput_req_per_s": 1.8,
+        "goodput_tok_per_s": 57.6,
+        "slo_ttft_s": 2.0,
+        "slo_tpot_s": 0.1,
+        "slo_e2e_latency_s": None,
+        "status": "ok",
+    }
+    table = table_markdown([rec])
+    header, _, row = table.splitlines()[2:5]
+    cells = dict(zip([h.strip() for h in header.split("|")[1:-1]], [c.strip() for c in row.split("|")[1:-1]]))
+    assert cells["TTFT p50/p90/p95/p99 (ms)"] == "12.3/45.6/50/60.1*"
+    assert cells["TPOT p50/p90/p95/p99 (ms)"] == "4/4.5/4.7/4.9*"
+    assert cells["SLO attainment"] == "0.900 (n=20)"
+    assert (cells["goodput (req/s)"], cells["goodput (tok/s)"]) == ("1.800", "57.6")
+    assert "(s)" not in header.split("e2e")[0]  # no latency before e2e is printed in seconds
+    assert "SLO per request: TTFT <= 2000 ms, TPOT <= 100 ms" in table
+    assert "p95 below 20" in table
 
 
 def test_serving_record_header_names_every_replica_and_node_that_answered():

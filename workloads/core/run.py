@@ -63,6 +63,13 @@ def runner_args(argv: list[str] | None, prog: str, doc: str, suite_help: str) ->
         help="run the points in this process, without Ray (one replica; debugging, tests)",
     )
     p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a suite key (repeatable; the value is YAML: --set scheduler=mixed, --set slo.ttft_s=0.5); "
+        "a resumed run needs the same overrides",
+    )
+    p.add_argument(
         "--pushgateway",
         default=None,
         help="Pushgateway host:port for per-point summaries (default: $SCISSORHANDS_PUSHGATEWAY, else "

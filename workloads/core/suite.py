@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Sequence
 
 import yaml
 from pydantic import (
@@ -335,16 +335,37 @@ def validate_suite(cls: type[BaseModel], data: Any, source: str = "<suite>", *, 
         raise SuiteError(_message(e, cls)) from None
 
 
-def read_suite_file(path: str):
-    """The parsed YAML of a suite file.
+def read_suite_file(path: str, overrides: Sequence[str] = ()):
+    """The parsed YAML of a suite file, with the command line's ``--set KEY=VALUE`` `overrides` applied in order
+    (the value read as YAML: ``--set scheduler=mixed``, ``--set loads=[1,2]``; a dotted key sets a key of a
+    mapping: ``--set slo.ttft_s=0.5``), so a flag wins over the file and is validated as the file is.
 
     Raises:
-        SuiteError: the file does not exist or is not valid YAML.
+        SuiteError: the file does not exist or is not valid YAML; an override is not ``KEY=VALUE`` or its value
+            is not valid YAML.
     """
     if not os.path.isfile(path):
         raise SuiteError(f"suite: file not found: {path}")
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
+            data = yaml.safe_load(f)
     except yaml.YAMLError as e:
         raise SuiteError(f"suite: {path} is not valid YAML: {e}") from None
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip() or any(not k for k in key.strip().split(".")):
+            raise SuiteError(f"--set: expected KEY=VALUE (e.g. scheduler=mixed or slo.ttft_s=0.5), got {item!r}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise SuiteError(f"--set {key}: the value {text!r} is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            break  # validation names what is wrong with the file itself
+        *parents, last = key.strip().split(".")
+        node = data
+        for k in parents:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[last] = value
+    return data

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -136,14 +136,14 @@ class Kind:
         raise NotImplementedError
 
 
-def load_suite_of(kind: Kind, path: str):
-    """The suite file at `path`, validated as `kind`'s suite model.
+def load_suite_of(kind: Kind, path: str, overrides: Sequence[str] = ()):
+    """The suite file at `path`, `overrides` (``--set KEY=VALUE``) applied, validated as `kind`'s suite model.
 
     Raises:
         SweepError: (exit 2) the file is missing, not YAML, of another kind, or invalid (the message names the field).
     """
     try:
-        data = read_suite_file(path)
+        data = read_suite_file(path, overrides)
         found = data.get("kind") if isinstance(data, dict) else None
         if found is not None and found != kind.name:
             raise SuiteError(f"kind: {path} is a {found} suite; this runner takes kind {kind.name}")
@@ -160,7 +160,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | N
         SweepError: as `load_suite_of`, `workloads.core.run.open_run` and `Kind.execute`; the report is written first.
     """
     name = name or kind.name
-    suite = suite if suite is not None else load_suite_of(kind, args.suite)
+    suite = suite if suite is not None else load_suite_of(kind, args.suite, getattr(args, "set", None) or ())
     check_model_context(suite)  # before a run folder exists: a suite that cannot run records nothing
     replicas = replica_count(args, suite)
     suite = suite.model_copy(update={"replicas": replicas})

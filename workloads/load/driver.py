@@ -36,6 +36,7 @@ from replica.types import GenerationRequest, GenerationResult
 from workloads.load.http_client import HTTPGenerationResult
 from workloads.load.metrics import PointMetrics, RequestRecord, summarize
 from workloads.load.patterns import LoadConfig
+from workloads.load.slo import DEFAULT_SLO, SLO
 
 __all__ = ["Client", "StreamingClient", "StreamChunk", "LoadResult", "Run", "error_kind", "run_load"]
 
@@ -229,12 +230,15 @@ async def run_load(
     requests: Callable[[int], GenerationRequest] | list[GenerationRequest],
     config: LoadConfig,
     clock: Callable[[], float] = time.time,
+    *,
+    slo: SLO = DEFAULT_SLO,
 ) -> LoadResult:
     """Drive `client` with `config`; return every request's record and the point's metrics.
 
     `requests(i)` builds request `i` (warm-up included, in send order); a list is cycled, each
     use getting a unique id. Build the list with `config.pattern.requests(...)`: a trace's request
-    `i` then has the lengths of row `i`. ValueError for an empty list.
+    `i` then has the lengths of row `i`. `slo` (seconds; default MLPerf's Llama-3.1-8B server limits)
+    judges each request for the metrics' SLO attainment and goodput. ValueError for an empty list.
     """
     if isinstance(requests, list):
         pool = requests
@@ -257,5 +261,6 @@ async def run_load(
         stop_reason=stop_reason,
         target_rate_req_per_s=pattern.target_rate_req_per_s,
         target_concurrency=pattern.target_concurrency,
+        slo=slo,
     )
     return LoadResult(run.records, metrics, config, run.start, clock())

@@ -13,6 +13,11 @@
 | `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
 | `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop) |
 | `delayed_arrivals` | arrivals that found the concurrency cap reached and waited for a slot |
+| `slo_attainment` | `slo_met_requests / slo_requests`: the fraction of measured arrivals (sent or dropped; failed and dropped ones miss) that meet every SLO of the point (`workloads.load.slo`: TTFT, TPOT, optionally e2e; a one-token request meets the TPOT SLO vacuously) |
+| `slo_requests` | the attainment's sample count `n`: measured arrivals (= `arrivals`) |
+| `goodput_req_per_s` | SLO-meeting requests that completed inside the window / window length |
+| `goodput_tok_per_s` | output tokens of SLO-meeting requests produced inside the window / window length |
+| `slo_ttft_s`, `slo_tpot_s`, `slo_e2e_latency_s` | the limits the point was judged by (seconds; e2e None: not checked) |
 
 The window runs from the first measured send to the last measured token when the count ends the
 run (`stop_reason` `count`), or to `duration_s` after it opened (`stop_reason` `duration`).
@@ -20,9 +25,11 @@ Output token counts are the number of generated ids a replica returned, never a 
 of text; a streamed chunk of several ids counts every id, each at the chunk's arrival time. Every
 statistic uses measured requests only: not warm-up requests, not requests sent before the window
 opened (so the replicas' own counts of measured requests, `replica.engine` `stats()`, cover the
-same requests). Every percentile carries its sample count `n`; a percentile `p` over
-fewer than `1 / (1 - p)` samples (p90 below 10, p99 below 100) is flagged low-confidence, and
-every statistic of zero samples is None (JSON null), never NaN or 0.
+same requests). Every percentile (p50, p90, p95, p99) carries its sample count `n`; a percentile `p`
+over fewer than `1 / (1 - p)` samples (p90 below 10, p95 below 20, p99 below 100) is flagged
+low-confidence, and every statistic of zero samples is None (JSON null), never NaN or 0. Goodput
+never exceeds its throughput (`goodput_req_per_s <= request_throughput_req_per_s`, `goodput_tok_per_s <=
+output_throughput_tok_per_s`): it counts the same requests and tokens, those of SLO-meeting requests only.
 """
 
 from __future__ import annotations
@@ -32,7 +39,12 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-PERCENTILES = (50, 90, 99)
+from workloads.load.slo import DEFAULT_SLO, SLO
+
+#: The percentiles of every latency statistic (`LatencyStats`), as vLLM's and GuideLLM's reports give them.
+PERCENTILES = (50, 90, 95, 99)
+#: The percentiles flagged low-confidence below `1 / (1 - p)` samples (`low_confidence`).
+FLAGGED_PERCENTILES = (90, 95, 99)
 
 
 @dataclass
@@ -111,14 +123,17 @@ class RequestRecord:
 
 @dataclass
 class LatencyStats:
-    """Mean and percentiles (seconds) of one latency, with the sample count `n`."""
+    """Mean and percentiles (seconds) of one latency, with the sample count `n` and the low-confidence flag of
+    each of `FLAGGED_PERCENTILES` (see `low_confidence`)."""
 
     n: int
     mean_s: float | None = None
     p50_s: float | None = None
     p90_s: float | None = None
+    p95_s: float | None = None
     p99_s: float | None = None
     p90_low_confidence: bool = True
+    p95_low_confidence: bool = True
     p99_low_confidence: bool = True
 
     @classmethod
@@ -127,16 +142,9 @@ class LatencyStats:
         n = int(v.size)
         if n == 0:
             return cls(0)
-        p50, p90, p99 = (float(x) for x in np.percentile(v, PERCENTILES))
-        return cls(
-            n,
-            float(v.mean()),
-            p50,
-            p90,
-            p99,
-            p90_low_confidence=low_confidence(90, n),
-            p99_low_confidence=low_confidence(99, n),
-        )
+        quantiles = {f"p{p}_s": float(x) for p, x in zip(PERCENTILES, np.percentile(v, PERCENTILES))}
+        flags = {f"p{p}_low_confidence": low_confidence(p, n) for p in FLAGGED_PERCENTILES}
+        return cls(n, float(v.mean()), **quantiles, **flags)
 
 
 def low_confidence(percentile: float, n: int) -> bool:
@@ -182,6 +190,14 @@ class PointMetrics:
     output_throughput_tok_per_s: float | None
     total_throughput_tok_per_s: float | None
     request_throughput_req_per_s: float | None
+    slo_requests: int  # the attainment's n: measured arrivals (sent or dropped)
+    slo_met_requests: int  # of them, requests that met every SLO
+    slo_attainment: float | None  # slo_met_requests / slo_requests; None without arrivals
+    goodput_req_per_s: float | None  # SLO-meeting requests completed inside the window / window length
+    goodput_tok_per_s: float | None  # their output tokens produced inside the window / window length
+    slo_ttft_s: float  # the limits judged by (seconds)
+    slo_tpot_s: float
+    slo_e2e_latency_s: float | None  # None: e2e not checked
     target_rate_req_per_s: float | None = None
     achieved_rate_req_per_s: float | None = None
     scheduled_rate_req_per_s: float | None = None
@@ -197,17 +213,18 @@ class PointMetrics:
         return asdict(self)
 
     def flat(self) -> dict:
-        """One level of keys (`ttft_p99_s`, `ttft_n`, `ttft_p99_low_confidence`, ...) for results files."""
+        """One level of keys (`ttft_p99_s`, `ttft_n`, `ttft_p99_low_confidence`, ...) for results files: per
+        latency `n`, `mean`, each of `PERCENTILES` (seconds) and each of `FLAGGED_PERCENTILES`' flags."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if isinstance(v, LatencyStats):
                 base = f.name[:-2] if f.name.endswith("_s") else f.name
                 out[f"{base}_n"] = v.n
-                for p in ("mean", "p50", "p90", "p99"):
+                for p in ("mean", *(f"p{q}" for q in PERCENTILES)):
                     out[f"{base}_{p}_s"] = getattr(v, f"{p}_s")
-                out[f"{base}_p90_low_confidence"] = v.p90_low_confidence
-                out[f"{base}_p99_low_confidence"] = v.p99_low_confidence
+                for q in FLAGGED_PERCENTILES:
+                    out[f"{base}_p{q}_low_confidence"] = getattr(v, f"p{q}_low_confidence")
             else:
                 out[f.name] = v
         return out
@@ -258,8 +275,12 @@ def summarize(
     target_rate_req_per_s: float | None = None,
     target_concurrency: int | None = None,
     replica_peak_running_sequences: int | None = None,
+    slo: SLO = DEFAULT_SLO,
 ) -> PointMetrics:
-    """Metrics of one point from its request records and its measurement window.
+    """Metrics of one point from its request records and its measurement window (seconds of one clock).
+
+    `slo` (`workloads.load.slo.SLO`; default MLPerf's Llama-3.1-8B server limits) judges every measured arrival for
+    `slo_attainment` and the goodputs (the definitions table in the module docstring).
 
     `replica_peak_running_sequences` (summed over replicas, when known) adds a warning when the
     replicas ran fewer sequences at once than the target concurrency (queueing behind memory).
@@ -282,6 +303,9 @@ def summarize(
     out_tok = sum(1 for r in ok for t in r.token_times_s if inside(t))
     in_tok = sum(r.prompt_tokens for r in ok if inside(r.token_times_s[0]))
     done_in = sum(1 for r in ok if inside(r.token_times_s[-1]))
+    good = [r for r in measured if slo.met_by(r)]  # failed and dropped arrivals never meet it
+    good_tok = sum(1 for r in good for t in r.token_times_s if inside(t))
+    good_done_in = sum(1 for r in good if inside(r.token_times_s[-1]))
 
     def rate_of(times) -> float | None:
         times = sorted(times)
@@ -343,6 +367,14 @@ def summarize(
         output_throughput_tok_per_s=rate(out_tok),
         total_throughput_tok_per_s=rate(in_tok + out_tok),
         request_throughput_req_per_s=rate(done_in),
+        slo_requests=len(measured),
+        slo_met_requests=len(good),
+        slo_attainment=len(good) / len(measured) if measured else None,
+        goodput_req_per_s=rate(good_done_in),
+        goodput_tok_per_s=rate(good_tok),
+        slo_ttft_s=slo.ttft_s,
+        slo_tpot_s=slo.tpot_s,
+        slo_e2e_latency_s=slo.e2e_latency_s,
         target_rate_req_per_s=target_rate_req_per_s,
         achieved_rate_req_per_s=achieved_rate,
         scheduled_rate_req_per_s=scheduled_rate,

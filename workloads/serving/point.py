@@ -1,7 +1,8 @@
 """One serving point: configure the replicas, drive them with the point's load pattern, summarize.
 
 `run_point(pool, suite, point)` returns the point's metrics, with its ``status`` (``ok``, ``oom`` or ``error``),
-``stop_reason`` and ``error``; a load error never raises.
+``stop_reason`` and ``error``; a load error never raises. The suite's `slo` judges every request of the point
+(`slo_attainment`, `goodput_req_per_s`, `goodput_tok_per_s`, with the limits as `slo_ttft_s`, ...).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_point(
     if hasattr(reqs, "prepare"):  # drawn before the clock starts: a count-bound point's all, else the first 256
         reqs.prepare((cfg.num_requests or 256) + cfg.warmup_requests)
     pool.stats(reset=True)
-    result = asyncio.run(run_load(pool.client(), reqs, cfg))
+    result = asyncio.run(run_load(pool.client(), reqs, cfg, slo=suite.slo))
     stats = pool.stats(reset=True)
     m = result.metrics
     peak_running = [s.get("peak_running_sequences") for s in stats]
@@ -76,6 +77,7 @@ def run_point(
             target_rate_req_per_s=m.target_rate_req_per_s,
             target_concurrency=m.target_concurrency,
             replica_peak_running_sequences=sum(live),
+            slo=suite.slo,
         )
     flat = m.flat()
     flat["load_mode"] = flat.pop("mode")  # the record's `mode` is the suite's
@@ -95,6 +97,9 @@ def run_point(
             "replicas": getattr(pool, "n", len(stats)),
             # paged KV layout: sequences preempted when the block pool ran out, and the tokens prefilled again
             "kv_layout": next((s.get("kv_layout") for s in stats if "kv_layout" in s), None),
+            # a step's work: whole prompts then a decode, or one token budget (mixed: decodes first, prompt chunks)
+            "scheduler": next((s.get("scheduler") for s in stats if "scheduler" in s), None),
+            "max_num_batched_tokens": next((s.get("max_num_batched_tokens") for s in stats if "scheduler" in s), None),
             "preemptions": sum(s.get("preemptions") or 0 for s in stats),
             "recomputed_tokens": sum(s.get("recomputed_tokens") or 0 for s in stats),
             "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],

@@ -1,5 +1,11 @@
 """The serving sweep's report: `table.md` (conditions line first, every numeric column with its unit) and the
-PNG plots (`workloads.serving.plots`)."""
+PNG plots (`workloads.serving.plots`).
+
+Latencies print in milliseconds (``(ms)`` in the header; the records keep seconds under ``_s`` keys), each
+percentile marked ``*`` when it is low-confidence (`workloads.load.metrics.low_confidence`: p90 below 10 samples,
+p95 below 20, p99 below 100). SLO attainment carries its sample count (``0.95 (n=64)``), and the footer states
+the SLO the points were judged by.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,12 @@ from pathlib import Path
 from cluster.connect import error_message
 from workloads.core.results import MIB, conditions_line, format_value, markdown_table, write_atomic
 from workloads.core.template import Report
+from workloads.load.metrics import FLAGGED_PERCENTILES
+from workloads.load.slo import describe_slo
 from workloads.serving.plots import write_plots
+
+#: The percentiles of the table's TTFT and TPOT columns.
+TABLE_PERCENTILES = ("p50", "p90", "p95", "p99")
 
 TABLE = [  # (header with unit, key, format)
     ("series", "series", "s"),
@@ -22,15 +33,29 @@ TABLE = [  # (header with unit, key, format)
     ("req/s", "request_throughput_req_per_s", ".3f"),
     ("rate target/scheduled/achieved (req/s)", "rate", "s"),
     ("conc. target/peak", "conc", "s"),
-    ("TTFT p50/p99 (s)", "ttft", "s"),
-    ("TPOT p50 (s)", "tpot_p50_s", ".4f"),
+    ("TTFT p50/p90/p95/p99 (ms)", "ttft", "s"),
+    ("TPOT p50/p90/p95/p99 (ms)", "tpot", "s"),
     ("e2e p99 (s)", "e2e_latency_p99_s", ".2f"),
     ("n", "e2e_latency_n", "d"),
+    ("SLO attainment", "attainment", "s"),
+    ("goodput (req/s)", "goodput_req_per_s", ".3f"),
+    ("goodput (tok/s)", "goodput_tok_per_s", ".1f"),
     ("peak KV (MiB)", "kv_mib", ".1f"),
     ("peak running", "peak_running", "s"),
     ("status", "status", "s"),
     ("stop reason", "stop_reason", "s"),
 ]
+
+
+def milliseconds(r: dict, base: str, percentiles=TABLE_PERCENTILES) -> str:
+    """``12.3/45.6*/...``: the record's `base` percentiles (``ttft`` -> ``ttft_p50_s``, ...) in milliseconds, 3
+    significant digits, each low-confidence one marked ``*``; ``-`` for a missing one."""
+    out = []
+    for p in percentiles:
+        v = r.get(f"{base}_{p}_s")
+        flagged = int(p[1:]) in FLAGGED_PERCENTILES and r.get(f"{base}_{p}_low_confidence")
+        out.append(format_value(None if v is None else v * 1000, ".3g") + ("*" if v is not None and flagged else ""))
+    return "/".join(out)
 
 
 def table_rows(records: list[dict]) -> list[dict]:
@@ -46,17 +71,45 @@ def table_rows(records: list[dict]) -> list[dict]:
             else "-"
         )  # scheduled: the arrival times the run drew
         d["conc"] = f"{g('target_concurrency', 'd')}/{g('achieved_peak_concurrency', 'd')}"
-        d["ttft"] = f"{g('ttft_p50_s')}/{g('ttft_p99_s')}" + ("*" if r.get("ttft_p99_low_confidence") else "")
+        d["ttft"] = milliseconds(r, "ttft")
+        d["tpot"] = milliseconds(r, "tpot")
+        d["attainment"] = (
+            f"{r['slo_attainment']:.3f} (n={r.get('slo_requests')})" if r.get("slo_attainment") is not None else "-"
+        )
         d["kv_mib"] = r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None
         d["peak_running"] = ",".join(str(x) for x in r.get("peak_running_sequences_per_replica") or []) or "-"
         rows.append(d)
     return rows
 
 
+def slo_line(records: list[dict]) -> str:
+    """The SLOs the records were judged by (each distinct one, in milliseconds), or "" when none carries one."""
+    slos = sorted(
+        {
+            (r.get("slo_ttft_s"), r.get("slo_tpot_s"), r.get("slo_e2e_latency_s"))
+            for r in records
+            if r.get("slo_ttft_s") is not None
+        },
+        key=str,
+    )
+    if not slos:
+        return ""
+    return (
+        f"SLO per request: {'; '.join(describe_slo(*s) for s in slos)} (attainment: the share of measured requests "
+        "meeting every limit, failed and dropped ones missing; goodput: those requests and their output tokens "
+        "per second of the window)."
+    )
+
+
 def table_markdown(records: list[dict]) -> str:
     """The serving points as a Markdown table under their conditions line."""
+    footer = (
+        "`*` a percentile p over fewer than 1 / (1 - p) samples (p90 below 10, p95 below 20, p99 below 100): "
+        "low confidence."
+    )
+    slo = slo_line(records)
     return conditions_line(records) + markdown_table(
-        TABLE, table_rows(records), footer="`*` p99 over fewer than 100 samples (low confidence)."
+        TABLE, table_rows(records), footer=footer + (f"\n\n{slo}" if slo else "")
     )
 
 

@@ -144,10 +144,13 @@ class ServingKind(Kind):
         if rec["status"] not in ("ok",):
             return f"  {rec['status']:<7} {what}: {rec.get('stop_reason')}{': ' + rec['error'] if rec.get('error') else ''}"
         f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
+        ms = lambda key: f(None if rec.get(key) is None else rec[key] * 1000, ".3g")  # noqa: E731 - seconds -> ms
         return (
-            f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50 "
-            f"{f(rec.get('ttft_p50_s'), '.3f')} s (n={rec.get('ttft_n')}), TPOT p50 {f(rec.get('tpot_p50_s'), '.4f')} s, "
-            f"{rec.get('completed_requests')}/{rec.get('sent_requests')} ok"
+            f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50/p99 "
+            f"{ms('ttft_p50_s')}/{ms('ttft_p99_s')} ms (n={rec.get('ttft_n')}), TPOT p50/p99 {ms('tpot_p50_s')}/"
+            f"{ms('tpot_p99_s')} ms, {rec.get('completed_requests')}/{rec.get('sent_requests')} ok, SLO attainment "
+            f"{f(rec.get('slo_attainment'), '.3f')} (n={rec.get('slo_requests')}), goodput "
+            f"{f(rec.get('goodput_req_per_s'), '.3g')} req/s {f(rec.get('goodput_tok_per_s'), '.1f')} tok/s"
             + "".join(f"\n          warning: {w}" for w in rec.get("warnings") or [] if not w.startswith("p99:"))
         )
 

@@ -21,11 +21,15 @@ names the load::
     kv_layout: preallocated       # or paged: one block pool of the limit, blocks taken as sequences grow
     block_tokens: 16              # paged: slots per block
     budget: fixed                 # or per_request: B_i = ceil((prompt_i + new_i) / ratio) per request
+    scheduler: prefill_first      # or mixed (needs kv_layout: paged): one token budget a step, decodes first,
+    max_num_batched_tokens: 512   #   then prompt chunks (replica.types.EngineConfig)
     num_requests: 64              # and/or duration_s; measured requests per point
     warmup_requests: 1
     arrival: poisson              # rate mode: poisson | gamma (with burstiness)
     max_concurrency: null         # rate mode: cap on requests in flight; cap_policy: delay | drop
     saturation: {max_error_rate: 0.05, max_p50_ttft_s: null, min_achieved_rate_fraction: 0.8}
+    slo: {ttft_s: 2.0, tpot_s: 0.1}   # per-request latency limits (s; the defaults: MLPerf's Llama-3.1-8B server
+                                  #   limits); e2e_latency_s: S adds one; judged for slo_attainment and goodput
     rounds: 2                     # max_batch mode: requests = rounds x the max batch
     trace_path: traces/azure_code_2023.csv  # trace mode (instead of loads and lengths): arrival time,
     trace_time_scale: 0.5         #   prompt and output tokens per row (docs/load-generation.md)
@@ -38,6 +42,11 @@ to the bytes of that many full-cache rows of ``max(prompt_tokens) + max(new_toke
 the longest output, what one preallocated full row reserves), so its rows are the same in float32 and bfloat16.
 The older ``kv_memory_limit_bytes: N`` still loads, as ``kv_memory_limit: {bytes: N}`` (the same point ids as
 before). At most one limit; none: the replicas' memory is the only limit.
+
+`slo` (`workloads.load.slo.SLO`) judges every request of every point (`workloads.load.metrics.summarize`: attainment
+and goodput); a limit that is not a positive number of seconds is an error naming ``slo.<field>`` (exit 2). The
+default SLO adds nothing to the point ids (runs recorded before it resume); another SLO is part of every point's
+identity, so a run resumed with a changed SLO is refused rather than mixing two SLOs in one table.
 
 Points are policy x budget x load, in that order, so each (policy, budget) is a series of increasing load; the
 series stops (remaining points `skipped`, stop reason `saturated`) once a point's error rate, p50 TTFT or
@@ -52,7 +61,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
 from replica.rules import at_most_one
-from replica.types import BUDGETS, KV_LAYOUTS, EngineConfig
+from replica.types import BUDGETS, KV_LAYOUTS, SCHEDULERS, EngineConfig
 from scissorhands import POLICIES
 from workloads.core.suite import (
     KVMemoryLimit,
@@ -67,6 +76,7 @@ from workloads.core.suite import (
 )
 from workloads.load.lengths import LengthDist
 from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
+from workloads.load.slo import DEFAULT_SLO, SLO
 
 #: A serving suite's modes: every load pattern's name, and the aliases of `workloads.load.patterns.MODE_ALIASES`.
 SERVING_MODES = tuple(MODES)
@@ -148,6 +158,9 @@ class ServingSuite(SuiteBase):
     block_tokens: PositiveInt = EngineConfig.model_fields["block_tokens"].default
     # budgeted policies: one B for every request (fixed) or B_i = ceil((prompt_i + max_new_i) / ratio)
     budget: Literal[BUDGETS] = "fixed"
+    # a step: whole prompts, then a decode (prefill_first), or one token budget, decodes first, then prompt chunks
+    scheduler: Literal[SCHEDULERS] = "prefill_first"
+    max_num_batched_tokens: PositiveInt = EngineConfig.model_fields["max_num_batched_tokens"].default
     num_requests: PositiveInt | None = None
     duration_s: PositiveFloat | None = None
     warmup_requests: NonNegativeInt = 1
@@ -158,6 +171,7 @@ class ServingSuite(SuiteBase):
     max_concurrency: PositiveInt | None = None
     cap_policy: Literal[CAP_POLICIES] = "delay"
     saturation: Saturation = Field(default_factory=Saturation)
+    slo: SLO = DEFAULT_SLO  # per-request latency limits (seconds) for slo_attainment and goodput
     rounds: PositiveInt = 2
     replicas: PositiveInt = 1
     # HTTP: drive the OpenAI-compatible server at `target` (http://HOST:PORT/v1); `model` is then the
@@ -236,6 +250,13 @@ class ServingSuite(SuiteBase):
                 "kv_layout: 'paged' sizes its block pool from kv_memory_limit ({full_sequences: N} or {bytes: N}) "
                 "or kv_memory_fraction"
             )
+        if self.scheduler == "mixed" and self.kv_layout != "paged":
+            raise SuiteError("scheduler: 'mixed' feeds prompts in chunks of KV blocks; it needs kv_layout: 'paged'")
+        if self.max_num_batched_tokens < self.block_tokens:
+            raise SuiteError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block (block_tokens: "
+                f"{self.block_tokens}); give at least {self.block_tokens}"
+            )
         if self.budget == "per_request" and self.budget_tokens:
             raise SuiteError(
                 "budget: 'per_request' computes each request's budget from compression_ratios; drop budget_tokens"
@@ -258,8 +279,17 @@ class ServingSuite(SuiteBase):
             "placement",
             "saturation",
             "kv_memory_limit",
+            "slo",
+            "scheduler",
+            "max_num_batched_tokens",
         }
         ident = self.model_dump(include=keep, mode="json")
+        # the SLO changes a point's attainment and goodput: a non-default one is part of its identity, the default
+        # adds nothing (the ids of suites written before `slo:` stay as they were)
+        if self.slo != DEFAULT_SLO:
+            ident["slo"] = self.slo.model_dump(mode="json")
+        if self.scheduler == "mixed":  # likewise: prefill_first (the older engine's only scheduler) adds nothing
+            ident.update(scheduler="mixed", max_num_batched_tokens=self.max_num_batched_tokens)
         # the limit under the record's names: {bytes: N} and the older kv_memory_limit_bytes are one setting (and
         # keep the ids of suites written before kv_memory_limit); full_sequences adds its own key
         lim = self.kv_limit
@@ -319,6 +349,8 @@ class ServingSuite(SuiteBase):
             kv_layout=self.kv_layout,
             block_tokens=self.block_tokens,
             budget=self.budget if POLICIES[point.policy].evicts else "fixed",
+            scheduler=self.scheduler,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
     def workload_seed(self, point: ServingPoint) -> int:

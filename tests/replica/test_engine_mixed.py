@@ -1,0 +1,189 @@
+"""The mixed scheduler (`scheduler: mixed`): one token budget per step, running rows' decode tokens first,
+prompts fed in chunks filling the rest; the same tokens as prefill-first for the full cache, a chunk as long as
+the prompt equal to the whole-prompt prefill, the budget and the block pool held at every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replica.engine import ContinuousBatchingEngine
+from replica.types import ConfigError, EngineConfig, GenerationRequest
+
+SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
+PAGED = dict(kv_layout="paged", block_tokens=4)
+
+
+def _requests(n: int, seed: int = 0, longest: int = 60) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(5, longest, (1,), generator=g))
+        prompt = torch.randint(0, 128, (length,), generator=g).tolist()
+        out.append(GenerationRequest(f"r{i}", prompt, int(torch.randint(1, 30, (1,), generator=g)), ignore_eos=True))
+    return out
+
+
+def _serve(model, cfg: EngineConfig, requests, after_step=None):
+    engine = ContinuousBatchingEngine(model, cfg)
+    results = {}
+    for r in requests:
+        engine.submit(r, lambda res: results.__setitem__(res.request_id, res))
+    for _ in range(100_000):
+        if not engine.step() and not engine.queued:
+            break
+        if after_step is not None:
+            after_step(engine)
+    return results, engine
+
+
+@pytest.mark.parametrize("tokens", [8, 20, 64])
+@pytest.mark.parametrize("limit", [10**7, 60_000], ids=["roomy", "preempting"])
+def test_mixed_full_cache_gives_the_prefill_first_tokens_and_returns_every_block(model, tokens, limit):
+    requests = _requests(10)
+    want, _ = _serve(model, EngineConfig(**PAGED, kv_memory_limit_bytes=limit), requests)
+    cfg = EngineConfig(**PAGED, kv_memory_limit_bytes=limit, scheduler="mixed", max_num_batched_tokens=tokens)
+    got, engine = _serve(model, cfg, requests)
+    assert all(r.error is None for r in got.values())
+    assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
+    stats = engine.stats()
+    assert engine.pool.blocks_in_use == 0 and stats["running_sequences"] == 0
+    assert stats["scheduler"] == "mixed" and stats["max_num_batched_tokens"] == tokens
+    if tokens < 60:  # prompts of up to 59 tokens: some were fed in several chunks
+        assert stats["prefill_calls"] > 10
+
+
+@pytest.mark.parametrize("policy", [{}, SH], ids=["full", "scissorhands-B16"])
+def test_a_chunk_as_long_as_the_prompt_is_the_whole_prompt_prefill_bit_for_bit(model, policy):
+    request = GenerationRequest("r", list(range(3, 50)), 12, ignore_eos=True, logprobs=0)
+    want, _ = _serve(model, EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, **policy), [request])
+    cfg = EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, scheduler="mixed", max_num_batched_tokens=64, **policy)
+    got, _ = _serve(model, cfg, [request])
+    assert got["r"].output_ids == want["r"].output_ids
+    assert got["r"].output_logprobs == want["r"].output_logprobs  # the same floats, not close ones
+
+
+def test_each_step_spends_at_most_its_token_budget_decodes_first(model):
+    """A step feeds its running rows one token each and prompt chunks of at most the rest of the budget."""
+    cfg = EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, scheduler="mixed", max_num_batched_tokens=16)
+    engine = ContinuousBatchingEngine(model, cfg)
+    fed: list[int] = []
+    prefill_chunk = engine._prefill_chunk
+
+    def spy(p, chunk=None):
+        fed.append(p.rows * chunk)
+        prefill_chunk(p, chunk)
+
+    engine._prefill_chunk = spy
+    results = {}
+    for r in _requests(8, seed=1):
+        engine.submit(r, lambda res: results.__setitem__(res.request_id, res))
+    chunked = steps = 0
+    while engine.queued or engine.running:
+        running, fed[:] = len(engine._running), []
+        engine.step()
+        steps += 1
+        assert 0 < sum(fed) + running and sum(fed) <= 16 - running
+        chunked += sum(fed) > 0 and running > 0
+    assert all(r.error is None for r in results.values()) and len(results) == 8
+    assert chunked > 0  # prompts were fed beside running rows
+
+
+def test_a_running_row_decodes_every_step_while_a_long_prompt_is_fed_in_chunks(model):
+    cfg = dict(**PAGED, kv_memory_limit_bytes=10**7)
+    short = GenerationRequest("short", [5, 6, 7], 30, ignore_eos=True)
+    long = GenerationRequest("long", list(range(1, 90)), 2, ignore_eos=True)
+
+    def steps_while_long_prefills(scheduler: str) -> tuple[int, int]:
+        engine = ContinuousBatchingEngine(model, EngineConfig(**cfg, scheduler=scheduler, max_num_batched_tokens=16))
+        done = {}
+        engine.submit(short, lambda r: done.__setitem__(r.request_id, r))
+        engine.step()  # short runs
+        engine.submit(long, lambda r: done.__setitem__(r.request_id, r))
+        steps = 0
+        while "long" not in done or not done["long"].output_ids:
+            before = engine._running[0].result.output_ids.__len__() if engine._running else None
+            engine.step()
+            steps += 1
+            assert engine._running and len(engine._running[0].result.output_ids) == before + 1  # short decoded
+            if steps > 50:
+                break
+        engine.run_until_idle()
+        return steps, len(done["short"].output_ids)
+
+    assert steps_while_long_prefills("prefill_first") == (1, 30)  # the whole prompt in one step
+    steps, short_tokens = steps_while_long_prefills("mixed")
+    assert steps == -(-89 // 15) and short_tokens == 30  # 15 prompt tokens a step beside the short row's decode
+
+
+def test_the_budget_and_the_block_pool_hold_after_every_step_with_chunked_prompts(model):
+    """Scissorhands (B = 16) fed in chunks of up to 12 tokens: every row of every cache, running or part-way
+    prefilled, holds at most B slots between steps, the pool never runs out, every block comes back."""
+    cfg = EngineConfig(**PAGED, **SH, kv_memory_limit_bytes=40_000, scheduler="mixed", max_num_batched_tokens=12)
+    seen = {"steps": 0, "partial": 0}
+
+    def check(engine):
+        caches = [engine._cache] + [p.cache for p in engine._prefilling]
+        for cache in caches:
+            if cache is None:
+                continue
+            for layer in cache.layers:
+                assert int(layer.held.max()) <= 16
+        seen["partial"] += any(0 < p.fed < p.length for p in engine._prefilling)
+        seen["steps"] += 1
+        assert engine.pool.blocks_in_use <= engine.pool.usable_blocks
+
+    results, engine = _serve(model, cfg, _requests(12, seed=2), after_step=check)
+    assert all(r.error is None for r in results.values()) and len(results) == 12
+    assert seen["partial"] > 0 and engine.pool.blocks_in_use == 0
+
+
+def test_aborting_a_prompt_part_way_fed_returns_its_blocks(model):
+    cfg = EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, scheduler="mixed", max_num_batched_tokens=8)
+    engine = ContinuousBatchingEngine(model, cfg)
+    results = {}
+    engine.submit(GenerationRequest("long", list(range(1, 60)), 5, ignore_eos=True), lambda r: results.update(long=r))
+    engine.step()
+    assert engine.running == 1 and engine.pool.blocks_in_use > 0 and engine._prefilling
+    engine.abort("long")
+    engine.step()
+    assert results["long"].error_kind == "aborted" and engine.pool.blocks_in_use == 0 and engine.running == 0
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(scheduler="chunked"), "scheduler: expected one of prefill_first, mixed"),
+        (dict(scheduler="mixed"), "scheduler: 'mixed' .* needs kv_layout: 'paged'"),
+        (
+            dict(**PAGED, kv_memory_limit_bytes=10**6, max_num_batched_tokens=3),
+            "max_num_batched_tokens: 3 is below one",
+        ),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    ],
+)
+def test_scheduler_config_errors_name_the_field(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig(**kw)
+
+
+@pytest.mark.slow
+def test_mixed_full_cache_gives_the_prefill_first_tokens_on_the_embedded_model():
+    """Chunks of the real model's prompts attend through the masked path, not the fused causal kernel of a whole
+    prompt: a claim of equal greedy tokens is checked where rounding and near-ties are real."""
+    from replica.static_batch import load_replica_model
+    from workloads.load.prompts import prompts_for
+
+    torch.set_num_threads(2)
+    model, tokenizer = load_replica_model("embedded", dtype="float32")
+    model.generation_config.eos_token_id = None
+    lengths = [300, 171, 96, 33]
+    requests = [
+        GenerationRequest(f"r{i}", prompts_for(tokenizer, model.config.vocab_size, 1, n, seed=i)[0], 16)
+        for i, n in enumerate(lengths)
+    ]
+    paged = dict(kv_layout="paged", kv_memory_limit_bytes=200 * 2**20)
+    want, _ = _serve(model, EngineConfig(**paged), requests)
+    got, engine = _serve(model, EngineConfig(**paged, scheduler="mixed", max_num_batched_tokens=64), requests)
+    assert engine.stats()["prefill_calls"] >= sum(-(-n // 64) for n in lengths) - len(lengths)  # chunked
+    assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
