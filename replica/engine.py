@@ -13,6 +13,11 @@ steps. One `step()`:
 3. `decode_step`: one forward of every running sequence (each row at its own position);
 4. finished sequences (their `max_new_tokens` reached, or EOS unless ignored) leave the batch.
 
+Under ``scheduler: mixed`` (paged layout) steps 1-2 spend one token budget, `max_num_batched_tokens`: every
+running row's decode token first, then chunks of the prompts part-way fed (oldest first) and of queued requests
+(`_schedule_chunks`); a prompt's cache takes blocks chunk by chunk, a budgeted one is compressed back to its
+budget after every chunk, and its rows join the running batch when its last chunk is fed (vLLM V1's schedule).
+
 `abort(request_id)` (any thread) drops a queued or running request at the start of the next step:
 its row leaves the cache then (`error_kind="aborted"`), so the slots it held are free again.
 `submit(..., on_token=f)` calls `f(token_id, time_s)` for every token as soon as it is decoded
@@ -499,7 +504,7 @@ class ContinuousBatchingEngine:
             "queued_requests": queued,
             "peak_running_sequences": self._peak_running,
             "peak_kv_cache_bytes": self._peak_bytes,
-            "kv_cache_bytes": self._cache.kv_cache_bytes() if self._cache is not None else 0,
+            "kv_cache_bytes": self._kv_cache_bytes(),
             "received_requests": s.get("received", 0),
             "completed_requests": s.get("completed", 0),
             "failed_requests": s.get("failed", 0),
@@ -596,7 +601,7 @@ class ContinuousBatchingEngine:
                     break  # enough prefill for this step; running rows decode first
                 peak = self.prefill_peak_blocks(n, seq.budget_tokens)
                 # what it holds once merged, with the block its first decode step may take
-                steady = self.num_layers * self._blocks(self._kept_slots(n + 1, seq.budget_tokens))
+                steady = self.num_layers * self._blocks(self._kept_slots(n + self._decodes([seq]), seq.budget_tokens))
                 peak = max(peak, steady)
                 if (
                     groups
@@ -614,51 +619,68 @@ class ContinuousBatchingEngine:
                 prefill_tokens += n
         return groups
 
-    def _chunk_blocks(self, fed: int, chunk: int, budget: int | None, last: bool) -> tuple[int, int]:
-        """``(peak, after)``: blocks one row holds, all layers, while `chunk` tokens after the `fed` it holds are
-        prefilled (the layers before the current one compressed, the current one its kept slots plus the
-        chunk), and after (with the block its first decode step may take, after the prompt's last chunk)."""
-        after = self.num_layers * self._blocks(self._kept_slots(fed + chunk + last, budget))
+    def _chunk_blocks(self, fed: int, chunk: int, budget: int | None, grows: bool) -> tuple[int, int]:
+        """``(max(peak, after), after)``: blocks one row holds, all layers, while `chunk` tokens after the `fed` it
+        holds are prefilled (the layers before the current one compressed, the current one its kept slots plus the
+        chunk), and after it; `grows` adds the slot its first decode step writes (after the prompt's last chunk of
+        a row that decodes again, `_decodes`)."""
+        after = self.num_layers * self._blocks(self._kept_slots(fed + chunk + grows, budget))
         peak = (self.num_layers - 1) * self._blocks(self._kept_slots(fed + chunk, budget)) + self._blocks(
             self._kept_slots(fed, budget) + chunk
         )
         return max(peak, after), after
 
+    @staticmethod
+    def _decodes(seqs: list[_Seq]) -> bool:
+        """Whether a row of `seqs` runs a decode step after its prefill (its prefill picks one token, so a row
+        with one new token left ends there and its first decode never takes a block)."""
+        return any(s.request.max_new_tokens - len(s.result.output_ids) > 1 for s in seqs)
+
     def _schedule_chunks(self) -> list[tuple[_Prefill, int]]:
         """`scheduler: mixed`: this step's prompt chunks, as vLLM V1 spends a step's token budget. Every running
         row's decode token comes first; the rest of `max_num_batched_tokens` goes to the prompts part-way fed
         (oldest first), then to queued requests (first come, first served; equal lengths fed join one chunk),
-        each chunk as long as the tokens left and the free blocks allow (the running rows' next blocks kept)."""
+        each chunk as long as the tokens left and the free blocks allow (the running rows' next blocks kept).
+
+        Blocks are taken chunk by chunk, but a queued request starts only when its whole prompt fits beside the
+        rest of the prompts part-way fed (vLLM V0's whole-prompt admission): a prompt that took the last free
+        blocks would be the first preempted when a running row grows, and fed again from its start.
+        A prompt that is not finished uses every token left, so at most one group is part-way fed after a step."""
         tokens = self.config.max_num_batched_tokens - len(self._running)
         free = self.pool.free_blocks - self.num_layers * len(self._growing_rows())
         committed = 0  # blocks the planned chunks add, once fed
 
-        def longest(p: _Prefill, rows: int, most: int, base: int) -> int:
+        def held(p: _Prefill) -> int:
+            return self.num_layers * self._blocks(self._kept_slots(p.fed, p.group[0].budget_tokens))
+
+        def after(p: _Prefill, chunk: int, seqs: list[_Seq]) -> int:
+            """Blocks one row of `p` holds after `chunk` more tokens."""
+            end = p.fed + chunk == p.length
+            return self._chunk_blocks(p.fed, chunk, p.group[0].budget_tokens, end and self._decodes(seqs))[1]
+
+        def longest(p: _Prefill, seqs: list[_Seq], most: int, base: int) -> int:
             """The longest chunk <= `most` tokens whose peak fits beside `base` committed blocks (0: none)."""
-            budget = p.group[0].budget_tokens
-            held = self.num_layers * self._blocks(self._kept_slots(p.fed, budget))
+            budget, was = p.group[0].budget_tokens, held(p)
             lo, hi = 0, most
             while lo < hi:  # blocks grow with the chunk: bisect
                 mid = (lo + hi + 1) // 2
-                peak, _ = self._chunk_blocks(p.fed, mid, budget, p.fed + mid == p.length)
-                lo, hi = (mid, hi) if base + rows * (peak - held) <= free else (lo, mid - 1)
+                end = p.fed + mid == p.length
+                peak, _ = self._chunk_blocks(p.fed, mid, budget, end and self._decodes(seqs))
+                lo, hi = (mid, hi) if base + len(seqs) * (peak - was) <= free else (lo, mid - 1)
             return lo
-
-        def grown(p: _Prefill, rows: int, chunk: int) -> int:
-            budget = p.group[0].budget_tokens
-            held = self.num_layers * self._blocks(self._kept_slots(p.fed, budget))
-            return rows * (self._chunk_blocks(p.fed, chunk, budget, p.fed + chunk == p.length)[1] - held)
 
         plan: list[tuple[_Prefill, int]] = []
         for p in self._prefilling:
-            chunk = longest(p, p.rows, min(p.length - p.fed, tokens // p.rows), committed)
+            chunk = longest(p, p.group, min(p.length - p.fed, tokens // p.rows), committed)
             if chunk == 0:
                 break  # the older prompt waits for blocks or tokens: so do the newer ones
             plan.append((p, chunk))
             tokens -= p.rows * chunk
-            committed += grown(p, p.rows, chunk)
+            committed += p.rows * (after(p, chunk, p.group) - held(p))
         if len(plan) < len(self._prefilling):
             return plan
+        # blocks the prompts part-way fed still take before they run, kept for them
+        reserved = sum(p.rows * (after(p, p.length - p.fed, p.group) - held(p)) for p, _ in plan)
         cap = self.config.max_batch or 1 << 30
         last: _Prefill | None = None  # the newest group of this step, which an equal request may join
         before_last = committed
@@ -670,23 +692,28 @@ class ContinuousBatchingEngine:
                     self._fail(seq, "rejected", f"request cannot run under the KV memory limit: {seq.unfit}")
                     continue
                 chunk = plan[-1][1] if last is not None else 0
+                joined = last.group + [seq] if last is not None else []
                 if (
                     last is not None
                     and self._same_group(last.group[0], seq)
                     and tokens >= chunk
-                    and longest(last, last.rows + 1, chunk, before_last) == chunk
+                    and reserved + after(last, last.length, [seq]) <= free
+                    and longest(last, joined, chunk, before_last) == chunk
                 ):
                     last.group.append(seq)  # fed with the newest group: its rows peak together
-                    committed = before_last + grown(last, last.rows, chunk)
+                    committed = before_last + last.rows * after(last, chunk, last.group)
+                    reserved += after(last, last.length, [seq])
                 else:
                     p = _Prefill([seq])
-                    chunk = longest(p, 1, min(p.length, tokens), committed)
+                    whole = after(p, p.length, p.group)
+                    chunk = longest(p, p.group, min(p.length, tokens), committed) if reserved + whole <= free else 0
                     if chunk == 0:
                         break  # wait for blocks: rows finish or are preempted
                     plan.append((p, chunk))
                     self._prefilling.append(p)
                     last, before_last = p, committed
-                    committed += grown(p, 1, chunk)
+                    committed += after(p, chunk, p.group)
+                    reserved += whole
                 self._queue.popleft()
                 tokens -= chunk
         return plan
@@ -728,14 +755,22 @@ class ContinuousBatchingEngine:
         self._record_state()
         return True
 
+    def _caches(self) -> list:
+        """Every live cache: the running batch's and those of the prompts part-way fed."""
+        return [c for c in [self._cache, *(p.cache for p in self._prefilling)] if c is not None]
+
+    def _kv_cache_bytes(self) -> int:
+        return sum(c.kv_cache_bytes() for c in self._caches())
+
     def _record_state(self) -> None:
-        """The live gauges now: running and queued sequences, KV bytes and slots, and on the paged layout the
-        pool's used and free blocks (the preallocated layout has no pool, so no block series)."""
-        cache = self._cache
+        """The live gauges now: running sequences (part-way prompts included), queued ones, KV bytes and slots of
+        every live cache, and on the paged layout the pool's used and free blocks (the preallocated layout has no
+        pool, so no block series)."""
+        caches = self._caches()
         with _recording():
-            self.metrics.set_running(len(self._running))
+            self.metrics.set_running(self.running)
             self.metrics.set_queued(len(self._queue))
-            self.metrics.set_kv_cache(*((cache.kv_cache_bytes(), cache.held_tokens()) if cache is not None else (0, 0)))
+            self.metrics.set_kv_cache(sum(c.kv_cache_bytes() for c in caches), sum(c.held_tokens() for c in caches))
             if self.pool is not None:
                 self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
 
@@ -823,7 +858,9 @@ class ContinuousBatchingEngine:
                 self.metrics.add_generated_tokens(len(group) - warm)
                 self.metrics.add_generated_tokens(warm, "warmup")
         self._stats["prefill_calls"] += 1
-        self._track_bytes(cache.peak_kv_cache_bytes)
+        # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts')
+        self._track_bytes(cache.peak_kv_cache_bytes + self._kv_cache_bytes() - cache.kv_cache_bytes())
+        self._peak_running = max(self._peak_running, self.running)
         if not last:
             return
         self._drop(p)
@@ -841,8 +878,8 @@ class ContinuousBatchingEngine:
         self._cache = merge_rows(self._cache, cache)
         self._running.extend(group[i] for i in keep)
         self._next_tokens = first if self._next_tokens is None else torch.cat([self._next_tokens, first], dim=0)
-        self._track_bytes(self._cache.kv_cache_bytes())
-        self._peak_running = max(self._peak_running, len(self._running))
+        self._track_bytes(self._kv_cache_bytes())
+        self._peak_running = max(self._peak_running, self.running)
 
     def _decode_step(self) -> None:
         """One token for every running sequence, each at its own position; retire finished ones."""
@@ -874,7 +911,7 @@ class ContinuousBatchingEngine:
         self._stats["decode_steps"] += 1
         if self.pool is not None:
             self._stats["block_steps"] += self.pool.blocks_in_use
-        self._track_bytes(self._cache.kv_cache_bytes())
+        self._track_bytes(self._kv_cache_bytes())
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, tokens)):
             cap = seq.budget_tokens or self.row_capacity

@@ -161,7 +161,7 @@ class EngineConfig(FrozenConfig):
                 "scheduler: 'mixed' feeds prompts in chunks that take KV blocks as they arrive; it needs "
                 f"kv_layout: 'paged' (got {self.kv_layout!r})"
             )
-        if self.max_num_batched_tokens < self.block_tokens:
+        if self.scheduler == "mixed" and self.max_num_batched_tokens < self.block_tokens:
             raise ValueError(
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block ({self.block_tokens} "
                 "tokens, block_tokens); give at least block_tokens"

@@ -13,7 +13,7 @@ from replica.types import GenerationRequest, GenerationResult
 from workloads.core.suite import SuiteError
 from workloads.kinds import load_suite
 from workloads.load.lengths import LengthDist
-from workloads.load.patterns import LOAD_PATTERNS, MODE_ALIASES, MODES, RECORD_COLUMNS, LoadConfig
+from workloads.load.patterns import ALIAS_ONLY, LOAD_PATTERNS, MODE_ALIASES, MODES, RECORD_COLUMNS, LoadConfig
 from workloads.serving.pools import ServeClient
 
 BASE = dict(kind="serving", model="tiny-llama", policies=["full"], prompt_tokens=8, new_tokens=4, num_requests=4)
@@ -26,9 +26,10 @@ def _suite(tmp_path, **kw):
 
 
 def test_every_pattern_is_a_suite_mode_and_fills_its_own_record_column():
-    aliased = {name for name, _ in MODE_ALIASES.values()}
     assert {p for p, _ in MODES.values()} == set(LOAD_PATTERNS.values())
-    assert set(MODES) == (set(LOAD_PATTERNS) - aliased) | set(MODE_ALIASES)
+    assert set(MODES) == (set(LOAD_PATTERNS) - ALIAS_ONLY) | set(MODE_ALIASES)
+    assert "batch" not in MODES and {"rate", "capacity"} <= set(MODES)  # capacity: the rate pattern, searched
+    assert MODES["capacity"] == (LOAD_PATTERNS["rate"], {"capacity_search": True})
     assert set(RECORD_COLUMNS) == {p.record_column for p in LOAD_PATTERNS.values()} - {None}
     assert {"batch_size", "concurrency", "request_rate"} <= set(RECORD_COLUMNS)
 

@@ -7,7 +7,8 @@
 2. the replica count: ``--replicas``, else the suite's `replicas`;
 3. the run folder (`workloads.core.run.open_run`: a new id or ``--resume``, a cut last line repaired, ``run.json``);
 4. the suite's points, and those still to run (`workloads.core.run.pending_points`: a resumed run skips the points
-   whose latest status is in `Kind.done_statuses`; a point whose settings changed since is refused);
+   whose latest status is in `Kind.done_statuses`; a point whose settings changed since is refused), counted by
+   `Kind.progress` (a kind whose next point depends on the last, a serving capacity search, counts its own);
 5. one header line, and the kind's own lines (`Kind.announce`);
 6. the publisher (`workloads.core.push.PointPublisher`: each record appended to ``points.jsonl``, then pushed);
 7. the kind runs the pending points and yields each as it finishes (`Kind.execute` -> `Finished`);
@@ -16,7 +17,7 @@
 9. the dtypes the run resolved go into ``run.json``; the kind's report (`Kind.report`: ``table.md`` and the files
    it writes) is printed and written, also after a `SweepError` stopped the run (then its reason is written next
    to the points as ``error.json``, and raised);
-10. the exit status: 0 when every point of the suite has a done status, else 1.
+10. the exit status: 0 when `Kind.progress` counts no failed point and none still to run, else 1.
 
 A new suite kind is one folder `workloads/<kind>/` whose `runner.py` holds a `Kind` subclass, plus one line in
 `workloads.kinds.KINDS`.
@@ -89,6 +90,23 @@ class Session:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Where a run stands (`Kind.progress`): points recorded with a done status, points whose latest record failed,
+    points not recorded yet, and how many a (resumed) run still runs; `bound`: the last two are upper bounds (a
+    search ends when it has its answer)."""
+
+    done: int
+    failed: int
+    missing: int
+    to_run: int
+    bound: bool = False
+
+    @property
+    def planned(self) -> int:
+        return self.done + self.failed + self.missing
+
+
+@dataclass(frozen=True)
 class Report:
     """What a kind's report wrote: the table printed at the end, and every file written (table.md first)."""
 
@@ -109,6 +127,14 @@ class Kind:
     def announce(self, suite) -> Iterable[str]:
         """Lines printed once before the points run (e.g. what the suite's sizes can resolve)."""
         return ()
+
+    def progress(self, suite, points: list, latest: list[dict]) -> Progress:
+        """How far the run is, given `latest` (the latest record of each of `points` recorded so far): by default
+        every point of the suite is to run, and a failed one runs again on resume."""
+        done = sum(1 for r in latest if r["status"] in self.done_statuses)
+        failed = len(latest) - done
+        missing = len(points) - len(latest)
+        return Progress(done, failed, missing, failed + missing)
 
     def execute(self, session: Session, pending: list) -> Iterator[Finished]:
         """Run `pending` and yield each point as it finishes (in any order).
@@ -167,22 +193,24 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | N
     run = open_run(args, suite, name)
     points = suite.points()
     pending = pending_points(run.points_path, points, kind.done_statuses)
+    progress = kind.progress(suite, points, _latest(run.points_path, points))
     where = "this process" if getattr(args, "local", False) else f"{replicas} replica(s)"
+    at_most = "at most " if progress.bound else ""
     print(
-        f"{name}: run {run.run_id}: {len(points)} points, {len(points) - len(pending)} already done, "
-        f"{len(pending)} to run on {where}; results in {run.run_dir}/",
+        f"{name}: run {run.run_id}: {at_most}{progress.planned} points, {progress.done} already done, "
+        f"{at_most}{progress.to_run} to run on {where}; results in {run.run_dir}/",
         file=sys.stderr,
     )
     for line in kind.announce(suite):
         print(f"{name}: {line}", file=sys.stderr)
     stop = None
-    if pending:
+    if pending and progress.to_run:
         session = Session(args, suite, run.run_id, run.run_dir, replicas, SweepPusher(args.pushgateway, run.run_id))
-        publish = PointPublisher(run.points_path, session.pusher, done=len(points) - len(pending), planned=len(points))
+        publish = PointPublisher(run.points_path, session.pusher, done=progress.done, planned=progress.planned)
         try:
             # closing: the executor's replicas and Ray are released even when publishing a record raises
             with (
-                tqdm(total=len(pending), desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar,
+                tqdm(total=progress.to_run, desc="points", unit="point", file=sys.stderr, dynamic_ncols=True) as bar,
                 contextlib.closing(kind.execute(session, pending)) as finished,
             ):
                 for done in finished:
@@ -206,8 +234,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | N
                     bar.write(kind.one_line(record), file=sys.stderr)
         except ClusterError as e:  # the report of what is on disk is still written
             stop = e
-    ids = {p.point_id for p in points}
-    latest = [r for r in res.latest_by_point(res.read_records(run.points_path)).values() if r["point_id"] in ids]
+    latest = _latest(run.points_path, points)
     record_run_dtypes(run.run_dir, latest)
     report = kind.report(run.run_dir, suite, latest)
     print(report.table, end="")
@@ -228,12 +255,17 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | N
         raise stop
     if error_file.exists():  # a resumed run got past the earlier stop
         error_file.unlink()
-    failed = sum(1 for r in latest if r["status"] not in kind.done_statuses)
-    missing = len(points) - len(latest)
-    if failed or missing:
-        print(f"{name}: {failed} point(s) failed, {missing} not run", file=sys.stderr)
+    progress = kind.progress(suite, points, latest)
+    if progress.failed or progress.missing:
+        print(f"{name}: {progress.failed} point(s) failed, {progress.missing} not run", file=sys.stderr)
         return 1
     return 0
+
+
+def _latest(points_path: str, points: list) -> list[dict]:
+    """The latest record of each of `points` in the points file (points of other settings left out)."""
+    ids = {p.point_id for p in points}
+    return [r for r in res.latest_by_point(res.read_records(points_path)).values() if r["point_id"] in ids]
 
 
 def kind_main(kind: Kind, argv: list[str] | None = None, doc: str | None = None) -> int:

@@ -19,7 +19,8 @@ are shared (`workloads.load.driver`).
 A new pattern is one class registered in `LOAD_PATTERNS`: its `drive(run)`, the `LoadConfig` fields
 it `requires`, and, for suites, the class attributes of the "suite" block of `LoadPattern` (the
 `LoadConfig` field a point's load sets, where the loads come from, the suite fields it copies or
-forbids, the record column it fills). A suite's `mode` is a pattern's name or one of `MODE_ALIASES`.
+forbids, the record column it fills). A suite's `mode` is a pattern's name or one of `MODE_ALIASES` (`capacity`:
+the `rate` pattern at the rates a search picks, `workloads.serving.capacity`).
 """
 
 from __future__ import annotations
@@ -439,6 +440,36 @@ class RateLoad(OpenLoop):
                 yield Arrival(t)
             chunk += 1
 
+    # ---- option `capacity_search` (a serving suite's `capacity` mode): the rates come from the suite's
+    # `capacity:` grid (`workloads.serving.capacity.CapacitySearch.grid`), the search picks which of them run
+    @classmethod
+    def suite_defaults(cls, data: dict, capacity_search: bool = False, **options) -> dict:
+        if not capacity_search:
+            return super().suite_defaults(data)
+        mode = data.get("mode")
+        if data.get("loads") is not None:
+            raise ValueError(
+                f"loads: not used in mode {mode} (the search picks its rates from capacity: a grid from "
+                "min_rate_req_per_s to max_rate_req_per_s at its resolution)"
+            )
+        if data.get("saturation") is not None:
+            raise ValueError(f"saturation: not used in mode {mode} (a probe passes or fails on its SLO attainment)")
+        if data.get("capacity") is None:
+            raise ValueError(
+                f"capacity: mode {mode} needs the rate bracket to search, e.g. capacity: {{min_rate_req_per_s: 0.1, "
+                "max_rate_req_per_s: 2.0} (req/s; optional target_attainment (0.99), resolution (0.1), max_probes)"
+            )
+        return data
+
+    @classmethod
+    def check_suite(cls, suite: Any, mode: str, capacity_search: bool = False, **options) -> None:
+        if not capacity_search:
+            super().check_suite(suite, mode)
+
+    @classmethod
+    def point_loads(cls, suite: Any, capacity_search: bool = False, **options) -> list[float | None]:
+        return list(suite.capacity.grid()) if capacity_search else super().point_loads(suite)
+
 
 class TraceLoad(OpenLoop):
     """Replays `trace_path` (`read_trace`): row `i` is sent `arrival_s * trace_time_scale` after the
@@ -542,13 +573,15 @@ LOAD_PATTERNS: dict[str, type[LoadPattern]] = {p.name: p for p in (BatchLoad, Co
 #: The record columns the patterns fill (`LoadPattern.record_column`), in a fixed order.
 RECORD_COLUMNS: tuple[str, ...] = tuple(p.record_column for p in LOAD_PATTERNS.values() if p.record_column)
 #: A suite's modes that are not a pattern's own name: mode -> (pattern, options of its suite methods).
-#: A pattern named here is reached through its aliases only (`batch` is the static-batch suites' mode).
 MODE_ALIASES: dict[str, tuple[str, dict]] = {
     "serving-batch": ("batch", {}),
     "max_batch": ("batch", {"sized_by_memory": True}),
+    "capacity": ("rate", {"capacity_search": True}),  # Poisson rates a search picks (workloads.serving.capacity)
 }
+#: Patterns a suite reaches through their aliases only (`batch` is the static-batch suites' mode).
+ALIAS_ONLY: frozenset[str] = frozenset({"batch"})
 #: Every suite mode: mode -> (pattern class, options).
 MODES: dict[str, tuple[type[LoadPattern], dict]] = {
-    **{n: (p, {}) for n, p in LOAD_PATTERNS.items() if n not in {a for a, _ in MODE_ALIASES.values()}},
+    **{n: (p, {}) for n, p in LOAD_PATTERNS.items() if n not in ALIAS_ONLY},
     **{m: (LOAD_PATTERNS[n], opts) for m, (n, opts) in MODE_ALIASES.items()},
 }

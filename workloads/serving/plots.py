@@ -4,7 +4,9 @@
   one line per policy and budget;
 * `latency_vs_rate.png`: p50 and p99 end-to-end latency vs achieved request rate, per policy;
 * `pareto_tokens_per_user.png`: tokens/s per user (1 / mean TPOT) vs output tokens/s per replica,
-  every ok point, with each policy's Pareto front.
+  every ok point, with each policy's Pareto front;
+* `attainment_vs_rate.png` (capacity suites): SLO attainment vs Poisson rate per series, every probe (an ``oom``
+  or ``error`` one at 0, as its search counted it), the target line and each series' capacity marked.
 """
 
 from __future__ import annotations
@@ -42,8 +44,63 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
     return sorted(front)
 
 
-def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
-    """Write the plots the records allow; return their paths."""
+def _capacity_label(label: str, row: dict) -> str:
+    """A series' legend entry: its capacity, or what its search found instead."""
+    lo, hi, status = row.get("capacity_lo_req_per_s"), row.get("capacity_hi_req_per_s"), row["capacity_status"]
+    if status == "ok":
+        return f"{label}: {row['capacity_req_per_s']:.3g} req/s"
+    if status == "below_min_rate":
+        return f"{label}: < {hi:.3g} req/s (below the bracket)"
+    if status == "at_least_max_rate":
+        return f"{label}: >= {lo:.3g} req/s (the bracket's top passed)"
+    bracket = f"{'-' if lo is None else format(lo, '.3g')} to {'-' if hi is None else format(hi, '.3g')} req/s"
+    return f"{label}: {status.replace('_', ' ')}, {bracket}"
+
+
+def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
+    """`attainment_vs_rate.png`: attainment vs rate per series (log rate axis), the target, each capacity marked
+    (a star and a dotted line at it); None when no series has a probe."""
+    import matplotlib.pyplot as plt
+
+    probes = collections.defaultdict(list)
+    for r in records:
+        if r.get("series") is not None and r.get("load") is not None:
+            attained = r.get("slo_attainment") if r.get("status") == "ok" else 0.0
+            probes[r["series"]].append((r["load"], attained, r.get("status") == "ok", r))
+    if not any(probes.get(row["series"]) for row in capacity):
+        return None
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    for row in capacity:
+        pts = sorted((p for p in probes.get(row["series"], []) if p[1] is not None), key=lambda p: p[0])
+        if not pts:
+            continue
+        label = _capacity_label(_label(pts[0][3]), row)
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        bad = [p for p in pts if not p[2]]
+        if bad:
+            ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", color=line.get_color(), zorder=3)
+        cap = row.get("capacity_req_per_s")
+        if cap is not None:
+            at = next((p[1] for p in pts if p[0] == cap), None)
+            ax.axvline(cap, color=line.get_color(), ls=":", alpha=0.8)
+            if at is not None:
+                ax.scatter([cap], [at], marker="*", s=160, color=line.get_color(), zorder=4)
+    targets = sorted({row["capacity_target_attainment"] for row in capacity})
+    for t in targets:
+        ax.axhline(t, color="0.3", ls="--", lw=1, label=f"target {t:g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("Poisson request rate (requests/s)")
+    ax.set_ylabel("SLO attainment (share of requests)")
+    ax.set_ylim(-0.03, 1.05)
+    ax.set_title("SLO attainment vs request rate; capacity marked (star)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return save_figure(fig, out_dir / "attainment_vs_rate.png", dpi=110)
+
+
+def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None = None) -> list[Path]:
+    """Write the plots the records allow (`capacity`: a capacity suite's searches, for `plot_capacity`); return
+    their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,7 +126,7 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend()
         written.append(save_figure(fig, out_dir / "throughput_vs_batch.png", dpi=110))
-    rate = [r for r in records if r.get("mode") == "rate"]
+    rate = [r for r in records if r.get("mode") in ("rate", "capacity")]  # a capacity probe is a rate point
     if _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s"):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for label, pts in _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s").items():
@@ -107,4 +164,8 @@ def write_plots(records: list[dict], out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         written.append(save_figure(fig, out_dir / "pareto_tokens_per_user.png", dpi=110))
+    if capacity:
+        path = plot_capacity(records, capacity, out_dir)
+        if path is not None:
+            written.append(path)
     return written

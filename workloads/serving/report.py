@@ -4,7 +4,8 @@ PNG plots (`workloads.serving.plots`).
 Latencies print in milliseconds (``(ms)`` in the header; the records keep seconds under ``_s`` keys), each
 percentile marked ``*`` when it is low-confidence (`workloads.load.metrics.low_confidence`: p90 below 10 samples,
 p95 below 20, p99 below 100). SLO attainment carries its sample count (``0.95 (n=64)``), and the footer states
-the SLO the points were judged by.
+the SLO the points were judged by. A capacity suite's table starts with each series' capacity at the SLO
+(`CAPACITY_TABLE`, from `workloads.serving.capacity.summaries`), then lists every probe as a point.
 """
 
 from __future__ import annotations
@@ -45,6 +46,44 @@ TABLE = [  # (header with unit, key, format)
     ("status", "status", "s"),
     ("stop reason", "stop_reason", "s"),
 ]
+
+
+CAPACITY_TABLE = [  # (header with unit, key, format): one row per series of a capacity suite
+    ("series", "series", "s"),
+    ("capacity (req/s)", "capacity_req_per_s", ".4g"),
+    ("passes / fails at (req/s)", "bracket", "s"),
+    ("probes", "capacity_probes", "d"),
+    ("errored probes", "capacity_errored_probes", "d"),
+    ("status", "capacity_status", "s"),
+]
+
+#: What each status of a search means, for the capacity table's footer.
+CAPACITY_STATUS_NOTES = {
+    "ok": "ok: the highest rate that passed, next to one that failed",
+    "below_min_rate": "below_min_rate: the lowest rate already failed (lower min_rate_req_per_s)",
+    "at_least_max_rate": "at_least_max_rate: the highest rate passed (raise max_rate_req_per_s)",
+    "not_converged": "not_converged: max_probes ran out before the resolution (resume with a larger capacity.max_probes)",
+    "searching": "searching: the run stopped mid-search (resume it)",
+}
+
+
+def capacity_markdown(rows: list[dict]) -> str:
+    """Each series' capacity at the SLO (`rows`: `workloads.serving.capacity.summaries`) as a Markdown table under
+    a line naming the target, and a footer saying what its statuses mean."""
+    g = lambda v: format_value(v, ".4g")  # noqa: E731
+    body = [
+        {**r, "bracket": f"{g(r.get('capacity_lo_req_per_s'))} / {g(r.get('capacity_hi_req_per_s'))}"} for r in rows
+    ]
+    targets = ", ".join(sorted({f"{r['capacity_target_attainment']:g}" for r in rows})) or "-"
+    seen = [s for s in CAPACITY_STATUS_NOTES if any(r["capacity_status"] == s for r in rows)]
+    footer = "; ".join(CAPACITY_STATUS_NOTES[s] for s in seen) + (
+        ". An errored probe counts as failing." if any(r.get("capacity_errored_probes") for r in rows) else "."
+    )
+    return (
+        f"Capacity at the SLO: per series, the highest Poisson rate of the grid whose SLO attainment is >= {targets}"
+        " (a bisection; every probe is a row of the table below).\n\n"
+        + markdown_table(CAPACITY_TABLE, body, footer=footer)
+    )
 
 
 def milliseconds(r: dict, base: str, percentiles=TABLE_PERCENTILES) -> str:
@@ -101,24 +140,29 @@ def slo_line(records: list[dict]) -> str:
     )
 
 
-def table_markdown(records: list[dict]) -> str:
-    """The serving points as a Markdown table under their conditions line."""
+def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> str:
+    """The serving points as a Markdown table under their conditions line (after the capacity of each series when
+    `capacity` gives it)."""
     footer = (
         "`*` a percentile p over fewer than 1 / (1 - p) samples (p90 below 10, p95 below 20, p99 below 100): "
         "low confidence."
     )
     slo = slo_line(records)
-    return conditions_line(records) + markdown_table(
-        TABLE, table_rows(records), footer=footer + (f"\n\n{slo}" if slo else "")
+    head = capacity_markdown(capacity) + "\n" if capacity else ""
+    return (
+        conditions_line(records)
+        + head
+        + markdown_table(TABLE, table_rows(records), footer=footer + (f"\n\n{slo}" if slo else ""))
     )
 
 
-def write_report(run_dir: Path, records: list[dict]) -> Report:
-    """Write ``table.md`` and the plots of `records` (the latest of each point) under `run_dir`."""
-    table = table_markdown(records)
+def write_report(run_dir: Path, records: list[dict], capacity: list[dict] | None = None) -> Report:
+    """Write ``table.md`` and the plots of `records` (the latest of each point) under `run_dir`; `capacity`: a
+    capacity suite's searches (`workloads.serving.capacity.summaries`), tabled first and marked on a plot."""
+    table = table_markdown(records, capacity)
     write_atomic(str(run_dir / "table.md"), table)
     try:
-        plots = tuple(write_plots(records, run_dir))
+        plots = tuple(write_plots(records, run_dir, capacity=capacity))
     except Exception as e:  # noqa: BLE001 - a plot never fails a sweep
         print(f"serving: plots not written: {error_message(e)}", file=sys.stderr)
         plots = ()

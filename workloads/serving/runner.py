@@ -14,10 +14,14 @@ replicas' peak KV bytes and running sequences, status and `stop_reason`.
   failed, the point could not start, or a replica died (Serve replaces it; the point records why).
 * `--resume RUN_ID` skips points already `ok`, `oom` or `skipped`; a point in progress when the
   sweep was killed simply runs again.
+* `mode: capacity` (`workloads.serving.capacity`): per series a search picks the next Poisson rate of its grid
+  from the last probe's SLO attainment, one probe at a time; every probe is a point, with the search's state
+  after it. A resumed run re-derives each search from the records (no recorded probe runs again, an errored one
+  included: it counted as failing).
 * At the end: `table.md`, and PNG plots next to the results (`workloads.serving.report`).
 
-Exit status: 0 every point ok/oom/skipped; 1 a point failed or no replica could start (the error
-names the missing model path); 2 invalid suite or arguments.
+Exit status: 0 every point ok/oom/skipped (a capacity suite: every search ended, no probe errored); 1 a point
+failed or no replica could start (the error names the missing model path); 2 invalid suite or arguments.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from cluster.connect import error_message, init_ray, replica_resources
 from cluster.inventory import cluster_inventory
@@ -34,7 +38,9 @@ from scissorhands.models import load_tokenizer
 from scissorhands.testing import TINY_LLAMA_CONFIG
 from workloads.core import results as res
 from workloads.core.run import SweepError, resolve_run_dtype
-from workloads.core.template import Finished, Kind, Report, Session, kind_main
+from workloads.core.template import Finished, Kind, Progress, Report, Session, kind_main
+from workloads.load.slo import describe_slo
+from workloads.serving import capacity
 from workloads.serving.point import run_point
 from workloads.serving.pools import HTTPTargetPool, LocalReplicaPool, ReplicaPool, ServeReplicaPool
 from workloads.serving.report import write_report
@@ -77,13 +83,32 @@ class ServingKind(Kind):
         )
         return pool, (ray.shutdown if started_ray else (lambda: None))
 
+    def announce(self, suite: ServingSuite):
+        if suite.capacity_search:
+            yield (
+                f"capacity: per series, {suite.capacity.describe()}; SLO {describe_slo(*suite.slo.record_fields().values())}"
+            )
+
+    def progress(self, suite: ServingSuite, points: list[ServingPoint], latest: list[dict]) -> Progress:
+        """A capacity suite's: the probes on each series' search path (done; failed: an ``error`` one, which its
+        search counted as failing and a resume does not run again), and the most probes its searches still take."""
+        if not suite.capacity_search:
+            return super().progress(suite, points, latest)
+        by_id = {r["point_id"]: r for r in latest}
+        done = failed = missing = 0
+        for pts in capacity.by_series(points).values():
+            search = capacity.search_series(suite.capacity, pts, by_id)
+            errors = sum(1 for i in search.path if by_id[pts[i].point_id]["status"] not in self.done_statuses)
+            done, failed, missing = done + len(search.path) - errors, failed + errors, missing + search.remaining
+        return Progress(done, failed, missing, missing, bound=True)
+
     def execute(self, session: Session, pending: list[ServingPoint]) -> Iterator[Finished]:
         """The points in suite order; the loads above a saturated point of a series are skipped (also when the
-        saturated point ran earlier in a resumed run)."""
+        saturated point ran earlier in a resumed run). A capacity suite: each series' search, probe by probe."""
         suite: ServingSuite = session.suite
         tokenizer, vocab = _tokenizer(suite)
         pool, release = self._pool(session)
-        saturated = _saturated_series(suite, res.read_records(str(session.run_dir / "points.jsonl")))
+        records = res.read_records(str(session.run_dir / "points.jsonl"))
         try:
             try:
                 infos = pool.start()
@@ -91,19 +116,14 @@ class ServingKind(Kind):
                 raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
             print(f"serving: {getattr(pool, 'n', len(infos))} serving replica(s) ready", file=sys.stderr)
             dtype_info = infos[0] if infos else None
-            for point in pending:
-                t0 = time.time()
-                if point.series in saturated:
-                    body = {"status": "skipped", "stop_reason": saturated[point.series], "error": None}
-                else:
-                    body = run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab, run_id=session.run_id)
+
+            def run(point: ServingPoint) -> dict:
+                return run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab, run_id=session.run_id)
+
+            steps = _search(suite, records, run) if suite.capacity_search else _sweep(suite, pending, records, run)
+            for point, body, t0 in steps:
                 status, error = body.pop("status"), body.pop("error", None)
                 yield Finished(point, status, body, error, dtype_info, t0, time.time())
-                reason = (
-                    "out of memory" if status == "oom" else suite.saturation.reason(body) if status == "ok" else None
-                )
-                if reason and point.load is not None and point.series not in saturated:
-                    saturated[point.series] = f"saturated at load {point.load:g}: {reason}"
         finally:
             pool.close()
             release()
@@ -140,6 +160,9 @@ class ServingKind(Kind):
         )
 
     def one_line(self, rec: dict) -> str:
+        return self._point_line(rec) + _search_line(rec)
+
+    def _point_line(self, rec: dict) -> str:
         what = f"{rec['point_id']}"
         if rec["status"] not in ("ok",):
             return f"  {rec['status']:<7} {what}: {rec.get('stop_reason')}{': ' + rec['error'] if rec.get('error') else ''}"
@@ -155,7 +178,65 @@ class ServingKind(Kind):
         )
 
     def report(self, run_dir: Path, suite: ServingSuite, records: list[dict]) -> Report:
-        return write_report(run_dir, records)
+        """The table and plots; a capacity suite's with each series' search over `records` (the suite's grid,
+        target and probes) first."""
+        found = capacity.summaries(suite.capacity, suite.points(), records) if suite.capacity_search else None
+        return write_report(run_dir, records, capacity=found)
+
+
+Step = tuple[ServingPoint, dict, float]  # a point, its body (status, error and metrics), when it started (Unix s)
+
+
+def _sweep(suite: ServingSuite, pending: list[ServingPoint], records: list[dict], run: Callable) -> Iterator[Step]:
+    """Every pending point in suite order; once a point of a series saturates, the higher loads are skipped."""
+    saturated = _saturated_series(suite, records)
+    for point in pending:
+        t0 = time.time()
+        if point.series in saturated:
+            body = {"status": "skipped", "stop_reason": saturated[point.series], "error": None}
+        else:
+            body = run(point)
+        status = body["status"]
+        yield point, body, t0
+        reason = "out of memory" if status == "oom" else suite.saturation.reason(body) if status == "ok" else None
+        if reason and point.load is not None and point.series not in saturated:
+            saturated[point.series] = f"saturated at load {point.load:g}: {reason}"
+
+
+def _search(suite: ServingSuite, records: list[dict], run: Callable) -> Iterator[Step]:
+    """Each series' capacity search in suite order, one probe at a time (the next depends on the last), resumed
+    from `records`: every recorded probe is a result (`workloads.serving.capacity.search_series`). Each probe's
+    body carries the search's state after it (``capacity_probe``, ``capacity_passed``, `summary_fields`)."""
+    spec = suite.capacity
+    latest = res.latest_by_point(records)
+    for pts in capacity.by_series(suite.points()).values():
+        rates = [p.load for p in pts]
+        while (search := capacity.search_series(spec, pts, latest)).next is not None:
+            point, t0 = pts[search.next], time.time()
+            body = run(point)
+            latest[point.point_id] = dict(body)  # the probe's result (its status included), for the next step
+            after = capacity.search_series(spec, pts, latest)
+            body.update(
+                capacity_probe=len(after.path),
+                capacity_passed=capacity.passed(body, spec.target_attainment),
+                **capacity.summary_fields(after, rates, spec.target_attainment),
+            )
+            yield point, body, t0
+
+
+def _search_line(rec: dict) -> str:
+    """A capacity probe's part of its progress line: passed or not, and the search's state after it."""
+    if rec.get("capacity_status") is None:
+        return ""
+    f = lambda key: "-" if rec.get(key) is None else f"{rec[key]:.4g}"  # noqa: E731
+    verdict = "passed" if rec.get("capacity_passed") else "failed"
+    state = rec["capacity_status"]
+    bracket = f"passes at {f('capacity_lo_req_per_s')}, fails at {f('capacity_hi_req_per_s')} req/s"
+    state = f"capacity {f('capacity_req_per_s')} req/s ({bracket})" if state == "ok" else f"{state} ({bracket})"
+    return (
+        f"\n          capacity probe {rec.get('capacity_probe')} at {f('load')} req/s {verdict} "
+        f"(attainment {f('slo_attainment')} vs target {rec.get('capacity_target_attainment'):g}); search: {state}"
+    )
 
 
 def _saturated_series(suite: ServingSuite, records: list[dict]) -> dict[str, str]:

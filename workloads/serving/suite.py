@@ -6,7 +6,7 @@ names the load::
     kind: serving
     name: serving-rate
     description: the question this suite answers
-    mode: rate                    # serving-batch | concurrency | rate | max_batch | trace
+    mode: rate                    # serving-batch | concurrency | rate | max_batch | trace | capacity
     model: embedded
     policies: [full, scissorhands]
     compression_ratios: [5]       # B = ceil((max prompt + max new) / ratio) for every sequence
@@ -33,6 +33,9 @@ names the load::
     rounds: 2                     # max_batch mode: requests = rounds x the max batch
     trace_path: traces/azure_code_2023.csv  # trace mode (instead of loads and lengths): arrival time,
     trace_time_scale: 0.5         #   prompt and output tokens per row (docs/load-generation.md)
+    capacity: {min_rate_req_per_s: 0.1, max_rate_req_per_s: 1.6, target_attainment: 0.99, resolution: 0.25}
+                                  # capacity mode (instead of loads): per series the highest Poisson rate whose SLO
+                                  #   attainment >= target, by bisection on a grid (workloads.serving.capacity)
     replicas: 1
 
 The shared fields (model, policies, budgets, seed, replicas, placement) and their checks are
@@ -50,7 +53,9 @@ identity, so a run resumed with a changed SLO is refused rather than mixing two 
 
 Points are policy x budget x load, in that order, so each (policy, budget) is a series of increasing load; the
 series stops (remaining points `skipped`, stop reason `saturated`) once a point's error rate, p50 TTFT or
-achieved/target rate shows saturation.
+achieved/target rate shows saturation. In `capacity` mode the points are every rate of the search's grid, of which
+each series' search runs a few (`workloads.serving.capacity`: no saturation, no `loads`; a probe's requests and
+arrivals are seeded by the rate's value, and `capacity:` is not part of a point's id).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ from workloads.core.suite import (
 from workloads.load.lengths import LengthDist
 from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
 from workloads.load.slo import DEFAULT_SLO, SLO
+from workloads.serving.capacity import CapacitySearch, rate_seed
 
 #: A serving suite's modes: every load pattern's name, and the aliases of `workloads.load.patterns.MODE_ALIASES`.
 SERVING_MODES = tuple(MODES)
@@ -182,6 +188,8 @@ class ServingSuite(SuiteBase):
     # the point's `load` is the scale
     trace_path: Name | None = None
     trace_time_scale: PositiveFloat = 1.0
+    # capacity mode: the search's bracket, target, resolution and probes (workloads.serving.capacity)
+    capacity: CapacitySearch | None = None
 
     @property
     def max_length_tokens(self) -> int:
@@ -222,6 +230,11 @@ class ServingSuite(SuiteBase):
         the runner asks the pool (`max_batch_for`) and passes it to `load_config` and `record_columns`."""
         return bool(self.pattern_options.get("sized_by_memory"))
 
+    @property
+    def capacity_search(self) -> bool:
+        """Whether the points are probes of a capacity search (`capacity` mode): the runner picks which to run."""
+        return bool(self.pattern_options.get("capacity_search"))
+
     @model_validator(mode="before")
     @classmethod
     def _pattern_defaults(cls, data: Any) -> Any:
@@ -237,6 +250,10 @@ class ServingSuite(SuiteBase):
     @model_validator(mode="after")
     def _mode_needs(self) -> "ServingSuite":
         self.pattern.check_suite(self, self.mode, **self.pattern_options)
+        if self.capacity is not None and not self.capacity_search:
+            raise SuiteError(
+                f"capacity: only used in mode capacity (the search over Poisson rates), not in {self.mode}"
+            )
         at_most_one(
             self,
             "kv_memory_limit",
@@ -252,7 +269,7 @@ class ServingSuite(SuiteBase):
             )
         if self.scheduler == "mixed" and self.kv_layout != "paged":
             raise SuiteError("scheduler: 'mixed' feeds prompts in chunks of KV blocks; it needs kv_layout: 'paged'")
-        if self.max_num_batched_tokens < self.block_tokens:
+        if self.scheduler == "mixed" and self.max_num_batched_tokens < self.block_tokens:
             raise SuiteError(
                 f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block (block_tokens: "
                 f"{self.block_tokens}); give at least {self.block_tokens}"
@@ -282,6 +299,7 @@ class ServingSuite(SuiteBase):
             "slo",
             "scheduler",
             "max_num_batched_tokens",
+            "capacity",  # a probe's numbers depend on its rate, not on the search that picked it
         }
         ident = self.model_dump(include=keep, mode="json")
         # the SLO changes a point's attainment and goodput: a non-default one is part of its identity, the default
@@ -356,7 +374,11 @@ class ServingSuite(SuiteBase):
     def workload_seed(self, point: ServingPoint) -> int:
         """The seed of `point`'s requests and arrival times: the suite's `seed` and the point's load (its
         place in the series), never the series, so every policy at one load is measured on the same
-        requests in the same order at the same times (a paired comparison); other loads draw anew."""
+        requests in the same order at the same times (a paired comparison); other loads draw anew. A capacity
+        probe's: the suite's `seed` and the rate's value (`workloads.serving.capacity.rate_seed`), whatever grid
+        or search reached it."""
+        if self.capacity_search:
+            return rate_seed(self.seed, point.load)
         loads = self.pattern.point_loads(self, **self.pattern_options)
         return self.seed * 1_009 + loads.index(point.load)
 

@@ -1,0 +1,244 @@
+"""Capacity at an SLO (a serving suite's `mode: capacity`): per series (policy and ratio), the highest Poisson
+request rate whose SLO attainment stays at or above a target, found by bisection on a fixed grid of rates::
+
+    mode: capacity
+    capacity:
+      min_rate_req_per_s: 0.1      # the bracket searched (req/s)
+      max_rate_req_per_s: 1.6
+      target_attainment: 0.99      # a probe passes when its slo_attainment >= this; in (0, 1]
+      resolution: 0.25             # relative: adjacent rates of the grid are at most 25% apart
+      max_probes: null             # default: what the grid needs (ceil(log2(rates + 1)))
+
+* **The grid** (`CapacitySearch.grid`): ``steps + 1`` rates from `min_rate_req_per_s` to `max_rate_req_per_s`,
+  ``min x q^i`` with ``q = (max / min)^(1 / steps)`` and the fewest steps that keep every ratio of adjacent rates
+  at or below ``1 + resolution``; rates rounded to 6 significant digits. Every series probes rates of this one grid,
+  and a probe's requests and arrival times are seeded by the suite's `seed` and the rate's value (`rate_seed`),
+  so every series at one rate gets the same requests at the same times (a paired comparison).
+* **The search** (`bisect`): binary search over the grid's indexes between two sentinels, a pass below the lowest
+  rate and a fail above the highest; each probe is the middle of the rates still open, a pass raises the lower
+  end, a fail lowers the upper one, until they are adjacent (``hi / lo - 1 <= resolution``). A probe *passes*
+  (`passed`) when its record is ``ok`` and its ``slo_attainment >= target_attainment``; an ``oom`` or ``error``
+  probe counts as failing (an error is a result of its search, so a resumed run does not run it again: the probes
+  after it were chosen on its failure; the run exits 1 to say a point failed). The search assumes attainment does
+  not rise with the rate; where noise breaks that, it still ends on a passing rate next to a failing one.
+* **Statuses** (`STATUSES`): ``ok`` (capacity = the highest passing rate, the lowest failing one next to it);
+  ``below_min_rate`` (the lowest rate already fails: no capacity in the bracket); ``at_least_max_rate`` (the
+  highest rate passes: the capacity is at least that); ``not_converged`` (`max_probes` ran out before the
+  resolution; the bracket so far is reported, no capacity); ``searching`` (the run stopped mid-search: resume it).
+  Only ``ok`` reports `capacity_req_per_s`.
+* **Resume**: the search is a function of the records already written (`search_series`), so a resumed run
+  re-derives each series' next probe from ``points.jsonl`` and never runs a recorded probe again. The search
+  settings are not part of a probe's id (its numbers depend on the rate, not on the target or the bracket): a run
+  resumed with a larger `max_probes` goes on where a ``not_converged`` search stopped, and one resumed with another
+  target or bracket reuses every probe it recorded at a rate of the new grid.
+
+Every probe is a full serving point (its record, table row and Prometheus series), with the search's state after
+it: ``capacity_probe`` (its place in its series' search), ``capacity_passed``, and `summary_fields`
+(``capacity_status``, ``capacity_req_per_s``, the bracket ``capacity_lo_req_per_s`` / ``capacity_hi_req_per_s``,
+``capacity_probes``, ``capacity_target_attainment``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Annotated, Any, Iterable, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: What a series' search ended in (or `searching`: not ended yet), see the module docstring.
+STATUSES = ("ok", "below_min_rate", "at_least_max_rate", "not_converged", "searching")
+#: The finest resolution accepted (1%: finer than the attainment of a probe of a few dozen requests can tell).
+MIN_RESOLUTION = 0.01
+#: The most rates one grid holds (a wider bracket or a finer resolution is refused, naming `capacity.resolution`).
+MAX_GRID_RATES = 1000
+
+Rate = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+def _significant(x: float) -> float:
+    """`x` to 6 significant digits (the point tag's `:g`; a rate reproduces on every machine)."""
+    return float(f"{x:.6g}")
+
+
+class CapacitySearch(BaseModel):
+    """A serving suite's ``capacity:`` (see the module docstring); each invalid field raises ValueError naming it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    min_rate_req_per_s: Rate
+    max_rate_req_per_s: Rate
+    target_attainment: float = 0.99
+    resolution: float = 0.1
+    max_probes: Annotated[int, Field(strict=True)] | None = None
+
+    @field_validator("target_attainment")
+    @classmethod
+    def _a_fraction(cls, value: float) -> float:
+        if not (math.isfinite(value) and 0 < value <= 1):
+            raise ValueError(f"a fraction of requests in (0, 1] (0.99: 99% meet the SLO), got {value!r}")
+        return value
+
+    @field_validator("resolution")
+    @classmethod
+    def _a_relative_step(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= MIN_RESOLUTION):
+            raise ValueError(
+                f"the relative step between adjacent rates (0.1: 10% apart), at least {MIN_RESOLUTION}, got {value!r}"
+            )
+        return value
+
+    @field_validator("max_probes")
+    @classmethod
+    def _two_or_more(cls, value: int | None) -> int | None:
+        if value is not None and value < 2:
+            raise ValueError(f"a bracket takes at least 2 probes (one that passes, one that fails), got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _a_bracket(self) -> "CapacitySearch":
+        lo, hi = self.min_rate_req_per_s, self.max_rate_req_per_s
+        if lo >= hi:
+            raise ValueError(
+                f"capacity.min_rate_req_per_s, capacity.max_rate_req_per_s: the rate bracket [{lo:g}, {hi:g}] req/s "
+                "is empty or inverted; give a min_rate_req_per_s below max_rate_req_per_s"
+            )
+        n = len(self.grid())
+        if n > MAX_GRID_RATES:
+            raise ValueError(
+                f"capacity.resolution: {self.resolution:g} over [{lo:g}, {hi:g}] req/s makes a grid of {n} rates "
+                f"(at most {MAX_GRID_RATES}); raise the resolution or narrow the bracket"
+            )
+        return self
+
+    def grid(self) -> tuple[float, ...]:
+        """The rates every series may probe, increasing (req/s): the module docstring's grid."""
+        lo, hi, res = self.min_rate_req_per_s, self.max_rate_req_per_s, self.resolution
+        steps = max(1, math.ceil(math.log(hi / lo) / math.log1p(res) - 1e-9))
+        while True:  # one more step when rounding pushed a ratio past the resolution (a 1e-6 effect)
+            q = (hi / lo) ** (1 / steps)
+            rates = (lo, *(_significant(lo * q**i) for i in range(1, steps)), hi)
+            if all(b / a - 1 <= res for a, b in zip(rates, rates[1:])) or steps > MAX_GRID_RATES:
+                return rates
+            steps += 1
+
+    @property
+    def probes(self) -> int:
+        """The most probes a series' search takes: `max_probes`, else what the grid needs to converge."""
+        return self.max_probes if self.max_probes is not None else needed_probes(len(self.grid()))
+
+    def describe(self) -> str:
+        """One line: the grid, the target and the probes (for the run's header and the table)."""
+        rates = self.grid()
+        step = (rates[-1] / rates[0]) ** (1 / (len(rates) - 1))
+        return (
+            f"the highest of {len(rates)} Poisson rates from {rates[0]:g} to {rates[-1]:g} req/s (x{step:.3g} a step, "
+            f"resolution {self.resolution:g}) with SLO attainment >= {self.target_attainment:g}, at most "
+            f"{self.probes} probes a series"
+        )
+
+
+def needed_probes(candidates: int) -> int:
+    """The most probes a binary search over `candidates` open rates takes: ceil(log2(candidates + 1))."""
+    return max(0, candidates).bit_length()
+
+
+def rate_seed(seed: int, rate: float) -> int:
+    """The seed of a probe's requests and arrival times: the suite's `seed` and the rate's value (6 significant
+    digits), never its place in a search, so every series probing a rate gets the same requests and times."""
+    return int(hashlib.sha1(f"{seed}:{rate:.6g}".encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+def passed(record: Mapping[str, Any], target_attainment: float) -> bool:
+    """Whether a probe's record (or point body) meets the target: ``ok`` and ``slo_attainment >= target``; an
+    ``oom`` or ``error`` probe, or one without arrivals (attainment null), fails."""
+    attainment = record.get("slo_attainment")
+    return record.get("status") == "ok" and attainment is not None and attainment >= target_attainment
+
+
+@dataclass(frozen=True)
+class Search:
+    """Where one series' search stands. Indexes are the grid's; `lo` the highest passing index on the path, `hi`
+    the lowest failing one (None: none yet); `next` the index to probe next (status ``searching``), `remaining`
+    the most probes still to run."""
+
+    status: str
+    path: tuple[int, ...]  # the indexes probed, in order
+    lo: int | None
+    hi: int | None
+    next: int | None
+    remaining: int
+
+
+def bisect(n: int, results: Mapping[int, bool], max_probes: int) -> Search:
+    """The search over a grid of `n` rates given the `results` known (index -> passed), with at most `max_probes`
+    probes (the module docstring's rule). Pure: the same results give the same path, whatever order they came in."""
+    lo, hi, path = -1, n, []  # sentinels: a pass below the grid, a fail above it
+    status = None
+    while hi - lo > 1:
+        if len(path) >= max_probes:
+            status = "not_converged"
+            break
+        mid = (lo + hi) // 2
+        if mid not in results:
+            remaining = min(max_probes - len(path), needed_probes(hi - lo - 1))
+            return Search("searching", tuple(path), _index(lo, n), _index(hi, n), mid, remaining)
+        path.append(mid)
+        lo, hi = (mid, hi) if results[mid] else (lo, mid)
+    if status is None:
+        status = "below_min_rate" if lo < 0 else "at_least_max_rate" if hi >= n else "ok"
+    return Search(status, tuple(path), _index(lo, n), _index(hi, n), None, 0)
+
+
+def _index(i: int, n: int) -> int | None:
+    return i if 0 <= i < n else None
+
+
+def summary_fields(search: Search, rates: tuple[float, ...] | list[float], target_attainment: float) -> dict:
+    """The search's state under its record keys: ``capacity_status``, ``capacity_req_per_s`` (the highest passing
+    rate; only when ``ok``), the bracket ``capacity_lo_req_per_s`` (highest passing rate probed, null: none passed)
+    and ``capacity_hi_req_per_s`` (lowest failing rate probed, null: none failed), ``capacity_probes`` (probes
+    used) and ``capacity_target_attainment``."""
+    lo = rates[search.lo] if search.lo is not None else None
+    return {
+        "capacity_status": search.status,
+        "capacity_req_per_s": lo if search.status == "ok" else None,
+        "capacity_lo_req_per_s": lo,
+        "capacity_hi_req_per_s": rates[search.hi] if search.hi is not None else None,
+        "capacity_probes": len(search.path),
+        "capacity_target_attainment": target_attainment,
+    }
+
+
+def by_series(points: Iterable) -> dict[str, list]:
+    """A capacity suite's points (`workloads.serving.suite.ServingPoint`) per series, each in grid order."""
+    out: dict[str, list] = {}
+    for p in points:
+        out.setdefault(p.series, []).append(p)
+    return out
+
+
+def search_series(spec: CapacitySearch, series_points: list, latest: Mapping[str, dict]) -> Search:
+    """One series' search given `latest` (point id -> its latest record): every recorded probe is a result."""
+    target = spec.target_attainment
+    results = {i: passed(latest[p.point_id], target) for i, p in enumerate(series_points) if p.point_id in latest}
+    return bisect(len(series_points), results, spec.probes)
+
+
+def summaries(spec: CapacitySearch, points: Iterable, records: Iterable[dict]) -> list[dict]:
+    """Per series, in suite order: ``series``, `summary_fields` of its search over `records` (the latest record
+    of each point wins), and ``capacity_errored_probes`` (probes on its path whose status is ``error``)."""
+    latest = {r["point_id"]: r for r in records}
+    out = []
+    for series, pts in by_series(points).items():
+        search = search_series(spec, pts, latest)
+        rates = [p.load for p in pts]
+        errored = sum(1 for i in search.path if latest[pts[i].point_id].get("status") == "error")
+        out.append(
+            {
+                "series": series,
+                **summary_fields(search, rates, spec.target_attainment),
+                "capacity_errored_probes": errored,
+            }
+        )
+    return out
