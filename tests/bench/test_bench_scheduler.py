@@ -24,6 +24,7 @@ def test_bench_scheduler_runs_both_schedulers_on_the_same_requests(tmp_path, cap
         label: "prefill_first" if "prefill_first" in label else "mixed" for label in rows
     }
     assert all(r["itl_p99_s"] >= r["itl_p50_s"] > 0 for r in rows.values())
+    assert data["full_outputs_match_prefill_first"] == {"mixed 16": True, "mixed 32": True}
     out = capsys.readouterr().out
     assert "| scissorhands x5, mixed 16 | " in out and "| mixed 32 | " in out
 

@@ -239,3 +239,53 @@ def test_mixed_full_cache_gives_the_prefill_first_tokens_on_the_embedded_model()
     got, engine = _serve(model, EngineConfig(**paged, scheduler="mixed", max_num_batched_tokens=64), requests)
     assert engine.stats()["prefill_calls"] >= sum(-(-n // 64) for n in lengths) - len(lengths)  # chunked
     assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
+
+
+def test_per_request_budgets_hold_at_every_step_and_whole_prompts_give_the_prefill_first_tokens(model):
+    """Under budget: per_request each row keeps at most its own B = ceil((prompt + max_new) / 2) between steps
+    while its prompt is fed in chunks; with a token budget no prompt is cut by, mixed gives prefill-first's tokens."""
+    per_request = dict(policy="scissorhands", compression_ratio=2, budget="per_request")
+    per_request["policy_params"] = dict(history_window=4, count_chunk_steps=2)
+    requests = _requests(8, seed=3)
+    budgets = {r.request_id: -(-(len(r.prompt_ids) + r.max_new_tokens) // 2) for r in requests}
+    checked = {"rows": 0}
+
+    def check(engine):
+        groups = [(engine._cache, engine._running)] + [(p.cache, p.group) for p in engine._prefilling]
+        for cache, seqs in groups:
+            if cache is None:
+                continue
+            held = cache.layers[0].held.tolist()
+            assert all(h <= budgets[s.request.request_id] for h, s in zip(held, seqs))
+            checked["rows"] += len(seqs)
+
+    cfg = dict(**PAGED, **per_request, kv_memory_limit_bytes=10**7)
+    got, _ = _serve(model, EngineConfig(**cfg, scheduler="mixed", max_num_batched_tokens=12), requests, check)
+    assert all(r.error is None for r in got.values()) and len(got) == 8 and checked["rows"] > 0
+    want, _ = _serve(model, EngineConfig(**cfg), requests)
+    whole, _ = _serve(model, EngineConfig(**cfg, scheduler="mixed", max_num_batched_tokens=1024), requests)
+    assert {k: r.output_ids for k, r in whole.items()} == {k: r.output_ids for k, r in want.items()}
+
+
+def test_warm_up_requests_are_counted_apart_when_their_prompts_are_fed_in_chunks(model):
+    cfg = EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, scheduler="mixed", max_num_batched_tokens=8)
+    warm = [GenerationRequest(f"w{i}", list(range(1, 30)), 4, ignore_eos=True, warmup=True) for i in range(2)]
+    measured = [GenerationRequest(f"m{i}", list(range(2, 25)), 3 + i, ignore_eos=True) for i in range(3)]
+    results, engine = _serve(model, cfg, warm + measured)
+    stats = engine.stats()
+    assert (stats["warmup_completed_requests"], stats["warmup_generated_tokens"]) == (2, 8)
+    assert (stats["completed_requests"], stats["generated_tokens"]) == (3, 3 + 4 + 5)
+    assert all(r.error is None for r in results.values())
+
+
+def test_max_batch_counts_prompts_part_way_fed(model):
+    cfg = EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, scheduler="mixed", max_num_batched_tokens=8, max_batch=2)
+    most = {"running": 0}
+
+    def check(engine):
+        assert engine.running <= 2
+        most["running"] = max(most["running"], engine.running)
+
+    results, engine = _serve(model, cfg, _requests(6, seed=4), check)
+    assert all(r.error is None for r in results.values()) and len(results) == 6
+    assert most["running"] == engine.stats()["peak_running_sequences"] == 2
