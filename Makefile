@@ -164,7 +164,8 @@ quality: install
 
 # The throughput-quality frontier (workloads/frontier; docs/benchmarks.md): per policy and ratio, output tok/s at its own
 # max batch under one KV memory limit against perplexity of held-out text, both on the same replicas; points.jsonl,
-# frontier.png and table.md (Pareto frontier marked) land in results/<run_id>/. About 10 minutes on 2 idle cores.
+# frontier.png and table.md (Pareto frontier marked; first line: the fastest point within the quality gate, perplexity
+# within 1% of the full cache's) land in results/<run_id>/. About 20 minutes on 2 idle cores (4 perplexity windows).
 FRONTIER_SUITE ?= workloads/suites/frontier.yaml
 .PHONY: frontier
 frontier: install

@@ -77,7 +77,9 @@ class EngineConfig(FrozenConfig):
             waiting prompts filling the rest, as vLLM V1 and Sarathi-Serve schedule); mixed needs
             ``kv_layout: paged`` (a prompt's chunks take blocks as they arrive).
         max_num_batched_tokens: the token budget of one step under ``scheduler: mixed`` (decode tokens +
-            prompt-chunk tokens); at least one block (`block_tokens`).
+            prompt-chunk tokens); at least one block (`block_tokens`). The default, 512, is `make bench-scheduler`'s
+            pick on the embedded model: the lowest Scissorhands ITL p99 among budgets within 10% of prefill-first's
+            output tok/s (docs/results/2026-12-04-mixed-scheduler.md).
 
     Raises:
         ConfigError (a ValueError): an unknown key, or a field out of range; the message names

@@ -41,6 +41,9 @@ def test_shipped_frontier_suite_runs_every_policy_at_each_ratio_and_full_once():
     ]
     assert len({p.point_id for p in points}) == len(points)
     assert {(p.prompt_tokens, p.new_tokens, p.kv_limit_full_sequences) for p in points} == {(512, 128, 2)}
+    assert {p.perplexity_windows for p in points} == {4} and suite.quality_gate.max_perplexity_increase == 0.01
+    quick = load_suite(str(REPO / "workloads" / "suites" / "frontier-quick.yaml"))
+    assert quick.perplexity_windows == 4 and quick.quality_gate.max_perplexity_increase == 0.01
 
 
 BASE = {
@@ -82,6 +85,7 @@ def test_one_point_measures_both_numbers_on_one_cache(model):
     from replica.engine import ContinuousBatchingEngine
     from replica.types import EngineConfig
     from scissorhands import budget_from_ratio
+    from workloads.frontier.gate import perplexity_interval
     from workloads.frontier.point import run_frontier_point
     from workloads.quality.perplexity import heldout_windows, perplexity
 
@@ -97,10 +101,18 @@ def test_one_point_measures_both_numbers_on_one_cache(model):
     assert sh["batch_size"] > full["batch_size"] and sh["max_batch_verified"] and full["max_batch_verified"]
     assert sh["kv_cache_bytes"] <= sh["kv_memory_limit_bytes"]
     assert sh["output_tokens"] == 8 * sh["batch_size"] and sh["output_throughput_tok_per_s"] > 0
-    expected = perplexity(
-        model, heldout_windows(None, 32, 1, 0, vocab_size=model.config.vocab_size), "scissorhands", 4.0
+    expected = perplexity(  # the default: 4 windows, each point's 95% interval across them
+        model, heldout_windows(None, 32, 4, 0, vocab_size=model.config.vocab_size), "scissorhands", 4.0
     )
-    assert sh["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-9) and sh["perplexity_tokens_scored"] == 32
+    assert sh["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-9) and sh["perplexity_tokens_scored"] == 128
+    assert sh["perplexity_windows"] == 4
+    assert sh["window_nll_per_token"] == pytest.approx([math.log(p) for p in expected["window_perplexity"]])
+    assert (sh["perplexity_ci_low"], sh["perplexity_ci_high"]) == pytest.approx(
+        perplexity_interval(sh["window_nll_per_token"])
+    )
+    assert sh["perplexity_ci_low"] < sh["perplexity"] < sh["perplexity_ci_high"]
+    one = run_frontier_point(model, None, parse_suite({**BASE, "perplexity_windows": 1}).points()[1])
+    assert one["perplexity_ci_low"] is None and one["perplexity_ci_high"] is None  # one window: no interval
 
 
 def test_report_marks_the_frontier_in_the_table():
@@ -140,8 +152,15 @@ def test_report_marks_the_frontier_in_the_table():
         ("random", None),
     ]
     table = markdown(rows)
-    assert "| h2o x4 | bfloat16 | 8 | 2 | 30.0 | 15.00 | 30.0 | 25.000 | 1.00 | True | yes | ok |" in table
-    assert "| tova x4 | bfloat16 | 8 | 2 | 20.0 | 10.00 | 20.0 | 26.000 | 1.00 | True |  | ok |" in table
+    # records without per-window NLLs (older runs): no intervals, the gate still judged on the point estimates
+    assert (
+        "| h2o x4 | bfloat16 | 8 | 2 | 30.0 | 15.00 | 30.0 | 25.000 | - | 1.2500 | fail | 1.00 | True | yes | ok |"
+        in table
+    )
+    assert (
+        "| tova x4 | bfloat16 | 8 | 2 | 20.0 | 10.00 | 20.0 | 26.000 | - | 1.3000 | fail | 1.00 | True |  | ok |"
+        in table
+    )
     assert "| random |" in table and "error: boom" in table and "Not one comparison" not in table
 
 
@@ -174,7 +193,9 @@ def test_points_of_another_dtype_get_their_own_frontier():
         ]
     )
     assert [(r["point_id"], r["on_frontier"]) for r in rows] == [("b", True), ("a", False), ("c", True)]
-    assert markdown(rows).startswith(
+    first, conditions = markdown(rows).split("\n\n")[:2]
+    assert first.startswith("**No quality gate (bfloat16, 100 B): no full-cache point finished")
+    assert conditions.startswith(
         "**Not one comparison: the points ran in 2 settings (dtype, KV limit in bytes): bfloat16, 100 B; float32, 200 B"
     )
 

@@ -13,11 +13,14 @@ Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens 
    them), ``new_tokens`` each, EOS ignored. ``output_throughput_tok_per_s`` = output tokens / the run's wall
    time from the first step to the last token, prefill included (`replica.generate_baseline.run_engines`).
 2. Perplexity of held-out text with the same policy and ratio (`workloads.quality.perplexity.perplexity`):
-   ``perplexity_windows`` windows of ``prompt_tokens + new_tokens`` tokens scored as decoding would.
+   ``perplexity_windows`` windows of ``prompt_tokens + new_tokens`` tokens scored as decoding would (the same
+   windows for every point), with the 95% t-interval of the mean NLL per token across them through ``exp``
+   (`workloads.frontier.gate.perplexity_interval`; null for one window).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -26,6 +29,7 @@ from replica.engine import ContinuousBatchingEngine
 from replica.generate_baseline import run_engines
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands.models import cpu_flags, cpu_model_name
+from workloads.frontier.gate import perplexity_interval
 from workloads.frontier.suite import FrontierPoint
 from workloads.load.prompts import prompts_for
 from workloads.quality.perplexity import heldout_windows, perplexity
@@ -40,7 +44,10 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     ``wall_s``, ``cpu_s``, ``prefill_s``, ``decode_s``, ``kv_cache_bytes`` (peak of the throughput run),
     ``peak_running_sequences``, ``max_batch_verified`` (the batch ran whole and its peak KV bytes stayed under
     the limit), ``perplexity``, ``nll_per_token`` (nats), ``perplexity_tokens_scored``,
-    ``window_perplexity_std``, ``perplexity_budget_tokens``, ``perplexity_eval_s``, ``throughput_s``,
+    ``perplexity_windows`` (windows scored), ``window_nll_per_token`` ([float] nats, one per window, in window
+    order: what the report pairs with the full cache's), ``perplexity_ci_low`` and ``perplexity_ci_high`` (the
+    95% interval; None for one window), ``window_perplexity_std``, ``perplexity_budget_tokens``,
+    ``perplexity_eval_s``, ``throughput_s``,
     ``torch_threads``, ``cpu`` (model name and AVX/AMX flags), ``text_source``.
 
     Raises:
@@ -72,7 +79,7 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     (run,) = run_engines(model, [(cfg, requests)], desc=f"{policy} x{ratio or 1:g} batch {batch}")
     throughput_s = time.perf_counter() - t0
     run.pop("outputs", None)
-    ppl = perplexity(
+    ppl = perplexity(  # the same seeded windows for every point, so the report can pair them
         model,
         heldout_windows(tokenizer, P + N, int(point.perplexity_windows), seed, vocab_size=vocab),
         policy,
@@ -81,6 +88,8 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         params,
         device=next(model.parameters()).device,
     )
+    window_nll = [math.log(v) for v in ppl["window_perplexity"]]  # nats per token, one per window
+    ci_low, ci_high = perplexity_interval(window_nll)
     return {
         "kv_memory_limit_bytes": int(limit),
         "kv_limit_full_sequences": point.kv_limit_full_sequences,
@@ -103,6 +112,10 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         "perplexity": ppl["perplexity"],
         "nll_per_token": ppl["nll_per_token"],
         "perplexity_tokens_scored": ppl["tokens_scored"],
+        "perplexity_windows": ppl["windows"],
+        "window_nll_per_token": window_nll,
+        "perplexity_ci_low": ci_low,
+        "perplexity_ci_high": ci_high,
         "window_perplexity_std": ppl["window_perplexity_std"],
         "perplexity_budget_tokens": ppl["budget_tokens"],
         "perplexity_eval_s": ppl["eval_s"],

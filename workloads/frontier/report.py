@@ -1,28 +1,44 @@
-"""Frontier report: the Pareto frontier of throughput against perplexity, a PNG and its Markdown table.
+"""Frontier report: the Pareto frontier of throughput against perplexity, the quality gate, a PNG and its table.
 
 ``python -m workloads.frontier.report results/<run_id>`` (re)writes, next to the run's ``points.jsonl``:
 
+* ``table.md``: first line, the fastest configuration that passes the quality gate (`headline`: policy, ratio,
+  output tok/s against the full cache's, perplexity with its interval), or a line saying none did; then the
+  conditions (model, dtype, CPU, threads, limit, lengths, windows) and one row per point, sorted by output tok/s,
+  with its perplexity's 95% interval, its ratio to the full cache's with the paired interval, the gate's
+  decision and the frontier mark.
 * ``frontier.png``: one point per policy and compression ratio, x = output tok/s at the point's own max batch
-  under the run's one KV memory limit, y = perplexity of held-out text (log scale when it spans more than 3x); the
-  points on the Pareto frontier are ringed and joined; a second panel zooms on the points within
-  `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity.
-* ``table.md``: the conditions (model, dtype, CPU, threads, limit, lengths) and one row per point, frontier
-  points marked, sorted by output tok/s.
+  under the run's one KV memory limit, y = perplexity of held-out text (log scale when it spans more than 3x)
+  with its 95% interval as a vertical error bar; the quality gate as a horizontal line at the full cache's
+  perplexity x (1 + bound), the failing region above it shaded; the points on the Pareto frontier ringed and
+  joined; a second panel zooms on the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity. Labels
+  are placed so that no two overlap (`_place_labels`), with a leader line where one had to move off its point.
 
 Points are compared only within one dtype and one KV limit in bytes: a run resolves ``dtype: auto`` once, but
 records of runs that resolved differently (or of older runs) may be reported together; the report then says so
-first and draws one frontier per group.
+and draws one frontier, and judges one gate, per group.
 
 A point is on the frontier when no other point is at least as fast (output tok/s) and at most as perplexed
-with one of the two strictly better (`pareto_front`).
+with one of the two strictly better (`pareto_front`, on the point estimates). It passes the quality gate when its
+perplexity is at most the full cache's of its group times ``1 + max_perplexity_increase``
+(`workloads.frontier.gate`, where the intervals and the rule are defined); ``quality_gate_passed`` is None
+without a full-cache point in its group.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 from workloads.core import results as res
+from workloads.frontier.gate import (
+    DEFAULT_MAX_PERPLEXITY_INCREASE,
+    gate_passed,
+    gate_perplexity,
+    gate_resolved,
+    paired_ratio_interval,
+)
 
 MIB = 1024 * 1024
 
@@ -35,8 +51,6 @@ def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
     Raises:
         ValueError: a value is not a finite number.
     """
-    import math
-
     for i, (t, p) in enumerate(points):
         if not (isinstance(t, (int, float)) and isinstance(p, (int, float)) and math.isfinite(t) and math.isfinite(p)):
             raise ValueError(f"points[{i}]: throughput and perplexity must be finite numbers, got {(t, p)!r}")
@@ -53,13 +67,53 @@ def _group(r: dict) -> tuple:
     return (r.get("dtype"), r.get("kv_memory_limit_bytes"))
 
 
-def frontier_rows(records) -> list[dict]:
-    """The latest record of every point, ok ones with ``on_frontier`` set, sorted by output tok/s (fastest
-    first; failed points last). The frontier is taken within each group of one dtype and one limit in bytes
-    (`_group`): a run whose replicas resolved ``dtype: auto`` differently has one frontier per dtype."""
+def _bound_of(records, max_perplexity_increase: float | None) -> float:
+    """The gate's bound: the one given (the suite's, from the runner), else the one the records carry (the suite's
+    when they ran), else `DEFAULT_MAX_PERPLEXITY_INCREASE`."""
+    if max_perplexity_increase is not None:
+        return max_perplexity_increase
+    carried = [r.get("quality_gate_max_perplexity_increase") for r in records]
+    return next((b for b in reversed(carried) if b is not None), DEFAULT_MAX_PERPLEXITY_INCREASE)
+
+
+def _gate_fields(r: dict, full: dict | None, bound: float) -> dict:
+    """The gate's columns of one ok row against ``full`` (its group's full-cache row, or None)."""
+    full_ppl = full["perplexity"] if full else None
+    ratio_ci = paired_ratio_interval(r.get("window_nll_per_token"), (full or {}).get("window_nll_per_token"))
+    return {
+        "quality_gate_max_perplexity_increase": bound,
+        "full_perplexity": full_ppl,
+        "full_output_throughput_tok_per_s": full["output_throughput_tok_per_s"] if full else None,
+        "quality_gate_perplexity": gate_perplexity(full_ppl, bound),
+        "quality_gate_passed": gate_passed(r["perplexity"], full_ppl, bound),
+        "perplexity_vs_full": r["perplexity"] / full_ppl if full_ppl else None,
+        "perplexity_ratio_ci_low": ratio_ci[0],
+        "perplexity_ratio_ci_high": ratio_ci[1],
+        "quality_gate_resolved": gate_resolved(ratio_ci, bound),
+    }
+
+
+def frontier_rows(records, max_perplexity_increase: float | None = None) -> list[dict]:
+    """The latest record of every point, sorted by output tok/s (fastest first; failed points last), each with
+    ``label``, ``on_frontier`` and the quality gate's fields (None on failed points):
+
+    * ``quality_gate_passed`` (bool; None without an ok full-cache point in the group), ``quality_gate_perplexity``
+      (the highest perplexity that passes), ``quality_gate_max_perplexity_increase`` (the bound used);
+    * ``full_perplexity``, ``full_output_throughput_tok_per_s``, ``perplexity_vs_full`` (this / the full cache's);
+    * ``perplexity_ratio_ci_low``, ``perplexity_ratio_ci_high`` (95% paired interval of that ratio; None with one
+      window or records without ``window_nll_per_token``) and ``quality_gate_resolved``.
+
+    The frontier and the gate are taken within each group of one dtype and one limit in bytes (`_group`): a run
+    whose replicas resolved ``dtype: auto`` differently has one frontier and one full-cache reference per dtype.
+    ``max_perplexity_increase``: the gate's bound (None: the one the records carry, else the default 0.01).
+
+    Raises:
+        ValueError: ``max_perplexity_increase`` not a finite number > 0 (from `gate_perplexity`).
+    """
     latest = list(res.latest_by_point(records).values())
+    bound = _bound_of(latest, max_perplexity_increase)
     ok = [r for r in latest if r.get("status") == "ok"]
-    on = {}
+    on, gate = {}, {}
     for g in dict.fromkeys(_group(r) for r in ok):
         members = [r for r in ok if _group(r) == g]
         on.update(
@@ -68,9 +122,87 @@ def frontier_rows(records) -> list[dict]:
                 pareto_front([(r["output_throughput_tok_per_s"], r["perplexity"]) for r in members]),
             )
         )
-    rows = [dict(r, on_frontier=on[r["point_id"]], label=_label(r)) for r in ok]
+        full = next((r for r in members if r.get("policy") == "full"), None)
+        gate.update((r["point_id"], _gate_fields(r, full, bound)) for r in members)
+    rows = [dict(r, on_frontier=on[r["point_id"]], label=_label(r), **gate[r["point_id"]]) for r in ok]
     rows.sort(key=lambda r: -r["output_throughput_tok_per_s"])
-    return rows + [dict(r, on_frontier=None, label=_label(r)) for r in latest if r.get("status") != "ok"]
+    failed = [
+        dict(r, on_frontier=None, label=_label(r), quality_gate_passed=None, quality_gate_max_perplexity_increase=bound)
+        for r in latest
+        if r.get("status") != "ok"
+    ]
+    return rows + failed
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:+.2f}%"
+
+
+def _ci(low, high, fmt: str = ".3f") -> str | None:
+    return None if low is None or high is None else f"{low:{fmt}}-{high:{fmt}}"
+
+
+def headline(rows: list[dict]) -> str:
+    """The first line of ``table.md``: per group (`_group`), the highest output tok/s among the rows of
+    `frontier_rows` that pass the quality gate, with its policy, ratio, throughput against the full cache's and
+    perplexity with its intervals; or a line saying that no compressed configuration passed (the full cache
+    always passes its own gate), or that the gate could not be judged (no full-cache point)."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return "**Quality gate: no point finished.**"
+    groups = list(dict.fromkeys(_group(r) for r in ok))
+    parts = []
+    for g in groups:
+        members = [r for r in ok if _group(r) == g]  # fastest first (frontier_rows sorts them)
+        where = f" ({g[0]}, {g[1]} B)" if len(groups) > 1 else ""
+        bound = members[0]["quality_gate_max_perplexity_increase"]
+        full = next((r for r in members if r.get("policy") == "full"), None)
+        if full is None:
+            parts.append(
+                f"**No quality gate{where}: no full-cache point finished to compare with**, so no configuration is "
+                f"judged (`quality_gate_passed` is null; the gate is perplexity within {bound * 100:g}% of the full "
+                "cache's)."
+            )
+            continue
+        rule = (
+            f"perplexity at most {bound * 100:g}% above the full cache's {full['perplexity']:.3f}, i.e. "
+            f"<= {full['quality_gate_perplexity']:.3f}"
+        )
+        best = next((r for r in members if r["quality_gate_passed"] and r.get("policy") != "full"), None)
+        if best is None or best["output_throughput_tok_per_s"] < full["output_throughput_tok_per_s"]:
+            compressed = sum(1 for r in members if r.get("policy") != "full")
+            passed = sum(1 for r in members if r.get("policy") != "full" and r["quality_gate_passed"])
+            parts.append(
+                f"**No compressed configuration beats the full cache within the quality gate{where}** ({rule}): "
+                f"{passed} of {compressed} passed"
+                + (", none faster than" if passed else "; fastest passing is")
+                + f" the full cache at {full['output_throughput_tok_per_s']:.1f} output tok/s."
+            )
+            continue
+        ratio = best.get("compression_ratio")
+        speedup = best["output_throughput_tok_per_s"] / full["output_throughput_tok_per_s"]
+        ci = _ci(best.get("perplexity_ci_low"), best.get("perplexity_ci_high"))
+        paired = _ci(best.get("perplexity_ratio_ci_low"), best.get("perplexity_ratio_ci_high"), ".4f")
+        resolved = best.get("quality_gate_resolved")
+        parts.append(
+            f"**Fastest within the quality gate{where}: {best['label']}** (policy {best.get('policy')}"
+            + (f", compression ratio {ratio:g}x" if ratio is not None else "")
+            + f") at {best['output_throughput_tok_per_s']:.1f} output tok/s, {speedup:.2f}x the full cache's "
+            f"{full['output_throughput_tok_per_s']:.1f} (max batch {best.get('batch_size')} vs "
+            f"{full.get('batch_size')}); perplexity {best['perplexity']:.3f}"
+            + (f" (95% CI {ci})" if ci else "")
+            + f", {_percent(best['perplexity_vs_full'] - 1)} vs full"
+            + (f" (paired 95% CI of the ratio {paired}" if paired else "")
+            + (
+                ""
+                if not paired
+                else ")"
+                if resolved
+                else "; the bound lies inside it, so more windows could flip the decision)"
+            )
+            + f". Gate: {rule}."
+        )
+    return " ".join(parts)
 
 
 def _conditions(rows: list[dict]) -> str:
@@ -103,9 +235,24 @@ def _conditions(rows: list[dict]) -> str:
         + (f" = {full_seq} full-cache sequences" if full_seq else "")
         + f"); every request {first['prompt_tokens']} prompt tokens of {first.get('text_source', 'load-test text')} "
         f"(the same prompts for every point) + {first['new_tokens']} new tokens; perplexity over "
-        f"{first['perplexity_tokens_scored']} held-out tokens; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. Points ran "
+        f"{first['perplexity_tokens_scored']} held-out tokens"
+        + _windows(first)
+        + f"; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. Points ran "
         "one after another on the replicas (not interleaved): on a shared machine their timings carry its load; "
         "output tokens per CPU-second is less sensitive to it."
+    )
+
+
+def _windows(first: dict) -> str:
+    """How the perplexity was scored: the windows, and what the intervals are."""
+    n = first.get("perplexity_windows")
+    if not n:
+        return ""  # a record from before windows were recorded
+    if n == 1:
+        return " in one window (no interval: one window says nothing about its spread)"
+    return (
+        f" in {n} windows of {first['perplexity_tokens_scored'] // n} (the same windows for every point; 95% "
+        "t-intervals across windows: of a point's perplexity, and of its ratio to the full cache's, paired by window)"
     )
 
 
@@ -118,6 +265,9 @@ COLUMNS = [  # (header with unit, key, format)
     ("output (tok/CPU-s)", "output_tok_per_cpu_s", ".2f"),
     ("decode (tok/s)", "decode_tokens_per_s", ".1f"),
     ("perplexity", "perplexity", ".3f"),
+    ("perplexity 95% CI", "perplexity_ci", "s"),
+    ("vs full (paired 95% CI)", "vs_full", "s"),
+    ("gate", "gate_mark", "s"),
     ("peak KV (MiB)", "kv_cache_mib", ".2f"),
     ("verified", "max_batch_verified", "s"),
     ("frontier", "frontier_mark", "s"),
@@ -125,76 +275,231 @@ COLUMNS = [  # (header with unit, key, format)
 ]
 
 
+def _vs_full(r: dict) -> str | None:
+    if r.get("perplexity_vs_full") is None:
+        return None
+    paired = _ci(r.get("perplexity_ratio_ci_low"), r.get("perplexity_ratio_ci_high"), ".4f")
+    return f"{r['perplexity_vs_full']:.4f}" + (f" ({paired})" if paired else "")
+
+
+def _gate_mark(r: dict) -> str | None:
+    passed = r.get("quality_gate_passed")
+    if passed is None:
+        return None
+    return ("pass" if passed else "fail") + (" (bound inside CI)" if r.get("quality_gate_resolved") is False else "")
+
+
 def markdown(rows: list[dict]) -> str:
-    """The conditions line and the table (one row per point; ``frontier`` = "yes" for frontier points)."""
+    """`headline` (the first line), the conditions and the table: one row per point of `frontier_rows`;
+    ``gate`` = pass / fail ("bound inside CI" when the paired interval holds the bound) / - (no full cache);
+    ``frontier`` = "yes" for frontier points."""
     body = []
     for r in rows:
         r = dict(
             r,
             kv_cache_mib=r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None,
             frontier_mark={True: "yes", False: "", None: "-"}[r.get("on_frontier")],
+            perplexity_ci=_ci(r.get("perplexity_ci_low"), r.get("perplexity_ci_high")),
+            vs_full=_vs_full(r),
+            gate_mark=_gate_mark(r),
         )
         if r.get("status") != "ok":
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
         body.append("| " + " | ".join(res.format_value(r.get(k), f) for _, k, f in COLUMNS) + " |")
     head = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    return _conditions(rows) + "\n\n" + "\n".join(head + body) + "\n"
+    return headline(rows) + "\n\n" + _conditions(rows) + "\n\n" + "\n".join(head + body) + "\n"
 
 
 #: The right panel of the PNG zooms on the points within this factor of the lowest perplexity.
 ZOOM_PERPLEXITY_FACTOR = 1.15
+#: The ``gid`` of every point label of the PNG (what `tests/workloads/test_frontier.py` finds and checks).
+LABEL_GID = "frontier-label"
+#: The ``gid`` of the quality gate's line.
+GATE_GID = "quality-gate"
+_LABEL_FONTSIZE = 7
+_MARKER_RADIUS_PT = 7.0  # a label keeps off every marker (the frontier's rings included) by this radius (points)
+_RING_STEP_PT = 9.0  # each further ring of candidate positions lies this much farther from the point (points)
+_RINGS_INSIDE = 14  # rings tried inside the axes before a label may leave them
+_RINGS = 40
 
 
-def plot(rows: list[dict], path: Path) -> Path:
-    """Write the frontier PNG (matplotlib, Agg) of the ok ``rows`` of `frontier_rows` to ``path``: every point
-    (left), and the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity (right), where the policies
-    worth choosing sit close together."""
+def _candidates(ring: int):
+    """Offsets (points) and alignments for a label at ``ring``: right, above-right, below-right, left, above-left,
+    below-left, above, below its point, the text growing away from it."""
+    r = _MARKER_RADIUS_PT + 2 + _RING_STEP_PT * ring
+    d = r / math.sqrt(2)
+    return [
+        ((r, 0.0), "left", "center"),
+        ((d, d), "left", "bottom"),
+        ((d, -d), "left", "top"),
+        ((-r, 0.0), "right", "center"),
+        ((-d, d), "right", "bottom"),
+        ((-d, -d), "right", "top"),
+        ((0.0, r), "center", "bottom"),
+        ((0.0, -r), "center", "top"),
+    ]
+
+
+def _overlaps(a, b, pad: float = 3.0) -> bool:
+    """Whether two display boxes (pixels) intersect, ``pad`` pixels apart counting as touching."""
+    return a.x0 < b.x1 + pad and b.x0 < a.x1 + pad and a.y0 < b.y1 + pad and b.y0 < a.y1 + pad
+
+
+def _place_labels(fig, items: list[tuple]) -> list:
+    """Annotate every ``(ax, x, y, text)`` of ``items`` (data coordinates) so that no two labels' boxes intersect
+    and no label covers a marker or a legend: each label takes the first free candidate offset (`_candidates`),
+    ring by ring outwards, inside its axes for the first `_RINGS_INSIDE` rings; a label off its first ring gets a
+    thin leader line to its point. Positions are measured on the drawn figure (``get_window_extent``), so the
+    figure's layout must be final before the call. Returns the label annotations (``gid`` `LABEL_GID`)."""
+    from matplotlib.transforms import Bbox
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    radius = _MARKER_RADIUS_PT * fig.dpi / 72  # pixels
+    taken = []
+    for ax, x, y, _ in items:
+        px, py = ax.transData.transform((x, y))
+        taken.append(Bbox.from_extents(px - radius, py - radius, px + radius, py + radius))
+    taken += [leg.get_window_extent(renderer) for leg in fig.legends]
+    taken += [ax.get_legend().get_window_extent(renderer) for ax in fig.axes if ax.get_legend() is not None]
+    placed = []
+    for ax, x, y, text in items:
+        frame = ax.get_window_extent(renderer)
+        ann = ax.annotate(
+            text,
+            (x, y),
+            xytext=(0.0, 0.0),
+            textcoords="offset points",
+            fontsize=_LABEL_FONTSIZE,
+            gid=LABEL_GID,
+            annotation_clip=False,
+            bbox=dict(boxstyle="square,pad=0.1", facecolor="white", alpha=0.75, linewidth=0),  # readable over lines
+        )
+        best = None
+        for ring in range(_RINGS):
+            for offset, ha, va in _candidates(ring):
+                ann.xyann = offset
+                ann.set_horizontalalignment(ha)
+                ann.set_verticalalignment(va)
+                box = ann.get_window_extent(renderer)
+                if any(_overlaps(box, t) for t in taken):
+                    continue
+                inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+                if inside or ring >= _RINGS_INSIDE:
+                    best = (ring, offset, ha, va, box)
+                    break
+            if best:
+                break
+        if best is None:  # nowhere free within _RINGS rings (not met in practice): keep the last candidate
+            best = (_RINGS, offset, ha, va, box)
+        ring, offset, ha, va, box = best
+        ann.xyann = offset
+        ann.set_horizontalalignment(ha)
+        ann.set_verticalalignment(va)
+        taken.append(box)
+        placed.append(ann)
+        if ring > 0:  # moved off its point: a leader line (an annotation without text) shows whose it is
+            ax.annotate(
+                "",
+                (x, y),
+                xytext=offset,
+                textcoords="offset points",
+                arrowprops=dict(arrowstyle="-", color="0.45", lw=0.6, shrinkA=0, shrinkB=2),
+                annotation_clip=False,
+            )
+    return placed
+
+
+def _gates(ok: list[dict]) -> list[tuple[float, dict]]:
+    """One quality gate per group that has a full-cache point: ``(highest passing perplexity, its full row)``."""
+    out = []
+    for g in dict.fromkeys(_group(r) for r in ok):
+        full = next((r for r in ok if _group(r) == g and r.get("policy") == "full"), None)
+        if full is not None and full.get("quality_gate_perplexity") is not None:
+            out.append((full["quality_gate_perplexity"], full))
+    return out
+
+
+#: Legend names of the two kinds of error bar (`_error_bar`).
+CI_ACROSS_WINDOWS = "95% interval across windows (left)"
+CI_PAIRED = "paired 95% interval vs full, x full's perplexity (zoom)"
+
+
+def _error_bar(r: dict, zoom: bool) -> tuple[str, tuple[float | None, float | None]]:
+    """The interval a point's error bar shows: on the left panel its perplexity's (`perplexity_ci_low` and
+    `_high`: the text's variation across windows included); on the zoom, where the gate is decided, the paired
+    interval of its ratio to the full cache's times the full cache's perplexity (the text's variation cancels
+    there; it crosses the gate's line exactly when `quality_gate_resolved` is False)."""
+    if not zoom:
+        return CI_ACROSS_WINDOWS, (r.get("perplexity_ci_low"), r.get("perplexity_ci_high"))
+    full, lo, hi = r.get("full_perplexity"), r.get("perplexity_ratio_ci_low"), r.get("perplexity_ratio_ci_high")
+    if full is None or lo is None or hi is None or r.get("policy") == "full":
+        return CI_PAIRED, (None, None)
+    return CI_PAIRED, (full * lo, full * hi)
+
+
+def figure(rows: list[dict]):
+    """The frontier figure (matplotlib `Figure` on an Agg canvas, drawn, labels placed) of the ok ``rows`` of
+    `frontier_rows`: every point (left), and the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity
+    (right), where the policies worth choosing sit close together. Each point has a 95% interval as a vertical
+    error bar where it has one (`_error_bar`: across windows on the left, paired with the full cache on the zoom),
+    the quality gate is a horizontal line at the full cache's perplexity x
+    (1 + bound) with the failing region above it shaded, the Pareto frontier is ringed and joined, and the labels
+    do not overlap (`_place_labels`)."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     ok = [r for r in rows if r.get("status") == "ok"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+    fig = Figure(figsize=(13, 6.2), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
     policies = list(dict.fromkeys(r.get("policy_label") or r["policy"] for r in ok))
-    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(policies)}
+    cmap = matplotlib.colormaps["tab10"]
+    colors = {p: cmap(i % 10) for i, p in enumerate(policies)}
     ratios = sorted({r.get("compression_ratio") or 1.0 for r in ok})
     markers = {q: m for q, m in zip(ratios, "os^Dvp*hX<>")}
     groups = list(dict.fromkeys(_group(r) for r in ok))
+    gates = _gates(ok)
     best = min((r["perplexity"] for r in ok), default=1.0)
+    labels: list[tuple] = []
+    handles: dict = {}
     for ax, zoom in zip(axes, (False, True)):
         shown = [r for r in ok if not zoom or r["perplexity"] <= best * ZOOM_PERPLEXITY_FACTOR]
         for r in shown:
             pol, q = r.get("policy_label") or r["policy"], r.get("compression_ratio") or 1.0
-            ax.scatter(
-                r["output_throughput_tok_per_s"],
-                r["perplexity"],
-                color=colors[pol],
-                marker=markers.get(q, "o"),
-                s=55,
-                zorder=3,
-            )
-            ax.annotate(
-                r["label"],
-                (r["output_throughput_tok_per_s"], r["perplexity"]),
-                textcoords="offset points",
-                xytext=(5, 4),
-                fontsize=7,
-            )
+            x, y = r["output_throughput_tok_per_s"], r["perplexity"]
+            name, (lo, hi) = _error_bar(r, zoom)
+            if lo is not None:
+                handles[name] = ax.errorbar(
+                    x,
+                    y,
+                    yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]],
+                    fmt="none",
+                    ecolor=colors[pol],
+                    elinewidth=0.9,
+                    capsize=2.5,
+                    alpha=0.6,
+                    zorder=2,
+                )
+            ax.scatter(x, y, color=colors[pol], marker=markers.get(q, "o"), s=55, zorder=3)
+            labels.append((ax, x, y, r["label"]))
         for k, g in enumerate(groups):
             front = sorted(
                 (r for r in shown if r["on_frontier"] and _group(r) == g),
                 key=lambda r: r["output_throughput_tok_per_s"],
             )
             if front:
-                ax.plot(
+                name = "Pareto frontier" + (f" ({g[0]}, {g[1] / MIB:.3g} MiB)" if len(groups) > 1 else "")
+                (handles[name],) = ax.plot(
                     [r["output_throughput_tok_per_s"] for r in front],
                     [r["perplexity"] for r in front],
                     "--" if k == 0 else ":",
                     color="black",
                     lw=1,
                     zorder=2,
-                    label="Pareto frontier" + (f" ({g[0]}, {g[1] / MIB:.3g} MiB)" if len(groups) > 1 else ""),
                 )
                 ax.scatter(
                     [r["output_throughput_tok_per_s"] for r in front],
@@ -204,6 +509,25 @@ def plot(rows: list[dict], path: Path) -> Path:
                     edgecolors="black",
                     zorder=4,
                 )
+        if zoom and shown:  # the zoom keeps its points (and the gate) in view, not the intervals' far ends
+            ys = [r["perplexity"] for r in shown] + [g for g, _ in gates]
+            pad = max((max(ys) - min(ys)) * 0.08, max(ys) * 0.002)
+            ax.set_ylim(min(ys) - pad, max(ys) + pad)
+        elif ok and max(r["perplexity"] for r in ok) / best > 3:  # a far-off point would flatten the rest
+            ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        for k, (gate_y, full) in enumerate(gates):
+            high = max(high, gate_y * 1.002)
+            bound = full["quality_gate_max_perplexity_increase"]
+            name = f"quality gate: perplexity <= full x {1 + bound:g}" + (
+                f" ({full.get('dtype')}, {full['kv_memory_limit_bytes'] / MIB:.3g} MiB)" if len(gates) > 1 else ""
+            )
+            handles[name] = ax.axhline(
+                gate_y, color="tab:red", lw=1.1, ls="-." if k == 0 else ":", zorder=1, gid=GATE_GID
+            )
+        for gate_y, _ in gates:
+            handles["fails the gate"] = ax.axhspan(gate_y, high, color="tab:red", alpha=0.07, lw=0, zorder=0)
+        ax.set_ylim(low, high)
         ax.set_xlabel("output tok/s at the policy's own max batch")
         ax.set_ylabel("perplexity on held-out text (lower is better)")
         ax.grid(True, which="both", alpha=0.3)
@@ -213,8 +537,6 @@ def plot(rows: list[dict], path: Path) -> Path:
                 fontsize=9,
             )
         elif ok:
-            if max(r["perplexity"] for r in ok) / best > 3:  # a far-off point would flatten the rest
-                ax.set_yscale("log")
             first = ok[0]
             ax.set_title(
                 f"all points: one KV limit ({first['kv_memory_limit_bytes'] / MIB:.3g} MiB), "
@@ -222,21 +544,29 @@ def plot(rows: list[dict], path: Path) -> Path:
                 f"{first['new_tokens']} tokens per request",
                 fontsize=9,
             )
-            for p in policies:
-                ax.scatter([], [], color=colors[p], label=p)
-            for q in ratios:
-                ax.scatter([], [], color="gray", marker=markers[q], label=f"ratio {q:g}x")
-            ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    for p in policies:
+        handles[p] = axes[0].scatter([], [], color=colors[p])
+    for q in ratios:
+        handles[f"ratio {q:g}x"] = axes[0].scatter([], [], color="gray", marker=markers[q])
+    fig.tight_layout(rect=(0, 0.11, 1, 1))  # once: the layout is final before the labels are placed
+    if handles:
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=6, fontsize=7, frameon=False)
+    _place_labels(fig, labels)
+    return fig
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Write `figure` of ``rows`` as a PNG to ``path`` (the box widened to hold a label that left the axes)."""
+    fig = figure(rows)
+    fig.savefig(path, dpi=fig.dpi, bbox_inches="tight")
     return path
 
 
-def write_report(run_dir, records) -> dict[str, str]:
-    """Write ``table.md`` and ``frontier.png`` into ``run_dir``; return their paths by name."""
+def write_report(run_dir, records, max_perplexity_increase: float | None = None) -> dict[str, str]:
+    """Write ``table.md`` and ``frontier.png`` into ``run_dir``; return their paths by name.
+    ``max_perplexity_increase``: the quality gate's bound (None: as `frontier_rows`)."""
     run_dir = Path(run_dir)
-    rows = frontier_rows(records)
+    rows = frontier_rows(records, max_perplexity_increase)
     table = run_dir / "table.md"
     res.write_atomic(str(table), markdown(rows))
     return {"table": str(table), "plot": str(plot(rows, run_dir / "frontier.png"))}

@@ -6,8 +6,9 @@ Each point (one policy at one compression ratio) runs on one of N model replicas
 output tok/s at the policy's own max batch under the run's one KV memory limit, and perplexity of held-out text
 (`workloads.frontier.point`). Every finished point is one record (``kind: frontier``) appended to
 ``<results-dir>/<run_id>/points.jsonl`` and pushed to the Pushgateway like a sweep point; ``--resume RUN_ID``
-skips the points already ``ok``. At the end ``frontier.png`` and ``table.md`` (the Pareto frontier marked,
-`workloads.frontier.report`) are written next to the points. ``--local`` runs the points in this process.
+skips the points already ``ok``. At the end ``frontier.png`` and ``table.md`` (the fastest configuration within
+the suite's ``quality_gate`` first, the Pareto frontier marked, `workloads.frontier.report`) are written next to
+the points. ``--local`` runs the points in this process.
 
 Exit status: 0 all points ok; 1 a point failed or no replica could start; 2 invalid suite or arguments
 (nothing recorded); 130 interrupted.
@@ -41,6 +42,7 @@ class FrontierKind(Kind):
             policy_label=policy_label(point.policy, point.policy_params),
             prompt_tokens=point.prompt_tokens,
             new_tokens=point.new_tokens,
+            quality_gate_max_perplexity_increase=suite.quality_gate.max_perplexity_increase,
         )
 
     def one_line(self, rec: dict) -> str:
@@ -50,11 +52,16 @@ class FrontierKind(Kind):
         return (
             f"  ok     {what}: max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s, "
             f"perplexity {rec['perplexity']:.3f}"
+            + (
+                f" (95% CI {rec['perplexity_ci_low']:.3f}-{rec['perplexity_ci_high']:.3f})"
+                if rec.get("perplexity_ci_low") is not None
+                else ""
+            )
             + (f", B {rec['budget_tokens']} tok" if rec.get("budget_tokens") else "")
         )
 
     def report(self, run_dir: Path, suite: FrontierSuite, records: list[dict]) -> Report:
-        written = write_report(run_dir, records)
+        written = write_report(run_dir, records, suite.quality_gate.max_perplexity_increase)
         return Report(Path(written["table"]).read_text(encoding="utf-8"), tuple(Path(p) for p in written.values()))
 
 

@@ -14,21 +14,35 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
       full_sequences: 2          #   the bytes the full cache needs for this many sequences of prompt + new tokens,
                                  #   in the run's dtype (resolved on the replica)
       # bytes: 50000000          #   or an absolute limit in bytes
-    perplexity_windows: 1        # held-out windows of prompt_tokens + new_tokens tokens each
+    perplexity_windows: 4        # held-out windows of prompt_tokens + new_tokens tokens each (>= 2 for an interval)
+    quality_gate:                # the report's gate (`workloads.frontier.gate`); not part of a point's identity:
+      max_perplexity_increase: 0.01  # pass at perplexity <= the full cache's x (1 + this); a number > 0
 
 ``full`` never evicts, so it runs once (ratio 1). Absolute ``budget_tokens`` are refused: both measurements
 derive B from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
 Every error is a `workloads.core.suite.SuiteError` naming the field.
+
+``perplexity_windows`` gives every point its 95% interval (one window: none); ``quality_gate`` changes no
+measurement, only the report, so changing it re-reports a run (``--resume``) without re-running a point.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workloads.core.suite import KVMemoryLimit, PositiveInt, SuiteBase, SuiteError, budget_tag, point_id
+from workloads.core.suite import (
+    KVMemoryLimit,
+    PositiveFloat,
+    PositiveInt,
+    SuiteBase,
+    SuiteError,
+    budget_tag,
+    point_id,
+)
+from workloads.frontier.gate import DEFAULT_MAX_PERPLEXITY_INCREASE
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,33 @@ class FrontierPoint:
     budget_tokens: ClassVar[None] = None
 
 
+class QualityGate(BaseModel):
+    """``quality_gate``: a point passes when its perplexity is at most the full cache's (same run, dtype and KV
+    limit) times ``1 + max_perplexity_increase`` (`workloads.frontier.gate.gate_passed`); 0.01 = within 1%."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_perplexity_increase: PositiveFloat = DEFAULT_MAX_PERPLEXITY_INCREASE
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, value: Any) -> Any:
+        if not isinstance(value, (dict, QualityGate)):
+            raise ValueError(
+                f"quality_gate: expected {{max_perplexity_increase: X}} (X a number > 0; 0.01 = perplexity within "
+                f"1% of the full cache's), got {value!r}"
+            )
+        return value
+
+    @field_validator("max_perplexity_increase", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(
+                f"quality_gate.max_perplexity_increase: expected a number > 0 (0.01 = within 1%), got {value!r}"
+            )
+        return value
+
+
 class FrontierSuite(SuiteBase):
     """A validated frontier suite (see the module docstring for the YAML form)."""
 
@@ -60,7 +101,8 @@ class FrontierSuite(SuiteBase):
     prompt_tokens: PositiveInt = 512
     new_tokens: PositiveInt = 128
     kv_memory_limit: KVMemoryLimit = KVMemoryLimit(full_sequences=2)
-    perplexity_windows: PositiveInt = 1
+    perplexity_windows: PositiveInt = 4
+    quality_gate: QualityGate = QualityGate()
 
     _policies_default: ClassVar[str | None] = "all"
 
