@@ -343,6 +343,23 @@ class ContinuousBatchingEngine:
             if self._kept_slots(n + 1, seq.budget_tokens) > len(blocks) * bt
         ]
 
+    def _growth_blocks(self, steps: int) -> int:
+        """Blocks the running rows take, all layers, over their next `steps` decode steps (each row at most until
+        its last token; a budgeted row never past its budget's blocks): what a prompt fed over that many steps
+        must leave free, or it is the first preempted when they grow."""
+        if self._cache is None:
+            return 0
+        store = self._cache.layers[0].store
+        return self.num_layers * sum(
+            max(0, self._blocks(self._kept_slots(n + min(steps, self._left(seq)), seq.budget_tokens)) - len(blocks))
+            for seq, n, blocks in zip(self._running, store.row_slots.tolist(), store.blocks)
+        )
+
+    @staticmethod
+    def _left(seq: _Seq) -> int:
+        """Decode steps a running row may still run (it writes one slot each): its new tokens not yet picked."""
+        return seq.request.max_new_tokens - len(seq.result.output_ids)
+
     def _make_room_for_decode(self) -> None:
         """Preempt the most recently admitted running rows until the next decode step's blocks are free
         (vLLM's rule: the newest sequence goes back to the head of the queue and is recomputed later)."""
@@ -642,13 +659,16 @@ class ContinuousBatchingEngine:
         (oldest first), then to queued requests (first come, first served; equal lengths fed join one chunk),
         each chunk as long as the tokens left and the free blocks allow (the running rows' next blocks kept).
 
-        Blocks are taken chunk by chunk, but a queued request starts only when its whole prompt fits beside the
-        rest of the prompts part-way fed (vLLM V0's whole-prompt admission): a prompt that took the last free
-        blocks would be the first preempted when a running row grows, and fed again from its start.
-        A prompt that is not finished uses every token left, so at most one group is part-way fed after a step."""
+        Blocks are taken chunk by chunk, but a queued request starts only when its whole prefill (its last
+        chunk's peak) fits beside the rest of the prompts part-way fed and the blocks the running rows take while
+        they are all fed (vLLM V0's whole-prompt admission, with the running rows' growth as its watermark): a
+        prompt that took the last free blocks would be the first preempted when a running row grows, and fed
+        again from its start."""
         tokens = self.config.max_num_batched_tokens - len(self._running)
-        free = self.pool.free_blocks - self.num_layers * len(self._growing_rows())
+        growth = self.num_layers * len(self._growing_rows())
+        free = self.pool.free_blocks - growth
         committed = 0  # blocks the planned chunks add, once fed
+        per_step = max(1, tokens)  # prompt tokens a step feeds while these rows run
 
         def held(p: _Prefill) -> int:
             return self.num_layers * self._blocks(self._kept_slots(p.fed, p.group[0].budget_tokens))
@@ -657,6 +677,13 @@ class ContinuousBatchingEngine:
             """Blocks one row of `p` holds after `chunk` more tokens."""
             end = p.fed + chunk == p.length
             return self._chunk_blocks(p.fed, chunk, p.group[0].budget_tokens, end and self._decodes(seqs))[1]
+
+        def whole(p: _Prefill, seqs: list[_Seq]) -> int:
+            """Blocks one row of `p` holds at its last chunk's peak (a budgeted row holds B + chunk in the layer
+            being computed) or after it, whichever is more: what it takes by the end of its prefill."""
+            last = min(p.length - p.fed, per_step)
+            budget = p.group[0].budget_tokens
+            return self._chunk_blocks(p.length - last, last, budget, self._decodes(seqs))[0]
 
         def longest(p: _Prefill, seqs: list[_Seq], most: int, base: int) -> int:
             """The longest chunk <= `most` tokens whose peak fits beside `base` committed blocks (0: none)."""
@@ -680,7 +707,15 @@ class ContinuousBatchingEngine:
         if len(plan) < len(self._prefilling):
             return plan
         # blocks the prompts part-way fed still take before they run, kept for them
-        reserved = sum(p.rows * (after(p, p.length - p.fed, p.group) - held(p)) for p, _ in plan)
+        reserved = sum(p.rows * (whole(p, p.group) - held(p)) for p, _ in plan)
+        feeding = sum(p.rows * (p.length - p.fed) for p in self._prefilling)  # prompt tokens still to feed
+
+        def fits(extra_blocks: int, extra_tokens: int) -> bool:
+            """Whether the reserve plus `extra_blocks` fits beside the running rows' growth until every prompt
+            admitted so far, plus `extra_tokens` more, is fed."""
+            steps = -(-(feeding + extra_tokens) // per_step)
+            return reserved + extra_blocks + self._growth_blocks(steps) - growth <= free
+
         cap = self.config.max_batch or 1 << 30
         last: _Prefill | None = None  # the newest group of this step, which an equal request may join
         before_last = committed
@@ -697,24 +732,25 @@ class ContinuousBatchingEngine:
                     last is not None
                     and self._same_group(last.group[0], seq)
                     and tokens >= chunk
-                    and reserved + after(last, last.length, [seq]) <= free
+                    and fits(whole(last, [seq]), last.length)
                     and longest(last, joined, chunk, before_last) == chunk
                 ):
                     last.group.append(seq)  # fed with the newest group: its rows peak together
                     committed = before_last + last.rows * after(last, chunk, last.group)
-                    reserved += after(last, last.length, [seq])
+                    reserved += whole(last, [seq])
                 else:
                     p = _Prefill([seq])
-                    whole = after(p, p.length, p.group)
-                    chunk = longest(p, p.group, min(p.length, tokens), committed) if reserved + whole <= free else 0
+                    need = whole(p, p.group)
+                    chunk = longest(p, p.group, min(p.length, tokens), committed) if fits(need, p.length) else 0
                     if chunk == 0:
                         break  # wait for blocks: rows finish or are preempted
                     plan.append((p, chunk))
                     self._prefilling.append(p)
                     last, before_last = p, committed
                     committed += after(p, chunk, p.group)
-                    reserved += whole
+                    reserved += need
                 self._queue.popleft()
+                feeding += len(seq.prefill_ids())
                 tokens -= chunk
         return plan
 
@@ -858,8 +894,10 @@ class ContinuousBatchingEngine:
                 self.metrics.add_generated_tokens(len(group) - warm)
                 self.metrics.add_generated_tokens(warm, "warmup")
         self._stats["prefill_calls"] += 1
-        # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts')
-        self._track_bytes(cache.peak_kv_cache_bytes + self._kv_cache_bytes() - cache.kv_cache_bytes())
+        # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts'); a
+        # cache's peak is since its first chunk, so under mixed this is an upper bound
+        others = sum(c.kv_cache_bytes() for c in self._caches() if c is not cache)
+        self._track_bytes(cache.peak_kv_cache_bytes + others)
         self._peak_running = max(self._peak_running, self.running)
         if not last:
             return
