@@ -1,16 +1,17 @@
 """`make bench-scheduler`: prefill-first against the mixed scheduler at several token budgets, under one KV limit.
 
-The same requests for every row (a length mix: prompts uniform in [P/4, P], outputs log-uniform in [16, N], as
-`bench.bench_serving`'s `mix`), all submitted at once on one replica in process, the rows interleaved step by
-step (`replica.generate_baseline.run_engines`): the paged full cache and Scissorhands x`--ratio` (per-request
-budgets), each under `scheduler: prefill_first` and under `scheduler: mixed` with every `--budgets` token budget
-(`max_num_batched_tokens`). Per row: output tok/s, TTFT p50 / p99 (queueing included), ITL p50 / p99 (every gap
-between two tokens of a request: a prompt prefilled whole stalls the running rows' next token), preemptions; and
-per budget the ratio Scissorhands / full, both mixed. The default budget of `EngineConfig` is the one this tool
-chose (docs/results, the scheduler page).
+The same requests for every row (`--workload mix`, the default: prompts uniform in [P/4, P], outputs log-uniform
+in [16, N]; `equal`: every request P + N; `bench.bench_serving`'s workloads), all submitted at once on one replica
+in process, the rows interleaved step by step (`replica.generate_baseline.run_engines`): the paged full cache and
+Scissorhands x`--ratio` (per-request budgets), each under `scheduler: prefill_first` and under `scheduler: mixed`
+with every `--budgets` token budget (`max_num_batched_tokens`). Per row: output tok/s, TTFT p50 / p99 (queueing
+included), ITL p50 / p99 (every gap between two tokens of a request: a prompt prefilled whole stalls the running
+rows' next token; a preempted request's gap holds its wait and recompute), preemptions; per budget the ratio
+Scissorhands / full, both mixed; and whether the full cache's tokens under mixed equal prefill-first's. The default
+budget of `EngineConfig` is the one this tool chose (docs/results/2026-12-04-mixed-scheduler.md).
 
     python -m bench.bench_scheduler [--prompt-tokens 512] [--new-tokens 256] [--full-batch 2] [--ratio 5]
-                                    [--requests 24] [--budgets 128,256,512,1024]
+                                    [--requests 24] [--budgets 128,256,512,1024] [--workload mix|equal]
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths")
     p.add_argument("--out", default="results/bench-scheduler", help="folder for bench.json and bench.md")
     p.add_argument("--budgets", default="128,256,512,1024", help="the mixed rows' token budgets a step (comma list)")
+    p.add_argument(
+        "--workload",
+        choices=["mix", "equal"],
+        default="mix",
+        help="mix: prompts uniform in [P/4, P], outputs log-uniform in [16, N]; equal: every request P + N",
+    )
     args = p.parse_args(argv)
     args.budgets = comma_list(p, "--budgets", args.budgets, int)
     for name in ("prompt_tokens", "new_tokens", "full_batch", "requests", "block_tokens"):
@@ -81,7 +88,7 @@ def main(argv=None) -> int:
     P, N = args.prompt_tokens, args.new_tokens
     limit = full_batch_kv_limit_bytes(model, args.full_batch, P, N)
     print(f"bench-scheduler: model loaded in {time.perf_counter() - t_load:.1f} s", file=sys.stderr)
-    p_lens, n_lens = workload_lengths("mix", P, N, args.requests, args.seed + 10)
+    p_lens, n_lens = workload_lengths(args.workload, P, N, args.requests, args.seed + 10)
     vocab = int(model.config.vocab_size)
     prompts = [prompts_for(tokenizer, vocab, 1, n, args.seed + i)[0] for i, n in enumerate(p_lens)]
     table = rows(args.ratio, limit, args.block_tokens, args.budgets)

@@ -194,9 +194,10 @@ def test_points_of_another_dtype_get_their_own_frontier():
     )
     assert [(r["point_id"], r["on_frontier"]) for r in rows] == [("b", True), ("a", False), ("c", True)]
     first, conditions = markdown(rows).split("\n\n")[:2]
-    assert first.startswith("**No quality gate (bfloat16, 100 B): no full-cache point finished")
+    assert first.startswith("**No quality gate (bfloat16, 100 B, 24 + 8 tokens): no full-cache point finished")
     assert conditions.startswith(
-        "**Not one comparison: the points ran in 2 settings (dtype, KV limit in bytes): bfloat16, 100 B; float32, 200 B"
+        "**Not one comparison: the points ran in 2 settings (dtype, KV limit in bytes, seed, prompt and new tokens, "
+        "perplexity windows): bfloat16, 100 B, 24 + 8 tokens; float32, 200 B, 24 + 8 tokens"
     )
 
 

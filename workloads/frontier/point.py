@@ -20,7 +20,6 @@ Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens 
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -88,7 +87,7 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         params,
         device=next(model.parameters()).device,
     )
-    window_nll = [math.log(v) for v in ppl["window_perplexity"]]  # nats per token, one per window
+    window_nll = ppl["window_nll_per_token"]
     ci_low, ci_high = perplexity_interval(window_nll)
     return {
         "kv_memory_limit_bytes": int(limit),

@@ -63,8 +63,17 @@ def _label(r: dict) -> str:
 
 
 def _group(r: dict) -> tuple:
-    """Points are comparable only at one dtype and one KV limit in bytes (``dtype: auto`` resolves per replica)."""
-    return (r.get("dtype"), r.get("kv_memory_limit_bytes"))
+    """Points are comparable only at one dtype and one KV limit in bytes (``dtype: auto`` resolves per replica), on
+    the same requests and held-out windows (seed, lengths, window count: a results folder may hold points of an
+    edited suite)."""
+    return (
+        r.get("dtype"),
+        r.get("kv_memory_limit_bytes"),
+        r.get("seed"),
+        r.get("prompt_tokens"),
+        r.get("new_tokens"),
+        r.get("perplexity_windows"),
+    )
 
 
 def _bound_of(records, max_perplexity_increase: float | None) -> float:
@@ -91,6 +100,14 @@ def _gate_fields(r: dict, full: dict | None, bound: float) -> dict:
         "perplexity_ratio_ci_high": ratio_ci[1],
         "quality_gate_resolved": gate_resolved(ratio_ci, bound),
     }
+
+
+def _group_text(g: tuple) -> str:
+    """A `_group` in words (the settings a record carries)."""
+    dtype, limit, seed, prompt, new, windows = g
+    parts = [f"{dtype}", f"{limit} B", f"seed {seed}" if seed is not None else None]
+    parts += [f"{prompt} + {new} tokens", f"{windows} window(s)" if windows is not None else None]
+    return ", ".join(p for p in parts if p is not None)
 
 
 def frontier_rows(records, max_perplexity_increase: float | None = None) -> list[dict]:
@@ -154,7 +171,7 @@ def headline(rows: list[dict]) -> str:
     parts = []
     for g in groups:
         members = [r for r in ok if _group(r) == g]  # fastest first (frontier_rows sorts them)
-        where = f" ({g[0]}, {g[1]} B)" if len(groups) > 1 else ""
+        where = f" ({_group_text(g)})" if len(groups) > 1 else ""
         bound = members[0]["quality_gate_max_perplexity_increase"]
         full = next((r for r in members if r.get("policy") == "full"), None)
         if full is None:
@@ -219,8 +236,9 @@ def _conditions(rows: list[dict]) -> str:
         ""
         if len(groups) == 1
         else (
-            f"**Not one comparison: the points ran in {len(groups)} settings (dtype, KV limit in bytes): "
-            + "; ".join(f"{d}, {b} B" for d, b in groups)
+            f"**Not one comparison: the points ran in {len(groups)} settings (dtype, KV limit in bytes, seed, prompt "
+            "and new tokens, perplexity windows): "
+            + "; ".join(_group_text(g) for g in groups)
             + " (`dtype: auto` resolved differently on the replicas); "
             "each has its own frontier. Force `dtype:` in the suite.** "
         )

@@ -100,7 +100,8 @@ def perplexity(
 
     Returns:
         ``{"perplexity", "nll_per_token" (nats), "tokens_scored", "windows", "tokens_per_window",
-        "window_perplexity" ([float], one per window), "window_perplexity_std" (sample standard deviation
+        "window_perplexity" ([float], one per window), "window_nll_per_token" ([float] nats, one per window),
+        "window_perplexity_std" (sample standard deviation
         across windows; None for one window), "window_perplexity_min", "window_perplexity_max",
         "window_nll_per_token_std" (nats), "budget_tokens" (of the first window; all windows have the
         same length), "drop_tokens", "forward_calls" (total), "one_token_per_call" (bool: the 4-bit
@@ -122,6 +123,7 @@ def perplexity(
         "windows": len(parts),
         "tokens_per_window": parts[0]["tokens_scored"],
         "window_perplexity": [math.exp(v) for v in per_window],
+        "window_nll_per_token": per_window,
         "window_perplexity_std": ppl_spread["std"],
         "window_perplexity_min": ppl_spread["min"],
         "window_perplexity_max": ppl_spread["max"],

@@ -77,7 +77,9 @@ def capacity_markdown(rows: list[dict]) -> str:
     targets = ", ".join(sorted({f"{r['capacity_target_attainment']:g}" for r in rows})) or "-"
     seen = [s for s in CAPACITY_STATUS_NOTES if any(r["capacity_status"] == s for r in rows)]
     footer = "; ".join(CAPACITY_STATUS_NOTES[s] for s in seen) + (
-        ". An errored probe counts as failing." if any(r.get("capacity_errored_probes") for r in rows) else "."
+        "; errored: a probe errored, so its series stopped (resume the run to probe it again)."
+        if any(r.get("capacity_errored_probes") for r in rows)
+        else "."
     )
     return (
         f"Capacity at the SLO: per series, the highest Poisson rate of the grid whose SLO attainment is >= {targets}"

@@ -16,8 +16,8 @@ replicas' peak KV bytes and running sequences, status and `stop_reason`.
   sweep was killed simply runs again.
 * `mode: capacity` (`workloads.serving.capacity`): per series a search picks the next Poisson rate of its grid
   from the last probe's SLO attainment, one probe at a time; every probe is a point, with the search's state
-  after it. A resumed run re-derives each search from the records (no recorded probe runs again, an errored one
-  included: it counted as failing).
+  after it. A resumed run re-derives each search from the records: no probe recorded ok or oom runs again; an
+  errored one stopped its series (exit 1) and runs again.
 * At the end: `table.md`, and PNG plots next to the results (`workloads.serving.report`).
 
 Exit status: 0 every point ok/oom/skipped (a capacity suite: every search ended, no probe errored); 1 a point
@@ -26,6 +26,7 @@ failed or no replica could start (the error names the missing model path); 2 inv
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -88,18 +89,24 @@ class ServingKind(Kind):
             yield (
                 f"capacity: per series, {suite.capacity.describe()}; SLO {describe_slo(*suite.slo.record_fields().values())}"
             )
+            target = suite.capacity.target_attainment
+            if target < 1 and suite.num_requests and suite.num_requests * (1 - target) < 1:
+                yield (
+                    f"capacity: {suite.num_requests} measured requests a probe: an attainment of {target:g} allows no "
+                    f"miss (at least {math.ceil(1 / (1 - target))} requests let one request miss)"
+                )
 
     def progress(self, suite: ServingSuite, points: list[ServingPoint], latest: list[dict]) -> Progress:
-        """A capacity suite's: the probes on each series' search path (done; failed: an ``error`` one, which its
-        search counted as failing and a resume does not run again), and the most probes its searches still take."""
+        """A capacity suite's: the probes on each series' search path (done), the series waiting for a probe that
+        errored (failed: a resume runs it again), and the most probes the other searches still take."""
         if not suite.capacity_search:
             return super().progress(suite, points, latest)
         by_id = {r["point_id"]: r for r in latest}
         done = failed = missing = 0
         for pts in capacity.by_series(points).values():
             search = capacity.search_series(suite.capacity, pts, by_id)
-            errors = sum(1 for i in search.path if by_id[pts[i].point_id]["status"] not in self.done_statuses)
-            done, failed, missing = done + len(search.path) - errors, failed + errors, missing + search.remaining
+            errors = int(capacity.errored_next(search, pts, by_id))
+            done, failed, missing = done + len(search.path), failed + errors, missing + search.remaining - errors
         return Progress(done, failed, missing, missing, bound=True)
 
     def execute(self, session: Session, pending: list[ServingPoint]) -> Iterator[Finished]:
@@ -209,12 +216,17 @@ def _search(suite: ServingSuite, records: list[dict], run: Callable) -> Iterator
     body carries the search's state after it (``capacity_probe``, ``capacity_passed``, `summary_fields`)."""
     spec = suite.capacity
     latest = res.latest_by_point(records)
+    errored: set[str] = set()  # probes that errored in this run (a resumed run probes them again)
     for pts in capacity.by_series(suite.points()).values():
         rates = [p.load for p in pts]
         while (search := capacity.search_series(spec, pts, latest)).next is not None:
+            if capacity.errored_next(search, pts, latest) and pts[search.next].point_id in errored:
+                break  # it errored in this run: the series waits for a resumed run
             point, t0 = pts[search.next], time.time()
             body = run(point)
             latest[point.point_id] = dict(body)  # the probe's result (its status included), for the next step
+            if body["status"] == "error":
+                errored.add(point.point_id)
             after = capacity.search_series(spec, pts, latest)
             body.update(
                 capacity_probe=len(after.path),

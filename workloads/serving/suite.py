@@ -82,7 +82,7 @@ from workloads.core.suite import (
 from workloads.load.lengths import LengthDist
 from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
 from workloads.load.slo import DEFAULT_SLO, SLO
-from workloads.serving.capacity import CapacitySearch, rate_seed
+from workloads.serving.capacity import CapacitySearch, probe_seed
 
 #: A serving suite's modes: every load pattern's name, and the aliases of `workloads.load.patterns.MODE_ALIASES`.
 SERVING_MODES = tuple(MODES)
@@ -375,10 +375,10 @@ class ServingSuite(SuiteBase):
         """The seed of `point`'s requests and arrival times: the suite's `seed` and the point's load (its
         place in the series), never the series, so every policy at one load is measured on the same
         requests in the same order at the same times (a paired comparison); other loads draw anew. A capacity
-        probe's: the suite's `seed` and the rate's value (`workloads.serving.capacity.rate_seed`), whatever grid
-        or search reached it."""
+        probe's: the suite's `seed` alone, at every rate (`workloads.serving.capacity.probe_seed`: the same requests
+        and arrival pattern, scaled to the rate)."""
         if self.capacity_search:
-            return rate_seed(self.seed, point.load)
+            return probe_seed(self.seed)
         loads = self.pattern.point_loads(self, **self.pattern_options)
         return self.seed * 1_009 + loads.index(point.load)
 
