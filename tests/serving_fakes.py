@@ -113,5 +113,30 @@ class FakeReplica:
                 self._sem.release()
 
 
+class OneReplicaPool:
+    """What a serving sweep asks of its replica pool (`workloads.serving.pools.ReplicaPool`), for one fake replica:
+    a subclass's `configure` sets `self.replica` (a `FakeReplica`) for each point."""
+
+    replica: FakeReplica
+
+    def start(self):
+        return [{"replica_id": "fake-0"}]
+
+    def client(self):
+        return self.replica
+
+    def max_batch_for(self, p, n):
+        return 4
+
+    def stats(self, reset=False):
+        return [{"replica_id": "fake-0", "peak_running_sequences": self.replica.peak_running}]
+
+    def restart_dead(self):
+        return []
+
+    def close(self):
+        pass
+
+
 def requests(n: int = 16, prompt_tokens: int = 8, new_tokens: int = 4) -> list[GenerationRequest]:
     return [GenerationRequest(f"q{i}", [1] * prompt_tokens, new_tokens) for i in range(n)]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.serving_fakes import FakeReplica, Script
+from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
 from workloads import sweep
 from workloads.core.suite import SuiteError
 from workloads.core.template import run_suite
@@ -140,7 +140,7 @@ def test_every_series_probes_the_same_grid_with_the_same_requests_and_arrivals_a
     assert other.workload_seed(again) == suite.workload_seed(full) and again.point_id == full.point_id
 
 
-class RatePool:
+class RatePool(OneReplicaPool):
     """One scripted fake replica: a probe above its policy's `passes_up_to` rate (read from the request id, which
     names the point) answers after 0.3 s (over the SLO's 0.1 s TTFT), else after 1 ms; at `error_at` every request
     raises (the probe's status: error). `probes` lists the (policy, rate) of every probe configured."""
@@ -148,9 +148,6 @@ class RatePool:
     def __init__(self, passes_up_to: dict[str, float], error_at: float | None = None, kill_at: int | None = None):
         self.passes_up_to, self.error_at, self.kill_at = passes_up_to, error_at, kill_at
         self.probes: list[tuple[str, float | None]] = []
-
-    def start(self):
-        return [{"replica_id": "fake-0"}]
 
     def configure(self, cfg, run_id=None):
         if len(self.probes) + 1 == self.kill_at:
@@ -166,18 +163,6 @@ class RatePool:
             return Script(ttft_s=0.001 if rate <= limit else 0.3, gap_s=0.0005)
 
         self.replica = FakeReplica(script=script, clock=time.time)
-
-    def client(self):
-        return self.replica
-
-    def stats(self, reset=False):
-        return [{"replica_id": "fake-0", "peak_running_sequences": self.replica.peak_running}]
-
-    def restart_dead(self):
-        return []
-
-    def close(self):
-        pass
 
 
 def test_a_capacity_run_records_every_probe_with_the_search_state_and_tables_and_plots_each_capacity(tmp_path):

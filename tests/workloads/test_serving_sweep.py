@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.serving_fakes import FakeReplica, Script
+from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
 from workloads import sweep
 from workloads.core.suite import SuiteError
 from workloads.core.template import run_suite
@@ -232,14 +232,11 @@ def test_sweep_main_hands_serving_suites_over_and_reports_their_errors(tmp_path,
     assert "loads[0]" in capsys.readouterr().err
 
 
-class FakePool:
+class FakePool(OneReplicaPool):
     """A pool of one scripted fake replica; `behaviour(point_index)` -> 'ok' | 'oom' | 'die' | 'fail'."""
 
     def __init__(self, behaviour):
         self.behaviour, self.configured, self.restarted = behaviour, -1, []
-
-    def start(self):
-        return [{"replica_id": "fake-0"}]
 
     def configure(self, cfg, run_id=None):
         self.configured += 1
@@ -261,12 +258,6 @@ class FakePool:
 
         self.kind, self.replica = kind, FakeReplica(script=script, clock=time.time)
 
-    def client(self):
-        return self.replica
-
-    def max_batch_for(self, p, n):
-        return 4
-
     def stats(self, reset=False):
         return [
             {
@@ -284,9 +275,6 @@ class FakePool:
             self.restarted.append("fake-0")
             return ["fake-0"]
         return []
-
-    def close(self):
-        pass
 
 
 def test_oom_point_is_recorded_and_a_dead_replica_is_restarted_with_its_point_failed(tmp_path):

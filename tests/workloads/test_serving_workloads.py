@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.serving_fakes import FakeReplica, Script
+from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
 from workloads.batch.suite import BatchSuite
 from workloads.core.template import run_suite
 from workloads.load.lengths import LengthDist, RequestStream
@@ -31,14 +31,11 @@ BASE = dict(
 )
 
 
-class RecordingPool:
+class RecordingPool(OneReplicaPool):
     """A pool of one instant fake replica that keeps, per configured point, every request it received."""
 
     def __init__(self):
         self.sent: list[list] = []
-
-    def start(self):
-        return [{"replica_id": "fake-0"}]
 
     def configure(self, cfg, run_id=None):
         got: list = []
@@ -49,21 +46,6 @@ class RecordingPool:
             return Script(ttft_s=0.0, gap_s=0.0, chunk_tokens=64)
 
         self.replica = FakeReplica(script=script, clock=time.time)
-
-    def client(self):
-        return self.replica
-
-    def max_batch_for(self, p, n):
-        return 4
-
-    def stats(self, reset=False):
-        return [{"replica_id": "fake-0", "peak_running_sequences": self.replica.peak_running}]
-
-    def restart_dead(self):
-        return []
-
-    def close(self):
-        pass
 
 
 def _run(tmp: Path, **kw) -> tuple[list[dict], RecordingPool]:
