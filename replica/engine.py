@@ -330,23 +330,11 @@ class ContinuousBatchingEngine:
         budget = self.budget_of(prompt_tokens, max_new_tokens)
         return self.num_layers * self._blocks(self._kept_slots(prompt_tokens + max_new_tokens - 1, budget))
 
-    def _growing_rows(self) -> list[int]:
-        """Running rows that take a block at their next decode step (a budgeted row at its budget evicts
-        before it writes, so it never grows past its budget's blocks)."""
-        if self._cache is None:
-            return []
-        store = self._cache.layers[0].store
-        bt = self.config.block_tokens
-        return [
-            i
-            for i, (seq, n, blocks) in enumerate(zip(self._running, store.row_slots.tolist(), store.blocks))
-            if self._kept_slots(n + 1, seq.budget_tokens) > len(blocks) * bt
-        ]
-
     def _growth_blocks(self, steps: int) -> int:
         """Blocks the running rows take, all layers, over their next `steps` decode steps (each row at most until
-        its last token; a budgeted row never past its budget's blocks): what a prompt fed over that many steps
-        must leave free, or it is the first preempted when they grow."""
+        its last token; a budgeted row at its budget evicts before it writes, so it never grows past its budget's
+        blocks): at 1 step what the next decode step needs; at more, what a prompt fed over that many steps must
+        leave free, or it is the first preempted when they grow."""
         if self._cache is None:
             return 0
         store = self._cache.layers[0].store
@@ -363,7 +351,7 @@ class ContinuousBatchingEngine:
     def _make_room_for_decode(self) -> None:
         """Preempt the most recently admitted running rows until the next decode step's blocks are free
         (vLLM's rule: the newest sequence goes back to the head of the queue and is recomputed later)."""
-        while self._running and self.num_layers * len(self._growing_rows()) > self.pool.free_blocks:
+        while self._running and self._growth_blocks(1) > self.pool.free_blocks:
             if self._prefilling:  # a prompt part-way fed is newer than every running row: it goes first
                 self._requeue(self._prefilling.pop())
                 continue
@@ -601,7 +589,7 @@ class ContinuousBatchingEngine:
         """`_admit` for the paged layout: a request is admitted when the blocks its prefill takes now are
         free (next to the blocks the running rows take at their next step), not what it holds at its end."""
         cap = self.config.max_batch or 1 << 30
-        free = self.pool.free_blocks - self.num_layers * len(self._growing_rows())
+        free = self.pool.free_blocks - self._growth_blocks(1)
         groups: list[list[_Seq]] = []
         committed = 0  # blocks the rows admitted in this step hold after their prefill
         before_last = 0  # ... before the last group
@@ -665,7 +653,7 @@ class ContinuousBatchingEngine:
         prompt that took the last free blocks would be the first preempted when a running row grows, and fed
         again from its start."""
         tokens = self.config.max_num_batched_tokens - len(self._running)
-        growth = self.num_layers * len(self._growing_rows())
+        growth = self._growth_blocks(1)
         free = self.pool.free_blocks - growth
         committed = 0  # blocks the planned chunks add, once fed
         per_step = max(1, tokens)  # prompt tokens a step feeds while these rows run
