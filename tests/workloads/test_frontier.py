@@ -40,14 +40,16 @@ def test_shipped_frontier_suite_runs_every_policy_at_each_ratio_and_full_once():
         (name, r) for name in POLICIES for r in ((None,) if name not in evicting else (2.0, 5.0))
     ]
     assert len({p.point_id for p in points}) == len(points)
-    assert {(p.prompt_tokens, p.new_tokens, p.kv_limit_full_sequences) for p in points} == {(512, 128, 2)}
+    assert {(p.prompt_tokens, p.new_tokens, p.kv_limit_full_sequences) for p in points} == {(128, 32, 4)}
+    assert suite.throughput == "capacity" and suite.capacity.probes == 4 and suite.num_requests == 16
     assert {p.perplexity_windows for p in points} == {4} and suite.quality_gate.max_perplexity_increase == 0.01
     quick = load_suite(str(REPO / "workloads" / "suites" / "frontier-quick.yaml"))
     assert quick.perplexity_windows == 4 and quick.quality_gate.max_perplexity_increase == 0.01
 
 
-BASE = {
+BASE = {  # the max-batch axis (capacity points: tests/workloads/test_frontier_capacity.py)
     "kind": "frontier",
+    "throughput": "max_batch",
     "model": "tiny-llama",
     "policies": ["full", "scissorhands"],
     "compression_ratios": [4],
@@ -154,11 +156,11 @@ def test_report_marks_the_frontier_in_the_table():
     table = markdown(rows)
     # records without per-window NLLs (older runs): no intervals, the gate still judged on the point estimates
     assert (
-        "| h2o x4 | bfloat16 | 8 | 2 | 30.0 | 15.00 | 30.0 | 25.000 | - | 1.2500 | fail | 1.00 | True | yes | ok |"
+        "| h2o x4 | bfloat16 | 8 | 2 | - | - | 30.0 | 15.00 | 30.0 | 25.000 | - | 1.2500 | fail | 1.00 | True | yes | ok |"
         in table
     )
     assert (
-        "| tova x4 | bfloat16 | 8 | 2 | 20.0 | 10.00 | 20.0 | 26.000 | - | 1.3000 | fail | 1.00 | True |  | ok |"
+        "| tova x4 | bfloat16 | 8 | 2 | - | - | 20.0 | 10.00 | 20.0 | 26.000 | - | 1.3000 | fail | 1.00 | True |  | ok |"
         in table
     )
     assert "| random |" in table and "error: boom" in table and "Not one comparison" not in table
@@ -194,10 +196,13 @@ def test_points_of_another_dtype_get_their_own_frontier():
     )
     assert [(r["point_id"], r["on_frontier"]) for r in rows] == [("b", True), ("a", False), ("c", True)]
     first, conditions = markdown(rows).split("\n\n")[:2]
-    assert first.startswith("**No quality gate (bfloat16, 100 B, 24 + 8 tokens): no full-cache point finished")
+    assert first.startswith(
+        "**No quality gate (output tok/s, bfloat16, 100 B, 24 + 8 tokens): no full-cache point finished"
+    )
     assert conditions.startswith(
-        "**Not one comparison: the points ran in 2 settings (dtype, KV limit in bytes, seed, prompt and new tokens, "
-        "perplexity windows): bfloat16, 100 B, 24 + 8 tokens; float32, 200 B, 24 + 8 tokens"
+        "**Not one comparison: the points ran in 2 settings (throughput axis, dtype, KV limit in bytes, seed, prompt "
+        "and new tokens, perplexity windows): output tok/s, bfloat16, 100 B, 24 + 8 tokens; output tok/s, float32, "
+        "200 B, 24 + 8 tokens"
     )
 
 
@@ -230,12 +235,15 @@ def test_make_frontier_end_to_end_on_the_tiny_model(tmp_path):
     ]
     replica_ids = {r["replica_id"] for r in recs}  # Serve's id of the one replica, on both
     assert len(replica_ids) == 1 and isinstance(replica_ids.pop(), str)
-    assert recs[1]["batch_size"] > recs[0]["batch_size"] == 2 and recs[1]["budget_tokens"] == 8
+    assert [(r["capacity_status"], r["capacity_lo_req_per_s"]) for r in recs] == [("at_least_max_rate", 100.0)] * 2
+    assert recs[1]["budget_tokens"] == 8 and recs[0]["budget_tokens"] is None
     assert recs[1]["policy_params"]["effective_recent_window"] is not None  # build_record resolved them
     assert (run_dir / "frontier.png").stat().st_size > 10_000
     table = (run_dir / "table.md").read_text()
     assert (
-        "| scissorhands x4 | float32 | 8 |" in table and "| full | float32 | - | 2 |" in table and table in out.stdout
+        "| scissorhands x4 | float32 | 8 | - | ≥ 100 |" in table
+        and "| full | float32 | - | - | ≥ 100 |" in table
+        and table in out.stdout
     )
     assert json.loads((run_dir / "run.json").read_text())["suite"]["kind"] == "frontier"
 
@@ -249,5 +257,5 @@ def test_make_frontier_end_to_end_on_the_tiny_model(tmp_path):
     )
     local = res.read_records(str(tmp_path / "local" / "points.jsonl"))
     for a, b in zip(recs, local):
-        assert a["point_id"] == b["point_id"] and a["batch_size"] == b["batch_size"]
+        assert a["point_id"] == b["point_id"] and a["capacity_probes"] == b["capacity_probes"] == 2
         assert a["perplexity"] == pytest.approx(b["perplexity"], rel=1e-6)

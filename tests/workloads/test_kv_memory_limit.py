@@ -42,6 +42,7 @@ SERVING = dict(
 )
 FRONTIER = dict(
     kind="frontier",
+    throughput="max_batch",
     name="limit",
     model="tiny-llama",
     policies=["full", "scissorhands"],
@@ -250,7 +251,7 @@ def test_the_shipped_suites_state_their_limits_in_full_rows():
             rows[path.name] = limit.full_sequences
     assert rows == {
         "frontier-quick.yaml": 2,
-        "frontier.yaml": 2,
+        "frontier.yaml": 4,
         "memory-limit-cpu.yaml": 4,
         "memory-limit.yaml": 4,
         "serving-bursty.yaml": 4,

@@ -4,7 +4,9 @@ The runner sends it to a replica with ``ModelReplica.apply(run_frontier_point, p
 call seam, `workloads.core.dispatch.replica_points`). ``point`` is the :class:`workloads.frontier.suite.FrontierPoint` itself.
 Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens + new_tokens) / ratio)``.
 
-1. Throughput at the point's own max batch under one KV memory limit (`bench.bench_serving`'s machinery):
+1. Throughput, by the suite's axis (`workloads.frontier.suite`, ``throughput``). ``capacity``: the point's
+   capacity at the SLO, by `capacity_at_slo` (the serving search of `workloads.serving.capacity`, on this model in
+   this process). ``max_batch``: throughput at the point's own max batch under one KV memory limit (`bench.bench_serving`'s machinery):
    the limit holds ``kv_limit_full_sequences`` full-cache sequences of prompt + new tokens in the model's dtype
    (`EngineConfig.kv_limit_full_sequences`, resolved by the engine: `replica.engine.full_rows_kv_bytes`) or is
    ``kv_memory_limit_bytes``; the policy runs the
@@ -20,6 +22,7 @@ Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens 
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -27,17 +30,23 @@ import torch
 from replica.engine import ContinuousBatchingEngine
 from replica.generate_baseline import run_engines
 from replica.types import EngineConfig, GenerationRequest
+from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import cpu_flags, cpu_model_name
 from workloads.frontier.gate import perplexity_interval
 from workloads.frontier.suite import FrontierPoint
 from workloads.load.prompts import prompts_for
 from workloads.quality.perplexity import heldout_windows, perplexity
+from workloads.serving.capacity import searches
+from workloads.serving.point import run_point
+from workloads.serving.pools import LocalReplicaPool
+from workloads.serving.suite import ServingSuite
 
 
 def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     """Measure one point; return its metrics (units in the names).
 
-    Returns a dict with ``kv_memory_limit_bytes`` (resolved), ``kv_limit_full_sequences`` (None for a limit in
+    ``throughput: capacity`` (``point.capacity_suite`` set): the fields of `capacity_at_slo`, then the perplexity
+    fields below. ``throughput: max_batch``: a dict with ``kv_memory_limit_bytes`` (resolved), ``kv_limit_full_sequences`` (None for a limit in
     bytes), ``batch_size`` (the max batch), ``budget_tokens`` (B),
     ``output_throughput_tok_per_s``, ``output_tok_per_cpu_s``, ``decode_tokens_per_s``, ``output_tokens``,
     ``wall_s``, ``cpu_s``, ``prefill_s``, ``decode_s``, ``kv_cache_bytes`` (peak of the throughput run),
@@ -52,6 +61,53 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     Raises:
         ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
             sequence needs), or an invalid policy / parameter (from ``make_cache``).
+    """
+    throughput = (
+        capacity_at_slo(model, tokenizer, point.capacity_suite)
+        if point.capacity_suite is not None
+        else max_batch_throughput(model, tokenizer, point)
+    )
+    P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)
+    policy, params, ratio = point.policy, dict(point.policy_params or {}), point.compression_ratio
+    vocab = int(model.config.vocab_size)
+    ppl = perplexity(  # the same seeded windows for every point, so the report can pair them
+        model,
+        heldout_windows(tokenizer, P + N, int(point.perplexity_windows), seed, vocab_size=vocab),
+        policy,
+        ratio or 1.0,
+        None,
+        params,
+        device=next(model.parameters()).device,
+    )
+    window_nll = ppl["window_nll_per_token"]
+    ci_low, ci_high = perplexity_interval(window_nll)
+    return {
+        **throughput,
+        "prompt_tokens": P,
+        "new_tokens": N,
+        "perplexity": ppl["perplexity"],
+        "nll_per_token": ppl["nll_per_token"],
+        "perplexity_tokens_scored": ppl["tokens_scored"],
+        "perplexity_windows": ppl["windows"],
+        "window_nll_per_token": window_nll,
+        "perplexity_ci_low": ci_low,
+        "perplexity_ci_high": ci_high,
+        "window_perplexity_std": ppl["window_perplexity_std"],
+        "perplexity_budget_tokens": ppl["budget_tokens"],
+        "perplexity_eval_s": ppl["eval_s"],
+        "text_source": "load-test / held-out sotu text" if tokenizer is not None else "random ids (no tokenizer)",
+        "torch_threads": torch.get_num_threads(),
+        "cpu": _cpu(),
+    }
+
+
+def max_batch_throughput(model, tokenizer, point: FrontierPoint) -> dict:
+    """``throughput: max_batch``: one batch of the point's own max batch under its KV memory limit (the module
+    docstring, item 1); the throughput fields of `run_frontier_point`'s dict.
+
+    Raises:
+        ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
+            sequence needs).
     """
     P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)
     policy, params, ratio = point.policy, dict(point.policy_params or {}), point.compression_ratio
@@ -77,25 +133,12 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     t0 = time.perf_counter()
     (run,) = run_engines(model, [(cfg, requests)], desc=f"{policy} x{ratio or 1:g} batch {batch}")
     throughput_s = time.perf_counter() - t0
-    run.pop("outputs", None)
-    ppl = perplexity(  # the same seeded windows for every point, so the report can pair them
-        model,
-        heldout_windows(tokenizer, P + N, int(point.perplexity_windows), seed, vocab_size=vocab),
-        policy,
-        ratio or 1.0,
-        None,
-        params,
-        device=next(model.parameters()).device,
-    )
-    window_nll = ppl["window_nll_per_token"]
-    ci_low, ci_high = perplexity_interval(window_nll)
     return {
+        "throughput": "max_batch",
         "kv_memory_limit_bytes": int(limit),
         "kv_limit_full_sequences": point.kv_limit_full_sequences,
         "batch_size": batch,
         "budget_tokens": run["budget_tokens"],
-        "prompt_tokens": P,
-        "new_tokens": N,
         "output_throughput_tok_per_s": run["output_tok_per_s"],
         "output_tok_per_cpu_s": run["output_tok_per_cpu_s"],
         "decode_tokens_per_s": run["decode_tok_per_s"],
@@ -108,20 +151,87 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         "slot_bytes": run["slot_bytes"],
         "peak_running_sequences": run["peak_running_sequences"],
         "max_batch_verified": run["peak_running_sequences"] == batch and run["peak_kv_cache_bytes"] <= limit,
-        "perplexity": ppl["perplexity"],
-        "nll_per_token": ppl["nll_per_token"],
-        "perplexity_tokens_scored": ppl["tokens_scored"],
-        "perplexity_windows": ppl["windows"],
-        "window_nll_per_token": window_nll,
-        "perplexity_ci_low": ci_low,
-        "perplexity_ci_high": ci_high,
-        "window_perplexity_std": ppl["window_perplexity_std"],
-        "perplexity_budget_tokens": ppl["budget_tokens"],
-        "perplexity_eval_s": ppl["eval_s"],
-        "text_source": "load-test / held-out sotu text" if tokenizer is not None else "random ids (no tokenizer)",
         "throughput_s": throughput_s,
-        "torch_threads": torch.get_num_threads(),
-        "cpu": _cpu(),
+    }
+
+
+#: A capacity probe's fields kept in the frontier record's ``capacity_probe_results`` (one dict a probe).
+PROBE_FIELDS = (
+    "load",
+    "status",
+    "slo_attainment",
+    "capacity_passed",
+    "achieved_rate_req_per_s",
+    "ttft_p99_s",
+    "tpot_p99_s",
+    "goodput_req_per_s",
+    "goodput_tok_per_s",
+    "output_throughput_tok_per_s",
+    "preemptions",
+    "kv_cache_bytes",
+    "error",
+)
+
+
+def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
+    """``throughput: capacity``: the capacity at the SLO of one series (`workloads.serving.capacity`'s search,
+    every probe a serving point run by `workloads.serving.point.run_point`) on ``model`` in this process (one
+    `workloads.serving.pools.LocalReplicaPool`; EOS ignored: every request generates its ``new_tokens``).
+
+    Returns ``throughput`` ("capacity"), the search's `workloads.serving.capacity.summary_fields`
+    (``capacity_req_per_s``: the highest passing rate, None unless ``capacity_status`` is ``ok``; the bracket
+    ``capacity_lo_req_per_s`` / ``capacity_hi_req_per_s``; ``capacity_probes``; ``capacity_target_attainment``),
+    ``capacity_probe_results`` (one dict of `PROBE_FIELDS` a probe, in search order; ``load`` is the rate in req/s),
+    at the capacity (the highest passing probe; None without one) ``goodput_tok_per_s``, ``goodput_req_per_s``,
+    ``ttft_p99_s``, ``tpot_p99_s``; the SLO (``slo_ttft_s``, ``slo_tpot_s``, ``slo_e2e_latency_s``), ``num_requests``
+    (measured a probe), ``kv_memory_limit_bytes``, ``budget_tokens``, ``slot_bytes``, ``scheduler``,
+    ``max_num_batched_tokens``, ``kv_cache_bytes`` (the peak over the probes), ``preemptions`` (over the probes) and
+    ``throughput_s`` (the search's wall time).
+
+    Raises:
+        RuntimeError: a probe errored (a replica error, not a miss of the SLO): the point has no capacity (the
+            message names the rate and the error).
+    """
+    suite = ServingSuite.model_validate(capacity_suite)
+    (policy,), (ratio,) = [p.name for p in suite.policies], (suite.compression_ratios or (None,))
+    pool = LocalReplicaPool(1, suite.model, model=model)
+    vocab = int(model.config.vocab_size)
+    t0 = time.perf_counter()
+    bodies: list[dict] = []
+    pool.start()
+    try:
+        for _, body, _ in searches(
+            suite, [], lambda p: run_point(pool, suite, p, tokenizer=tokenizer, vocab_size=vocab)
+        ):
+            bodies.append(body)
+            print(  # a point's search takes minutes: each probe as it ends (Ray forwards a replica's stderr)
+                f"  {policy} x{ratio or 1:g}: capacity probe {len(bodies)} at {body['load']:g} req/s "
+                f"{'passed' if body['capacity_passed'] else 'failed'} (SLO attainment {body.get('slo_attainment')}, "
+                f"status {body['status']}); search: {body['capacity_status']}",
+                file=sys.stderr,
+                flush=True,
+            )
+            if body["status"] == "error":
+                raise RuntimeError(f"capacity probe at {body.get('load'):g} req/s errored: {body.get('error')}")
+    finally:
+        pool.close()
+    last, passing = bodies[-1], [b for b in bodies if b["capacity_passed"]]
+    best = max(passing, key=lambda b: b["load"]) if passing else {}
+    summary = {k: last[k] for k in last if k.startswith("capacity_") and k not in ("capacity_probe", "capacity_passed")}
+    return {
+        "throughput": "capacity",
+        **summary,
+        "capacity_probe_results": [{k: b.get(k) for k in PROBE_FIELDS} for b in bodies],
+        **{k: best.get(k) for k in ("goodput_tok_per_s", "goodput_req_per_s", "ttft_p99_s", "tpot_p99_s")},
+        **suite.slo.record_fields(),
+        "num_requests": suite.num_requests,
+        **{k: last.get(k) for k in ("kv_memory_limit_bytes", "slot_bytes", "scheduler")},
+        # every request has the suite's lengths, so its per-request budget is the point's one B
+        "budget_tokens": budget_from_ratio(suite.max_length_tokens, ratio) if POLICIES[policy].evicts else None,
+        "max_num_batched_tokens": suite.max_num_batched_tokens,
+        "kv_cache_bytes": max((b.get("kv_cache_bytes") or 0 for b in bodies), default=None),
+        "preemptions": sum(b.get("preemptions") or 0 for b in bodies),
+        "throughput_s": time.perf_counter() - t0,
     }
 
 

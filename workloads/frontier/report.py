@@ -7,8 +7,8 @@
   conditions (model, dtype, CPU, threads, limit, lengths, windows) and one row per point, sorted by output tok/s,
   with its perplexity's 95% interval, its ratio to the full cache's with the paired interval, the gate's
   decision and the frontier mark.
-* ``frontier.png``: one point per policy and compression ratio, x = output tok/s at the point's own max batch
-  under the run's one KV memory limit, y = perplexity of held-out text (log scale when it spans more than 3x)
+* ``frontier.png``: one point per policy and compression ratio, x = its throughput (`throughput_value`: capacity
+  at the SLO in req/s, or output tok/s at the point's own max batch, under the run's one KV memory limit), y = perplexity of held-out text (log scale when it spans more than 3x)
   with its 95% interval as a vertical error bar; the quality gate as a horizontal line at the full cache's
   perplexity x (1 + bound), the failing region above it shaded; the points on the Pareto frontier ringed and
   joined; a second panel zooms on the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity. Labels
@@ -18,7 +18,7 @@ Points are compared only within one dtype and one KV limit in bytes: a run resol
 records of runs that resolved differently (or of older runs) may be reported together; the report then says so
 and draws one frontier, and judges one gate, per group.
 
-A point is on the frontier when no other point is at least as fast (output tok/s) and at most as perplexed
+A point is on the frontier when no other point is at least as fast (`throughput_value`) and at most as perplexed
 with one of the two strictly better (`pareto_front`, on the point estimates). It passes the quality gate when its
 perplexity is at most the full cache's of its group times ``1 + max_perplexity_increase``
 (`workloads.frontier.gate`, where the intervals and the rule are defined); ``quality_gate_passed`` is None
@@ -42,6 +42,34 @@ from workloads.frontier.gate import (
 
 MIB = 1024 * 1024
 
+#: The throughput axis of each kind of frontier record (``throughput``, `workloads.frontier.suite`): its words on
+#: the plot's x axis, and its unit in the table and the headline.
+AXES = {
+    "capacity": ("capacity at the SLO (req/s of Poisson arrivals; ≥: a lower bound)", "req/s at the SLO"),
+    "max_batch": ("output tok/s at the policy's own max batch", "output tok/s"),
+}
+#: Capacity searches whose highest passing rate is a lower bound of the capacity (`workloads.serving.capacity`).
+LOWER_BOUND_STATUSES = ("at_least_max_rate", "not_converged")
+
+
+def throughput_axis(r: dict) -> str:
+    """A record's throughput axis: ``capacity`` or ``max_batch`` (records from before the axis existed)."""
+    return r.get("throughput") or "max_batch"
+
+
+def throughput_value(r: dict) -> tuple[float | None, bool]:
+    """A record's throughput and whether it is only a lower bound: ``(capacity_req_per_s, False)`` for a capacity
+    search that ended ``ok``; ``(capacity_lo_req_per_s, True)`` for one that passed its highest rate or ran out of
+    probes (the capacity is at least that); ``(None, False)`` for one below its lowest rate (no number: the point is
+    listed, not placed); ``(output_throughput_tok_per_s, False)`` for a max-batch record."""
+    if throughput_axis(r) != "capacity":
+        return r.get("output_throughput_tok_per_s"), False
+    if r.get("capacity_req_per_s") is not None:
+        return r["capacity_req_per_s"], False
+    if r.get("capacity_status") in LOWER_BOUND_STATUSES and r.get("capacity_lo_req_per_s") is not None:
+        return r["capacity_lo_req_per_s"], True
+    return None, False
+
 
 def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
     """Which of ``points`` = [(throughput, perplexity), ...] are not dominated (higher throughput and lower
@@ -63,10 +91,11 @@ def _label(r: dict) -> str:
 
 
 def _group(r: dict) -> tuple:
-    """Points are comparable only at one dtype and one KV limit in bytes (``dtype: auto`` resolves per replica), on
+    """Points are comparable only on one throughput axis, at one dtype and one KV limit in bytes (``dtype: auto`` resolves per replica), on
     the same requests and held-out windows (seed, lengths, window count: a results folder may hold points of an
     edited suite)."""
     return (
+        throughput_axis(r),
         r.get("dtype"),
         r.get("kv_memory_limit_bytes"),
         r.get("seed"),
@@ -92,7 +121,7 @@ def _gate_fields(r: dict, full: dict | None, bound: float) -> dict:
     return {
         "quality_gate_max_perplexity_increase": bound,
         "full_perplexity": full_ppl,
-        "full_output_throughput_tok_per_s": full["output_throughput_tok_per_s"] if full else None,
+        "full_throughput": full["throughput_value"] if full else None,
         "quality_gate_perplexity": gate_perplexity(full_ppl, bound),
         "quality_gate_passed": gate_passed(r["perplexity"], full_ppl, bound),
         "perplexity_vs_full": r["perplexity"] / full_ppl if full_ppl else None,
@@ -104,19 +133,21 @@ def _gate_fields(r: dict, full: dict | None, bound: float) -> dict:
 
 def _group_text(g: tuple) -> str:
     """A `_group` in words (the settings a record carries)."""
-    dtype, limit, seed, prompt, new, windows = g
-    parts = [f"{dtype}", f"{limit} B", f"seed {seed}" if seed is not None else None]
+    axis, dtype, limit, seed, prompt, new, windows = g
+    parts = [AXES[axis][1], f"{dtype}", f"{limit} B", f"seed {seed}" if seed is not None else None]
     parts += [f"{prompt} + {new} tokens", f"{windows} window(s)" if windows is not None else None]
     return ", ".join(p for p in parts if p is not None)
 
 
 def frontier_rows(records, max_perplexity_increase: float | None = None) -> list[dict]:
-    """The latest record of every point, sorted by output tok/s (fastest first; failed points last), each with
-    ``label``, ``on_frontier`` and the quality gate's fields (None on failed points):
+    """The latest record of every point, sorted by throughput (fastest first; failed points, and capacity points
+    below their search's lowest rate, last), each with ``label``, ``on_frontier``, ``throughput`` and
+    ``throughput_lower_bound`` (`throughput_value`; the record's axis moves to ``throughput_axis``) and the quality
+    gate's fields (None on the points last):
 
     * ``quality_gate_passed`` (bool; None without an ok full-cache point in the group), ``quality_gate_perplexity``
       (the highest perplexity that passes), ``quality_gate_max_perplexity_increase`` (the bound used);
-    * ``full_perplexity``, ``full_output_throughput_tok_per_s``, ``perplexity_vs_full`` (this / the full cache's);
+    * ``full_perplexity``, ``full_throughput``, ``perplexity_vs_full`` (this / the full cache's);
     * ``perplexity_ratio_ci_low``, ``perplexity_ratio_ci_high`` (95% paired interval of that ratio; None with one
       window or records without ``window_nll_per_token``) and ``quality_gate_resolved``.
 
@@ -127,26 +158,30 @@ def frontier_rows(records, max_perplexity_increase: float | None = None) -> list
     Raises:
         ValueError: ``max_perplexity_increase`` not a finite number > 0 (from `gate_perplexity`).
     """
-    latest = list(res.latest_by_point(records).values())
+    latest = []
+    for r in res.latest_by_point(records).values():
+        value, lower = throughput_value(r)
+        latest.append(dict(r, throughput_value=value, throughput_lower_bound=lower))
     bound = _bound_of(latest, max_perplexity_increase)
-    ok = [r for r in latest if r.get("status") == "ok"]
+    ok = [r for r in latest if r.get("status") == "ok" and r["throughput_value"] is not None]
     on, gate = {}, {}
     for g in dict.fromkeys(_group(r) for r in ok):
         members = [r for r in ok if _group(r) == g]
         on.update(
             zip(
                 (r["point_id"] for r in members),
-                pareto_front([(r["output_throughput_tok_per_s"], r["perplexity"]) for r in members]),
+                pareto_front([(r["throughput_value"], r["perplexity"]) for r in members]),
             )
         )
         full = next((r for r in members if r.get("policy") == "full"), None)
         gate.update((r["point_id"], _gate_fields(r, full, bound)) for r in members)
     rows = [dict(r, on_frontier=on[r["point_id"]], label=_label(r), **gate[r["point_id"]]) for r in ok]
-    rows.sort(key=lambda r: -r["output_throughput_tok_per_s"])
+    rows.sort(key=lambda r: -r["throughput_value"])
+    placed = {r["point_id"] for r in ok}
     failed = [
         dict(r, on_frontier=None, label=_label(r), quality_gate_passed=None, quality_gate_max_perplexity_increase=bound)
         for r in latest
-        if r.get("status") != "ok"
+        if r["point_id"] not in placed
     ]
     return rows + failed
 
@@ -160,18 +195,19 @@ def _ci(low, high, fmt: str = ".3f") -> str | None:
 
 
 def headline(rows: list[dict]) -> str:
-    """The first line of ``table.md``: per group (`_group`), the highest output tok/s among the rows of
+    """The first line of ``table.md``: per group (`_group`), the highest throughput among the rows of
     `frontier_rows` that pass the quality gate, with its policy, ratio, throughput against the full cache's and
     perplexity with its intervals; or a line saying that no compressed configuration passed (the full cache
     always passes its own gate), or that the gate could not be judged (no full-cache point)."""
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("on_frontier") is not None]
     if not ok:
-        return "**Quality gate: no point finished.**"
+        return "**Quality gate: no point finished with a throughput.**"
     groups = list(dict.fromkeys(_group(r) for r in ok))
     parts = []
     for g in groups:
         members = [r for r in ok if _group(r) == g]  # fastest first (frontier_rows sorts them)
         where = f" ({_group_text(g)})" if len(groups) > 1 else ""
+        unit = AXES[g[0]][1]
         bound = members[0]["quality_gate_max_perplexity_increase"]
         full = next((r for r in members if r.get("policy") == "full"), None)
         if full is None:
@@ -186,27 +222,32 @@ def headline(rows: list[dict]) -> str:
             f"<= {full['quality_gate_perplexity']:.3f}"
         )
         best = next((r for r in members if r["quality_gate_passed"] and r.get("policy") != "full"), None)
-        if best is None or best["output_throughput_tok_per_s"] < full["output_throughput_tok_per_s"]:
+        if best is None or best["throughput_value"] < full["throughput_value"]:
             compressed = sum(1 for r in members if r.get("policy") != "full")
             passed = sum(1 for r in members if r.get("policy") != "full" and r["quality_gate_passed"])
             parts.append(
                 f"**No compressed configuration beats the full cache within the quality gate{where}** ({rule}): "
                 f"{passed} of {compressed} passed"
                 + (", none faster than" if passed else "; fastest passing is")
-                + f" the full cache at {full['output_throughput_tok_per_s']:.1f} output tok/s."
+                + f" the full cache at {_amount(full)} {unit}."
             )
             continue
         ratio = best.get("compression_ratio")
-        speedup = best["output_throughput_tok_per_s"] / full["output_throughput_tok_per_s"]
+        speedup = best["throughput_value"] / full["throughput_value"]
         ci = _ci(best.get("perplexity_ci_low"), best.get("perplexity_ci_high"))
         paired = _ci(best.get("perplexity_ratio_ci_low"), best.get("perplexity_ratio_ci_high"), ".4f")
         resolved = best.get("quality_gate_resolved")
         parts.append(
             f"**Fastest within the quality gate{where}: {best['label']}** (policy {best.get('policy')}"
             + (f", compression ratio {ratio:g}x" if ratio is not None else "")
-            + f") at {best['output_throughput_tok_per_s']:.1f} output tok/s, {speedup:.2f}x the full cache's "
-            f"{full['output_throughput_tok_per_s']:.1f} (max batch {best.get('batch_size')} vs "
-            f"{full.get('batch_size')}); perplexity {best['perplexity']:.3f}"
+            + f") at {_amount(best)} {unit}, {'at least ' if best['throughput_lower_bound'] else ''}"
+            f"{speedup:.2f}x the full cache's {_amount(full)}"
+            + (
+                f" (max batch {best.get('batch_size')} vs {full.get('batch_size')})"
+                if g[0] == "max_batch"
+                else f" ({_slo_text(best)})"
+            )
+            + f"; perplexity {best['perplexity']:.3f}"
             + (f" (95% CI {ci})" if ci else "")
             + f", {_percent(best['perplexity_vs_full'] - 1)} vs full"
             + (f" (paired 95% CI of the ratio {paired}" if paired else "")
@@ -222,10 +263,25 @@ def headline(rows: list[dict]) -> str:
     return " ".join(parts)
 
 
+def _amount(r: dict) -> str:
+    """A row's throughput as printed: ``1.19`` req/s (``≥ 8`` when a lower bound) or ``57.3`` tok/s."""
+    if throughput_axis(r) != "capacity":
+        return f"{r['throughput_value']:.1f}"
+    return ("≥ " if r.get("throughput_lower_bound") else "") + f"{r['throughput_value']:.3g}"
+
+
+def _slo_text(r: dict) -> str:
+    """The SLO and target a capacity row was searched at, in words."""
+    limits = [f"TTFT <= {r.get('slo_ttft_s'):g} s", f"TPOT <= {r.get('slo_tpot_s'):g} s"]
+    if r.get("slo_e2e_latency_s") is not None:
+        limits.append(f"e2e <= {r['slo_e2e_latency_s']:g} s")
+    return f"SLO {', '.join(limits)} for >= {r.get('capacity_target_attainment'):g} of {r.get('num_requests')} requests"
+
+
 def _conditions(rows: list[dict]) -> str:
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("on_frontier") is not None]
     if not ok:
-        return "No point finished."
+        return "No point finished with a throughput."
     first = ok[0]
 
     def distinct(key):
@@ -236,8 +292,8 @@ def _conditions(rows: list[dict]) -> str:
         ""
         if len(groups) == 1
         else (
-            f"**Not one comparison: the points ran in {len(groups)} settings (dtype, KV limit in bytes, seed, prompt "
-            "and new tokens, perplexity windows): "
+            f"**Not one comparison: the points ran in {len(groups)} settings (throughput axis, dtype, KV limit in "
+            "bytes, seed, prompt and new tokens, perplexity windows): "
             + "; ".join(_group_text(g) for g in groups)
             + " (`dtype: auto` resolved differently on the replicas); "
             "each has its own frontier. Force `dtype:` in the suite.** "
@@ -255,9 +311,26 @@ def _conditions(rows: list[dict]) -> str:
         f"(the same prompts for every point) + {first['new_tokens']} new tokens; perplexity over "
         f"{first['perplexity_tokens_scored']} held-out tokens"
         + _windows(first)
-        + f"; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. Points ran "
-        "one after another on the replicas (not interleaved): on a shared machine their timings carry its load; "
-        "output tokens per CPU-second is less sensitive to it."
+        + f"; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. "
+        + (_capacity_conditions(first) if throughput_axis(first) == "capacity" else _max_batch_conditions())
+    )
+
+
+def _max_batch_conditions() -> str:
+    return (
+        "Throughput: one batch of the policy's own max batch, all requests at once (preallocated rows, "
+        "prefill-first). Points ran one after another on the replicas (not interleaved): on a shared machine their "
+        "timings carry its load; output tokens per CPU-second is less sensitive to it."
+    )
+
+
+def _capacity_conditions(first: dict) -> str:
+    return (
+        f"Throughput: capacity at the SLO, the highest Poisson rate at which every probe's {_slo_text(first)} "
+        f"(a bisection on one grid of rates, `workloads.serving.capacity`; the same requests and arrival pattern for "
+        f"every point; the paged engine, mixed scheduler with {first.get('max_num_batched_tokens')} tokens a step). "
+        "≥: the search passed its highest rate (or ran out of probes), so the capacity is at least that. Points ran "
+        "one after another on the replicas: on a shared machine their latencies carry its load."
     )
 
 
@@ -279,6 +352,8 @@ COLUMNS = [  # (header with unit, key, format)
     ("dtype", "dtype", "s"),
     ("B (tok)", "budget_tokens", "d"),
     ("max batch", "batch_size", "d"),
+    ("capacity (req/s)", "capacity", "s"),
+    ("goodput at capacity (tok/s)", "capacity_goodput_tok_per_s", ".1f"),
     ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
     ("output (tok/CPU-s)", "output_tok_per_cpu_s", ".2f"),
     ("decode (tok/s)", "decode_tokens_per_s", ".1f"),
@@ -307,6 +382,15 @@ def _gate_mark(r: dict) -> str | None:
     return ("pass" if passed else "fail") + (" (bound inside CI)" if r.get("quality_gate_resolved") is False else "")
 
 
+def _capacity_cell(r: dict) -> str | None:
+    """The capacity column: the capacity (``≥`` a lower bound; ``< min`` below the search's lowest rate)."""
+    if throughput_axis(r) != "capacity" or r.get("status") != "ok":
+        return None
+    if r["throughput_value"] is not None:
+        return _amount(r)
+    return f"< {r['capacity_hi_req_per_s']:.3g}" if r.get("capacity_hi_req_per_s") is not None else None
+
+
 def markdown(rows: list[dict]) -> str:
     """`headline` (the first line), the conditions and the table: one row per point of `frontier_rows`;
     ``gate`` = pass / fail ("bound inside CI" when the paired interval holds the bound) / - (no full cache);
@@ -320,9 +404,13 @@ def markdown(rows: list[dict]) -> str:
             perplexity_ci=_ci(r.get("perplexity_ci_low"), r.get("perplexity_ci_high")),
             vs_full=_vs_full(r),
             gate_mark=_gate_mark(r),
+            capacity=_capacity_cell(r),
+            capacity_goodput_tok_per_s=r.get("goodput_tok_per_s") if throughput_axis(r) == "capacity" else None,
         )
         if r.get("status") != "ok":
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
+        elif r.get("on_frontier") is None:
+            r["status"] = f"ok, no capacity: {r.get('capacity_status')}"
         body.append("| " + " | ".join(res.format_value(r.get(k), f) for _, k, f in COLUMNS) + " |")
     head = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     return headline(rows) + "\n\n" + _conditions(rows) + "\n\n" + "\n".join(head + body) + "\n"
@@ -470,7 +558,7 @@ def figure(rows: list[dict]):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    ok = [r for r in rows if r.get("status") == "ok"]
+    ok = [r for r in rows if r.get("on_frontier") is not None]
     fig = Figure(figsize=(13, 6.2), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
@@ -488,7 +576,7 @@ def figure(rows: list[dict]):
         shown = [r for r in ok if not zoom or r["perplexity"] <= best * ZOOM_PERPLEXITY_FACTOR]
         for r in shown:
             pol, q = r.get("policy_label") or r["policy"], r.get("compression_ratio") or 1.0
-            x, y = r["output_throughput_tok_per_s"], r["perplexity"]
+            x, y = r["throughput_value"], r["perplexity"]
             name, (lo, hi) = _error_bar(r, zoom)
             if lo is not None:
                 handles[name] = ax.errorbar(
@@ -503,16 +591,16 @@ def figure(rows: list[dict]):
                     zorder=2,
                 )
             ax.scatter(x, y, color=colors[pol], marker=markers.get(q, "o"), s=55, zorder=3)
-            labels.append((ax, x, y, r["label"]))
+            labels.append((ax, x, y, ("≥ " if r["throughput_lower_bound"] else "") + r["label"]))
         for k, g in enumerate(groups):
             front = sorted(
                 (r for r in shown if r["on_frontier"] and _group(r) == g),
-                key=lambda r: r["output_throughput_tok_per_s"],
+                key=lambda r: r["throughput_value"],
             )
             if front:
-                name = "Pareto frontier" + (f" ({g[0]}, {g[1] / MIB:.3g} MiB)" if len(groups) > 1 else "")
+                name = "Pareto frontier" + (f" ({g[1]}, {g[2] / MIB:.3g} MiB)" if len(groups) > 1 else "")
                 (handles[name],) = ax.plot(
-                    [r["output_throughput_tok_per_s"] for r in front],
+                    [r["throughput_value"] for r in front],
                     [r["perplexity"] for r in front],
                     "--" if k == 0 else ":",
                     color="black",
@@ -520,7 +608,7 @@ def figure(rows: list[dict]):
                     zorder=2,
                 )
                 ax.scatter(
-                    [r["output_throughput_tok_per_s"] for r in front],
+                    [r["throughput_value"] for r in front],
                     [r["perplexity"] for r in front],
                     s=160,
                     facecolors="none",
@@ -546,7 +634,7 @@ def figure(rows: list[dict]):
         for gate_y, _ in gates:
             handles["fails the gate"] = ax.axhspan(gate_y, high, color="tab:red", alpha=0.07, lw=0, zorder=0)
         ax.set_ylim(low, high)
-        ax.set_xlabel("output tok/s at the policy's own max batch")
+        ax.set_xlabel(" / ".join(AXES[a][0] for a in dict.fromkeys(throughput_axis(r) for r in ok)) or "throughput")
         ax.set_ylabel("perplexity on held-out text (lower is better)")
         ax.grid(True, which="both", alpha=0.3)
         if zoom:

@@ -23,13 +23,14 @@ from typing import Iterator
 from workloads.core.dispatch import replica_points
 from workloads.core.template import Finished, Kind, Report, Session, kind_main
 from workloads.frontier.point import run_frontier_point
-from workloads.frontier.report import write_report
+from workloads.frontier.report import throughput_value, write_report
 from workloads.frontier.suite import FrontierPoint, FrontierSuite
 from workloads.quality.runner import apply_point, policy_label
 
 
 class FrontierKind(Kind):
-    """Throughput at each policy's own max batch and held-out perplexity, on the same replicas."""
+    """Capacity at the SLO (or throughput at each policy's own max batch) and held-out perplexity, on the same
+    replicas."""
 
     name = "frontier"
     suite_model = FrontierSuite
@@ -49,9 +50,17 @@ class FrontierKind(Kind):
         what = f"{rec['point_id']} on {rec.get('replica_id')}"
         if rec["status"] != "ok":
             return f"  error  {what}: {rec['error']}"
+        if rec.get("throughput") == "capacity":
+            value, lower = throughput_value(rec)
+            speed = (
+                f"capacity {'>= ' if lower else ''}{value:.3g} req/s at the SLO"
+                if value is not None
+                else f"no capacity ({rec.get('capacity_status')})"
+            ) + f" ({rec.get('capacity_probes')} probes)"
+        else:
+            speed = f"max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s"
         return (
-            f"  ok     {what}: max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s, "
-            f"perplexity {rec['perplexity']:.3f}"
+            f"  ok     {what}: {speed}, perplexity {rec['perplexity']:.3f}"
             + (
                 f" (95% CI {rec['perplexity_ci_low']:.3f}-{rec['perplexity_ci_high']:.3f})"
                 if rec.get("perplexity_ci_low") is not None

@@ -15,8 +15,30 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
                                  #   in the run's dtype (resolved on the replica)
       # bytes: 50000000          #   or an absolute limit in bytes
     perplexity_windows: 4        # held-out windows of prompt_tokens + new_tokens tokens each (>= 2 for an interval)
+    throughput: capacity         # the throughput axis: capacity (the default) or max_batch
+    capacity:                    # throughput: capacity: each point's search (`workloads.serving.capacity`)
+      min_rate_req_per_s: 0.25
+      max_rate_req_per_s: 8.0
+      target_attainment: 0.99
+      resolution: 0.25
+    slo: {ttft_s: 2.0, tpot_s: 0.1}   # capacity: the latency limits every request is judged by (`workloads.load.slo`)
+    num_requests: 32             # capacity: measured requests a probe (after warmup_requests: 1)
+    max_num_batched_tokens: 512  # capacity: the mixed scheduler's token budget a step
     quality_gate:                # the report's gate (`workloads.frontier.gate`); not part of a point's identity:
       max_perplexity_increase: 0.01  # pass at perplexity <= the full cache's x (1 + this); a number > 0
+
+The throughput axis (``throughput``):
+
+* ``capacity`` (the default): capacity at the SLO, the serving measure (docs/serving.md, "Capacity at an SLO"). Each
+  point runs, on its replica, the search of `workloads.serving.capacity` over Poisson rates: ``num_requests`` equal
+  requests of ``prompt_tokens`` + ``new_tokens`` (EOS ignored) a probe, the same requests and arrival pattern for
+  every point, on the paged engine (blocks of 16 slots from one pool of the KV memory limit) under the mixed
+  scheduler (``max_num_batched_tokens`` a step), budgets per request (every request's B is the point's). A probe
+  passes when at least ``capacity.target_attainment`` of its requests meet ``slo``; the point's
+  ``capacity_req_per_s`` is the highest passing rate of the grid, or null when the search could not bracket it
+  (``capacity_status`` says why). The search's settings, the SLO and the request count are part of the point's id.
+* ``max_batch``: output tok/s of one batch of the policy's own max batch under the limit (preallocated rows,
+  prefill-first), all requests at once: the older measure, quicker, without latency.
 
 ``full`` never evicts, so it runs once (ratio 1). Absolute ``budget_tokens`` are refused: both measurements
 derive B from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
@@ -33,8 +55,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from replica.types import EngineConfig
 from workloads.core.suite import (
     KVMemoryLimit,
+    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     SuiteBase,
@@ -43,6 +67,13 @@ from workloads.core.suite import (
     point_id,
 )
 from workloads.frontier.gate import DEFAULT_MAX_PERPLEXITY_INCREASE
+from workloads.load.slo import DEFAULT_SLO, SLO
+from workloads.serving.capacity import CapacitySearch
+
+#: The frontier's throughput axes (the module docstring).
+THROUGHPUTS = ("capacity", "max_batch")
+#: The default search of ``throughput: capacity``: 17 rates 0.25-8 req/s, at most 25% apart, 5 probes a point.
+DEFAULT_CAPACITY = CapacitySearch(min_rate_req_per_s=0.25, max_rate_req_per_s=8.0, resolution=0.25)
 
 
 @dataclass(frozen=True)
@@ -62,8 +93,26 @@ class FrontierPoint:
     seed: int
     point_id: str
     identity: dict = field(default_factory=dict)
+    #: ``throughput: capacity``: the fields of the one-series serving suite (``mode: capacity``) whose search the point
+    #: runs (`FrontierSuite.capacity_suite`); None: ``throughput: max_batch``.
+    capacity_suite: dict | None = None
     #: Frontier points compress by a ratio, never by an absolute budget.
     budget_tokens: ClassVar[None] = None
+
+
+#: The settings of a capacity point's search that change its numbers (part of its id); the rest follow from the
+#: point's own fields.
+_CAPACITY_IDENTITY = (
+    "mode",
+    "kv_layout",
+    "scheduler",
+    "max_num_batched_tokens",
+    "num_requests",
+    "warmup_requests",
+    "arrival",
+    "slo",
+    "capacity",
+)
 
 
 class QualityGate(BaseModel):
@@ -103,6 +152,12 @@ class FrontierSuite(SuiteBase):
     kv_memory_limit: KVMemoryLimit = KVMemoryLimit(full_sequences=2)
     perplexity_windows: PositiveInt = 4
     quality_gate: QualityGate = QualityGate()
+    throughput: Literal[THROUGHPUTS] = "capacity"
+    capacity: CapacitySearch = DEFAULT_CAPACITY
+    slo: SLO = DEFAULT_SLO
+    num_requests: PositiveInt = 32
+    warmup_requests: NonNegativeInt = 1
+    max_num_batched_tokens: PositiveInt = EngineConfig.model_fields["max_num_batched_tokens"].default
 
     _policies_default: ClassVar[str | None] = "all"
 
@@ -114,6 +169,50 @@ class FrontierSuite(SuiteBase):
                 "+ new_tokens) / ratio) in both measurements)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _capacity_fields_need_capacity(self) -> "FrontierSuite":
+        if self.throughput == "max_batch":
+            given = sorted(set(self.model_fields_set) & {"capacity", "slo", "num_requests", "warmup_requests"})
+            if given:
+                raise SuiteError(
+                    f"{', '.join(given)}: only used with throughput: capacity (the search at the SLO), not max_batch"
+                )
+        elif self.max_num_batched_tokens < EngineConfig.model_fields["block_tokens"].default:
+            raise SuiteError(
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block "
+                f"({EngineConfig.model_fields['block_tokens'].default} tokens); give at least that"
+            )
+        return self
+
+    def capacity_suite(self, policy, ratio: float | None) -> dict:
+        """The fields of the serving suite (``mode: capacity``, one series: `policy` at `ratio`) whose search a
+        ``throughput: capacity`` point runs on its replica (`workloads.frontier.point`); validated here, at load."""
+        lim = self.kv_memory_limit
+        return dict(
+            kind="serving",
+            name=f"{self.name}-capacity",
+            mode="capacity",
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            replicas=1,
+            policies=[{"name": policy.name, "params": dict(policy.params)}],
+            compression_ratios=[ratio] if ratio is not None else [],
+            prompt_tokens=self.prompt_tokens,
+            new_tokens=self.new_tokens,
+            kv_memory_limit=lim.model_dump(exclude_none=True),
+            kv_layout="paged",
+            budget="per_request",
+            scheduler="mixed",
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_requests=self.num_requests,
+            warmup_requests=self.warmup_requests,
+            arrival="poisson",
+            slo=self.slo.model_dump(exclude_none=True),
+            capacity=self.capacity.model_dump(exclude_none=True),
+        )
 
     def budget_lengths(self) -> list[int]:
         return [self.prompt_tokens + self.new_tokens]
@@ -141,6 +240,11 @@ class FrontierSuite(SuiteBase):
                     seed=self.seed,
                 )
                 limit_tag = f"f{lim.full_sequences}" if lim.bytes is None else f"m{lim.bytes}"
+                serving = None
+                if self.throughput == "capacity":  # max_batch points keep the ids they had before this axis
+                    serving = self.capacity_suite(pol, ratio)
+                    ident["throughput"] = {k: serving[k] for k in _CAPACITY_IDENTITY}
+                    limit_tag += "-cap"
                 tag = (
                     f"frontier-{pol.tag()}{budget_tag(ratio, None)}-p{self.prompt_tokens}-n{self.new_tokens}-"
                     f"{limit_tag}-w{self.perplexity_windows}-s{self.seed}"
@@ -159,6 +263,7 @@ class FrontierSuite(SuiteBase):
                         self.seed,
                         point_id(tag, ident),
                         ident,
+                        serving,
                     )
                 )
         return out

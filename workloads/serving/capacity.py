@@ -47,8 +47,9 @@ it: ``capacity_probe`` (its place in its series' search), ``capacity_passed``, a
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Annotated, Any, Iterable, Mapping
+from typing import Annotated, Any, Callable, Iterable, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -261,3 +262,32 @@ def summaries(spec: CapacitySearch, points: Iterable, records: Iterable[dict]) -
             }
         )
     return out
+
+
+def searches(suite, records: list[dict], run: Callable[[Any], dict]) -> Iterator[tuple[Any, dict, float]]:
+    """Each series' search of a capacity suite (`workloads.serving.suite.ServingSuite`, ``mode: capacity``) in suite
+    order, one probe at a time (the next depends on the last), resumed from `records`: every recorded probe is a
+    result (`search_series`). Yields (point, body, start time in Unix s); each body (``run(point)``, a serving
+    point's metrics with its ``status``) carries the search's state after it (``capacity_probe``,
+    ``capacity_passed``, `summary_fields`). The serving runner's search, and each capacity point of a frontier
+    (`workloads.frontier.point`)."""
+    spec = suite.capacity
+    latest = {r["point_id"]: r for r in records}  # the latest record of each point wins
+    errored: set[str] = set()  # probes that errored in this run (a resumed run probes them again)
+    for pts in by_series(suite.points()).values():
+        rates = [p.load for p in pts]
+        while (search := search_series(spec, pts, latest)).next is not None:
+            if errored_next(search, pts, latest) and pts[search.next].point_id in errored:
+                break  # it errored in this run: the series waits for a resumed run
+            point, t0 = pts[search.next], time.time()
+            body = run(point)
+            latest[point.point_id] = dict(body)  # the probe's result (its status included), for the next step
+            if body["status"] == "error":
+                errored.add(point.point_id)
+            after = search_series(spec, pts, latest)
+            body.update(
+                capacity_probe=len(after.path),
+                capacity_passed=passed(body, spec.target_attainment),
+                **summary_fields(after, rates, spec.target_attainment),
+            )
+            yield point, body, t0

@@ -127,7 +127,11 @@ class ServingKind(Kind):
             def run(point: ServingPoint) -> dict:
                 return run_point(pool, suite, point, tokenizer=tokenizer, vocab_size=vocab, run_id=session.run_id)
 
-            steps = _search(suite, records, run) if suite.capacity_search else _sweep(suite, pending, records, run)
+            steps = (
+                capacity.searches(suite, records, run)
+                if suite.capacity_search
+                else _sweep(suite, pending, records, run)
+            )
             for point, body, t0 in steps:
                 status, error = body.pop("status"), body.pop("error", None)
                 yield Finished(point, status, body, error, dtype_info, t0, time.time())
@@ -208,32 +212,6 @@ def _sweep(suite: ServingSuite, pending: list[ServingPoint], records: list[dict]
         reason = "out of memory" if status == "oom" else suite.saturation.reason(body) if status == "ok" else None
         if reason and point.load is not None and point.series not in saturated:
             saturated[point.series] = f"saturated at load {point.load:g}: {reason}"
-
-
-def _search(suite: ServingSuite, records: list[dict], run: Callable) -> Iterator[Step]:
-    """Each series' capacity search in suite order, one probe at a time (the next depends on the last), resumed
-    from `records`: every recorded probe is a result (`workloads.serving.capacity.search_series`). Each probe's
-    body carries the search's state after it (``capacity_probe``, ``capacity_passed``, `summary_fields`)."""
-    spec = suite.capacity
-    latest = res.latest_by_point(records)
-    errored: set[str] = set()  # probes that errored in this run (a resumed run probes them again)
-    for pts in capacity.by_series(suite.points()).values():
-        rates = [p.load for p in pts]
-        while (search := capacity.search_series(spec, pts, latest)).next is not None:
-            if capacity.errored_next(search, pts, latest) and pts[search.next].point_id in errored:
-                break  # it errored in this run: the series waits for a resumed run
-            point, t0 = pts[search.next], time.time()
-            body = run(point)
-            latest[point.point_id] = dict(body)  # the probe's result (its status included), for the next step
-            if body["status"] == "error":
-                errored.add(point.point_id)
-            after = capacity.search_series(spec, pts, latest)
-            body.update(
-                capacity_probe=len(after.path),
-                capacity_passed=capacity.passed(body, spec.target_attainment),
-                **capacity.summary_fields(after, rates, spec.target_attainment),
-            )
-            yield point, body, t0
 
 
 def _search_line(rec: dict) -> str:
