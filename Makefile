@@ -162,10 +162,10 @@ QUALITY_SUITE ?= workloads/suites/quality.yaml
 quality: install
 	$(PY) -m workloads.quality.runner $(QUALITY_SUITE) $(ARGS)
 
-# The throughput-quality frontier (workloads/frontier; docs/benchmarks.md): per policy and ratio, output tok/s at its own
-# max batch under one KV memory limit against perplexity of held-out text, both on the same replicas; points.jsonl,
-# frontier.png and table.md (Pareto frontier marked; first line: the fastest point within the quality gate, perplexity
-# within 1% of the full cache's) land in results/<run_id>/. About 20 minutes on 2 idle cores (4 perplexity windows).
+# The throughput-quality frontier (workloads/frontier; docs/benchmarks.md): per policy and ratio, capacity at the SLO
+# under one KV memory limit against perplexity of held-out text, both on the same replicas; points.jsonl,
+# frontier.png and table.md (Pareto frontier marked; first line: the highest capacity within the quality gate,
+# perplexity within 1% of the full cache's) land in results/<run_id>/. Measured time: docs/benchmarks.md.
 FRONTIER_SUITE ?= workloads/suites/frontier.yaml
 .PHONY: frontier
 frontier: install

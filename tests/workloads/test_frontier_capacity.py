@@ -215,8 +215,8 @@ def test_the_report_ranks_capacity_and_lists_a_point_below_its_lowest_rate():
         "**Fastest within the quality gate: scissorhands x5** (policy scissorhands, compression ratio 5x) at 1.5 "
         "req/s at the SLO, 3.00x the full cache's 0.5 (SLO TTFT <= 2 s, TPOT <= 0.2 s for >= 0.99 of 32 requests)"
     )
-    assert "| h2o x5 | bfloat16 | - | - | ≥ 8 | 7.5 |" in table and "fail" in table
-    assert "| tova x2 | bfloat16 | - | - | < 0.25 | 7.5 |" in table and "ok, no capacity: below_min_rate" in table
+    assert "| h2o x5 | bfloat16 | - | ≥ 8 | 7.5 |" in table and "fail" in table
+    assert "| tova x2 | bfloat16 | - | < 0.25 | 7.5 |" in table and "ok, no capacity: below_min_rate" in table
     assert "Throughput: capacity at the SLO" in table
 
 
@@ -232,3 +232,17 @@ def test_capacity_and_max_batch_records_are_never_ranked_together():
         ("a", 0.5, True),
     ]
     assert "Not one comparison" in markdown(rows)
+
+
+def test_a_compressed_capacity_that_only_ties_the_full_cache_is_no_gain():
+    rows = frontier_rows(
+        [
+            _capacity_rec("a", "full", None, "ok", 1.41, 2.06, 20.0),
+            _capacity_rec("b", "scissorhands", 2.0, "ok", 1.41, 2.06, 20.1),
+        ]
+    )
+    assert markdown(rows).startswith(
+        "**No compressed configuration beats the full cache within the quality gate** (perplexity at most 1% above "
+        "the full cache's 20.000, i.e. <= 20.200): 1 of 1 passed, none faster than the full cache at 1.41 req/s at "
+        "the SLO."
+    )

@@ -1,16 +1,17 @@
 """One frontier point, run where the model is: ``run_frontier_point(model, tokenizer, point) -> metrics``.
 
 The runner sends it to a replica with ``ModelReplica.apply(run_frontier_point, point)`` (the quality runner's
-call seam, `workloads.core.dispatch.replica_points`). ``point`` is the :class:`workloads.frontier.suite.FrontierPoint` itself.
+call seam, `workloads.core.dispatch.replica_points`). ``point`` is the
+:class:`workloads.frontier.suite.FrontierPoint` itself.
 Both measurements use one cache configuration: budget ``B = ceil((prompt_tokens + new_tokens) / ratio)``.
 
 1. Throughput, by the suite's axis (`workloads.frontier.suite`, ``throughput``). ``capacity``: the point's
    capacity at the SLO, by `capacity_at_slo` (the serving search of `workloads.serving.capacity`, on this model in
-   this process). ``max_batch``: throughput at the point's own max batch under one KV memory limit (`bench.bench_serving`'s machinery):
-   the limit holds ``kv_limit_full_sequences`` full-cache sequences of prompt + new tokens in the model's dtype
-   (`EngineConfig.kv_limit_full_sequences`, resolved by the engine: `replica.engine.full_rows_kv_bytes`) or is
-   ``kv_memory_limit_bytes``; the policy runs the
-   largest batch the continuous-batching engine admits under it (`ContinuousBatchingEngine.max_batch_for`) of
+   this process). ``max_batch``: throughput at the point's own max batch under one KV memory limit
+   (`bench.bench_serving`'s machinery): the limit holds ``kv_limit_full_sequences`` full-cache sequences of
+   prompt + new tokens in the model's dtype (`EngineConfig.kv_limit_full_sequences`, resolved by the engine:
+   `replica.engine.full_rows_kv_bytes`) or is ``kv_memory_limit_bytes``; the policy runs the largest batch the
+   continuous-batching engine admits under it (`ContinuousBatchingEngine.max_batch_for`) of
    equal requests: the first ``max batch`` prompts of one seeded draw of load-test text (every point shares
    them), ``new_tokens`` each, EOS ignored. ``output_throughput_tok_per_s`` = output tokens / the run's wall
    time from the first step to the last token, prefill included (`replica.generate_baseline.run_engines`).
@@ -46,8 +47,9 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     """Measure one point; return its metrics (units in the names).
 
     ``throughput: capacity`` (``point.capacity_suite`` set): the fields of `capacity_at_slo`, then the perplexity
-    fields below. ``throughput: max_batch``: a dict with ``kv_memory_limit_bytes`` (resolved), ``kv_limit_full_sequences`` (None for a limit in
-    bytes), ``batch_size`` (the max batch), ``budget_tokens`` (B),
+    fields below. ``throughput: max_batch``: a dict with ``throughput`` ("max_batch"), ``kv_memory_limit_bytes``
+    (resolved), ``kv_limit_full_sequences`` (None for a limit in bytes), ``batch_size`` (the max batch),
+    ``budget_tokens`` (B),
     ``output_throughput_tok_per_s``, ``output_tok_per_cpu_s``, ``decode_tokens_per_s``, ``output_tokens``,
     ``wall_s``, ``cpu_s``, ``prefill_s``, ``decode_s``, ``kv_cache_bytes`` (peak of the throughput run),
     ``peak_running_sequences``, ``max_batch_verified`` (the batch ran whole and its peak KV bytes stayed under

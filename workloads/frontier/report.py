@@ -8,8 +8,9 @@
   with its perplexity's 95% interval, its ratio to the full cache's with the paired interval, the gate's
   decision and the frontier mark.
 * ``frontier.png``: one point per policy and compression ratio, x = its throughput (`throughput_value`: capacity
-  at the SLO in req/s, or output tok/s at the point's own max batch, under the run's one KV memory limit), y = perplexity of held-out text (log scale when it spans more than 3x)
-  with its 95% interval as a vertical error bar; the quality gate as a horizontal line at the full cache's
+  at the SLO in req/s, or output tok/s at the point's own max batch, under the run's one KV memory limit), y =
+  perplexity of held-out text (log scale when it spans more than 3x) with its 95% interval as a vertical error bar;
+  the quality gate as a horizontal line at the full cache's
   perplexity x (1 + bound), the failing region above it shaded; the points on the Pareto frontier ringed and
   joined; a second panel zooms on the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity. Labels
   are placed so that no two overlap (`_place_labels`), with a leader line where one had to move off its point.
@@ -91,8 +92,9 @@ def _label(r: dict) -> str:
 
 
 def _group(r: dict) -> tuple:
-    """Points are comparable only on one throughput axis, at one dtype and one KV limit in bytes (``dtype: auto`` resolves per replica), on
-    the same requests and held-out windows (seed, lengths, window count: a results folder may hold points of an
+    """Points are comparable only on one throughput axis, at one dtype and one KV limit in bytes (``dtype: auto``
+    resolves per replica), on the same requests and held-out windows (seed, lengths, window count: a results folder
+    may hold points of an
     edited suite)."""
     return (
         throughput_axis(r),
@@ -222,7 +224,7 @@ def headline(rows: list[dict]) -> str:
             f"<= {full['quality_gate_perplexity']:.3f}"
         )
         best = next((r for r in members if r["quality_gate_passed"] and r.get("policy") != "full"), None)
-        if best is None or best["throughput_value"] < full["throughput_value"]:
+        if best is None or best["throughput_value"] <= full["throughput_value"]:  # a tie gains nothing
             compressed = sum(1 for r in members if r.get("policy") != "full")
             passed = sum(1 for r in members if r.get("policy") != "full" and r["quality_gate_passed"])
             parts.append(
@@ -368,6 +370,19 @@ COLUMNS = [  # (header with unit, key, format)
 ]
 
 
+#: The columns only one throughput axis fills.
+AXIS_COLUMNS = {
+    "capacity": ("capacity", "capacity_goodput_tok_per_s"),
+    "max_batch": (
+        "batch_size",
+        "output_throughput_tok_per_s",
+        "output_tok_per_cpu_s",
+        "decode_tokens_per_s",
+        "max_batch_verified",
+    ),
+}
+
+
 def _vs_full(r: dict) -> str | None:
     if r.get("perplexity_vs_full") is None:
         return None
@@ -395,7 +410,7 @@ def markdown(rows: list[dict]) -> str:
     """`headline` (the first line), the conditions and the table: one row per point of `frontier_rows`;
     ``gate`` = pass / fail ("bound inside CI" when the paired interval holds the bound) / - (no full cache);
     ``frontier`` = "yes" for frontier points."""
-    body = []
+    cells = []
     for r in rows:
         r = dict(
             r,
@@ -411,8 +426,12 @@ def markdown(rows: list[dict]) -> str:
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
         elif r.get("on_frontier") is None:
             r["status"] = f"ok, no capacity: {r.get('capacity_status')}"
-        body.append("| " + " | ".join(res.format_value(r.get(k), f) for _, k, f in COLUMNS) + " |")
-    head = ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        cells.append(r)
+    # the columns of an axis no row is on are left out (a capacity run has no max batch, and the reverse)
+    axes = {throughput_axis(r) for r in rows}
+    keep = [c for c in COLUMNS if not any(c[1] in AXIS_COLUMNS[a] for a in set(AXIS_COLUMNS) - axes)]
+    body = ["| " + " | ".join(res.format_value(r.get(k), f) for _, k, f in keep) + " |" for r in cells]
+    head = ["| " + " | ".join(h for h, _, _ in keep) + " |", "|" + "---|" * len(keep)]
     return headline(rows) + "\n\n" + _conditions(rows) + "\n\n" + "\n".join(head + body) + "\n"
 
 

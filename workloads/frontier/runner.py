@@ -3,10 +3,11 @@
 Each point (one policy at one compression ratio) runs on one of N model replicas as
 ``ModelReplica.apply(run_frontier_point, point)`` through the run template every kind shares
 (`workloads.core.template`, `workloads.core.dispatch`), and measures both numbers of the picture on that replica:
-output tok/s at the policy's own max batch under the run's one KV memory limit, and perplexity of held-out text
-(`workloads.frontier.point`). Every finished point is one record (``kind: frontier``) appended to
-``<results-dir>/<run_id>/points.jsonl`` and pushed to the Pushgateway like a sweep point; ``--resume RUN_ID``
-skips the points already ``ok``. At the end ``frontier.png`` and ``table.md`` (the fastest configuration within
+its capacity at the SLO (or, with ``throughput: max_batch``, output tok/s at its own max batch) under the run's one
+KV memory limit, and perplexity of held-out text (`workloads.frontier.point`). Every finished point is one record
+(``kind: frontier``) appended to ``<results-dir>/<run_id>/points.jsonl`` and pushed to the Pushgateway like a sweep
+point; ``--resume RUN_ID``
+skips the points already ``ok``. At the end ``frontier.png`` and ``table.md`` (the highest throughput within
 the suite's ``quality_gate`` first, the Pareto frontier marked, `workloads.frontier.report`) are written next to
 the points. ``--local`` runs the points in this process.
 
