@@ -201,8 +201,8 @@ def test_points_of_another_dtype_get_their_own_frontier():
     )
     assert conditions.startswith(
         "**Not one comparison: the points ran in 2 settings (throughput axis, dtype, KV limit in bytes, seed, prompt "
-        "and new tokens, perplexity windows): output tok/s, bfloat16, 100 B, 24 + 8 tokens; output tok/s, float32, "
-        "200 B, 24 + 8 tokens"
+        "and new tokens, perplexity windows, capacity search): output tok/s, bfloat16, 100 B, 24 + 8 tokens; output "
+        "tok/s, float32, 200 B, 24 + 8 tokens"
     )
 
 

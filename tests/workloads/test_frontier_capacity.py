@@ -39,7 +39,7 @@ def test_capacity_is_the_default_axis_and_each_point_carries_its_one_series_sear
     assert serving.capacity.grid() == (1.0, 2.0, 4.0, 8.0) and serving.num_requests == 16
     assert (serving.prompt_tokens.upper, serving.new_tokens.upper, serving.kv_limit.full_sequences) == (24, 8, 2)
     assert ServingSuite.model_validate(full.capacity_suite).compression_ratios == ()
-    assert "-cap-" in sh.point_id and sh.identity["throughput"]["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2}
+    assert "-cap-" in sh.point_id and sh.identity["capacity_search"]["slo"] == {"ttft_s": 2.0, "tpot_s": 0.2}
 
 
 def test_the_search_the_slo_and_the_request_count_change_a_capacity_points_id_and_max_batch_ids_stay():
@@ -56,7 +56,8 @@ def test_the_search_the_slo_and_the_request_count_change_a_capacity_points_id_an
     assert len(ids) == 5
     # the max-batch axis keeps the ids its runs were recorded under (no capacity settings in its identity)
     (full,) = parse_suite({**BASE, "throughput": "max_batch", "policies": ["full"]}).points()
-    assert "throughput" not in full.identity and full.capacity_suite is None and "-cap-" not in full.point_id
+    assert "capacity_search" not in full.identity and full.capacity_suite is None
+    assert full.point_id == "frontier-full-p24-n8-f2-w4-s0-9f3bb4d6"  # the id it had before the capacity axis
 
 
 @pytest.mark.parametrize(
@@ -71,7 +72,7 @@ def test_the_search_the_slo_and_the_request_count_change_a_capacity_points_id_an
             r"capacity.min_rate_req_per_s, capacity.max_rate_req_per_s: the rate bracket \[4, 2\] req/s is empty",
         ),
         ({"capacity": {**GRID, "target_attainment": 1.5}}, r"capacity.target_attainment: .*in \(0, 1\]"),
-        ({"max_num_batched_tokens": 8}, r"max_num_batched_tokens: 8 is below one block \(16 tokens\)"),
+        ({"max_num_batched_tokens": 8}, r"max_num_batched_tokens: 8 is below one block \(block_tokens: 16\)"),
         ({"num_requests": 0}, r"num_requests: Input should be greater than or equal to 1"),
     ],
 )
@@ -114,7 +115,9 @@ def test_one_capacity_point_bisects_its_grid_and_keeps_every_probe(model, monkey
     assert calls == [2.0, 4.0]
     assert (rec["throughput"], rec["capacity_status"], rec["capacity_req_per_s"]) == ("capacity", "ok", 2.0)
     assert (rec["capacity_lo_req_per_s"], rec["capacity_hi_req_per_s"], rec["capacity_probes"]) == (2.0, 4.0, 2)
-    assert [(p["load"], p["capacity_passed"], p["slo_attainment"]) for p in rec["capacity_probe_results"]] == [
+    assert [
+        (p["rate_req_per_s"], p["capacity_passed"], p["slo_attainment"]) for p in rec["capacity_probe_results"]
+    ] == [
         (2.0, True, 1.0),
         (4.0, False, 0.5),
     ]
@@ -130,8 +133,8 @@ def test_one_capacity_point_bisects_its_grid_and_keeps_every_probe(model, monkey
 
 
 def test_a_capacity_point_whose_probe_errors_fails_naming_the_rate(model, monkeypatch):
-    def run_point(pool, suite, point, tokenizer=None, vocab_size=None):
-        return {"status": "error", "error": "replica died", "load": point.load}
+    def run_point(pool, suite, point, tokenizer=None, vocab_size=None):  # as a failed configure answers: no load
+        return {"status": "error", "stop_reason": "configure failed", "error": "replica died"}
 
     monkeypatch.setattr(frontier_point, "run_point", run_point)
     suite = parse_suite({**BASE, "capacity": GRID})
@@ -159,7 +162,7 @@ def test_a_capacity_point_on_the_tiny_model_measures_both_numbers(model):
         None,
         100.0,
     )
-    assert [p["load"] for p in rec["capacity_probe_results"]] == [50.0, 100.0]
+    assert [p["rate_req_per_s"] for p in rec["capacity_probe_results"]] == [50.0, 100.0]
     assert all(p["status"] == "ok" and p["slo_attainment"] == 1.0 for p in rec["capacity_probe_results"])
     assert rec["kv_cache_bytes"] <= rec["kv_memory_limit_bytes"] and rec["budget_tokens"] == 8
     assert rec["perplexity_windows"] == 2 and rec["perplexity_budget_tokens"] == 8 and rec["perplexity"] > 1
@@ -212,7 +215,7 @@ def test_the_report_ranks_capacity_and_lists_a_point_below_its_lowest_rate():
     table = markdown(rows)
     first = table.split("\n\n")[0]
     assert first.startswith(
-        "**Fastest within the quality gate: scissorhands x5** (policy scissorhands, compression ratio 5x) at 1.5 "
+        "**Highest capacity within the quality gate: scissorhands x5** (policy scissorhands, compression ratio 5x) at 1.5 "
         "req/s at the SLO, 3.00x the full cache's 0.5 (SLO TTFT <= 2 s, TPOT <= 0.2 s for >= 0.99 of 32 requests)"
     )
     assert "| h2o x5 | bfloat16 | - | ≥ 8 | 7.5 |" in table and "fail" in table
@@ -246,3 +249,61 @@ def test_a_compressed_capacity_that_only_ties_the_full_cache_is_no_gain():
         "the full cache's 20.000, i.e. <= 20.200): 1 of 1 passed, none faster than the full cache at 1.41 req/s at "
         "the SLO."
     )
+
+
+def test_a_max_batch_suite_loads_from_its_own_dump_and_refuses_a_changed_capacity_setting():
+    """A run's suite is written whole (every field, defaults included) and read back on resume."""
+    suite = parse_suite({**BASE, "throughput": "max_batch"})
+    assert parse_suite(suite.model_dump(mode="json")).points()[0].point_id == suite.points()[0].point_id
+    with pytest.raises(SuiteError, match=r"max_num_batched_tokens, num_requests: only used with throughput: capacity"):
+        parse_suite({**BASE, "throughput": "max_batch", "num_requests": 8, "max_num_batched_tokens": 64})
+
+
+def test_a_full_cache_below_the_grid_still_judges_the_gate_and_loses_to_a_passing_capacity():
+    rows = frontier_rows(
+        [
+            _capacity_rec("a", "full", None, "below_min_rate", None, 0.25, 20.0),
+            _capacity_rec("b", "tova", 2.0, "ok", 0.5, 0.7, 20.1),
+            _capacity_rec("c", "h2o", 5.0, "ok", 2.0, 3.0, 25.0),
+        ]
+    )
+    assert [(r["label"], r["on_frontier"], r["quality_gate_passed"]) for r in rows] == [
+        ("h2o x5", True, False),
+        ("tova x2", True, True),
+        ("full", None, True),
+    ]
+    assert markdown(rows).startswith(
+        "**Highest capacity within the quality gate: tova x2** (policy tova, compression ratio 2x) at 0.5 req/s at "
+        "the SLO, the full cache's below 0.25 (the search's lowest rate)"
+    )
+    assert "| full | bfloat16 | - | < 0.25 |" in markdown(rows)
+
+
+def test_a_tie_at_the_top_of_the_grid_is_undecided():
+    rows = frontier_rows(
+        [
+            _capacity_rec("a", "full", None, "at_least_max_rate", 8.0, None, 20.0),
+            _capacity_rec("b", "tova", 2.0, "at_least_max_rate", 8.0, None, 20.1),
+        ]
+    )
+    assert markdown(rows).startswith(
+        "**Undecided within the quality gate**: the full cache passed the grid's highest rate (≥ 8 req/s at the SLO) "
+        "and so did tova x2 (≥ 8); raise `capacity.max_rate_req_per_s` to tell them apart."
+    )
+
+
+def test_a_failed_capacity_point_keeps_the_capacity_columns():
+    failed = {"point_id": "f", "status": "error", "error": "capacity probe at 2 req/s errored: boom", "policy": "h2o"}
+    table = markdown(
+        frontier_rows([_capacity_rec("a", "full", None, "ok", 0.5, 0.7, 20.0), dict(failed, throughput="capacity")])
+    )
+    head = table.split("\n\n")[2].splitlines()[0]
+    assert "capacity (req/s)" in head and "max batch" not in head and "output (tok/s)" not in head
+    assert "error: capacity probe at 2 req/s errored: boom" in table
+
+
+def test_every_frontier_record_names_its_axis_a_failed_ones_too():
+    from workloads.frontier.runner import KIND
+
+    suite = parse_suite(BASE)
+    assert KIND.record_fields(suite, suite.points()[0], None)["throughput"] == "capacity"

@@ -290,7 +290,7 @@ def _where(loc: tuple) -> str:
     return out
 
 
-def _message(e: ValidationError, cls: type[BaseModel]) -> str:
+def validation_message(e: ValidationError, cls: type[BaseModel]) -> str:
     """One line per error, each naming its field (``policies[1]: ...``) and what was given."""
     lines = []
     for err in e.errors(include_url=False):
@@ -332,7 +332,7 @@ def validate_suite(cls: type[BaseModel], data: Any, source: str = "<suite>", *, 
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise SuiteError(_message(e, cls)) from None
+        raise SuiteError(validation_message(e, cls)) from None
 
 
 def read_suite_file(path: str, overrides: Sequence[str] = ()):

@@ -37,7 +37,7 @@ from workloads.frontier.gate import perplexity_interval
 from workloads.frontier.suite import FrontierPoint
 from workloads.load.prompts import prompts_for
 from workloads.quality.perplexity import heldout_windows, perplexity
-from workloads.serving.capacity import searches
+from workloads.serving.capacity import SUMMARY_KEYS, searches
 from workloads.serving.point import run_point
 from workloads.serving.pools import LocalReplicaPool
 from workloads.serving.suite import ServingSuite
@@ -63,6 +63,7 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     Raises:
         ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
             sequence needs), or an invalid policy / parameter (from ``make_cache``).
+        RuntimeError: a capacity probe errored (`capacity_at_slo`).
     """
     throughput = (
         capacity_at_slo(model, tokenizer, point.capacity_suite)
@@ -157,9 +158,9 @@ def max_batch_throughput(model, tokenizer, point: FrontierPoint) -> dict:
     }
 
 
-#: A capacity probe's fields kept in the frontier record's ``capacity_probe_results`` (one dict a probe).
+#: A capacity probe's fields kept in the frontier record's ``capacity_probe_results`` (one dict a probe, after its
+#: ``rate_req_per_s``).
 PROBE_FIELDS = (
-    "load",
     "status",
     "slo_attainment",
     "capacity_passed",
@@ -183,7 +184,7 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
     Returns ``throughput`` ("capacity"), the search's `workloads.serving.capacity.summary_fields`
     (``capacity_req_per_s``: the highest passing rate, None unless ``capacity_status`` is ``ok``; the bracket
     ``capacity_lo_req_per_s`` / ``capacity_hi_req_per_s``; ``capacity_probes``; ``capacity_target_attainment``),
-    ``capacity_probe_results`` (one dict of `PROBE_FIELDS` a probe, in search order; ``load`` is the rate in req/s),
+    ``capacity_probe_results`` (a dict a probe, in search order: ``rate_req_per_s`` and `PROBE_FIELDS`),
     at the capacity (the highest passing probe; None without one) ``goodput_tok_per_s``, ``goodput_req_per_s``,
     ``ttft_p99_s``, ``tpot_p99_s``; the SLO (``slo_ttft_s``, ``slo_tpot_s``, ``slo_e2e_latency_s``), ``num_requests``
     (measured a probe), ``kv_memory_limit_bytes``, ``budget_tokens``, ``slot_bytes``, ``scheduler``,
@@ -193,37 +194,39 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
     Raises:
         RuntimeError: a probe errored (a replica error, not a miss of the SLO): the point has no capacity (the
             message names the rate and the error).
+        pydantic.ValidationError: ``capacity_suite`` is not a valid serving suite (`FrontierSuite` validates it
+            when the suite loads, so only a hand-made point gets here).
     """
     suite = ServingSuite.model_validate(capacity_suite)
     (policy,), (ratio,) = [p.name for p in suite.policies], (suite.compression_ratios or (None,))
     pool = LocalReplicaPool(1, suite.model, model=model)
     vocab = int(model.config.vocab_size)
     t0 = time.perf_counter()
-    bodies: list[dict] = []
+    probes: list[tuple[float, dict]] = []  # (rate in req/s, the probe's serving metrics)
     pool.start()
     try:
-        for _, body, _ in searches(
+        for point, body, _ in searches(
             suite, [], lambda p: run_point(pool, suite, p, tokenizer=tokenizer, vocab_size=vocab)
         ):
-            bodies.append(body)
+            probes.append((point.load, body))
             print(  # a point's search takes minutes: each probe as it ends (Ray forwards a replica's stderr)
-                f"  {policy} x{ratio or 1:g}: capacity probe {len(bodies)} at {body['load']:g} req/s "
+                f"  {policy} x{ratio or 1:g}: capacity probe {len(probes)} at {point.load:g} req/s "
                 f"{'passed' if body['capacity_passed'] else 'failed'} (SLO attainment {body.get('slo_attainment')}, "
                 f"status {body['status']}); search: {body['capacity_status']}",
                 file=sys.stderr,
                 flush=True,
             )
             if body["status"] == "error":
-                raise RuntimeError(f"capacity probe at {body.get('load'):g} req/s errored: {body.get('error')}")
+                raise RuntimeError(f"capacity probe at {point.load:g} req/s errored: {body.get('error')}")
     finally:
         pool.close()
-    last, passing = bodies[-1], [b for b in bodies if b["capacity_passed"]]
-    best = max(passing, key=lambda b: b["load"]) if passing else {}
-    summary = {k: last[k] for k in last if k.startswith("capacity_") and k not in ("capacity_probe", "capacity_passed")}
+    last = probes[-1][1]
+    best = max(((r, b) for r, b in probes if b["capacity_passed"]), key=lambda rb: rb[0], default=(None, {}))[1]
+    bodies = [b for _, b in probes]
     return {
         "throughput": "capacity",
-        **summary,
-        "capacity_probe_results": [{k: b.get(k) for k in PROBE_FIELDS} for b in bodies],
+        **{k: last[k] for k in SUMMARY_KEYS},
+        "capacity_probe_results": [{"rate_req_per_s": r, **{k: b.get(k) for k in PROBE_FIELDS}} for r, b in probes],
         **{k: best.get(k) for k in ("goodput_tok_per_s", "goodput_req_per_s", "ttft_p99_s", "tpot_p99_s")},
         **suite.slo.record_fields(),
         "num_requests": suite.num_requests,

@@ -2,10 +2,10 @@
 
 ``python -m workloads.frontier.report results/<run_id>`` (re)writes, next to the run's ``points.jsonl``:
 
-* ``table.md``: first line, the fastest configuration that passes the quality gate (`headline`: policy, ratio,
-  output tok/s against the full cache's, perplexity with its interval), or a line saying none did; then the
-  conditions (model, dtype, CPU, threads, limit, lengths, windows) and one row per point, sorted by output tok/s,
-  with its perplexity's 95% interval, its ratio to the full cache's with the paired interval, the gate's
+* ``table.md``: first line, the highest throughput among the configurations that pass the quality gate
+  (`headline`: policy, ratio, capacity or output tok/s against the full cache's, perplexity with its interval), or
+  a line saying none did; then the conditions (model, dtype, CPU, threads, limit, lengths, windows, the SLO) and
+  one row per point, sorted by throughput, with its perplexity's 95% interval, its ratio to the full cache's with the paired interval, the gate's
   decision and the frontier mark.
 * ``frontier.png``: one point per policy and compression ratio, x = its throughput (`throughput_value`: capacity
   at the SLO in req/s, or output tok/s at the point's own max batch, under the run's one KV memory limit), y =
@@ -94,8 +94,7 @@ def _label(r: dict) -> str:
 def _group(r: dict) -> tuple:
     """Points are comparable only on one throughput axis, at one dtype and one KV limit in bytes (``dtype: auto``
     resolves per replica), on the same requests and held-out windows (seed, lengths, window count: a results folder
-    may hold points of an
-    edited suite)."""
+    may hold points of an edited suite), and for capacity under one search (`_search_of`)."""
     return (
         throughput_axis(r),
         r.get("dtype"),
@@ -104,7 +103,17 @@ def _group(r: dict) -> tuple:
         r.get("prompt_tokens"),
         r.get("new_tokens"),
         r.get("perplexity_windows"),
+        _search_of(r),
     )
+
+
+def _search_of(r: dict) -> tuple | None:
+    """A capacity record's search settings that change its number (the SLO, the target, the requests a probe, the
+    token budget a step); None for a max-batch record."""
+    if throughput_axis(r) != "capacity":
+        return None
+    keys = ("slo_ttft_s", "slo_tpot_s", "slo_e2e_latency_s", "capacity_target_attainment", "num_requests")
+    return (*(r.get(k) for k in keys), r.get("max_num_batched_tokens"))
 
 
 def _bound_of(records, max_perplexity_increase: float | None) -> float:
@@ -135,17 +144,24 @@ def _gate_fields(r: dict, full: dict | None, bound: float) -> dict:
 
 def _group_text(g: tuple) -> str:
     """A `_group` in words (the settings a record carries)."""
-    axis, dtype, limit, seed, prompt, new, windows = g
+    axis, dtype, limit, seed, prompt, new, windows, search = g
     parts = [AXES[axis][1], f"{dtype}", f"{limit} B", f"seed {seed}" if seed is not None else None]
     parts += [f"{prompt} + {new} tokens", f"{windows} window(s)" if windows is not None else None]
+    if search is not None:
+        ttft, tpot, e2e, target, requests, step_tokens = search
+        parts.append(
+            f"SLO TTFT {ttft:g} s, TPOT {tpot:g} s"
+            + (f", e2e {e2e:g} s" if e2e is not None else "")
+            + f" for {target:g} of {requests} requests, {step_tokens} tokens a step"
+        )
     return ", ".join(p for p in parts if p is not None)
 
 
 def frontier_rows(records, max_perplexity_increase: float | None = None) -> list[dict]:
-    """The latest record of every point, sorted by throughput (fastest first; failed points, and capacity points
-    below their search's lowest rate, last), each with ``label``, ``on_frontier``, ``throughput`` and
-    ``throughput_lower_bound`` (`throughput_value`; the record's axis moves to ``throughput_axis``) and the quality
-    gate's fields (None on the points last):
+    """The latest record of every point, sorted by throughput (fastest first; then the measured points without a
+    number, capacity searches below their lowest rate; failed points last), each with ``label``, ``on_frontier``
+    (None on the points without a number), ``throughput_value`` and ``throughput_lower_bound``
+    (`throughput_value`) and the quality gate's fields (every measured point has them; None on failed points):
 
     * ``quality_gate_passed`` (bool; None without an ok full-cache point in the group), ``quality_gate_perplexity``
       (the highest perplexity that passes), ``quality_gate_max_perplexity_increase`` (the bound used);
@@ -165,25 +181,26 @@ def frontier_rows(records, max_perplexity_increase: float | None = None) -> list
         value, lower = throughput_value(r)
         latest.append(dict(r, throughput_value=value, throughput_lower_bound=lower))
     bound = _bound_of(latest, max_perplexity_increase)
-    ok = [r for r in latest if r.get("status") == "ok" and r["throughput_value"] is not None]
+    measured = [r for r in latest if r.get("status") == "ok"]
     on, gate = {}, {}
-    for g in dict.fromkeys(_group(r) for r in ok):
-        members = [r for r in ok if _group(r) == g]
+    for g in dict.fromkeys(_group(r) for r in measured):
+        members = [r for r in measured if _group(r) == g]
+        placed = [r for r in members if r["throughput_value"] is not None]
         on.update(
             zip(
-                (r["point_id"] for r in members),
-                pareto_front([(r["throughput_value"], r["perplexity"]) for r in members]),
+                (r["point_id"] for r in placed),
+                pareto_front([(r["throughput_value"], r["perplexity"]) for r in placed]),
             )
         )
+        # the gate needs the full cache's perplexity, not its capacity: a full cache below the grid still judges
         full = next((r for r in members if r.get("policy") == "full"), None)
         gate.update((r["point_id"], _gate_fields(r, full, bound)) for r in members)
-    rows = [dict(r, on_frontier=on[r["point_id"]], label=_label(r), **gate[r["point_id"]]) for r in ok]
-    rows.sort(key=lambda r: -r["throughput_value"])
-    placed = {r["point_id"] for r in ok}
+    rows = [dict(r, on_frontier=on.get(r["point_id"]), label=_label(r), **gate[r["point_id"]]) for r in measured]
+    rows.sort(key=lambda r: (r["throughput_value"] is None, -(r["throughput_value"] or 0.0)))
     failed = [
         dict(r, on_frontier=None, label=_label(r), quality_gate_passed=None, quality_gate_max_perplexity_increase=bound)
         for r in latest
-        if r["point_id"] not in placed
+        if r.get("status") != "ok"
     ]
     return rows + failed
 
@@ -199,17 +216,20 @@ def _ci(low, high, fmt: str = ".3f") -> str | None:
 def headline(rows: list[dict]) -> str:
     """The first line of ``table.md``: per group (`_group`), the highest throughput among the rows of
     `frontier_rows` that pass the quality gate, with its policy, ratio, throughput against the full cache's and
-    perplexity with its intervals; or a line saying that no compressed configuration passed (the full cache
-    always passes its own gate), or that the gate could not be judged (no full-cache point)."""
-    ok = [r for r in rows if r.get("on_frontier") is not None]
-    if not ok:
-        return "**Quality gate: no point finished with a throughput.**"
-    groups = list(dict.fromkeys(_group(r) for r in ok))
+    perplexity with its intervals; or a line saying that no compressed configuration beat the full cache within
+    the gate (a tie is no gain; the full cache always passes its own gate), that the grid could not tell them apart
+    (both passed its highest rate), or that the gate could not be judged (no full-cache point). A full cache below
+    its search's lowest rate still judges the gate, and any placed compressed row that passes beats it."""
+    measured = [r for r in rows if r.get("status") == "ok"]
+    if not measured:
+        return "**Quality gate: no point finished.**"
+    groups = list(dict.fromkeys(_group(r) for r in measured))
     parts = []
     for g in groups:
-        members = [r for r in ok if _group(r) == g]  # fastest first (frontier_rows sorts them)
+        members = [r for r in measured if _group(r) == g]  # fastest first, those without a number last
         where = f" ({_group_text(g)})" if len(groups) > 1 else ""
         unit = AXES[g[0]][1]
+        best_words = "Highest capacity" if g[0] == "capacity" else "Fastest"
         bound = members[0]["quality_gate_max_perplexity_increase"]
         full = next((r for r in members if r.get("policy") == "full"), None)
         if full is None:
@@ -223,8 +243,23 @@ def headline(rows: list[dict]) -> str:
             f"perplexity at most {bound * 100:g}% above the full cache's {full['perplexity']:.3f}, i.e. "
             f"<= {full['quality_gate_perplexity']:.3f}"
         )
-        best = next((r for r in members if r["quality_gate_passed"] and r.get("policy") != "full"), None)
-        if best is None or best["throughput_value"] <= full["throughput_value"]:  # a tie gains nothing
+        best = next(
+            (
+                r
+                for r in members
+                if r["quality_gate_passed"] and r.get("policy") != "full" and r["on_frontier"] is not None
+            ),
+            None,
+        )
+        full_value = full["throughput_value"]  # None: a capacity below the search's lowest rate
+        if best is not None and full["throughput_lower_bound"] and best["throughput_value"] <= full_value:
+            parts.append(
+                f"**Undecided within the quality gate{where}**: the full cache passed the grid's highest rate "
+                f"({_amount(full)} {unit}) and so did {best['label']} ({_amount(best)}); raise "
+                "`capacity.max_rate_req_per_s` to tell them apart."
+            )
+            continue
+        if best is None or (full_value is not None and best["throughput_value"] <= full_value):  # a tie gains nothing
             compressed = sum(1 for r in members if r.get("policy") != "full")
             passed = sum(1 for r in members if r.get("policy") != "full" and r["quality_gate_passed"])
             parts.append(
@@ -235,15 +270,18 @@ def headline(rows: list[dict]) -> str:
             )
             continue
         ratio = best.get("compression_ratio")
-        speedup = best["throughput_value"] / full["throughput_value"]
+        if full_value is None:
+            versus = f"the full cache's below {full.get('capacity_hi_req_per_s'):g} (the search's lowest rate)"
+        else:
+            at_least = "at least " if best["throughput_lower_bound"] else ""
+            versus = f"{at_least}{best['throughput_value'] / full_value:.2f}x the full cache's {_amount(full)}"
         ci = _ci(best.get("perplexity_ci_low"), best.get("perplexity_ci_high"))
         paired = _ci(best.get("perplexity_ratio_ci_low"), best.get("perplexity_ratio_ci_high"), ".4f")
         resolved = best.get("quality_gate_resolved")
         parts.append(
-            f"**Fastest within the quality gate{where}: {best['label']}** (policy {best.get('policy')}"
+            f"**{best_words} within the quality gate{where}: {best['label']}** (policy {best.get('policy')}"
             + (f", compression ratio {ratio:g}x" if ratio is not None else "")
-            + f") at {_amount(best)} {unit}, {'at least ' if best['throughput_lower_bound'] else ''}"
-            f"{speedup:.2f}x the full cache's {_amount(full)}"
+            + f") at {_amount(best)} {unit}, {versus}"
             + (
                 f" (max batch {best.get('batch_size')} vs {full.get('batch_size')})"
                 if g[0] == "max_batch"
@@ -266,9 +304,12 @@ def headline(rows: list[dict]) -> str:
 
 
 def _amount(r: dict) -> str:
-    """A row's throughput as printed: ``1.19`` req/s (``≥ 8`` when a lower bound) or ``57.3`` tok/s."""
+    """A row's throughput as printed: ``1.19`` req/s (``≥ 8`` a lower bound, ``< 0.1`` below the search's lowest
+    rate) or ``57.3`` tok/s."""
     if throughput_axis(r) != "capacity":
         return f"{r['throughput_value']:.1f}"
+    if r["throughput_value"] is None:
+        return f"< {r['capacity_hi_req_per_s']:.3g}" if r.get("capacity_hi_req_per_s") is not None else "-"
     return ("≥ " if r.get("throughput_lower_bound") else "") + f"{r['throughput_value']:.3g}"
 
 
@@ -280,11 +321,19 @@ def _slo_text(r: dict) -> str:
     return f"SLO {', '.join(limits)} for >= {r.get('capacity_target_attainment'):g} of {r.get('num_requests')} requests"
 
 
+def main_axis(rows: list[dict]) -> str | None:
+    """The throughput axis the plot draws and the conditions describe: that of the last measured point to finish
+    (a results folder resumed under another axis keeps its older points; the table lists every one)."""
+    measured = [r for r in rows if r.get("status") == "ok"]
+    last = max(measured, key=lambda r: r.get("finished_at_unix_s") or 0.0, default=None)
+    return throughput_axis(last) if last else None
+
+
 def _conditions(rows: list[dict]) -> str:
-    ok = [r for r in rows if r.get("on_frontier") is not None]
+    ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
-        return "No point finished with a throughput."
-    first = ok[0]
+        return "No point finished."
+    first = next(r for r in ok if throughput_axis(r) == main_axis(rows))
 
     def distinct(key):
         return ", ".join(str(v) for v in dict.fromkeys(r.get(key) for r in ok))
@@ -295,10 +344,11 @@ def _conditions(rows: list[dict]) -> str:
         if len(groups) == 1
         else (
             f"**Not one comparison: the points ran in {len(groups)} settings (throughput axis, dtype, KV limit in "
-            "bytes, seed, prompt and new tokens, perplexity windows): "
+            "bytes, seed, prompt and new tokens, perplexity windows, capacity search): "
             + "; ".join(_group_text(g) for g in groups)
-            + " (`dtype: auto` resolved differently on the replicas); "
-            "each has its own frontier. Force `dtype:` in the suite.** "
+            + " (`dtype: auto` resolved differently on the replicas, or a run resumed under an edited suite); "
+            f"each has its own frontier, and the plot draws the {AXES[main_axis(rows)][1]} ones. Force `dtype:` in "
+            "the suite, and give an edited suite a new run.** "
         )
     )
     limit = first["kv_memory_limit_bytes"]
@@ -314,7 +364,7 @@ def _conditions(rows: list[dict]) -> str:
         f"{first['perplexity_tokens_scored']} held-out tokens"
         + _windows(first)
         + f"; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. "
-        + (_capacity_conditions(first) if throughput_axis(first) == "capacity" else _max_batch_conditions())
+        + (_capacity_conditions(first, ok) if throughput_axis(first) == "capacity" else _max_batch_conditions())
     )
 
 
@@ -326,13 +376,20 @@ def _max_batch_conditions() -> str:
     )
 
 
-def _capacity_conditions(first: dict) -> str:
+def _capacity_conditions(first: dict, ok: list[dict]) -> str:
+    bounds = [r for r in ok if r.get("throughput_lower_bound") or r.get("throughput_value") is None]
     return (
-        f"Throughput: capacity at the SLO, the highest Poisson rate at which every probe's {_slo_text(first)} "
-        f"(a bisection on one grid of rates, `workloads.serving.capacity`; the same requests and arrival pattern for "
-        f"every point; the paged engine, mixed scheduler with {first.get('max_num_batched_tokens')} tokens a step). "
-        "≥: the search passed its highest rate (or ran out of probes), so the capacity is at least that. Points ran "
-        "one after another on the replicas: on a shared machine their latencies carry its load."
+        f"Throughput: capacity at the SLO, the highest Poisson rate of a grid that passes, a rate passing when it "
+        f"meets the {_slo_text(first)} (a bisection, `workloads.serving.capacity`; the same requests and arrival "
+        f"pattern for every point; the paged engine, mixed scheduler with {first.get('max_num_batched_tokens')} "
+        "tokens a step). "
+        + (
+            "≥: the search passed its highest rate (or ran out of probes), so the capacity is at least that; <: it "
+            "failed its lowest rate. "
+            if bounds
+            else ""
+        )
+        + "Points ran one after another on the replicas: on a shared machine their latencies carry its load."
     )
 
 
@@ -355,7 +412,7 @@ COLUMNS = [  # (header with unit, key, format)
     ("B (tok)", "budget_tokens", "d"),
     ("max batch", "batch_size", "d"),
     ("capacity (req/s)", "capacity", "s"),
-    ("goodput at capacity (tok/s)", "capacity_goodput_tok_per_s", ".1f"),
+    ("goodput at capacity (tok/s)", "goodput_tok_per_s", ".1f"),
     ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
     ("output (tok/CPU-s)", "output_tok_per_cpu_s", ".2f"),
     ("decode (tok/s)", "decode_tokens_per_s", ".1f"),
@@ -372,7 +429,7 @@ COLUMNS = [  # (header with unit, key, format)
 
 #: The columns only one throughput axis fills.
 AXIS_COLUMNS = {
-    "capacity": ("capacity", "capacity_goodput_tok_per_s"),
+    "capacity": ("capacity", "goodput_tok_per_s"),
     "max_batch": (
         "batch_size",
         "output_throughput_tok_per_s",
@@ -397,15 +454,6 @@ def _gate_mark(r: dict) -> str | None:
     return ("pass" if passed else "fail") + (" (bound inside CI)" if r.get("quality_gate_resolved") is False else "")
 
 
-def _capacity_cell(r: dict) -> str | None:
-    """The capacity column: the capacity (``≥`` a lower bound; ``< min`` below the search's lowest rate)."""
-    if throughput_axis(r) != "capacity" or r.get("status") != "ok":
-        return None
-    if r["throughput_value"] is not None:
-        return _amount(r)
-    return f"< {r['capacity_hi_req_per_s']:.3g}" if r.get("capacity_hi_req_per_s") is not None else None
-
-
 def markdown(rows: list[dict]) -> str:
     """`headline` (the first line), the conditions and the table: one row per point of `frontier_rows`;
     ``gate`` = pass / fail ("bound inside CI" when the paired interval holds the bound) / - (no full cache);
@@ -419,8 +467,7 @@ def markdown(rows: list[dict]) -> str:
             perplexity_ci=_ci(r.get("perplexity_ci_low"), r.get("perplexity_ci_high")),
             vs_full=_vs_full(r),
             gate_mark=_gate_mark(r),
-            capacity=_capacity_cell(r),
-            capacity_goodput_tok_per_s=r.get("goodput_tok_per_s") if throughput_axis(r) == "capacity" else None,
+            capacity=_amount(r) if throughput_axis(r) == "capacity" and r.get("status") == "ok" else None,
         )
         if r.get("status") != "ok":
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
@@ -577,7 +624,8 @@ def figure(rows: list[dict]):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    ok = [r for r in rows if r.get("on_frontier") is not None]
+    axis = main_axis(rows)  # one x axis: another axis's points are in the table only
+    ok = [r for r in rows if r.get("on_frontier") is not None and throughput_axis(r) == axis]
     fig = Figure(figsize=(13, 6.2), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
@@ -617,7 +665,7 @@ def figure(rows: list[dict]):
                 key=lambda r: r["throughput_value"],
             )
             if front:
-                name = "Pareto frontier" + (f" ({g[1]}, {g[2] / MIB:.3g} MiB)" if len(groups) > 1 else "")
+                name = "Pareto frontier" + (f" ({k + 1}: {g[1]}, {g[2] / MIB:.3g} MiB)" if len(groups) > 1 else "")
                 (handles[name],) = ax.plot(
                     [r["throughput_value"] for r in front],
                     [r["perplexity"] for r in front],
@@ -653,7 +701,7 @@ def figure(rows: list[dict]):
         for gate_y, _ in gates:
             handles["fails the gate"] = ax.axhspan(gate_y, high, color="tab:red", alpha=0.07, lw=0, zorder=0)
         ax.set_ylim(low, high)
-        ax.set_xlabel(" / ".join(AXES[a][0] for a in dict.fromkeys(throughput_axis(r) for r in ok)) or "throughput")
+        ax.set_xlabel(AXES[axis][0] if axis else "throughput")
         ax.set_ylabel("perplexity on held-out text (lower is better)")
         ax.grid(True, which="both", alpha=0.3)
         if zoom:

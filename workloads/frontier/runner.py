@@ -45,6 +45,7 @@ class FrontierKind(Kind):
             prompt_tokens=point.prompt_tokens,
             new_tokens=point.new_tokens,
             quality_gate_max_perplexity_increase=suite.quality_gate.max_perplexity_increase,
+            throughput=suite.throughput,  # the axis, on a failed point's record too (the report groups by it)
         )
 
     def one_line(self, rec: dict) -> str:

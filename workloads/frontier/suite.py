@@ -53,7 +53,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from replica.types import EngineConfig
 from workloads.core.suite import (
@@ -65,10 +65,12 @@ from workloads.core.suite import (
     SuiteError,
     budget_tag,
     point_id,
+    validation_message,
 )
 from workloads.frontier.gate import DEFAULT_MAX_PERPLEXITY_INCREASE
 from workloads.load.slo import DEFAULT_SLO, SLO
 from workloads.serving.capacity import CapacitySearch
+from workloads.serving.suite import ServingSuite
 
 #: The frontier's throughput axes (the module docstring).
 THROUGHPUTS = ("capacity", "max_batch")
@@ -100,6 +102,8 @@ class FrontierPoint:
     budget_tokens: ClassVar[None] = None
 
 
+#: The frontier fields only ``throughput: capacity`` uses.
+_CAPACITY_FIELDS = ("capacity", "slo", "num_requests", "warmup_requests", "max_num_batched_tokens")
 #: The settings of a capacity point's search that change its numbers (part of its id); the rest follow from the
 #: point's own fields.
 _CAPACITY_IDENTITY = (
@@ -173,21 +177,23 @@ class FrontierSuite(SuiteBase):
     @model_validator(mode="after")
     def _capacity_fields_need_capacity(self) -> "FrontierSuite":
         if self.throughput == "max_batch":
-            given = sorted(set(self.model_fields_set) & {"capacity", "slo", "num_requests", "warmup_requests"})
-            if given:
+            # a setting changed from its default means a search the max-batch axis would silently not run
+            changed = sorted(k for k in _CAPACITY_FIELDS if getattr(self, k) != type(self).model_fields[k].default)
+            if changed:
                 raise SuiteError(
-                    f"{', '.join(given)}: only used with throughput: capacity (the search at the SLO), not max_batch"
+                    f"{', '.join(changed)}: only used with throughput: capacity (the search at the SLO), not max_batch"
                 )
-        elif self.max_num_batched_tokens < EngineConfig.model_fields["block_tokens"].default:
-            raise SuiteError(
-                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block "
-                f"({EngineConfig.model_fields['block_tokens'].default} tokens); give at least that"
-            )
+            return self
+        try:  # the serving suite each point runs, checked now rather than on the replicas
+            ServingSuite.model_validate(self.capacity_suite(self.policies[0], self.budgets(self.policies[0])[0][0]))
+        except ValidationError as e:
+            raise SuiteError(validation_message(e, ServingSuite)) from None
         return self
 
     def capacity_suite(self, policy, ratio: float | None) -> dict:
         """The fields of the serving suite (``mode: capacity``, one series: `policy` at `ratio`) whose search a
-        ``throughput: capacity`` point runs on its replica (`workloads.frontier.point`); validated here, at load."""
+        ``throughput: capacity`` point runs on its replica (`workloads.frontier.point`); its settings are checked
+        when the suite loads (`_capacity_fields_need_capacity`)."""
         lim = self.kv_memory_limit
         return dict(
             kind="serving",
@@ -243,7 +249,7 @@ class FrontierSuite(SuiteBase):
                 serving = None
                 if self.throughput == "capacity":  # max_batch points keep the ids they had before this axis
                     serving = self.capacity_suite(pol, ratio)
-                    ident["throughput"] = {k: serving[k] for k in _CAPACITY_IDENTITY}
+                    ident["capacity_search"] = {k: serving[k] for k in _CAPACITY_IDENTITY}
                     limit_tag += "-cap"
                 tag = (
                     f"frontier-{pol.tag()}{budget_tag(ratio, None)}-p{self.prompt_tokens}-n{self.new_tokens}-"

@@ -53,6 +53,8 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from workloads.core.results import latest_by_point
+
 #: What a series' search ended in (or `searching`: not ended yet), see the module docstring.
 STATUSES = ("ok", "below_min_rate", "at_least_max_rate", "not_converged", "searching")
 #: The finest resolution accepted (1%: finer than the attainment of a probe of a few dozen requests can tell).
@@ -200,6 +202,17 @@ def _index(i: int, n: int) -> int | None:
     return i if 0 <= i < n else None
 
 
+#: The record keys of `summary_fields`.
+SUMMARY_KEYS = (
+    "capacity_status",
+    "capacity_req_per_s",
+    "capacity_lo_req_per_s",
+    "capacity_hi_req_per_s",
+    "capacity_probes",
+    "capacity_target_attainment",
+)
+
+
 def summary_fields(search: Search, rates: tuple[float, ...] | list[float], target_attainment: float) -> dict:
     """The search's state under its record keys: ``capacity_status``, ``capacity_req_per_s`` (the highest passing
     rate; only when ``ok``), the bracket ``capacity_lo_req_per_s`` (highest passing rate probed, null: none passed)
@@ -272,7 +285,7 @@ def searches(suite, records: list[dict], run: Callable[[Any], dict]) -> Iterator
     ``capacity_passed``, `summary_fields`). The serving runner's search, and each capacity point of a frontier
     (`workloads.frontier.point`)."""
     spec = suite.capacity
-    latest = {r["point_id"]: r for r in records}  # the latest record of each point wins
+    latest = latest_by_point(records)
     errored: set[str] = set()  # probes that errored in this run (a resumed run probes them again)
     for pts in by_series(suite.points()).values():
         rates = [p.load for p in pts]
