@@ -20,7 +20,8 @@ fixed lengths, greedy, EOS ignored. Conditions made equal:
   the prompt as text, which the server tokenizes (`add_special_tokens=False`). Only prompts whose text
   tokenizes back to exactly their ids are used, so the server runs the same ids from both tools. Arrival
   is the same rule in both: closed loop, the next request of the list sent when one of the `--concurrency`
-  in flight completes, no warm-up.
+  in flight completes. Before the measured runs, `--warmup-runs` runs of our client that are not recorded
+  (`WARMUP`): the first requests on a freshly started server are slow at their tail.
 * **Repeats, interleaved** (`run_order`): `--repeats` runs of each tool, alternating as ours, guidellm,
   guidellm, ours, ours, guidellm, ... so a slow drift of the machine falls on both tools alike.
 
@@ -85,6 +86,8 @@ GOALS = {"ratio": 0.05, "spread": 0.03}
 #: their ids are skipped, so draw more than needed.
 CANDIDATES_PER_REQUEST = 4
 TOOLS = ("ours", "guidellm")
+#: A run of our client before the measured ones, not recorded (`run_order`).
+WARMUP = "warm-up (ours, not recorded)"
 
 
 # ---------------------------------------------------------------------------------------------- the paired list
@@ -144,12 +147,20 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- runs and figures
-def run_order(repeats: int) -> list[str]:
-    """The tools in the order they run: pairs alternating ours-first and guidellm-first (ours, guidellm,
-    guidellm, ours, ...), so a linear drift of the machine's speed falls on both tools alike."""
+def run_order(repeats: int, warmup_runs: int = 0) -> list[str]:
+    """The tools in the order they run: `warmup_runs` unrecorded runs of our client (`WARMUP`; a fresh server's
+    first run had a TTFT p90 3.6x its later ones', docs/results/2026-12-04-crosscheck-idle.md), then pairs
+    alternating ours-first and guidellm-first (ours, guidellm, guidellm, ours, ...), so a linear drift of the
+    machine's speed falls on both tools alike.
+
+    Raises:
+        ValueError: `repeats` below 1 or `warmup_runs` below 0 (the message names the flag).
+    """
     if repeats < 1:
         raise ValueError(f"--repeats: expected an integer >= 1, got {repeats}")
-    return [t for r in range(repeats) for t in (TOOLS if r % 2 == 0 else TOOLS[::-1])]
+    if warmup_runs < 0:
+        raise ValueError(f"--warmup-runs: expected an integer >= 0, got {warmup_runs}")
+    return [WARMUP] * warmup_runs + [t for r in range(repeats) for t in (TOOLS if r % 2 == 0 else TOOLS[::-1])]
 
 
 def median(values: list[float]) -> float | None:
@@ -584,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256, help="tokens per prompt (fixed)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (fixed, greedy)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each tool, interleaved")
+    p.add_argument("--warmup-runs", type=int, default=1, help="unrecorded runs of our client before the measured ones")
     p.add_argument("--seed", type=int, default=0, help="seed of the paired prompts")
     p.add_argument(
         "--affinity",
@@ -610,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        order = run_order(args.repeats)
+        order = run_order(args.repeats, args.warmup_runs)
         plan = plan_affinity(args.affinity, os.sched_getaffinity(0))
     except ValueError as e:
         p.error(str(e))
@@ -711,6 +723,10 @@ def _measure(
                     pinned = pin_tree(server_root, plan.server)
                     print(f"crosscheck: server {pinned.describe()}", file=sys.stderr)
             t0, before, cpu0 = time.time(), server_counters(prom), client_cpu_s()
+            if tool == WARMUP:
+                asyncio.run(run_ours(args.target, args.model, requests, concurrency=args.concurrency))
+                print(f"crosscheck: {tool} done in {time.time() - t0:.0f} s", file=sys.stderr)
+                continue
             if tool == "ours":
                 row = asyncio.run(run_ours(args.target, args.model, requests, concurrency=args.concurrency))
             else:
@@ -726,7 +742,10 @@ def _measure(
                 time.sleep(SETTLE_S)
             row.update(server_side(before, server_counters(prom), args.prompt_tokens))
             runs.append((tool, row))
-            print(f"crosscheck: run {len(runs)}/{len(order)} ({tool}) done in {wall:.0f} s", file=sys.stderr)
+            print(
+                f"crosscheck: run {len(runs)}/{len(order) - args.warmup_runs} ({tool}) done in {wall:.0f} s",
+                file=sys.stderr,
+            )
     finally:
         guidellm_log.close()
 
@@ -755,7 +774,8 @@ def _measure(
     text = (
         f"{conditions}\n\nCross-check at {args.concurrency} in flight, {args.num_requests} paired requests (the same "
         f"prompts, output lengths and order for both tools: requests.jsonl), {args.prompt_tokens} + {args.new_tokens} "
-        f"tokens (fixed, greedy), {args.repeats} runs of each tool interleaved ({', '.join(order)}); "
+        f"tokens (fixed, greedy), {args.warmup_runs} warm-up run(s) of our client (not recorded), then "
+        f"{args.repeats} runs of each tool interleaved ({', '.join(t for t in order if t != WARMUP)}); "
         f"wall time {time.time() - began:.0f} s.\n\n" + table(runs) + "\n" + __doc__[__doc__.index("Definitions") :]
     )
     (out_dir / "table.md").write_text(text)

@@ -171,6 +171,12 @@ def test_runs_alternate_which_tool_goes_first():
         run_order(0)
 
 
+def test_warmup_runs_of_our_client_come_first_and_are_marked():
+    assert run_order(1, warmup_runs=2) == [crosscheck.WARMUP, crosscheck.WARMUP, "ours", "guidellm"]
+    with pytest.raises(ValueError, match="--warmup-runs: expected an integer >= 0, got -1"):
+        run_order(1, warmup_runs=-1)
+
+
 def test_spread_is_max_minus_min_over_the_median():
     assert spread([10.0, 10.5, 9.5]) == pytest.approx(0.1)
     assert spread([2.0, 4.0]) == pytest.approx(2.0 / 3.0)  # median of two: their mean
