@@ -112,8 +112,15 @@ def _search_of(r: dict) -> tuple | None:
     token budget a step); None for a max-batch record."""
     if throughput_axis(r) != "capacity":
         return None
-    keys = ("slo_ttft_s", "slo_tpot_s", "slo_e2e_latency_s", "capacity_target_attainment", "num_requests")
-    return (*(r.get(k) for k in keys), r.get("max_num_batched_tokens"))
+    keys = (
+        "slo_ttft_s",
+        "slo_tpot_s",
+        "slo_e2e_latency_s",
+        "capacity_target_attainment",
+        "num_requests",
+        "max_num_batched_tokens",
+    )
+    return tuple(r.get(k) for k in keys)
 
 
 def _bound_of(records, max_perplexity_increase: float | None) -> float:
@@ -333,7 +340,8 @@ def _conditions(rows: list[dict]) -> str:
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return "No point finished."
-    first = next(r for r in ok if throughput_axis(r) == main_axis(rows))
+    axis = main_axis(rows)
+    first = next(r for r in ok if throughput_axis(r) == axis)
 
     def distinct(key):
         return ", ".join(str(v) for v in dict.fromkeys(r.get(key) for r in ok))
@@ -347,7 +355,7 @@ def _conditions(rows: list[dict]) -> str:
             "bytes, seed, prompt and new tokens, perplexity windows, capacity search): "
             + "; ".join(_group_text(g) for g in groups)
             + " (`dtype: auto` resolved differently on the replicas, or a run resumed under an edited suite); "
-            f"each has its own frontier, and the plot draws the {AXES[main_axis(rows)][1]} ones. Force `dtype:` in "
+            f"each has its own frontier, and the plot draws the {AXES[axis][1]} ones. Force `dtype:` in "
             "the suite, and give an edited suite a new run.** "
         )
     )

@@ -219,14 +219,9 @@ def summary_fields(search: Search, rates: tuple[float, ...] | list[float], targe
     and ``capacity_hi_req_per_s`` (lowest failing rate probed, null: none failed), ``capacity_probes`` (probes
     used) and ``capacity_target_attainment``."""
     lo = rates[search.lo] if search.lo is not None else None
-    return {
-        "capacity_status": search.status,
-        "capacity_req_per_s": lo if search.status == "ok" else None,
-        "capacity_lo_req_per_s": lo,
-        "capacity_hi_req_per_s": rates[search.hi] if search.hi is not None else None,
-        "capacity_probes": len(search.path),
-        "capacity_target_attainment": target_attainment,
-    }
+    hi = rates[search.hi] if search.hi is not None else None
+    values = (search.status, lo if search.status == "ok" else None, lo, hi, len(search.path), target_attainment)
+    return dict(zip(SUMMARY_KEYS, values, strict=True))
 
 
 def by_series(points: Iterable) -> dict[str, list]:
@@ -261,7 +256,7 @@ def errored_next(search: Search, series_points: list, latest: Mapping[str, dict]
 def summaries(spec: CapacitySearch, points: Iterable, records: Iterable[dict]) -> list[dict]:
     """Per series, in suite order: ``series``, `summary_fields` of its search over `records` (the latest record
     of each point wins), and ``capacity_errored_probes`` (1 when the probe it waits for errored, else 0)."""
-    latest = {r["point_id"]: r for r in records}
+    latest = latest_by_point(records)
     out = []
     for series, pts in by_series(points).items():
         search = search_series(spec, pts, latest)
