@@ -3,7 +3,7 @@
 
     python -m bench.gpu_check [--out DIR] [--model llama-3.1-8b] [--full-batch 32 | --kv-limit-gib G]
                                 [--prompt-tokens 1024] [--new-tokens 1024] [--ratios 5,2] [--kv4-ratio 5]
-                                [--budget-s 460] [--phases library,max_batch,engine_vs_generate,ray]
+                                [--budget-s 460] [--phases library,paged,max_batch,engine_vs_generate,ray]
                                 [--device cuda] [--dtype bfloat16] [--tiny]
 
 It checks for a CUDA device first and stops with exit status 2 and a message naming what is missing
@@ -20,18 +20,24 @@ set) is rewritten after every phase, so a run cut short still brings back what f
    logits within 5% of their largest magnitude at every step (`_compare`; greedy token flips are
    counted); the `scissorhands` explicit attention with the full cache, forced likewise on the tokens
    of transformers' `sdpa` with its `DynamicCache`, the same.
-2. `max_batch` (`--model` with dummy weights, `scissorhands.models.load_dummy_model`): one KV memory
+2. `paged` (a tiny Llama-3.1-8B copy in float32 on the device): the paged KV layout gives every policy's
+   greedy tokens of the preallocated layout, keys/values in float32 and in 4 bits, with a roomy pool and a
+   small one that preempts the full cache's rows; the mixed scheduler gives the full cache's prefill-first
+   tokens (`phase_paged`).
+3. `max_batch` (`--model` with dummy weights, `scissorhands.models.load_dummy_model`): one KV memory
    limit (`--full-batch` full-cache sequences of `--prompt-tokens` + `--new-tokens`, or
-   `--kv-limit-gib`); the full cache, then Scissorhands at each of `--ratios`, then Scissorhands at
-   `--kv4-ratio` with 4-bit keys/values, each at the largest batch the engine admits under that limit
-   (`ContinuousBatchingEngine.max_batch_for`), run through the continuous-batching engine
+   `--kv-limit-gib`); the paged full cache (the denominator), Scissorhands at the first of `--ratios`
+   (paged, per-request budgets), the preallocated full cache (the paper's setting), Scissorhands at the
+   other ratios, then at `--kv4-ratio` with 4-bit keys/values, each at the largest batch the engine admits
+   under that limit (`ContinuousBatchingEngine.max_batch_for`), run through the continuous-batching engine
    (`replica/engine.py`) and verified (peak running sequences = that batch, peak KV bytes <= the
    limit). Output tok/s (output tokens / wall time of the run's engine steps, first to last token, prefill
-   included; `replica.generate_baseline.run_engines`), decode tok/s (decode-step tokens / decode-step time), and their ratios to the full cache.
-3. `engine_vs_generate`: our engine against transformers' `generate` (sdpa, `DynamicCache`, static
+   included; `replica.generate_baseline.run_engines`), decode tok/s (decode-step tokens / decode-step time),
+   and their ratios to the paged full cache.
+4. `engine_vs_generate`: our engine against transformers' `generate` (sdpa, `DynamicCache`, static
    left-padded batches), full cache, at full's max batch, on the same serving mix (prompt lengths
    uniform in [P/4, P], output lengths in [`--generate-new-tokens`/4, `--generate-new-tokens`]).
-4. `ray` (only where `import ray` works; never on a bare accelerator machine): the suite `--suite`
+5. `ray` (only where `import ray` works; never on a bare accelerator machine): the suite `--suite`
    through the sweep (`python -m workloads.sweep`) on the device, one replica.
 
 Every record says `weights: dummy` (speed and memory only, never quality) and carries the GPU (name,
@@ -71,8 +77,8 @@ SCHEMA_VERSION = 1
 BUNDLE_DIR = REPO_ROOT / ".gpu-bundle"
 """Where `make gpu-bundle` puts the wheels a bare accelerator machine lacks, and the commit (COMMIT)."""
 
-PHASES = ("library", "max_batch", "engine_vs_generate", "ray")
-PHASE_BOX_S = {"library": 60.0, "max_batch": 270.0, "engine_vs_generate": 120.0, "ray": 120.0}
+PHASES = ("library", "paged", "max_batch", "engine_vs_generate", "ray")
+PHASE_BOX_S = {"library": 60.0, "paged": 45.0, "max_batch": 240.0, "engine_vs_generate": 120.0, "ray": 120.0}
 """Most seconds each phase may take (its process is killed after that); all are capped by `--budget-s`."""
 PHASE_MARGIN_S = 10.0
 """A phase stops starting new work this long before its box ends, so it can write what it measured."""
@@ -414,6 +420,106 @@ def phase_library(a: dict, deadline: float, save) -> dict:
     return result
 
 
+PAGED_BLOCK_TOKENS = 4
+"""Slots per block of the paged phase: small, so requests of a few dozen tokens cross many block boundaries."""
+SMALL_POOL_BLOCKS = 18
+"""Blocks a layer of the paged phase's small pool: the longest request (40 + 24 tokens, 16 blocks) fits alone and
+the full cache's rows are preempted; budgeted rows (3 blocks each) fit, since a budgeted row recomputed after a
+preemption compresses its prompt and outputs at once and may keep other tokens by design (docs/serving.md)."""
+
+
+def _greedy_runs(model, runs: list[tuple[str, EngineConfig]], requests: list[GenerationRequest]) -> dict:
+    """Each labelled config serves `requests` alone (`run_engines`): label -> its outputs and KV layout stats, or
+    the error that stopped it (one run's failure leaves the others their chance)."""
+    out = {}
+    for label, cfg in runs:
+        try:
+            (run,) = run_engines(model, [(cfg, requests)], desc=None)
+            out[label] = {k: run[k] for k in ("outputs", "preemptions", "recomputed_tokens", "peak_kv_blocks_in_use")}
+        except Exception as e:  # noqa: BLE001 - reported as that run's failure
+            out[label] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def phase_paged(a: dict, deadline: float, save) -> dict:
+    """The paged KV layout on the device: every policy's greedy tokens equal the preallocated layout's, and the
+    mixed scheduler's equal prefill-first's.
+
+    A tiny Llama-3.1-8B copy (grouped-query attention, RoPE) in float32, whatever `--dtype` says: the check is
+    exactness, and in bfloat16 a chunked prefill rounds differently from a whole one. Eight requests of 5-40
+    prompt tokens and 1-24 new tokens (ignore EOS), served by the continuous-batching engine:
+
+    * every registered policy (budget 12 slots where it evicts), keys/values in float32 and in 4 bits: the paged
+      layout (blocks of `PAGED_BLOCK_TOKENS` slots) with a roomy pool, and with a small pool of
+      `SMALL_POOL_BLOCKS` blocks a layer (the full cache's rows are preempted and recomputed), against the
+      preallocated layout;
+    * the full cache (float32 and 4-bit keys/values) under `scheduler: mixed`, 16 tokens a step (prompts fed in
+      chunks), against prefill-first, both on the small pool. Budgeted policies are left out here: a prompt fed in
+      chunks is compressed after every chunk, so what it keeps differs from a whole prefill's by design.
+
+    A check passes when every request's tokens are equal and no run failed, and the full cache's small-pool runs
+    preempted (the recompute path is checked)."""
+    import torch
+
+    model = _load({**a, "dtype": "float32"}, "llama-3.1-8b", tiny=True)
+    gen = torch.Generator().manual_seed(a["seed"])
+    requests = []
+    for i in range(8):
+        prompt = torch.randint(1, int(model.config.vocab_size), (int(torch.randint(5, 41, (1,), generator=gen)),))
+        requests.append(GenerationRequest(f"p{i}", prompt.tolist(), int(torch.randint(1, 25, (1,), generator=gen))))
+    result = {"checks": [], "weights": "dummy", "dtype": "float32", "requests": len(requests)}
+    result.update(block_tokens=PAGED_BLOCK_TOKENS, small_pool_blocks_per_layer=SMALL_POOL_BLOCKS)
+
+    def paged(kw: dict, pool_blocks: int | None = None, **extra) -> EngineConfig:
+        """`kw` on the paged layout; with `pool_blocks`, a KV limit of that many of its blocks a layer."""
+        cfg = EngineConfig(**kw, kv_layout="paged", block_tokens=PAGED_BLOCK_TOKENS, kv_memory_limit_bytes=10**9)
+        if pool_blocks is None:
+            return cfg.model_copy(update=extra)
+        engine = ContinuousBatchingEngine(model, cfg)
+        limit = engine.block_bytes * engine.num_layers * pool_blocks
+        return cfg.model_copy(update={"kv_memory_limit_bytes": limit, **extra})
+
+    def check(name: str, policy: str, kv_bits, runs: list[tuple[str, EngineConfig]]) -> None:
+        got = _greedy_runs(model, runs, requests)
+        want = runs[0][0]
+        ref = got[want]
+        for label, run in list(got.items())[1:]:
+            row = {"check": name, "policy": policy, "kv_bits": kv_bits, "run": label, "against": want}
+            if "error" in run or "error" in ref:
+                row.update(passed=False, error=run.get("error") or ref["error"])
+            else:
+                equal = sum(run["outputs"][r.request_id] == ref["outputs"][r.request_id] for r in requests)
+                must_preempt = policy == "full" and "small pool" in label
+                passed = equal == len(requests) and (run["preemptions"] > 0 or not must_preempt)
+                row.update(equal_requests=equal, preemptions=run["preemptions"], passed=passed)
+                row.update(recomputed_tokens=run["recomputed_tokens"], peak_kv_blocks=run["peak_kv_blocks_in_use"])
+            result["checks"].append(row)
+        save(result)
+
+    plan = [("paged = preallocated", p, bits) for p in POLICIES for bits in (None, 4)]
+    plan += [("mixed = prefill-first", "full", bits) for bits in (None, 4)]
+    for name, policy, kv_bits in plan:
+        if time.time() > deadline:
+            result["cut_short"] = True
+            break
+        kw = {"policy": policy, "budget_tokens": None if policy == "full" else 12}
+        if kv_bits:
+            kw["policy_params"] = {"kv_bits": kv_bits, "kv_group_size": 16}  # head_dim 16
+        if name == "paged = preallocated":
+            runs = [
+                ("preallocated", EngineConfig(**kw)),
+                ("paged, roomy pool", paged(kw)),
+                ("paged, small pool", paged(kw, SMALL_POOL_BLOCKS)),
+            ]
+        else:
+            runs = [
+                ("prefill-first", paged(kw, SMALL_POOL_BLOCKS)),
+                ("mixed, 16 tokens a step", paged(kw, SMALL_POOL_BLOCKS, scheduler="mixed", max_num_batched_tokens=16)),
+            ]
+        check(name, policy, kv_bits, runs)
+    return result
+
+
 def _head_dim(model) -> int:
     c = model.config
     return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -454,22 +560,27 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
         "runs": [],
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
     }
-    plan = [("full", None, None)] + [("scissorhands", r, None) for r in a["ratio_list"]]
+    # the paged full cache is the denominator (what serving engines run); the preallocated one is the paper's setting
+    ratios = [("scissorhands", r, None, "paged") for r in a["ratio_list"]]
+    plan = [("full", None, None, "paged"), *ratios[:1], ("full", None, None, "preallocated"), *ratios[1:]]
     if a["kv4_ratio"]:
-        plan.append(("scissorhands", a["kv4_ratio"], 4))
+        plan.append(("scissorhands", a["kv4_ratio"], 4, "paged"))
     vocab = int(model.config.vocab_size)
-    for policy, ratio, kv_bits in plan:
+    for policy, ratio, kv_bits, layout in plan:
         if time.time() > deadline:
             result["cut_short"] = True
             break
-        kw = dict(policy=policy, kv_memory_limit_bytes=limit, max_length_tokens=P + N)
+        kw = dict(policy=policy, kv_memory_limit_bytes=limit, kv_layout=layout)
+        if layout == "preallocated":
+            kw["max_length_tokens"] = P + N
         if ratio is not None:
-            kw["compression_ratio"] = ratio
+            kw.update(compression_ratio=ratio, budget="per_request")
         if kv_bits is not None:  # groups of 32 values along head_dim (or the whole head when smaller)
             kw["policy_params"] = {"kv_bits": kv_bits, "kv_group_size": min(32, _head_dim(model))}
         cfg = EngineConfig(**kw)
         b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
         label = "full" if ratio is None else f"scissorhands x{ratio:g}" + (f", {kv_bits}-bit KV" if kv_bits else "")
+        label += f" ({layout})"
         print(f"gpu-check: max_batch: {label} at batch {b} ...", file=sys.stderr, flush=True)
         requests = [
             GenerationRequest(f"{policy}-{i}", p, N) for i, p in enumerate(_random_prompts(vocab, b, P, a["seed"]))
@@ -481,7 +592,7 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
         except Exception as e:  # noqa: BLE001 - one run's failure (an OOM, say) leaves the next runs their chance
             run = {"error": f"{type(e).__name__}: {e}"[:500], "verified": False, "finished": False}
             _free_device_memory(a["device"])
-        run.update(label=label, policy=policy, compression_ratio=ratio, kv_bits=kv_bits, max_batch=b)
+        run.update(label=label, policy=policy, compression_ratio=ratio, kv_bits=kv_bits, kv_layout=layout, max_batch=b)
         result["runs"].append(run)
         full = result["runs"][0]
         for r in result["runs"]:
@@ -546,6 +657,7 @@ def phase_engine_vs_generate(a: dict, deadline: float, save) -> dict:
 
 PHASE_FUNCTIONS = {
     "library": phase_library,
+    "paged": phase_paged,
     "max_batch": phase_max_batch,
     "engine_vs_generate": phase_engine_vs_generate,
 }
@@ -724,6 +836,23 @@ def render_markdown(report: dict) -> str:
                     f"{c['max_abs_logit_diff']:.4g} | {c['max_abs_logit']:.4g} | {c['passed']} |"
                 )
             lines.append("")
+        if phase == "paged" and res.get("checks"):
+            lines += [
+                f"Tiny Llama-3.1-8B copy in float32 on {a['device']}: {res['requests']} requests of 5-40 + 1-24 tokens, "
+                f"blocks of {res['block_tokens']} slots, small pool {res['small_pool_blocks_per_layer']} blocks a "
+                "layer; budget 12 slots where the policy evicts.",
+                "",
+                "| check | policy | KV | run | against | equal requests | preemptions | passed |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for c in res["checks"]:
+                kv = f"{c['kv_bits']}-bit" if c["kv_bits"] else "float32"
+                equal = c.get("equal_requests", f"error: {c.get('error', '')[:120]}")
+                lines.append(
+                    f"| {c['check']} | {c['policy']} | {kv} | {c['run']} | {c['against']} | {equal} | "
+                    f"{c.get('preemptions', '-')} | {c['passed']} |"
+                )
+            lines.append("")
         if phase == "max_batch" and res.get("runs"):
             sized = "" if a["kv_limit_gib"] else f" = {a['full_batch']} full-cache sequences"
             lines += [
@@ -793,13 +922,13 @@ def render_markdown(report: dict) -> str:
 
 
 def checks_passed(report: dict) -> bool:
-    """Every phase ran whole (or was skipped: Ray absent), every library check passed, every max-batch run was
-    verified and finished."""
+    """Every phase ran whole (or was skipped: Ray absent), every library and paged check passed, every max-batch
+    run was verified and finished."""
     for name, rec in report["phases"].items():
         if rec["status"] not in ("ok", "skipped"):
             return False
         res = rec.get("result") or {}
-        if name == "library" and not all(c["passed"] for c in res.get("checks", [])):
+        if name in ("library", "paged") and not all(c["passed"] for c in res.get("checks", [])):
             return False
         if name == "max_batch" and not all(r["verified"] and r["finished"] for r in res.get("runs", [])):
             return False

@@ -92,7 +92,7 @@ def test_whole_check_on_the_cpu_with_a_tiny_dummy_model_and_no_ray(tmp_path):
     assert env["commit"] and len(env["commit"].split("+")[0]) == 40
     assert report["args"]["dtype"] == "bfloat16"
     phases = report["phases"]
-    assert [phases[p]["status"] for p in gpu_check.PHASES] == ["ok", "ok", "ok", "skipped"]
+    assert [phases[p]["status"] for p in gpu_check.PHASES] == ["ok", "ok", "ok", "ok", "skipped"]
     for p in ("library", "max_batch", "engine_vs_generate"):  # every record says what it ran on
         assert (phases[p]["result"]["weights"], phases[p]["result"]["dtype"]) == ("dummy", "bfloat16")
     assert phases["ray"]["reason"] == "Ray is not importable here"
@@ -104,19 +104,37 @@ def test_whole_check_on_the_cpu_with_a_tiny_dummy_model_and_no_ray(tmp_path):
     assert all(c["passed"] and c["max_abs_logit_diff"] <= 0.05 * c["max_abs_logit"] for c in checks)
     assert all(c["max_slots"] <= 8 for c in checks if "max_slots" in c)
 
+    paged = phases["paged"]["result"]
+    assert paged["dtype"] == "float32"  # exactness, whatever --dtype says
+    pairs = {(c["policy"], c["kv_bits"], c["run"]) for c in paged["checks"] if c["check"] == "paged = preallocated"}
+    runs_of = ("paged, roomy pool", "paged, small pool")
+    assert pairs == {(p, kv, run) for p in POLICIES for kv in (None, 4) for run in runs_of}
+    mixed = {(c["policy"], c["kv_bits"]) for c in paged["checks"] if c["check"] == "mixed = prefill-first"}
+    assert mixed == {("full", None), ("full", 4)}
+    assert all(c["passed"] and c["equal_requests"] == paged["requests"] == 8 for c in paged["checks"])
+    small_full = [c for c in paged["checks"] if c["policy"] == "full" and c["run"] == "paged, small pool"]
+    assert len(small_full) == 2 and all(c["preemptions"] > 0 for c in small_full)  # the recompute path ran
+
     mb = phases["max_batch"]["result"]
     runs = {r["label"]: r for r in mb["runs"]}
-    assert list(runs) == ["full", "scissorhands x5", "scissorhands x2", "scissorhands x5, 4-bit KV"]
-    full = runs["full"]
-    assert full["max_batch"] == 2  # the limit is 2 full-cache sequences
+    assert list(runs) == [
+        "full (paged)",
+        "scissorhands x5 (paged)",
+        "full (preallocated)",
+        "scissorhands x2 (paged)",
+        "scissorhands x5, 4-bit KV (paged)",
+    ]
+    full = runs["full (paged)"]  # the denominator
+    assert runs["full (preallocated)"]["max_batch"] == 2  # the limit is 2 full-cache sequences
     # full-cache rows preallocate prompt + new tokens (the engine's max_length_tokens)
-    assert mb["kv_memory_limit_bytes"] == 2 * (32 + 16) * full["slot_bytes"]
-    assert runs["scissorhands x5"]["budget_tokens"] == 10  # ceil(48 / 5)
-    assert (
+    assert mb["kv_memory_limit_bytes"] == 2 * (32 + 16) * runs["full (preallocated)"]["slot_bytes"]
+    assert runs["scissorhands x5 (paged)"]["budget_tokens"] is None  # per request: ceil(48 / 5) = 10 each
+    assert {r["kv_layout"] for r in runs.values()} == {"paged", "preallocated"}
+    assert (  # x2's 24 slots take 2 blocks of 16 a layer, as the 32-token prompt's prefill does: no gain at this size
         full["max_batch"]
-        < runs["scissorhands x2"]["max_batch"]
-        < runs["scissorhands x5"]["max_batch"]
-        < runs["scissorhands x5, 4-bit KV"]["max_batch"]
+        <= runs["scissorhands x2 (paged)"]["max_batch"]
+        < runs["scissorhands x5 (paged)"]["max_batch"]
+        < runs["scissorhands x5, 4-bit KV (paged)"]["max_batch"]
     )
     for r in runs.values():
         assert r["verified"] and r["finished"]
@@ -138,7 +156,8 @@ def test_whole_check_on_the_cpu_with_a_tiny_dummy_model_and_no_ray(tmp_path):
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# GPU check: llama-3.1-8b (tiny copy")
     assert "weights: dummy" in md and f"commit: {env['commit']}" in md
-    assert "| scissorhands x5 | " in md
+    assert "| scissorhands x5 (paged) | " in md
+    assert "| paged = preallocated | snapkv | 4-bit | paged, small pool | preallocated | 8 | 0 | True |" in md
     (row,) = [
         line
         for line in md.splitlines()
