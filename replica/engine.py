@@ -40,7 +40,8 @@ The paged layout (`kv_layout: paged`, `scissorhands.paged`) replaces these bound
 to the limit: a request is admitted when the blocks its prefill takes now are free (next to the block each
 running row may take at its next step); before each decode step, while the running rows' next blocks are not
 free, the most recently admitted row is preempted (its blocks freed; back to the head of the queue; prefilled
-again later from its prompt and the tokens it generated). `fits_alone` rejects at submission what the pool
+again later from its prompt and the tokens it generated). The dense bookkeeping padded to the widest row lies
+outside the pool: admission charges it as blocks, and a decode step that would pass the limit preempts too. `fits_alone` rejects at submission what the pool
 could never hold alone, counting a recompute's prefill, so an admitted request is never rejected later.
 
 So the cache never holds more than the limit between forward calls (the transient copies a
@@ -64,9 +65,9 @@ from replica.metrics import NullMetrics
 from replica.sampling import pick_tokens, score_prompt
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import budget_from_ratio, make_cache
-from scissorhands.batching import merge_rows, row_positions, select_rows, sequence_slot_bytes
+from scissorhands.batching import measured_cache, merge_rows, row_positions, select_rows, sequence_slot_bytes
 from scissorhands.checks import check_int
-from scissorhands.paged import BlockPool, release_cache
+from scissorhands.paged import BlockPool, bookkeeping_slot_bytes, release_cache
 
 # The budget of the cache an engine under `budget: per_request` builds once, only to validate its policy parameters
 # and measure the bytes of one slot (which do not depend on B); every request's cache gets the request's own B.
@@ -186,7 +187,10 @@ class ContinuousBatchingEngine:
         make_cache(config.policy, model, **self._cache_kwargs)  # validate now, not at the first request
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(text_config.num_hidden_layers)
-        self.slot_bytes = sequence_slot_bytes(model, config.policy, **self._cache_kwargs)
+        probe = measured_cache(model, config.policy, **self._cache_kwargs)
+        self.slot_bytes = int(sum(layer.slot_nbytes() for layer in probe.layers))
+        # one row's slot of slot times and policy statistics, all layers: dense on the paged layout, padded
+        self.bookkeeping_slot_bytes = bookkeeping_slot_bytes(probe)
         if config.kv_memory_limit_bytes is not None:
             self.kv_memory_limit_bytes: int | None = config.kv_memory_limit_bytes
         elif config.kv_memory_fraction is not None:
@@ -348,10 +352,34 @@ class ContinuousBatchingEngine:
         """Decode steps a running row may still run (it writes one slot each): its new tokens not yet picked."""
         return seq.request.max_new_tokens - len(seq.result.output_ids)
 
+    # Dense bookkeeping (slot times, policy statistics) is padded to a batch's widest row, outside the pool; a
+    # block's share of the limit pays only its own slots' bookkeeping, so the padding is charged as blocks.
+    @staticmethod
+    def _width(seq: _Seq, tokens: int) -> int:
+        """Dense bookkeeping slots a row of `seq` holding `tokens` pads its batch to: its budget (a budgeted
+        row's buffers are sized to it), else its tokens."""
+        return seq.budget_tokens or tokens
+
+    def _padding_blocks(self, widths: list[int]) -> int:
+        """Blocks' worth of the bookkeeping padding of one batch of rows of these widths:
+        ``ceil(bookkeeping_slot_bytes * sum(max(widths) - w) / block_bytes)``."""
+        pad = sum(max(widths, default=0) - w for w in widths) * self.bookkeeping_slot_bytes
+        return -(-pad // self.block_bytes)
+
+    def _running_widths(self) -> list[int]:
+        return [self._width(s, s.held_slots) for s in self._running]
+
+    def _over_limit_after_decode(self) -> bool:
+        """Whether the next decode step would take the live caches past the KV memory limit, in bytes measured:
+        the blocks it takes, and one more bookkeeping slot for every running row."""
+        grow = self._growth_blocks(1) * self.pool.block_nbytes() + len(self._running) * self.bookkeeping_slot_bytes
+        return self._kv_cache_bytes() + grow > self.kv_memory_limit_bytes
+
     def _make_room_for_decode(self) -> None:
-        """Preempt the most recently admitted running rows until the next decode step's blocks are free
-        (vLLM's rule: the newest sequence goes back to the head of the queue and is recomputed later)."""
-        while self._running and self._growth_blocks(1) > self.pool.free_blocks:
+        """Preempt the most recently admitted running rows until the next decode step's blocks are free and the
+        live caches stay within the limit after it (vLLM's rule: the newest sequence goes back to the head of the
+        queue and is recomputed later)."""
+        while self._running and (self._growth_blocks(1) > self.pool.free_blocks or self._over_limit_after_decode()):
             if self._prefilling:  # a prompt part-way fed is newer than every running row: it goes first
                 self._requeue(self._prefilling.pop())
                 continue
@@ -589,7 +617,8 @@ class ContinuousBatchingEngine:
         """`_admit` for the paged layout: a request is admitted when the blocks its prefill takes now are
         free (next to the blocks the running rows take at their next step), not what it holds at its end."""
         cap = self.config.max_batch or 1 << 30
-        free = self.pool.free_blocks - self._growth_blocks(1)
+        widths = self._running_widths()  # the running batch's bookkeeping, with the rows admitted in this step
+        free = self.pool.free_blocks - self._growth_blocks(1) - self._padding_blocks(widths)
         groups: list[list[_Seq]] = []
         committed = 0  # blocks the rows admitted in this step hold after their prefill
         before_last = 0  # ... before the last group
@@ -607,7 +636,10 @@ class ContinuousBatchingEngine:
                 peak = self.prefill_peak_blocks(n, seq.budget_tokens)
                 # what it holds once merged, with the block its first decode step may take
                 steady = self.num_layers * self._blocks(self._kept_slots(n + self._decodes([seq]), seq.budget_tokens))
-                peak = max(peak, steady)
+                width = self._width(seq, n + 1)
+                pad = self._padding_blocks(widths + [width]) - self._padding_blocks(widths)  # once merged
+                peak = max(peak, steady + pad)
+                steady += pad
                 if (
                     groups
                     and self._same_group(groups[-1][0], seq)
@@ -622,6 +654,7 @@ class ContinuousBatchingEngine:
                 self._queue.popleft()
                 committed += steady
                 prefill_tokens += n
+                widths.append(width)
         return groups
 
     def _chunk_blocks(self, fed: int, chunk: int, budget: int | None, grows: bool) -> tuple[int, int]:
@@ -654,7 +687,9 @@ class ContinuousBatchingEngine:
         again from its start."""
         tokens = self.config.max_num_batched_tokens - len(self._running)
         growth = self._growth_blocks(1)
-        free = self.pool.free_blocks - growth
+        # the bookkeeping the running rows and the prompts part-way fed pad to once all are merged
+        widths = self._running_widths() + [self._width(s, p.length + 1) for p in self._prefilling for s in p.group]
+        free = self.pool.free_blocks - growth - self._padding_blocks(widths)
         committed = 0  # blocks the planned chunks add, once fed
         per_step = max(1, tokens)  # prompt tokens a step feeds while these rows run
 
@@ -716,19 +751,21 @@ class ContinuousBatchingEngine:
                     continue
                 chunk = plan[-1][1] if last is not None else 0
                 joined = last.group + [seq] if last is not None else []
+                width = self._width(seq, len(seq.prefill_ids()) + 1)
+                pad = self._padding_blocks(widths + [width]) - self._padding_blocks(widths)  # once merged
                 if (
                     last is not None
                     and self._same_group(last.group[0], seq)
                     and tokens >= chunk
-                    and fits(whole(last, [seq]), last.length)
+                    and fits(whole(last, [seq]) + pad, last.length)
                     and longest(last, joined, chunk, before_last) == chunk
                 ):
                     last.group.append(seq)  # fed with the newest group: its rows peak together
                     committed = before_last + last.rows * after(last, chunk, last.group)
-                    reserved += whole(last, [seq])
+                    reserved += whole(last, [seq]) + pad
                 else:
                     p = _Prefill([seq])
-                    need = whole(p, p.group)
+                    need = whole(p, p.group) + pad
                     chunk = longest(p, p.group, min(p.length, tokens), committed) if fits(need, p.length) else 0
                     if chunk == 0:
                         break  # wait for blocks: rows finish or are preempted
@@ -738,6 +775,7 @@ class ContinuousBatchingEngine:
                     committed += after(p, chunk, p.group)
                     reserved += need
                 self._queue.popleft()
+                widths.append(width)
                 feeding += len(seq.prefill_ids())
                 tokens -= chunk
         return plan

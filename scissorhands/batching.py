@@ -26,7 +26,15 @@ import torch
 from . import make_cache
 from .cache import BudgetedCache
 
-__all__ = ["merge_rows", "select_rows", "row_positions", "physical_slots", "sequence_slot_bytes", "use_row_clocks"]
+__all__ = [
+    "measured_cache",
+    "merge_rows",
+    "physical_slots",
+    "row_positions",
+    "select_rows",
+    "sequence_slot_bytes",
+    "use_row_clocks",
+]
 
 
 def _check_compatible(a: BudgetedCache, b: BudgetedCache) -> None:
@@ -106,15 +114,21 @@ def physical_slots(cache: BudgetedCache | None) -> int:
 
 
 @torch.inference_mode()
-def sequence_slot_bytes(model, policy: str, **cache_kwargs) -> int:
-    """Bytes one sequence's slot costs across every layer of ``model`` (keys, values, bookkeeping).
-
-    Measured, not computed from a formula: a one-token forward into a fresh ``make_cache(policy, model,
-    **cache_kwargs)`` cache; the bytes of its allocated buffers divided by their slot capacity, plus the
-    per-row counters, in every layer. A sequence holding ``n`` tokens in a batch whose buffers hold
-    ``S >= n`` slots costs ``S * sequence_slot_bytes`` (``S`` is the budget for a policy that evicts).
-    """
+def measured_cache(model, policy: str, **cache_kwargs) -> BudgetedCache:
+    """A fresh ``make_cache(policy, model, **cache_kwargs)`` cache after a one-token forward of ``model``: one row,
+    its buffers allocated, so the bytes they cost per slot can be read (`sequence_slot_bytes`,
+    `scissorhands.paged.bookkeeping_slot_bytes`)."""
     cache = make_cache(policy, model, **cache_kwargs)
     device = next(model.parameters()).device
     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), cache=cache, use_cache=True, logits_to_keep=1)
-    return int(sum(layer.slot_nbytes() for layer in cache.layers))
+    return cache
+
+
+def sequence_slot_bytes(model, policy: str, **cache_kwargs) -> int:
+    """Bytes one sequence's slot costs across every layer of ``model`` (keys, values, bookkeeping).
+
+    Measured, not computed from a formula (`measured_cache`): the bytes of its allocated buffers divided by their
+    slot capacity, plus the per-row counters, in every layer. A sequence holding ``n`` tokens in a batch whose
+    buffers hold ``S >= n`` slots costs ``S * sequence_slot_bytes`` (``S`` is the budget for a policy that evicts).
+    """
+    return int(sum(layer.slot_nbytes() for layer in measured_cache(model, policy, **cache_kwargs).layers))

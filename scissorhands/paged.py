@@ -33,7 +33,7 @@ from .cache import PAD, BudgetedLayer
 from .checks import check_int
 from .storage import SlotStore, Spec
 
-__all__ = ["BlockPool", "PagedLayer", "PoolExhausted", "cache_blocks", "release_cache"]
+__all__ = ["BlockPool", "PagedLayer", "PoolExhausted", "bookkeeping_slot_bytes", "cache_blocks", "release_cache"]
 
 BOOKKEEPING = ("slot_time", "state")  # per-slot buffers kept dense per row (the rest go to the pool)
 
@@ -447,6 +447,21 @@ def cache_blocks(cache) -> int:
     if cache is None:
         return 0
     return sum(layer.blocks_in_use() for layer in cache.layers if isinstance(layer, PagedLayer))
+
+
+def bookkeeping_slot_bytes(cache) -> int:
+    """Bytes of one row's bookkeeping slot (slot times, policy statistics: the buffers a paged layer keeps dense),
+    summed over the layers of ``cache`` that hold buffers (0 for None). On the paged layout a batch of ``b`` rows
+    holds ``b * width`` of them, ``width`` its widest row's slots (padding included)."""
+    if cache is None:
+        return 0
+    return sum(
+        buf[0, :, :1].numel() * buf.element_size()
+        for layer in cache.layers
+        if getattr(layer, "is_initialized", False)
+        for name, buf in layer.store.buffers.items()
+        if name in BOOKKEEPING
+    )
 
 
 def release_cache(cache) -> None:
