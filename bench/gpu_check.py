@@ -422,9 +422,10 @@ def phase_library(a: dict, deadline: float, save) -> dict:
 
 PAGED_BLOCK_TOKENS = 4
 """Slots per block of the paged phase: small, so requests of a few dozen tokens cross many block boundaries."""
-SMALL_POOL_BLOCKS = 18
-"""Blocks a layer of the paged phase's small pool: the longest request (40 + 24 tokens, 16 blocks) fits alone and
-the full cache's rows are preempted; budgeted rows (3 blocks each) fit, since a budgeted row recomputed after a
+SMALL_POOL_BLOCKS = 16
+"""Blocks a layer of the paged phase's small pool: the longest request (40 + 24 tokens, 16 blocks) just fits alone
+and the full cache's rows are preempted (at 18 admission, which charges the bookkeeping padded to the widest row,
+runs them without preempting); budgeted rows (3 blocks each) fit, since a budgeted row recomputed after a
 preemption compresses its prompt and outputs at once and may keep other tokens by design (docs/serving.md)."""
 
 
