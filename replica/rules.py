@@ -71,31 +71,48 @@ def _prefixed(names: str, prefix: str) -> str:
     return ", ".join(n if n == prefix or n.startswith(prefix + ".") else f"{prefix}.{n}" for n in names.split(", "))
 
 
-def one_line(e: ValidationError, prefix: str = "", accepted: Iterable[str] = ()) -> str:
-    """`e` as one line, its errors joined by ``"; "``, each ``<prefix>.<field>: <what is wrong>, got <input>``.
+def _where(loc: tuple) -> str:
+    """A pydantic error location as a field path: ``policies[1].name`` (pydantic's own validator steps left out)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not str(part).startswith(("function-", "json-or-python", "lax-or-strict")):
+            out += ("." if out else "") + str(part)
+    return out
 
-    A literal's accepted values are listed (``expected one of poisson, gamma``); an unknown key lists
-    `accepted` (the model's field names) when given. Our own validators' messages (``value_error``)
-    already start with the field(s) they name (``"a, b: give one of them"``); only `prefix` is added.
+
+def one_line(e: ValidationError, prefix: str = "", accepted: Iterable[str] = (), default: str = "") -> str:
+    """`e` as one line, its errors joined by ``"; "``, each ``<prefix>.<field>: <what is wrong>, got <input>``
+    (``<default>: ...`` for an error of the whole model that names no field).
+
+    A literal's accepted values are listed (``expected one of poisson, gamma``); an unknown top-level key lists
+    `accepted` (the model's field names) when given. Our own validators' messages may start with the field(s) they
+    name (``"a, b: give one of them"``, a model's rule; ``"placement.strategy: unknown ..."``, a field's own): then
+    only `prefix` is added.
     """
     lines = []
     keys = ", ".join(accepted)
     for err in e.errors(include_url=False):
-        where = ".".join([prefix] * bool(prefix) + [str(p) for p in err["loc"]])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "value_error":
+        loc = _where(err["loc"])
+        where = ".".join(p for p in (prefix, loc) if p)
+        msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        if err["type"] in ("value_error", "assertion_error"):
             names, sep, rest = msg.partition(": ")
-            lines.append(f"{_prefixed(names, prefix)}: {rest}" if sep else f"{where or prefix}: {msg}")
+            if sep and (not loc or names.startswith(loc.split("[")[0].split(".")[0])):
+                lines.append(f"{_prefixed(names, prefix)}: {rest}")
+            else:
+                lines.append(f"{where or default}: {msg}" if where or default else msg)
             continue
         if err["type"] == "literal_error":
             msg = f"expected one of {err['ctx']['expected'].replace(chr(39), '').replace(' or ', ', ')}, got {err['input']!r}"
         elif err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
-            msg = "unknown key" + (f" (accepted: {keys})" if keys else "")
+            msg = "unknown key" + (f" (accepted: {keys})" if keys and len(err["loc"]) == 1 else "")
         elif err["type"] == "missing":
             msg = "missing required key"
         elif "input" in err:
             msg += f", got {err['input']!r}"
-        lines.append(f"{where}: {msg}" if where else msg)
+        lines.append(f"{where or default}: {msg}" if where or default else msg)
     return "; ".join(lines)
 
 

@@ -28,9 +28,7 @@ def parse_suite(data: Any, source: str = "<suite>"):
     Raises:
         workloads.core.suite.SuiteError: as `workloads.core.suite.validate_suite`.
     """
-    kind = data.get("kind") if isinstance(data, dict) else None
-    model = KINDS[kind].suite_model if kind in KINDS else KINDS["batch"].suite_model
-    return validate_suite(model, data, source, kinds=tuple(KINDS))
+    return validate_suite({name: kind.suite_model for name, kind in KINDS.items()}, data, source)
 
 
 def load_suite(path: str, overrides: Sequence[str] = ()):

@@ -61,11 +61,11 @@ POINT_IDS = {
 
 
 def _suite(path: Path) -> QualitySuite:
-    return validate_suite(QualitySuite, yaml.safe_load(path.read_text()), str(path), kinds=("quality",))
+    return validate_suite({"quality": QualitySuite}, yaml.safe_load(path.read_text()), str(path))
 
 
 def _parse(data: dict) -> QualitySuite:
-    return validate_suite(QualitySuite, data, "test.yaml", kinds=("quality",))
+    return validate_suite({"quality": QualitySuite}, data, "test.yaml")
 
 
 def test_every_shipped_quality_suite_is_pinned():
@@ -224,6 +224,6 @@ def test_table_starts_with_its_conditions_line(tmp_path):
         "per replica; commit abc123\n\n### Perplexity (lower is better)"
     )
     assert "| scissorhands |" in md and "11.500" in md
-    written = write_report(tmp_path, records)
-    assert Path(written["table"]).read_text(encoding="utf-8") == md
+    report = write_report(tmp_path, records)
+    assert report.table == md and report.files[0].read_text(encoding="utf-8") == md
     assert markdown([]).startswith("Conditions: model -;") and markdown([]).endswith("No finished points.\n")

@@ -243,6 +243,7 @@ def test_report_writes_the_passkey_table_and_heatmap(tmp_path):
     assert "### Passkey retrieval at 128 tokens" in md and "### Passkey retrieval at 256 tokens" in md
     assert "| scissorhands 4x | 0.00 | 0.50 | 1.00 |" in md
     assert "-0.500 (p=0.25, 3/0)" in md  # 3 trials right only with full: 2 / 2^3
-    written = write_report(tmp_path, records)
-    png = Image.open(written["passkey_png"])
+    report = write_report(tmp_path, records)
+    assert report.files == (tmp_path / "table.md", tmp_path / "passkey.png")
+    png = Image.open(report.files[1])
     assert png.size[0] > 300 and png.size[1] > 200

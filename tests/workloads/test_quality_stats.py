@@ -115,8 +115,8 @@ def test_report_gives_intervals_and_the_paired_test(tmp_path):
     assert "0.800 [0.49, 0.94]" in md  # Wilson 8/10
     assert "-0.600 (p=0.031, 6/0)" in md  # McNemar: 2 / 2^6
     assert "+0.000 (p=1, 0/0)" in md  # 4-bit: the same answers
-    written = write_report(tmp_path, records)
-    assert (tmp_path / "accuracy.png").stat().st_size > 1000 and "table" in written
+    report = write_report(tmp_path, records)
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000 and report.files[0] == tmp_path / "table.md"
 
 
 # -- what a document count can resolve, before a run ---------------------------------------------------

@@ -387,7 +387,7 @@ def test_a_report_command_line_reads_the_run_and_prints_its_table(tmp_path, caps
     def write_report(run_dir, records):
         seen.append((run_dir, [r["point_id"] for r in records]))
         (run_dir / "table.md").write_text("| policy |\n|---|\n| full |\n")
-        return {"table": str(run_dir / "table.md")}
+        return results.Report("| policy |\n|---|\n| full |\n", (run_dir / "table.md",))
 
     assert results.report_main("x.report", write_report, [str(tmp_path)]) == 0
     assert seen == [(tmp_path, [suite.points()[0].point_id])]

@@ -88,13 +88,10 @@ class BatchKind(Kind):
             budget_tokens=metrics.get("budget_tokens"),
         )
 
-    def one_line(self, rec: dict) -> str:
-        what = f"{rec['point_id']} on {rec.get('replica_id')}"
-        if rec["status"] != "ok":
-            return f"  error  {what}: {rec['error']}"
+    def ok_line(self, rec: dict) -> str:
         kv = rec.get("kv_cache_bytes") or 0
         return (
-            f"  ok     {what}: prefill {rec['prefill_s']:.2f} s, decode {rec.get('decode_tokens_per_s') or 0:.1f} "
+            f"prefill {rec['prefill_s']:.2f} s, decode {rec.get('decode_tokens_per_s') or 0:.1f} "
             f"tok/s, KV {kv / MIB:.1f} MiB, budget {rec.get('budget_tokens') or '-'} tok"
         )
 

@@ -23,8 +23,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from replica.rules import PositiveInt
 from replica.static_batch import BatchSpec
-from workloads.core.suite import PositiveInt, SuiteBase, budget_tag, point_id
+from workloads.core.suite import SuiteBase, budget_tag, point_id
 
 
 @dataclass(frozen=True)

@@ -279,10 +279,18 @@ def conditions_line(records: Iterable[dict]) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Report:
+    """What a kind's report wrote: the table printed at the end, and every file written (table.md first)."""
+
+    table: str
+    files: tuple[Path, ...]
+
+
 def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:
     """The command line of a run's report (``python -m <prog> results/<run_id>``): reads the run's
-    ``points.jsonl``, calls ``write_report(run_dir, records)`` (-> ``{name: path}``), prints the table it
-    wrote (``table``) on stdout and every path on stderr. Exit status 2 for a wrong command line or a run
+    ``points.jsonl``, calls ``write_report(run_dir, records)`` (-> `Report`), prints its table on stdout and
+    every file it wrote on stderr. Exit status 2 for a wrong command line or a run
     without records (the message names the file), else 0."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
@@ -293,10 +301,9 @@ def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:
     if not records:
         print(f"{prog}: no records in {run_dir / 'points.jsonl'}", file=sys.stderr)
         return 2
-    written = write_report(run_dir, records)
-    if "table" in written:
-        print(Path(written["table"]).read_text(encoding="utf-8"), end="")
-    print(f"{prog}: wrote " + ", ".join(str(v) for v in written.values()), file=sys.stderr)
+    report = write_report(run_dir, records)
+    print(report.table, end="")
+    print(f"{prog}: wrote " + ", ".join(str(p) for p in report.files), file=sys.stderr)
     return 0
 
 

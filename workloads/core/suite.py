@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Annotated, Any, ClassVar, Literal, Sequence
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence
 
 import yaml
 from pydantic import (
@@ -53,6 +53,7 @@ from pydantic import (
 )
 
 from cluster.placement import PlacementConfig, parse_placement
+from replica.rules import NonNegativeInt, PositiveInt, one_line
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy
@@ -62,11 +63,8 @@ class SuiteError(ValueError):
     """A suite that cannot run; the message names the field."""
 
 
-# -- shared number types (pydantic strict: 2.0 and True are not integers) -------------------
-PositiveInt = Annotated[int, Field(strict=True, ge=1)]
-NonNegativeInt = Annotated[int, Field(strict=True, ge=0)]
+# -- number types: the project's own (`replica.rules`: strict, 2.0 and True are not integers), and a ratio -----
 Ratio = Annotated[float, Field(ge=1, allow_inf_nan=False)]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1)]
 
 
@@ -280,59 +278,36 @@ def budget_tag(ratio: float | None, budget: int | None) -> str:
     return f"-B{budget}" if budget is not None else f"-r{ratio:g}" if ratio is not None else ""
 
 
-def _where(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not str(part).startswith(("function-", "json-or-python", "lax-or-strict")):
-            out += ("." if out else "") + str(part)
-    return out
-
-
 def validation_message(e: ValidationError, cls: type[BaseModel]) -> str:
-    """One line per error, each naming its field (``policies[1]: ...``) and what was given."""
-    lines = []
-    for err in e.errors(include_url=False):
-        where, msg = _where(err["loc"]), err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key" + (f" (accepted: {', '.join(cls.model_fields)})" if len(err["loc"]) == 1 else "")
-        elif err["type"] == "missing":
-            msg = "missing required key"
-        elif err["type"] == "literal_error":
-            accepted = err["ctx"]["expected"].replace("'", "").replace(" or ", ", ")
-            msg = f"expected one of {accepted}, got {err['input']!r}"
-        elif err["type"] not in ("value_error", "assertion_error") and "input" in err:
-            msg += f", got {err['input']!r}"
-        lines.append(msg if where and msg.startswith(where.split("[")[0]) else f"{where or 'suite'}: {msg}")
-    return "; ".join(lines)
+    """One line per error, each naming its field (``policies[1]: ...``) and what was given (`replica.rules.one_line`)."""
+    return one_line(e, accepted=cls.model_fields, default="suite")
 
 
-def validate_suite(cls: type[BaseModel], data: Any, source: str = "<suite>", *, kinds: tuple[str, ...]):
-    """Validate a parsed YAML mapping into the suite model `cls` (whose `kind` is one of `kinds`).
+def validate_suite(models: Mapping[str, type[BaseModel]], data: Any, source: str = "<suite>"):
+    """Validate a parsed YAML mapping into the suite model its ``kind`` names in `models` (``{kind: model}``).
 
-    A suite without ``name`` is named after its file. `workloads.kinds.load_suite` picks `cls` from the file's
-    ``kind``; a kind's own runner passes its model (`workloads.core.template.load_suite_of`).
+    A suite without ``name`` is named after its file. `workloads.kinds.load_suite` passes every kind's model; a
+    kind's own runner only its own (`workloads.core.template.load_suite_of`).
 
     Raises:
-        SuiteError: not a mapping, `kind` missing or not one of `kinds`, or any field invalid (the message names
+        SuiteError: not a mapping, `kind` missing or not a key of `models`, or any field invalid (the message names
             it: unknown key, wrong type, ratio < 1, unknown policy with the valid names, unknown policy
             parameter, budget below the policy's windows, empty list).
     """
     if not isinstance(data, dict):
         raise SuiteError(f"{source}: expected a YAML mapping at the top level, got {type(data).__name__}")
     kind = data.get("kind")
-    if kind not in kinds:
+    if kind not in models:
         raise SuiteError(
             f"kind: {'missing' if kind is None else f'unknown kind {kind!r}'} "
-            f"(accepted: {', '.join(kinds)}); every suite names its kind"
+            f"(accepted: {', '.join(models)}); every suite names its kind"
         )
     data = dict(data)
     data.setdefault("name", os.path.splitext(os.path.basename(source))[0] or "suite")
     try:
-        return cls.model_validate(data)
+        return models[kind].model_validate(data)
     except ValidationError as e:
-        raise SuiteError(validation_message(e, cls)) from None
+        raise SuiteError(validation_message(e, models[kind])) from None
 
 
 def read_suite_file(path: str, overrides: Sequence[str] = ()):

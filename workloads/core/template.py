@@ -40,6 +40,7 @@ from tqdm import tqdm
 from cluster.connect import ClusterError
 from workloads.core import results as res
 from workloads.core.push import PointPublisher, SweepPusher
+from workloads.core.results import Report
 from workloads.core.run import (
     SweepError,
     check_model_context,
@@ -106,18 +107,10 @@ class Progress:
         return self.done + self.failed + self.missing
 
 
-@dataclass(frozen=True)
-class Report:
-    """What a kind's report wrote: the table printed at the end, and every file written (table.md first)."""
-
-    table: str
-    files: tuple[Path, ...]
-
-
 class Kind:
     """A suite kind: its suite model and its half of the run template (see the module docstring).
 
-    Override `execute`, `one_line` and `report`; `record_fields` and `announce` when the kind adds to them.
+    Override `execute`, `ok_line` (or the whole `one_line`) and `report`; `record_fields` and `announce` when the kind adds to them.
     """
 
     name: ClassVar[str]  # the suite file's `kind:`
@@ -154,7 +147,14 @@ class Kind:
         return finished.replica
 
     def one_line(self, record: dict) -> str:
-        """The point's progress line."""
+        """The point's progress line: its status, id and replica, then the kind's `ok_line` or the error."""
+        what = f"{record['point_id']} on {record.get('replica_id')}"
+        if record["status"] != "ok":
+            return f"  {record['status']:<6} {what}: {record['error']}"
+        return f"  ok     {what}: {self.ok_line(record)}"
+
+    def ok_line(self, record: dict) -> str:
+        """The figures of a finished point's progress line."""
         raise NotImplementedError
 
     def report(self, run_dir: Path, suite, records: list[dict]) -> Report:
@@ -173,7 +173,7 @@ def load_suite_of(kind: Kind, path: str, overrides: Sequence[str] = ()):
         found = data.get("kind") if isinstance(data, dict) else None
         if found is not None and found != kind.name:
             raise SuiteError(f"kind: {path} is a {found} suite; this runner takes kind {kind.name}")
-        return validate_suite(kind.suite_model, data, path, kinds=(kind.name,))
+        return validate_suite({kind.name: kind.suite_model}, data, path)
     except SuiteError as e:
         raise SweepError(str(e), 2) from None
 

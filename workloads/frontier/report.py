@@ -743,14 +743,14 @@ def plot(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def write_report(run_dir, records, max_perplexity_increase: float | None = None) -> dict[str, str]:
-    """Write ``table.md`` and ``frontier.png`` into ``run_dir``; return their paths by name.
+def write_report(run_dir, records, max_perplexity_increase: float | None = None) -> res.Report:
+    """Write ``table.md`` and ``frontier.png`` into ``run_dir``.
     ``max_perplexity_increase``: the quality gate's bound (None: as `frontier_rows`)."""
     run_dir = Path(run_dir)
     rows = frontier_rows(records, max_perplexity_increase)
-    table = run_dir / "table.md"
-    res.write_atomic(str(table), markdown(rows))
-    return {"table": str(table), "plot": str(plot(rows, run_dir / "frontier.png"))}
+    table = markdown(rows)
+    res.write_atomic(str(run_dir / "table.md"), table)
+    return res.Report(table, (run_dir / "table.md", Path(plot(rows, run_dir / "frontier.png"))))
 
 
 def main(argv: list[str] | None = None) -> int:

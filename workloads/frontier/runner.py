@@ -48,10 +48,7 @@ class FrontierKind(Kind):
             throughput=suite.throughput,  # the axis, on a failed point's record too (the report groups by it)
         )
 
-    def one_line(self, rec: dict) -> str:
-        what = f"{rec['point_id']} on {rec.get('replica_id')}"
-        if rec["status"] != "ok":
-            return f"  error  {what}: {rec['error']}"
+    def ok_line(self, rec: dict) -> str:
         if rec.get("throughput") == "capacity":
             value, lower = throughput_value(rec)
             speed = (
@@ -62,7 +59,7 @@ class FrontierKind(Kind):
         else:
             speed = f"max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s"
         return (
-            f"  ok     {what}: {speed}, perplexity {rec['perplexity']:.3f}"
+            f"{speed}, perplexity {rec['perplexity']:.3f}"
             + (
                 f" (95% CI {rec['perplexity_ci_low']:.3f}-{rec['perplexity_ci_high']:.3f})"
                 if rec.get("perplexity_ci_low") is not None
@@ -72,8 +69,7 @@ class FrontierKind(Kind):
         )
 
     def report(self, run_dir: Path, suite: FrontierSuite, records: list[dict]) -> Report:
-        written = write_report(run_dir, records, suite.quality_gate.max_perplexity_increase)
-        return Report(Path(written["table"]).read_text(encoding="utf-8"), tuple(Path(p) for p in written.values()))
+        return write_report(run_dir, records, suite.quality_gate.max_perplexity_increase)
 
 
 KIND = FrontierKind()

@@ -55,12 +55,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt
 from replica.types import EngineConfig
 from workloads.core.suite import (
     KVMemoryLimit,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
     SuiteBase,
     SuiteError,
     budget_tag,

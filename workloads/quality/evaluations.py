@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workloads.core.suite import PositiveInt, Ratio
+from replica.rules import PositiveInt
+from workloads.core.suite import Ratio
 
 from .fewshot import TASKS, evaluate_task
 from .passkey import evaluate_passkey

@@ -383,12 +383,12 @@ def passkey_heatmap(records: list[dict], path: Path) -> None:
     res.save_figure(fig, path, tight_layout=False)  # the colorbar spans the panels: no tight layout
 
 
-def write_report(run_dir: str | Path, records: list[dict]) -> dict[str, str]:
-    """Write ``table.md`` and the plots into ``run_dir``; return ``{name: path}``."""
+def write_report(run_dir: str | Path, records: list[dict]) -> res.Report:
+    """Write ``table.md`` and the plots into ``run_dir``."""
     run_dir = Path(run_dir)
-    table = run_dir / "table.md"
-    res.write_atomic(str(table), markdown(records))
-    return {"table": str(table), **plots(records, run_dir)}
+    table = markdown(records)
+    res.write_atomic(str(run_dir / "table.md"), table)
+    return res.Report(table, (run_dir / "table.md", *(Path(p) for p in plots(records, run_dir).values())))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,13 +72,11 @@ class QualityKind(Kind):
             settings=point.settings,
         )
 
-    def one_line(self, rec: dict) -> str:
-        what = f"{rec['point_id']} on {rec.get('replica_id')}"
-        return f"  error  {what}: {rec['error']}" if rec["status"] != "ok" else f"  ok     {what}: {ok_line(rec)}"
+    def ok_line(self, rec: dict) -> str:
+        return ok_line(rec)
 
     def report(self, run_dir: Path, suite: QualitySuite, records: list[dict]) -> Report:
-        written = write_report(run_dir, records)
-        return Report(Path(written["table"]).read_text(encoding="utf-8"), tuple(Path(p) for p in written.values()))
+        return write_report(run_dir, records)
 
 
 KIND = QualityKind()

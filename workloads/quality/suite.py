@@ -34,8 +34,9 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, create_model, model_validator
 
+from replica.rules import PositiveInt
 from scissorhands import POLICIES
-from workloads.core.suite import PositiveInt, Ratio, SuiteBase, SuiteError, point_id
+from workloads.core.suite import Ratio, SuiteBase, SuiteError, point_id
 
 from .evaluations import EVALUATIONS, Fewshot, Passkey, Perplexity, Persistence, Ratios, Section
 

@@ -65,15 +65,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
-from replica.rules import at_most_one
+from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt, at_most_one
 from replica.types import BUDGETS, KV_LAYOUTS, SCHEDULERS, EngineConfig
 from scissorhands import POLICIES
 from workloads.core.suite import (
     KVMemoryLimit,
     Name,
-    NonNegativeInt,
-    PositiveFloat,
-    PositiveInt,
     SuiteBase,
     SuiteError,
     budget_tag,
