@@ -66,6 +66,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -76,7 +77,7 @@ from bench.conditions import REPO_ROOT, conditions_line, parser
 from replica.types import GenerationRequest
 from scissorhands.models import EMBEDDED, convert_embedded_model, load_tokenizer
 from workloads.load.driver import run_load
-from workloads.load.http_client import OpenAIHTTPClient
+from workloads.load.http_client import OpenAIHTTPClient, env_api_key
 from workloads.load.patterns import LoadConfig
 from workloads.load.prompts import make_prompts
 
@@ -487,22 +488,36 @@ def guidellm_scenario(
 
 
 def run_guidellm(guidellm: str, scenario: dict, out_dir: Path, index: int, cpus: frozenset[int] | None, log) -> dict:
-    """Run guidellm once with `scenario` (its whole process tree on `cpus` when given); its parsed JSON report."""
+    """Run guidellm once with `scenario` (its whole process tree on `cpus` when given); its parsed JSON report.
+    With an API key (`env_api_key`, as our client), guidellm reads it from a copy of the scenario in a private
+    temporary folder, removed after the run; the scenario kept beside the report has none."""
     out = out_dir / f"guidellm-{index}.json"
     scenario["spec"]["outputs"][0]["path"] = str(out)
     path = out_dir / f"guidellm-scenario-{index}.json"
     path.write_text(json.dumps(scenario, indent=2))
-    cmd = [guidellm, "run", "--scenario", str(path), "--disable-console-interactive"]
-    print("crosscheck: " + " ".join(cmd), file=sys.stderr)
     log.flush()
     start = log.tell()
-    done = subprocess.run(
-        cmd,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1"),
-        preexec_fn=None if cpus is None else preexec(cpus),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    with tempfile.TemporaryDirectory() as private:  # mode 0700
+        run_path, key = path, env_api_key()
+        if key:
+            run_path = Path(private) / path.name
+            run_path.write_text(
+                json.dumps(
+                    {
+                        **scenario,
+                        "spec": {**scenario["spec"], "backend": {**scenario["spec"]["backend"], "api_key": key}},
+                    }
+                )
+            )
+        cmd = [guidellm, "run", "--scenario", str(run_path), "--disable-console-interactive"]
+        print("crosscheck: " + " ".join(cmd), file=sys.stderr)
+        done = subprocess.run(
+            cmd,
+            env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1"),
+            preexec_fn=None if cpus is None else preexec(cpus),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode != 0:
         log.flush()
         with open(log.name, errors="replace") as f:

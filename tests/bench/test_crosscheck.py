@@ -282,3 +282,32 @@ def test_bad_lengths_and_timeout_exit_2_naming_the_flag(flags, named, capsys):
     with pytest.raises(SystemExit) as e:
         crosscheck.main(["--affinity", "off", *flags])
     assert e.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_guidellm_gets_the_api_key_from_a_private_copy_and_the_kept_scenario_has_none(tmp_path, monkeypatch):
+    """With $SCISSORHANDS_API_KEY set (make serve's key), guidellm's backend gets it as `api_key` in a scenario copy
+    that is removed after the run; the scenario kept beside the report, the command line and the log never hold it."""
+    seen = tmp_path / "seen.json"
+    fake = tmp_path / "guidellm"
+    fake.write_text(
+        "#!/usr/bin/env python3\n"
+        "import json, sys, pathlib\n"
+        "scenario = json.loads(pathlib.Path(sys.argv[sys.argv.index('--scenario') + 1]).read_text())\n"
+        f"pathlib.Path({str(seen)!r}).write_text(json.dumps(scenario))\n"
+        "pathlib.Path(scenario['spec']['outputs'][0]['path']).write_text('{\"ok\": 1}')\n"
+    )
+    fake.chmod(0o755)
+    scenario = {"spec": {"backend": {"kind": "openai_http"}, "outputs": [{"kind": "json", "path": ""}]}}
+    monkeypatch.setenv("SCISSORHANDS_API_KEY", "sk-secret-1")
+    with open(tmp_path / "log.txt", "w+") as log:
+        assert crosscheck.run_guidellm(str(fake), scenario, tmp_path, 0, None, log) == {"ok": 1}
+    got = json.loads(seen.read_text())
+    assert got["spec"]["backend"]["api_key"] == "sk-secret-1"
+    kept = (tmp_path / "guidellm-scenario-0.json").read_text()
+    assert "sk-secret-1" not in kept and "api_key" not in json.loads(kept)["spec"]["backend"]
+    assert "sk-secret-1" not in (tmp_path / "log.txt").read_text()
+    monkeypatch.delenv("SCISSORHANDS_API_KEY")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with open(tmp_path / "log.txt", "w+") as log:
+        crosscheck.run_guidellm(str(fake), scenario, tmp_path, 1, None, log)
+    assert "api_key" not in json.loads(seen.read_text())["spec"]["backend"]  # no key: the scenario as kept

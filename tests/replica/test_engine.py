@@ -466,9 +466,20 @@ def test_values_no_sampler_can_use_are_refused_naming_the_field(kw, field):
         GenerationRequest("r", [1], 2, **kw)
 
 
-def test_64_bit_seeds_are_accepted_and_zero_new_tokens_only_when_scoring_the_prompt():
-    for seed in (2**63, 2**64 - 1, -(2**63)):
-        GenerationRequest("r", [1], 2, temperature=1.0, seed=seed)
+def test_64_bit_seeds_sample_repeatably_beside_neighbours_and_zero_new_tokens_only_when_scoring_the_prompt(model):
+    """A seed above 2**63 (unsigned 64-bit) is sampled with, repeatably, next to other sampled rows."""
+    prompt = list(range(3, 15))
+    for seed in (2**63, 2**63 + 7, 2**64 - 1, -(2**63)):
+        runs = [
+            _run_one(
+                model,
+                GenerationRequest("r", prompt, 8, temperature=1.0, seed=seed),
+                neighbours=[GenerationRequest(f"n{i}", prompt, 8, temperature=1.0, seed=i) for i in range(2)],
+            )
+            for _ in range(2)
+        ]
+        assert all(r.error_kind is None and len(r.output_ids) == 8 for r in runs)
+        assert runs[0].output_ids == runs[1].output_ids
     with pytest.raises(ValueError, match="max_new_tokens"):
         GenerationRequest("r", [1], 0)
     assert GenerationRequest("r", [1, 2], 0, prompt_logprobs=0).max_new_tokens == 0

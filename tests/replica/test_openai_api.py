@@ -451,12 +451,17 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_and_its_batch_neighbours
     _, replicas, tok = service
     app = build_app({FULL: ReplicaBackend(replicas[FULL], {})}, tok, context_tokens=CONTEXT, max_pending_requests=8)
     base = dict(model=FULL, prompt="Same prompt!", max_tokens=6, ignore_eos=True)
-    bodies = [{**base, "temperature": 5e-324}, {**base, "temperature": 1.0, "seed": 1}, {**base, "seed": 2**63}]
+    bodies = [
+        {**base, "temperature": 5e-324},
+        {**base, "temperature": 1.0, "seed": 1},
+        {**base, "temperature": 1.0, "seed": 2**63 + 7},  # unsigned 64-bit: sampled with, not refused
+    ]
     with ServerThread(app) as url, ThreadPoolExecutor(3) as pool:
         replies = list(pool.map(lambda b: post(url, "/v1/completions", b), bodies))
         greedy = post(url, "/v1/completions", base).json()["choices"][0]["token_ids"]
     assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
     assert replies[0].json()["choices"][0]["token_ids"] == greedy
+    assert len(replies[2].json()["choices"][0]["token_ids"]) == 6
 
 
 @pytest.mark.parametrize(

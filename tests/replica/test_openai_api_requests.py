@@ -17,7 +17,7 @@ from replica.openai_api import ApiKey, build_app
 from replica.types import GenerationRequest
 from scissorhands.models import load_tokenizer
 from tests.http_fakes import ServerThread, char_tokenizer, sse_events
-from workloads.load.http_client import OpenAIHTTPClient
+from workloads.load.http_client import API_KEY_ENVS, OpenAIHTTPClient
 
 CONTEXT = 256
 MSGS = [{"role": "user", "content": "yo"}]
@@ -269,6 +269,38 @@ def test_the_right_key_is_served_and_never_echoed():
 
         assert asyncio.run(go(KEY)).error_kind is None  # our HTTP client's bearer token
         assert asyncio.run(go("wrong")).error_kind == "http_401"
+
+
+def test_a_target_sweep_and_our_client_find_the_key_in_the_environment(monkeypatch):
+    """A sweep's `target:` pool and our client (also make crosscheck's) send $SCISSORHANDS_API_KEY, else
+    $OPENAI_API_KEY; without one, the pool's refusal says which variables to set."""
+    from workloads.serving.pools import HTTPTargetPool
+
+    for env in API_KEY_ENVS:
+        monkeypatch.delenv(env, raising=False)
+    with serve(ScriptedBackend([5, 6]), api_key=KEY) as url:
+        with pytest.raises(
+            RuntimeError, match=r"wants an API key \(none given\): set \$SCISSORHANDS_API_KEY or \$OPENAI_API"
+        ):
+            HTTPTargetPool(url + "/v1", "m").start()
+        for env in ({"OPENAI_API_KEY": KEY}, {"SCISSORHANDS_API_KEY": KEY, "OPENAI_API_KEY": "wrong"}):  # ours first
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
+            pool = HTTPTargetPool(url + "/v1", "m")
+            assert pool.start()[0]["served_model"] == "m"
+
+            async def go():
+                client = pool.client()
+                try:
+                    return await client.generate(GenerationRequest("k", [1, 2], 2))
+                finally:
+                    await client.close()
+
+            assert asyncio.run(go()).error_kind is None
+        monkeypatch.setenv("SCISSORHANDS_API_KEY", "wrong")
+        with pytest.raises(RuntimeError, match="the one given was refused"):
+            HTTPTargetPool(url + "/v1", "m").start()
+    assert OpenAIHTTPClient("http://x/v1", "m", api_key="given").api_key == "given"  # an explicit key wins
 
 
 def test_the_key_is_kept_as_a_digest_and_compared_in_constant_time(monkeypatch):

@@ -28,6 +28,9 @@ Counting output tokens (`output_tokens_source` on the result):
 * `usage`: no ids; one token per non-empty chunk, and the server's final `usage.completion_tokens`
   is the count: missing tokens get the last chunk's time, their ids are `-1` (placeholders);
 * `chunks`: neither ids nor usage: one token per non-empty chunk (an estimate, said in the record).
+
+The bearer token: `api_key`, else `$SCISSORHANDS_API_KEY` (the key `make serve` reads), else `$OPENAI_API_KEY`
+(what vLLM's benchmark and OpenAI's SDK read) (`env_api_key`); it is never written to a record or a log.
 Text is never re-tokenized.
 
 Errors become named kinds, never exceptions: `bad_request` (400), `unknown_model` (404),
@@ -40,6 +43,7 @@ without `[DONE]`), `connection_error`.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
@@ -71,6 +75,16 @@ def _status_kind(status: int, code: str | None = None) -> str:
     )
 
 
+#: Where a client finds its bearer token when it is given none, in order: ours (`cluster.serve_app --api-key`'s
+#: default), then the OpenAI SDK's.
+API_KEY_ENVS = ("SCISSORHANDS_API_KEY", "OPENAI_API_KEY")
+
+
+def env_api_key() -> str | None:
+    """The bearer token of the first of `API_KEY_ENVS` set to a non-empty value; None when none is."""
+    return next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
+
+
 class OpenAIHTTPClient:
     """Streams completions from an OpenAI-compatible server (see the module docstring).
 
@@ -79,7 +93,7 @@ class OpenAIHTTPClient:
         model: the served model id.
         endpoint: `completions` (token-id prompts) or `chat` (text through the chat template).
         tokenizer: decodes prompt ids to text for `chat`.
-        api_key: sent as a bearer token when given.
+        api_key: sent as a bearer token; None: `env_api_key()` (no token when that is None too).
         clock: seconds (default `time.time`).
         extra_body: more JSON fields for every request (e.g. `{"return_token_ids": true}` for vLLM).
         connect_timeout_s: for opening the connection (the load generator bounds the whole request).
@@ -108,7 +122,7 @@ class OpenAIHTTPClient:
         if endpoint == "chat" and tokenizer is None:
             raise ValueError("tokenizer: the chat endpoint sends text; give the tokenizer that decodes the prompts")
         self.base_url, self.model, self.endpoint = base_url.rstrip("/"), model, endpoint
-        self.tokenizer, self.api_key, self.clock = tokenizer, api_key, clock
+        self.tokenizer, self.api_key, self.clock = tokenizer, api_key if api_key is not None else env_api_key(), clock
         self.extra_body = dict(extra_body or {})
         self.connect_timeout_s, self.max_connections = connect_timeout_s, max_connections
         self.session_per_request = session_per_request

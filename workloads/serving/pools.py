@@ -14,7 +14,7 @@ from cluster.serve_app import EngineDeployment
 from replica.continuous import ServingReplica
 from replica.types import GenerationRequest, GenerationResult
 from workloads.load.driver import error_kind
-from workloads.load.http_client import OpenAIHTTPClient
+from workloads.load.http_client import API_KEY_ENVS, OpenAIHTTPClient, env_api_key
 
 #: Seconds a pool waits, when a point ends, for its replicas to drop the requests the load generator gave up on
 #: (each aborted at the engine's next step), so the point's replica figures count them failed and the next point
@@ -230,10 +230,21 @@ class HTTPTargetPool:
     def start(self) -> list[dict]:
         import requests
 
+        key = env_api_key()
         try:
-            served = requests.get(f"{self.target}/models", timeout=self.timeout_s).json()["data"]
+            reply = requests.get(
+                f"{self.target}/models",
+                headers={"Authorization": f"Bearer {key}"} if key else {},
+                timeout=self.timeout_s,
+            )
+            served = None if reply.status_code == 401 else reply.json()["data"]
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(f"target: no OpenAI-compatible server answered GET {self.target}/models: {e}") from None
+        if served is None:
+            raise RuntimeError(
+                f"target: {self.target} wants an API key ({'the one given was refused' if key else 'none given'}): "
+                f"set ${' or $'.join(API_KEY_ENVS)}"
+            )
         ids = [m.get("id") for m in served]
         if self.model not in ids:
             raise RuntimeError(
