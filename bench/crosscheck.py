@@ -490,7 +490,8 @@ def guidellm_scenario(
 def run_guidellm(guidellm: str, scenario: dict, out_dir: Path, index: int, cpus: frozenset[int] | None, log) -> dict:
     """Run guidellm once with `scenario` (its whole process tree on `cpus` when given); its parsed JSON report.
     With an API key (`env_api_key`, as our client), guidellm reads it from a copy of the scenario in a private
-    temporary folder, removed after the run; the scenario kept beside the report has none."""
+    temporary folder, removed after the run; the scenario kept beside the report has none, and the key is masked
+    (``***``) wherever guidellm wrote it in its output or its report."""
     out = out_dir / f"guidellm-{index}.json"
     scenario["spec"]["outputs"][0]["path"] = str(out)
     path = out_dir / f"guidellm-scenario-{index}.json"
@@ -518,8 +519,13 @@ def run_guidellm(guidellm: str, scenario: dict, out_dir: Path, index: int, cpus:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
+    log.flush()
+    if key:  # guidellm may echo its arguments (its errors print inputs, its report its backend): never keep the key
+        for path, at in ((Path(log.name), start), (out, 0)):
+            if path.exists() and key in (text := path.read_text(errors="replace")):
+                path.write_text(text[:at] + text[at:].replace(key, "***"))
+        log.seek(0, os.SEEK_END)
     if done.returncode != 0:
-        log.flush()
         with open(log.name, errors="replace") as f:
             f.seek(start)
             tail = f.read()[-3000:]

@@ -43,7 +43,7 @@ from ray import serve
 
 from cluster.signals import StopSignals
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
-from replica.openai_api import DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
+from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
 from replica.static_batch import model_context_tokens, resolve_run_dtype
 from replica.types import BUDGETS, KV_LAYOUTS, SCHEDULERS, EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import POLICIES
@@ -59,8 +59,6 @@ DEFAULT_KV_MEMORY_LIMIT_BYTES = 1 << 30
 SERVE_RAY_TEMP_DIR = "/tmp/scissorhands-serve"
 #: Ray's metrics export interval (ms): the scrape interval of dashboards/prometheus.yml.
 METRICS_REPORT_INTERVAL_MS = "5000"
-#: The environment variable `--api-key` defaults to (vLLM's is VLLM_API_KEY).
-API_KEY_ENV = "SCISSORHANDS_API_KEY"
 
 
 @serve.deployment(

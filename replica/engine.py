@@ -40,9 +40,10 @@ The paged layout (`kv_layout: paged`, `scissorhands.paged`) replaces these bound
 to the limit: a request is admitted when the blocks its prefill takes now are free (next to the block each
 running row may take at its next step); before each decode step, while the running rows' next blocks are not
 free, the most recently admitted row is preempted (its blocks freed; back to the head of the queue; prefilled
-again later from its prompt and the tokens it generated). The dense bookkeeping padded to the widest row lies
-outside the pool: admission charges it as blocks, and a decode step that would pass the limit preempts too. `fits_alone` rejects at submission what the pool
-could never hold alone, counting a recompute's prefill, so an admitted request is never rejected later.
+again later from its prompt and the tokens it generated). The dense bookkeeping, grown a block at a time to
+the widest row, lies outside the pool: admission charges its padding as blocks, and a decode step that would
+pass the limit preempts too. `fits_alone` rejects at submission what the pool could never hold alone,
+counting a recompute's prefill, so an admitted request is never rejected later.
 
 So the cache never holds more than the limit between forward calls (the transient copies a
 `torch.cat` makes during an update are not counted; they are at most one layer's tensors).
@@ -65,7 +66,14 @@ from replica.metrics import NullMetrics
 from replica.sampling import pick_tokens, score_prompt
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from scissorhands import budget_from_ratio, make_cache
-from scissorhands.batching import measured_cache, merge_rows, row_positions, select_rows, sequence_slot_bytes
+from scissorhands.batching import (
+    cache_slot_bytes,
+    measured_cache,
+    merge_rows,
+    row_positions,
+    select_rows,
+    sequence_slot_bytes,
+)
 from scissorhands.checks import check_int
 from scissorhands.paged import BlockPool, bookkeeping_slot_bytes, release_cache
 
@@ -188,7 +196,7 @@ class ContinuousBatchingEngine:
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(text_config.num_hidden_layers)
         probe = measured_cache(model, config.policy, **self._cache_kwargs)
-        self.slot_bytes = int(sum(layer.slot_nbytes() for layer in probe.layers))
+        self.slot_bytes = cache_slot_bytes(probe)
         # one row's slot of slot times and policy statistics, all layers: dense on the paged layout, padded
         self.bookkeeping_slot_bytes = bookkeeping_slot_bytes(probe)
         if config.kv_memory_limit_bytes is not None:
@@ -354,32 +362,48 @@ class ContinuousBatchingEngine:
 
     # Dense bookkeeping (slot times, policy statistics) is padded to a batch's widest row, outside the pool; a
     # block's share of the limit pays only its own slots' bookkeeping, so the padding is charged as blocks.
-    @staticmethod
-    def _width(seq: _Seq, tokens: int) -> int:
-        """Dense bookkeeping slots a row of `seq` holding `tokens` pads its batch to: its budget (a budgeted
-        row's buffers are sized to it), else its tokens."""
-        return seq.budget_tokens or tokens
+    def _width(self, seq: _Seq, tokens: int) -> int:
+        """Slots of a row of `seq` after it has seen `tokens`: what it keeps (its budget at most) rounded up to
+        whole blocks. Its blocks pay for that much bookkeeping; the paged layout grows the bookkeeping a block at
+        a time to the widest row (`scissorhands.paged.PagedStore.append`)."""
+        return self._blocks(self._kept_slots(tokens, seq.budget_tokens)) * self.config.block_tokens
 
     def _padding_blocks(self, widths: list[int]) -> int:
-        """Blocks' worth of the bookkeeping padding of one batch of rows of these widths:
-        ``ceil(bookkeeping_slot_bytes * sum(max(widths) - w) / block_bytes)``."""
-        pad = sum(max(widths, default=0) - w for w in widths) * self.bookkeeping_slot_bytes
-        return -(-pad // self.block_bytes)
+        """Blocks' worth of the bookkeeping padding of one batch of rows of these widths (slots), padded to the
+        widest or to what the running batch's bookkeeping already holds: ``ceil(bookkeeping_slot_bytes *
+        sum(padded - w) / block_bytes)``."""
+        held = self._cache.layers[0].store.dense.capacity if self._cache is not None else 0
+        padded = max([held, *widths])
+        return -(-sum(padded - w for w in widths) * self.bookkeeping_slot_bytes // self.block_bytes)
 
     def _running_widths(self) -> list[int]:
-        return [self._width(s, s.held_slots) for s in self._running]
+        if self._cache is None:
+            return []
+        return [self._width(s, n) for s, n in zip(self._running, self._cache.layers[0].store.row_slots.tolist())]
 
     def _over_limit_after_decode(self) -> bool:
-        """Whether the next decode step would take the live caches past the KV memory limit, in bytes measured:
-        the blocks it takes, and one more bookkeeping slot for every running row."""
-        grow = self._growth_blocks(1) * self.pool.block_nbytes() + len(self._running) * self.bookkeeping_slot_bytes
-        return self._kv_cache_bytes() + grow > self.kv_memory_limit_bytes
+        """Whether the next decode step would take the live caches past the KV memory limit, in the bytes they
+        will measure: every block in use and the blocks the step takes, the running batch's bookkeeping at the
+        slots it will hold (`PagedStore.append`: grown to whole blocks once its widest row outgrows it), and the
+        bookkeeping of the prompts part-way fed."""
+        store = self._cache.layers[0].store
+        slots = max(
+            store.dense.capacity, *(self._width(s, n + 1) for s, n in zip(self._running, store.row_slots.tolist()))
+        )
+        dense = len(self._running) * slots * self.bookkeeping_slot_bytes
+        dense += sum(c.bookkeeping_bytes() for c in self._caches() if c is not self._cache)
+        blocks = self.pool.blocks_in_use + self._growth_blocks(1)
+        return blocks * self.pool.block_nbytes() + dense > self.kv_memory_limit_bytes
 
     def _make_room_for_decode(self) -> None:
         """Preempt the most recently admitted running rows until the next decode step's blocks are free and the
         live caches stay within the limit after it (vLLM's rule: the newest sequence goes back to the head of the
         queue and is recomputed later)."""
-        while self._running and (self._growth_blocks(1) > self.pool.free_blocks or self._over_limit_after_decode()):
+        # a lone row is never preempted for bytes: `fits_alone` bounds it, and its recompute would hold as much
+        while self._running and (
+            self._growth_blocks(1) > self.pool.free_blocks
+            or ((len(self._running) > 1 or self._prefilling) and self._over_limit_after_decode())
+        ):
             if self._prefilling:  # a prompt part-way fed is newer than every running row: it goes first
                 self._requeue(self._prefilling.pop())
                 continue
@@ -622,6 +646,7 @@ class ContinuousBatchingEngine:
         groups: list[list[_Seq]] = []
         committed = 0  # blocks the rows admitted in this step hold after their prefill
         before_last = 0  # ... before the last group
+        last_peak = 0  # blocks the last group's rows hold at their prefill's peak (they peak together)
         prefill_tokens = 0
         with self._lock:
             while self._queue and len(self._running) + sum(map(len, groups)) < cap:
@@ -640,15 +665,12 @@ class ContinuousBatchingEngine:
                 pad = self._padding_blocks(widths + [width]) - self._padding_blocks(widths)  # once merged
                 peak = max(peak, steady + pad)
                 steady += pad
-                if (
-                    groups
-                    and self._same_group(groups[-1][0], seq)
-                    and before_last + (len(groups[-1]) + 1) * peak <= free
-                ):
+                if groups and self._same_group(groups[-1][0], seq) and before_last + last_peak + peak <= free:
                     groups[-1].append(seq)  # prefilled with the last group: its rows peak together
+                    last_peak += peak
                 elif committed + peak <= free:
                     groups.append([seq])
-                    before_last = committed
+                    before_last, last_peak = committed, peak
                 else:
                     break  # wait for blocks: rows finish or are preempted
                 self._queue.popleft()
@@ -930,7 +952,7 @@ class ContinuousBatchingEngine:
         self._drop(p)
         keep = []
         for i, (seq, tok) in enumerate(zip(group, tokens)):
-            seq.held_slots = self._prefill_slots(len(seq.request.prompt_ids), seq.budget_tokens)
+            seq.held_slots = self._prefill_slots(len(seq.prefill_ids()), seq.budget_tokens)  # a recompute: + outputs
             if not self._emit(seq, tok, t):
                 keep.append(i)
         if not keep:

@@ -9,6 +9,7 @@ It lives in `replica/` (the lowest layer with configs) so `replica.types.EngineC
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any, ClassVar, Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -71,6 +72,9 @@ def _prefixed(names: str, prefix: str) -> str:
     return ", ".join(n if n == prefix or n.startswith(prefix + ".") else f"{prefix}.{n}" for n in names.split(", "))
 
 
+_FIELDS = re.compile(r"[\w.\[\]]+(, [\w.\[\]]+)*")  # "a, b.c, d[0]": a message's leading field names
+
+
 def _where(loc: tuple) -> str:
     """A pydantic error location as a field path: ``policies[1].name`` (pydantic's own validator steps left out)."""
     out = ""
@@ -99,7 +103,7 @@ def one_line(e: ValidationError, prefix: str = "", accepted: Iterable[str] = (),
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
         if err["type"] in ("value_error", "assertion_error"):
             names, sep, rest = msg.partition(": ")
-            if sep and (not loc or names.startswith(loc.split("[")[0].split(".")[0])):
+            if sep and _FIELDS.fullmatch(names) and (not loc or names.startswith(loc.split("[")[0].split(".")[0])):
                 lines.append(f"{_prefixed(names, prefix)}: {rest}")
             else:
                 lines.append(f"{where or default}: {msg}" if where or default else msg)

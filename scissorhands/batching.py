@@ -27,6 +27,7 @@ from . import make_cache
 from .cache import BudgetedCache
 
 __all__ = [
+    "cache_slot_bytes",
     "measured_cache",
     "merge_rows",
     "physical_slots",
@@ -131,4 +132,9 @@ def sequence_slot_bytes(model, policy: str, **cache_kwargs) -> int:
     slot capacity, plus the per-row counters, in every layer. A sequence holding ``n`` tokens in a batch whose
     buffers hold ``S >= n`` slots costs ``S * sequence_slot_bytes`` (``S`` is the budget for a policy that evicts).
     """
-    return int(sum(layer.slot_nbytes() for layer in measured_cache(model, policy, **cache_kwargs).layers))
+    return cache_slot_bytes(measured_cache(model, policy, **cache_kwargs))
+
+
+def cache_slot_bytes(cache: BudgetedCache) -> int:
+    """Bytes one row's slot costs across every layer of `cache` (its buffers allocated)."""
+    return int(sum(layer.slot_nbytes() for layer in cache.layers))

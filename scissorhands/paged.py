@@ -218,7 +218,9 @@ class PagedStore:
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
     def append(self, new: dict[str, torch.Tensor], capacity: int) -> None:
         """Write ``new[name]`` ``(batch_size, num_kv_heads, q, *trailing)`` after each row's own slots
-        (bookkeeping entries may broadcast); blocks are taken as rows cross a block boundary.
+        (bookkeeping entries may broadcast); blocks are taken as rows cross a block boundary, and the dense
+        bookkeeping grows a whole block of slots at a time (``capacity``, the preallocated layout's, is not used:
+        the bookkeeping a batch holds follows its widest row, not a maximum length).
 
         Raises:
             PoolExhausted: the pool lacks the blocks (nothing written).
@@ -237,7 +239,7 @@ class PagedStore:
         uniform = bool((self.row_slots == start).all())
         n_after = int(self.row_slots.max()) + q
         if n_after > self.dense.capacity:
-            self.dense.resize(max(capacity, n_after))
+            self.dense.resize(-(-n_after // self.pool.block_tokens) * self.pool.block_tokens)
         dense_new = {n: t for n, t in new.items() if n in BOOKKEEPING}
         if uniform:  # every row at the same slot (a fresh prefill, budgeted rows at their budget)
             s = int(start)
@@ -294,7 +296,7 @@ class PagedStore:
             flat = buf.view(-1, *buf.shape[2:])
             moved = flat.index_select(0, src.reshape(-1))  # read every kept slot before any write
             flat.index_copy_(0, dst.reshape(-1), moved)
-        self.dense.gather(idx, max(max(keep), n_keep))
+        self.dense.gather(idx, -(-n_keep // bt) * bt)  # whole blocks of what is kept, as `append` grows it
         self._pad_tail()
 
     def _addresses_all(self, idx: torch.Tensor) -> torch.Tensor:

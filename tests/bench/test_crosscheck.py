@@ -294,13 +294,15 @@ def test_guidellm_gets_the_api_key_from_a_private_copy_and_the_kept_scenario_has
         "import json, sys, pathlib\n"
         "scenario = json.loads(pathlib.Path(sys.argv[sys.argv.index('--scenario') + 1]).read_text())\n"
         f"pathlib.Path({str(seen)!r}).write_text(json.dumps(scenario))\n"
-        "pathlib.Path(scenario['spec']['outputs'][0]['path']).write_text('{\"ok\": 1}')\n"
+        "key = scenario['spec']['backend'].get('api_key')\n"
+        "print('backend args', key)\n"  # a tool that echoes its arguments
+        "pathlib.Path(scenario['spec']['outputs'][0]['path']).write_text(json.dumps({'ok': 1, 'api_key': key}))\n"
     )
     fake.chmod(0o755)
     scenario = {"spec": {"backend": {"kind": "openai_http"}, "outputs": [{"kind": "json", "path": ""}]}}
     monkeypatch.setenv("SCISSORHANDS_API_KEY", "sk-secret-1")
     with open(tmp_path / "log.txt", "w+") as log:
-        assert crosscheck.run_guidellm(str(fake), scenario, tmp_path, 0, None, log) == {"ok": 1}
+        assert crosscheck.run_guidellm(str(fake), scenario, tmp_path, 0, None, log) == {"ok": 1, "api_key": "***"}
     got = json.loads(seen.read_text())
     assert got["spec"]["backend"]["api_key"] == "sk-secret-1"
     kept = (tmp_path / "guidellm-scenario-0.json").read_text()

@@ -72,3 +72,32 @@ def test_engine_config_is_frozen_round_trips_and_raises_one_line():
         "max_prefill_tokens, kv_layout, budget, block_tokens, scheduler, max_num_batched_tokens)"
     )
     assert isinstance(e.value, ValueError)
+
+
+def test_one_line_names_list_items_and_leaves_a_rule_that_names_no_field_whole():
+    """One formatter for configs and suites: list items as ``field[i]``, a rule naming its fields keeps them (with
+    the prefix), and a message whose text before ``": "`` is not field names is placed under the default."""
+    from pydantic import BaseModel, model_validator
+
+    from replica.rules import one_line
+
+    class Rule(BaseModel):
+        xs: list[int] = []
+        text: str = ""
+
+        @model_validator(mode="after")
+        def _rule(self):
+            if self.text:
+                raise ValueError(self.text)
+            return self
+
+    def line(prefix="", **kw):
+        with pytest.raises(ValidationError) as e:
+            Rule(**kw)
+        return one_line(e.value, prefix, default="suite")
+
+    assert line(xs=[1, "a"]) == "xs[1]: Input should be a valid integer, unable to parse string as an integer, got 'a'"
+    assert line(text="a, b.c: give one") == "a, b.c: give one"
+    assert line("placement", text="a, b.c: give one") == "placement.a, placement.b.c: give one"
+    assert line(text="trace file not found: /x/a, b.jsonl") == "suite: trace file not found: /x/a, b.jsonl"
+    assert line("placement", text="no bound: x") == "placement: no bound: x"

@@ -110,7 +110,8 @@ class Progress:
 class Kind:
     """A suite kind: its suite model and its half of the run template (see the module docstring).
 
-    Override `execute`, `ok_line` (or the whole `one_line`) and `report`; `record_fields` and `announce` when the kind adds to them.
+    Override `execute`, `ok_line` (or the whole `one_line`) and `report`; `record_fields` and `announce` when the
+    kind adds to them.
     """
 
     name: ClassVar[str]  # the suite file's `kind:`

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from replica.continuous import StreamChunk
-from replica.openai_api import PHASE_HEADER, REPLICA_DIED
+from replica.openai_api import API_KEY_ENV, PHASE_HEADER, REPLICA_DIED
 from replica.types import GenerationRequest, GenerationResult
 
 __all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
@@ -76,8 +76,8 @@ def _status_kind(status: int, code: str | None = None) -> str:
 
 
 #: Where a client finds its bearer token when it is given none, in order: ours (`cluster.serve_app --api-key`'s
-#: default), then the OpenAI SDK's.
-API_KEY_ENVS = ("SCISSORHANDS_API_KEY", "OPENAI_API_KEY")
+#: default), then the one vLLM's benchmark and OpenAI's SDK read.
+API_KEY_ENVS = (API_KEY_ENV, "OPENAI_API_KEY")
 
 
 def env_api_key() -> str | None:

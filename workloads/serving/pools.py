@@ -237,7 +237,7 @@ class HTTPTargetPool:
                 headers={"Authorization": f"Bearer {key}"} if key else {},
                 timeout=self.timeout_s,
             )
-            served = None if reply.status_code == 401 else reply.json()["data"]
+            served = None if reply.status_code in (401, 403) else reply.json()["data"]
         except Exception as e:  # noqa: BLE001
             raise RuntimeError(f"target: no OpenAI-compatible server answered GET {self.target}/models: {e}") from None
         if served is None:
