@@ -376,20 +376,24 @@ class ContinuousBatchingEngine:
         padded = max([held, *widths])
         return -(-sum(padded - w for w in widths) * self.bookkeeping_slot_bytes // self.block_bytes)
 
+    def _added_padding_blocks(self, widths: list[int], width: int) -> int:
+        """The padding blocks a row of `width` slots adds once merged with rows of `widths`."""
+        return self._padding_blocks(widths + [width]) - self._padding_blocks(widths)
+
     def _running_widths(self) -> list[int]:
+        """Each running row's width after the next decode step (the one it writes, when it decodes again): what
+        admission and the decode step's byte check both charge."""
         if self._cache is None:
             return []
-        return [self._width(s, n) for s, n in zip(self._running, self._cache.layers[0].store.row_slots.tolist())]
+        rows = zip(self._running, self._cache.layers[0].store.row_slots.tolist())
+        return [self._width(s, n + (self._left(s) > 0)) for s, n in rows]
 
     def _over_limit_after_decode(self) -> bool:
         """Whether the next decode step would take the live caches past the KV memory limit, in the bytes they
         will measure: every block in use and the blocks the step takes, the running batch's bookkeeping at the
         slots it will hold (`PagedStore.append`: grown to whole blocks once its widest row outgrows it), and the
         bookkeeping of the prompts part-way fed."""
-        store = self._cache.layers[0].store
-        slots = max(
-            store.dense.capacity, *(self._width(s, n + 1) for s, n in zip(self._running, store.row_slots.tolist()))
-        )
+        slots = max(self._cache.layers[0].store.dense.capacity, *self._running_widths())
         dense = len(self._running) * slots * self.bookkeeping_slot_bytes
         dense += sum(c.bookkeeping_bytes() for c in self._caches() if c is not self._cache)
         blocks = self.pool.blocks_in_use + self._growth_blocks(1)
@@ -399,7 +403,8 @@ class ContinuousBatchingEngine:
         """Preempt the most recently admitted running rows until the next decode step's blocks are free and the
         live caches stay within the limit after it (vLLM's rule: the newest sequence goes back to the head of the
         queue and is recomputed later)."""
-        # a lone row is never preempted for bytes: `fits_alone` bounds it, and its recompute would hold as much
+        # a lone row is never preempted for bytes: `fits_alone` bounds it (bookkeeping a left row's width kept
+        # included: that row fit alone too), and its recompute would hold as much
         while self._running and (
             self._growth_blocks(1) > self.pool.free_blocks
             or ((len(self._running) > 1 or self._prefilling) and self._over_limit_after_decode())
@@ -662,7 +667,7 @@ class ContinuousBatchingEngine:
                 # what it holds once merged, with the block its first decode step may take
                 steady = self.num_layers * self._blocks(self._kept_slots(n + self._decodes([seq]), seq.budget_tokens))
                 width = self._width(seq, n + 1)
-                pad = self._padding_blocks(widths + [width]) - self._padding_blocks(widths)  # once merged
+                pad = self._added_padding_blocks(widths, width)
                 peak = max(peak, steady + pad)
                 steady += pad
                 if groups and self._same_group(groups[-1][0], seq) and before_last + last_peak + peak <= free:
@@ -774,7 +779,7 @@ class ContinuousBatchingEngine:
                 chunk = plan[-1][1] if last is not None else 0
                 joined = last.group + [seq] if last is not None else []
                 width = self._width(seq, len(seq.prefill_ids()) + 1)
-                pad = self._padding_blocks(widths + [width]) - self._padding_blocks(widths)  # once merged
+                pad = self._added_padding_blocks(widths, width)
                 if (
                     last is not None
                     and self._same_group(last.group[0], seq)

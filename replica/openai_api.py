@@ -76,9 +76,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: The largest `max_tokens` tried for a chat without it when the model's context is unknown (the backend's
 #: `check` then finds the longest that fits).
 UNKNOWN_CONTEXT_MAX_TOKENS = 1 << 20
-#: Request header carrying the load generator's phase of a request (`replica.metrics.PHASES`).
 #: The environment variable of the service's API key (`cluster.serve_app --api-key`'s default; vLLM's is VLLM_API_KEY).
 API_KEY_ENV = "SCISSORHANDS_API_KEY"
+#: Request header carrying the load generator's phase of a request (`replica.metrics.PHASES`).
 PHASE_HEADER = "X-Scissorhands-Phase"
 
 
