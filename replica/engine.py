@@ -192,10 +192,9 @@ class ContinuousBatchingEngine:
             self._cache_kwargs.update(budget_tokens=self.budget_tokens, max_length=self.budget_tokens)
         elif self.per_request:  # each group's cache gets its requests' B; this one only validates and measures
             self._cache_kwargs.update(budget_tokens=PROBE_BUDGET_TOKENS, max_length=PROBE_BUDGET_TOKENS)
-        make_cache(config.policy, model, **self._cache_kwargs)  # validate now, not at the first request
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(text_config.num_hidden_layers)
-        probe = measured_cache(model, config.policy, **self._cache_kwargs)
+        probe = measured_cache(model, config.policy, **self._cache_kwargs)  # validates now, not at the first request
         self.slot_bytes = cache_slot_bytes(probe)
         # one row's slot of slot times and policy statistics, all layers: dense on the paged layout, padded
         self.bookkeeping_slot_bytes = bookkeeping_slot_bytes(probe)
@@ -368,12 +367,15 @@ class ContinuousBatchingEngine:
         a time to the widest row (`scissorhands.paged.PagedStore.append`)."""
         return self._blocks(self._kept_slots(tokens, seq.budget_tokens)) * self.config.block_tokens
 
+    def _held_bookkeeping_slots(self) -> int:
+        """Slots a row of the running batch's dense bookkeeping holds now (0 without a batch)."""
+        return self._cache.layers[0].store.dense.capacity if self._cache is not None else 0
+
     def _padding_blocks(self, widths: list[int]) -> int:
         """Blocks' worth of the bookkeeping padding of one batch of rows of these widths (slots), padded to the
         widest or to what the running batch's bookkeeping already holds: ``ceil(bookkeeping_slot_bytes *
         sum(padded - w) / block_bytes)``."""
-        held = self._cache.layers[0].store.dense.capacity if self._cache is not None else 0
-        padded = max([held, *widths])
+        padded = max([self._held_bookkeeping_slots(), *widths])
         return -(-sum(padded - w for w in widths) * self.bookkeeping_slot_bytes // self.block_bytes)
 
     def _added_padding_blocks(self, widths: list[int], width: int) -> int:
@@ -393,7 +395,7 @@ class ContinuousBatchingEngine:
         will measure: every block in use and the blocks the step takes, the running batch's bookkeeping at the
         slots it will hold (`PagedStore.append`: grown to whole blocks once its widest row outgrows it), and the
         bookkeeping of the prompts part-way fed."""
-        slots = max(self._cache.layers[0].store.dense.capacity, *self._running_widths())
+        slots = max(self._held_bookkeeping_slots(), *self._running_widths())
         dense = len(self._running) * slots * self.bookkeeping_slot_bytes
         dense += sum(c.bookkeeping_bytes() for c in self._caches() if c is not self._cache)
         blocks = self.pool.blocks_in_use + self._growth_blocks(1)
