@@ -7,9 +7,17 @@ with token auth and a later module's with it off (or the reverse), and the drive
 then disagrees with its own GCS ("InvalidAuthToken ... RAY_AUTH_MODE is currently 'disabled'";
 the actors of a cluster never start). Every Ray cluster of the tests is on loopback only, so one
 mode for the whole session, fixed before Ray is imported: disabled.
+
+The session's process ends with `os._exit` once pytest has written its report (`pytest_unconfigure`
+below): `ray.shutdown()` leaves Ray's C++ I/O and gRPC threads running (and Ray Serve's router loop
+records metrics from its own thread); after dozens of clusters started and stopped in one process, the
+interpreter's teardown once crashed with them still running (SIGSEGV in CI after "1785 passed"), and a
+crash there would fail a session whose tests all passed (`tests/test_session_exit.py`).
 """
 
+import atexit
 import os
+import sys
 
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
@@ -29,3 +37,26 @@ def model():
     m = tiny_llama(0)
     m.generation_config.eos_token_id = None
     return m
+
+
+_session = None
+
+
+def pytest_sessionstart(session):
+    global _session
+    _session = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Exit with pytest's status without the interpreter's teardown (see the module docstring); the
+    exit handlers still run (pytest's temporary-folder locks, tqdm)."""
+    if _session is None:  # no session ran (--help, a usage error): the usual exit
+        return
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(_session.exitstatus))
