@@ -50,12 +50,10 @@ def pytest_sessionstart(session):
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
     """Exit with pytest's status without the interpreter's teardown (see the module docstring); the
-    `atexit` handlers still run (pytest's temporary-folder locks, tqdm), threads still running are not joined."""
+    `atexit` handlers still run (pytest's temporary-folder locks, tqdm, Ray's shutdown of a Ray still running),
+    threads still running are not joined."""
     if _session is None or sys.exc_info()[0] is not None:  # no session ran (--help), or an error pytest prints
         return  # after this hook (a usage error found in the session, such as a path not found): the usual exit
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

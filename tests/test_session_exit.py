@@ -28,6 +28,13 @@ def test_one():
 """
 
 
+def run_pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m pytest -q` in a fresh process in `cwd`, this repository importable (`-p tests.conftest`)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize("outcome, status", [("True", 0), ("False", 1)])
 def test_the_session_exits_with_pytests_status_even_when_the_interpreters_teardown_would_crash(
     tmp_path, outcome, status
@@ -35,18 +42,11 @@ def test_the_session_exits_with_pytests_status_even_when_the_interpreters_teardo
     path = tmp_path / "test_teardown.py"
     path.write_text(CRASH_AT_TEARDOWN.format(outcome=outcome))
 
-    def pytest_status(*plugins: str) -> int:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugins, str(path)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, timeout=120).returncode
-
-    assert pytest_status() == -signal.SIGSEGV  # the crash this file stages, without the session's exit hook
-    assert pytest_status("-p", "tests.conftest") == status
+    assert run_pytest(tmp_path, str(path)).returncode == -signal.SIGSEGV  # the staged crash, without the hook
+    assert run_pytest(tmp_path, "-p", "tests.conftest", str(path)).returncode == status
 
 
 def test_a_usage_error_found_in_the_session_keeps_its_message_and_status(tmp_path):
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest", "no_such_test.py"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    run = run_pytest(tmp_path, "-p", "tests.conftest", "no_such_test.py")
     assert run.returncode == 4
     assert "file or directory not found: no_such_test.py" in run.stdout + run.stderr
