@@ -22,7 +22,7 @@ from tqdm import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from bench.conditions import add_threads, conditions_line, parser
+from bench.conditions import EMBEDDED_MODEL, add_threads, conditions_line, parser, require_positive
 from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 from scissorhands.attention import padding_mask_function, scissorhands_attention
 from scissorhands.models import load_model
@@ -87,9 +87,7 @@ def main(argv=None) -> None:
         help="also time scissorhands with 4-bit KV and transformers' DynamicCache with sdpa",
     )
     args = ap.parse_args(argv)
-    for name in ("batch", "prompt_tokens", "new_tokens", "threads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(ap, args, "batch", "prompt_tokens", "new_tokens", "threads")
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
 
@@ -179,7 +177,7 @@ def _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, star
     full = configs["full"]
     f_mean, f_med = statistics.fmean(full["times"]), statistics.median(full["times"])
     dtype = f"{str(model.dtype).removeprefix('torch.')} ({model.scissorhands_dtype_reason})"
-    print(conditions_line(model="embedded (SmolLM2-135M-Instruct)", dtype=dtype))
+    print(conditions_line(model=EMBEDDED_MODEL, dtype=dtype))
     print(
         f"\nDecode-step cost, measured side by side: batch {args.batch}, prompt {args.prompt_tokens} tokens, "
         f"{args.new_tokens} decode steps, budgeted policies at ratio {args.ratio:g} "

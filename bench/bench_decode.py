@@ -21,7 +21,7 @@ import time
 import torch
 
 import scissorhands.models.packed as packed
-from bench.conditions import add_threads, comma_list, conditions_line, parser
+from bench.conditions import EMBEDDED_MODEL, add_threads, comma_list, conditions_line, parser, require_positive
 from replica.engine import ContinuousBatchingEngine
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
@@ -224,19 +224,11 @@ def main(argv=None) -> int:
             "--dtypes: --attention-ab compares layouts in bfloat16 only (float32 runs the grouped-query "
             "kernel on both sides); give --dtypes bfloat16"
         )
-    for name in ("prompt_tokens", "new_tokens", "rounds", "threads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(ap, args, "prompt_tokens", "new_tokens", "rounds", "threads")
     if any(b < 1 for b in args.batches):
         ap.error(f"--batches must be >= 1, got {args.batches}")
     torch.set_num_threads(args.threads)
-    print(
-        conditions_line(
-            model="embedded (SmolLM2-135M-Instruct)",
-            dtype=f"{', '.join(dtypes)} (--dtypes: each measured)",
-            extra=f"load average before {os.getloadavg()[0]:.1f}",
-        )
-    )
+    print(conditions_line(model=EMBEDDED_MODEL, dtype=dtypes, extra=f"load average before {os.getloadavg()[0]:.1f}"))
     print(
         f"# decode step, prompt {args.prompt_tokens} tokens, {args.new_tokens} steps per run, "
         f"{args.rounds} paired rounds (order alternates)"

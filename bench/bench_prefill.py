@@ -17,7 +17,15 @@ import time
 
 import torch
 
-from bench.conditions import add_threads, comma_list, conditions_line, cpu_conditions, parser
+from bench.conditions import (
+    EMBEDDED_MODEL,
+    add_threads,
+    comma_list,
+    conditions_line,
+    cpu_conditions,
+    parser,
+    require_positive,
+)
 from scissorhands import POLICIES, make_cache
 from scissorhands.models import load_model
 
@@ -97,19 +105,11 @@ def main(argv=None) -> None:
     budgeted = [x for x in POLICIES if x != "full"]
     policies = comma_list(ap, "--policies", args.policies, valid=budgeted)
     dtypes = comma_list(ap, "--dtypes", args.dtypes, valid=list(DTYPES))
-    for name in ("batch", "prompt_tokens", "rounds", "threads"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(ap, args, "batch", "prompt_tokens", "rounds", "threads")
     if args.new_tokens < 0 or not (math.isfinite(args.ratio) and args.ratio >= 1):
         ap.error("--new-tokens must be >= 0 and --ratio a number >= 1")
     torch.set_num_threads(args.threads)
-    print(
-        conditions_line(
-            model="embedded (SmolLM2-135M-Instruct)",
-            dtype=f"{', '.join(dtypes)} (--dtypes: each measured)",
-            extra=f"load average before {os.getloadavg()[0]:.1f}",
-        )
-    )
+    print(conditions_line(model=EMBEDDED_MODEL, dtype=dtypes, extra=f"load average before {os.getloadavg()[0]:.1f}"))
     print(
         f"# prefill, batch {args.batch} x {args.prompt_tokens} tokens, ratio {args.ratio:g} "
         f"(max_length {args.prompt_tokens + args.new_tokens}), {args.rounds} paired rounds (order alternates)"

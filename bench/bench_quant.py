@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from bench.conditions import add_threads, conditions_line, parser
+from bench.conditions import EMBEDDED_MODEL, add_threads, conditions_line, parser
 from scissorhands import make_cache
 from scissorhands.models import load_model
 from workloads.quality import perplexity as ppl
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     model, tok = load_model("embedded", dtype=torch.float32)
     windows = ppl.heldout_windows(tok, args.tokens, args.windows, seed=0)
     conditions = conditions_line(
-        model="embedded (SmolLM2-135M-Instruct)",
+        model=EMBEDDED_MODEL,
         dtype="float32 (perplexity's reference: no 16-bit rounding on the unquantized side)",
     )
     head = (

@@ -24,7 +24,15 @@ from pathlib import Path
 import torch
 
 from bench.bench_serving import _pair, workload_lengths
-from bench.conditions import DEFAULT_THREADS, THREADS_HELP, comma_list, conditions_line, git_commit, parser
+from bench.conditions import (
+    DEFAULT_THREADS,
+    THREADS_HELP,
+    comma_list,
+    conditions_line,
+    git_commit,
+    parser,
+    require_positive,
+)
 from replica.engine import full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines
 from replica.static_batch import load_replica_model
@@ -54,9 +62,7 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     args.budgets = comma_list(p, "--budgets", args.budgets, int)
-    for name in ("prompt_tokens", "new_tokens", "full_batch", "requests", "block_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "prompt_tokens", "new_tokens", "full_batch", "requests", "block_tokens")
     low = [b for b in args.budgets if b < args.block_tokens]
     if low:
         p.error(f"--budgets: {low} below one block (--block-tokens {args.block_tokens}); give at least that")

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.conditions import DEFAULT_THREADS, THREADS_HELP, conditions_line, git_commit, parser
+from bench.conditions import DEFAULT_THREADS, THREADS_HELP, conditions_line, git_commit, parser, require_positive
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate, run_generate_batch
 from replica.static_batch import load_replica_model
@@ -96,9 +96,9 @@ def parse_args(argv=None):
         )
     if args.requests is None:
         args.requests = 6 * args.full_batch
-    for name in ("prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens", "requests", "block_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    require_positive(
+        p, args, "prompt_tokens", "new_tokens", "full_batch", "generate_new_tokens", "requests", "block_tokens"
+    )
     if args.mixed and args.max_num_batched_tokens < args.block_tokens:
         p.error(
             f"--max-num-batched-tokens {args.max_num_batched_tokens} is below one block (--block-tokens "

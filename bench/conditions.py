@@ -25,6 +25,7 @@ from typing import Callable, TypeVar
 from scissorhands.models import cpu_flags, cpu_model_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED_MODEL = "embedded (SmolLM2-135M-Instruct)"
 DEFAULT_THREADS = 1
 THREADS_HELP = (
     "torch threads; one rule for every bench tool: 1 by default, since side-by-side ratios are "
@@ -71,16 +72,27 @@ def git_commit(*, short: bool = True, fallback: str | None = None) -> str | None
     return os.environ.get("SCISSORHANDS_GIT_COMMIT") or (fallback if fallback is not None else "unknown")
 
 
-def conditions_line(*, model: str, dtype: str, extra: str = "") -> str:
+def conditions_line(*, model: str, dtype: str | list[str], extra: str = "") -> str:
     """``Conditions: <UTC date>, commit <sha>, model <model>, dtype <dtype>, CPU <cpu_conditions()>[; extra].``
 
-    ``dtype`` says which and why (e.g. ``"bfloat16 (auto: AVX512-BF16 ...)"``, or ``"float32, bfloat16 (--dtypes:
-    each measured)"``); the CPU part carries the torch threads in use, so call it after ``torch.set_num_threads``.
+    ``dtype`` says which and why (e.g. ``"bfloat16 (auto: AVX512-BF16 ...)"``); a list is the dtypes a
+    side-by-side tool measures each of (``"float32, bfloat16 (--dtypes: each measured)"``). The CPU part carries
+    the torch threads in use, so call it after ``torch.set_num_threads``.
     """
+    if isinstance(dtype, list):
+        dtype = f"{', '.join(dtype)} (--dtypes: each measured)"
     return (
         f"Conditions: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {git_commit()}, "
         f"model {model}, dtype {dtype}, CPU {cpu_conditions()}" + (f"; {extra}" if extra else "") + "."
     )
+
+
+def require_positive(ap: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Exit 2 (``ap.error``) naming the first of ``names`` (``args`` attributes) below 1: ``--new-tokens: must
+    be >= 1, got 0``."""
+    for name in names:
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
 
 
 def add_threads(parser: argparse.ArgumentParser) -> None:

@@ -19,13 +19,13 @@ the machine gets no `.git`), and fails when the folder passes `--limit-mib`.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from bench.conditions import parser
 from bench.gpu_check import BUNDLE_DIR, commit
 
 BUNDLED = ("transformers", "regex")
@@ -76,12 +76,10 @@ def folder_bytes(folder: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.gpu_bundle",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Run time on a 2-core CPU machine: under a minute with a package index in reach "
-        "(it downloads two wheels: transformers and regex).",
+    p = parser(
+        "gpu_bundle",
+        __doc__,
+        "under a minute with a package index in reach (it downloads two wheels: transformers and regex)",
     )
     p.add_argument("--dir", default=str(BUNDLE_DIR), help="the bundle folder (emptied first)")
     p.add_argument("--limit-mib", type=float, default=60.0, help="fail when the bundle is larger (MiB)")

@@ -63,7 +63,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.conditions import git_commit
+from bench.conditions import git_commit, parser, require_positive
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate
 from replica.types import EngineConfig, GenerationRequest
@@ -199,13 +199,7 @@ def gpu_suite(suite: dict, device: str = "cuda", dtype: str = "bfloat16") -> dic
 
 # ----------------------------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.gpu_check",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Run time: at most --budget-s (460 s) on one GPU; on a 2-core CPU machine "
-        "with --device cpu --tiny, about a minute.",
-    )
+    p = parser("gpu_check", __doc__, "about a minute with --device cpu --tiny (on one GPU, at most --budget-s: 460 s)")
     p.add_argument(
         "--out",
         default=None,
@@ -253,9 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [x for x in args.phase_list if x not in PHASES]
     if bad:
         p.error(f"--phases: unknown phase(s) {', '.join(bad)}; valid: {', '.join(PHASES)}")
-    for name in ("full_batch", "prompt_tokens", "new_tokens", "generate_new_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "full_batch", "prompt_tokens", "new_tokens", "generate_new_tokens")
     if args.kv_limit_gib is not None and args.kv_limit_gib <= 0:
         p.error(f"--kv-limit-gib: must be > 0, got {args.kv_limit_gib}")
     if args.generate_new_tokens > args.new_tokens:
@@ -783,6 +775,30 @@ def _fmt(v, spec: str = ",.1f", scale: float = 1.0) -> str:
     return "-" if v is None else format(v / scale, spec)
 
 
+def _table(caption: str, header: str, rows: list[list]) -> list[str]:
+    """`caption`, then a markdown table (`header`: its column names joined by " | "; a cell shown with str), then
+    a blank line, as lines."""
+    cells = ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return [caption, "", f"| {header} |", "|" + "---|" * (header.count("|") + 1), *cells, ""]
+
+
+def _kv(check: dict, dense: str) -> str:
+    return f"{check['kv_bits']}-bit" if check["kv_bits"] else dense
+
+
+def _max_batch_row(r: dict) -> list:
+    if "error" in r:
+        return [r["label"], r["max_batch"], False, False, f"error: {r['error'][:200]}"] + ["-"] * 7
+    return [r["label"], r["max_batch"], r["verified"], r["finished"], r["output_tokens"], f"{r['wall_s']:.1f}"] + [
+        _fmt(r["output_tok_per_s"]),
+        _fmt(r["decode_tok_per_s"]),
+        _fmt(r["peak_kv_cache_bytes"], ".1f", MIB),
+        _fmt(r["peak_device_allocated_bytes"], ".1f", MIB),
+        f"{_fmt(r['output_ratio_to_full'], '.2f')}x",
+        f"{_fmt(r['decode_ratio_to_full'], '.2f')}x",
+    ]
+
+
 def render_markdown(report: dict) -> str:
     """The report as Markdown (conditions, then one section per phase), ready for docs/results/."""
     env, a = report["environment"], report["args"]
@@ -823,102 +839,74 @@ def render_markdown(report: dict) -> str:
         if rec.get("error"):
             lines += ["```", rec["error"], "```", ""]
         if phase == "library" and res.get("checks"):
-            lines += [
+            lines += _table(
                 f"Tiny copies in {a['dtype']} on {a['device']}: batch {res['batch']}, {res['prompt_tokens']}-token "
                 f"prompts, {res['new_tokens']} greedy tokens, budget {res['budget_tokens']} slots.",
-                "",
-                "| check | model | policy | KV | token flips | max abs logit diff | max abs logit | passed |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
-            for c in res["checks"]:
-                kv = f"{c['kv_bits']}-bit" if c["kv_bits"] else a["dtype"]
-                lines.append(
-                    f"| {c['check']} | {c['model']} | {c['policy']} | {kv} | {c['token_flips']} | "
-                    f"{c['max_abs_logit_diff']:.4g} | {c['max_abs_logit']:.4g} | {c['passed']} |"
-                )
-            lines.append("")
+                "check | model | policy | KV | token flips | max abs logit diff | max abs logit | passed",
+                [
+                    [c["check"], c["model"], c["policy"], _kv(c, a["dtype"]), c["token_flips"]]
+                    + [f"{c['max_abs_logit_diff']:.4g}", f"{c['max_abs_logit']:.4g}", c["passed"]]
+                    for c in res["checks"]
+                ],
+            )
         if phase == "paged" and res.get("checks"):
-            lines += [
+            lines += _table(
                 f"Tiny Llama-3.1-8B copy in float32 on {a['device']}: {res['requests']} requests of 5-40 + 1-24 tokens, "
                 f"blocks of {res['block_tokens']} slots, small pool {res['small_pool_blocks_per_layer']} blocks a "
                 "layer; budget 12 slots where the policy evicts.",
-                "",
-                "| check | policy | KV | run | against | equal requests | preemptions | passed |",
-                "|---|---|---|---|---|---|---|---|",
-            ]
-            for c in res["checks"]:
-                kv = f"{c['kv_bits']}-bit" if c["kv_bits"] else "float32"
-                equal = c.get("equal_requests", f"error: {c.get('error', '')[:120]}")
-                lines.append(
-                    f"| {c['check']} | {c['policy']} | {kv} | {c['run']} | {c['against']} | {equal} | "
-                    f"{c.get('preemptions', '-')} | {c['passed']} |"
-                )
-            lines.append("")
+                "check | policy | KV | run | against | equal requests | preemptions | passed",
+                [
+                    [c["check"], c["policy"], _kv(c, "float32"), c["run"], c["against"]]
+                    + [c.get("equal_requests", f"error: {c.get('error', '')[:120]}"), c.get("preemptions", "-")]
+                    + [c["passed"]]
+                    for c in res["checks"]
+                ],
+            )
         if phase == "max_batch" and res.get("runs"):
             sized = "" if a["kv_limit_gib"] else f" = {a['full_batch']} full-cache sequences"
-            lines += [
+            lines += _table(
                 f"KV memory limit {res['kv_memory_limit_bytes'] / GIB:.2f} GiB "
                 f"({res['kv_memory_limit_bytes']} B{sized}); "
                 f"{res['prompt_tokens']} + {res['new_tokens']} tokens per request; weights "
                 f"{res['weight_bytes'] / GIB:.2f} GiB.",
-                "",
-                "| run | max batch | verified | finished | output tokens | wall (s) | output (tok/s) | decode (tok/s) "
-                "| peak KV (MiB) | peak allocated (MiB) | output / full | decode / full |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|",
-            ]
-            for r in res["runs"]:
-                if "error" in r:
-                    lines.append(
-                        f"| {r['label']} | {r['max_batch']} | False | False | error: {r['error'][:200]} "
-                        "| - | - | - | - | - | - | - |"
-                    )
-                    continue
-                lines.append(
-                    f"| {r['label']} | {r['max_batch']} | {r['verified']} | {r['finished']} | {r['output_tokens']} | "
-                    f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} | {_fmt(r['decode_tok_per_s'])} | "
-                    f"{_fmt(r['peak_kv_cache_bytes'], '.1f', MIB)} | {_fmt(r['peak_device_allocated_bytes'], '.1f', MIB)} | "
-                    f"{_fmt(r['output_ratio_to_full'], '.2f')}x | {_fmt(r['decode_ratio_to_full'], '.2f')}x |"
-                )
-            lines.append("")
+                "run | max batch | verified | finished | output tokens | wall (s) | output (tok/s) | decode (tok/s) "
+                "| peak KV (MiB) | peak allocated (MiB) | output / full | decode / full",
+                [_max_batch_row(r) for r in res["runs"]],
+            )
         if phase == "engine_vs_generate" and res.get("generate"):
-            lines += [
+            runs = (
+                ("transformers generate (sdpa, static batches)", res.get("generate")),
+                ("our engine (continuous batching)", res.get("engine")),
+            )
+            lines += _table(
                 f"Full cache, batch {res['batch']}, {res['requests']} requests: prompts "
                 f"{res['prompt_tokens_range'][0]}-{res['prompt_tokens_range'][1]} tokens, outputs "
                 f"{res['output_tokens_range'][0]}-{res['output_tokens_range'][1]} tokens.",
-                "",
-                "| run | finished | requests done | output tokens | wall (s) | output (tok/s) |",
-                "|---|---|---|---|---|---|",
-            ]
-            for label, key in (
-                ("transformers generate (sdpa, static batches)", "generate"),
-                ("our engine (continuous batching)", "engine"),
-            ):
-                r = res.get(key)
-                if r:
-                    lines.append(
-                        f"| {label} | {r['finished']} | {r['completed_requests']} | {r['output_tokens']} | "
-                        f"{r['wall_s']:.1f} | {_fmt(r['output_tok_per_s'])} |"
-                    )
+                "run | finished | requests done | output tokens | wall (s) | output (tok/s)",
+                [
+                    [label, r["finished"], r["completed_requests"], r["output_tokens"]]
+                    + [f"{r['wall_s']:.1f}", _fmt(r["output_tok_per_s"])]
+                    for label, r in runs
+                    if r
+                ],
+            )
             if res.get("ratio_engine_to_generate") is not None:
-                lines += [
+                lines[-1:] = [
                     "",
                     f"Our engine / generate: {res['ratio_engine_to_generate']:.2f}x output tok/s; identical "
                     f"outputs {res['identical_outputs']}/{res['requests']} (dummy weights: near-tie logits).",
+                    "",
                 ]
-            lines.append("")
         if phase == "ray" and res.get("points"):
-            lines += [
+            lines += _table(
                 f"Suite {res['suite']} (model {res['model']}) through the sweep:",
-                "",
-                "| policy | ratio | batch | decode (tok/s) | KV (MiB) | status |",
-                "|---|---|---|---|---|---|",
-            ]
-            for p in res["points"]:
-                lines.append(
-                    f"| {p['policy']} | {_fmt(p['compression_ratio'], 'g')} | {p['batch_size']} | "
-                    f"{_fmt(p['decode_tokens_per_s'])} | {_fmt(p['kv_cache_bytes'], '.1f', MIB)} | {p['status']} |"
-                )
-            lines.append("")
+                "policy | ratio | batch | decode (tok/s) | KV (MiB) | status",
+                [
+                    [p["policy"], _fmt(p["compression_ratio"], "g"), p["batch_size"], _fmt(p["decode_tokens_per_s"])]
+                    + [_fmt(p["kv_cache_bytes"], ".1f", MIB), p["status"]]
+                    for p in res["points"]
+                ],
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from bench import bench_decode, bench_prefill
-from bench.conditions import add_threads, comma_list, conditions_line, parser
+from bench.conditions import EMBEDDED_MODEL, add_threads, comma_list, conditions_line, parser
 from scissorhands.models import DTYPE_CHOICES, PackedLinear, load_model, resolve_dtype
 
 
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         + " (--dtypes: each measured)"
     )
     conditions = conditions_line(
-        model="embedded (SmolLM2-135M-Instruct)",
+        model=EMBEDDED_MODEL,
         dtype=dtype_text,
         extra=(
             f"decode: prompt {args.prompt_tokens} tokens, {args.new_tokens} steps, median of {args.rounds} "

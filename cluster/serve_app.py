@@ -289,12 +289,6 @@ def build_serve_app(
     caches: list[str],
     *,
     model_name: str | None = None,
-    max_length_tokens: int = DEFAULT_MAX_LENGTH_TOKENS,
-    kv_memory_limit_bytes: int | None = DEFAULT_KV_MEMORY_LIMIT_BYTES,
-    kv_layout: str = "paged",
-    budget: str = "per_request",
-    scheduler: str | None = None,
-    max_num_batched_tokens: int = EngineConfig.model_fields["max_num_batched_tokens"].default,
     dtype: str = "auto",
     device: str = "cpu",
     num_threads: int | None = 1,
@@ -306,11 +300,12 @@ def build_serve_app(
     deployment_options: dict | None = None,
     api_key: str | ApiKey | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    **engine_options,
 ):
     """The Serve application: one `EngineDeployment` per entry of `caches` behind one `OpenAIIngress`.
 
-    Every cache runs on the `kv_layout` (default paged) under `kv_memory_limit_bytes`, a ratio's budget per
-    request unless `budget` is ``"fixed"`` (`serve_engine_config`). The ingress learns the model's context
+    `engine_options` are `serve_engine_config`'s keywords, shared by every cache: by default each runs on the
+    paged layout under `kv_memory_limit_bytes`, a ratio's budget per request. The ingress learns the model's context
     (`replica.static_batch.model_context_tokens`: a chat without `max_tokens` runs to it),
     `api_key` only as its digest (`ApiKey`), and the body limit `max_body_bytes`.
 
@@ -326,15 +321,7 @@ def build_serve_app(
     resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments
     handles, metadata = {}, {}
     for spec in caches:
-        label, cfg, budget_tokens = serve_engine_config(
-            spec,
-            max_length_tokens=max_length_tokens,
-            kv_memory_limit_bytes=kv_memory_limit_bytes,
-            kv_layout=kv_layout,
-            budget=budget,
-            scheduler=scheduler,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
+        label, cfg, budget_tokens = serve_engine_config(spec, **engine_options)
         model_id = f"{name}:{label}"
         if model_id in handles:
             raise ValueError(f"--cache: {spec!r} repeats the model {model_id!r}")

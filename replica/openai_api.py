@@ -535,12 +535,11 @@ def build_app(
                 code="context_length_exceeded" if "context" in why else "kv_memory_limit",
             )
         if pending[model] >= max_pending_requests:
-            raise ApiError(
+            raise _retry_later(
                 429,
                 f"model {model!r} has {pending[model]} requests in flight (the bound); retry later",
-                type_="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+                "rate_limit_error",
+                "queue_full",
             )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
@@ -645,26 +644,24 @@ def replica_death(exc: BaseException | None) -> BaseException | None:
     return None
 
 
+def _retry_later(status: int, message: str, type_: str, code: str) -> ApiError:
+    """A transient error (a full queue, a dead replica, device memory), answered with `Retry-After`."""
+    return ApiError(status, message, type_=type_, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _backend_error(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
     names = {c.__name__ for c in type(e).__mro__}
     if "BackPressureError" in names:
-        return ApiError(
-            503,
-            f"the model's queue is full; retry later ({e})",
-            type_="server_overloaded",
-            code="queue_full",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+        return _retry_later(503, f"the model's queue is full; retry later ({e})", "server_overloaded", "queue_full")
     died = replica_death(e)
     if died is not None:
-        return ApiError(
+        return _retry_later(
             503,
             f"the model's replica is unavailable ({type(died).__name__}); retry later",
-            type_="server_error",
-            code=REPLICA_DIED,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
+            "server_error",
+            REPLICA_DIED,
         )
     if isinstance(e, StopAsyncIteration):
         return ApiError(500, "the backend ended the stream without a result", type_="server_error")
@@ -676,13 +673,7 @@ def _result_error(result: dict) -> ApiError:
     if kind == "rejected":
         return ApiError(400, f"max_tokens: {result.get('error')}", "max_tokens", code="kv_memory_limit")
     if kind == "oom":
-        return ApiError(
-            503,
-            f"the replica ran out of device memory: {result.get('error')}",
-            type_="server_error",
-            code="oom",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+        return _retry_later(503, f"the replica ran out of device memory: {result.get('error')}", "server_error", "oom")
     return ApiError(500, f"{kind}: {result.get('error')}", type_="server_error", code=kind)
 
 

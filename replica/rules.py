@@ -12,10 +12,11 @@ import math
 import re
 from typing import Annotated, Any, ClassVar, Iterable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
     "FrozenConfig",
+    "Section",
     "PositiveInt",
     "NonNegativeInt",
     "PositiveFloat",
@@ -154,3 +155,20 @@ class FrozenConfig(BaseModel):
         if not isinstance(data, Mapping):
             raise cls.error(f"{cls.prefix or cls.__name__}: expected a mapping, got {data!r} ({type(data).__name__})")
         return cls(**{str(k): v for k, v in data.items()})
+
+
+class Section(BaseModel):
+    """A suite section written as a mapping (``slo: {ttft_s: 2.0}``): frozen, unknown keys refused, and a value
+    that is not a mapping refused as ``<section>: expected <form>, got <value>``, where a subclass sets `section`
+    (its key in the suite; "" when the suite's field error already names it) and `form` (what it accepts)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    section: ClassVar[str] = ""
+    form: ClassVar[str] = "a mapping"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_mapping(cls, value: Any) -> Any:
+        if not isinstance(value, (dict, cls)):
+            raise ValueError(f"{cls.section + ': ' if cls.section else ''}expected {cls.form}, got {value!r}")
+        return value

@@ -53,7 +53,7 @@ from pydantic import (
 )
 
 from cluster.placement import PlacementConfig, parse_placement
-from replica.rules import NonNegativeInt, PositiveInt, one_line
+from replica.rules import NonNegativeInt, PositiveInt, Section, one_line
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy
@@ -111,7 +111,7 @@ class PolicySpec(BaseModel):
         return f"{self.name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
 
 
-class KVMemoryLimit(BaseModel):
+class KVMemoryLimit(Section):
     """One KV memory limit per replica (``kv_memory_limit`` of serving and frontier suites): exactly one of
 
     * ``full_sequences: N``: the bytes N full-cache sequences of the suite's lengths need, resolved on the replica
@@ -124,18 +124,10 @@ class KVMemoryLimit(BaseModel):
     Records carry the resolved bytes (``kv_memory_limit_bytes``) and ``kv_limit_full_sequences`` (None for bytes).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    section: ClassVar[str] = "kv_memory_limit"
+    form: ClassVar[str] = "{full_sequences: N} or {bytes: N} (N a whole number >= 1)"
     full_sequences: PositiveInt | None = None
     bytes: PositiveInt | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _a_mapping(cls, value: Any) -> Any:
-        if not isinstance(value, (dict, KVMemoryLimit)):
-            raise ValueError(
-                f"kv_memory_limit: expected {{full_sequences: N}} or {{bytes: N}} (N a whole number >= 1), got {value!r}"
-            )
-        return value
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "KVMemoryLimit":

@@ -78,8 +78,7 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         heldout_windows(tokenizer, P + N, int(point.perplexity_windows), seed, vocab_size=vocab),
         policy,
         ratio or 1.0,
-        None,
-        params,
+        policy_params=params,
         device=next(model.parameters()).device,
     )
     window_nll = ppl["window_nll_per_token"]

@@ -53,9 +53,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt
+from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from replica.types import EngineConfig
 from workloads.core.suite import (
     KVMemoryLimit,
@@ -117,22 +117,15 @@ _CAPACITY_IDENTITY = (
 )
 
 
-class QualityGate(BaseModel):
+class QualityGate(Section):
     """``quality_gate``: a point passes when its perplexity is at most the full cache's (same run, dtype and KV
     limit) times ``1 + max_perplexity_increase`` (`workloads.frontier.gate.gate_passed`); 0.01 = within 1%."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    section: ClassVar[str] = "quality_gate"
+    form: ClassVar[str] = (
+        "{max_perplexity_increase: X} (X a number > 0; 0.01 = perplexity within 1% of the full cache's)"
+    )
     max_perplexity_increase: PositiveFloat = DEFAULT_MAX_PERPLEXITY_INCREASE
-
-    @model_validator(mode="before")
-    @classmethod
-    def _a_mapping(cls, value: Any) -> Any:
-        if not isinstance(value, (dict, QualityGate)):
-            raise ValueError(
-                f"quality_gate: expected {{max_perplexity_increase: X}} (X a number > 0; 0.01 = perplexity within "
-                f"1% of the full cache's), got {value!r}"
-            )
-        return value
 
     @field_validator("max_perplexity_increase", mode="before")
     @classmethod

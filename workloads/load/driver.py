@@ -236,8 +236,8 @@ async def run_load(
     """Drive `client` with `config`; return every request's record and the point's metrics.
 
     `requests(i)` builds request `i` (warm-up included, in send order); a list is cycled, each
-    use getting a unique id. Build the list with `config.pattern.requests(...)`: a trace's request
-    `i` then has the lengths of row `i`. `slo` (seconds; default MLPerf's Llama-3.1-8B server limits)
+    use getting a unique id. Build it with `config.pattern.request_source(...)` (a trace's request
+    `i` then has the lengths of row `i`). `slo` (seconds; default MLPerf's Llama-3.1-8B server limits)
     judges each request for the metrics' SLO attainment and goodput. ValueError for an empty list.
     """
     if isinstance(requests, list):

@@ -99,22 +99,14 @@ class LengthDist(FrozenConfig):
 
 
 def build_requests(
-    n: int,
-    prompt_tokens: LengthDist,
-    output_tokens: LengthDist,
-    *,
-    seed: int,
-    tokenizer=None,
-    vocab_size: int | None = None,
-    prefix: str = "req",
+    n: int, prompt_tokens: LengthDist, output_tokens: LengthDist, *, seed: int, **prompts
 ) -> list[GenerationRequest]:
-    """`n` requests with lengths drawn (seeded) from the two distributions (see `requests_of_lengths`)."""
+    """`n` requests with lengths drawn (seeded) from the two distributions; `prompts`: `requests_of_lengths`'s
+    `tokenizer`, `vocab_size`, `prefix`."""
     rng = np.random.default_rng(seed)
     p_len = prompt_tokens.sample(n, rng)
     o_len = output_tokens.sample(n, rng)
-    return requests_of_lengths(
-        p_len, o_len, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix, rng=rng
-    )
+    return requests_of_lengths(p_len, o_len, seed=seed, rng=rng, **prompts)
 
 
 def requests_of_lengths(

@@ -35,7 +35,7 @@ from pydantic import field_validator, model_validator
 
 from replica.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, need_one_of
 from replica.types import GenerationRequest
-from workloads.load.lengths import LengthDist, RequestStream, build_requests, requests_of_lengths
+from workloads.load.lengths import LengthDist, RequestStream, requests_of_lengths
 from workloads.load.metrics import RequestRecord
 from workloads.load.traces import TraceRow, read_trace
 
@@ -181,25 +181,6 @@ class LoadPattern:
 
     def check(self) -> None:
         """Raise ValueError naming the field when the config cannot run (called by `LoadConfig`)."""
-
-    def requests(
-        self,
-        n: int | None = None,
-        prompt_tokens: LengthDist | None = None,
-        output_tokens: LengthDist | None = None,
-        *,
-        seed: int = 0,
-        tokenizer=None,
-        vocab_size: int | None = None,
-        prefix: str = "req",
-    ) -> list[GenerationRequest]:
-        """The requests to send (`run_load` cycles them): `n` with lengths drawn from the two
-        distributions (`build_requests`); a pattern that brings its own lengths overrides this."""
-        if n is None or prompt_tokens is None or output_tokens is None:
-            raise ValueError(f"prompt_tokens, output_tokens: mode {self.name!r} needs length distributions")
-        return build_requests(
-            n, prompt_tokens, output_tokens, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix
-        )
 
     def request_source(
         self,
@@ -516,42 +497,18 @@ class TraceLoad(OpenLoop):
         for row in self.rows:
             yield Arrival(row.arrival_s * self.cfg.trace_time_scale, row.prompt_tokens, row.output_tokens)
 
-    def requests(
-        self,
-        n: int | None = None,
-        prompt_tokens: LengthDist | None = None,
-        output_tokens: LengthDist | None = None,
-        *,
-        seed: int = 0,
-        tokenizer=None,
-        vocab_size: int | None = None,
-        prefix: str = "trace",
-    ) -> list[GenerationRequest]:
-        """One request per row, with the row's lengths (prompts as in `requests_of_lengths`); `n` and
-        the distributions are not used (the trace gives the lengths)."""
+    def requests(self, **prompts) -> list[GenerationRequest]:
+        """One request per row, with the row's lengths; `prompts`: `requests_of_lengths`'s keywords
+        (`seed`, `tokenizer`, `vocab_size`, `prefix`; prefix "trace" unless given)."""
         rows = self.rows
-        return requests_of_lengths(
-            [r.prompt_tokens for r in rows],
-            [r.output_tokens for r in rows],
-            seed=seed,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size,
-            prefix=prefix,
-        )
+        prompts.setdefault("seed", 0)
+        prompts.setdefault("prefix", "trace")
+        return requests_of_lengths([r.prompt_tokens for r in rows], [r.output_tokens for r in rows], **prompts)
 
-    def request_source(
-        self,
-        prompt_tokens: LengthDist | None = None,
-        output_tokens: LengthDist | None = None,
-        *,
-        seed: int,
-        tokenizer=None,
-        vocab_size: int | None = None,
-        prefix: str = "trace",
-    ) -> Callable[[int], GenerationRequest]:
-        """Request `i` is row `i` (`requests`); the trace ends with its last row, so none is sent twice."""
-        reqs = self.requests(seed=seed, tokenizer=tokenizer, vocab_size=vocab_size, prefix=prefix)
-        return reqs.__getitem__
+    def request_source(self, prompt_tokens=None, output_tokens=None, **prompts) -> Callable[[int], GenerationRequest]:
+        """Request `i` is row `i` (`requests`); the trace ends with its last row, so none is sent twice. The
+        length distributions are not used (the trace gives the lengths)."""
+        return self.requests(**prompts).__getitem__
 
     @classmethod
     def suite_defaults(cls, data: dict, **options) -> dict:

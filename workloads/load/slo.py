@@ -21,9 +21,11 @@ Attainment and goodput over a point's requests are `workloads.load.metrics.summa
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, model_validator
+from pydantic import BeforeValidator
+
+from replica.rules import Section
 
 if TYPE_CHECKING:
     from workloads.load.metrics import RequestRecord
@@ -43,7 +45,7 @@ def _positive_seconds(value: Any) -> float:
 Seconds = Annotated[float, BeforeValidator(_positive_seconds)]
 
 
-class SLO(BaseModel):
+class SLO(Section):
     """Per-request latency limits in seconds: `ttft_s` (send -> first token), `tpot_s` (time per output token after
     the first), and optionally `e2e_latency_s` (send -> last token; None: not checked).
 
@@ -52,20 +54,12 @@ class SLO(BaseModel):
     that is not a mapping.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    form: ClassVar[str] = (
+        "a mapping {ttft_s: S, tpot_s: S, e2e_latency_s: S} of positive seconds (e2e_latency_s optional)"
+    )
     ttft_s: Seconds = MLPERF_LLAMA31_8B_TTFT_S
     tpot_s: Seconds = MLPERF_LLAMA31_8B_TPOT_S
     e2e_latency_s: Seconds | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _a_mapping(cls, value: Any) -> Any:
-        if not isinstance(value, (dict, SLO)):
-            raise ValueError(
-                "expected a mapping {ttft_s: S, tpot_s: S, e2e_latency_s: S} of positive seconds "
-                f"(e2e_latency_s optional), got {value!r}"
-            )
-        return value
 
     def met_by(self, record: RequestRecord) -> bool:
         """Whether `record` meets every limit (the module docstring's rule: failed or unsent -> False; one token ->

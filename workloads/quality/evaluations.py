@@ -88,7 +88,13 @@ def _perplexity_run(model, tokenizer, point: QualityPoint, device) -> dict:
     s = point.settings
     windows = heldout_windows(tokenizer, int(s["tokens"]), int(s["windows"]), int(point.seed), vocab_size=_vocab(model))
     return perplexity(
-        model, windows, point.policy, point.compression_ratio, point.kv_bits, point.policy_params, device=device
+        model,
+        windows,
+        point.policy,
+        point.compression_ratio,
+        kv_bits=point.kv_bits,
+        policy_params=point.policy_params,
+        device=device,
     )
 
 

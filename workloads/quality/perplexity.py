@@ -87,16 +87,9 @@ def window_nll(
     }
 
 
-def perplexity(
-    model,
-    windows: list[list[int]],
-    policy: str,
-    compression_ratio: float = 1.0,
-    kv_bits: int | None = None,
-    policy_params: dict | None = None,
-    device: str | torch.device = "cpu",
-) -> dict:
-    """Perplexity over several windows (each scored with its own fresh cache).
+def perplexity(model, windows: list[list[int]], policy: str, compression_ratio: float = 1.0, **options) -> dict:
+    """Perplexity over several windows, each scored with its own fresh cache (`window_nll`; `options`: its
+    `kv_bits`, `policy_params`, `device`).
 
     Returns:
         ``{"perplexity", "nll_per_token" (nats), "tokens_scored", "windows", "tokens_per_window",
@@ -110,7 +103,7 @@ def perplexity(
     if not windows:
         raise ValueError("windows: need at least one window of token ids")
     t0 = time.perf_counter()
-    parts = [window_nll(model, w, policy, compression_ratio, kv_bits, policy_params, device) for w in windows]
+    parts = [window_nll(model, w, policy, compression_ratio, **options) for w in windows]
     nll = sum(p["nll_sum"] for p in parts)
     n = sum(p["tokens_scored"] for p in parts)
     peaks = [p["peak_kv_cache_bytes"] for p in parts if p["peak_kv_cache_bytes"] is not None]

@@ -57,6 +57,13 @@ def _capacity_label(label: str, row: dict) -> str:
     return f"{label}: {status.replace('_', ' ')}, {bracket}"
 
 
+def _finish(fig, ax, path: Path, grid_which: str = "major") -> Path:
+    """Grid and legend on `ax`; save the figure to `path`."""
+    ax.grid(alpha=0.3, which=grid_which)
+    ax.legend(fontsize=8)
+    return save_figure(fig, path, dpi=110)
+
+
 def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
     """`attainment_vs_rate.png`: attainment vs rate per series (log rate axis), the target, each capacity marked
     (a star and a dotted line at it); None when no series has a probe."""
@@ -93,9 +100,7 @@ def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
     ax.set_ylabel("SLO attainment (share of requests)")
     ax.set_ylim(-0.03, 1.05)
     ax.set_title("SLO attainment vs request rate; capacity marked (star)")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    return save_figure(fig, out_dir / "attainment_vs_rate.png", dpi=110)
+    return _finish(fig, ax, out_dir / "attainment_vs_rate.png", grid_which="both")
 
 
 def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None = None) -> list[Path]:
@@ -123,9 +128,7 @@ def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None 
         ax.set_xlabel("batch size (sequences)")
         ax.set_ylabel("output throughput (tokens/s)")
         ax.set_title("Throughput vs batch size under one KV memory limit")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        written.append(save_figure(fig, out_dir / "throughput_vs_batch.png", dpi=110))
+        written.append(_finish(fig, ax, out_dir / "throughput_vs_batch.png"))
     rate = [r for r in records if r.get("mode") in ("rate", "capacity")]  # a capacity probe is a rate point
     if _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s"):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -144,9 +147,7 @@ def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None 
         ax.set_xlabel("achieved request rate (requests/s)")
         ax.set_ylabel("end-to-end latency (s)")
         ax.set_title("Latency vs request rate")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, out_dir / "latency_vs_rate.png", dpi=110))
+        written.append(_finish(fig, ax, out_dir / "latency_vs_rate.png"))
     pareto = []
     for r in records:
         tpot, thr = r.get("tpot_mean_s"), r.get("output_throughput_tok_per_s")
@@ -161,9 +162,7 @@ def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None 
         ax.set_xlabel("tokens/s per user (1 / mean TPOT)")
         ax.set_ylabel("output tokens/s per replica")
         ax.set_title("Pareto: per-user speed vs replica throughput")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        written.append(save_figure(fig, out_dir / "pareto_tokens_per_user.png", dpi=110))
+        written.append(_finish(fig, ax, out_dir / "pareto_tokens_per_user.png"))
     if capacity:
         path = plot_capacity(records, capacity, out_dir)
         if path is not None:
