@@ -7,7 +7,7 @@ them from here, so a request is typed the same at both ends.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from pydantic import Field, field_validator, model_validator
@@ -308,6 +308,3 @@ class GenerationResult:
     @property
     def output_tokens(self) -> int:
         return len(self.output_ids)
-
-    def as_dict(self) -> dict:
-        return asdict(self)

@@ -35,7 +35,7 @@ output_throughput_tok_per_s`): it counts the same requests and tokens, those of 
 from __future__ import annotations
 
 import collections
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -208,9 +208,6 @@ class PointMetrics:
     replica_ttft_s: LatencyStats | None = field(
         default=None, metadata=PER_REQUEST
     )  # replica's clock; summarize fills it
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
     def flat(self) -> dict:
         """One level of keys (`ttft_p99_s`, `ttft_n`, `ttft_p99_low_confidence`, ...) for results files: per

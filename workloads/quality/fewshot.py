@@ -260,14 +260,14 @@ def evaluate_task(
     task: str,
     policy: str,
     compression_ratio: float = 1.0,
-    kv_bits: int | None = None,
-    policy_params: dict | None = None,
+    *,
     docs: int | None = 20,
     seed: int = 0,
-    device: str | torch.device = "cpu",
     doc_list: list[Doc] | None = None,
+    **cache,
 ) -> dict:
-    """Accuracy of one policy / ratio on ``docs`` documents of ``task`` (the same documents for every point).
+    """Accuracy of one policy / ratio on ``docs`` documents of ``task`` (the same documents for every point), each
+    scored by `score_doc` (`cache`: its `kv_bits`, `policy_params`, `budget_tokens`, `device`).
 
     A document that cannot be scored (:class:`UnscorableDoc`, e.g. empty after tokenization) is
     skipped and counted in ``docs_skipped``; accuracies are over ``docs_scored``.
@@ -290,7 +290,7 @@ def evaluate_task(
     primary = spec.primary_metric if spec else "acc_raw"
     for doc in chosen:
         try:
-            s = score_doc(model, tokenizer, doc, policy, compression_ratio, kv_bits, policy_params, device=device)
+            s = score_doc(model, tokenizer, doc, policy, compression_ratio, **cache)
         except UnscorableDoc:
             skipped += 1
             continue
