@@ -40,11 +40,11 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, ClassVar, Mapping
+from typing import Annotated, Any, ClassVar, Mapping
 
 from pydantic import Field, field_validator
 
-from replica.rules import FrozenConfig, check_fraction, check_number
+from replica.rules import FrozenConfig, check_fraction, check_number, checked
 from replica.static_batch import BatchSpec, ModelReplica, load_replica_model
 from scissorhands.checks import check_int
 from scissorhands.models import resolve_dtype
@@ -101,6 +101,10 @@ class PlacementError(ValueError):
     """Replicas cannot be placed as asked; the message names the field or the missing resource."""
 
 
+_AmountOrNone = Annotated[int | float | None, checked(check_number, 0, optional=True)]
+_Retries = Annotated[int, checked(check_int, 0)]
+
+
 class PlacementConfig(FrozenConfig):
     """Resources and placement of each replica (the suite's ``placement:`` mapping).
 
@@ -113,14 +117,16 @@ class PlacementConfig(FrozenConfig):
     prefix: ClassVar[str] = "placement"
 
     strategy: str = "SPREAD"
-    num_cpus: int | float | None = None  # an int stays an int (as written in the suite)
-    num_gpus: int | float | None = None
+    num_cpus: _AmountOrNone = None  # an int stays an int (as written in the suite)
+    num_gpus: _AmountOrNone = None
     resources: dict[str, float] = Field(default_factory=dict)
-    gpu_memory_fraction: float = 0.9
-    max_memory_per_gpu_bytes: int | None = None
-    max_restarts: int = 2
-    max_task_retries: int = 1
-    ready_timeout_s: float = Field(default_factory=lambda: default_ready_timeout_s())
+    gpu_memory_fraction: Annotated[float, checked(check_fraction)] = 0.9
+    max_memory_per_gpu_bytes: Annotated[int | None, checked(check_int, 1, optional=True)] = None
+    max_restarts: _Retries = 2
+    max_task_retries: _Retries = 1
+    ready_timeout_s: Annotated[float, checked(check_number, 0)] = Field(
+        default_factory=lambda: default_ready_timeout_s()
+    )
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -128,12 +134,6 @@ class PlacementConfig(FrozenConfig):
         if not isinstance(value, str) or value.upper() not in PLACEMENT_STRATEGIES:
             raise ValueError(f"strategy: unknown strategy {value!r} (accepted: {', '.join(PLACEMENT_STRATEGIES)})")
         return value.upper()
-
-    @field_validator("num_cpus", "num_gpus", mode="before")
-    @classmethod
-    def _amount_or_none(cls, value: Any, info) -> float | None:
-        check_number(info.field_name, value, 0, optional=True)
-        return value
 
     @field_validator("num_gpus")
     @classmethod
@@ -156,30 +156,6 @@ class PlacementConfig(FrozenConfig):
                 )
             check_number(f"resources.{name}", amount, 0)
         return {k: float(v) for k, v in value.items()}
-
-    @field_validator("gpu_memory_fraction", mode="before")
-    @classmethod
-    def _fraction(cls, value: Any) -> float:
-        check_fraction("gpu_memory_fraction", value)
-        return value
-
-    @field_validator("max_memory_per_gpu_bytes", mode="before")
-    @classmethod
-    def _bytes(cls, value: Any) -> int | None:
-        check_int("max_memory_per_gpu_bytes", value, 1, optional=True)
-        return value
-
-    @field_validator("max_restarts", "max_task_retries", mode="before")
-    @classmethod
-    def _count(cls, value: Any, info) -> int:
-        check_int(info.field_name, value, 0)
-        return value
-
-    @field_validator("ready_timeout_s", mode="before")
-    @classmethod
-    def _seconds(cls, value: Any) -> float:
-        check_number("ready_timeout_s", value, 0)
-        return value
 
 
 def parse_placement(data: Any) -> PlacementConfig:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, ClassVar, Iterable, Mapping
+from typing import Annotated, Any, Callable, ClassVar, Iterable, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
     "FrozenConfig",
@@ -21,6 +21,7 @@ __all__ = [
     "NonNegativeInt",
     "PositiveFloat",
     "NonNegativeFloat",
+    "checked",
     "check_number",
     "check_fraction",
     "need_one_of",
@@ -50,6 +51,18 @@ def check_fraction(name: str, value: Any, *, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"{name}: expected a number in (0, 1]{' or null' if optional else ''}, got {value!r}")
+
+
+def checked(check: Callable[..., None], *args: Any, **kwargs: Any) -> BeforeValidator:
+    """A field's check written in its type (``x: Annotated[int, checked(check_int, 1)]``): ``check(<the field's
+    name>, value, *args, **kwargs)`` runs before pydantic's own validation, so every config reads the same
+    (``max_restarts: expected an integer >= 0, got -1``)."""
+
+    def validate(value: Any, info) -> Any:
+        check(info.field_name, value, *args, **kwargs)
+        return value
+
+    return BeforeValidator(validate)
 
 
 def need_one_of(obj: Any, *fields: str, what: str = "give at least one bound") -> None:

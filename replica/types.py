@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Annotated, Any, ClassVar, Mapping
 
 from pydantic import Field, field_validator, model_validator
 
-from replica.rules import FrozenConfig, at_most_one, check_fraction, check_number, need_one_of
+from replica.rules import FrozenConfig, at_most_one, check_fraction, check_number, checked, need_one_of
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.checks import check_int
 
@@ -28,7 +28,8 @@ __all__ = [
 KV_LAYOUTS = ("preallocated", "paged")
 BUDGETS = ("fixed", "per_request")
 SCHEDULERS = ("prefill_first", "mixed")
-_COUNTS = ("budget_tokens", "max_length_tokens", "kv_memory_limit_bytes", "kv_limit_full_sequences", "max_batch")
+_Count = Annotated[int, checked(check_int, 1)]
+_CountOrNone = Annotated[int | None, checked(check_int, 1, optional=True)]
 #: The ways to give the engine its KV memory limit (at most one; none: no limit).
 KV_LIMIT_FIELDS = ("kv_memory_limit_bytes", "kv_memory_fraction", "kv_limit_full_sequences")
 
@@ -90,19 +91,19 @@ class EngineConfig(FrozenConfig):
 
     policy: str = "full"
     policy_params: dict[str, Any] = Field(default_factory=dict)
-    budget_tokens: int | None = None
-    compression_ratio: float | None = None
-    max_length_tokens: int | None = None
-    kv_memory_limit_bytes: int | None = None
-    kv_memory_fraction: float | None = None
-    kv_limit_full_sequences: int | None = None
-    max_batch: int | None = None
-    max_prefill_tokens: int = 4096
+    budget_tokens: _CountOrNone = None
+    compression_ratio: Annotated[float | None, checked(check_number, 1, optional=True)] = None
+    max_length_tokens: _CountOrNone = None
+    kv_memory_limit_bytes: _CountOrNone = None
+    kv_memory_fraction: Annotated[float | None, checked(check_fraction, optional=True)] = None
+    kv_limit_full_sequences: _CountOrNone = None
+    max_batch: _CountOrNone = None
+    max_prefill_tokens: _Count = 4096
     kv_layout: str = "preallocated"
     budget: str = "fixed"
-    block_tokens: int = 16
+    block_tokens: _Count = 16
     scheduler: str = "prefill_first"
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: _Count = 512
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -118,36 +119,12 @@ class EngineConfig(FrozenConfig):
             raise ValueError(f"policy_params: expected a mapping, got {value!r}")
         return dict(value)
 
-    @field_validator(*_COUNTS, mode="before")
-    @classmethod
-    def _count_or_none(cls, value: Any, info) -> int | None:
-        check_int(info.field_name, value, 1, optional=True)
-        return value
-
     @field_validator("kv_layout", "budget", "scheduler", mode="before")
     @classmethod
     def _one_of(cls, value: Any, info) -> str:
         accepted = {"kv_layout": KV_LAYOUTS, "budget": BUDGETS, "scheduler": SCHEDULERS}[info.field_name]
         if value not in accepted:
             raise ValueError(f"{info.field_name}: expected one of {', '.join(accepted)}, got {value!r}")
-        return value
-
-    @field_validator("max_prefill_tokens", "block_tokens", "max_num_batched_tokens", mode="before")
-    @classmethod
-    def _count(cls, value: Any, info) -> int:
-        check_int(info.field_name, value, 1)
-        return value
-
-    @field_validator("compression_ratio", mode="before")
-    @classmethod
-    def _ratio(cls, value: Any) -> float | None:
-        check_number("compression_ratio", value, 1, optional=True)
-        return value
-
-    @field_validator("kv_memory_fraction", mode="before")
-    @classmethod
-    def _fraction(cls, value: Any) -> float | None:
-        check_fraction("kv_memory_fraction", value, optional=True)
         return value
 
     @model_validator(mode="after")
