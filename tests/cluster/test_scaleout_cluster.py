@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.suite_helpers import tiny_suite
 from tests.waiting import free_port, wait_for
 
 pytestmark = pytest.mark.ray
@@ -112,18 +113,16 @@ def two_nodes(tmp_path_factory):
 
 
 def _suite(path: Path, **over) -> Path:
-    data = {
-        "kind": "batch",
-        "name": "scaleout",
-        "model": "tiny-llama",
-        "policies": ["full", "scissorhands"],
-        "compression_ratios": [2],
-        "batch_sizes": [1, 2],
-        "prompt_tokens": [8],
-        "new_tokens": [3],
-        "replicas": 2,
-        "placement": {"strategy": "STRICT_SPREAD", "num_cpus": 1},
-    }
+    data = tiny_suite(
+        "batch",
+        name="scaleout",
+        compression_ratios=[2],
+        batch_sizes=[1, 2],
+        prompt_tokens=[8],
+        new_tokens=[3],
+        replicas=2,
+        placement={"strategy": "STRICT_SPREAD", "num_cpus": 1},
+    )
     data.update(over)
     import yaml
 

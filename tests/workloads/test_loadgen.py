@@ -15,6 +15,7 @@ import pytest
 from replica.continuous import StreamChunk
 from replica.types import GenerationRequest, GenerationResult
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
+from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep
 from workloads.load.driver import run_load
 from workloads.load.lengths import LengthDist, build_requests
@@ -399,20 +400,15 @@ def test_server_side_counts_cover_the_same_requests_as_the_client(tmp_path):
     suite = tmp_path / "l20.yaml"
     suite.write_text(
         yaml.safe_dump(
-            dict(
-                kind="serving",
+            serving_suite(
                 name="l20",
                 mode="rate",
-                model="tiny-llama",
                 policies=["full"],
                 loads=[20],
                 prompt_tokens=8,
                 new_tokens=3,
                 num_requests=4,
-                warmup_requests=0,
                 warmup_s=0.3,
-                seed=0,
-                replicas=1,
             )
         )
     )
@@ -557,12 +553,10 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
         "TIMESTAMP,ContextTokens,GeneratedTokens\n"
         + "".join(f"2023-11-16 18:15:4{i}.5000000,{6 + i},{2 + i % 3}\n" for i in range(6))
     )
-    body = dict(
-        kind="serving",
+    body = tiny_suite(
+        "serving",
         name="replay",
         mode="trace",
-        model="tiny-llama",
-        policies=["full", "scissorhands"],
         compression_ratios=[2],
         trace_path=str(trace),
         trace_time_scale=0.05,

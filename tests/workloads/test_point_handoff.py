@@ -9,6 +9,7 @@ import pytest
 
 from replica.static_batch import BatchSpec, ModelReplica
 from scissorhands.testing import tiny_llama
+from tests.suite_helpers import tiny_suite
 from workloads.core import dispatch as dispatch_mod
 from workloads.core.template import Session
 from workloads.frontier.point import run_frontier_point
@@ -50,11 +51,9 @@ def _session(suite) -> Session:
 
 def test_sweep_sends_each_point_as_a_batch_spec(monkeypatch):
     suite = parse_suite(
-        dict(
-            kind="batch",
+        tiny_suite(
+            "batch",
             name="t",
-            model="tiny-llama",
-            policies=["full", "scissorhands"],
             compression_ratios=[2],
             budget_tokens=[30],
             batch_sizes=[3],

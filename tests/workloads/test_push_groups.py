@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards.serve import find_binary
+from tests.suite_helpers import tiny_suite
 from tests.waiting import free_port, wait_for
 from workloads.core import results
 from workloads.core.push import PointPublisher, SweepPusher
@@ -121,15 +122,9 @@ def test_after_resume_of_a_quality_run_the_earlier_points_keep_their_series(push
 
     from workloads.quality import runner
 
-    suite = {
-        "name": "q",
-        "kind": "quality",
-        "model": "tiny-llama",
-        "policies": ["full", "scissorhands"],
-        "compression_ratios": [1, 3],
-        "perplexity": {"tokens": 32, "windows": 1},
-        "replicas": 1,
-    }
+    suite = tiny_suite(
+        "quality", name="q", compression_ratios=[1, 3], perplexity={"tokens": 32, "windows": 1}, replicas=1
+    )
     path = tmp_path / "q.yaml"
     path.write_text(yaml.safe_dump(dict(suite, policies=["full"])))  # the first run: one point
     args = ["--local", "--pushgateway", pushgateway, "--results-dir", str(tmp_path / "r")]

@@ -11,6 +11,7 @@ import torch
 from scissorhands import make_cache
 from scissorhands.models import load_tokenizer
 from scissorhands.testing import tiny_llama
+from tests.suite_helpers import tiny_suite
 from workloads.core.suite import SuiteError
 from workloads.kinds import parse_suite
 from workloads.quality import passkey as pk
@@ -149,15 +150,13 @@ def test_passkey_needs_a_tokenizer():
         pk.evaluate_passkey(tiny_llama(seed=0), None, "full", 100, [0.5])
 
 
-SUITE = {
-    "name": "pk",
-    "kind": "quality",
-    "model": "tiny-llama",
-    "policies": ["full", "scissorhands"],
-    "compression_ratios": [2, 4],
-    "quantized": [{"compression_ratio": 4, "kv_bits": 4}],
-    "passkey": {"lengths": [128, 256], "depths": [0, 0.5, 1], "trials": 3, "compression_ratios": [4]},
-}
+SUITE = tiny_suite(
+    "quality",
+    name="pk",
+    compression_ratios=[2, 4],
+    quantized=[{"compression_ratio": 4, "kv_bits": 4}],
+    passkey={"lengths": [128, 256], "depths": [0, 0.5, 1], "trials": 3, "compression_ratios": [4]},
+)
 
 
 def test_suite_passkey_points():

@@ -9,24 +9,26 @@ from pathlib import Path
 import pytest
 
 from scissorhands import POLICIES
+from tests.ray_helpers import local_ray
+from tests.suite_helpers import tiny_suite
 from workloads.core import results as res
 from workloads.core.suite import SuiteError
 from workloads.kinds import load_suite, parse_suite
 from workloads.quality import runner
 
 SUITES = Path(__file__).resolve().parents[2] / "workloads" / "suites"
+#: A Ray `runtime_env` whose workers import this checkout.
+THIS_CHECKOUT = {"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}}
 
-TINY = {
-    "name": "tiny",
-    "kind": "quality",
-    "model": "tiny-llama",
-    "policies": ["full", "scissorhands"],
-    "compression_ratios": [1, 3],
-    "perplexity": {"tokens": 48, "windows": 1},
-    "fewshot": {"tasks": ["copa"], "docs": 2},
-    "persistence": {"tokens": 32, "windows": 1},
-    "replicas": 2,
-}
+TINY = tiny_suite(
+    "quality",
+    name="tiny",
+    compression_ratios=[1, 3],
+    perplexity={"tokens": 48, "windows": 1},
+    fewshot={"tasks": ["copa"], "docs": 2},
+    persistence={"tokens": 32, "windows": 1},
+    replicas=2,
+)
 
 
 def test_shipped_quality_suites_are_valid():
@@ -143,18 +145,10 @@ def test_invalid_suite_exits_2_and_records_nothing(tmp_path, capsys):
 @pytest.mark.ray
 def test_points_run_on_ray_replicas_and_match_local(tmp_path):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray
 
     data = {**TINY, "fewshot": None, "persistence": None, "dtype": "float32"}  # each run resolves `auto` itself
     suite = _write(tmp_path, data)
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}},
-    )
-    try:
+    with local_ray(runtime_env=THIS_CHECKOUT):
         assert (
             runner.main(
                 [
@@ -171,8 +165,6 @@ def test_points_run_on_ray_replicas_and_match_local(tmp_path):
             )
             == 0
         )
-    finally:
-        ray.shutdown()
     assert (
         runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "loc"), "--run-id", "l"])
         == 0
@@ -192,7 +184,6 @@ def test_a_replica_that_dies_fails_its_point_and_is_replaced(tmp_path, monkeypat
     running the first point dies (its process exits; no retry: max_task_retries 0), that point is recorded
     as `replica died`, Serve's new replica runs the other two points; exit 1 (a point failed).
     Before the shared loop the dead replica was never replaced and the run stopped with 2 points not run."""
-    import ray
 
     from workloads.quality import points as quality_points
 
@@ -214,17 +205,8 @@ def test_a_replica_that_dies_fails_its_point_and_is_replaced(tmp_path, monkeypat
             "placement": {"max_restarts": 0, "max_task_retries": 0, "ready_timeout_s": 120},
         },
     )
-    ray.init(
-        address="local",
-        include_dashboard=False,
-        num_cpus=2,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}},
-    )
-    try:
+    with local_ray(runtime_env=THIS_CHECKOUT):
         rc = runner.main([suite, "--pushgateway", "off", "--results-dir", str(tmp_path), "--run-id", "dies"])
-    finally:
-        ray.shutdown()
     recs = sorted(res.read_records(str(tmp_path / "dies" / "points.jsonl")), key=lambda r: r["point_index"])
     assert rc == 1
     assert [(r["policy"], r["status"]) for r in recs] == [

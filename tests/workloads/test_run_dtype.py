@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tests.dtype_fakes import COUNTER_ENV, install_alternating_probe, probe_calls
+from tests.suite_helpers import TINY_BATCH, serving_suite, uniform
 
 
 @pytest.fixture
@@ -118,19 +119,7 @@ def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe):
     suite = tmp_path / "tiny.yaml"
     suite.write_text(
         yaml.safe_dump(
-            dict(
-                kind="batch",
-                name="tiny",
-                model="tiny-llama",
-                policies=["full", "scissorhands"],
-                compression_ratios=[5],
-                batch_sizes=[1],
-                prompt_tokens=[16],
-                new_tokens=[4],
-                seed=0,
-                replicas=2,
-                dtype="auto",
-            )
+            dict(TINY_BATCH, compression_ratios=[5], batch_sizes=[1], prompt_tokens=[16], new_tokens=[4], dtype="auto")
         )
     )
     rc = sweep.main([str(suite), "--results-dir", str(tmp_path / "results"), "--run-id", "run1"])
@@ -168,18 +157,14 @@ def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, 
     suite = tmp_path / "s.yaml"
     suite.write_text(
         yaml.safe_dump(
-            dict(
-                kind="serving",
+            serving_suite(
                 name="s",
-                model="tiny-llama",
                 policies=["full"],
                 mode="concurrency",
                 loads=[1],
-                prompt_tokens={"dist": "uniform", "min": 8, "max": 12},
-                new_tokens={"dist": "uniform", "min": 2, "max": 3},
+                prompt_tokens=uniform(8, 12),
+                new_tokens=uniform(2, 3),
                 num_requests=2,
-                warmup_requests=0,
-                seed=0,
                 replicas=2,
                 dtype="auto",
             )

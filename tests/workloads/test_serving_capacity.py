@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
+from tests.suite_helpers import serving_suite, uniform
 from workloads import sweep
 from workloads.core.suite import SuiteError
 from workloads.core.template import run_suite
@@ -81,22 +82,16 @@ def test_the_grid_is_geometric_within_the_resolution_with_exact_ends():
 
 
 # ----------------------------------------------------------------------------------------- suites
-BASE = dict(
-    kind="serving",
+BASE = serving_suite(
     name="cap",
     mode="capacity",
-    model="tiny-llama",
     dtype="float32",
-    policies=["full", "scissorhands"],
     compression_ratios=[4],
-    prompt_tokens={"dist": "uniform", "min": 8, "max": 24},
-    new_tokens={"dist": "uniform", "min": 2, "max": 4},
+    prompt_tokens=uniform(8, 24),
+    new_tokens=uniform(2, 4),
     capacity={"min_rate_req_per_s": 10, "max_rate_req_per_s": 160, "resolution": 1.0},  # 10, 20, 40, 80, 160
     slo={"ttft_s": 0.1, "tpot_s": 1.0},
     num_requests=3,
-    warmup_requests=0,
-    seed=0,
-    replicas=1,
 )
 
 

@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
+from tests.suite_helpers import serving_suite, uniform
 from workloads import sweep
 from workloads.core.suite import SuiteError
 from workloads.core.template import run_suite
@@ -26,17 +27,8 @@ from workloads.serving.pools import LocalReplicaPool
 from workloads.serving.runner import KIND as SERVING
 from workloads.serving.runner import ServingKind
 
-BASE = dict(
-    kind="serving",
-    model="tiny-llama",
-    policies=["full", "scissorhands"],
-    compression_ratios=[2],
-    prompt_tokens={"dist": "uniform", "min": 8, "max": 24},
-    new_tokens={"dist": "uniform", "min": 2, "max": 8},
-    num_requests=6,
-    warmup_requests=1,
-    seed=0,
-    replicas=1,
+BASE = serving_suite(
+    compression_ratios=[2], prompt_tokens=uniform(8, 24), new_tokens=uniform(2, 8), num_requests=6, warmup_requests=1
 )
 
 

@@ -11,22 +11,19 @@ from pathlib import Path
 import yaml
 
 from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
+from tests.suite_helpers import serving_suite, uniform
 from workloads.batch.suite import BatchSuite
 from workloads.core.template import run_suite
 from workloads.load.lengths import LengthDist, RequestStream
 from workloads.serving.runner import ServingKind
 from workloads.serving.suite import ServingSuite
 
-BASE = dict(
-    kind="serving",
-    model="tiny-llama",
-    policies=["full", "scissorhands"],
+BASE = serving_suite(
     compression_ratios=[2],
-    prompt_tokens={"dist": "uniform", "min": 8, "max": 64},
-    new_tokens={"dist": "uniform", "min": 2, "max": 8},
+    prompt_tokens=uniform(8, 64),
+    new_tokens=uniform(2, 8),
     warmup_requests=1,
     seed=3,
-    replicas=1,
     saturation={"max_error_rate": None, "min_achieved_rate_fraction": None},
 )
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
+from tests.suite_helpers import tiny_suite
 from workloads import sweep
 from workloads.core.suite import SuiteError
 from workloads.kinds import parse_suite
@@ -127,15 +128,8 @@ def test_run_load_judges_its_requests_by_the_slo_it_is_given():
 
 
 # --------------------------------------------------------------------------- the suite's slo:
-SUITE = dict(
-    kind="serving",
-    mode="concurrency",
-    model="tiny-llama",
-    policies=["full"],
-    loads=[1],
-    prompt_tokens=8,
-    new_tokens=4,
-    num_requests=2,
+SUITE = tiny_suite(
+    "serving", mode="concurrency", policies=["full"], loads=[1], prompt_tokens=8, new_tokens=4, num_requests=2
 )
 
 

@@ -7,23 +7,13 @@ import pytest
 import yaml
 
 import scissorhands
+from tests.suite_helpers import TINY_BATCH
 from workloads import sweep
 from workloads.batch.report import COLUMNS, table_rows, warn_contention
 from workloads.core.suite import SuiteError, tag_of
 from workloads.kinds import KINDS, load_suite, parse_suite
 
-GOOD = dict(
-    kind="batch",
-    name="t",
-    model="tiny-llama",
-    policies=["full", "scissorhands"],
-    compression_ratios=[2, 5],
-    batch_sizes=[1, 4],
-    prompt_tokens=[64],
-    new_tokens=[16],
-    seed=0,
-    replicas=2,
-)
+GOOD = dict(TINY_BATCH, name="t")
 
 
 def test_smoke_suite_is_valid_and_expands():

@@ -17,64 +17,22 @@ import pytest
 import yaml
 
 from scissorhands.models import cpu_model_name
+from tests.suite_helpers import TINY_BATCH
 from workloads import sweep
+from workloads.batch.report import CSV_FIELDS
+from workloads.core.results import RecordHeader
 from workloads.core.suite import tag_of
 
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = dict(
-    kind="batch",
-    name="tiny",
-    model="tiny-llama",
-    policies=["full", "scissorhands"],
-    compression_ratios=[2, 5],
-    batch_sizes=[1, 4],
-    prompt_tokens=[64],
-    new_tokens=[16],
-    seed=0,
-    replicas=2,
+#: The fields of every batch record: the header every record starts with, every column of the report's
+#: CSV but the one the report derives (`kv_saved_vs_full_x`), and the per-step decode times.
+FIELDS = (
+    {f.name for f in dataclasses.fields(RecordHeader)} | set(CSV_FIELDS) - {"kv_saved_vs_full_x"} | {"decode_step_s"}
 )
-FIELDS = {
-    "schema_version",
-    "run_id",
-    "point_id",
-    "point_index",
-    "status",
-    "error",
-    "git_commit",
-    "model",
-    "model_id",
-    "policy",
-    "policy_params",
-    "compression_ratio",
-    "budget_tokens",
-    "budget_tokens_requested",
-    "batch_size",
-    "prompt_tokens",
-    "new_tokens",
-    "seed",
-    "replica_id",
-    "node_id",
-    "hostname",
-    "torch_threads",
-    "ray_nodes",
-    "prefill_s",
-    "ttft_s",
-    "decode_s",
-    "decode_step_s",
-    "tpot_s",
-    "e2e_latency_s",
-    "decode_tokens_per_s",
-    "output_throughput_tok_per_s",
-    "total_throughput_tok_per_s",
-    "input_tokens",
-    "output_tokens",
-    "kv_cache_bytes",
-    "peak_rss_bytes",
-    "started_at_unix_s",
-    "finished_at_unix_s",
-}
+#: `full` only, at batch 1: one point per prompt and new-token shape.
+FULL_AT_BATCH_1 = dict(policies=["full"], compression_ratios=[], batch_sizes=[1])
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +46,7 @@ def ray_address():
 
 
 def write_suite(path: Path, **overrides) -> str:
-    path.write_text(yaml.safe_dump({**TINY, **overrides}))
+    path.write_text(yaml.safe_dump({**TINY_BATCH, **overrides}))
     return str(path)
 
 
@@ -234,14 +192,7 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
         "points",
         lambda self: [BadPoint(0, "scissorhands", {}, 1.5, None, 1, 8, 2, 0, "bad-0", {}), real_points(self)[0]],
     )
-    suite = write_suite(
-        tmp_path / "s.yaml",
-        policies=["full"],
-        compression_ratios=[],
-        batch_sizes=[1],
-        prompt_tokens=[8],
-        new_tokens=[2],
-    )
+    suite = write_suite(tmp_path / "s.yaml", **FULL_AT_BATCH_1, prompt_tokens=[8], new_tokens=[2])
     rc = sweep.main([suite, "--results-dir", str(tmp_path / "results"), "--run-id", "f", "--replicas", "1"])
     assert rc == 1
     recs = sorted(lines(tmp_path / "results" / "f" / "points.jsonl"), key=lambda r: r["point_index"])
@@ -254,14 +205,7 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
 
 def test_kill_during_point_3_then_resume_starts_at_3(ray_address, tmp_path):
     """a 3-point sweep killed during point 3 leaves points 1-2 complete; resume runs only point 3."""
-    suite = write_suite(
-        tmp_path / "s.yaml",
-        policies=["full"],
-        compression_ratios=[],
-        batch_sizes=[1],
-        prompt_tokens=[16],
-        new_tokens=[2, 3, 200],
-    )
+    suite = write_suite(tmp_path / "s.yaml", **FULL_AT_BATCH_1, prompt_tokens=[16], new_tokens=[2, 3, 200])
     results = tmp_path / "results"
     points = results / "k" / "points.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
