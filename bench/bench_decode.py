@@ -226,7 +226,7 @@ def main(argv=None) -> int:
         )
     require_positive(ap, args, "prompt_tokens", "new_tokens", "rounds", "threads")
     if any(b < 1 for b in args.batches):
-        ap.error(f"--batches must be >= 1, got {args.batches}")
+        ap.error(f"--batches: expected integers >= 1, got {args.batches}")
     torch.set_num_threads(args.threads)
     print(conditions_line(model=EMBEDDED_MODEL, dtype=dtypes, extra=f"load average before {os.getloadavg()[0]:.1f}"))
     print(

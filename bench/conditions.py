@@ -88,11 +88,11 @@ def conditions_line(*, model: str, dtype: str | list[str], extra: str = "") -> s
 
 
 def require_positive(ap: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
-    """Exit 2 (``ap.error``) naming the first of ``names`` (``args`` attributes) below 1: ``--new-tokens: must
-    be >= 1, got 0``."""
+    """Exit 2 (``ap.error``) naming the first of ``names`` (``args`` attributes) below 1, in
+    `scissorhands.checks.check_int`'s words: ``--new-tokens: expected an integer >= 1, got 0``."""
     for name in names:
         if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+            ap.error(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
 
 
 def add_threads(parser: argparse.ArgumentParser) -> None:
@@ -100,13 +100,15 @@ def add_threads(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
 
 
-def parser(prog: str, doc: str, run_time: str) -> argparse.ArgumentParser:
+def parser(
+    prog: str, doc: str, run_time: str, where: str = "with the defaults on a 2-core CPU machine"
+) -> argparse.ArgumentParser:
     """The parser of a bench tool: the docstring's first paragraph as description, every default shown in
-    ``--help``, and ``run_time`` (its expected run time with the defaults on a 2-core machine) as the epilog."""
+    ``--help``, and ``run_time`` (its expected run time, ``where`` says on what) as the epilog."""
     return argparse.ArgumentParser(
         prog=f"python -m bench.{prog}",
         description=doc.split("\n\n")[0],
-        epilog=f"Run time with the defaults on a 2-core CPU machine: {run_time}.",
+        epilog=f"Run time {where}: {run_time}.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
 

@@ -73,7 +73,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.affinity import AffinityPlan, format_cpu_list, pin_threads, pin_tree, plan_affinity, preexec
-from bench.conditions import REPO_ROOT, conditions_line, parser
+from bench.conditions import REPO_ROOT, conditions_line, parser, require_positive
 from replica.types import GenerationRequest
 from scissorhands.models import EMBEDDED, convert_embedded_model, load_tokenizer
 from workloads.load.driver import run_load
@@ -647,14 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_affinity(args.affinity, os.sched_getaffinity(0))
     except ValueError as e:
         p.error(str(e))
-    for flag, v in (
-        ("--concurrency", args.concurrency),
-        ("--num-requests", args.num_requests),
-        ("--prompt-tokens", args.prompt_tokens),
-        ("--new-tokens", args.new_tokens),
-    ):
-        if v < 1:
-            p.error(f"{flag}: expected an integer >= 1, got {v}")
+    require_positive(p, args, "concurrency", "num_requests", "prompt_tokens", "new_tokens")
     if args.server_timeout_s <= 0:
         p.error(f"--server-timeout-s: expected seconds > 0, got {args.server_timeout_s}")
     if not os.access(args.guidellm, os.X_OK):

@@ -199,7 +199,12 @@ def gpu_suite(suite: dict, device: str = "cuda", dtype: str = "bfloat16") -> dic
 
 # ----------------------------------------------------------------------------------------------- arguments
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = parser("gpu_check", __doc__, "about a minute with --device cpu --tiny (on one GPU, at most --budget-s: 460 s)")
+    p = parser(
+        "gpu_check",
+        __doc__,
+        "at most --budget-s (460 s); with --device cpu --tiny on 2 CPU cores, about a minute",
+        "on one GPU",
+    )
     p.add_argument(
         "--out",
         default=None,
@@ -776,10 +781,10 @@ def _fmt(v, spec: str = ",.1f", scale: float = 1.0) -> str:
 
 
 def _table(caption: str, header: str, rows: list[list]) -> list[str]:
-    """`caption`, then a markdown table (`header`: its column names joined by " | "; a cell shown with str), then
-    a blank line, as lines."""
+    """`caption`, then a markdown table (`header`: its column names as the table writes them, ``a | b``; a cell
+    shown with str), then a blank line, as lines."""
     cells = ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return [caption, "", f"| {header} |", "|" + "---|" * (header.count("|") + 1), *cells, ""]
+    return [caption, "", f"| {header} |", "|" + "---|" * len(header.split(" | ")), *cells, ""]
 
 
 def _kv(check: dict, dense: str) -> str:
@@ -891,8 +896,7 @@ def render_markdown(report: dict) -> str:
                 ],
             )
             if res.get("ratio_engine_to_generate") is not None:
-                lines[-1:] = [
-                    "",
+                lines += [
                     f"Our engine / generate: {res['ratio_engine_to_generate']:.2f}x output tok/s; identical "
                     f"outputs {res['identical_outputs']}/{res['requests']} (dummy weights: near-tie logits).",
                     "",

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from bench import bench_decode, bench_prefill
-from bench.conditions import EMBEDDED_MODEL, add_threads, comma_list, conditions_line, parser
+from bench.conditions import EMBEDDED_MODEL, add_threads, comma_list, conditions_line, parser, require_positive
 from scissorhands.models import DTYPE_CHOICES, PackedLinear, load_model, resolve_dtype
 
 
@@ -109,9 +109,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.dtypes = comma_list(p, "--dtypes", args.dtypes, valid=list(DTYPE_CHOICES))
     args.batches = comma_list(p, "--batches", args.batches, cast=int)
-    for name in ("prompt_tokens", "new_tokens", "rounds", "threads", "prefill_batch", "prefill_tokens"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}: expected an integer >= 1, got {getattr(args, name)}")
+    require_positive(p, args, "prompt_tokens", "new_tokens", "rounds", "threads", "prefill_batch", "prefill_tokens")
     if any(b < 1 for b in args.batches):
         p.error(f"--batches: expected integers >= 1, got {args.batches}")
     if not (math.isfinite(args.ratio) and args.ratio >= 1):

@@ -318,10 +318,10 @@ def build_serve_app(
     """
 
     name = model_name or model_id_of(model_spec).split("/")[-1].lower()
+    configs = [(spec, *serve_engine_config(spec, **engine_options)) for spec in caches]  # bad input fails first
     resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments
     handles, metadata = {}, {}
-    for spec in caches:
-        label, cfg, budget_tokens = serve_engine_config(spec, **engine_options)
+    for spec, label, cfg, budget_tokens in configs:
         model_id = f"{name}:{label}"
         if model_id in handles:
             raise ValueError(f"--cache: {spec!r} repeats the model {model_id!r}")

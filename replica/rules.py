@@ -173,7 +173,9 @@ class FrozenConfig(BaseModel):
 class Section(BaseModel):
     """A suite section written as a mapping (``slo: {ttft_s: 2.0}``): frozen, unknown keys refused, and a value
     that is not a mapping refused as ``<section>: expected <form>, got <value>``, where a subclass sets `section`
-    (its key in the suite; "" when the suite's field error already names it) and `form` (what it accepts)."""
+    (its key in the suite; "" when the suite's field error already names it) and `form` (what it accepts).
+    A section is validated inside its suite, whose loader formats every error; a `FrozenConfig` is also built
+    from code, so it raises its own error class, already one line."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     section: ClassVar[str] = ""

@@ -16,14 +16,8 @@ def uniform(low: int, high: int) -> dict:
     return {"dist": "uniform", "min": low, "max": high}
 
 
-#: A batch suite of 6 points on 2 replicas: `full` at batch 1 and 4, Scissorhands at ratios 2 and 5 for each.
-TINY_BATCH = tiny_suite(
-    "batch",
-    name="tiny",
-    compression_ratios=[2, 5],
-    batch_sizes=[1, 4],
-    prompt_tokens=[64],
-    new_tokens=[16],
-    seed=0,
-    replicas=2,
-)
+def tiny_batch(**fields) -> dict:
+    """A batch suite of 6 points on 2 replicas (`full` at batch 1 and 4, Scissorhands at ratios 2 and 5 for each), a
+    new dict each call; `fields` add to it or override."""
+    suite = dict(name="tiny", compression_ratios=[2, 5], batch_sizes=[1, 4], prompt_tokens=[64], new_tokens=[16])
+    return tiny_suite("batch", **{**suite, "seed": 0, "replicas": 2, **fields})

@@ -310,7 +310,7 @@ def test_a_phase_past_its_box_is_killed_and_reported_as_timed_out(tmp_path):
         (["--ratios", "five"], "--ratios: expected comma-separated numbers"),
         (["--generate-new-tokens", "2048"], "--generate-new-tokens (2048) must be <= --new-tokens (1024)"),
         (["--kv-limit-gib", "0"], "--kv-limit-gib: must be > 0"),
-        (["--full-batch", "0"], "--full-batch: must be >= 1"),
+        (["--full-batch", "0"], "--full-batch: expected an integer >= 1, got 0"),
         (["--box-scale", "0"], "--box-scale: must be > 0"),
     ],
 )

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.dtype_fakes import COUNTER_ENV, install_alternating_probe, probe_calls
-from tests.suite_helpers import TINY_BATCH, serving_suite, uniform
+from tests.suite_helpers import serving_suite, tiny_batch, uniform
 
 
 @pytest.fixture
@@ -119,7 +119,7 @@ def test_ray_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe):
     suite = tmp_path / "tiny.yaml"
     suite.write_text(
         yaml.safe_dump(
-            dict(TINY_BATCH, compression_ratios=[5], batch_sizes=[1], prompt_tokens=[16], new_tokens=[4], dtype="auto")
+            tiny_batch(compression_ratios=[5], batch_sizes=[1], prompt_tokens=[16], new_tokens=[4], dtype="auto")
         )
     )
     rc = sweep.main([str(suite), "--results-dir", str(tmp_path / "results"), "--run-id", "run1"])

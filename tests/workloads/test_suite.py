@@ -7,13 +7,13 @@ import pytest
 import yaml
 
 import scissorhands
-from tests.suite_helpers import TINY_BATCH
+from tests.suite_helpers import tiny_batch
 from workloads import sweep
 from workloads.batch.report import COLUMNS, table_rows, warn_contention
 from workloads.core.suite import SuiteError, tag_of
 from workloads.kinds import KINDS, load_suite, parse_suite
 
-GOOD = dict(TINY_BATCH, name="t")
+GOOD = tiny_batch(name="t")
 
 
 def test_smoke_suite_is_valid_and_expands():

@@ -505,10 +505,12 @@ class TraceLoad(OpenLoop):
         prompts.setdefault("prefix", "trace")
         return requests_of_lengths([r.prompt_tokens for r in rows], [r.output_tokens for r in rows], **prompts)
 
-    def request_source(self, prompt_tokens=None, output_tokens=None, **prompts) -> Callable[[int], GenerationRequest]:
+    def request_source(
+        self, prompt_tokens=None, output_tokens=None, *, seed: int, **prompts
+    ) -> Callable[[int], GenerationRequest]:
         """Request `i` is row `i` (`requests`); the trace ends with its last row, so none is sent twice. The
         length distributions are not used (the trace gives the lengths)."""
-        return self.requests(**prompts).__getitem__
+        return self.requests(seed=seed, **prompts).__getitem__
 
     @classmethod
     def suite_defaults(cls, data: dict, **options) -> dict:
