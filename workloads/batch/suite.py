@@ -92,9 +92,7 @@ class BatchSuite(SuiteBase):
                         for ratio, budget in self.budgets(pol):
                             ident = dict(
                                 self.identity(),
-                                policy=pol.name,
-                                policy_params=dict(pol.params),
-                                compression_ratio=ratio,
+                                **pol.point_fields(ratio),
                                 budget_tokens=budget,
                                 batch_size=batch,
                                 prompt_tokens=prompt,

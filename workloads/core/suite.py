@@ -104,6 +104,10 @@ class PolicySpec(BaseModel):
         """The library's policy instance for these parameters."""
         return get_policy(self.name, **self.params)
 
+    def point_fields(self, compression_ratio: float | None) -> dict:
+        """The policy's part of a point's identity at `compression_ratio`, the same in every suite kind."""
+        return {"policy": self.name, "policy_params": dict(self.params), "compression_ratio": compression_ratio}
+
     def tag(self) -> str:
         """The policy's part of a readable point id: the name, plus a digest of explicit params."""
         if not self.params:

@@ -226,9 +226,7 @@ class FrontierSuite(SuiteBase):
             for ratio, _ in self.budgets(pol):
                 ident = dict(
                     self.identity(),
-                    policy=pol.name,
-                    policy_params=dict(pol.params),
-                    compression_ratio=ratio,
+                    **pol.point_fields(ratio),
                     prompt_tokens=self.prompt_tokens,
                     new_tokens=self.new_tokens,
                     kv_limit_full_sequences=lim.full_sequences,

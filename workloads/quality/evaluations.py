@@ -62,7 +62,7 @@ def _each_config(suite: QualitySuite, ratios: tuple[float, ...] | None = None) -
     """Per policy, each (compression_ratio, kv_bits) it runs at (unquantized ratios limited to ``ratios``)."""
     for pol in suite.policies:
         for r, bits in suite.configs_within(pol.name, ratios):
-            yield dict(policy=pol.name, policy_params=dict(pol.params), compression_ratio=r, kv_bits=bits)
+            yield dict(pol.point_fields(r), kv_bits=bits)
 
 
 def _config_tag(point: QualityPoint) -> str:

@@ -322,14 +322,7 @@ class ServingSuite(SuiteBase):
             for ratio, budget in self.budgets(pol):
                 series = f"{self.mode}-{pol.tag()}{budget_tag(ratio, budget)}"
                 for load in loads:
-                    ident = dict(
-                        base,
-                        policy=pol.name,
-                        policy_params=dict(pol.params),
-                        compression_ratio=ratio,
-                        budget_tokens=budget,
-                        load=load,
-                    )
+                    ident = dict(base, **pol.point_fields(ratio), budget_tokens=budget, load=load)
                     tag = f"{series}-L{'max' if load is None else f'{load:g}'}-s{self.seed}"
                     out.append(
                         ServingPoint(
