@@ -33,8 +33,10 @@ class PackedLinear(torch.nn.Module):
     is made at the first such forward and kept while the weight is unchanged (same storage and version).
     The speedups (``make bench-decode ARGS="--packing-ab"``): docs/performance.md, "Measurements behind the library and cluster code".
 
-    Numbers: in bfloat16 the same as ``F.linear`` bit for bit (both are oneDNN's kernel); in float32 the same
-    float32 products summed in another order (within float32 rounding of ``F.linear``, tests/scissorhands/test_models.py).
+    Numbers: in bfloat16 the same as ``F.linear`` bit for bit (both are oneDNN's kernel), except for calls of more
+    than 32 rows on a CPU with AMX, where oneDNN runs one of the two in another kernel and the sums round
+    differently; in float32 the same float32 products summed in another order (within float32 rounding of
+    ``F.linear``; both measured on the embedded model in tests/scissorhands/test_models.py).
     Memory: one more copy of each packed weight (the Parameter stays, shared, for everything else that reads
     it, such as tied input embeddings).
 

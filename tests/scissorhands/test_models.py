@@ -346,21 +346,28 @@ def test_load_model_packs_every_linear_and_keeps_the_tie(tmp_path, dtype):
     "dtype", [pytest.param("bfloat16", marks=needs_onednn_bf16), pytest.param("float32", marks=needs_onednn)]
 )
 def test_embedded_model_logits_with_packed_weights(monkeypatch, dtype):
-    """A claim about the real model, checked on it: with every weight packed its bfloat16 logits are the same,
-    bit for bit, as with plain ``F.linear``, and its float32 logits within 1e-3 (of values up to ~20, after 30 layers) with the same greedy tokens,
-    at a decode-like batch and over a whole prompt."""
+    """A claim about the real model, checked on it, with every weight packed against plain ``F.linear``: a decode
+    step of 32 sequences, a 32-token prompt, a 129-token prompt and 4 prompts of 32 tokens.
+
+    float32: logits within 1e-3 (of values up to ~35, after 30 layers), the same greedy tokens. bfloat16: the same
+    logits bit for bit for a call of up to 32 rows, and for longer ones on a CPU without AMX (a Zen 4 EPYC); with
+    AMX (a Xeon with amx_bf16) oneDNN runs one of the two in another kernel from 33 rows up, and the logits differ
+    in rounding only: measured at most 0.89 apart, greedy tokens the same at 128 of 129 positions (a near-tie)."""
     torch.set_num_threads(2)
     text = "The budget keeps the pivotal tokens of every sequence, and the rest are dropped. " * 8
     model, tok = load_model("embedded", dtype=dtype)
     ids = tok(text, return_tensors="pt").input_ids  # (1, L)
-    batch = ids[:, -32:].repeat(4, 1)  # (4, 32)
+    inputs = (ids[:, -1:].repeat(32, 1), ids[:, :32], ids, ids[:, -32:].repeat(4, 1))  # (32, 1) (1, 32) (1, L) (4, 32)
     with torch.inference_mode():
-        packed = [model(input_ids=x).logits for x in (ids, batch)]
+        packed = [model(input_ids=x).logits for x in inputs]
         assert model.model.layers[0].self_attn.q_proj._packed is not None
         monkeypatch.setattr(sh_models.packed, "onednn_packs", lambda dtype: False)
-        plain = [model(input_ids=x).logits for x in (ids, batch)]
-    for p, q in zip(packed, plain):
-        if dtype == "bfloat16":
+        plain = [model(input_ids=x).logits for x in inputs]
+    for x, p, q in zip(inputs, packed, plain):
+        same_tokens = (p.argmax(-1) == q.argmax(-1)).float().mean()
+        if dtype == "float32":
+            assert (p - q).abs().max() < 1e-3 and same_tokens == 1
+        elif x.numel() <= 32 or "amx_bf16" not in sh_models.cpu_flags():
             assert torch.equal(p, q)
         else:
-            assert (p - q).abs().max() < 1e-3 and torch.equal(p.argmax(-1), q.argmax(-1))  # logits up to ~20
+            assert (p.float() - q.float()).abs().max() < 2 and same_tokens >= 0.99
