@@ -49,13 +49,23 @@ LIVE_SECONDS = 8.0
 SERVED_MODEL = "tiny-llama:full"
 
 
+#: Serve's counts of the requests `_http_load` sends, each from the process that records it: the HTTP proxy's, and
+#: the deployments' (the replicas export their processing latency on their own schedule).
+SERVE_COUNTS = (
+    'ray_serve_num_http_requests_total{status_code="200"}',
+    "ray_serve_deployment_processing_latency_ms_count",
+)
+
+
 def _http_load(prom: str, url: str, n: int = 4) -> None:
     """`n` completions through the Serve app (alternately streamed), one unknown model (404), then wait
-    until Prometheus has scraped Serve's count of them (the HTTP row's rates need fresh samples)."""
+    until Prometheus has scraped every count of them in `SERVE_COUNTS` (the HTTP row's rates need fresh samples)."""
     import requests
 
-    sel = 'ray_serve_num_http_requests_total{status_code="200"}'
-    before = sum(check.finite_values(check.query(prom, f"sum({sel})")))
+    def counts() -> list[float]:
+        return [sum(check.finite_values(check.query(prom, f"sum({sel})"))) for sel in SERVE_COUNTS]
+
+    before = counts()
     for i in range(n):
         r = requests.post(
             url + "/v1/completions",
@@ -66,9 +76,9 @@ def _http_load(prom: str, url: str, n: int = 4) -> None:
         r.content
     assert requests.post(url + "/v1/completions", json=dict(model="nope", prompt=[1]), timeout=60).status_code == 404
     wait_for(
-        lambda: sum(check.finite_values(check.query(prom, f"sum({sel})"))) >= before + n,
+        lambda: all(now >= was + n for now, was in zip(counts(), before)),
         60,
-        "Prometheus to scrape Ray Serve's HTTP request count",
+        "Prometheus to scrape Ray Serve's request counts (HTTP proxy and deployments)",
     )
 
 
