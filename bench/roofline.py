@@ -121,15 +121,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     why = {d: resolve_dtype(d) for d in args.dtypes}
-    dtype_text = (
-        ", ".join(
-            f"{str(t).removeprefix('torch.')}" + (f" (auto: {r})" if d == "auto" else "") for d, (t, r) in why.items()
-        )
-        + " (--dtypes: each measured)"
-    )
+    dtypes = [str(t).removeprefix("torch.") + (f" (auto: {r})" if d == "auto" else "") for d, (t, r) in why.items()]
     conditions = conditions_line(
         model=EMBEDDED_MODEL,
-        dtype=dtype_text,
+        dtype=dtypes,
         extra=(
             f"decode: prompt {args.prompt_tokens} tokens, {args.new_tokens} steps, median of {args.rounds} "
             f"paired rounds; prefill: {args.prefill_batch} x {args.prefill_tokens} tokens, ratio {args.ratio:g}, "
