@@ -6,25 +6,23 @@ the running replicas, and a replica that dies replaced by Serve and configured a
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
+
+from tests.ray_helpers import local_ray
 
 pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
-    yield ray
     from ray import serve
 
-    serve.shutdown()
-    ray.shutdown()
+    with local_ray():
+        yield ray
+        serve.shutdown()
 
 
 def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_replica(ray_session):

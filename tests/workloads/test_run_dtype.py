@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tests.dtype_fakes import COUNTER_ENV, install_alternating_probe, probe_calls
+from tests.ray_helpers import local_ray
 from tests.suite_helpers import serving_suite, tiny_batch, uniform
 
 
@@ -85,23 +86,15 @@ def ray_fake_probe(tmp_path_factory):
     """A local Ray cluster whose workers run the alternating probe; yields its counter file (emptied per test)."""
     import os
 
-    import ray
-
     counter = tmp_path_factory.mktemp("probe") / "probe-calls"
     before = os.environ.get(COUNTER_ENV)
     os.environ[COUNTER_ENV] = str(counter)
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={
-            "worker_process_setup_hook": "tests.dtype_fakes.install_alternating_probe",
-            "env_vars": {COUNTER_ENV: str(counter)},
-        },
-    )
-    yield counter
-    ray.shutdown()
+    setup = {
+        "worker_process_setup_hook": "tests.dtype_fakes.install_alternating_probe",
+        "env_vars": {COUNTER_ENV: str(counter)},
+    }
+    with local_ray(runtime_env=setup):
+        yield counter
     if before is None:
         os.environ.pop(COUNTER_ENV, None)
     else:

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from scissorhands.models import cpu_model_name
+from tests.ray_helpers import local_ray
 from tests.suite_helpers import tiny_batch
 from workloads import sweep
 from workloads.core.suite import tag_of
@@ -38,12 +39,10 @@ FULL_AT_BATCH_1 = dict(policies=["full"], compression_ratios=[], batch_sizes=[1]
 
 @pytest.fixture(scope="module")
 def ray_address():
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+    with local_ray():
+        yield ray.get_runtime_context().gcs_address
 
 
 def write_suite(path: Path, **overrides) -> str:
