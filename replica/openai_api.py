@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Protocol
 
 from replica.openai_fields import chat_logprobs, completion_logprobs, unsupported_field
+from replica.token_bytes import TokenBytes
 from replica.types import MAX_LOGPROBS, GenerationRequest
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "PHASE_HEADER",
     "REPLICA_DIED",
     "replica_death",
+    "text_offsets",
 ]
 
 RETRY_AFTER_S = 1
@@ -78,6 +80,10 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 UNKNOWN_CONTEXT_MAX_TOKENS = 1 << 20
 #: The environment variable of the service's API key (`cluster.serve_app --api-key`'s default; vLLM's is VLLM_API_KEY).
 API_KEY_ENV = "SCISSORHANDS_API_KEY"
+#: The paths served without the API key when one is set (liveness, for health checks and load balancers).
+OPEN_PATHS = frozenset({"/health"})
+#: The chat message roles accepted (`messages[].role`); tool and function messages need tools, which are refused.
+CHAT_ROLES = ("system", "user", "assistant")
 #: Request header carrying the load generator's phase of a request (`replica.metrics.PHASES`).
 PHASE_HEADER = "X-Scissorhands-Phase"
 
@@ -330,25 +336,33 @@ def build_app(
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    app = FastAPI(title="scissorhands-bench OpenAI-compatible API")
+    key = ApiKey(api_key) if isinstance(api_key, str) else api_key
+    # with a key, only /health is open: the schema needs the key and the docs pages are off (their
+    # browser pages fetch the schema without a bearer token, so they could not work)
+    app = FastAPI(
+        title="scissorhands-bench OpenAI-compatible API",
+        docs_url=None if key is not None else "/docs",
+        redoc_url=None if key is not None else "/redoc",
+    )
     pending = {m: 0 for m in backends}
     created = int(time.time())
-    key = ApiKey(api_key) if isinstance(api_key, str) else api_key
     tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-api-parse")
+    vocab = TokenBytes(tokenizer)  # each token's own bytes and name in log-probabilities
 
     def error_response(e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     class BearerAuth:
-        """ASGI middleware: a `/v1/*` request without `Authorization: Bearer <key>` gets 401 (plain ASGI, so
-        streams pass through untouched)."""
+        """ASGI middleware: a request to any path but `OPEN_PATHS` without `Authorization: Bearer <key>` gets
+        401, an unknown path included (plain ASGI, so streams pass through untouched)."""
 
         def __init__(self, asgi):
             self.asgi = asgi
 
         async def __call__(self, scope, receive, send):
-            if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
                 header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
                 scheme, _, token = header.partition(" ")
                 if scheme.lower() != "bearer" or not key.matches(token.strip()):
@@ -367,6 +381,12 @@ def build_app(
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):  # an unknown path (404), a wrong method (405)
+        route = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({route})", 405: f"Method not allowed ({route})"}.get(exc.status_code)
+        return error_response(ApiError(exc.status_code, message or str(exc.detail), headers=exc.headers))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc):
@@ -469,6 +489,13 @@ def build_app(
             )
         ):
             raise ApiError(400, "messages: expected a non-empty list of {role, content} strings", "messages")
+        for i, m in enumerate(msgs):
+            if m["role"] not in CHAT_ROLES:
+                raise ApiError(
+                    400,
+                    f"messages.[{i}].role: expected one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"[:300],
+                    f"messages.[{i}].role",
+                )
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "messages: this model's tokenizer has no chat template", "messages")
         out = tokenizer.apply_chat_template(
@@ -579,8 +606,10 @@ def build_app(
                 reply = await _until_disconnected(
                     request, _collect(first, events, detok, rid, obj, model, created, chat, len(ids))
                 )
-                if wants_logprobs:
-                    _add_logprobs(reply, seen.get("result"), ids, opts, tokenizer, chat)
+                if wants_logprobs:  # on the worker thread: a long echoed prompt is detokenized token by token
+                    await asyncio.get_running_loop().run_in_executor(
+                        tokenize_pool, _add_logprobs, reply, seen.get("result"), ids, opts, tokenizer, vocab, chat
+                    )
                 return JSONResponse(reply)
             finally:
                 await events.aclose()
@@ -784,7 +813,28 @@ async def _keeping_result(events: AsyncIterator[dict], seen: dict):
             await aclose()
 
 
-def _add_logprobs(reply: dict, result: dict | None, prompt_ids: list[int], opts: dict, tokenizer, chat: bool) -> None:
+def text_offsets(tokenizer, token_ids: list[int], start: int = 0) -> tuple[list[int], str]:
+    """Each token's character offset in the text of `token_ids` (plus `start`), and that text.
+
+    The text is built as a reply's is (`IncrementalDetokenizer`: special tokens skipped, no clean-up of
+    spaces), and a token's offset is the length of the text complete before it: a character split over
+    several byte-level tokens starts at the offset of the token that completes it (the tokens before it add
+    no text), so ``text[offset[i]:offset[i + 1]]`` is what token i added and the slices rebuild the text.
+    """
+    if tokenizer is None:
+        return [start] * len(token_ids), ""
+    detok = IncrementalDetokenizer(tokenizer, [])
+    offsets = []
+    for t in token_ids:
+        offsets.append(start + len(detok.text))
+        detok.add([t])
+    detok.add([], final=True)
+    return offsets, detok.text
+
+
+def _add_logprobs(
+    reply: dict, result: dict | None, prompt_ids: list[int], opts: dict, tokenizer, vocab: TokenBytes, chat: bool
+) -> None:
     """Put the `logprobs` object (and echo's prompt text) into a whole reply's choice."""
     choice = reply["choices"][0]
     out_ids = choice["token_ids"]
@@ -792,17 +842,19 @@ def _add_logprobs(reply: dict, result: dict | None, prompt_ids: list[int], opts:
     lps = (result.get("output_logprobs") or [])[: len(out_ids)]
     tops = (result.get("output_top_logprobs") or [])[: len(out_ids)]
     if chat:
-        choice["logprobs"] = chat_logprobs(tokenizer, out_ids, lps, tops, opts["logprobs"])
+        choice["logprobs"] = chat_logprobs(vocab, out_ids, lps, tops, opts["logprobs"])
         return
-    ids, all_lps, all_tops = out_ids, lps, tops
+    ids, all_lps, all_tops, offsets, prompt_text = out_ids, lps, tops, [], ""
     if opts["echo"]:
-        prompt_text = tokenizer.decode(prompt_ids) if tokenizer is not None else ""
+        # the prompt's text as the output's is built, so that every offset indexes the returned text
+        offsets, prompt_text = text_offsets(tokenizer, prompt_ids)
         choice["text"] = prompt_text + choice["text"]
         ids = prompt_ids + out_ids
         all_lps = (result.get("prompt_logprobs") or [None] * len(prompt_ids)) + lps
         all_tops = (result.get("prompt_top_logprobs") or [None] * len(prompt_ids)) + tops
     if opts["logprobs"] is not None:
-        choice["logprobs"] = completion_logprobs(tokenizer, ids, all_lps, all_tops)
+        out_offsets, _ = text_offsets(tokenizer, out_ids, len(prompt_text))
+        choice["logprobs"] = completion_logprobs(vocab, ids, all_lps, all_tops, offsets + out_offsets)
 
 
 def _sse_event(obj: dict) -> bytes:

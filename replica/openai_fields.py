@@ -9,10 +9,13 @@ refused") lists both sides.
 Log-probabilities (natural logs of the model's distribution, float32, before temperature and
 top-p) come from the engine (`GenerationResult.output_logprobs`, `prompt_logprobs`); this module
 only lays them out as OpenAI does: completions' ``{tokens, token_logprobs, top_logprobs,
-text_offset}`` and chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``.
+text_offset}`` and chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}``, each token named and
+its bytes taken through the tokenizer's vocabulary (`replica.token_bytes`).
 """
 
 from __future__ import annotations
+
+from replica.token_bytes import TokenBytes
 
 __all__ = [
     "CHAT_FIELDS",
@@ -74,46 +77,56 @@ def unsupported_field(body: dict, chat: bool) -> str | None:
     return next((k for k, v in body.items() if k not in accepted and v is not None), None)
 
 
-def _token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+def _top_dict(vocab: TokenBytes, alts: list, token_id: int, logprob: float) -> dict:
+    """One position's ``{name: logprob}`` alternatives, best first, then the chosen token if not among them.
+    Each id gets its own key (`TokenBytes.name`; an id whose name is taken by a better-ranked one is written
+    ``token_id:N``), so no alternative is lost and no key holds a lower-ranked value."""
+    out: dict[str, float] = {}
+    seen: set[int] = set()
+    for i, v in [*alts, (token_id, logprob)]:
+        if i in seen:
+            continue
+        seen.add(i)
+        key = vocab.name(i)
+        out[key if key not in out else f"token_id:{i}"] = v
+    return out
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list, top: list, text_offset_start: int = 0) -> dict:
+def completion_logprobs(
+    vocab: TokenBytes, token_ids: list[int], logprobs: list, top: list, text_offset: list[int]
+) -> dict:
     """Completions' `logprobs` object of `token_ids` (the echoed prompt first, if any, then the output).
 
     Args:
+        vocab: the tokenizer's token bytes and names (`replica.token_bytes.TokenBytes`).
         logprobs: each token's log-probability (None for an echoed prompt's first token).
-        top: each token's ``[[token_id, logprob], ...]`` alternatives (None for that first token).
+        top: each token's ``[[token_id, logprob], ...]`` alternatives, best first (None for that first token).
+        text_offset: each token's character offset in the returned text (`replica.openai_api.text_offsets`).
 
     Returns:
         ``{"tokens": [str], "token_logprobs": [float | None], "top_logprobs": [{str: float} | None],
-        "text_offset": [int]}``: a token's alternatives include the token itself (as vLLM's), so a
-        client can tell whether it was the most likely one; `text_offset` counts characters of the
-        tokens' texts from `text_offset_start`.
+        "text_offset": [int]}``: tokens named as OpenAI does (their text, or ``bytes:\\xNN`` when not valid
+        UTF-8 alone: `replica.token_bytes`); a position's alternatives keep one key per id, best first, and
+        include the token itself (as vLLM's), so a client can tell whether it was the most likely one.
     """
-    tokens = [_token_text(tokenizer, t) for t in token_ids]
-    tops: list[dict | None] = []
-    for tok, lp, alts in zip(token_ids, logprobs, top):
-        if alts is None:
-            tops.append(None)
-            continue
-        d = {_token_text(tokenizer, i): v for i, v in alts}
-        d.setdefault(_token_text(tokenizer, tok), lp)
-        tops.append(d)
-    offsets, at = [], text_offset_start
-    for s in tokens:
-        offsets.append(at)
-        at += len(s)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": tops, "text_offset": offsets}
+    tops = [None if alts is None else _top_dict(vocab, alts, t, lp) for t, lp, alts in zip(token_ids, logprobs, top)]
+    return {
+        "tokens": [vocab.name(t) for t in token_ids],
+        "token_logprobs": list(logprobs),
+        "top_logprobs": tops,
+        "text_offset": list(text_offset),
+    }
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list, top: list, top_k: int) -> dict:
-    """Chat's `logprobs` object: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``,
-    with the `top_k` most likely alternatives of each generated token (best first)."""
+def chat_logprobs(vocab: TokenBytes, token_ids: list[int], logprobs: list, top: list, top_k: int) -> dict:
+    """Chat's `logprobs` object: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}]}``, with the
+    `top_k` most likely alternatives of each generated token (best first). `bytes` are each token's own
+    (`replica.token_bytes`: joined over the content they rebuild its UTF-8), None for an id the tokenizer
+    does not know; `token` is its text, or ``bytes:\\xNN...`` when its bytes are not valid UTF-8 alone."""
 
     def entry(token_id: int, lp: float) -> dict:
-        s = _token_text(tokenizer, token_id)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        data = vocab.of(token_id)
+        return {"token": vocab.name(token_id), "logprob": lp, "bytes": None if data is None else list(data)}
 
     content = []
     for tok, lp, alts in zip(token_ids, logprobs, top):
