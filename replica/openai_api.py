@@ -813,13 +813,15 @@ async def _keeping_result(events: AsyncIterator[dict], seen: dict):
             await aclose()
 
 
-def text_offsets(tokenizer, token_ids: list[int], start: int = 0) -> tuple[list[int], str]:
+def text_offsets(tokenizer, vocab: TokenBytes, token_ids: list[int], start: int = 0) -> tuple[list[int], str]:
     """Each token's character offset in the text of `token_ids` (plus `start`), and that text.
 
     The text is built as a reply's is (`IncrementalDetokenizer`: special tokens skipped, no clean-up of
-    spaces), and a token's offset is the length of the text complete before it: a character split over
-    several byte-level tokens starts at the offset of the token that completes it (the tokens before it add
-    no text), so ``text[offset[i]:offset[i + 1]]`` is what token i added and the slices rebuild the text.
+    spaces). Where the tokens' own bytes (`TokenBytes.offsets`) decode to that same text (byte-level and
+    plain vocabularies), a token's offset is the index of the character holding its first byte: a character
+    split over several tokens belongs to the tokens after the one it starts in. Otherwise (a decoder that
+    rewrites text, as SentencePiece's first-space strip) it is the length of the text the detokenizer had
+    complete before the token. Either way ``text[offset[i]:offset[i + 1]]`` rebuild the text in order.
     """
     if tokenizer is None:
         return [start] * len(token_ids), ""
@@ -829,6 +831,9 @@ def text_offsets(tokenizer, token_ids: list[int], start: int = 0) -> tuple[list[
         offsets.append(start + len(detok.text))
         detok.add([t])
     detok.add([], final=True)
+    by_bytes, text = vocab.offsets(token_ids)
+    if text == detok.text:
+        offsets = [start + o for o in by_bytes]
     return offsets, detok.text
 
 
@@ -847,13 +852,13 @@ def _add_logprobs(
     ids, all_lps, all_tops, offsets, prompt_text = out_ids, lps, tops, [], ""
     if opts["echo"]:
         # the prompt's text as the output's is built, so that every offset indexes the returned text
-        offsets, prompt_text = text_offsets(tokenizer, prompt_ids)
+        offsets, prompt_text = text_offsets(tokenizer, vocab, prompt_ids)
         choice["text"] = prompt_text + choice["text"]
         ids = prompt_ids + out_ids
         all_lps = (result.get("prompt_logprobs") or [None] * len(prompt_ids)) + lps
         all_tops = (result.get("prompt_top_logprobs") or [None] * len(prompt_ids)) + tops
     if opts["logprobs"] is not None:
-        out_offsets, _ = text_offsets(tokenizer, out_ids, len(prompt_text))
+        out_offsets, _ = text_offsets(tokenizer, vocab, out_ids, len(prompt_text))
         choice["logprobs"] = completion_logprobs(vocab, ids, all_lps, all_tops, offsets + out_offsets)
 
 

@@ -24,6 +24,7 @@ names.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 
@@ -105,3 +106,24 @@ class TokenBytes:
         """OpenAI's name of the token: its text, ``bytes:\\xNN...`` when not valid UTF-8 alone, or ``token_id:N``."""
         data = self.of(token_id)
         return f"token_id:{token_id}" if data is None else bytes_name(data)
+
+    def offsets(self, token_ids: list[int]) -> tuple[list[int], str]:
+        """Each token's character offset in the UTF-8 text of the tokens' bytes, and that text.
+
+        A token's offset is the number of characters complete before its first byte, i.e. the index of the
+        character holding that byte: a token that ends inside a character (``b" \\xf0\\x9f\\x98"``) adds the
+        characters it completes (``" "``), and the character is the next tokens' (which start inside it).
+        Special tokens add nothing (as a reply's text skips them); invalid bytes are U+FFFD each maximal
+        run, as `bytes.decode(errors="replace")` and the tokenizers' byte-level decoder write them.
+        """
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or [])
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        offsets, parts, n = [], [], 0
+        for t in token_ids:
+            offsets.append(n)
+            data = None if t in special else self.of(t)
+            if data:
+                parts.append(decoder.decode(data))
+                n += len(parts[-1])
+        parts.append(decoder.decode(b"", final=True))
+        return offsets, "".join(parts)
