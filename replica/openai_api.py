@@ -5,7 +5,8 @@
 Endpoints (OpenAI's API reference; `ignore_eos` and `min_tokens` as vLLM names them):
 
 * `POST /v1/completions`: `prompt` as text or a list of token ids;
-* `POST /v1/chat/completions`: `messages` through the tokenizer's chat template;
+* `POST /v1/chat/completions`: `messages` (roles `CHAT_ROLES`: system, user, assistant) through the
+  tokenizer's chat template;
 * both with `stream` true (Server-Sent Events: one `data:` event per token as soon as the engine
   decoded it, `data: [DONE]` last; with `stream_options.include_usage` a final chunk carries
   `usage`) or false (one JSON reply with `usage`);
@@ -25,14 +26,16 @@ metrics), so the server-side figures of a point cover the same requests as the c
 other value is a 400 naming the header.
 
 A chat without `max_tokens` (or `max_completion_tokens`) runs to EOS or the end of the context (capped at what
-the KV memory limit holds for it alone); a completion without it gets 16. With `api_key`, every `/v1/*`
-request needs `Authorization: Bearer <key>` (401 otherwise). A body over `max_body_bytes` gets 413 before
+the KV memory limit holds for it alone); a completion without it gets 16. With `api_key`, every request
+but `GET /health` needs `Authorization: Bearer <key>` (401 otherwise; `/openapi.json` and unknown paths
+included), and the `/docs` and `/redoc` pages are off. A body over `max_body_bytes` gets 413 before
 it is parsed; bodies are parsed and prompts tokenized on a worker thread, never on the event loop.
 
 Errors are OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`: 400 naming the
 field (`param`) for a wrong type or value, a prompt + `max_tokens` beyond the context, or a request
 that can never fit the KV memory limit; 404 for an unknown model; 429 with `Retry-After` when a
-model already has `max_pending_requests` requests in flight; 503 with `Retry-After` when the
+model already has `max_pending_requests` requests in flight; 404 for an unknown path and 405 for a wrong method
+(the same JSON); 503 with `Retry-After` when the
 backend sheds load (Ray Serve's back-pressure). A stream whose backend fails or dies mid-way
 ends with an error event (`data: {"error": ...}`) and `[DONE]`, never a hang. A client that
 disconnects mid-stream cancels its request; the backend aborts it (`ContinuousBatchingEngine.abort`).
@@ -326,8 +329,8 @@ def build_app(
         context_tokens: the model's context (prompt + max_tokens must fit; None: unchecked here, the
             backend's `check` still refuses). A chat without `max_tokens` generates up to it.
         max_pending_requests: per model, requests in flight beyond which new ones get 429.
-        api_key: when given, every `/v1/*` request needs `Authorization: Bearer <key>` (else 401,
-            code `invalid_api_key`); `/health` stays open.
+        api_key: when given, every request but `OPEN_PATHS` (`/health`) needs `Authorization: Bearer <key>`
+            (else 401, code `invalid_api_key`), and the `/docs` and `/redoc` pages are off.
         max_body_bytes: larger request bodies get 413 before they are parsed.
 
     Bodies are parsed and prompts tokenized on one worker thread (as vLLM's tokenizer executor), so a
