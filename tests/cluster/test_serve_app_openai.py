@@ -153,3 +153,17 @@ def test_requests_without_the_key_get_401_and_the_key_is_in_no_log(base_url):
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
     leaked = [p.name for p in logs.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     assert not leaked and any(logs.rglob("*serve*"))  # Serve's logs were read, and none holds the key
+
+
+def test_through_serve_only_health_answers_without_the_key(base_url):
+    import requests
+
+    root = base_url.removesuffix("/v1")
+    for path in ["/openapi.json", "/docs", "/redoc", "/nope", "/v1/models"]:
+        r = requests.get(root + path, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert requests.get(root + "/openapi.json", headers=auth, timeout=10).status_code == 200
+    missing = requests.get(root + "/nope", headers=auth, timeout=10)
+    assert missing.status_code == 404 and missing.json()["error"]["message"] == "Invalid URL (GET /nope)"
+    assert requests.get(root + "/health", timeout=10).status_code == 200
