@@ -33,10 +33,9 @@ it is parsed; bodies are parsed and prompts tokenized on a worker thread, never 
 
 Errors are OpenAI's error JSON `{"error": {"message", "type", "param", "code"}}`: 400 naming the
 field (`param`) for a wrong type or value, a prompt + `max_tokens` beyond the context, or a request
-that can never fit the KV memory limit; 404 for an unknown model; 429 with `Retry-After` when a
-model already has `max_pending_requests` requests in flight; 404 for an unknown path and 405 for a wrong method
-(the same JSON); 503 with `Retry-After` when the
-backend sheds load (Ray Serve's back-pressure). A stream whose backend fails or dies mid-way
+that can never fit the KV memory limit, or a chat role outside `CHAT_ROLES`; 404 for an unknown model or
+path, 405 for a wrong method; 429 with `Retry-After` when a model already has `max_pending_requests`
+requests in flight; 503 with `Retry-After` when the backend sheds load (Ray Serve's back-pressure). A stream whose backend fails or dies mid-way
 ends with an error event (`data: {"error": ...}`) and `[DONE]`, never a hang. A client that
 disconnects mid-stream cancels its request; the backend aborts it (`ContinuousBatchingEngine.abort`).
 
@@ -821,10 +820,10 @@ def text_offsets(tokenizer, vocab: TokenBytes, token_ids: list[int], start: int 
 
     The text is built as a reply's is (`IncrementalDetokenizer`: special tokens skipped, no clean-up of
     spaces). Where the tokens' own bytes (`TokenBytes.offsets`) decode to that same text (byte-level and
-    plain vocabularies), a token's offset is the index of the character holding its first byte: a character
-    split over several tokens belongs to the tokens after the one it starts in. Otherwise (a decoder that
-    rewrites text, as SentencePiece's first-space strip) it is the length of the text the detokenizer had
-    complete before the token. Either way ``text[offset[i]:offset[i + 1]]`` rebuild the text in order.
+    plain vocabularies), a token's offset is the index of the character holding its first byte, so
+    ``text[offset[i]:offset[i + 1]]`` are the characters token i completes. Otherwise (a decoder that rewrites
+    text, as SentencePiece's first-space strip) it is the length of the text the detokenizer had complete
+    before the token. Either way the slices between offsets rebuild the text, in order.
     """
     if tokenizer is None:
         return [start] * len(token_ids), ""
