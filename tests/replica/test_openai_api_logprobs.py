@@ -416,3 +416,15 @@ def test_text_offsets_index_the_text_of_a_decoder_that_strips_the_first_space(pr
         part = prompt_ids[:i] if i < len(prompt_ids) else ids[: i - len(prompt_ids)]
         base = 0 if i < len(prompt_ids) else len(tok.decode(prompt_ids))
         assert offsets[i] == base + len(tok.decode(part).rstrip("\ufffd")), (i, offsets)
+
+
+def test_special_tokens_in_an_echoed_prompt_add_no_text_and_their_neighbours_keep_their_offsets():
+    tok = byte_level_tokenizer()
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    prompt = [start, *tok.encode("é😀", add_special_tokens=False), end]
+    out = tok.encode("世!", add_special_tokens=False)
+    ch = completion(tok, LogprobsBackend(out), prompt=prompt, max_tokens=len(out), logprobs=1, echo=True)
+    lp = ch["logprobs"]
+    assert ch["text"] == "é😀世!" and lp["tokens"][0] == "<|im_start|>" and lp["tokens"][-len(out) - 1] == "<|im_end|>"
+    # <|im_start|> é(1 token) ðŁ \x98 \x80 <|im_end|> | \xe4 \xb8 \x96 !
+    assert lp["text_offset"] == [0, 0, 1, 1, 1, 2, 2, 2, 2, 3]
