@@ -37,6 +37,7 @@ import ipaddress
 import os
 import socket
 import sys
+import typing
 from typing import Any
 
 from ray import serve
@@ -45,7 +46,15 @@ from cluster.signals import StopSignals
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
 from replica.static_batch import model_context_tokens, resolve_run_dtype
-from replica.types import BUDGETS, KV_LAYOUTS, SCHEDULERS, EngineConfig, GenerationRequest, GenerationResult
+from replica.types import (
+    BUDGETS,
+    KV_LAYOUTS,
+    KV_LIMIT_FIELDS,
+    SCHEDULERS,
+    EngineConfig,
+    GenerationRequest,
+    GenerationResult,
+)
 from scissorhands import POLICIES
 from scissorhands.models import load_tokenizer, model_id_of
 
@@ -79,7 +88,7 @@ class EngineDeployment:
         self,
         model_id: str,
         model_spec: str,
-        engine_config: dict | None = None,
+        engine_config: EngineConfig | dict | None = None,
         dtype: str = "auto",
         device: str = "cpu",
         num_threads: int | None = None,
@@ -100,7 +109,7 @@ class EngineDeployment:
         if engine_config is not None:
             self.replica.configure(engine_config)
 
-    def configure(self, engine_config: dict, run_id: str | None = None) -> dict:
+    def configure(self, engine_config: EngineConfig | dict, run_id: str | None = None) -> dict:
         """A new engine with `engine_config` (`ServingReplica.configure`); returns the replica's `info()`."""
         return self.replica.configure(engine_config, run_id)
 
@@ -249,6 +258,28 @@ def parse_cache(spec: str, max_length_tokens: int, budget: str = "per_request") 
     return label, {"policy": policy, "compression_ratio": ratio, "max_length_tokens": max_length_tokens}
 
 
+#: The engine knobs `make serve` sets itself (its own defaults: the paged layout, a budget per request, the scheduler
+#: that suits the layout, `DEFAULT_KV_MEMORY_LIMIT_BYTES`); every other knob of `replica.types.EngineConfig` is a flag
+#: generated from its field (`engine_knob_flags`: ``--max-num-batched-tokens``, ``--block-tokens``, ...).
+SERVE_SETS = ("kv_layout", "budget", "scheduler", *KV_LIMIT_FIELDS)
+
+
+def engine_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Add one flag per engine knob not in `SERVE_SETS` (``--<field-name>``, its type and default from
+    `EngineConfig.knobs`, checked by `EngineConfig` itself); return the knobs' names (the parsed args' attributes)."""
+    names = []
+    for name, (annotation, info) in EngineConfig.knobs(exclude=SERVE_SETS).items():
+        kind = float if float in (annotation, *typing.get_args(annotation)) else int
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=info.default,
+            help=f"every engine's {name} (replica.types.EngineConfig; default {info.default})",
+        )
+        names.append(name)
+    return names
+
+
 def serve_engine_config(
     spec: str,
     *,
@@ -257,15 +288,16 @@ def serve_engine_config(
     kv_layout: str = "paged",
     budget: str = "per_request",
     scheduler: str | None = None,
-    max_num_batched_tokens: int = EngineConfig.model_fields["max_num_batched_tokens"].default,
+    **knobs: Any,
 ) -> tuple[str, dict, int | None]:
     """One `--cache` spec -> (label, EngineConfig fields, fixed budget or None): `parse_cache`'s fields plus the
-    KV layout and memory limit every cache of the service shares. The default is the engine people serve with:
-    the paged layout (blocks taken as a sequence grows, the newest sequence preempted when the pool runs out), a
-    ratio's budget per request, and on it the mixed scheduler (one token budget a step, `max_num_batched_tokens`:
-    decodes first, then prompt chunks; `scheduler` None picks mixed on the paged layout, prefill_first on the
-    preallocated one). The fields are validated here (`EngineConfig`), so a bad combination fails at start, naming
-    the field (the paged layout needs a memory limit; mixed needs the paged layout).
+    KV layout and memory limit every cache of the service shares, and `knobs`, any other field of
+    `replica.types.EngineConfig` (``max_num_batched_tokens=1024``; one not given keeps EngineConfig's default).
+    The default is the engine people serve with: the paged layout (blocks taken as a sequence grows, the newest
+    sequence preempted when the pool runs out), a ratio's budget per request, and on it the mixed scheduler (one
+    token budget a step: decodes first, then prompt chunks; `scheduler` None picks mixed on the paged layout,
+    prefill_first on the preallocated one). The fields are validated here (`EngineConfig`), so a bad combination
+    fails at start, naming the field (the paged layout needs a memory limit; mixed needs the paged layout).
 
     Raises:
         ValueError: a bad spec, `--kv-layout`, `--budget`, `--scheduler`, or engine config.
@@ -275,12 +307,7 @@ def serve_engine_config(
     label, cfg = parse_cache(spec, max_length_tokens, budget)
     if scheduler is None:
         scheduler = "mixed" if kv_layout == "paged" else "prefill_first"
-    cfg.update(
-        kv_layout=kv_layout,
-        kv_memory_limit_bytes=kv_memory_limit_bytes,
-        scheduler=scheduler,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
+    cfg.update(knobs, kv_layout=kv_layout, kv_memory_limit_bytes=kv_memory_limit_bytes, scheduler=scheduler)
     return label, cfg, EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
 
 
@@ -331,8 +358,14 @@ def build_serve_app(
             ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         )
         opts.update(deployment_options or {})
-        handles[model_id] = EngineDeployment.options(**opts).bind(
-            model_id, model_spec, cfg, resolved["dtype"], device, num_threads, resolved.get("dtype_reason")
+        handles[model_id] = EngineDeployment.options(**opts).bind(  # the config crosses Ray typed
+            model_id,
+            model_spec,
+            EngineConfig(**cfg),
+            resolved["dtype"],
+            device,
+            num_threads,
+            resolved.get("dtype_reason"),
         )
         metadata[model_id] = cache_metadata(cfg, budget_tokens, model_spec)
     if tokenizer_spec == "auto":
@@ -440,12 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         help="a step's work: mixed (one token budget, decodes first, then prompt chunks; the default on the paged "
         "layout) or prefill_first (whole prompts, then a decode step; the default on the preallocated layout)",
     )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=EngineConfig.model_fields["max_num_batched_tokens"].default,
-        help="the mixed scheduler's token budget a step",
-    )
+    knobs = engine_knob_flags(p)
     p.add_argument("--kv-memory-limit-bytes", type=int, default=DEFAULT_KV_MEMORY_LIMIT_BYTES, help="per engine")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per engine replica")
     p.add_argument("--replica-cpus", type=float, default=1.0)
@@ -478,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_layout=args.kv_layout,
             budget=args.budget,
             scheduler=args.scheduler,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            **{k: getattr(args, k) for k in knobs},
             dtype=args.dtype,
             device=args.device,
             num_threads=args.num_threads,

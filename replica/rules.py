@@ -24,6 +24,7 @@ __all__ = [
     "checked",
     "check_number",
     "check_fraction",
+    "check_choice",
     "need_one_of",
     "at_most_one",
     "one_line",
@@ -51,6 +52,14 @@ def check_fraction(name: str, value: Any, *, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"{name}: expected a number in (0, 1]{' or null' if optional else ''}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, accepted: Iterable[str]) -> None:
+    """Raise ValueError naming `name` unless `value` is one of `accepted` (``<name>: expected one of a, b, got 'c'``,
+    the form of a pydantic literal's error through `one_line`)."""
+    accepted = tuple(accepted)
+    if not isinstance(value, str) or value not in accepted:
+        raise ValueError(f"{name}: expected one of {', '.join(accepted)}, got {value!r}")
 
 
 def checked(check: Callable[..., None], *args: Any, **kwargs: Any) -> BeforeValidator:

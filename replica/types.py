@@ -2,23 +2,44 @@
 
 Every caller (the engine, the replicas, the load generator, the HTTP client, the Serve app) imports
 them from here, so a request is typed the same at both ends.
+
+`EngineConfig` is declared here once: the serving and frontier suites and `make serve` take its knobs from it
+(`EngineConfig.knobs`: each field's type, check and default), so an engine knob is one field here and its reading
+in the engine. The KV memory limit is one typed value, `KVMemoryLimit` (bytes | fraction of device memory |
+full-cache sequences), resolved to bytes in one place (`KVMemoryLimit.resolve_bytes`).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Mapping
+from typing import Annotated, Any, ClassVar, Iterator, Mapping
 
+import psutil
+import torch
 from pydantic import Field, field_validator, model_validator
 
-from replica.rules import FrozenConfig, at_most_one, check_fraction, check_number, checked, need_one_of
+from replica.rules import (
+    FrozenConfig,
+    PositiveInt,
+    Section,
+    at_most_one,
+    check_choice,
+    check_fraction,
+    check_number,
+    checked,
+    need_one_of,
+)
 from scissorhands import POLICIES, budget_from_ratio
+from scissorhands.batching import sequence_slot_bytes
 from scissorhands.checks import check_int
 
 __all__ = [
     "ConfigError",
     "EngineConfig",
+    "KVMemoryLimit",
+    "device_memory_bytes",
     "GREEDY_BELOW_TEMPERATURE",
     "GenerationRequest",
     "GenerationResult",
@@ -30,19 +51,106 @@ BUDGETS = ("fixed", "per_request")
 SCHEDULERS = ("prefill_first", "mixed")
 _Count = Annotated[int, checked(check_int, 1)]
 _CountOrNone = Annotated[int | None, checked(check_int, 1, optional=True)]
+#: The `EngineConfig` field of each form of `KVMemoryLimit` (at most one given; none: no limit).
+KV_LIMIT_FORMS = {
+    "bytes": "kv_memory_limit_bytes",
+    "fraction": "kv_memory_fraction",
+    "full_sequences": "kv_limit_full_sequences",
+}
 #: The ways to give the engine its KV memory limit (at most one; none: no limit).
-KV_LIMIT_FIELDS = ("kv_memory_limit_bytes", "kv_memory_fraction", "kv_limit_full_sequences")
+KV_LIMIT_FIELDS = tuple(KV_LIMIT_FORMS.values())
+#: The `EngineConfig` fields each point of a suite sets itself (the policy, its budget, the workload's longest
+#: request); every other field is a knob a front door takes from its user (`EngineConfig.knobs`).
+PER_POINT_FIELDS = ("policy", "policy_params", "budget_tokens", "compression_ratio", "max_length_tokens")
+
+
+def _one_of(accepted: tuple[str, ...]) -> Any:
+    """A string field that takes one of `accepted` (``<field>: expected one of a, b, got 'c'``)."""
+    return Annotated[str, checked(check_choice, accepted)]
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of `device` (bytes): the GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return int(psutil.virtual_memory().total)
 
 
 class ConfigError(ValueError):
     """An invalid `EngineConfig`: one line per wrong field, each naming it and what it accepts."""
 
 
+class KVMemoryLimit(Section):
+    """One KV memory limit (a replica's, or a suite's ``kv_memory_limit``): exactly one of
+
+    * ``bytes: N``: an absolute limit, the same bytes in every dtype (so about twice the rows in bfloat16);
+    * ``fraction: F``: F in (0, 1] of the device's memory (the GPU's total, or the machine's RAM);
+    * ``full_sequences: N``: the bytes N full-cache sequences of the workload's longest prompt + output need, in the
+      model's own dtype (``N x length x slot_bytes`` of the full cache preallocating that length per row). A slot
+      holds about twice the bytes in float32 as in bfloat16, so "room for N full sequences" holds whichever dtype
+      ``auto`` picks.
+
+    `resolve_bytes` turns it into bytes (the one place that does); `EngineConfig` carries it as its three fields
+    (`KV_LIMIT_FORMS`: ``kv_memory_limit_bytes``, ``kv_memory_fraction``, ``kv_limit_full_sequences``) and gives it
+    back as `EngineConfig.kv_limit`. Records carry the resolved bytes (``kv_memory_limit_bytes``) and
+    ``kv_limit_full_sequences`` (None for bytes).
+
+    Raises:
+        ValueError (through the suite's or config's loader): none or several of the three, or one out of range.
+    """
+
+    section: ClassVar[str] = "kv_memory_limit"
+    form: ClassVar[str] = (
+        "{full_sequences: N} or {bytes: N} (N a whole number >= 1), or {fraction: F} (F a number in (0, 1])"
+    )
+    full_sequences: PositiveInt | None = None
+    bytes: PositiveInt | None = None
+    fraction: Annotated[float, Field(strict=True, gt=0, le=1, allow_inf_nan=False)] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "KVMemoryLimit":
+        if sum(v is not None for v in (self.full_sequences, self.bytes, self.fraction)) != 1:
+            raise ValueError(
+                "kv_memory_limit: give exactly one of full_sequences (how many full-cache sequences of the suite's "
+                "longest prompt + output it holds, in the run's dtype) or bytes (an absolute limit), each a whole "
+                "number >= 1, or fraction (of the device's memory, a number in (0, 1]); "
+                f"got {self.model_dump(exclude_none=True) or 'neither'}"
+            )
+        return self
+
+    def engine_fields(self) -> dict[str, int | float | None]:
+        """The limit as `EngineConfig`'s three fields (the one given set, the others None)."""
+        return {name: getattr(self, form) for form, name in KV_LIMIT_FORMS.items()}
+
+    def resolve_bytes(self, model, device: torch.device, max_length_tokens: int | None) -> int:
+        """The limit in bytes on `model` (as loaded, so in its dtype) on `device`.
+
+        ``full_sequences``: ``N * max_length_tokens * slot_bytes``, the bytes per slot (all layers, bookkeeping
+        included) of the full cache preallocating `max_length_tokens` per row (`scissorhands.batching.
+        sequence_slot_bytes`); ``fraction``: of `device_memory_bytes`; ``bytes``: as given.
+
+        Raises:
+            ValueError: ``full_sequences`` without `max_length_tokens` >= 1 (the message names it).
+        """
+        if self.bytes is not None:
+            return self.bytes
+        if self.fraction is not None:
+            return int(self.fraction * device_memory_bytes(device))
+        check_int("max_length_tokens", max_length_tokens, 1)
+        return (
+            self.full_sequences * max_length_tokens * sequence_slot_bytes(model, "full", max_length=max_length_tokens)
+        )
+
+
 class EngineConfig(FrozenConfig):
     """What a replica's engine runs: the cache policy and budget, and the memory it may use.
 
     A frozen pydantic model (`replica.rules.FrozenConfig`): ``EngineConfig(**fields)`` validates every
-    field, `model_dump()` gives the mapping back.
+    field, `model_dump()` gives the mapping back; it crosses Ray as this model. It also reads as the mapping of
+    its fields (``cfg["max_batch"]``, ``EngineConfig(**cfg)``), as the dict it replaced did.
+
+    Declared once: every field but `PER_POINT_FIELDS` is a knob that the serving and frontier suites and
+    `make serve` take from here (`knobs`: its type, check and default), so a knob is declared in this class only.
 
     Attributes:
         policy: a key of `scissorhands.POLICIES`.
@@ -56,7 +164,8 @@ class EngineConfig(FrozenConfig):
         kv_limit_full_sequences: else the bytes this many full-cache rows of `max_length_tokens` slots need
             in the model's own dtype (`replica.engine.full_rows_kv_bytes`), resolved when the engine is built,
             so "room for N full sequences" holds in float32 and bfloat16 alike; needs `max_length_tokens`.
-            None of the three: no memory limit; more than one: an error.
+            None of the three: no memory limit; more than one: an error. The three are one typed value,
+            `kv_limit` (a `KVMemoryLimit`), resolved to bytes by `kv_memory_limit_bytes_on`.
         max_batch: most sequences running at once (None: only memory limits).
         kv_layout: ``"preallocated"`` (each row reserves its final length up front, padded to the batch's
             longest row: the paper's setting) or ``"paged"`` (one pool of blocks sized to the memory limit,
@@ -99,10 +208,10 @@ class EngineConfig(FrozenConfig):
     kv_limit_full_sequences: _CountOrNone = None
     max_batch: _CountOrNone = None
     max_prefill_tokens: _Count = 4096
-    kv_layout: str = "preallocated"
-    budget: str = "fixed"
+    kv_layout: _one_of(KV_LAYOUTS) = "preallocated"
+    budget: _one_of(BUDGETS) = "fixed"
     block_tokens: _Count = 16
-    scheduler: str = "prefill_first"
+    scheduler: _one_of(SCHEDULERS) = "prefill_first"
     max_num_batched_tokens: _Count = 512
 
     @field_validator("policy", mode="before")
@@ -119,21 +228,13 @@ class EngineConfig(FrozenConfig):
             raise ValueError(f"policy_params: expected a mapping, got {value!r}")
         return dict(value)
 
-    @field_validator("kv_layout", "budget", "scheduler", mode="before")
-    @classmethod
-    def _one_of(cls, value: Any, info) -> str:
-        accepted = {"kv_layout": KV_LAYOUTS, "budget": BUDGETS, "scheduler": SCHEDULERS}[info.field_name]
-        if value not in accepted:
-            raise ValueError(f"{info.field_name}: expected one of {', '.join(accepted)}, got {value!r}")
-        return value
-
     @model_validator(mode="after")
     def _budget_and_limit(self) -> "EngineConfig":
         at_most_one(self, *KV_LIMIT_FIELDS, what="give one KV memory limit, not several")
         if self.kv_layout == "paged" and all(getattr(self, f) is None for f in KV_LIMIT_FIELDS):
             raise ValueError(
-                "kv_layout: 'paged' sizes its block pool from kv_memory_limit_bytes, kv_memory_fraction or "
-                "kv_limit_full_sequences; give one"
+                "kv_layout: 'paged' sizes its block pool from kv_memory_limit ({full_sequences: N}, {bytes: N} or "
+                "{fraction: F}: kv_memory_limit_bytes, kv_memory_fraction or kv_limit_full_sequences); give one"
             )
         if self.scheduler == "mixed" and self.kv_layout != "paged":
             raise ValueError(
@@ -142,8 +243,8 @@ class EngineConfig(FrozenConfig):
             )
         if self.scheduler == "mixed" and self.max_num_batched_tokens < self.block_tokens:
             raise ValueError(
-                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block ({self.block_tokens} "
-                "tokens, block_tokens); give at least block_tokens"
+                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block (block_tokens: "
+                f"{self.block_tokens}); give at least {self.block_tokens}"
             )
         if self.kv_limit_full_sequences is not None and self.max_length_tokens is None:
             raise ValueError(
@@ -174,6 +275,34 @@ class EngineConfig(FrozenConfig):
         if self.budget_tokens is not None:
             return self.budget_tokens
         return budget_from_ratio(self.max_length_tokens, self.compression_ratio)
+
+    @property
+    def kv_limit(self) -> KVMemoryLimit | None:
+        """The KV memory limit as one typed value (None: no limit)."""
+        given = {form: getattr(self, name) for form, name in KV_LIMIT_FORMS.items() if getattr(self, name) is not None}
+        return KVMemoryLimit(**given) if given else None
+
+    def kv_memory_limit_bytes_on(self, model, device: torch.device) -> int | None:
+        """The KV memory limit in bytes for `model` (its dtype) on `device` (`KVMemoryLimit.resolve_bytes`, rows of
+        `max_length_tokens`); None without a limit."""
+        lim = self.kv_limit
+        return None if lim is None else lim.resolve_bytes(model, device, self.max_length_tokens)
+
+    @classmethod
+    def knobs(cls, exclude: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+        """The fields a front door takes from its user, as `pydantic.create_model` definitions (the type with its
+        check, and the default): every field but `PER_POINT_FIELDS` and `exclude`, in declaration order."""
+        skip = set(PER_POINT_FIELDS) | set(exclude)
+        return {n: (f.annotation, copy.copy(f)) for n, f in cls.model_fields.items() if n not in skip}
+
+    # the mapping it replaced: a caller may read a field by name and spread the config as keyword arguments
+    def keys(self) -> Iterator[str]:
+        return iter(type(self).model_fields)
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in type(self).model_fields:
+            raise KeyError(name)
+        return getattr(self, name)
 
 
 #: A temperature below this samples greedily (vLLM's `_SAMPLING_EPS`): logits / 5e-324 overflow to inf.

@@ -22,7 +22,6 @@ PAGED = {
     "kv_layout": "paged",
     "kv_memory_limit_bytes": DEFAULT_KV_MEMORY_LIMIT_BYTES,
     "scheduler": "mixed",
-    "max_num_batched_tokens": EngineConfig.model_fields["max_num_batched_tokens"].default,
 }
 
 

@@ -21,10 +21,12 @@ kind's model extends `SuiteBase`::
     replicas: 2
     placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
 
-Serving and frontier suites also state one KV memory limit per replica the same way (`KVMemoryLimit`)::
+Serving and frontier suites also state one KV memory limit per replica the same way (`KVMemoryLimit`, the engine's
+own typed limit: `replica.types.KVMemoryLimit`)::
 
     kv_memory_limit: {full_sequences: 4}   # room for 4 full-cache sequences of the suite's longest prompt +
-                                           # longest output, in the run's dtype; or {bytes: 200000000}
+                                           # longest output, in the run's dtype; or {bytes: 200000000}; or
+                                           # {fraction: 0.5} of device memory (serving suites)
 
 Each policy entry is checked by the library's own `scissorhands.policies.get_policy`; budgets expand with
 `SuiteBase.budgets` and the library's formula (`scissorhands.budget_from_ratio`). Every error is a `SuiteError`
@@ -53,7 +55,8 @@ from pydantic import (
 )
 
 from cluster.placement import PlacementConfig, parse_placement
-from replica.rules import NonNegativeInt, PositiveInt, Section, one_line
+from replica.rules import NonNegativeInt, PositiveInt, one_line
+from replica.types import KVMemoryLimit  # noqa: F401 - the suites' `kv_memory_limit`, re-exported where it was
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy
@@ -113,35 +116,6 @@ class PolicySpec(BaseModel):
         if not self.params:
             return self.name
         return f"{self.name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
-
-
-class KVMemoryLimit(Section):
-    """One KV memory limit per replica (``kv_memory_limit`` of serving and frontier suites): exactly one of
-
-    * ``full_sequences: N``: the bytes N full-cache sequences of the suite's lengths need, resolved on the replica
-      in the dtype the run resolved (`replica.engine.full_rows_kv_bytes`: ``N x (prompt + output) x slot_bytes`` of
-      the full cache preallocating prompt + output per row; the longest prompt + the longest output for a suite
-      with length distributions). A slot holds about twice the bytes in float32 as in bfloat16, so "room for N full
-      sequences" stays true whichever dtype ``auto`` picks;
-    * ``bytes: N``: an absolute limit, the same bytes in every dtype (so about twice the rows in bfloat16).
-
-    Records carry the resolved bytes (``kv_memory_limit_bytes``) and ``kv_limit_full_sequences`` (None for bytes).
-    """
-
-    section: ClassVar[str] = "kv_memory_limit"
-    form: ClassVar[str] = "{full_sequences: N} or {bytes: N} (N a whole number >= 1)"
-    full_sequences: PositiveInt | None = None
-    bytes: PositiveInt | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> "KVMemoryLimit":
-        if (self.full_sequences is None) == (self.bytes is None):
-            raise ValueError(
-                "kv_memory_limit: give exactly one of full_sequences (how many full-cache sequences of the suite's "
-                "longest prompt + output it holds, in the run's dtype) or bytes (an absolute limit), each a whole "
-                f"number >= 1; got {self.model_dump(exclude_none=True) or 'neither'}"
-            )
-        return self
 
 
 def _placement(value: Any) -> PlacementConfig:

@@ -53,12 +53,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt, Section
-from replica.types import EngineConfig
+from replica.types import KV_LIMIT_FIELDS, EngineConfig, KVMemoryLimit
 from workloads.core.suite import (
-    KVMemoryLimit,
     SuiteBase,
     SuiteError,
     budget_tag,
@@ -100,10 +99,16 @@ class FrontierPoint:
     budget_tokens: ClassVar[None] = None
 
 
+#: What a capacity point's search fixes (`FrontierSuite.capacity_suite`): the engine people serve with.
+_SEARCH_ENGINE = {"kv_layout": "paged", "budget": "per_request", "scheduler": "mixed"}
+#: The engine's other knobs, declared once in `replica.types.EngineConfig` (types, checks, defaults), as suite
+#: fields passed to the search (the KV limit is the suite's `kv_memory_limit`).
+_ENGINE_KNOBS = EngineConfig.knobs(exclude=(*_SEARCH_ENGINE, *KV_LIMIT_FIELDS))
 #: The frontier fields only ``throughput: capacity`` uses.
-_CAPACITY_FIELDS = ("capacity", "slo", "num_requests", "warmup_requests", "max_num_batched_tokens")
-#: The settings of a capacity point's search that change its numbers (part of its id); the rest follow from the
-#: point's own fields.
+_CAPACITY_FIELDS = ("capacity", "slo", "num_requests", "warmup_requests", *_ENGINE_KNOBS)
+#: The settings of a capacity point's search that change its numbers (part of its id, with the engine knobs set off
+#: their defaults); the rest follow from the point's own fields. The token budget a step is in every id: it was the
+#: one knob before the others came from `EngineConfig`.
 _CAPACITY_IDENTITY = (
     "mode",
     "kv_layout",
@@ -137,8 +142,9 @@ class QualityGate(Section):
         return value
 
 
-class FrontierSuite(SuiteBase):
-    """A validated frontier suite (see the module docstring for the YAML form)."""
+class FrontierSuite(create_model("_FrontierKnobs", __base__=SuiteBase, __module__=__name__, **_ENGINE_KNOBS)):
+    """A validated frontier suite (see the module docstring for the YAML form); the engine knobs of its capacity
+    search are `replica.types.EngineConfig`'s own fields (`EngineConfig.knobs`)."""
 
     kind: Literal["frontier"]
     name: Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]
@@ -152,7 +158,6 @@ class FrontierSuite(SuiteBase):
     slo: SLO = DEFAULT_SLO
     num_requests: PositiveInt = 32
     warmup_requests: NonNegativeInt = 1
-    max_num_batched_tokens: PositiveInt = EngineConfig.model_fields["max_num_batched_tokens"].default
 
     _policies_default: ClassVar[str | None] = "all"
 
@@ -162,6 +167,15 @@ class FrontierSuite(SuiteBase):
             raise SuiteError(
                 "budget_tokens: frontier suites compress by compression_ratios (B = ceil((prompt_tokens "
                 "+ new_tokens) / ratio) in both measurements)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_limit_for_every_dtype(self) -> "FrontierSuite":
+        if self.kv_memory_limit.fraction is not None:
+            raise SuiteError(
+                "kv_memory_limit: a frontier point states its limit as {full_sequences: N} or {bytes: N} (N a whole "
+                f"number >= 1), not a fraction of device memory; got {self.kv_memory_limit.model_dump(exclude_none=True)}"
             )
         return self
 
@@ -200,10 +214,8 @@ class FrontierSuite(SuiteBase):
             prompt_tokens=self.prompt_tokens,
             new_tokens=self.new_tokens,
             kv_memory_limit=lim.model_dump(exclude_none=True),
-            kv_layout="paged",
-            budget="per_request",
-            scheduler="mixed",
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            **_SEARCH_ENGINE,
+            **{k: getattr(self, k) for k in _ENGINE_KNOBS},
             num_requests=self.num_requests,
             warmup_requests=self.warmup_requests,
             arrival="poisson",
@@ -239,6 +251,9 @@ class FrontierSuite(SuiteBase):
                 if self.throughput == "capacity":  # max_batch points keep the ids they had before this axis
                     serving = self.capacity_suite(pol, ratio)
                     ident["capacity_search"] = {k: serving[k] for k in _CAPACITY_IDENTITY}
+                    ident["capacity_search"].update(  # a knob off its default (ids without it stay as they were)
+                        {k: serving[k] for k, (_, f) in _ENGINE_KNOBS.items() if serving[k] != f.default}
+                    )
                     limit_tag += "-cap"
                 tag = (
                     f"frontier-{pol.tag()}{budget_tag(ratio, None)}-p{self.prompt_tokens}-n{self.new_tokens}-"

@@ -63,13 +63,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, create_model, model_validator
 
 from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt, at_most_one
-from replica.types import BUDGETS, KV_LAYOUTS, SCHEDULERS, EngineConfig
+from replica.types import ConfigError, EngineConfig, KVMemoryLimit
 from scissorhands import POLICIES
 from workloads.core.suite import (
-    KVMemoryLimit,
     Name,
     SuiteBase,
     SuiteError,
@@ -143,8 +142,28 @@ Length = Annotated[LengthDist, PlainValidator(_lengths), PlainSerializer(LengthD
 Load = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-class ServingSuite(SuiteBase):
-    """A validated serving suite (see the module docstring for the YAML form)."""
+#: The engine's knobs as suite fields, declared once in `replica.types.EngineConfig` (types, checks, defaults):
+#: `kv_memory_limit_bytes` (the older spelling of ``kv_memory_limit: {bytes: N}``), `kv_memory_fraction`, `max_batch`,
+#: the layout, budget and scheduler and their sizes; ``full_sequences`` is only spelled as ``kv_memory_limit``.
+_EngineKnobs = create_model(
+    "_EngineKnobs", __base__=SuiteBase, __module__=__name__, **EngineConfig.knobs(exclude=("kv_limit_full_sequences",))
+)
+#: The knobs whose value is in every point's id at its default too (they were suite fields before the others).
+_KNOBS_ALWAYS_IN_ID = (
+    "kv_memory_limit_bytes",
+    "kv_memory_fraction",
+    "max_batch",
+    "max_prefill_tokens",
+    "kv_layout",
+    "block_tokens",
+    "budget",
+)
+
+
+class ServingSuite(_EngineKnobs):
+    """A validated serving suite (see the module docstring for the YAML form); its engine knobs are
+    `replica.types.EngineConfig`'s own fields (`EngineConfig.knobs`), and every point's `EngineConfig` is built
+    when the suite loads, so a bad combination fails the suite, not a point."""
 
     kind: Literal["serving"]
     mode: Literal[SERVING_MODES]
@@ -152,18 +171,6 @@ class ServingSuite(SuiteBase):
     new_tokens: Length
     loads: tuple[Load, ...] = ()
     kv_memory_limit: KVMemoryLimit | None = None
-    kv_memory_limit_bytes: PositiveInt | None = None  # the older spelling of kv_memory_limit: {bytes: N}
-    kv_memory_fraction: Annotated[float, Field(gt=0, le=1)] | None = None
-    max_batch: PositiveInt | None = None
-    max_prefill_tokens: PositiveInt = EngineConfig.model_fields["max_prefill_tokens"].default
-    # KV memory: rows reserve their final length (preallocated, the paper's setting) or take blocks as they grow
-    kv_layout: Literal[KV_LAYOUTS] = "preallocated"
-    block_tokens: PositiveInt = EngineConfig.model_fields["block_tokens"].default
-    # budgeted policies: one B for every request (fixed) or B_i = ceil((prompt_i + max_new_i) / ratio)
-    budget: Literal[BUDGETS] = "fixed"
-    # a step: whole prompts, then a decode (prefill_first), or one token budget, decodes first, then prompt chunks
-    scheduler: Literal[SCHEDULERS] = "prefill_first"
-    max_num_batched_tokens: PositiveInt = EngineConfig.model_fields["max_num_batched_tokens"].default
     num_requests: PositiveInt | None = None
     duration_s: PositiveFloat | None = None
     warmup_requests: NonNegativeInt = 1
@@ -195,9 +202,11 @@ class ServingSuite(SuiteBase):
     @property
     def kv_limit(self) -> KVMemoryLimit | None:
         """The suite's KV memory limit however it is spelled (`kv_memory_limit`, or the older
-        `kv_memory_limit_bytes`); None without one (or with `kv_memory_fraction`)."""
+        `kv_memory_limit_bytes` and `kv_memory_fraction`), one typed value; None without one."""
         if self.kv_memory_limit_bytes is not None:
             return KVMemoryLimit(bytes=self.kv_memory_limit_bytes)
+        if self.kv_memory_fraction is not None:
+            return KVMemoryLimit(fraction=self.kv_memory_fraction)
         return self.kv_memory_limit
 
     def budget_lengths(self) -> list[int]:
@@ -259,45 +268,47 @@ class ServingSuite(SuiteBase):
             what="give one KV memory limit: kv_memory_limit ({full_sequences: N} or {bytes: N}), its older form "
             "kv_memory_limit_bytes, or kv_memory_fraction",
         )
-        if self.kv_layout == "paged" and self.kv_limit is None and self.kv_memory_fraction is None:
-            raise SuiteError(
-                "kv_layout: 'paged' sizes its block pool from kv_memory_limit ({full_sequences: N} or {bytes: N}) "
-                "or kv_memory_fraction"
-            )
-        if self.scheduler == "mixed" and self.kv_layout != "paged":
-            raise SuiteError("scheduler: 'mixed' feeds prompts in chunks of KV blocks; it needs kv_layout: 'paged'")
-        if self.scheduler == "mixed" and self.max_num_batched_tokens < self.block_tokens:
-            raise SuiteError(
-                f"max_num_batched_tokens: {self.max_num_batched_tokens} is below one block (block_tokens: "
-                f"{self.block_tokens}); give at least {self.block_tokens}"
-            )
         if self.budget == "per_request" and self.budget_tokens:
             raise SuiteError(
                 "budget: 'per_request' computes each request's budget from compression_ratios; drop budget_tokens"
             )
-        for p in self.points():  # every point's load config must be valid now, not mid-sweep
+        for p in self.points():  # every point's engine and load configs must be valid now, not mid-sweep
+            try:  # the engine's own rules (replica.types.EngineConfig), written once
+                self.engine_config(p)
+            except ConfigError as e:
+                raise SuiteError(str(e)) from None
             self.load_config(p, max_batch=1)
         return self
 
     def identity(self) -> dict:
         """Suite-level settings that change a serving point's numbers (the load axis aside)."""
-        keep = set(type(self).model_fields) - {
-            "kind",
-            "name",
-            "description",
-            "policies",
-            "compression_ratios",
-            "budget_tokens",
-            "loads",
-            "replicas",
-            "placement",
-            "saturation",
-            "kv_memory_limit",
-            "slo",
-            "scheduler",
-            "max_num_batched_tokens",
-            "capacity",  # a probe's numbers depend on its rate, not on the search that picked it
+        knobs = set(EngineConfig.model_fields) - set(_KNOBS_ALWAYS_IN_ID)
+        # a knob added to EngineConfig after these ids were written joins a point's id only when set off its default
+        # (the ids of suites written before it stay as they were)
+        moved = {
+            k for k in knobs & set(type(self).model_fields) if getattr(self, k) == type(self).model_fields[k].default
         }
+        keep = (
+            set(type(self).model_fields)
+            - moved
+            - {
+                "kind",
+                "name",
+                "description",
+                "policies",
+                "compression_ratios",
+                "budget_tokens",
+                "loads",
+                "replicas",
+                "placement",
+                "saturation",
+                "kv_memory_limit",
+                "slo",
+                "scheduler",
+                "max_num_batched_tokens",
+                "capacity",  # a probe's numbers depend on its rate, not on the search that picked it
+            }
+        )
         ident = self.model_dump(include=keep, mode="json")
         # the SLO changes a point's attainment and goodput: a non-default one is part of its identity, the default
         # adds nothing (the ids of suites written before `slo:` stay as they were)
@@ -310,8 +321,9 @@ class ServingSuite(SuiteBase):
         lim = self.kv_limit
         if lim is not None and lim.bytes is not None:
             ident["kv_memory_limit_bytes"] = lim.bytes
-        elif lim is not None:
+        elif lim is not None and lim.full_sequences is not None:
             ident["kv_limit_full_sequences"] = lim.full_sequences
+        ident["kv_memory_fraction"] = lim.fraction if lim is not None else None  # a key ids always had
         return ident
 
     def points(self) -> list[ServingPoint]:
@@ -340,26 +352,25 @@ class ServingSuite(SuiteBase):
                     )
         return out
 
-    def engine_config(self, point: ServingPoint) -> dict:
-        """`replica.types.EngineConfig` fields for `point`."""
-        return dict(
+    def engine_config(self, point: ServingPoint) -> EngineConfig:
+        """`point`'s `replica.types.EngineConfig`: the suite's knobs and KV limit, the point's policy and budget.
+
+        Raises:
+            ConfigError: a combination the engine refuses (the message names the field and what it accepts);
+                `_mode_needs` builds every point's when the suite loads.
+        """
+        fields = {k: getattr(self, k) for k in EngineConfig.knobs() if k in type(self).model_fields}
+        lim = self.kv_limit
+        fields.update(lim.engine_fields() if lim is not None else {})  # full_sequences resolves on the replica
+        fields.update(
             policy=point.policy,
             policy_params=dict(point.policy_params),
             budget_tokens=point.budget_tokens,
             compression_ratio=point.compression_ratio,
-            # full_sequences resolves on the replica (the model in the run's dtype), rows of max_length_tokens
-            kv_memory_limit_bytes=self.kv_limit.bytes if self.kv_limit else None,
-            kv_limit_full_sequences=self.kv_limit.full_sequences if self.kv_limit else None,
-            kv_memory_fraction=self.kv_memory_fraction,
-            max_batch=self.max_batch,
-            max_prefill_tokens=self.max_prefill_tokens,
             max_length_tokens=self.max_length_tokens,
-            kv_layout=self.kv_layout,
-            block_tokens=self.block_tokens,
             budget=self.budget if POLICIES[point.policy].evicts else "fixed",
-            scheduler=self.scheduler,
-            max_num_batched_tokens=self.max_num_batched_tokens,
         )
+        return EngineConfig(**fields)
 
     def workload_seed(self, point: ServingPoint) -> int:
         """The seed of `point`'s requests and arrival times: the suite's `seed` and the point's load (its
