@@ -292,7 +292,7 @@ def serve_engine_config(
 ) -> tuple[str, dict, int | None]:
     """One `--cache` spec -> (label, EngineConfig fields, fixed budget or None): `parse_cache`'s fields plus the
     KV layout and memory limit every cache of the service shares, and `knobs`, any other field of
-    `replica.types.EngineConfig` (``max_num_batched_tokens=1024``; one not given keeps EngineConfig's default).
+    `replica.types.EngineConfig` (``block_tokens=32``; one not given keeps EngineConfig's default).
     The default is the engine people serve with: the paged layout (blocks taken as a sequence grows, the newest
     sequence preempted when the pool runs out), a ratio's budget per request, and on it the mixed scheduler (one
     token budget a step: decodes first, then prompt chunks; `scheduler` None picks mixed on the paged layout,

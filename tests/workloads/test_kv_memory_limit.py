@@ -168,7 +168,10 @@ LIMIT_ERRORS = [
     ({"bytes": 0}, r"kv_memory_limit.bytes: Input should be greater than or equal to 1, got 0"),
     ({"full_sequences": 2.5}, r"kv_memory_limit.full_sequences: Input should be a valid integer"),
     ({"rows": 4}, r"kv_memory_limit.rows: unknown key"),
-    (4, r"kv_memory_limit: expected \{full_sequences: N\} or \{bytes: N\} \(N a whole number >= 1\), or \{fraction: F\} .*got 4"),
+    (
+        4,
+        r"kv_memory_limit: expected \{full_sequences: N\} or \{bytes: N\} \(N a whole number >= 1\), or \{fraction: F\} .*got 4",
+    ),
 ]
 
 

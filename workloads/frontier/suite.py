@@ -23,7 +23,9 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
       resolution: 0.25
     slo: {ttft_s: 2.0, tpot_s: 0.1}   # capacity: the latency limits every request is judged by (`workloads.load.slo`)
     num_requests: 32             # capacity: measured requests a probe (after warmup_requests: 1)
-    max_num_batched_tokens: 512  # capacity: the mixed scheduler's token budget a step
+    max_num_batched_tokens: 512  # capacity: the mixed scheduler's token budget a step; like block_tokens, max_batch
+                                 #   and max_prefill_tokens, an engine knob of `replica.types.EngineConfig`
+                                 #   (declared there once: `EngineConfig.knobs`; off its default it joins the ids)
     quality_gate:                # the report's gate (`workloads.frontier.gate`); not part of a point's identity:
       max_perplexity_increase: 0.01  # pass at perplexity <= the full cache's x (1 + this); a number > 0
 

@@ -12,7 +12,7 @@ from typing import Callable, Protocol
 from cluster.replica_set import ServeReplicaSet, app_name_for
 from cluster.serve_app import EngineDeployment
 from replica.continuous import ServingReplica
-from replica.types import GenerationRequest, GenerationResult
+from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from workloads.load.driver import error_kind
 from workloads.load.http_client import API_KEY_ENVS, OpenAIHTTPClient, env_api_key
 
@@ -39,7 +39,7 @@ class ReplicaPool(Protocol):
     HTTP server): `client()` is the one load-generator client of them all (the routing is theirs)."""
 
     def start(self) -> list[dict]: ...
-    def configure(self, engine_config: dict, run_id: str | None = None) -> None: ...
+    def configure(self, engine_config: EngineConfig, run_id: str | None = None) -> None: ...
     def client(self): ...
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
     def stats(self, reset: bool = False) -> list[dict]: ...
@@ -73,7 +73,7 @@ class LocalReplicaPool:
         self.replica = ServingReplica(replica_id="local-0", model=self.model, **self.kwargs)
         return [self.replica.info()]
 
-    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
+    def configure(self, engine_config: EngineConfig, run_id: str | None = None) -> None:
         self.replica.configure(engine_config, run_id)
 
     def client(self):
@@ -182,7 +182,7 @@ class ServeReplicaPool:
         self._client = ServeClient(handle)
         return [handle.info.remote().result()]
 
-    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
+    def configure(self, engine_config: EngineConfig, run_id: str | None = None) -> None:
         self.rset.broadcast("configure", engine_config, run_id)
         self._client = ServeClient(self.rset.handle)
 
@@ -253,7 +253,7 @@ class HTTPTargetPool:
         self.metadata = next(m for m in served if m.get("id") == self.model).get("metadata") or {}
         return [{"replica_id": self.target, "served_model": self.model, **self.metadata}]
 
-    def configure(self, engine_config: dict, run_id: str | None = None) -> None:
+    def configure(self, engine_config: EngineConfig, run_id: str | None = None) -> None:
         pass
 
     def client(self):

@@ -16,7 +16,7 @@ names the load::
     new_tokens: {dist: uniform, min: 16, max: 64}        # output length, as in every suite and record
     kv_memory_limit: {full_sequences: 4}   # per replica: room for 4 full-cache sequences of the longest prompt +
                                   #   the longest output, in the run's dtype; or {bytes: 200000000};
-                                  #   or kv_memory_fraction: 0.5 (of device memory)
+                                  #   or {fraction: 0.5} (of device memory; older: kv_memory_fraction: 0.5)
     max_batch: 64                 # most running sequences per replica
     kv_layout: preallocated       # or paged: one block pool of the limit, blocks taken as sequences grow
     block_tokens: 16              # paged: slots per block
@@ -39,7 +39,11 @@ names the load::
     replicas: 1
 
 The shared fields (model, policies, budgets, seed, replicas, placement) and their checks are
-`workloads.core.suite.SuiteBase`'s; `kv_memory_limit` is `workloads.core.suite.KVMemoryLimit`, the frontier's:
+`workloads.core.suite.SuiteBase`'s. The engine's knobs (`max_batch` to `max_num_batched_tokens` above) are
+`replica.types.EngineConfig`'s own fields, declared there once (`EngineConfig.knobs`), and every point's
+`EngineConfig` is built when the suite loads (`engine_config`), so a combination the engine refuses fails the suite
+(exit 2, the engine's message naming the field), not a point. `kv_memory_limit` is `replica.types.KVMemoryLimit`,
+the engine's typed limit and the frontier's:
 ``full_sequences`` resolves on each replica (`replica.engine.full_rows_kv_bytes`, the model in the run's dtype)
 to the bytes of that many full-cache rows of ``max(prompt_tokens) + max(new_tokens)`` (the longest prompt plus
 the longest output, what one preallocated full row reserves), so its rows are the same in float32 and bfloat16.
