@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 import yaml
+from ray import cloudpickle
 
 from cluster import serve_app
 from cluster.serve_app import SERVE_SETS, engine_knob_flags, main
@@ -126,6 +127,8 @@ def test_every_point_gets_a_typed_engine_config_that_reads_as_the_mapping_it_rep
     assert cfgs[1]["compression_ratio"] == 5 and EngineConfig(**cfgs[1]) == cfgs[1]
     with pytest.raises(KeyError):
         cfgs[0]["colour"]
+    # what Ray does to a call's arguments: the same typed config arrives
+    assert cloudpickle.loads(cloudpickle.dumps(cfgs[1])) == cfgs[1]
 
 
 def test_a_generated_serve_flag_reaches_every_engine_and_a_bad_one_exits_2(monkeypatch, capsys):
