@@ -313,6 +313,18 @@ def peer_runs(args, limit_bytes: int, eviction: dict) -> dict[str, dict]:
     }
 
 
+def peer_job(args, requests: list[dict], runs: list[dict]) -> dict:
+    """The job ``bench/peer_openvino.py`` runs: the same request set, threads and dtype as ours, and ``runs``."""
+    return {
+        "model_dir": str(args.peer_model),
+        "threads": args.threads,
+        "inference_precision": OV_PRECISION[args.dtype],
+        "block_tokens": args.peer_block_tokens,
+        "requests": requests,
+        "runs": runs,
+    }
+
+
 def run_ours(model, fields: dict, requests: list[GenerationRequest]) -> dict:
     """One of our rows alone: a 2-token warm-up, then every request submitted at once and stepped until idle.
     Never raises: a failure is the row's ``error``; a failed request fails only itself."""
@@ -442,15 +454,7 @@ def main(argv=None) -> int:
             run = {**runs[key], "label": f"{runs[key]['label']} [{limit}]"}
             peer_rows.append((key, limit, runs[key]["label"], run))
     if peer_rows and peer_error is None:
-        job = {
-            "model_dir": str(args.peer_model),
-            "threads": args.threads,
-            "inference_precision": OV_PRECISION[args.dtype],
-            "block_tokens": blk,
-            "requests": requests,
-            "runs": [run for *_, run in peer_rows],
-        }
-        peer = run_peer(args, job)
+        peer = run_peer(args, peer_job(args, requests, [run for *_, run in peer_rows]))
         versions = peer["versions"] or versions
         for key, limit, label, run in peer_rows:
             rows.append(
