@@ -191,7 +191,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = parser(
         "bench_peers",
         __doc__,
-        "about 15 minutes with --threads 2 on an idle machine (the peer's venv and export already made)",
+        "an estimated 10 minutes with --threads 2 on an idle machine (from the rates measured before; the peer's venv "
+        "and export made: making them adds about 3 minutes)",
     )
     p.add_argument("--model", default=EMBEDDED, help="ours: embedded, a local folder (tiny-llama: test only)")
     p.add_argument("--requests", type=int, default=32, help="requests (the same ids for every row)")
@@ -246,13 +247,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_peer(peer_python: str, peer_model: str) -> dict:
     """The peer's versions (``--probe``), or PeerUnavailable naming the step that failed and the command that
-    redoes it: the virtualenv (absent, its build unfinished, or openvino_genai not importable) or the export."""
+    redoes it: the virtualenv (absent, not a virtualenv, its build unfinished, or openvino_genai not importable) or
+    the export (a file missing). The redo never deletes a folder: it removes the make target's stamp (``.installed``
+    of the venv, ``.exported`` of the export), so ``make openvino-peer`` runs that step again over what is there."""
     py = Path(peer_python)
     venv = py.parent.parent
+    where = f"(make openvino-peer makes {DEFAULT_PEER_PYTHON.relative_to(REPO_ROOT)})"
     if not py.exists():
-        raise PeerUnavailable(f"step 'venv': {py} does not exist; redo: {REDO}")
-    if venv.joinpath("pyvenv.cfg").exists() and not venv.joinpath(".installed").exists():
-        raise PeerUnavailable(f"step 'venv': the build of {venv} did not finish; redo: rm -rf {venv} && {REDO}")
+        raise PeerUnavailable(f"step 'venv': {py} does not exist; redo: {REDO} {where}")
+    if not venv.joinpath("pyvenv.cfg").exists():
+        raise PeerUnavailable(f"step 'venv': {py} is not the python of a virtualenv; redo: {REDO} {where}")
+    if not venv.joinpath(".installed").exists():
+        raise PeerUnavailable(f"step 'venv': the build of {venv} did not finish (no .installed); redo: {REDO}")
+    rebuild = f"rm -f {venv / '.installed'} && {REDO}"
     try:
         done = subprocess.run(
             [str(py), str(PEER_SCRIPT), "--probe", str(peer_model)],
@@ -262,12 +269,14 @@ def check_peer(peer_python: str, peer_model: str) -> dict:
             env=_peer_env(),
         )
     except (OSError, subprocess.SubprocessError) as e:
-        raise PeerUnavailable(f"step 'venv': {py} does not run ({e}); redo: rm -rf {venv} && {REDO}") from e
+        raise PeerUnavailable(f"step 'venv': {py} does not run ({e}); redo: {rebuild}") from e
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        step, redo = ("export", f"rm -rf {peer_model} && {REDO}") if "model folder" in said else ("venv", None)
-        redo = redo or f"rm -rf {venv} && {REDO}"
-        raise PeerUnavailable(f"step '{step}': {said}; redo: {redo}")
+        if "model folder" in said:
+            export = DEFAULT_PEER_MODEL.relative_to(REPO_ROOT)
+            redo = f"rm -f {Path(peer_model) / '.exported'} && {REDO} (it exports to {export})"
+            raise PeerUnavailable(f"step 'export': {said}; redo: {redo}")
+        raise PeerUnavailable(f"step 'venv': {said}; redo: {rebuild}")
     return json.loads(done.stdout)["versions"]
 
 

@@ -183,20 +183,33 @@ def _fake_venv(tmp_path: Path, script: str | None, installed: bool = True) -> Pa
 def test_check_peer_names_the_failed_step_and_its_redo(tmp_path):
     py = _fake_venv(tmp_path, None, installed=False)
     with pytest.raises(
-        PeerUnavailable, match=r"step 'venv': the build of .* did not finish; redo: rm -rf .*make openvino-peer"
+        PeerUnavailable,
+        match=r"step 'venv': the build of .* did not finish \(no .installed\); redo: make openvino-peer",
     ):
         check_peer(str(py), str(tmp_path))
     (tmp_path / "venv" / ".installed").touch()
     with pytest.raises(
-        PeerUnavailable, match=r"step 'venv': cannot import openvino_genai.*redo: rm -rf .*venv && make"
+        PeerUnavailable,
+        match=r"step 'venv': cannot import openvino_genai.*redo: rm -f .*venv/.installed && make openvino-peer",
     ):
         check_peer(str(py), str(tmp_path))
+
+
+def test_check_peer_refuses_a_python_outside_a_virtualenv(tmp_path):
+    py = tmp_path / "bin" / "python"
+    py.parent.mkdir()
+    py.symlink_to(sys.executable)
+    with pytest.raises(
+        PeerUnavailable, match=r"step 'venv': .* is not the python of a virtualenv; redo: make openvino"
+    ):
+        check_peer(str(py), "/m")
 
 
 def test_check_peer_blames_the_export_when_the_model_folder_is_incomplete(tmp_path):
     py = _fake_venv(tmp_path / "a", 'echo "the exported model folder $4 lacks openvino_model.xml" >&2; exit 3\n')
     with pytest.raises(
-        PeerUnavailable, match=r"step 'export': .*lacks openvino_model.xml; redo: rm -rf /m && make openvino-peer"
+        PeerUnavailable,
+        match=r"step 'export': .*lacks openvino_model.xml; redo: rm -f /m/.exported && make openvino-peer",
     ):
         check_peer(str(py), "/m")
     ok = _fake_venv(tmp_path / "b", 'echo \'{"versions": {"openvino-genai": "9"}}\'\n')
