@@ -37,6 +37,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -367,29 +368,37 @@ def run_ours(model, fields: dict, requests: list[GenerationRequest]) -> dict:
 
 
 def run_peer(args, job: dict) -> dict[str, dict]:
-    """Every peer run of ``job`` in one process of the peer's virtualenv; label -> its result. Its stderr is passed
-    through; a run the process never reported (it crashed or timed out) comes back failed with its last words."""
+    """Every peer run of ``job`` in one process of the peer's virtualenv, at most ``--peer-timeout-s``; label -> its
+    result. Its stderr is passed through; a run the process never reported (it crashed, or was killed at the
+    timeout) comes back failed with the process's last words."""
     with tempfile.TemporaryDirectory() as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job_path.write_text(json.dumps(job))
         tail: deque[str] = deque(maxlen=5)
         cmd = [args.peer_python, str(PEER_SCRIPT), str(job_path), str(out_path)]
         proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=_peer_env())
-        deadline = time.monotonic() + args.peer_timeout_s
-        for line in proc.stderr:
-            sys.stderr.write(line)
-            tail.append(line.rstrip())
-            if time.monotonic() > deadline:
-                proc.kill()
-                tail.append(f"killed after --peer-timeout-s {args.peer_timeout_s:g}")
-                break
-        rc = proc.wait()
+        reader = threading.Thread(target=_echo, args=(proc.stderr, tail), daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=args.peer_timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            tail.append(f"killed after --peer-timeout-s {args.peer_timeout_s:g}")
+        reader.join(timeout=5)
         doc = json.loads(out_path.read_text()) if out_path.exists() else {"runs": {}}
     runs = doc["runs"]
     why = f"the peer process exited {rc} before this run: {' | '.join(tail) or 'no message'}"
     for run in job["runs"]:
         runs.setdefault(run["label"], {"ok": False, "error": why, "requests": {}})
     return {"versions": doc.get("versions", {}), "runs": runs}
+
+
+def _echo(stream, tail: deque) -> None:
+    """Copy the peer's stderr to ours line by line, keeping the last lines in ``tail``."""
+    for line in stream:
+        sys.stderr.write(line)
+        tail.append(line.rstrip())
 
 
 def _peer_row(result: dict) -> dict:
@@ -415,12 +424,74 @@ def load_ours(args):
     return load_model(args.model, dtype=dtype)
 
 
+def plan(args, model, tokenizer) -> dict:
+    """What every row runs: ``requests`` (the one set), ``shape`` (their lengths), ``slot_bytes`` (a full-cache slot
+    of ours), ``limit_bytes`` (``none`` and ``limit``) and the peer's ``eviction`` (its ``max_cache_size`` nearest
+    our budgets unless ``--eviction-cache-tokens``)."""
+    shape = lengths(args.requests, args.prompt_tokens, args.new_tokens, args.seed)
+    requests = request_set(tokenizer, int(model.config.vocab_size), shape, args.seed)
+    slot_bytes = full_rows_kv_bytes(model, 1, 1)
+    blk = args.peer_block_tokens
+    room = sum(-(-(p + n) // blk) * blk for p, n in shape)  # every request whole, in the peer's blocks
+    smallest = args.eviction_start_tokens + args.eviction_recent_tokens + blk
+    cap = args.eviction_cache_tokens or eviction_cache_tokens(
+        [p + n for p, n in shape], budgets(requests, args.ratio), blk, smallest
+    )
+    return {
+        "requests": requests,
+        "shape": shape,
+        "slot_bytes": slot_bytes,
+        "limit_bytes": {"none": room * slot_bytes, "limit": args.kv_limit_slots * slot_bytes},
+        "eviction": {
+            "start_size": args.eviction_start_tokens,
+            "recent_size": args.eviction_recent_tokens,
+            "max_cache_size": cap,
+            "aggregation_mode": args.eviction_aggregation,
+        },
+    }
+
+
+def measure_ours(args, model, the: dict) -> list[dict]:
+    """Our rows, each limit in turn, one row at a time."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    ours, rows = our_requests(the["requests"]), []
+    for limit in args.limits:
+        limit_bytes = the["limit_bytes"][limit]
+        configs = our_configs(args, limit_bytes, head_dim)
+        for key in [k for k in OURS if k in args.rows]:
+            label, fields = configs[key]
+            r = run_ours(model, fields, ours)
+            rows.append({"key": key, "label": label, "limit": limit, "kv_limit_bytes": limit_bytes, **r})
+            said = f"{r['output_tok_per_s']:.1f} output tok/s" if r["ok"] else f"FAILED: {r['error']}"
+            print(f"bench-peers: {label} (KV limit {limit}): {said}", file=sys.stderr, flush=True)
+    return rows
+
+
+def measure_peer(args, the: dict, peer_error: str | None) -> tuple[list[dict], dict]:
+    """The peer's rows (all in one process of its venv) and its versions; rows marked ``not_run`` with
+    ``peer_error`` when the peer cannot run."""
+    planned = []
+    for limit in args.limits:
+        runs = peer_runs(args, the["limit_bytes"][limit], the["eviction"])
+        for key in [k for k in PEERS if k in args.rows]:
+            row = {"key": key, "label": runs[key]["label"], "limit": limit, "kv_limit_bytes": the["limit_bytes"][limit]}
+            planned.append((row, {**runs[key], "label": f"{runs[key]['label']} [{limit}]"}))
+    if not planned:
+        return [], {}
+    if peer_error is not None:
+        return [
+            {**row, "ok": False, "not_run": True, "error": peer_error, "output_tok_per_s": None} for row, _ in planned
+        ], {}
+    peer = run_peer(args, peer_job(args, the["requests"], [run for _, run in planned]))
+    return [{**row, **_peer_row(peer["runs"][run["label"]])} for row, run in planned], peer["versions"]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    want_peer = [k for k in args.rows if k in PEERS]
     peer_error, versions = None, {}
-    if want_peer:
+    if any(k in PEERS for k in args.rows):
         try:
             versions = check_peer(args.peer_python, args.peer_model)
         except PeerUnavailable as e:
@@ -428,61 +499,18 @@ def main(argv=None) -> int:
             print(f"bench-peers: the peer cannot run: {peer_error}", file=sys.stderr)
     model, tokenizer = load_ours(args)
     model.generation_config.eos_token_id = None  # EOS ignored: every request runs to its max_new_tokens
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = lengths(args.requests, args.prompt_tokens, args.new_tokens, args.seed)
-    requests = request_set(tokenizer, int(cfg.vocab_size), shape, args.seed)
-    slot_bytes = full_rows_kv_bytes(model, 1, 1)
-    blk = args.peer_block_tokens
-    room = sum(-(-(p + n) // blk) * blk for p, n in shape)  # every request whole, in the peer's blocks
-    limit_bytes = {"none": room * slot_bytes, "limit": args.kv_limit_slots * slot_bytes}
-    totals = [p + n for p, n in shape]
-    smallest = args.eviction_start_tokens + args.eviction_recent_tokens + blk
-    eviction = {
-        "start_size": args.eviction_start_tokens,
-        "recent_size": args.eviction_recent_tokens,
-        "max_cache_size": args.eviction_cache_tokens
-        or eviction_cache_tokens(totals, budgets(requests, args.ratio), blk, smallest),
-        "aggregation_mode": args.eviction_aggregation,
-    }
-    rows: list[dict] = []
-    ours = our_requests(requests)
-    for limit in args.limits:
-        configs = our_configs(args, limit_bytes[limit], head_dim)
-        for key in [k for k in OURS if k in args.rows]:
-            label, fields = configs[key]
-            r = run_ours(model, fields, ours)
-            rows.append({"key": key, "label": label, "limit": limit, "kv_limit_bytes": limit_bytes[limit], **r})
-            said = f"{r['output_tok_per_s']:.1f} output tok/s" if r["ok"] else f"FAILED: {r['error']}"
-            print(f"bench-peers: {label} (KV limit {limit}): {said}", file=sys.stderr, flush=True)
-    peer_rows = []
-    for limit in args.limits:
-        runs = peer_runs(args, limit_bytes[limit], eviction)
-        for key in want_peer:
-            run = {**runs[key], "label": f"{runs[key]['label']} [{limit}]"}
-            peer_rows.append((key, limit, runs[key]["label"], run))
-    if peer_rows and peer_error is None:
-        peer = run_peer(args, peer_job(args, requests, [run for *_, run in peer_rows]))
-        versions = peer["versions"] or versions
-        for key, limit, label, run in peer_rows:
-            rows.append(
-                {"key": key, "label": label, "limit": limit, "kv_limit_bytes": limit_bytes[limit]}
-                | _peer_row(peer["runs"][run["label"]])
-            )
-    else:
-        for key, limit, label, _ in peer_rows:
-            rows.append(
-                {"key": key, "label": label, "limit": limit, "kv_limit_bytes": limit_bytes[limit], "ok": False}
-                | {"not_run": True, "error": peer_error, "output_tok_per_s": None}
-            )
+    the = plan(args, model, tokenizer)
+    rows = measure_ours(args, model, the)
+    peer_rows, ran_versions = measure_peer(args, the, peer_error)
+    rows.extend(peer_rows)
     rows.sort(key=lambda r: (args.limits.index(r["limit"]), ROW_KEYS.index(r["key"])))
     summary = summarize(rows)
-    text = report(args, summary, shape, limit_bytes, slot_bytes, versions, peer_error)
+    text = report(args, summary, the, ran_versions or versions, peer_error)
     print(text, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "requests.json").write_text(json.dumps(requests) + "\n")
-    doc = {"args": vars(args), "git_commit": git_commit(), "peer_versions": versions, "rows": summary}
+    (out / "requests.json").write_text(json.dumps(the["requests"]) + "\n")
+    doc = {"args": vars(args), "git_commit": git_commit(), "peer_versions": ran_versions or versions, "rows": summary}
     (out / "bench.json").write_text(json.dumps(doc, default=str) + "\n")
     (out / "bench.md").write_text(text)
     print(f"bench-peers: wrote {out}/bench.md, bench.json and requests.json", file=sys.stderr)
@@ -498,8 +526,9 @@ def export_command(peer_model: str) -> str:
     return path.read_text().strip() if path.exists() else f"not recorded in {path}"
 
 
-def report(args, rows, shape, limit_bytes, slot_bytes, versions, peer_error) -> str:
-    """Conditions line, what ran, the table and the failed rows' messages (markdown)."""
+def report(args, rows: list[dict], the: dict, versions: dict, peer_error: str | None) -> str:
+    """Conditions line, what ran (``the``: `plan`'s), the table and the failed rows' messages (markdown)."""
+    shape, limit_bytes, slot_bytes = the["shape"], the["limit_bytes"], the["slot_bytes"]
     peer_v = ", ".join(f"{k} {v}" for k, v in versions.items()) or "not run"
     (p_lo, p_hi), (n_lo, n_hi) = args.prompt_tokens, args.new_tokens
     ps, ns = [p for p, _ in shape], [n for _, n in shape]

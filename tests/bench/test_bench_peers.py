@@ -400,3 +400,10 @@ def test_ours_and_openvino_genai_run_the_same_requests_to_the_same_first_tokens(
     tokens = rows["ov-bf16"]["tokens"]
     assert tokens["compared"] == 4 and tokens["mean_prefix_share"] > 0
     assert doc["peer_versions"]["openvino-genai"].startswith("2026.")
+
+
+def test_a_silent_peer_past_its_timeout_is_killed_and_its_runs_fail_saying_so(tmp_path):
+    py = _fake_venv(tmp_path, "exec sleep 60\n")
+    args = parse_args(["--peer-python", str(py), "--peer-timeout-s", "1"])
+    got = bench_peers.run_peer(args, {"runs": [{"label": "one"}]})
+    assert got["runs"]["one"]["error"] == "the peer process exited -9 before this run: killed after --peer-timeout-s 1"
