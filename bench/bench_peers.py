@@ -14,8 +14,9 @@ token ids on both sides, run under two KV limits: ``none`` (room for every reque
 * the peer (``bench/peer_openvino.py`` in its own virtualenv, one row after another, `ContinuousBatchingPipeline`
   with split-fuse and ``--step-tokens`` as ``max_num_batched_tokens``, prefix caching off): ``ov-u8`` its full cache
   with its default u8 KV, ``ov-bf16`` with bf16 KV (the denominator of every ratio), ``ov-evict`` its own cache
-  eviction (``CacheEvictionConfig``, bf16 KV, split-fuse off: on, it fails whole runs with "Total number of aggregated
-  SnapKV scores ...") at the ``max_cache_size`` nearest our per-request budgets (:func:`eviction_cache_tokens`).
+  eviction (``CacheEvictionConfig``, bf16 KV, split-fuse off: with it on, a probe of 2026.4.1 saw whole runs fail with
+  "Total number of aggregated SnapKV scores ..."; ``--eviction-split-fuse`` turns it on) at the ``max_cache_size``
+  nearest our per-request budgets (:func:`eviction_cache_tokens`).
 
 Both sides get the same threads (``INFERENCE_NUM_THREADS``) and dtype (``INFERENCE_PRECISION_HINT``); the peer's KV
 limit is ``num_kv_blocks = bytes // its block's bytes``, measured at its KV precision (32-token blocks on this CPU
@@ -212,6 +213,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eviction-start-tokens", type=int, default=32, help="ov-evict: start_size (tokens)")
     p.add_argument("--eviction-recent-tokens", type=int, default=32, help="ov-evict: recent_size (tokens)")
     p.add_argument("--eviction-cache-tokens", type=int, default=0, help="ov-evict: max_cache_size; 0: nearest ours")
+    p.add_argument(
+        "--eviction-split-fuse", action="store_true", help="ov-evict: split-fuse on (off by default, see above)"
+    )
     p.add_argument("--eviction-aggregation", choices=["SUM", "NORM_SUM"], default="NORM_SUM", help="ov-evict")
     p.add_argument("--peer-python", default=str(DEFAULT_PEER_PYTHON), help="python of the peer's virtualenv")
     p.add_argument("--peer-model", default=str(DEFAULT_PEER_MODEL), help="the exported OpenVINO model folder")
@@ -314,9 +318,10 @@ def peer_runs(args, limit_bytes: int, eviction: dict) -> dict[str, dict]:
         "ov-bf16": dict(label="OpenVINO GenAI, full, bf16 KV", kv_precision="bf16", **base),
         "ov-evict": dict(
             label=f"OpenVINO GenAI, its eviction (max_cache_size {ev['max_cache_size']}, start {ev['start_size']}, "
-            f"recent {ev['recent_size']}, {ev['aggregation_mode']}, no split-fuse), bf16 KV",
+            f"recent {ev['recent_size']}, {ev['aggregation_mode']}, "
+            f"{'split-fuse' if args.eviction_split_fuse else 'no split-fuse'}), bf16 KV",
             kv_precision="bf16",
-            dynamic_split_fuse=False,
+            dynamic_split_fuse=args.eviction_split_fuse,
             eviction=ev,
             **base,
         ),

@@ -407,3 +407,20 @@ def test_a_silent_peer_past_its_timeout_is_killed_and_its_runs_fail_saying_so(tm
     args = parse_args(["--peer-python", str(py), "--peer-timeout-s", "1"])
     got = bench_peers.run_peer(args, {"runs": [{"label": "one"}]})
     assert got["runs"]["one"]["error"] == "the peer process exited -9 before this run: killed after --peer-timeout-s 1"
+
+
+def test_the_peer_rows_share_the_limit_and_step_and_eviction_runs_without_split_fuse_unless_asked():
+    ev = {"start_size": 32, "recent_size": 32, "max_cache_size": 128, "aggregation_mode": "NORM_SUM"}
+    runs = bench_peers.peer_runs(parse_args(["--step-tokens", "256"]), 123_456, ev)
+    assert {k: (r["kv_precision"], r["kv_limit_bytes"], r["max_num_batched_tokens"]) for k, r in runs.items()} == {
+        "ov-u8": ("u8", 123_456, 256),
+        "ov-bf16": ("bf16", 123_456, 256),
+        "ov-evict": ("bf16", 123_456, 256),
+    }
+    assert runs["ov-evict"]["dynamic_split_fuse"] is False and "max_cache_size 128" in runs["ov-evict"]["label"]
+    assert "dynamic_split_fuse" not in runs["ov-bf16"]  # the peer's default: on
+    on = bench_peers.peer_runs(parse_args(["--eviction-split-fuse"]), 123_456, ev)["ov-evict"]
+    assert on["dynamic_split_fuse"] is True and "no split-fuse" not in on["label"]
+    assert parse_job(
+        peer_job(parse_args([]), [{"id": "0", "prompt_ids": [1], "max_new_tokens": 1}], list(runs.values()))
+    )
