@@ -145,6 +145,43 @@ $(KVPRESS_VENV)/.installed:
 kvpress-parity: install $(KVPRESS_VENV)/.installed
 	$(PY) -m bench.kvpress_parity --peer-python $(KVPRESS_VENV)/bin/python $(KVPRESS_ARGS)
 
+# The production engine beside ours (bench/bench_peers.py; docs/benchmarks.md "Against the production engine"): OpenVINO
+# GenAI's ContinuousBatchingPipeline and our engine on the same request ids, one table of ratios (bench.md in
+# results/bench-peers/). Its venv under .cache/ holds openvino-genai (the runtime, no torch) and optimum-intel (the
+# one-time export; it pins an older transformers, so never in .venv; its torchvision fails beside torch's CPU build
+# and goes). `make openvino-peer` makes both; bench-peers tries it and, when it fails, still prints our rows and
+# exits 2 naming the step. Both sides on 2 threads (the whole 2-core machine), as measured in the issue; e.g.
+# BENCH_PEERS_ARGS="--requests 8 --new-tokens 16,32" for a short check.
+OPENVINO_GENAI_SPEC ?= openvino-genai==2026.4.1.0
+OPTIMUM_INTEL_SPEC ?= optimum-intel[openvino]==2.2.0
+OPENVINO_VENV ?= .cache/venv-openvino
+OPENVINO_MODEL ?= .cache/models/smollm2-135m-instruct-openvino-fp32
+OPENVINO_EXPORT := optimum-cli export openvino --model .cache/models/smollm2-135m-instruct \
+  --task text-generation-with-past --weight-format fp32 $(OPENVINO_MODEL)
+BENCH_PEERS_ARGS ?=
+$(OPENVINO_VENV)/.installed:
+	test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/pip install -q $(TORCH_SPEC)
+	# torch pinned in the same call: else torchvision's newest pulls a newer (CUDA) torch
+	$(OPENVINO_VENV)/bin/pip install -q $(OPENVINO_GENAI_SPEC) '$(OPTIMUM_INTEL_SPEC)' $(TORCH_SPEC)
+	$(OPENVINO_VENV)/bin/pip uninstall -q -y torchvision
+	touch $@
+
+$(OPENVINO_MODEL)/.exported: $(OPENVINO_VENV)/.installed | install
+	$(PY) -c "from scissorhands.models import convert_embedded_model; convert_embedded_model()"
+	rm -f $@
+	$(OPENVINO_VENV)/bin/$(OPENVINO_EXPORT)
+	echo '$(OPENVINO_EXPORT)' > $(OPENVINO_MODEL)/export_command.txt
+	touch $@
+
+.PHONY: openvino-peer bench-peers
+openvino-peer: $(OPENVINO_MODEL)/.exported
+
+bench-peers: install
+	-$(MAKE) --no-print-directory openvino-peer
+	$(PY) -m bench.bench_peers --threads 2 --peer-python $(OPENVINO_VENV)/bin/python --peer-model $(OPENVINO_MODEL) \
+	  $(BENCH_PEERS_ARGS)
+
 # Prometheus (2.42) + Pushgateway on 127.0.0.1 (dashboards/serve.py; apt-get installs them when
 # missing). Data, logs and pid files in dashboards/data/. Grafana: see docs/monitoring.md.
 PROMETHEUS_PORT ?= 9090
