@@ -220,6 +220,7 @@ class ServingReplica:
             "replica_id": self.replica_id,
             "configured": self.engine is not None,
             "engine_alive": bool(self.loop and self.loop.alive),
+            "engine_fault": self.engine.fault if self.engine else None,  # why a dead engine stopped
             "running_sequences": self.engine.running if self.engine else 0,
             "queued_requests": self.engine.queued if self.engine else 0,
         }

@@ -85,6 +85,7 @@ class ContinuousBatchingEngine:
         self._running: list[Sequence] = []  # in the order of the running batch's rows
         self._prefilling: list[Prefill] = []  # scheduler: mixed, prompts part-way fed (oldest first)
         self._aborts: set[str] = set()
+        self.fault: str | None = None  # why the engine stopped serving (`stop_on_fault`); None while healthy
         self.reset_stats()
 
     # ------------------------------------------------------------------ the KV budget's answers
@@ -141,9 +142,26 @@ class ContinuousBatchingEngine:
             unfit=self.fits_alone(prompt, new),
         )
         with self._lock:
-            self._queue.append(seq)
             self.life.count(seq, "received")
-            self._lock.notify_all()
+            fault = self.fault
+            if fault is None:
+                self._queue.append(seq)
+                self._lock.notify_all()
+        if fault is not None:  # a dead engine refuses at once rather than queue a request nobody will step
+            self.life.fail(seq, "error", fault)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine stopped on a fault (`stop_on_fault`): it refuses every request."""
+        return self.fault is None
+
+    def stop_on_fault(self, message: str) -> int:
+        """Mark the engine dead with `message` (naming the fault): every request it holds, queued or running, is
+        answered with it now and later `submit`s are refused with it at once. Returns how many were answered.
+        Call it only when `step()` is not running (its loop ended on the fault)."""
+        with self._lock:
+            self.fault = message
+        return self.abort_all(message)
 
     def abort(self, request_id: str) -> None:
         """Drop `request_id` (queued or running) at the start of the next step (any thread); its
@@ -435,7 +453,10 @@ class ContinuousBatchingEngine:
         with self._lock:
             seqs = list(self._queue) + [s for p in self._prefilling for s in p.group] + self._running
             self._queue.clear()
-        self.runner.release(self._prefilling)
+        try:
+            self.runner.release(self._prefilling)
+        except Exception:  # noqa: BLE001 - a cache broken by the fault must not keep its requests waiting
+            pass
         self._running, self._prefilling = [], []
         for seq in seqs:
             self.life.fail(seq, "error", message)

@@ -10,7 +10,11 @@ __all__ = ["EngineLoop"]
 
 
 class EngineLoop:
-    """Runs `engine.step()` on a daemon thread until `stop()`; idles on the engine's condition."""
+    """Runs `engine.step()` on a daemon thread until `stop()`; idles on the engine's condition.
+
+    When `step()` raises, the thread ends: `error` holds the exception, and the engine is stopped on that fault
+    (`ContinuousBatchingEngine.stop_on_fault`): every request it held is answered with an error naming the fault,
+    the engine reports itself unhealthy (`healthy`, `fault`) and refuses later requests at once."""
 
     def __init__(self, engine: ContinuousBatchingEngine, idle_wait_s: float = 0.05):
         self.engine = engine
@@ -28,8 +32,10 @@ class EngineLoop:
             while not self._stop.is_set():
                 if not self.engine.step():
                     self.engine.wait_for_work(self.idle_wait_s)
-        except BaseException as e:  # noqa: BLE001 - surfaced through `alive` / `error`
+        except BaseException as e:  # noqa: BLE001 - surfaced through `alive` / `error` and the engine's `fault`
             self.error = e
+            # nothing steps the engine after this: answer what it holds now, and refuse what comes
+            self.engine.stop_on_fault(f"the engine loop stopped on a fault: {type(e).__name__}: {e}")
 
     @property
     def alive(self) -> bool:
