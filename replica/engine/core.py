@@ -108,7 +108,7 @@ class ContinuousBatchingEngine:
         cap = self.config.max_batch or 1 << 30
         if self.kv_memory_limit_bytes is None:
             return cap
-        return self.kv.max_batch_for(prompt_tokens, max_new_tokens, cap)
+        return self.kv.max_batch_for(prompt_tokens, max_new_tokens, cap, self.scheduler.chunk_tokens())
 
     # ------------------------------------------------------------------ the running batch (read by tests)
     @property

@@ -39,11 +39,15 @@ class PagedBudget(KVBudget):
     def kept_slots(tokens: int, budget: int | None) -> int:
         return tokens if budget is None else min(tokens, budget)
 
-    def prefill_peak_blocks(self, prompt_tokens: int, budget: int | None) -> int:
+    def prefill_peak_blocks(self, prompt_tokens: int, budget: int | None, chunk_tokens: int | None = None) -> int:
         """Blocks one row's prefill of `prompt_tokens` holds at its peak, all layers: the layers before the
-        current one their kept slots, the current one the whole prompt."""
+        current one their kept slots, the current one what it holds before it compresses: the whole prompt when
+        fed at once (`chunk_tokens` None), at most its budget plus one chunk when fed in chunks of at most
+        `chunk_tokens` (a budgeted layer compresses back to its budget after every chunk, `chunk_blocks`; a full
+        cache keeps every token, so its chunked peak is its whole-prompt peak)."""
         kept = self.kept_slots(prompt_tokens, budget)
-        return (self.num_layers - 1) * self.blocks(kept) + self.blocks(prompt_tokens)
+        current = prompt_tokens if chunk_tokens is None or budget is None else min(prompt_tokens, budget + chunk_tokens)
+        return (self.num_layers - 1) * self.blocks(kept) + self.blocks(current)
 
     def final_blocks(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Blocks a row holds at its end, all layers: what it needs to finish alone."""
@@ -65,21 +69,24 @@ class PagedBudget(KVBudget):
 
     def memory_refusal(self, prompt_tokens, max_new_tokens, budget, chunk):
         """Its final blocks, and the peak of a prefill of its prompt plus every output but the last (what a
-        recompute after a preemption feeds), so an admitted request is never refused later."""
+        recompute after a preemption feeds), fed as the scheduler feeds it (whole, or in chunks of at most
+        `chunk`), so an admitted request is never refused later. The refusal gives both."""
         usable = self.pool.usable_blocks
-        need = max(
-            self.final_blocks(prompt_tokens, max_new_tokens),
-            self.prefill_peak_blocks(prompt_tokens + max(0, max_new_tokens - 1), budget),
-        )
-        if need > usable:
-            return f"it needs {need} KV blocks alone, more than the pool's {usable}"
-        return None
-
-    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int, cap: int) -> int:
-        """As many identical requests (at most `cap`) as hold their final blocks together (so none is preempted),
-        the last one's prefill peaking beside the others' final blocks."""
+        fed = prompt_tokens + max(0, max_new_tokens - 1)
         final = self.final_blocks(prompt_tokens, max_new_tokens)
-        peak = self.prefill_peak_blocks(prompt_tokens, self.budget_of(prompt_tokens, max_new_tokens))
+        peak = self.prefill_peak_blocks(fed, budget, chunk)
+        if max(final, peak) <= usable:
+            return None
+        how = "at once" if chunk is None else f"in chunks of at most {chunk} tokens"
+        what = f"a prefill of up to {fed} tokens (a recompute: prompt + outputs but the last) fed {how} peaks at {peak}"
+        return f"it needs {max(final, peak)} KV blocks alone ({what}, its row ends at {final}), more than the pool's {usable}"
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int, cap: int, chunk: int | None = None) -> int:
+        """As many identical requests (at most `cap`) as hold their final blocks together (so none is preempted),
+        the last one's prefill (whole, or in chunks of at most `chunk` tokens) peaking beside the others' final
+        blocks."""
+        final = self.final_blocks(prompt_tokens, max_new_tokens)
+        peak = self.prefill_peak_blocks(prompt_tokens, self.budget_of(prompt_tokens, max_new_tokens), chunk)
         usable = self.pool.usable_blocks
         return max(0, min(cap, usable // final, 1 + (usable - peak) // final if peak <= usable else 0))
 

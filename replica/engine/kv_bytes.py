@@ -29,12 +29,18 @@ class PreallocatedBudget(KVBudget):
         return self.batch_bytes_bound([self.final_slots(prompt_tokens, max_new_tokens)])
 
     def memory_refusal(self, prompt_tokens, max_new_tokens, budget, chunk):
-        need = max(self.footprint(prompt_tokens, max_new_tokens), self.prefill_peak_bytes(1, prompt_tokens, budget))
-        if need > self.limit_bytes:
-            return f"it needs {need} bytes of KV cache alone, more than the limit of {self.limit_bytes} bytes"
-        return None
+        """Its final bytes, and its whole-prompt prefill's peak (the preallocated layout feeds prompts whole)."""
+        final = self.footprint(prompt_tokens, max_new_tokens)
+        peak = self.prefill_peak_bytes(1, prompt_tokens, budget)
+        if max(final, peak) <= self.limit_bytes:
+            return None
+        what = f"its prefill of {prompt_tokens} tokens at once" if peak >= final else "its final slots"
+        return (
+            f"it needs {max(final, peak)} bytes of KV cache alone ({what}), more than the limit of "
+            f"{self.limit_bytes} bytes"
+        )
 
-    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int, cap: int) -> int:
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int, cap: int, chunk: int | None = None) -> int:
         """Largest batch of identical requests (at most `cap`) whose steady state and last prefill fit."""
         n = min(cap, self.limit_bytes // (self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes))
         budget = self.budget_of(prompt_tokens, max_new_tokens)
