@@ -188,6 +188,12 @@ class ServingReplica:
             if not finished:
                 engine.abort(req.request_id)
 
+    def finish(self, request_id: str) -> None:
+        """The client has what it asked of `request_id` (a stop string in its text): the engine ends it as
+        completed, ``finish_reason="stop"`` (`ContinuousBatchingEngine.finish`), before its stream is closed."""
+        if self.engine is not None:
+            self.engine.finish(request_id)
+
     async def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
         """`events` in the OpenAI API's event form (`openai_event`; `replica.openai_api.Backend`).
         Closing it early aborts the request."""

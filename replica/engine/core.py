@@ -84,7 +84,7 @@ class ContinuousBatchingEngine:
         self._queue: collections.deque[Sequence] = collections.deque()
         self._running: list[Sequence] = []  # in the order of the running batch's rows
         self._prefilling: list[Prefill] = []  # scheduler: mixed, prompts part-way fed (oldest first)
-        self._aborts: set[str] = set()
+        self._aborts: dict[str, str] = {}  # request id -> how it ends at the next step: "aborted" or "stop"
         self.fault: str | None = None  # why the engine stopped serving (`stop_on_fault`); None while healthy
         self.reset_stats()
 
@@ -167,7 +167,16 @@ class ContinuousBatchingEngine:
         """Drop `request_id` (queued or running) at the start of the next step (any thread); its
         `on_done` gets `error_kind="aborted"`. Unknown or finished ids are ignored."""
         with self._lock:
-            self._aborts.add(request_id)
+            self._aborts.setdefault(request_id, "aborted")  # a `finish` asked first stands
+            self._lock.notify_all()
+
+    def finish(self, request_id: str) -> None:
+        """End `request_id` at the start of the next step as completed (any thread): its client has what it asked
+        (a stop string in its text), so it counts as completed with ``finish_reason="stop"``, not aborted. An
+        `abort` of the same id after this (the client closing its stream) changes nothing. Unknown or finished
+        ids are ignored."""
+        with self._lock:
+            self._aborts[request_id] = "stop"
             self._lock.notify_all()
 
     def _apply_aborts(self) -> None:
@@ -175,7 +184,7 @@ class ContinuousBatchingEngine:
         with self._lock:
             if not self._aborts:
                 return
-            aborts, self._aborts = self._aborts, set()
+            aborts, self._aborts = self._aborts, {}
             gone = [s for s in self._queue if s.request.request_id in aborts]
             for s in gone:
                 self._queue.remove(s)
@@ -193,8 +202,12 @@ class ContinuousBatchingEngine:
             gone += [s for s in self._running if s.request.request_id in aborts]
             self._running = [self._running[i] for i in keep]
             self.runner.keep(keep)
+        t = self.clock()
         for s in gone:
-            self.life.fail(s, "aborted", "the client aborted the request")
+            if aborts[s.request.request_id] == "stop":
+                self.life.complete(s, "stop", t)
+            else:
+                self.life.fail(s, "aborted", "the client aborted the request")
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a request is queued or running (or `timeout_s` passes); return whether one is."""

@@ -73,6 +73,9 @@ class Lifecycle:
             r.output_logprobs.append(seq.token_logprob)
             r.output_top_logprobs.append(seq.token_top_logprobs)
         self.count(seq, "tokens")
+        if len(r.output_ids) == 1:  # the time to first token is a fact now, however the request ends
+            with recording():
+                self.metrics.observe_ttft(max(0.0, t - r.received_time_s), self.phase(seq))
         if seq.on_token is not None:
             try:
                 seq.on_token(int(token), t)
@@ -80,18 +83,21 @@ class Lifecycle:
                 pass
         eos = not seq.request.ignore_eos and self.eos_token_id is not None and int(token) == self.eos_token_id
         if eos or len(r.output_ids) >= seq.request.max_new_tokens:
-            r.finish_reason = "eos" if eos else "length"
-            r.finish_time_s = t
-            with recording():
-                self.metrics.observe_ttft(max(0.0, r.token_times_s[0] - r.received_time_s), self.phase(seq))
-                if len(r.output_ids) > 1:
-                    self.metrics.observe_tpot(
-                        max(0.0, t - r.token_times_s[0]) / (len(r.output_ids) - 1), self.phase(seq)
-                    )
-            self.count(seq, "completed")
-            self.done(seq)
+            self.complete(seq, "eos" if eos else "length", t)
             return True
         return False
+
+    def complete(self, seq: Sequence, reason: str, t: float) -> None:
+        """Finish `seq` as completed (`reason`: ``"eos"``, ``"length"``, or ``"stop"`` when the client had what it
+        asked), observing its time per output token."""
+        r = seq.result
+        r.finish_reason, r.finish_time_s = reason, t
+        if len(r.output_ids) > 1:
+            with recording():
+                tpot_s = max(0.0, r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output_ids) - 1)
+                self.metrics.observe_tpot(tpot_s, self.phase(seq))
+        self.count(seq, "completed")
+        self.done(seq)
 
     def finish_scored(self, seq: Sequence) -> None:
         """Finish a score-only request (no new tokens asked): its prompt's log-probabilities are its result."""
