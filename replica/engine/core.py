@@ -10,14 +10,15 @@ leave.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Callable
 
+from replica.engine.in_flight import InFlight
 from replica.engine.kv_budget import KV_BUDGETS
 from replica.engine.lifecycle import Lifecycle, recording
 from replica.engine.limits import resolve_kv_limit_bytes
+from replica.engine.request_queue import RequestQueue
 from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan
 from replica.engine.runner import ModelRunner
 from replica.engine.scheduler import SCHEDULERS
@@ -62,30 +63,16 @@ class ContinuousBatchingEngine:
         self.device, self.num_layers = self.runner.device, self.runner.num_layers
         self.slot_bytes, self.bookkeeping_slot_bytes = self.runner.slot_bytes, self.runner.bookkeeping_slot_bytes
         self.kv_memory_limit_bytes = resolve_kv_limit_bytes(model, config, self.device)
-        self.kv = KV_BUDGETS[config.kv_layout](
-            config,
-            self.num_layers,
-            self.slot_bytes,
-            self.bookkeeping_slot_bytes,
-            self.kv_memory_limit_bytes,
-            self.runner.check_budget,
-        )
+        self.kv = KV_BUDGETS[config.kv_layout](config, self.runner, self.kv_memory_limit_bytes)
         self.pool = self.runner.pool = self.kv.pool
-        self.block_bytes = getattr(self.kv, "block_bytes", None)
-        self.budget_tokens, self.per_request = self.kv.budget_tokens, self.kv.per_request
-        self.row_capacity = self.kv.row_capacity
+        self.block_bytes, self.budget_tokens = getattr(self.kv, "block_bytes", None), self.kv.budget_tokens
         if self.pool is None:
             with recording():  # no pool: no block series (not the pool of a paged engine these labels had before)
                 self.metrics.clear_kv_blocks()
         self.scheduler = SCHEDULERS[config.scheduler](config)
-        self.mixed = config.scheduler == "mixed"
         self.life = Lifecycle(clock, self.metrics, eos_token_id, self.device)
-        self._lock = threading.Condition()
-        self._queue: collections.deque[Sequence] = collections.deque()
-        self._running: list[Sequence] = []  # in the order of the running batch's rows
-        self._prefilling: list[Prefill] = []  # scheduler: mixed, prompts part-way fed (oldest first)
-        self._aborts: dict[str, str] = {}  # request id -> how it ends at the next step: "aborted" or "stop"
-        self.fault: str | None = None  # why the engine stopped serving (`stop_on_fault`); None while healthy
+        self.queue = RequestQueue()
+        self.flight = InFlight(self.runner)
         self.reset_stats()
 
     # ------------------------------------------------------------------ the KV budget's answers
@@ -118,8 +105,20 @@ class ContinuousBatchingEngine:
     def _new_cache(self, group: list[Sequence] | None = None, paged: bool = True):
         return self.runner.new_cache(group, paged)
 
+    @property
+    def _lock(self) -> threading.Condition:
+        return self.queue.lock
+
+    @property
+    def _running(self) -> list[Sequence]:
+        return self.flight.running
+
+    @property
+    def _prefilling(self) -> list[Prefill]:
+        return self.flight.prefilling
+
     def _view(self) -> EngineView:
-        return EngineView(self._running, self.runner.cache, self._prefilling, self._queue)
+        return self.flight.view(self.queue.waiting)
 
     # ------------------------------------------------------------------ submission
     def submit(
@@ -141,67 +140,42 @@ class ContinuousBatchingEngine:
             on_token=on_token,
             unfit=self.fits_alone(prompt, new),
         )
-        with self._lock:
-            self.life.count(seq, "received")
-            fault = self.fault
-            if fault is None:
-                self._queue.append(seq)
-                self._lock.notify_all()
+        fault = self.queue.put(seq, lambda: self.life.count(seq, "received"))
         if fault is not None:  # a dead engine refuses at once rather than queue a request nobody will step
             self.life.fail(seq, "error", fault)
 
     @property
+    def fault(self) -> str | None:
+        """Why the engine stopped serving (`stop_on_fault`); None while it is healthy."""
+        return self.queue.fault
+
+    @property
     def healthy(self) -> bool:
         """False once the engine stopped on a fault (`stop_on_fault`): it refuses every request."""
-        return self.fault is None
+        return self.queue.fault is None
 
     def stop_on_fault(self, message: str) -> int:
         """Mark the engine dead with `message` (naming the fault): every request it holds, queued or running, is
         answered with it now and later `submit`s are refused with it at once. Returns how many were answered.
         Call it only when `step()` is not running (its loop ended on the fault)."""
-        with self._lock:
-            self.fault = message
-        return self.abort_all(message)
+        return self.abort_all(message, fault=True)
 
     def abort(self, request_id: str) -> None:
         """Drop `request_id` (queued or running) at the start of the next step (any thread); its
         `on_done` gets `error_kind="aborted"`. Unknown or finished ids are ignored."""
-        with self._lock:
-            self._aborts.setdefault(request_id, "aborted")  # a `finish` asked first stands
-            self._lock.notify_all()
+        self.queue.end(request_id, "aborted")  # a `finish` asked first stands
 
     def finish(self, request_id: str) -> None:
         """End `request_id` at the start of the next step as completed (any thread): its client has what it asked
         (a stop string in its text), so it counts as completed with ``finish_reason="stop"``, not aborted. An
         `abort` of the same id after this (the client closing its stream) changes nothing. Unknown or finished
         ids are ignored."""
-        with self._lock:
-            self._aborts[request_id] = "stop"
-            self._lock.notify_all()
+        self.queue.end(request_id, "stop")
 
     def _apply_aborts(self) -> None:
         """Fail the aborted requests; running ones leave the cache (`select_rows`), freeing their slots."""
-        with self._lock:
-            if not self._aborts:
-                return
-            aborts, self._aborts = self._aborts, {}
-            gone = [s for s in self._queue if s.request.request_id in aborts]
-            for s in gone:
-                self._queue.remove(s)
-        for p in list(self._prefilling):
-            rows = [i for i, s in enumerate(p.group) if s.request.request_id not in aborts]
-            if len(rows) < p.rows:
-                gone += [s for s in p.group if s.request.request_id in aborts]
-                if not rows:
-                    self.runner.release_group(p)
-                    self._prefilling.remove(p)
-                    continue
-                self.runner.keep_prefill_rows(p, rows)
-        keep = [i for i, s in enumerate(self._running) if s.request.request_id not in aborts]
-        if len(keep) < len(self._running):
-            gone += [s for s in self._running if s.request.request_id in aborts]
-            self._running = [self._running[i] for i in keep]
-            self.runner.keep(keep)
+        aborts, gone = self.queue.take_ends()
+        gone += self.flight.remove(aborts)
         t = self.clock()
         for s in gone:
             if aborts[s.request.request_id] == "stop":
@@ -211,19 +185,16 @@ class ContinuousBatchingEngine:
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a request is queued or running (or `timeout_s` passes); return whether one is."""
-        with self._lock:
-            return self._lock.wait_for(
-                lambda: bool(self._queue or self._running or self._prefilling), timeout=timeout_s
-            )
+        return self.queue.wait_for(lambda: self.flight.rows > 0, timeout_s)
 
     @property
     def running(self) -> int:
         """Requests admitted and not finished: decoding, or part-way prefilled (`scheduler: mixed`)."""
-        return len(self._running) + sum(p.rows for p in self._prefilling)
+        return self.flight.rows
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self.queue)
 
     @property
     def generated_tokens(self) -> int:
@@ -236,23 +207,22 @@ class ContinuousBatchingEngine:
         """This step's plan, applied to the queue: admitted and rejected requests leave it, rejected ones are
         answered, groups that stay part-way fed are registered; a stalled plan yields the newest such group."""
         while True:
-            with self._lock:
+            with self.queue.lock:  # submit only appends: the head the plan read stays the head
                 plan = self.scheduler.plan(self._view(), self.kv)
-                for _ in range(plan.consumed):
-                    self._queue.popleft()
-            self._prefilling.extend(plan.started)
+                self.queue.pop_front(plan.consumed)
+            self.flight.prefilling.extend(plan.started)
             for seq, why in plan.rejected:
                 self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {why}")
             if not plan.yield_newest:
                 return plan
-            self._requeue(self._prefilling.pop())  # prompts part-way fed hold the pool: the newest yields
+            self._requeue(self.flight.pop_newest_prefill())  # prompts part-way fed hold the pool: the newest yields
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
 
         Under ``scheduler: mixed`` the prefill phase feeds this step's prompt chunks; a prompt's last chunk picks
         its first token and its rows join the decode step of the same step."""
-        aborted = bool(self._aborts)
+        aborted = bool(self.queue.ends)
         if aborted:
             self._apply_aborts()
         plan = self._plan()
@@ -276,94 +246,62 @@ class ContinuousBatchingEngine:
         self._record_state()
         return True
 
-    def _drop(self, p: Prefill) -> None:
-        if p in self._prefilling:
-            self._prefilling.remove(p)
-
     def _prefill_chunk(self, p: Prefill, chunk: int | None = None) -> None:
         """Feed the next `chunk` tokens of `p`'s prompts (None: all of them); after the last, answer each row's
         first token and join the rows that go on to the running batch."""
         if p.cache is None:
             p.group = [s for s in p.group if s.preempted or not self._score_prompt(s)]  # score-only ones end here
             if not p.group:
-                self._drop(p)
+                self.flight.drop(p)
                 return
         group, chunk = p.group, p.length - p.fed if chunk is None else chunk
         last = p.fed + chunk == p.length
         fwd = self.runner.prefill(p, chunk)
         if fwd.error is not None:
-            self._drop(p)
+            self.flight.drop(p)
             self.life.fail_all(group, fwd.error)
             return
         t = self.clock()
-        warm = sum(s.request.warmup for s in group)  # warm-up rows: phase "warmup", counted apart
-        with recording():
-            self.metrics.observe_prefill(fwd.seconds, (len(group) - warm) * chunk, warm * chunk)
-            self.metrics.add_evictions(fwd.evicted_tokens)
-            if last:
-                self.metrics.add_generated_tokens(len(group) - warm)
-                self.metrics.add_generated_tokens(warm, "warmup")
-        self.life.counts["prefill_calls"] += 1
+        self.life.prefilled(group, chunk, fwd, last)
         # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts'); a
         # cache's peak is since its first chunk, so under mixed this is an upper bound
-        others = sum(c.kv_cache_bytes() for c in self.runner.caches(self._prefilling) if c is not p.cache)
+        others = sum(c.kv_cache_bytes() for c in self.flight.caches() if c is not p.cache)
         self.life.track_bytes(p.cache.peak_kv_cache_bytes + others)
         self.life.track_running(self.running)
         if not last:
             return
-        self._drop(p)
+        self.flight.drop(p)
         keep = []
         for i, (seq, tok) in enumerate(zip(group, fwd.tokens)):
             seq.held_slots = self.kv.prefill_slots(len(seq.prefill_ids()), seq.budget_tokens)  # a recompute: + outputs
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
-        self.runner.join(p, fwd.picked, keep)
+        self.flight.join(p, fwd.picked, keep)
         if keep:
-            self._running.extend(group[i] for i in keep)
             self.life.track_bytes(self._kv_cache_bytes())
             self.life.track_running(self.running)
 
     def _decode_step(self) -> None:
         """One token for every running sequence, each at its own position; retire finished ones."""
         fwd = self.runner.decode(self._running)
-        if fwd.error is not None:
-            running, self._running = self._running, []
+        if fwd.error is not None:  # the runner freed the batch's cache: every row leaves
+            running, self.flight.running = self.flight.running, []
             self.life.fail_all(running, fwd.error)
             return
         t = self.clock()
-        warm = sum(s.request.warmup for s in self._running)  # warm-up rows: phase "warmup", counted apart
-        with recording():
-            self.metrics.observe_decode_step(fwd.seconds, len(self._running))
-            self.metrics.add_generated_tokens(len(self._running) - warm)
-            self.metrics.add_generated_tokens(warm, "warmup")
-            self.metrics.add_evictions(fwd.evicted_tokens)
-        self.life.counts["decode_steps"] += 1
-        if self.pool is not None:
-            self.life.counts["block_steps"] += self.pool.blocks_in_use
+        self.life.decoded(self._running, fwd, self.pool.blocks_in_use if self.pool is not None else 0)
         self.life.track_bytes(self._kv_cache_bytes())
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, fwd.tokens)):
             seq.held_slots = self.kv.held_after_decode(seq)  # the full cache's buffers grow past their capacity
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
-        if len(keep) < len(self._running):
-            self._running = [self._running[i] for i in keep]
-            self.runner.keep(keep)
+        self.flight.keep_running(keep)
 
     def _score_prompt(self, seq: Sequence) -> bool:
-        """The prompt's log-probabilities of a request that asks for them; True when that finished the request
-        (no new tokens, or a failure)."""
-        if seq.request.prompt_logprobs is None:
-            return False
-        try:
-            seq.result.prompt_logprobs, seq.result.prompt_top_logprobs = self.runner.score_prompt(seq)
-        except Exception as e:  # noqa: BLE001 - reported on this request only
-            self.life.fail_all([seq], e)
-            return True
-        if seq.request.max_new_tokens > 0:
-            return False
-        self.life.finish_scored(seq)
-        return True
+        """The prompt's log-probabilities of a request that asks for them (`Lifecycle.score`); True when that
+        finished the request (no new tokens, or a failure)."""
+        return seq.request.prompt_logprobs is not None and self.life.score(seq, self.runner.score_prompt)
 
     # ------------------------------------------------------------------ preemption (paged layout)
     def _make_room_for_decode(self) -> None:
@@ -371,44 +309,34 @@ class ContinuousBatchingEngine:
         queue whole; a running row leaves the batch and goes back to the head of the queue, recomputed later."""
         while (victim := self.scheduler.preemption(self._view(), self.kv)) is not None:
             if isinstance(victim, Prefill):
-                self._requeue(self._prefilling.pop())
+                self._requeue(self.flight.pop_newest_prefill())
                 continue
-            seq = self._running.pop()
-            self.runner.keep(list(range(len(self._running))))
+            seq = self.flight.pop_newest_running()
             seq.preempted = True
             # every token whose KV it held is computed again: the prompt and the outputs fed so far
-            self._count_preemption(len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1)
-            with self._lock:
-                self._queue.appendleft(seq)
+            self.life.preempted(len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1)
+            self.queue.push_front([seq])
 
     def _requeue(self, p: Prefill) -> None:
-        """Preempt a group part-way prefilled: its blocks back to the pool, its requests back to the head of
+        """Requeue a group part-way prefilled (its blocks back in the pool): its requests back to the head of
         the queue (in order), their chunks fed so far counted as recomputed."""
-        self.runner.release_group(p)
         for seq in p.group:
             seq.preempted = True  # scored already (prompt_logprobs): the next prefill only feeds
-            self._count_preemption(p.fed)
-        with self._lock:
-            self._queue.extendleft(reversed(p.group))
-
-    def _count_preemption(self, recomputed: int) -> None:
-        self.life.counts["preemptions"] += 1
-        self.life.counts["recomputed_tokens"] += recomputed
-        with recording():
-            self.metrics.add_preemption(recomputed)
+            self.life.preempted(p.fed)
+        self.queue.push_front(p.group)
 
     # ------------------------------------------------------------------ state and counters
     def _kv_cache_bytes(self) -> int:
-        return sum(c.kv_cache_bytes() for c in self.runner.caches(self._prefilling))
+        return self.flight.kv_cache_bytes()
 
     def _record_state(self) -> None:
         """The live gauges now: running sequences (part-way prompts included), queued ones, KV bytes and slots of
         every live cache, and on the paged layout the pool's used and free blocks (the preallocated layout has no
         pool, so no block series)."""
-        caches = self.runner.caches(self._prefilling)
+        caches = self.flight.caches()
         with recording():
             self.metrics.set_running(self.running)
-            self.metrics.set_queued(len(self._queue))
+            self.metrics.set_queued(len(self.queue))
             self.metrics.set_kv_cache(sum(c.kv_cache_bytes() for c in caches), sum(c.held_tokens() for c in caches))
             if self.pool is not None:
                 self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
@@ -416,17 +344,15 @@ class ContinuousBatchingEngine:
     def reset_stats(self) -> None:
         """Zero the counters and peaks reported by `stats()` (between sweep points)."""
         self.life.reset()
-        if self.pool is not None:
-            self.pool.peak_blocks_in_use = self.pool.blocks_in_use
+        self.kv.reset_peak()
 
     def stats(self) -> dict:
         """Counters since `reset_stats` (units in the names). Request counts and generated tokens
         are of measured requests; the load generator's warm-up requests are in the ``warmup_*``
         keys. Steps, times and peaks are the engine's, whichever requests ran in them."""
-        with self._lock:
+        with self.queue.lock:
             s = dict(self.life.counts)
-            queued = len(self._queue)
-        pool = self.pool
+            queued = len(self.queue)
         return {
             "replica_id": self.replica_id,
             "policy": self.config.policy,
@@ -439,38 +365,19 @@ class ContinuousBatchingEngine:
             "peak_running_sequences": self.life.peak_running,
             "peak_kv_cache_bytes": self.life.peak_bytes,
             "kv_cache_bytes": self._kv_cache_bytes(),
-            **{f"{k}_requests": s.get(k, 0) for k in ("received", "completed", "failed")},
-            "generated_tokens": s.get("tokens", 0),
-            **{f"warmup_{k}_requests": s.get(f"warmup_{k}", 0) for k in ("received", "completed", "failed")},
-            "warmup_generated_tokens": s.get("warmup_tokens", 0),
-            "decode_steps": s.get("decode_steps", 0),
-            "prefill_calls": s.get("prefill_calls", 0),
-            "prefill_s": s.get("prefill_s", 0.0),  # wall time in prefill phases
-            "decode_s": s.get("decode_s", 0.0),  # wall time in decode steps
+            **Lifecycle.request_stats(s),
             "kv_layout": self.config.kv_layout,
             "scheduler": self.config.scheduler,
-            "max_num_batched_tokens": self.config.max_num_batched_tokens if self.mixed else None,
-            "block_tokens": self.config.block_tokens if pool is not None else None,
-            "kv_pool_blocks": pool.usable_blocks if pool is not None else None,
-            "peak_kv_blocks_in_use": pool.peak_blocks_in_use if pool is not None else None,
-            "mean_kv_blocks_in_use": (
-                s.get("block_steps", 0) / s["decode_steps"] if pool is not None and s.get("decode_steps") else None
-            ),
-            "preemptions": s.get("preemptions", 0),
-            "recomputed_tokens": s.get("recomputed_tokens", 0),
+            "max_num_batched_tokens": self.scheduler.chunk_tokens(),
+            **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
+            **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
         }
 
-    def abort_all(self, message: str) -> int:
+    def abort_all(self, message: str, fault: bool = False) -> int:
         """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
-        when `step()` is not running (the loop stopped)."""
-        with self._lock:
-            seqs = list(self._queue) + [s for p in self._prefilling for s in p.group] + self._running
-            self._queue.clear()
-        try:
-            self.runner.release(self._prefilling)
-        except Exception:  # noqa: BLE001 - a cache broken by the fault must not keep its requests waiting
-            pass
-        self._running, self._prefilling = [], []
+        when `step()` is not running (the loop stopped). `fault`: refuse every later request with `message`."""
+        seqs = self.queue.drain(message if fault else None)
+        seqs += self.flight.clear()
         for seq in seqs:
             self.life.fail(seq, "error", message)
         self._record_state()
@@ -479,6 +386,6 @@ class ContinuousBatchingEngine:
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Step until nothing is queued or running (tests, offline batches)."""
         for _ in range(max_steps):
-            if not self.step() and not self._queue:
+            if not self.step() and not len(self.queue):
                 return
         raise RuntimeError(f"engine still busy after {max_steps} steps")

@@ -17,28 +17,19 @@ class KVBudget:
 
     Args:
         config: the engine's config.
-        num_layers: the model's layers.
-        slot_bytes: bytes of one slot in every layer, bookkeeping included (`cache_slot_bytes`).
-        bookkeeping_slot_bytes: bytes of one row's bookkeeping slot, all layers (`bookkeeping_slot_bytes`).
+        measured: what the model runner measured (`ModelRunner`): ``num_layers``, ``slot_bytes`` (one slot in
+            every layer, bookkeeping included), ``bookkeeping_slot_bytes`` (one row's bookkeeping slot, all
+            layers) and ``check_budget(budget)`` (raises ValueError when the policy refuses a per-request B).
         limit_bytes: the KV memory limit (None: unlimited).
-        check_budget: raises ValueError when the policy refuses a budget (a per-request B).
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        num_layers: int,
-        slot_bytes: int,
-        bookkeeping_slot_bytes: int,
-        limit_bytes: int | None,
-        check_budget: Callable[[int], None],
-    ):
+    def __init__(self, config: EngineConfig, measured, limit_bytes: int | None):
         self.config = config
-        self.num_layers = num_layers
-        self.slot_bytes = slot_bytes
-        self.bookkeeping_slot_bytes = bookkeeping_slot_bytes
+        self.num_layers: int = measured.num_layers
+        self.slot_bytes: int = measured.slot_bytes
+        self.bookkeeping_slot_bytes: int = measured.bookkeeping_slot_bytes
+        self.check_budget: Callable[[int], None] = measured.check_budget
         self.limit_bytes = limit_bytes
-        self.check_budget = check_budget
         self.budget_tokens = config.resolved_budget_tokens()
         self.per_request = config.budget == "per_request"
         # slots every row's buffers preallocate: B (budgeted), the workload's longest sequence (full, when
@@ -91,6 +82,22 @@ class KVBudget:
 
     def memory_refusal(self, prompt_tokens: int, max_new_tokens: int, budget: int | None, chunk: int | None):
         raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        """Start the peak of blocks in use (`pool_stats`) from now."""
+        if self.pool is not None:
+            self.pool.peak_blocks_in_use = self.pool.blocks_in_use
+
+    def pool_stats(self, decode_steps: int, block_steps: int) -> dict:
+        """`stats()`'s block keys: the block size, the pool's blocks, the peak since `reset_peak` and the mean
+        blocks in use over `decode_steps` (`block_steps`: their sum); None without a pool."""
+        pool = self.pool
+        return {
+            "block_tokens": self.config.block_tokens if pool is not None else None,
+            "kv_pool_blocks": pool.usable_blocks if pool is not None else None,
+            "peak_kv_blocks_in_use": pool.peak_blocks_in_use if pool is not None else None,
+            "mean_kv_blocks_in_use": block_steps / decode_steps if pool is not None and decode_steps else None,
+        }
 
     def growth(self, view: EngineView, steps: int = 1) -> int:
         """What the running rows take over their next `steps` decode steps (the layout's unit; 0: nothing)."""

@@ -58,6 +58,61 @@ class Lifecycle:
     def track_running(self, running: int) -> None:
         self.peak_running = max(self.peak_running, running)
 
+    @staticmethod
+    def request_stats(counts: dict) -> dict:
+        """`stats()`'s request counters, tokens, steps and phase times from a copy of `counts`."""
+        out = {f"{k}_requests": counts.get(k, 0) for k in ("received", "completed", "failed")}
+        out["generated_tokens"] = counts.get("tokens", 0)
+        out.update({f"warmup_{k}_requests": counts.get(f"warmup_{k}", 0) for k in ("received", "completed", "failed")})
+        out["warmup_generated_tokens"] = counts.get("warmup_tokens", 0)
+        out.update({k: counts.get(k, 0) for k in ("decode_steps", "prefill_calls")})
+        out["prefill_s"] = counts.get("prefill_s", 0.0)  # wall time in prefill phases
+        out["decode_s"] = counts.get("decode_s", 0.0)  # wall time in decode steps
+        return out
+
+    def prefilled(self, group: list[Sequence], chunk: int, fwd, last: bool) -> None:
+        """Count one prefill forward of `chunk` tokens of each row of `group` (`fwd`: its `Forward`); `last`: it
+        picked each row's first token."""
+        warm = sum(s.request.warmup for s in group)  # warm-up rows: phase "warmup", counted apart
+        with recording():
+            self.metrics.observe_prefill(fwd.seconds, (len(group) - warm) * chunk, warm * chunk)
+            self.metrics.add_evictions(fwd.evicted_tokens)
+            if last:
+                self.metrics.add_generated_tokens(len(group) - warm)
+                self.metrics.add_generated_tokens(warm, "warmup")
+        self.counts["prefill_calls"] += 1
+
+    def decoded(self, rows: list[Sequence], fwd, blocks_in_use: int) -> None:
+        """Count one decode step of `rows` (`fwd`: its `Forward`), the pool holding `blocks_in_use` blocks."""
+        warm = sum(s.request.warmup for s in rows)  # warm-up rows: phase "warmup", counted apart
+        with recording():
+            self.metrics.observe_decode_step(fwd.seconds, len(rows))
+            self.metrics.add_generated_tokens(len(rows) - warm)
+            self.metrics.add_generated_tokens(warm, "warmup")
+            self.metrics.add_evictions(fwd.evicted_tokens)
+        self.counts["decode_steps"] += 1
+        self.counts["block_steps"] += blocks_in_use
+
+    def preempted(self, recomputed_tokens: int) -> None:
+        """Count one preemption, whose next prefill recomputes `recomputed_tokens` tokens."""
+        self.counts["preemptions"] += 1
+        self.counts["recomputed_tokens"] += recomputed_tokens
+        with recording():
+            self.metrics.add_preemption(recomputed_tokens)
+
+    def score(self, seq: Sequence, score_prompt: Callable) -> bool:
+        """Put the prompt's log-probabilities (`score_prompt(seq)`) in `seq`'s result; True when that ended the
+        request: it asked for no new tokens (completed), or the scoring failed (it fails alone)."""
+        try:
+            seq.result.prompt_logprobs, seq.result.prompt_top_logprobs = score_prompt(seq)
+        except Exception as e:  # noqa: BLE001 - reported on this request only
+            self.fail_all([seq], e)
+            return True
+        if seq.request.max_new_tokens > 0:
+            return False
+        self.finish_scored(seq)
+        return True
+
     def emit(self, seq: Sequence, token: int, t: float) -> bool:
         """Record one token; finish the request when done. Returns True when it finished (or its pick
         failed: `seq.sample_error`, then it fails alone and its row leaves the batch)."""

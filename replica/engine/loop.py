@@ -44,8 +44,7 @@ class EngineLoop:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop stepping; requests still queued or running are answered with an error, never left waiting."""
         self._stop.set()
-        with self.engine._lock:
-            self.engine._lock.notify_all()
+        self.engine.queue.wake()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout_s)
         if not self._thread.is_alive():
