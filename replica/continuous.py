@@ -188,6 +188,12 @@ class ServingReplica:
             if not finished:
                 engine.abort(req.request_id)
 
+    def finish(self, request_id: str) -> None:
+        """The client has what it asked of `request_id` (a stop string in its text): the engine ends it as
+        completed, ``finish_reason="stop"`` (`ContinuousBatchingEngine.finish`), before its stream is closed."""
+        if self.engine is not None:
+            self.engine.finish(request_id)
+
     async def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
         """`events` in the OpenAI API's event form (`openai_event`; `replica.openai_api.Backend`).
         Closing it early aborts the request."""
@@ -220,6 +226,7 @@ class ServingReplica:
             "replica_id": self.replica_id,
             "configured": self.engine is not None,
             "engine_alive": bool(self.loop and self.loop.alive),
+            "engine_fault": self.engine.fault if self.engine else None,  # why a dead engine stopped
             "running_sequences": self.engine.running if self.engine else 0,
             "queued_requests": self.engine.queued if self.engine else 0,
         }

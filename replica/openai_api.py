@@ -42,7 +42,9 @@ disconnects mid-stream cancels its request; the backend aborts it (`ContinuousBa
 A backend is anything with `metadata` (dict), `check(prompt_tokens, max_new_tokens) -> str | None`
 (why the request can never be served, or None) and `stream(GenerationRequest)`, an async iterator
 of `{"token_id", "time_s"}` events ending with one `{"result": GenerationResult fields}`
-(`replica.continuous.ServingReplica.stream`).
+(`replica.continuous.ServingReplica.stream`). A backend may also have `finish(request_id)`: the request's text
+hit a stop string, so it ends as completed (``finish_reason: "stop"``) rather than aborted when its stream closes;
+without it the stream is only closed (the replica counts the request aborted).
 """
 
 import asyncio
@@ -145,6 +147,9 @@ class ReplicaBackend:
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
         return self.replica.stream(request)
+
+    async def finish(self, request_id: str) -> None:
+        self.replica.finish(request_id)
 
 
 def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: str) -> dict:
@@ -590,8 +595,12 @@ def build_app(
         # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
         # string, the end of a stream), or garbage-collected (a client gone before its body started)
         seen: dict = {}  # the result event, for its log-probabilities
-        events = _counted(
-            _keeping_result(backend.stream(req), seen), lambda: pending.__setitem__(model, pending[model] - 1)
+        events = _Stoppable(
+            _counted(
+                _keeping_result(backend.stream(req), seen), lambda: pending.__setitem__(model, pending[model] - 1)
+            ),
+            getattr(backend, "finish", None),
+            rid,
         )
         pending[model] += 1
         try:
@@ -769,7 +778,7 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
             detok.add([ev["token_id"]])
             if detok.stopped:
                 stopped = True
-                await events.aclose()  # the backend aborts the rest
+                await events.stop()  # the request ended as the client asked: completed, not aborted
                 break
         try:
             ev = await events.__anext__()
@@ -799,6 +808,32 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
         },
         "scissorhands": _replica_times(result) if result else None,
     }
+
+
+class _Stoppable:
+    """A request's events, and the one way to end them because the client has what it asked (a stop string):
+    `stop()` asks the backend to finish the request as completed (`finish`, when it has one), then closes the
+    events; `aclose()` alone (a disconnect, an error) aborts it."""
+
+    def __init__(self, events, finish, request_id: str):
+        self.events, self.finish, self.request_id = events, finish, request_id
+
+    def __aiter__(self):
+        return self
+
+    def __anext__(self):
+        return self.events.__anext__()
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+
+    async def stop(self) -> None:
+        if self.finish is not None:
+            try:
+                await self.finish(self.request_id)
+            except Exception:  # noqa: BLE001 - the close below still ends it (counted aborted)
+                pass
+        await self.aclose()
 
 
 async def _keeping_result(events: AsyncIterator[dict], seen: dict):
@@ -921,6 +956,7 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
             if detok is not None and detok.stopped:
                 stopped = True
                 # the token that completed the stop string is counted in usage: its id goes out even without text
+                await events.stop()  # the request ended as the client asked: completed, not aborted
                 yield chunk(text, [ev["token_id"]], None)
                 break
             yield chunk(text, [ev["token_id"]], None)

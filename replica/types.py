@@ -386,9 +386,11 @@ class GenerationResult:
     """What a replica returns for a request; times are the replica's `clock` (wall clock, seconds).
 
     `token_times_s[i]` is when `output_ids[i]` was produced; `output_tokens` is `len(output_ids)`.
-    `error_kind`: None (ok), `"rejected"` (cannot fit the memory limit even alone), `"oom"` (the
-    device ran out of memory), `"error"` (any other exception, a failed sampling of this request's
-    row included; `error` holds it).
+    `finish_reason`: ``"eos"``, ``"length"``, ``"stop"`` (the client had what it asked, a stop string:
+    `ContinuousBatchingEngine.finish`) or ``"error"``. `error_kind`: None (ok), `"rejected"` (cannot fit
+    the memory limit even alone), `"aborted"` (the client went away or aborted it), `"oom"` (the device ran
+    out of memory), `"error"` (any other exception, a failed sampling of this request's row included;
+    `error` holds it). `outcome` is the one classification of both (`OUTCOMES`).
     With the request's `logprobs`: `output_logprobs[i]` is `output_ids[i]`'s log-probability (nats)
     and `output_top_logprobs[i]` its alternatives as ``[[token_id, logprob], ...]``, best first. With
     `prompt_logprobs`: the same per prompt token (`prompt_logprobs[0]` and `prompt_top_logprobs[0]`
@@ -414,3 +416,17 @@ class GenerationResult:
     @property
     def output_tokens(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def outcome(self) -> str:
+        """How the request ended, one of `OUTCOMES`: ``"stop"`` (EOS, or the client's stop string), ``"length"``
+        (its `max_new_tokens`), ``"abort"`` (the client went away or aborted it), ``"error"`` (any failure,
+        rejection included); None while it runs. Completed = stop or length; the replica's counters and the
+        live metrics count by it."""
+        if self.error_kind is not None:
+            return "abort" if self.error_kind == "aborted" else "error"
+        return {"eos": "stop", "stop": "stop", "length": "length"}.get(self.finish_reason)
+
+
+#: Every `GenerationResult.outcome`: the first two are completed requests, the others failed ones.
+OUTCOMES = ("stop", "length", "abort", "error")

@@ -27,13 +27,24 @@ simulation mode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .cache import PAD, BudgetedLayer
 from .checks import check_int
 from .storage import SlotStore, Spec
 
-__all__ = ["BlockPool", "PagedLayer", "PoolExhausted", "bookkeeping_slot_bytes", "cache_blocks", "release_cache"]
+__all__ = [
+    "BlockPool",
+    "PagedLayer",
+    "PagedRows",
+    "PoolExhausted",
+    "bookkeeping_slot_bytes",
+    "cache_blocks",
+    "paged_rows",
+    "release_cache",
+]
 
 BOOKKEEPING = ("slot_time", "state")  # per-slot buffers kept dense per row (the rest go to the pool)
 
@@ -449,6 +460,26 @@ def cache_blocks(cache) -> int:
     if cache is None:
         return 0
     return sum(layer.blocks_in_use() for layer in cache.layers if isinstance(layer, PagedLayer))
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """How the rows of a paged cache sit in its pool, as one layer holds them (every layer of a batch holds the
+    same slots per row): ``row_slots[i]`` slots and ``row_blocks[i]`` blocks of row ``i``, and the slots per row
+    of the dense bookkeeping (``bookkeeping_slots``, the widest row's, padding included)."""
+
+    row_slots: list[int]
+    row_blocks: list[int]
+    bookkeeping_slots: int
+
+
+def paged_rows(cache) -> PagedRows:
+    """The rows of ``cache`` (a cache of ``PagedLayer`` s, or None: no rows) as its first layer holds them: what a
+    scheduler counts blocks by, without reading the store."""
+    if cache is None:
+        return PagedRows([], [], 0)
+    store = cache.layers[0].store
+    return PagedRows(store.row_slots.tolist(), [len(b) for b in store.blocks], store.dense.capacity)
 
 
 def bookkeeping_slot_bytes(cache) -> int:

@@ -1,0 +1,391 @@
+"""The engine's core: the queue and each request's lifecycle; it asks the scheduler for a plan, has the runner
+feed it, and answers the requests (the only part that does, through `replica.engine.lifecycle`).
+
+One `step()`: apply the aborts; `Scheduler.plan` (admissions, rejections, prompt chunks); the runner prefills each
+chunk, and a prompt's last chunk picks its first token and joins its rows to the running batch; while the next
+decode step does not fit (`Scheduler.preemption`), the newest row leaves (back to the head of the queue, prefilled
+again later from its prompt and the tokens it generated); one decode step of every running row; finished rows
+leave.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from replica.engine.in_flight import InFlight
+from replica.engine.kv_budget import KV_BUDGETS
+from replica.engine.lifecycle import Lifecycle, recording
+from replica.engine.limits import resolve_kv_limit_bytes
+from replica.engine.request_queue import RequestQueue
+from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan
+from replica.engine.runner import ModelRunner
+from replica.engine.scheduler import SCHEDULERS
+from replica.metrics import NullMetrics
+from replica.types import EngineConfig, GenerationRequest, GenerationResult
+
+__all__ = ["ContinuousBatchingEngine"]
+
+
+class ContinuousBatchingEngine:
+    """The continuous-batching engine of one replica (thread-safe `submit` and `abort`, single-threaded `step`).
+
+    Args:
+        model: a transformers causal LM (its attention implementation becomes ``"scissorhands"``).
+        config: `EngineConfig`.
+        eos_token_id: stops a request that does not set `ignore_eos` (None: never).
+        clock: seconds, used for every timestamp (default `time.time`, comparable across processes
+            of one machine and, with synchronized clocks, across machines).
+        replica_id: recorded in every result.
+        metrics: live metrics (a `replica.metrics.ReplicaMetrics`, or anything with its methods);
+            None records nothing (`replica.metrics.NullMetrics`). A failing recorder never stops the
+            engine (`replica.engine.lifecycle.recording`).
+
+    Raises:
+        ValueError: from `make_cache` for an invalid policy parameter or budget; a paged pool under one block a layer.
+    """
+
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        *,
+        eos_token_id: int | None = None,
+        clock: Callable[[], float] = time.time,
+        replica_id: str = "replica-0",
+        metrics=None,
+    ):
+        self.model, self.config, self.eos_token_id = model, config, eos_token_id
+        self.clock, self.replica_id = clock, replica_id
+        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.runner = ModelRunner(model, config, eos_token_id)
+        self.device, self.num_layers = self.runner.device, self.runner.num_layers
+        self.slot_bytes, self.bookkeeping_slot_bytes = self.runner.slot_bytes, self.runner.bookkeeping_slot_bytes
+        self.kv_memory_limit_bytes = resolve_kv_limit_bytes(model, config, self.device)
+        self.kv = KV_BUDGETS[config.kv_layout](config, self.runner, self.kv_memory_limit_bytes)
+        self.pool = self.runner.pool = self.kv.pool
+        self.block_bytes, self.budget_tokens = getattr(self.kv, "block_bytes", None), self.kv.budget_tokens
+        if self.pool is None:
+            with recording():  # no pool: no block series (not the pool of a paged engine these labels had before)
+                self.metrics.clear_kv_blocks()
+        self.scheduler = SCHEDULERS[config.scheduler](config)
+        self.life = Lifecycle(clock, self.metrics, eos_token_id, self.device)
+        self.queue = RequestQueue()
+        self.flight = InFlight(self.runner)
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ the KV budget's answers
+    def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
+        """A request's B (`KVBudget.budget_of`)."""
+        return self.kv.budget_of(prompt_tokens, max_new_tokens)
+
+    def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Slots a sequence's row needs at most (`KVBudget.final_slots`)."""
+        return self.kv.final_slots(prompt_tokens, max_new_tokens)
+
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of these lengths can never run under the KV memory limit, even alone, as this engine's
+        scheduler feeds it (None: it can; `KVBudget.fits_alone`)."""
+        return self.kv.fits_alone(prompt_tokens, max_new_tokens, self.scheduler.chunk_tokens())
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Largest batch of identical requests the memory limit (and `max_batch`) admits at once: on the paged
+        layout, as many as hold their final blocks together (so none is preempted)."""
+        cap = self.config.max_batch or 1 << 30
+        if self.kv_memory_limit_bytes is None:
+            return cap
+        return self.kv.max_batch_for(prompt_tokens, max_new_tokens, cap, self.scheduler.chunk_tokens())
+
+    # ------------------------------------------------------------------ the running batch (read by tests)
+    @property
+    def _cache(self):
+        return self.runner.cache
+
+    def _new_cache(self, group: list[Sequence] | None = None, paged: bool = True):
+        return self.runner.new_cache(group, paged)
+
+    @property
+    def _lock(self) -> threading.Condition:
+        return self.queue.lock
+
+    @property
+    def _running(self) -> list[Sequence]:
+        return self.flight.running
+
+    @property
+    def _prefilling(self) -> list[Prefill]:
+        return self.flight.prefilling
+
+    def _view(self) -> EngineView:
+        return self.flight.view(self.queue.waiting)
+
+    # ------------------------------------------------------------------ submission
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_done: Callable[[GenerationResult], None],
+        on_token: Callable[[int, float], None] | None = None,
+    ) -> None:
+        """Queue `request`; `on_done(result)` is called once, from the thread running `step()`, and
+        `on_token(token_id, time_s)` for each token as it is decoded (before `on_done` for the last)."""
+        prompt, new = len(request.prompt_ids), request.max_new_tokens
+        result = GenerationResult(request.request_id, prompt, received_time_s=self.clock(), replica_id=self.replica_id)
+        seq = Sequence(
+            request,
+            result,
+            on_done,
+            self.kv.final_slots(prompt, new),
+            self.kv.budget_of(prompt, new),
+            on_token=on_token,
+            unfit=self.fits_alone(prompt, new),
+        )
+        fault = self.queue.put(seq, lambda: self.life.count(seq, "received"))
+        if fault is not None:  # a dead engine refuses at once rather than queue a request nobody will step
+            self.life.fail(seq, "error", fault)
+
+    @property
+    def fault(self) -> str | None:
+        """Why the engine stopped serving (`stop_on_fault`); None while it is healthy."""
+        return self.queue.fault
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine stopped on a fault (`stop_on_fault`): it refuses every request."""
+        return self.queue.fault is None
+
+    def stop_on_fault(self, message: str) -> int:
+        """Mark the engine dead with `message` (naming the fault): every request it holds, queued or running, is
+        answered with it now and later `submit`s are refused with it at once. Returns how many were answered.
+        Call it only when `step()` is not running (its loop ended on the fault)."""
+        return self.abort_all(message, fault=True)
+
+    def abort(self, request_id: str) -> None:
+        """Drop `request_id` (queued or running) at the start of the next step (any thread); its
+        `on_done` gets `error_kind="aborted"`. Unknown or finished ids are ignored."""
+        self.queue.end(request_id, "aborted")  # a `finish` asked first stands
+
+    def finish(self, request_id: str) -> None:
+        """End `request_id` at the start of the next step as completed (any thread): its client has what it asked
+        (a stop string in its text), so it counts as completed with ``finish_reason="stop"``, not aborted. An
+        `abort` of the same id after this (the client closing its stream) changes nothing. Unknown or finished
+        ids are ignored."""
+        self.queue.end(request_id, "stop")
+
+    def _apply_aborts(self) -> None:
+        """Fail the aborted requests; running ones leave the cache (`select_rows`), freeing their slots."""
+        aborts, gone = self.queue.take_ends()
+        gone += self.flight.remove(aborts)
+        t = self.clock()
+        for s in gone:
+            if aborts[s.request.request_id] == "stop":
+                self.life.complete(s, "stop", t)
+            else:
+                self.life.fail(s, "aborted", "the client aborted the request")
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a request is queued or running (or `timeout_s` passes); return whether one is."""
+        return self.queue.wait_for(lambda: self.flight.rows > 0, timeout_s)
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not finished: decoding, or part-way prefilled (`scheduler: mixed`)."""
+        return self.flight.rows
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Output tokens of measured requests generated since `reset_stats` (`stats()`'s ``generated_tokens``,
+        without building the whole dict: cheap enough for a progress bar after every `step()`)."""
+        return self.life.counts["tokens"]
+
+    # ------------------------------------------------------------------ one step
+    def _plan(self) -> StepPlan:
+        """This step's plan, applied to the queue: admitted and rejected requests leave it, rejected ones are
+        answered, groups that stay part-way fed are registered; a stalled plan yields the newest such group."""
+        while True:
+            with self.queue.lock:  # submit only appends: the head the plan read stays the head
+                plan = self.scheduler.plan(self._view(), self.kv)
+                self.queue.pop_front(plan.consumed)
+            self.flight.prefilling.extend(plan.started)
+            for seq, why in plan.rejected:
+                self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {why}")
+            if not plan.yield_newest:
+                return plan
+            self._requeue(self.flight.pop_newest_prefill())  # prompts part-way fed hold the pool: the newest yields
+
+    def step(self) -> bool:
+        """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
+
+        Under ``scheduler: mixed`` the prefill phase feeds this step's prompt chunks; a prompt's last chunk picks
+        its first token and its rows join the decode step of the same step."""
+        aborted = bool(self.queue.ends)
+        if aborted:
+            self._apply_aborts()
+        plan = self._plan()
+        if not plan.chunks and not self._running:
+            if aborted:  # the aborted rows' slots and blocks are free now: the gauges say so
+                self._record_state()
+            return False
+        now = self.clock()
+        t0 = time.perf_counter()
+        for p, chunk in plan.chunks:
+            for seq in p.group:
+                if seq.result.admitted_time_s is None:  # a preempted request keeps its first admission
+                    seq.result.admitted_time_s = now
+            self._prefill_chunk(p, chunk)
+        t1 = time.perf_counter()
+        self._make_room_for_decode()
+        if self._running:
+            self._decode_step()
+        self.life.counts["prefill_s"] += t1 - t0
+        self.life.counts["decode_s"] += time.perf_counter() - t1
+        self._record_state()
+        return True
+
+    def _prefill_chunk(self, p: Prefill, chunk: int | None = None) -> None:
+        """Feed the next `chunk` tokens of `p`'s prompts (None: all of them); after the last, answer each row's
+        first token and join the rows that go on to the running batch."""
+        if p.cache is None:
+            p.group = [s for s in p.group if s.preempted or not self._score_prompt(s)]  # score-only ones end here
+            if not p.group:
+                self.flight.drop(p)
+                return
+        group, chunk = p.group, p.length - p.fed if chunk is None else chunk
+        last = p.fed + chunk == p.length
+        fwd = self.runner.prefill(p, chunk)
+        if fwd.error is not None:
+            self.flight.drop(p)
+            self.life.fail_all(group, fwd.error)
+            return
+        t = self.clock()
+        self.life.prefilled(group, chunk, fwd, last)
+        # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts'); a
+        # cache's peak is since its first chunk, so under mixed this is an upper bound
+        others = sum(c.kv_cache_bytes() for c in self.flight.caches() if c is not p.cache)
+        self.life.track_bytes(p.cache.peak_kv_cache_bytes + others)
+        self.life.track_running(self.running)
+        if not last:
+            return
+        self.flight.drop(p)
+        keep = []
+        for i, (seq, tok) in enumerate(zip(group, fwd.tokens)):
+            seq.held_slots = self.kv.prefill_slots(len(seq.prefill_ids()), seq.budget_tokens)  # a recompute: + outputs
+            if not self.life.emit(seq, tok, t):
+                keep.append(i)
+        self.flight.join(p, fwd.picked, keep)
+        if keep:
+            self.life.track_bytes(self._kv_cache_bytes())
+            self.life.track_running(self.running)
+
+    def _decode_step(self) -> None:
+        """One token for every running sequence, each at its own position; retire finished ones."""
+        fwd = self.runner.decode(self._running)
+        if fwd.error is not None:  # the runner freed the batch's cache: every row leaves
+            running, self.flight.running = self.flight.running, []
+            self.life.fail_all(running, fwd.error)
+            return
+        t = self.clock()
+        self.life.decoded(self._running, fwd, self.pool.blocks_in_use if self.pool is not None else 0)
+        self.life.track_bytes(self._kv_cache_bytes())
+        keep = []
+        for i, (seq, tok) in enumerate(zip(self._running, fwd.tokens)):
+            seq.held_slots = self.kv.held_after_decode(seq)  # the full cache's buffers grow past their capacity
+            if not self.life.emit(seq, tok, t):
+                keep.append(i)
+        self.flight.keep_running(keep)
+
+    def _score_prompt(self, seq: Sequence) -> bool:
+        """The prompt's log-probabilities of a request that asks for them (`Lifecycle.score`); True when that
+        finished the request (no new tokens, or a failure)."""
+        return seq.request.prompt_logprobs is not None and self.life.score(seq, self.runner.score_prompt)
+
+    # ------------------------------------------------------------------ preemption (paged layout)
+    def _make_room_for_decode(self) -> None:
+        """Preempt until the next decode step fits (`Scheduler.preemption`): a group part-way fed goes back to the
+        queue whole; a running row leaves the batch and goes back to the head of the queue, recomputed later."""
+        while (victim := self.scheduler.preemption(self._view(), self.kv)) is not None:
+            if isinstance(victim, Prefill):
+                self._requeue(self.flight.pop_newest_prefill())
+                continue
+            seq = self.flight.pop_newest_running()
+            seq.preempted = True
+            # every token whose KV it held is computed again: the prompt and the outputs fed so far
+            self.life.preempted(len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1)
+            self.queue.push_front([seq])
+
+    def _requeue(self, p: Prefill) -> None:
+        """Requeue a group part-way prefilled (its blocks back in the pool): its requests back to the head of
+        the queue (in order), their chunks fed so far counted as recomputed."""
+        for seq in p.group:
+            seq.preempted = True  # scored already (prompt_logprobs): the next prefill only feeds
+            self.life.preempted(p.fed)
+        self.queue.push_front(p.group)
+
+    # ------------------------------------------------------------------ state and counters
+    def _kv_cache_bytes(self) -> int:
+        return self.flight.kv_cache_bytes()
+
+    def _record_state(self) -> None:
+        """The live gauges now: running sequences (part-way prompts included), queued ones, KV bytes and slots of
+        every live cache, and on the paged layout the pool's used and free blocks (the preallocated layout has no
+        pool, so no block series)."""
+        caches = self.flight.caches()
+        with recording():
+            self.metrics.set_running(self.running)
+            self.metrics.set_queued(len(self.queue))
+            self.metrics.set_kv_cache(sum(c.kv_cache_bytes() for c in caches), sum(c.held_tokens() for c in caches))
+            if self.pool is not None:
+                self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
+
+    def reset_stats(self) -> None:
+        """Zero the counters and peaks reported by `stats()` (between sweep points)."""
+        self.life.reset()
+        self.kv.reset_peak()
+
+    def stats(self) -> dict:
+        """Counters since `reset_stats` (units in the names). Request counts and generated tokens
+        are of measured requests; the load generator's warm-up requests are in the ``warmup_*``
+        keys. Steps, times and peaks are the engine's, whichever requests ran in them."""
+        with self.queue.lock:
+            s = dict(self.life.counts)
+            queued = len(self.queue)
+        return {
+            "replica_id": self.replica_id,
+            "policy": self.config.policy,
+            "budget_tokens": self.budget_tokens,  # None under budget: per_request (each request its own)
+            "budget": self.config.budget,
+            "slot_bytes": self.slot_bytes,
+            "kv_memory_limit_bytes": self.kv_memory_limit_bytes,
+            "running_sequences": self.running,
+            "queued_requests": queued,
+            "peak_running_sequences": self.life.peak_running,
+            "peak_kv_cache_bytes": self.life.peak_bytes,
+            "kv_cache_bytes": self._kv_cache_bytes(),
+            **Lifecycle.request_stats(s),
+            "kv_layout": self.config.kv_layout,
+            "scheduler": self.config.scheduler,
+            "max_num_batched_tokens": self.scheduler.chunk_tokens(),
+            **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
+            **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
+        }
+
+    def abort_all(self, message: str, fault: bool = False) -> int:
+        """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
+        when `step()` is not running (the loop stopped). `fault`: refuse every later request with `message`."""
+        seqs = self.queue.drain(message if fault else None)
+        seqs += self.flight.clear()
+        for seq in seqs:
+            self.life.fail(seq, "error", message)
+        self._record_state()
+        return len(seqs)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Step until nothing is queued or running (tests, offline batches)."""
+        for _ in range(max_steps):
+            if not self.step() and not len(self.queue):
+                return
+        raise RuntimeError(f"engine still busy after {max_steps} steps")

@@ -1,0 +1,90 @@
+"""The requests an engine has admitted and not finished (part of the core): the running rows, in the order of the
+runner's batch rows, and the prompts part-way fed (oldest first), kept in step with the runner's caches."""
+
+from __future__ import annotations
+
+from replica.engine.requests import EngineView, Prefill, Sequence
+from replica.engine.runner import ModelRunner
+
+__all__ = ["InFlight"]
+
+
+class InFlight:
+    """Admitted requests and their rows; every change to the rows goes through the runner (`ModelRunner.keep`,
+    `join`, `release_group`), so a request and its row leave together."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.running: list[Sequence] = []
+        self.prefilling: list[Prefill] = []
+
+    @property
+    def rows(self) -> int:
+        """Requests admitted and not finished: decoding, or part-way prefilled."""
+        return len(self.running) + sum(p.rows for p in self.prefilling)
+
+    def view(self, queue) -> EngineView:
+        return EngineView(self.running, self.runner.cache, self.prefilling, queue)
+
+    def caches(self) -> list:
+        return self.runner.caches(self.prefilling)
+
+    def kv_cache_bytes(self) -> int:
+        return sum(c.kv_cache_bytes() for c in self.caches())
+
+    def drop(self, p: Prefill) -> None:
+        """`p` is no longer part-way fed (its last chunk ran, or it failed)."""
+        if p in self.prefilling:
+            self.prefilling.remove(p)
+
+    def join(self, p: Prefill, picked, keep: list[int]) -> None:
+        """The rows `keep` of `p` (prefilled; first tokens `picked`) join the running batch; the rest leave."""
+        self.runner.join(p, picked, keep)
+        self.running.extend(p.group[i] for i in keep)
+
+    def keep_running(self, keep: list[int]) -> None:
+        """Only the running rows `keep` stay (finished ones leave)."""
+        if len(keep) < len(self.running):
+            self.running = [self.running[i] for i in keep]
+            self.runner.keep(keep)
+
+    def remove(self, ids) -> list[Sequence]:
+        """Take the requests whose ids are in `ids` out of the prompts part-way fed and the running rows (their
+        slots and blocks freed); return them."""
+        gone: list[Sequence] = []
+        for p in list(self.prefilling):
+            rows = [i for i, s in enumerate(p.group) if s.request.request_id not in ids]
+            if len(rows) < p.rows:
+                gone += [s for s in p.group if s.request.request_id in ids]
+                if not rows:
+                    self.runner.release_group(p)
+                    self.prefilling.remove(p)
+                    continue
+                self.runner.keep_prefill_rows(p, rows)
+        keep = [i for i, s in enumerate(self.running) if s.request.request_id not in ids]
+        if len(keep) < len(self.running):
+            gone += [s for s in self.running if s.request.request_id in ids]
+            self.keep_running(keep)
+        return gone
+
+    def pop_newest_running(self) -> Sequence:
+        """The most recently admitted running row leaves the batch (preempted)."""
+        seq = self.running.pop()
+        self.runner.keep(list(range(len(self.running))))
+        return seq
+
+    def pop_newest_prefill(self) -> Prefill:
+        """The newest prompt part-way fed leaves (preempted): its blocks back to the pool."""
+        p = self.prefilling.pop()
+        self.runner.release_group(p)
+        return p
+
+    def clear(self) -> list[Sequence]:
+        """Every admitted request leaves, every cache freed (a cache a fault broke is dropped all the same)."""
+        seqs = [s for p in self.prefilling for s in p.group] + self.running
+        try:
+            self.runner.release(self.prefilling)
+        except Exception:  # noqa: BLE001 - a cache broken by a fault must not keep its requests waiting
+            pass
+        self.running, self.prefilling = [], []
+        return seqs

@@ -1,0 +1,108 @@
+"""The layout-independent part of an engine's KV budget (`replica.engine.kv_budget`): budgets and slots."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from replica.engine.requests import EngineView, Sequence
+from replica.types import EngineConfig
+from scissorhands import budget_from_ratio
+from scissorhands.paged import BlockPool
+
+__all__ = ["KVBudget"]
+
+
+class KVBudget:
+    """The layout-independent part: a request's budget ``B`` and slots, and the policy's check of a per-request B.
+
+    Args:
+        config: the engine's config.
+        measured: what the model runner measured (`ModelRunner`): ``num_layers``, ``slot_bytes`` (one slot in
+            every layer, bookkeeping included), ``bookkeeping_slot_bytes`` (one row's bookkeeping slot, all
+            layers) and ``check_budget(budget)`` (raises ValueError when the policy refuses a per-request B).
+        limit_bytes: the KV memory limit (None: unlimited).
+    """
+
+    def __init__(self, config: EngineConfig, measured, limit_bytes: int | None):
+        self.config = config
+        self.num_layers: int = measured.num_layers
+        self.slot_bytes: int = measured.slot_bytes
+        self.bookkeeping_slot_bytes: int = measured.bookkeeping_slot_bytes
+        self.check_budget: Callable[[int], None] = measured.check_budget
+        self.limit_bytes = limit_bytes
+        self.budget_tokens = config.resolved_budget_tokens()
+        self.per_request = config.budget == "per_request"
+        # slots every row's buffers preallocate: B (budgeted), the workload's longest sequence (full, when
+        # max_length_tokens is given), or None (full: buffers grow with the longest row)
+        self.row_capacity = self.budget_tokens if self.budget_tokens is not None else config.max_length_tokens
+        self.pool: BlockPool | None = None
+
+    def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
+        """A request's B: its own ``ceil((prompt + max_new) / ratio)`` under ``budget: per_request``, else
+        the engine's fixed B (None for a policy that keeps every token)."""
+        if self.per_request:
+            return budget_from_ratio(prompt_tokens + max_new_tokens, self.config.compression_ratio)
+        return self.budget_tokens
+
+    def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Slots a sequence's row needs at most: ``B`` (budgeted), else ``prompt + max_new - 1`` or the
+        preallocated ``max_length_tokens``, whichever is larger."""
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        if budget is not None:
+            return budget
+        return max(prompt_tokens + max_new_tokens - 1, self.row_capacity or 0)
+
+    def prefill_slots(self, prompt_tokens: int, budget: int | None = None) -> int:
+        """Slots one row holds per layer after its prefill (the preallocated capacity, or the prompt)."""
+        budget = budget if budget is not None else self.budget_tokens
+        if budget is not None:
+            return budget
+        return max(prompt_tokens, self.row_capacity or 0)
+
+    def held_after_decode(self, seq: Sequence) -> int:
+        """The slots `seq`'s row holds after one more decode step (a buffer at its capacity is written in place)."""
+        cap = seq.budget_tokens or self.row_capacity
+        return seq.held_slots + 1 if cap is None or seq.held_slots < cap else seq.held_slots
+
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int, chunk_tokens: int | None = None) -> str | None:
+        """Why a request of these lengths can never run under the KV memory limit, even alone (None: it can).
+
+        `chunk_tokens`: the most prompt tokens the scheduler feeds in one forward (None: the whole prompt at once,
+        ``scheduler: prefill_first``). Under `budget: per_request`, also whether the policy accepts the request's
+        own budget (`Policy.resolve`: a recent window must fit)."""
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        if self.per_request:
+            try:
+                self.check_budget(budget)
+            except ValueError as e:
+                return f"its budget of {budget} slots (ceil((prompt + max_new) / ratio)) does not suit the policy: {e}"
+        if self.limit_bytes is None:
+            return None
+        return self.memory_refusal(prompt_tokens, max_new_tokens, budget, chunk_tokens)
+
+    def memory_refusal(self, prompt_tokens: int, max_new_tokens: int, budget: int | None, chunk: int | None):
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        """Start the peak of blocks in use (`pool_stats`) from now."""
+        if self.pool is not None:
+            self.pool.peak_blocks_in_use = self.pool.blocks_in_use
+
+    def pool_stats(self, decode_steps: int, block_steps: int) -> dict:
+        """`stats()`'s block keys: the block size, the pool's blocks, the peak since `reset_peak` and the mean
+        blocks in use over `decode_steps` (`block_steps`: their sum); None without a pool."""
+        pool = self.pool
+        return {
+            "block_tokens": self.config.block_tokens if pool is not None else None,
+            "kv_pool_blocks": pool.usable_blocks if pool is not None else None,
+            "peak_kv_blocks_in_use": pool.peak_blocks_in_use if pool is not None else None,
+            "mean_kv_blocks_in_use": block_steps / decode_steps if pool is not None and decode_steps else None,
+        }
+
+    def growth(self, view: EngineView, steps: int = 1) -> int:
+        """What the running rows take over their next `steps` decode steps (the layout's unit; 0: nothing)."""
+        return 0
+
+    def must_preempt(self, view: EngineView) -> bool:
+        """Whether the next decode step of `view`'s running rows does not fit (a row must leave first)."""
+        return False

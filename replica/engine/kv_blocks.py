@@ -1,0 +1,191 @@
+"""The KV budget of the paged layout, in blocks of one pool (`replica.engine.kv_budget` describes the bound)."""
+
+from __future__ import annotations
+
+import math
+
+from replica.engine.kv_base import KVBudget
+from replica.engine.requests import EngineView, Sequence, decodes_after_prefill, steps_left
+from scissorhands.paged import BlockPool, paged_rows
+
+__all__ = ["PagedBudget"]
+
+
+class PagedBudget(KVBudget):
+    """Blocks of ``block_tokens`` slots of one layer (all KV heads) in a pool sized to the KV memory limit; the
+    running rows are read through `scissorhands.paged.paged_rows`.
+
+    Raises:
+        ValueError: the limit holds fewer blocks than the model has layers (the message gives both).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # a block holds block_tokens slots of one layer (all KV heads): slot_bytes covers every layer
+        self.block_bytes = math.ceil(self.config.block_tokens * self.slot_bytes / self.num_layers)
+        usable = self.limit_bytes // self.block_bytes
+        if usable < self.num_layers:
+            raise ValueError(
+                f"kv_memory_limit_bytes: {self.limit_bytes} bytes hold {usable} KV blocks of "
+                f"{self.block_bytes} bytes; a paged pool needs at least one block per layer ({self.num_layers})"
+            )
+        self.pool = BlockPool(usable + 1, self.config.block_tokens)  # + the zero block
+
+    # ------------------------------------------------------------------ one row
+    def blocks(self, slots: int) -> int:
+        return -(-slots // self.config.block_tokens)
+
+    @staticmethod
+    def kept_slots(tokens: int, budget: int | None) -> int:
+        return tokens if budget is None else min(tokens, budget)
+
+    def prefill_peak_blocks(self, prompt_tokens: int, budget: int | None, chunk_tokens: int | None = None) -> int:
+        """Blocks one row's prefill of `prompt_tokens` holds at its peak, all layers: the layers before the
+        current one their kept slots, the current one what it holds before it compresses: the whole prompt when
+        fed at once (`chunk_tokens` None), at most its budget plus one chunk when fed in chunks of at most
+        `chunk_tokens` (a budgeted layer compresses back to its budget after every chunk, `chunk_blocks`; a full
+        cache keeps every token, so its chunked peak is its whole-prompt peak)."""
+        kept = self.kept_slots(prompt_tokens, budget)
+        current = prompt_tokens if chunk_tokens is None or budget is None else min(prompt_tokens, budget + chunk_tokens)
+        return (self.num_layers - 1) * self.blocks(kept) + self.blocks(current)
+
+    def final_blocks(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Blocks a row holds at its end, all layers: what it needs to finish alone."""
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        return self.num_layers * self.blocks(self.kept_slots(prompt_tokens + max_new_tokens - 1, budget))
+
+    footprint = final_blocks
+
+    def chunk_blocks(self, fed: int, chunk: int, budget: int | None, grows: bool) -> tuple[int, int]:
+        """``(max(peak, after), after)``: blocks one row holds, all layers, while `chunk` tokens after the `fed` it
+        holds are prefilled (the layers before the current one compressed, the current one its kept slots plus the
+        chunk), and after it; `grows` adds the slot its first decode step writes (after the prompt's last chunk of
+        a row that decodes again, `decodes_after_prefill`)."""
+        after = self.num_layers * self.blocks(self.kept_slots(fed + chunk + grows, budget))
+        peak = (self.num_layers - 1) * self.blocks(self.kept_slots(fed + chunk, budget)) + self.blocks(
+            self.kept_slots(fed, budget) + chunk
+        )
+        return max(peak, after), after
+
+    def memory_refusal(self, prompt_tokens, max_new_tokens, budget, chunk):
+        """Its final blocks, and the peak of a prefill of its prompt plus every output but the last (what a
+        recompute after a preemption feeds), fed as the scheduler feeds it (whole, or in chunks of at most
+        `chunk`), so an admitted request is never refused later. The refusal gives both."""
+        usable = self.pool.usable_blocks
+        fed = prompt_tokens + max(0, max_new_tokens - 1)
+        final = self.final_blocks(prompt_tokens, max_new_tokens)
+        peak = self.prefill_peak_blocks(fed, budget, chunk)
+        if max(final, peak) <= usable:
+            return None
+        how = "at once" if chunk is None else f"in chunks of at most {chunk} tokens"
+        what = f"a prefill of up to {fed} tokens (a recompute: prompt + outputs but the last) fed {how} peaks at {peak}"
+        return f"it needs {max(final, peak)} KV blocks alone ({what}, its row ends at {final}), more than the pool's {usable}"
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int, cap: int, chunk: int | None = None) -> int:
+        """As many identical requests (at most `cap`) as hold their final blocks together (so none is preempted),
+        the last one's prefill (whole, or in chunks of at most `chunk` tokens) peaking beside the others' final
+        blocks."""
+        final = self.final_blocks(prompt_tokens, max_new_tokens)
+        peak = self.prefill_peak_blocks(prompt_tokens, self.budget_of(prompt_tokens, max_new_tokens), chunk)
+        usable = self.pool.usable_blocks
+        return max(0, min(cap, usable // final, 1 + (usable - peak) // final if peak <= usable else 0))
+
+    # ------------------------------------------------------------------ the running rows
+    def growth(self, view: EngineView, steps: int = 1) -> int:
+        """Blocks the running rows take, all layers, over their next `steps` decode steps (each row at most until
+        its last token; a budgeted row at its budget evicts before it writes, so it never grows past its budget's
+        blocks): at 1 step what the next decode step needs; at more, what a prompt fed over that many steps must
+        leave free, or it is the first preempted when they grow."""
+        if view.cache is None:
+            return 0
+        rows = paged_rows(view.cache)
+        return self.num_layers * sum(
+            max(0, self.blocks(self.kept_slots(n + min(steps, steps_left(seq)), seq.budget_tokens)) - held)
+            for seq, n, held in zip(view.running, rows.row_slots, rows.row_blocks)
+        )
+
+    # Dense bookkeeping (slot times, policy statistics) is padded to a batch's widest row, outside the pool; a
+    # block's share of the limit pays only its own slots' bookkeeping, so the padding is charged as blocks.
+    def width(self, seq: Sequence, tokens: int) -> int:
+        """Slots of a row of `seq` after it has seen `tokens`: what it keeps (its budget at most) rounded up to
+        whole blocks. Its blocks pay for that much bookkeeping; the paged layout grows the bookkeeping a block at
+        a time to the widest row (`scissorhands.paged.PagedStore.append`)."""
+        return self.blocks(self.kept_slots(tokens, seq.budget_tokens)) * self.config.block_tokens
+
+    def padding_blocks(self, view: EngineView, widths: list[int]) -> int:
+        """Blocks' worth of the bookkeeping padding of one batch of rows of these widths (slots), padded to the
+        widest or to what the running batch's bookkeeping already holds: ``ceil(bookkeeping_slot_bytes *
+        sum(padded - w) / block_bytes)``."""
+        padded = max([paged_rows(view.cache).bookkeeping_slots, *widths])
+        return -(-sum(padded - w for w in widths) * self.bookkeeping_slot_bytes // self.block_bytes)
+
+    def added_padding_blocks(self, view: EngineView, widths: list[int], width: int) -> int:
+        """The padding blocks a row of `width` slots adds once merged with rows of `widths`."""
+        return self.padding_blocks(view, widths + [width]) - self.padding_blocks(view, widths)
+
+    def running_widths(self, view: EngineView) -> list[int]:
+        """Each running row's width after the next decode step (the one it writes, when it decodes again): what
+        admission and the decode step's byte check both charge."""
+        if view.cache is None:
+            return []
+        rows = zip(view.running, paged_rows(view.cache).row_slots)
+        return [self.width(s, n + (steps_left(s) > 0)) for s, n in rows]
+
+    def over_limit_after_decode(self, view: EngineView) -> bool:
+        """Whether the next decode step would take the live caches past the KV memory limit, in the bytes they
+        will measure: every block in use and the blocks the step takes, the running batch's bookkeeping at the
+        slots it will hold (`PagedStore.append`: grown to whole blocks once its widest row outgrows it), and the
+        bookkeeping of the prompts part-way fed."""
+        slots = max(paged_rows(view.cache).bookkeeping_slots, *self.running_widths(view))
+        dense = len(view.running) * slots * self.bookkeeping_slot_bytes
+        dense += sum(c.bookkeeping_bytes() for c in view.other_caches())
+        blocks = self.pool.blocks_in_use + self.growth(view, 1)
+        return blocks * self.pool.block_nbytes() + dense > self.limit_bytes
+
+    def must_preempt(self, view: EngineView) -> bool:
+        """Whether a row must leave before the next decode step: its blocks are not free, or the live caches would
+        pass the limit. A lone row is never preempted for bytes: `fits_alone` bounds it (bookkeeping a left row's
+        width kept included: that row fit alone too), and its recompute would hold as much."""
+        return bool(view.running) and (
+            self.growth(view, 1) > self.pool.free_blocks
+            or ((len(view.running) > 1 or bool(view.prefilling)) and self.over_limit_after_decode(view))
+        )
+
+    def admission(self, view: EngineView) -> "_BlockAdmission":
+        return _BlockAdmission(self, view)
+
+
+class _BlockAdmission:
+    """One step's block account (`PagedBudget.admission`): a request is admitted when the blocks its prefill
+    takes now are free (next to the blocks the running rows take at their next step), not what it holds at its
+    end."""
+
+    def __init__(self, kv: PagedBudget, view: EngineView):
+        self.kv, self.view = kv, view
+        self.widths = kv.running_widths(view)  # the running batch's bookkeeping, with the rows admitted in this step
+        self.free = kv.pool.free_blocks - kv.growth(view, 1) - kv.padding_blocks(view, self.widths)
+        self.committed = 0  # blocks the rows admitted in this step hold after their prefill
+        self.before_last = 0  # ... before the last group
+        self.last_peak = 0  # blocks the last group's rows hold at their prefill's peak (they peak together)
+
+    def admits(self, seq: Sequence, tokens: int, joinable: bool) -> str | None:
+        """``"join"``, ``"new"`` or None (wait for blocks: rows finish or are preempted)."""
+        kv = self.kv
+        peak = kv.prefill_peak_blocks(tokens, seq.budget_tokens)
+        # what it holds once merged, with the block its first decode step may take
+        steady = kv.num_layers * kv.blocks(kv.kept_slots(tokens + decodes_after_prefill([seq]), seq.budget_tokens))
+        width = kv.width(seq, tokens + 1)
+        pad = kv.added_padding_blocks(self.view, self.widths, width)
+        peak = max(peak, steady + pad)
+        steady += pad
+        if joinable and self.before_last + self.last_peak + peak <= self.free:
+            where = "join"  # prefilled with the last group: its rows peak together
+            self.last_peak += peak
+        elif self.committed + peak <= self.free:
+            where = "new"
+            self.before_last, self.last_peak = self.committed, peak
+        else:
+            return None
+        self.committed += steady
+        self.widths.append(width)
+        return where

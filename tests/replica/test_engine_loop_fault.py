@@ -1,0 +1,93 @@
+"""A dead engine loop answers every request it held and refuses new ones (replica/engine/loop.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from replica.engine import ContinuousBatchingEngine, EngineLoop
+from replica.types import EngineConfig, GenerationRequest
+
+PAGED = dict(kv_layout="paged", block_tokens=4, kv_memory_limit_bytes=10**7)
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [EngineConfig(), EngineConfig(**PAGED), EngineConfig(**PAGED, scheduler="mixed", max_num_batched_tokens=16)],
+    ids=["preallocated", "paged", "paged-mixed"],
+)
+def test_a_scheduler_fault_answers_every_held_request_within_a_second_and_refuses_later_ones(model, cfg):
+    engine = ContinuousBatchingEngine(model, cfg)
+    done: dict[str, object] = {}
+    answered = threading.Event()
+
+    def on_done(res):
+        done[res.request_id] = res
+        if len(done) == 4:  # 3 running + 1 queued behind them
+            answered.set()
+
+    for i in range(3):
+        engine.submit(GenerationRequest(f"r{i}", list(range(3, 20 + i)), 10_000, ignore_eos=True), on_done)
+    loop = EngineLoop(engine).start()
+    try:
+        assert _wait(lambda: len(engine._running) == 3, 30), "the 3 requests never ran"
+        plan = engine.scheduler.plan
+
+        def broken(view, kv):
+            engine.scheduler.plan = plan  # raises once
+            raise RuntimeError("scheduler broke: planted fault")
+
+        with engine._lock:
+            engine.submit(GenerationRequest("queued", [5, 6, 7], 4), on_done)
+            engine.scheduler.plan = broken
+        t0 = time.monotonic()
+        assert answered.wait(1.0), f"answered {sorted(done)} within 1 s"
+        assert time.monotonic() - t0 < 1.0
+        for rid in ("r0", "r1", "r2", "queued"):
+            res = done[rid]
+            assert res.error_kind == "error" and res.finish_reason == "error"
+            assert "RuntimeError: scheduler broke: planted fault" in res.error
+        assert 0 < len(done["r0"].output_ids) < 10_000  # it had run
+        assert _wait(lambda: not loop.alive, 1.0) and isinstance(loop.error, RuntimeError)
+        assert not engine.healthy and "scheduler broke" in engine.fault
+        assert engine.running == 0 and engine.queued == 0
+        if engine.pool is not None:
+            assert engine.pool.blocks_in_use == 0  # the dead engine's blocks are back in the pool
+
+        later: list = []
+        t1 = time.monotonic()
+        engine.submit(GenerationRequest("later", [1, 2, 3], 4), later.append)
+        assert later and time.monotonic() - t1 < 0.5  # refused in the call, not queued
+        assert later[0].error_kind == "error" and "scheduler broke: planted fault" in later[0].error
+        s = engine.stats()
+        assert s["received_requests"] == 5 and s["failed_requests"] == 5 and s["completed_requests"] == 0
+    finally:
+        loop.stop(timeout_s=5)
+
+
+def test_a_healthy_engine_reports_no_fault_and_serves_after_a_request_failure(model):
+    """A request's own failure (a sampling error) is not an engine fault: the engine stays healthy."""
+    engine = ContinuousBatchingEngine(model, EngineConfig())
+    loop = EngineLoop(engine).start()
+    got: list = []
+    try:
+        bad = GenerationRequest("bad", [3, 4, 5], 4, temperature=1.0, seed=1)
+        bad.seed = 2**70  # torch.Generator.manual_seed raises for it: this request fails alone
+        engine.submit(bad, got.append)
+        engine.submit(GenerationRequest("ok", [3, 4, 5], 4), got.append)
+        assert _wait(lambda: len(got) == 2, 30)
+        assert {r.request_id: r.error_kind for r in got} == {"bad": "error", "ok": None}
+        assert engine.healthy and engine.fault is None and loop.alive
+    finally:
+        loop.stop(timeout_s=5)
