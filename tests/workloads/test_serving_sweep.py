@@ -94,7 +94,10 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         assert (r["slo_ttft_s"], r["slo_tpot_s"], r["slo_e2e_latency_s"]) == (600.0, 600.0, None)
         assert (r["slo_requests"], r["slo_met_requests"], r["slo_attainment"]) == (6, 6, 1.0)
         assert r["goodput_req_per_s"] == r["request_throughput_req_per_s"] > 0  # count-bound: all end inside
-        assert r["goodput_tok_per_s"] == r["output_throughput_tok_per_s"]
+        # goodput: the measured requests' tokens; throughput: every token inside the window (a warm-up still running)
+        assert r["goodput_tok_per_s"] == pytest.approx(r["output_tokens"] / r["window_s"])
+        assert r["output_throughput_tok_per_s"] == pytest.approx(r["window_output_tokens"] / r["window_s"])
+        assert r["window_output_tokens"] >= r["output_tokens"] and r["goodput_tok_per_s"] <= r["output_throughput_tok_per_s"]
         assert r["ttft_p95_s"] >= r["ttft_p90_s"] and r["ttft_p95_low_confidence"] is True  # 6 < 20 samples
         assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
         assert r["replica_id"] == "local-0" and r["replica_ids"] == ["local-0"]  # the header names the replica

@@ -104,6 +104,10 @@ class Run:
     def count_reached(self) -> bool:
         return self.exhausted or (self.cfg.num_requests is not None and self.measured >= self.cfg.num_requests)
 
+    def next_is_warmup(self) -> bool:
+        """Whether the next request handed out would be warm-up (asks nothing of the window)."""
+        return self.issued < self.cfg.warmup_requests or self.clock() < self.start + self.cfg.warmup_s
+
     def next_index(self) -> tuple[int, bool] | None:
         """(index, warm-up?) of the next request to send, or None when a bound says stop."""
         now = self.clock()

@@ -7,8 +7,9 @@
 | `itl_s` | gaps between successive tokens of one request (pooled over requests); tokens that arrive together have a gap of 0 |
 | `inter_chunk_gap_s` | gaps between successive *arrivals* of tokens (a streamed chunk of several tokens is one arrival) |
 | `e2e_latency_s` | request sent -> last token |
-| `output_throughput_tok_per_s` | output tokens of measured requests produced inside the window / window length |
-| `total_throughput_tok_per_s` | (input tokens of measured requests whose first token came inside the window + output tokens of measured requests produced inside it) / window length |
+| `output_throughput_tok_per_s` | every output token produced inside the window, whichever request produced it (warm-up, measured, failed) / window length (`window_output_tokens` / `window_s`) |
+| `total_throughput_tok_per_s` | (input tokens of every request whose first token came inside the window + every output token produced inside it) / window length (`window_input_tokens` + `window_output_tokens`) |
+| `input_tokens`, `output_tokens` | the same counts over measured requests only (what the replicas count as measured) |
 | `request_throughput_req_per_s` | measured requests that completed inside the window / window length |
 | `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
 | `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop) |
@@ -25,11 +26,14 @@ Output token counts are the number of generated ids a replica returned, never a 
 of text; a streamed chunk of several ids counts every id, each at the chunk's arrival time. Every
 statistic uses measured requests only: not warm-up requests, not requests sent before the window
 opened (so the replicas' own counts of measured requests, `replica.engine` `stats()`, cover the
-same requests). Every percentile (p50, p90, p95, p99) carries its sample count `n`; a percentile `p`
+same requests); the throughputs alone count every token produced inside the window, as GuideLLM does: the window's
+mean concurrency counts every request in flight inside it (a warm-up request still running when the window opens
+included), so its throughput must count what those requests produce there too (a closed loop of 4 whose warm-ups
+end inside the window produced 370 tok/s where measured tokens alone gave 267). Every percentile (p50, p90, p95, p99) carries its sample count `n`; a percentile `p`
 over fewer than `1 / (1 - p)` samples (p90 below 10, p95 below 20, p99 below 100) is flagged
 low-confidence, and every statistic of zero samples is None (JSON null), never NaN or 0. Goodput
 never exceeds its throughput (`goodput_req_per_s <= request_throughput_req_per_s`, `goodput_tok_per_s <=
-output_throughput_tok_per_s`): it counts the same requests and tokens, those of SLO-meeting requests only.
+output_throughput_tok_per_s`): it counts SLO-meeting measured requests only, a subset of what throughput counts.
 """
 
 from __future__ import annotations
@@ -185,8 +189,10 @@ class PointMetrics:
     inter_chunk_gap_s: LatencyStats = field(metadata=PER_REQUEST)
     e2e_latency_s: LatencyStats = field(metadata=PER_REQUEST)
     arrival_delay_s: LatencyStats  # sent requests' delays behind their scheduled arrival
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int  # prompt tokens of measured requests whose first token came inside the window
+    output_tokens: int  # output tokens of measured requests produced inside the window
+    window_input_tokens: int  # prompt tokens of every request (warm-up included) whose first token came inside it
+    window_output_tokens: int  # every output token produced inside the window, whichever request produced it
     output_throughput_tok_per_s: float | None
     total_throughput_tok_per_s: float | None
     request_throughput_req_per_s: float | None
@@ -299,6 +305,10 @@ def summarize(
 
     out_tok = sum(1 for r in ok for t in r.token_times_s if inside(t))
     in_tok = sum(r.prompt_tokens for r in ok if inside(r.token_times_s[0]))
+    # the throughputs: every token event inside the window, as the window's concurrency counts every request in it
+    producing = [r for r in records if r.sent and r.token_times_s]
+    window_out_tok = sum(1 for r in producing for t in r.token_times_s if inside(t))
+    window_in_tok = sum(r.prompt_tokens for r in producing if inside(r.token_times_s[0]))
     done_in = sum(1 for r in ok if inside(r.token_times_s[-1]))
     good = [r for r in measured if slo.met_by(r)]  # failed and dropped arrivals never meet it
     good_tok = sum(1 for r in good for t in r.token_times_s if inside(t))
@@ -361,8 +371,10 @@ def summarize(
         arrival_delay_s=LatencyStats.of(d for d in delays if d is not None),
         input_tokens=in_tok,
         output_tokens=out_tok,
-        output_throughput_tok_per_s=rate(out_tok),
-        total_throughput_tok_per_s=rate(in_tok + out_tok),
+        window_input_tokens=window_in_tok,
+        window_output_tokens=window_out_tok,
+        output_throughput_tok_per_s=rate(window_out_tok),
+        total_throughput_tok_per_s=rate(window_in_tok + window_out_tok),
         request_throughput_req_per_s=rate(done_in),
         slo_requests=len(measured),
         slo_met_requests=len(good),
