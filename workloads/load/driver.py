@@ -215,7 +215,8 @@ class Run:
 
 
 def error_kind(exc: BaseException) -> str:
-    """A short kind for an exception a client raised: `replica_died`, `oom`, `timeout` or `error`."""
+    """A short kind for an exception a client raised: `replica_died`, `oom`, `overloaded` (Serve's back-pressure: the
+    queue is full, as an HTTP 429/503 is), `timeout` or `error`."""
     if replica_death(exc) is not None:  # the same test as the OpenAI API's (one list)
         return REPLICA_DIED
     names = {type(exc).__name__} | {c.__name__ for c in type(exc).__mro__}
@@ -224,6 +225,8 @@ def error_kind(exc: BaseException) -> str:
         names |= {c.__name__ for c in type(cause).__mro__}
     if names & {"OutOfMemoryError", "MemoryError"}:
         return "oom"
+    if "BackPressureError" in names:
+        return "overloaded"
     if names & {"TimeoutError", "GetTimeoutError"}:
         return "timeout"
     return "error"

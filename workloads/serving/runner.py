@@ -11,7 +11,8 @@ replicas' peak KV bytes and running sequences, status and `stop_reason`.
 
 * status `ok`; `oom` when a request ran out of device memory (recorded, the sweep goes on);
   `skipped` for the loads above a saturated point of the same series; `error` when every request
-  failed, the point could not start, or a replica died (Serve replaces it; the point records why).
+  failed of an error other than a timeout or a refusal for load (those are measurements of attainment 0: the point
+  is `ok`, and saturated), the point could not start, or a replica died (Serve replaces it; the point records why).
 * `--resume RUN_ID` skips points already `ok`, `oom` or `skipped`; a point in progress when the
   sweep was killed simply runs again.
 * `mode: capacity` (`workloads.serving.capacity`): per series a search picks the next Poisson rate of its grid
