@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from cluster.connect import error_message
-from workloads.core.results import MIB, conditions_line, format_value, markdown_table, write_atomic
+from workloads.core.results import MIB, conditions_line, format_value, markdown_table, significant, write_atomic
 from workloads.core.template import Report
 from workloads.load.metrics import FLAGGED_PERCENTILES
 from workloads.load.slo import describe_slo
@@ -90,12 +90,13 @@ def capacity_markdown(rows: list[dict]) -> str:
 
 def milliseconds(r: dict, base: str, percentiles=TABLE_PERCENTILES) -> str:
     """``12.3/45.6*/...``: the record's `base` percentiles (``ttft`` -> ``ttft_p50_s``, ...) in milliseconds, 3
-    significant digits, each low-confidence one marked ``*``; ``-`` for a missing one."""
+    significant digits in plain notation (``42600``, never ``4.26e+04``: `workloads.core.results.significant`), each
+    low-confidence one marked ``*``; ``-`` for a missing one."""
     out = []
     for p in percentiles:
         v = r.get(f"{base}_{p}_s")
         flagged = int(p[1:]) in FLAGGED_PERCENTILES and r.get(f"{base}_{p}_low_confidence")
-        out.append(format_value(None if v is None else v * 1000, ".3g") + ("*" if v is not None and flagged else ""))
+        out.append(significant(None if v is None else v * 1000) + ("*" if v is not None and flagged else ""))
     return "/".join(out)
 
 
