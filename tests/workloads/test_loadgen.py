@@ -342,6 +342,23 @@ def test_an_instant_client_at_40_req_s_is_not_saturated_nor_delayed():
     assert m.achieved_rate_req_per_s == pytest.approx(m.scheduled_rate_req_per_s)
     assert not [w for w in m.warnings if w.startswith("rate:")]
     assert Saturation().reason(m.flat()) is None
+    # the point says its schedule is not its target, and why
+    (note,) = [w for w in m.warnings if w.startswith("scheduled rate:")]
+    assert f"the 16 arrival times drawn span {m.scheduled_rate_req_per_s:.3g} req/s, not the target 40 req/s" in note
+
+
+@pytest.mark.parametrize("n, seed, noted", [(4, 2, True), (4, 5, True), (2000, 3, False), (64, 0, None)])
+def test_a_poisson_point_states_when_its_drawn_schedule_strays_from_its_target_rate(n, seed, noted):
+    cfg = LoadConfig(mode="rate", rate_req_per_s=1.0, num_requests=n, seed=seed)
+    m = _run(FakeReplica(script=_instant), requests(8), cfg).metrics
+    off = abs(m.scheduled_rate_req_per_s - 1.0)
+    notes = [w for w in m.warnings if w.startswith("scheduled rate:")]
+    assert bool(notes) == (off > 0.1)  # the tolerance: 10% of the target
+    if noted is not None:
+        assert bool(notes) is noted
+    if notes:
+        assert f"span {m.scheduled_rate_req_per_s:.3g} req/s, not the target 1 req/s" in notes[0]
+        assert f"a random sample of {n} arrivals" in notes[0]
 
 
 def test_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():

@@ -12,7 +12,7 @@
 | `input_tokens`, `output_tokens` | the same counts over measured requests only (what the replicas count as measured) |
 | `request_throughput_req_per_s` | measured requests that completed inside the window / window length |
 | `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
-| `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop) |
+| `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop); a warning when it is more than `SCHEDULED_RATE_TOLERANCE` (10%) from the target |
 | `delayed_arrivals` | arrivals that found the concurrency cap reached and waited for a slot |
 | `slo_attainment` | `slo_met_requests / slo_requests`: the fraction of measured arrivals (sent or dropped; failed and dropped ones miss) that meet every SLO of the point (`workloads.load.slo`: TTFT, TPOT, optionally e2e; a one-token request meets the TPOT SLO vacuously) |
 | `slo_requests` | the attainment's sample count `n`: measured arrivals (= `arrivals`) |
@@ -39,6 +39,7 @@ output_throughput_tok_per_s`): it counts SLO-meeting measured requests only, a s
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -47,6 +48,9 @@ from workloads.load.slo import DEFAULT_SLO, SLO
 
 #: The percentiles of every latency statistic (`LatencyStats`), as vLLM's and GuideLLM's reports give them.
 PERCENTILES = (50, 90, 95, 99)
+#: How far (relative) the rate of the arrival times drawn may stray from the target before a point says so.
+SCHEDULED_RATE_TOLERANCE = 0.1
+
 #: The percentiles flagged low-confidence below `1 / (1 - p)` samples (`low_confidence`).
 FLAGGED_PERCENTILES = (90, 95, 99)
 
@@ -346,6 +350,17 @@ def summarize(
         warnings.append(
             f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
             f"{scheduled_rate:.3g} req/s in the arrival times drawn"
+        )
+    if (
+        target_rate_req_per_s
+        and scheduled_rate is not None
+        and abs(scheduled_rate / target_rate_req_per_s - 1) > SCHEDULED_RATE_TOLERANCE
+    ):
+        warnings.append(
+            f"scheduled rate: the {len(scheduled)} arrival times drawn span {scheduled_rate:.3g} req/s, not the target "
+            f"{target_rate_req_per_s:g} req/s (a random sample of {len(scheduled)} arrivals strays from its rate by "
+            f"about {1 / math.sqrt(max(1, len(scheduled) - 1)):.0%}; more requests bring it closer); the achieved "
+            "rate is judged against the schedule drawn"
         )
     if len(ok) < 100:
         warnings.append(f"p99: only {len(ok)} completed requests (low confidence below 100)")
