@@ -97,7 +97,10 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         # goodput: the measured requests' tokens; throughput: every token inside the window (a warm-up still running)
         assert r["goodput_tok_per_s"] == pytest.approx(r["output_tokens"] / r["window_s"])
         assert r["output_throughput_tok_per_s"] == pytest.approx(r["window_output_tokens"] / r["window_s"])
-        assert r["window_output_tokens"] >= r["output_tokens"] and r["goodput_tok_per_s"] <= r["output_throughput_tok_per_s"]
+        assert (
+            r["window_output_tokens"] >= r["output_tokens"]
+            and r["goodput_tok_per_s"] <= r["output_throughput_tok_per_s"]
+        )
         assert r["ttft_p95_s"] >= r["ttft_p90_s"] and r["ttft_p95_low_confidence"] is True  # 6 < 20 samples
         assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
         assert r["replica_id"] == "local-0" and r["replica_ids"] == ["local-0"]  # the header names the replica
