@@ -21,6 +21,8 @@ from workloads.load.driver import run_load
 from workloads.load.lengths import LengthDist, build_requests
 from workloads.load.metrics import LatencyStats, RequestRecord, summarize
 from workloads.load.patterns import LoadConfig, arrival_gaps_s
+from workloads.serving.report import table_markdown
+from workloads.serving.runner import ServingKind
 
 
 def _run(client, reqs, cfg):
@@ -677,3 +679,43 @@ def test_tokens_a_failed_request_produced_inside_the_window_count_in_throughput_
     assert m.output_throughput_tok_per_s == pytest.approx(16.0)
     assert m.window_input_tokens == 16  # the warm-up's first token came before the window: its prompt is not in it
     assert m.goodput_tok_per_s == pytest.approx(8.0) and m.slo_met_requests == 1
+
+
+def test_a_rate_the_replicas_cannot_keep_up_with_is_flagged_as_a_shortfall_in_record_table_and_progress_line():
+    """0.3 req/s offered to a replica that serves one request at a time in 14.5 s (0.069 req/s): every request is sent
+    on schedule, so the send rate alone says nothing; the completions say the rate was not served."""
+    fake = FakeReplica(script=lambda r: Script(ttft_s=14.1, gap_s=0.1), capacity=1)
+    cfg = LoadConfig(mode="rate", rate_req_per_s=0.3, num_requests=16, seed=1)
+    m = _run(fake, requests(16, new_tokens=5), cfg).metrics
+    assert m.achieved_rate_req_per_s == pytest.approx(m.scheduled_rate_req_per_s)  # sends kept the schedule
+    assert m.completed_requests == 16 and m.completed_rate_req_per_s == pytest.approx(1 / 14.5, rel=1e-6)
+    assert m.rate_shortfall is True
+    (note,) = [w for w in m.warnings if w.startswith("rate shortfall:")]
+    assert f"{m.scheduled_rate_req_per_s:.3g} req/s offered, completed 0.069 req/s" in note
+    rec = {**m.flat(), "point_id": "rate-full-L0.3", "status": "ok", "series": "full", "load": 0.3}
+    assert rec["rate_shortfall"] is True and rec["completed_rate_req_per_s"] == pytest.approx(0.069, abs=1e-3)
+    line = ServingKind().one_line(rec)
+    assert "RATE SHORTFALL: 0.069 req/s completed" in line and "warning: rate shortfall:" in line
+    table = table_markdown([rec])
+    assert f"0.3/{m.scheduled_rate_req_per_s:.3g}/{m.achieved_rate_req_per_s:.3g}/0.069 SHORTFALL" in table
+    assert "SHORTFALL: the point sent less than 95%" in table
+
+
+@pytest.mark.parametrize(
+    "mode, script, timeout_s, expected",
+    [
+        ("rate", Script(ttft_s=0.05, gap_s=0.01), None, False),  # keeps up
+        ("rate", Script(ttft_s=0.4, gap_s=0.01), None, True),  # one at a time, 0.4-0.8 s each: under 2 of 4 req/s
+        ("rate", Script(ttft_s=0.05, gap_s=0.01), 0.06, True),  # every other request (long ones) times out
+        ("concurrency", Script(ttft_s=0.4, gap_s=0.01), None, None),  # a closed loop offers no rate
+    ],
+)
+def test_rate_shortfall_is_judged_on_completions_against_the_rate_offered(mode, script, timeout_s, expected):
+    fake = FakeReplica(script=lambda r: script, capacity=1 if script.ttft_s > 0.1 else None)
+    load = {"rate_req_per_s": 4.0} if mode == "rate" else {"concurrency": 2}
+    cfg = LoadConfig(mode=mode, num_requests=40, seed=3, request_timeout_s=timeout_s, **load)
+    reqs = [GenerationRequest(f"q{i}", [1] * 8, 1 if i % 2 else 40) for i in range(40)]
+    m = _run(fake, reqs, cfg).metrics
+    assert m.rate_shortfall is expected
+    if timeout_s:
+        assert m.errors_by_kind == {"timeout": 20} and any("only 20 of 40 arrivals completed" in w for w in m.warnings)

@@ -13,6 +13,8 @@
 | `request_throughput_req_per_s` | measured requests that completed inside the window / window length |
 | `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
 | `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop); a warning when it is more than `SCHEDULED_RATE_TOLERANCE` (10%) from the target |
+| `completed_rate_req_per_s` | (completed measured requests - 1) / (last completion - first completion): the rate the replicas kept up |
+| `rate_shortfall` | open loop: the sends fell below 95% of the scheduled rate, or completions below `RATE_SHORTFALL_FRACTION` (80%) of it, or fewer than 80% of the arrivals completed (a `rate shortfall:` warning says which); None for closed loops |
 | `delayed_arrivals` | arrivals that found the concurrency cap reached and waited for a slot |
 | `slo_attainment` | `slo_met_requests / slo_requests`: the fraction of measured arrivals (sent or dropped; failed and dropped ones miss) that meet every SLO of the point (`workloads.load.slo`: TTFT, TPOT, optionally e2e; a one-token request meets the TPOT SLO vacuously) |
 | `slo_requests` | the attainment's sample count `n`: measured arrivals (= `arrivals`) |
@@ -50,6 +52,9 @@ from workloads.load.slo import DEFAULT_SLO, SLO
 PERCENTILES = (50, 90, 95, 99)
 #: How far (relative) the rate of the arrival times drawn may stray from the target before a point says so.
 SCHEDULED_RATE_TOLERANCE = 0.1
+
+#: A rate point completes less than this fraction of the rate offered (or of its arrivals): a rate shortfall.
+RATE_SHORTFALL_FRACTION = 0.8
 
 #: The percentiles flagged low-confidence below `1 / (1 - p)` samples (`low_confidence`).
 FLAGGED_PERCENTILES = (90, 95, 99)
@@ -211,6 +216,8 @@ class PointMetrics:
     target_rate_req_per_s: float | None = None
     achieved_rate_req_per_s: float | None = None
     scheduled_rate_req_per_s: float | None = None
+    completed_rate_req_per_s: float | None = None  # (completed - 1) / (last completion - first completion)
+    rate_shortfall: bool | None = None  # open loop: the rate offered was not sent or not completed (None: closed loop)
     target_concurrency: int | None = None
     achieved_peak_concurrency: int | None = None
     achieved_mean_concurrency: float | None = None
@@ -351,6 +358,23 @@ def summarize(
             f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
             f"{scheduled_rate:.3g} req/s in the arrival times drawn"
         )
+    completed_rate = rate_of(r.token_times_s[-1] for r in ok)
+    offered = scheduled_rate or target_rate_req_per_s
+    rate_shortfall = None
+    if target_rate_req_per_s and offered and len(measured) >= 2:
+        behind = []  # what fell short of the rate offered (the arrival times drawn)
+        if len(ok) < RATE_SHORTFALL_FRACTION * len(measured):
+            behind.append(f"only {len(ok)} of {len(measured)} arrivals completed")
+        if completed_rate is None or completed_rate < RATE_SHORTFALL_FRACTION * offered:
+            behind.append(f"completed {completed_rate or 0:.3g} req/s")
+        sends_behind = achieved_rate is not None and achieved_rate < 0.95 * offered
+        rate_shortfall = bool(behind) or sends_behind
+        if behind:
+            warnings.append(
+                f"rate shortfall: {offered:.3g} req/s offered, "
+                + ", ".join(behind)
+                + f" (below {RATE_SHORTFALL_FRACTION:.0%}: the replicas did not keep up with the load)"
+            )
     if (
         target_rate_req_per_s
         and scheduled_rate is not None
@@ -402,6 +426,8 @@ def summarize(
         target_rate_req_per_s=target_rate_req_per_s,
         achieved_rate_req_per_s=achieved_rate,
         scheduled_rate_req_per_s=scheduled_rate,
+        completed_rate_req_per_s=completed_rate,
+        rate_shortfall=rate_shortfall,
         target_concurrency=target_concurrency,
         achieved_peak_concurrency=peak,
         achieved_mean_concurrency=mean_conc,

@@ -186,6 +186,13 @@ class ServingKind(Kind):
             f"{ms('tpot_p99_s')} ms, {rec.get('completed_requests')}/{rec.get('sent_requests')} ok, SLO attainment "
             f"{f(rec.get('slo_attainment'), '.3f')} (n={rec.get('slo_requests')}), goodput "
             f"{f(rec.get('goodput_req_per_s'), '.3g')} req/s {f(rec.get('goodput_tok_per_s'), '.1f')} tok/s"
+            + (
+                f", RATE SHORTFALL: {f(rec.get('completed_rate_req_per_s'), '.3g')} req/s completed, "
+                f"{f(rec.get('achieved_rate_req_per_s'), '.3g')} sent of "
+                f"{f(rec.get('scheduled_rate_req_per_s') or rec.get('target_rate_req_per_s'), '.3g')} offered"
+                if rec.get("rate_shortfall")
+                else ""
+            )
             + "".join(f"\n          warning: {w}" for w in rec.get("warnings") or [] if not w.startswith("p99:"))
         )
 
