@@ -252,6 +252,8 @@ class FakePool(OneReplicaPool):
                 return Script(ttft_s=0.001, raises=RayActorError("The actor died unexpectedly"))
             if kind == "slow":
                 return Script(ttft_s=0.05, gap_s=0.001)
+            if kind == "hang":  # never answers within the suite's request_timeout_s
+                return Script(ttft_s=30.0)
             return Script(ttft_s=0.001, gap_s=0.0005)
 
         self.kind, self.replica = kind, FakeReplica(script=script, clock=time.time)
@@ -307,6 +309,27 @@ def test_saturation_stops_raising_the_load_and_resume_keeps_the_skips(tmp_path):
     pool2 = FakePool(lambda i: "ok")
     assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool2)) == 0
     assert pool2.configured == -1  # nothing ran again
+
+
+def test_a_rate_point_where_every_request_times_out_is_a_result_of_attainment_0_and_saturates_its_series(tmp_path):
+    suite = _suite(
+        tmp_path, mode="rate", loads=[50, 100, 200], policies=["full"], num_requests=5, request_timeout_s=0.05
+    )
+    pool = FakePool(lambda i: "hang" if i >= 1 else "ok")
+    assert run_suite(_args(suite, tmp_path / "r"), ServingKind(pool)) == 0
+    recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    assert [r["status"] for r in recs] == ["ok", "ok", "skipped"]
+    timed_out = recs[1]
+    assert (timed_out["slo_attainment"], timed_out["errors_by_kind"], timed_out["completed_requests"]) == (
+        0.0,
+        {"timeout": 5},
+        0,
+    )
+    assert timed_out["rate_shortfall"] is True  # nothing completed of the rate offered
+    assert recs[2]["stop_reason"].startswith("saturated at load 100: error rate 100%")
+    assert pool.configured == 1  # resumed: nothing runs again
+    pool = FakePool(lambda i: "ok")
+    assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool)) == 0 and pool.configured == -1
 
 
 def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_path):
