@@ -28,12 +28,12 @@ Output token counts are the number of generated ids a replica returned, never a 
 of text; a streamed chunk of several ids counts every id, each at the chunk's arrival time. Every
 statistic uses measured requests only: not warm-up requests, not requests sent before the window
 opened (so the replicas' own counts of measured requests, `replica.engine` `stats()`, cover the
-same requests); the throughputs alone count every token produced inside the window, as GuideLLM does: the window's
-mean concurrency counts every request in flight inside it (a warm-up request still running when the window opens
-included), so its throughput must count what those requests produce there too (a closed loop of 4 whose warm-ups
-end inside the window produced 370 tok/s where measured tokens alone gave 267). Every percentile (p50, p90, p95, p99) carries its sample count `n`; a percentile `p`
-over fewer than `1 / (1 - p)` samples (p90 below 10, p95 below 20, p99 below 100) is flagged
-low-confidence, and every statistic of zero samples is None (JSON null), never NaN or 0. Goodput
+same requests). The two token throughputs alone count every token produced inside the window, as GuideLLM does:
+the window's mean concurrency counts every request in flight inside it (a warm-up request still running when the
+window opens included), so its throughput counts what those requests produce there too (a closed loop of 4 whose
+warm-ups end inside the window produced 370 tok/s where measured tokens alone gave 267). Every percentile (p50, p90,
+p95, p99) carries its sample count `n`; a percentile `p` over fewer than `1 / (1 - p)` samples (p90 below 10, p95
+below 20, p99 below 100) is flagged low-confidence, and every statistic of zero samples is None (JSON null), never NaN or 0. Goodput
 never exceeds its throughput (`goodput_req_per_s <= request_throughput_req_per_s`, `goodput_tok_per_s <=
 output_throughput_tok_per_s`): it counts SLO-meeting measured requests only, a subset of what throughput counts.
 """
@@ -50,14 +50,12 @@ from workloads.load.slo import DEFAULT_SLO, SLO
 
 #: The percentiles of every latency statistic (`LatencyStats`), as vLLM's and GuideLLM's reports give them.
 PERCENTILES = (50, 90, 95, 99)
-#: How far (relative) the rate of the arrival times drawn may stray from the target before a point says so.
-SCHEDULED_RATE_TOLERANCE = 0.1
-
-#: A rate point completes less than this fraction of the rate offered (or of its arrivals): a rate shortfall.
-RATE_SHORTFALL_FRACTION = 0.8
-
 #: The percentiles flagged low-confidence below `1 / (1 - p)` samples (`low_confidence`).
 FLAGGED_PERCENTILES = (90, 95, 99)
+#: How far (relative) the rate of the arrival times drawn may stray from the target before a point says so.
+SCHEDULED_RATE_TOLERANCE = 0.1
+#: A rate point completes less than this fraction of the rate offered (or of its arrivals): a rate shortfall.
+RATE_SHORTFALL_FRACTION = 0.8
 
 
 @dataclass
