@@ -1,8 +1,14 @@
 """Submit a sweep suite to a Ray cluster with `ray job submit` (what `make submit` runs).
 
     python -m cluster.submit SUITE.yaml [--address http://HEAD:8265] [--results-dir DIR]
-                             [--run-id ID] [--max-package-mib 100] [--exclude PATTERN ...]
+                             [--run-id ID] [--set KEY=VALUE ...] [--max-package-mib 100] [--exclude PATTERN ...]
                              [--job-python PYTHON] [--no-wait] [--dry-run] [-- SWEEP ARGS ...]
+
+`--set KEY=VALUE` overrides a suite key as `make sweep`'s does (the value is YAML; a dotted key sets a key of a
+mapping: `--set slo.ttft_s=0.5`): each is checked for its form here (exit 2 before anything is uploaded) and passed
+to the job's sweep, which validates the suite with them (a resumed run needs the same overrides). So
+`make submit SUITE=... ARGS="--set scheduler=mixed"` runs what `make sweep SUITE=... ARGS="--set scheduler=mixed"`
+runs.
 
 1. **Package check, before anything is uploaded.** The working directory (default: this
    repository) is listed with Ray's own packaging rules: Ray's default excludes (`.git`,
@@ -214,6 +220,24 @@ def run_ray_cli(cmd: list[str]) -> int:
     return subprocess.run(cmd, env=dict(os.environ)).returncode
 
 
+def check_overrides(items: list[str]) -> list[str]:
+    """The `--set` overrides, each checked for the form the sweep accepts (``KEY=VALUE``, a dotted key of non-empty
+    parts, a YAML value); the suite's own checks of their values run in the job, as in `make sweep`.
+
+    Raises:
+        SubmitError: an override is not ``KEY=VALUE`` or its value is not valid YAML (the message names `--set`).
+    """
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip() or any(not k for k in key.strip().split(".")):
+            raise SubmitError(f"--set: expected KEY=VALUE (e.g. scheduler=mixed or slo.ttft_s=0.5), got {item!r}")
+        try:
+            yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise SubmitError(f"--set {key}: the value {text!r} is not valid YAML: {e}") from None
+    return list(items)
+
+
 def build(args: argparse.Namespace) -> dict:
     """Validate the arguments and build the runtime env and the `ray job submit` command."""
     working_dir = Path(args.working_dir).absolute()
@@ -291,6 +315,8 @@ def build(args: argparse.Namespace) -> dict:
         "--run-id",
         run_id,
     ]
+    for item in check_overrides(getattr(args, "set", None) or []):
+        entrypoint += ["--set", item]
     entrypoint += list(args.sweep_args or [])
     # one id per submission: a run id used before must not find (and report) its earlier job
     submission_id = f"sweep-{run_id}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(2)}"
@@ -461,6 +487,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "default for a loopback address: ./results)",
     )
     p.add_argument("--run-id", default=None, help="run id (default: <suite name>-<UTC time>)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a suite key, as make sweep's --set (repeatable; the value is YAML: --set scheduler=mixed, "
+        "--set slo.ttft_s=0.5); a resumed run needs the same overrides",
+    )
     p.add_argument(
         "--working-dir", default=str(REPO_ROOT), help="folder uploaded as the job's working dir (default: this repo)"
     )

@@ -187,6 +187,39 @@ def test_loopback_defaults_results_to_the_repo_and_this_python(repo, monkeypatch
     assert env["SCISSORHANDS_TOKEN_CACHE_DIR"] == str(repo / ".cache" / "tokens")
 
 
+def test_set_overrides_reach_the_jobs_sweep_as_make_sweep_takes_them(repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    plan = submit.build(
+        _args(repo, "--run-id", "r3", "--set", "scheduler=mixed", "--set", "slo.ttft_s=0.5", "--", "--replicas", "2")
+    )
+    assert plan["entrypoint"][-8:] == [
+        "--run-id",
+        "r3",
+        "--set",
+        "scheduler=mixed",
+        "--set",
+        "slo.ttft_s=0.5",
+        "--replicas",
+        "2",
+    ]
+    # the sweep's own parser reads them as `make sweep ARGS="--set ..."` gives them
+    from workloads.core.run import runner_args
+
+    sweep = runner_args(plan["entrypoint"][3:], "sweep", "doc", "suite")
+    assert sweep.set == ["scheduler=mixed", "slo.ttft_s=0.5"] and sweep.replicas == 2
+
+
+@pytest.mark.parametrize(
+    "item, needle",
+    [("scheduler", "--set: expected KEY=VALUE"), ("slo..ttft_s=1", "--set: expected KEY=VALUE"), ("a=[1", "--set a:")],
+)
+def test_a_malformed_set_override_exits_2_before_upload_naming_set(repo, monkeypatch, capsys, item, needle):
+    monkeypatch.chdir(repo)
+    monkeypatch.setattr(submit, "run_ray_cli", lambda cmd: pytest.fail("submitted"))
+    assert submit.main(["workloads/suites/tiny.yaml", "--working-dir", str(repo), "--set", item]) == 2
+    assert needle in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [

@@ -29,11 +29,10 @@ NOT_RUN = {
         "docs/gpu.md",
         "from scissorhands.models import load_dummy_model, tiny_overrides",
     ): "allocates an 8B-parameter model on a CUDA device",
-    (
-        "docs/load-generation.md",
-        "import asyncio",
-    ): "fragments: `client`, `requests`, `router` and `tok` come from the surrounding text",
 }
+# Python blocks run here as written (in a fresh folder, as a reader would), by their first line: each leaves the
+# point's metrics in `m` (`workloads.load.metrics.PointMetrics`), every measured request completed.
+RUN_HERE = {("docs/load-generation.md", "import asyncio")}
 # YAML blocks that are a fragment of a suite: merged over this suite file before loading.
 FRAGMENT_BASE = {("docs/cluster.md", "replicas: 4"): "workloads/suites/smoke.yaml"}
 
@@ -102,8 +101,16 @@ def test_python_example_compiles_and_its_imports_resolve(page, line, code):
 
 
 @pytest.mark.parametrize("page,line,code", PYTHON, ids=[f"{p}:{n}" for p, n, _ in PYTHON])
-def test_python_example_is_run_here_or_elsewhere_or_excluded_with_a_reason(page, line, code):
+def test_python_example_is_run_here_or_elsewhere_or_excluded_with_a_reason(page, line, code, tmp_path, monkeypatch):
     key = (page, _first_line(code))
+    if key in RUN_HERE:
+        monkeypatch.chdir(tmp_path)
+        namespace: dict = {"__name__": "__main__"}
+        exec(compile(code, f"{page}:{line}", "exec"), namespace)  # noqa: S102 - the page's own example, as written
+        m = namespace["m"]
+        assert m.completed_requests == m.sent_requests > 0 and m.failed_requests == 0, f"{page}:{line}"
+        assert m.output_throughput_tok_per_s > 0 and m.stop_reason == "count"
+        return
     if key in ELSEWHERE:
         test_file = ROOT / ELSEWHERE[key]
         assert test_file.is_file(), f"{page}:{line}: {ELSEWHERE[key]} is gone"

@@ -2,8 +2,13 @@
 and ids, one point's search (`workloads.frontier.point.capacity_at_slo`), and the report's axis, table and
 headline on capacity records."""
 
+import re
+import time
+from types import SimpleNamespace
+
 import pytest
 
+from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
 from tests.suite_helpers import tiny_suite
 from workloads.core.suite import SuiteError
 from workloads.frontier import point as frontier_point
@@ -132,6 +137,40 @@ def test_a_capacity_point_whose_probe_errors_fails_naming_the_rate(model, monkey
     suite = parse_suite({**BASE, "capacity": GRID})
     with pytest.raises(RuntimeError, match=r"capacity probe at 2 req/s errored: replica died"):
         frontier_point.capacity_at_slo(model, None, suite.points()[0].capacity_suite)
+
+
+class HangsAbove(OneReplicaPool):
+    """Stands in for the frontier's `LocalReplicaPool`: a fake replica that answers at once up to `limit` req/s (the
+    rate read from the request id, which names the probe) and never answers in time above it."""
+
+    limit = 2.0
+    rates: list = []
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def configure(self, cfg, run_id=None):
+        def script(req):
+            rate = float(re.search(r"-L([^-]+)-s\d+-", req.request_id).group(1))
+            if not self.rates or self.rates[-1] != rate:
+                self.rates.append(rate)
+            return Script(ttft_s=0.001, gap_s=0.0005) if rate <= self.limit else Script(ttft_s=30.0)
+
+        self.replica = FakeReplica(script=script, clock=time.time)
+
+
+def test_a_capacity_point_whose_higher_rates_time_out_every_request_still_finds_its_capacity(monkeypatch):
+    """A probe where every request times out is a measurement of attainment 0, not an error: the search moves down."""
+    HangsAbove.rates = []
+    monkeypatch.setattr(frontier_point, "LocalReplicaPool", HangsAbove)
+    suite = parse_suite({**BASE, "capacity": {**GRID, "max_rate_req_per_s": 16.0}, "num_requests": 3})
+    capacity_suite = {**suite.points()[0].capacity_suite, "request_timeout_s": 0.05}
+    rec = frontier_point.capacity_at_slo(SimpleNamespace(config=SimpleNamespace(vocab_size=128)), None, capacity_suite)
+    # grid 1, 2, 4, 8, 16: 4 times out (fails), 1 and 2 pass
+    assert HangsAbove.rates == [4.0, 1.0, 2.0]
+    assert (rec["capacity_status"], rec["capacity_req_per_s"], rec["capacity_hi_req_per_s"]) == ("ok", 2.0, 4.0)
+    timed_out = rec["capacity_probe_results"][0]
+    assert (timed_out["status"], timed_out["slo_attainment"], timed_out["capacity_passed"]) == ("ok", 0.0, False)
 
 
 def test_a_capacity_point_on_the_tiny_model_measures_both_numbers(model):

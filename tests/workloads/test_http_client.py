@@ -11,7 +11,7 @@ import pytest
 from replica.types import GenerationRequest
 from tests.http_fakes import ServerThread
 from workloads.load.driver import run_load
-from workloads.load.http_client import OpenAIHTTPClient
+from workloads.load.http_client import OpenAIHTTPClient, _status_kind
 from workloads.load.patterns import LoadConfig
 
 
@@ -176,6 +176,21 @@ def test_errors_are_named_kinds(server, first_id, kind):
     url, _ = server
     r = _gen(url, first_id)
     assert r.error_kind == kind and r.error
+
+
+@pytest.mark.parametrize(
+    "status, code, kind",
+    [
+        (503, "oom", "oom"),
+        (503, "queue_full", "overloaded"),
+        (429, "queue_full", "overloaded"),
+        (503, None, "overloaded"),
+    ],
+)
+def test_an_out_of_memory_503_is_oom_not_a_refusal_for_load(status, code, kind):
+    """Our server answers 503 both when its queue is full and when the replica ran out of memory; only the first is a
+    refusal for load (a point of attainment 0), the second is the point's `oom`."""
+    assert _status_kind(status, code) == kind
 
 
 def test_connection_refused_is_a_named_kind():

@@ -21,6 +21,8 @@ from workloads.load.driver import run_load
 from workloads.load.lengths import LengthDist, build_requests
 from workloads.load.metrics import LatencyStats, RequestRecord, summarize
 from workloads.load.patterns import LoadConfig, arrival_gaps_s
+from workloads.serving.report import table_markdown
+from workloads.serving.runner import ServingKind
 
 
 def _run(client, reqs, cfg):
@@ -342,6 +344,23 @@ def test_an_instant_client_at_40_req_s_is_not_saturated_nor_delayed():
     assert m.achieved_rate_req_per_s == pytest.approx(m.scheduled_rate_req_per_s)
     assert not [w for w in m.warnings if w.startswith("rate:")]
     assert Saturation().reason(m.flat()) is None
+    # the point says its schedule is not its target, and why
+    (note,) = [w for w in m.warnings if w.startswith("scheduled rate:")]
+    assert f"the 16 arrival times drawn span {m.scheduled_rate_req_per_s:.3g} req/s, not the target 40 req/s" in note
+
+
+@pytest.mark.parametrize("n, seed, noted", [(4, 2, True), (4, 5, True), (2000, 3, False), (64, 0, None)])
+def test_a_poisson_point_states_when_its_drawn_schedule_strays_from_its_target_rate(n, seed, noted):
+    cfg = LoadConfig(mode="rate", rate_req_per_s=1.0, num_requests=n, seed=seed)
+    m = _run(FakeReplica(script=_instant), requests(8), cfg).metrics
+    off = abs(m.scheduled_rate_req_per_s - 1.0)
+    notes = [w for w in m.warnings if w.startswith("scheduled rate:")]
+    assert bool(notes) == (off > 0.1)  # the tolerance: 10% of the target
+    if noted is not None:
+        assert bool(notes) is noted
+    if notes:
+        assert f"span {m.scheduled_rate_req_per_s:.3g} req/s, not the target 1 req/s" in notes[0]
+        assert f"a random sample of {n} arrivals" in notes[0]
 
 
 def test_on_the_wall_clock_no_arrival_counts_as_delayed_without_a_cap():
@@ -586,3 +605,117 @@ def test_a_serving_suite_replays_a_trace_on_the_tiny_model(tmp_path):
         suite.write_text(yaml.safe_dump(bad))
         with pytest.raises(SuiteError, match=match):
             load_suite(str(suite))
+
+
+def _warmups_then_measured(i: int) -> GenerationRequest:
+    """Requests 0-3 warm up with 10/30/50/70 tokens; every later one asks 40."""
+    return GenerationRequest(f"q{i}", [1] * 8, (10, 30, 50, 70)[i] if i < 4 else 40)
+
+
+def test_throughput_counts_the_tokens_warm_up_requests_produce_inside_the_window():
+    """GuideLLM's rule: the window's throughput credits every token produced in it, as its concurrency counts every
+    request in flight in it. Concurrency 4, warm-ups of 10/30/50/70 tokens, 8 measured requests of 40, 100 tok/s per
+    request: the window runs from 0.1 s (the first warm-up ends) to 1.3 s, and holds 320 measured tokens and
+    1 + 21 + 41 + 61 warm-up ones: 444 / 1.2 s = 370 tok/s (measured tokens alone: 266.7)."""
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.01, gap_s=0.01))
+    cfg = LoadConfig(mode="concurrency", concurrency=4, num_requests=8, warmup_requests=4)
+    m = _run(fake, _warmups_then_measured, cfg).metrics
+    assert m.window_start_s == pytest.approx(0.1) and m.window_s == pytest.approx(1.2)
+    assert m.output_tokens == 320  # the measured requests' own tokens (what the replicas count as measured)
+    assert m.window_output_tokens == 444
+    assert m.output_throughput_tok_per_s == pytest.approx(370.0, rel=1e-6)
+    # the point's concurrency and its throughput agree: 100 tok/s per request in flight
+    assert m.achieved_mean_concurrency == pytest.approx(4.4 / 1.2, rel=1e-6)
+    assert m.output_throughput_tok_per_s == pytest.approx(100 * m.achieved_mean_concurrency, rel=0.02)
+    # prompt tokens: every request whose first token came inside the window (the warm-ups' came at 0.01 s, before it)
+    assert m.window_input_tokens == m.input_tokens == 8 * 8
+    assert m.total_throughput_tok_per_s == pytest.approx((444 + 64) / 1.2, rel=1e-6)
+    # goodput counts only measured requests that met the SLO: all 8 here, so their 320 tokens
+    assert m.slo_met_requests == 8 and m.goodput_tok_per_s == pytest.approx(320 / 1.2, rel=1e-6)
+    assert m.goodput_tok_per_s <= m.output_throughput_tok_per_s
+
+
+def test_throughput_leaves_out_tokens_after_a_duration_windows_end_whatever_the_request():
+    """Concurrency 2 of 100-token requests at 100 tok/s after warm-ups of 50 and 30 tokens, a 1.505 s window from
+    0.3 s: the 30-token warm-up's last token opens it, the 50-token one straddles its start (21 tokens inside), the
+    second measured wave its end (50 and 30 tokens inside). So 302 tokens / 1.505 s = 200.7 tok/s = 2 in flight x 100
+    tok/s; measured tokens alone: 280."""
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.01, gap_s=0.01))
+
+    def make(i):
+        return GenerationRequest(f"q{i}", [1] * 8, (50, 30)[i] if i < 2 else 100)
+
+    m = _run(fake, make, LoadConfig(mode="concurrency", concurrency=2, duration_s=1.505, warmup_requests=2)).metrics
+    assert m.stop_reason == "duration" and m.window_start_s == pytest.approx(0.3) and m.window_s == pytest.approx(1.505)
+    assert m.window_output_tokens == 1 + 21 + 100 + 50 + 100 + 30 and m.output_tokens == 280
+    assert m.output_throughput_tok_per_s == pytest.approx(302 / 1.505, rel=1e-6)
+    assert m.output_throughput_tok_per_s == pytest.approx(100 * m.achieved_mean_concurrency, rel=0.01)
+
+
+def test_batch_mode_warm_ups_end_before_the_window_so_every_window_token_is_measured():
+    fake = FakeReplica(script=lambda r: Script(ttft_s=0.01, gap_s=0.01))
+
+    def make(i):
+        return GenerationRequest(f"q{i}", [1] * 8, 70 if i < 2 else 40)
+
+    m = _run(fake, make, LoadConfig(mode="batch", batch_size=4, num_requests=8, warmup_requests=2)).metrics
+    # the window opens when the first measured batch is sent, after the warm-up batch (it opened at 0 s before, when
+    # the warm-up batch asked for its next index, and counted the warm-up batch's 0.7 s: 320 / 1.5 s = 213 tok/s)
+    assert m.window_start_s == pytest.approx(0.7) and m.window_s == pytest.approx(0.8)
+    # the warm-up batch's last tokens come the instant the window opens: at most those two inside it
+    assert m.output_tokens == 320 and m.window_output_tokens - m.output_tokens <= 2
+    assert m.output_throughput_tok_per_s == pytest.approx(m.window_output_tokens / 0.8)
+
+
+def test_tokens_a_failed_request_produced_inside_the_window_count_in_throughput_not_in_goodput():
+    ok = RequestRecord("a", 8, 4, send_time_s=0.0, token_times_s=[0.1, 0.15, 0.2, 0.25], output_tokens=4)
+    ok.finish_time_s = 0.4
+    cut = RequestRecord("b", 8, 4, send_time_s=0.0, token_times_s=[0.1, 0.2], output_tokens=2, error_kind="timeout")
+    cut.finish_time_s = 0.5
+    warm = RequestRecord("w", 8, 9, send_time_s=-1.0, token_times_s=[-0.5, 0.25, 0.35], output_tokens=3, warmup=True)
+    warm.finish_time_s = 0.35
+    m = summarize([warm, ok, cut], mode="concurrency", window_start_s=0.0, window_end_s=0.5)
+    assert m.output_tokens == 4 and m.window_output_tokens == 4 + 2 + 2
+    assert m.output_throughput_tok_per_s == pytest.approx(16.0)
+    assert m.window_input_tokens == 16  # the warm-up's first token came before the window: its prompt is not in it
+    assert m.goodput_tok_per_s == pytest.approx(8.0) and m.slo_met_requests == 1
+
+
+def test_a_rate_the_replicas_cannot_keep_up_with_is_flagged_as_a_shortfall_in_record_table_and_progress_line():
+    """0.3 req/s offered to a replica that serves one request at a time in 14.5 s (0.069 req/s): every request is sent
+    on schedule, so the send rate alone says nothing; the completions say the rate was not served."""
+    fake = FakeReplica(script=lambda r: Script(ttft_s=14.1, gap_s=0.1), capacity=1)
+    cfg = LoadConfig(mode="rate", rate_req_per_s=0.3, num_requests=16, seed=1)
+    m = _run(fake, requests(16, new_tokens=5), cfg).metrics
+    assert m.achieved_rate_req_per_s == pytest.approx(m.scheduled_rate_req_per_s)  # sends kept the schedule
+    assert m.completed_requests == 16 and m.completed_rate_req_per_s == pytest.approx(1 / 14.5, rel=1e-6)
+    assert m.rate_shortfall is True
+    (note,) = [w for w in m.warnings if w.startswith("rate shortfall:")]
+    assert f"{m.scheduled_rate_req_per_s:.3g} req/s offered, completed 0.069 req/s" in note
+    rec = {**m.flat(), "point_id": "rate-full-L0.3", "status": "ok", "series": "full", "load": 0.3}
+    assert rec["rate_shortfall"] is True and rec["completed_rate_req_per_s"] == pytest.approx(0.069, abs=1e-3)
+    line = ServingKind().one_line(rec)
+    assert "RATE SHORTFALL: 0.069 req/s completed" in line and "warning: rate shortfall:" in line
+    table = table_markdown([rec])
+    assert f"0.3/{m.scheduled_rate_req_per_s:.3g}/{m.achieved_rate_req_per_s:.3g}/0.069 SHORTFALL" in table
+    assert "SHORTFALL: the point sent less than 95%" in table
+
+
+@pytest.mark.parametrize(
+    "mode, script, timeout_s, expected",
+    [
+        ("rate", Script(ttft_s=0.05, gap_s=0.01), None, False),  # keeps up
+        ("rate", Script(ttft_s=0.4, gap_s=0.01), None, True),  # one at a time, 0.4-0.8 s each: under 2 of 4 req/s
+        ("rate", Script(ttft_s=0.05, gap_s=0.01), 0.06, True),  # every other request (long ones) times out
+        ("concurrency", Script(ttft_s=0.4, gap_s=0.01), None, None),  # a closed loop offers no rate
+    ],
+)
+def test_rate_shortfall_is_judged_on_completions_against_the_rate_offered(mode, script, timeout_s, expected):
+    fake = FakeReplica(script=lambda r: script, capacity=1 if script.ttft_s > 0.1 else None)
+    load = {"rate_req_per_s": 4.0} if mode == "rate" else {"concurrency": 2}
+    cfg = LoadConfig(mode=mode, num_requests=40, seed=3, request_timeout_s=timeout_s, **load)
+    reqs = [GenerationRequest(f"q{i}", [1] * 8, 1 if i % 2 else 40) for i in range(40)]
+    m = _run(fake, reqs, cfg).metrics
+    assert m.rate_shortfall is expected
+    if timeout_s:
+        assert m.errors_by_kind == {"timeout": 20} and any("only 20 of 40 arrivals completed" in w for w in m.warnings)

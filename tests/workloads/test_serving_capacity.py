@@ -135,13 +135,24 @@ def test_every_series_probes_the_same_grid_with_the_same_requests_and_arrivals_a
     assert other.workload_seed(again) == suite.workload_seed(full) and again.point_id == full.point_id
 
 
+class BackPressureError(Exception):
+    """Named as Ray Serve's: a deployment whose queue is full refuses the request."""
+
+
 class RatePool(OneReplicaPool):
     """One scripted fake replica: a probe above its policy's `passes_up_to` rate (read from the request id, which
-    names the point) answers after 0.3 s (over the SLO's 0.1 s TTFT), else after 1 ms; at `error_at` every request
-    raises (the probe's status: error). `probes` lists the (policy, rate) of every probe configured."""
+    names the point) answers after 0.3 s (over the SLO's 0.1 s TTFT), or with `above` "hangs" never answers in time,
+    or with "refuses" refuses every request for load; else it answers after 1 ms; at `error_at` every request raises
+    (the probe's status: error). `probes` lists the (policy, rate) of every probe configured."""
 
-    def __init__(self, passes_up_to: dict[str, float], error_at: float | None = None, kill_at: int | None = None):
-        self.passes_up_to, self.error_at, self.kill_at = passes_up_to, error_at, kill_at
+    def __init__(
+        self,
+        passes_up_to: dict[str, float],
+        error_at: float | None = None,
+        kill_at: int | None = None,
+        above: str | None = None,
+    ):
+        self.passes_up_to, self.error_at, self.kill_at, self.above = passes_up_to, error_at, kill_at, above
         self.probes: list[tuple[str, float | None]] = []
 
     def configure(self, cfg, run_id=None):
@@ -155,6 +166,10 @@ class RatePool(OneReplicaPool):
             self.probes[-1] = (policy, rate)
             if rate == self.error_at:
                 return Script(ttft_s=0.001, raises=RuntimeError("boom"))
+            if rate > limit and self.above == "hangs":  # past the suite's request_timeout_s: every request times out
+                return Script(ttft_s=30.0)
+            if rate > limit and self.above == "refuses":  # Serve's back-pressure: a full queue refuses every request
+                return Script(ttft_s=0.001, raises=BackPressureError("the queue is full"))
             return Script(ttft_s=0.001 if rate <= limit else 0.3, gap_s=0.0005)
 
         self.replica = FakeReplica(script=script, clock=time.time)
@@ -247,6 +262,30 @@ def test_an_errored_probe_stops_its_series_exits_1_and_runs_again_on_resume(tmp_
     assert pool.probes == [("full", 40), ("full", 80), ("full", 160)]  # 40 again, then the search goes on
     recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
     assert (recs[-1]["capacity_status"], recs[-1]["capacity_req_per_s"]) == ("ok", 80)
+
+
+@pytest.mark.parametrize("above", ["hangs", "refuses"])
+def test_a_rate_where_every_request_times_out_or_is_refused_fails_its_probe_and_the_search_converges(tmp_path, above):
+    """Timeouts and refusals for load measure the rate (attainment 0), as in GuideLLM and inference-perf: the search
+    moves down and ends, the run exits 0, and a resume has nothing left to probe (an error would be probed again)."""
+    suite = _suite(tmp_path, policies=["full"], request_timeout_s=0.05)
+    pool = RatePool({"full": 20}, above=above)
+    assert run_suite(_args(suite, tmp_path / "r"), ServingKind(pool)) == 0
+    assert pool.probes == [("full", 40), ("full", 10), ("full", 20)]  # 40 fails, then the search moves down
+    first, _, last = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    kind = {"hangs": "timeout", "refuses": "overloaded"}[above]
+    assert (first["status"], first["slo_attainment"], first["completed_requests"]) == ("ok", 0.0, 0)
+    assert first["errors_by_kind"] == {kind: 3} and first["capacity_passed"] is False
+    assert any("every request missed the SLO" in w for w in first["warnings"])
+    assert (last["capacity_status"], last["capacity_req_per_s"], last["capacity_hi_req_per_s"]) == ("ok", 20, 40)
+    pool = RatePool({"full": 20}, above=above)
+    assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool)) == 0 and pool.probes == []
+    # every rate of the grid times out: the search ends below its bracket, no probe errored
+    suite = _suite(tmp_path, policies=["full"], request_timeout_s=0.05)
+    pool = RatePool({"full": 5}, above=above)
+    assert run_suite(_args(suite, tmp_path / "s"), ServingKind(pool)) == 0
+    assert pool.probes == [("full", 40), ("full", 10)]
+    assert _lines(tmp_path / "s" / "run" / "points.jsonl")[-1]["capacity_status"] == "below_min_rate"
 
 
 def test_the_summary_is_recomputed_from_the_records_so_another_bracket_reuses_the_recorded_probes(tmp_path):

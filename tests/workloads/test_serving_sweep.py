@@ -94,7 +94,13 @@ def test_concurrency_suite_records_every_point_with_metrics_table_and_plots(tmp_
         assert (r["slo_ttft_s"], r["slo_tpot_s"], r["slo_e2e_latency_s"]) == (600.0, 600.0, None)
         assert (r["slo_requests"], r["slo_met_requests"], r["slo_attainment"]) == (6, 6, 1.0)
         assert r["goodput_req_per_s"] == r["request_throughput_req_per_s"] > 0  # count-bound: all end inside
-        assert r["goodput_tok_per_s"] == r["output_throughput_tok_per_s"]
+        # goodput: the measured requests' tokens; throughput: every token inside the window (a warm-up still running)
+        assert r["goodput_tok_per_s"] == pytest.approx(r["output_tokens"] / r["window_s"])
+        assert r["output_throughput_tok_per_s"] == pytest.approx(r["window_output_tokens"] / r["window_s"])
+        assert (
+            r["window_output_tokens"] >= r["output_tokens"]
+            and r["goodput_tok_per_s"] <= r["output_throughput_tok_per_s"]
+        )
         assert r["ttft_p95_s"] >= r["ttft_p90_s"] and r["ttft_p95_low_confidence"] is True  # 6 < 20 samples
         assert r["git_commit"] and r["schema_version"] and r["model"] == "tiny-llama"
         assert r["replica_id"] == "local-0" and r["replica_ids"] == ["local-0"]  # the header names the replica
@@ -246,6 +252,8 @@ class FakePool(OneReplicaPool):
                 return Script(ttft_s=0.001, raises=RayActorError("The actor died unexpectedly"))
             if kind == "slow":
                 return Script(ttft_s=0.05, gap_s=0.001)
+            if kind == "hang":  # never answers within the suite's request_timeout_s
+                return Script(ttft_s=30.0)
             return Script(ttft_s=0.001, gap_s=0.0005)
 
         self.kind, self.replica = kind, FakeReplica(script=script, clock=time.time)
@@ -301,6 +309,27 @@ def test_saturation_stops_raising_the_load_and_resume_keeps_the_skips(tmp_path):
     pool2 = FakePool(lambda i: "ok")
     assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool2)) == 0
     assert pool2.configured == -1  # nothing ran again
+
+
+def test_a_rate_point_where_every_request_times_out_is_a_result_of_attainment_0_and_saturates_its_series(tmp_path):
+    suite = _suite(
+        tmp_path, mode="rate", loads=[50, 100, 200], policies=["full"], num_requests=5, request_timeout_s=0.05
+    )
+    pool = FakePool(lambda i: "hang" if i >= 1 else "ok")
+    assert run_suite(_args(suite, tmp_path / "r"), ServingKind(pool)) == 0
+    recs = _lines(tmp_path / "r" / "run" / "points.jsonl")
+    assert [r["status"] for r in recs] == ["ok", "ok", "skipped"]
+    timed_out = recs[1]
+    assert (timed_out["slo_attainment"], timed_out["errors_by_kind"], timed_out["completed_requests"]) == (
+        0.0,
+        {"timeout": 5},
+        0,
+    )
+    assert timed_out["rate_shortfall"] is True  # nothing completed of the rate offered
+    assert recs[2]["stop_reason"].startswith("saturated at load 100: error rate 100%")
+    assert pool.configured == 1  # resumed: nothing runs again
+    pool = FakePool(lambda i: "ok")
+    assert run_suite(_args(suite, tmp_path / "r", resume="run"), ServingKind(pool)) == 0 and pool.configured == -1
 
 
 def test_L14_every_request_failing_writes_the_summary_and_exits_non_zero(tmp_path):

@@ -104,6 +104,10 @@ class Run:
     def count_reached(self) -> bool:
         return self.exhausted or (self.cfg.num_requests is not None and self.measured >= self.cfg.num_requests)
 
+    def next_is_warmup(self) -> bool:
+        """Whether the next request handed out would be warm-up (asks nothing of the window)."""
+        return self.issued < self.cfg.warmup_requests or self.clock() < self.start + self.cfg.warmup_s
+
     def next_index(self) -> tuple[int, bool] | None:
         """(index, warm-up?) of the next request to send, or None when a bound says stop."""
         now = self.clock()
@@ -211,7 +215,8 @@ class Run:
 
 
 def error_kind(exc: BaseException) -> str:
-    """A short kind for an exception a client raised: `replica_died`, `oom`, `timeout` or `error`."""
+    """A short kind for an exception a client raised: `replica_died`, `oom`, `overloaded` (Serve's back-pressure: the
+    queue is full, as an HTTP 429/503 is), `timeout` or `error`."""
     if replica_death(exc) is not None:  # the same test as the OpenAI API's (one list)
         return REPLICA_DIED
     names = {type(exc).__name__} | {c.__name__ for c in type(exc).__mro__}
@@ -220,6 +225,8 @@ def error_kind(exc: BaseException) -> str:
         names |= {c.__name__ for c in type(cause).__mro__}
     if names & {"OutOfMemoryError", "MemoryError"}:
         return "oom"
+    if "BackPressureError" in names:
+        return "overloaded"
     if names & {"TimeoutError", "GetTimeoutError"}:
         return "timeout"
     return "error"

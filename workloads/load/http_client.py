@@ -36,7 +36,8 @@ Text is never re-tokenized.
 Errors become named kinds, never exceptions: `bad_request` (400), `unknown_model` (404),
 `overloaded` (429/503), `http_<status>`, `replica_died` (the server's error `code` says the replica
 died: our server's last SSE event when it died mid-stream, or its 503 when it died before the first
-token), `server_error` (any other error event inside a stream), `stream_truncated` (the stream ended
+token), `oom` (our server's 503 whose `code` is `oom`: the replica ran out of device memory, a point's `oom`
+status, not a refusal for load), `server_error` (any other error event inside a stream), `stream_truncated` (the stream ended
 without `[DONE]`), `connection_error`.
 """
 
@@ -70,6 +71,8 @@ def _status_kind(status: int, code: str | None = None) -> str:
     `code` says so (ours answers 503 when the replica died before the first token), else by status."""
     if code == REPLICA_DIED:
         return REPLICA_DIED
+    if code == "oom":  # our server's 503 when the replica ran out of device memory: not a refusal for load
+        return "oom"
     return {400: "bad_request", 404: "unknown_model", 429: "overloaded", 503: "overloaded"}.get(
         status, f"http_{status}"
     )

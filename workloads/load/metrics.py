@@ -7,11 +7,14 @@
 | `itl_s` | gaps between successive tokens of one request (pooled over requests); tokens that arrive together have a gap of 0 |
 | `inter_chunk_gap_s` | gaps between successive *arrivals* of tokens (a streamed chunk of several tokens is one arrival) |
 | `e2e_latency_s` | request sent -> last token |
-| `output_throughput_tok_per_s` | output tokens of measured requests produced inside the window / window length |
-| `total_throughput_tok_per_s` | (input tokens of measured requests whose first token came inside the window + output tokens of measured requests produced inside it) / window length |
+| `output_throughput_tok_per_s` | every output token produced inside the window, whichever request produced it (warm-up, measured, failed) / window length (`window_output_tokens` / `window_s`) |
+| `total_throughput_tok_per_s` | (input tokens of every request whose first token came inside the window + every output token produced inside it) / window length (`window_input_tokens` + `window_output_tokens`) |
+| `input_tokens`, `output_tokens` | the same counts over measured requests only (what the replicas count as measured) |
 | `request_throughput_req_per_s` | measured requests that completed inside the window / window length |
 | `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
-| `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop) |
+| `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop); a warning when it is more than `SCHEDULED_RATE_TOLERANCE` (10%) from the target |
+| `completed_rate_req_per_s` | (completed measured requests - 1) / (last completion - first completion): the rate the replicas kept up |
+| `rate_shortfall` | open loop: the sends fell below 95% of the scheduled rate, or completions below `RATE_SHORTFALL_FRACTION` (80%) of it, or fewer than 80% of the arrivals completed (a `rate shortfall:` warning says which); None for closed loops |
 | `delayed_arrivals` | arrivals that found the concurrency cap reached and waited for a slot |
 | `slo_attainment` | `slo_met_requests / slo_requests`: the fraction of measured arrivals (sent or dropped; failed and dropped ones miss) that meet every SLO of the point (`workloads.load.slo`: TTFT, TPOT, optionally e2e; a one-token request meets the TPOT SLO vacuously) |
 | `slo_requests` | the attainment's sample count `n`: measured arrivals (= `arrivals`) |
@@ -25,16 +28,20 @@ Output token counts are the number of generated ids a replica returned, never a 
 of text; a streamed chunk of several ids counts every id, each at the chunk's arrival time. Every
 statistic uses measured requests only: not warm-up requests, not requests sent before the window
 opened (so the replicas' own counts of measured requests, `replica.engine` `stats()`, cover the
-same requests). Every percentile (p50, p90, p95, p99) carries its sample count `n`; a percentile `p`
-over fewer than `1 / (1 - p)` samples (p90 below 10, p95 below 20, p99 below 100) is flagged
-low-confidence, and every statistic of zero samples is None (JSON null), never NaN or 0. Goodput
+same requests). The two token throughputs alone count every token produced inside the window, as GuideLLM does:
+the window's mean concurrency counts every request in flight inside it (a warm-up request still running when the
+window opens included), so its throughput counts what those requests produce there too (a closed loop of 4 whose
+warm-ups end inside the window produced 370 tok/s where measured tokens alone gave 267). Every percentile (p50, p90,
+p95, p99) carries its sample count `n`; a percentile `p` over fewer than `1 / (1 - p)` samples (p90 below 10, p95
+below 20, p99 below 100) is flagged low-confidence, and every statistic of zero samples is None (JSON null), never NaN or 0. Goodput
 never exceeds its throughput (`goodput_req_per_s <= request_throughput_req_per_s`, `goodput_tok_per_s <=
-output_throughput_tok_per_s`): it counts the same requests and tokens, those of SLO-meeting requests only.
+output_throughput_tok_per_s`): it counts SLO-meeting measured requests only, a subset of what throughput counts.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -45,6 +52,10 @@ from workloads.load.slo import DEFAULT_SLO, SLO
 PERCENTILES = (50, 90, 95, 99)
 #: The percentiles flagged low-confidence below `1 / (1 - p)` samples (`low_confidence`).
 FLAGGED_PERCENTILES = (90, 95, 99)
+#: How far (relative) the rate of the arrival times drawn may stray from the target before a point says so.
+SCHEDULED_RATE_TOLERANCE = 0.1
+#: A rate point completes less than this fraction of the rate offered (or of its arrivals): a rate shortfall.
+RATE_SHORTFALL_FRACTION = 0.8
 
 
 @dataclass
@@ -185,8 +196,10 @@ class PointMetrics:
     inter_chunk_gap_s: LatencyStats = field(metadata=PER_REQUEST)
     e2e_latency_s: LatencyStats = field(metadata=PER_REQUEST)
     arrival_delay_s: LatencyStats  # sent requests' delays behind their scheduled arrival
-    input_tokens: int
-    output_tokens: int
+    input_tokens: int  # prompt tokens of measured requests whose first token came inside the window
+    output_tokens: int  # output tokens of measured requests produced inside the window
+    window_input_tokens: int  # prompt tokens of every request (warm-up included) whose first token came inside it
+    window_output_tokens: int  # every output token produced inside the window, whichever request produced it
     output_throughput_tok_per_s: float | None
     total_throughput_tok_per_s: float | None
     request_throughput_req_per_s: float | None
@@ -201,6 +214,8 @@ class PointMetrics:
     target_rate_req_per_s: float | None = None
     achieved_rate_req_per_s: float | None = None
     scheduled_rate_req_per_s: float | None = None
+    completed_rate_req_per_s: float | None = None  # (completed - 1) / (last completion - first completion)
+    rate_shortfall: bool | None = None  # open loop: the rate offered was not sent or not completed (None: closed loop)
     target_concurrency: int | None = None
     achieved_peak_concurrency: int | None = None
     achieved_mean_concurrency: float | None = None
@@ -299,6 +314,10 @@ def summarize(
 
     out_tok = sum(1 for r in ok for t in r.token_times_s if inside(t))
     in_tok = sum(r.prompt_tokens for r in ok if inside(r.token_times_s[0]))
+    # the throughputs: every token event inside the window, as the window's concurrency counts every request in it
+    producing = [r for r in records if r.sent and r.token_times_s]
+    window_out_tok = sum(1 for r in producing for t in r.token_times_s if inside(t))
+    window_in_tok = sum(r.prompt_tokens for r in producing if inside(r.token_times_s[0]))
     done_in = sum(1 for r in ok if inside(r.token_times_s[-1]))
     good = [r for r in measured if slo.met_by(r)]  # failed and dropped arrivals never meet it
     good_tok = sum(1 for r in good for t in r.token_times_s if inside(t))
@@ -337,6 +356,34 @@ def summarize(
             f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
             f"{scheduled_rate:.3g} req/s in the arrival times drawn"
         )
+    completed_rate = rate_of(r.token_times_s[-1] for r in ok)
+    offered = scheduled_rate or target_rate_req_per_s
+    rate_shortfall = None
+    if target_rate_req_per_s and offered and len(measured) >= 2:
+        behind = []  # what fell short of the rate offered (the arrival times drawn)
+        if len(ok) < RATE_SHORTFALL_FRACTION * len(measured):
+            behind.append(f"only {len(ok)} of {len(measured)} arrivals completed")
+        if completed_rate is None or completed_rate < RATE_SHORTFALL_FRACTION * offered:
+            behind.append(f"completed {completed_rate or 0:.3g} req/s")
+        sends_behind = achieved_rate is not None and achieved_rate < 0.95 * offered
+        rate_shortfall = bool(behind) or sends_behind
+        if behind:
+            warnings.append(
+                f"rate shortfall: {offered:.3g} req/s offered, "
+                + ", ".join(behind)
+                + f" (below {RATE_SHORTFALL_FRACTION:.0%}: the replicas did not keep up with the load)"
+            )
+    if (
+        target_rate_req_per_s
+        and scheduled_rate is not None
+        and abs(scheduled_rate / target_rate_req_per_s - 1) > SCHEDULED_RATE_TOLERANCE
+    ):
+        warnings.append(
+            f"scheduled rate: the {len(scheduled)} arrival times drawn span {scheduled_rate:.3g} req/s, not the target "
+            f"{target_rate_req_per_s:g} req/s (a random sample of {len(scheduled)} arrivals strays from its rate by "
+            f"about {1 / math.sqrt(max(1, len(scheduled) - 1)):.0%}; more requests bring it closer); the achieved "
+            "rate is judged against the schedule drawn"
+        )
     if len(ok) < 100:
         warnings.append(f"p99: only {len(ok)} completed requests (low confidence below 100)")
 
@@ -361,8 +408,10 @@ def summarize(
         arrival_delay_s=LatencyStats.of(d for d in delays if d is not None),
         input_tokens=in_tok,
         output_tokens=out_tok,
-        output_throughput_tok_per_s=rate(out_tok),
-        total_throughput_tok_per_s=rate(in_tok + out_tok),
+        window_input_tokens=window_in_tok,
+        window_output_tokens=window_out_tok,
+        output_throughput_tok_per_s=rate(window_out_tok),
+        total_throughput_tok_per_s=rate(window_in_tok + window_out_tok),
         request_throughput_req_per_s=rate(done_in),
         slo_requests=len(measured),
         slo_met_requests=len(good),
@@ -375,6 +424,8 @@ def summarize(
         target_rate_req_per_s=target_rate_req_per_s,
         achieved_rate_req_per_s=achieved_rate,
         scheduled_rate_req_per_s=scheduled_rate,
+        completed_rate_req_per_s=completed_rate,
+        rate_shortfall=rate_shortfall,
         target_concurrency=target_concurrency,
         achieved_peak_concurrency=peak,
         achieved_mean_concurrency=mean_conc,

@@ -131,6 +131,7 @@ class SharedRun(Protocol):
     requests: Callable[[int], GenerationRequest]
 
     def next_index(self) -> tuple[int, bool] | None: ...
+    def next_is_warmup(self) -> bool: ...
     async def send(
         self, index: int, warmup: bool, scheduled: float | None = None, cap_delayed: bool = False
     ) -> RequestRecord: ...
@@ -272,6 +273,8 @@ class BatchLoad(LoadPattern):
             batch = [pushed] if pushed is not None else []
             pushed = None
             while len(batch) < self.cfg.batch_size:
+                if batch and run.next_is_warmup() != batch[0][1]:
+                    break  # asking for the first measured index would open the window while the warm-ups run
                 nxt = run.next_index()
                 if nxt is None:
                     break

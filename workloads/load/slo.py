@@ -16,6 +16,11 @@ applies its SLOs: a request is *good* when it meets every SLO of the point. The 
   TPOT SLO vacuously, as in vLLM's goodput, which counts its TPOT as 0; its TTFT and e2e are still checked.
 
 Attainment and goodput over a point's requests are `workloads.load.metrics.summarize`'s (its definitions table).
+
+A request that timed out (`timeout`) or that the server refused for load (`overloaded`: HTTP 429/503, a full queue,
+Serve's back-pressure) is a measurement of the load that misses the SLO (`SLO_MISS_ERROR_KINDS`): a point where every
+request ended so is a result of attainment 0 (`workloads.serving.point.run_point`), not an error. Only a dead replica,
+a configuration that failed, or another error kind makes a point with no completed request an error.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from replica.rules import Section
 
 if TYPE_CHECKING:
     from workloads.load.metrics import RequestRecord
+
+#: The error kinds that measure the load (it was too much for the server) rather than break the point: they miss the
+#: SLO, and a point whose requests all ended in them is a result of attainment 0 (the module docstring).
+SLO_MISS_ERROR_KINDS = ("timeout", "overloaded")
 
 #: MLPerf Inference's server-scenario latency limits for Llama-3.1-8B, in seconds (p99 limits there).
 MLPERF_LLAMA31_8B_TTFT_S = 2.0
@@ -82,10 +91,17 @@ class SLO(Section):
 DEFAULT_SLO = SLO()
 
 
+def _plain(x: float) -> str:
+    """`x` in plain decimal notation to 6 decimals, trailing zeros dropped (a 1,000 s limit is 1000000 ms, not
+    1e+06)."""
+    text = f"{x:.6f}".rstrip("0").rstrip(".")
+    return text or "0"
+
+
 def describe_slo(ttft_s: float | None, tpot_s: float | None, e2e_latency_s: float | None = None) -> str:
     """The limits in milliseconds for a printed table: ``TTFT <= 2000 ms, TPOT <= 100 ms`` (+ e2e when set)."""
     parts = [
-        f"{name} <= {value * 1000:g} ms"
+        f"{name} <= {_plain(value * 1000)} ms"
         for name, value in (("TTFT", ttft_s), ("TPOT", tpot_s), ("e2e", e2e_latency_s))
         if value is not None
     ]

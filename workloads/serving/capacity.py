@@ -22,7 +22,9 @@ request rate whose SLO attainment stays at or above a target, found by bisection
   rate and a fail above the highest; each probe is the middle of the rates still open, a pass raises the lower
   end, a fail lowers the upper one, until they are adjacent (``hi / lo - 1 <= resolution``). A probe *passes*
   (`passed`) when its record is ``ok`` and its ``slo_attainment >= target_attainment``; an ``oom`` probe fails (the
-  memory limit is part of the capacity). An ``error`` probe (a replica died, a point could not start) is no result:
+  memory limit is part of the capacity); a probe whose requests all timed out or were refused for load is ``ok`` with
+  attainment 0 (`workloads.serving.point.run_point`), so it fails and the search moves down. An ``error`` probe (a
+  replica died, a point could not start) is no result:
   its series stops for this run (status ``searching``, exit 1) and a resumed run probes that rate again, as the
   other modes run a failed point again (`bisect` is a function of the results, so the path re-derives). The search
   assumes attainment does not rise with the rate; where noise breaks that, it still ends on a passing rate next

@@ -1,7 +1,10 @@
 """One serving point: configure the replicas, drive them with the point's load pattern, summarize.
 
 `run_point(pool, suite, point)` returns the point's metrics, with its ``status`` (``ok``, ``oom`` or ``error``),
-``stop_reason`` and ``error``; a load error never raises. The suite's `slo` judges every request of the point
+``stop_reason`` and ``error``; a load error never raises. Requests that timed out or were refused for load
+(`workloads.load.slo.SLO_MISS_ERROR_KINDS`) are measurements that miss the SLO: a point where every request ended so
+is ``ok`` with attainment 0 (a capacity probe then fails and the search moves down); ``error`` is kept for a replica
+that died, a configuration that failed, and a point whose requests all failed otherwise. The suite's `slo` judges every request of the point
 (`slo_attainment`, `goodput_req_per_s`, `goodput_tok_per_s`, with the limits as `slo_ttft_s`, ...).
 """
 
@@ -13,6 +16,7 @@ from typing import Any
 from cluster.connect import error_message
 from workloads.load.driver import run_load
 from workloads.load.metrics import summarize
+from workloads.load.slo import SLO_MISS_ERROR_KINDS
 from workloads.serving.pools import ReplicaPool
 from workloads.serving.suite import ServingPoint, ServingSuite
 
@@ -128,12 +132,18 @@ def run_point(
         )
     elif errors.get("oom"):
         out.update(status="oom", stop_reason="out of memory", error=f"{errors['oom']} request(s) ran out of memory")
-    elif m.sent_requests and not m.completed_requests:
+    elif m.sent_requests and not m.completed_requests and not set(errors) <= set(SLO_MISS_ERROR_KINDS):
         out.update(
             status="error",
             stop_reason="every request failed",
             error=", ".join(f"{k}: {v}" for k, v in sorted(errors.items())),
         )
     else:
+        if m.sent_requests and not m.completed_requests:  # timeouts / refusals for load: measured, attainment 0
+            out["warnings"] = list(out.get("warnings") or []) + [
+                "every request missed the SLO by timing out or being refused for load ("
+                + ", ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
+                + "): a result of attainment 0, not an error"
+            ]
         out.update(status="ok", stop_reason=m.stop_reason, error=None)  # `count` or `duration` (the load generator's)
     return out

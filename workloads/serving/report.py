@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 from cluster.connect import error_message
-from workloads.core.results import MIB, conditions_line, format_value, markdown_table, write_atomic
+from workloads.core.results import MIB, conditions_line, format_value, markdown_table, significant, write_atomic
 from workloads.core.template import Report
-from workloads.load.metrics import FLAGGED_PERCENTILES
+from workloads.load.metrics import FLAGGED_PERCENTILES, RATE_SHORTFALL_FRACTION
 from workloads.load.slo import describe_slo
 from workloads.serving.plots import write_plots
 
@@ -32,7 +32,7 @@ TABLE = [  # (header with unit, key, format)
     ("output (tok/s)", "output_throughput_tok_per_s", ".1f"),
     ("total (tok/s)", "total_throughput_tok_per_s", ".1f"),
     ("req/s", "request_throughput_req_per_s", ".3f"),
-    ("rate target/scheduled/achieved (req/s)", "rate", "s"),
+    ("rate target/scheduled/sent/completed (req/s)", "rate", "s"),
     ("conc. target/peak", "conc", "s"),
     ("TTFT p50/p90/p95/p99 (ms)", "ttft", "s"),
     ("TPOT p50/p90/p95/p99 (ms)", "tpot", "s"),
@@ -90,12 +90,13 @@ def capacity_markdown(rows: list[dict]) -> str:
 
 def milliseconds(r: dict, base: str, percentiles=TABLE_PERCENTILES) -> str:
     """``12.3/45.6*/...``: the record's `base` percentiles (``ttft`` -> ``ttft_p50_s``, ...) in milliseconds, 3
-    significant digits, each low-confidence one marked ``*``; ``-`` for a missing one."""
+    significant digits in plain notation (``42600``, never ``4.26e+04``: `workloads.core.results.significant`), each
+    low-confidence one marked ``*``; ``-`` for a missing one."""
     out = []
     for p in percentiles:
         v = r.get(f"{base}_{p}_s")
         flagged = int(p[1:]) in FLAGGED_PERCENTILES and r.get(f"{base}_{p}_low_confidence")
-        out.append(format_value(None if v is None else v * 1000, ".3g") + ("*" if v is not None and flagged else ""))
+        out.append(significant(None if v is None else v * 1000) + ("*" if v is not None and flagged else ""))
     return "/".join(out)
 
 
@@ -107,10 +108,11 @@ def table_rows(records: list[dict]) -> list[dict]:
         d = dict(r)
         d["ok_sent"] = f"{r.get('completed_requests', '-')}/{r.get('sent_requests', '-')}"
         d["rate"] = (
-            f"{g('target_rate_req_per_s')}/{g('scheduled_rate_req_per_s')}/{g('achieved_rate_req_per_s')}"
+            f"{g('target_rate_req_per_s')}/{g('scheduled_rate_req_per_s')}/{g('achieved_rate_req_per_s')}/"
+            f"{g('completed_rate_req_per_s')}" + (" SHORTFALL" if r.get("rate_shortfall") else "")
             if r.get("target_rate_req_per_s")
             else "-"
-        )  # scheduled: the arrival times the run drew
+        )  # scheduled: the arrival times the run drew; completed: the rate the replicas kept up
         d["conc"] = f"{g('target_concurrency', 'd')}/{g('achieved_peak_concurrency', 'd')}"
         d["ttft"] = milliseconds(r, "ttft")
         d["tpot"] = milliseconds(r, "tpot")
@@ -149,6 +151,12 @@ def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> s
         "`*` a percentile p over fewer than 1 / (1 - p) samples (p90 below 10, p95 below 20, p99 below 100): "
         "low confidence."
     )
+    if any(r.get("rate_shortfall") for r in records):
+        footer += (
+            " SHORTFALL: the point sent less than 95% of its scheduled rate, completed less than "
+            f"{RATE_SHORTFALL_FRACTION:.0%} of it, or completed fewer than {RATE_SHORTFALL_FRACTION:.0%} of its "
+            "arrivals (the record's rate_shortfall and warnings)."
+        )
     slo = slo_line(records)
     head = capacity_markdown(capacity) + "\n" if capacity else ""
     return (

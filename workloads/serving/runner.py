@@ -11,7 +11,8 @@ replicas' peak KV bytes and running sequences, status and `stop_reason`.
 
 * status `ok`; `oom` when a request ran out of device memory (recorded, the sweep goes on);
   `skipped` for the loads above a saturated point of the same series; `error` when every request
-  failed, the point could not start, or a replica died (Serve replaces it; the point records why).
+  failed of an error other than a timeout or a refusal for load (those are measurements of attainment 0: the point
+  is `ok`, and saturated), the point could not start, or a replica died (Serve replaces it; the point records why).
 * `--resume RUN_ID` skips points already `ok`, `oom` or `skipped`; a point in progress when the
   sweep was killed simply runs again.
 * `mode: capacity` (`workloads.serving.capacity`): per series a search picks the next Poisson rate of its grid
@@ -178,13 +179,20 @@ class ServingKind(Kind):
         if rec["status"] not in ("ok",):
             return f"  {rec['status']:<7} {what}: {rec.get('stop_reason')}{': ' + rec['error'] if rec.get('error') else ''}"
         f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
-        ms = lambda key: f(None if rec.get(key) is None else rec[key] * 1000, ".3g")  # noqa: E731 - seconds -> ms
+        ms = lambda key: res.significant(None if rec.get(key) is None else rec[key] * 1000)  # noqa: E731 - s -> ms
         return (
             f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50/p99 "
             f"{ms('ttft_p50_s')}/{ms('ttft_p99_s')} ms (n={rec.get('ttft_n')}), TPOT p50/p99 {ms('tpot_p50_s')}/"
             f"{ms('tpot_p99_s')} ms, {rec.get('completed_requests')}/{rec.get('sent_requests')} ok, SLO attainment "
             f"{f(rec.get('slo_attainment'), '.3f')} (n={rec.get('slo_requests')}), goodput "
             f"{f(rec.get('goodput_req_per_s'), '.3g')} req/s {f(rec.get('goodput_tok_per_s'), '.1f')} tok/s"
+            + (
+                f", RATE SHORTFALL: {f(rec.get('completed_rate_req_per_s'), '.3g')} req/s completed, "
+                f"{f(rec.get('achieved_rate_req_per_s'), '.3g')} sent of "
+                f"{f(rec.get('scheduled_rate_req_per_s') or rec.get('target_rate_req_per_s'), '.3g')} offered"
+                if rec.get("rate_shortfall")
+                else ""
+            )
             + "".join(f"\n          warning: {w}" for w in rec.get("warnings") or [] if not w.startswith("p99:"))
         )
 

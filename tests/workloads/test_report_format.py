@@ -1,0 +1,62 @@
+"""Numbers as the serving reports print them (`workloads.core.results.significant`, `workloads.serving.report`,
+the serving sweep's progress line, `workloads.load.slo.describe_slo`): milliseconds in plain notation."""
+
+import pytest
+
+from workloads.core.results import significant
+from workloads.load.slo import describe_slo
+from workloads.serving.report import milliseconds, table_markdown
+from workloads.serving.runner import ServingKind
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (42612.3, "42600"),
+        (53300.0, "53300"),
+        (188.04, "188"),
+        (12.34, "12.3"),
+        (0.5, "0.5"),
+        (0.001234, "0.00123"),
+        (999.6, "1000"),
+        (-3.456, "-3.46"),
+        (123456789.0, "123000000"),
+        (0.0, "0"),
+        (None, "-"),
+    ],
+)
+def test_three_significant_digits_never_in_scientific_notation(value, text):
+    assert significant(value) == text
+
+
+def _contended_record(**kw):
+    rec = {
+        "point_id": "p0",
+        "status": "ok",
+        "series": "full",
+        "load": 0.3,
+        "ttft_p50_s": 42.6,
+        "ttft_p90_s": 50.1,
+        "ttft_p95_s": 52.0,
+        "ttft_p99_s": 53.3,
+        "ttft_p99_low_confidence": True,
+        "tpot_p50_s": 0.0004567,
+        "tpot_p99_s": 1234.5,
+        "ttft_n": 8,
+        "completed_requests": 8,
+        "sent_requests": 8,
+        "slo_attainment": 0.0,
+        "slo_requests": 8,
+    }
+    return {**rec, **kw}
+
+
+def test_millisecond_columns_and_the_progress_line_print_seconds_of_latency_without_an_exponent():
+    rec = _contended_record()
+    assert milliseconds(rec, "ttft") == "42600/50100/52000/53300*"
+    assert milliseconds(rec, "tpot") == "0.457/-/-/1230000"
+    line = ServingKind().one_line(rec)
+    assert "TTFT p50/p99 42600/53300 ms" in line and "TPOT p50/p99 0.457/1230000 ms" in line
+    table = table_markdown([rec])
+    assert "e+" not in table and "42600/50100/52000/53300*" in table
+    assert describe_slo(1000.0, 0.0005, 3600.0) == "TTFT <= 1000000 ms, TPOT <= 0.5 ms, e2e <= 3600000 ms"
