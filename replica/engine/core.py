@@ -23,7 +23,7 @@ from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan
 from replica.engine.runner import ModelRunner
 from replica.engine.scheduler import SCHEDULERS
 from replica.metrics import NullMetrics
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 
 __all__ = ["ContinuousBatchingEngine"]
 
@@ -84,10 +84,14 @@ class ContinuousBatchingEngine:
         """Slots a sequence's row needs at most (`KVBudget.final_slots`)."""
         return self.kv.final_slots(prompt_tokens, max_new_tokens)
 
-    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
         """Why a request of these lengths can never run under the KV memory limit, even alone, as this engine's
-        scheduler feeds it (None: it can; `KVBudget.fits_alone`)."""
+        scheduler feeds it (None: it can; `KVBudget.fits_alone`): a `Refusal` of kind ``kv_memory`` or ``policy``."""
         return self.kv.fits_alone(prompt_tokens, max_new_tokens, self.scheduler.chunk_tokens())
+
+    def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
+        """The most new tokens (at most `most`) a request of `prompt_tokens` may ask and still run alone; 0: none."""
+        return self.kv.max_new_tokens_for(prompt_tokens, most, self.scheduler.chunk_tokens())
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Largest batch of identical requests the memory limit (and `max_batch`) admits at once: on the paged
