@@ -305,7 +305,13 @@ class ContinuousBatchingEngine:
     def _score_prompt(self, seq: Sequence) -> bool:
         """The prompt's log-probabilities of a request that asks for them (`Lifecycle.score`); True when that
         finished the request (no new tokens, or a failure)."""
-        return seq.request.prompt_logprobs is not None and self.life.score(seq, self.runner.score_prompt)
+        return seq.request.prompt_logprobs is not None and self.life.score(seq, self._scored)
+
+    def _scored(self, seq: Sequence) -> tuple[list, list]:
+        """`ModelRunner.score_prompt`, its cache's peak counted beside every live cache in the reported peak."""
+        lps, tops, peak_bytes = self.runner.score_prompt(seq)
+        self.life.track_bytes(peak_bytes + self._kv_cache_bytes())
+        return lps, tops
 
     # ------------------------------------------------------------------ preemption (paged layout)
     def _make_room_for_decode(self) -> None:
