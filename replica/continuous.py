@@ -21,7 +21,7 @@ import torch
 from replica.engine import ContinuousBatchingEngine, EngineLoop
 from replica.metrics import ReplicaMetrics
 from replica.static_batch import load_replica_model
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 from scissorhands.models import cpu_model_name
 
 
@@ -204,21 +204,38 @@ class ServingReplica:
         finally:
             await events.aclose()
 
-    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        """Why a request of these lengths can never be served under the KV memory limit (None: it can)."""
+    def _context_tokens(self) -> int | None:
         cfg = (
             self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
         )
-        context = getattr(cfg, "max_position_embeddings", None)
+        return getattr(cfg, "max_position_embeddings", None)
+
+    async def check(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
+        """Why a request of these lengths can never be served (None: it can): a `Refusal` of kind ``context``
+        (past the model's context), ``kv_memory`` or ``policy`` (`ContinuousBatchingEngine.fits_alone`)."""
+        context = self._context_tokens()
         if context is not None and prompt_tokens + max_new_tokens > context:
-            return (
+            return Refusal(
+                "context",
                 f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_new_tokens}) exceeds the model's "
-                f"context of {context} tokens"
+                f"context of {context} tokens",
             )
         if self.engine is None:
             return None
         why = self.engine.fits_alone(prompt_tokens, max_new_tokens)
-        return None if why is None else f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens: {why}"
+        return (
+            None if why is None else why.wrapped(f"a request of {prompt_tokens} prompt + {max_new_tokens} new tokens: ")
+        )
+
+    async def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
+        """The most new tokens (at most `most`) a request of `prompt_tokens` may ask and be served: within the
+        model's context and what the KV memory limit holds for it alone (one call; 0: not one)."""
+        context = self._context_tokens()
+        if context is not None:
+            most = min(most, context - prompt_tokens)
+        if most < 1 or self.engine is None:
+            return max(0, most)
+        return self.engine.max_new_tokens_for(prompt_tokens, most)
 
     async def health(self) -> dict:
         """Liveness: answered from another thread than the one generating, never queued behind it."""

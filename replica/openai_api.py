@@ -40,9 +40,11 @@ ends with an error event (`data: {"error": ...}`) and `[DONE]`, never a hang. A 
 disconnects mid-stream cancels its request; the backend aborts it (`ContinuousBatchingEngine.abort`).
 
 A backend is anything with `metadata` (dict), `check(prompt_tokens, max_new_tokens) -> str | None`
-(why the request can never be served, or None) and `stream(GenerationRequest)`, an async iterator
+(why the request can never be served, or None; a `replica.types.Refusal` gives its `kind`, which picks the
+error code, a plain string is a KV memory refusal) and `stream(GenerationRequest)`, an async iterator
 of `{"token_id", "time_s"}` events ending with one `{"result": GenerationResult fields}`
-(`replica.continuous.ServingReplica.stream`). A backend may also have `finish(request_id)`: the request's text
+(`replica.continuous.ServingReplica.stream`). A backend may also have `max_new_tokens_for(prompt_tokens, most)` (the
+longest request it serves, in one call instead of a bisection over `check`) and `finish(request_id)`: the request's text
 hit a stop string, so it ends as completed (``finish_reason: "stop"``) rather than aborted when its stream closes;
 without it the stream is only closed (the replica counts the request aborted).
 """
@@ -144,6 +146,9 @@ class ReplicaBackend:
 
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         return await self.replica.check(prompt_tokens, max_new_tokens)
+
+    async def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
+        return await self.replica.max_new_tokens_for(prompt_tokens, most)
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[dict]:
         return self.replica.stream(request)
@@ -533,8 +538,11 @@ def build_app(
 
     async def default_max_tokens(backend, prompt_tokens: int) -> int:
         """A chat without `max_tokens` runs to EOS or the end of the context (OpenAI's and vLLM's rule),
-        capped at what the KV memory limit holds for it alone (the longest `check` accepts)."""
+        capped at what the KV memory limit holds for it alone: the backend's `max_new_tokens_for` in one call, or
+        the longest its `check` accepts (a backend without it)."""
         hi = context_tokens - prompt_tokens if context_tokens is not None else UNKNOWN_CONTEXT_MAX_TOKENS
+        if hi >= 1 and hasattr(backend, "max_new_tokens_for"):
+            return max(1, await backend.max_new_tokens_for(prompt_tokens, hi))
         if hi < 1 or await backend.check(prompt_tokens, hi) is None:
             return max(1, hi)
         lo = 0  # the longest known to fit (0: none yet); hi does not fit
@@ -566,7 +574,7 @@ def build_app(
                 400,
                 f"max_tokens: {why}",
                 "max_tokens",
-                code="context_length_exceeded" if "context" in why else "kv_memory_limit",
+                code="context_length_exceeded" if getattr(why, "kind", None) == "context" else "kv_memory_limit",
             )
         if pending[model] >= max_pending_requests:
             raise _retry_later(

@@ -44,6 +44,9 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "MAX_LOGPROBS",
+    "OUTCOMES",
+    "REFUSAL_KINDS",
+    "Refusal",
 ]
 
 KV_LAYOUTS = ("preallocated", "paged")
@@ -430,3 +433,34 @@ class GenerationResult:
 
 #: Every `GenerationResult.outcome`: the first two are completed requests, the others failed ones.
 OUTCOMES = ("stop", "length", "abort", "error")
+
+
+#: Why a request can never be served: longer than the model's context, more than the KV memory limit holds for it
+#: alone, or a budget the cache policy refuses (`Refusal.kind`).
+REFUSAL_KINDS = ("context", "kv_memory", "policy")
+
+
+class Refusal(str):
+    """Why a request can never be served (`ContinuousBatchingEngine.fits_alone`, `ServingReplica.check`): the
+    message itself (a str, so it reads and compares as one) and `kind`, one of `REFUSAL_KINDS`, so a caller picks
+    its answer (the OpenAI API's error code) without reading the text. It crosses processes whole (pickled).
+
+    Raises:
+        ValueError: `kind` not one of `REFUSAL_KINDS` (the message names them).
+    """
+
+    kind: str
+
+    def __new__(cls, kind: str, message: str) -> "Refusal":
+        if kind not in REFUSAL_KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(REFUSAL_KINDS)}, got {kind!r}")
+        obj = super().__new__(cls, message)
+        obj.kind = kind
+        return obj
+
+    def __reduce__(self):
+        return (Refusal, (self.kind, str(self)))
+
+    def wrapped(self, prefix: str) -> "Refusal":
+        """The same refusal with `prefix` before its message."""
+        return Refusal(self.kind, prefix + str(self))

@@ -23,7 +23,7 @@ from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan
 from replica.engine.runner import ModelRunner
 from replica.engine.scheduler import SCHEDULERS
 from replica.metrics import NullMetrics
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 
 __all__ = ["ContinuousBatchingEngine"]
 
@@ -84,10 +84,14 @@ class ContinuousBatchingEngine:
         """Slots a sequence's row needs at most (`KVBudget.final_slots`)."""
         return self.kv.final_slots(prompt_tokens, max_new_tokens)
 
-    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
         """Why a request of these lengths can never run under the KV memory limit, even alone, as this engine's
-        scheduler feeds it (None: it can; `KVBudget.fits_alone`)."""
+        scheduler feeds it (None: it can; `KVBudget.fits_alone`): a `Refusal` of kind ``kv_memory`` or ``policy``."""
         return self.kv.fits_alone(prompt_tokens, max_new_tokens, self.scheduler.chunk_tokens())
+
+    def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
+        """The most new tokens (at most `most`) a request of `prompt_tokens` may ask and still run alone; 0: none."""
+        return self.kv.max_new_tokens_for(prompt_tokens, most, self.scheduler.chunk_tokens())
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Largest batch of identical requests the memory limit (and `max_batch`) admits at once: on the paged
@@ -215,7 +219,7 @@ class ContinuousBatchingEngine:
                 self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {why}")
             if not plan.yield_newest:
                 return plan
-            self._requeue(self.flight.pop_newest_prefill())  # prompts part-way fed hold the pool: the newest yields
+            self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
@@ -278,7 +282,7 @@ class ContinuousBatchingEngine:
                 keep.append(i)
         self.flight.join(p, fwd.picked, keep)
         if keep:
-            self.life.track_bytes(self._kv_cache_bytes())
+            self.life.track_bytes(self.flight.kv_cache_bytes())
             self.life.track_running(self.running)
 
     def _decode_step(self) -> None:
@@ -290,7 +294,7 @@ class ContinuousBatchingEngine:
             return
         t = self.clock()
         self.life.decoded(self._running, fwd, self.pool.blocks_in_use if self.pool is not None else 0)
-        self.life.track_bytes(self._kv_cache_bytes())
+        self.life.track_bytes(self.flight.kv_cache_bytes())
         keep = []
         for i, (seq, tok) in enumerate(zip(self._running, fwd.tokens)):
             seq.held_slots = self.kv.held_after_decode(seq)  # the full cache's buffers grow past their capacity
@@ -301,34 +305,29 @@ class ContinuousBatchingEngine:
     def _score_prompt(self, seq: Sequence) -> bool:
         """The prompt's log-probabilities of a request that asks for them (`Lifecycle.score`); True when that
         finished the request (no new tokens, or a failure)."""
-        return seq.request.prompt_logprobs is not None and self.life.score(seq, self.runner.score_prompt)
+        return seq.request.prompt_logprobs is not None and self.life.score(seq, self._scored)
+
+    def _scored(self, seq: Sequence) -> tuple[list, list]:
+        """`ModelRunner.score_prompt`, its cache's peak counted beside every live cache in the reported peak."""
+        lps, tops, peak_bytes = self.runner.score_prompt(seq)
+        self.life.track_bytes(peak_bytes + self.flight.kv_cache_bytes())
+        return lps, tops
 
     # ------------------------------------------------------------------ preemption (paged layout)
     def _make_room_for_decode(self) -> None:
-        """Preempt until the next decode step fits (`Scheduler.preemption`): a group part-way fed goes back to the
-        queue whole; a running row leaves the batch and goes back to the head of the queue, recomputed later."""
+        """Preempt until the next decode step fits (`Scheduler.preemption`)."""
         while (victim := self.scheduler.preemption(self._view(), self.kv)) is not None:
-            if isinstance(victim, Prefill):
-                self._requeue(self.flight.pop_newest_prefill())
-                continue
-            seq = self.flight.pop_newest_running()
-            seq.preempted = True
-            # every token whose KV it held is computed again: the prompt and the outputs fed so far
-            self.life.preempted(len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1)
-            self.queue.push_front([seq])
+            self._preempt(victim)
 
-    def _requeue(self, p: Prefill) -> None:
-        """Requeue a group part-way prefilled (its blocks back in the pool): its requests back to the head of
-        the queue (in order), their chunks fed so far counted as recomputed."""
-        for seq in p.group:
-            seq.preempted = True  # scored already (prompt_logprobs): the next prefill only feeds
-            self.life.preempted(p.fed)
-        self.queue.push_front(p.group)
+    def _preempt(self, victim: Prefill | Sequence) -> None:
+        """`victim`'s requests go back to the head of the queue, in order (`InFlight.preempt`: its blocks freed),
+        the tokens their next prefill computes again counted as recomputed."""
+        taken = self.flight.preempt(victim)
+        for _, recomputed in taken:
+            self.life.preempted(recomputed)
+        self.queue.push_front(seq for seq, _ in taken)
 
     # ------------------------------------------------------------------ state and counters
-    def _kv_cache_bytes(self) -> int:
-        return self.flight.kv_cache_bytes()
-
     def _record_state(self) -> None:
         """The live gauges now: running sequences (part-way prompts included), queued ones, KV bytes and slots of
         every live cache, and on the paged layout the pool's used and free blocks (the preallocated layout has no
@@ -364,7 +363,7 @@ class ContinuousBatchingEngine:
             "queued_requests": queued,
             "peak_running_sequences": self.life.peak_running,
             "peak_kv_cache_bytes": self.life.peak_bytes,
-            "kv_cache_bytes": self._kv_cache_bytes(),
+            "kv_cache_bytes": self.flight.kv_cache_bytes(),
             **Lifecycle.request_stats(s),
             "kv_layout": self.config.kv_layout,
             "scheduler": self.config.scheduler,

@@ -67,17 +67,23 @@ class InFlight:
             self.keep_running(keep)
         return gone
 
-    def pop_newest_running(self) -> Sequence:
-        """The most recently admitted running row leaves the batch (preempted)."""
-        seq = self.running.pop()
-        self.runner.keep(list(range(len(self.running))))
-        return seq
-
-    def pop_newest_prefill(self) -> Prefill:
-        """The newest prompt part-way fed leaves (preempted): its blocks back to the pool."""
-        p = self.prefilling.pop()
-        self.runner.release_group(p)
-        return p
+    def preempt(self, victim: Prefill | Sequence) -> list[tuple[Sequence, int]]:
+        """Take out `victim`, the newest prompt part-way fed (its blocks back to the pool) or the newest running row
+        (it leaves the batch), and mark its requests preempted: they are returned in order, each with the tokens
+        its next prefill computes again (a row: its prompt and the outputs fed so far; a prompt: its chunks fed)."""
+        if isinstance(victim, Prefill):
+            assert victim is self.prefilling[-1], "only the newest prompt part-way fed is preempted"
+            p = self.prefilling.pop()
+            self.runner.release_group(p)
+            taken = [(seq, p.fed) for seq in p.group]  # scored already (prompt_logprobs): the next prefill only feeds
+        else:
+            assert victim is self.running[-1], "only the newest running row is preempted"
+            seq = self.running.pop()
+            self.runner.keep(list(range(len(self.running))))
+            taken = [(seq, len(seq.request.prompt_ids) + len(seq.result.output_ids) - 1)]
+        for seq, _ in taken:
+            seq.preempted = True
+        return taken
 
     def clear(self) -> list[Sequence]:
         """Every admitted request leaves, every cache freed (a cache a fault broke is dropped all the same)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from replica.engine.requests import EngineView, Sequence
-from replica.types import EngineConfig
+from replica.types import EngineConfig, Refusal
 from scissorhands import budget_from_ratio
 from scissorhands.paged import BlockPool
 
@@ -64,7 +64,7 @@ class KVBudget:
         cap = seq.budget_tokens or self.row_capacity
         return seq.held_slots + 1 if cap is None or seq.held_slots < cap else seq.held_slots
 
-    def fits_alone(self, prompt_tokens: int, max_new_tokens: int, chunk_tokens: int | None = None) -> str | None:
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int, chunk_tokens: int | None = None) -> Refusal | None:
         """Why a request of these lengths can never run under the KV memory limit, even alone (None: it can).
 
         `chunk_tokens`: the most prompt tokens the scheduler feeds in one forward (None: the whole prompt at once,
@@ -75,10 +75,23 @@ class KVBudget:
             try:
                 self.check_budget(budget)
             except ValueError as e:
-                return f"its budget of {budget} slots (ceil((prompt + max_new) / ratio)) does not suit the policy: {e}"
+                why = f"its budget of {budget} slots (ceil((prompt + max_new) / ratio)) does not suit the policy: {e}"
+                return Refusal("policy", why)
         if self.limit_bytes is None:
             return None
-        return self.memory_refusal(prompt_tokens, max_new_tokens, budget, chunk_tokens)
+        why = self.memory_refusal(prompt_tokens, max_new_tokens, budget, chunk_tokens)
+        return None if why is None else Refusal("kv_memory", why)
+
+    def max_new_tokens_for(self, prompt_tokens: int, most: int, chunk_tokens: int | None = None) -> int:
+        """The most new tokens (at most `most`) a request of `prompt_tokens` may ask and still run alone
+        (`fits_alone` None), by bisection as its bounds grow with the new tokens; 0: not one."""
+        if most < 1 or self.fits_alone(prompt_tokens, most, chunk_tokens) is None:
+            return max(0, most)
+        lo, hi = 0, most  # the longest known to fit (0: none yet); hi does not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits_alone(prompt_tokens, mid, chunk_tokens) is None else (lo, mid)
+        return lo
 
     def memory_refusal(self, prompt_tokens: int, max_new_tokens: int, budget: int | None, chunk: int | None):
         raise NotImplementedError

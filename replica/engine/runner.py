@@ -92,13 +92,18 @@ class ModelRunner:
         cache.set_row_budgets([budget] * len(group))  # rows of other budgets merge into one batch
         return cache
 
-    def score_prompt(self, seq: Sequence) -> tuple[list, list]:
+    def score_prompt(self, seq: Sequence) -> tuple[list, list, int]:
         """The prompt's log-probabilities (`replica.sampling.score_prompt`: a cache of its own, fed as decoding
-        would). Raises what the forward raises."""
+        would) and that cache's peak bytes. The cache is built as the request's prefill cache is (in the block pool
+        on the paged layout) and freed before its prefill starts, so it holds at most one row of what admission
+        reserved for that prefill, inside the KV memory limit. Raises what the forward raises."""
         req = seq.request
-        return score_prompt(
-            self.model, self.new_cache([seq], paged=False), req.prompt_ids, req.prompt_logprobs, self.device
-        )
+        cache = self.new_cache([seq])
+        try:
+            lps, tops = score_prompt(self.model, cache, req.prompt_ids, req.prompt_logprobs, self.device)
+            return lps, tops, cache.peak_kv_cache_bytes
+        finally:
+            release_cache(cache)  # its blocks back in the pool before the prefill takes them
 
     def prefill(self, p: Prefill, chunk: int) -> Forward:
         """Forward the next `chunk` tokens of `p`'s prompts (equal lengths) into its cache, a fresh one at the first
