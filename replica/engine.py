@@ -65,7 +65,7 @@ import torch
 from replica.metrics import NullMetrics
 from replica.sampling import pick_tokens, score_prompt
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
-from scissorhands import budget_from_ratio, make_cache
+from scissorhands import budget_from_ratio, cache_policy, make_cache
 from scissorhands.batching import (
     cache_slot_bytes,
     measured_cache,
@@ -234,10 +234,11 @@ class ContinuousBatchingEngine:
 
     # ------------------------------------------------------------------ accounting
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
-        """A request's B: its own ``ceil((prompt + max_new) / ratio)`` under ``budget: per_request``, else
-        the engine's fixed B (None for a policy that keeps every token)."""
+        """A request's B: its own ``budget_from_ratio(prompt + max_new, ratio, policy)`` under ``budget: per_request``
+        (``ceil(L / ratio)`` raised to the policy's floor and needs), else the engine's fixed B (None: keeps every token)."""
         if self.per_request:
-            return budget_from_ratio(prompt_tokens + max_new_tokens, self.config.compression_ratio)
+            policy = cache_policy(self.config.policy, **self.config.policy_params)
+            return budget_from_ratio(prompt_tokens + max_new_tokens, self.config.compression_ratio, policy)
         return self.budget_tokens
 
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
