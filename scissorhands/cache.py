@@ -35,7 +35,7 @@ mode) at the first call; otherwise they grow exactly to what is held (as transfo
   started at different times share one batch). Slot times, query times and the times a policy sees are
   then each row's own, exactly as if the row ran alone.
 
-When evictions happen (Algorithm 1 of Scissorhands, SCISSORHANDS.md):
+When evictions happen (Algorithm 1 of Scissorhands, arXiv 2305.17118; docs/library.md, "Schedule"):
 
 * a single new token (decoding) of a sequence that already holds ``budget_tokens`` tokens first
   drops ``drop_tokens`` of them, then is appended, so the layer never holds more than the budget;
