@@ -571,10 +571,14 @@ def phase_max_batch(a: dict, deadline: float, save) -> dict:
         kw = dict(policy=policy, kv_memory_limit_bytes=limit, kv_layout=layout)
         if layout == "preallocated":
             kw["max_length_tokens"] = P + N
-        if ratio is not None:
-            kw.update(compression_ratio=ratio, budget="per_request")
+        if ratio is not None:  # the ratio's own budgets: no floor (it binds only below 32 x ratio tokens: --tiny)
+            kw.update(compression_ratio=ratio, budget="per_request", policy_params={"min_budget_tokens": 0})
         if kv_bits is not None:  # groups of 32 values along head_dim (or the whole head when smaller)
-            kw["policy_params"] = {"kv_bits": kv_bits, "kv_group_size": min(32, _head_dim(model))}
+            kw["policy_params"] = {
+                **kw.get("policy_params", {}),
+                "kv_bits": kv_bits,
+                "kv_group_size": min(32, _head_dim(model)),
+            }
         cfg = EngineConfig(**kw)
         b = ContinuousBatchingEngine(model, cfg).max_batch_for(P, N)
         label = "full" if ratio is None else f"scissorhands x{ratio:g}" + (f", {kv_bits}-bit KV" if kv_bits else "")

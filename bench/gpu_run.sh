@@ -3,7 +3,7 @@
 # `make gpu-bundle` (carried as .gpu-bundle) offline, then run `python -m bench.gpu_check`,
 # writing gpu_check.json, gpu_check.md and gpu_check.log under $OUT. Extra arguments go to the check.
 #
-#   device run: command "bash bench/gpu_run.sh", carry [".gpu-bundle"], timeout_s 560
+#   on the GPU machine, in a copy of the working tree with .gpu-bundle/:  OUT=results/gpu-run bash bench/gpu_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

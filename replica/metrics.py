@@ -13,7 +13,7 @@ Two exporters publish metrics, and every name either of them publishes is listed
 * Sweep summaries (`source="pushgateway"`) are pushed with `prometheus_client` by
   `workloads.core.push.SweepPusher`, under exactly the names listed here (no prefix added).
 
-Naming (see DESIGN.md): prefix ``scissorhands_``, base units in the name (``_seconds``,
+Naming (docs/monitoring.md, "Metric names"): prefix ``scissorhands_``, base units in the name (``_seconds``,
 ``_bytes``, ``_tokens``), counters end in ``_total``, ratios lie in 0..1, labels are low
 cardinality only.
 

@@ -31,7 +31,7 @@ from replica.rules import (
     checked,
     need_one_of,
 )
-from scissorhands import POLICIES, budget_from_ratio
+from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.batching import sequence_slot_bytes
 from scissorhands.checks import check_int
 
@@ -159,7 +159,8 @@ class EngineConfig(FrozenConfig):
         policy: a key of `scissorhands.POLICIES`.
         policy_params: the policy's keyword parameters.
         budget_tokens: slots per KV head per sequence (B); wins over `compression_ratio`.
-        compression_ratio: `B = ceil(max_length_tokens / ratio)`; needs `max_length_tokens`.
+        compression_ratio: `B = ceil(max_length_tokens / ratio)`, raised to the policy's floor (`min_budget_tokens`) and
+            protected windows (`scissorhands.budget_from_ratio`); needs `max_length_tokens`.
         max_length_tokens: the longest prompt + output of the workload (tokens): fixes B for a ratio;
             with the full cache every row preallocates it (decode writes in place, no regrowth).
         kv_memory_limit_bytes: the KV memory the running batch may hold (bytes).
@@ -176,7 +177,7 @@ class EngineConfig(FrozenConfig):
             `scissorhands.paged`); paged needs one of the three limits above.
         block_tokens: slots per block of the paged layout (per KV head).
         budget: ``"fixed"`` (every sequence gets B from `budget_tokens`, or from `compression_ratio` of
-            `max_length_tokens`) or ``"per_request"`` (each request ``B_i = ceil((prompt_i + max_new_i) / ratio)``:
+            `max_length_tokens`) or ``"per_request"`` (each request ``B_i = ceil((prompt_i + max_new_i) / ratio)``, floored alike:
             a short request does not reserve the longest one's budget); per_request needs `compression_ratio`
             and a policy that evicts, and takes no `budget_tokens`.
         max_prefill_tokens: most prompt tokens prefilled in one step (bounds the stall of running
@@ -277,7 +278,9 @@ class EngineConfig(FrozenConfig):
             return None
         if self.budget_tokens is not None:
             return self.budget_tokens
-        return budget_from_ratio(self.max_length_tokens, self.compression_ratio)
+        return budget_from_ratio(
+            self.max_length_tokens, self.compression_ratio, cache_policy(self.policy, **self.policy_params)
+        )
 
     @property
     def kv_limit(self) -> KVMemoryLimit | None:

@@ -10,6 +10,7 @@ No Ray anywhere in this package (it imports torch and transformers only).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -19,12 +20,15 @@ from .cache import INT16_MAX_TIME, Budget, BudgetedCache, BudgetedLayer, budget_
 from .checks import check_int
 from .paged import BlockPool, PagedLayer
 from .policies import POLICIES, Policy, get_policy
+from .policies.base import DEFAULT_MIN_BUDGET_TOKENS
 from .quant import Int4KV, check_group_size, check_scale_format, hadamard
 from .storage import DenseKV
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "budget_from_ratio",
+    "cache_policy",
+    "DEFAULT_MIN_BUDGET_TOKENS",
     "POLICIES",
     "SUPPORTED_MODEL_TYPES",
     "Policy",
@@ -111,12 +115,14 @@ def make_cache(
             buffers (the preallocated layout). A paged cache's blocks go back to the pool with
             ``scissorhands.paged.release_cache(cache)`` (an engine does it as rows leave).
             When it runs out: ``scissorhands.paged.PoolExhausted``.
-        **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``history_window``, ...).
+        **policy_params: the policy dataclass fields (``recent_window``, ``drop_tokens``, ``min_budget_tokens``,
+            ``history_window``, ...).
 
     Raises:
         ValueError: unknown policy (lists valid names), unknown parameter, ``compression_ratio < 1``,
-            ``budget_tokens < 1``, both or neither of budget_tokens / compression_ratio, a budget
-            smaller than ``recent_window + 1``, ``kv_bits`` not in (None, 4), a bad ``kv_group_size``,
+            ``budget_tokens < 1``, both or neither of budget_tokens / compression_ratio, an absolute
+            ``budget_tokens`` smaller than ``recent_window + sinks + 1`` (a budget from a ratio is raised to what the
+            policy needs and to its floor, ``min_budget_tokens``: ``budget_from_ratio``), ``kv_bits`` not in (None, 4), a bad ``kv_group_size``,
             ``kv_scale_bits`` not in (16, 8), a non-bool ``kv_zero_point``,
             or an unsupported model type (``SUPPORTED_MODEL_TYPES``).
     """
@@ -174,3 +180,15 @@ def make_cache(
         time_dtype=time_dtype,
         layer_factory=BudgetedLayer if pool is None else functools.partial(PagedLayer, pool=pool),
     )
+
+
+def cache_policy(policy: str, **params) -> Policy:
+    """The policy that ``make_cache(policy, model, **params)`` builds: ``params`` may mix ``make_cache``'s own
+    arguments (``kv_bits``, ``max_length``, ...; set aside here) with the policy's fields (an engine's
+    ``policy_params``), so a caller computes a budget with the same floor and windows as the cache it builds.
+
+    Raises:
+        ValueError: unknown policy or policy parameter, or an invalid value (``get_policy``), naming it.
+    """
+    own = set(inspect.signature(make_cache).parameters) - {"policy", "model", "policy_params"}
+    return get_policy(policy, **{k: v for k, v in params.items() if k not in own})

@@ -35,7 +35,7 @@ mode) at the first call; otherwise they grow exactly to what is held (as transfo
   started at different times share one batch). Slot times, query times and the times a policy sees are
   then each row's own, exactly as if the row ran alone.
 
-When evictions happen (Algorithm 1 of Scissorhands, SCISSORHANDS.md):
+When evictions happen (Algorithm 1 of Scissorhands, arXiv 2305.17118; docs/library.md, "Schedule"):
 
 * a single new token (decoding) of a sequence that already holds ``budget_tokens`` tokens first
   drops ``drop_tokens`` of them, then is appended, so the layer never holds more than the budget;
@@ -94,21 +94,36 @@ CAUSAL_PROB_ELEMENTS = 1 << 19
 CAUSAL_MATMUL_QUERIES = 128
 
 
-def budget_from_ratio(length_tokens: int, compression_ratio: float) -> int:
-    """B = ceil(L / r): the slots per KV head a ratio ``r >= 1`` leaves of ``L`` tokens (at least 1).
+def budget_from_ratio(
+    length_tokens: int, compression_ratio: float, policy: Policy | None = None, *, length_is_final: bool = True
+) -> int:
+    """The slots per KV head a ratio ``r >= 1`` leaves a sequence of ``L`` tokens: ``B = ceil(L / r)`` (at least 1).
+
+    With ``policy``, the budget a sequence gets: ``max(needed, min(L, max(ceil(L / r), floor)))``, where ``floor``
+    is the policy's ``min_budget_tokens`` (a sequence no longer than it is not compressed) and ``needed`` its
+    ``needed_budget_tokens()`` (its protected windows plus one slot: a budget from a ratio never falls below what
+    the policy needs, however short the sequence). ``length_is_final=False`` when ``L`` is only the prompt (the
+    final length unknown): the budget is then not capped at ``L``, so the floor holds while the sequence grows.
 
     The one place this project computes a budget from a ratio (paper: a fixed budget B per head,
     arXiv 2305.17118; the choices around it are listed in docs/library.md).
     """
-    return max(1, math.ceil(length_tokens / compression_ratio))
+    budget = max(1, math.ceil(length_tokens / compression_ratio))
+    if policy is None:
+        return budget
+    budget = max(budget, policy.min_budget_tokens)
+    if length_is_final:
+        budget = min(budget, max(1, length_tokens))
+    return max(budget, policy.needed_budget_tokens())
 
 
 @dataclass
 class Budget:
     """The budget shared by all layers of one cache, resolved once.
 
-    ``budget_tokens`` (absolute) wins; else ``ceil(L / compression_ratio)`` where ``L`` is
-    ``max_length`` when known (prompt + max_new_tokens), else the length of the first call.
+    ``budget_tokens`` (absolute) wins, used as given; else ``budget_from_ratio(L, compression_ratio, policy)``
+    (``ceil(L / r)``, raised to the policy's floor and needs) where ``L`` is ``max_length`` when known
+    (prompt + max_new_tokens), else the length of the first call (then the floor is not capped at ``L``).
     """
 
     policy: Policy
@@ -125,7 +140,8 @@ class Budget:
                 b = self.budget_tokens
             else:
                 length = self.max_length if self.max_length is not None else first_call_length
-                b = budget_from_ratio(length, self.compression_ratio)
+                final = self.max_length is not None
+                b = budget_from_ratio(length, self.compression_ratio, self.policy, length_is_final=final)
             self.recent_window, self.drop_tokens = self.policy.resolve(b)
             self.tokens = b
         return self.tokens

@@ -1,5 +1,5 @@
 """The layers in the folder names hold: dependencies point one way (workloads -> cluster -> replica -> scissorhands;
-bench may use them all), only cluster/ imports Ray (the replica's metrics recorder reaches it lazily), nothing imports
+bench and dashboards may use them all), every Python folder has a rank (or is the test suite), only cluster/ imports Ray (the replica's metrics recorder reaches it lazily), nothing imports
 a module of ours inside a function, and the modules import each other without a cycle. Read from the source: no
 module is imported."""
 
@@ -12,8 +12,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A folder may import the folders of its own rank or below.
-RANK = {"scissorhands": 0, "replica": 1, "cluster": 2, "workloads": 3, "bench": 4}
-OURS = set(RANK) | {"dashboards"}
+RANK = {"scissorhands": 0, "replica": 1, "cluster": 2, "workloads": 3, "bench": 4, "dashboards": 4}
+OURS = set(RANK)
+#: Python folders that are no layer: the test suite imports every layer.
+NOT_LAYERS = {"tests"}
 #: Ray is reached through cluster/ only; the replica's metrics recorder is a lazy adapter to Ray (imported when a
 #: replica records into a running Ray), and bench/ tools may check what a machine has.
 RAY_ALLOWED = {"cluster": "anywhere", "bench": "anywhere", "replica": "in a function"}
@@ -61,6 +63,13 @@ def _imports(path: Path, module: str, *, type_checking: bool = True) -> list[tup
 
 
 MODULES = _modules()
+
+
+def unranked_python_folders(root: Path) -> set[str]:
+    """Top-level folders of `root` (hidden ones aside: virtualenvs, caches) holding a Python file at any depth that
+    neither RANK nor NOT_LAYERS names: their imports would go unchecked."""
+    folders = {d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and any(d.rglob("*.py"))}
+    return folders - set(RANK) - NOT_LAYERS
 
 
 def _resolve(name: str) -> str | None:
@@ -124,3 +133,17 @@ def test_no_module_imports_another_in_a_cycle():
 def test_the_layer_rules_are_read_from_every_folder():
     assert {m.split(".")[0] for m in MODULES} == set(RANK)
     assert len(MODULES) > 60
+    assert unranked_python_folders(ROOT) == set(), "give each Python folder a rank in RANK (tests/test_layers.py)"
+
+
+def test_a_python_folder_without_a_rank_is_reported(tmp_path):
+    for name in ("scissorhands", "tests", "docs", ".venv", "newlayer"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "scissorhands" / "cache.py").write_text("")
+    (tmp_path / "tests" / "test_x.py").write_text("")
+    (tmp_path / ".venv" / "site.py").write_text("")
+    (tmp_path / "docs" / "page.md").write_text("")
+    assert unranked_python_folders(tmp_path) == set()  # an empty folder is not a Python folder
+    (tmp_path / "newlayer" / "deep").mkdir()
+    (tmp_path / "newlayer" / "deep" / "mod.py").write_text("")
+    assert unranked_python_folders(tmp_path) == {"newlayer"}

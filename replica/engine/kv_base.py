@@ -6,7 +6,7 @@ from typing import Callable
 
 from replica.engine.requests import EngineView, Sequence
 from replica.types import EngineConfig, Refusal
-from scissorhands import budget_from_ratio
+from scissorhands import budget_from_ratio, cache_policy
 from scissorhands.paged import BlockPool
 
 __all__ = ["KVBudget"]
@@ -32,16 +32,18 @@ class KVBudget:
         self.limit_bytes = limit_bytes
         self.budget_tokens = config.resolved_budget_tokens()
         self.per_request = config.budget == "per_request"
+        # the policy's own floor and needs bound every per-request B (scissorhands.budget_from_ratio)
+        self.policy = cache_policy(config.policy, **config.policy_params) if self.per_request else None
         # slots every row's buffers preallocate: B (budgeted), the workload's longest sequence (full, when
         # max_length_tokens is given), or None (full: buffers grow with the longest row)
         self.row_capacity = self.budget_tokens if self.budget_tokens is not None else config.max_length_tokens
         self.pool: BlockPool | None = None
 
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
-        """A request's B: its own ``ceil((prompt + max_new) / ratio)`` under ``budget: per_request``, else
-        the engine's fixed B (None for a policy that keeps every token)."""
+        """A request's B: its own ``budget_from_ratio(prompt + max_new, ratio, policy)`` under ``budget: per_request``
+        (``ceil(L / ratio)`` raised to the policy's floor and needs), else the engine's fixed B (None: keeps every token)."""
         if self.per_request:
-            return budget_from_ratio(prompt_tokens + max_new_tokens, self.config.compression_ratio)
+            return budget_from_ratio(prompt_tokens + max_new_tokens, self.config.compression_ratio, self.policy)
         return self.budget_tokens
 
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -75,7 +77,7 @@ class KVBudget:
             try:
                 self.check_budget(budget)
             except ValueError as e:
-                why = f"its budget of {budget} slots (ceil((prompt + max_new) / ratio)) does not suit the policy: {e}"
+                why = f"its budget of {budget} slots (budget_from_ratio(prompt + max_new, ratio, policy)) does not suit the policy: {e}"
                 return Refusal("policy", why)
         if self.limit_bytes is None:
             return None

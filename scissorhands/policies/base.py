@@ -21,12 +21,18 @@ first. Slots in the recent window (and a policy's sinks, via ``+inf`` keep score
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..checks import check_int
+
+#: The default budget floor (``Policy.min_budget_tokens``), slots per KV head: a budget from a compression ratio is
+#: never below it, and a sequence no longer than it is not compressed. Chosen by measurement on the embedded model:
+#: greedy chat answers through Scissorhands x5 (docs/results/2026-12-06-budget-floor.md).
+DEFAULT_MIN_BUDGET_TOKENS = 32
 
 
 @dataclass
@@ -39,6 +45,12 @@ class Policy:
         drop_tokens: ``m``, slots evicted in one compression during decoding. ``None`` means the
             policy's default (``budget_tokens // 2`` unless the policy says otherwise), capped at
             ``budget_tokens - recent_window - sinks``.
+        min_budget_tokens: the budget floor (slots per KV head): a budget made from a compression ratio
+            (``scissorhands.budget_from_ratio`` with this policy: ``make_cache(compression_ratio=...)``, the
+            engine's ``budget: per_request``) is at least this, and at most the sequence's length, so a sequence
+            no longer than the floor is not compressed. 0: the paper's ``ceil(L / r)`` alone. An absolute
+            ``budget_tokens`` is used as given. Default ``DEFAULT_MIN_BUDGET_TOKENS``, measured
+            (docs/results/2026-12-06-budget-floor.md).
     """
 
     name: ClassVar[str] = "base"
@@ -55,10 +67,12 @@ class Policy:
 
     recent_window: int | None = None
     drop_tokens: int | None = None
+    min_budget_tokens: int = DEFAULT_MIN_BUDGET_TOKENS
 
     def __post_init__(self) -> None:
         check_int("recent_window", self.recent_window, 0, optional=True)
         check_int("drop_tokens", self.drop_tokens, 1, optional=True)
+        check_int("min_budget_tokens", self.min_budget_tokens, 0)
 
     # ----------------------------------------------------------------- parameters
     def sink_tokens(self, budget_tokens: int) -> int:
@@ -96,6 +110,19 @@ class Policy:
             if m > room:
                 raise ValueError(f"drop_tokens ({m}) must be at most budget_tokens - recent_window - sinks ({room})")
         return r, m
+
+    def needed_budget_tokens(self) -> int:
+        """The smallest budget this policy's parameters accept (``resolve`` raises below it): room for its
+        protected tokens (an explicit ``recent_window`` plus its sinks) and one compression (an explicit
+        ``drop_tokens``, else 1); 1 when every parameter is the policy's default (its windows shrink to fit)."""
+        start = (self.recent_window or 0) + 1
+        for budget in itertools.count(start):  # the room resolve checks grows with the budget: the first fit is it
+            try:
+                self.resolve(budget)
+            except ValueError:
+                continue
+            return budget
+        raise AssertionError("unreachable")  # itertools.count never ends
 
     def params(self) -> dict:
         """The policy's parameters as a plain dict (recorded with every result)."""

@@ -8,7 +8,7 @@ often unimportant) are dropped; the ``recent_window`` newest tokens are never dr
 the older token. Under grouped-query attention the group's query-head probabilities are averaged
 first (the rule kvpress and cold-compress use).
 
-Windowed counting (a choice this project makes, see SCISSORHANDS.md): counts are kept per chunk of
+Windowed counting (a choice this project makes, docs/library.md "Windowed counting"): counts are kept per chunk of
 ``count_chunk_steps`` steps in ``history_window // count_chunk_steps`` uint8 buckets per slot and
 head. A count covers the current chunk plus the previous full chunks of the window, i.e. between
 ``history_window - count_chunk_steps + 1`` and ``history_window`` steps; with

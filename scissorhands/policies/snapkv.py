@@ -6,7 +6,7 @@
 ``kernel_size`` neighbouring tokens (so a selected token brings its neighbours' context), and the
 tokens with the most pooled votes are kept together with the observation window itself.
 
-Choices this project makes (SCISSORHANDS.md: a documented parameter, never a silent constant):
+Choices this project makes (each a documented parameter, never a silent constant; docs/library.md):
 
 * Pooling runs over the eviction candidates (the tokens a row and head still hold outside the recent window),
   in time order, zero-padded at both ends (``count_include_pad``), at eviction time: as the paper and kvpress's

@@ -3,7 +3,7 @@
 Keeps the first ``n_sink`` tokens of each sequence (the "attention sinks") and the most recent
 tokens; when the cache is full the oldest non-sink token goes first. Positions are absolute (keys
 are cached after RoPE and new tokens get their true position), not re-assigned inside the cache as
-in the paper's rolling variant: SCISSORHANDS.md compares every policy at the same positions.
+in the paper's rolling variant: this project compares every policy at the same positions (docs/library.md).
 Padding is never a sink: sinks are counted in each sequence's own tokens. The paper evicts one
 token per step, so ``drop_tokens`` defaults to 1.
 """

@@ -70,8 +70,8 @@ def test_models_routing_and_exact_lengths(app_url):
 
 
 def test_streamed_chat_one_event_per_token(app_url):
-    # the full cache: at x5 a per-request budget keeps ceil((~30 + 24) / 5) = 11 slots of this short chat, too few to
-    # keep the question (docs/serving-http.md, "The caches"); this test checks the stream, not compression
+    # the full cache: this test checks the stream, not compression (what x5 answers to this chat, under its budget
+    # floor: tests/replica/test_request_budgets.py)
     r = requests.post(
         app_url + "/v1/chat/completions",
         stream=True,

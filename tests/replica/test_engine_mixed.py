@@ -245,7 +245,7 @@ def test_per_request_budgets_hold_at_every_step_and_whole_prompts_give_the_prefi
     """Under budget: per_request each row keeps at most its own B = ceil((prompt + max_new) / 2) between steps
     while its prompt is fed in chunks; with a token budget no prompt is cut by, mixed gives prefill-first's tokens."""
     per_request = dict(policy="scissorhands", compression_ratio=2, budget="per_request")
-    per_request["policy_params"] = dict(history_window=4, count_chunk_steps=2)
+    per_request["policy_params"] = dict(history_window=4, count_chunk_steps=2, min_budget_tokens=0)  # no floor
     requests = _requests(8, seed=3)
     budgets = {r.request_id: -(-(len(r.prompt_ids) + r.max_new_tokens) // 2) for r in requests}
     checked = {"rows": 0}

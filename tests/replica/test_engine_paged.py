@@ -116,8 +116,9 @@ def test_a_pool_smaller_than_one_block_per_layer_is_refused(model):
     "layout", [{}, dict(kv_layout="paged", kv_memory_limit_bytes=10**6, block_tokens=4)], ids=["preallocated", "paged"]
 )
 def test_per_request_budgets_give_each_request_its_own_ceil_of_length_over_ratio(model, layout):
-    """Under budget: per_request, every request runs as it would alone with B = ceil((prompt + max_new) / 2)."""
-    params = dict(history_window=4, count_chunk_steps=2)
+    """Under budget: per_request, every request runs as it would alone with B = ceil((prompt + max_new) / 2) (no
+    floor here: tests/replica/test_request_budgets.py has it)."""
+    params = dict(history_window=4, count_chunk_steps=2, min_budget_tokens=0)
     cfg = EngineConfig(policy="scissorhands", compression_ratio=2, budget="per_request", policy_params=params, **layout)
     requests = _requests(8, seed=3)
     got, engine = _serve(model, cfg, requests)

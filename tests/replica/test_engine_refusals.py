@@ -49,8 +49,11 @@ def test_refusals_are_typed_and_keep_their_kind_across_processes(model):
     assert back == why and back.kind == "kv_memory" and type(back) is Refusal
     per_request = dict(policy="scissorhands", budget="per_request", compression_ratio=5)
     policy = ContinuousBatchingEngine(model, EngineConfig(**per_request, policy_params=dict(recent_window=8)))
-    refused = policy.fits_alone(10, 5)  # its budget of 3 slots cannot hold a recent window of 8
-    assert refused is not None and refused.kind == "policy" and "does not suit the policy" in refused
+    # ceil(15 / 5) = 3 slots could not hold a recent window of 8: the budget is raised to what the policy needs
+    # (and to its floor, at most L), so the policy's rule never refuses the request
+    assert policy.fits_alone(10, 5) is None and policy.kv.budget_of(10, 5) == 15
+    refused = pickle.loads(pickle.dumps(Refusal("policy", "its budget does not suit the policy")))
+    assert type(refused) is Refusal and refused.kind == "policy" and "does not suit the policy" in refused
     with pytest.raises(ValueError, match="kind: expected one of context, kv_memory, policy"):
         Refusal("memory", "x")
     assert REFUSAL_KINDS == ("context", "kv_memory", "policy")

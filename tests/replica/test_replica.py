@@ -60,7 +60,14 @@ def test_one_new_token_has_no_decode_rate(replica):
 def test_budget_from_ratio_and_absolute(replica):
     full = replica.run_batch(point(batch_size=2, prompt_tokens=64, new_tokens=16))
     r5 = replica.run_batch(
-        point(policy="scissorhands", compression_ratio=5, batch_size=2, prompt_tokens=64, new_tokens=16)
+        point(
+            policy="scissorhands",
+            compression_ratio=5,
+            policy_params={"min_budget_tokens": 0},  # the bare ratio: the floor (32) would hold 2.5x
+            batch_size=2,
+            prompt_tokens=64,
+            new_tokens=16,
+        )
     )
     assert r5["budget_tokens"] == 16  # ceil((64 + 16) / 5)
     # 1/5 of full plus the stated bookkeeping (slot times + uint8 count buckets: 12 B per 128 B slot here)

@@ -84,7 +84,15 @@ def test_run_batch_records_counts_per_sequence_and_per_step(replica, trace):
 def test_evictions_and_slots_of_a_budgeted_cache(replica, trace):
     batch, prompt, new, ratio = 2, 32, 8, 2
     out = replica.run_batch(
-        BatchSpec(policy="h2o", compression_ratio=ratio, batch_size=batch, prompt_tokens=prompt, new_tokens=new, seed=1)
+        BatchSpec(
+            policy="h2o",
+            compression_ratio=ratio,
+            policy_params={"min_budget_tokens": 0},  # the bare ratio: 40 tokens would keep the floor's 32
+            batch_size=batch,
+            prompt_tokens=prompt,
+            new_tokens=new,
+            seed=1,
+        )
     )
     budget = out["budget_tokens"]
     assert budget == (prompt + new) // ratio == 20

@@ -59,7 +59,7 @@ def test_frozen_config_prefixes_every_field_it_names_and_lists_the_accepted_keys
 
 def test_engine_config_is_frozen_round_trips_and_raises_one_line():
     cfg = EngineConfig(policy="scissorhands", compression_ratio=5, max_length_tokens=40)
-    assert EngineConfig(**cfg.model_dump()) == cfg and cfg.resolved_budget_tokens() == 8
+    assert EngineConfig(**cfg.model_dump()) == cfg and cfg.resolved_budget_tokens() == 32  # ceil(40 / 5), floored
     with pytest.raises(ValidationError, match="frozen"):
         cfg.max_batch = 2
     with pytest.raises(ConfigError) as e:

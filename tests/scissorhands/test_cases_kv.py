@@ -139,7 +139,7 @@ def test_true_positions_after_eviction_and_logits_equal_the_masking_reference(mo
 # ---------------------------------------------------------------------------------- edge budgets
 @pytest.mark.parametrize("policy", EVICTING)
 def test_one_token_prompt_at_ratio_2_keeps_a_token_and_stays_finite(model, policy):
-    cache = make_cache(policy, model, compression_ratio=2)
+    cache = make_cache(policy, model, compression_ratio=2, min_budget_tokens=0)  # no floor: the bare ceil(1 / 2)
     out = greedy_generate(model, _ids(1, 1, 2), cache, 12)
     assert cache.budget_tokens == 1
     assert all(bool(torch.isfinite(lg).all()) for lg in out.logits)
@@ -283,7 +283,7 @@ def test_left_padded_rows_equal_their_batch_of_one_runs(model, policy):
 @pytest.mark.parametrize("policy", EVICTING)
 def test_chunked_prompt_keeps_the_budget_after_every_call(model, policy):
     ids = _ids(1, 100, 11)
-    for kw in (dict(budget_tokens=24), dict(compression_ratio=4, max_length=100)):
+    for kw in (dict(budget_tokens=24), dict(compression_ratio=4, max_length=100, min_budget_tokens=0)):
         cache = make_cache(policy, model, **kw)
         with torch.inference_mode():
             for s in range(0, 100, 32):

@@ -277,7 +277,9 @@ def test_the_18x_layout_stores_70_bytes_per_slot_and_measures_18x_at_ratio_5():
     # time and Scissorhands' 400 / 200 = 2 uint8 counters: 70 bytes; B = ceil(100 / 5) = 20 slots
     model = tiny_llama(0, hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
     layout = dict(kv_group_size=64, kv_scale_bits=8, kv_zero_point=False, count_chunk_steps=200)
-    cache = make_cache("scissorhands", model, compression_ratio=5, max_length=100, kv_bits=4, **layout)
+    cache = make_cache(
+        "scissorhands", model, compression_ratio=5, max_length=100, kv_bits=4, min_budget_tokens=0, **layout
+    )
     with torch.inference_mode():
         model(torch.randint(0, 128, (2, 100), generator=torch.Generator().manual_seed(8)), cache=cache)
     layer = cache.layers[0]

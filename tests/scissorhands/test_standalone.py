@@ -60,7 +60,9 @@ def test_readme_example_runs_with_a_tiny_model(model, monkeypatch, capsys):
     assert isinstance(cache, scissorhands.BudgetedCache) and cache.policy.name == "scissorhands"
     prompt_len = namespace["inputs"]["input_ids"].shape[1]
     assert out.shape[1] == prompt_len + 64
-    assert cache.budget_tokens == -(-(prompt_len + 64) // 5)
+    assert cache.budget_tokens == scissorhands.budget_from_ratio(
+        prompt_len + 64, 5, cache.policy
+    )  # ceil(L / 5), floored
     assert max(cache.num_slots()) <= cache.budget_tokens and cache.evicted_tokens > 0
     assert capsys.readouterr().out.strip()
 
@@ -82,12 +84,15 @@ def test_cache_and_past_key_values_spellings_give_the_same_tokens(model):
         assert out.past_key_values is caches[2] and max(caches[2].num_slots()) <= 12
 
 
-def test_the_one_liner_with_a_ratio_and_no_max_length_budgets_from_the_prompt(model):
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+def test_the_one_liner_with_a_ratio_and_no_max_length_budgets_from_the_prompt_and_the_floor(model):
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     cache = make_cache("scissorhands", model, compression_ratio=5)
     out = model.generate(**inputs, cache=cache, max_new_tokens=10, do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 50) and cache.budget_tokens == 8
+    assert out.shape == (1, 210) and cache.budget_tokens == 40  # ceil(200 / 5), above the floor
+    short = make_cache("scissorhands", model, compression_ratio=5)  # 40 tokens: ceil(40 / 5) = 8, raised to the floor
+    model.generate(**{k: v[:, :40] for k, v in inputs.items()}, cache=short, max_new_tokens=10, pad_token_id=0)
+    assert short.budget_tokens == scissorhands.DEFAULT_MIN_BUDGET_TOKENS
 
 
 def test_no_ray_in_the_library():

@@ -51,7 +51,7 @@ BASE = {  # the max-batch axis (capacity points: tests/workloads/test_frontier_c
     "kind": "frontier",
     "throughput": "max_batch",
     "model": "tiny-llama",
-    "policies": ["full", "scissorhands"],
+    "policies": ["full", {"name": "scissorhands", "params": {"min_budget_tokens": 0}}],  # 32 tokens: no floor
     "compression_ratios": [4],
     "prompt_tokens": 24,
     "new_tokens": 8,
@@ -104,7 +104,11 @@ def test_one_point_measures_both_numbers_on_one_cache(model):
     assert sh["kv_cache_bytes"] <= sh["kv_memory_limit_bytes"]
     assert sh["output_tokens"] == 8 * sh["batch_size"] and sh["output_throughput_tok_per_s"] > 0
     expected = perplexity(  # the default: 4 windows, each point's 95% interval across them
-        model, heldout_windows(None, 32, 4, 0, vocab_size=model.config.vocab_size), "scissorhands", 4.0
+        model,
+        heldout_windows(None, 32, 4, 0, vocab_size=model.config.vocab_size),
+        "scissorhands",
+        4.0,
+        policy_params={"min_budget_tokens": 0},
     )
     assert sh["perplexity"] == pytest.approx(expected["perplexity"], rel=1e-9) and sh["perplexity_tokens_scored"] == 128
     assert sh["perplexity_windows"] == 4
@@ -236,12 +240,12 @@ def test_make_frontier_end_to_end_on_the_tiny_model(tmp_path):
     replica_ids = {r["replica_id"] for r in recs}  # Serve's id of the one replica, on both
     assert len(replica_ids) == 1 and isinstance(replica_ids.pop(), str)
     assert [(r["capacity_status"], r["capacity_lo_req_per_s"]) for r in recs] == [("at_least_max_rate", 100.0)] * 2
-    assert recs[1]["budget_tokens"] == 8 and recs[0]["budget_tokens"] is None
+    assert recs[1]["budget_tokens"] == 32 and recs[0]["budget_tokens"] is None  # ceil(32 / 4) = 8, floored to 32
     assert recs[1]["policy_params"]["effective_recent_window"] is not None  # build_record resolved them
     assert (run_dir / "frontier.png").stat().st_size > 10_000
     table = (run_dir / "table.md").read_text()
     assert (
-        "| scissorhands x4 | float32 | 8 | ≥ 100 |" in table
+        "| scissorhands x4 | float32 | 32 | ≥ 100 |" in table
         and "| full | float32 | - | ≥ 100 |" in table
         and table in out.stdout
     )

@@ -120,7 +120,7 @@ def test_one_capacity_point_bisects_its_grid_and_keeps_every_probe(model, monkey
     ]
     # at the capacity: the passing probe's latency and goodput; over the search: the peak KV and the preemptions
     assert (rec["goodput_tok_per_s"], rec["ttft_p99_s"]) == (20.0, pytest.approx(0.2))
-    assert (rec["kv_cache_bytes"], rec["preemptions"], rec["budget_tokens"]) == (400, 2, 8)
+    assert (rec["kv_cache_bytes"], rec["preemptions"], rec["budget_tokens"]) == (400, 2, 32)  # 8, floored
     assert (rec["slo_ttft_s"], rec["slo_tpot_s"], rec["num_requests"], rec["capacity_target_attainment"]) == (
         2.0,
         0.2,
@@ -179,7 +179,7 @@ def test_a_capacity_point_on_the_tiny_model_measures_both_numbers(model):
     suite = parse_suite(
         {
             **BASE,
-            "policies": ["scissorhands"],
+            "policies": [{"name": "scissorhands", "params": {"min_budget_tokens": 0}}],  # B = ceil(32 / 4), no floor
             "capacity": {"min_rate_req_per_s": 50.0, "max_rate_req_per_s": 100.0, "resolution": 1.0},
             "slo": {"ttft_s": 60.0, "tpot_s": 60.0},
             "num_requests": 4,

@@ -54,8 +54,9 @@ def _slot_times(cache):
 @pytest.mark.parametrize("ratio", [2, 3, 5])
 def test_chunked_equals_token_by_token(model, text, policy, ratio):
     x, y = text[:, :-1], text[:, 1:]
-    chunked = make_cache(policy, model, compression_ratio=ratio, max_length=TOKENS)
-    stepwise = make_cache(policy, model, compression_ratio=ratio, max_length=TOKENS)
+    floor = dict(min_budget_tokens=0)  # the bare ceil(L / r): the floor would keep 96 tokens at 32 slots
+    chunked = make_cache(policy, model, compression_ratio=ratio, max_length=TOKENS, **floor)
+    stepwise = make_cache(policy, model, compression_ratio=ratio, max_length=TOKENS, **floor)
     a = token_logprobs(model, chunked, x, y)
     b = token_logprobs(model, stepwise, x, y, call_lengths=[1] * TOKENS)
     budget, drop = cache_schedule(chunked)
@@ -143,7 +144,7 @@ def test_ratio_one_reproduces_full(model, text, policy):
 def test_compression_changes_perplexity(model, text):
     w = text[0].tolist()
     full = window_nll(model, w, "full")
-    five = window_nll(model, w, "scissorhands", compression_ratio=5)
+    five = window_nll(model, w, "scissorhands", compression_ratio=5, policy_params={"min_budget_tokens": 0})
     assert five["budget_tokens"] == math.ceil(TOKENS / 5)
     assert five["peak_kv_cache_bytes"] < full["peak_kv_cache_bytes"]
     assert abs(five["nll_sum"] - full["nll_sum"]) > 1e-3

@@ -166,7 +166,8 @@ def test_run_point_dispatches_through_the_registry():
         index=0, kind="perplexity", policy="scissorhands", compression_ratio=2.0, settings={"tokens": 16, "windows": 2}
     )
     out = quality_points.run_point(model, None, point)
-    assert out["tokens_scored"] == 32 and out["windows"] == 2 and out["budget_tokens"] == 8
+    # 16 tokens at 2x: ceil(16 / 2) = 8, raised to the budget floor and capped at the window (not compressed)
+    assert out["tokens_scored"] == 32 and out["windows"] == 2 and out["budget_tokens"] == 16
     assert out["perplexity"] > 1 and out["torch_threads"] >= 1
     with pytest.raises(ValueError, match=r"^kind: unknown evaluation 'bleu'"):
         quality_points.run_point(model, None, QualityPoint(index=0, kind="bleu"))

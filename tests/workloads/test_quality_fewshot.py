@@ -97,7 +97,7 @@ def test_accuracy_over_documents_actually_scored(model, docs):
 
 
 def test_a_cache_error_fails_the_point_instead_of_skipping_documents(model, docs):
-    with pytest.raises(ValueError, match="recent_window"):
+    with pytest.raises(ValueError, match="threshold"):
         evaluate_task(
             model,
             None,
@@ -105,7 +105,7 @@ def test_a_cache_error_fails_the_point_instead_of_skipping_documents(model, docs
             "scissorhands",
             compression_ratio=5,
             doc_list=list(docs),
-            policy_params={"recent_window": 500},
+            policy_params={"threshold": -1},
         )
     unscorable = Doc(doc_id=1, requests=(("", " a"), ("", " b")), gold=0)
     with pytest.raises(ValueError, match="none of the 1 documents"):

@@ -115,7 +115,7 @@ def test_greedy_answer_decodes_through_the_evicting_cache():
     model = tiny_llama(seed=0)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, 128, (40,), generator=g).tolist()
-    cache = make_cache("scissorhands", model, compression_ratio=4, max_length=48)
+    cache = make_cache("scissorhands", model, compression_ratio=4, max_length=48, min_budget_tokens=0)  # B = 12
     out = pk.greedy_answer(model, cache, prompt, 8)
     assert len(out) == 8 and cache.evicted_tokens > 0
     assert all(layer.keys.shape[-2] <= math.ceil(48 / 4) for layer in cache.layers)
@@ -138,7 +138,17 @@ def test_the_same_prompts_for_every_policy(tokenizer, monkeypatch):
     monkeypatch.setattr(pk, "greedy_answer", record)
     model = tiny_llama(seed=0)
     a = pk.evaluate_passkey(model, tokenizer, "full", 100, [0.5], trials=2, seed=1)
-    b = pk.evaluate_passkey(model, tokenizer, "scissorhands", 100, [0.5], trials=2, seed=1, compression_ratio=4)
+    b = pk.evaluate_passkey(
+        model,
+        tokenizer,
+        "scissorhands",
+        100,
+        [0.5],
+        trials=2,
+        seed=1,
+        compression_ratio=4,
+        policy_params={"min_budget_tokens": 0},
+    )
     assert a["passkeys"] == b["passkeys"] and a["needle_positions"] == b["needle_positions"]
     assert b["budget_tokens"] == math.ceil((100 + b["answer_tokens"]) / 4) and a["budget_tokens"] is None
     lists = list(seen.values())

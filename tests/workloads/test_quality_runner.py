@@ -97,7 +97,7 @@ def _write(tmp_path, data) -> str:
     return str(path)
 
 
-def test_local_run_records_points_resumes_and_reports(tmp_path):
+def test_local_run_records_points_resumes_and_reports(tmp_path, monkeypatch):
     suite = _write(tmp_path, TINY)
     out = tmp_path / "results"
     assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "r1"]) == 0
@@ -107,8 +107,9 @@ def test_local_run_records_points_resumes_and_reports(tmp_path):
         assert r["schema_version"] == res.SCHEMA_VERSION and r["git_commit"] and r["model_id"] == "tiny-llama"
     ppl = {(r["policy"], r["compression_ratio"]): r for r in recs if r["evaluation"] == "perplexity"}
     assert ppl[("scissorhands", 1.0)]["perplexity"] == pytest.approx(ppl[("full", 1.0)]["perplexity"], rel=1e-6)
-    assert ppl[("scissorhands", 3.0)]["budget_tokens"] == 16
-    assert ppl[("scissorhands", 3.0)]["policy_params"]["effective_drop_tokens"] == 8
+    assert ppl[("scissorhands", 3.0)]["budget_tokens"] == 32  # ceil(48 / 3) = 16, raised to the budget floor
+    assert ppl[("scissorhands", 3.0)]["policy_params"]["effective_drop_tokens"] == 16
+    assert ppl[("scissorhands", 3.0)]["policy_params"]["min_budget_tokens"] == 32
     few = [r for r in recs if r["evaluation"] == "fewshot"]
     assert all(r["docs_scored"] == 2 for r in few)
     table = (out / "r1" / "table.md").read_text()
@@ -119,16 +120,19 @@ def test_local_run_records_points_resumes_and_reports(tmp_path):
     size = os.path.getsize(out / "r1" / "points.jsonl")
     assert runner.main([suite, "--local", "--pushgateway", "off", "--results-dir", str(out), "--resume", "r1"]) == 0
     assert os.path.getsize(out / "r1" / "points.jsonl") == size
-    # a failed point is recorded as an error and the run exits 1
+    # a failed point is recorded as an error and the run exits 1 (injected: a ratio's budget is raised to what the
+    # policy's windows need, so no suite setting fails at run time any more)
+    real = runner.run_point
+
+    def failing(model, tokenizer, point):
+        if point.policy == "scissorhands":
+            raise ValueError("recent_window: an injected failure")
+        return real(model, tokenizer, point)
+
+    monkeypatch.setattr(runner, "run_point", failing)
     bad = _write(
         tmp_path,
-        {
-            **TINY,
-            "name": "bad",
-            "fewshot": None,
-            "persistence": None,
-            "policies": [{"name": "scissorhands", "params": {"recent_window": 40}}],
-        },
+        {**TINY, "name": "bad", "fewshot": None, "persistence": None, "policies": [{"name": "scissorhands"}]},
     )
     assert runner.main([bad, "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "r2"]) == 1
     errors = [r for r in res.read_records(str(out / "r2" / "points.jsonl")) if r["status"] == "error"]

@@ -13,7 +13,7 @@ mode: concurrency
 model: tiny-llama
 dtype: float32
 device: cpu
-policies: [full, scissorhands]
+policies: [full, {name: scissorhands, params: {min_budget_tokens: 0}}]  # no floor: these requests are all short
 compression_ratios: [4]
 prompt_tokens: {dist: uniform, min: 8, max: 40}
 new_tokens: {dist: uniform, min: 4, max: 40}

@@ -28,7 +28,12 @@ from workloads.serving.runner import KIND as SERVING
 from workloads.serving.runner import ServingKind
 
 BASE = serving_suite(
-    compression_ratios=[2], prompt_tokens=uniform(8, 24), new_tokens=uniform(2, 8), num_requests=6, warmup_requests=1
+    policies=["full", {"name": "scissorhands", "params": {"min_budget_tokens": 0}}],  # short requests: no floor
+    compression_ratios=[2],
+    prompt_tokens=uniform(8, 24),
+    new_tokens=uniform(2, 8),
+    num_requests=6,
+    warmup_requests=1,
 )
 
 

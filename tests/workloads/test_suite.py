@@ -66,10 +66,6 @@ BAD = [
         ),
         "budget_tokens[0]",
     ),  # budget < recent_window + 1
-    (
-        dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 20}}]),
-        "compression_ratios[1]",
-    ),  # ratio 5 of 80 tokens -> B=16 < 21
     (dict(GOOD, policies=[{"name": "scissorhands", "params": {"windw": 3}}]), "policies[0].params"),
     (dict(GOOD, policies=["scissorhands"], compression_ratios=[]), "compression_ratios"),
     ({k: v for k, v in GOOD.items() if k != "new_tokens"}, "new_tokens"),
@@ -193,11 +189,14 @@ def test_point_id_covers_every_setting_that_changes_the_numbers():
 
 
 def test_budget_formula_is_the_librarys():
-    """B = ceil(L / r) is computed once, in the library; the suite checks use it."""
+    """B = ceil(L / r) is computed once, in the library; the suite checks use it with the policy, so a ratio's
+    budget is raised to what an explicit window needs (ratio 5 of 80 tokens, recent_window 20: 21, not 16) and the
+    suite is accepted, where an absolute budget below it is refused (BAD above)."""
     assert scissorhands.budget_from_ratio(80, 5) == 16 and scissorhands.budget_from_ratio(81, 5) == 17
     assert scissorhands.budget_from_ratio(3, 5) == 1
-    with pytest.raises(SuiteError, match=r"compression_ratios\[1\] \(ratio 5 at 80 tokens\): budget 16 tokens"):
-        parse_suite(dict(GOOD, policies=[{"name": "scissorhands", "params": {"recent_window": 20}}]))
+    params = {"recent_window": 20, "min_budget_tokens": 0}
+    suite = parse_suite(dict(GOOD, policies=[{"name": "scissorhands", "params": params}]))
+    assert scissorhands.budget_from_ratio(80, 5, suite.policies[0].policy) == 21
 
 
 def _record_of(suite, point, status="ok"):

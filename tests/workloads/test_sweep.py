@@ -104,10 +104,12 @@ def test_sweep_records_every_point(tiny_run):
     for batch in (1, 4):
         full = by[("full", None, batch)]
         r2, r5 = by[("scissorhands", 2.0, batch)], by[("scissorhands", 5.0, batch)]
-        assert full["budget_tokens"] is None and r2["budget_tokens"] == 40 and r5["budget_tokens"] == 16
-        assert r5["policy_params"]["history_window"] == 400 and r5["policy_params"]["effective_recent_window"] == 8
-        # 1/5 of full plus the bookkeeping (slot times + uint8 counts: 12 B per 128 B slot here)
-        assert r5["kv_cache_bytes"] <= full["kv_cache_bytes"] / 5 * 1.15
+        # at 5x: ceil(80 / 5) = 16 raised to the budget floor (min_budget_tokens, recorded with the parameters)
+        assert full["budget_tokens"] is None and r2["budget_tokens"] == 40 and r5["budget_tokens"] == 32
+        assert r5["policy_params"]["history_window"] == 400 and r5["policy_params"]["effective_recent_window"] == 10
+        assert r5["policy_params"]["min_budget_tokens"] == 32
+        # 32/80 of full plus the bookkeeping (slot times + uint8 counts: 12 B per 128 B slot here)
+        assert r5["kv_cache_bytes"] <= full["kv_cache_bytes"] * 32 / 80 * 1.15
         assert r5["kv_cache_bytes"] < r2["kv_cache_bytes"] < full["kv_cache_bytes"]
 
 

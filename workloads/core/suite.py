@@ -206,7 +206,7 @@ class SuiteBase(BaseModel):
                 )
             checks = [(f"budget_tokens[{j}]", b) for j, b in enumerate(self.budget_tokens)]
             checks += [
-                (f"compression_ratios[{j}] (ratio {r:g} at {n} tokens)", budget_from_ratio(n, r))
+                (f"compression_ratios[{j}] (ratio {r:g} at {n} tokens)", budget_from_ratio(n, r, spec.policy))
                 for j, r in enumerate(self.compression_ratios)
                 for n in self.budget_lengths()
             ]

@@ -31,7 +31,7 @@ import torch
 from replica.engine import ContinuousBatchingEngine
 from replica.generate_baseline import run_engines
 from replica.types import EngineConfig, GenerationRequest
-from scissorhands import POLICIES, budget_from_ratio
+from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.models import cpu_flags, cpu_model_name
 from workloads.frontier.gate import perplexity_interval
 from workloads.frontier.suite import FrontierPoint
@@ -231,7 +231,11 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
         "num_requests": suite.num_requests,
         **{k: last.get(k) for k in ("kv_memory_limit_bytes", "slot_bytes", "scheduler")},
         # every request has the suite's lengths, so its per-request budget is the point's one B
-        "budget_tokens": budget_from_ratio(suite.max_length_tokens, ratio) if POLICIES[policy].evicts else None,
+        "budget_tokens": budget_from_ratio(
+            suite.max_length_tokens, ratio, cache_policy(policy, **suite.policies[0].params)
+        )
+        if POLICIES[policy].evicts
+        else None,
         "max_num_batched_tokens": suite.max_num_batched_tokens,
         "kv_cache_bytes": max((b.get("kv_cache_bytes") or 0 for b in bodies), default=None),
         "preemptions": sum(b.get("preemptions") or 0 for b in bodies),

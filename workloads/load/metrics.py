@@ -1,4 +1,4 @@
-"""Per-request records and per-point metrics of a load test (definitions: shared DESIGN.md).
+"""Per-request records and per-point metrics of a load test (definitions: the table below and docs/load-generation.md, "Metric definitions").
 
 | metric | definition |
 |---|---|

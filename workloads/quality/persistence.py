@@ -1,6 +1,6 @@
 """The persistence ratio per layer (the Scissorhands paper's figure), measured on real text.
 
-Definition (``SCISSORHANDS.md``): for a text of ``T`` tokens and a split point ``t``, a token
+Definition (the paper, arXiv 2305.17118; docs/quality.md, "Persistence ratio"): for a text of ``T`` tokens and a split point ``t``, a token
 ``j`` is *pivotal* for query ``i`` when its attention is above the average, ``p[i, j] > 1 / n_i``
 with ``n_i = i + 1`` keys visible to ``i`` (causal, no padding).
 
