@@ -54,6 +54,7 @@ from cluster.placement import (
     not_ready_message,
     replica_bundle,
 )
+from replica import cpu_share
 from replica.openai_api import replica_death
 
 
@@ -371,7 +372,7 @@ class PointReplica:
     def _reply(self, call: Callable[..., Any], *args: Any) -> PointReply:
         info = self.replica.info()
         try:
-            return PointReply(info, call(*args))
+            return PointReply(info, cpu_share.measured(call, *args))  # the CPU it got, measured where it ran
         except Exception as e:  # noqa: BLE001 - the point failed, the replica goes on
             text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
             return PointReply(info, None, f"{type(e).__name__}: {text[:2000]}")

@@ -42,6 +42,7 @@ from typing import Any
 from ray import serve
 
 from cluster.signals import StopSignals
+from replica import cpu_share
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
 from replica.static_batch import model_context_tokens, resolve_run_dtype
@@ -121,6 +122,11 @@ class EngineDeployment:
 
     async def stats(self) -> dict:
         return await self.replica.stats()
+
+    def cpu_sample(self) -> dict:
+        """This replica process's CPU counters now (`replica.cpu_share.sample`), with its ``replica_id``: a point
+        measures the CPU its replicas got between two of these."""
+        return {"replica_id": self.replica.replica_id, **cpu_share.sample().as_dict()}
 
     def info(self) -> dict:
         return self.replica.info()

@@ -1,0 +1,141 @@
+"""A point whose processes waited for cores is flagged contended (`replica.cpu_share`), in its record, its
+progress line and its table; an idle one is not.
+
+The busy neighbour is started here: bounded Python spin loops, three per core this process may run on, so that the
+point's threads get about a quarter of the time they are runnable (CFS shares a core evenly between runnable
+threads), far below the 0.75 threshold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from replica import cpu_share
+from tests.suite_helpers import tiny_batch
+from workloads import sweep
+
+SPIN = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < {s}:\n    pass\n"
+SPIN_LIMIT_S = 120  # a spinner left behind by a killed test ends on its own
+
+
+@contextlib.contextmanager
+def busy_neighbour(per_core: int = 3):
+    """`per_core` spinning processes per CPU this process may run on, until the block ends."""
+    cores = len(os.sched_getaffinity(0))
+    if cores > 16:
+        pytest.skip(f"{cores} CPUs: a spinning neighbour on every core would be too heavy for a test")
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN.format(s=SPIN_LIMIT_S)]) for _ in range(per_core * cores)]
+    try:
+        time.sleep(0.5)  # every spinner running before the point starts
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def spin_for(seconds: float) -> None:
+    t = time.monotonic()
+    while time.monotonic() - t < seconds:
+        pass
+
+
+def sample(wall_s, cpu_s, run_s, wait_s, *, threads=1, steal=0, total=1000) -> dict:
+    return dict(
+        wall_s=wall_s,
+        process_cpu_s=cpu_s,
+        run_s=run_s,
+        wait_s=wait_s,
+        threads=threads,
+        steal_ticks=steal,
+        total_ticks=total,
+        pressure_some_us=0,
+        loadavg_1m=0.5,
+    )
+
+
+def test_measure_gives_ran_over_runnable_and_busy_share():
+    f = cpu_share.measure(sample(10, 1, 1, 1), sample(12, 2, 2, 4, threads=2))
+    assert f["cpu_share"] == pytest.approx(1 / 4)  # ran 1 s, waited 3 s
+    assert f["cpu_busy_share"] == pytest.approx(1 / (2 * 2))  # 1 CPU-s of 2 s x 2 threads
+    assert f["cpu_wait_s"] == pytest.approx(3)
+    assert f["contended"] is True
+    idle = cpu_share.measure(sample(10, 1, 1, 1), sample(20, 1.1, 1.1, 1.0))
+    assert idle["cpu_share"] == pytest.approx(1.0) and idle["contended"] is False  # slept: not starved
+
+
+def test_steal_alone_flags_a_point_and_replicas_combine_to_the_most_starved():
+    stolen = cpu_share.measure(sample(0, 0, 0, 0, steal=0, total=1000), sample(1, 1, 1, 0, steal=200, total=2000))
+    assert stolen["cpu_steal_share"] == pytest.approx(0.2) and stolen["contended"] is True
+    ok = cpu_share.measure(sample(0, 0, 0, 0), sample(1, 1, 0.95, 0.05, total=2000))
+    both = cpu_share.combine([ok, stolen])
+    assert both["cpu_share"] == pytest.approx(0.95) and both["contended"] is True
+    assert both["cpu_process_s"] == pytest.approx(2)
+    assert cpu_share.combine([]) == cpu_share.empty() and cpu_share.empty()["contended"] is None
+
+
+def test_samples_of_two_processes_are_refused():
+    with pytest.raises(ValueError, match="end: sampled before start"):
+        cpu_share.measure(sample(5, 0, 0, 0), sample(4, 0, 0, 0))
+
+
+def test_busy_neighbour_gives_a_spinning_thread_a_low_share():
+    with busy_neighbour(), cpu_share.CpuMeter(threads=1) as m:
+        spin_for(1.5)
+    # 1 of (3 x cores + 1) runnable threads per core: about 0.25 on any core count; 0.5 leaves a clear margin
+    assert m.fields["cpu_share"] < 0.5, m.fields
+    assert m.fields["contended"] is True
+
+
+def _machine_busy(fields: dict) -> bool:
+    """Other work held the cores during an 'idle' measurement (a shared developer machine, not CI)."""
+    return (fields.get("cpu_pressure_share") or 0) > 0.2
+
+
+def test_idle_spinning_thread_is_not_contended():
+    with cpu_share.CpuMeter(threads=1) as m:
+        spin_for(1.0)
+    if _machine_busy(m.fields):
+        pytest.skip(f"this machine ran other work during the idle measurement: {m.fields}")
+    assert m.fields["cpu_share"] > 0.9, m.fields
+    assert m.fields["contended"] is False
+
+
+def run_one_point(tmp_path, capsys) -> tuple[dict, str, str]:
+    """A one-point batch sweep in this process (``--local``): its record, its stderr and its table."""
+    path = tmp_path / "one.yaml"
+    suite = tiny_batch(policies=["full"], compression_ratios=[1], batch_sizes=[4], new_tokens=[48], replicas=1)
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "r"
+    rc = sweep.main([str(path), "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "run"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    (record,) = [json.loads(line) for line in (out / "run" / "points.jsonl").read_text().splitlines()]
+    return record, err, (out / "run" / "table.md").read_text()
+
+
+def test_in_process_point_with_a_busy_neighbour_is_flagged_contended(tmp_path, capsys):
+    with busy_neighbour():
+        record, err, table = run_one_point(tmp_path, capsys)
+    assert record["status"] == "ok"
+    assert record["cpu_share"] < 0.5, {k: record.get(k) for k in cpu_share.FIELDS}
+    assert record["contended"] is True and record["contended_rule"] == cpu_share.CONTENDED_RULE
+    assert "[contended: CPU share" in err
+    assert f"{record['cpu_share']:.2f} !" in table and "`!` contended" in table
+
+
+def test_in_process_point_on_an_idle_machine_is_not_flagged(tmp_path, capsys):
+    record, err, table = run_one_point(tmp_path, capsys)
+    if _machine_busy(record):
+        pytest.skip(f"this machine ran other work during the idle point: {record['cpu_pressure_share']}")
+    assert record["cpu_share"] > 0.9 and record["contended"] is False
+    assert "[contended" not in err and "`!` contended" not in table
