@@ -277,3 +277,18 @@ def mark(fields: Mapping) -> str:
     if share is None:
         return "-"
     return f"{share:.2f}{' !' if fields.get('contended') else ''}"
+
+
+def row_fields(run: Mapping, cpu_s: float | None, wall_s: float | None, threads: int) -> dict:
+    """The `FIELDS` of one row of a run whose rows share its time (a bench tool interleaving its rows step by step):
+    the run's own ``cpu_share`` (`measure` over the whole run, `run`) and steal, the row's ``cpu_busy_share`` from
+    its own CPU and wall seconds; contended as `measure` decides (the run's share first, the row's busy share
+    where schedstat is missing)."""
+    busy = min(1.0, cpu_s / (wall_s * max(1, threads))) if cpu_s is not None and wall_s else None
+    share, steal = run.get("cpu_share"), run.get("cpu_steal_share")
+    return {
+        **run,
+        "cpu_busy_share": _round(busy),
+        "cpu_process_s": _round(cpu_s),
+        "contended": _verdict(share, busy, steal, True),
+    }

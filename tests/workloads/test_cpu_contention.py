@@ -18,6 +18,7 @@ import time
 import pytest
 import yaml
 
+from bench import bench_scheduler
 from replica import cpu_share
 from tests.suite_helpers import tiny_batch
 from workloads import sweep
@@ -139,3 +140,15 @@ def test_in_process_point_on_an_idle_machine_is_not_flagged(tmp_path, capsys):
         pytest.skip(f"this machine ran other work during the idle point: {record['cpu_pressure_share']}")
     assert record["cpu_share"] > 0.9 and record["contended"] is False
     assert "[contended" not in err and "`!` contended" not in table
+
+
+def test_bench_rows_with_a_busy_neighbour_are_flagged_in_the_table_and_json(tmp_path, capsys):
+    args = ["--model", "tiny-llama", "--prompt-tokens", "64", "--new-tokens", "24", "--requests", "4"]
+    with busy_neighbour():
+        rc = bench_scheduler.main(args + ["--budgets", "16", "--block-tokens", "4", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert all(r["cpu_share"] < 0.5 and r["contended"] is True for r in rows.values()), rows
+    captured = capsys.readouterr()
+    assert "| CPU share |" in captured.out and "`!` contended" in captured.out
+    assert "bench-scheduler: warning: `!` contended" in captured.err
