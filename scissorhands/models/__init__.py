@@ -14,6 +14,7 @@ A test that replaces a function must patch the submodule that reads it (e.g.
 from .dtype import (
     BF16_CPU_FLAGS,
     BF16_MIN_SPEEDUP,
+    BF16_NEAR_THRESHOLD,
     DEVICE_NAMES,
     DTYPE_CHOICES,
     check_device_name,
@@ -21,6 +22,7 @@ from .dtype import (
     cpu_flags,
     cpu_model_name,
     is_device_name,
+    near_threshold,
     probe_bfloat16_speedup,
     resolve_dtype,
 )
@@ -51,6 +53,7 @@ from .packed import PACKED_DTYPES, PackedLinear, onednn_packs, pack_linear_weigh
 __all__ = [
     "BF16_CPU_FLAGS",
     "BF16_MIN_SPEEDUP",
+    "BF16_NEAR_THRESHOLD",
     "CACHE_DIR_ENV",
     "DEVICE_NAMES",
     "DTYPE_CHOICES",
@@ -82,6 +85,7 @@ __all__ = [
     "onednn_packs",
     "pack_linear_weights",
     "prepare_tokenizer",
+    "near_threshold",
     "probe_bfloat16_speedup",
     "resolve_dtype",
     "resolve_source",
