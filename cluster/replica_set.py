@@ -45,6 +45,7 @@ from ray import serve
 from ray.serve.api import _run
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
+from cluster import loopback
 from cluster.placement import (
     PlacedReplica,
     PlacementConfig,
@@ -354,6 +355,7 @@ class PointReplica:
     (the model loaded once, sharded over the replica's GPUs when it has several)."""
 
     def __init__(self, name_prefix: str = "replica", **replica_kwargs: Any):
+        loopback.setup_worker()  # before Serve starts this replica's gRPC server
         ctx = serve.get_replica_context()
         self.replica = PlacedReplica(replica_id=f"{name_prefix}-{ctx.replica_tag}", **replica_kwargs)
         self.replica._raise_load_error()  # Serve fails the deployment with the replica's own error

@@ -41,6 +41,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster import loopback
 from cluster.signals import StopSignals
 from replica import cpu_share
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
@@ -88,6 +89,7 @@ class EngineDeployment:
     ):
         import ray
 
+        loopback.setup_worker()  # before Serve starts this replica's gRPC server
         ctx = serve.get_replica_context()
         self.replica = ServingReplica(
             model_spec=model_spec,
@@ -182,6 +184,7 @@ class OpenAIIngress:
         api_key: ApiKey | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
+        loopback.setup_worker()  # before Serve starts this replica's gRPC server
         self.handles, self.metadata = handles, metadata
         self.tokenizer_spec, self.max_pending_requests = tokenizer_spec, max_pending_requests
         self.context_tokens, self.api_key, self.max_body_bytes = context_tokens, api_key, max_body_bytes
