@@ -12,6 +12,7 @@ A test that replaces a function must patch the submodule that reads it (e.g.
 """
 
 from .dtype import (
+    AMX_MIN_HIDDEN,
     BF16_CPU_FLAGS,
     BF16_MIN_SPEEDUP,
     BF16_NEAR_THRESHOLD,
@@ -51,6 +52,7 @@ from .loading import (
 from .packed import PACKED_DTYPES, PackedLinear, onednn_packs, pack_linear_weights
 
 __all__ = [
+    "AMX_MIN_HIDDEN",
     "BF16_CPU_FLAGS",
     "BF16_MIN_SPEEDUP",
     "BF16_NEAR_THRESHOLD",

@@ -22,6 +22,11 @@ BF16_MIN_SPEEDUP = 1.2
 bfloat16 on a CPU with AVX512-BF16 but no AMX. Not 1.0: bfloat16 rounds every matmul input to 8 mantissa bits,
 worth it only when clearly faster (docs/performance.md, "Measurements behind the library and cluster code")."""
 
+AMX_MIN_HIDDEN = 256
+"""On a CPU with AMX, ``dtype: auto`` picks bfloat16 by the flag for a model whose hidden size is at least this; a
+narrower one (the tests' tiny models, 64 wide, probed 1.01-1.05x) runs float32. Both by shape, never by timing,
+so one machine resolves one dtype for one model whatever else runs."""
+
 BF16_NEAR_THRESHOLD = 0.15
 """A probe within this relative distance of :data:`BF16_MIN_SPEEDUP` (1.02x-1.38x) is reported as near its
 threshold: the resolution says so and suggests a fixed ``dtype``, since such a CPU could resolve either way."""
@@ -136,8 +141,9 @@ def resolve_dtype(
     ``float32``, ``bfloat16``, ``float16`` (or the ``torch.dtype``) force that dtype. ``auto``:
 
     * GPU: bfloat16 where ``torch.cuda.is_bf16_supported()``, else float16;
-    * CPU with AMX (``amx_bf16``): bfloat16, decided by the flag alone (bfloat16 matmuls run on AMX tiles,
-      about 3x float32 here), so one machine resolves one dtype whatever else runs on it; the probe
+    * CPU with AMX (``amx_bf16``): bfloat16 for a model at least :data:`AMX_MIN_HIDDEN` wide, float32 for a
+      narrower one, decided by the flag and the shape alone (bfloat16 matmuls run on AMX tiles, about 3x float32
+      here at the embedded model's shape), so one machine resolves one dtype whatever else runs on it; the probe
       (:func:`probe_bfloat16_speedup`) still runs and its figure is in the reason, with a note when it came out
       below :data:`BF16_MIN_SPEEDUP` (a contended load, or a torch build without AMX kernels);
     * CPU with AVX512-BF16 but no AMX: the probe decides (bfloat16 at >= :data:`BF16_MIN_SPEEDUP`, fastest of
@@ -181,9 +187,14 @@ def resolve_dtype(
         if near_threshold(speedup)
         else ""
     )
-    if "amx_bf16" in flags:
+    if "amx_bf16" in flags and hidden >= AMX_MIN_HIDDEN:
         low = "" if speedup >= BF16_MIN_SPEEDUP else f" (below {BF16_MIN_SPEEDUP}x: contended, or no AMX kernels?)"
         return torch.bfloat16, f"auto: CPU has {', '.join(flags)}: bfloat16 on AMX tiles; {probe}{low}"
+    if "amx_bf16" in flags:
+        return torch.float32, (
+            f"auto: CPU has {', '.join(flags)}, but the model's layers ({hidden} wide) are narrower than the "
+            f"{AMX_MIN_HIDDEN} at which AMX tiles pay: float32; {probe}"
+        )
     if speedup >= BF16_MIN_SPEEDUP:
         return torch.bfloat16, f"auto: CPU has {', '.join(flags)}; {probe}{near}"
     return (

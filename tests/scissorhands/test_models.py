@@ -141,6 +141,13 @@ def test_embedded_model_converts_once_and_matches_gguf(monkeypatch, tmp_path):
         assert torch.allclose(cached(ids).logits, gguf_model(ids).logits, atol=1e-4, rtol=0)
 
 
+def embedded_width(config):
+    """A copy of `config` as wide as the embedded SmolLM2-135M (576 x 1536): what `resolve_dtype` reads of it."""
+    wide = copy.deepcopy(config)
+    wide.hidden_size, wide.intermediate_size = 576, 1536
+    return wide
+
+
 # -- dtype: auto ------------------------------------------------------------------------------
 def test_resolve_dtype_forced_and_unknown():
     assert sh_models.resolve_dtype("float32") == (torch.float32, "forced")
@@ -160,15 +167,21 @@ def test_resolve_dtype_auto_on_cpu_needs_the_flags_and_a_faster_probe(monkeypatc
     assert dtype == torch.float32 and "neither amx_bf16 nor avx512_bf16" in reason and not probed
 
     monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
-    dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
+    wide = embedded_width(cfg)
+    dtype, reason = sh_models.resolve_dtype("auto", wide, "cpu")
     assert dtype == torch.bfloat16 and "amx_bf16" in reason and "9.00x" in reason
     # the probe runs at the model's own MLP shape
-    assert probed[-1][:2] == (cfg.hidden_size, cfg.intermediate_size)
+    assert probed[-1][:2] == (wide.hidden_size, wide.intermediate_size)
 
     # AMX decides by its flag: a probe slowed by other load does not change the dtype, the reason says so
     monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 0.8)
-    dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
+    dtype, reason = sh_models.resolve_dtype("auto", wide, "cpu")
     assert dtype == torch.bfloat16 and "0.80x" in reason and "below 1.2x: contended" in reason
+    # ... and a model narrower than AMX_MIN_HIDDEN (the tiny one) runs float32 whatever the probe says
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 9.0)
+    dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
+    assert dtype == torch.float32 and "(64 wide) are narrower than the 256" in reason
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 0.8)
     monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
     assert dtype == torch.float32 and "0.80x" in reason and "near the" not in reason
@@ -197,7 +210,7 @@ def test_a_probe_near_its_threshold_is_reported(monkeypatch, speedup, near):
 def test_two_loads_resolve_one_dtype_with_a_contended_probe_in_one(monkeypatch):
     """The AMX rule: the same machine resolves the same dtype whatever the probe measured under load."""
     monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512_bf16"}))
-    cfg = tiny_llama(seed=0).config
+    cfg = embedded_width(tiny_llama(seed=0).config)
     monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 3.2)  # idle
     idle = sh_models.resolve_dtype("auto", cfg, "cpu")[0]
     monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 1.04)  # a busy neighbour
