@@ -56,6 +56,9 @@ def test_a_sweeps_ray_and_its_serving_replica_listen_on_loopback_only():
             infos = pool.start()
             assert infos and infos[0]["replica_id"]
             listening = listeners_of_this_process_tree()
+            # the replica answers its own CPU counters (what a point measures its CPU share from)
+            (sample,) = pool.cpu_samples().values()
+            assert sample["process_cpu_s"] > 0 and sample["threads"] == 1 and sample["run_s"] is not None
         finally:
             pool.close()
     assert len(listening) > 3, listening  # Ray's GCS, raylet and the replica's own servers were found
