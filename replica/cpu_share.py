@@ -1,10 +1,10 @@
 """How much CPU a measurement's processes got of what they asked for: the one contention check of every sweep
 point and bench row.
 
-A timing taken while another job holds the cores is not a result: an idle 2-core machine and the same machine
-with one busy neighbour differ by up to 18x for our engine. Every point therefore records, from two `sample` calls
-taken in the process that did the work (a replica: this process in-process, a Ray actor's own `sample` returned
-by its stats call):
+A timing taken while another job holds the cores is not a result: on a 2-core machine one busy neighbour can make
+our engine several times slower than idle. Every point therefore records, from two `sample` calls
+taken in the process that did the work (in-process: this process; a point replica: around the point in its actor;
+a Serve serving replica: its own ``cpu_sample`` call before and after the point's load):
 
 * ``cpu_share`` (0..1): the time the process's threads ran on a CPU over the time they were runnable (ran +
   waited in the run queue), summed over its threads, from Linux's ``/proc/<pid>/task/*/schedstat``. Time a
