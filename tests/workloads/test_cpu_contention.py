@@ -17,7 +17,7 @@ import yaml
 from bench import bench_scheduler
 from replica import cpu_share
 from tests.neighbour import busy_neighbour
-from tests.suite_helpers import tiny_batch
+from tests.suite_helpers import serving_suite, tiny_batch, uniform
 from workloads import sweep
 
 
@@ -129,3 +129,26 @@ def test_bench_rows_with_a_busy_neighbour_are_flagged_in_the_table_and_json(tmp_
     captured = capsys.readouterr()
     assert "| CPU share |" in captured.out and "`!` contended" in captured.out
     assert "bench-scheduler: warning: `!` contended" in captured.err
+
+
+def test_in_process_serving_point_with_a_busy_neighbour_is_flagged_contended(tmp_path, capsys):
+    """A serving point measures its replica's share between two `cpu_samples` calls around its load."""
+    suite = serving_suite(
+        mode="concurrency",
+        loads=[4],
+        policies=["full"],
+        prompt_tokens=uniform(48, 64),
+        new_tokens=uniform(24, 32),
+        num_requests=8,
+        name="busy",
+    )
+    path = tmp_path / "busy.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    out = tmp_path / "r"
+    with busy_neighbour():
+        rc = sweep.main([str(path), "--local", "--pushgateway", "off", "--results-dir", str(out), "--run-id", "run"])
+    assert rc == 0
+    (record,) = [json.loads(line) for line in (out / "run" / "points.jsonl").read_text().splitlines()]
+    assert record["status"] == "ok" and record["cpu_share"] < 0.5 and record["contended"] is True, record
+    assert "[contended: CPU share" in capsys.readouterr().err
+    assert f"{record['cpu_share']:.2f} !" in (out / "run" / "table.md").read_text()
