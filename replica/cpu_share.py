@@ -36,6 +36,8 @@ CONTENDED_BELOW = 0.75
 #: Steal above this share of the machine's ticks flags a point too (the VM's host gave the cores elsewhere).
 STEAL_ABOVE = 0.10
 CONTENDED_RULE = f"cpu_share < {CONTENDED_BELOW} or cpu_steal_share > {STEAL_ABOVE}"
+#: Below this many seconds of runnable (or wall) time a share is scheduler noise, not a measurement: None.
+MIN_MEASURED_S = 0.05
 #: Record fields `measure` returns (tables and tests read them by these names).
 FIELDS = (
     "cpu_share",
@@ -160,8 +162,8 @@ def measure(start: CpuSample | Mapping, end: CpuSample | Mapping, *, busy: bool 
     share = wait = None
     if a.run_s is not None and b.run_s is not None:
         ran, wait = max(0.0, b.run_s - a.run_s), max(0.0, b.wait_s - a.wait_s)
-        share = ran / (ran + wait) if ran + wait > 0 else None
-    busy_share = min(1.0, cpu / (wall * b.threads)) if wall > 0 else None
+        share = ran / (ran + wait) if ran + wait >= MIN_MEASURED_S else None
+    busy_share = min(1.0, cpu / (wall * b.threads)) if wall >= MIN_MEASURED_S else None
     steal = pressure = None
     if a.total_ticks is not None and b.total_ticks is not None and b.total_ticks > a.total_ticks:
         steal = (b.steal_ticks - a.steal_ticks) / (b.total_ticks - a.total_ticks)

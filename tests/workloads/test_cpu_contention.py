@@ -61,6 +61,11 @@ def test_steal_alone_flags_a_point_and_replicas_combine_to_the_most_starved():
     assert cpu_share.combine([]) == cpu_share.empty() and cpu_share.empty()["contended"] is None
 
 
+def test_a_few_milliseconds_decide_nothing():
+    f = cpu_share.measure(sample(10, 1, 1, 1), sample(10.01, 1.001, 1.001, 1.02))  # 21 ms runnable, 1 of it ran
+    assert f["cpu_share"] is None and f["cpu_busy_share"] is None and f["contended"] is None
+
+
 def test_samples_of_two_processes_are_refused():
     with pytest.raises(ValueError, match="end: sampled before start"):
         cpu_share.measure(sample(5, 0, 0, 0), sample(4, 0, 0, 0))
