@@ -41,9 +41,10 @@ bench-serving: install
 	$(PY) -m bench.bench_serving $(BENCH_ARGS) $(ARGS)
 
 # The schedulers side by side (prefill-first, mixed at several token budgets), full and Scissorhands x5, paged,
-# one KV limit, the same requests (docs/serving.md, "Schedulers").
+# one KV limit, the same requests (docs/serving.md, "Schedulers"). One thread, the tool's own default: its rows
+# are ratios side by side, steadiest with one thread (two spin-wait on each other when anything else runs).
 bench-scheduler: install
-	$(PY) -m bench.bench_scheduler --threads 2 $(ARGS)
+	$(PY) -m bench.bench_scheduler $(ARGS)
 
 # ruff, pinned in the `test` extra, configured in pyproject.toml ([tool.ruff]): lint rules, then the formatter's check.
 lint: install

@@ -22,7 +22,9 @@ from tqdm import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from bench.conditions import EMBEDDED_MODEL, add_threads, conditions_line, parser, require_positive
+from bench.conditions import EMBEDDED_MODEL, add_threads, conditions_line, contended_lines, parser, require_positive
+from replica import cpu_share
+from replica.cpu_share import CpuMeter
 from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 from scissorhands.attention import padding_mask_function, scissorhands_attention
 from scissorhands.models import load_model
@@ -145,7 +147,7 @@ def main(argv=None) -> None:
     nxt = first.argmax(-1, keepdim=True).repeat(args.batch, 1)  # (batch, 1)
     for cfg in configs.values():
         cfg.update(next=nxt.clone(), times=[], slots=[])
-    with torch.inference_mode():
+    with torch.inference_mode(), CpuMeter() as meter:  # the rows interleave: the run's share is every row's
         for _ in tqdm(range(args.new_tokens), desc="decode steps (every configuration)", unit="step", file=sys.stderr):
             for cfg in configs.values():
                 attn = cfg.get("attn", ATTN_IMPLEMENTATION)
@@ -165,15 +167,15 @@ def main(argv=None) -> None:
 
     report = io.StringIO()
     with contextlib.redirect_stdout(report):
-        _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, started)
+        _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, started, meter.fields)
     sys.stdout.write(report.getvalue())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(report.getvalue())
     print(f"bench-cache: wrote {args.out}", file=sys.stderr)
 
 
-def _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, started) -> None:
-    """Print the table and the goal lines (stdout)."""
+def _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, started, cpu: dict) -> None:
+    """Print the table and the goal lines (stdout); `cpu`: the decode loop's `replica.cpu_share` fields."""
     full = configs["full"]
     f_mean, f_med = statistics.fmean(full["times"]), statistics.median(full["times"])
     dtype = f"{str(model.dtype).removeprefix('torch.')} ({model.scissorhands_dtype_reason})"
@@ -183,17 +185,22 @@ def _report(args, model, configs, budget, max_length, eq_prompt, prefill_s, star
         f"{args.new_tokens} decode steps, budgeted policies at ratio {args.ratio:g} "
         f"(B = ceil({max_length} / {args.ratio:g}) = {budget})\n"
     )
-    head = "| configuration | B | slots/step | ms/step mean | ms/step median | / full (mean) | / full (median) |"
+    head = (
+        "| configuration | B | slots/step | ms/step mean | ms/step median | / full (mean) | / full (median) | "
+        "CPU share |"
+    )
     print(head)
-    print("|" + "---|" * 7)
+    print("|" + "---|" * 8)
     for name, cfg in configs.items():
         cache = cfg["cache"]
         b = getattr(cache, "budget_tokens", None)
         mean, med = statistics.fmean(cfg["times"]), statistics.median(cfg["times"])
         print(
             f"| {name} | {b if b is not None else '-'} | {statistics.fmean(cfg['slots']):.1f} | {mean * 1e3:.1f} | "
-            f"{med * 1e3:.1f} | {mean / f_mean:.3f} | {med / f_med:.3f} |"
+            f"{med * 1e3:.1f} | {mean / f_mean:.3f} | {med / f_med:.3f} | {cpu_share.mark(cpu)} |"
         )
+    for line in contended_lines("bench-cache", {"decode steps (every configuration)": cpu}):
+        print(line)
     eq = configs["full @ equal length"]
     s_times = configs["scissorhands"]["times"]
     over_mean = statistics.fmean(s_times) / statistics.fmean(eq["times"]) - 1

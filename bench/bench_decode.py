@@ -21,7 +21,17 @@ import time
 import torch
 
 import scissorhands.models.packed as packed
-from bench.conditions import EMBEDDED_MODEL, add_threads, comma_list, conditions_line, parser, require_positive
+from bench.conditions import (
+    EMBEDDED_MODEL,
+    add_threads,
+    comma_list,
+    conditions_line,
+    contended_lines,
+    parser,
+    require_positive,
+)
+from replica import cpu_share
+from replica.cpu_share import CpuMeter
 from replica.engine import ContinuousBatchingEngine
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
@@ -178,11 +188,13 @@ def run(dtype_name: str, args) -> list[dict]:
             if args.paged_ab
             else generate_steps
         )
-        row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.new_tokens, args.rounds, baseline))
+        with CpuMeter(args.threads) as meter:  # the CPU this row's rounds got (replica.cpu_share)
+            row = dict(dtype=dtype_name, **paired_steps(model, all_rows, b, args.new_tokens, args.rounds, baseline))
+        row.update(meter.fields)
         print(
             f"| {dtype_name} | {b} | {row['ours_cpu_ms']:.1f} | {row['theirs_cpu_ms']:.1f} | {row['cpu_ratio']:.2f}x | "
             f"{row['cpu_min']:.2f}-{row['cpu_max']:.2f} | {row['ours_wall_ms']:.1f} | {row['theirs_wall_ms']:.1f} | "
-            f"{row['wall_ratio']:.2f}x | {row['wall_min']:.2f}-{row['wall_max']:.2f} |",
+            f"{row['wall_ratio']:.2f}x | {row['wall_min']:.2f}-{row['wall_max']:.2f} | {cpu_share.mark(row)} |",
             flush=True,
         )
         out.append(row)
@@ -244,11 +256,12 @@ def main(argv=None) -> int:
     )
     print(
         f"| dtype | batch | ours, CPU ms/step | {theirs}, CPU ms/step | {theirs} / ours, CPU (median of "
-        f"paired rounds) | min-max | ours, wall ms | {theirs}, wall ms | {theirs} / ours, wall | min-max |"
+        f"paired rounds) | min-max | ours, wall ms | {theirs}, wall ms | {theirs} / ours, wall | min-max | CPU share |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for d in dtypes:
-        run(d, args)
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [row for d in dtypes for row in run(d, args)]
+    for line in contended_lines("bench-decode", {f"{r['dtype']}, batch {r['batch']}": r for r in rows}):
+        print(line)
     print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from bench.conditions import add_threads, comma_list, conditions_line, parser
+from bench.conditions import add_threads, comma_list, conditions_line, contended_lines, parser
+from replica import cpu_share
+from replica.cpu_share import CpuMeter
 from replica.openai_api import IncrementalDetokenizer
 from scissorhands.models import load_tokenizer
 from workloads.load.prompts import heldout_text_ids
@@ -59,14 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     ids = heldout_text_ids(tok, max(lengths), seed=0)
     print(conditions_line(model="embedded tokenizer (SmolLM2-135M-Instruct, byte-level BPE)", dtype="n/a (text)"))
     print(f"Held-out text, seed 0; one stop string; mean of {args.window} adds, median of {args.repeats} repeats.")
-    print("| output tokens | add (us/token) | whole decode again (us/token) |")
-    print("|---:|---:|---:|")
-    rows = {}
+    print("| output tokens | add (us/token) | whole decode again (us/token) | CPU share |")
+    print("|---:|---:|---:|---:|")
+    rows, cpu = {}, {}
     for n in lengths:
-        inc = statistics.median(add_cost_s(tok, ids, n, args.window) for _ in range(args.repeats))
-        whole = statistics.median(whole_decode_cost_s(tok, ids, n, args.window) for _ in range(args.repeats))
-        rows[n] = (inc, whole)
-        print(f"| {n:,} | {inc * 1e6:.1f} | {whole * 1e6:.1f} |", flush=True)
+        with CpuMeter(threads=1) as meter:  # the tokenizer runs on one thread
+            inc = statistics.median(add_cost_s(tok, ids, n, args.window) for _ in range(args.repeats))
+            whole = statistics.median(whole_decode_cost_s(tok, ids, n, args.window) for _ in range(args.repeats))
+        rows[n], cpu[f"{n:,} tokens"] = (inc, whole), meter.fields
+        print(f"| {n:,} | {inc * 1e6:.1f} | {whole * 1e6:.1f} | {cpu_share.mark(meter.fields)} |", flush=True)
+    for line in contended_lines("bench-detokenizer", cpu):
+        print(line)
     lo, hi = min(lengths), max(lengths)
     print(
         f"Ratio {hi:,} / {lo:,} tokens: add {rows[hi][0] / rows[lo][0]:.2f}x (constant is 1x); "

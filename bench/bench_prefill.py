@@ -22,10 +22,13 @@ from bench.conditions import (
     add_threads,
     comma_list,
     conditions_line,
+    contended_lines,
     cpu_conditions,
     parser,
     require_positive,
 )
+from replica import cpu_share
+from replica.cpu_share import CpuMeter
 from scissorhands import POLICIES, make_cache
 from scissorhands.models import load_model
 
@@ -65,9 +68,10 @@ def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
     for name in configs:  # warm-up (allocator, kernels)
         prefill_s(model, ids, name, args.ratio, max_length)
     times = {name: [] for name in configs}  # (wall_s, cpu_s) per round
-    for r in range(args.rounds):
-        for name in configs if r % 2 == 0 else configs[::-1]:
-            times[name].append(prefill_s(model, ids, name, args.ratio, max_length))
+    with CpuMeter(args.threads) as meter:  # the rows interleave: the run's share is every row's
+        for r in range(args.rounds):
+            for name in configs if r % 2 == 0 else configs[::-1]:
+                times[name].append(prefill_s(model, ids, name, args.ratio, max_length))
     rows = []
     for name in configs:
         row = dict(dtype=dtype_name, policy=name)
@@ -83,6 +87,8 @@ def run(dtype_name: str, args, policies: list[str]) -> list[dict]:
                 }
             )
         row["tok_s"] = args.batch * args.prompt_tokens / row["wall_median_s"]
+        spent = [sum(t[i] for t in times[name]) for i in (0, 1)]  # this row's wall and CPU seconds
+        row.update(cpu_share.row_fields(meter.fields, spent[1], spent[0], args.threads))
         rows.append(row)
     return rows
 
@@ -116,17 +122,22 @@ def main(argv=None) -> None:
     )
     print(
         "| dtype | policy | median wall s | median CPU s | prompt tok/s (wall) | policy / full, CPU time "
-        "(median of paired rounds) | min-max | policy / full, wall | min-max |"
+        "(median of paired rounds) | min-max | policy / full, wall | min-max | CPU share |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    measured = {}
     for d in dtypes:
         for row in run(d, args, policies):
+            measured[f"{row['dtype']}, {row['policy']}"] = row
             print(
                 f"| {row['dtype']} | {row['policy']} | {row['wall_median_s']:.3f} | {row['cpu_median_s']:.3f} | "
                 f"{row['tok_s']:,.0f} | {row['cpu_ratio']:.3f}x | {row['cpu_ratio_min']:.3f}-{row['cpu_ratio_max']:.3f} | "
-                f"{row['wall_ratio']:.3f}x | {row['wall_ratio_min']:.3f}-{row['wall_ratio_max']:.3f} |",
+                f"{row['wall_ratio']:.3f}x | {row['wall_ratio_min']:.3f}-{row['wall_ratio_max']:.3f} | "
+                f"{cpu_share.mark(row)} |",
                 flush=True,
             )
+    for line in contended_lines("bench-prefill", measured):
+        print(line)
     print(f"# load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

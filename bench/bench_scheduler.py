@@ -29,10 +29,13 @@ from bench.conditions import (
     THREADS_HELP,
     comma_list,
     conditions_line,
+    contended_lines,
     git_commit,
     parser,
     require_positive,
 )
+from replica import cpu_share
+from replica.cpu_share import CpuMeter
 from replica.engine import full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines
 from replica.static_batch import load_replica_model
@@ -102,7 +105,8 @@ def main(argv=None) -> int:
         (cfg, [GenerationRequest(f"{label}-{i}", pr, n) for i, (pr, n) in enumerate(zip(prompts, n_lens))])
         for label, cfg in table
     ]
-    measured = run_engines(model, runs, desc="bench-scheduler")
+    with CpuMeter(args.threads) as meter:  # the rows interleave: the run's share is every row's
+        measured = run_engines(model, runs, desc="bench-scheduler")
     base = measured[0]["output_tok_per_s"]
     lines = [
         conditions_line(model=args.model, dtype=f"{dtype} ({getattr(model, 'scissorhands_dtype_reason', '')})").rstrip(
@@ -114,18 +118,20 @@ def main(argv=None) -> int:
         f"{args.block_tokens} slots.",
         "",
         "| row | x of prefill-first full, output tok/s | output tok/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | "
-        "peak running | preemptions | recomputed tokens | wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "peak running | preemptions | recomputed tokens | wall (s) | CPU share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     results = {"args": vars(args), "dtype": dtype, "kv_memory_limit_bytes": limit, "rows": {}}
     results["full_outputs_match_prefill_first"] = _full_outputs_match(table, measured)
     for (label, _), r in zip(table, measured):
         r.pop("outputs", None)
+        r.update(cpu_share.row_fields(meter.fields, r["cpu_s"], r["wall_s"], args.threads))
         results["rows"][label] = r
         lines.append(
             f"| {label} | {r['output_tok_per_s'] / base:.2f}x | {r['output_tok_per_s']:.1f} | "
             f"{_pair(r['ttft_p50_s'], r['ttft_p99_s'], 1, '.1f')} | {_pair(r['itl_p50_s'], r['itl_p99_s'], 1000, '.0f')} "
-            f"| {r['peak_running_sequences']} | {r['preemptions']} | {r['recomputed_tokens']} | {r['wall_s']:.1f} |"
+            f"| {r['peak_running_sequences']} | {r['preemptions']} | {r['recomputed_tokens']} | {r['wall_s']:.1f} "
+            f"| {cpu_share.mark(r)} |"
         )
     sh = f"scissorhands x{args.ratio:g}"
     lines += ["", f"| scheduler | {sh} / full, output tok/s | {sh} ITL p99 / full's |", "|---|---|---|"]
@@ -134,6 +140,7 @@ def main(argv=None) -> int:
         itl = f"{s['itl_p99_s'] / f['itl_p99_s']:.2f}x" if s["itl_p99_s"] and f["itl_p99_s"] else "-"
         lines.append(f"| {sched} | {s['output_tok_per_s'] / f['output_tok_per_s']:.2f}x | {itl} |")
     same = results["full_outputs_match_prefill_first"]
+    lines += contended_lines("bench-scheduler", results["rows"])
     lines += [
         "",
         "Full cache, greedy tokens equal to prefill-first's: " + ", ".join(f"{k} {v}" for k, v in same.items()),

@@ -38,7 +38,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.conditions import DEFAULT_THREADS, THREADS_HELP, conditions_line, git_commit, parser, require_positive
+from bench.conditions import (
+    DEFAULT_THREADS,
+    THREADS_HELP,
+    conditions_line,
+    contended_lines,
+    git_commit,
+    parser,
+    require_positive,
+)
+from replica import cpu_share
+from replica.cpu_share import CpuMeter
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate, run_generate_batch
 from replica.static_batch import load_replica_model
@@ -284,7 +294,8 @@ def main(argv=None) -> int:
             for label, cfg in rows
         ]
         print(f"bench-serving: workload {name}, {len(rows)} rows interleaved ...", file=sys.stderr)
-        measured = run_engines(model, runs, desc=f"part 1, {name}")
+        with CpuMeter(args.threads) as meter:  # the rows interleave: the run's share is every row's
+            measured = run_engines(model, runs, desc=f"part 1, {name}")
         ours = measured[0]["outputs"]  # the paged full cache's, compared with the peer's
         base = measured[0]["output_tok_per_s"]
         table = {}
@@ -295,11 +306,12 @@ def main(argv=None) -> int:
             "",
             "| row | x of paged full, output tok/s | output tok/s | decode tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 "
             "(ms) | ITL p50 / p99 (ms) | peak / mean running | preemptions | recomputed tokens | peak KV (MiB) | "
-            "wall (s) | CPU (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "wall (s) | CPU (s) | CPU share |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for (label, _), r in zip(rows, measured):
             r.pop("outputs", None)
+            r.update(cpu_share.row_fields(meter.fields, r["cpu_s"], r["wall_s"], args.threads))
             table[label] = r
             mean = f"{r['mean_running_sequences']:.1f}" if r["mean_running_sequences"] else "-"
             dec = f"{r['decode_tok_per_s']:.1f}" if r["decode_tok_per_s"] else "-"
@@ -308,8 +320,9 @@ def main(argv=None) -> int:
                 f"{_pair(r['ttft_p50_s'], r['ttft_p99_s'], 1, '.1f')} | {_pair(r['tpot_p50_s'], r['tpot_p99_s'], 1000, '.0f')} | "
                 f"{_pair(r['itl_p50_s'], r['itl_p99_s'], 1000, '.0f')} | "
                 f"{r['peak_running_sequences']} / {mean} | {r['preemptions']} | {r['recomputed_tokens']} | "
-                f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} |"
+                f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {cpu_share.mark(r)} |"
             )
+        lines += contended_lines("bench-serving", table)
         if args.mixed:  # the mixed rows' own ratio: Scissorhands over the full cache, both under the mixed scheduler
             full_m, sh_m = table["full, paged, mixed"], table[f"scissorhands x{args.ratio:g}, paged, mixed"]
             lines += [

@@ -3,6 +3,9 @@
 Conditions line (first line of every table a tool prints or writes), one place so that every published table
 names the same things: date, commit, model, dtype and why, CPU model and flags, torch threads.
 
+Contention: every row a tool measures carries `replica.cpu_share`'s fields (the CPU its process got of what it
+asked for), shown in a ``CPU share`` column (``!`` contended) and listed under the table (`contended_lines`).
+
 Flag vocabulary, the same name for the same thing in every tool:
 
 * lists are comma-separated (``--dtypes float32,bfloat16``, ``--batches 1,4,16``, ``--policies scissorhands,h2o``);
@@ -18,10 +21,12 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from replica import cpu_share
 from scissorhands.models import cpu_flags, cpu_model_name
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +34,8 @@ EMBEDDED_MODEL = "embedded (SmolLM2-135M-Instruct)"
 DEFAULT_THREADS = 1
 THREADS_HELP = (
     "torch threads; one rule for every bench tool: 1 by default, since side-by-side ratios are "
-    "steadiest with one thread on a shared machine (more threads spin-wait on each other)"
+    "steadiest with one thread on a shared machine (more threads spin-wait on each other); the make targets "
+    "that measure the whole machine's ceilings (make roofline, make bench-serving) pass the core count"
 )
 
 T = TypeVar("T")
@@ -134,3 +140,12 @@ def comma_list(
             ap.error(f"{flag}: {item!r}; valid: {', '.join(map(str, valid))}")
         out.append(value)
     return out
+
+
+def contended_lines(tool: str, rows: dict[str, dict]) -> list[str]:
+    """The lines a tool's table ends with when some of its rows (``{label: row}``, each with
+    `replica.cpu_share` fields) were contended, also said on stderr; none otherwise."""
+    lines = cpu_share.contended_lines([{"point_id": label, **row} for label, row in rows.items()])
+    for line in lines:
+        print(f"{tool}: warning: {line}", file=sys.stderr)
+    return ["", *lines] if lines else []

@@ -25,6 +25,8 @@ from tqdm import tqdm
 
 from bench import bench_decode, bench_prefill
 from bench.conditions import EMBEDDED_MODEL, add_threads, comma_list, conditions_line, parser, require_positive
+from replica import cpu_share
+from replica.cpu_share import CpuMeter
 from scissorhands.models import DTYPE_CHOICES, PackedLinear, load_model, resolve_dtype
 
 
@@ -156,7 +158,8 @@ def main(argv=None) -> int:
         all_rows = bench_decode.prompts(tok, max(args.batches), args.prompt_tokens)
         bench_decode.warm_up(model, all_rows)
         for b in args.batches:
-            step = bench_decode.paired_steps(model, all_rows, b, args.new_tokens, args.rounds)
+            with CpuMeter(args.threads) as meter:  # the CPU this row's rounds got (replica.cpu_share)
+                step = bench_decode.paired_steps(model, all_rows, b, args.new_tokens, args.rounds)
             bar.update(args.rounds)
             context = args.prompt_tokens + args.new_tokens / 2
             roof = step_roofline(model, b, context, bandwidth, peaks[label])
@@ -175,6 +178,7 @@ def main(argv=None) -> int:
                     "matmul_gflop_s_at_batch": at_rows,
                     "roofline_at_batch_tok_per_s": roof_b,
                     "engine_share_at_batch": ours / roof_b,
+                    **meter.fields,
                 }
             )
         _write(out, f"{conditions}; load average after {os.getloadavg()[0]:.1f}", bandwidth, peaks, prefill_rows, rows)
@@ -196,15 +200,15 @@ def _write(
         "",
         "Prefill (one forward, fresh cache): Scissorhands / full time, median of paired rounds (min-max).",
         "",
-        "| dtype | full: prompt tok/s (wall) | Scissorhands / full, wall | Scissorhands / full, CPU |",
-        "|---|---|---|---|",
+        "| dtype | full: prompt tok/s (wall) | Scissorhands / full, wall | Scissorhands / full, CPU | CPU share |",
+        "|---|---|---|---|---|",
     ]
     for r in prefill_rows:
         if r["policy"] != "full":
             lines.append(
                 f"| {r['dtype']} | {full[r['dtype']]['tok_s']:,.0f} | {r['wall_ratio']:.2f}x "
                 f"({r['wall_ratio_min']:.2f}-{r['wall_ratio_max']:.2f}) | {r['cpu_ratio']:.2f}x "
-                f"({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) |"
+                f"({r['cpu_ratio_min']:.2f}-{r['cpu_ratio_max']:.2f}) | {cpu_share.mark(r)} |"
             )
     lines += [
         "",
@@ -218,8 +222,8 @@ def _write(
         "",
         "| dtype | batch | ours (tok/s) | transformers (tok/s) | ours / transformers, wall | ours / transformers, "
         "CPU | roofline (tok/s) | bound | ours, share of roofline | transformers, share | matmul at batch rows "
-        "(GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it | CPU share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -227,8 +231,12 @@ def _write(
             f"{r['wall_ratio']:.2f}x ({r['wall_min']:.2f}-{r['wall_max']:.2f}) | {r['cpu_ratio']:.2f}x "
             f"({r['cpu_min']:.2f}-{r['cpu_max']:.2f}) | {r['roofline_tok_per_s']:.0f} | {r['bound']} | "
             f"{r['engine_share']:.0%} | {r['generate_share']:.0%} | {r['matmul_gflop_s_at_batch']:.0f} | "
-            f"{r['roofline_at_batch_tok_per_s']:.0f} | {r['engine_share_at_batch']:.0%} |"
+            f"{r['roofline_at_batch_tok_per_s']:.0f} | {r['engine_share_at_batch']:.0%} | {cpu_share.mark(r)} |"
         )
+    measured = {f"prefill {r['dtype']}, {r['policy']}": r for r in prefill_rows}
+    measured.update({f"decode {r['dtype']}, batch {r['batch']}": r for r in rows})
+    notes = cpu_share.contended_lines([{"point_id": k, **v} for k, v in measured.items()])
+    lines += ["", *notes] if notes else []
     (out / "roofline.md").write_text("\n".join(lines) + "\n")
     (out / "roofline.json").write_text(
         json.dumps(

@@ -90,12 +90,15 @@ def init_ray(address: str | None):
                 f"--address: cannot join the Ray cluster at {address!r} ({error_message(e)[:300]}); is it running "
                 "(`make cluster-up`, `ray status --address ...`)? When its log says InvalidAuthToken, give this "
                 "process the cluster's token: RAY_AUTH_TOKEN=... or RAY_AUTH_TOKEN_PATH=... (a head of this "
-                "machine keeps it in ~/.ray/auth_token)",
+                "machine keeps it in ~/.ray/auth_token). Where Ray's own line above says to run `ray stop`: the "
+                "address it read names a Ray that has since stopped; `make cluster-down` clears this project's "
+                "head (`ray stop` would stop every Ray of this user), or pass the --address of a running one",
                 1,
             ) from None
         _watch_cluster(ray, address)
         return ray, True
     os.environ.setdefault("RAY_metrics_report_interval_ms", EMBEDDED_METRICS_REPORT_INTERVAL_MS)
+    submit.token_auth_for_embedded()  # Ray's default, stated: no "set RAY_AUTH_MODE=disabled" line in our output
     try:
         ray.init(
             address="local",

@@ -45,6 +45,7 @@ from ray import serve
 from ray.serve.api import _run
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
+from cluster import loopback
 from cluster.placement import (
     PlacedReplica,
     PlacementConfig,
@@ -54,6 +55,7 @@ from cluster.placement import (
     not_ready_message,
     replica_bundle,
 )
+from replica import cpu_share
 from replica.openai_api import replica_death
 
 
@@ -353,6 +355,7 @@ class PointReplica:
     (the model loaded once, sharded over the replica's GPUs when it has several)."""
 
     def __init__(self, name_prefix: str = "replica", **replica_kwargs: Any):
+        loopback.setup_worker()  # before Serve starts this replica's gRPC server
         ctx = serve.get_replica_context()
         self.replica = PlacedReplica(replica_id=f"{name_prefix}-{ctx.replica_tag}", **replica_kwargs)
         self.replica._raise_load_error()  # Serve fails the deployment with the replica's own error
@@ -371,7 +374,7 @@ class PointReplica:
     def _reply(self, call: Callable[..., Any], *args: Any) -> PointReply:
         info = self.replica.info()
         try:
-            return PointReply(info, call(*args))
+            return PointReply(info, cpu_share.measured(call, *args))  # the CPU it got, measured where it ran
         except Exception as e:  # noqa: BLE001 - the point failed, the replica goes on
             text = " ".join(line.strip() for line in str(e).strip().splitlines() if line.strip())
             return PointReply(info, None, f"{type(e).__name__}: {text[:2000]}")

@@ -42,7 +42,9 @@ from typing import Any
 
 from ray import serve
 
+from cluster import loopback
 from cluster.signals import StopSignals
+from replica import cpu_share
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
 from replica.static_batch import model_context_tokens, resolve_run_dtype
@@ -96,6 +98,7 @@ class EngineDeployment:
     ):
         import ray
 
+        loopback.setup_worker()  # before Serve starts this replica's gRPC server
         ctx = serve.get_replica_context()
         self.replica = ServingReplica(
             model_spec=model_spec,
@@ -130,6 +133,11 @@ class EngineDeployment:
 
     async def stats(self) -> dict:
         return await self.replica.stats()
+
+    def cpu_sample(self) -> dict:
+        """This replica process's CPU counters now (`replica.cpu_share.sample`), with its ``replica_id``: a point
+        measures the CPU its replicas got between two of these."""
+        return {"replica_id": self.replica.replica_id, **cpu_share.sample().as_dict()}
 
     def info(self) -> dict:
         return self.replica.info()
@@ -185,6 +193,7 @@ class OpenAIIngress:
         api_key: ApiKey | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
+        loopback.setup_worker()  # before Serve starts this replica's gRPC server
         self.handles, self.metadata = handles, metadata
         self.tokenizer_spec, self.max_pending_requests = tokenizer_spec, max_pending_requests
         self.context_tokens, self.api_key, self.max_body_bytes = context_tokens, api_key, max_body_bytes

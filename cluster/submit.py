@@ -467,6 +467,21 @@ def follow_token_auth() -> bool:
     return mode == "token"
 
 
+def token_auth_for_embedded() -> None:
+    """Token authentication for a Ray this process starts itself (the embedded loopback Ray), stated explicitly:
+    Ray 2.60 turns it on by default for a new local cluster, and says so with a line suggesting
+    ``RAY_AUTH_MODE=disabled`` unless the mode is set. It stays on (another local user cannot run code in our
+    Ray) without that line; `RAY_AUTH_MODE` set by the user always wins."""
+    if os.environ.get("RAY_AUTH_MODE") is None:
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # Ray caches the mode per process; re-read it as Ray's own setup does
+            from ray._raylet import Config  # private and absent from some Ray builds: guarded, so here
+
+            Config.initialize("")
+        except ImportError:
+            pass
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     sweep_args: list[str] = []

@@ -6,8 +6,12 @@
 
 `query` substitutes the dashboards' template variables the way Grafana does (``$run_id`` ->
 the run, the newest by default; multi-value ``All`` -> ``.*``; ``$__rate_interval`` -> 30s),
-asks Prometheus' HTTP API for every target of every panel, and prints which return data.
-Exit status 1 when a query returns no data. Standard library only.
+asks Prometheus' HTTP API for every target of every panel, and prints which return data. A query without data
+is told apart (`classify`): ``N/A`` (the run exported none of the metrics it reads: a panel of another suite
+kind, or a feature the run did not use), ``GONE`` (its metrics had samples within ``--lookback`` but none now:
+the replicas that exported those live gauges have ended) and ``BROKEN`` (every metric it reads has samples for
+the run now, and the panel's expression still returns nothing). Exit status 1 only when a query is ``BROKEN``.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -305,23 +309,55 @@ def markdown(folder: Path = DASHBOARD_DIR) -> str:
     return "\n".join(lines)
 
 
+#: What a query without data is (`classify`), and what each says on the query's line.
+NO_DATA = {
+    "N/A": "the run exported none of the metrics it reads (another suite kind, or a feature it did not use)",
+    "GONE": "its metrics had samples within the lookback, none now: the replicas that exported them have ended",
+    "BROKEN": "every metric it reads has samples for this run now, yet the expression returns none",
+}
+
+
+def classify(expr: str, run_id: str | None, ask, lookback: str = "1h") -> str:
+    """Why `expr` (a panel query, variables substituted) returned no data: ``N/A``, ``GONE`` or ``BROKEN``
+    (`NO_DATA`). `ask(promql)` returns the finite values of an instant query; `run_id` narrows the check to the
+    run's series where the metric carries that label."""
+    names = sorted(metric_names(expr))
+    if not names:
+        return "BROKEN"  # a query reading no metric should have returned its constant
+
+    run = f'{{run_id="{run_id}"}}' if run_id and "run_id" in expr else ""
+    if all(ask(f"count({n}{run})") for n in names):
+        return "BROKEN"
+    if any(ask(f"count(last_over_time({n}{run}[{lookback}]))") for n in names):
+        return "GONE"
+    return "N/A"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=("list", "query"))
     p.add_argument("--prometheus", default="http://127.0.0.1:9090")
     p.add_argument("--run-id", default=None, help="sweep run to check (default: the newest)")
     p.add_argument("--rate-interval", default="30s")
+    p.add_argument("--lookback", default="1h", help="how far back a GONE metric's last sample may be (PromQL range)")
     args = p.parse_args(argv)
     if args.command == "list":
         print(markdown())
         return 0
-    empty = 0
+    counts = dict.fromkeys(NO_DATA, 0)
+    ask = lambda promql: finite_values(query(args.prometheus, promql))  # noqa: E731
     for file, title, ref, expr, values in check(args.prometheus, args.run_id, rate_interval=args.rate_interval):
-        status = f"{len(values)} series" if values else "NO DATA"
-        empty += not values
-        print(f"{status:>10}  {file}  {title} [{ref}]\n            {expr}")
-    print(f"{empty} quer{'y' if empty == 1 else 'ies'} without data")
-    return 1 if empty else 0
+        if values:
+            print(f"{len(values):>4} series  {file}  {title} [{ref}]\n            {expr}")
+            continue
+        kind = classify(expr, args.run_id, ask, args.lookback)
+        counts[kind] += 1
+        print(f"{kind:>11}  {file}  {title} [{ref}]: {NO_DATA[kind]}\n            {expr}")
+    print(
+        f"without data: {counts['BROKEN']} broken, {counts['GONE']} gone (their replicas ended), "
+        f"{counts['N/A']} not applicable to this run"
+    )
+    return 1 if counts["BROKEN"] else 0
 
 
 if __name__ == "__main__":

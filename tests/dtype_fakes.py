@@ -2,7 +2,8 @@
 of a loaded machine: one replica measured bfloat16 1.55x, the other 0.69x, in one run).
 
 `install_alternating_probe()` patches `scissorhands.models` in the calling process (and, named as Ray's
-``worker_process_setup_hook``, in every Ray worker): the CPU reports AMX, and the probe's n-th call
+``worker_process_setup_hook``, in every Ray worker): the CPU reports AVX512-BF16 without AMX (where the probe
+decides; with AMX the flag alone does), and the probe's n-th call
 anywhere (counted in the file ``$SCISSORHANDS_TEST_PROBE_COUNTER``) answers 2.0x when n is odd and 0.5x
 when even, so two replicas that each probe run bfloat16 and float32.
 """
@@ -28,5 +29,5 @@ def install_alternating_probe() -> None:
             f.write(b"x")
         return 2.0 if probe_calls(path) % 2 else 0.5
 
-    models.dtype.cpu_flags = lambda: frozenset({"amx_bf16"})
+    models.dtype.cpu_flags = lambda: frozenset({"avx512_bf16"})
     models.dtype.probe_bfloat16_speedup = probe

@@ -11,6 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Callable
 
+from replica import cpu_share
 from replica.types import GenerationRequest, GenerationResult
 
 
@@ -130,6 +131,9 @@ class OneReplicaPool:
 
     def stats(self, reset=False):
         return [{"replica_id": "fake-0", "peak_running_sequences": self.replica.peak_running}]
+
+    def cpu_samples(self):
+        return {"fake-0": cpu_share.sample().as_dict()}  # the fake replica runs in this process
 
     def restart_dead(self):
         return []

@@ -12,8 +12,10 @@ A test that replaces a function must patch the submodule that reads it (e.g.
 """
 
 from .dtype import (
+    AMX_MIN_HIDDEN,
     BF16_CPU_FLAGS,
     BF16_MIN_SPEEDUP,
+    BF16_NEAR_THRESHOLD,
     DEVICE_NAMES,
     DTYPE_CHOICES,
     check_device_name,
@@ -21,6 +23,7 @@ from .dtype import (
     cpu_flags,
     cpu_model_name,
     is_device_name,
+    near_threshold,
     probe_bfloat16_speedup,
     resolve_dtype,
 )
@@ -49,8 +52,10 @@ from .loading import (
 from .packed import PACKED_DTYPES, PackedLinear, onednn_packs, pack_linear_weights
 
 __all__ = [
+    "AMX_MIN_HIDDEN",
     "BF16_CPU_FLAGS",
     "BF16_MIN_SPEEDUP",
+    "BF16_NEAR_THRESHOLD",
     "CACHE_DIR_ENV",
     "DEVICE_NAMES",
     "DTYPE_CHOICES",
@@ -82,6 +87,7 @@ __all__ = [
     "onednn_packs",
     "pack_linear_weights",
     "prepare_tokenizer",
+    "near_threshold",
     "probe_bfloat16_speedup",
     "resolve_dtype",
     "resolve_source",

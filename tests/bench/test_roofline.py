@@ -91,12 +91,15 @@ def test_report_has_the_roofline_at_the_batch_rows(tmp_path):
         "matmul_gflop_s_at_batch": 300.0,
         "roofline_at_batch_tok_per_s": 1000.0,
         "engine_share_at_batch": 0.65,
+        "cpu_share": 0.42,
+        "contended": True,
     }
     roofline._write(tmp_path, "c", 70.0, {"bfloat16": 831.0}, [], [row])
     md = (tmp_path / "roofline.md").read_text()
-    assert "| matmul at batch rows (GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it |" in md
-    assert md.rstrip().endswith(
+    assert "| matmul at batch rows (GFLOP/s) | roofline at batch rows (tok/s) | ours, share of it | CPU share |" in md
+    assert (
         "| bfloat16 | 32 | 650.0 | 306.0 | 2.12x (2.00-2.15) | 2.10x (2.00-2.20) | 2984 | "
-        "compute | 22% | 10% | 300 | 1000 | 65% |"
-    )
+        "compute | 22% | 10% | 300 | 1000 | 65% | 0.42 ! |"
+    ) in md
+    assert md.rstrip().splitlines()[-1].startswith("`!` contended (") and "decode bfloat16, batch 32" in md
     assert "bfloat16 831 GFLOP/s (512x576 @ 576x1536, the faster of F.linear and the packed layer)" in md

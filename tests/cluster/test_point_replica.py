@@ -4,6 +4,7 @@ one named method per call, each returning the replica's info with the result or 
 import pytest
 
 from cluster.replica_set import PointReplica, PointReply
+from replica import cpu_share
 
 
 class FakeReplica:
@@ -28,7 +29,9 @@ def point_replica():
 
 def test_run_batch_returns_the_result_with_the_replica_info(point_replica):
     reply = point_replica.run_batch({"batch_size": 3})
+    measured = {k: reply.result.pop(k) for k in cpu_share.FIELDS}  # the CPU the point got, measured where it ran
     assert reply == PointReply({"replica_id": "replica-1", "node_id": "n1"}, {"batch_size": 3, "tokens": 12}, None)
+    assert measured["contended_rule"] == cpu_share.CONTENDED_RULE and measured["cpu_process_s"] >= 0
 
 
 def test_apply_runs_the_function_on_the_point(point_replica):

@@ -321,3 +321,31 @@ def test_the_sweep_overview_shows_slo_attainment_and_goodput_per_policy_against_
     assert keys["scissorhands_sweep_slo_attainment_ratio"] == "slo_attainment"
     assert keys["scissorhands_sweep_goodput_requests_per_second"] == "goodput_req_per_s"
     assert keys["scissorhands_sweep_goodput_tokens_per_second"] == "goodput_tok_per_s"
+
+
+class FakePrometheus:
+    """Instant queries answered from which metrics have samples now (per run) and within the lookback."""
+
+    def __init__(self, now: dict[str, set[str]], recent: dict[str, set[str]]):
+        self.now, self.recent = now, recent  # metric -> run ids with samples now / within the lookback
+
+    def __call__(self, promql: str) -> list[float]:
+        m = re.fullmatch(r'count\((?:last_over_time\()?(\w+)(?:\{run_id="([^"]+)"\})?(\[1h\]\))?\)', promql)
+        assert m, promql
+        seen = self.now if m.group(3) is None else {k: self.now.get(k, set()) | v for k, v in self.recent.items()}
+        runs = seen.get(m.group(1), set())
+        return [1.0] if (m.group(2) in runs if m.group(2) else runs) else []
+
+
+def test_query_tells_panels_that_do_not_apply_or_whose_replicas_are_gone_from_broken_ones():
+    prom = FakePrometheus(
+        now={"scissorhands_point_ttft_seconds": {"serving-run"}, "scissorhands_point_decode_s": {"batch-run"}},
+        recent={"scissorhands_replica_running_sequences": {"serving-run"}},
+    )
+    ttft = 'scissorhands_point_ttft_seconds{run_id="serving-run", policy=~".*"}'
+    assert check.classify(ttft, "serving-run", prom) == "BROKEN"  # its metric is there for the run: the query is wrong
+    decode = 'max(scissorhands_point_decode_s{run_id="serving-run"})'
+    assert check.classify(decode, "serving-run", prom) == "N/A"  # only another run (a batch sweep) exported it
+    live = 'sum(scissorhands_replica_running_sequences{run_id="serving-run"})'
+    assert check.classify(live, "serving-run", prom) == "GONE"  # a live gauge whose replicas ended
+    assert check.classify("sum(scissorhands_never_exported_total)", None, prom) == "N/A"

@@ -112,11 +112,11 @@ def test_missing_model_path_names_the_path(tmp_path):
 def test_replica_dtype_auto_is_resolved_and_recorded(monkeypatch):
     from scissorhands import models as sh_models
 
-    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # the probe decides
     monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 2.0)
     r = ModelReplica(model_spec="tiny-llama", num_threads=1, warmup=False)  # dtype defaults to "auto"
     info = r.info()
-    assert info["dtype"] == "bfloat16" and "amx_bf16" in info["dtype_reason"] and "2.00x" in info["dtype_reason"]
+    assert info["dtype"] == "bfloat16" and "avx512_bf16" in info["dtype_reason"] and "2.00x" in info["dtype_reason"]
     assert (
         ModelReplica(model_spec="tiny-llama", dtype="float32", num_threads=1, warmup=False).info()["dtype"] == "float32"
     )

@@ -1,6 +1,7 @@
 """Model loading: the tiny test model, local folders, missing paths, and the embedded SmolLM2."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import scissorhands
 from scissorhands import models as sh_models
 from scissorhands.models import EMBEDDED_MODEL_ID, load_model, model_id_of
 from scissorhands.testing import TINY_LLAMA_CONFIG, tiny_llama
+from tests.neighbour import busy_neighbour
 
 
 def _word_tokenizer() -> PreTrainedTokenizerFast:
@@ -139,6 +141,13 @@ def test_embedded_model_converts_once_and_matches_gguf(monkeypatch, tmp_path):
         assert torch.allclose(cached(ids).logits, gguf_model(ids).logits, atol=1e-4, rtol=0)
 
 
+def embedded_width(config):
+    """A copy of `config` as wide as the embedded SmolLM2-135M (576 x 1536): what `resolve_dtype` reads of it."""
+    wide = copy.deepcopy(config)
+    wide.hidden_size, wide.intermediate_size = 576, 1536
+    return wide
+
+
 # -- dtype: auto ------------------------------------------------------------------------------
 def test_resolve_dtype_forced_and_unknown():
     assert sh_models.resolve_dtype("float32") == (torch.float32, "forced")
@@ -158,14 +167,24 @@ def test_resolve_dtype_auto_on_cpu_needs_the_flags_and_a_faster_probe(monkeypatc
     assert dtype == torch.float32 and "neither amx_bf16 nor avx512_bf16" in reason and not probed
 
     monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
-    dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
+    wide = embedded_width(cfg)
+    dtype, reason = sh_models.resolve_dtype("auto", wide, "cpu")
     assert dtype == torch.bfloat16 and "amx_bf16" in reason and "9.00x" in reason
     # the probe runs at the model's own MLP shape
-    assert probed[-1][:2] == (cfg.hidden_size, cfg.intermediate_size)
+    assert probed[-1][:2] == (wide.hidden_size, wide.intermediate_size)
 
+    # AMX decides by its flag: a probe slowed by other load does not change the dtype, the reason says so
     monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 0.8)
+    dtype, reason = sh_models.resolve_dtype("auto", wide, "cpu")
+    assert dtype == torch.bfloat16 and "0.80x" in reason and "below 1.2x: contended" in reason
+    # ... and a model narrower than AMX_MIN_HIDDEN (the tiny one) runs float32 whatever the probe says
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 9.0)
     dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
-    assert dtype == torch.float32 and "0.80x" in reason
+    assert dtype == torch.float32 and "(64 wide) are narrower than the 256" in reason
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 0.8)
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    dtype, reason = sh_models.resolve_dtype("auto", cfg, "cpu")
+    assert dtype == torch.float32 and "0.80x" in reason and "near the" not in reason
 
 
 @pytest.mark.parametrize("speedup, expected", [(1.03, torch.float32), (1.19, torch.float32), (1.2, torch.bfloat16)])
@@ -177,6 +196,58 @@ def test_resolve_dtype_auto_takes_bfloat16_only_when_clearly_faster(monkeypatch,
     dtype, reason = sh_models.resolve_dtype("auto", tiny_llama(seed=0).config, "cpu")
     assert dtype == expected and f"{speedup:.2f}x" in reason
     assert ("below the 1.2x that picks it" in reason) == (expected == torch.float32)
+
+
+@pytest.mark.parametrize("speedup, near", [(1.0, False), (1.03, True), (1.19, True), (1.37, True), (1.39, False)])
+def test_a_probe_near_its_threshold_is_reported(monkeypatch, speedup, near):
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: speedup)
+    _, reason = sh_models.resolve_dtype("auto", tiny_llama(seed=0).config, "cpu")
+    assert ("near the 1.2x threshold: this CPU could resolve either way, set dtype explicitly" in reason) == near
+    assert sh_models.near_threshold(speedup) == near
+
+
+def test_two_loads_resolve_one_dtype_with_a_contended_probe_in_one(monkeypatch):
+    """The AMX rule: the same machine resolves the same dtype whatever the probe measured under load."""
+    monkeypatch.setattr(sh_models.dtype, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512_bf16"}))
+    cfg = embedded_width(tiny_llama(seed=0).config)
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 3.2)  # idle
+    idle = sh_models.resolve_dtype("auto", cfg, "cpu")[0]
+    monkeypatch.setattr(sh_models.dtype, "probe_bfloat16_speedup", lambda *a: 1.04)  # a busy neighbour
+    assert sh_models.resolve_dtype("auto", cfg, "cpu")[0] == idle == torch.bfloat16
+
+
+class SlowedClock:
+    """``time`` for the probe whose `perf_counter` adds `slow_s` to the end of most trials (every reading but one
+    in `keep`), as a neighbour that takes the core away would: the fastest trial of each kind stays clean."""
+
+    def __init__(self, slow_s: float, keep: int = 5):
+        self.slow_s, self.keep, self.readings = slow_s, keep, 0
+
+    def perf_counter(self) -> float:
+        self.readings += 1
+        slowed = self.readings % 2 == 0 and (self.readings // 2) % self.keep != 0  # an end reading of a trial
+        return time.perf_counter() + (self.slow_s if slowed else 0.0)
+
+
+def test_probe_gives_the_same_answer_with_most_trials_slowed(monkeypatch):
+    probe = sh_models.probe_bfloat16_speedup.__wrapped__  # not the cached value
+    clean = probe(576, 1536, 1)
+    monkeypatch.setattr(sh_models.dtype, "time", SlowedClock(slow_s=0.05))
+    slowed = probe(576, 1536, 1)
+    # a median would have moved toward 1.0x (every kind slowed by the same 50 ms); the fastest trials do not
+    assert slowed == pytest.approx(clean, rel=0.35) and (slowed >= 1.2) == (clean >= 1.2), (clean, slowed)
+
+
+def test_two_probes_agree_with_a_busy_neighbour_in_one(monkeypatch):
+    """The probe as the avx512_bf16-only rule uses it, run for real: idle, then beside spinning processes."""
+    probe = sh_models.probe_bfloat16_speedup.__wrapped__
+    idle = probe(576, 1536, 1)
+    if sh_models.near_threshold(idle):
+        pytest.skip(f"this CPU's probe ({idle:.2f}x) is near the threshold: the resolution reports it instead")
+    with busy_neighbour():
+        busy = probe(576, 1536, 1)
+    assert (busy >= sh_models.BF16_MIN_SPEEDUP) == (idle >= sh_models.BF16_MIN_SPEEDUP), (idle, busy)
 
 
 def test_resolve_dtype_auto_on_gpu(monkeypatch):

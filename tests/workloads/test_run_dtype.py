@@ -172,3 +172,19 @@ def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, 
     assert probe_calls(counter) == 1
     assert started[0]["dtype_reason"] == started[1]["dtype_reason"]
     assert "resolved once for the run on node " in started[0]["dtype_reason"]
+
+
+def test_a_report_of_points_from_two_runs_that_resolved_two_dtypes_warns(tmp_path, capsys):
+    from workloads.core import results as res
+
+    def record(point_id: str, dtype: str) -> dict:
+        reason = f"auto: CPU has avx512_bf16; bfloat16 {'2.00' if dtype == 'bfloat16' else '1.04'}x"
+        return {"point_id": point_id, "status": "ok", "dtype": dtype, "dtype_requested": "auto", "dtype_reason": reason}
+
+    points = tmp_path / "points.jsonl"
+    points.write_text("".join(json.dumps(r) + "\n" for r in [record("a", "bfloat16"), record("b", "float32")]))
+    rc = res.report_main("report", lambda run_dir, records: res.Report("table\n", ()), [str(tmp_path)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "warning: dtype 'auto' resolved to bfloat16 (1 points, e.g. a) and float32 (1 points, e.g. b)" in err
+    assert res.mixed_dtypes([record("a", "float32"), record("b", "float32")]) is None

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from replica import cpu_share
 from workloads.core.results import MIB, conditions_line, latest_by_point, markdown_table, write_atomic
 from workloads.core.template import Report
 
@@ -31,6 +32,7 @@ COLUMNS = [  # (header with unit, record key, format)
     ("KV saved vs full (x)", "kv_saved_vs_full_x", ".2f"),
     ("peak RSS (MiB)", "peak_rss_mib", ".0f"),
     ("replica", "replica_id", "s"),
+    ("CPU share", "cpu", "s"),  # replica.cpu_share: ran / runnable of the replica's threads, `!` contended
     ("status", "status", "s"),
 ]
 
@@ -61,6 +63,9 @@ CSV_FIELDS = [
     "tpot_s",
     "e2e_latency_s",
     "process_cpu_s",
+    "cpu_share",
+    "cpu_busy_share",
+    "contended",
     "decode_tokens_per_s",
     "output_throughput_tok_per_s",
     "total_throughput_tok_per_s",
@@ -115,6 +120,7 @@ def table_rows(records: Iterable[dict]) -> list[dict]:
         row["params_given"] = ", ".join(f"{k}={v}" for k, v in sorted(given.items())) or None
         rss = r.get("peak_rss_bytes")
         row["peak_rss_mib"] = rss / MIB if rss is not None else None
+        row["cpu"] = cpu_share.mark(r)
         rows.append(row)
     return rows
 
@@ -134,7 +140,7 @@ def csv_text(rows: list[dict]) -> str:
 def write_report(run_dir: Path, records: list[dict]) -> Report:
     """Write ``table.md`` and ``points.csv`` of `records` (the latest of each point) under `run_dir`."""
     rows = table_rows(records)
-    table = conditions_line(rows) + markdown_table(COLUMNS, rows)
+    table = conditions_line(rows) + markdown_table(COLUMNS, rows, footer="\n\n".join(cpu_share.contended_lines(rows)))
     files = (run_dir / "table.md", run_dir / "points.csv")
     write_atomic(str(files[0]), table)
     write_atomic(str(files[1]), csv_text(rows))
@@ -143,22 +149,13 @@ def write_report(run_dir: Path, records: list[dict]) -> Report:
 
 
 def warn_contention(rows: list[dict]) -> None:
-    """Say when the replicas got much less CPU than their torch threads (shared or busy machine):
-    timings are then slower than the hardware allows, though still comparable within the run."""
-    ok = [r for r in rows if r.get("status") == "ok" and r.get("process_cpu_s") and r.get("e2e_latency_s")]
-    if not ok:
-        return
-    cpu_s = sum(r["process_cpu_s"] for r in ok)
-    busy_s = sum(r["e2e_latency_s"] * (r.get("torch_threads") or 1) for r in ok)
-    share = cpu_s / busy_s
-    print(
-        f"batch: points used {cpu_s:.0f} CPU-s in {sum(r['e2e_latency_s'] for r in ok):.0f} s of point time "
-        f"({share:.0%} of their torch threads)",
-        file=sys.stderr,
-    )
-    if share < 0.7:
+    """Say on stderr which points' replicas waited for cores (`replica.cpu_share`: shared or busy machine): their
+    timings are slower than the hardware allows."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    hit = [r for r in ok if r.get("contended")]
+    if hit:
         print(
-            "batch: warning: the replicas waited for cores (other load on the machine); "
-            "absolute timings are pessimistic",
+            f"batch: warning: {len(hit)} of {len(ok)} point(s) contended (their replicas waited for cores: "
+            f"{cpu_share.CONTENDED_RULE}); their timings are pessimistic, marked ! in the table",
             file=sys.stderr,
         )

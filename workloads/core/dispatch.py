@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from cluster.connect import error_message, init_ray
 from cluster.inventory import cluster_inventory
+from replica import cpu_share
 from replica.openai_api import replica_death
 from replica.static_batch import ModelReplica
 from workloads.core.run import SweepError, resolve_run_dtype, start_replicas
@@ -90,7 +91,7 @@ def _in_process(suite, pending: list, local, replica_kwargs: dict) -> Iterator[F
     for point in pending:
         t0 = time.time()
         try:
-            yield Finished(point, "ok", local(replica, point), None, info, t0, time.time())
+            yield Finished(point, "ok", cpu_share.measured(local, replica, point), None, info, t0, time.time())
         except Exception as e:  # noqa: BLE001 - the point failed; record it and go on
             yield Finished(point, "error", None, error_message(e), info, t0, time.time())
 

@@ -306,6 +306,28 @@ class Report:
     files: tuple[Path, ...]
 
 
+def mixed_dtypes(records: Iterable[dict]) -> str | None:
+    """A warning when `records` (points read together: a run's, or files concatenated from several runs) ran in
+    more than one resolved dtype for one requested dtype (``dtype: auto`` resolved differently), naming each with
+    its points; None when they agree. A resumed run refuses such a mix (`workloads.core.run.check_resolved_dtype`);
+    records put together by hand are not resumed, so their report says it."""
+    by_request: dict[str, dict[str, list[str]]] = {}
+    for r in records:
+        if r.get("dtype_reason") is not None:
+            by_request.setdefault(str(r.get("dtype_requested")), {}).setdefault(str(r.get("dtype")), []).append(
+                str(r.get("point_id"))
+            )
+    mixed = {req: seen for req, seen in by_request.items() if len(seen) > 1}
+    if not mixed:
+        return None
+    parts = [
+        f"dtype {req!r} resolved to "
+        + " and ".join(f"{d} ({len(ids)} points, e.g. {ids[0]})" for d, ids in seen.items())
+        for req, seen in mixed.items()
+    ]
+    return "; ".join(parts) + ": their timings are not comparable (set dtype explicitly to compare runs)"
+
+
 def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:
     """The command line of a run's report (``python -m <prog> results/<run_id>``): reads the run's
     ``points.jsonl``, calls ``write_report(run_dir, records)`` (-> `Report`), prints its table on stdout and
@@ -320,6 +342,9 @@ def report_main(prog: str, write_report, argv: list[str] | None = None) -> int:
     if not records:
         print(f"{prog}: no records in {run_dir / 'points.jsonl'}", file=sys.stderr)
         return 2
+    mixed = mixed_dtypes(records)
+    if mixed:
+        print(f"{prog}: warning: {mixed}", file=sys.stderr)
     report = write_report(run_dir, records)
     print(report.table, end="")
     print(f"{prog}: wrote " + ", ".join(str(p) for p in report.files), file=sys.stderr)

@@ -13,7 +13,9 @@
 6. the publisher (`workloads.core.push.PointPublisher`: each record appended to ``points.jsonl``, then pushed);
 7. the kind runs the pending points and yields each as it finishes (`Kind.execute` -> `Finished`);
 8. one record per finished point, built once (`workloads.core.results.build_record` with the kind's
-   `Kind.record_fields`), published, and its progress line (`Kind.one_line`);
+   `Kind.record_fields`), published, and its progress line (`Kind.one_line`, then `replica.cpu_share.note`:
+   ``[contended: ...]`` when the point's processes waited for cores; the ``cpu_*`` and ``contended`` fields
+   come with the point's metrics, measured where it ran);
 9. the dtypes the run resolved go into ``run.json``; the kind's report (`Kind.report`: ``table.md`` and the files
    it writes) is printed and written, also after a `SweepError` stopped the run (then its reason is written next
    to the points as ``error.json``, and raised);
@@ -38,6 +40,7 @@ from typing import Any, ClassVar, Iterable, Iterator, Sequence
 from tqdm import tqdm
 
 from cluster.connect import ClusterError
+from replica import cpu_share
 from workloads.core import results as res
 from workloads.core.push import PointPublisher, SweepPusher
 from workloads.core.results import Report
@@ -232,7 +235,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | N
                     )
                     publish(record)
                     bar.update(1)
-                    bar.write(kind.one_line(record), file=sys.stderr)
+                    bar.write(kind.one_line(record) + cpu_share.note(record), file=sys.stderr)
         except ClusterError as e:  # the report of what is on disk is still written
             stop = e
     latest = _latest(run.points_path, points)

@@ -32,6 +32,7 @@ import math
 import sys
 from pathlib import Path
 
+from replica import cpu_share
 from workloads.core import results as res
 from workloads.frontier.gate import (
     DEFAULT_MAX_PERPLEXITY_INCREASE,
@@ -431,6 +432,7 @@ COLUMNS = [  # (header with unit, key, format)
     ("peak KV (MiB)", "kv_cache_mib", ".2f"),
     ("verified", "max_batch_verified", "s"),
     ("frontier", "frontier_mark", "s"),
+    ("CPU share", "cpu", "s"),  # replica.cpu_share: ran / runnable of the replica's threads, `!` contended
     ("status", "status", "s"),
 ]
 
@@ -476,6 +478,7 @@ def markdown(rows: list[dict]) -> str:
             vs_full=_vs_full(r),
             gate_mark=_gate_mark(r),
             capacity=_amount(r) if throughput_axis(r) == "capacity" and r.get("status") == "ok" else None,
+            cpu=cpu_share.mark(r),
         )
         if r.get("status") != "ok":
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
@@ -487,7 +490,8 @@ def markdown(rows: list[dict]) -> str:
     keep = [c for c in COLUMNS if not any(c[1] in AXIS_COLUMNS[a] for a in set(AXIS_COLUMNS) - axes)]
     body = ["| " + " | ".join(res.format_value(r.get(k), f) for _, k, f in keep) + " |" for r in cells]
     head = ["| " + " | ".join(h for h, _, _ in keep) + " |", "|" + "---|" * len(keep)]
-    return headline(rows) + "\n\n" + _conditions(rows) + "\n\n" + "\n".join(head + body) + "\n"
+    notes = "".join(f"\n{line}\n" for line in cpu_share.contended_lines(rows))
+    return headline(rows) + "\n\n" + _conditions(rows) + "\n\n" + "\n".join(head + body) + "\n" + notes
 
 
 #: The right panel of the PNG zooms on the points within this factor of the lowest perplexity.

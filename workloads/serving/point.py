@@ -14,6 +14,7 @@ import asyncio
 from typing import Any
 
 from cluster.connect import error_message
+from replica import cpu_share
 from workloads.load.driver import run_load
 from workloads.load.metrics import summarize
 from workloads.load.slo import SLO_MISS_ERROR_KINDS
@@ -32,6 +33,14 @@ def _requests_for(suite: ServingSuite, point: ServingPoint, cfg, tokenizer, voca
         vocab_size=vocab_size,
         prefix=point.point_id,
     )
+
+
+def cpu_fields(before: dict[str, dict], after: dict[str, dict]) -> dict:
+    """The point's `replica.cpu_share` fields from each replica's samples before and after its load (replicas in
+    both: one Serve replaced during the point is left out); every value None when no replica was sampled."""
+    both = sorted(set(before) & set(after))
+    strip = lambda s: {k: v for k, v in s.items() if k != "replica_id"}  # noqa: E731
+    return cpu_share.combine(cpu_share.measure(strip(before[k]), strip(after[k])) for k in both)
 
 
 def run_point(
@@ -65,8 +74,11 @@ def run_point(
     if hasattr(reqs, "prepare"):  # drawn before the clock starts: a count-bound point's all, else the first 256
         reqs.prepare((cfg.num_requests or 256) + cfg.warmup_requests)
     pool.stats(reset=True)
+    before = pool.cpu_samples()
     result = asyncio.run(run_load(pool.client(), reqs, cfg, slo=suite.slo))
     stats = pool.stats(reset=True)
+    after = pool.cpu_samples()
+    out.update(cpu_fields(before, after))
     m = result.metrics
     peak_running = [s.get("peak_running_sequences") for s in stats]
     peak_kv = [s.get("peak_kv_cache_bytes") for s in stats]

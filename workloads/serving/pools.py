@@ -11,6 +11,7 @@ from typing import Callable, Protocol
 
 from cluster.replica_set import ServeReplicaSet, app_name_for
 from cluster.serve_app import EngineDeployment
+from replica import cpu_share
 from replica.continuous import ServingReplica
 from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from workloads.load.driver import error_kind
@@ -43,6 +44,7 @@ class ReplicaPool(Protocol):
     def client(self): ...
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
     def stats(self, reset: bool = False) -> list[dict]: ...
+    def cpu_samples(self) -> dict[str, dict]: ...
     def restart_dead(self) -> list[str]: ...
     def close(self) -> None: ...
 
@@ -81,6 +83,10 @@ class LocalReplicaPool:
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         return self.replica.max_batch_for(prompt_tokens, max_new_tokens)
+
+    def cpu_samples(self) -> dict[str, dict]:
+        """{replica id: this process's `replica.cpu_share.sample`} (the replica runs here)."""
+        return {self.replica.replica_id: cpu_share.sample().as_dict()}
 
     def stats(self, reset: bool = False) -> list[dict]:
         """The replica's figures once it is idle (`settled`: the requests given up on aborted and counted)."""
@@ -192,6 +198,10 @@ class ServeReplicaPool:
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         return int(self.rset.handle.max_batch_for.remote(prompt_tokens, max_new_tokens).result())
 
+    def cpu_samples(self) -> dict[str, dict]:
+        """{replica id: that replica process's own `replica.cpu_share.sample`} (one cheap call to each)."""
+        return self.rset.broadcast("cpu_sample")
+
     def stats(self, reset: bool = False) -> list[dict]:
         """Every replica's latest figures from the replies; after calls given up on (whose replicas answered
         nothing), asked of every replica once it is idle (`settled`), so the aborted requests count as failed."""
@@ -261,6 +271,10 @@ class HTTPTargetPool:
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         raise RuntimeError("target: max_batch needs our replicas' memory model, not an HTTP server")
+
+    def cpu_samples(self) -> dict[str, dict]:
+        """None: another server's processes are not ours to measure (its points record no CPU share)."""
+        return {}
 
     def stats(self, reset: bool = False) -> list[dict]:
         return [{"replica_id": self.target, "served_model": self.model, **self.metadata}]

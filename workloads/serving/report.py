@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from cluster.connect import error_message
+from replica import cpu_share
 from workloads.core.results import MIB, conditions_line, format_value, markdown_table, significant, write_atomic
 from workloads.core.template import Report
 from workloads.load.metrics import FLAGGED_PERCENTILES, RATE_SHORTFALL_FRACTION
@@ -43,6 +44,7 @@ TABLE = [  # (header with unit, key, format)
     ("goodput (tok/s)", "goodput_tok_per_s", ".1f"),
     ("peak KV (MiB)", "kv_mib", ".1f"),
     ("peak running", "peak_running", "s"),
+    ("CPU share", "cpu", "s"),  # replica.cpu_share: ran / runnable of the replicas' threads, `!` contended
     ("status", "status", "s"),
     ("stop reason", "stop_reason", "s"),
 ]
@@ -121,6 +123,7 @@ def table_rows(records: list[dict]) -> list[dict]:
         )
         d["kv_mib"] = r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None
         d["peak_running"] = ",".join(str(x) for x in r.get("peak_running_sequences_per_replica") or []) or "-"
+        d["cpu"] = cpu_share.mark(r)
         rows.append(d)
     return rows
 
@@ -158,6 +161,7 @@ def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> s
             "arrivals (the record's rate_shortfall and warnings)."
         )
     slo = slo_line(records)
+    footer += "".join(f"\n\n{line}" for line in cpu_share.contended_lines(records))
     head = capacity_markdown(capacity) + "\n" if capacity else ""
     return (
         conditions_line(records)
