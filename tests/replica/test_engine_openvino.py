@@ -169,7 +169,7 @@ def test_a_pipeline_that_raises_fails_the_requests_it_held_with_its_message_and_
         replica.shutdown()
 
 
-def test_an_unfit_request_is_rejected_and_an_aborted_one_dropped_without_touching_the_others(tiny_model, scripted):
+def test_an_unfit_request_is_rejected_by_name_without_touching_the_others(tiny_model, scripted):
     replica = ServingReplica(model=tiny_model, engine_config=EngineConfig(**OV, kv_memory_limit_bytes=2 * BLOCK_BYTES))
     try:
         big, small = _generate(
