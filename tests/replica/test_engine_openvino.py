@@ -270,3 +270,24 @@ def test_the_real_pipeline_serves_the_embedded_model_beside_ours_full_and_evicti
         assert ours.output_ids[:4] == full[0].output_ids[:4]
     finally:
         replica.shutdown()
+
+
+def test_an_aborted_request_is_dropped_from_the_pipeline_and_a_finished_one_ends_as_stop(tiny_model, scripted):
+    cfg = EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES)
+    eng = ovb.OpenVINOEngine(tiny_model, cfg)
+    done = {}
+    for rid in ("gone", "stays", "stopped"):
+        eng.submit(GenerationRequest(rid, [1, 2], max_new_tokens=5), lambda r: done.setdefault(r.request_id, r))
+    assert eng.step() and eng.running == 3
+    eng.abort("gone")
+    eng.finish("stopped")
+    eng.step()
+    handles = scripted.built[-1].handles
+    assert handles[0].dropped and handles[2].dropped and not handles[1].dropped
+    assert done["gone"].error_kind == "aborted" and done["gone"].output_ids == [500]
+    assert done["stopped"].finish_reason == "stop" and done["stopped"].error is None
+    while eng.step():
+        pass
+    assert done["stays"].output_ids == [500, 501, 502, 503, 504] and done["stays"].finish_reason == "length"
+    s = eng.stats()
+    assert (s["completed_requests"], s["failed_requests"], s["generated_tokens"]) == (2, 1, 7)
