@@ -175,8 +175,13 @@ $(OPENVINO_MODEL)/.exported: $(OPENVINO_VENV)/.installed | install
 	echo '$(OPENVINO_EXPORT)' > $(OPENVINO_MODEL)/export_command.txt
 	touch $@
 
-.PHONY: openvino-peer bench-peers
+.PHONY: openvino-peer bench-peers openvino-runtime
 openvino-peer: $(OPENVINO_MODEL)/.exported
+
+# `engine: openvino` in a suite, make serve or the frontier (replica/backends/openvino.py; docs/serving.md "Engine
+# backends"): the runtime in the replica's own venv (pyproject's `openvino` extra, no torch), and the export above.
+openvino-runtime: install
+	$(PY) -m pip install -q -e '.[openvino]'
 
 bench-peers: install
 	-$(MAKE) --no-print-directory openvino-peer

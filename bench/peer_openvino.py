@@ -5,8 +5,9 @@
 
 Runs as a plain script under the interpreter of the virtualenv ``make openvino-peer`` builds (``.cache/venv-openvino``:
 openvino-genai, and optimum-intel for the one-time export, which pins an older transformers than ours), so it imports
-the standard library, numpy, openvino and openvino_genai only, never a module of this repository; ``parse_job`` and
-``blocks_for`` import nothing outside the standard library, so our tests call them from our venv.
+the standard library, numpy, openvino and openvino_genai only, no package of this repository (one standard-library file of it, below); ``parse_job`` and
+``blocks_for`` import nothing outside the standard library (the eviction check and block arithmetic are
+``replica/openvino_settings.py``'s, loaded by its path, shared with the replica's OpenVINO backend), so our tests call them from our venv.
 
 Job (JSON), checked by :func:`parse_job`:
 
@@ -34,15 +35,32 @@ unfinished requests carry the peer's message; the next run still runs. Exit 2: b
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 
-KV_PRECISIONS = ("u8", "bf16", "f16", "f32")
+
+def _load_settings():
+    """``replica/openvino_settings.py`` loaded by its path: the one copy of the eviction check and the block
+    arithmetic, without running ``replica/__init__`` (this script imports no package of ours, whose imports need
+    torch)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "replica", "openvino_settings.py")
+    spec = importlib.util.spec_from_file_location("openvino_settings", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_settings = _load_settings()
+KV_PRECISIONS = _settings.KV_PRECISIONS
+AGGREGATION_MODES = _settings.AGGREGATION_MODES
+blocks_for = _settings.blocks_for
+_choice = _settings.check_choice
+_eviction = _settings.check_eviction
 INFERENCE_PRECISIONS = ("f32", "bf16", "f16")
-AGGREGATION_MODES = ("SUM", "NORM_SUM")
 PROBE_BLOCKS = 2
 VERSION_PACKAGES = ("openvino-genai", "openvino", "optimum-intel", "transformers")
 
@@ -51,31 +69,6 @@ def _int(where: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{where}: expected an integer >= {low}, got {value!r}")
     return value
-
-
-def _choice(where: str, value, accepted: tuple) -> str:
-    if value not in accepted:
-        raise ValueError(f"{where}: {value!r}; accepted: {', '.join(accepted)}")
-    return value
-
-
-def _eviction(where: str, ev, block_tokens: int) -> dict | None:
-    if ev is None:
-        return None
-    if not isinstance(ev, dict):
-        raise ValueError(f"{where}: expected null or a mapping, got {ev!r}")
-    out = {}
-    for key in ("start_size", "recent_size", "max_cache_size"):
-        out[key] = _int(f"{where}.{key}", ev.get(key), 1)
-        if out[key] % block_tokens:
-            raise ValueError(f"{where}.{key}: {out[key]} is not a multiple of the KV block ({block_tokens} tokens)")
-    if out["max_cache_size"] <= out["start_size"] + out["recent_size"]:
-        raise ValueError(
-            f"{where}.max_cache_size: {out['max_cache_size']} must exceed start_size + recent_size "
-            f"({out['start_size'] + out['recent_size']}): nothing would be evictable"
-        )
-    out["aggregation_mode"] = _choice(f"{where}.aggregation_mode", ev.get("aggregation_mode"), AGGREGATION_MODES)
-    return out
 
 
 def parse_job(doc: dict) -> dict:
@@ -135,18 +128,6 @@ def parse_job(doc: dict) -> dict:
     if len({r["label"] for r in job["runs"]}) != len(job["runs"]):
         raise ValueError("runs: the labels repeat; each run needs its own")
     return job
-
-
-def blocks_for(kv_limit_bytes: int, block_bytes: int) -> int:
-    """KV blocks of ``block_bytes`` each that ``kv_limit_bytes`` holds (``num_kv_blocks``), rounded down.
-
-    Raises:
-        ValueError: the limit holds no block (the message names both numbers).
-    """
-    blocks = kv_limit_bytes // block_bytes
-    if blocks < 1:
-        raise ValueError(f"kv_limit_bytes: {kv_limit_bytes} B holds no KV block of {block_bytes} B")
-    return blocks
 
 
 def versions() -> dict:

@@ -278,7 +278,10 @@ def engine_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
     `EngineConfig.knobs`, checked by `EngineConfig` itself); return the knobs' names (the parsed args' attributes)."""
     names = []
     for name, (annotation, info) in EngineConfig.knobs(exclude=SERVE_SETS).items():
-        kind = float if float in (annotation, *typing.get_args(annotation)) else int
+        args = (annotation, *typing.get_args(annotation))
+        kind = (
+            float if float in args else str if str in args else int
+        )  # str: a choice (--engine), checked by the config
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             type=kind,

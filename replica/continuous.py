@@ -1,7 +1,8 @@
 """A replica that serves requests with continuous batching (plain class; Serve wrapper in `cluster.serve_app`).
 
-`ServingReplica` owns a model and, once `configure`d, a `ContinuousBatchingEngine` stepping on its
-own thread (`EngineLoop`). `generate(request)` is a coroutine: it queues the request and resolves
+`ServingReplica` owns a model and, once `configure`d, an engine (the backend ``EngineConfig.engine`` names,
+`replica.backends.BACKENDS`: ours, `ContinuousBatchingEngine`, or OpenVINO GenAI's) stepping on its own thread
+(`EngineLoop`). `generate(request)` is a coroutine: it queues the request and resolves
 to its `GenerationResult` when the engine thread finishes it, so the caller's event loop never runs
 model code and health calls (`health`, `stats`) are answered while a batch is generating.
 `events(request)` streams the same request as typed `StreamChunk`s ended by its `GenerationResult`;
@@ -18,7 +19,8 @@ from typing import AsyncIterator
 
 import torch
 
-from replica.engine import ContinuousBatchingEngine, EngineLoop
+from replica.backends import EngineBackend, make_engine
+from replica.engine import EngineLoop
 from replica.metrics import ReplicaMetrics
 from replica.static_batch import load_replica_model
 from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
@@ -98,7 +100,7 @@ class ServingReplica:
                 model.scissorhands_dtype_reason = dtype_reason
         self.model = model
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        self.engine: ContinuousBatchingEngine | None = None
+        self.engine: EngineBackend | None = None
         self.loop: EngineLoop | None = None
         if engine_config is not None:
             self.configure(engine_config)
@@ -111,11 +113,12 @@ class ServingReplica:
 
         Raises:
             ValueError: an invalid config (the message names the field).
+            replica.backends.openvino.BackendUnavailable: ``engine: openvino`` without its runtime or export.
         """
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.shutdown()
         metrics = ReplicaMetrics(cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec, run_id or "adhoc")
-        self.engine = ContinuousBatchingEngine(
+        self.engine = make_engine(
             self.model, cfg, eos_token_id=self.eos_token_id, replica_id=self.replica_id, metrics=metrics
         )
         self.loop = EngineLoop(self.engine).start()
@@ -252,7 +255,7 @@ class ServingReplica:
         """The engine's counters and peaks (`ContinuousBatchingEngine.stats`); `reset` zeroes them after."""
         if self.engine is None:
             return {"replica_id": self.replica_id}
-        s = self.engine.stats()
+        s = {"engine": self.engine.config.engine, **self.engine.stats()}  # which backend gave these figures
         if reset:
             self.engine.reset_stats()
         return s
@@ -269,6 +272,7 @@ class ServingReplica:
             "model_spec": self.model_spec,
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "dtype_reason": getattr(self.model, "scissorhands_dtype_reason", "given model"),
+            "engine": e.config.engine if e else None,
             "policy": e.config.policy if e else None,
             "budget_tokens": e.budget_tokens if e else None,
             "slot_bytes": e.slot_bytes if e else None,

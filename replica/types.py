@@ -20,6 +20,7 @@ import psutil
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from replica.openvino_settings import BACKEND_KV_PRECISIONS, OPENVINO_POLICIES, eviction_from_policy
 from replica.rules import (
     FrozenConfig,
     PositiveInt,
@@ -52,6 +53,9 @@ __all__ = [
 KV_LAYOUTS = ("preallocated", "paged")
 BUDGETS = ("fixed", "per_request")
 SCHEDULERS = ("prefill_first", "mixed")
+#: The engine backends a replica runs (`replica.backends.BACKENDS`): our engine, or OpenVINO GenAI's
+#: ContinuousBatchingPipeline in process (`replica.backends.openvino`).
+ENGINES = ("ours", "openvino")
 _Count = Annotated[int, checked(check_int, 1)]
 _CountOrNone = Annotated[int | None, checked(check_int, 1, optional=True)]
 #: The `EngineConfig` field of each form of `KVMemoryLimit` (at most one given; none: no limit).
@@ -194,6 +198,14 @@ class EngineConfig(FrozenConfig):
             prompt-chunk tokens); at least one block (`block_tokens`). The default, 512, is `make bench-scheduler`'s
             pick on the embedded model: the lowest Scissorhands ITL p99 among budgets within 10% of prefill-first's
             output tok/s (docs/results/2026-12-04-mixed-scheduler.md).
+        engine: the backend that runs the requests (`replica.backends.BACKENDS`): ``"ours"`` (this package's
+            engine) or ``"openvino"`` (OpenVINO GenAI's ContinuousBatchingPipeline in process, the embedded model's
+            export; `replica.backends.openvino`). ``openvino`` runs policy ``full`` or ``openvino_eviction``
+            (``policy_params``: aggregation_mode SUM | NORM_SUM, start_size, recent_size, max_cache_size, tokens,
+            multiples of its 32-token block; a compression_ratio gives max_cache_size as ours gives B, rounded up to
+            a block), needs ``kv_layout: paged``, ``scheduler: mixed`` and a KV memory limit.
+        openvino_kv_precision: ``"u8"`` (OpenVINO's CPU default, with per-block scales) or ``"bf16"`` (about twice
+            the bytes a token); the KV limit's bytes become its blocks at this precision.
 
     Raises:
         ConfigError (a ValueError): an unknown key, or a field out of range; the message names
@@ -217,11 +229,14 @@ class EngineConfig(FrozenConfig):
     block_tokens: _Count = 16
     scheduler: _one_of(SCHEDULERS) = "prefill_first"
     max_num_batched_tokens: _Count = 512
+    engine: _one_of(ENGINES) = "ours"
+    openvino_kv_precision: _one_of(BACKEND_KV_PRECISIONS) = "u8"
 
     @field_validator("policy", mode="before")
     @classmethod
     def _known_policy(cls, value: Any) -> str:
-        if not isinstance(value, str) or value not in POLICIES:
+        # which engine runs it is checked with the whole config (`_engine_runs_the_policy`)
+        if not isinstance(value, str) or (value not in POLICIES and value not in OPENVINO_POLICIES):
             raise ValueError(f"policy: unknown policy {value!r}; valid policies: {', '.join(POLICIES)}")
         return value
 
@@ -231,6 +246,37 @@ class EngineConfig(FrozenConfig):
         if not isinstance(value, Mapping):
             raise ValueError(f"policy_params: expected a mapping, got {value!r}")
         return dict(value)
+
+    @model_validator(mode="after")
+    def _engine_runs_the_policy(self) -> "EngineConfig":
+        if self.engine == "ours":
+            if self.policy not in POLICIES:
+                raise ValueError(
+                    f"policy: {self.policy!r} runs on engine: openvino only; engine 'ours' runs {', '.join(POLICIES)}"
+                )
+            return self
+        if self.policy not in OPENVINO_POLICIES:
+            raise ValueError(
+                f"policy: engine 'openvino' runs {', '.join(OPENVINO_POLICIES)}, not {self.policy!r} "
+                "(ours runs the others)"
+            )
+        if self.kv_layout != "paged" or self.scheduler != "mixed":
+            raise ValueError(
+                "kv_layout: engine 'openvino' is paged with split-fuse scheduling (32-token blocks, one token budget a "
+                "step); give kv_layout: paged and scheduler: mixed so both engines are configured alike"
+            )
+        if self.budget != "fixed":
+            raise ValueError("budget: engine 'openvino' has one max_cache_size for every sequence; accepted: fixed")
+        if self.policy == "full":
+            if self.policy_params or self.compression_ratio is not None or self.budget_tokens is not None:
+                raise ValueError("policy_params: the full cache of engine 'openvino' takes no parameters nor budget")
+        elif self.budget_tokens is not None:
+            raise ValueError(
+                "budget_tokens: openvino_eviction takes policy_params.max_cache_size (tokens) or a compression_ratio"
+            )
+        else:
+            eviction_from_policy(self.policy_params, self.compression_ratio, self.max_length_tokens)
+        return self
 
     @model_validator(mode="after")
     def _budget_and_limit(self) -> "EngineConfig":
@@ -255,6 +301,8 @@ class EngineConfig(FrozenConfig):
                 "max_length_tokens: kv_limit_full_sequences sizes the limit from full-cache rows of the workload's "
                 "longest prompt + output (tokens); give it"
             )
+        if self.engine != "ours":  # its policy and budget: `_engine_runs_the_policy`
+            return self
         if self.budget == "per_request":
             if not POLICIES[self.policy].evicts:
                 raise ValueError(f"budget: 'per_request' needs a policy that evicts; {self.policy!r} keeps every token")
@@ -273,8 +321,9 @@ class EngineConfig(FrozenConfig):
         return self
 
     def resolved_budget_tokens(self) -> int | None:
-        """B, slots per KV head per sequence (None for a policy that never evicts)."""
-        if not POLICIES[self.policy].evicts or self.budget == "per_request":
+        """B, slots per KV head per sequence (None for a policy that never evicts, and on engine 'openvino': its
+        ``max_cache_size`` is `replica.backends.openvino`'s)."""
+        if self.engine != "ours" or not POLICIES[self.policy].evicts or self.budget == "per_request":
             return None
         if self.budget_tokens is not None:
             return self.budget_tokens

@@ -249,6 +249,7 @@ def test_the_shipped_suites_state_their_limits_in_full_rows():
         "serving-concurrency.yaml": 4,
         "serving-mixed.yaml": 2,
         "serving-paged.yaml": 2,
+        "serving-peer.yaml": 4,
         "serving-rate.yaml": 4,
     }
     memory_limit = load_suite("workloads/suites/memory-limit.yaml")

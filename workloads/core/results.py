@@ -50,6 +50,8 @@ def resolved_policy_params(policy: str | None, policy_params: dict, budget_token
     policy (a quality persistence point)."""
     if policy is None:
         return None
+    if policy not in POLICIES:  # a backend's own policy (openvino_eviction): its parameters as given
+        return dict(policy_params)
     pol = POLICIES[policy](**policy_params)
     params = pol.params()
     if budget_tokens is not None:

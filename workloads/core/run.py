@@ -22,6 +22,8 @@ from cluster import submit, supervise
 from cluster.connect import ClusterError, error_message, replica_resources
 from cluster.placement import PlacementError, not_ready_message
 from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
+from replica.backends.openvino import BackendUnavailable
+from replica.backends.openvino import check_available as check_openvino
 from replica.static_batch import model_context_tokens
 from replica.static_batch import resolve_run_dtype as resolve
 from workloads.core import results as res
@@ -257,6 +259,23 @@ def check_model_context(suite) -> None:
                 "shorten the prompt or the output",
                 2,
             )
+
+
+def check_engines(suite) -> None:
+    """Every engine backend the suite's points name can run here (`replica.backends.openvino.check_available`): a
+    suite naming ``engine: openvino`` without its runtime or export stops before a run folder exists.
+
+    Raises:
+        SweepError: (exit 2) naming the make target that installs the runtime or makes the export, or the field.
+    """
+    if getattr(suite, "target", None) is not None:  # a server at a URL runs its own engine
+        return
+    engines = {getattr(p, "engine", None) for p in suite.points()} | {getattr(suite, "engine", None)}
+    if "openvino" in engines:
+        try:
+            check_openvino(suite.model)
+        except BackendUnavailable as e:
+            raise SweepError(str(e), 2) from None
 
 
 def resolve_run_dtype(

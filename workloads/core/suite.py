@@ -55,8 +55,12 @@ from pydantic import (
 )
 
 from cluster.placement import PlacementConfig, parse_placement
+from replica.openvino_settings import OPENVINO_POLICIES
 from replica.rules import NonNegativeInt, PositiveInt, one_line
-from replica.types import KVMemoryLimit  # noqa: F401 - the suites' `kv_memory_limit`, re-exported where it was
+from replica.types import (
+    ENGINES,
+    KVMemoryLimit,  # noqa: F401 - the suites' `kv_memory_limit`, re-exported where it was
+)
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy
@@ -77,11 +81,14 @@ def _one_or_many(value: Any) -> Any:
 
 
 class PolicySpec(BaseModel):
-    """One policy of a suite: a key of `scissorhands.POLICIES` and its keyword parameters."""
+    """One policy of a suite: a key of `scissorhands.POLICIES` and its keyword parameters, and the engine backend that
+    runs it (`engine`: None runs the suite's ``engine``, ours by default; ``openvino`` runs ``full`` or
+    ``openvino_eviction``, `replica.openvino_settings.OPENVINO_POLICIES`, checked with the point's `EngineConfig`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: Name
     params: dict[str, Any] = Field(default_factory=dict)
+    engine: Literal[ENGINES] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -91,7 +98,7 @@ class PolicySpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _registered(cls, name: str) -> str:
-        if name not in POLICIES:
+        if name not in POLICIES and name not in OPENVINO_POLICIES:
             raise ValueError(f"unknown policy {name!r} (valid policies: {', '.join(POLICIES)})")
         return name
 
@@ -103,19 +110,32 @@ class PolicySpec(BaseModel):
         return params
 
     @property
+    def ours(self) -> bool:
+        """Whether our library runs it (a key of `scissorhands.POLICIES`, not a backend's own policy)."""
+        return self.name in POLICIES and self.engine != "openvino"
+
+    @property
+    def evicts(self) -> bool:
+        """Whether it keeps fewer tokens than it saw (so it takes budgets)."""
+        return POLICIES[self.name].evicts if self.ours else self.name == "openvino_eviction"
+
+    @property
     def policy(self):
         """The library's policy instance for these parameters."""
         return get_policy(self.name, **self.params)
 
     def point_fields(self, compression_ratio: float | None) -> dict:
-        """The policy's part of a point's identity at `compression_ratio`, the same in every suite kind."""
-        return {"policy": self.name, "policy_params": dict(self.params), "compression_ratio": compression_ratio}
+        """The policy's part of a point's identity at `compression_ratio`, the same in every suite kind (its
+        `engine` only when one is named: the ids of suites written before it stay as they were)."""
+        out = {"policy": self.name, "policy_params": dict(self.params), "compression_ratio": compression_ratio}
+        return out if self.engine is None else {**out, "engine": self.engine}
 
     def tag(self) -> str:
-        """The policy's part of a readable point id: the name, plus a digest of explicit params."""
+        """The policy's part of a readable point id: the engine when named, the name, a digest of explicit params."""
+        name = self.name if self.engine is None else f"{self.engine}-{self.name}"
         if not self.params:
-            return self.name
-        return f"{self.name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
+            return name
+        return f"{name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
 
 
 def _placement(value: Any) -> PlacementConfig:
@@ -174,7 +194,7 @@ class SuiteBase(BaseModel):
     @field_validator("policies")
     @classmethod
     def _distinct(cls, value: tuple[PolicySpec, ...]) -> tuple[PolicySpec, ...]:
-        if len({(p.name, json.dumps(p.params, sort_keys=True)) for p in value}) != len(value):
+        if len({(p.name, json.dumps(p.params, sort_keys=True), p.engine) for p in value}) != len(value):
             raise ValueError("the same policy with the same params is listed twice")
         return value
 
@@ -190,14 +210,14 @@ class SuiteBase(BaseModel):
     def budgets(self, policy: PolicySpec) -> list[tuple[float | None, int | None]]:
         """(compression_ratio, budget_tokens) pairs of `policy`: one `(None, None)` for a policy that
         never evicts (`full`), else every ratio, then every absolute budget."""
-        if not POLICIES[policy.name].evicts:
+        if not policy.evicts:
             return [(None, None)]
         return [(r, None) for r in self.compression_ratios] + [(None, b) for b in self.budget_tokens]
 
     @model_validator(mode="after")
     def _budgets_fit_every_policy(self) -> "SuiteBase":
         for i, spec in enumerate(self.policies):
-            if not POLICIES[spec.name].evicts:
+            if not spec.evicts or not spec.ours:  # a backend's own policy: its EngineConfig checks the budget
                 continue
             if not self.compression_ratios and not self.budget_tokens:
                 raise SuiteError(

@@ -46,6 +46,7 @@ from workloads.core.push import PointPublisher, SweepPusher
 from workloads.core.results import Report
 from workloads.core.run import (
     SweepError,
+    check_engines,
     check_model_context,
     cli_main,
     open_run,
@@ -192,6 +193,7 @@ def run_suite(args: argparse.Namespace, kind: Kind, suite=None, *, name: str | N
     name = name or kind.name
     suite = suite if suite is not None else load_suite_of(kind, args.suite, getattr(args, "set", None) or ())
     check_model_context(suite)  # before a run folder exists: a suite that cannot run records nothing
+    check_engines(suite)
     replicas = replica_count(args, suite)
     suite = suite.model_copy(update={"replicas": replicas})
     run = open_run(args, suite, name)

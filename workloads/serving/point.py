@@ -116,8 +116,11 @@ def run_point(
             # a step's work: whole prompts then a decode, or one token budget (mixed: decodes first, prompt chunks)
             "scheduler": next((s.get("scheduler") for s in stats if "scheduler" in s), None),
             "max_num_batched_tokens": next((s.get("max_num_batched_tokens") for s in stats if "scheduler" in s), None),
-            "preemptions": sum(s.get("preemptions") or 0 for s in stats),
-            "recomputed_tokens": sum(s.get("recomputed_tokens") or 0 for s in stats),
+            # the backend that served the point (replica.backends: ours or openvino)
+            "engine": next((s.get("engine") for s in stats if "engine" in s), None),
+            # None when no replica's backend counts them (OpenVINO's pipeline does not: its `not_reported`)
+            "preemptions": _sum_reported(stats, "preemptions"),
+            "recomputed_tokens": _sum_reported(stats, "recomputed_tokens"),
             "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],
             # requests whose prompt an earlier one of the point already had (0 unless the prompt space is tiny)
             "repeated_prompts": getattr(reqs, "repeats_sent", 0),
@@ -159,3 +162,11 @@ def run_point(
             ]
         out.update(status="ok", stop_reason=m.stop_reason, error=None)  # `count` or `duration` (the load generator's)
     return out
+
+
+def _sum_reported(stats: list[dict], key: str) -> int | None:
+    """`key` summed over the replicas (0 for one without it), or None when every replica's backend says it does not
+    count it (``not_reported``: OpenVINO's pipeline keeps no preemption count)."""
+    if stats and all(key in (s.get("not_reported") or ()) for s in stats):
+        return None
+    return sum(s.get(key) or 0 for s in stats)

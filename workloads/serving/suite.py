@@ -134,6 +134,7 @@ class ServingPoint:
     seed: int
     point_id: str
     identity: dict
+    engine: str | None = None  # the policy entry's backend (None: the suite's `engine`)
 
 
 def _lengths(value: Any, info) -> LengthDist:
@@ -352,6 +353,7 @@ class ServingSuite(_EngineKnobs):
                             self.seed,
                             point_id(tag, ident),
                             ident,
+                            pol.engine,
                         )
                     )
         return out
@@ -372,7 +374,8 @@ class ServingSuite(_EngineKnobs):
             budget_tokens=point.budget_tokens,
             compression_ratio=point.compression_ratio,
             max_length_tokens=self.max_length_tokens,
-            budget=self.budget if POLICIES[point.policy].evicts else "fixed",
+            budget=self.budget if point.policy in POLICIES and POLICIES[point.policy].evicts else "fixed",
+            engine=point.engine or self.engine,
         )
         return EngineConfig(**fields)
 

@@ -1,0 +1,470 @@
+"""OpenVINO GenAI as an engine backend: its ``ContinuousBatchingPipeline`` in this process, behind the replica's
+engine protocol (`replica.backends.EngineBackend`), on the same requests as ours.
+
+``add_request(request_id, input_ids, generation_config)`` returns a handle whose ``read()`` gives the new tokens
+after each ``step()``; ``drop()`` aborts; ``get_metrics()`` gives the pool's usage (percent) and the running
+requests. The requests, their answers and their counters are ours (`replica.engine.request_queue.RequestQueue`,
+`replica.engine.lifecycle.Lifecycle`), so a reply, a stream and ``stats()`` read as ours do.
+
+Settings (`replica.types.EngineConfig`, ``engine: openvino``): policy ``full`` or ``openvino_eviction``
+(``CacheEvictionConfig``; its parameters and the ratio's rounding to a 32-token block:
+`replica.openvino_settings.eviction_from_policy`); the KV memory limit in the same bytes as ours, as
+``num_kv_blocks = limit // block_bytes`` (`replica.openvino_settings.blocks_for`), ``block_bytes`` measured on a
+pool of `PROBE_BLOCKS` blocks at ``openvino_kv_precision`` (u8 blocks carry their scales and zero points) as
+``bench/peer_openvino.py`` measures it; ``max_num_batched_tokens`` and ``max_batch`` (its ``max_num_seqs``) as ours;
+prefix caching off (ours has none in these rows); split-fuse on for the full cache, off under eviction (on, the
+2026.4.1 pipeline fails whole batches: "Total number of aggregated SnapKV scores ..."). Threads: this process's
+torch threads (``INFERENCE_NUM_THREADS``); compute precision: the replica model's dtype (f32 or bf16).
+
+What it does not report is None in ``stats()`` and named in ``not_reported``: ``preemptions`` and
+``recomputed_tokens`` (the pipeline keeps no count), ``slot_bytes`` (its blocks are per layer, all heads),
+``prefill_s`` / ``decode_s`` (one fused step does both).
+
+A ``step()`` that raises fails every request the pipeline holds with the pipeline's message (``error_kind``
+"error") and builds a new pipeline for the requests that come after: one point's failure never ends a sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from replica.engine.lifecycle import Lifecycle, recording
+from replica.engine.limits import resolve_kv_limit_bytes
+from replica.engine.request_queue import RequestQueue
+from replica.engine.requests import Sequence
+from replica.metrics import NullMetrics
+from replica.openvino_settings import BLOCK_TOKENS, blocks_for, eviction_from_policy
+from replica.types import EngineConfig, GenerationRequest, GenerationResult
+
+__all__ = [
+    "BackendUnavailable",
+    "EXPORT_DIR",
+    "check_available",
+    "OpenVINOEngine",
+    "PROBE_BLOCKS",
+    "RUNTIME_TARGET",
+    "runtime",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The embedded model's OpenVINO export (``make openvino-peer``; the Makefile's ``OPENVINO_MODEL``).
+EXPORT_DIR = ROOT / ".cache" / "models" / "smollm2-135m-instruct-openvino-fp32"
+EXPORT_TARGET = "make openvino-peer"
+#: Installs ``openvino-genai`` (no torch) into the replica's virtualenv (the ``openvino`` extra of pyproject.toml).
+RUNTIME_TARGET = "make openvino-runtime"
+PROBE_BLOCKS = 2
+_INFERENCE_PRECISION = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+#: `stats()` keys the pipeline does not report (None there).
+NOT_REPORTED = ("preemptions", "recomputed_tokens", "slot_bytes", "prefill_s", "decode_s")
+
+
+class BackendUnavailable(RuntimeError):
+    """``engine: openvino`` without its runtime or its model export; the message names the make target."""
+
+
+def runtime():
+    """``(openvino_genai, openvino, numpy)``, imported on first use (third-party, absent from a default install).
+
+    Raises:
+        BackendUnavailable: ``openvino_genai`` does not import (the message names `RUNTIME_TARGET`).
+    """
+    try:
+        import numpy as np
+        import openvino as ov
+        import openvino_genai as ov_genai
+    except ImportError as e:
+        raise BackendUnavailable(
+            f"engine: 'openvino' needs the openvino-genai runtime in this Python ({RUNTIME_TARGET}): {e}"
+        ) from None
+    return ov_genai, ov, np
+
+
+def check_export(model_dir: Path) -> None:
+    """Raises BackendUnavailable (naming `EXPORT_TARGET`) when `model_dir` lacks the exported model."""
+    missing = [f for f in ("openvino_model.xml", "openvino_model.bin") if not (model_dir / f).is_file()]
+    if missing:
+        raise BackendUnavailable(
+            f"engine: 'openvino' needs the model exported to {model_dir} ({EXPORT_TARGET}); it lacks {', '.join(missing)}"
+        )
+
+
+def check_available(model_spec: str = "embedded") -> None:
+    """``engine: openvino`` can run here on `model_spec`: the runtime imports and the embedded model's export exists.
+
+    Raises:
+        BackendUnavailable: the runtime or the export is absent, or `model_spec` is not the embedded model (the only
+            one exported); the message names the field or the make target.
+    """
+    if model_spec != "embedded":
+        raise BackendUnavailable(
+            f"model: engine 'openvino' runs the embedded model's export ({EXPORT_TARGET}); accepted: embedded, "
+            f"got {model_spec!r}"
+        )
+    runtime()
+    check_export(EXPORT_DIR)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def measured_block_bytes(model_dir: str, kv_precision: str, inference_precision: str, threads: int) -> int:
+    """Bytes of one KV block (all layers) at `kv_precision`: a pipeline of `PROBE_BLOCKS` blocks runs one token and
+    reports its pool (``PipelineMetrics.kv_cache_size_in_bytes``), as ``bench/peer_openvino.py`` measures it."""
+    g, ov, np = runtime()
+    sc = g.SchedulerConfig()
+    sc.num_kv_blocks, sc.cache_size, sc.enable_prefix_caching = PROBE_BLOCKS, 0, False
+    props = {
+        "INFERENCE_NUM_THREADS": threads,
+        "INFERENCE_PRECISION_HINT": inference_precision,
+        "KV_CACHE_PRECISION": kv_precision,
+    }
+    pipe = g.ContinuousBatchingPipeline(model_dir, sc, "CPU", props)
+    gc = g.GenerationConfig()
+    gc.max_new_tokens, gc.ignore_eos, gc.do_sample = 1, True, False
+    pipe.add_request(0, ov.Tensor(np.array([[1, 2, 3, 4]], dtype=np.int64)), gc)
+    while pipe.has_non_finished_requests():
+        pipe.step()
+    total = int(pipe.get_metrics().kv_cache_size_in_bytes)
+    if total <= 0:
+        raise RuntimeError(f"the pipeline reported {total} KV cache bytes for {PROBE_BLOCKS} blocks")
+    return total // PROBE_BLOCKS
+
+
+class OpenVINOEngine:
+    """OpenVINO GenAI's continuous batching behind the replica's engine protocol (see the module docstring).
+
+    Args:
+        model: the replica's torch model: its dtype is the compute precision, and a ``kv_limit_full_sequences``
+            limit resolves on it (the same bytes as ours).
+        config: an `EngineConfig` with ``engine: openvino`` (checked there: policy, parameters, layout, limit).
+        eos_token_id, clock, replica_id, metrics: as `ContinuousBatchingEngine`.
+        model_dir: the exported OpenVINO model (default `EXPORT_DIR`, the embedded model's).
+
+    Raises:
+        BackendUnavailable: the runtime or the export is absent (the message names the make target).
+        ValueError: a config this backend cannot run (no KV memory limit, a limit under one block).
+    """
+
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        *,
+        eos_token_id: int | None = None,
+        clock: Callable[[], float] = time.time,
+        replica_id: str = "replica-0",
+        metrics=None,
+        model_dir: str | Path | None = None,
+    ):
+        if config.engine != "openvino":
+            raise ValueError(f"engine: OpenVINOEngine runs engine 'openvino', got {config.engine!r}")
+        self.g, self.ov, self.np = runtime()
+        self.model_dir = Path(model_dir) if model_dir is not None else EXPORT_DIR
+        check_export(self.model_dir)
+        self.config, self.eos_token_id, self.clock, self.replica_id = config, eos_token_id, clock, replica_id
+        self.metrics = metrics if metrics is not None else NullMetrics()
+        self.kv_memory_limit_bytes = resolve_kv_limit_bytes(model, config, torch.device("cpu"))
+        if self.kv_memory_limit_bytes is None:
+            raise ValueError("kv_memory_limit: engine 'openvino' sizes its block pool from a KV memory limit; give one")
+        dtype = next(model.parameters()).dtype
+        self.inference_precision = _INFERENCE_PRECISION.get(dtype, "f32")
+        self.threads = torch.get_num_threads()
+        self.eviction, self.budget_rounding = (
+            eviction_from_policy(config.policy_params, config.compression_ratio, config.max_length_tokens)
+            if config.policy == "openvino_eviction"
+            else (None, None)
+        )
+        self.budget_tokens = self.eviction["max_cache_size"] if self.eviction else None
+        self.slot_bytes = None
+        self.block_bytes = measured_block_bytes(
+            str(self.model_dir), config.openvino_kv_precision, self.inference_precision, self.threads
+        )
+        self.num_kv_blocks = blocks_for(self.kv_memory_limit_bytes, self.block_bytes)
+        self.queue = RequestQueue()
+        self.life = Lifecycle(clock, self.metrics, eos_token_id, torch.device("cpu"))
+        self.handles: dict[str, tuple[Sequence, object]] = {}  # request id -> (its record, the pipeline's handle)
+        self._next_id = 0
+        self.pipe = self._pipeline()
+        self.reset_stats()
+
+    # ------------------------------------------------------------------ the pipeline
+    def _pipeline(self):
+        g = self.g
+        sc = g.SchedulerConfig()
+        sc.num_kv_blocks, sc.cache_size = self.num_kv_blocks, 0
+        sc.enable_prefix_caching = False  # ours has no prefix cache in these rows
+        sc.max_num_batched_tokens = self.config.max_num_batched_tokens
+        sc.dynamic_split_fuse = self.eviction is None
+        sc.max_num_seqs = self.config.max_batch or 256
+        if self.eviction is not None:
+            ev = self.eviction
+            sc.use_cache_eviction = True
+            sc.cache_eviction_config = g.CacheEvictionConfig(
+                ev["start_size"],
+                ev["recent_size"],
+                ev["max_cache_size"],
+                getattr(g.AggregationMode, ev["aggregation_mode"]),
+            )
+        props = {
+            "INFERENCE_NUM_THREADS": self.threads,
+            "INFERENCE_PRECISION_HINT": self.inference_precision,
+            "KV_CACHE_PRECISION": self.config.openvino_kv_precision,
+        }
+        return g.ContinuousBatchingPipeline(str(self.model_dir), sc, "CPU", props)
+
+    def _generation_config(self, req: GenerationRequest):
+        gc = self.g.GenerationConfig()
+        gc.max_new_tokens = req.max_new_tokens
+        gc.min_new_tokens = req.min_new_tokens
+        gc.ignore_eos = req.ignore_eos
+        if self.eos_token_id is not None:
+            gc.eos_token_id = self.eos_token_id
+        gc.do_sample = not req.greedy
+        if not req.greedy:
+            gc.temperature, gc.top_p = float(req.temperature), float(req.top_p)
+            if req.seed is not None:
+                gc.rng_seed = int(req.seed) % 2**64
+        return gc
+
+    # ------------------------------------------------------------------ the KV limit's answers
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // BLOCK_TOKENS)
+
+    def _final_blocks(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        total = prompt_tokens + max_new_tokens
+        if self.eviction is None:
+            return self._blocks(total)
+        # the whole prompt is prefilled before eviction (split-fuse off), then it holds max_cache_size + one block
+        return self._blocks(max(prompt_tokens + 1, min(total, self.eviction["max_cache_size"] + BLOCK_TOKENS)))
+
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """Why a request of these lengths can never run in the pool, even alone (None: it can)."""
+        need = self._final_blocks(prompt_tokens, max_new_tokens)
+        if need <= self.num_kv_blocks:
+            return None
+        return (
+            f"it needs {need} KV blocks of {BLOCK_TOKENS} tokens, the OpenVINO pool holds {self.num_kv_blocks} "
+            f"({self.kv_memory_limit_bytes} B at {self.block_bytes} B a block, {self.config.openvino_kv_precision})"
+        )
+
+    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Identical requests whose final blocks the pool holds together (and ``max_batch``)."""
+        cap = self.config.max_batch or 1 << 30
+        return max(1, min(cap, self.num_kv_blocks // self._final_blocks(prompt_tokens, max_new_tokens)))
+
+    # ------------------------------------------------------------------ submission (any thread)
+    def submit(
+        self,
+        request: GenerationRequest,
+        on_done: Callable[[GenerationResult], None],
+        on_token: Callable[[int, float], None] | None = None,
+    ) -> None:
+        """Queue `request` (as `ContinuousBatchingEngine.submit`)."""
+        prompt = len(request.prompt_ids)
+        result = GenerationResult(request.request_id, prompt, received_time_s=self.clock(), replica_id=self.replica_id)
+        unfit = self.fits_alone(prompt, request.max_new_tokens)
+        seq = Sequence(request, result, on_done, 0, self.budget_tokens, on_token=on_token, unfit=unfit)
+        fault = self.queue.put(seq, lambda: self.life.count(seq, "received"))
+        if fault is not None:
+            self.life.fail(seq, "error", fault)
+
+    def abort(self, request_id: str) -> None:
+        self.queue.end(request_id, "aborted")
+
+    def finish(self, request_id: str) -> None:
+        self.queue.end(request_id, "stop")
+
+    @property
+    def fault(self) -> str | None:
+        return self.queue.fault
+
+    @property
+    def healthy(self) -> bool:
+        return self.queue.fault is None
+
+    @property
+    def running(self) -> int:
+        return len(self.handles)
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue)
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        return self.queue.wait_for(lambda: bool(self.handles), timeout_s)
+
+    # ------------------------------------------------------------------ one step (the loop's thread)
+    def _apply_ends(self) -> None:
+        ends, gone = self.queue.take_ends()
+        for rid in ends:
+            if rid in self.handles:
+                seq, handle = self.handles.pop(rid)
+                handle.drop()
+                gone.append(seq)
+        t = self.clock()
+        for seq in gone:
+            if ends[seq.request.request_id] == "stop":
+                self.life.complete(seq, "stop", t)
+            else:
+                self.life.fail(seq, "aborted", "the client aborted the request")
+
+    def _admit(self) -> None:
+        """Hand every waiting request to the pipeline (its scheduler admits them); refuse the unfit and those asking
+        what the pipeline cannot give."""
+        waiting = self.queue.drain()
+        now = self.clock()
+        for seq in waiting:
+            req = seq.request
+            if seq.unfit is not None:
+                self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {seq.unfit}")
+                continue
+            if req.prompt_logprobs is not None or req.logprobs is not None:
+                self.life.fail(seq, "error", "engine 'openvino' gives no log-probabilities (logprobs, prompt_logprobs)")
+                continue
+            try:
+                ids = self.ov.Tensor(self.np.array([req.prompt_ids], dtype=self.np.int64))
+                handle = self.pipe.add_request(self._next_id, ids, self._generation_config(req))
+            except Exception as e:  # noqa: BLE001 - the pipeline refused this request: it fails alone
+                self.life.fail(seq, "error", f"OpenVINO GenAI refused the request: {type(e).__name__}: {e}")
+                continue
+            self._next_id += 1
+            seq.result.admitted_time_s = now
+            self.handles[req.request_id] = (seq, handle)
+
+    def step(self) -> bool:
+        """Ends asked, admissions, one ``pipeline.step()``, the new tokens answered; False when idle. A raising
+        pipeline fails the requests it held with its message and is replaced (the engine stays healthy)."""
+        self._apply_ends()
+        self._admit()
+        if not self.handles:
+            self._record_state(0.0)
+            return False
+        t0 = time.perf_counter()
+        try:
+            self.pipe.step()
+        except Exception as e:  # noqa: BLE001 - the peer's failure: its requests fail with its message
+            held, self.handles = list(self.handles.values()), {}
+            for seq, _ in held:
+                self.life.fail(seq, "error", f"OpenVINO GenAI failed the step: {type(e).__name__}: {e}")
+            self.pipe = self._pipeline()
+            self._record_state(0.0)
+            return True
+        self.life.counts["steps_s"] += time.perf_counter() - t0
+        self.life.counts["decode_steps"] += 1
+        t = self.clock()
+        finished = self.g.GenerationStatus.FINISHED
+        running = self.g.GenerationStatus.RUNNING
+        new_tokens = 0
+        for rid, (seq, handle) in list(self.handles.items()):
+            done = False
+            if handle.can_read():
+                for out in handle.read().values():
+                    for tok in out.generated_ids:
+                        new_tokens += not seq.request.warmup
+                        if self.life.emit(seq, int(tok), t):
+                            done = True
+                            break
+            status = handle.get_status()
+            if not done and status == finished:  # an end the pipeline saw first (its stop condition)
+                self.life.complete(seq, "length" if seq.result.output_ids else "eos", t)
+                done = True
+            elif not done and status not in (running, finished):
+                self.life.fail(seq, "error", f"OpenVINO GenAI ended the request with status {status.name}")
+                done = True
+            if done:
+                if status == running:
+                    handle.drop()
+                del self.handles[rid]
+        with recording():
+            self.metrics.add_generated_tokens(new_tokens)
+        self._record_state(float(self.pipe.get_metrics().cache_usage))
+        return True
+
+    def _record_state(self, cache_usage_percent: float) -> None:
+        kv_bytes = int(cache_usage_percent / 100 * self.num_kv_blocks * self.block_bytes)
+        blocks = round(cache_usage_percent / 100 * self.num_kv_blocks)
+        self._kv_bytes, self._blocks_in_use = kv_bytes, blocks
+        self.life.track_bytes(kv_bytes)
+        self.life.track_running(self.running)
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks)
+        self.block_steps += blocks
+        with recording():
+            self.metrics.set_running(self.running)
+            self.metrics.set_queued(len(self.queue))
+            self.metrics.set_kv_cache(kv_bytes, blocks * BLOCK_TOKENS)
+            self.metrics.set_kv_blocks(used=blocks, free=self.num_kv_blocks - blocks)
+
+    # ------------------------------------------------------------------ counters
+    def reset_stats(self) -> None:
+        self.life.reset()
+        self.peak_blocks_in_use, self.block_steps = 0, 0
+        self._kv_bytes = 0
+
+    def stats(self) -> dict:
+        """Counters since `reset_stats`, under `ContinuousBatchingEngine.stats`'s keys (`NOT_REPORTED` None), and the
+        pipeline's settings: its version, KV precision, compute precision, threads, blocks and eviction."""
+        with self.queue.lock:
+            s = dict(self.life.counts)
+            queued = len(self.queue)
+        steps = s.get("decode_steps", 0)
+        return {
+            "replica_id": self.replica_id,
+            "engine": "openvino",
+            "policy": self.config.policy,
+            "budget_tokens": self.budget_tokens,
+            "budget": self.config.budget,
+            "slot_bytes": None,
+            "kv_memory_limit_bytes": self.kv_memory_limit_bytes,
+            "running_sequences": self.running,
+            "queued_requests": queued,
+            "peak_running_sequences": self.life.peak_running,
+            "peak_kv_cache_bytes": self.life.peak_bytes,
+            "kv_cache_bytes": self._kv_bytes,
+            **Lifecycle.request_stats(s),
+            "prefill_s": None,
+            "decode_s": None,
+            "kv_layout": "paged",
+            "scheduler": "mixed",
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
+            "block_tokens": BLOCK_TOKENS,
+            "kv_pool_blocks": self.num_kv_blocks,
+            "peak_kv_blocks_in_use": self.peak_blocks_in_use,
+            "mean_kv_blocks_in_use": self.block_steps / steps if steps else None,
+            "preemptions": None,
+            "recomputed_tokens": None,
+            "not_reported": list(NOT_REPORTED),
+            "openvino_genai_version": _version("openvino-genai"),
+            "openvino_kv_precision": self.config.openvino_kv_precision,
+            "openvino_inference_precision": self.inference_precision,
+            "openvino_threads": self.threads,
+            "openvino_block_bytes": self.block_bytes,
+            "openvino_eviction": self.eviction,
+            "openvino_max_cache_size_rounding": self.budget_rounding,
+            "openvino_dynamic_split_fuse": self.eviction is None,
+            "openvino_model_dir": str(self.model_dir),
+        }
+
+    def abort_all(self, message: str, fault: bool = False) -> int:
+        """Fail every queued and running request (`error_kind="error"`); `fault`: refuse every later one."""
+        seqs = self.queue.drain(message if fault else None)
+        for seq, handle in self.handles.values():
+            handle.drop()
+            seqs.append(seq)
+        self.handles = {}
+        for seq in seqs:
+            self.life.fail(seq, "error", message)
+        return len(seqs)
+
+    def stop_on_fault(self, message: str) -> int:
+        return self.abort_all(message, fault=True)

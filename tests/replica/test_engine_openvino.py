@@ -1,0 +1,293 @@
+"""The OpenVINO GenAI backend (replica/backends/openvino.py): its KV blocks from the byte limit, a failing pipeline
+failing only the requests it held, the make targets named when its runtime or export is absent (on a scripted
+pipeline); and, in the slow tier, the real ``ContinuousBatchingPipeline`` on the embedded model's export."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from replica.backends import openvino as ovb
+from replica.continuous import ServingReplica
+from replica.types import EngineConfig, GenerationRequest
+from scissorhands.testing import tiny_llama
+from tests.suite_helpers import serving_suite, uniform
+from workloads.core.run import SweepError
+from workloads.core.template import run_suite
+from workloads.serving.pools import LocalReplicaPool
+from workloads.serving.runner import ServingKind
+
+OV = dict(engine="openvino", kv_layout="paged", scheduler="mixed")
+BLOCK_BYTES = 1000
+SNAPKV = "Total number of aggregated SnapKV scores during prefill phase may not be larger than the configured window"
+
+
+class _Status:
+    RUNNING = SimpleNamespace(name="RUNNING")
+    FINISHED = SimpleNamespace(name="FINISHED")
+    IGNORED = SimpleNamespace(name="IGNORED")
+
+
+class _Handle:
+    def __init__(self, max_new: int):
+        self.max_new, self.out, self.unread, self.status, self.dropped = max_new, 0, [], _Status.RUNNING, False
+
+    def can_read(self):
+        return bool(self.unread)
+
+    def read(self):
+        ids, self.unread = self.unread, []
+        return {0: SimpleNamespace(generated_ids=ids)}
+
+    def get_status(self):
+        return self.status
+
+    def drop(self):
+        self.dropped = True
+
+
+class _Pipeline:
+    """One token per request per step (``500 + position``); raises ``fail_at_step`` (1-based) of this pipeline."""
+
+    built: list = []
+    fail_at_step: int | None = None
+
+    def __init__(self, model_dir, sc, device, props):
+        self.sc, self.props, self.handles, self.steps = sc, props, [], 0
+        _Pipeline.built.append(self)
+
+    def add_request(self, rid, ids, gc):
+        h = _Handle(gc.max_new_tokens)
+        self.handles.append(h)
+        return h
+
+    def step(self):
+        self.steps += 1
+        if self.steps == _Pipeline.fail_at_step:
+            raise RuntimeError(SNAPKV)
+        for h in self.handles:
+            if h.status is _Status.RUNNING and not h.dropped:
+                h.unread.append(500 + h.out)
+                h.out += 1
+                if h.out == h.max_new:
+                    h.status = _Status.FINISHED
+
+    def get_metrics(self):
+        live = sum(h.status is _Status.RUNNING for h in self.handles)
+        return SimpleNamespace(cache_usage=50.0 if live else 0.0)
+
+
+def _fake_genai():
+    return SimpleNamespace(
+        SchedulerConfig=lambda: SimpleNamespace(),
+        GenerationConfig=lambda: SimpleNamespace(),
+        CacheEvictionConfig=lambda *a: a,
+        AggregationMode=SimpleNamespace(SUM="SUM", NORM_SUM="NORM_SUM"),
+        GenerationStatus=_Status,
+        ContinuousBatchingPipeline=_Pipeline,
+    )
+
+
+@pytest.fixture
+def scripted(monkeypatch, tmp_path):
+    """The backend on the scripted pipeline: blocks of `BLOCK_BYTES`, an export folder that exists."""
+    _Pipeline.built, _Pipeline.fail_at_step = [], None
+    fake_np = SimpleNamespace(array=lambda x, dtype=None: x, int64=int)
+    monkeypatch.setattr(ovb, "runtime", lambda: (_fake_genai(), SimpleNamespace(Tensor=lambda x: x), fake_np))
+    monkeypatch.setattr(ovb, "measured_block_bytes", lambda *a: BLOCK_BYTES)
+    for f in ("openvino_model.xml", "openvino_model.bin"):
+        (tmp_path / f).write_text("")
+    monkeypatch.setattr(ovb, "EXPORT_DIR", tmp_path)
+    return _Pipeline
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.set_num_threads(1)
+    return tiny_llama(0)
+
+
+def _generate(replica, reqs):
+    async def go():
+        return await asyncio.gather(*(replica.generate(r) for r in reqs))
+
+    return asyncio.run(go())
+
+
+def test_the_kv_limit_bytes_become_whole_blocks_and_the_settings_reach_the_pipeline(tiny_model, scripted):
+    cfg = EngineConfig(
+        **OV,
+        kv_memory_limit_bytes=10 * BLOCK_BYTES + 999,
+        policy="openvino_eviction",
+        policy_params={"aggregation_mode": "NORM_SUM"},
+        compression_ratio=4,
+        max_length_tokens=544,
+        openvino_kv_precision="bf16",
+        max_num_batched_tokens=256,
+    )
+    eng = ovb.OpenVINOEngine(tiny_model, cfg)
+    sc, props = scripted.built[-1].sc, scripted.built[-1].props
+    assert eng.num_kv_blocks == sc.num_kv_blocks == 10  # rounded down: the limit is never exceeded
+    assert props["KV_CACHE_PRECISION"] == "bf16" and props["INFERENCE_PRECISION_HINT"] == "f32"
+    assert sc.max_num_batched_tokens == 256 and sc.enable_prefix_caching is False
+    assert sc.use_cache_eviction and sc.cache_eviction_config == (32, 32, 160, "NORM_SUM")  # ceil(544/4)=136 -> 160
+    assert sc.dynamic_split_fuse is False  # split-fuse with eviction fails whole batches on 2026.4.1
+    s = eng.stats()
+    assert (
+        s["budget_tokens"] == 160
+        and s["openvino_max_cache_size_rounding"] == "ceil(544 / 4) = 136 -> 160 (32-token blocks)"
+    )
+    assert s["preemptions"] is None and "preemptions" in s["not_reported"] and s["kv_pool_blocks"] == 10
+    # a request needing more blocks than the pool, even alone, is named with the numbers
+    assert "needs 11 KV blocks of 32 tokens, the OpenVINO pool holds 10" in eng.fits_alone(340, 8)
+
+
+def test_a_pipeline_that_raises_fails_the_requests_it_held_with_its_message_and_the_next_ones_run(tiny_model, scripted):
+    replica = ServingReplica(model=tiny_model, engine_config=EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES))
+    try:
+        scripted.fail_at_step = 2
+        failed = _generate(replica, [GenerationRequest(f"a{i}", [1, 2, 3], max_new_tokens=4) for i in range(3)])
+        for r in failed:
+            assert (
+                r.error_kind == "error" and SNAPKV in r.error and r.error.startswith("OpenVINO GenAI failed the step")
+            )
+            assert r.output_ids == [500]  # the token before the failure was answered
+        assert replica.loop.alive and replica.engine.healthy  # a peer's failure is not the replica's
+        scripted.fail_at_step = None
+        (ok,) = _generate(replica, [GenerationRequest("b", [1, 2], max_new_tokens=3)])
+        assert ok.error is None and ok.output_ids == [500, 501, 502] and len(scripted.built) == 2
+        s = asyncio.run(replica.stats())
+        assert (s["failed_requests"], s["completed_requests"], s["engine"]) == (3, 1, "openvino")
+    finally:
+        replica.shutdown()
+
+
+def test_an_unfit_request_is_rejected_by_name_without_touching_the_others(tiny_model, scripted):
+    replica = ServingReplica(model=tiny_model, engine_config=EngineConfig(**OV, kv_memory_limit_bytes=2 * BLOCK_BYTES))
+    try:
+        big, small = _generate(
+            replica,
+            [
+                GenerationRequest("big", list(range(80)), max_new_tokens=4),
+                GenerationRequest("s", [1], max_new_tokens=2),
+            ],
+        )
+        assert big.error_kind == "rejected" and "the OpenVINO pool holds 2" in big.error
+        assert small.output_ids == [500, 501]
+    finally:
+        replica.shutdown()
+
+
+def test_without_its_runtime_or_export_the_backend_names_the_make_target(monkeypatch, tmp_path):
+    with pytest.raises(ovb.BackendUnavailable, match=r"make openvino-peer.*lacks openvino_model.xml"):
+        ovb.check_export(tmp_path)
+    monkeypatch.setitem(sys.modules, "openvino_genai", None)  # an import that fails
+    with pytest.raises(
+        ovb.BackendUnavailable, match=r"openvino-genai runtime in this Python \(make openvino-runtime\)"
+    ):
+        ovb.runtime()
+    with pytest.raises(ovb.BackendUnavailable, match=r"model: engine 'openvino' runs the embedded model's export"):
+        ovb.check_available("tiny-llama")
+
+
+def test_a_suite_naming_openvino_where_it_cannot_run_exits_2_before_any_point(tmp_path, tiny_model, monkeypatch):
+    def absent(model):
+        raise ovb.BackendUnavailable("engine: 'openvino' needs the openvino-genai runtime (make openvino-runtime)")
+
+    monkeypatch.setattr("workloads.core.run.check_openvino", absent)
+    doc = serving_suite(
+        mode="concurrency",
+        loads=[1],
+        policies=["full", {"name": "full", "engine": "openvino"}],
+        prompt_tokens=uniform(8, 16),
+        new_tokens=uniform(2, 4),
+        num_requests=2,
+        kv_layout="paged",
+        scheduler="mixed",
+        kv_memory_limit={"bytes": 1_000_000},
+    )
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    args = argparse.Namespace(
+        suite=str(path), replicas=None, results_dir=str(tmp_path / "r"), run_id="run", resume=None, address=None
+    )
+    args.pushgateway = "off"
+    with pytest.raises(SweepError, match=r"make openvino-runtime") as err:
+        run_suite(args, ServingKind(LocalReplicaPool(1, "tiny-llama", model=tiny_model)))
+    assert err.value.code == 2 and not (tmp_path / "r" / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------- the real backend
+PEER_SITE = Path(__file__).resolve().parents[2] / ".cache" / "venv-openvino" / "lib" / "python3.11" / "site-packages"
+
+
+def _real_runtime_or_skip() -> None:
+    """The runtime in this Python (``make openvino-runtime``), else the peer venv's (``make openvino-peer``; it
+    holds the same openvino-genai, appended after ours so our packages win); skip when neither, or no export."""
+    try:
+        import openvino_genai  # noqa: F401
+    except ImportError:
+        if not (PEER_SITE / "openvino_genai").is_dir():
+            pytest.skip("no openvino-genai runtime (make openvino-runtime or make openvino-peer)")
+        sys.path.append(str(PEER_SITE))
+    if not (ovb.EXPORT_DIR / "openvino_model.xml").is_file():
+        pytest.skip(f"no export at {ovb.EXPORT_DIR} (make openvino-peer)")
+
+
+@pytest.mark.slow
+def test_the_real_pipeline_serves_the_embedded_model_beside_ours_full_and_evicting():
+    _real_runtime_or_skip()
+    torch.set_num_threads(2)
+    replica = ServingReplica("embedded", dtype="float32")
+    base = dict(**OV, kv_memory_limit_bytes=20_000_000, max_length_tokens=80)
+    reqs = lambda tag: [GenerationRequest(f"{tag}{i}", list(range(100 + i, 164 + i)), 16) for i in range(4)]  # noqa: E731
+    try:
+        replica.configure(EngineConfig(**base))
+        full = _generate(replica, reqs("f"))
+        s = asyncio.run(replica.stats())
+        assert all(r.error is None and len(r.output_ids) == 16 and r.finish_reason == "length" for r in full)
+        assert s["engine"] == "openvino" and s["completed_requests"] == 4 and s["generated_tokens"] == 64
+        assert s["openvino_genai_version"].startswith("2026.") and s["openvino_kv_precision"] == "u8"
+        assert s["openvino_inference_precision"] == "f32" and s["openvino_threads"] == 2
+        assert s["kv_pool_blocks"] == 20_000_000 // s["openvino_block_bytes"]
+        assert (
+            0 < s["peak_kv_cache_bytes"] <= 20_000_000 and s["peak_kv_blocks_in_use"] >= 4
+        )  # 80 tokens: 3 blocks each
+        replica.configure(EngineConfig(**base, policy="openvino_eviction", compression_ratio=2))
+        evicted = _generate(replica, reqs("e"))
+        s = asyncio.run(replica.stats())
+        assert all(r.error is None and len(r.output_ids) == 16 for r in evicted)
+        assert s["openvino_eviction"]["max_cache_size"] == 96 and s["budget_tokens"] == 96
+        replica.configure(EngineConfig())  # ours on the same request: the same model, greedy
+        (ours,) = _generate(replica, [GenerationRequest("o", list(range(100, 164)), 16)])
+        assert ours.output_ids[:4] == full[0].output_ids[:4]
+    finally:
+        replica.shutdown()
+
+
+def test_an_aborted_request_is_dropped_from_the_pipeline_and_a_finished_one_ends_as_stop(tiny_model, scripted):
+    cfg = EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES)
+    eng = ovb.OpenVINOEngine(tiny_model, cfg)
+    done = {}
+    for rid in ("gone", "stays", "stopped"):
+        eng.submit(GenerationRequest(rid, [1, 2], max_new_tokens=5), lambda r: done.setdefault(r.request_id, r))
+    assert eng.step() and eng.running == 3
+    eng.abort("gone")
+    eng.finish("stopped")
+    eng.step()
+    handles = scripted.built[-1].handles
+    assert handles[0].dropped and handles[2].dropped and not handles[1].dropped
+    assert done["gone"].error_kind == "aborted" and done["gone"].output_ids == [500]
+    assert done["stopped"].finish_reason == "stop" and done["stopped"].error is None
+    while eng.step():
+        pass
+    assert done["stays"].output_ids == [500, 501, 502, 503, 504] and done["stays"].finish_reason == "length"
+    s = eng.stats()
+    assert (s["completed_requests"], s["failed_requests"], s["generated_tokens"]) == (2, 1, 7)
