@@ -214,7 +214,7 @@ class ContinuousBatchingEngine:
             with self.queue.lock:  # submit only appends: the head the plan read stays the head
                 plan = self.scheduler.plan(self._view(), self.kv)
                 self.queue.pop_front(plan.consumed)
-            self.flight.prefilling.extend(plan.started)
+                self.flight.admit(plan.chunks, plan.started)  # held from here until finished: `abort_all` sees them
             for seq, why in plan.rejected:
                 self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {why}")
             if not plan.yield_newest:
@@ -274,13 +274,12 @@ class ContinuousBatchingEngine:
         self.life.track_running(self.running)
         if not last:
             return
-        self.flight.drop(p)
         keep = []
         for i, (seq, tok) in enumerate(zip(group, fwd.tokens)):
             seq.held_slots = self.kv.prefill_slots(len(seq.prefill_ids()), seq.budget_tokens)  # a recompute: + outputs
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
-        self.flight.join(p, fwd.picked, keep)
+        self.flight.join(p, fwd.picked, keep)  # then `p` is dropped: a fault in the merge leaves it held
         if keep:
             self.life.track_bytes(self.flight.kv_cache_bytes())
             self.life.track_running(self.running)
@@ -373,10 +372,13 @@ class ContinuousBatchingEngine:
         }
 
     def abort_all(self, message: str, fault: bool = False) -> int:
-        """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
-        when `step()` is not running (the loop stopped). `fault`: refuse every later request with `message`."""
-        seqs = self.queue.drain(message if fault else None)
-        seqs += self.flight.clear()
+        """Fail every request the engine holds and has not answered, queued or taken from the queue (wherever a
+        fault in a step left it), with `error_kind="error"`; return how many. Call it only when `step()` is not
+        running (the loop stopped). `fault`: refuse every later request with `message`."""
+        queued = self.queue.drain(message if fault else None)
+        held = self.flight.clear()  # a preempted request is queued and held: answered once
+        ids = {id(s) for s in held}
+        seqs = held + [s for s in queued if id(s) not in ids]
         for seq in seqs:
             self.life.fail(seq, "error", message)
         self._record_state()
