@@ -10,6 +10,10 @@ from typing import Callable
 import torch
 
 from replica.engine.requests import Sequence
+from replica.types import OUTCOMES
+
+#: The outcomes counted as completed requests (`GenerationResult.outcome`); the others are failed ones.
+COMPLETED_OUTCOMES = OUTCOMES[:2]
 
 __all__ = ["Lifecycle", "recording"]
 
@@ -144,26 +148,30 @@ class Lifecycle:
 
     def complete(self, seq: Sequence, reason: str, t: float) -> None:
         """Finish `seq` as completed (`reason`: ``"eos"``, ``"length"``, or ``"stop"`` when the client had what it
-        asked), observing its time per output token."""
-        r = seq.result
-        r.finish_reason, r.finish_time_s = reason, t
-        if len(r.output_ids) > 1:
-            with recording():
-                tpot_s = max(0.0, r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output_ids) - 1)
-                self.metrics.observe_tpot(tpot_s, self.phase(seq))
-        self.count(seq, "completed")
-        self.done(seq)
+        asked)."""
+        seq.result.finish_reason, seq.result.finish_time_s = reason, t
+        self.finished(seq)
 
     def finish_scored(self, seq: Sequence) -> None:
         """Finish a score-only request (no new tokens asked): its prompt's log-probabilities are its result."""
         seq.result.finish_reason, seq.result.finish_time_s = "length", self.clock()
-        self.count(seq, "completed")
-        self.done(seq)
+        self.finished(seq)
 
     def fail(self, seq: Sequence, kind: str, message: str) -> None:
         r = seq.result
         r.error_kind, r.error, r.finish_reason, r.finish_time_s = kind, message, "error", self.clock()
-        self.count(seq, "failed")
+        self.finished(seq)
+
+    def finished(self, seq: Sequence) -> None:
+        """Count `seq`, whose result is final, by its one classification (`GenerationResult.outcome`): completed
+        (`COMPLETED_OUTCOMES`; its time per output token observed) or failed; then answer it."""
+        r = seq.result
+        completed = r.outcome in COMPLETED_OUTCOMES
+        if completed and len(r.output_ids) > 1:
+            with recording():
+                tpot_s = max(0.0, r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output_ids) - 1)
+                self.metrics.observe_tpot(tpot_s, self.phase(seq))
+        self.count(seq, "completed" if completed else "failed")
         self.done(seq)
 
     def fail_all(self, seqs: list[Sequence], exc: BaseException) -> None:
