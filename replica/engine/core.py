@@ -131,8 +131,10 @@ class ContinuousBatchingEngine:
         on_done: Callable[[GenerationResult], None],
         on_token: Callable[[int, float], None] | None = None,
     ) -> None:
-        """Queue `request`; `on_done(result)` is called once, from the thread running `step()`, and
-        `on_token(token_id, time_s)` for each token as it is decoded (before `on_done` for the last)."""
+        """Queue `request`; `on_done(result)` is called once, from the thread running `step()` (or, when the
+        engine is dead, `healthy` False, from the calling thread before `submit` returns: refused with its
+        `fault`), and `on_token(token_id, time_s)` for each token as it is decoded (before `on_done` for the
+        last)."""
         prompt, new = len(request.prompt_ids), request.max_new_tokens
         result = GenerationResult(request.request_id, prompt, received_time_s=self.clock(), replica_id=self.replica_id)
         seq = Sequence(
@@ -245,8 +247,8 @@ class ContinuousBatchingEngine:
         self._make_room_for_decode()
         if self._running:
             self._decode_step()
-        self.life.counts["prefill_s"] += t1 - t0
-        self.life.counts["decode_s"] += time.perf_counter() - t1
+        self.life.add("prefill_s", t1 - t0)
+        self.life.add("decode_s", time.perf_counter() - t1)
         self._record_state()
         return True
 
@@ -348,9 +350,8 @@ class ContinuousBatchingEngine:
         """Counters since `reset_stats` (units in the names). Request counts and generated tokens
         are of measured requests; the load generator's warm-up requests are in the ``warmup_*``
         keys. Steps, times and peaks are the engine's, whichever requests ran in them."""
-        with self.queue.lock:
-            s = dict(self.life.counts)
-            queued = len(self.queue)
+        with self.queue.lock:  # received is counted under it: the counts and the queue agree
+            s, queued = self.life.snapshot(), len(self.queue)
         return {
             "replica_id": self.replica_id,
             "policy": self.config.policy,

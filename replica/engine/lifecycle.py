@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -36,13 +37,26 @@ class Lifecycle:
 
     def __init__(self, clock: Callable[[], float], metrics, eos_token_id: int | None, device: torch.device):
         self.clock, self.metrics, self.eos_token_id, self.device = clock, metrics, eos_token_id, device
+        # the step's thread counts, and so do callers' threads (a dead engine refuses `submit` in the call)
+        self.lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
         """Zero the counters and peaks."""
-        self.counts: collections.Counter = collections.Counter()
-        self.peak_bytes = 0
-        self.peak_running = 0
+        with self.lock:
+            self.counts: collections.Counter = collections.Counter()
+            self.peak_bytes = 0
+            self.peak_running = 0
+
+    def add(self, counter: str, n: float = 1) -> None:
+        """Add `n` to `counter` (any thread)."""
+        with self.lock:
+            self.counts[counter] += n
+
+    def snapshot(self) -> dict:
+        """A copy of the counters (any thread)."""
+        with self.lock:
+            return dict(self.counts)
 
     @staticmethod
     def key(seq: Sequence, counter: str) -> str:
@@ -54,7 +68,7 @@ class Lifecycle:
         return "warmup" if seq.request.warmup else "measured"
 
     def count(self, seq: Sequence, counter: str) -> None:
-        self.counts[self.key(seq, counter)] += 1
+        self.add(self.key(seq, counter))
 
     def track_bytes(self, nbytes: int) -> None:
         self.peak_bytes = max(self.peak_bytes, int(nbytes))
@@ -84,7 +98,7 @@ class Lifecycle:
             if last:
                 self.metrics.add_generated_tokens(len(group) - warm)
                 self.metrics.add_generated_tokens(warm, "warmup")
-        self.counts["prefill_calls"] += 1
+        self.add("prefill_calls")
 
     def decoded(self, rows: list[Sequence], fwd, blocks_in_use: int) -> None:
         """Count one decode step of `rows` (`fwd`: its `Forward`), the pool holding `blocks_in_use` blocks."""
@@ -94,13 +108,13 @@ class Lifecycle:
             self.metrics.add_generated_tokens(len(rows) - warm)
             self.metrics.add_generated_tokens(warm, "warmup")
             self.metrics.add_evictions(fwd.evicted_tokens)
-        self.counts["decode_steps"] += 1
-        self.counts["block_steps"] += blocks_in_use
+        self.add("decode_steps")
+        self.add("block_steps", blocks_in_use)
 
     def preempted(self, recomputed_tokens: int) -> None:
         """Count one preemption, whose next prefill recomputes `recomputed_tokens` tokens."""
-        self.counts["preemptions"] += 1
-        self.counts["recomputed_tokens"] += recomputed_tokens
+        self.add("preemptions")
+        self.add("recomputed_tokens", recomputed_tokens)
         with recording():
             self.metrics.add_preemption(recomputed_tokens)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -89,3 +90,38 @@ def test_a_healthy_engine_reports_no_fault_and_serves_after_a_request_failure(mo
         assert engine.healthy and engine.fault is None and loop.alive
     finally:
         loop.stop(timeout_s=5)
+
+
+class LockCheckedCounter(collections.Counter):
+    """The engine's counters, noting every update made without the counters' lock held."""
+
+    def __init__(self, lock):
+        super().__init__()
+        self.lock, self.unlocked = lock, []
+
+    def __setitem__(self, key, value):
+        if not self.lock.locked():
+            self.unlocked.append((key, threading.current_thread().name))
+        super().__setitem__(key, value)
+
+
+def test_every_counter_update_holds_the_counters_lock_refusals_from_other_threads_included(model):
+    """A dead engine answers `submit` on the caller's thread, so callers' threads and the step's thread count."""
+    engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED))
+    counts = engine.life.counts = LockCheckedCounter(engine.life.lock)
+    got: list = []
+    engine.submit(GenerationRequest("served", [3, 4, 5], 3), got.append)
+    engine.run_until_idle()
+    engine.stop_on_fault("planted fault")
+    callers = [
+        threading.Thread(target=engine.submit, args=(GenerationRequest(f"refused-{i}", [1, 2, 3], 2), got.append))
+        for i in range(4)
+    ]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert [r.error for r in got] == [None] + ["planted fault"] * 4
+    assert counts["received"] == 5 and counts["completed"] == 1 and counts["failed"] == 4 and counts["tokens"] == 3
+    assert counts["decode_steps"] > 0 and counts["prefill_calls"] == 1
+    assert counts.unlocked == []
