@@ -42,6 +42,12 @@ def _fault_in_decode(engine, monkeypatch):
     monkeypatch.setattr(engine.runner, "decode", _planted)
 
 
+def _fault_in_a_preemption(engine, monkeypatch):
+    """The newest running row is preempted, and taking its row out of the batch raises."""
+    monkeypatch.setattr(engine.scheduler, "preemption", lambda view, kv: view.running[-1] if view.running else None)
+    monkeypatch.setattr(engine.runner, "keep", _planted)
+
+
 def _fault_in_a_later_chunk(engine, monkeypatch):
     """The first chunk of a new prompt feeds; its next chunk (the prompt part-way fed) raises."""
     prefill = engine.runner.prefill
@@ -64,6 +70,7 @@ def _fault_in_a_later_chunk(engine, monkeypatch):
         (EngineConfig(**MIXED), _fault_in_join),
         (EngineConfig(**MIXED), _fault_in_a_later_chunk),
         (EngineConfig(**MIXED), _fault_in_decode),
+        (EngineConfig(**PAGED), _fault_in_a_preemption),
     ],
     ids=[
         "prefill_first-join-preallocated",
@@ -73,6 +80,7 @@ def _fault_in_a_later_chunk(engine, monkeypatch):
         "mixed-join",
         "mixed-later-chunk",
         "mixed-decode",
+        "preemption-paged",
     ],
 )
 def test_a_fault_in_a_step_answers_every_request_taken_from_the_queue(model, monkeypatch, cfg, plant):
