@@ -476,8 +476,9 @@ class GenerationResult:
     def outcome(self) -> str:
         """How the request ended, one of `OUTCOMES`: ``"stop"`` (EOS, or the client's stop string), ``"length"``
         (its `max_new_tokens`), ``"abort"`` (the client went away or aborted it), ``"error"`` (any failure,
-        rejection included); None while it runs. Completed = stop or length; the replica's counters and the
-        live metrics count by it."""
+        rejection included); None while it runs. Completed = stop or length: the replica's counters
+        (``completed_requests``, ``failed_requests``) and its live metrics' TPOT (completed requests only) count by
+        it (`replica.engine.lifecycle.Lifecycle.finished`)."""
         if self.error_kind is not None:
             return "abort" if self.error_kind == "aborted" else "error"
         return {"eos": "stop", "stop": "stop", "length": "length"}.get(self.finish_reason)

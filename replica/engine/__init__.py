@@ -33,15 +33,11 @@ counted; they are at most one layer's tensors). A request that could not fit eve
 from replica.engine.core import ContinuousBatchingEngine
 from replica.engine.limits import device_memory_bytes, full_batch_kv_limit_bytes, full_rows_kv_bytes
 from replica.engine.loop import EngineLoop
-from replica.engine.runner import PROBE_BUDGET_TOKENS
-from replica.sampling import pick_tokens
 
 __all__ = [
-    "PROBE_BUDGET_TOKENS",
     "ContinuousBatchingEngine",
     "EngineLoop",
     "device_memory_bytes",
     "full_batch_kv_limit_bytes",
     "full_rows_kv_bytes",
-    "pick_tokens",
 ]

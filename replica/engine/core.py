@@ -10,7 +10,6 @@ leave.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
@@ -101,26 +100,6 @@ class ContinuousBatchingEngine:
             return cap
         return self.kv.max_batch_for(prompt_tokens, max_new_tokens, cap, self.scheduler.chunk_tokens())
 
-    # ------------------------------------------------------------------ the running batch (read by tests)
-    @property
-    def _cache(self):
-        return self.runner.cache
-
-    def _new_cache(self, group: list[Sequence] | None = None, paged: bool = True):
-        return self.runner.new_cache(group, paged)
-
-    @property
-    def _lock(self) -> threading.Condition:
-        return self.queue.lock
-
-    @property
-    def _running(self) -> list[Sequence]:
-        return self.flight.running
-
-    @property
-    def _prefilling(self) -> list[Prefill]:
-        return self.flight.prefilling
-
     def _view(self) -> EngineView:
         return self.flight.view(self.queue.waiting)
 
@@ -131,8 +110,10 @@ class ContinuousBatchingEngine:
         on_done: Callable[[GenerationResult], None],
         on_token: Callable[[int, float], None] | None = None,
     ) -> None:
-        """Queue `request`; `on_done(result)` is called once, from the thread running `step()`, and
-        `on_token(token_id, time_s)` for each token as it is decoded (before `on_done` for the last)."""
+        """Queue `request`; `on_done(result)` is called once, from the thread running `step()` (or, when the
+        engine is dead, `healthy` False, from the calling thread before `submit` returns: refused with its
+        `fault`), and `on_token(token_id, time_s)` for each token as it is decoded (before `on_done` for the
+        last)."""
         prompt, new = len(request.prompt_ids), request.max_new_tokens
         result = GenerationResult(request.request_id, prompt, received_time_s=self.clock(), replica_id=self.replica_id)
         seq = Sequence(
@@ -214,7 +195,7 @@ class ContinuousBatchingEngine:
             with self.queue.lock:  # submit only appends: the head the plan read stays the head
                 plan = self.scheduler.plan(self._view(), self.kv)
                 self.queue.pop_front(plan.consumed)
-            self.flight.prefilling.extend(plan.started)
+                self.flight.admit(plan.chunks, plan.started)  # held from here until finished: `abort_all` sees them
             for seq, why in plan.rejected:
                 self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {why}")
             if not plan.yield_newest:
@@ -230,7 +211,7 @@ class ContinuousBatchingEngine:
         if aborted:
             self._apply_aborts()
         plan = self._plan()
-        if not plan.chunks and not self._running:
+        if not plan.chunks and not self.flight.running:
             if aborted:  # the aborted rows' slots and blocks are free now: the gauges say so
                 self._record_state()
             return False
@@ -243,10 +224,10 @@ class ContinuousBatchingEngine:
             self._prefill_chunk(p, chunk)
         t1 = time.perf_counter()
         self._make_room_for_decode()
-        if self._running:
+        if self.flight.running:
             self._decode_step()
-        self.life.counts["prefill_s"] += t1 - t0
-        self.life.counts["decode_s"] += time.perf_counter() - t1
+        self.life.add("prefill_s", t1 - t0)
+        self.life.add("decode_s", time.perf_counter() - t1)
         self._record_state()
         return True
 
@@ -274,29 +255,28 @@ class ContinuousBatchingEngine:
         self.life.track_running(self.running)
         if not last:
             return
-        self.flight.drop(p)
         keep = []
         for i, (seq, tok) in enumerate(zip(group, fwd.tokens)):
             seq.held_slots = self.kv.prefill_slots(len(seq.prefill_ids()), seq.budget_tokens)  # a recompute: + outputs
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
-        self.flight.join(p, fwd.picked, keep)
+        self.flight.join(p, fwd.picked, keep)  # then `p` is dropped: a fault in the merge leaves it held
         if keep:
             self.life.track_bytes(self.flight.kv_cache_bytes())
             self.life.track_running(self.running)
 
     def _decode_step(self) -> None:
         """One token for every running sequence, each at its own position; retire finished ones."""
-        fwd = self.runner.decode(self._running)
+        fwd = self.runner.decode(self.flight.running)
         if fwd.error is not None:  # the runner freed the batch's cache: every row leaves
             running, self.flight.running = self.flight.running, []
             self.life.fail_all(running, fwd.error)
             return
         t = self.clock()
-        self.life.decoded(self._running, fwd, self.pool.blocks_in_use if self.pool is not None else 0)
+        self.life.decoded(self.flight.running, fwd, self.pool.blocks_in_use if self.pool is not None else 0)
         self.life.track_bytes(self.flight.kv_cache_bytes())
         keep = []
-        for i, (seq, tok) in enumerate(zip(self._running, fwd.tokens)):
+        for i, (seq, tok) in enumerate(zip(self.flight.running, fwd.tokens)):
             seq.held_slots = self.kv.held_after_decode(seq)  # the full cache's buffers grow past their capacity
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
@@ -349,9 +329,8 @@ class ContinuousBatchingEngine:
         """Counters since `reset_stats` (units in the names). Request counts and generated tokens
         are of measured requests; the load generator's warm-up requests are in the ``warmup_*``
         keys. Steps, times and peaks are the engine's, whichever requests ran in them."""
-        with self.queue.lock:
-            s = dict(self.life.counts)
-            queued = len(self.queue)
+        with self.queue.lock:  # received is counted under it: the counts and the queue agree
+            s, queued = self.life.snapshot(), len(self.queue)
         return {
             "replica_id": self.replica_id,
             "policy": self.config.policy,
@@ -373,10 +352,13 @@ class ContinuousBatchingEngine:
         }
 
     def abort_all(self, message: str, fault: bool = False) -> int:
-        """Fail every queued and running request (`error_kind="error"`); return how many. Call it only
-        when `step()` is not running (the loop stopped). `fault`: refuse every later request with `message`."""
-        seqs = self.queue.drain(message if fault else None)
-        seqs += self.flight.clear()
+        """Fail every request the engine holds and has not answered, queued or taken from the queue (wherever a
+        fault in a step left it), with `error_kind="error"`; return how many. Call it only when `step()` is not
+        running (the loop stopped). `fault`: refuse every later request with `message`."""
+        queued = self.queue.drain(message if fault else None)
+        held = self.flight.clear()  # a preempted request is queued and held: answered once
+        ids = {id(s) for s in held}
+        seqs = held + [s for s in queued if id(s) not in ids]
         for seq in seqs:
             self.life.fail(seq, "error", message)
         self._record_state()

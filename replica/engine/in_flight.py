@@ -17,6 +17,11 @@ class InFlight:
         self.runner = runner
         self.running: list[Sequence] = []
         self.prefilling: list[Prefill] = []
+        # this step's groups fed whole (prefill_first), from admission until they join the running batch or leave
+        self.feeding: list[Prefill] = []
+        # every request taken from the queue and not finished, whichever list holds it now (or none: a fault
+        # between two lists), so `clear` answers it; keyed by id() (held here, so no id is reused meanwhile)
+        self.held: dict[int, Sequence] = {}
 
     @property
     def rows(self) -> int:
@@ -27,20 +32,32 @@ class InFlight:
         return EngineView(self.running, self.runner.cache, self.prefilling, queue)
 
     def caches(self) -> list:
-        return self.runner.caches(self.prefilling)
+        return self.runner.caches(self.prefilling + self.feeding)
 
     def kv_cache_bytes(self) -> int:
         return sum(c.kv_cache_bytes() for c in self.caches())
 
+    def admit(self, chunks: list[tuple[Prefill, int | None]], started: list[Prefill]) -> None:
+        """Hold a plan's groups from the moment they leave the queue: `started` ones stay part-way fed
+        (``scheduler: mixed``), the other new ones are fed whole in this step; every request is held until it
+        finishes. Finished requests leave `held` here (once a step)."""
+        self.prefilling.extend(started)
+        self.feeding.extend(p for p, _ in chunks if p not in self.prefilling)
+        self.held = {k: s for k, s in self.held.items() if s.result.finish_reason is None}
+        self.held.update((id(s), s) for p, _ in chunks for s in p.group)
+
     def drop(self, p: Prefill) -> None:
-        """`p` is no longer part-way fed (its last chunk ran, or it failed)."""
-        if p in self.prefilling:
-            self.prefilling.remove(p)
+        """`p` is no longer being fed (it joined the running batch, or it failed)."""
+        for groups in (self.prefilling, self.feeding):
+            if p in groups:
+                groups.remove(p)
 
     def join(self, p: Prefill, picked, keep: list[int]) -> None:
-        """The rows `keep` of `p` (prefilled; first tokens `picked`) join the running batch; the rest leave."""
+        """The rows `keep` of `p` (prefilled; first tokens `picked`) join the running batch; the rest leave. `p`
+        is held until its rows are in the batch, so a fault in the merge leaves its requests and cache to `clear`."""
         self.runner.join(p, picked, keep)
         self.running.extend(p.group[i] for i in keep)
+        self.drop(p)
 
     def keep_running(self, keep: list[int]) -> None:
         """Only the running rows `keep` stay (finished ones leave)."""
@@ -86,11 +103,13 @@ class InFlight:
         return taken
 
     def clear(self) -> list[Sequence]:
-        """Every admitted request leaves, every cache freed (a cache a fault broke is dropped all the same)."""
-        seqs = [s for p in self.prefilling for s in p.group] + self.running
+        """Every admitted request leaves, every cache freed (a cache a fault broke is dropped all the same);
+        returns the requests not finished yet (each once), wherever a fault left them."""
+        groups = self.prefilling + self.feeding
+        seqs = [*self.held.values(), *(s for p in groups for s in p.group), *self.running]
         try:
-            self.runner.release(self.prefilling)
+            self.runner.release(groups)
         except Exception:  # noqa: BLE001 - a cache broken by a fault must not keep its requests waiting
             pass
-        self.running, self.prefilling = [], []
-        return seqs
+        self.running, self.prefilling, self.feeding, self.held = [], [], [], {}
+        return list({id(s): s for s in seqs if s.result.finish_reason is None}.values())

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import threading
 from typing import Callable
 
 import torch
 
 from replica.engine.requests import Sequence
+from replica.types import OUTCOMES
+
+#: The outcomes counted as completed requests (`GenerationResult.outcome`); the others are failed ones.
+COMPLETED_OUTCOMES = OUTCOMES[:2]
 
 __all__ = ["Lifecycle", "recording"]
 
@@ -32,13 +37,26 @@ class Lifecycle:
 
     def __init__(self, clock: Callable[[], float], metrics, eos_token_id: int | None, device: torch.device):
         self.clock, self.metrics, self.eos_token_id, self.device = clock, metrics, eos_token_id, device
+        # the step's thread counts, and so do callers' threads (a dead engine refuses `submit` in the call)
+        self.lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
         """Zero the counters and peaks."""
-        self.counts: collections.Counter = collections.Counter()
-        self.peak_bytes = 0
-        self.peak_running = 0
+        with self.lock:
+            self.counts: collections.Counter = collections.Counter()
+            self.peak_bytes = 0
+            self.peak_running = 0
+
+    def add(self, counter: str, n: float = 1) -> None:
+        """Add `n` to `counter` (any thread)."""
+        with self.lock:
+            self.counts[counter] += n
+
+    def snapshot(self) -> dict:
+        """A copy of the counters (any thread)."""
+        with self.lock:
+            return dict(self.counts)
 
     @staticmethod
     def key(seq: Sequence, counter: str) -> str:
@@ -50,7 +68,7 @@ class Lifecycle:
         return "warmup" if seq.request.warmup else "measured"
 
     def count(self, seq: Sequence, counter: str) -> None:
-        self.counts[self.key(seq, counter)] += 1
+        self.add(self.key(seq, counter))
 
     def track_bytes(self, nbytes: int) -> None:
         self.peak_bytes = max(self.peak_bytes, int(nbytes))
@@ -80,7 +98,7 @@ class Lifecycle:
             if last:
                 self.metrics.add_generated_tokens(len(group) - warm)
                 self.metrics.add_generated_tokens(warm, "warmup")
-        self.counts["prefill_calls"] += 1
+        self.add("prefill_calls")
 
     def decoded(self, rows: list[Sequence], fwd, blocks_in_use: int) -> None:
         """Count one decode step of `rows` (`fwd`: its `Forward`), the pool holding `blocks_in_use` blocks."""
@@ -90,13 +108,13 @@ class Lifecycle:
             self.metrics.add_generated_tokens(len(rows) - warm)
             self.metrics.add_generated_tokens(warm, "warmup")
             self.metrics.add_evictions(fwd.evicted_tokens)
-        self.counts["decode_steps"] += 1
-        self.counts["block_steps"] += blocks_in_use
+        self.add("decode_steps")
+        self.add("block_steps", blocks_in_use)
 
     def preempted(self, recomputed_tokens: int) -> None:
         """Count one preemption, whose next prefill recomputes `recomputed_tokens` tokens."""
-        self.counts["preemptions"] += 1
-        self.counts["recomputed_tokens"] += recomputed_tokens
+        self.add("preemptions")
+        self.add("recomputed_tokens", recomputed_tokens)
         with recording():
             self.metrics.add_preemption(recomputed_tokens)
 
@@ -144,26 +162,30 @@ class Lifecycle:
 
     def complete(self, seq: Sequence, reason: str, t: float) -> None:
         """Finish `seq` as completed (`reason`: ``"eos"``, ``"length"``, or ``"stop"`` when the client had what it
-        asked), observing its time per output token."""
-        r = seq.result
-        r.finish_reason, r.finish_time_s = reason, t
-        if len(r.output_ids) > 1:
-            with recording():
-                tpot_s = max(0.0, r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output_ids) - 1)
-                self.metrics.observe_tpot(tpot_s, self.phase(seq))
-        self.count(seq, "completed")
-        self.done(seq)
+        asked)."""
+        seq.result.finish_reason, seq.result.finish_time_s = reason, t
+        self.finished(seq)
 
     def finish_scored(self, seq: Sequence) -> None:
         """Finish a score-only request (no new tokens asked): its prompt's log-probabilities are its result."""
         seq.result.finish_reason, seq.result.finish_time_s = "length", self.clock()
-        self.count(seq, "completed")
-        self.done(seq)
+        self.finished(seq)
 
     def fail(self, seq: Sequence, kind: str, message: str) -> None:
         r = seq.result
         r.error_kind, r.error, r.finish_reason, r.finish_time_s = kind, message, "error", self.clock()
-        self.count(seq, "failed")
+        self.finished(seq)
+
+    def finished(self, seq: Sequence) -> None:
+        """Count `seq`, whose result is final, by its one classification (`GenerationResult.outcome`): completed
+        (`COMPLETED_OUTCOMES`; its time per output token observed) or failed; then answer it."""
+        r = seq.result
+        completed = r.outcome in COMPLETED_OUTCOMES
+        if completed and len(r.output_ids) > 1:
+            with recording():
+                tpot_s = max(0.0, r.token_times_s[-1] - r.token_times_s[0]) / (len(r.output_ids) - 1)
+                self.metrics.observe_tpot(tpot_s, self.phase(seq))
+        self.count(seq, "completed" if completed else "failed")
         self.done(seq)
 
     def fail_all(self, seqs: list[Sequence], exc: BaseException) -> None:

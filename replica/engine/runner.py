@@ -110,11 +110,11 @@ class ModelRunner:
         chunk; after the last, pick each row's first token. A policy that evicts compresses to its budget after
         every chunk (its layer's `attend`), so a chunk as long as the prompt is the whole-prompt prefill. On a
         fault the group's cache is released."""
-        if p.ids is None:
-            p.ids = torch.tensor([s.prefill_ids() for s in p.group], dtype=torch.long, device=self.device)  # (n, L)
         last = p.fed + chunk == p.length
         t0 = time.perf_counter()
         try:
+            if p.ids is None:  # (n, L); its copy to the device may fail too (out of memory): the group's failure
+                p.ids = torch.tensor([s.prefill_ids() for s in p.group], dtype=torch.long, device=self.device)
             if p.cache is None:
                 p.cache = self.new_cache(p.group)
             evicted0 = p.cache.layers[0].evicted_tokens
