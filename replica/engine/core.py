@@ -10,6 +10,7 @@ leave.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -99,6 +100,26 @@ class ContinuousBatchingEngine:
         if self.kv_memory_limit_bytes is None:
             return cap
         return self.kv.max_batch_for(prompt_tokens, max_new_tokens, cap, self.scheduler.chunk_tokens())
+
+    # ------------------------------------------------------------------ the running batch (read by tests)
+    @property
+    def _cache(self):
+        return self.runner.cache
+
+    def _new_cache(self, group: list[Sequence] | None = None, paged: bool = True):
+        return self.runner.new_cache(group, paged)
+
+    @property
+    def _lock(self) -> threading.Condition:
+        return self.queue.lock
+
+    @property
+    def _running(self) -> list[Sequence]:
+        return self.flight.running
+
+    @property
+    def _prefilling(self) -> list[Prefill]:
+        return self.flight.prefilling
 
     def _view(self) -> EngineView:
         return self.flight.view(self.queue.waiting)
@@ -211,7 +232,7 @@ class ContinuousBatchingEngine:
         if aborted:
             self._apply_aborts()
         plan = self._plan()
-        if not plan.chunks and not self.flight.running:
+        if not plan.chunks and not self._running:
             if aborted:  # the aborted rows' slots and blocks are free now: the gauges say so
                 self._record_state()
             return False
@@ -224,7 +245,7 @@ class ContinuousBatchingEngine:
             self._prefill_chunk(p, chunk)
         t1 = time.perf_counter()
         self._make_room_for_decode()
-        if self.flight.running:
+        if self._running:
             self._decode_step()
         self.life.add("prefill_s", t1 - t0)
         self.life.add("decode_s", time.perf_counter() - t1)
@@ -267,16 +288,16 @@ class ContinuousBatchingEngine:
 
     def _decode_step(self) -> None:
         """One token for every running sequence, each at its own position; retire finished ones."""
-        fwd = self.runner.decode(self.flight.running)
+        fwd = self.runner.decode(self._running)
         if fwd.error is not None:  # the runner freed the batch's cache: every row leaves
             running, self.flight.running = self.flight.running, []
             self.life.fail_all(running, fwd.error)
             return
         t = self.clock()
-        self.life.decoded(self.flight.running, fwd, self.pool.blocks_in_use if self.pool is not None else 0)
+        self.life.decoded(self._running, fwd, self.pool.blocks_in_use if self.pool is not None else 0)
         self.life.track_bytes(self.flight.kv_cache_bytes())
         keep = []
-        for i, (seq, tok) in enumerate(zip(self.flight.running, fwd.tokens)):
+        for i, (seq, tok) in enumerate(zip(self._running, fwd.tokens)):
             seq.held_slots = self.kv.held_after_decode(seq)  # the full cache's buffers grow past their capacity
             if not self.life.emit(seq, tok, t):
                 keep.append(i)

@@ -79,7 +79,7 @@ def test_admission_never_exceeds_the_kv_memory_limit(model, cfg_kw):
     steps = 0
     while engine.step():
         steps += 1
-        held = engine.runner.cache.kv_cache_bytes() if engine.runner.cache is not None else 0
+        held = engine._cache.kv_cache_bytes() if engine._cache is not None else 0
         assert held <= limit
     stats = engine.stats()
     assert len(done) == 12 and all(r.error_kind is None for r in done.values())
@@ -500,7 +500,7 @@ def test_a_row_whose_sampling_fails_fails_alone_at_prefill_and_at_decode(model, 
     engine.step()  # prefill (one group: equal prompts) and one decode step
     assert done["r1"].error_kind == "error" and "sampling failed" in done["r1"].error and done["r1"].output_ids == []
     assert engine.running == 3
-    row = next(s for s in engine.flight.running if s.request.request_id == "r2")
+    row = next(s for s in engine._running if s.request.request_id == "r2")
     row.generator, row.request.seed = None, 2**70  # its next draw fails
     engine.run_until_idle()
     assert done["r2"].error_kind == "error" and "sampling failed" in done["r2"].error
@@ -535,7 +535,7 @@ def test_prompt_logprobs_with_no_new_tokens_score_the_prompt_as_decoding_would(m
     res = _run_one_cfg(model, cfg, GenerationRequest("p", prompt, 0, prompt_logprobs=2))
     assert res.error_kind is None and res.output_ids == [] and res.finish_reason == "length"
     engine = ContinuousBatchingEngine(model, cfg)
-    cache = engine.runner.new_cache()
+    cache = engine._new_cache()
     want = []
     with torch.inference_mode():
         for i, tok in enumerate(prompt[:-1]):

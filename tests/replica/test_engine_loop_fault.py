@@ -43,14 +43,14 @@ def test_a_scheduler_fault_answers_every_held_request_and_refuses_later_ones(mod
         engine.submit(GenerationRequest(f"r{i}", list(range(3, 20 + i)), 10_000, ignore_eos=True), on_done)
     loop = EngineLoop(engine).start()
     try:
-        assert _wait(lambda: len(engine.flight.running) == 3, 30), "the 3 requests never ran"
+        assert _wait(lambda: len(engine._running) == 3, 30), "the 3 requests never ran"
         plan = engine.scheduler.plan
 
         def broken(view, kv):
             engine.scheduler.plan = plan  # raises once
             raise RuntimeError("scheduler broke: planted fault")
 
-        with engine.queue.lock:
+        with engine._lock:
             engine.submit(GenerationRequest("queued", [5, 6, 7], 4), on_done)
             engine.scheduler.plan = broken
         assert answered.wait(ANSWER_WAIT_S), f"answered only {sorted(done)}"

@@ -92,7 +92,7 @@ def test_stats_count_a_prompt_part_way_fed_as_running_and_its_cache_as_held(mode
     engine.submit(GenerationRequest("long", list(range(1, 60)), 5, ignore_eos=True), lambda r: None)
     engine.step()
     stats = engine.stats()
-    held = engine.flight.prefilling[0].cache.kv_cache_bytes()
+    held = engine._prefilling[0].cache.kv_cache_bytes()
     assert stats["running_sequences"] == 1 and stats["peak_running_sequences"] == 1
     assert stats["kv_cache_bytes"] == held > 0 and stats["peak_kv_cache_bytes"] >= held
 
@@ -124,7 +124,7 @@ def test_each_step_spends_at_most_its_token_budget_decodes_first(model):
         engine.submit(r, lambda res: results.__setitem__(res.request_id, res))
     chunked = steps = 0
     while engine.queued or engine.running:
-        running, fed[:] = len(engine.flight.running), []
+        running, fed[:] = len(engine._running), []
         engine.step()
         steps += 1
         assert 0 < sum(fed) + running and sum(fed) <= 16 - running
@@ -146,12 +146,10 @@ def test_a_running_row_decodes_every_step_while_a_long_prompt_is_fed_in_chunks(m
         engine.submit(long, lambda r: done.__setitem__(r.request_id, r))
         steps = 0
         while "long" not in done or not done["long"].output_ids:
-            before = engine.flight.running[0].result.output_ids.__len__() if engine.flight.running else None
+            before = engine._running[0].result.output_ids.__len__() if engine._running else None
             engine.step()
             steps += 1
-            assert (
-                engine.flight.running and len(engine.flight.running[0].result.output_ids) == before + 1
-            )  # short decoded
+            assert engine._running and len(engine._running[0].result.output_ids) == before + 1  # short decoded
             if steps > 50:
                 break
         engine.run_until_idle()
@@ -169,13 +167,13 @@ def test_the_budget_and_the_block_pool_hold_after_every_step_with_chunked_prompt
     seen = {"steps": 0, "partial": 0}
 
     def check(engine):
-        caches = [engine.runner.cache] + [p.cache for p in engine.flight.prefilling]
+        caches = [engine._cache] + [p.cache for p in engine._prefilling]
         for cache in caches:
             if cache is None:
                 continue
             for layer in cache.layers:
                 assert int(layer.held.max()) <= 16
-        seen["partial"] += any(0 < p.fed < p.length for p in engine.flight.prefilling)
+        seen["partial"] += any(0 < p.fed < p.length for p in engine._prefilling)
         seen["steps"] += 1
         assert engine.pool.blocks_in_use <= engine.pool.usable_blocks
 
@@ -190,7 +188,7 @@ def test_aborting_a_prompt_part_way_fed_returns_its_blocks(model):
     results = {}
     engine.submit(GenerationRequest("long", list(range(1, 60)), 5, ignore_eos=True), lambda r: results.update(long=r))
     engine.step()
-    assert engine.running == 1 and engine.pool.blocks_in_use > 0 and engine.flight.prefilling
+    assert engine.running == 1 and engine.pool.blocks_in_use > 0 and engine._prefilling
     engine.abort("long")
     engine.step()
     assert results["long"].error_kind == "aborted" and engine.pool.blocks_in_use == 0 and engine.running == 0
@@ -253,7 +251,7 @@ def test_per_request_budgets_hold_at_every_step_and_whole_prompts_give_the_prefi
     checked = {"rows": 0}
 
     def check(engine):
-        groups = [(engine.runner.cache, engine.flight.running)] + [(p.cache, p.group) for p in engine.flight.prefilling]
+        groups = [(engine._cache, engine._running)] + [(p.cache, p.group) for p in engine._prefilling]
         for cache, seqs in groups:
             if cache is None:
                 continue

@@ -92,8 +92,8 @@ def test_a_fault_in_a_step_answers_every_request_taken_from_the_queue(model, mon
     )
     loop = EngineLoop(engine).start()
     try:
-        assert _wait(lambda: len(engine.flight.running) == 1, 30), "the first request never ran"
-        with engine.queue.lock:  # the next step sees the fault and the new requests together
+        assert _wait(lambda: len(engine._running) == 1, 30), "the first request never ran"
+        with engine._lock:  # the next step sees the fault and the new requests together
             plant(engine, monkeypatch)
             for rid, n in (("a", 40), ("b", 40), ("c", 7)):  # a and b: one prompt group; 40 tokens: chunked under mixed
                 engine.submit(
