@@ -40,6 +40,7 @@ __all__ = [
     "EngineConfig",
     "KVMemoryLimit",
     "device_memory_bytes",
+    "full_rows_kv_bytes",
     "GREEDY_BELOW_TEMPERATURE",
     "GenerationRequest",
     "GenerationResult",
@@ -74,6 +75,22 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(psutil.virtual_memory().total)
+
+
+def full_rows_kv_bytes(model, rows: int, length_tokens: int) -> int:
+    """The bytes `rows` full-cache rows of `length_tokens` slots need: ``rows * length_tokens * slot_bytes``, with
+    the bytes per slot (all layers, bookkeeping included) of the full cache preallocating `length_tokens` per row,
+    measured on `model` as loaded, so in its dtype (a float32 slot holds about twice a bfloat16 one's bytes).
+
+    What ``KVMemoryLimit(full_sequences=N)`` resolves to when an engine is built (the suites'
+    ``kv_memory_limit: {full_sequences: N}``, `length_tokens` their longest prompt + longest output).
+
+    Raises:
+        ValueError: `rows` or `length_tokens` below 1 (the message names it).
+    """
+    check_int("rows", rows, 1)
+    check_int("length_tokens", length_tokens, 1)
+    return rows * length_tokens * sequence_slot_bytes(model, "full", max_length=length_tokens)
 
 
 class ConfigError(ValueError):
@@ -137,9 +154,7 @@ class KVMemoryLimit(Section):
         if self.fraction is not None:
             return int(self.fraction * device_memory_bytes(device))
         check_int("max_length_tokens", max_length_tokens, 1)
-        return (
-            self.full_sequences * max_length_tokens * sequence_slot_bytes(model, "full", max_length=max_length_tokens)
-        )
+        return full_rows_kv_bytes(model, self.full_sequences, max_length_tokens)
 
 
 class EngineConfig(FrozenConfig):

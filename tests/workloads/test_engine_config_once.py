@@ -18,8 +18,17 @@ from ray import cloudpickle
 
 from cluster import serve_app
 from cluster.serve_app import SERVE_SETS, engine_knob_flags, main
+from replica import engine
 from replica.engine import ContinuousBatchingEngine
-from replica.types import KV_LIMIT_FIELDS, PER_POINT_FIELDS, ConfigError, EngineConfig, KVMemoryLimit
+from replica.types import (
+    KV_LIMIT_FIELDS,
+    PER_POINT_FIELDS,
+    ConfigError,
+    EngineConfig,
+    KVMemoryLimit,
+    device_memory_bytes,
+    full_rows_kv_bytes,
+)
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep
@@ -190,5 +199,15 @@ def test_each_form_of_the_limit_resolves_to_the_bytes_the_engine_uses(limit, exp
     model = tiny_llama(0).to(torch.float32)
     cfg = EngineConfig(kv_layout="paged", max_length_tokens=50, **limit)
     resolved = cfg.kv_memory_limit_bytes_on(model, torch.device("cpu"))
-    assert resolved == expected() == ContinuousBatchingEngine(model, cfg).kv_memory_limit_bytes
+    assert resolved == expected() == ContinuousBatchingEngine(model, cfg).kv_memory_limit_bytes  # the engine's
     assert EngineConfig(max_length_tokens=50).kv_memory_limit_bytes_on(model, torch.device("cpu")) is None
+
+
+def test_the_kv_limit_helpers_the_engine_package_exports_are_the_typed_ones_with_known_values():
+    model = tiny_llama(0).to(torch.float32)
+    assert (engine.device_memory_bytes, engine.full_rows_kv_bytes) == (device_memory_bytes, full_rows_kv_bytes)
+    assert device_memory_bytes(torch.device("cpu")) == psutil.virtual_memory().total
+    assert full_rows_kv_bytes(model, 3, 50) == 3 * 50 * 520  # 520 B a float32 slot of the tiny model
+    assert engine.full_batch_kv_limit_bytes(model, 3, 40, 10) == 3 * 50 * 520
+    with pytest.raises(ValueError, match="length_tokens"):
+        full_rows_kv_bytes(model, 3, 0)
