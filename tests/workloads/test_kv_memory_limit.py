@@ -1,4 +1,4 @@
-"""A suite's KV memory limit (`workloads.core.suite.KVMemoryLimit`, serving and frontier suites alike): bytes, or
+"""A suite's KV memory limit (`replica.types.KVMemoryLimit`, serving and frontier suites alike): bytes, or
 full-cache rows of the suite's lengths resolved on the replica in the run's dtype, on the tiny model.
 
 tiny-llama: 2 layers x 2 KV heads; a full-cache slot is K + V of head_dim 16 plus an int16 slot time per head:
