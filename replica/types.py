@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Iterator, Mapping
+from typing import Annotated, Any, ClassVar, Mapping
 
 import psutil
 import torch
@@ -161,8 +161,8 @@ class EngineConfig(FrozenConfig):
     """What a replica's engine runs: the cache policy and budget, and the memory it may use.
 
     A frozen pydantic model (`replica.rules.FrozenConfig`): ``EngineConfig(**fields)`` validates every
-    field, `model_dump()` gives the mapping back; it crosses Ray as this model. It also reads as the mapping of
-    its fields (``cfg["max_batch"]``, ``EngineConfig(**cfg)``), as the dict it replaced did.
+    field, `model_dump()` gives the mapping back; it crosses Ray as this model. Fields are attributes
+    (``cfg.max_batch``); ``EngineConfig(**cfg.model_dump())`` rebuilds it.
 
     Declared once: every field but `PER_POINT_FIELDS` is a knob that the serving and frontier suites and
     `make serve` take from here (`knobs`: its type, check and default), so a knob is declared in this class only.
@@ -309,15 +309,6 @@ class EngineConfig(FrozenConfig):
         check, and the default): every field but `PER_POINT_FIELDS` and `exclude`, in declaration order."""
         skip = set(PER_POINT_FIELDS) | set(exclude)
         return {n: (f.annotation, copy.copy(f)) for n, f in cls.model_fields.items() if n not in skip}
-
-    # the mapping it replaced: a caller may read a field by name and spread the config as keyword arguments
-    def keys(self) -> Iterator[str]:
-        return iter(type(self).model_fields)
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in type(self).model_fields:
-            raise KeyError(name)
-        return getattr(self, name)
 
 
 #: A temperature below this samples greedily (vLLM's `_SAMPLING_EPS`): logits / 5e-324 overflow to inf.

@@ -125,7 +125,7 @@ def test_a_bad_combination_fails_the_whole_suite_at_load_with_exit_2(tmp_path, c
     assert not (tmp_path / "results").exists()  # no point ran, nothing recorded
 
 
-def test_every_point_gets_a_typed_engine_config_that_reads_as_the_mapping_it_replaced(tmp_path):
+def test_every_point_gets_a_typed_engine_config_read_by_attribute_and_dumped_as_a_mapping(tmp_path):
     suite = load_suite(_write(tmp_path, {**PAGED, "scheduler": "mixed", "max_num_batched_tokens": 64}))
     cfgs = [suite.engine_config(p) for p in suite.points()]
     assert all(isinstance(c, EngineConfig) for c in cfgs)
@@ -133,9 +133,9 @@ def test_every_point_gets_a_typed_engine_config_that_reads_as_the_mapping_it_rep
         ("full", "fixed", "mixed", 64),
         ("scissorhands", "fixed", "mixed", 64),
     ]
-    assert cfgs[1]["compression_ratio"] == 5 and EngineConfig(**cfgs[1]) == cfgs[1]
-    with pytest.raises(KeyError):
-        cfgs[0]["colour"]
+    assert cfgs[1].compression_ratio == 5 and EngineConfig(**cfgs[1].model_dump()) == cfgs[1]
+    with pytest.raises(TypeError):  # not a mapping: a field is an attribute, `model_dump()` the mapping
+        cfgs[0]["policy"]
     # what Ray does to a call's arguments: the same typed config arrives
     assert cloudpickle.loads(cloudpickle.dumps(cfgs[1])) == cfgs[1]
 
@@ -177,7 +177,9 @@ def test_a_fraction_limit_is_the_older_kv_memory_fraction_with_its_ids(tmp_path)
     assert older.kv_limit == typed.kv_limit == KVMemoryLimit(fraction=0.25)
     for suite in (older, typed):
         cfg = suite.engine_config(suite.points()[0])
-        assert [cfg[k] for k in KV_LIMIT_FIELDS] == [None, 0.25, None] and cfg.kv_limit == KVMemoryLimit(fraction=0.25)
+        assert [getattr(cfg, k) for k in KV_LIMIT_FIELDS] == [None, 0.25, None] and cfg.kv_limit == KVMemoryLimit(
+            fraction=0.25
+        )
 
 
 def test_a_frontier_refuses_a_fraction_of_device_memory(tmp_path):
