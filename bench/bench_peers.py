@@ -124,9 +124,10 @@ def compare_tokens(reference: dict[str, list[int]], other: dict[str, list[int]])
     """Greedy tokens of ``other`` against ``reference`` (request id -> output ids), over the requests both have.
 
     Returns:
-        ``{"compared", "identical", "mean_prefix_share"}``: requests compared, those identical to the end, and the
-        mean over them of (positions before the first difference) / (reference length); 1.0 for an identical
-        request, 0.0 for one that differs at its first token. ``mean_prefix_share`` is None with nothing compared.
+        ``{"compared", "identical", "first_token_agreed", "mean_prefix_share"}``: requests compared, those identical
+        to the end, those whose first output token agrees, and the mean over them of (positions before the first
+        difference) / (reference length); 1.0 for an identical request, 0.0 for one that differs at its first token.
+        ``mean_prefix_share`` is None with nothing compared.
     """
     ids = [k for k in reference if k in other and reference[k]]
     shares = []
@@ -137,6 +138,7 @@ def compare_tokens(reference: dict[str, list[int]], other: dict[str, list[int]])
     return {
         "compared": len(ids),
         "identical": sum(reference[k] == other[k] for k in ids),
+        "first_token_agreed": sum(other[k][:1] == reference[k][:1] for k in ids),
         "mean_prefix_share": sum(shares) / len(shares) if shares else None,
     }
 

@@ -30,7 +30,7 @@ set) is rewritten after every phase, so a run cut short still brings back what f
    (paged, per-request budgets), the preallocated full cache (the paper's setting), Scissorhands at the
    other ratios, then at `--kv4-ratio` with 4-bit keys/values, each at the largest batch the engine admits
    under that limit (`ContinuousBatchingEngine.max_batch_for`), run through the continuous-batching engine
-   (`replica/engine.py`) and verified (peak running sequences = that batch, peak KV bytes <= the
+   (`replica/engine/`) and verified (peak running sequences = that batch, peak KV bytes <= the
    limit). Output tok/s (output tokens / wall time of the run's engine steps, first to last token, prefill
    included; `replica.generate_baseline.run_engines`), decode tok/s (decode-step tokens / decode-step time),
    and their ratios to the paged full cache.

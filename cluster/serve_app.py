@@ -41,8 +41,10 @@ import typing
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from cluster import loopback
+from cluster.serve_routing import StreamHolderRouter
 from cluster.signals import StopSignals
 from replica import cpu_share
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
@@ -78,6 +80,7 @@ METRICS_REPORT_INTERVAL_MS = "5000"
     health_check_period_s=5,
     health_check_timeout_s=30,
     graceful_shutdown_timeout_s=5,
+    request_router_config=RequestRouterConfig(request_router_class=StreamHolderRouter),  # `finish` to its holder
 )
 class EngineDeployment:
     """One Serve replica: a `ServingReplica` running one cache configuration.
@@ -131,6 +134,11 @@ class EngineDeployment:
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         return await self.replica.check(prompt_tokens, max_new_tokens)
 
+    def finish(self, request_id: str, replica_tag: str | None = None) -> None:
+        """`ServingReplica.finish`: `request_id` ends as completed (a stop string). `replica_tag` is this
+        replica's, read from the stream's chunks: `cluster.serve_routing.StreamHolderRouter` routes by it."""
+        self.replica.finish(request_id)
+
     async def stats(self) -> dict:
         return await self.replica.stats()
 
@@ -161,6 +169,7 @@ class ServeBackend:
     def __init__(self, handle, metadata: dict):
         self.handle, self.metadata = handle, metadata
         self.stream_handle = handle.options(stream=True)
+        self.holders: dict[str, str] = {}  # request id -> tag of the replica streaming it, while it streams
 
     async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         return await self.handle.check.remote(prompt_tokens, max_new_tokens)
@@ -172,10 +181,21 @@ class ServeBackend:
         try:
             async for ev in gen:
                 finished = isinstance(ev, GenerationResult)
+                if ev.replica_id and request.request_id not in self.holders:
+                    self.holders[request.request_id] = ev.replica_id.rpartition("#")[2]
                 yield openai_event(ev)
         finally:
+            self.holders.pop(request.request_id, None)
             if not finished:
-                gen.cancel()  # the replica's generator closes: the engine aborts
+                gen.cancel()  # the replica's generator closes: the engine aborts (completed if `finish` came first)
+
+    async def finish(self, request_id: str) -> None:
+        """End `request_id` as completed on the replica that streams it (`EngineDeployment.finish`, routed there by
+        `cluster.serve_routing.StreamHolderRouter`); called before the stream is closed. Nothing when no chunk has
+        named its replica yet (the close then aborts it)."""
+        tag = self.holders.get(request_id)
+        if tag is not None:
+            await self.handle.finish.remote(request_id, tag)
 
 
 @serve.deployment(max_ongoing_requests=1024)

@@ -264,10 +264,13 @@ METRICS: tuple[MetricSpec, ...] = (
     _point(
         "output_throughput_tokens_per_second",
         "output_throughput_tok_per_s",
-        "Output tokens finished in the window / window length.",
+        "Output tokens produced inside the window (every request's, warm-ups included) / window length.",
     ),
     _point(
-        "total_throughput_tokens_per_second", "total_throughput_tok_per_s", "(Input + output tokens) / window length."
+        "total_throughput_tokens_per_second",
+        "total_throughput_tok_per_s",
+        "(Prompt tokens of the requests whose first token came inside the window + output tokens produced inside it) "
+        "/ window length.",
     ),
     _point(
         "ttft_seconds",

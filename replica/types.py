@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Iterator, Mapping
+from typing import Annotated, Any, ClassVar, Mapping
 
 import psutil
 import torch
@@ -41,6 +41,7 @@ __all__ = [
     "EngineConfig",
     "KVMemoryLimit",
     "device_memory_bytes",
+    "full_rows_kv_bytes",
     "GREEDY_BELOW_TEMPERATURE",
     "GenerationRequest",
     "GenerationResult",
@@ -81,6 +82,22 @@ def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     return int(psutil.virtual_memory().total)
+
+
+def full_rows_kv_bytes(model, rows: int, length_tokens: int) -> int:
+    """The bytes `rows` full-cache rows of `length_tokens` slots need: ``rows * length_tokens * slot_bytes``, with
+    the bytes per slot (all layers, bookkeeping included) of the full cache preallocating `length_tokens` per row,
+    measured on `model` as loaded, so in its dtype (a float32 slot holds about twice a bfloat16 one's bytes).
+
+    What ``KVMemoryLimit(full_sequences=N)`` resolves to when an engine is built (the suites'
+    ``kv_memory_limit: {full_sequences: N}``, `length_tokens` their longest prompt + longest output).
+
+    Raises:
+        ValueError: `rows` or `length_tokens` below 1 (the message names it).
+    """
+    check_int("rows", rows, 1)
+    check_int("length_tokens", length_tokens, 1)
+    return rows * length_tokens * sequence_slot_bytes(model, "full", max_length=length_tokens)
 
 
 class ConfigError(ValueError):
@@ -144,17 +161,15 @@ class KVMemoryLimit(Section):
         if self.fraction is not None:
             return int(self.fraction * device_memory_bytes(device))
         check_int("max_length_tokens", max_length_tokens, 1)
-        return (
-            self.full_sequences * max_length_tokens * sequence_slot_bytes(model, "full", max_length=max_length_tokens)
-        )
+        return full_rows_kv_bytes(model, self.full_sequences, max_length_tokens)
 
 
 class EngineConfig(FrozenConfig):
     """What a replica's engine runs: the cache policy and budget, and the memory it may use.
 
     A frozen pydantic model (`replica.rules.FrozenConfig`): ``EngineConfig(**fields)`` validates every
-    field, `model_dump()` gives the mapping back; it crosses Ray as this model. It also reads as the mapping of
-    its fields (``cfg["max_batch"]``, ``EngineConfig(**cfg)``), as the dict it replaced did.
+    field, `model_dump()` gives the mapping back; it crosses Ray as this model. Fields are attributes
+    (``cfg.max_batch``); ``EngineConfig(**cfg.model_dump())`` rebuilds it.
 
     Declared once: every field but `PER_POINT_FIELDS` is a knob that the serving and frontier suites and
     `make serve` take from here (`knobs`: its type, check and default), so a knob is declared in this class only.
@@ -349,15 +364,6 @@ class EngineConfig(FrozenConfig):
         check, and the default): every field but `PER_POINT_FIELDS` and `exclude`, in declaration order."""
         skip = set(PER_POINT_FIELDS) | set(exclude)
         return {n: (f.annotation, copy.copy(f)) for n, f in cls.model_fields.items() if n not in skip}
-
-    # the mapping it replaced: a caller may read a field by name and spread the config as keyword arguments
-    def keys(self) -> Iterator[str]:
-        return iter(type(self).model_fields)
-
-    def __getitem__(self, name: str) -> Any:
-        if name not in type(self).model_fields:
-            raise KeyError(name)
-        return getattr(self, name)
 
 
 #: A temperature below this samples greedily (vLLM's `_SAMPLING_EPS`): logits / 5e-324 overflow to inf.

@@ -35,7 +35,6 @@ from typing import Callable
 import torch
 
 from replica.engine.lifecycle import Lifecycle, recording
-from replica.engine.limits import resolve_kv_limit_bytes
 from replica.engine.request_queue import RequestQueue
 from replica.engine.requests import Sequence
 from replica.metrics import NullMetrics
@@ -174,7 +173,7 @@ class OpenVINOEngine:
         check_export(self.model_dir)
         self.config, self.eos_token_id, self.clock, self.replica_id = config, eos_token_id, clock, replica_id
         self.metrics = metrics if metrics is not None else NullMetrics()
-        self.kv_memory_limit_bytes = resolve_kv_limit_bytes(model, config, torch.device("cpu"))
+        self.kv_memory_limit_bytes = config.kv_memory_limit_bytes_on(model, torch.device("cpu"))
         if self.kv_memory_limit_bytes is None:
             raise ValueError("kv_memory_limit: engine 'openvino' sizes its block pool from a KV memory limit; give one")
         dtype = next(model.parameters()).dtype

@@ -17,7 +17,6 @@ from typing import Callable
 from replica.engine.in_flight import InFlight
 from replica.engine.kv_budget import KV_BUDGETS
 from replica.engine.lifecycle import Lifecycle, recording
-from replica.engine.limits import resolve_kv_limit_bytes
 from replica.engine.request_queue import RequestQueue
 from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan
 from replica.engine.runner import ModelRunner
@@ -62,7 +61,7 @@ class ContinuousBatchingEngine:
         self.runner = ModelRunner(model, config, eos_token_id)
         self.device, self.num_layers = self.runner.device, self.runner.num_layers
         self.slot_bytes, self.bookkeeping_slot_bytes = self.runner.slot_bytes, self.runner.bookkeeping_slot_bytes
-        self.kv_memory_limit_bytes = resolve_kv_limit_bytes(model, config, self.device)
+        self.kv_memory_limit_bytes = config.kv_memory_limit_bytes_on(model, self.device)
         self.kv = KV_BUDGETS[config.kv_layout](config, self.runner, self.kv_memory_limit_bytes)
         self.pool = self.runner.pool = self.kv.pool
         self.block_bytes, self.budget_tokens = getattr(self.kv, "block_bytes", None), self.kv.budget_tokens

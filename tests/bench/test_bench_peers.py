@@ -41,7 +41,12 @@ def test_compare_tokens_counts_identical_requests_and_the_share_before_the_first
     ref = {"0": [1, 2, 3, 4], "1": [5, 6, 7, 8], "2": [9, 9], "3": [1]}
     other = {"0": [1, 2, 3, 4], "1": [5, 6, 0, 8], "2": [0, 9]}  # "3" failed on that side: not compared
     got = compare_tokens(ref, other)
-    assert got == {"compared": 3, "identical": 1, "mean_prefix_share": pytest.approx((1.0 + 0.5 + 0.0) / 3)}
+    assert got == {
+        "compared": 3,
+        "identical": 1,
+        "first_token_agreed": 2,  # "2" differs at its first token
+        "mean_prefix_share": pytest.approx((1.0 + 0.5 + 0.0) / 3),
+    }
     assert compare_tokens(ref, {})["mean_prefix_share"] is None
     # a shorter output that agrees as far as it goes parts where it ends
     assert compare_tokens({"0": [1, 2, 3, 4]}, {"0": [1, 2, 3]})["mean_prefix_share"] == 0.75
@@ -80,8 +85,18 @@ def test_summarize_gives_ratios_to_openvino_bf16_at_the_same_limit_and_tokens_fo
     assert got["ov-evict", "limit"]["ratio"] is None  # failed
     assert got["ours-full", "none"]["tokens"] == "reference"
     assert got["ours-sh", "none"]["tokens"] is None  # not a full row: its tokens differ by design
-    assert got["ov-u8", "none"]["tokens"] == {"compared": 2, "identical": 1, "mean_prefix_share": 0.625}
-    assert got["ov-bf16", "limit"]["tokens"] == {"compared": 2, "identical": 2, "mean_prefix_share": 1.0}
+    assert got["ov-u8", "none"]["tokens"] == {
+        "compared": 2,
+        "identical": 1,
+        "first_token_agreed": 2,
+        "mean_prefix_share": 0.625,
+    }
+    assert got["ov-bf16", "limit"]["tokens"] == {
+        "compared": 2,
+        "identical": 2,
+        "first_token_agreed": 2,
+        "mean_prefix_share": 1.0,
+    }
     table = format_table(list(got.values()))
     assert "| ours-full | none: 5,000 B | 40 | 150.0 | 0.40x | (reference) | (reference) |" in table
     assert "| ov-u8 | none: 5,000 B | 40 | 390.0 | 1.04x | 1/2 | 62.5% |" in table
@@ -398,7 +413,7 @@ def test_ours_and_openvino_genai_run_the_same_requests_to_the_same_first_tokens(
     assert rows["ov-bf16"]["ratio"] == 1.0 and rows["ours-full"]["ratio"] > 0
     assert rows["ov-bf16"]["num_kv_blocks"] == 32  # 1,024 bf16 slots of 23,220 B hold 32 of its 737,280-B blocks
     tokens = rows["ov-bf16"]["tokens"]
-    assert tokens["compared"] == 4 and tokens["mean_prefix_share"] > 0
+    assert tokens["compared"] == tokens["first_token_agreed"] == 4  # every request's first token agrees
     assert doc["peer_versions"]["openvino-genai"].startswith("2026.")
 
 

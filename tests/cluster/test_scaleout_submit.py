@@ -15,6 +15,7 @@ import pytest
 
 from cluster import submit
 from cluster.submit import MIB, SubmitError
+from workloads.core.run import runner_args
 
 SUITE = "kind: batch\nname: tiny\nmodel: tiny-llama\npolicies: [full]\nbatch_sizes: [1]\nprompt_tokens: [8]\nnew_tokens: [2]\n"
 
@@ -203,8 +204,6 @@ def test_set_overrides_reach_the_jobs_sweep_as_make_sweep_takes_them(repo, monke
         "2",
     ]
     # the sweep's own parser reads them as `make sweep ARGS="--set ..."` gives them
-    from workloads.core.run import runner_args
-
     sweep = runner_args(plan["entrypoint"][3:], "sweep", "doc", "suite")
     assert sweep.set == ["scheduler=mixed", "slo.ttft_s=0.5"] and sweep.replicas == 2
 

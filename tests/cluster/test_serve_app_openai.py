@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster.serve_app import APP_NAME
 from tests.http_fakes import char_tokenizer
 from tests.ray_helpers import local_serve_app
 from tests.waiting import wait_for
@@ -44,6 +45,7 @@ def base_url(tmp_path_factory):
         ["full", "scissorhands:5"],
         kv_memory_limit_bytes=16 << 20,  # the paged pool is committed at the first request: a small one
         replica_cpus=0.5,
+        num_replicas=2,  # a stop string's `finish` must reach the replica that streams the request
         tokenizer_spec=str(tok_dir),
         api_key=KEY,
     ) as port:
@@ -167,3 +169,36 @@ def test_through_serve_only_health_answers_without_the_key(base_url):
     missing = requests.get(root + "/nope", headers=auth, timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Invalid URL (GET /nope)"
     assert requests.get(root + "/health", timeout=10).status_code == 200
+
+
+def _full_engine_counts() -> tuple[int, int]:
+    """(completed, failed) requests summed over both replicas of the full cache's deployment."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("engine-full", APP_NAME)
+    seen: dict = {}
+    for _ in range(100):  # the handle picks a replica: ask until both answered
+        s = handle.stats.remote().result()
+        seen[s["replica_id"]] = (s["completed_requests"], s["failed_requests"])
+        if len(seen) == 2:
+            return tuple(map(sum, zip(*seen.values())))
+    raise AssertionError(f"only {sorted(seen)} of the 2 replicas answered")
+
+
+def test_completions_cut_by_a_stop_string_count_completed_on_the_replica_that_streamed_them(base_url):
+    client = openai.OpenAI(base_url=base_url, api_key=KEY)
+    body = dict(model=FULL, prompt="abc", max_tokens=12, extra_body={"ignore_eos": True})
+    text = client.completions.create(**body).choices[0].text
+    stop = text[2]  # the greedy text hits it at its third character (or earlier)
+    k = text.find(stop)
+    assert 0 <= k <= 2 and len(text) > 3
+    before = _full_engine_counts()
+    for _ in range(2):
+        r = client.completions.create(**body, stop=[stop])
+        assert (r.choices[0].finish_reason, r.choices[0].text) == ("stop", text[:k])
+    chunks = [c for c in client.completions.create(**body, stop=stop, stream=True) if c.choices]
+    assert chunks[-1].choices[0].finish_reason == "stop" and "".join(c.choices[0].text for c in chunks) == text[:k]
+    after = wait_for(
+        lambda: (c := _full_engine_counts())[0] - before[0] >= 3 and c, 30, "the replicas counting 3 completions"
+    )
+    assert (after[0] - before[0], after[1] - before[1]) == (3, 0)

@@ -59,7 +59,8 @@ def test_the_service_ships_per_request_budgets_and_lists_them():
     handles, metadata = app._bound_deployment.init_args[:2]
     sh = "tiny-llama:scissorhands-x5"
     engine_config = handles[sh]._bound_deployment.init_args[2]  # what the deployment's engine is built from
-    assert EngineConfig(**engine_config).budget == "per_request" and engine_config["kv_layout"] == "paged"
+    assert isinstance(engine_config, EngineConfig)  # crosses Ray typed
+    assert (engine_config.budget, engine_config.kv_layout) == ("per_request", "paged")
     assert metadata[sh]["budget"] == "per_request" and metadata[sh]["budget_tokens"] is None
     assert metadata[sh]["compression_ratio"] == 5.0 and metadata[sh]["kv_layout"] == "paged"
     assert metadata["tiny-llama:full"]["kv_layout"] == "paged" and metadata["tiny-llama:full"]["budget"] is None

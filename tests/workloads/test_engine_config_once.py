@@ -18,8 +18,17 @@ from ray import cloudpickle
 
 from cluster import serve_app
 from cluster.serve_app import SERVE_SETS, engine_knob_flags, main
+from replica import engine
 from replica.engine import ContinuousBatchingEngine
-from replica.types import KV_LIMIT_FIELDS, PER_POINT_FIELDS, ConfigError, EngineConfig, KVMemoryLimit
+from replica.types import (
+    KV_LIMIT_FIELDS,
+    PER_POINT_FIELDS,
+    ConfigError,
+    EngineConfig,
+    KVMemoryLimit,
+    device_memory_bytes,
+    full_rows_kv_bytes,
+)
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep
@@ -118,7 +127,7 @@ def test_a_bad_combination_fails_the_whole_suite_at_load_with_exit_2(tmp_path, c
     assert not (tmp_path / "results").exists()  # no point ran, nothing recorded
 
 
-def test_every_point_gets_a_typed_engine_config_that_reads_as_the_mapping_it_replaced(tmp_path):
+def test_every_point_gets_a_typed_engine_config_read_by_attribute_and_dumped_as_a_mapping(tmp_path):
     suite = load_suite(_write(tmp_path, {**PAGED, "scheduler": "mixed", "max_num_batched_tokens": 64}))
     cfgs = [suite.engine_config(p) for p in suite.points()]
     assert all(isinstance(c, EngineConfig) for c in cfgs)
@@ -126,9 +135,9 @@ def test_every_point_gets_a_typed_engine_config_that_reads_as_the_mapping_it_rep
         ("full", "fixed", "mixed", 64),
         ("scissorhands", "fixed", "mixed", 64),
     ]
-    assert cfgs[1]["compression_ratio"] == 5 and EngineConfig(**cfgs[1]) == cfgs[1]
-    with pytest.raises(KeyError):
-        cfgs[0]["colour"]
+    assert cfgs[1].compression_ratio == 5 and EngineConfig(**cfgs[1].model_dump()) == cfgs[1]
+    with pytest.raises(TypeError):  # not a mapping: a field is an attribute, `model_dump()` the mapping
+        cfgs[0]["policy"]
     # what Ray does to a call's arguments: the same typed config arrives
     assert cloudpickle.loads(cloudpickle.dumps(cfgs[1])) == cfgs[1]
 
@@ -170,7 +179,9 @@ def test_a_fraction_limit_is_the_older_kv_memory_fraction_with_its_ids(tmp_path)
     assert older.kv_limit == typed.kv_limit == KVMemoryLimit(fraction=0.25)
     for suite in (older, typed):
         cfg = suite.engine_config(suite.points()[0])
-        assert [cfg[k] for k in KV_LIMIT_FIELDS] == [None, 0.25, None] and cfg.kv_limit == KVMemoryLimit(fraction=0.25)
+        assert [getattr(cfg, k) for k in KV_LIMIT_FIELDS] == [None, 0.25, None] and cfg.kv_limit == KVMemoryLimit(
+            fraction=0.25
+        )
 
 
 def test_a_frontier_refuses_a_fraction_of_device_memory(tmp_path):
@@ -192,5 +203,15 @@ def test_each_form_of_the_limit_resolves_to_the_bytes_the_engine_uses(limit, exp
     model = tiny_llama(0).to(torch.float32)
     cfg = EngineConfig(kv_layout="paged", max_length_tokens=50, **limit)
     resolved = cfg.kv_memory_limit_bytes_on(model, torch.device("cpu"))
-    assert resolved == expected() == ContinuousBatchingEngine(model, cfg).kv_memory_limit_bytes
+    assert resolved == expected() == ContinuousBatchingEngine(model, cfg).kv_memory_limit_bytes  # the engine's
     assert EngineConfig(max_length_tokens=50).kv_memory_limit_bytes_on(model, torch.device("cpu")) is None
+
+
+def test_the_kv_limit_helpers_the_engine_package_exports_are_the_typed_ones_with_known_values():
+    model = tiny_llama(0).to(torch.float32)
+    assert (engine.device_memory_bytes, engine.full_rows_kv_bytes) == (device_memory_bytes, full_rows_kv_bytes)
+    assert device_memory_bytes(torch.device("cpu")) == psutil.virtual_memory().total
+    assert full_rows_kv_bytes(model, 3, 50) == 3 * 50 * 520  # 520 B a float32 slot of the tiny model
+    assert engine.full_batch_kv_limit_bytes(model, 3, 40, 10) == 3 * 50 * 520
+    with pytest.raises(ValueError, match="length_tokens"):
+        full_rows_kv_bytes(model, 3, 0)

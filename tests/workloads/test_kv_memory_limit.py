@@ -1,4 +1,4 @@
-"""A suite's KV memory limit (`workloads.core.suite.KVMemoryLimit`, serving and frontier suites alike): bytes, or
+"""A suite's KV memory limit (`replica.types.KVMemoryLimit`, serving and frontier suites alike): bytes, or
 full-cache rows of the suite's lengths resolved on the replica in the run's dtype, on the tiny model.
 
 tiny-llama: 2 layers x 2 KV heads; a full-cache slot is K + V of head_dim 16 plus an int16 slot time per head:
@@ -83,7 +83,7 @@ def test_full_sequences_resolve_on_the_engine_in_the_models_dtype(tmp_path, type
     cache then fits exactly 3 rows in both dtypes, and every policy of the suite gets the same bytes."""
     suite = _load(tmp_path, SERVING, **lengths)
     slot = SLOT_BYTES[next(typed_model.parameters()).dtype]
-    engines = [ContinuousBatchingEngine(typed_model, EngineConfig(**suite.engine_config(p))) for p in suite.points()]
+    engines = [ContinuousBatchingEngine(typed_model, suite.engine_config(p)) for p in suite.points()]
     assert {e.kv_memory_limit_bytes for e in engines} == {3 * length * slot}
     assert engines[0].config.kv_limit_full_sequences == 3 and engines[0].config.kv_memory_limit_bytes is None
     assert engines[0].kv_memory_limit_bytes == full_batch_kv_limit_bytes(typed_model, 3, length - 1, 1)
@@ -152,7 +152,7 @@ def test_kv_memory_limit_bytes_still_loads_as_bytes_with_the_ids_it_had(tmp_path
     )
     for suite in (old, new):
         cfg = suite.engine_config(suite.points()[0])
-        assert (cfg["kv_memory_limit_bytes"], cfg["kv_limit_full_sequences"]) == (78_000, None)
+        assert (cfg.kv_memory_limit_bytes, cfg.kv_limit_full_sequences) == (78_000, None)
         assert "kv_memory_limit" not in suite.points()[0].identity
     rows = _load(tmp_path, SERVING)
     assert rows.points()[0].identity["kv_limit_full_sequences"] == 3
@@ -254,4 +254,4 @@ def test_the_shipped_suites_state_their_limits_in_full_rows():
     }
     memory_limit = load_suite("workloads/suites/memory-limit.yaml")
     cfg = memory_limit.engine_config(memory_limit.points()[0])
-    assert (cfg["kv_limit_full_sequences"], cfg["max_length_tokens"], cfg["kv_memory_limit_bytes"]) == (4, 1088, None)
+    assert (cfg.kv_limit_full_sequences, cfg.max_length_tokens, cfg.kv_memory_limit_bytes) == (4, 1088, None)

@@ -17,7 +17,7 @@ from replica.types import GenerationRequest, GenerationResult
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
 from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep
-from workloads.load.driver import run_load
+from workloads.load.driver import Run, run_load
 from workloads.load.lengths import LengthDist, build_requests
 from workloads.load.metrics import LatencyStats, RequestRecord, summarize
 from workloads.load.patterns import LoadConfig, arrival_gaps_s
@@ -719,3 +719,13 @@ def test_rate_shortfall_is_judged_on_completions_against_the_rate_offered(mode, 
     assert m.rate_shortfall is expected
     if timeout_s:
         assert m.errors_by_kind == {"timeout": 20} and any("only 20 of 40 arrivals completed" in w for w in m.warnings)
+
+
+def test_a_batch_asking_for_warm_ups_gets_none_when_warm_up_ended_and_the_window_stays_closed():
+    ticks = iter([0.0, 0.9, 1.1, 1.2])  # the run starts at 0; warm-up ends at 1.0
+    cfg = LoadConfig(mode="batch", batch_size=4, num_requests=4, warmup_s=1.0)
+    run = Run(None, None, cfg, clock=lambda: next(ticks))
+    assert run.next_index() == (0, True)  # read at 0.9: warm-up
+    assert run.next_index(warmup=True) is None  # read at 1.1: measured, not asked for
+    assert (run.window_start, run.issued, run.measured) == (None, 1, 0)  # nothing opened, nothing handed out
+    assert run.next_index(warmup=False) == (1, False) and run.window_start == 1.2  # opened by the measured one

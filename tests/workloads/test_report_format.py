@@ -1,9 +1,9 @@
-"""Numbers as the serving reports print them (`workloads.core.results.significant`, `workloads.serving.report`,
+"""Numbers as the serving reports print them (`workloads.load.numbers.significant`, `workloads.serving.report`,
 the serving sweep's progress line, `workloads.load.slo.describe_slo`): milliseconds in plain notation."""
 
 import pytest
 
-from workloads.core.results import significant
+from workloads.load.numbers import significant
 from workloads.load.slo import describe_slo
 from workloads.serving.report import milliseconds, table_markdown
 from workloads.serving.runner import ServingKind

@@ -158,7 +158,7 @@ class RatePool(OneReplicaPool):
     def configure(self, cfg, run_id=None):
         if len(self.probes) + 1 == self.kill_at:
             raise KeyboardInterrupt("killed during this probe")
-        policy, limit = cfg["policy"], self.passes_up_to[cfg["policy"]]
+        policy, limit = cfg.policy, self.passes_up_to[cfg.policy]
         self.probes.append((policy, None))
 
         def script(req):

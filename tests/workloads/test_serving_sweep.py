@@ -23,6 +23,7 @@ from workloads import sweep
 from workloads.core.suite import SuiteError
 from workloads.core.template import run_suite
 from workloads.kinds import load_suite
+from workloads.serving.point import point_outcome
 from workloads.serving.pools import LocalReplicaPool
 from workloads.serving.runner import KIND as SERVING
 from workloads.serving.runner import ServingKind
@@ -373,3 +374,19 @@ def test_a_local_serving_run_in_dtype_auto_records_the_reason_and_the_cpu(tmp_pa
     (rec,) = _lines(out / "run" / "points.jsonl")
     assert rec["status"] == "ok" and rec["dtype_requested"] == "auto" and rec["dtype_reason"].startswith("auto: ")
     assert rec["cpu_model"] and f"CPU {rec['cpu_model']};" in (out / "run" / "table.md").read_text()
+
+
+def test_a_point_with_requests_sent_none_completed_and_no_error_kind_is_an_error_not_attainment_0():
+    outcome, warning = point_outcome(5, 0, {}, [])
+    assert outcome["status"] == "error" and outcome["stop_reason"] == "every request failed"
+    assert "5 request(s) sent, none completed" in outcome["error"] and warning is None
+    outcome, warning = point_outcome(5, 0, {"timeout": 3, "overloaded": 2}, [])
+    assert outcome == {"status": "ok", "error": None}
+    assert warning.startswith("every request missed the SLO by timing out or being refused for load (")
+    assert "overloaded: 2, timeout: 3" in warning
+    outcome, _ = point_outcome(5, 0, {"timeout": 3, "error": 2}, [])
+    assert (outcome["status"], outcome["error"]) == ("error", "error: 2, timeout: 3")
+    assert point_outcome(5, 5, {}, []) == ({"status": "ok", "error": None}, None)
+    assert point_outcome(0, 0, {}, []) == ({"status": "ok", "error": None}, None)  # nothing sent: an empty window
+    assert point_outcome(5, 0, {"oom": 5}, [])[0]["status"] == "oom"
+    assert point_outcome(5, 5, {}, ["fake-0"])[0]["stop_reason"] == "replica died"

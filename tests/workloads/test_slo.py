@@ -109,6 +109,7 @@ def test_the_default_slo_is_mlperfs_llama_3_1_8b_server_limits_and_the_record_ke
     assert (flat["goodput_req_per_s"], flat["goodput_tok_per_s"]) == (0.3, 1.5)  # a b d; a3 b2 d1 g9 tokens
     assert describe_slo(2.0, 0.1) == "TTFT <= 2000 ms, TPOT <= 100 ms"
     assert describe_slo(0.5, 0.03, 20.0) == "TTFT <= 500 ms, TPOT <= 30 ms, e2e <= 20000 ms"
+    assert describe_slo(1000.0, 0.0012345) == "TTFT <= 1000000 ms, TPOT <= 1.2345 ms"  # plain, never 1e+06
 
 
 def test_run_load_judges_its_requests_by_the_slo_it_is_given():

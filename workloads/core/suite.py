@@ -57,10 +57,7 @@ from pydantic import (
 from cluster.placement import PlacementConfig, parse_placement
 from replica.openvino_settings import OPENVINO_POLICIES
 from replica.rules import NonNegativeInt, PositiveInt, one_line
-from replica.types import (
-    ENGINES,
-    KVMemoryLimit,  # noqa: F401 - the suites' `kv_memory_limit`, re-exported where it was
-)
+from replica.types import ENGINES
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy

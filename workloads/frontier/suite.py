@@ -10,7 +10,7 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
     compression_ratios: [2, 5]   # B = ceil((prompt_tokens + new_tokens) / ratio), the same B in both measurements
     prompt_tokens: 512           # every request's prompt (real load-test text, the same prompts for every point)
     new_tokens: 128              # every request's output (EOS ignored)
-    kv_memory_limit:             # one limit for every point (`workloads.core.suite.KVMemoryLimit`): exactly one of
+    kv_memory_limit:             # one limit for every point (`replica.types.KVMemoryLimit`): exactly one of
       full_sequences: 2          #   the bytes the full cache needs for this many sequences of prompt + new tokens,
                                  #   in the run's dtype (resolved on the replica)
       # bytes: 50000000          #   or an absolute limit in bytes

@@ -104,16 +104,20 @@ class Run:
     def count_reached(self) -> bool:
         return self.exhausted or (self.cfg.num_requests is not None and self.measured >= self.cfg.num_requests)
 
-    def next_is_warmup(self) -> bool:
-        """Whether the next request handed out would be warm-up (asks nothing of the window)."""
-        return self.issued < self.cfg.warmup_requests or self.clock() < self.start + self.cfg.warmup_s
+    def _is_warmup(self, now: float) -> bool:
+        """Whether the next request handed out at `now` is warm-up (the first `warmup_requests`, or `warmup_s`)."""
+        return self.issued < self.cfg.warmup_requests or now < self.start + self.cfg.warmup_s
 
-    def next_index(self) -> tuple[int, bool] | None:
-        """(index, warm-up?) of the next request to send, or None when a bound says stop."""
+    def next_index(self, warmup: bool | None = None) -> tuple[int, bool] | None:
+        """(index, warm-up?) of the next request to send, or None when a bound says stop or, with `warmup`, when
+        the next request is not of that kind (a batch of warm-ups ends without opening the window). One clock
+        read decides both."""
         now = self.clock()
         if self.deadline is not None and now >= self.deadline:
             return None
-        warm = self.issued < self.cfg.warmup_requests or now < self.start + self.cfg.warmup_s
+        warm = self._is_warmup(now)
+        if warmup is not None and warm != warmup:
+            return None
         if not warm:
             if self.count_reached:
                 return None

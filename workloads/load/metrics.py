@@ -30,8 +30,9 @@ statistic uses measured requests only: not warm-up requests, not requests sent b
 opened (so the replicas' own counts of measured requests, `replica.engine` `stats()`, cover the
 same requests). The two token throughputs alone count every token produced inside the window, as GuideLLM does:
 the window's mean concurrency counts every request in flight inside it (a warm-up request still running when the
-window opens included), so its throughput counts what those requests produce there too (a closed loop of 4 whose
-warm-ups end inside the window produced 370 tok/s where measured tokens alone gave 267). Every percentile (p50, p90,
+window opens included), so its throughput counts what those requests produce there too (a worked example, not a
+measurement: a closed loop of 4 at 100 tok/s per request whose warm-ups end inside the window produces 370 tok/s where
+measured tokens alone give 267; `tests/workloads/test_loadgen.py` computes it). Every percentile (p50, p90,
 p95, p99) carries its sample count `n`; a percentile `p` over fewer than `1 / (1 - p)` samples (p90 below 10, p95
 below 20, p99 below 100) is flagged low-confidence, and every statistic of zero samples is None (JSON null), never NaN or 0. Goodput
 never exceeds its throughput (`goodput_req_per_s <= request_throughput_req_per_s`, `goodput_tok_per_s <=

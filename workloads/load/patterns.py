@@ -130,8 +130,7 @@ class SharedRun(Protocol):
     records: list[RequestRecord]
     requests: Callable[[int], GenerationRequest]
 
-    def next_index(self) -> tuple[int, bool] | None: ...
-    def next_is_warmup(self) -> bool: ...
+    def next_index(self, warmup: bool | None = None) -> tuple[int, bool] | None: ...
     async def send(
         self, index: int, warmup: bool, scheduled: float | None = None, cap_delayed: bool = False
     ) -> RequestRecord: ...
@@ -268,18 +267,13 @@ class BatchLoad(LoadPattern):
         return self.cfg.batch_size
 
     async def drive(self, run: SharedRun) -> None:
-        pushed = None
         while True:
-            batch = [pushed] if pushed is not None else []
-            pushed = None
+            batch: list[tuple[int, bool]] = []
             while len(batch) < self.cfg.batch_size:
-                if batch and run.next_is_warmup() != batch[0][1]:
-                    break  # asking for the first measured index would open the window while the warm-ups run
-                nxt = run.next_index()
+                # a batch is all warm-up or all measured: a measured index asked for while the warm-ups run would
+                # open the window early, so the batch ends where the kind changes (or a bound stops the run)
+                nxt = run.next_index(batch[0][1] if batch else None)
                 if nxt is None:
-                    break
-                if batch and nxt[1] != batch[0][1]:
-                    pushed = nxt
                     break
                 batch.append(nxt)
             if not batch:

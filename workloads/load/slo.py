@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 from pydantic import BeforeValidator
 
 from replica.rules import Section
+from workloads.load.numbers import significant
 
 if TYPE_CHECKING:
     from workloads.load.metrics import RequestRecord
@@ -91,17 +92,10 @@ class SLO(Section):
 DEFAULT_SLO = SLO()
 
 
-def _plain(x: float) -> str:
-    """`x` in plain decimal notation to 6 decimals, trailing zeros dropped (a 1,000 s limit is 1000000 ms, not
-    1e+06)."""
-    text = f"{x:.6f}".rstrip("0").rstrip(".")
-    return text or "0"
-
-
 def describe_slo(ttft_s: float | None, tpot_s: float | None, e2e_latency_s: float | None = None) -> str:
     """The limits in milliseconds for a printed table: ``TTFT <= 2000 ms, TPOT <= 100 ms`` (+ e2e when set)."""
     parts = [
-        f"{name} <= {_plain(value * 1000)} ms"
+        f"{name} <= {significant(value * 1000, 6)} ms"
         for name, value in (("TTFT", ttft_s), ("TPOT", tpot_s), ("e2e", e2e_latency_s))
         if value is not None
     ]

@@ -137,30 +137,10 @@ def run_point(
             and max(live) >= max_batch
             and all(x is None or x <= (out["kv_memory_limit_bytes"] or x) for x in peak_kv)
         )
-    replaced = pool.restart_dead()
-    errors = m.errors_by_kind
-    if replaced or errors.get("replica_died"):
-        out.update(
-            status="error",
-            stop_reason="replica died",
-            error=f"replica(s) died during the point and were restarted: {', '.join(replaced) or '?'}",
-        )
-    elif errors.get("oom"):
-        out.update(status="oom", stop_reason="out of memory", error=f"{errors['oom']} request(s) ran out of memory")
-    elif m.sent_requests and not m.completed_requests and not set(errors) <= set(SLO_MISS_ERROR_KINDS):
-        out.update(
-            status="error",
-            stop_reason="every request failed",
-            error=", ".join(f"{k}: {v}" for k, v in sorted(errors.items())),
-        )
-    else:
-        if m.sent_requests and not m.completed_requests:  # timeouts / refusals for load: measured, attainment 0
-            out["warnings"] = list(out.get("warnings") or []) + [
-                "every request missed the SLO by timing out or being refused for load ("
-                + ", ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
-                + "): a result of attainment 0, not an error"
-            ]
-        out.update(status="ok", stop_reason=m.stop_reason, error=None)  # `count` or `duration` (the load generator's)
+    outcome, warning = point_outcome(m.sent_requests, m.completed_requests, m.errors_by_kind, pool.restart_dead())
+    if warning:
+        out["warnings"] = list(out.get("warnings") or []) + [warning]
+    out.update({"stop_reason": m.stop_reason, **outcome})  # ok: `count` or `duration` (the load generator's)
     return out
 
 
@@ -170,3 +150,40 @@ def _sum_reported(stats: list[dict], key: str) -> int | None:
     if stats and all(key in (s.get("not_reported") or ()) for s in stats):
         return None
     return sum(s.get(key) or 0 for s in stats)
+
+
+def point_outcome(
+    sent_requests: int, completed_requests: int, errors_by_kind: dict[str, int], replaced: list[str]
+) -> tuple[dict, str | None]:
+    """A point's ``status``, ``stop_reason`` and ``error`` from its request counts, its errors by kind and the
+    replicas restarted after it, with a warning (or None) for the record. A point whose sent requests all ended
+    in `SLO_MISS_ERROR_KINDS` (timeouts, refusals for load) is ``ok`` with attainment 0; one where none completed
+    and no error kind was counted at all is ``error``: there is nothing to call a miss of the SLO."""
+    errors = errors_by_kind
+    if replaced or errors.get("replica_died"):
+        return {
+            "status": "error",
+            "stop_reason": "replica died",
+            "error": f"replica(s) died during the point and were restarted: {', '.join(replaced) or '?'}",
+        }, None
+    if errors.get("oom"):
+        return {
+            "status": "oom",
+            "stop_reason": "out of memory",
+            "error": f"{errors['oom']} request(s) ran out of memory",
+        }, None
+    listed = ", ".join(f"{k}: {v}" for k, v in sorted(errors.items()))
+    if sent_requests and not completed_requests:
+        if not errors:
+            return {
+                "status": "error",
+                "stop_reason": "every request failed",
+                "error": f"{sent_requests} request(s) sent, none completed and no error recorded",
+            }, None
+        if not set(errors) <= set(SLO_MISS_ERROR_KINDS):
+            return {"status": "error", "stop_reason": "every request failed", "error": listed}, None
+        return {"status": "ok", "error": None}, (
+            f"every request missed the SLO by timing out or being refused for load ({listed}): "
+            "a result of attainment 0, not an error"
+        )
+    return {"status": "ok", "error": None}, None

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from cluster.connect import error_message
 from replica import cpu_share
-from workloads.core.results import MIB, conditions_line, format_value, markdown_table, significant, write_atomic
+from workloads.core.results import MIB, conditions_line, format_value, markdown_table, write_atomic
 from workloads.core.template import Report
 from workloads.load.metrics import FLAGGED_PERCENTILES, RATE_SHORTFALL_FRACTION
+from workloads.load.numbers import significant
 from workloads.load.slo import describe_slo
 from workloads.serving.plots import write_plots
 
@@ -92,7 +93,7 @@ def capacity_markdown(rows: list[dict]) -> str:
 
 def milliseconds(r: dict, base: str, percentiles=TABLE_PERCENTILES) -> str:
     """``12.3/45.6*/...``: the record's `base` percentiles (``ttft`` -> ``ttft_p50_s``, ...) in milliseconds, 3
-    significant digits in plain notation (``42600``, never ``4.26e+04``: `workloads.core.results.significant`), each
+    significant digits in plain notation (``42600``, never ``4.26e+04``: `workloads.load.numbers.significant`), each
     low-confidence one marked ``*``; ``-`` for a missing one."""
     out = []
     for p in percentiles:

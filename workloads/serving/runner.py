@@ -41,6 +41,7 @@ from scissorhands.testing import TINY_LLAMA_CONFIG
 from workloads.core import results as res
 from workloads.core.run import SweepError, resolve_run_dtype
 from workloads.core.template import Finished, Kind, Progress, Report, Session, kind_main
+from workloads.load.numbers import significant
 from workloads.load.slo import describe_slo
 from workloads.serving import capacity
 from workloads.serving.point import run_point
@@ -179,7 +180,7 @@ class ServingKind(Kind):
         if rec["status"] not in ("ok",):
             return f"  {rec['status']:<7} {what}: {rec.get('stop_reason')}{': ' + rec['error'] if rec.get('error') else ''}"
         f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
-        ms = lambda key: res.significant(None if rec.get(key) is None else rec[key] * 1000)  # noqa: E731 - s -> ms
+        ms = lambda key: significant(None if rec.get(key) is None else rec[key] * 1000)  # noqa: E731 - s -> ms
         return (
             f"  ok      {what}: {f(rec.get('output_throughput_tok_per_s'), '.1f')} tok/s out, TTFT p50/p99 "
             f"{ms('ttft_p50_s')}/{ms('ttft_p99_s')} ms (n={rec.get('ttft_n')}), TPOT p50/p99 {ms('tpot_p50_s')}/"
