@@ -354,14 +354,11 @@ class BudgetedLayer(CacheLayerMixin):
                 self.held -= n_pad
                 self.pad_tokens += n_pad
                 self._maybe_masked = True
-        # no slot time can be negative unless padding, filler or eviction wrote one (then look, one host sync)
-        all_valid = not self._maybe_masked or not bool((st < 0).any())
-        if all_valid:
-            self._maybe_masked = False
+        all_valid = self._all_slots_valid(st)
         if q_len == 1 and not self.policy.needs_attention:
             # decode_step of a policy that needs no probabilities (full, streaming_llm, knorm, random): one sdpa
             # over the kept slots, the layer's validity mask only when a slot is masked
-            out = self._sdpa_chunk(query, keys, values, None if all_valid else (st >= 0)[:, :, None, :], scaling)
+            out = self._sdpa_chunk(query, keys, values, None if all_valid else self._valid_slots(st), scaling)
             return out.transpose(1, 2).contiguous()  # (b, 1, hq, d_v)
         # first query's token index: (1,) the shared clock, or (b,) each row's own
         t0 = (torch.tensor([self.tokens_seen], device=self.device) if self.row_time is None else self.row_time) - q_len
@@ -403,7 +400,7 @@ class BudgetedLayer(CacheLayerMixin):
         for s in chunks:
             e = min(obs_from if s < obs_from else q_len, s + query_chunk)
             if e - s == 1 and s == q_len - 1:  # the newest query sees every valid slot
-                visible = None if all_valid else (st >= 0)[:, :, None, :]  # (b, hkv, 1, S)
+                visible = None if all_valid else self._valid_slots(st)  # (b, hkv, 1, S)
             else:
                 qt = (t0[:, None] + torch.arange(s, e, device=self.device)).to(torch.int32)  # (1 or b, q_c)
                 visible = (st[:, :, None, :] >= 0) & (st[:, :, None, :] <= qt[:, None, :, None])  # (b, hkv, q_c, S)
@@ -414,6 +411,18 @@ class BudgetedLayer(CacheLayerMixin):
         if self.policy.evicts:  # prompt / chunk: compress to B
             self.evict((self.held - self.row_tokens()).clamp(min=0))
         return out.transpose(1, 2).contiguous()
+
+    def _all_slots_valid(self, st: torch.Tensor) -> bool:
+        """Whether no slot of ``st`` ``(b, hkv, S)`` is masked (padding, filler, evicted)."""
+        # no slot time can be negative unless padding, filler or eviction wrote one (then look, one host sync)
+        all_valid = not self._maybe_masked or not bool((st < 0).any())
+        if all_valid:
+            self._maybe_masked = False
+        return all_valid
+
+    def _valid_slots(self, st: torch.Tensor) -> torch.Tensor:
+        """``(b, hkv, 1, S)`` bool: the slots a row's newest query sees (every unmasked one)."""
+        return (st >= 0)[:, :, None, :]
 
     @staticmethod
     def _sdpa_chunk(query, keys, values, visible, scaling):

@@ -74,6 +74,8 @@ class BlockPool:
         self.block_tokens = block_tokens
         self.buffers: dict[str, torch.Tensor] = {}
         self._free = list(range(num_blocks - 1, 0, -1))  # a stack of free block ids
+        # the last validity mask a layer built (PagedStore.validity): the other layers of that step reuse it
+        self.validity_cache: tuple | None = None
         self.peak_blocks_in_use = 0
 
     @property
@@ -143,6 +145,7 @@ class PagedStore:
         self.dense = SlotStore()
         self.blocks: list[list[int]] = []
         self.row_slots: torch.Tensor | None = None
+        self._slots: list[int] | None = None  # row_slots on the host, None when stale (read back on use)
         self._table_t: torch.Tensor | None = None  # (b, max_blocks) block ids, rebuilt after blocks change
         self._index: torch.Tensor | None = None  # (b, h, max_blocks) block index for reads, likewise
 
@@ -161,6 +164,7 @@ class PagedStore:
         self.dense.allocate(batch_size, num_heads, {n: s for n, s in specs.items() if n in BOOKKEEPING}, device)
         self.blocks = [[] for _ in range(batch_size)]
         self.row_slots = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self._slots = [0] * batch_size
         self._changed()
 
     # ------------------------------------------------------------------ addressing
@@ -176,6 +180,27 @@ class PagedStore:
     def _changed(self) -> None:
         """Blocks or rows changed: the cached table and read index are stale."""
         self._table_t = self._index = None
+
+    def slots_list(self) -> list[int]:
+        """``row_slots`` as a host list (kept beside the tensor: a decode step reads it without a device sync)."""
+        if self._slots is None:
+            self._slots = self.row_slots.tolist()
+        return self._slots
+
+    def validity(self) -> torch.Tensor | None:
+        """``(batch_size, 1, 1, num_slots)`` bool, True for the slots a row holds (valid first: slot ``s`` of row
+        ``i`` is a token iff ``s < row_slots[i]``), or None when every row holds every slot. Built once per step
+        for every layer that holds the same rows (shared through the pool: all layers of a batch hold the same
+        slots per row)."""
+        slots, n = self.slots_list(), self.num_slots
+        if min(slots, default=n) >= n:
+            return None
+        key = (n, tuple(slots), torch.is_inference_mode_enabled())
+        cached = self.pool.validity_cache
+        if cached is None or cached[0] != key:
+            mask = torch.arange(n, device=self.row_slots.device)[None, :] < self.row_slots[:, None]  # (b, S)
+            cached = self.pool.validity_cache = (key, mask[:, None, None, :])
+        return cached[1]
 
     def _addresses(self, slots: torch.Tensor) -> torch.Tensor:
         """Pool slot of each row's slot ``slots`` ``(batch_size, n)``; slots past a row's count read block 0."""
@@ -215,10 +240,10 @@ class PagedStore:
         return blocks.view(b, h, nb * bt, *trailing)[:, :, : self.num_slots]
 
     # ------------------------------------------------------------------ writes
-    def _grow(self, slots_needed: torch.Tensor) -> None:
-        """Give each row the blocks ``slots_needed`` ``(batch_size,)`` slots take (all or nothing)."""
+    def _grow(self, slots_needed: list[int]) -> None:
+        """Give each row the blocks ``slots_needed`` (one count per row) slots take (all or nothing)."""
         bt = self.pool.block_tokens
-        want = [max(0, -(-int(n) // bt) - len(b)) for n, b in zip(slots_needed.tolist(), self.blocks)]
+        want = [max(0, -(-n // bt) - len(b)) for n, b in zip(slots_needed, self.blocks)]
         if sum(want):
             taken = self.pool.allocate(sum(want))
             for b, k in zip(self.blocks, want):
@@ -238,25 +263,32 @@ class PagedStore:
         """
         q = next(iter(new.values())).shape[2]
         b = len(self.blocks)
-        self._grow(self.row_slots + q)
-        pos = self.row_slots[:, None] + torch.arange(q, device=self.row_slots.device)  # (b, q)
-        flat = self._flat(self._addresses_for_write(pos)).reshape(-1)
+        slots = self.slots_list()
+        self._grow([n + q for n in slots])
+        bt = self.pool.block_tokens
+        if q == 1:  # a decode step: each row's pool slot from its host-side count and block list, one small tensor
+            h, pool_slots = next(iter(self.pool.buffers.values())).shape[:2]
+            addr = [blocks[n // bt] * bt + n % bt for blocks, n in zip(self.blocks, slots)]
+            flat = torch.tensor([a + k * pool_slots for a in addr for k in range(h)], device=self.row_slots.device)
+        else:
+            pos = self.row_slots[:, None] + torch.arange(q, device=self.row_slots.device)  # (b, q)
+            flat = self._flat(self._addresses_for_write(pos)).reshape(-1)
         for name, t in new.items():
             if name in BOOKKEEPING:
                 continue
             buf = self.pool.buffers[name]
             buf.view(-1, *buf.shape[2:]).index_copy_(0, flat, t.reshape(-1, *buf.shape[2:]).to(buf.dtype))
-        start = self.row_slots.min()
-        uniform = bool((self.row_slots == start).all())
-        n_after = int(self.row_slots.max()) + q
+        start, widest = min(slots, default=0), max(slots, default=0)
+        uniform = start == widest
+        old_slots, n_after = self.dense.num_slots, widest + q
         if n_after > self.dense.capacity:
-            self.dense.resize(-(-n_after // self.pool.block_tokens) * self.pool.block_tokens)
+            self.dense.resize(-(-n_after // bt) * bt)
         dense_new = {n: t for n, t in new.items() if n in BOOKKEEPING}
         if uniform:  # every row at the same slot (a fresh prefill, budgeted rows at their budget)
-            s = int(start)
             for name, t in dense_new.items():
-                self.dense.buffers[name][:, :, s : s + q] = t
+                self.dense.buffers[name][:, :, start : start + q] = t
         else:
+            pos = self.row_slots[:, None] + torch.arange(q, device=self.row_slots.device)  # (b, q)
             rows = torch.arange(b, device=pos.device)[:, None]  # (b, 1) with pos (b, q): dims (b, q, h, ...)
             for name, t in dense_new.items():
                 buf = self.dense.buffers[name]
@@ -264,20 +296,23 @@ class PagedStore:
                 buf[rows, :, pos] = full.movedim(2, 1)
         self.dense.num_slots = n_after
         self.row_slots += q
-        if not uniform:
-            self._pad_tail()
+        self._slots = [n + q for n in slots]
+        if not uniform and n_after > old_slots:
+            # slots below old_slots past a row's count are padding already; the new columns are not
+            self._pad_tail(old_slots)
 
     def _addresses_for_write(self, pos: torch.Tensor) -> torch.Tensor:
         bt = self.pool.block_tokens
         table = self._table()
         return table.gather(1, pos // bt) * bt + pos % bt
 
-    def _pad_tail(self) -> None:
-        """Mark the dense slots past each row's count as padding (never attended, never a token)."""
-        st = self.dense.view("slot_time")
-        past = torch.arange(st.shape[-1], device=st.device)[None, :] >= self.row_slots[:, None]  # (b, S)
-        if bool(past.any()):
-            st.masked_fill_(past[:, None, :], PAD)
+    def _pad_tail(self, first: int = 0) -> None:
+        """Mark the dense slots from ``first`` on past each row's count as padding (never attended, never a token)."""
+        st = self.dense.view("slot_time")[:, :, first:]
+        if min(self.slots_list(), default=0) >= self.dense.num_slots:
+            return
+        past = torch.arange(first, first + st.shape[-1], device=st.device)[None, :] >= self.row_slots[:, None]  # (b, S)
+        st.masked_fill_(past[:, None, :], PAD)
 
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
     def compact(self, idx: torch.Tensor, row_slots: torch.Tensor, keep_slots) -> None:
@@ -289,6 +324,7 @@ class PagedStore:
         kept = torch.arange(n_keep, device=idx.device)[None, :] < row_slots[:, None]  # (b, n_keep)
         src_slots = self._addresses_all(idx)  # (b, h, n_keep) pool slots of the kept slots
         self.row_slots = row_slots.clone()
+        self._slots = None
         bt = self.pool.block_tokens
         keep = keep_slots.tolist() if isinstance(keep_slots, torch.Tensor) else [keep_slots] * b
         for i, blocks in enumerate(self.blocks):  # return blocks a row no longer needs
@@ -317,7 +353,7 @@ class PagedStore:
 
     def trim(self) -> None:
         """Drop dense slots no row holds (after rows left)."""
-        n = int(self.row_slots.max()) if len(self.blocks) else 0
+        n = max(self.slots_list(), default=0)
         if n < self.dense.num_slots:
             self.dense.num_slots = n
 
@@ -338,6 +374,7 @@ class PagedStore:
         self.blocks += other.blocks
         other.blocks = []
         self.row_slots = torch.cat([self.row_slots, other.row_slots])
+        self._slots = None
         self._changed()
 
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
@@ -350,6 +387,7 @@ class PagedStore:
         self.blocks = [self.blocks[i] for i in keep.tolist()]
         self.dense.map_batch(lambda t: t.index_select(0, keep))
         self.row_slots = self.row_slots.index_select(0, keep)
+        self._slots = None
         self.trim()
         self._changed()
 
@@ -405,13 +443,23 @@ class PagedLayer(BudgetedLayer):
             raise ValueError("a paged KV layer takes no padded batch: prefill prompts of equal length together")
         return super().attend(query, None, scaling, query_chunk)
 
+    def _all_slots_valid(self, st: torch.Tensor) -> bool:
+        # valid first (nothing padded, evicted slots removed at once): every row full iff none is shorter
+        return self.store.validity() is None
+
+    def _valid_slots(self, st: torch.Tensor) -> torch.Tensor:
+        # slot s of row i is a token iff s < its count: one mask per step for every layer (PagedStore.validity)
+        return self.store.validity().expand(-1, st.shape[1], -1, -1)
+
     def _compact(self) -> None:
         """Move each row's valid slots first (time order kept), return blocks past what it keeps."""
         valid = self.slot_time >= 0  # (b, h, S)
         n = valid.shape[-1]
         n_keep = int(valid.sum(-1).max()) if n else 0
         first = torch.arange(n, device=self.device)[None, None, :] < self.held[:, None, None]
-        if bool((valid == first).all()):  # already valid first (rows left, nothing evicted): no data moves
+        # already valid first with nothing evicted past a row's tokens (rows left): no data moves; an evicted tail
+        # slot goes through compact, so a row's count is its tokens (PagedStore.validity reads it so)
+        if bool((valid == first).all()) and torch.equal(self.held, self.store.row_slots):
             self.store.trim()
             return
         key = (~valid).to(torch.int64) * n + torch.arange(n, device=self.device)  # valid first, in time order
