@@ -15,6 +15,7 @@ import requests
 import torch
 import yaml
 
+from replica import cpu_share
 from replica.continuous import ReplicaReply, ServingReplica
 from replica.openai_api import ReplicaBackend, build_app
 from replica.types import GenerationRequest
@@ -110,6 +111,8 @@ class ServeLikeSet:
     def broadcast(self, method, *args):
         if method == "configure":
             return {self.replica.replica_id: self.replica.configure(*args)}
+        if method == "cpu_sample":  # EngineDeployment.cpu_sample: the replica process's CPU counters
+            return {self.replica.replica_id: cpu_share.sample().as_dict()}
         assert method == "stats"
         return {self.replica.replica_id: asyncio.run(self.replica.stats())}
 

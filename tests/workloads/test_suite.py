@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 import scissorhands
+from replica import cpu_share
 from tests.suite_helpers import tiny_batch
 from workloads import sweep
 from workloads.batch.report import COLUMNS, table_rows, warn_contention
@@ -124,11 +125,12 @@ def test_cli_resume_of_unknown_run(tmp_path, capsys):
 
 
 def test_contention_warning(capsys):
-    rows = [dict(status="ok", process_cpu_s=2.0, e2e_latency_s=10.0, torch_threads=1)]
+    """The batch sweep's warning reads the points' measured CPU share (`replica.cpu_share`: `contended`)."""
+    rows = [dict(status="ok", contended=True, cpu_share=0.2), dict(status="ok", contended=False, cpu_share=0.95)]
     warn_contention(rows)
     err = capsys.readouterr().err
-    assert "2 CPU-s in 10 s" in err and "20% of their torch threads" in err and "waited for cores" in err
-    warn_contention([dict(status="ok", process_cpu_s=9.5, e2e_latency_s=10.0, torch_threads=1)])
+    assert "1 of 2 point(s) contended" in err and "waited for cores" in err and cpu_share.CONTENDED_RULE in err
+    warn_contention([dict(status="ok", contended=False, cpu_share=0.95)])
     assert "warning" not in capsys.readouterr().err
 
 
