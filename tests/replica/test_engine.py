@@ -566,10 +566,9 @@ def _run_one_cfg(model, cfg, req):
 )
 def test_prompt_scoring_calls_are_the_quality_runners(model, policy, kw):
     """The engine scores an echoed prompt with the quality runner's calls (replica may not import workloads)."""
-    from replica.sampling import MERGED_SCHEDULE_POLICIES, prompt_call_lengths
+    from replica.sampling import prompt_call_lengths
     from workloads.quality import chunks
 
-    assert MERGED_SCHEDULE_POLICIES == chunks.MERGED_SCHEDULE_POLICIES
     for n in (1, 12, 16, 17, 40):
         cache = make_cache(policy, model, **kw)
         assert prompt_call_lengths(cache, n) == chunks.evaluation_call_lengths(cache, n), n
