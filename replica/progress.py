@@ -1,5 +1,5 @@
 """A progress bar whose ETA comes from measured items only: `MeasuredEtaBar`, a `tqdm` bar that shows no ETA
-until items have been timed after the first update, and then the remaining items at the mean rate since it.
+until items have been timed after the first update that counts any, and then the remaining items at the mean rate since it.
 
 The first update of a timed run carries the warm-up: the first compile, the prefill before the first token, a
 cold cache. tqdm's default rate (an average from the bar's start) counts that time against the first few items
@@ -18,7 +18,8 @@ __all__ = ["MeasuredEta", "MeasuredEtaBar"]
 
 
 class MeasuredEta:
-    """The rate and ETA of a count of items, from the items done after the first update only.
+    """The rate and ETA of a count of items, from the items done after the first update that counts any
+    (the warm-up's end) only.
 
     Args:
         total: items planned (None: unknown, so no ETA).
@@ -35,6 +36,8 @@ class MeasuredEta:
         """Note that `n` items (the running count) are done now."""
         now = self._clock()
         if self._start is None:
+            if n <= 0:  # a step that finished nothing (a chunk of prefill) is still warm-up
+                return
             self._start = (now, n)
         self._last = (now, n)
 

@@ -86,3 +86,19 @@ def test_no_eta_without_a_total_or_without_progress():
     clock[0] = 20.0
     stalled.update(5)
     assert stalled.rate_per_s() is None and stalled.eta_s() is None
+
+
+def test_updates_that_count_nothing_are_warm_up_too():
+    """Steps that finish no item (chunks of a long prefill) before the first token do not start the clock."""
+    clock = [0.0]
+    eta = MeasuredEta(100, lambda: clock[0])
+    for t in (5.0, 10.0, 20.0):
+        clock[0] = t
+        eta.update(0)
+        assert eta.eta_s() is None
+    clock[0] = 30.0
+    eta.update(10)
+    assert eta.eta_s() is None
+    clock[0] = 40.0
+    eta.update(20)  # 10 items in 10 s since the first counted update: 80 left at 1 item/s
+    assert eta.eta_s() == pytest.approx(80.0)
