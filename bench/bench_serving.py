@@ -36,7 +36,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from bench.conditions import (
     DEFAULT_THREADS,
@@ -51,6 +50,7 @@ from replica import cpu_share
 from replica.cpu_share import CpuMeter
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate, run_generate_batch
+from replica.progress import MeasuredEtaBar
 from replica.static_batch import load_replica_model
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands.models import DTYPE_CHOICES, cpu_flags, cpu_model_name
@@ -139,7 +139,7 @@ def _part2(model, tokenizer, vocab, args, b, limit):
     prompts = [prompts_for(tokenizer, vocab, 1, int(n), args.seed + 1 + i)[0] for i, n in enumerate(p_lengths)]
     reqs = [GenerationRequest(f"g-{i}", p, int(n)) for i, (p, n) in enumerate(zip(prompts, lengths))]
     print(f"bench-serving: engine vs generate, full cache, batch {b}, {m} requests ...", file=sys.stderr)
-    with tqdm(
+    with MeasuredEtaBar(
         total=math.ceil(len(reqs) / b), desc="generate", unit="batch", file=sys.stderr, dynamic_ncols=True
     ) as bar:
         gen = run_generate(model, reqs, b, on_batch=lambda: bar.update(1))

@@ -6,7 +6,7 @@ prompts, each batch run to its longest output) and `run_generate_batch` (transfo
 
 Used by `bench/bench_serving.py`, `workloads/frontier/point.py` and `bench/gpu_check.py`, so every
 one of them times the engine, and compares it with the same baselines, the same way. Imports torch,
-transformers and tqdm only (never Ray).
+transformers and tqdm only (never Ray); its bars are `replica.progress.MeasuredEtaBar`, whose ETA counts measured items only.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
-from tqdm import tqdm
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
 
 from replica.engine import ContinuousBatchingEngine
+from replica.progress import MeasuredEtaBar
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
 from scissorhands.checks import check_int
@@ -88,7 +88,7 @@ def run_engines(
         torch.cuda.reset_peak_memory_stats(device)
     planned = sum(r.max_new_tokens for _, requests in runs for r in requests)
     finished = True
-    with tqdm(
+    with MeasuredEtaBar(
         total=planned, desc=desc, unit="tok", file=sys.stderr, dynamic_ncols=True, mininterval=1.0, disable=desc is None
     ) as bar:
         for _ in range(max_steps):
@@ -354,7 +354,7 @@ def run_generate_batch(
         cache = manager.batch_processor.cache  # built by the generation thread before the warm-up ran
         outputs: dict[str, list[int]] = {}
         planned = sum(r.max_new_tokens for r in requests)
-        with tqdm(
+        with MeasuredEtaBar(
             total=planned,
             desc=desc,
             unit="tok",

@@ -28,7 +28,8 @@ cardinality only.
     m.observe_ttft(0.120); m.add_generated_tokens(4); m.set_kv_cache(bytes=1 << 20, slots=4 * 32)
     m.add_generated_tokens(2, phase="warmup")  # tokens of the load generator's warm-up requests
 
-`NullMetrics` has the same methods and records nothing (live metrics off).
+`NullMetrics`, the base class `ReplicaMetrics` overrides, has the same methods and records nothing (live metrics
+off).
 
 Exact means: Ray's exporter writes a histogram's ``_sum`` as bucket midpoints times bucket counts,
 not the values observed (an example in docs/performance.md). So every histogram has a companion counter
@@ -561,8 +562,70 @@ def _ray_is_initialized() -> bool:
 _REPLICA_SPECS = {m.name: m for m in METRICS if m.source == "ray"}
 
 
-class ReplicaMetrics:
-    """Live metrics of one replica, exported through `ray.util.metrics` (see the module docstring).
+class NullMetrics:
+    """The recorder interface, recording nothing: the base class of `ReplicaMetrics`, and the recorder of a
+    replica whose live metrics are off.
+
+    Every live metric is one method here that does nothing, overridden once by `ReplicaMetrics`, so the two
+    cannot drift (a live metric is added as a method of `ReplicaMetrics` plus its no-op here). The engine and
+    the static-batch replica call their recorder unconditionally; they get this one when no recorder is given
+    (an engine built by a benchmark or a test) and for the replica's warm-up. `for_point` returns the same
+    object; `snapshot` is empty. Arguments are in base units (seconds, bytes, tokens); see `ReplicaMetrics`.
+    """
+
+    uses_ray = False
+
+    def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "NullMetrics":
+        """A recorder for one point's policy and ratio (this one: nothing is labelled)."""
+        return self
+
+    def observe_prefill(self, seconds: float, tokens: int, warmup_tokens: int = 0) -> None:
+        """One prefill forward: wall time (s), prompt tokens of measured and of warm-up requests."""
+
+    def observe_decode_step(self, seconds: float, batch_size: int) -> None:
+        """One decode-step forward: wall time (s) and sequences in it."""
+
+    def observe_ttft(self, seconds: float, phase: str = "measured") -> None:
+        """Time to first token of one request (s)."""
+
+    def observe_tpot(self, seconds: float, phase: str = "measured") -> None:
+        """Time per output token of one request (s)."""
+
+    def set_running(self, n: int) -> None:
+        """Sequences in the batch running now."""
+
+    def set_queued(self, n: int) -> None:
+        """Sequences waiting in the queue now."""
+
+    def add_generated_tokens(self, n: int, phase: str = "measured") -> None:
+        """`n` more output tokens of `phase`'s requests."""
+
+    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - the field term
+        """KV cache size now: bytes and slots in use."""
+
+    def add_evictions(self, n: int) -> None:
+        """`n` more token positions evicted by the policy."""
+
+    def observe_model_load(self, seconds: float) -> None:
+        """Wall time of the model load (s)."""
+
+    def set_kv_blocks(self, used: int, free: int) -> None:
+        """Paged KV layout: blocks of the pool used and free now."""
+
+    def clear_kv_blocks(self) -> None:
+        """Stop reporting the block gauges (no block pool any more)."""
+
+    def add_preemption(self, recomputed_tokens: int) -> None:
+        """One sequence preempted, whose next prefill recomputes `recomputed_tokens` tokens."""
+
+    def snapshot(self, phase: str = "measured") -> dict[str, object]:
+        """In-memory values by metric name (none here)."""
+        return {}
+
+
+class ReplicaMetrics(NullMetrics):
+    """Live metrics of one replica, exported through `ray.util.metrics` (see the module docstring): overrides
+    each no-op of `NullMetrics` once.
 
     Args:
         policy: cache policy name (a key of `scissorhands.POLICIES`).
@@ -602,7 +665,7 @@ class ReplicaMetrics:
 
     def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "ReplicaMetrics":
         """A recorder with this replica's labels but the point's policy, ratio (and run id, if given)."""
-        child = object.__new__(ReplicaMetrics)
+        child = object.__new__(type(self))
         child.tags = {
             **self.tags,
             "policy": str(policy),
@@ -723,62 +786,6 @@ class ReplicaMetrics:
             if key in series:
                 out[name] = series[key]
         return out
-
-
-class NullMetrics:
-    """The recorder of a replica whose live metrics are off: every `ReplicaMetrics` method, doing nothing.
-
-    The engine and the static-batch replica call their recorder unconditionally; they get this one
-    when no recorder is given (an engine built by a benchmark or a test) and for the replica's warm-up.
-    `for_point` returns the same object; `snapshot` is empty.
-    """
-
-    uses_ray = False
-
-    def for_point(self, policy: str, compression_ratio: float | None, run_id: str | None = None) -> "NullMetrics":
-        return self
-
-    def observe_prefill(self, seconds: float, tokens: int, warmup_tokens: int = 0) -> None:
-        pass
-
-    def observe_decode_step(self, seconds: float, batch_size: int) -> None:
-        pass
-
-    def observe_ttft(self, seconds: float, phase: str = "measured") -> None:
-        pass
-
-    def observe_tpot(self, seconds: float, phase: str = "measured") -> None:
-        pass
-
-    def set_running(self, n: int) -> None:
-        pass
-
-    def set_queued(self, n: int) -> None:
-        pass
-
-    def add_generated_tokens(self, n: int, phase: str = "measured") -> None:
-        pass
-
-    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - as ReplicaMetrics
-        pass
-
-    def add_evictions(self, n: int) -> None:
-        pass
-
-    def observe_model_load(self, seconds: float) -> None:
-        pass
-
-    def set_kv_blocks(self, used: int, free: int) -> None:
-        pass
-
-    def clear_kv_blocks(self) -> None:
-        pass
-
-    def add_preemption(self, recomputed_tokens: int) -> None:
-        pass
-
-    def snapshot(self, phase: str = "measured") -> dict[str, object]:
-        return {}
 
 
 def strip_sample_suffix(name: str) -> str:

@@ -16,7 +16,6 @@ import torch
 
 __all__ = [
     "FAILED_TOKEN",
-    "MERGED_SCHEDULE_POLICIES",
     "pick_tokens",
     "prompt_call_lengths",
     "score_prompt",
@@ -25,10 +24,6 @@ __all__ = [
 
 #: The token `pick_tokens` gives a row whose sampling failed (never a vocabulary id).
 FAILED_TOKEN = -1
-
-#: Evicting policies whose merged call schedule equals one-token decoding (the same set as
-#: `workloads.quality.chunks.MERGED_SCHEDULE_POLICIES`, which replica may not import; a test compares them).
-MERGED_SCHEDULE_POLICIES = frozenset({"scissorhands", "h2o", "tova", "streaming_llm", "random", "snapkv"})
 
 
 def top_logprobs(logp: torch.Tensor, k: int) -> list[list]:
@@ -102,7 +97,7 @@ def prompt_call_lengths(cache, total_tokens: int) -> list[int]:
     decoding would (the quality runner's rule, `workloads.quality.chunks.evaluation_call_lengths`).
 
     * a 4-bit cache (``kv_bits``: its rounding depends on the calls), or a prompt beyond the budget ``B``
-      of an evicting policy outside `MERGED_SCHEDULE_POLICIES`: one token per call;
+      of an evicting policy whose `merged_schedule_exact` is False: one token per call;
     * a cache that never evicts, or a prompt within ``B``: one call;
     * else ``[B, 1, m - 1, 1, m - 1, ...]`` (refill to ``B`` in one call, one token when full: drop
       ``m = drop_tokens`` first, then append).
@@ -110,7 +105,7 @@ def prompt_call_lengths(cache, total_tokens: int) -> list[int]:
     budget = getattr(cache, "budget", None)
     policy = getattr(cache, "policy", None)
     never_evicts = budget is None or policy is None or not policy.evicts or total_tokens <= budget.tokens
-    if getattr(cache, "kv_bits", None) is not None or not (never_evicts or policy.name in MERGED_SCHEDULE_POLICIES):
+    if getattr(cache, "kv_bits", None) is not None or not (never_evicts or policy.merged_schedule_exact):
         return [1] * total_tokens
     if never_evicts:
         return [total_tokens] if total_tokens else []

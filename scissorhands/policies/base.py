@@ -64,6 +64,11 @@ class Policy:
     #: Whether ``observe`` reads ``first_query`` (query token indices): then rows on different clocks are
     #: observed per clock (``observe_rows``). True unless a policy declares it ignores them.
     uses_query_time: ClassVar[bool] = True
+    #: Whether feeding tokens in the merged call schedule (refill to the budget in one call, one token when
+    #: full) keeps the very slots and, up to float noise, the losses of one-token decoding, proved on the
+    #: embedded model by the slow test of tests/workloads/test_quality_chunks.py. False (a new policy included):
+    #: the quality runner and the engine's prompt scoring feed it one token per call.
+    merged_schedule_exact: ClassVar[bool] = False
 
     recent_window: int | None = None
     drop_tokens: int | None = None

@@ -23,6 +23,7 @@ class H2O(Policy):
     """Keeps the heavy hitters (accumulated attention, float32 per slot and KV head) + the recent window (half of B each)."""
 
     name: ClassVar[str] = "h2o"
+    merged_schedule_exact: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = True
     state_width: ClassVar[int] = 1
     uses_query_time: ClassVar[bool] = False

@@ -38,6 +38,7 @@ class Random(Policy):
     """
 
     name: ClassVar[str] = "random"
+    merged_schedule_exact: ClassVar[bool] = True
 
     seed: int = 0
 

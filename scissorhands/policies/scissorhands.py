@@ -40,6 +40,7 @@ class Scissorhands(Policy):
     """
 
     name: ClassVar[str] = "scissorhands"
+    merged_schedule_exact: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = True
     state_dtype: ClassVar[torch.dtype] = torch.uint8
 

@@ -50,6 +50,7 @@ class SnapKV(Policy):
     """
 
     name: ClassVar[str] = "snapkv"
+    merged_schedule_exact: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = True
     state_width: ClassVar[int] = 1
     uses_query_time: ClassVar[bool] = False

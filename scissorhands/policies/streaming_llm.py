@@ -29,6 +29,7 @@ class StreamingLLM(Policy):
     """
 
     name: ClassVar[str] = "streaming_llm"
+    merged_schedule_exact: ClassVar[bool] = True
 
     n_sink: int = 4
 

@@ -22,6 +22,7 @@ class TOVA(Policy):
     """Keeps the slots most attended by the last query (head-averaged); state: that attention, float32."""
 
     name: ClassVar[str] = "tova"
+    merged_schedule_exact: ClassVar[bool] = True
     needs_attention: ClassVar[bool] = True
     state_width: ClassVar[int] = 1
     uses_query_time: ClassVar[bool] = False

@@ -10,7 +10,6 @@ import torch
 from scissorhands import POLICIES, make_cache
 from scissorhands.testing import tiny_llama
 from workloads.quality.chunks import (
-    MERGED_SCHEDULE_POLICIES,
     cache_schedule,
     decode_call_lengths,
     evaluation_call_lengths,
@@ -19,6 +18,10 @@ from workloads.quality.chunks import (
 from workloads.quality.perplexity import build_cache, perplexity, window_nll
 
 TOKENS = 96
+
+#: The evicting policies whose class declares its merged call schedule exact (`Policy.merged_schedule_exact`):
+#: the ones the slow test below proves on the embedded model.
+MERGED_EXACT = frozenset(name for name, cls in POLICIES.items() if cls.evicts and cls.merged_schedule_exact)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +99,7 @@ def test_quantized_caches_are_fed_one_token_per_call(model, text, policy):
     assert evaluation_call_lengths(q, TOKENS) == [1] * TOKENS
     assert evaluation_call_lengths(q, 7, held_tokens=3) == [1] * 7
     plain = make_cache(policy, model, **kw)
-    if policy == "full" or policy in MERGED_SCHEDULE_POLICIES:
+    if policy == "full" or policy in MERGED_EXACT:
         assert evaluation_call_lengths(plain, TOKENS) == decode_call_lengths(TOKENS, *cache_schedule(plain))
     else:  # not proved equal on the embedded model (knorm is not): decoding's own schedule
         assert evaluation_call_lengths(plain, TOKENS) == [1] * TOKENS
@@ -184,12 +187,24 @@ def _embedded():
     return load_model("embedded", dtype=torch.float32, device="cpu")
 
 
+def test_merged_schedule_flag_marks_the_policies_proved_exact(model):
+    """The flag's set is the six evicting policies the slow test below proves equal on the embedded model;
+    `knorm` (its key-norm ranking flips under the merged calls) and `full` (never evicts) are not flagged, and
+    an unflagged cache is fed one token per call once past its budget."""
+    assert MERGED_EXACT == {"scissorhands", "h2o", "tova", "streaming_llm", "random", "snapkv"}
+    assert not POLICIES["knorm"].merged_schedule_exact and not POLICIES["full"].merged_schedule_exact
+    knorm = make_cache("knorm", model, compression_ratio=5, max_length=TOKENS)
+    assert evaluation_call_lengths(knorm, TOKENS) == [1] * TOKENS
+    h2o = make_cache("h2o", model, compression_ratio=5, max_length=TOKENS)
+    assert evaluation_call_lengths(h2o, TOKENS) == decode_call_lengths(TOKENS, *cache_schedule(h2o))
+
+
 @pytest.mark.slow
 def test_embedded_merged_schedule_equals_decoding_without_quantization():
     """On the real model: without quantization the merged refills keep the very same slots as decoding
     (exact) and give its losses up to float32 noise, for every policy that uses them
-    (MERGED_SCHEDULE_POLICIES); `knorm` does not (its key-norm ranking flips), so it is evaluated one token
-    per call. The noise depends on the CPU's matmul kernels; the bounds (1e-4 + 1e-4 x |log p| a token,
+    (`MERGED_EXACT`, from the policies' `merged_schedule_exact` flag); `knorm` does not (its key-norm ranking
+    flips), so it is evaluated one token per call. The noise depends on the CPU's matmul kernels; the bounds (1e-4 + 1e-4 x |log p| a token,
     mean 1e-4) sit far below the schedule fault they guard against (4-bit merged). The measured noise per
     CPU is in docs/performance.md ("Measurements behind the quality code")."""
     from workloads.quality.perplexity import heldout_windows
@@ -199,8 +214,7 @@ def test_embedded_merged_schedule_equals_decoding_without_quantization():
     (w,) = heldout_windows(tok, n, 1, seed=0)
     ids = torch.tensor([w])
     x, y = ids[:, :-1], ids[:, 1:]
-    assert MERGED_SCHEDULE_POLICIES <= set(POLICIES)
-    for policy in sorted(MERGED_SCHEDULE_POLICIES):
+    for policy in sorted(MERGED_EXACT):
         merged = make_cache(policy, model, compression_ratio=3, max_length=n)
         step = make_cache(policy, model, compression_ratio=3, max_length=n)
         a = token_logprobs(model, merged, x, y)

@@ -28,7 +28,8 @@ for every policy and, in its ``slow`` test, on the embedded model. With 4-bit ke
 token per call (:func:`evaluation_call_lengths`), exactly as decoding feeds it. The same last bits can
 flip a policy's *selection* where it ranks continuous scores (``knorm``, key norms), but not where it
 ranks integer counts (``scissorhands``). So only the evicting policies in
-:data:`MERGED_SCHEDULE_POLICIES`, each proved equal on the embedded model by the ``slow`` test, use the
+whose class sets ``merged_schedule_exact`` (`scissorhands.policies.base.Policy`), each proved equal on the
+embedded model by the ``slow`` test, use the
 merged schedule; every other one (a new policy included) is fed one token per call. The measured
 differences are in ``docs/performance.md`` ("Measurements behind the quality code").
 """
@@ -36,10 +37,6 @@ differences are in ``docs/performance.md`` ("Measurements behind the quality cod
 from __future__ import annotations
 
 import torch
-
-#: Evicting policies whose merged schedule is proved equal to one-token decoding on the embedded model
-#: (``tests/workloads/test_quality_chunks.py``, slow); ``knorm`` is not.
-MERGED_SCHEDULE_POLICIES = frozenset({"scissorhands", "h2o", "tova", "streaming_llm", "random", "snapkv"})
 
 
 def decode_call_lengths(
@@ -102,8 +99,8 @@ def cache_schedule(cache) -> tuple[int | None, int | None]:
 def evaluation_call_lengths(cache, total_tokens: int, held_tokens: int = 0) -> list[int]:
     """The calls a quality evaluation makes to feed ``total_tokens`` into ``cache``: decoding's numbers, fastest.
 
-    * a quantized cache (``cache.kv_bits`` set), or an evicting policy outside
-      :data:`MERGED_SCHEDULE_POLICIES`: one token per call, exactly as decoding (the merged schedule
+    * a quantized cache (``cache.kv_bits`` set), or an evicting policy whose class leaves
+      ``merged_schedule_exact`` False: one token per call, exactly as decoding (the merged schedule
       changes 4-bit rounding, and a ranking of continuous scores; see the module docstring);
     * otherwise :func:`decode_call_lengths` (one call for a cache that never evicts), proved equal
       to one token per call on the tiny and the embedded model.
@@ -113,7 +110,7 @@ def evaluation_call_lengths(cache, total_tokens: int, held_tokens: int = 0) -> l
     """
     budget, drop = cache_schedule(cache)
     never_evicts = budget is None or held_tokens + total_tokens <= budget
-    merged_exact = never_evicts or cache.policy.name in MERGED_SCHEDULE_POLICIES
+    merged_exact = never_evicts or cache.policy.merged_schedule_exact
     if getattr(cache, "kv_bits", None) is not None or not merged_exact:
         if total_tokens < 0:
             raise ValueError(f"total_tokens must be >= 0, got {total_tokens}")
