@@ -13,7 +13,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 from replica.backends.openvino import OpenVINOEngine
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 
 __all__ = ["BACKENDS", "EngineBackend", "make_engine"]
 
@@ -59,7 +59,16 @@ class EngineBackend(Protocol):
         ...
 
     def reset_stats(self) -> None: ...
-    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None: ...
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
+        """Why a request of these lengths can never run, even alone (None: it can): a `replica.types.Refusal` of
+        kind ``kv_memory``, ``policy`` or ``context`` (`ServingReplica.check` prefixes it with `Refusal.wrapped`)."""
+        ...
+
+    def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
+        """The most new tokens (at most `most`) a request of `prompt_tokens` may ask and still run alone (0: none);
+        a chat without ``max_tokens`` is given this (`ServingReplica.max_new_tokens_for`)."""
+        ...
+
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int: ...
     def stop_on_fault(self, message: str) -> int: ...
     def abort_all(self, message: str, fault: bool = False) -> int: ...

@@ -39,7 +39,7 @@ from replica.engine.request_queue import RequestQueue
 from replica.engine.requests import Sequence
 from replica.metrics import NullMetrics
 from replica.openvino_settings import BLOCK_TOKENS, blocks_for, eviction_from_policy
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
+from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 
 __all__ = [
     "BackendUnavailable",
@@ -247,15 +247,26 @@ class OpenVINOEngine:
         # the whole prompt is prefilled before eviction (split-fuse off), then it holds max_cache_size + one block
         return self._blocks(max(prompt_tokens + 1, min(total, self.eviction["max_cache_size"] + BLOCK_TOKENS)))
 
-    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        """Why a request of these lengths can never run in the pool, even alone (None: it can)."""
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
+        """Why a request of these lengths can never run in the pool, even alone (None: it can): a `Refusal` of kind
+        ``kv_memory`` naming the blocks it needs and the pool's (the model's context is `ServingReplica.check`'s)."""
         need = self._final_blocks(prompt_tokens, max_new_tokens)
         if need <= self.num_kv_blocks:
             return None
-        return (
+        return Refusal(
+            "kv_memory",
             f"it needs {need} KV blocks of {BLOCK_TOKENS} tokens, the OpenVINO pool holds {self.num_kv_blocks} "
-            f"({self.kv_memory_limit_bytes} B at {self.block_bytes} B a block, {self.config.openvino_kv_precision})"
+            f"({self.kv_memory_limit_bytes} B at {self.block_bytes} B a block, {self.config.openvino_kv_precision})",
         )
+
+    def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
+        """The most new tokens (at most `most`) a request of `prompt_tokens` may ask and still run alone in the pool
+        (`fits_alone` None); 0: not one. From `_final_blocks`: a request that does not fit at `most` is bounded by
+        its whole sequence, ``num_kv_blocks * BLOCK_TOKENS - prompt_tokens`` (under eviction too: it did not fit
+        because ``max_cache_size`` plus a block exceeds the pool)."""
+        if most < 1 or self.fits_alone(prompt_tokens, most) is None:
+            return max(0, most)
+        return max(0, min(most, self.num_kv_blocks * BLOCK_TOKENS - prompt_tokens))
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Identical requests whose final blocks the pool holds together (and ``max_batch``)."""

@@ -20,7 +20,7 @@ from replica.backends import BACKENDS, EngineBackend
 from replica.continuous import ServingReplica
 from replica.engine import ContinuousBatchingEngine
 from replica.openvino_settings import eviction_from_policy, max_cache_size_for
-from replica.types import ConfigError, EngineConfig, GenerationRequest, GenerationResult
+from replica.types import ConfigError, EngineConfig, GenerationRequest, GenerationResult, Refusal
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, uniform
 from workloads.core.suite import SuiteError
@@ -124,8 +124,11 @@ class ScriptedBackend:
             "not_reported": ["preemptions", "recomputed_tokens"],
         }
 
-    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
         return None
+
+    def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
+        return max(0, most)
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         return 8

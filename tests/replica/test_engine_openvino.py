@@ -185,6 +185,39 @@ def test_an_unfit_request_is_rejected_by_name_without_touching_the_others(tiny_m
         replica.shutdown()
 
 
+def test_the_replica_refuses_by_kind_and_sizes_max_tokens_from_the_openvino_pool(tiny_model, scripted):
+    replica = ServingReplica(model=tiny_model, engine_config=EngineConfig(**OV, kv_memory_limit_bytes=10 * BLOCK_BYTES))
+    try:
+        why = asyncio.run(replica.check(300, 40))  # 340 tokens: 11 blocks of 32, the pool holds 10
+        assert why.kind == "kv_memory"
+        assert why.startswith("a request of 300 prompt + 40 new tokens: it needs 11 KV blocks of 32 tokens")
+        assert asyncio.run(replica.check(300, 20)) is None
+        assert asyncio.run(replica.check(500, 20)).kind == "context"  # the tiny model's context is 512
+        # a chat without max_tokens: the longest output the 320-token pool holds beside the prompt
+        assert asyncio.run(replica.max_new_tokens_for(300, 100)) == 20
+        assert asyncio.run(replica.max_new_tokens_for(300, 10)) == 10
+        assert asyncio.run(replica.max_new_tokens_for(320, 10)) == 0
+    finally:
+        replica.shutdown()
+
+
+def test_max_new_tokens_for_is_the_longest_output_fits_alone_accepts_with_and_without_eviction(tiny_model, scripted):
+    evict = dict(policy="openvino_eviction", compression_ratio=4, max_length_tokens=544)  # max_cache_size 160
+    for blocks, extra, prompt, most, expected in [
+        (10, {}, 100, 400, 220),
+        (10, evict, 200, 400, 400),  # 160 + a block fits in 10 blocks: eviction bounds it, not the output
+        (5, evict, 100, 400, 60),  # 160 + a block exceeds 5 blocks: the whole sequence must fit
+        (5, evict, 160, 400, 0),
+    ]:
+        eng = ovb.OpenVINOEngine(tiny_model, EngineConfig(**OV, kv_memory_limit_bytes=blocks * BLOCK_BYTES, **extra))
+        got = eng.max_new_tokens_for(prompt, most)
+        assert got == expected, (blocks, extra, prompt)
+        if got:
+            assert eng.fits_alone(prompt, got) is None
+        if got < most:
+            assert eng.fits_alone(prompt, got + 1).kind == "kv_memory"
+
+
 def test_without_its_runtime_or_export_the_backend_names_the_make_target(monkeypatch, tmp_path):
     with pytest.raises(ovb.BackendUnavailable, match=r"make openvino-peer.*lacks openvino_model.xml"):
         ovb.check_export(tmp_path)
