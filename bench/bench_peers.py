@@ -10,7 +10,8 @@ token ids on both sides, run under two KV limits: ``none`` (room for every reque
 
 * ours (in process, one row at a time; `replica.engine.ContinuousBatchingEngine`, paged KV, mixed scheduler with
   ``--step-tokens`` a step): ``ours-full`` the full cache; ``ours-sh`` Scissorhands x``--ratio`` with per-request
-  budgets (``B_i = ceil((prompt_i + output_i) / ratio)``); ``ours-sh4`` the same stored in 4 bits;
+  budgets (``B_i = budget_from_ratio(prompt_i + output_i, ratio, policy)``: ``ceil(L / ratio)`` at least the
+  policy's floor, 32 tokens, and at most ``L``); ``ours-sh4`` the same stored in 4 bits;
 * the peer (``bench/peer_openvino.py`` in its own virtualenv, one row after another, `ContinuousBatchingPipeline`
   with split-fuse and ``--step-tokens`` as ``max_num_batched_tokens``, prefix caching off): ``ov-u8`` its full cache
   with its default u8 KV, ``ov-bf16`` with bf16 KV (the denominator of every ratio), ``ov-evict`` its own cache
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -50,6 +50,7 @@ import transformers
 from bench.conditions import REPO_ROOT, add_threads, comma_list, conditions_line, git_commit, parser
 from replica.engine import ContinuousBatchingEngine, full_rows_kv_bytes
 from replica.types import EngineConfig, GenerationRequest
+from scissorhands import Policy, budget_from_ratio, cache_policy
 from scissorhands.models import BF16_CPU_FLAGS, EMBEDDED, cpu_flags, load_model
 from scissorhands.testing import tiny_llama
 from workloads.load.prompts import prompts_for
@@ -59,6 +60,9 @@ DEFAULT_PEER_PYTHON = REPO_ROOT / ".cache" / "venv-openvino" / "bin" / "python"
 DEFAULT_PEER_MODEL = REPO_ROOT / ".cache" / "models" / "smollm2-135m-instruct-openvino-fp32"
 REDO = "make openvino-peer"
 OURS = ("ours-full", "ours-sh", "ours-sh4")
+#: The policy of the ``ours-sh`` rows (its default parameters; ``ours-sh4`` adds only storage bits): their budgets
+#: and the peer's ``max_cache_size`` nearest them come from it.
+OURS_SH_POLICY = "scissorhands"
 PEERS = ("ov-u8", "ov-bf16", "ov-evict")
 ROW_KEYS = OURS + PEERS
 LIMITS = ("none", "limit")
@@ -101,9 +105,12 @@ def our_requests(requests: list[dict]) -> list[GenerationRequest]:
     return [GenerationRequest(r["id"], list(r["prompt_ids"]), r["max_new_tokens"]) for r in requests]
 
 
-def budgets(requests: list[dict], ratio: float) -> list[int]:
-    """Our per-request budgets (tokens per KV head): ``ceil((prompt + output) / ratio)`` (`EngineConfig.budget`)."""
-    return [math.ceil((len(r["prompt_ids"]) + r["max_new_tokens"]) / ratio) for r in requests]
+def budgets(requests: list[dict], ratio: float, policy: Policy) -> list[int]:
+    """Our per-request budgets (tokens per KV head) as our engine runs them (`EngineConfig.budget` per_request):
+    ``budget_from_ratio(prompt + output, ratio, policy)``, ``ceil(L / ratio)`` raised to the policy's floor and needs
+    (`scissorhands.budget_from_ratio`); `policy` is the ``ours-sh`` row's (`OURS_SH_POLICY`, `scissorhands.cache_policy`).
+    """
+    return [budget_from_ratio(len(r["prompt_ids"]) + r["max_new_tokens"], ratio, policy) for r in requests]
 
 
 def eviction_cache_tokens(totals: list[int], our_budgets: list[int], block_tokens: int, smallest: int) -> int:
@@ -301,7 +308,7 @@ def our_configs(args, limit_bytes: int, head_dim: int) -> dict[str, tuple[str, d
         scheduler="mixed",
         max_num_batched_tokens=args.step_tokens,
     )
-    sh = dict(policy="scissorhands", compression_ratio=args.ratio, budget="per_request", **paged)
+    sh = dict(policy=OURS_SH_POLICY, compression_ratio=args.ratio, budget="per_request", **paged)
     int4 = {"kv_bits": 4, "kv_group_size": min(32, head_dim)}
     r = f"{args.ratio:g}"
     return {
@@ -442,7 +449,7 @@ def plan(args, model, tokenizer) -> dict:
     room = sum(-(-(p + n) // blk) * blk for p, n in shape)  # every request whole, in the peer's blocks
     smallest = args.eviction_start_tokens + args.eviction_recent_tokens + blk
     cap = args.eviction_cache_tokens or eviction_cache_tokens(
-        [p + n for p, n in shape], budgets(requests, args.ratio), blk, smallest
+        [p + n for p, n in shape], budgets(requests, args.ratio, cache_policy(OURS_SH_POLICY)), blk, smallest
     )
     return {
         "requests": requests,

@@ -32,7 +32,11 @@ from bench.bench_peers import (
     summarize,
 )
 from bench.peer_openvino import Peer, blocks_for, parse_job
+from replica.engine import ContinuousBatchingEngine
+from replica.types import EngineConfig
+from scissorhands import cache_policy
 from scissorhands.models import load_tokenizer
+from scissorhands.testing import tiny_llama
 
 TINY = ["--model", "tiny-llama", "--requests", "4", "--prompt-tokens", "16,32", "--new-tokens", "4,8"]
 
@@ -115,8 +119,19 @@ def test_eviction_cache_picks_the_block_multiple_whose_held_tokens_are_nearest_o
     assert eviction_cache_tokens(totals, ours, 16, 16) == 48
     assert eviction_cache_tokens(totals, ours, 32, 96) == 96  # the smallest valid cap already holds more
     assert eviction_cache_tokens([40, 40], [40, 40], 32, 32) == 64  # no eviction at all is nearest
+
+
+def test_our_budgets_for_the_eviction_cap_are_the_ones_our_engine_runs_with_the_policys_floor():
     args = parse_args(["--ratio", "5"])
-    assert bench_peers.budgets([{"prompt_ids": [1] * 101, "max_new_tokens": 100}], args.ratio) == [41]
+    policy = cache_policy(bench_peers.OURS_SH_POLICY)
+    reqs = [{"prompt_ids": [1] * p, "max_new_tokens": n} for p, n in [(101, 100), (60, 40), (20, 10)]]
+    # 201 -> ceil(201/5) = 41; 100 -> ceil = 20, raised to the floor of 32; 30 -> the floor capped at L = 30
+    assert bench_peers.budgets(reqs, args.ratio, policy) == [41, 32, 30]
+    engine = ContinuousBatchingEngine(
+        tiny_llama(0),
+        EngineConfig(policy=bench_peers.OURS_SH_POLICY, compression_ratio=5, budget="per_request"),
+    )
+    assert [engine.kv.budget_of(len(r["prompt_ids"]), r["max_new_tokens"]) for r in reqs] == [41, 32, 30]
 
 
 def test_the_request_set_is_the_same_token_ids_for_both_sides():

@@ -21,6 +21,7 @@ from replica.continuous import ServingReplica
 from replica.engine import ContinuousBatchingEngine
 from replica.openvino_settings import eviction_from_policy, max_cache_size_for
 from replica.types import ConfigError, EngineConfig, GenerationRequest, GenerationResult, Refusal
+from scissorhands import budget_from_ratio, cache_policy
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, uniform
 from workloads.core.suite import SuiteError
@@ -301,6 +302,21 @@ def test_a_ratio_becomes_max_cache_size_as_ours_becomes_a_budget_rounded_up_to_a
     assert rounding.endswith("-> 128 (32-token blocks)")
     given, none = eviction_from_policy({"max_cache_size": 96}, 5, 544)
     assert given["max_cache_size"] == 96 and none is None  # given wins over the ratio, as budget_tokens does
+
+
+def test_the_torch_free_max_cache_size_equals_the_librarys_budget_rounded_to_openvino_blocks():
+    """replica/openvino_settings.py stays standard-library only (bench/peer_openvino.py loads it in the peer's venv):
+    its ``ceil(L / r)`` must give what `scissorhands.budget_from_ratio` gives once rounded to whole 32-token blocks
+    above ``start_size + recent_size`` (the policy's floor, 32, never exceeds that smallest cap of 96)."""
+    policy = cache_policy("scissorhands")
+    for length in (1, 20, 31, 32, 33, 95, 96, 97, 160, 544, 1000, 2048, 4096):
+        for ratio in (1, 1.5, 2, 3, 4, 5, 8, 10, 32):
+            for start, recent in ((32, 32), (32, 64), (64, 64)):
+                ours = budget_from_ratio(length, ratio, policy)
+                want = max(-(-ours // 32) * 32, start + recent + 32)
+                got, words = max_cache_size_for(length, ratio, start, recent)
+                assert got == want, (length, ratio, start, recent)
+                assert f"= {budget_from_ratio(length, ratio)} ->" in words
 
 
 def test_make_engine_builds_the_backend_the_config_names(tiny_model, stub_openvino):
