@@ -20,8 +20,10 @@ What it does not report is None in ``stats()`` and named in ``not_reported``: ``
 ``recomputed_tokens`` (the pipeline keeps no count), ``slot_bytes`` (its blocks are per layer, all heads),
 ``prefill_s`` / ``decode_s`` (one fused step does both).
 
-A ``step()`` that raises fails every request the pipeline holds with the pipeline's message (``error_kind``
-"error") and builds a new pipeline for the requests that come after: one point's failure never ends a sweep.
+A pipeline that raises, in ``step()``, while its output is read (``read()``, ``get_status()``, ``get_metrics()``)
+or while it is rebuilt, fails every request it still holds with the pipeline's message (``error_kind`` "error") and
+a new pipeline serves the requests that come after: one point's failure never ends a sweep. A request the pipeline
+ends itself finishes as "length" at its ``max_new_tokens``, else "eos" (its stop condition; outcome "stop").
 """
 
 from __future__ import annotations
@@ -333,11 +335,15 @@ class OpenVINOEngine:
         """Hand every waiting request to the pipeline (its scheduler admits them); refuse the unfit and those asking
         what the pipeline cannot give."""
         waiting = self.queue.drain()
+        broken = self._ensure_pipeline() if waiting else None
         now = self.clock()
         for seq in waiting:
             req = seq.request
             if seq.unfit is not None:
                 self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {seq.unfit}")
+                continue
+            if broken is not None:
+                self.life.fail(seq, "error", broken)
                 continue
             if req.prompt_logprobs is not None or req.logprobs is not None:
                 self.life.fail(seq, "error", "engine 'openvino' gives no log-probabilities (logprobs, prompt_logprobs)")
@@ -353,8 +359,9 @@ class OpenVINOEngine:
             self.handles[req.request_id] = (seq, handle)
 
     def step(self) -> bool:
-        """Ends asked, admissions, one ``pipeline.step()``, the new tokens answered; False when idle. A raising
-        pipeline fails the requests it held with its message and is replaced (the engine stays healthy)."""
+        """Ends asked, admissions, one ``pipeline.step()``, the new tokens answered; False when idle. A pipeline that
+        raises, in its step or while its output is read (``read``, ``get_status``, ``get_metrics``), fails the
+        requests it still held with its message and is replaced (the engine stays healthy)."""
         self._apply_ends()
         self._admit()
         if not self.handles:
@@ -364,14 +371,21 @@ class OpenVINOEngine:
         try:
             self.pipe.step()
         except Exception as e:  # noqa: BLE001 - the peer's failure: its requests fail with its message
-            held, self.handles = list(self.handles.values()), {}
-            for seq, _ in held:
-                self.life.fail(seq, "error", f"OpenVINO GenAI failed the step: {type(e).__name__}: {e}")
-            self.pipe = self._pipeline()
-            self._record_state(0.0)
+            self._replace_pipeline(f"OpenVINO GenAI failed the step: {type(e).__name__}: {e}")
             return True
-        self.life.counts["steps_s"] += time.perf_counter() - t0
-        self.life.counts["decode_steps"] += 1
+        self.life.add("steps_s", time.perf_counter() - t0)
+        self.life.add("decode_steps")
+        try:
+            cache_usage = self._read_out()
+        except Exception as e:  # noqa: BLE001 - as a failed step: only the requests it still held fail
+            self._replace_pipeline(f"OpenVINO GenAI failed reading its output: {type(e).__name__}: {e}")
+            return True
+        self._record_state(cache_usage)
+        return True
+
+    def _read_out(self) -> float:
+        """Answer the new tokens and the ends of one step; the pool's usage (percent). A request leaves `handles`
+        as it is answered, so a raise here leaves there only the requests not yet answered."""
         t = self.clock()
         finished = self.g.GenerationStatus.FINISHED
         running = self.g.GenerationStatus.RUNNING
@@ -385,21 +399,43 @@ class OpenVINOEngine:
                         if self.life.emit(seq, int(tok), t):
                             done = True
                             break
-            status = handle.get_status()
-            if not done and status == finished:  # an end the pipeline saw first (its stop condition)
-                self.life.complete(seq, "length" if seq.result.output_ids else "eos", t)
-                done = True
-            elif not done and status not in (running, finished):
-                self.life.fail(seq, "error", f"OpenVINO GenAI ended the request with status {status.name}")
-                done = True
-            if done:
-                if status == running:
-                    handle.drop()
+                    if done:
+                        break
+            if done:  # answered by `emit` (its EOS or its length): only the pipeline's copy is left to drop
                 del self.handles[rid]
+                if handle.get_status() == running:
+                    handle.drop()
+                continue
+            status = handle.get_status()
+            if status == finished:  # an end the pipeline saw first: its length, else its stop condition (EOS)
+                del self.handles[rid]
+                at_length = len(seq.result.output_ids) >= seq.request.max_new_tokens
+                self.life.complete(seq, "length" if at_length else "eos", t)
+            elif status != running:
+                del self.handles[rid]
+                self.life.fail(seq, "error", f"OpenVINO GenAI ended the request with status {status.name}")
         with recording():
             self.metrics.add_generated_tokens(new_tokens)
-        self._record_state(float(self.pipe.get_metrics().cache_usage))
-        return True
+        return float(self.pipe.get_metrics().cache_usage)
+
+    def _replace_pipeline(self, message: str) -> None:
+        """Fail every request the pipeline holds with `message` and build a new one for the requests after them (a
+        build that raises leaves none: `_admit` tries again and fails only the requests it would have held)."""
+        held, self.handles = list(self.handles.values()), {}
+        for seq, _ in held:
+            self.life.fail(seq, "error", message)
+        self.pipe = None
+        self._ensure_pipeline()
+        self._record_state(0.0)
+
+    def _ensure_pipeline(self) -> str | None:
+        """Build the pipeline if there is none; why it could not be built (None: there is one)."""
+        if self.pipe is None:
+            try:
+                self.pipe = self._pipeline()
+            except Exception as e:  # noqa: BLE001 - the peer's failure: the next requests fail with its message
+                return f"OpenVINO GenAI could not rebuild its pipeline: {type(e).__name__}: {e}"
+        return None
 
     def _record_state(self, cache_usage_percent: float) -> None:
         kv_bytes = int(cache_usage_percent / 100 * self.num_kv_blocks * self.block_bytes)
@@ -424,9 +460,8 @@ class OpenVINOEngine:
     def stats(self) -> dict:
         """Counters since `reset_stats`, under `ContinuousBatchingEngine.stats`'s keys (`NOT_REPORTED` None), and the
         pipeline's settings: its version, KV precision, compute precision, threads, blocks and eviction."""
-        with self.queue.lock:
-            s = dict(self.life.counts)
-            queued = len(self.queue)
+        s = self.life.snapshot()
+        queued = len(self.queue)
         steps = s.get("decode_steps", 0)
         return {
             "replica_id": self.replica_id,

@@ -36,13 +36,17 @@ class _Status:
 
 
 class _Handle:
-    def __init__(self, max_new: int):
+    def __init__(self, max_new: int, pipe=None):
         self.max_new, self.out, self.unread, self.status, self.dropped = max_new, 0, [], _Status.RUNNING, False
+        self.pipe = pipe
 
     def can_read(self):
         return bool(self.unread)
 
     def read(self):
+        if self.pipe is not None and self.pipe.steps == _Pipeline.read_fails_at_step:
+            _Pipeline.read_fails_at_step = None  # once
+            raise RuntimeError("Exception from src/continuous_batching/pipeline_impl.cpp: read of a dropped sequence")
         ids, self.unread = self.unread, []
         return {0: SimpleNamespace(generated_ids=ids)}
 
@@ -54,17 +58,26 @@ class _Handle:
 
 
 class _Pipeline:
-    """One token per request per step (``500 + position``); raises ``fail_at_step`` (1-based) of this pipeline."""
+    """One token per request per step (``500 + position``); raises ``fail_at_step`` (1-based) of this pipeline, its
+    handles' ``read()`` once at ``read_fails_at_step``, its ``get_metrics()`` once at ``metrics_fail_at_step``; ends a request
+    itself after ``stop_after`` tokens (its stop condition); the next ``builds_failing`` builds raise."""
 
     built: list = []
     fail_at_step: int | None = None
+    read_fails_at_step: int | None = None
+    metrics_fail_at_step: int | None = None
+    stop_after: int | None = None
+    builds_failing: int = 0
 
     def __init__(self, model_dir, sc, device, props):
+        if _Pipeline.builds_failing:
+            _Pipeline.builds_failing -= 1
+            raise RuntimeError("Exception from src/core/src/runtime/compilation: cannot allocate the KV cache")
         self.sc, self.props, self.handles, self.steps = sc, props, [], 0
         _Pipeline.built.append(self)
 
     def add_request(self, rid, ids, gc):
-        h = _Handle(gc.max_new_tokens)
+        h = _Handle(gc.max_new_tokens, self)
         self.handles.append(h)
         return h
 
@@ -76,10 +89,13 @@ class _Pipeline:
             if h.status is _Status.RUNNING and not h.dropped:
                 h.unread.append(500 + h.out)
                 h.out += 1
-                if h.out == h.max_new:
+                if h.out == h.max_new or h.out == _Pipeline.stop_after:
                     h.status = _Status.FINISHED
 
     def get_metrics(self):
+        if self.steps == _Pipeline.metrics_fail_at_step:
+            _Pipeline.metrics_fail_at_step = None  # once
+            raise RuntimeError("Exception from src/continuous_batching/metrics.cpp: no metrics")
         live = sum(h.status is _Status.RUNNING for h in self.handles)
         return SimpleNamespace(cache_usage=50.0 if live else 0.0)
 
@@ -98,7 +114,8 @@ def _fake_genai():
 @pytest.fixture
 def scripted(monkeypatch, tmp_path):
     """The backend on the scripted pipeline: blocks of `BLOCK_BYTES`, an export folder that exists."""
-    _Pipeline.built, _Pipeline.fail_at_step = [], None
+    _Pipeline.built, _Pipeline.fail_at_step, _Pipeline.read_fails_at_step = [], None, None
+    _Pipeline.metrics_fail_at_step, _Pipeline.stop_after, _Pipeline.builds_failing = None, None, 0
     fake_np = SimpleNamespace(array=lambda x, dtype=None: x, int64=int)
     monkeypatch.setattr(ovb, "runtime", lambda: (_fake_genai(), SimpleNamespace(Tensor=lambda x: x), fake_np))
     monkeypatch.setattr(ovb, "measured_block_bytes", lambda *a: BLOCK_BYTES)
@@ -167,6 +184,64 @@ def test_a_pipeline_that_raises_fails_the_requests_it_held_with_its_message_and_
         assert (s["failed_requests"], s["completed_requests"], s["engine"]) == (3, 1, "openvino")
     finally:
         replica.shutdown()
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("read_fails_at_step", "OpenVINO GenAI failed reading its output: RuntimeError: Exception from"),
+        ("metrics_fail_at_step", "OpenVINO GenAI failed reading its output: RuntimeError: Exception from"),
+    ],
+)
+def test_a_pipeline_raising_while_its_output_is_read_fails_only_the_requests_it_held_and_the_next_run(
+    tiny_model, scripted, where, message
+):
+    replica = ServingReplica(model=tiny_model, engine_config=EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES))
+    try:
+        setattr(scripted, where, 2)
+        failed = _generate(replica, [GenerationRequest(f"a{i}", [1, 2, 3], max_new_tokens=4) for i in range(2)])
+        for r in failed:
+            assert r.error_kind == "error" and r.error.startswith(message) and r.finish_reason == "error"
+        assert replica.loop.alive and replica.engine.healthy and replica.engine.fault is None
+        (ok,) = _generate(replica, [GenerationRequest("b", [1, 2], max_new_tokens=3)])
+        assert ok.error is None and ok.output_ids == [500, 501, 502] and len(scripted.built) == 2
+        s = asyncio.run(replica.stats())
+        assert (s["failed_requests"], s["completed_requests"]) == (2, 1)
+    finally:
+        replica.shutdown()
+
+
+def test_a_pipeline_that_cannot_be_rebuilt_fails_the_next_requests_with_its_message_until_a_build_succeeds(
+    tiny_model, scripted
+):
+    replica = ServingReplica(model=tiny_model, engine_config=EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES))
+    try:
+        scripted.fail_at_step, scripted.builds_failing = 1, 2  # the rebuild after the failed step and the next one
+        (first,) = _generate(replica, [GenerationRequest("a", [1, 2, 3], max_new_tokens=4)])
+        assert first.error.startswith("OpenVINO GenAI failed the step")
+        scripted.fail_at_step = None
+        (second,) = _generate(replica, [GenerationRequest("b", [1, 2], max_new_tokens=3)])
+        assert second.error_kind == "error"
+        assert second.error.startswith("OpenVINO GenAI could not rebuild its pipeline: RuntimeError: Exception from")
+        assert replica.loop.alive and replica.engine.healthy
+        (ok,) = _generate(replica, [GenerationRequest("c", [1, 2], max_new_tokens=3)])
+        assert ok.error is None and ok.output_ids == [500, 501, 502]
+    finally:
+        replica.shutdown()
+
+
+def test_a_request_the_pipeline_ends_is_length_only_at_its_max_new_tokens(tiny_model, scripted):
+    eng = ovb.OpenVINOEngine(tiny_model, EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES))
+    scripted.stop_after = 3  # the pipeline's own stop condition ends every request at its third token
+    done = {}
+    for rid, n in (("early", 8), ("exact", 3)):
+        eng.submit(GenerationRequest(rid, [1, 2], max_new_tokens=n), lambda r: done.setdefault(r.request_id, r))
+    while eng.step():
+        pass
+    assert done["early"].output_ids == [500, 501, 502] and done["early"].finish_reason == "eos"
+    assert done["early"].outcome == "stop"
+    assert done["exact"].finish_reason == "length" and done["exact"].outcome == "length"
+    assert eng.stats()["completed_requests"] == 2
 
 
 def test_an_unfit_request_is_rejected_by_name_without_touching_the_others(tiny_model, scripted):
