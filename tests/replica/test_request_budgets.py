@@ -73,6 +73,24 @@ def test_the_default_floor_keeps_a_short_request_whole_and_caps_at_its_length(mo
     assert got["r10+5"].output_ids == full["r10+5"].output_ids
 
 
+def test_a_budget_above_the_sequence_length_reserves_only_the_slots_it_can_hold(model):
+    """Ratio 5 and recent_window 8 give a 5 + 3 request B = 9 (the window plus one: `Policy.resolve` keeps it), but a
+    sequence of 8 tokens stores at most 7 (its last token is never fed back): the preallocated layout reserves and
+    allocates 7 slots, not 9, and decodes the full cache's tokens."""
+    cfg = EngineConfig(
+        policy="scissorhands", compression_ratio=5, budget="per_request", policy_params={"recent_window": 8}
+    )
+    engine = ContinuousBatchingEngine(model, cfg)
+    assert engine.budget_of(5, 3) == 9
+    assert engine.final_slots(5, 3) == 7
+    assert engine.kv.footprint(5, 3) == 7 * engine.kv.slot_bytes
+    got, engine = _serve(model, cfg, _requests([(5, 3)]))
+    full, _ = _serve(model, EngineConfig(policy="full"), _requests([(5, 3)]))
+    assert got["r5+3"].error is None and got["r5+3"].output_ids == full["r5+3"].output_ids
+    peak = engine.stats()["peak_kv_cache_bytes"]
+    assert 0 < peak <= 7 * engine.kv.slot_bytes, (peak, engine.kv.slot_bytes)
+
+
 # ------------------------------------------------------------------------------ the embedded model, served
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]  # docs/serving-http.md's curl example
 
