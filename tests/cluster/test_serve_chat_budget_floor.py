@@ -44,7 +44,7 @@ def _chat(model, tokenizer, cache: str, min_budget_tokens: int | None = None):
     done, engine = _serve(model, EngineConfig(**cfg), [request], eos_token_id=tokenizer.eos_token_id)
     res = done["chat"]
     assert res.error_kind is None, res.error
-    budget = engine.budget_of(len(ids), 32) if engine.per_request else None
+    budget = engine.budget_of(len(ids), 32) if engine.kv.per_request else None
     return tokenizer.decode(res.output_ids, skip_special_tokens=True), budget, len(ids)
 
 
