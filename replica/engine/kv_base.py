@@ -51,14 +51,15 @@ class KVBudget:
 
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Slots a sequence's row needs at most: ``B`` (budgeted) capped at what the sequence can hold (its own
-        ``prompt + max_new - 1`` under ``budget: per_request``, else the preallocated ``min(B, max_length_tokens)``),
+        ``prompt + max_new - 1`` under ``budget: per_request``, else the preallocated ``min(B, max_length_tokens)`` or
+        its own length if longer),
         else ``prompt + max_new - 1`` or the preallocated ``max_length_tokens``, whichever is larger. ``B`` itself
         (which a floor or a recent window may raise above ``L``) stays what the policy resolves."""
         budget = self.budget_of(prompt_tokens, max_new_tokens)
         if budget is not None:
-            if self.per_request:
-                return min(budget, max(1, prompt_tokens + max_new_tokens - 1))
-            return min(budget, self.row_capacity)
+            own = max(1, prompt_tokens + max_new_tokens - 1)
+            # a fixed B's rows are preallocated to row_capacity; one longer than max_length_tokens grows to its own
+            return min(budget, own if self.per_request else max(own, self.row_capacity))
         return max(prompt_tokens + max_new_tokens - 1, self.row_capacity or 0)
 
     def prefill_slots(self, prompt_tokens: int, budget: int | None = None, final_slots: int | None = None) -> int:

@@ -89,3 +89,11 @@ def test_a_budget_above_the_sequence_length_reserves_only_the_slots_it_can_hold(
     assert got["r5+3"].error is None and got["r5+3"].output_ids == full["r5+3"].output_ids
     peak = engine.stats()["peak_kv_cache_bytes"]
     assert 0 < peak <= 7 * engine.kv.slot_bytes, (peak, engine.kv.slot_bytes)
+    # a fixed B = 9 over a workload of at most 8 tokens: rows preallocate 8 slots; a longer row still gets its B
+    fixed = EngineConfig(
+        policy="scissorhands", budget_tokens=9, max_length_tokens=8, policy_params={"recent_window": 8}
+    )
+    engine = ContinuousBatchingEngine(model, fixed)
+    assert engine.budget_of(5, 3) == 9 and engine.final_slots(5, 3) == 8 and engine.final_slots(10, 5) == 9
+    got, _ = _serve(model, fixed, _requests([(5, 3)]))
+    assert got["r5+3"].output_ids == full["r5+3"].output_ids
