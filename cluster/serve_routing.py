@@ -13,8 +13,16 @@ from __future__ import annotations
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 
-#: The deployment method routed by its second argument, a replica tag.
+#: The deployment method routed by its replica tag (second argument, or the ``replica_tag`` keyword).
 ROUTED_METHOD = "finish"
+
+
+def _replica_tag(pending_request) -> str | None:
+    """The replica tag a ``finish`` call names: its second positional argument or its ``replica_tag`` keyword."""
+    args = pending_request.args
+    if len(args) > 1:
+        return args[1]
+    return (getattr(pending_request, "kwargs", None) or {}).get("replica_tag")
 
 
 class StreamHolderRouter(PowerOfTwoChoicesRequestRouter):
@@ -23,7 +31,7 @@ class StreamHolderRouter(PowerOfTwoChoicesRequestRouter):
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if pending_request is not None and pending_request.metadata.call_method == ROUTED_METHOD:
-            tag = pending_request.args[1] if len(pending_request.args) > 1 else None
+            tag = _replica_tag(pending_request)
             holder = [r for r in candidate_replicas if r.replica_id.unique_id == tag]
             if holder:
                 return [holder]

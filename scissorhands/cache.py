@@ -192,6 +192,8 @@ class BudgetedLayer(CacheLayerMixin):
         self.row_budget: torch.Tensor | None = None
         self.row_recent: torch.Tensor | None = None
         self.row_drop: torch.Tensor | None = None
+        # slots a row can ever hold, min(budget, its final length) (set_row_budgets): what its buffers reserve
+        self.row_capacity: torch.Tensor | None = None
         self._pending_q: int | None = None
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
         # False only while no slot time is negative (no padding, filler or evicted slot): attention then
@@ -247,8 +249,8 @@ class BudgetedLayer(CacheLayerMixin):
         if self.row_budget is not None:
             if self.row_budget.shape[0] != b:
                 raise ValueError(f"set_row_budgets gave {self.row_budget.shape[0]} budgets for a batch of {b} rows")
-            self.row_budget, self.row_recent, self.row_drop = (
-                t.to(self.device) for t in (self.row_budget, self.row_recent, self.row_drop)
+            self.row_budget, self.row_recent, self.row_drop, self.row_capacity = (
+                t.to(self.device) for t in (self.row_budget, self.row_recent, self.row_drop, self.row_capacity)
             )
         self.is_initialized = True
 
@@ -536,13 +538,14 @@ class BudgetedLayer(CacheLayerMixin):
         return self.budget.tokens if self.row_budget is None else self.row_budget
 
     def budget_capacity(self) -> int:
-        """Slots a row's buffers keep after an eviction: the largest budget of any row."""
-        return self.budget.tokens if self.row_budget is None else int(self.row_budget.max())
+        """Slots a row's buffers keep after an eviction: the largest budget of any row, each capped at the slots
+        its row can ever hold (``set_row_budgets``' capacities; a row that evicts holds its whole budget)."""
+        return self.budget.tokens if self.row_budget is None else int(self.row_capacity.max())
 
     def _map_rows(self, fn) -> None:
         """Apply a batch-dim operation to every per-row tensor (counters, clocks, budgets)."""
         self.held, self.pad_tokens = fn(self.held), fn(self.pad_tokens)
-        for name in ("row_time", "row_budget", "row_recent", "row_drop"):
+        for name in ("row_time", "row_budget", "row_recent", "row_drop", "row_capacity"):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
 
@@ -550,7 +553,7 @@ class BudgetedLayer(CacheLayerMixin):
         """Append ``other``'s per-row tensors after this layer's (both or neither with per-row budgets)."""
         if (self.row_budget is None) != (other.row_budget is None):
             raise ValueError("cannot merge rows with per-sequence budgets and rows with the shared budget")
-        for name in ("held", "pad_tokens", "row_time", "row_budget", "row_recent", "row_drop"):
+        for name in ("held", "pad_tokens", "row_time", "row_budget", "row_recent", "row_drop", "row_capacity"):
             if getattr(self, name) is not None:
                 setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
@@ -619,7 +622,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.store = SlotStore()
         self.is_initialized = False
         self.held = self.pad_tokens = self.row_time = None
-        self.row_budget = self.row_recent = self.row_drop = None
+        self.row_budget = self.row_recent = self.row_drop = self.row_capacity = None
         self.tokens_seen = self.evicted_tokens = 0
         self._pending_q = None
         self._kv = None
@@ -701,30 +704,40 @@ class BudgetedCache(Cache):
         """Slots per KV head actually used (``None`` for ``full``; resolved at the first call)."""
         return self.budget.tokens if self.policy.evicts else None
 
-    def set_row_budgets(self, budgets: list[int]) -> None:
+    def set_row_budgets(self, budgets: list[int], capacities: list[int] | None = None) -> None:
         """Give each row of the first call its own budget ``budgets[i]`` (slots per KV head), with the recent
         window and drop size its policy resolves for that budget; call it before the first forward. Rows keep
         their budgets through merges and removals (``scissorhands.batching``).
+
+        ``capacities[i]``: the most slots row ``i`` can ever hold (its prompt + new tokens, when known); its
+        buffers reserve ``min(budgets[i], capacities[i])`` slots (a budget above the sequence's length, e.g. a
+        floor or a recent window >= L, reserves nothing it could use). None: each row's budget.
 
         A policy whose scores read the budget itself (``snapkv``'s candidate window, ``streaming_llm``'s sink
         count when B is tiny) scores a batch of mixed budgets with its smallest.
 
         Raises:
-            ValueError: the policy does not evict, a budget below 1 or too small for the policy's recent
-                window (``Policy.resolve``), or the cache has already seen tokens.
+            ValueError: the policy does not evict, a budget or capacity below 1, a budget too small for the
+                policy's recent window (``Policy.resolve``), capacities not one per budget, or the cache has
+                already seen tokens.
         """
         if not self.policy.evicts:
             raise ValueError(f"policy {self.policy.name!r} keeps every token: it takes no per-sequence budget")
         if self.layers[0].is_initialized:
             raise ValueError("set_row_budgets must be called before the cache's first forward call")
+        capacities = list(budgets) if capacities is None else list(capacities)
+        if len(capacities) != len(budgets):
+            raise ValueError(f"capacities: {len(capacities)} given for {len(budgets)} budgets; give one per row")
         resolved = []
-        for b in budgets:
+        for b, c in zip(budgets, capacities):
             if not isinstance(b, int) or b < 1:
                 raise ValueError(f"budget_tokens must be an integer >= 1, got {b!r}")
-            resolved.append((b, *self.policy.resolve(b)))
+            if not isinstance(c, int) or c < 1:
+                raise ValueError(f"capacities: each must be an integer >= 1, got {c!r}")
+            resolved.append((b, *self.policy.resolve(b), min(b, c)))
         columns = [torch.tensor(c, dtype=torch.int64) for c in zip(*resolved)]
         for layer in self.layers:
-            layer.row_budget, layer.row_recent, layer.row_drop = columns
+            layer.row_budget, layer.row_recent, layer.row_drop, layer.row_capacity = columns
 
     def kv_cache_bytes(self) -> int:
         """Bytes of every tensor the cache holds now, bookkeeping included."""

@@ -277,7 +277,9 @@ class ContinuousBatchingEngine:
             return
         keep = []
         for i, (seq, tok) in enumerate(zip(group, fwd.tokens)):
-            seq.held_slots = self.kv.prefill_slots(len(seq.prefill_ids()), seq.budget_tokens)  # a recompute: + outputs
+            seq.held_slots = self.kv.prefill_slots(
+                len(seq.prefill_ids()), seq.budget_tokens, seq.final_slots
+            )  # a recompute: + outputs
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
         self.flight.join(p, fwd.picked, keep)  # then `p` is dropped: a fault in the merge leaves it held

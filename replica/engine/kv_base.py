@@ -36,7 +36,10 @@ class KVBudget:
         self.policy = cache_policy(config.policy, **config.policy_params) if self.per_request else None
         # slots every row's buffers preallocate: B (budgeted), the workload's longest sequence (full, when
         # max_length_tokens is given), or None (full: buffers grow with the longest row)
+        # B is capped at the workload's longest sequence: a sequence of L tokens never holds more than L slots
         self.row_capacity = self.budget_tokens if self.budget_tokens is not None else config.max_length_tokens
+        if self.budget_tokens is not None and config.max_length_tokens is not None:
+            self.row_capacity = min(self.budget_tokens, config.max_length_tokens)
         self.pool: BlockPool | None = None
 
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
@@ -47,23 +50,29 @@ class KVBudget:
         return self.budget_tokens
 
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Slots a sequence's row needs at most: ``B`` (budgeted), else ``prompt + max_new - 1`` or the
-        preallocated ``max_length_tokens``, whichever is larger."""
+        """Slots a sequence's row needs at most: ``B`` (budgeted) capped at what the sequence can hold (its own
+        ``prompt + max_new - 1`` under ``budget: per_request``, else the preallocated ``min(B, max_length_tokens)`` or
+        its own length if longer),
+        else ``prompt + max_new - 1`` or the preallocated ``max_length_tokens``, whichever is larger. ``B`` itself
+        (which a floor or a recent window may raise above ``L``) stays what the policy resolves."""
         budget = self.budget_of(prompt_tokens, max_new_tokens)
         if budget is not None:
-            return budget
+            own = max(1, prompt_tokens + max_new_tokens - 1)
+            # a fixed B's rows are preallocated to row_capacity; one longer than max_length_tokens grows to its own
+            return min(budget, own if self.per_request else max(own, self.row_capacity))
         return max(prompt_tokens + max_new_tokens - 1, self.row_capacity or 0)
 
-    def prefill_slots(self, prompt_tokens: int, budget: int | None = None) -> int:
-        """Slots one row holds per layer after its prefill (the preallocated capacity, or the prompt)."""
+    def prefill_slots(self, prompt_tokens: int, budget: int | None = None, final_slots: int | None = None) -> int:
+        """Slots one row holds per layer after its prefill (the preallocated capacity: its budget capped at its
+        `final_slots` when given, or the prompt)."""
         budget = budget if budget is not None else self.budget_tokens
         if budget is not None:
-            return budget
+            return budget if final_slots is None else min(budget, final_slots)
         return max(prompt_tokens, self.row_capacity or 0)
 
     def held_after_decode(self, seq: Sequence) -> int:
         """The slots `seq`'s row holds after one more decode step (a buffer at its capacity is written in place)."""
-        cap = seq.budget_tokens or self.row_capacity
+        cap = min(seq.budget_tokens, seq.final_slots) if seq.budget_tokens else self.row_capacity
         return seq.held_slots + 1 if cap is None or seq.held_slots < cap else seq.held_slots
 
     def fits_alone(self, prompt_tokens: int, max_new_tokens: int, chunk_tokens: int | None = None) -> Refusal | None:

@@ -13,10 +13,12 @@ __all__ = ["PreallocatedBudget"]
 class PreallocatedBudget(KVBudget):
     """Bytes: rows preallocated to their final slots, padded to the widest (see the module docstring)."""
 
-    def prefill_peak_bytes(self, rows: int, prompt_tokens: int, budget: int | None = None) -> int:
+    def prefill_peak_bytes(
+        self, rows: int, prompt_tokens: int, budget: int | None = None, final_slots: int | None = None
+    ) -> int:
         """Peak bytes of a prefill cache of `rows` prompts of `prompt_tokens` (all layers): the layers
-        before the current one hold their compressed slots, the current one the whole prompt."""
-        kept = self.prefill_slots(prompt_tokens, budget)
+        before the current one hold their compressed slots (`prefill_slots`), the current one the whole prompt."""
+        kept = self.prefill_slots(prompt_tokens, budget, final_slots)
         layer_slots = (self.num_layers - 1) * kept + max(prompt_tokens, kept)
         return math.ceil(rows * layer_slots * self.slot_bytes / self.num_layers)
 
@@ -31,7 +33,7 @@ class PreallocatedBudget(KVBudget):
     def memory_refusal(self, prompt_tokens, max_new_tokens, budget, chunk):
         """Its final bytes, and its whole-prompt prefill's peak (the preallocated layout feeds prompts whole)."""
         final = self.footprint(prompt_tokens, max_new_tokens)
-        peak = self.prefill_peak_bytes(1, prompt_tokens, budget)
+        peak = self.prefill_peak_bytes(1, prompt_tokens, budget, self.final_slots(prompt_tokens, max_new_tokens))
         if max(final, peak) <= self.limit_bytes:
             return None
         what = f"its prefill of {prompt_tokens} tokens at once" if peak >= final else "its final slots"
@@ -44,10 +46,11 @@ class PreallocatedBudget(KVBudget):
         """Largest batch of identical requests (at most `cap`) whose steady state and last prefill fit."""
         n = min(cap, self.limit_bytes // (self.final_slots(prompt_tokens, max_new_tokens) * self.slot_bytes))
         budget = self.budget_of(prompt_tokens, max_new_tokens)
-        kept = self.prefill_slots(prompt_tokens, budget)
+        final = self.final_slots(prompt_tokens, max_new_tokens)
+        kept = self.prefill_slots(prompt_tokens, budget, final)
         while (
             n > 0
-            and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens, budget)
+            and self.batch_bytes_bound([kept] * (n - 1)) + self.prefill_peak_bytes(1, prompt_tokens, budget, final)
             > self.limit_bytes
         ):
             n -= 1  # the last one's prefill, next to the others' prompts, must fit too
@@ -79,18 +82,18 @@ class _BytesAdmission:
             if (
                 same
                 and kv.batch_bytes_bound(self.held + self.group_held[: -self.last_rows])
-                + kv.prefill_peak_bytes(self.last_rows + 1, tokens, seq.budget_tokens)
+                + kv.prefill_peak_bytes(self.last_rows + 1, tokens, seq.budget_tokens, seq.final_slots)
                 > limit
             ):
                 same = False
             if (
                 not same
                 and kv.batch_bytes_bound(self.held + self.group_held)
-                + kv.prefill_peak_bytes(1, tokens, seq.budget_tokens)
+                + kv.prefill_peak_bytes(1, tokens, seq.budget_tokens, seq.final_slots)
                 > limit
             ):
                 return None
         self.last_rows = self.last_rows + 1 if same else 1
         self.finals.append(seq.final_slots)
-        self.group_held.append(kv.prefill_slots(tokens, seq.budget_tokens))
+        self.group_held.append(kv.prefill_slots(tokens, seq.budget_tokens, seq.final_slots))
         return "join" if same else "new"

@@ -63,7 +63,9 @@ class ModelRunner:
         if budget is not None:
             # max_length = B: every layer preallocates B slots per row, so decode tokens are written in
             # place; a sequence then holds B slots from its prefill on (its bytes, known in advance)
-            self.cache_kwargs.update(budget_tokens=budget, max_length=budget)
+            # capped at the workload's longest sequence: a budget above it (a floor, a window >= L) reserves nothing used
+            cap = budget if config.max_length_tokens is None else min(budget, config.max_length_tokens)
+            self.cache_kwargs.update(budget_tokens=budget, max_length=cap)
         elif self.per_request:  # each group's cache gets its requests' B; this one only validates and measures
             self.cache_kwargs.update(budget_tokens=PROBE_BUDGET_TOKENS, max_length=PROBE_BUDGET_TOKENS)
         text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -89,7 +91,8 @@ class ModelRunner:
         budget = group[0].budget_tokens
         kwargs = {**self.cache_kwargs, "budget_tokens": budget, "max_length": budget}
         cache = make_cache(self.config.policy, self.model, pool=pool, **kwargs)
-        cache.set_row_budgets([budget] * len(group))  # rows of other budgets merge into one batch
+        # rows of other budgets merge into one batch; each reserves at most the slots its sequence can hold
+        cache.set_row_budgets([budget] * len(group), [s.final_slots for s in group])
         return cache
 
     def score_prompt(self, seq: Sequence) -> tuple[list, list, int]:

@@ -31,7 +31,7 @@ from ..checks import check_int
 
 #: The default budget floor (``Policy.min_budget_tokens``), slots per KV head: a budget from a compression ratio is
 #: never below it, and a sequence no longer than it is not compressed. Chosen by measurement on the embedded model:
-#: greedy chat answers through Scissorhands x5 (docs/results/2026-12-06-budget-floor.md).
+#: greedy chat answers through Scissorhands x5 (docs/results/2026-12-06-budget-floor-6010da5.md).
 DEFAULT_MIN_BUDGET_TOKENS = 32
 
 
@@ -50,7 +50,7 @@ class Policy:
             engine's ``budget: per_request``) is at least this, and at most the sequence's length, so a sequence
             no longer than the floor is not compressed. 0: the paper's ``ceil(L / r)`` alone. An absolute
             ``budget_tokens`` is used as given. Default ``DEFAULT_MIN_BUDGET_TOKENS``, measured
-            (docs/results/2026-12-06-budget-floor.md).
+            (docs/results/2026-12-06-budget-floor-6010da5.md).
     """
 
     name: ClassVar[str] = "base"

@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from tests.ray_helpers import local_ray
+from workloads.serving.pools import ServeReplicaPool
 
 pytestmark = [pytest.mark.ray]
 
@@ -39,8 +40,6 @@ def listeners_of_this_process_tree() -> list[tuple[str, int, str]]:
 
 
 def test_a_sweeps_ray_and_its_serving_replica_listen_on_loopback_only():
-    from workloads.serving.pools import ServeReplicaPool
-
     with local_ray():
         pool = ServeReplicaPool(
             1,

@@ -40,3 +40,12 @@ def test_other_calls_and_a_finish_whose_replica_is_gone_fall_back_to_the_default
     assert asyncio.run(router.choose_replicas(replicas, _request("finish", "req-7", "gone"))) == [replicas]
     assert asyncio.run(router.choose_replicas(replicas, _request("finish", "req-7"))) == [replicas]  # no tag
     assert seen == ["events", "finish", "finish"]
+
+
+def test_finish_naming_its_replica_tag_by_keyword_goes_to_that_replica():
+    router = object.__new__(StreamHolderRouter)
+    replicas = [_replica(t) for t in ("a1", "b2")]
+    request = SimpleNamespace(
+        metadata=SimpleNamespace(call_method="finish"), args=["req-7"], kwargs={"replica_tag": "b2"}
+    )
+    assert asyncio.run(router.choose_replicas(replicas, request)) == [[replicas[1]]]

@@ -73,41 +73,27 @@ def test_the_default_floor_keeps_a_short_request_whole_and_caps_at_its_length(mo
     assert got["r10+5"].output_ids == full["r10+5"].output_ids
 
 
-# ------------------------------------------------------------------------------ the embedded model, served
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]  # docs/serving-http.md's curl example
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    from scissorhands.models.loading import load_model
-
-    torch.set_num_threads(1)
-    return load_model("embedded", dtype=torch.float32)
-
-
-def _chat(model, tokenizer, cache: str, min_budget_tokens: int | None = None):
-    from cluster.serve_app import serve_engine_config
-
-    _, cfg, _ = serve_engine_config(cache, kv_memory_limit_bytes=64 << 20)
-    if min_budget_tokens is not None:
-        cfg["policy_params"] = {"min_budget_tokens": min_budget_tokens}
-    ids = list(
-        tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+def test_a_budget_above_the_sequence_length_reserves_only_the_slots_it_can_hold(model):
+    """Ratio 5 and recent_window 8 give a 5 + 3 request B = 9 (the window plus one: `Policy.resolve` keeps it), but a
+    sequence of 8 tokens stores at most 7 (its last token is never fed back): the preallocated layout reserves and
+    allocates 7 slots, not 9, and decodes the full cache's tokens."""
+    cfg = EngineConfig(
+        policy="scissorhands", compression_ratio=5, budget="per_request", policy_params={"recent_window": 8}
     )
-    request = GenerationRequest("chat", ids, 32, ignore_eos=False)
-    done, engine = _serve(model, EngineConfig(**cfg), [request], eos_token_id=tokenizer.eos_token_id)
-    res = done["chat"]
-    assert res.error_kind is None, res.error
-    budget = engine.budget_of(len(ids), 32) if engine.per_request else None
-    return tokenizer.decode(res.output_ids, skip_special_tokens=True), budget, len(ids)
-
-
-@pytest.mark.slow
-def test_served_scissorhands_x5_answers_the_docs_chat_as_the_full_cache_with_the_default_floor(embedded):
-    model, tokenizer = embedded
-    full, _, prompt = _chat(model, tokenizer, "full")
-    floored, budget, _ = _chat(model, tokenizer, "scissorhands:5")
-    assert "Paris" in full and "Paris" in floored, (full, floored)
-    assert budget == min(prompt + 32, DEFAULT_MIN_BUDGET_TOKENS) > -(-(prompt + 32) // 5)
-    _, bare, _ = _chat(model, tokenizer, "scissorhands:5", min_budget_tokens=0)
-    assert bare == -(-(prompt + 32) // 5) == 14  # without the floor: ceil(L / 5) (its answer: docs/serving-http.md)
+    engine = ContinuousBatchingEngine(model, cfg)
+    assert engine.budget_of(5, 3) == 9
+    assert engine.final_slots(5, 3) == 7
+    assert engine.kv.footprint(5, 3) == 7 * engine.kv.slot_bytes
+    got, engine = _serve(model, cfg, _requests([(5, 3)]))
+    full, _ = _serve(model, EngineConfig(policy="full"), _requests([(5, 3)]))
+    assert got["r5+3"].error is None and got["r5+3"].output_ids == full["r5+3"].output_ids
+    peak = engine.stats()["peak_kv_cache_bytes"]
+    assert 0 < peak <= 7 * engine.kv.slot_bytes, (peak, engine.kv.slot_bytes)
+    # a fixed B = 9 over a workload of at most 8 tokens: rows preallocate 8 slots; a longer row still gets its B
+    fixed = EngineConfig(
+        policy="scissorhands", budget_tokens=9, max_length_tokens=8, policy_params={"recent_window": 8}
+    )
+    engine = ContinuousBatchingEngine(model, fixed)
+    assert engine.budget_of(5, 3) == 9 and engine.final_slots(5, 3) == 8 and engine.final_slots(10, 5) == 9
+    got, _ = _serve(model, fixed, _requests([(5, 3)]))
+    assert got["r5+3"].output_ids == full["r5+3"].output_ids

@@ -701,6 +701,26 @@ def test_a_rate_the_replicas_cannot_keep_up_with_is_flagged_as_a_shortfall_in_re
     assert "SHORTFALL: the point sent less than 95%" in table
 
 
+def test_a_send_shortfall_alone_sets_the_flag_with_a_warning_naming_the_load_generator():
+    """Arrivals drawn at 10 req/s sent at 9 req/s (below 95%) and each answered at once (completions keep up, above
+    80%): the point is a rate shortfall, and its `rate shortfall:` warning says the sends fell behind."""
+    records = []
+    for i in range(11):
+        sent = i / 9
+        r = RequestRecord(f"q{i}", 8, 1, scheduled_time_s=i / 10, send_time_s=sent, token_times_s=[sent + 0.01])
+        r.output_tokens, r.finish_time_s = 1, sent + 0.01
+        records.append(r)
+    m = summarize(records, mode="rate", window_start_s=0.0, window_end_s=1.2, target_rate_req_per_s=10.0)
+    assert m.achieved_rate_req_per_s == pytest.approx(9.0) and m.completed_rate_req_per_s == pytest.approx(9.0)
+    assert m.rate_shortfall is True
+    (note,) = [w for w in m.warnings if w.startswith("rate shortfall:")]
+    assert (
+        note
+        == "rate shortfall: 10 req/s offered, sent 9 req/s (below 95%: the load generator fell behind its schedule)"
+    )
+    assert "did not keep up" not in note
+
+
 @pytest.mark.parametrize(
     "mode, script, timeout_s, expected",
     [

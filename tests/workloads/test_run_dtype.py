@@ -13,6 +13,7 @@ import yaml
 from tests.dtype_fakes import COUNTER_ENV, install_alternating_probe, probe_calls
 from tests.ray_helpers import local_ray
 from tests.suite_helpers import serving_suite, tiny_batch, uniform
+from workloads.core import results as res
 
 
 @pytest.fixture
@@ -175,8 +176,6 @@ def test_ray_serving_sweep_two_replicas_run_one_dtype(tmp_path, ray_fake_probe, 
 
 
 def test_a_report_of_points_from_two_runs_that_resolved_two_dtypes_warns(tmp_path, capsys):
-    from workloads.core import results as res
-
     def record(point_id: str, dtype: str) -> dict:
         reason = f"auto: CPU has avx512_bf16; bfloat16 {'2.00' if dtype == 'bfloat16' else '1.04'}x"
         return {"point_id": point_id, "status": "ok", "dtype": dtype, "dtype_requested": "auto", "dtype_reason": reason}

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from cluster.placement import PlacementError
+from replica import cpu_share
 from tests.serving_fakes import FakeReplica, OneReplicaPool, Script
 from tests.suite_helpers import serving_suite, uniform
 from workloads.batch.suite import BatchSuite
@@ -115,3 +117,25 @@ def test_a_request_stream_is_the_same_whatever_order_it_is_asked_in():
     forward = [a(i).prompt_ids for i in range(20)]
     backward = [b(i).prompt_ids for i in reversed(range(20))][::-1]
     assert forward == backward and a(19).request_id == "req-19"
+
+
+class CpuSamplingFails(RecordingPool):
+    """A pool whose CPU sampling raises as a broadcast to a replaced replica does (after its wait)."""
+
+    def cpu_samples(self):
+        raise PlacementError("replica fake-0 was replaced and its successor is not ready after 30 s")
+
+
+def test_a_point_whose_cpu_sampling_fails_records_its_load_with_empty_cpu_fields_and_a_warning(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"name": "s", **BASE, "mode": "concurrency", "loads": [2], "num_requests": 4}))
+    args = argparse.Namespace(
+        suite=str(path), replicas=None, results_dir=str(tmp_path / "r"), run_id="run", resume=None, address=None,
+        pushgateway="off",
+    )  # fmt: skip
+    assert run_suite(args, ServingKind(CpuSamplingFails())) == 0
+    recs = [json.loads(x) for x in (tmp_path / "r" / "run" / "points.jsonl").read_text().splitlines()]
+    assert recs and all(r["status"] == "ok" and r["completed_requests"] == 4 for r in recs)
+    for r in recs:
+        assert {k: r[k] for k in cpu_share.empty()} == cpu_share.empty()
+        assert any("CPU share not measured" in w and "successor is not ready" in w for w in r["warnings"])

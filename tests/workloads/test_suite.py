@@ -233,6 +233,38 @@ def test_resume_with_a_changed_dtype_exits_2_naming_the_field(tmp_path, capsys):
     assert "1 already done, 0 to run" in capsys.readouterr().err
 
 
+def test_resume_of_points_recorded_without_the_budget_floor_exits_2_naming_the_parameter(tmp_path, capsys):
+    """a point recorded before `min_budget_tokens` existed (its resolved params lack it) has the same id
+    as today's point, so `changed_settings` sees nothing; the resume compares the recorded resolved policy
+    parameters with this code's and refuses (exit 2, naming `min_budget_tokens`) rather than mix B formulas."""
+    from workloads.core import results
+
+    data = dict(GOOD, policies=["scissorhands"], batch_sizes=[1])
+    suite = parse_suite(data)
+    run_dir = tmp_path / "results" / "r"
+    run_dir.mkdir(parents=True)
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(data))
+    points_file = str(run_dir / "points.jsonl")
+    for point in suite.points():
+        record = _record_of(suite, point)
+        assert record["policy_params"]["min_budget_tokens"] == 32
+        results.append_record(points_file, record)
+    # today's records resume: every point done, nothing to run
+    assert sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "r"]) == 0
+    assert "0 to run" in capsys.readouterr().err
+    old = [
+        dict(r, policy_params={k: v for k, v in r["policy_params"].items() if k != "min_budget_tokens"})
+        for r in results.read_records(points_file)
+    ]
+    (run_dir / "points.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    rc = sweep.main([str(path), "--results-dir", str(tmp_path / "results"), "--resume", "r"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "policy_params" in err and "['min_budget_tokens']" in err and "None -> 32" in err
+    assert len(results.read_records(points_file)) == len(old)  # nothing new recorded
+
+
 def test_resume_where_auto_resolves_to_another_dtype_is_refused_naming_dtype(tmp_path):
     """a point's id covers the requested dtype, so a resumed run whose
     replicas now resolve auto to float32 while its recorded points ran in bfloat16 would mix the two:

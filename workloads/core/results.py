@@ -239,6 +239,35 @@ def changed_settings(records: Iterable[dict], points: Iterable) -> dict[str, dic
     return out
 
 
+def changed_policy_params(records: Iterable[dict], points: Iterable, statuses: tuple[str, ...] = ("ok",)) -> dict:
+    """Kept points of a resumed run whose recorded resolved policy parameters differ from what this code resolves.
+
+    A point's id covers only the parameters the suite names; a default the code changed since (e.g. a new
+    ``min_budget_tokens`` floor) leaves the id as it was. Each record in ``statuses`` carries its resolved
+    parameters (`resolved_policy_params` at its ``budget_tokens``); they are resolved again for its point here.
+    Returns point id -> {parameter: (recorded, now)} (a parameter the record lacks is recorded as None).
+    """
+    by_id = {p.point_id: p for p in points}
+    out = {}
+    for r in records:
+        point = by_id.get(r.get("point_id"))
+        was = r.get("policy_params")
+        if point is None or r.get("status") not in statuses or was is None:
+            continue
+        try:
+            now = resolved_policy_params(point.policy, point.policy_params, r.get("budget_tokens"))
+        except ValueError as e:  # this code no longer accepts the recorded budget for the policy
+            out[point.point_id] = {"budget_tokens": (r.get("budget_tokens"), str(e))}
+            continue
+        if now is None:
+            continue
+        now = json.loads(json.dumps(now, default=str))
+        diff = {k: (was.get(k), now.get(k)) for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)}
+        if diff:
+            out[point.point_id] = diff
+    return out
+
+
 def format_value(value, fmt: str) -> str:
     """`value` in `fmt`, '-' for None, `str(value)` when the format does not apply."""
     if value is None:

@@ -118,6 +118,9 @@ def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...
         SweepError: (exit 2) a point recorded in this run has changed settings since (the suite was
             edited: model, dtype, device, lengths, load, limits or policy parameters); the message
             names the changed fields with their recorded and new values. Start a new run instead.
+            Also (exit 2) when a kept record's resolved policy parameters differ from what this code
+            resolves for its point (a changed default such as ``min_budget_tokens``; the id does not
+            cover defaults), naming ``policy_params`` and each changed parameter.
     """
     records = res.read_records(points_path)
     changed = res.changed_settings(records, points)
@@ -128,6 +131,17 @@ def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...
         raise SweepError(
             f"--resume: the suite changed since its points were recorded; changed field(s) {fields} "
             f"({detail}) in {len(changed)} point(s); start a new run (--run-id) for the new settings",
+            2,
+        )
+    params = res.changed_policy_params(records, points, done_statuses)
+    if params:
+        fields = sorted({k for diff in params.values() for k in diff})
+        first = next(iter(params.values()))
+        detail = ", ".join(f"{k}: {first[k][0]!r} -> {first[k][1]!r}" for k in fields if k in first)
+        raise SweepError(
+            f"--resume: policy_params: the policy parameters this code resolves changed since the run's points "
+            f"were recorded; changed parameter(s) {fields} ({detail}) in {len(params)} point(s); the run would mix "
+            "their numbers. Start a new run (--run-id) for this code's settings",
             2,
         )
     done = {r["point_id"] for r in records if r.get("status") in done_statuses}

@@ -14,7 +14,7 @@
 | `achieved_rate_req_per_s` | (sent measured requests - 1) / (last send - first send) |
 | `scheduled_rate_req_per_s` | the same over the arrival times the run drew for the measured arrivals, dropped ones included (open loop); a warning when it is more than `SCHEDULED_RATE_TOLERANCE` (10%) from the target |
 | `completed_rate_req_per_s` | (completed measured requests - 1) / (last completion - first completion): the rate the replicas kept up |
-| `rate_shortfall` | open loop: the sends fell below 95% of the scheduled rate, or completions below `RATE_SHORTFALL_FRACTION` (80%) of it, or fewer than 80% of the arrivals completed (a `rate shortfall:` warning says which); None for closed loops |
+| `rate_shortfall` | open loop: the sends fell below `SEND_SHORTFALL_FRACTION` (95%) of the scheduled rate, or completions below `RATE_SHORTFALL_FRACTION` (80%) of it, or fewer than 80% of the arrivals completed (a `rate shortfall:` warning says which); None for closed loops |
 | `delayed_arrivals` | arrivals that found the concurrency cap reached and waited for a slot |
 | `slo_attainment` | `slo_met_requests / slo_requests`: the fraction of measured arrivals (sent or dropped; failed and dropped ones miss) that meet every SLO of the point (`workloads.load.slo`: TTFT, TPOT, optionally e2e; a one-token request meets the TPOT SLO vacuously) |
 | `slo_requests` | the attainment's sample count `n`: measured arrivals (= `arrivals`) |
@@ -57,6 +57,8 @@ FLAGGED_PERCENTILES = (90, 95, 99)
 SCHEDULED_RATE_TOLERANCE = 0.1
 #: A rate point completes less than this fraction of the rate offered (or of its arrivals): a rate shortfall.
 RATE_SHORTFALL_FRACTION = 0.8
+#: A rate point sends less than this fraction of the rate offered: the load generator fell behind its schedule.
+SEND_SHORTFALL_FRACTION = 0.95
 
 
 @dataclass
@@ -351,7 +353,7 @@ def summarize(
         target_rate_req_per_s
         and achieved_rate is not None
         and scheduled_rate is not None
-        and achieved_rate < 0.95 * scheduled_rate
+        and achieved_rate < SEND_SHORTFALL_FRACTION * scheduled_rate
     ):
         warnings.append(
             f"rate: target {target_rate_req_per_s:g} req/s, achieved {achieved_rate:.3g} req/s against "
@@ -366,14 +368,17 @@ def summarize(
             behind.append(f"only {len(ok)} of {len(measured)} arrivals completed")
         if completed_rate is None or completed_rate < RATE_SHORTFALL_FRACTION * offered:
             behind.append(f"completed {completed_rate or 0:.3g} req/s")
-        sends_behind = achieved_rate is not None and achieved_rate < 0.95 * offered
-        rate_shortfall = bool(behind) or sends_behind
+        causes = []
         if behind:
-            warnings.append(
-                f"rate shortfall: {offered:.3g} req/s offered, "
-                + ", ".join(behind)
-                + f" (below {RATE_SHORTFALL_FRACTION:.0%}: the replicas did not keep up with the load)"
+            causes.append(", ".join(behind) + f" (below {RATE_SHORTFALL_FRACTION:.0%}: the replicas did not keep up)")
+        if achieved_rate is not None and achieved_rate < SEND_SHORTFALL_FRACTION * offered:
+            causes.append(
+                f"sent {achieved_rate:.3g} req/s (below {SEND_SHORTFALL_FRACTION:.0%}: the load generator fell "
+                "behind its schedule)"
             )
+        rate_shortfall = bool(causes)
+        if causes:
+            warnings.append(f"rate shortfall: {offered:.3g} req/s offered, " + "; ".join(causes))
     if (
         target_rate_req_per_s
         and scheduled_rate is not None

@@ -43,6 +43,15 @@ def cpu_fields(before: dict[str, dict], after: dict[str, dict]) -> dict:
     return cpu_share.combine(cpu_share.measure(strip(before[k]), strip(after[k])) for k in both)
 
 
+def _cpu_samples(pool: ReplicaPool) -> tuple[dict | None, str | None]:
+    """Each replica's CPU sample, best effort: (samples, None), or (None, the error) when sampling failed (a
+    replica replaced mid-point makes the pool's broadcast wait and raise; the point's load numbers still hold)."""
+    try:
+        return pool.cpu_samples(), None
+    except Exception as e:  # noqa: BLE001 - a measurement aid never fails the point
+        return None, error_message(e)
+
+
 def run_point(
     pool: ReplicaPool,
     suite: ServingSuite,
@@ -74,11 +83,12 @@ def run_point(
     if hasattr(reqs, "prepare"):  # drawn before the clock starts: a count-bound point's all, else the first 256
         reqs.prepare((cfg.num_requests or 256) + cfg.warmup_requests)
     pool.stats(reset=True)
-    before = pool.cpu_samples()
+    before, cpu_error = _cpu_samples(pool)
     result = asyncio.run(run_load(pool.client(), reqs, cfg, slo=suite.slo))
     stats = pool.stats(reset=True)
-    after = pool.cpu_samples()
-    out.update(cpu_fields(before, after))
+    after, after_error = _cpu_samples(pool) if cpu_error is None else (None, None)
+    cpu_error = cpu_error or after_error
+    out.update(cpu_share.empty() if cpu_error else cpu_fields(before, after))
     m = result.metrics
     peak_running = [s.get("peak_running_sequences") for s in stats]
     peak_kv = [s.get("peak_kv_cache_bytes") for s in stats]
@@ -98,6 +108,10 @@ def run_point(
     flat = m.flat()
     flat["load_mode"] = flat.pop("mode")  # the record's `mode` is the suite's
     out.update(flat)
+    if cpu_error:
+        out["warnings"] = list(out.get("warnings") or []) + [
+            f"CPU share not measured: sampling the replicas' CPU time failed ({cpu_error}); cpu_share fields are None"
+        ]
     out.update(
         {
             "load": point.load,
