@@ -137,7 +137,7 @@ def test_the_progress_bar_counts_every_generated_token(monkeypatch):
             self.updates.append(n)
 
     bars: list = []
-    monkeypatch.setattr(generate_baseline, "tqdm", Bar)
+    monkeypatch.setattr(generate_baseline, "MeasuredEtaBar", Bar)
     torch.set_num_threads(1)
     model, _ = load_replica_model("tiny-llama")
     reqs = [GenerationRequest(f"r{i}", list(range(1, 9)), n) for i, n in enumerate((3, 6))]
