@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 
 import pytest
 
 from replica.engine import ContinuousBatchingEngine, EngineLoop
 from replica.types import EngineConfig, GenerationRequest
+from tests.waiting import wait_for
 
 PAGED = dict(kv_layout="paged", block_tokens=4, kv_memory_limit_bytes=10**7)
 ANSWER_WAIT_S = 10.0  # generous (busy cores): the failure this guards against is an endless wait
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
 
 
 @pytest.mark.parametrize(
@@ -43,7 +34,7 @@ def test_a_scheduler_fault_answers_every_held_request_and_refuses_later_ones(mod
         engine.submit(GenerationRequest(f"r{i}", list(range(3, 20 + i)), 10_000, ignore_eos=True), on_done)
     loop = EngineLoop(engine).start()
     try:
-        assert _wait(lambda: len(engine._running) == 3, 30), "the 3 requests never ran"
+        wait_for(lambda: len(engine._running) == 3, 30, "the 3 requests to run", poll_s=0.005)
         plan = engine.scheduler.plan
 
         def broken(view, kv):
@@ -59,7 +50,8 @@ def test_a_scheduler_fault_answers_every_held_request_and_refuses_later_ones(mod
             assert res.error_kind == "error" and res.finish_reason == "error"
             assert "RuntimeError: scheduler broke: planted fault" in res.error
         assert 0 < len(done["r0"].output_ids) < 10_000  # it had run
-        assert _wait(lambda: not loop.alive, ANSWER_WAIT_S) and isinstance(loop.error, RuntimeError)
+        wait_for(lambda: not loop.alive, ANSWER_WAIT_S, "the engine loop to end on the fault", poll_s=0.005)
+        assert isinstance(loop.error, RuntimeError)
         assert not engine.healthy and "scheduler broke" in engine.fault
         assert engine.running == 0 and engine.queued == 0
         if engine.pool is not None:
@@ -85,7 +77,7 @@ def test_a_healthy_engine_reports_no_fault_and_serves_after_a_request_failure(mo
         bad.seed = 2**70  # torch.Generator.manual_seed raises for it: this request fails alone
         engine.submit(bad, got.append)
         engine.submit(GenerationRequest("ok", [3, 4, 5], 4), got.append)
-        assert _wait(lambda: len(got) == 2, 30)
+        wait_for(lambda: len(got) == 2, 30, "both answers", poll_s=0.005)
         assert {r.request_id: r.error_kind for r in got} == {"bad": "error", "ok": None}
         assert engine.healthy and engine.fault is None and loop.alive
     finally:

@@ -3,27 +3,17 @@ with the fault when the loop stops on it (replica/engine/core.py `abort_all`, re
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 import replica.engine.runner as runner_module
 from replica.engine import ContinuousBatchingEngine, EngineLoop
 from replica.types import EngineConfig, GenerationRequest
+from tests.waiting import wait_for
 
 PAGED = dict(kv_layout="paged", block_tokens=4, kv_memory_limit_bytes=10**7)
 MIXED = dict(PAGED, scheduler="mixed", max_num_batched_tokens=16)
 ANSWER_WAIT_S = 10.0  # generous: the failure this guards against is an endless wait
-
-
-def _wait(cond, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
 
 
 def _planted(*args, **kwargs):
@@ -92,19 +82,20 @@ def test_a_fault_in_a_step_answers_every_request_taken_from_the_queue(model, mon
     )
     loop = EngineLoop(engine).start()
     try:
-        assert _wait(lambda: len(engine._running) == 1, 30), "the first request never ran"
+        wait_for(lambda: len(engine._running) == 1, 30, "the first request to run", poll_s=0.005)
         with engine._lock:  # the next step sees the fault and the new requests together
             plant(engine, monkeypatch)
             for rid, n in (("a", 40), ("b", 40), ("c", 7)):  # a and b: one prompt group; 40 tokens: chunked under mixed
                 engine.submit(
                     GenerationRequest(rid, list(range(2, 2 + n)), 8), lambda r: done.update({r.request_id: r})
                 )
-        assert _wait(lambda: len(done) == 4, ANSWER_WAIT_S), f"answered only {sorted(done)}"
+        wait_for(lambda: len(done) == 4, ANSWER_WAIT_S, "every held request to be answered", poll_s=0.005)
         for rid in ("running", "a", "b", "c"):
             res = done[rid]
             assert res.finish_reason == "error" and res.error_kind == "error", (rid, res)
             assert "RuntimeError: planted fault" in res.error, (rid, res.error)
-        assert _wait(lambda: not loop.alive, ANSWER_WAIT_S) and isinstance(loop.error, RuntimeError)
+        wait_for(lambda: not loop.alive, ANSWER_WAIT_S, "the engine loop to end on the fault", poll_s=0.005)
+        assert isinstance(loop.error, RuntimeError)
         assert engine.running == 0 and engine.queued == 0 and not engine.healthy
         if engine.pool is not None:
             assert engine.pool.blocks_in_use == 0  # the groups' caches the fault caught went back to the pool
