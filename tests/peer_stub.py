@@ -2,16 +2,21 @@
 tests/replica/test_engine_backends.py, sized and named as `replica.backends.openvino.OpenVINOEngine` is (the KV limit
 resolved on the replica's model, ``openvino_eviction``'s ``max_cache_size`` from the ratio as its ``budget_tokens``),
 which answers a request late (over a TTFT limit) when its probe's rate exceeds ``passes_up_to``, and keeps every
-prompt it was given per (policy, rate) so a test can check the pairing."""
+prompt it was given per (policy, rate) so a test can check the pairing; and `real_runtime_or_skip` for the slow
+tier's real pipeline."""
 
 from __future__ import annotations
 
 import math
 import re
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from replica.backends import BACKENDS
+from replica.backends import openvino as ovb
 from replica.openvino_settings import eviction_from_policy
 from tests.replica.test_engine_backends import ScriptedBackend
 
@@ -85,3 +90,20 @@ def install(monkeypatch, passes_up_to: float = math.inf) -> type[PeerStub]:
     monkeypatch.setattr(PeerStub, "passes_up_to", passes_up_to)
     monkeypatch.setattr(PeerStub, "seen", {})
     return PeerStub
+
+
+#: The peer venv's packages (``make openvino-peer``), which hold the same openvino-genai.
+PEER_SITE = Path(__file__).resolve().parents[1] / ".cache" / "venv-openvino" / "lib" / "python3.11" / "site-packages"
+
+
+def real_runtime_or_skip() -> None:
+    """The runtime in this Python (``make openvino-runtime``), else the peer venv's (appended after ours so our
+    packages win); skip when neither, or without the export (``make openvino-peer``)."""
+    try:
+        import openvino_genai  # noqa: F401
+    except ImportError:
+        if not (PEER_SITE / "openvino_genai").is_dir():
+            pytest.skip("no openvino-genai runtime (make openvino-runtime or make openvino-peer)")
+        sys.path.append(str(PEER_SITE))
+    if not (ovb.EXPORT_DIR / "openvino_model.xml").is_file():
+        pytest.skip(f"no export at {ovb.EXPORT_DIR} (make openvino-peer)")

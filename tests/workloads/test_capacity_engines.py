@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from replica.backends import openvino as ovb
 from scissorhands.testing import tiny_llama
 from tests import peer_stub
 from tests.suite_helpers import serving_suite, uniform
@@ -131,26 +129,11 @@ def test_openvino_series_are_bisected_on_the_same_grid_requests_and_arrivals_as_
 
 
 # ---------------------------------------------------------------------------------------------- the real backend
-PEER_SITE = Path(__file__).resolve().parents[2] / ".cache" / "venv-openvino" / "lib" / "python3.11" / "site-packages"
-
-
-def _real_runtime_or_skip() -> None:
-    """The runtime in this Python (``make openvino-runtime``), else the peer venv's; skip when neither, or no export."""
-    try:
-        import openvino_genai  # noqa: F401
-    except ImportError:
-        if not (PEER_SITE / "openvino_genai").is_dir():
-            pytest.skip("no openvino-genai runtime (make openvino-runtime or make openvino-peer)")
-        sys.path.append(str(PEER_SITE))
-    if not (ovb.EXPORT_DIR / "openvino_model.xml").is_file():
-        pytest.skip(f"no export at {ovb.EXPORT_DIR} (make openvino-peer)")
-
-
 @pytest.mark.slow
 def test_a_local_capacity_run_of_the_real_openvino_pipeline_beside_ours_on_the_embedded_model(tmp_path):
     """The real path: ``--local``, the embedded model, ours full and OpenVINO GenAI's full cache and eviction, 2 requests
     a probe at 2 rates with an SLO every engine meets (600 s): each series passes both rates."""
-    _real_runtime_or_skip()
+    peer_stub.real_runtime_or_skip()
     doc = {
         **SUITE,
         "model": "embedded",
@@ -184,5 +167,7 @@ def test_a_local_capacity_run_of_the_real_openvino_pipeline_beside_ours_on_the_e
         assert a["input_tokens"] == b["input_tokens"] == c["input_tokens"]
         assert a["scheduled_rate_req_per_s"] == b["scheduled_rate_req_per_s"] == c["scheduled_rate_req_per_s"]
     stats = recs[4]["replica_stats"][0]
-    assert stats["openvino_eviction"]["max_cache_size"] == recs[4]["budget_tokens"] == 64
+    # ceil((128 + 16) / 5) = 29 -> 96: whole 32-token blocks, one evictable block above start + recent (32 + 32)
+    assert stats["openvino_eviction"]["max_cache_size"] == recs[4]["budget_tokens"] == 96
+    assert stats["openvino_max_cache_size_rounding"] == "ceil(144 / 5) = 29 -> 96 (32-token blocks)"
     assert stats["openvino_genai_version"].startswith("2026.")

@@ -6,6 +6,7 @@ saying so instead of a number."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from tests import peer_stub
 from tests.suite_helpers import tiny_suite
@@ -122,7 +123,7 @@ def test_the_openvino_rows_search_the_same_requests_as_ours_and_are_reported_wit
     100 (2 s late over a 1 s TTFT), so its rows have capacity 50; ours passes both (at least 100)."""
     stub = peer_stub.install(monkeypatch, passes_up_to=50.0)
     path = tmp_path / "peer.yaml"
-    path.write_text(__import__("yaml").safe_dump(BASE))
+    path.write_text(yaml.safe_dump(BASE))
     argv = [str(path), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path), "--run-id", "run"]
     assert runner.main(argv) == 0
     recs = res.read_records(str(tmp_path / "run" / "points.jsonl"))
@@ -248,3 +249,36 @@ def test_without_ours_full_the_rows_without_perplexity_still_say_so():
     assert table.startswith("**No quality gate: no full-cache point finished to compare with**")
     assert f"Without a gate ({NO_PERPLEXITY}): openvino full 1.5 req/s at the SLO." in table.splitlines()[0]
     assert "no perplexity" in table.split("\n\n")[1]  # the conditions
+
+
+@pytest.mark.slow
+def test_make_frontier_local_runs_the_real_openvino_pipeline_beside_ours_on_the_embedded_model(tmp_path):
+    """The real backend in a frontier (2 requests a probe at 2 rates, an SLO every engine meets): OpenVINO GenAI's full
+    cache gets a capacity on ours' requests and no perplexity; ours gets both."""
+    peer_stub.real_runtime_or_skip()
+    doc = {
+        **BASE,
+        "model": "embedded",
+        "policies": ["full", OV_FULL],
+        "prompt_tokens": 64,
+        "new_tokens": 8,
+        "capacity": {"min_rate_req_per_s": 0.5, "max_rate_req_per_s": 1.0, "resolution": 1.0},
+        "slo": {"ttft_s": 600.0, "tpot_s": 600.0},
+        "num_requests": 2,
+        "max_num_batched_tokens": 256,
+    }
+    path = tmp_path / "peer.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    argv = [str(path), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path), "--run-id", "run"]
+    assert runner.main(argv) == 0
+    ours, ov = res.read_records(str(tmp_path / "run" / "points.jsonl"))
+    assert (ours["engine"], ov["engine"], ov["policy_label"]) == ("ours", "openvino", "openvino full")
+    for r in (ours, ov):
+        assert (r["status"], r["capacity_status"], r["capacity_lo_req_per_s"]) == ("ok", "at_least_max_rate", 1.0)
+    assert ours["perplexity"] > 1 and ov["perplexity"] is None and ov["quality_note"] == NO_PERPLEXITY
+    assert (
+        ov["openvino_genai_version"].startswith("2026.")
+        and ov["kv_memory_limit_bytes"] == ours["kv_memory_limit_bytes"]
+    )
+    table = (tmp_path / "run" / "table.md").read_text()
+    assert f"Without a gate ({NO_PERPLEXITY}): openvino full ≥ 1 req/s at the SLO." in table.splitlines()[0]
