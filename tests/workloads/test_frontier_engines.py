@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from replica.backends import openvino as ovb
 from tests import peer_stub
 from tests.suite_helpers import tiny_suite
 from workloads.core import results as res
@@ -114,6 +115,27 @@ def test_a_policy_or_parameter_the_backend_cannot_run_fails_the_frontier_suite_n
     doc = {k: v for k, v in {**BASE, **change}.items() if v is not None}
     with pytest.raises(SuiteError, match=message):
         parse_suite(doc)
+
+
+def test_make_frontier_exits_2_before_any_point_on_a_row_its_backend_cannot_run_or_without_the_runtime(
+    tmp_path, monkeypatch, capsys
+):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**BASE, "policies": ["full", {"name": "tova", "engine": "openvino"}]}))
+    argv = ["--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "r"), "--run-id", "run"]
+    assert runner.main([str(bad), *argv]) == 2
+    assert (
+        "policies[1] (openvino-tova): policy: engine 'openvino' runs full, openvino_eviction" in capsys.readouterr().err
+    )
+
+    def absent(model):
+        raise ovb.BackendUnavailable("engine: 'openvino' needs the openvino-genai runtime (make openvino-runtime)")
+
+    monkeypatch.setattr("workloads.core.run.check_openvino", absent)
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(BASE))
+    assert runner.main([str(good), *argv]) == 2
+    assert "make openvino-runtime" in capsys.readouterr().err and not (tmp_path / "r" / "run").exists()
 
 
 def test_the_openvino_rows_search_the_same_requests_as_ours_and_are_reported_without_perplexity_or_gate(
