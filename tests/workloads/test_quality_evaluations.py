@@ -51,6 +51,12 @@ POINT_IDS = {
         "passkey-full-r1-l256-n3-k5-s0-4a0efb75",
         "passkey-snapkv-r4-l512-n3-k5-s0-8e742f53",
     ),
+    "quality_passkey_openvino.yaml": (
+        6,
+        "af83927d64d70c53",
+        "passkey-full-r1-l256-n3-k5-s0-4a0efb75",
+        "passkey-openvino-openvino_eviction-r4-l256-n3-k5-s0-41605e0f",
+    ),
     "quality_report.yaml": (
         91,
         "4a0c44ae51ce11c7",

@@ -49,6 +49,8 @@ class Evaluation:
         tag: ``point -> str``: the readable part of the point's id (`workloads.core.suite.point_id`).
         run: ``(model, tokenizer, point, device) -> dict``: the point's metrics (units in the names).
         ok_line: ``record -> str``: what an ``ok`` record measured, for the runner's progress line.
+        generation: whether it scores generated text (no log-likelihoods), so an engine backend that exposes none
+            (``engine: openvino``) runs it; the others expand points for our engine's policies only.
     """
 
     section: type[Section]
@@ -56,17 +58,26 @@ class Evaluation:
     tag: Callable[[QualityPoint], str]
     run: Callable[..., dict]
     ok_line: Callable[[dict], str]
+    generation: bool = False
 
 
-def _each_config(suite: QualitySuite, ratios: tuple[float, ...] | None = None) -> Iterator[dict]:
-    """Per policy, each (compression_ratio, kv_bits) it runs at (unquantized ratios limited to ``ratios``)."""
+def _each_config(
+    suite: QualitySuite, ratios: tuple[float, ...] | None = None, generation: bool = False
+) -> Iterator[dict]:
+    """Per policy, each (compression_ratio, kv_bits) it runs at (unquantized ratios limited to ``ratios``); an
+    engine backend's policies (``engine: openvino``) only where ``generation`` (they give no log-likelihoods)."""
     for pol in suite.policies:
-        for r, bits in suite.configs_within(pol.name, ratios):
+        if not pol.ours and not generation:
+            continue
+        for r, bits in suite.configs_within(pol, ratios):
             yield dict(pol.point_fields(r), kv_bits=bits)
 
 
 def _config_tag(point: QualityPoint) -> str:
-    return f"{point.policy}-r{point.compression_ratio:g}" + (f"-q{point.kv_bits}" if point.kv_bits is not None else "")
+    engine = f"{point.engine}-" if point.engine is not None else ""
+    return f"{engine}{point.policy}-r{point.compression_ratio:g}" + (
+        f"-q{point.kv_bits}" if point.kv_bits is not None else ""
+    )
 
 
 def _vocab(model) -> int:
@@ -144,7 +155,7 @@ class Passkey(Section):
 
 def _passkey_points(suite: QualitySuite, section: Passkey) -> Iterator[dict]:
     for length in section.lengths:
-        for config in _each_config(suite, section.compression_ratios):
+        for config in _each_config(suite, section.compression_ratios, generation=True):
             yield dict(
                 config,
                 settings={
@@ -171,6 +182,7 @@ def _passkey_run(model, tokenizer, point: QualityPoint, device) -> dict:
         point.policy_params,
         seed=int(point.seed),
         device=device,
+        engine=point.engine,
     )
 
 
@@ -185,6 +197,7 @@ PASSKEY = Evaluation(
         f"passkey accuracy {rec['accuracy']:.2f} ({rec['correct']}/"
         f"{rec['trials'] * len(rec['depths'])}) at {rec['length_tokens']} tokens"
     ),
+    generation=True,
 )
 
 

@@ -36,6 +36,7 @@ import torch
 from scissorhands.checks import check_int
 from workloads.load.prompts import heldout_text_ids
 
+from .backend import backend_config, generate_on_backend
 from .perplexity import build_cache
 from .stats import wilson_interval
 
@@ -161,8 +162,14 @@ def evaluate_passkey(
     policy_params: dict | None = None,
     seed: int = 0,
     device="cpu",
+    engine: str | None = None,
 ) -> dict:
     """Passkey accuracy of one policy / ratio at one prompt length, per depth.
+
+    ``engine`` None (or ``"ours"``) decodes through our cache (`greedy_answer`); another engine backend
+    (``"openvino"``: policy ``full`` or ``openvino_eviction``) generates the same greedy answers to the same prompts
+    through `workloads.quality.backend.generate_on_backend`, and the record carries what it ran (``engine``, its
+    version, KV and compute precision, eviction and its ``max_cache_size`` rounding).
 
     Trial ``t`` at depth index ``j`` uses ``random.Random(f"passkey-{seed}-{j}-{t}")`` for its passkey
     and text window (the same for every policy).
@@ -176,18 +183,22 @@ def evaluate_passkey(
 
     Raises:
         ValueError: an invalid length, depth or policy parameter (named).
+        RuntimeError: a backend's request failed (its message); BackendUnavailable: its runtime or export is absent.
     """
     if tokenizer is None:
         raise ValueError("passkey: needs a tokenizer (the model has none; tiny test models cannot run it)")
     t0 = time.perf_counter()
     n_new = answer_tokens(tokenizer, digits)
-    by_depth, answers, keys, where, budget, right = [], [], [], [], None, []
+    trial_prompts = []  # depth-major: (depth index, passkey, prompt)
     for j, depth in enumerate(depths):
-        hits, ans_d, keys_d, where_d = 0, [], [], []
         for t in range(trials):
             rng = random.Random(f"passkey-{seed}-{j}-{t}")
             key = make_passkey(rng, digits)
-            prompt = build_prompt(tokenizer, length, depth, key, seed=rng.randrange(2**31))
+            trial_prompts.append((j, key, build_prompt(tokenizer, length, depth, key, seed=rng.randrange(2**31))))
+    ran: dict = {}
+    if engine in (None, "ours"):
+        generated, budget = [], None
+        for _, _, prompt in trial_prompts:
             cache = build_cache(
                 model,
                 policy,
@@ -197,17 +208,23 @@ def evaluate_passkey(
                 policy_params=policy_params,
             )
             budget = getattr(getattr(cache, "budget", None), "tokens", None)
-            text = tokenizer.decode(greedy_answer(model, cache, prompt["input_ids"], n_new, device=device))
-            ok = extract_answer(text) == key
-            hits += ok
-            right.append(int(ok))
-            ans_d.append(text)
-            keys_d.append(key)
-            where_d.append(prompt["needle_start"])
-        by_depth.append(hits)
-        answers.append(ans_d)
-        keys.append(keys_d)
-        where.append(where_d)
+            generated.append(greedy_answer(model, cache, prompt["input_ids"], n_new, device=device))
+    else:
+        if kv_bits is not None:
+            raise ValueError(f"kv_bits: engine {engine!r} runs no kv_bits of ours; accepted: null")
+        config = backend_config(engine, policy, policy_params, compression_ratio, length + n_new, len(trial_prompts))
+        generated, ran = generate_on_backend(model, config, [p["input_ids"] for _, _, p in trial_prompts], n_new)
+        budget = ran["budget_tokens"]
+    by_depth, right = [0] * len(depths), []
+    answers, keys, where = ([[] for _ in depths] for _ in range(3))  # per depth, per trial
+    for (j, key, prompt), ids in zip(trial_prompts, generated):
+        text = tokenizer.decode(ids)
+        ok = extract_answer(text) == key
+        by_depth[j] += ok
+        right.append(int(ok))
+        answers[j].append(text)
+        keys[j].append(key)
+        where[j].append(prompt["needle_start"])
     total = len(depths) * trials
     low, high = wilson_interval(sum(by_depth), total)
     return {
@@ -228,4 +245,5 @@ def evaluate_passkey(
         "passkeys": keys,
         "needle_positions": where,
         "eval_s": time.perf_counter() - t0,
+        **ran,
     }

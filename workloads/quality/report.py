@@ -78,16 +78,35 @@ def _paired(records, key_of) -> dict:
     ``key_of(r)`` groups points that are scored on the same items (a task, a passkey length); each
     record needs ``_items(r)``: ``{item_id: correct}``.
     """
-    full = {key_of(r): _items(r) for r in records if r.get("policy") == "full" and r.get("kv_bits") is None}
+    full = {key_of(r): _items(r) for r in records if _our_full(r)}
     out = {}
     for r in records:
         ref, mine = full.get(key_of(r)), _items(r)
-        if ref and mine and not (r.get("policy") == "full" and r.get("kv_bits") is None):
+        if ref and mine and not _our_full(r):
             try:
                 out[(_label(r), _config(r), key_of(r))] = paired_accuracy(ref, mine)
             except ValueError:
                 pass
     return out
+
+
+def _our_full(r: dict) -> bool:
+    """Our engine's full cache, unquantized: the reference every point (an engine backend's too) is paired with."""
+    return r.get("policy") == "full" and r.get("kv_bits") is None and r.get("engine") in (None, "ours")
+
+
+def backend_note(records: list[dict]) -> str:
+    """The line that says which rows have no log-likelihood measure: an engine backend's (``engine`` other than
+    ours) run only the evaluations that score generated text (passkey), so their perplexity and few-shot cells are
+    absent and no perplexity gate applies to them. Empty without such rows."""
+    rows = sorted({_label(r) for r in records if r.get("engine") not in (None, "ours")})
+    if not rows:
+        return ""
+    return (
+        f"No perplexity, few-shot accuracy or perplexity gate for {', '.join(rows)}: its engine gives no "
+        "log-likelihoods (OpenVINO GenAI's pipeline returns tokens only); its quality measure is passkey retrieval "
+        "(generated text, paired with our full cache on the same trials).\n"
+    )
 
 
 def _items(r: dict) -> dict | None:
@@ -239,6 +258,9 @@ def markdown(records: list[dict]) -> str:
             f">= 0.95; mean pivotal share |S_before|/t {_f(r.get('pivotal_share_mean'))}.\n\n"
             + _md(["layer", "persistence ratio", "pivotal share"], rows)
         )
+    note = backend_note(ok)
+    if note:
+        parts.insert(0, note)
     errors = [r for r in res.latest_by_point(records).values() if r.get("status") != "ok"]
     if errors:
         parts.append("### Failed points\n\n" + "".join(f"- `{r['point_id']}`: {r.get('error')}\n" for r in errors))

@@ -62,9 +62,12 @@ class QualityKind(Kind):
 
     def record_fields(self, suite: QualitySuite, point: QualityPoint, finished: Finished) -> dict:
         ratio, bits = point.compression_ratio, point.kv_bits
+        label = policy_label(point.policy, point.policy_params)
         return dict(
             evaluation=point.kind,
-            policy_label=policy_label(point.policy, point.policy_params),
+            engine=point.engine,
+            # a backend's rows apart from ours (its `full` is not our full cache)
+            policy_label=label if point.engine in (None, "ours") else f"{point.engine}:{label}",
             kv_bits=bits,
             # nominal KV compression against a 16-bit cache (the paper's convention; scales/zero points not counted)
             compression_vs_16bit_x=None if ratio is None else ratio * (16 / bits if bits else 1),

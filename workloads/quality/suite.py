@@ -34,10 +34,11 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, create_model, model_validator
 
+from replica.openvino_settings import OPENVINO_POLICIES
 from replica.rules import PositiveInt
-from scissorhands import POLICIES
-from workloads.core.suite import Ratio, SuiteBase, SuiteError, point_id
+from workloads.core.suite import PolicySpec, Ratio, SuiteBase, SuiteError, point_id
 
+from .backend import backend_config
 from .evaluations import EVALUATIONS, Fewshot, Passkey, Perplexity, Persistence, Ratios, Section
 
 __all__ = ["QualityPoint", "QualitySuite", "Quantized", "Perplexity", "Fewshot", "Persistence", "Passkey"]
@@ -60,6 +61,7 @@ class QualityPoint:
     policy_params: dict = field(default_factory=dict)
     compression_ratio: float | None = None
     kv_bits: int | None = None
+    engine: str | None = None
     task: str | None = None
     settings: dict = field(default_factory=dict)
     seed: int = 0
@@ -92,6 +94,36 @@ class _QualitySuite(SuiteBase):
             raise SuiteError(f"needs at least one of {', '.join(EVALUATIONS)}")
         return self
 
+    @model_validator(mode="after")
+    def _backend_policies_score_generated_text(self) -> "_QualitySuite":
+        """An engine backend's policy (``engine: openvino``) runs only the evaluations that score generated text
+        (`Evaluation.generation`: its pipeline gives no log-likelihoods), with settings its engine accepts."""
+        generation = [name for name, ev in EVALUATIONS.items() if ev.generation]
+        for i, spec in enumerate(self.policies):
+            if spec.ours:
+                continue
+            if spec.engine != "openvino":
+                raise SuiteError(
+                    f"policies[{i}].engine: {spec.name!r} runs on engine: openvino only; accepted: openvino"
+                )
+            if spec.name not in OPENVINO_POLICIES:
+                raise SuiteError(
+                    f"policies[{i}]: engine 'openvino' runs {', '.join(OPENVINO_POLICIES)}, not {spec.name!r}"
+                )
+            if all(self.section(name) is None for name in generation):
+                raise SuiteError(
+                    f"policies[{i}]: engine {spec.engine!r} gives no log-likelihoods, so perplexity, fewshot and "
+                    f"persistence skip it; add a section that scores generated text: {', '.join(generation)}"
+                )
+            if (passkey := self.section("passkey")) is not None:
+                for length in passkey.lengths:
+                    for ratio, _ in self.configs_within(spec, passkey.compression_ratios):
+                        try:  # as the point builds it (its answer is at most digits + 3 tokens)
+                            backend_config(spec.engine, spec.name, spec.params, ratio, length + passkey.digits + 3)
+                        except ValueError as e:
+                            raise SuiteError(f"policies[{i}]: {e}") from None
+        return self
+
     def context_lengths(self) -> list[tuple[str, int]]:
         """The longest sequences each section runs: a perplexity or persistence window, a passkey prompt and
         its answer (one token per digit at most, and one more); few-shot documents are short and only known
@@ -109,18 +141,20 @@ class _QualitySuite(SuiteBase):
         """The suite's section of evaluation ``name`` (None: the evaluation is skipped)."""
         return getattr(self, name)
 
-    def configs(self, policy: str) -> list[tuple[float, int | None]]:
-        """(compression_ratio, kv_bits) pairs a policy runs at."""
-        if not POLICIES[policy].evicts:
-            return [(1.0, None)] + sorted({(1.0, q.kv_bits) for q in self.quantized})
-        return [(r, None) for r in self.compression_ratios] + [(q.compression_ratio, q.kv_bits) for q in self.quantized]
+    def configs(self, policy: PolicySpec) -> list[tuple[float, int | None]]:
+        """(compression_ratio, kv_bits) pairs a policy runs at (an engine backend's policy: no ``kv_bits``)."""
+        if not policy.evicts:
+            quantized = sorted({(1.0, q.kv_bits) for q in self.quantized}) if policy.ours else []
+            return [(1.0, None)] + quantized
+        ratios = [(r, None) for r in self.compression_ratios]
+        return ratios + ([(q.compression_ratio, q.kv_bits) for q in self.quantized] if policy.ours else [])
 
-    def configs_within(self, policy: str, ratios: tuple[float, ...] | None) -> list[tuple[float, int | None]]:
+    def configs_within(self, policy: PolicySpec, ratios: tuple[float, ...] | None) -> list[tuple[float, int | None]]:
         """``configs(policy)`` with the unquantized ratios of an evicting policy limited to ``ratios`` (None: all)."""
         return [
             (r, bits)
             for r, bits in self.configs(policy)
-            if ratios is None or bits is not None or not POLICIES[policy].evicts or r in ratios
+            if ratios is None or bits is not None or not policy.evicts or r in ratios
         ]
 
     def points(self) -> list[QualityPoint]:
