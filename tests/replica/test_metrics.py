@@ -33,7 +33,7 @@ from workloads.core.push import SweepPusher, resolve_pushgateway_url
 #: replica labels and their phase, the sweep axes of a point summary and the quantile of a record's percentile
 #: series; none takes a value per request.
 ALLOWED_LABELS = set(
-    "batch_size budget_tokens compression_ratio concurrency kv_bits model new_tokens phase policy prompt_tokens "
+    "batch_size budget_tokens compression_ratio concurrency engine kv_bits model new_tokens phase policy prompt_tokens "
     "quantile replica request_rate run_id task".split()
 )
 UNIT_SUFFIXES = (
@@ -182,6 +182,7 @@ def test_replica_metrics_records_in_memory_without_ray():
         "replica": "replica-0",
         "model": "tiny-llama",
         "run_id": "run-1",
+        "engine": "ours",  # the default: our own engine's figures
     }
 
 
