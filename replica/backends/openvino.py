@@ -319,6 +319,11 @@ class OpenVINOEngine:
         return min(self._scheduled, len(self.handles))
 
     @property
+    def generated_tokens(self) -> int:
+        """Output tokens of measured requests since `reset_stats` (as `ContinuousBatchingEngine.generated_tokens`)."""
+        return self.life.counts["tokens"]
+
+    @property
     def queued(self) -> int:
         """Requests waiting: ours not yet handed over, and those the pipeline holds but did not schedule."""
         return len(self.queue) + len(self.handles) - self.running

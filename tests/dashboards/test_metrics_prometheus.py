@@ -513,7 +513,7 @@ def test_a_paged_engine_feeds_the_paged_panels_with_its_own_counts(stack):
     ]
     assert len(panels) == 3 and all(p["title"].endswith("(paged layout)") for p in panels)
     window = f"{math.ceil(time.time() - stack['paged_from']) + 5}s"  # from before the second run
-    values = {"run_id": RUN_ID, "policy": PAGED_POLICY, "replica": ".*", "datasource": "prometheus"}
+    values = {"run_id": RUN_ID, "engine": ".*", "policy": PAGED_POLICY, "replica": ".*", "datasource": "prometheus"}
     for panel in panels:
         for target in panel["targets"]:
             got = check.finite_values(check.query(prom, check.substitute(target["expr"], values, window)))
@@ -617,7 +617,7 @@ def _panel_values(stack, panel, policy: str) -> dict[str, list[float]]:
     """{legend: values} of every target of `panel` for `policy`'s series, as Grafana would query them now
     (the rate window reaches back before the long latencies were recorded); NaN kept."""
     window = f"{math.ceil(time.time() - stack['long_from']) + 15}s"
-    values = {"run_id": RUN_ID, "policy": policy, "replica": ".*", "datasource": "prometheus"}
+    values = {"run_id": RUN_ID, "engine": ".*", "policy": policy, "replica": ".*", "datasource": "prometheus"}
     out = {}
     for target in panel["targets"]:
         result = check.query(stack["prometheus"], check.substitute(target["expr"], values, window))
