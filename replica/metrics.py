@@ -88,7 +88,8 @@ OURS_ENGINE = "ours"
 PHASE_LABEL = "phase"
 #: Values of `PHASE_LABEL`: requests measured by the load generator, and its warm-up requests.
 PHASES: tuple[str, ...] = ("measured", "warmup")
-#: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key).
+#: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key). ``engine``: the
+#: backend that served the point (a record without one ran on ours: batch and quality points).
 #: Every sweep axis is a label, so no two points of a run share a series; `budget_tokens` is
 #: the requested absolute budget ("" when the budget comes from `compression_ratio`).
 POINT_LABELS: tuple[str, ...] = (
@@ -103,6 +104,7 @@ POINT_LABELS: tuple[str, ...] = (
     "kv_bits",
     "task",
     "model",
+    "engine",
 )
 
 

@@ -407,6 +407,9 @@ def test_the_real_pipeline_serves_the_embedded_model_beside_ours_full_and_evicti
         assert (
             0 < s["peak_kv_cache_bytes"] <= 20_000_000 and s["peak_kv_blocks_in_use"] >= 4
         )  # 80 tokens: 3 blocks each
+        # the pipeline's own scheduled_requests: the four ran together (a 256-token prefill fits the 512-token step)
+        assert (s["peak_running_sequences"], s["running_sequences"], s["queued_requests"]) == (4, 0, 0)
+        assert replica.engine.metrics.tags["engine"] == "openvino"
         replica.configure(EngineConfig(**base, policy="openvino_eviction", compression_ratio=2))
         evicted = _generate(replica, reqs("e"))
         s = asyncio.run(replica.stats())

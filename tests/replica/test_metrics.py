@@ -303,7 +303,10 @@ def test_point_labels_and_values_come_from_the_catalogue_record_keys():
         "kv_bits": "",
         "task": "",
         "model": "tiny-llama",
+        "engine": "ours",  # a record without one ran on ours
     }
+    # a point OpenVINO GenAI served is a series of its own beside ours' of the same policy
+    assert p.point_labels({**RECORD, "engine": "openvino"})["engine"] == "openvino"
     assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", policy="scissorhands") == 266.0
     assert _sample(p, "scissorhands_sweep_kv_cache_bytes", batch_size="4") == 81920
     for q in ("0.5", "0.9", "0.99"):
