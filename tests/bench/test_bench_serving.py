@@ -320,3 +320,17 @@ def test_the_real_openvino_pipeline_runs_its_rows_beside_ours_on_the_embedded_mo
         assert r["openvino_genai_version"].startswith("2026.4") and r["openvino_kv_precision"] == "u8"
         assert 0 < r["peak_kv_cache_bytes"] <= data["kv_memory_limit_bytes"] and r["peak_running_sequences"] >= 1
     assert rows["full, paged"]["engine"] == "ours" and rows["full, paged"]["output_tokens"] == 4 * 8
+
+
+def test_openvino_alone_is_its_own_denominator_and_skips_the_comparisons_of_ours(tmp_path, scripted_openvino, capsys):
+    torch.set_num_threads(1)
+    args = ["--model", "tiny-llama", "--prompt-tokens", "40", "--new-tokens", "6", "--full-batch", "2"]
+    args += ["--workloads", "equal", "--engines", "openvino", "--out", str(tmp_path)]
+    assert bench_serving.main(args) == 0  # part 2 and generate_batch compare ours: left out, not failed
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = data["workloads"]["equal"]["rows"]
+    assert list(rows) == ["openvino full, paged, mixed", "openvino_eviction x5, paged, mixed"]
+    assert "generate" not in data and data["workloads"]["equal"]["peer_generate_batch"] is None
+    md = (tmp_path / "bench.md").read_text()
+    assert "| row | engine | x of openvino full, paged, mixed, output tok/s |" in md
+    assert "Engines: openvino (OpenVINO GenAI " in md and "ours (" not in md and "Mixed scheduler" not in md
