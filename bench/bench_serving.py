@@ -384,7 +384,15 @@ def main(argv=None) -> int:
         ]
         print(f"bench-serving: workload {name}, {len(rows)} rows interleaved ...", file=sys.stderr)
         with CpuMeter(args.threads) as meter:  # the rows interleave: the run's share is every row's
-            measured = run_engines(model, runs, desc=f"part 1, {name}")
+            # a peer engine's failed requests are its row's (counted, named below the table), never the others' end
+            measured = run_engines(model, runs, desc=f"part 1, {name}", raise_on_failed=False)
+        ours_failed = [
+            f"{label}: {r['errors']}"
+            for (label, cfg), r in zip(rows, measured)
+            if r["failed_requests"] and cfg.engine == "ours"
+        ]
+        if ours_failed:  # our engine failing a request is a bug, as before the engine axis
+            raise RuntimeError(f"engine requests failed: {ours_failed[:3]}")
         ours = measured[0]["outputs"]  # the paged full cache's, compared with the peer's
         base = measured[0]["output_tok_per_s"]
         table = {}
@@ -413,6 +421,12 @@ def main(argv=None) -> int:
                 f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {cpu_share.mark(r)} |"
             )
         lines += contended_lines("bench-serving", table)
+        for label, r in table.items():
+            if r["failed_requests"]:
+                lines.append(
+                    f"\n{label} ({r['engine']}): {r['failed_requests']} of {args.requests} requests failed "
+                    f"({'; '.join(r['errors'])}); its figures cover the tokens made before."
+                )
         if w == 0:
             lines.insert(1, engines_line(table))
         if (

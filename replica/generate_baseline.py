@@ -38,6 +38,7 @@ def run_engines(
     max_steps: int = 10_000_000,
     deadline: float | None = None,
     desc: str | None = "engines",
+    raise_on_failed: bool = True,
 ) -> list[dict]:
     """Run one engine per ``(config, requests)`` on ``model`` (the backend ``config.engine`` names,
     `replica.backends.make_engine`: ours, or OpenVINO GenAI's pipeline), each after a 2-token warm-up, interleaved: one
@@ -51,6 +52,8 @@ def run_engines(
             `finished` is False, and the numbers cover the part that ran.
         desc: label of a progress bar (stderr) counting the output tokens generated of those planned (every
             request's ``max_new_tokens``), with the ETA; None: no bar.
+        raise_on_failed: a failed request of a finished run raises (the default); False: it is counted in the run's
+            `failed_requests` with its message in `errors` (a peer engine that fails a run must not end the others).
 
     Returns:
         One dict per run: `finished`; `wall_s`, `cpu_s` (its own steps); `output_tokens`, `output_tok_per_s`,
@@ -115,7 +118,7 @@ def run_engines(
         else:
             raise RuntimeError(f"engines still busy after {max_steps} steps")
     peak_device = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    return [_engine_result(st, finished or not st["busy"], peak_device) for st in states]
+    return [_engine_result(st, finished or not st["busy"], peak_device, raise_on_failed) for st in states]
 
 
 def _throughput(finished: bool, wall: float, cpu: float, output_tokens: int) -> dict:
@@ -154,13 +157,13 @@ def _latency_percentiles(tokens: dict, itl: list[float]) -> dict:
     return out
 
 
-def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
+def _engine_result(st: dict, finished: bool, peak_device: int | None, raise_on_failed: bool = True) -> dict:
     engine, done, wall, cpu = st["engine"], st["done"], st["wall_s"], st["cpu_s"]
     s = engine.stats()
     if not finished:
         engine.abort_all("the run's deadline passed")
     errors = [r.error for r in done.values() if r.error_kind and finished]
-    if errors:
+    if errors and raise_on_failed:
         raise RuntimeError(f"engine requests failed: {errors[:3]}")
     out_tok = sum(len(r.output_ids) for r in done.values())
     decode_tok = sum(max(0, len(r.output_ids) - 1) for r in done.values())
@@ -174,6 +177,8 @@ def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
         "prefill_s": s["prefill_s"],
         "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
         "completed_requests": s["completed_requests"],
+        "failed_requests": len(errors),
+        "errors": sorted(set(errors))[:3],
         "peak_running_sequences": s["peak_running_sequences"],
         "peak_kv_cache_bytes": s["peak_kv_cache_bytes"],
         "budget_tokens": s["budget_tokens"],

@@ -334,3 +334,26 @@ def test_openvino_alone_is_its_own_denominator_and_skips_the_comparisons_of_ours
     md = (tmp_path / "bench.md").read_text()
     assert "| row | engine | x of openvino full, paged, mixed, output tok/s |" in md
     assert "Engines: openvino (OpenVINO GenAI " in md and "ours (" not in md and "Mixed scheduler" not in md
+
+
+def test_a_peer_pipeline_that_fails_fails_its_rows_requests_and_the_other_rows_are_kept(
+    tmp_path, scripted_openvino, capsys
+):
+    """OpenVINO 2026.4.1's SnapKV failure, scripted at every pipeline's second step: its rows' 12 requests fail with
+    its message, counted and named under the table; ours' rows on the same requests complete and are written."""
+    from tests.replica.test_engine_openvino import SNAPKV
+
+    scripted_openvino.fail_at_step = 2
+    torch.set_num_threads(1)
+    args = ["--model", "tiny-llama", "--prompt-tokens", "40", "--new-tokens", "6", "--full-batch", "2"]
+    args += ["--block-tokens", "4", "--workloads", "equal", "--skip-generate", "--no-peer-generate-batch", "--no-mixed"]
+    args += ["--engines", "ours,openvino", "--out", str(tmp_path)]
+    assert bench_serving.main(args) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["workloads"]["equal"]["rows"]
+    for label in ("openvino full, paged, mixed", "openvino_eviction x5, paged, mixed"):
+        r = rows[label]
+        assert r["failed_requests"] == 12 and r["completed_requests"] == 0 and r["output_tokens"] == 12
+        assert r["errors"] == [f"OpenVINO GenAI failed the step: RuntimeError: {SNAPKV}"]
+    assert rows["full, paged"]["completed_requests"] == 12 and rows["full, paged"]["failed_requests"] == 0
+    md = (tmp_path / "bench.md").read_text()
+    assert "openvino full, paged, mixed (openvino): 12 of 12 requests failed (OpenVINO GenAI failed the step: " in md
