@@ -36,6 +36,7 @@ sweep: install
 # Serving benchmark (one replica in process, embedded model): Scissorhands x5 vs full at their own max
 # batch under one KV memory limit, and our engine vs transformers' generate. Sizes: BENCH_ARGS.
 # Threads: the bench tools default to 1 (bench/conditions.py); this target measures the whole 2-core machine.
+# OpenVINO GenAI's full cache and eviction interleaved with ours on the same requests: ARGS="--engines ours,openvino".
 BENCH_ARGS ?= --prompt-tokens 1024 --new-tokens 1024 --full-batch 4 --ratio 5 --generate-new-tokens 512 --threads 2
 bench-serving: install
 	$(PY) -m bench.bench_serving $(BENCH_ARGS) $(ARGS)
@@ -101,6 +102,8 @@ cluster-down:
 # The OpenAI-compatible service on Ray Serve (cluster/serve_app.py; docs/serving-http.md): the embedded
 # model with the full cache and Scissorhands x5 as two models on http://127.0.0.1:$(SERVE_PORT)/v1, in the
 # foreground (Ctrl-C stops it; `make serve-down` from another shell stops only the process it started).
+# OpenVINO GenAI beside ours (after `make openvino-runtime openvino-peer`): SERVE_ARGS="--cache full --cache
+# scissorhands:5 --cache openvino/full --cache openvino/openvino_eviction:5", or SERVE_ARGS="--engine openvino".
 SERVE_PORT ?= 8000
 SERVE_ARGS ?=
 SERVE_PID := $(CURDIR)/.serve.pid

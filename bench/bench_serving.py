@@ -16,13 +16,23 @@
    thread of its own, so it cannot be interleaved step by step; `--no-peer-generate-batch` leaves it out).
 2. Our engine against transformers' `generate`, both with the full cache, on one serving mix (goal >= 1.3x).
 
+Engines (`--engines`, default ``ours``; e.g. ``ours,openvino``): each engine's rows run on the same requests, all
+submitted at 0 (the same arrivals), interleaved step by step with every other row. ``openvino`` adds OpenVINO
+GenAI's ``ContinuousBatchingPipeline`` (`replica.backends.openvino`) under the same KV bytes: its full cache and its
+eviction at x`--ratio` (``max_cache_size`` from ``P + N`` as ours' budget, rounded up to its 32-token block), both
+paged with one token budget of `--max-num-batched-tokens` a step, at `--openvino-kv-precision`. Every row names its
+engine (a column, and ``engine`` in bench.json), and the conditions name each engine's version and KV precision.
+What OpenVINO does not report (preemptions, decode time) is "n/r" in the table and null in bench.json. Without
+its runtime or export the tool exits 2 naming ``make openvino-runtime openvino-peer``. Part 2 and transformers'
+``generate_batch`` compare ours only: they run when ``ours`` is among the engines.
+
 Why interleaved step by step: the drift of a shared machine's speed over minutes falls on every run alike. What
 each part runs and how its tokens/s are counted: docs/performance.md, "How the bench tools measure". Each
 workload's table is written to `--out` (bench.md, bench.json) as soon as it ends.
 
     python -m bench.bench_serving [--prompt-tokens 1024] [--new-tokens 1024] [--full-batch 4] [--ratio 5]
                                   [--requests 24] [--workloads equal,mix] [--generate-new-tokens 512]
-                                  [--no-peer-generate-batch]
+                                  [--no-peer-generate-batch] [--engines ours,openvino]
 """
 
 from __future__ import annotations
@@ -47,12 +57,14 @@ from bench.conditions import (
     require_positive,
 )
 from replica import cpu_share
+from replica.backends.openvino import BackendUnavailable, check_available
 from replica.cpu_share import CpuMeter
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate, run_generate_batch
+from replica.openvino_settings import BACKEND_KV_PRECISIONS
 from replica.progress import MeasuredEtaBar
 from replica.static_batch import load_replica_model
-from replica.types import EngineConfig, GenerationRequest
+from replica.types import ENGINES, EngineConfig, GenerationRequest
 from scissorhands.models import DTYPE_CHOICES, cpu_flags, cpu_model_name
 from workloads.load.prompts import prompts_for
 
@@ -86,6 +98,18 @@ def parse_args(argv=None):
         help="after each workload's interleaved rows, run its requests through transformers' continuous batching "
         "(generate_batch's paged cache, sized to the same KV bytes)",
     )
+    p.add_argument(
+        "--engines",
+        default="ours",
+        help=f"comma-separated engines whose rows run on the same requests ({', '.join(ENGINES)}); openvino adds "
+        "OpenVINO GenAI's full cache and its eviction (make openvino-runtime openvino-peer first)",
+    )
+    p.add_argument(
+        "--openvino-kv-precision",
+        default="u8",
+        choices=list(BACKEND_KV_PRECISIONS),
+        help="the OpenVINO rows' KV cache precision (u8: its default, per-block scales; bf16: twice the bytes a token)",
+    )
     p.add_argument("--generate-requests", type=int, default=None, help="requests of part 2 (None: 4 x full batch)")
     p.add_argument("--generate-new-tokens", type=int, default=512, help="longest output of part 2's serving mix")
     p.add_argument("--skip-generate", action="store_true", help="run part 1 only (no engine vs generate)")
@@ -104,6 +128,16 @@ def parse_args(argv=None):
         p.error(
             f"--workloads: expected a comma-separated list of {', '.join(WORKLOADS)}, got {','.join(args.workloads)!r}"
         )
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not args.engines or any(e not in ENGINES for e in args.engines) or len(set(args.engines)) < len(args.engines):
+        p.error(f"--engines: expected a comma-separated list of {', '.join(ENGINES)}, got {','.join(args.engines)!r}")
+    if "openvino" in args.engines:
+        try:
+            check_available(args.model)
+        except BackendUnavailable as e:
+            p.error(f"--engines openvino: {e}; `make openvino-runtime openvino-peer` makes both")
+    if "ours" not in args.engines:  # both compare our engine: nothing to compare without its rows
+        args.skip_generate, args.peer_generate_batch = True, False
     if args.requests is None:
         args.requests = 6 * args.full_batch
     require_positive(
@@ -196,6 +230,63 @@ def part1_rows(
     )
 
 
+def openvino_rows(
+    P: int, N: int, ratio: float, limit: int, max_num_batched_tokens: int, kv_precision: str = "u8"
+) -> list[tuple[str, EngineConfig]]:
+    """(label, engine config) of OpenVINO GenAI's rows under the KV memory `limit`: its full cache, and its eviction
+    at x`ratio` (``max_cache_size`` from ``P + N`` tokens, `replica.openvino_settings.max_cache_size_for`); both paged
+    with one token budget a step, at `kv_precision`."""
+    ov = dict(
+        engine="openvino",
+        kv_layout="paged",
+        scheduler="mixed",
+        kv_memory_limit_bytes=limit,
+        max_num_batched_tokens=max_num_batched_tokens,
+        openvino_kv_precision=kv_precision,
+    )
+    return [
+        ("openvino full, paged, mixed", EngineConfig(**ov)),
+        (
+            f"openvino_eviction x{ratio:g}, paged, mixed",
+            EngineConfig(policy="openvino_eviction", compression_ratio=ratio, max_length_tokens=P + N, **ov),
+        ),
+    ]
+
+
+def engine_rows(args, P: int, N: int, limit: int, head_dim: int) -> list[tuple[str, EngineConfig]]:
+    """Every part 1 row of `args.engines`, in that order (ours: `part1_rows`; openvino: `openvino_rows`)."""
+    rows = []
+    for engine in args.engines:
+        if engine == "ours":
+            mixed = args.max_num_batched_tokens if args.mixed else None
+            rows += part1_rows(P, N, args.ratio, limit, args.block_tokens, head_dim, mixed)
+        else:
+            rows += openvino_rows(P, N, args.ratio, limit, args.max_num_batched_tokens, args.openvino_kv_precision)
+    return rows
+
+
+def engines_line(table: dict) -> str:
+    """The engines of the rows in words, each with its version and KV settings (from the rows' results)."""
+    parts = []
+    for engine in dict.fromkeys(r["engine"] for r in table.values()):
+        r = next(r for r in table.values() if r["engine"] == engine)
+        if engine == "ours":
+            parts.append(f"ours (this repository's engine at commit {git_commit()}, KV in the model's dtype)")
+        else:
+            parts.append(
+                f"openvino (OpenVINO GenAI {r.get('openvino_genai_version')}, KV precision "
+                f"{r.get('openvino_kv_precision')}, inference precision {r.get('openvino_inference_precision')}, "
+                f"{r.get('openvino_threads')} thread(s), {r.get('openvino_block_bytes')} B a 32-token block; it reports "
+                f"no {', '.join(r.get('not_reported') or [])}: n/r below)"
+            )
+    return "Engines: " + "; ".join(parts) + "."
+
+
+def _reported(value, fmt: str = "") -> str:
+    """A figure the engine reports, or ``n/r`` (not reported: OpenVINO's pipeline counts no preemptions)."""
+    return "n/r" if value is None else f"{value:{fmt}}"
+
+
 PEER_LABEL = "transformers generate_batch (after the rows, not interleaved)"
 
 
@@ -212,7 +303,7 @@ def _peer_lines(peer: dict, base: dict, requests: int) -> list[str]:
         else None
     )
     return [
-        f"| {PEER_LABEL} | {peer['output_tok_per_s'] / base['output_tok_per_s']:.2f}x | "
+        f"| {PEER_LABEL} | transformers | {peer['output_tok_per_s'] / base['output_tok_per_s']:.2f}x | "
         f"{peer['output_tok_per_s']:.1f} | - | - | - | - | - | - | - | {peer['kv_cache_bytes'] / 2**20:.1f} | {peer['wall_s']:.1f} "
         f"| {peer['cpu_s']:.1f} |",
         "",
@@ -262,9 +353,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     text_config = model.config.get_text_config()
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    rows = part1_rows(
-        P, N, args.ratio, limit, args.block_tokens, head_dim, args.max_num_batched_tokens if args.mixed else None
-    )
+    rows = engine_rows(args, P, N, limit, head_dim)
     results: dict = {"args": vars(args), "dtype": dtype, "dtype_reason": dtype_reason, "cpu": cpu}
     results.update(torch_threads=torch.get_num_threads(), kv_memory_limit_bytes=limit, workloads={})
     lines = [
@@ -272,7 +361,7 @@ def main(argv=None) -> int:
         f"process; prompts of {'real text' if tokenizer is not None else 'random ids'}; KV memory limit {limit} B "
         f"({limit / 2**20:.1f} MiB) = {args.full_batch} preallocated full-cache sequences of {P} + {N} tokens; "
         f"paged rows: blocks of {args.block_tokens} slots; every row of a workload gets the same {args.requests} "
-        f"requests, all submitted at once, runs interleaved step by step"
+        f"requests, all submitted at once, runs interleaved step by step; engines {', '.join(args.engines)}"
         + (", then transformers' `generate_batch` on them." if args.peer_generate_batch else "."),
     ]
 
@@ -295,7 +384,15 @@ def main(argv=None) -> int:
         ]
         print(f"bench-serving: workload {name}, {len(rows)} rows interleaved ...", file=sys.stderr)
         with CpuMeter(args.threads) as meter:  # the rows interleave: the run's share is every row's
-            measured = run_engines(model, runs, desc=f"part 1, {name}")
+            # a peer engine's failed requests are its row's (counted, named below the table), never the others' end
+            measured = run_engines(model, runs, desc=f"part 1, {name}", raise_on_failed=False)
+        ours_failed = [
+            f"{label}: {r['errors']}"
+            for (label, cfg), r in zip(rows, measured)
+            if r["failed_requests"] and cfg.engine == "ours"
+        ]
+        if ours_failed:  # our engine failing a request is a bug, as before the engine axis
+            raise RuntimeError(f"engine requests failed: {ours_failed[:3]}")
         ours = measured[0]["outputs"]  # the paged full cache's, compared with the peer's
         base = measured[0]["output_tok_per_s"]
         table = {}
@@ -304,10 +401,10 @@ def main(argv=None) -> int:
             f"**Workload {name}**: {args.requests} requests, prompts {min(p_lens)}-{max(p_lens)} tokens, outputs "
             f"{min(n_lens)}-{max(n_lens)} tokens ({sum(n_lens)} in all).",
             "",
-            "| row | x of paged full, output tok/s | output tok/s | decode tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 "
+            f"| row | engine | x of {rows[0][0]}, output tok/s | output tok/s | decode tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 "
             "(ms) | ITL p50 / p99 (ms) | peak / mean running | preemptions | recomputed tokens | peak KV (MiB) | "
             "wall (s) | CPU (s) | CPU share |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for (label, _), r in zip(rows, measured):
             r.pop("outputs", None)
@@ -316,14 +413,25 @@ def main(argv=None) -> int:
             mean = f"{r['mean_running_sequences']:.1f}" if r["mean_running_sequences"] else "-"
             dec = f"{r['decode_tok_per_s']:.1f}" if r["decode_tok_per_s"] else "-"
             lines.append(
-                f"| {label} | {r['output_tok_per_s'] / base:.2f}x | {r['output_tok_per_s']:.1f} | {dec} | "
+                f"| {label} | {r['engine']} | {r['output_tok_per_s'] / base:.2f}x | {r['output_tok_per_s']:.1f} | {dec} | "
                 f"{_pair(r['ttft_p50_s'], r['ttft_p99_s'], 1, '.1f')} | {_pair(r['tpot_p50_s'], r['tpot_p99_s'], 1000, '.0f')} | "
                 f"{_pair(r['itl_p50_s'], r['itl_p99_s'], 1000, '.0f')} | "
-                f"{r['peak_running_sequences']} / {mean} | {r['preemptions']} | {r['recomputed_tokens']} | "
+                f"{r['peak_running_sequences']} / {mean} | {_reported(r['preemptions'])} | "
+                f"{_reported(r['recomputed_tokens'])} | "
                 f"{r['peak_kv_cache_bytes'] / 2**20:.1f} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | {cpu_share.mark(r)} |"
             )
         lines += contended_lines("bench-serving", table)
-        if args.mixed:  # the mixed rows' own ratio: Scissorhands over the full cache, both under the mixed scheduler
+        for label, r in table.items():
+            if r["failed_requests"]:
+                lines.append(
+                    f"\n{label} ({r['engine']}): {r['failed_requests']} of {args.requests} requests failed "
+                    f"({'; '.join(r['errors'])}); its figures cover the tokens made before."
+                )
+        if w == 0:
+            lines.insert(1, engines_line(table))
+        if (
+            args.mixed and "ours" in args.engines
+        ):  # the mixed rows' own ratio: Scissorhands over the full cache, both under the mixed scheduler
             full_m, sh_m = table["full, paged, mixed"], table[f"scissorhands x{args.ratio:g}, paged, mixed"]
             lines += [
                 "",

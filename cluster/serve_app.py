@@ -47,11 +47,14 @@ from cluster import loopback
 from cluster.serve_routing import StreamHolderRouter
 from cluster.signals import StopSignals
 from replica import cpu_share
+from replica.backends.openvino import BackendUnavailable, check_available
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
 from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
+from replica.openvino_settings import OPENVINO_POLICIES
 from replica.static_batch import model_context_tokens, resolve_run_dtype
 from replica.types import (
     BUDGETS,
+    ENGINES,
     KV_LAYOUTS,
     KV_LIMIT_FIELDS,
     SCHEDULERS,
@@ -254,37 +257,75 @@ def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) 
     )
 
 
-def parse_cache(spec: str, max_length_tokens: int, budget: str = "per_request") -> tuple[str, dict]:
-    """`full`, `<policy>:<ratio>` (e.g. `scissorhands:5`) or `<policy>:b<budget>` -> (label, EngineConfig
-    fields, without the layout and the memory limit, which `build_serve_app` adds to every cache).
+#: What makes ``engine: openvino`` runnable here: the runtime in this venv and the embedded model's export.
+OPENVINO_TARGETS = "make openvino-runtime openvino-peer"
+#: `make serve`'s caches without ``--cache``, per ``--engine``: each engine's full cache and its eviction at x5.
+DEFAULT_CACHES = {"ours": ["full", "scissorhands:5"], "openvino": ["full", "openvino_eviction:5"]}
 
-    A ratio under ``budget="per_request"`` (the default) gives each request its own budget,
+
+def split_engine(spec: str, engine: str = "ours") -> tuple[str, str]:
+    """``[<engine>/]<cache>`` -> (engine, cache): ``openvino/full`` -> ("openvino", "full"); no prefix: `engine`.
+
+    Raises:
+        ValueError: an unknown engine, naming `--cache` and `replica.types.ENGINES`.
+    """
+    named, sep, cache = spec.rpartition("/")
+    engine = named if sep else engine
+    if engine not in ENGINES:
+        raise ValueError(f"--cache: unknown engine {engine!r} in {spec!r} (accepted: {', '.join(ENGINES)})")
+    return engine, cache
+
+
+def parse_cache(
+    spec: str, max_length_tokens: int, budget: str = "per_request", engine: str = "ours"
+) -> tuple[str, dict]:
+    """`full`, `<policy>:<ratio>` (e.g. `scissorhands:5`) or `<policy>:b<budget>`, optionally after an engine
+    (``openvino/full``, ``openvino/openvino_eviction:5``; none: `engine`) -> (label, EngineConfig fields, without
+    the layout and the memory limit, which `build_serve_app` adds to every cache).
+
+    On our engine a ratio under ``budget="per_request"`` (the default) gives each request its own budget,
     ``B_i = ceil((prompt_i + max_new_i) / ratio)``, so a short request evicts as a long one does; under
     ``"fixed"`` every request gets ``B = ceil(max_length_tokens / ratio)``, sized for the longest. A
     ``b<budget>`` is that fixed budget for every request.
+
+    On engine ``openvino`` (policies `replica.openvino_settings.OPENVINO_POLICIES`) the label starts with
+    ``openvino-`` unless the policy says it; ``openvino_eviction:<ratio>`` is one ``max_cache_size`` for every
+    sequence (``ceil(max_length_tokens / ratio)`` rounded up to its 32-token block, `budget` ignored: the
+    pipeline has no per-request budget) and ``openvino_eviction:b<tokens>`` is that ``max_cache_size``.
 
     Raises:
         ValueError: naming `--cache` and the accepted forms, or `--budget` and its values.
     """
     if budget not in BUDGETS:
         raise ValueError(f"--budget: expected one of {', '.join(BUDGETS)}, got {budget!r}")
+    engine, spec = split_engine(spec, engine)
     policy, _, arg = spec.partition(":")
-    if policy not in POLICIES:
-        raise ValueError(f"--cache: unknown policy {policy!r} in {spec!r} (accepted: {', '.join(POLICIES)})")
-    if not POLICIES[policy].evicts:
-        return policy, {"policy": policy}
+    accepted = POLICIES if engine == "ours" else OPENVINO_POLICIES
+    if policy not in accepted:
+        raise ValueError(
+            f"--cache: engine {engine!r} has no policy {policy!r} in {spec!r} (accepted: {', '.join(accepted)})"
+        )
+    prefix = "" if engine == "ours" or policy.startswith("openvino") else "openvino-"
+    base = {"policy": policy} if engine == "ours" else {"policy": policy, "engine": engine}
+    if policy == "full" or (engine == "ours" and not POLICIES[policy].evicts):
+        return prefix + policy, base
     try:
         if arg.startswith("b"):
-            return f"{policy}-b{int(arg[1:])}", {"policy": policy, "budget_tokens": int(arg[1:])}
+            size = int(arg[1:])
+            if engine == "openvino":
+                return f"{policy}-b{size}", {**base, "policy_params": {"max_cache_size": size}, "budget": "fixed"}
+            return f"{policy}-b{size}", {**base, "budget_tokens": size}
         ratio = float(arg)
     except ValueError:
         raise ValueError(
             f"--cache: {spec!r}: expected {policy}:<ratio> (e.g. {policy}:5) or {policy}:b<budget>"
         ) from None
-    label = f"{policy}-x{ratio:g}"
+    label = f"{prefix}{policy}-x{ratio:g}"
+    if engine == "openvino":
+        return label, {**base, "compression_ratio": ratio, "max_length_tokens": max_length_tokens, "budget": "fixed"}
     if budget == "per_request":
-        return label, {"policy": policy, "compression_ratio": ratio, "budget": "per_request"}
-    return label, {"policy": policy, "compression_ratio": ratio, "max_length_tokens": max_length_tokens}
+        return label, {**base, "compression_ratio": ratio, "budget": "per_request"}
+    return label, {**base, "compression_ratio": ratio, "max_length_tokens": max_length_tokens}
 
 
 #: The engine knobs `make serve` sets itself (its own defaults: the paged layout, a budget per request, the scheduler
@@ -324,7 +365,8 @@ def serve_engine_config(
 ) -> tuple[str, dict, int | None]:
     """One `--cache` spec -> (label, EngineConfig fields, fixed budget or None): `parse_cache`'s fields plus the
     KV layout and memory limit every cache of the service shares, and `knobs`, any other field of
-    `replica.types.EngineConfig` (``block_tokens=32``; one not given keeps EngineConfig's default).
+    `replica.types.EngineConfig` (``block_tokens=32``; one not given keeps EngineConfig's default; ``engine`` is
+    the engine of a spec without an ``<engine>/`` prefix).
     The default is the engine people serve with: the paged layout (blocks taken as a sequence grows, the newest
     sequence preempted when the pool runs out), a ratio's budget per request, and on it the mixed scheduler (one
     token budget a step: decodes first, then prompt chunks; `scheduler` None picks mixed on the paged layout,
@@ -336,10 +378,11 @@ def serve_engine_config(
     """
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"--kv-layout: expected one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
-    label, cfg = parse_cache(spec, max_length_tokens, budget)
+    label, cfg = parse_cache(spec, max_length_tokens, budget, knobs.pop("engine", "ours"))
     if scheduler is None:
         scheduler = "mixed" if kv_layout == "paged" else "prefill_first"
-    cfg.update(knobs, kv_layout=kv_layout, kv_memory_limit_bytes=kv_memory_limit_bytes, scheduler=scheduler)
+    cfg = {**knobs, **cfg, "kv_layout": kv_layout, "kv_memory_limit_bytes": kv_memory_limit_bytes}
+    cfg["scheduler"] = scheduler
     return label, cfg, EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
 
 
@@ -372,12 +415,20 @@ def build_serve_app(
     this process on `num_threads` torch threads): with `auto` resolved per replica, the full cache and
     Scissorhands could run in different dtypes and their comparison would be unfair.
 
+    A cache on engine ``openvino`` (``openvino/full``, or every cache under ``engine="openvino"``) runs OpenVINO
+    GenAI's pipeline in its Serve replica (`replica.backends.openvino`); its runtime and the model's export are
+    checked here, before anything is deployed.
+
     Raises:
         ValueError: a bad `--cache` spec or engine config (the message names the field).
+        BackendUnavailable: a cache on engine ``openvino`` without its runtime or export (`check_available`; the
+            message names the make target).
     """
 
     name = model_name or model_id_of(model_spec).split("/")[-1].lower()
     configs = [(spec, *serve_engine_config(spec, **engine_options)) for spec in caches]  # bad input fails first
+    if any(cfg.get("engine") == "openvino" for _, _, cfg, _ in configs):
+        check_available(model_spec)  # before Ray: a missing runtime or export names its make target
     resolved = resolve_run_dtype(model_spec, dtype, device, num_threads=num_threads)  # once for all deployments
     handles, metadata = {}, {}
     for spec, label, cfg, budget_tokens in configs:
@@ -457,7 +508,12 @@ def init_ray(num_cpus: float):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cluster.serve_app", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="embedded", help="model spec (embedded, an HF id or folder)")
-    p.add_argument("--cache", action="append", help="full | <policy>:<ratio> | <policy>:b<budget> (repeat)")
+    p.add_argument(
+        "--cache",
+        action="append",
+        help="[<engine>/]full | <policy>:<ratio> | <policy>:b<budget> (repeat); e.g. openvino/full, "
+        "openvino/openvino_eviction:5 beside scissorhands:5 (no prefix: --engine's)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="beyond loopback needs --api-key or --allow-unauthenticated")
     p.add_argument(
         "--api-key",
@@ -481,8 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max-length-tokens",
         type=int,
         default=None,
-        help="only with --budget fixed: the longest prompt + output a ratio's budget is sized for "
-        f"(B = ceil(this / ratio); default {DEFAULT_MAX_LENGTH_TOKENS})",
+        help="only with --budget fixed or an OpenVINO eviction cache: the longest prompt + output a ratio's budget "
+        f"is sized for (B = ceil(this / ratio); default {DEFAULT_MAX_LENGTH_TOKENS})",
     )
     p.add_argument(
         "--budget",
@@ -520,12 +576,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-replicas", type=int, default=1)
     p.add_argument("--pid-file", default=None, help="write this process's id here (make serve-down)")
     args = p.parse_args(argv)
-    caches = args.cache or ["full", "scissorhands:5"]
     try:
         check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+        if args.engine not in ENGINES:
+            raise ValueError(f"--engine: expected one of {', '.join(ENGINES)}, got {args.engine!r}")
+        caches = args.cache or DEFAULT_CACHES[args.engine]
         if args.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes: expected an integer >= 1, got {args.max_body_bytes}")
-        if args.max_length_tokens is not None and args.budget != "fixed":
+        sized_by_length = args.budget == "fixed" or any(
+            split_engine(c, args.engine)[0] == "openvino" for c in caches
+        )  # OpenVINO's max_cache_size is one size for every sequence
+        if args.max_length_tokens is not None and not sized_by_length:
             raise ValueError(
                 f"--max-length-tokens: sizes the one budget of --budget fixed; under --budget {args.budget} each "
                 "request's budget comes from its own prompt + max_tokens, so drop it or pass --budget fixed"
@@ -550,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as e:
         print(f"serve: {e}", file=sys.stderr)
+        return 2
+    except BackendUnavailable as e:
+        print(f"serve: {e}; `{OPENVINO_TARGETS}` makes both", file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

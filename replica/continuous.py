@@ -108,7 +108,7 @@ class ServingReplica:
     def configure(self, engine_config: dict | EngineConfig, run_id: str | None = None) -> dict:
         """Replace the engine (policy, budget, memory limit); waits for the old one to stop.
 
-        Live metrics (`replica.metrics.ReplicaMetrics`, labelled with the policy, ratio and `run_id`)
+        Live metrics (`replica.metrics.ReplicaMetrics`, labelled with the policy, ratio, `run_id` and engine)
         are recorded through Ray when it runs, in memory otherwise.
 
         Raises:
@@ -117,7 +117,9 @@ class ServingReplica:
         """
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
         self.shutdown()
-        metrics = ReplicaMetrics(cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec, run_id or "adhoc")
+        metrics = ReplicaMetrics(
+            cfg.policy, cfg.compression_ratio, self.replica_id, self.model_spec, run_id or "adhoc", engine=cfg.engine
+        )
         self.engine = make_engine(
             self.model, cfg, eos_token_id=self.eos_token_id, replica_id=self.replica_id, metrics=metrics
         )

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
 
-from replica.engine import ContinuousBatchingEngine
+from replica.backends import make_engine
 from replica.progress import MeasuredEtaBar
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
@@ -38,8 +38,10 @@ def run_engines(
     max_steps: int = 10_000_000,
     deadline: float | None = None,
     desc: str | None = "engines",
+    raise_on_failed: bool = True,
 ) -> list[dict]:
-    """Run one engine per ``(config, requests)`` on ``model``, each after a 2-token warm-up, interleaved: one
+    """Run one engine per ``(config, requests)`` on ``model`` (the backend ``config.engine`` names,
+    `replica.backends.make_engine`: ours, or OpenVINO GenAI's pipeline), each after a 2-token warm-up, interleaved: one
     `step()` of each busy engine in turn, each engine timed over its own steps (wall and CPU seconds; CUDA is
     synchronised around each step). A slower stretch of a shared machine thus slows every run alike instead
     of whichever happened to run then; an engine that finishes first leaves the others running alone.
@@ -50,13 +52,16 @@ def run_engines(
             `finished` is False, and the numbers cover the part that ran.
         desc: label of a progress bar (stderr) counting the output tokens generated of those planned (every
             request's ``max_new_tokens``), with the ETA; None: no bar.
+        raise_on_failed: a failed request of a finished run raises (the default); False: it is counted in the run's
+            `failed_requests` with its message in `errors` (a peer engine that fails a run must not end the others).
 
     Returns:
         One dict per run: `finished`; `wall_s`, `cpu_s` (its own steps); `output_tokens`, `output_tok_per_s`,
         `output_tok_per_cpu_s` (prefill included); `decode_tokens`, `decode_s`, `decode_tok_per_s` (tokens of
         decode steps / time in decode steps); `prefill_s`; `completed_requests`, `peak_running_sequences`,
         `peak_kv_cache_bytes`, `budget_tokens`, `slot_bytes`, `kv_layout`, `peak_kv_blocks_in_use`,
-        `mean_kv_blocks_in_use`, `preemptions`, `recomputed_tokens` (the engine's `stats()`);
+        `mean_kv_blocks_in_use`, `preemptions`, `recomputed_tokens` (the engine's `stats()`; None where the backend
+        does not report one, listed in `not_reported`); `engine` and, on OpenVINO, its ``openvino_*`` settings;
         `scheduler`; `mean_running_sequences` (decode tokens / decode steps); `ttft_p50_s`, `ttft_p99_s`,
         `tpot_p50_s`, `tpot_p99_s`, `itl_p50_s`, `itl_p99_s` (seconds of the run's own steps, every request
         submitted at 0, so TTFT includes its wait in the queue; TPOT over requests of 2 or more tokens; ITL every
@@ -71,9 +76,11 @@ def run_engines(
     device = next(model.parameters()).device
     states = []
     for cfg, requests in runs:
-        engine = ContinuousBatchingEngine(model, cfg)
+        engine = make_engine(model, cfg)
         engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2), lambda r: None)
-        engine.run_until_idle()
+        for _ in range(max_steps):  # `EngineBackend` has step and queued, not ours' run_until_idle
+            if not engine.step() and not engine.queued:
+                break
         engine.reset_stats()
         done: dict = {}
         st = {"engine": engine, "done": done, "wall_s": 0.0, "cpu_s": 0.0, "busy": True, "t0": 0.0, "tokens": {}}
@@ -111,7 +118,7 @@ def run_engines(
         else:
             raise RuntimeError(f"engines still busy after {max_steps} steps")
     peak_device = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-    return [_engine_result(st, finished or not st["busy"], peak_device) for st in states]
+    return [_engine_result(st, finished or not st["busy"], peak_device, raise_on_failed) for st in states]
 
 
 def _throughput(finished: bool, wall: float, cpu: float, output_tokens: int) -> dict:
@@ -150,23 +157,28 @@ def _latency_percentiles(tokens: dict, itl: list[float]) -> dict:
     return out
 
 
-def _engine_result(st: dict, finished: bool, peak_device: int | None) -> dict:
+def _engine_result(st: dict, finished: bool, peak_device: int | None, raise_on_failed: bool = True) -> dict:
     engine, done, wall, cpu = st["engine"], st["done"], st["wall_s"], st["cpu_s"]
     s = engine.stats()
     if not finished:
         engine.abort_all("the run's deadline passed")
     errors = [r.error for r in done.values() if r.error_kind and finished]
-    if errors:
+    if errors and raise_on_failed:
         raise RuntimeError(f"engine requests failed: {errors[:3]}")
     out_tok = sum(len(r.output_ids) for r in done.values())
     decode_tok = sum(max(0, len(r.output_ids) - 1) for r in done.values())
     return {
         **_throughput(finished, wall, cpu, out_tok),
+        "engine": s.get("engine", "ours"),
+        "not_reported": s.get("not_reported", []),
+        **{k: v for k, v in s.items() if k.startswith("openvino_")},  # its version, KV precision, threads, blocks
         "decode_tokens": decode_tok,
         "decode_s": s["decode_s"],
         "prefill_s": s["prefill_s"],
         "decode_tok_per_s": decode_tok / s["decode_s"] if s["decode_s"] else None,
         "completed_requests": s["completed_requests"],
+        "failed_requests": len(errors),
+        "errors": sorted(set(errors))[:3],
         "peak_running_sequences": s["peak_running_sequences"],
         "peak_kv_cache_bytes": s["peak_kv_cache_bytes"],
         "budget_tokens": s["budget_tokens"],

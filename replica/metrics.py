@@ -56,6 +56,13 @@ blocks after every step (`set_kv_blocks`) and each preemption with the tokens it
 engine without a pool calls `clear_kv_blocks`, so a replica reconfigured from paged to preallocated stops
 showing its old pool); a paged replica that never preempted has no preemption series yet (a Ray counter
 is exported from its first increment).
+
+Engines: every live series carries ``engine`` (`REPLICA_LABELS`). OpenVINO GenAI's backend
+(`replica.backends.openvino`) records what its pipeline reports (``get_metrics()``): running sequences (its
+``scheduled_requests``), queued ones (ours' queue plus the requests it holds unscheduled), KV bytes, slots and
+used/free blocks (its ``cache_usage`` of the pool), generated tokens, TTFT and TPOT. Its pipeline counts no
+preemptions, recomputed tokens or evicted tokens and times no prefill or decode forward apart (one fused step),
+so those series are absent for ``engine="openvino"``, never zero.
 """
 
 from __future__ import annotations
@@ -72,13 +79,17 @@ PREFIX = "scissorhands_"
 #: Prefix Ray 2.60 puts in front of every `ray.util.metrics` name when it exports it.
 RAY_EXPORT_PREFIX = "ray_"
 
-#: Labels of every live replica metric (all low cardinality; no request ids).
-REPLICA_LABELS: tuple[str, ...] = ("policy", "compression_ratio", "replica", "model", "run_id")
+#: Labels of every live replica metric (all low cardinality; no request ids). ``engine``: the backend that runs the
+#: replica's requests (`replica.types.ENGINES`: ours or openvino), so ours' full cache and OpenVINO's are two series.
+REPLICA_LABELS: tuple[str, ...] = ("policy", "compression_ratio", "replica", "model", "run_id", "engine")
+#: `REPLICA_LABELS`' ``engine`` of our own engine (and of the static-batch replica, which only ours runs).
+OURS_ENGINE = "ours"
 #: Label of request-level replica metrics: whose requests they count (see `PHASES`).
 PHASE_LABEL = "phase"
 #: Values of `PHASE_LABEL`: requests measured by the load generator, and its warm-up requests.
 PHASES: tuple[str, ...] = ("measured", "warmup")
-#: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key).
+#: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key). ``engine``: the
+#: backend that served the point (a record without one ran on ours: batch and quality points).
 #: Every sweep axis is a label, so no two points of a run share a series; `budget_tokens` is
 #: the requested absolute budget ("" when the budget comes from `compression_ratio`).
 POINT_LABELS: tuple[str, ...] = (
@@ -93,6 +104,7 @@ POINT_LABELS: tuple[str, ...] = (
     "kv_bits",
     "task",
     "model",
+    "engine",
 )
 
 
@@ -634,6 +646,7 @@ class ReplicaMetrics(NullMetrics):
         replica: replica id (low cardinality: one per actor, not per request).
         model: model id.
         run_id: the sweep run this replica serves.
+        engine: the backend whose figures these are (``ours`` or ``openvino``, `replica.types.ENGINES`).
         use_ray: True forces Ray metrics, False forces the in-memory recorder; None (default)
             uses Ray when `ray.is_initialized()` (always true inside an actor) and the
             in-memory recorder otherwise.
@@ -652,6 +665,7 @@ class ReplicaMetrics(NullMetrics):
         model: str,
         run_id: str,
         use_ray: bool | None = None,
+        engine: str = OURS_ENGINE,
     ):
         self.tags = {
             "policy": str(policy),
@@ -659,6 +673,7 @@ class ReplicaMetrics(NullMetrics):
             "replica": str(replica),
             "model": str(model),
             "run_id": str(run_id),
+            "engine": str(engine),
         }
         self.uses_ray = _ray_is_initialized() if use_ray is None else bool(use_ray)
         self._recorder = _RayRecorder() if self.uses_ray else _LocalRecorder()

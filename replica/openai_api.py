@@ -168,6 +168,7 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
         "policy_params": engine_config.get("policy_params", {}),
         "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"),
         "model_spec": model_spec,
+        "engine": engine_config.get("engine", "ours"),  # the backend that serves it (replica.backends)
     }
 
 

@@ -16,9 +16,17 @@ prefix caching off (ours has none in these rows); split-fuse on for the full cac
 2026.4.1 pipeline fails whole batches: "Total number of aggregated SnapKV scores ..."). Threads: this process's
 torch threads (``INFERENCE_NUM_THREADS``); compute precision: the replica model's dtype (f32 or bf16).
 
-What it does not report is None in ``stats()`` and named in ``not_reported``: ``preemptions`` and
-``recomputed_tokens`` (the pipeline keeps no count), ``slot_bytes`` (its blocks are per layer, all heads),
-``prefill_s`` / ``decode_s`` (one fused step does both).
+Its figures, from ``get_metrics()`` (``PipelineMetrics`` of 2026.4.1) after every step, as ours records them (the same
+``stats()`` keys and live metrics, `replica.metrics`, labelled ``engine="openvino"``): running sequences are the
+requests the step scheduled (``scheduled_requests``); queued ones are ours' queue plus the requests the pipeline holds
+unscheduled (``len(handles) - scheduled_requests``: its own waiting queue and the sequences it preempted); KV bytes,
+slots and used blocks are ``cache_usage`` (percent of the pool) times the pool. Its ``max_cache_usage`` and
+``avg_cache_usage`` span the pipeline's life, not a point, so peaks are ours, over the steps of the point.
+
+What it does not report is None in ``stats()`` and named in ``not_reported`` (and absent from the live metrics,
+never zero): ``preemptions`` and ``recomputed_tokens`` (the pipeline keeps no count), ``slot_bytes`` (its blocks
+are per layer, all heads), ``prefill_s`` / ``decode_s`` (one fused step does both); evicted tokens are not counted
+either.
 
 A pipeline that raises, in ``step()``, while its output is read (``read()``, ``get_status()``, ``get_metrics()``)
 or while it is rebuilt, fails every request it still holds with the pipeline's message (``error_kind`` "error") and
@@ -195,7 +203,7 @@ class OpenVINOEngine:
         self.queue = RequestQueue()
         self.life = Lifecycle(clock, self.metrics, eos_token_id, torch.device("cpu"))
         self.handles: dict[str, tuple[Sequence, object]] = {}  # request id -> (its record, the pipeline's handle)
-        self._next_id = 0
+        self._next_id, self._scheduled = 0, 0  # requests the last step ran (state, not a counter: kept by reset)
         self.pipe = self._pipeline()
         self.reset_stats()
 
@@ -307,11 +315,18 @@ class OpenVINOEngine:
 
     @property
     def running(self) -> int:
-        return len(self.handles)
+        """Sequences the pipeline ran in its last step and still holds (its ``scheduled_requests``)."""
+        return min(self._scheduled, len(self.handles))
+
+    @property
+    def generated_tokens(self) -> int:
+        """Output tokens of measured requests since `reset_stats` (as `ContinuousBatchingEngine.generated_tokens`)."""
+        return self.life.counts["tokens"]
 
     @property
     def queued(self) -> int:
-        return len(self.queue)
+        """Requests waiting: ours not yet handed over, and those the pipeline holds but did not schedule."""
+        return len(self.queue) + len(self.handles) - self.running
 
     def wait_for_work(self, timeout_s: float) -> bool:
         return self.queue.wait_for(lambda: bool(self.handles), timeout_s)
@@ -376,26 +391,27 @@ class OpenVINOEngine:
         self.life.add("steps_s", time.perf_counter() - t0)
         self.life.add("decode_steps")
         try:
-            cache_usage = self._read_out()
+            cache_usage, scheduled = self._read_out()
         except Exception as e:  # noqa: BLE001 - as a failed step: only the requests it still held fail
             self._replace_pipeline(f"OpenVINO GenAI failed reading its output: {type(e).__name__}: {e}")
             return True
-        self._record_state(cache_usage)
+        self._record_state(cache_usage, scheduled)
         return True
 
-    def _read_out(self) -> float:
-        """Answer the new tokens and the ends of one step; the pool's usage (percent). A request leaves `handles`
-        as it is answered, so a raise here leaves there only the requests not yet answered."""
+    def _read_out(self) -> tuple[float, int]:
+        """Answer the new tokens and the ends of one step; the pool's usage (percent) and the requests the step
+        scheduled (``get_metrics()``). A request leaves `handles` as it is answered, so a raise here leaves there
+        only the requests not yet answered."""
         t = self.clock()
         finished = self.g.GenerationStatus.FINISHED
         running = self.g.GenerationStatus.RUNNING
-        new_tokens = 0
+        new_tokens = {"measured": 0, "warmup": 0}  # the load generator's warm-up tokens are a series of their own
         for rid, (seq, handle) in list(self.handles.items()):
             done = False
             if handle.can_read():
                 for out in handle.read().values():
                     for tok in out.generated_ids:
-                        new_tokens += not seq.request.warmup
+                        new_tokens["warmup" if seq.request.warmup else "measured"] += 1
                         if self.life.emit(seq, int(tok), t):
                             done = True
                             break
@@ -415,8 +431,10 @@ class OpenVINOEngine:
                 del self.handles[rid]
                 self.life.fail(seq, "error", f"OpenVINO GenAI ended the request with status {status.name}")
         with recording():
-            self.metrics.add_generated_tokens(new_tokens)
-        return float(self.pipe.get_metrics().cache_usage)
+            for phase, n in new_tokens.items():
+                self.metrics.add_generated_tokens(n, phase)
+        pm = self.pipe.get_metrics()
+        return float(pm.cache_usage), int(pm.scheduled_requests)
 
     def _replace_pipeline(self, message: str) -> None:
         """Fail every request the pipeline holds with `message` and build a new one for the requests after them (a
@@ -437,17 +455,18 @@ class OpenVINOEngine:
                 return f"OpenVINO GenAI could not rebuild its pipeline: {type(e).__name__}: {e}"
         return None
 
-    def _record_state(self, cache_usage_percent: float) -> None:
+    def _record_state(self, cache_usage_percent: float, scheduled: int = 0) -> None:
+        """After a step: the pool's usage (percent) and the requests the step ran (`scheduled`, its peak batch)."""
         kv_bytes = int(cache_usage_percent / 100 * self.num_kv_blocks * self.block_bytes)
         blocks = round(cache_usage_percent / 100 * self.num_kv_blocks)
-        self._kv_bytes, self._blocks_in_use = kv_bytes, blocks
+        self._kv_bytes, self._blocks_in_use, self._scheduled = kv_bytes, blocks, scheduled
         self.life.track_bytes(kv_bytes)
-        self.life.track_running(self.running)
+        self.life.track_running(scheduled)
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks)
         self.block_steps += blocks
         with recording():
             self.metrics.set_running(self.running)
-            self.metrics.set_queued(len(self.queue))
+            self.metrics.set_queued(self.queued)
             self.metrics.set_kv_cache(kv_bytes, blocks * BLOCK_TOKENS)
             self.metrics.set_kv_blocks(used=blocks, free=self.num_kv_blocks - blocks)
 
@@ -461,7 +480,7 @@ class OpenVINOEngine:
         """Counters since `reset_stats`, under `ContinuousBatchingEngine.stats`'s keys (`NOT_REPORTED` None), and the
         pipeline's settings: its version, KV precision, compute precision, threads, blocks and eviction."""
         s = self.life.snapshot()
-        queued = len(self.queue)
+        queued = self.queued
         steps = s.get("decode_steps", 0)
         return {
             "replica_id": self.replica_id,

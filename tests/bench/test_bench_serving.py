@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -224,3 +226,134 @@ def test_part_2_lengths_are_checked_only_when_part_2_runs(capsys):
     with pytest.raises(SystemExit) as e:
         bench_serving.parse_args(["--new-tokens", "8", "--generate-new-tokens", "512"])
     assert e.value.code == 2 and "--generate-new-tokens (512) must be <= --new-tokens (8)" in capsys.readouterr().err
+
+
+@pytest.fixture
+def scripted_openvino(monkeypatch, tmp_path):
+    """OpenVINO's backend on the scripted pipeline of tests/replica/test_engine_openvino.py (one token per request a
+    step), its export folder present; the tool's availability check passes for the tiny model."""
+    from replica.backends import openvino as ovb
+    from tests.replica.test_engine_openvino import _fake_genai, _Pipeline
+
+    _Pipeline.built, _Pipeline.fail_at_step, _Pipeline.read_fails_at_step = [], None, None
+    _Pipeline.metrics_fail_at_step, _Pipeline.stop_after, _Pipeline.builds_failing = None, None, 0
+    _Pipeline.schedule_at_most = None
+    fake_np = SimpleNamespace(array=lambda x, dtype=None: x, int64=int)
+    monkeypatch.setattr(ovb, "runtime", lambda: (_fake_genai(), SimpleNamespace(Tensor=lambda x: x), fake_np))
+    monkeypatch.setattr(ovb, "measured_block_bytes", lambda *a: 1000)
+    for f in ("openvino_model.xml", "openvino_model.bin"):
+        (tmp_path / f).write_text("")
+    monkeypatch.setattr(ovb, "EXPORT_DIR", tmp_path)
+    monkeypatch.setattr(bench_serving, "check_available", lambda model: None)
+    return _Pipeline
+
+
+def test_the_engine_axis_runs_each_engines_rows_on_the_same_requests_and_names_the_engine(
+    tmp_path, scripted_openvino, capsys
+):
+    torch.set_num_threads(1)
+    args = ["--model", "tiny-llama", "--prompt-tokens", "40", "--new-tokens", "6", "--full-batch", "2"]
+    args += ["--block-tokens", "4", "--workloads", "equal", "--skip-generate", "--no-peer-generate-batch"]
+    args += ["--engines", "ours,openvino", "--openvino-kv-precision", "bf16", "--out", str(tmp_path / "out")]
+    assert bench_serving.main(args) == 0
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    rows = data["workloads"]["equal"]["rows"]
+    ours = [label for label, _ in bench_serving.part1_rows(40, 6, 5.0, data["kv_memory_limit_bytes"], 4, 16, 512)]
+    assert list(rows) == ours + ["openvino full, paged, mixed", "openvino_eviction x5, paged, mixed"]
+    assert {rows[label]["engine"] for label in ours} == {"ours"}
+    for label in ("openvino full, paged, mixed", "openvino_eviction x5, paged, mixed"):
+        r = rows[label]
+        # the same 12 requests of 40 + 6 tokens as every other row, all answered; what it does not count is null
+        assert r["engine"] == "openvino" and r["completed_requests"] == 12 and r["output_tokens"] == 12 * 6
+        assert r["openvino_kv_precision"] == "bf16" and r["preemptions"] is None and r["decode_tok_per_s"] is None
+        assert r["openvino_genai_version"] and "preemptions" in r["not_reported"]
+    # ceil(46 / 5) = 10 tokens, raised to start 32 + recent 32 + one evictable 32-token block
+    assert rows["openvino_eviction x5, paged, mixed"]["budget_tokens"] == 96
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "; engines ours, openvino." in md.splitlines()[0]
+    assert md.splitlines()[1].startswith("Engines: ours (this repository's engine at commit ")
+    assert "; openvino (OpenVINO GenAI " in md and ", KV precision bf16, inference precision f32, " in md
+    ov_row = next(x for x in md.splitlines() if x.startswith("| openvino full, paged, mixed | openvino | "))
+    assert " | n/r | n/r | " in ov_row  # preemptions and recomputed tokens: not reported, never a zero
+    assert "| full, paged | ours | 1.00x |" in md
+
+
+@pytest.mark.parametrize(
+    "engines, message",
+    [
+        ("ours,vllm", "--engines: expected a comma-separated list of ours, openvino, got 'ours,vllm'"),
+        ("ours,ours", "--engines: expected a comma-separated list of ours, openvino, got 'ours,ours'"),
+    ],
+)
+def test_an_unknown_or_repeated_engine_is_refused_by_name(engines, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main(["--model", "tiny-llama", "--engines", engines])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_openvino_without_its_runtime_exits_2_naming_the_make_targets(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "openvino_genai", None)  # `import openvino_genai` raises ImportError
+    with pytest.raises(SystemExit) as e:
+        bench_serving.main(["--engines", "ours,openvino"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "make openvino-runtime openvino-peer" in err and "openvino-genai runtime" in err
+
+
+@pytest.mark.slow
+def test_the_real_openvino_pipeline_runs_its_rows_beside_ours_on_the_embedded_model(tmp_path):
+    from replica.backends import openvino as ovb
+
+    try:
+        ovb.check_available("embedded")
+    except ovb.BackendUnavailable as e:
+        pytest.skip(str(e))
+    torch.set_num_threads(1)
+    args = ["--prompt-tokens", "48", "--new-tokens", "8", "--full-batch", "2", "--requests", "4"]
+    args += ["--workloads", "equal", "--skip-generate", "--no-peer-generate-batch", "--no-mixed"]
+    args += ["--dtype", "float32", "--engines", "ours,openvino", "--out", str(tmp_path)]
+    assert bench_serving.main(args) == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = data["workloads"]["equal"]["rows"]
+    for label in ("openvino full, paged, mixed", "openvino_eviction x5, paged, mixed"):
+        r = rows[label]
+        assert r["engine"] == "openvino" and r["completed_requests"] == 4 and r["output_tokens"] == 4 * 8, label
+        assert r["openvino_genai_version"].startswith("2026.4") and r["openvino_kv_precision"] == "u8"
+        assert 0 < r["peak_kv_cache_bytes"] <= data["kv_memory_limit_bytes"] and r["peak_running_sequences"] >= 1
+    assert rows["full, paged"]["engine"] == "ours" and rows["full, paged"]["output_tokens"] == 4 * 8
+
+
+def test_openvino_alone_is_its_own_denominator_and_skips_the_comparisons_of_ours(tmp_path, scripted_openvino, capsys):
+    torch.set_num_threads(1)
+    args = ["--model", "tiny-llama", "--prompt-tokens", "40", "--new-tokens", "6", "--full-batch", "2"]
+    args += ["--workloads", "equal", "--engines", "openvino", "--out", str(tmp_path)]
+    assert bench_serving.main(args) == 0  # part 2 and generate_batch compare ours: left out, not failed
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rows = data["workloads"]["equal"]["rows"]
+    assert list(rows) == ["openvino full, paged, mixed", "openvino_eviction x5, paged, mixed"]
+    assert "generate" not in data and data["workloads"]["equal"]["peer_generate_batch"] is None
+    md = (tmp_path / "bench.md").read_text()
+    assert "| row | engine | x of openvino full, paged, mixed, output tok/s |" in md
+    assert "Engines: openvino (OpenVINO GenAI " in md and "ours (" not in md and "Mixed scheduler" not in md
+
+
+def test_a_peer_pipeline_that_fails_fails_its_rows_requests_and_the_other_rows_are_kept(
+    tmp_path, scripted_openvino, capsys
+):
+    """OpenVINO 2026.4.1's SnapKV failure, scripted at every pipeline's second step: its rows' 12 requests fail with
+    its message, counted and named under the table; ours' rows on the same requests complete and are written."""
+    from tests.replica.test_engine_openvino import SNAPKV
+
+    scripted_openvino.fail_at_step = 2
+    torch.set_num_threads(1)
+    args = ["--model", "tiny-llama", "--prompt-tokens", "40", "--new-tokens", "6", "--full-batch", "2"]
+    args += ["--block-tokens", "4", "--workloads", "equal", "--skip-generate", "--no-peer-generate-batch", "--no-mixed"]
+    args += ["--engines", "ours,openvino", "--out", str(tmp_path)]
+    assert bench_serving.main(args) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["workloads"]["equal"]["rows"]
+    for label in ("openvino full, paged, mixed", "openvino_eviction x5, paged, mixed"):
+        r = rows[label]
+        assert r["failed_requests"] == 12 and r["completed_requests"] == 0 and r["output_tokens"] == 12
+        assert r["errors"] == [f"OpenVINO GenAI failed the step: RuntimeError: {SNAPKV}"]
+    assert rows["full, paged"]["completed_requests"] == 12 and rows["full, paged"]["failed_requests"] == 0
+    md = (tmp_path / "bench.md").read_text()
+    assert "openvino full, paged, mixed (openvino): 12 of 12 requests failed (OpenVINO GenAI failed the step: " in md

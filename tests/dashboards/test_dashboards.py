@@ -349,3 +349,32 @@ def test_query_tells_panels_that_do_not_apply_or_whose_replicas_are_gone_from_br
     live = 'sum(scissorhands_replica_running_sequences{run_id="serving-run"})'
     assert check.classify(live, "serving-run", prom) == "GONE"  # a live gauge whose replicas ended
     assert check.classify("sum(scissorhands_never_exported_total)", None, prom) == "N/A"
+
+
+def test_live_panels_keep_each_engine_apart_and_say_which_series_openvino_lacks():
+    """Ours' full cache and OpenVINO's are both policy ``full``: every live panel that groups by policy also groups
+    by ``engine`` (else the two would be summed), filters on the ``$engine`` variable and names the engine in its
+    legend; the panels of series OpenVINO's pipeline does not report say so (replica/backends/openvino.py)."""
+    board = BOARDS["live-replicas.json"]
+    assert [v["name"] for v in board["templating"]["list"]][:4] == ["datasource", "run_id", "engine", "policy"]
+    grouped = 0
+    for panel, target in check.iter_targets(board):
+        expr = target["expr"]
+        if "ray_scissorhands_" not in expr:
+            continue
+        assert 'engine=~"$engine"' in expr, panel["title"]
+        for by in re.findall(r"by \(([^)]*)\)", expr):
+            if "policy" in by.split(", "):
+                assert "engine" in by.split(", "), (panel["title"], by)
+                grouped += 1
+        if "{{policy}}" in target.get("legendFormat", ""):
+            assert "{{engine}} {{policy}}" in target["legendFormat"], panel["title"]
+    assert grouped >= 30
+    lacking = {m.exported_name for m in METRICS if m.source == "ray"} & {
+        f"ray_scissorhands_{n}"
+        for n in ("preemptions_total", "recomputed_tokens_total", "evicted_tokens_total", "decode_batch_size_count")
+    }
+    for panel in check.iter_panels(board):
+        names = set().union(*(check.metric_names(t["expr"]) for t in panel["targets"]))
+        if names & lacking:
+            assert "Engine openvino (OpenVINO GenAI's pipeline) reports none of these" in panel["description"]

@@ -178,9 +178,19 @@ def _replica_load(run_id: str, seconds: float) -> int:
     assert base.uses_ray
     base.observe_model_load(1.25)
     points = [base, base.for_point("scissorhands", 2), base.for_point("scissorhands", 5)]
+    # OpenVINO GenAI's full cache beside ours' (the same policy): only the series its backend records
+    ov = ReplicaMetrics("full", None, "replica-ov", "tiny-llama", run_id, engine="openvino")
     steps = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        ov.set_running(3)
+        ov.set_queued(1)
+        ov.observe_ttft(0.03)
+        ov.observe_tpot(0.005)
+        ov.add_generated_tokens(15)
+        ov.add_generated_tokens(3, phase="warmup")
+        ov.set_kv_cache(bytes=8192, slots=96)
+        ov.set_kv_blocks(used=3, free=5)
         for i, m in enumerate(points):
             batch = 2 ** (i + 1)
             m.set_running(batch)
@@ -490,6 +500,27 @@ def test_every_panel_of_every_dashboard_returns_data(stack):
     assert not empty, "queries without data:\n" + "\n".join(empty)
 
 
+def test_ours_and_openvinos_full_cache_are_series_of_their_own_and_openvino_has_none_it_does_not_record(stack):
+    """Both engines' full cache is policy ``full``: the live panels grouped by engine show one series each, and the
+    ``$engine`` variable narrows a panel to OpenVINO, whose backend records no eviction or forward-time series."""
+    board = check.load_dashboards()["live-replicas.json"]
+    panels = {p["title"]: p for p in check.iter_panels(board)}
+    values = {"run_id": RUN_ID, "engine": ".*", "policy": "full", "replica": ".*", "datasource": "prometheus"}
+
+    def series(title: str, engine: str = ".*") -> list[dict]:
+        expr = check.substitute(panels[title]["targets"][0]["expr"], {**values, "engine": engine}, "30s")
+        return [r for r in check.query(stack["prometheus"], expr) if check.finite_values([r])]
+
+    assert {r["metric"]["engine"] for r in series("Output tokens/s")} == {"ours", "openvino"}
+    assert {r["metric"]["engine"] for r in series("KV cache bytes", "openvino")} == {"openvino"}
+    [used] = series("KV blocks used and free (paged layout)", "openvino")
+    assert used["metric"]["replica"] == "replica-ov" and float(used["value"][1]) == 3
+    running = {r["metric"]["replica"]: float(r["value"][1]) for r in series("Running and queued sequences", "openvino")}
+    assert running == {"replica-ov": 3.0}
+    for title in ("Evicted token slots/s", "Decode step p50 / p99 / mean", "Preemptions/s (paged layout)"):
+        assert series(title, "openvino") == [], title  # absent, never a zero
+
+
 def test_a_paged_engine_feeds_the_paged_panels_with_its_own_counts(stack):
     """A real paged engine that preempts, through Ray's exporter: Prometheus holds its stats' preemptions and
     recomputed tokens, and its pool (every block free at the end); every "(paged layout)" panel shows it, its
@@ -513,7 +544,7 @@ def test_a_paged_engine_feeds_the_paged_panels_with_its_own_counts(stack):
     ]
     assert len(panels) == 3 and all(p["title"].endswith("(paged layout)") for p in panels)
     window = f"{math.ceil(time.time() - stack['paged_from']) + 5}s"  # from before the second run
-    values = {"run_id": RUN_ID, "policy": PAGED_POLICY, "replica": ".*", "datasource": "prometheus"}
+    values = {"run_id": RUN_ID, "engine": ".*", "policy": PAGED_POLICY, "replica": ".*", "datasource": "prometheus"}
     for panel in panels:
         for target in panel["targets"]:
             got = check.finite_values(check.query(prom, check.substitute(target["expr"], values, window)))
@@ -617,7 +648,7 @@ def _panel_values(stack, panel, policy: str) -> dict[str, list[float]]:
     """{legend: values} of every target of `panel` for `policy`'s series, as Grafana would query them now
     (the rate window reaches back before the long latencies were recorded); NaN kept."""
     window = f"{math.ceil(time.time() - stack['long_from']) + 15}s"
-    values = {"run_id": RUN_ID, "policy": policy, "replica": ".*", "datasource": "prometheus"}
+    values = {"run_id": RUN_ID, "engine": ".*", "policy": policy, "replica": ".*", "datasource": "prometheus"}
     out = {}
     for target in panel["targets"]:
         result = check.query(stack["prometheus"], check.substitute(target["expr"], values, window))

@@ -16,6 +16,7 @@ import yaml
 
 from replica.backends import openvino as ovb
 from replica.continuous import ServingReplica
+from replica.metrics import ReplicaMetrics
 from replica.types import EngineConfig, GenerationRequest
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, uniform
@@ -60,7 +61,8 @@ class _Handle:
 class _Pipeline:
     """One token per request per step (``500 + position``); raises ``fail_at_step`` (1-based) of this pipeline, its
     handles' ``read()`` once at ``read_fails_at_step``, its ``get_metrics()`` once at ``metrics_fail_at_step``; ends a request
-    itself after ``stop_after`` tokens (its stop condition); the next ``builds_failing`` builds raise."""
+    itself after ``stop_after`` tokens (its stop condition); the next ``builds_failing`` builds raise; a step runs
+    at most ``schedule_at_most`` requests (the first ones held), as its scheduler does when its pool is short."""
 
     built: list = []
     fail_at_step: int | None = None
@@ -68,12 +70,13 @@ class _Pipeline:
     metrics_fail_at_step: int | None = None
     stop_after: int | None = None
     builds_failing: int = 0
+    schedule_at_most: int | None = None
 
     def __init__(self, model_dir, sc, device, props):
         if _Pipeline.builds_failing:
             _Pipeline.builds_failing -= 1
             raise RuntimeError("Exception from src/core/src/runtime/compilation: cannot allocate the KV cache")
-        self.sc, self.props, self.handles, self.steps = sc, props, [], 0
+        self.sc, self.props, self.handles, self.steps, self.scheduled = sc, props, [], 0, 0
         _Pipeline.built.append(self)
 
     def add_request(self, rid, ids, gc):
@@ -85,19 +88,21 @@ class _Pipeline:
         self.steps += 1
         if self.steps == _Pipeline.fail_at_step:
             raise RuntimeError(SNAPKV)
-        for h in self.handles:
-            if h.status is _Status.RUNNING and not h.dropped:
-                h.unread.append(500 + h.out)
-                h.out += 1
-                if h.out == h.max_new or h.out == _Pipeline.stop_after:
-                    h.status = _Status.FINISHED
+        live = [h for h in self.handles if h.status is _Status.RUNNING and not h.dropped]
+        live = live[: _Pipeline.schedule_at_most]
+        self.scheduled = len(live)
+        for h in live:
+            h.unread.append(500 + h.out)
+            h.out += 1
+            if h.out == h.max_new or h.out == _Pipeline.stop_after:
+                h.status = _Status.FINISHED
 
     def get_metrics(self):
         if self.steps == _Pipeline.metrics_fail_at_step:
             _Pipeline.metrics_fail_at_step = None  # once
             raise RuntimeError("Exception from src/continuous_batching/metrics.cpp: no metrics")
-        live = sum(h.status is _Status.RUNNING for h in self.handles)
-        return SimpleNamespace(cache_usage=50.0 if live else 0.0)
+        live = sum(h.status is _Status.RUNNING and not h.dropped for h in self.handles)
+        return SimpleNamespace(cache_usage=50.0 if live else 0.0, scheduled_requests=self.scheduled, requests=live)
 
 
 def _fake_genai():
@@ -116,6 +121,7 @@ def scripted(monkeypatch, tmp_path):
     """The backend on the scripted pipeline: blocks of `BLOCK_BYTES`, an export folder that exists."""
     _Pipeline.built, _Pipeline.fail_at_step, _Pipeline.read_fails_at_step = [], None, None
     _Pipeline.metrics_fail_at_step, _Pipeline.stop_after, _Pipeline.builds_failing = None, None, 0
+    _Pipeline.schedule_at_most = None
     fake_np = SimpleNamespace(array=lambda x, dtype=None: x, int64=int)
     monkeypatch.setattr(ovb, "runtime", lambda: (_fake_genai(), SimpleNamespace(Tensor=lambda x: x), fake_np))
     monkeypatch.setattr(ovb, "measured_block_bytes", lambda *a: BLOCK_BYTES)
@@ -164,6 +170,39 @@ def test_the_kv_limit_bytes_become_whole_blocks_and_the_settings_reach_the_pipel
     assert s["preemptions"] is None and "preemptions" in s["not_reported"] and s["kv_pool_blocks"] == 10
     # a request needing more blocks than the pool, even alone, is named with the numbers
     assert "needs 11 KV blocks of 32 tokens, the OpenVINO pool holds 10" in eng.fits_alone(340, 8)
+
+
+def test_running_queued_and_kv_figures_come_from_the_pipelines_metrics_as_ours_and_the_rest_is_absent(
+    tiny_model, scripted
+):
+    """Three requests held, the pipeline schedules two a step (50% of a 10-block pool in use): running 2 and queued
+    1 in ``stats()`` and in the live gauges labelled ``engine="openvino"``; no preemption, eviction or forward-time
+    series at all (the pipeline counts none), and None with ``not_reported`` in the record."""
+    metrics = ReplicaMetrics("full", None, "r-ov", "embedded", "run-ov", use_ray=False, engine="openvino")
+    eng = ovb.OpenVINOEngine(tiny_model, EngineConfig(**OV, kv_memory_limit_bytes=10 * BLOCK_BYTES), metrics=metrics)
+    scripted.schedule_at_most = 2
+    done = []
+    for i in range(3):
+        eng.submit(GenerationRequest(f"r{i}", [1, 2, 3], max_new_tokens=2), done.append)
+    assert eng.step()
+    s = eng.stats()
+    assert (eng.running, eng.queued, s["running_sequences"], s["queued_requests"]) == (2, 1, 2, 1)
+    assert s["kv_cache_bytes"] == 5 * BLOCK_BYTES and s["peak_kv_blocks_in_use"] == 5  # 50% of 10 blocks
+    snap = metrics.snapshot()
+    assert snap["scissorhands_running_sequences"] == 2 and snap["scissorhands_queued_sequences"] == 1
+    assert (snap["scissorhands_kv_used_blocks"], snap["scissorhands_kv_free_blocks"]) == (5, 5)
+    assert snap["scissorhands_kv_cache_bytes"] == 5 * BLOCK_BYTES and snap["scissorhands_generated_tokens_total"] == 2
+    assert metrics.tags["engine"] == "openvino"
+    while eng.step():
+        pass
+    s = eng.stats()
+    assert sorted(r.request_id for r in done) == ["r0", "r1", "r2"] and s["completed_requests"] == 3
+    assert s["peak_running_sequences"] == 2 and (eng.running, eng.queued) == (0, 0)  # never more than it scheduled
+    absent = {f"scissorhands_{n}" for n in ("preemptions_total", "recomputed_tokens_total", "evicted_tokens_total")}
+    absent |= {"scissorhands_prefill_seconds", "scissorhands_decode_step_seconds"}
+    assert not absent & set(metrics.snapshot())  # absent, never a zero
+    assert s["preemptions"] is None and s["recomputed_tokens"] is None
+    assert {"preemptions", "recomputed_tokens", "prefill_s", "decode_s"} <= set(s["not_reported"])
 
 
 def test_a_pipeline_that_raises_fails_the_requests_it_held_with_its_message_and_the_next_ones_run(tiny_model, scripted):
@@ -368,6 +407,9 @@ def test_the_real_pipeline_serves_the_embedded_model_beside_ours_full_and_evicti
         assert (
             0 < s["peak_kv_cache_bytes"] <= 20_000_000 and s["peak_kv_blocks_in_use"] >= 4
         )  # 80 tokens: 3 blocks each
+        # the pipeline's own scheduled_requests: the four ran together (a 256-token prefill fits the 512-token step)
+        assert (s["peak_running_sequences"], s["running_sequences"], s["queued_requests"]) == (4, 0, 0)
+        assert replica.engine.metrics.tags["engine"] == "openvino"
         replica.configure(EngineConfig(**base, policy="openvino_eviction", compression_ratio=2))
         evicted = _generate(replica, reqs("e"))
         s = asyncio.run(replica.stats())

@@ -33,7 +33,7 @@ from workloads.core.push import SweepPusher, resolve_pushgateway_url
 #: replica labels and their phase, the sweep axes of a point summary and the quantile of a record's percentile
 #: series; none takes a value per request.
 ALLOWED_LABELS = set(
-    "batch_size budget_tokens compression_ratio concurrency kv_bits model new_tokens phase policy prompt_tokens "
+    "batch_size budget_tokens compression_ratio concurrency engine kv_bits model new_tokens phase policy prompt_tokens "
     "quantile replica request_rate run_id task".split()
 )
 UNIT_SUFFIXES = (
@@ -182,6 +182,7 @@ def test_replica_metrics_records_in_memory_without_ray():
         "replica": "replica-0",
         "model": "tiny-llama",
         "run_id": "run-1",
+        "engine": "ours",  # the default: our own engine's figures
     }
 
 
@@ -302,7 +303,10 @@ def test_point_labels_and_values_come_from_the_catalogue_record_keys():
         "kv_bits": "",
         "task": "",
         "model": "tiny-llama",
+        "engine": "ours",  # a record without one ran on ours
     }
+    # a point OpenVINO GenAI served is a series of its own beside ours' of the same policy
+    assert p.point_labels({**RECORD, "engine": "openvino"})["engine"] == "openvino"
     assert _sample(p, "scissorhands_sweep_output_throughput_tokens_per_second", policy="scissorhands") == 266.0
     assert _sample(p, "scissorhands_sweep_kv_cache_bytes", batch_size="4") == 81920
     for q in ("0.5", "0.9", "0.99"):

@@ -104,6 +104,7 @@ class SweepPusher:
             policy=str(record["policy"]),
             compression_ratio=ratio_label(record["policy"], record.get("compression_ratio")),
             budget_tokens=label_value(record.get("budget_tokens_requested")),
+            engine=str(record.get("engine") or "ours"),  # batch and quality points run on ours and do not say so
         )  # the budget asked for, not B used
         return labels
 
