@@ -44,8 +44,9 @@ from typing import Annotated, Any, ClassVar, Mapping
 
 from pydantic import Field, field_validator
 
+from replica.model_loading import load_replica_model
 from replica.rules import FrozenConfig, check_fraction, check_number, checked
-from replica.static_batch import BatchSpec, ModelReplica, load_replica_model
+from replica.static_batch import BatchSpec, ModelReplica
 from scissorhands.checks import check_int
 from scissorhands.models import resolve_dtype
 
