@@ -44,11 +44,12 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster import loopback
+from cluster.dtype_probe import resolve_run_dtype
 from cluster.serve_routing import StreamHolderRouter
 from cluster.signals import StopSignals
 from replica import cpu_share
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
-from replica.model_loading import model_context_tokens, resolve_run_dtype
+from replica.model_loading import model_context_tokens
 from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
 from replica.types import (
     BUDGETS,
@@ -368,7 +369,7 @@ def build_serve_app(
     (`replica.model_loading.model_context_tokens`: a chat without `max_tokens` runs to it),
     `api_key` only as its digest (`ApiKey`), and the body limit `max_body_bytes`.
 
-    `dtype` is resolved once here, for every deployment and replica (`replica.model_loading.resolve_run_dtype`, in
+    `dtype` is resolved once here, for every deployment and replica (`cluster.dtype_probe.resolve_run_dtype`, in
     this process on `num_threads` torch threads): with `auto` resolved per replica, the full cache and
     Scissorhands could run in different dtypes and their comparison would be unfair.
 

@@ -69,7 +69,7 @@ class ServingReplica:
         num_threads: torch intra-op threads of this process (None keeps torch's).
         engine_config: configure right away (a dict of `EngineConfig` fields or an `EngineConfig`).
         model: an already loaded model (tests).
-        dtype_reason: why the run chose `dtype` (`replica.model_loading.resolve_run_dtype`: `auto` resolved once
+        dtype_reason: why the run chose `dtype` (`cluster.dtype_probe.resolve_run_dtype`: `auto` resolved once
             for every replica of a run or service); recorded in `info()` instead of "forced".
 
     Raises:
@@ -96,7 +96,7 @@ class ServingReplica:
         tokenizer = None
         if model is None:
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
-            if dtype_reason is not None:  # the run resolved `auto` once (`replica.model_loading.resolve_run_dtype`)
+            if dtype_reason is not None:  # the run resolved `auto` once (`cluster.dtype_probe.resolve_run_dtype`)
                 model.scissorhands_dtype_reason = dtype_reason
         self.model = model
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None

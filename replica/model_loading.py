@@ -6,7 +6,7 @@ continuous batching, `replica.continuous`), the HTTP service and the bench tools
 * `model_config`, `model_context_tokens`: what a model is, read without its weights.
 * `resolve_dtype_here`: a run's ``dtype`` resolved once in this process (``auto``'s bfloat16 probe at the model's
   own layer shapes) for every replica of the run; `cluster.dtype_probe.resolve_run_dtype` runs it as a Ray task
-  on a node of the cluster.
+  on a node of the cluster (Ray only in cluster/).
 """
 
 from __future__ import annotations
@@ -117,42 +117,3 @@ def resolve_dtype_here(
         "dtype": str(torch_dtype).removeprefix("torch."),
         "dtype_reason": f"{reason}; resolved once for the run on {where}",
     }
-
-
-def resolve_run_dtype(
-    model_spec: str,
-    dtype: str,
-    device: str = "cpu",
-    *,
-    ray=None,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-    num_threads: int | None = None,
-    timeout_s: float | None = None,
-) -> dict:
-    """`resolve_dtype_here` for a whole run: in this process when `ray` is None (local runs, `make serve`),
-    else as one small Ray task with a replica's resources (`num_cpus`, `num_gpus`, `num_threads` torch
-    threads) on a node of the cluster, so the probe measures what a replica will run on. Forced dtypes need
-    no task. Returns and raises as `resolve_dtype_here` (the task's error as raised in it); Ray's
-    `GetTimeoutError` when the task has not run within `timeout_s` (no node had its resources free)."""
-    if dtype != "auto" or ray is None:
-        return resolve_dtype_here(model_spec, dtype, device, num_threads)
-
-    def task(spec: str, dt: str, dev: str, threads: int | None) -> dict:
-        import ray as ray_
-
-        return resolve_dtype_here(
-            spec,
-            dt,
-            dev,
-            threads,
-            f"node {ray_.get_runtime_context().get_node_id()[:12]} (host {socket.gethostname()})",
-        )
-
-    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)(task)
-    ref = remote.remote(model_spec, dtype, device, num_threads)
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        ray.cancel(ref, force=True)
-        raise

@@ -112,7 +112,7 @@ class ModelReplica:
         run_id: the run whose points this replica serves (label `run_id` of its live metrics).
         metrics: the live-metrics recorder (injection for tests); default a `ReplicaMetrics`
             with this replica's labels (Ray metrics inside an actor, in memory without Ray).
-        dtype_reason: why the run chose `dtype` (`resolve_run_dtype`, which resolves `auto` once for all
+        dtype_reason: why the run chose `dtype` (`cluster.dtype_probe.resolve_run_dtype`, which resolves `auto` once for all
             replicas of a run); recorded in `info()` instead of "forced".
 
     Raises:
@@ -149,7 +149,7 @@ class ModelReplica:
             t0 = time.perf_counter()
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
             self.live_metrics.observe_model_load(time.perf_counter() - t0)
-        if dtype_reason is not None:  # the run resolved `auto` once (`resolve_run_dtype`) and says why
+        if dtype_reason is not None:  # the run resolved `auto` once and says why
             model.scissorhands_dtype_reason = dtype_reason
         self.model = model
         self.tokenizer = tokenizer
