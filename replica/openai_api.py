@@ -707,7 +707,7 @@ class OpenAIServer:
         self.pending[model] += 1
         try:
             first = await events.__anext__()  # an error before the first token is answered as JSON
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - every failure before the first token is answered as JSON
             raise _backend_error(e) from None
         if "result" in first and first["result"].get("error_kind"):
             await events.aclose()

@@ -373,7 +373,7 @@ def start_replicas(
     except PlacementError as e:  # no node can hold it, or not placed and loaded within ready_timeout_s
         rset.shutdown()
         raise SweepError(str(e), 1) from None
-    except Exception as e:  # a replica could not load its model
+    except Exception as e:  # noqa: BLE001 - a replica could not load its model
         rset.shutdown()
         raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
     print(

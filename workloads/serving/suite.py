@@ -139,7 +139,7 @@ class ServingPoint:
 
 def _lengths(value: Any, info) -> LengthDist:
     dist = value if isinstance(value, LengthDist) else LengthDist.parse(info.field_name, value)
-    dist.upper  # noqa: B018 - bounded, for memory (ValueError naming the field otherwise)
+    dist.upper  # bounded, for memory (ValueError naming the field otherwise)
     return dist
 
 
