@@ -291,8 +291,7 @@ class ContinuousBatchingEngine(EngineReadout):
             "kv_cache_bytes": self.flight.kv_cache_bytes(),
             **Lifecycle.request_stats(s),
             "kv_layout": self.config.kv_layout,
-            "scheduler": self.config.scheduler,
-            "max_num_batched_tokens": self.scheduler.chunk_tokens(),
+            **self.scheduler.stats(),
             **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
             **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
         }
