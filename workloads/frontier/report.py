@@ -15,6 +15,11 @@
   joined; a second panel zooms on the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity. Labels
   are placed so that no two overlap (`_place_labels`), with a leader line where one had to move off its point.
 
+A point on an engine backend that gives no log-likelihoods (OpenVINO GenAI, ``engine: openvino``) has no perplexity
+(its ``quality_note``, `workloads.frontier.suite.NO_PERPLEXITY`): it is listed in the table with its throughput and
+"no gate" saying why, drawn as a vertical line at its throughput (its quality unknown, not placed on the frontier),
+and named after the headline; it never judges nor passes the gate (the gate's full cache is ours', with a perplexity).
+
 Points are compared only within one dtype and one KV limit in bytes: a run resolves ``dtype: auto`` once, but
 records of runs that resolved differently (or of older runs) may be reported together; the report then says so
 and draws one frontier, and judges one gate, per group.
@@ -87,6 +92,18 @@ def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
     return [not any(tj >= ti and pj <= pi and (tj > ti or pj < pi) for tj, pj in points) for ti, pi in points]
 
 
+def has_perplexity(r: dict) -> bool:
+    """Whether a record has a perplexity (a point on a backend without log-likelihoods has None and a
+    ``quality_note``)."""
+    return r.get("perplexity") is not None
+
+
+def _is_gate_full(r: dict) -> bool:
+    """Whether a row is its group's full-cache reference of the gate: the full cache with a perplexity (ours;
+    another backend's full cache has none)."""
+    return r.get("policy") == "full" and has_perplexity(r)
+
+
 def _label(r: dict) -> str:
     name = r.get("policy_label") or r.get("policy") or "?"
     return name if r.get("compression_ratio") is None else f"{name} x{r['compression_ratio']:g}"
@@ -103,7 +120,8 @@ def _group(r: dict) -> tuple:
         r.get("seed"),
         r.get("prompt_tokens"),
         r.get("new_tokens"),
-        r.get("perplexity_windows"),
+        # a row without perplexity scored no window: the suite's count (its point's identity) groups it
+        r.get("perplexity_windows") if has_perplexity(r) else (r.get("point_config") or {}).get("perplexity_windows"),
         _search_of(r),
     )
 
@@ -134,8 +152,21 @@ def _bound_of(records, max_perplexity_increase: float | None) -> float:
 
 
 def _gate_fields(r: dict, full: dict | None, bound: float) -> dict:
-    """The gate's columns of one ok row against ``full`` (its group's full-cache row, or None)."""
+    """The gate's columns of one ok row against ``full`` (its group's full-cache row, or None); a row without a
+    perplexity gets the reference's and None for its own decision (no gate)."""
     full_ppl = full["perplexity"] if full else None
+    if not has_perplexity(r):
+        return {
+            "quality_gate_max_perplexity_increase": bound,
+            "full_perplexity": full_ppl,
+            "full_throughput": full["throughput_value"] if full else None,
+            "quality_gate_perplexity": gate_perplexity(full_ppl, bound),
+            "quality_gate_passed": None,
+            "perplexity_vs_full": None,
+            "perplexity_ratio_ci_low": None,
+            "perplexity_ratio_ci_high": None,
+            "quality_gate_resolved": None,
+        }
     ratio_ci = paired_ratio_interval(r.get("window_nll_per_token"), (full or {}).get("window_nll_per_token"))
     return {
         "quality_gate_max_perplexity_increase": bound,
@@ -168,7 +199,8 @@ def _group_text(g: tuple) -> str:
 def frontier_rows(records, max_perplexity_increase: float | None = None) -> list[dict]:
     """The latest record of every point, sorted by throughput (fastest first; then the measured points without a
     number, capacity searches below their lowest rate; failed points last), each with ``label``, ``on_frontier``
-    (None on the points without a number), ``throughput_value`` and ``throughput_lower_bound``
+    (None on the points without a number, and on those without a perplexity: their ``quality_note`` says why),
+    ``throughput_value`` and ``throughput_lower_bound``
     (`throughput_value`) and the quality gate's fields (every measured point has them; None on failed points):
 
     * ``quality_gate_passed`` (bool; None without an ok full-cache point in the group), ``quality_gate_perplexity``
@@ -193,7 +225,7 @@ def frontier_rows(records, max_perplexity_increase: float | None = None) -> list
     on, gate = {}, {}
     for g in dict.fromkeys(_group(r) for r in measured):
         members = [r for r in measured if _group(r) == g]
-        placed = [r for r in members if r["throughput_value"] is not None]
+        placed = [r for r in members if r["throughput_value"] is not None and has_perplexity(r)]
         on.update(
             zip(
                 (r["point_id"] for r in placed),
@@ -201,7 +233,7 @@ def frontier_rows(records, max_perplexity_increase: float | None = None) -> list
             )
         )
         # the gate needs the full cache's perplexity, not its capacity: a full cache below the grid still judges
-        full = next((r for r in members if r.get("policy") == "full"), None)
+        full = next((r for r in members if _is_gate_full(r)), None)
         gate.update((r["point_id"], _gate_fields(r, full, bound)) for r in members)
     rows = [dict(r, on_frontier=on.get(r["point_id"]), label=_label(r), **gate[r["point_id"]]) for r in measured]
     rows.sort(key=lambda r: (r["throughput_value"] is None, -(r["throughput_value"] or 0.0)))
@@ -239,12 +271,13 @@ def headline(rows: list[dict]) -> str:
         unit = AXES[g[0]][1]
         best_words = "Highest capacity" if g[0] == "capacity" else "Fastest"
         bound = members[0]["quality_gate_max_perplexity_increase"]
-        full = next((r for r in members if r.get("policy") == "full"), None)
+        ungated = _ungated_text([r for r in members if not has_perplexity(r)], unit)
+        full = next((r for r in members if _is_gate_full(r)), None)
         if full is None:
             parts.append(
                 f"**No quality gate{where}: no full-cache point finished to compare with**, so no configuration is "
                 f"judged (`quality_gate_passed` is null; the gate is perplexity within {bound * 100:g}% of the full "
-                "cache's)."
+                "cache's)." + ungated
             )
             continue
         rule = (
@@ -252,11 +285,7 @@ def headline(rows: list[dict]) -> str:
             f"<= {full['quality_gate_perplexity']:.3f}"
         )
         best = next(
-            (
-                r
-                for r in members
-                if r["quality_gate_passed"] and r.get("policy") != "full" and r["on_frontier"] is not None
-            ),
+            (r for r in members if r["quality_gate_passed"] and not _is_gate_full(r) and r["on_frontier"] is not None),
             None,
         )
         full_value = full["throughput_value"]  # None: a capacity below the search's lowest rate
@@ -264,17 +293,18 @@ def headline(rows: list[dict]) -> str:
             parts.append(
                 f"**Undecided within the quality gate{where}**: the full cache passed the grid's highest rate "
                 f"({_amount(full)} {unit}) and so did {best['label']} ({_amount(best)}); raise "
-                "`capacity.max_rate_req_per_s` to tell them apart."
+                "`capacity.max_rate_req_per_s` to tell them apart." + ungated
             )
             continue
         if best is None or (full_value is not None and best["throughput_value"] <= full_value):  # a tie gains nothing
-            compressed = sum(1 for r in members if r.get("policy") != "full")
+            compressed = sum(1 for r in members if r.get("policy") != "full" and has_perplexity(r))
             passed = sum(1 for r in members if r.get("policy") != "full" and r["quality_gate_passed"])
             parts.append(
                 f"**No compressed configuration beats the full cache within the quality gate{where}** ({rule}): "
                 f"{passed} of {compressed} passed"
                 + (", none faster than" if passed else "; fastest passing is")
                 + f" the full cache at {_amount(full)} {unit}."
+                + ungated
             )
             continue
         ratio = best.get("compression_ratio")
@@ -307,8 +337,19 @@ def headline(rows: list[dict]) -> str:
                 else "; the bound lies inside it, so more windows could flip the decision)"
             )
             + f". Gate: {rule}."
+            + ungated
         )
     return " ".join(parts)
+
+
+def _ungated_text(rows: list[dict], unit: str) -> str:
+    """The headline's words on the rows without a perplexity (another engine's): their throughput, without a gate,
+    and why; "" without such rows."""
+    if not rows:
+        return ""
+    notes = ", ".join(dict.fromkeys(r.get("quality_note") or "no perplexity" for r in rows))
+    listed = "; ".join(f"{r['label']} {_amount(r)}" for r in rows)
+    return f" Without a gate ({notes}): {listed} {unit}."
 
 
 def _amount(r: dict) -> str:
@@ -342,7 +383,8 @@ def _conditions(rows: list[dict]) -> str:
     if not ok:
         return "No point finished."
     axis = main_axis(rows)
-    first = next(r for r in ok if throughput_axis(r) == axis)
+    on_axis = [r for r in ok if throughput_axis(r) == axis]
+    first = next((r for r in on_axis if has_perplexity(r)), on_axis[0])
 
     def distinct(key):
         return ", ".join(str(v) for v in dict.fromkeys(r.get(key) for r in ok))
@@ -369,11 +411,33 @@ def _conditions(rows: list[dict]) -> str:
         f"{limit} B ({limit / MIB:.3g} MiB"
         + (f" = {full_seq} full-cache sequences" if full_seq else "")
         + f"); every request {first['prompt_tokens']} prompt tokens of {first.get('text_source', 'load-test text')} "
-        f"(the same prompts for every point) + {first['new_tokens']} new tokens; perplexity over "
-        f"{first['perplexity_tokens_scored']} held-out tokens"
-        + _windows(first)
+        f"(the same prompts for every point) + {first['new_tokens']} new tokens; "
+        + (
+            f"perplexity over {first['perplexity_tokens_scored']} held-out tokens" + _windows(first)
+            if has_perplexity(first)
+            else "no perplexity"
+        )
+        + _engines(ok)
         + f"; budget B = ceil(({first['prompt_tokens']} + {first['new_tokens']}) / ratio) in both. "
         + (_capacity_conditions(first, ok) if throughput_axis(first) == "capacity" else _max_batch_conditions())
+    )
+
+
+def _engines(ok: list[dict]) -> str:
+    """The engines of the rows when another than ours ran some (their versions, and why they have no perplexity)."""
+    others = [r for r in ok if (r.get("engine") or "ours") != "ours"]
+    if not others:
+        return ""
+    versions = ", ".join(
+        dict.fromkeys(
+            f"{r['engine']}"
+            + (f" (OpenVINO GenAI {r['openvino_genai_version']})" if r.get("openvino_genai_version") else "")
+            for r in others
+        )
+    )
+    notes = ", ".join(dict.fromkeys(r.get("quality_note") for r in others if r.get("quality_note")))
+    return f"; engines: ours and {versions} on the same requests, arrivals and KV bytes" + (
+        f" ({notes}: those rows are listed without a gate)" if notes else ""
     )
 
 
@@ -458,6 +522,8 @@ def _vs_full(r: dict) -> str | None:
 
 
 def _gate_mark(r: dict) -> str | None:
+    if r.get("status") == "ok" and not has_perplexity(r):
+        return "no gate (no perplexity)"
     passed = r.get("quality_gate_passed")
     if passed is None:
         return None
@@ -482,6 +548,9 @@ def markdown(rows: list[dict]) -> str:
         )
         if r.get("status") != "ok":
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
+        elif not has_perplexity(r):
+            no_capacity = f"no capacity: {r.get('capacity_status')}; " if r.get("throughput_value") is None else ""
+            r["status"] = f"ok, {no_capacity}{r.get('quality_note') or 'no perplexity'}"
         elif r.get("on_frontier") is None:
             r["status"] = f"ok, no capacity: {r.get('capacity_status')}"
         cells.append(r)
@@ -500,6 +569,9 @@ ZOOM_PERPLEXITY_FACTOR = 1.15
 LABEL_GID = "frontier-label"
 #: The ``gid`` of the quality gate's line.
 GATE_GID = "quality-gate"
+#: The ``gid`` of the vertical line of a point without a perplexity (at its throughput).
+NO_PERPLEXITY_GID = "no-perplexity"
+_UNPLACED_COLORS = ("tab:gray", "tab:brown", "tab:olive", "tab:cyan")
 _LABEL_FONTSIZE = 7
 _MARKER_RADIUS_PT = 7.0  # a label keeps off every marker (the frontier's rings included) by this radius (points)
 _RING_STEP_PT = 9.0  # each further ring of candidate positions lies this much farther from the point (points)
@@ -638,6 +710,15 @@ def figure(rows: list[dict]):
 
     axis = main_axis(rows)  # one x axis: another axis's points are in the table only
     ok = [r for r in rows if r.get("on_frontier") is not None and throughput_axis(r) == axis]
+    # measured without a perplexity (another engine's): a vertical line at its throughput, its quality unknown
+    unplaced = [
+        r
+        for r in rows
+        if r.get("status") == "ok"
+        and not has_perplexity(r)
+        and r.get("throughput_value") is not None
+        and throughput_axis(r) == axis
+    ]
     fig = Figure(figsize=(13, 6.2), dpi=110)
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2)
@@ -712,6 +793,16 @@ def figure(rows: list[dict]):
             )
         for gate_y, _ in gates:
             handles["fails the gate"] = ax.axhspan(gate_y, high, color="tab:red", alpha=0.07, lw=0, zorder=0)
+        for k, r in enumerate(unplaced):
+            name = f"{r['label']}: {_amount(r)}, {r.get('quality_note') or 'no perplexity'} (no gate)"
+            handles[name] = ax.axvline(
+                r["throughput_value"],
+                color=_UNPLACED_COLORS[k % len(_UNPLACED_COLORS)],
+                lw=1.3,
+                ls=(0, (4, 2)),
+                zorder=1,
+                gid=NO_PERPLEXITY_GID,
+            )
         ax.set_ylim(low, high)
         ax.set_xlabel(AXES[axis][0] if axis else "throughput")
         ax.set_ylabel("perplexity on held-out text (lower is better)")

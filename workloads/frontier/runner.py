@@ -40,8 +40,11 @@ class FrontierKind(Kind):
         return replica_points(session, pending, **apply_point(run_frontier_point, self.name))
 
     def record_fields(self, suite: FrontierSuite, point: FrontierPoint, finished: Finished) -> dict:
+        label = policy_label(point.policy, point.policy_params)
         return dict(
-            policy_label=policy_label(point.policy, point.policy_params),
+            # another engine's rows are named after it: its full cache is not ours
+            policy_label=label if point.engine == "ours" else f"{point.engine} {label}",
+            engine=point.engine,
             prompt_tokens=point.prompt_tokens,
             new_tokens=point.new_tokens,
             quality_gate_max_perplexity_increase=suite.quality_gate.max_perplexity_increase,
@@ -58,6 +61,10 @@ class FrontierKind(Kind):
             ) + f" ({rec.get('capacity_probes')} probes)"
         else:
             speed = f"max batch {rec['batch_size']}, {rec['output_throughput_tok_per_s']:.1f} output tok/s"
+        if rec.get("perplexity") is None:  # a backend without log-likelihoods: no perplexity, no gate
+            return f"{speed}, {rec.get('quality_note') or 'no perplexity'}" + (
+                f", B {rec['budget_tokens']} tok" if rec.get("budget_tokens") else ""
+            )
         return (
             f"{speed}, perplexity {rec['perplexity']:.3f}"
             + (

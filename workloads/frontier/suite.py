@@ -42,6 +42,15 @@ The throughput axis (``throughput``):
 * ``max_batch``: output tok/s of one batch of the policy's own max batch under the limit (preallocated rows,
   prefill-first), all requests at once: the older measure, quicker, without latency.
 
+Engine backends (`replica.backends`, docs/serving.md "Engine backends") are a policy axis as in a serving suite: a
+policy entry may name its ``engine`` (``{name: full, engine: openvino}``, ``{name: openvino_eviction, engine:
+openvino, params: {...}}``; the suite's ``engine`` runs the entries that name none), so one frontier gives ours and
+OpenVINO GenAI's rows on the same requests and arrivals under one KV byte limit (``openvino_kv_precision`` sets its
+KV precision). Another engine's point runs the same capacity search on its backend (its ``max_cache_size`` from the
+ratio, one for every sequence), with ``throughput: capacity`` only; it gives no log-likelihoods, so it has no
+perplexity (``quality_note``: `NO_PERPLEXITY`) and the report lists it without a gate. A policy or parameter its
+backend cannot run fails the suite when it loads, naming ``policies[i]`` and the field with what it accepts.
+
 ``full`` never evicts, so it runs once (ratio 1). Absolute ``budget_tokens`` are refused: both measurements
 derive B from the ratio and the same length (prompt + new tokens), so a point's two numbers describe one cache.
 Every error is a `workloads.core.suite.SuiteError` naming the field.
@@ -71,6 +80,10 @@ from workloads.load.slo import DEFAULT_SLO, SLO
 from workloads.serving.capacity import CapacitySearch
 from workloads.serving.suite import ServingSuite
 
+#: The backends whose points score perplexity (their log-likelihoods are this process's model's).
+PERPLEXITY_ENGINES = ("ours",)
+#: What a point of another backend records instead of a perplexity (``quality_note``; the report shows it so).
+NO_PERPLEXITY = "no perplexity: backend gives no log-likelihoods"
 #: The frontier's throughput axes (the module docstring).
 THROUGHPUTS = ("capacity", "max_batch")
 #: The default search of ``throughput: capacity``: 17 rates 0.25-8 req/s, at most 25% apart, 5 probes a point.
@@ -97,17 +110,25 @@ class FrontierPoint:
     #: ``throughput: capacity``: the fields of the one-series serving suite (``mode: capacity``) whose search the point
     #: runs (`FrontierSuite.capacity_suite`); None: ``throughput: max_batch``.
     capacity_suite: dict | None = None
+    #: The backend that runs the point (`replica.backends`): the policy entry's ``engine``, else the suite's.
+    engine: str = "ours"
     #: Frontier points compress by a ratio, never by an absolute budget.
     budget_tokens: ClassVar[None] = None
+
+    @property
+    def scores_perplexity(self) -> bool:
+        """Whether the point's backend gives log-likelihoods to score held-out text with (ours does; OpenVINO GenAI's
+        pipeline returns tokens only, so its points have no perplexity: `NO_PERPLEXITY`)."""
+        return self.engine in PERPLEXITY_ENGINES
 
 
 #: What a capacity point's search fixes (`FrontierSuite.capacity_suite`): the engine people serve with.
 _SEARCH_ENGINE = {"kv_layout": "paged", "budget": "per_request", "scheduler": "mixed"}
 #: The engine's other knobs, declared once in `replica.types.EngineConfig` (types, checks, defaults), as suite
-#: fields passed to the search (the KV limit is the suite's `kv_memory_limit`).
-#: Not the engine backend yet: its searches fix a per-request budget OpenVINO's engine has not (docs/serving.md
-#: "Engine backends"), so a frontier suite naming ``engine`` is refused as an unknown field rather than run on ours.
-_ENGINE_KNOBS = EngineConfig.knobs(exclude=(*_SEARCH_ENGINE, *KV_LIMIT_FIELDS, "engine", "openvino_kv_precision"))
+#: fields passed to the search (the KV limit is the suite's `kv_memory_limit`); ``engine`` among them: the backend of
+#: every policy entry that names none (`replica.backends`), whose ``budget: per_request`` becomes the one
+#: ``max_cache_size`` of OpenVINO's rows (`workloads.serving.suite.ServingSuite.engine_config`).
+_ENGINE_KNOBS = EngineConfig.knobs(exclude=(*_SEARCH_ENGINE, *KV_LIMIT_FIELDS))
 #: The frontier fields only ``throughput: capacity`` uses.
 _CAPACITY_FIELDS = ("capacity", "slo", "num_requests", "warmup_requests", *_ENGINE_KNOBS)
 #: The settings of a capacity point's search that change its numbers (part of its id, with the engine knobs set off
@@ -192,11 +213,21 @@ class FrontierSuite(create_model("_FrontierKnobs", __base__=SuiteBase, __module_
                 raise SuiteError(
                     f"{', '.join(changed)}: only used with throughput: capacity (the search at the SLO), not max_batch"
                 )
+            for i, pol in enumerate(self.policies):  # max_batch runs our engine's preallocated rows directly
+                if (pol.engine or self.engine) != "ours":
+                    raise SuiteError(
+                        f"policies[{i}].engine: {pol.engine!r} runs with throughput: capacity only (a serving search "
+                        "on its backend); accepted with throughput: max_batch: ours"
+                    )
             return self
-        try:  # the serving suite each point runs, checked now rather than on the replicas
-            ServingSuite.model_validate(self.capacity_suite(self.policies[0], self.budgets(self.policies[0])[0][0]))
-        except ValidationError as e:
-            raise SuiteError(validation_message(e, ServingSuite)) from None
+        for i, pol in enumerate(self.policies):  # the serving suite each point runs, checked now, not on a replica
+            for ratio, _ in self.budgets(pol):
+                try:
+                    ServingSuite.model_validate(self.capacity_suite(pol, ratio))
+                except ValidationError as e:
+                    raise SuiteError(f"policies[{i}] ({pol.tag()}): {validation_message(e, ServingSuite)}") from None
+                except SuiteError as e:  # the engine's refusal (`ServingSuite._mode_needs`), naming its field
+                    raise SuiteError(f"policies[{i}] ({pol.tag()}): {e}") from None
         return self
 
     def capacity_suite(self, policy, ratio: float | None) -> dict:
@@ -213,7 +244,7 @@ class FrontierSuite(create_model("_FrontierKnobs", __base__=SuiteBase, __module_
             device=self.device,
             seed=self.seed,
             replicas=1,
-            policies=[{"name": policy.name, "params": dict(policy.params)}],
+            policies=[{"name": policy.name, "params": dict(policy.params), "engine": policy.engine}],
             compression_ratios=[ratio] if ratio is not None else [],
             prompt_tokens=self.prompt_tokens,
             new_tokens=self.new_tokens,
@@ -278,6 +309,7 @@ class FrontierSuite(create_model("_FrontierKnobs", __base__=SuiteBase, __module_
                         point_id(tag, ident),
                         ident,
                         serving,
+                        pol.engine or self.engine,
                     )
                 )
         return out
