@@ -38,7 +38,7 @@ from replica import cpu_share
 from replica.cpu_share import CpuMeter
 from replica.engine import full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines
-from replica.static_batch import load_replica_model
+from replica.model_loading import load_replica_model
 from replica.types import EngineConfig, GenerationRequest
 from workloads.load.prompts import prompts_for
 

@@ -44,8 +44,9 @@ from typing import Annotated, Any, ClassVar, Mapping
 
 from pydantic import Field, field_validator
 
+from replica.model_loading import load_replica_model
 from replica.rules import FrozenConfig, check_fraction, check_number, checked
-from replica.static_batch import BatchSpec, ModelReplica, load_replica_model
+from replica.static_batch import BatchSpec, ModelReplica
 from scissorhands.checks import check_int
 from scissorhands.models import resolve_dtype
 
@@ -324,7 +325,7 @@ class PlacedReplica(ModelReplica):
             if sharded_load_s is not None:  # ModelReplica times only the loads it does itself
                 self.live_metrics.observe_model_load(sharded_load_s)
             self.devices = sorted({str(p.device) for p in self.model.parameters()})
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any load error, raised again from info()/run_batch()
             # Keep the actor alive and raise the original error (e.g. FileNotFoundError naming the
             # model path) from info()/run_batch(): Ray then hands the caller that exception itself
             # instead of an ActorDiedError wrapping a traceback.

@@ -44,14 +44,15 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster import loopback
+from cluster.dtype_probe import resolve_run_dtype
 from cluster.serve_routing import StreamHolderRouter
 from cluster.signals import StopSignals
 from replica import cpu_share
 from replica.backends.openvino import BackendUnavailable, check_available
 from replica.continuous import ReplicaReply, ServingReplica, openai_event
+from replica.model_loading import model_context_tokens
 from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
 from replica.openvino_settings import OPENVINO_POLICIES
-from replica.static_batch import model_context_tokens, resolve_run_dtype
 from replica.types import (
     BUDGETS,
     ENGINES,
@@ -408,10 +409,10 @@ def build_serve_app(
 
     `engine_options` are `serve_engine_config`'s keywords, shared by every cache: by default each runs on the
     paged layout under `kv_memory_limit_bytes`, a ratio's budget per request. The ingress learns the model's context
-    (`replica.static_batch.model_context_tokens`: a chat without `max_tokens` runs to it),
+    (`replica.model_loading.model_context_tokens`: a chat without `max_tokens` runs to it),
     `api_key` only as its digest (`ApiKey`), and the body limit `max_body_bytes`.
 
-    `dtype` is resolved once here, for every deployment and replica (`replica.static_batch.resolve_run_dtype`, in
+    `dtype` is resolved once here, for every deployment and replica (`cluster.dtype_probe.resolve_run_dtype`, in
     this process on `num_threads` torch threads): with `auto` resolved per replica, the full cache and
     Scissorhands could run in different dtypes and their comparison would be unfair.
 

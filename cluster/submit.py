@@ -238,6 +238,30 @@ def check_overrides(items: list[str]) -> list[str]:
     return list(items)
 
 
+def _results_dir(given: str | None, working_dir: Path, local: bool) -> Path:
+    """The run's results folder (normalized): `given` (relative to here on a loopback cluster only), else the
+    working dir's ``results/`` on a loopback cluster. Raises SubmitError naming ``--results-dir`` for a remote
+    cluster without an absolute folder (a relative one would land in the job's temporary copy and vanish)."""
+    if given:
+        results = Path(given)
+        if not results.is_absolute():
+            if not local:
+                raise SubmitError(
+                    f"--results-dir: {given!r} is relative; for a remote cluster give an absolute folder on "
+                    "storage all nodes share (e.g. /mnt/shared/results): a relative one would land in the job's "
+                    "temporary copy of the working dir and vanish"
+                )
+            results = Path.cwd() / results
+    elif local:
+        results = working_dir / "results"
+    else:
+        raise SubmitError(
+            "--results-dir: required for a remote cluster: an absolute folder on storage all nodes share "
+            "(e.g. /mnt/shared/results)"
+        )
+    return Path(os.path.normpath(results))
+
+
 def build(args: argparse.Namespace) -> dict:
     """Validate the arguments and build the runtime env and the `ray job submit` command."""
     working_dir = Path(args.working_dir).absolute()
@@ -255,24 +279,7 @@ def build(args: argparse.Namespace) -> dict:
         ) from None
     address = normalize_address(args.address)
     local = is_loopback(address)
-    if args.results_dir:
-        results = Path(args.results_dir)
-        if not results.is_absolute():
-            if not local:
-                raise SubmitError(
-                    f"--results-dir: {args.results_dir!r} is relative; for a remote cluster give an absolute folder on "
-                    "storage all nodes share (e.g. /mnt/shared/results): a relative one would land in the job's "
-                    "temporary copy of the working dir and vanish"
-                )
-            results = Path.cwd() / results
-    elif local:
-        results = working_dir / "results"
-    else:
-        raise SubmitError(
-            "--results-dir: required for a remote cluster: an absolute folder on storage all nodes share "
-            "(e.g. /mnt/shared/results)"
-        )
-    results = Path(os.path.normpath(results))
+    results = _results_dir(args.results_dir, working_dir, local)
     run_id = args.run_id or f"{suite_name(suite_abs)}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
     excludes = list(DEFAULT_EXCLUDES) + list(args.exclude or [])
     try:  # results inside the working dir never travel, wherever they are
@@ -412,7 +419,7 @@ def job_exists(address: str, submission_id: str) -> bool:
     try:
         JobSubmissionClient(address).get_job_info(submission_id)
         return True
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to read the job: not known to the server
         return False
 
 
@@ -424,7 +431,7 @@ def job_outcome(address: str, submission_id: str) -> tuple[str, str | None, str 
     info = client.get_job_info(submission_id)
     try:
         logs = client.get_job_logs(submission_id)
-    except Exception:
+    except Exception:  # noqa: BLE001 - the logs are optional: the status is still read
         logs = None
     return str(getattr(info.status, "value", info.status)), info.message, logs
 
@@ -586,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if rc == 0 else 1
     try:
         status, message, logs = job_outcome(plan["address"], plan["submission_id"])
-    except Exception as e:  # the job server is gone or never got the job
+    except Exception as e:  # noqa: BLE001 - the job server is gone or never got the job
         print(f"submit: could not read the job's status: {e}", file=sys.stderr)
         return rc or 1
     saved = save_job_record(plan, status, message, logs)

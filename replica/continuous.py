@@ -22,7 +22,7 @@ import torch
 from replica.backends import EngineBackend, make_engine
 from replica.engine import EngineLoop
 from replica.metrics import ReplicaMetrics
-from replica.static_batch import load_replica_model
+from replica.model_loading import load_replica_model
 from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 from scissorhands.models import cpu_model_name
 
@@ -62,14 +62,14 @@ class ServingReplica:
     """One model replica serving requests.
 
     Args:
-        model_spec: as `replica.static_batch.load_replica_model` (`"embedded"`, an HF id, a folder,
+        model_spec: as `replica.model_loading.load_replica_model` (`"embedded"`, an HF id, a folder,
             `"tiny-llama"` for tests); ignored when `model` is given.
         dtype, device: of the weights.
         replica_id: recorded in every result.
         num_threads: torch intra-op threads of this process (None keeps torch's).
         engine_config: configure right away (a dict of `EngineConfig` fields or an `EngineConfig`).
         model: an already loaded model (tests).
-        dtype_reason: why the run chose `dtype` (`replica.static_batch.resolve_run_dtype`: `auto` resolved once
+        dtype_reason: why the run chose `dtype` (`cluster.dtype_probe.resolve_run_dtype`: `auto` resolved once
             for every replica of a run or service); recorded in `info()` instead of "forced".
 
     Raises:
@@ -96,7 +96,7 @@ class ServingReplica:
         tokenizer = None
         if model is None:
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
-            if dtype_reason is not None:  # the run resolved `auto` once (`replica.static_batch.resolve_run_dtype`)
+            if dtype_reason is not None:  # the run resolved `auto` once (`cluster.dtype_probe.resolve_run_dtype`)
                 model.scissorhands_dtype_reason = dtype_reason
         self.model = model
         self.eos_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None

@@ -612,7 +612,7 @@ class NullMetrics:
     def add_generated_tokens(self, n: int, phase: str = "measured") -> None:
         """`n` more output tokens of `phase`'s requests."""
 
-    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - the field term
+    def set_kv_cache(self, bytes: int, slots: int) -> None:  # the field's term (shadows the builtin on purpose)
         """KV cache size now: bytes and slots in use."""
 
     def add_evictions(self, n: int) -> None:
@@ -746,7 +746,7 @@ class ReplicaMetrics(NullMetrics):
         if self._check("n", n) > 0:
             self._record("generated_tokens_total", n, phase)
 
-    def set_kv_cache(self, bytes: int, slots: int) -> None:  # noqa: A002 - the field term
+    def set_kv_cache(self, bytes: int, slots: int) -> None:  # the field's term (shadows the builtin on purpose)
         """KV cache size now: `bytes` of every cache tensor (bookkeeping included), `slots` in use."""
         self._record("kv_cache_bytes", self._check("bytes", bytes))
         self._record("kv_cache_slots", self._check("slots", slots))

@@ -2,6 +2,9 @@
 
     app = build_app({"smollm2-135m-instruct:full": backend, ...}, tokenizer, context_tokens=8192)
 
+`build_app` is the thin constructor of an `OpenAIServer` (the backends, the configuration, the per-model counts
+of requests in flight, one method per route) and returns its FastAPI app.
+
 Endpoints (OpenAI's API reference; `ignore_eos` and `min_tokens` as vLLM names them):
 
 * `POST /v1/completions`: `prompt` as text or a list of token ids;
@@ -58,6 +61,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Protocol
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from replica.openai_fields import chat_logprobs, completion_logprobs, unsupported_field
 from replica.token_bytes import TokenBytes
 from replica.types import MAX_LOGPROBS, GenerationRequest
@@ -65,6 +73,7 @@ from replica.types import MAX_LOGPROBS, GenerationRequest
 __all__ = [
     "Backend",
     "ReplicaBackend",
+    "OpenAIServer",
     "build_app",
     "ApiError",
     "ApiKey",
@@ -322,23 +331,159 @@ class IncrementalDetokenizer:
 
 
 # ---------------------------------------------------------------------------- the app
-def build_app(
-    backends: dict[str, Backend],
-    tokenizer,
-    *,
-    context_tokens: int | None = None,
-    max_pending_requests: int = 256,
-    owner: str = "scissorhands-bench",
-    api_key: "ApiKey | str | None" = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-):
-    """A FastAPI app serving `backends` (model id -> backend) with `tokenizer` (a transformers
-    tokenizer with a chat template for `/v1/chat/completions`).
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class BearerAuth:
+    """ASGI middleware: a request to any path but `OPEN_PATHS` without `Authorization: Bearer <key>` gets
+    401, an unknown path included (plain ASGI, so streams pass through untouched)."""
+
+    def __init__(self, asgi, key: ApiKey):
+        self.asgi, self.key = asgi, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not self.key.matches(token.strip()):
+                refusal = ApiError(
+                    401,
+                    "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                return await _error_response(refusal)(scope, receive, send)
+        await self.asgi(scope, receive, send)
+
+
+async def _api_error(request, exc: ApiError):
+    return _error_response(exc)
+
+
+async def _http_error(request, exc: StarletteHTTPException):  # an unknown path (404), a wrong method (405)
+    route = f"{request.method} {request.url.path}"
+    message = {404: f"Invalid URL ({route})", 405: f"Method not allowed ({route})"}.get(exc.status_code)
+    return _error_response(ApiError(exc.status_code, message or str(exc.detail), headers=exc.headers))
+
+
+async def _validation_error(request, exc):
+    return _error_response(ApiError(400, f"invalid request: {exc.errors()}"))
+
+
+async def _any_error(request, exc):  # never a bare 500 page
+    return _error_response(ApiError(500, f"{type(exc).__name__}: {exc}", type_="internal_error"))
+
+
+def _parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _pick_model(body: dict, served: dict) -> str:
+    m = body.get("model")
+    if not isinstance(m, str):
+        raise ApiError(400, f"model: expected a string (one of {', '.join(served)}), got {m!r}", "model")
+    if m not in served:
+        raise ApiError(
+            404,
+            f"model: the model {m!r} does not exist (served: {', '.join(served)})",
+            "model",
+            code="model_not_found",
+        )
+    return m
+
+
+def _prompt_ids(body: dict, tokenizer) -> list[int]:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one
+    if isinstance(p, str):
+        if tokenizer is None:
+            raise ApiError(400, "prompt: this server has no tokenizer; send token ids", "prompt")
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+    elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        ids = p
+    else:
+        raise ApiError(400, f"prompt: expected a string or a list of token ids, got {p!r}"[:300], "prompt")
+    if not ids:
+        raise ApiError(400, "prompt: the prompt is empty", "prompt")
+    vocab = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
+    if vocab is not None and any(t < 0 or t >= len(tokenizer) for t in ids):
+        raise ApiError(400, f"prompt: token ids must be in [0, {len(tokenizer)})", "prompt")
+    return list(ids)
+
+
+def _chat_ids(body: dict, tokenizer) -> list[int]:
+    msgs = body.get("messages")
+    if (
+        not isinstance(msgs, list)
+        or not msgs
+        or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        )
+    ):
+        raise ApiError(400, "messages: expected a non-empty list of {role, content} strings", "messages")
+    for i, m in enumerate(msgs):
+        if m["role"] not in CHAT_ROLES:
+            raise ApiError(
+                400,
+                f"messages.[{i}].role: expected one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"[:300],
+                f"messages.[{i}].role",
+            )
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "messages: this model's tokenizer has no chat template", "messages")
+    out = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in msgs], add_generation_prompt=True, tokenize=True
+    )
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return list(out)
+
+
+def _warmup_of(request: Request) -> bool:
+    phase = request.headers.get(PHASE_HEADER, "measured").strip().lower()
+    if phase not in ("measured", "warmup"):
+        raise ApiError(400, f"{PHASE_HEADER}: expected warmup or measured, got {phase!r}", PHASE_HEADER)
+    return phase == "warmup"
+
+
+def _generation_request(rid: str, ids: list[int], max_tokens: int, opts: dict, warmup: bool) -> GenerationRequest:
+    try:
+        return GenerationRequest(
+            rid,
+            ids,
+            max_tokens,
+            ignore_eos=opts["ignore_eos"],
+            temperature=opts["temperature"],
+            top_p=opts["top_p"],
+            seed=opts["seed"],
+            min_new_tokens=opts["min_tokens"],
+            warmup=warmup,
+            logprobs=opts["logprobs"],
+            prompt_logprobs=opts["prompt_logprobs"],
+        )
+    except ValueError as e:  # a range the request itself checks: the field is the message's first word
+        raise ApiError(400, str(e), str(e).split(":")[0]) from None
+
+
+# ---------------------------------------------------------------------------- the server
+class OpenAIServer:
+    """The OpenAI-compatible service over `backends` (model id -> backend) with `tokenizer` (a transformers
+    tokenizer with a chat template for `/v1/chat/completions`): its configuration, its per-model counts of
+    requests in flight and its tokenizer thread, one method per route (`health`, `models`, `completions`,
+    `chat_completions`) and `app()`, the FastAPI app routing to them.
 
     Args:
         context_tokens: the model's context (prompt + max_tokens must fit; None: unchecked here, the
             backend's `check` still refuses). A chat without `max_tokens` generates up to it.
         max_pending_requests: per model, requests in flight beyond which new ones get 429.
+        owner: `owned_by` of every model in `/v1/models`.
         api_key: when given, every request but `OPEN_PATHS` (`/health`) needs `Authorization: Bearer <key>`
             (else 401, code `invalid_api_key`), and the `/docs` and `/redoc` pages are off.
         max_body_bytes: larger request bodies get 413 before they are parsed.
@@ -346,289 +491,112 @@ def build_app(
     Bodies are parsed and prompts tokenized on one worker thread (as vLLM's tokenizer executor), so a
     long prompt never stalls the event loop that streams other requests' tokens.
     """
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    key = ApiKey(api_key) if isinstance(api_key, str) else api_key
-    # with a key, only /health is open: the schema needs the key and the docs pages are off (their
-    # browser pages fetch the schema without a bearer token, so they could not work)
-    app = FastAPI(
-        title="scissorhands-bench OpenAI-compatible API",
-        docs_url=None if key is not None else "/docs",
-        redoc_url=None if key is not None else "/redoc",
-    )
-    pending = {m: 0 for m in backends}
-    created = int(time.time())
-    tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-api-parse")
-    vocab = TokenBytes(tokenizer)  # each token's own bytes and name in log-probabilities
+    def __init__(
+        self,
+        backends: dict[str, Backend],
+        tokenizer,
+        *,
+        context_tokens: int | None = None,
+        max_pending_requests: int = 256,
+        owner: str = "scissorhands-bench",
+        api_key: "ApiKey | str | None" = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        self.backends, self.tokenizer = backends, tokenizer
+        self.context_tokens, self.max_pending_requests = context_tokens, max_pending_requests
+        self.owner, self.max_body_bytes = owner, max_body_bytes
+        self.key = ApiKey(api_key) if isinstance(api_key, str) else api_key
+        self.pending = {m: 0 for m in backends}  # requests in flight per model
+        self.created = int(time.time())
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="openai-api-parse")
+        self.vocab = TokenBytes(tokenizer)  # each token's own bytes and name in log-probabilities
 
-    def error_response(e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    def app(self) -> FastAPI:
+        """The FastAPI app: the routes, OpenAI's error JSON for every error, the bearer check with a key."""
+        # with a key, only /health is open: the schema needs the key and the docs pages are off (their
+        # browser pages fetch the schema without a bearer token, so they could not work)
+        app = FastAPI(
+            title="scissorhands-bench OpenAI-compatible API",
+            docs_url=None if self.key is not None else "/docs",
+            redoc_url=None if self.key is not None else "/redoc",
+        )
+        if self.key is not None:
+            app.add_middleware(BearerAuth, key=self.key)
+        app.add_exception_handler(ApiError, _api_error)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.add_exception_handler(Exception, _any_error)
+        app.get("/health")(self.health)
+        app.get("/v1/models")(self.models)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        return app
 
-    class BearerAuth:
-        """ASGI middleware: a request to any path but `OPEN_PATHS` without `Authorization: Bearer <key>` gets
-        401, an unknown path included (plain ASGI, so streams pass through untouched)."""
+    # ------------------------------------------------------------------------ routes
+    async def health(self):
+        return {"status": "ok", "models": list(self.backends)}
 
-        def __init__(self, asgi):
-            self.asgi = asgi
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-                header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
-                scheme, _, token = header.partition(" ")
-                if scheme.lower() != "bearer" or not key.matches(token.strip()):
-                    refusal = ApiError(
-                        401,
-                        "Incorrect or missing API key: send the header 'Authorization: Bearer <key>'",
-                        code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"},
-                    )
-                    return await error_response(refusal)(scope, receive, send)
-            await self.asgi(scope, receive, send)
-
-    if key is not None:
-        app.add_middleware(BearerAuth)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError):
-        return error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):  # an unknown path (404), a wrong method (405)
-        route = f"{request.method} {request.url.path}"
-        message = {404: f"Invalid URL ({route})", 405: f"Method not allowed ({route})"}.get(exc.status_code)
-        return error_response(ApiError(exc.status_code, message or str(exc.detail), headers=exc.headers))
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, exc):
-        return error_response(ApiError(400, f"invalid request: {exc.errors()}"))
-
-    @app.exception_handler(Exception)
-    async def _any_error(request, exc):  # never a bare 500 page
-        return error_response(ApiError(500, f"{type(exc).__name__}: {exc}", type_="internal_error"))
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok", "models": list(backends)}
-
-    @app.get("/v1/models")
-    async def models():
+    async def models(self):
         return {
             "object": "list",
             "data": [
                 {
                     "id": m,
                     "object": "model",
-                    "created": created,
-                    "owned_by": owner,
-                    "max_model_len": context_tokens,  # vLLM's name for the context
+                    "created": self.created,
+                    "owned_by": self.owner,
+                    "max_model_len": self.context_tokens,  # vLLM's name for the context
                     "metadata": b.metadata,
                 }
-                for m, b in backends.items()
+                for m, b in self.backends.items()
             ],
         }
 
-    def too_large(size: str) -> ApiError:
-        return ApiError(
-            413,
-            f"the request body is {size} bytes, more than this server's limit of {max_body_bytes} bytes",
-            code="request_too_large",
-        )
+    async def completions(self, request: Request):
+        return await self.handle(request, chat=False)
 
-    async def read_body(request: Request) -> bytes:
-        """The raw body, refused (413) as soon as it is known to exceed `max_body_bytes`."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            raise too_large(declared)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise too_large(f"over {size}")
-            chunks.append(chunk)
-        return b"".join(chunks)
+    async def chat_completions(self, request: Request):
+        return await self.handle(request, chat=True)
 
-    def parse_json(raw: bytes) -> dict:
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
-
-    def pick_model(body: dict) -> str:
-        m = body.get("model")
-        if not isinstance(m, str):
-            raise ApiError(400, f"model: expected a string (one of {', '.join(backends)}), got {m!r}", "model")
-        if m not in backends:
-            raise ApiError(
-                404,
-                f"model: the model {m!r} does not exist (served: {', '.join(backends)})",
-                "model",
-                code="model_not_found",
-            )
-        return m
-
-    def prompt_ids_of(body: dict) -> list[int]:
-        p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-            p = p[0]  # a batch of one
-        if isinstance(p, str):
-            if tokenizer is None:
-                raise ApiError(400, "prompt: this server has no tokenizer; send token ids", "prompt")
-            ids = tokenizer(p, add_special_tokens=False)["input_ids"]
-        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            ids = p
-        else:
-            raise ApiError(400, f"prompt: expected a string or a list of token ids, got {p!r}"[:300], "prompt")
-        if not ids:
-            raise ApiError(400, "prompt: the prompt is empty", "prompt")
-        vocab = getattr(tokenizer, "vocab_size", None) if tokenizer is not None else None
-        if vocab is not None and any(t < 0 or t >= len(tokenizer) for t in ids):
-            raise ApiError(400, f"prompt: token ids must be in [0, {len(tokenizer)})", "prompt")
-        return list(ids)
-
-    def chat_ids_of(body: dict) -> list[int]:
-        msgs = body.get("messages")
-        if (
-            not isinstance(msgs, list)
-            or not msgs
-            or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        ):
-            raise ApiError(400, "messages: expected a non-empty list of {role, content} strings", "messages")
-        for i, m in enumerate(msgs):
-            if m["role"] not in CHAT_ROLES:
-                raise ApiError(
-                    400,
-                    f"messages.[{i}].role: expected one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"[:300],
-                    f"messages.[{i}].role",
-                )
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ApiError(400, "messages: this model's tokenizer has no chat template", "messages")
-        out = tokenizer.apply_chat_template(
-            [{"role": m["role"], "content": m["content"]} for m in msgs], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return list(out)
-
-    def warmup_of(request: Request) -> bool:
-        phase = request.headers.get(PHASE_HEADER, "measured").strip().lower()
-        if phase not in ("measured", "warmup"):
-            raise ApiError(400, f"{PHASE_HEADER}: expected warmup or measured, got {phase!r}", PHASE_HEADER)
-        return phase == "warmup"
-
-    def parse(raw: bytes, chat: bool) -> tuple:
-        """Body -> (model, options, prompt ids): the JSON, the fields, the chat template and tokenization
-        (on the worker thread; raises ApiError naming the field)."""
-        body = parse_json(raw)
-        model = pick_model(body)
-        opts = _parse_common(body, chat)
-        wants_logprobs = opts["logprobs"] is not None or opts["echo"]
-        if wants_logprobs and opts["stream"]:
-            raise ApiError(400, "stream: logprobs and echo are answered whole only (stream: false)", "stream")
-        if wants_logprobs and opts["stop"]:
-            raise ApiError(400, "stop: logprobs and echo are not served together with stop strings", "stop")
-        return model, opts, chat_ids_of(body) if chat else prompt_ids_of(body)
-
-    async def default_max_tokens(backend, prompt_tokens: int) -> int:
-        """A chat without `max_tokens` runs to EOS or the end of the context (OpenAI's and vLLM's rule),
-        capped at what the KV memory limit holds for it alone: the backend's `max_new_tokens_for` in one call, or
-        the longest its `check` accepts (a backend without it)."""
-        hi = context_tokens - prompt_tokens if context_tokens is not None else UNKNOWN_CONTEXT_MAX_TOKENS
-        if hi >= 1 and hasattr(backend, "max_new_tokens_for"):
-            return max(1, await backend.max_new_tokens_for(prompt_tokens, hi))
-        if hi < 1 or await backend.check(prompt_tokens, hi) is None:
-            return max(1, hi)
-        lo = 0  # the longest known to fit (0: none yet); hi does not fit
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if await backend.check(prompt_tokens, mid) is None else (lo, mid)
-        return max(1, lo)  # 0: not even one token fits; the check below names why
-
-    async def handle(request: Request, chat: bool):
-        raw = await read_body(request)
-        warmup = warmup_of(request)
-        model, opts, ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, parse, raw, chat)
-        backend = backends[model]
-        wants_logprobs = opts["logprobs"] is not None or opts["echo"]
-        max_tokens = opts["max_tokens"]
-        if max_tokens is None:
-            max_tokens = await default_max_tokens(backend, len(ids)) if chat else DEFAULT_COMPLETION_MAX_TOKENS
-        if context_tokens is not None and len(ids) + max_tokens > context_tokens:
-            raise ApiError(
-                400,
-                f"max_tokens: the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"the model's context of {context_tokens} tokens",
-                "max_tokens",
-                code="context_length_exceeded",
-            )
-        why = await backend.check(len(ids), max(1, max_tokens))
-        if why is not None:
-            raise ApiError(
-                400,
-                f"max_tokens: {why}",
-                "max_tokens",
-                code="context_length_exceeded" if getattr(why, "kind", None) == "context" else "kv_memory_limit",
-            )
-        if pending[model] >= max_pending_requests:
+    # ------------------------------------------------------------------------ one request
+    async def handle(self, request: Request, chat: bool):
+        """One completion or chat request: read and parse it, check its length, open the backend's stream, and
+        answer it whole (JSON) or as Server-Sent Events."""
+        raw = await self.read_body(request)
+        warmup = _warmup_of(request)
+        model, opts, ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.parse, raw, chat)
+        backend = self.backends[model]
+        max_tokens = await self.checked_max_tokens(backend, opts["max_tokens"], len(ids), chat)
+        if self.pending[model] >= self.max_pending_requests:
             raise _retry_later(
                 429,
-                f"model {model!r} has {pending[model]} requests in flight (the bound); retry later",
+                f"model {model!r} has {self.pending[model]} requests in flight (the bound); retry later",
                 "rate_limit_error",
                 "queue_full",
             )
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        try:
-            req = GenerationRequest(
-                rid,
-                ids,
-                max_tokens,
-                ignore_eos=opts["ignore_eos"],
-                temperature=opts["temperature"],
-                top_p=opts["top_p"],
-                seed=opts["seed"],
-                min_new_tokens=opts["min_tokens"],
-                warmup=warmup,
-                logprobs=opts["logprobs"],
-                prompt_logprobs=opts["prompt_logprobs"],
-            )
-        except ValueError as e:  # a range the request itself checks: the field is the message's first word
-            raise ApiError(400, str(e), str(e).split(":")[0]) from None
-        # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
-        # string, the end of a stream), or garbage-collected (a client gone before its body started)
+        req = _generation_request(rid, ids, max_tokens, opts, warmup)
         seen: dict = {}  # the result event, for its log-probabilities
-        events = _Stoppable(
-            _counted(
-                _keeping_result(backend.stream(req), seen), lambda: pending.__setitem__(model, pending[model] - 1)
-            ),
-            getattr(backend, "finish", None),
-            rid,
-        )
-        pending[model] += 1
-        try:
-            first = await events.__anext__()  # an error before the first token is answered as JSON
-        except BaseException as e:
-            raise _backend_error(e) from None
-        if "result" in first and first["result"].get("error_kind"):
-            await events.aclose()
-            raise _result_error(first["result"])
-        detok = IncrementalDetokenizer(tokenizer, opts["stop"]) if tokenizer is not None else None
+        events, first = await self.open_events(backend, model, req, seen)
+        detok = IncrementalDetokenizer(self.tokenizer, opts["stop"]) if self.tokenizer is not None else None
         obj = "chat.completion" if chat else "text_completion"
         if not opts["stream"]:
             try:
                 reply = await _until_disconnected(
-                    request, _collect(first, events, detok, rid, obj, model, created, chat, len(ids))
+                    request, _collect(first, events, detok, rid, obj, model, self.created, chat, len(ids))
                 )
-                if wants_logprobs:  # on the worker thread: a long echoed prompt is detokenized token by token
-                    await asyncio.get_running_loop().run_in_executor(
-                        tokenize_pool, _add_logprobs, reply, seen.get("result"), ids, opts, tokenizer, vocab, chat
+                if opts["logprobs"] is not None or opts["echo"]:  # on the worker thread: a long echoed prompt
+                    await asyncio.get_running_loop().run_in_executor(  # is detokenized token by token
+                        self.tokenize_pool,
+                        _add_logprobs,
+                        reply,
+                        seen.get("result"),
+                        ids,
+                        opts,
+                        self.tokenizer,
+                        self.vocab,
+                        chat,
                     )
                 return JSONResponse(reply)
             finally:
@@ -649,15 +617,127 @@ def build_app(
             headers={"Cache-Control": "no-cache"},
         )
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
+    def too_large(self, size: str) -> ApiError:
+        return ApiError(
+            413,
+            f"the request body is {size} bytes, more than this server's limit of {self.max_body_bytes} bytes",
+            code="request_too_large",
+        )
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
+    async def read_body(self, request: Request) -> bytes:
+        """The raw body, refused (413) as soon as it is known to exceed `max_body_bytes`."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self.too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self.too_large(f"over {size}")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-    return app
+    def parse(self, raw: bytes, chat: bool) -> tuple:
+        """Body -> (model, options, prompt ids): the JSON, the fields, the chat template and tokenization
+        (on the worker thread; raises ApiError naming the field)."""
+        body = _parse_json(raw)
+        model = _pick_model(body, self.backends)
+        opts = _parse_common(body, chat)
+        wants_logprobs = opts["logprobs"] is not None or opts["echo"]
+        if wants_logprobs and opts["stream"]:
+            raise ApiError(400, "stream: logprobs and echo are answered whole only (stream: false)", "stream")
+        if wants_logprobs and opts["stop"]:
+            raise ApiError(400, "stop: logprobs and echo are not served together with stop strings", "stop")
+        return model, opts, _chat_ids(body, self.tokenizer) if chat else _prompt_ids(body, self.tokenizer)
+
+    async def checked_max_tokens(self, backend, max_tokens: int | None, prompt_tokens: int, chat: bool) -> int:
+        """The request's `max_tokens` (its default when not given), refused (400 naming `max_tokens`) when the
+        prompt and it exceed the context (`context_length_exceeded`) or the backend can never serve it (its
+        `check`: the refusal's kind picks the code, a plain reason is `kv_memory_limit`)."""
+        if max_tokens is None:
+            max_tokens = (
+                await self.default_max_tokens(backend, prompt_tokens) if chat else DEFAULT_COMPLETION_MAX_TOKENS
+            )
+        if self.context_tokens is not None and prompt_tokens + max_tokens > self.context_tokens:
+            raise ApiError(
+                400,
+                f"max_tokens: the prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the model's context of {self.context_tokens} tokens",
+                "max_tokens",
+                code="context_length_exceeded",
+            )
+        why = await backend.check(prompt_tokens, max(1, max_tokens))
+        if why is not None:
+            raise ApiError(
+                400,
+                f"max_tokens: {why}",
+                "max_tokens",
+                code="context_length_exceeded" if getattr(why, "kind", None) == "context" else "kv_memory_limit",
+            )
+        return max_tokens
+
+    async def default_max_tokens(self, backend, prompt_tokens: int) -> int:
+        """A chat without `max_tokens` runs to EOS or the end of the context (OpenAI's and vLLM's rule),
+        capped at what the KV memory limit holds for it alone: the backend's `max_new_tokens_for` in one call, or
+        the longest its `check` accepts (a backend without it)."""
+        context = self.context_tokens
+        hi = context - prompt_tokens if context is not None else UNKNOWN_CONTEXT_MAX_TOKENS
+        if hi >= 1 and hasattr(backend, "max_new_tokens_for"):
+            return max(1, await backend.max_new_tokens_for(prompt_tokens, hi))
+        if hi < 1 or await backend.check(prompt_tokens, hi) is None:
+            return max(1, hi)
+        lo = 0  # the longest known to fit (0: none yet); hi does not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if await backend.check(prompt_tokens, mid) is None else (lo, mid)
+        return max(1, lo)  # 0: not even one token fits; the check below names why
+
+    async def open_events(self, backend, model: str, req: GenerationRequest, seen: dict) -> tuple:
+        """The request's events (counted in flight until they end or close) and the first of them; an error before
+        the first token is raised as JSON (`_backend_error`, `_result_error`)."""
+        # `pending` is released in the wrapper's `finally`: when the events are exhausted, closed (a stop
+        # string, the end of a stream), or garbage-collected (a client gone before its body started)
+        events = _Stoppable(
+            _counted(
+                _keeping_result(backend.stream(req), seen),
+                lambda: self.pending.__setitem__(model, self.pending[model] - 1),
+            ),
+            getattr(backend, "finish", None),
+            req.request_id,
+        )
+        self.pending[model] += 1
+        try:
+            first = await events.__anext__()  # an error before the first token is answered as JSON
+        except BaseException as e:  # noqa: BLE001 - every failure before the first token is answered as JSON
+            raise _backend_error(e) from None
+        if "result" in first and first["result"].get("error_kind"):
+            await events.aclose()
+            raise _result_error(first["result"])
+        return events, first
+
+
+def build_app(
+    backends: dict[str, Backend],
+    tokenizer,
+    *,
+    context_tokens: int | None = None,
+    max_pending_requests: int = 256,
+    owner: str = "scissorhands-bench",
+    api_key: "ApiKey | str | None" = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI app of an `OpenAIServer` over `backends` (model id -> backend) with `tokenizer`; the
+    arguments as `OpenAIServer`'s."""
+    server = OpenAIServer(
+        backends,
+        tokenizer,
+        context_tokens=context_tokens,
+        max_pending_requests=max_pending_requests,
+        owner=owner,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+    )
+    return server.app()
 
 
 #: The one error kind / code of a request whose replica process died under it (killed, crashed, OOM-killed,

@@ -35,25 +35,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import psutil
 import torch
-from transformers import AutoConfig
 
 from replica.metrics import NullMetrics, ReplicaMetrics
+from replica.model_loading import TEST_MODEL_NAMES, load_replica_model
 from scissorhands import make_cache
-from scissorhands.models import (
-    EMBEDDED,
-    check_device_name,
-    check_dtype_name,
-    cpu_model_name,
-    load_model,
-    model_id_of,
-    resolve_dtype,
-    resolve_source,
-)
-from scissorhands.testing import tiny_llama
-
-#: Test-only model names a suite may use instead of a real model (tiny random weights, no
-#: tokenizer: prompts are random ids drawn with the point's seed). Not for benchmarking.
-TEST_MODEL_NAMES = ("tiny-llama",)
+from scissorhands.models import EMBEDDED, cpu_model_name, model_id_of
 
 
 @dataclass(frozen=True)
@@ -87,133 +73,6 @@ class BatchSpec:
 
 
 PromptFn = Callable[[Any, int, int, int], list]  # (tokenizer, n, prompt_tokens, seed) -> ids
-
-
-def load_replica_model(model_spec: str, dtype: str | torch.dtype = "auto", device: str = "cpu"):
-    """Load `(model, tokenizer)` for a model spec, in `dtype` (`scissorhands.models.DTYPE_CHOICES`;
-    `"auto"` resolved by `scissorhands.models.resolve_dtype`, its reason kept as
-    `model.scissorhands_dtype_reason`).
-
-    `model_spec` is `"embedded"`, a Hugging Face model id, a local folder, or a test-only name
-    from `TEST_MODEL_NAMES` (tokenizer is then None). Raises FileNotFoundError naming the path
-    when `model_spec` is a filesystem path (absolute, or starting with `.` or `~`) that does
-    not exist.
-    """
-    check_dtype_name(dtype)
-    check_device_name(device)
-    if model_spec == "tiny-llama":
-        model = tiny_llama(seed=0)
-        torch_dtype, reason = resolve_dtype(dtype, model.config, device)
-        model = model.to(device=device, dtype=torch_dtype)
-        model.scissorhands_dtype_reason = reason
-        model.eval()
-        return model, None
-    expanded = os.path.expanduser(model_spec)
-    if model_spec.startswith((os.sep, ".", "~")) and not os.path.exists(expanded):
-        raise FileNotFoundError(f"model: path does not exist: {expanded}")
-    model, tokenizer = load_model(expanded, dtype=dtype, device=device)
-    model.eval()
-    return model, tokenizer
-
-
-def model_config(model_spec: str):
-    """The config of the model `model_spec` names (as `load_replica_model` takes it), read without its weights;
-    None where it cannot be read here (`resolve_dtype`'s probe then uses SmolLM2-135M's shapes; a replica that
-    loads the model reports the model's own error, naming its path)."""
-    if model_spec in TEST_MODEL_NAMES:
-        return tiny_llama(seed=0).config
-    try:
-        source, kwargs = resolve_source(os.path.expanduser(model_spec))
-        return AutoConfig.from_pretrained(source, local_files_only=True, **kwargs)
-    except Exception:  # noqa: BLE001 - any unreadable model: whoever loads it reports its own error
-        return None
-
-
-def model_context_tokens(model_spec: str) -> int | None:
-    """The model's context (``max_position_embeddings`` of its text config, tokens), read without its weights
-    (`model_config`); None when unknown. The one source of a model's context for the suites' checks
-    (`workloads.core.run.check_model_context`) and the HTTP service (`cluster.serve_app`)."""
-    config = model_config(model_spec)
-    if config is None:
-        return None
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    context = getattr(text, "max_position_embeddings", None)
-    return int(context) if context else None
-
-
-def resolve_dtype_here(
-    model_spec: str, dtype: str, device: str = "cpu", num_threads: int | None = None, where: str | None = None
-) -> dict:
-    """Resolve a run's `dtype` once, in this process, for every replica of the run.
-
-    `"auto"` runs `scissorhands.models.resolve_dtype` (its bfloat16 probe at the model's own layer shapes,
-    on `num_threads` torch threads: a replica's share; torch's thread count is restored after). The probe is
-    noisy under load, so a run must not let each replica resolve `auto` on its own (replicas of one run could
-    differ in dtype): it resolves here once and hands every replica the result.
-
-    Returns:
-        ``{"dtype": concrete name}`` plus ``"dtype_reason"`` (resolve_dtype's reason, ending
-        "resolved once for the run on <where>", default this host) for `"auto"`; ``{"dtype": dtype}`` for a
-        forced dtype (the replicas record "forced" as before).
-    Raises:
-        ValueError: naming ``dtype`` or ``device`` and the accepted values (`scissorhands.models.check_dtype_name`,
-            `check_device_name`).
-    """
-    check_dtype_name(dtype)
-    check_device_name(device)
-    if dtype != "auto":
-        return {"dtype": dtype}
-    before = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(int(num_threads))
-    try:
-        torch_dtype, reason = resolve_dtype("auto", model_config(model_spec), device)
-    finally:
-        torch.set_num_threads(before)
-    where = where or f"host {socket.gethostname()}"
-    return {
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "dtype_reason": f"{reason}; resolved once for the run on {where}",
-    }
-
-
-def resolve_run_dtype(
-    model_spec: str,
-    dtype: str,
-    device: str = "cpu",
-    *,
-    ray=None,
-    num_cpus: float = 1.0,
-    num_gpus: float = 0.0,
-    num_threads: int | None = None,
-    timeout_s: float | None = None,
-) -> dict:
-    """`resolve_dtype_here` for a whole run: in this process when `ray` is None (local runs, `make serve`),
-    else as one small Ray task with a replica's resources (`num_cpus`, `num_gpus`, `num_threads` torch
-    threads) on a node of the cluster, so the probe measures what a replica will run on. Forced dtypes need
-    no task. Returns and raises as `resolve_dtype_here` (the task's error as raised in it); Ray's
-    `GetTimeoutError` when the task has not run within `timeout_s` (no node had its resources free)."""
-    if dtype != "auto" or ray is None:
-        return resolve_dtype_here(model_spec, dtype, device, num_threads)
-
-    def task(spec: str, dt: str, dev: str, threads: int | None) -> dict:
-        import ray as ray_
-
-        return resolve_dtype_here(
-            spec,
-            dt,
-            dev,
-            threads,
-            f"node {ray_.get_runtime_context().get_node_id()[:12]} (host {socket.gethostname()})",
-        )
-
-    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=1)(task)
-    ref = remote.remote(model_spec, dtype, device, num_threads)
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        ray.cancel(ref, force=True)
-        raise
 
 
 def _peak_rss_bytes(current_peak: int) -> int:
@@ -253,7 +112,7 @@ class ModelReplica:
         run_id: the run whose points this replica serves (label `run_id` of its live metrics).
         metrics: the live-metrics recorder (injection for tests); default a `ReplicaMetrics`
             with this replica's labels (Ray metrics inside an actor, in memory without Ray).
-        dtype_reason: why the run chose `dtype` (`resolve_run_dtype`, which resolves `auto` once for all
+        dtype_reason: why the run chose `dtype` (`cluster.dtype_probe.resolve_run_dtype`, which resolves `auto` once for all
             replicas of a run); recorded in `info()` instead of "forced".
 
     Raises:
@@ -290,7 +149,7 @@ class ModelReplica:
             t0 = time.perf_counter()
             model, tokenizer = load_replica_model(model_spec, dtype=dtype, device=device)
             self.live_metrics.observe_model_load(time.perf_counter() - t0)
-        if dtype_reason is not None:  # the run resolved `auto` once (`resolve_run_dtype`) and says why
+        if dtype_reason is not None:  # the run resolved `auto` once and says why
             model.scissorhands_dtype_reason = dtype_reason
         self.model = model
         self.tokenizer = tokenizer

@@ -22,7 +22,7 @@ import sys
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import pytest  # noqa: E402  (after the environment is set)
+import pytest  # after the environment is set
 
 
 @pytest.fixture(scope="module")

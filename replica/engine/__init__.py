@@ -13,7 +13,8 @@ submit ─► core (queue, lifecycle: the only caller of on_token / on_done / fa
 
 * `replica.engine.core`: `ContinuousBatchingEngine`, the queue and each request's lifecycle
   (`replica.engine.request_queue`: the waiting requests; `replica.engine.in_flight`: the admitted ones;
-  `replica.engine.lifecycle` answers requests and counts outcomes);
+  `replica.engine.lifecycle` answers requests and counts outcomes; `replica.engine.readout`: what it answers
+  without stepping, the KV budget's answers for a request's lengths and its state);
 * `replica.engine.requests`: the values the parts pass (`Sequence`, `Prefill`, `EngineView`, `StepPlan`);
 * `replica.engine.scheduler`: `SCHEDULERS` (``prefill_first``, ``mixed``), ``plan(view, kv) -> StepPlan``;
 * `replica.engine.kv_budget`: `KV_BUDGETS` by `kv_layout` (``preallocated``: bytes, ``paged``: blocks);

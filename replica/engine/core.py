@@ -10,25 +10,27 @@ leave.
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Callable
 
 from replica.engine.in_flight import InFlight
 from replica.engine.kv_budget import KV_BUDGETS
 from replica.engine.lifecycle import Lifecycle, recording
+from replica.engine.readout import EngineReadout
 from replica.engine.request_queue import RequestQueue
-from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan
+from replica.engine.requests import Prefill, Sequence, StepPlan
 from replica.engine.runner import ModelRunner
 from replica.engine.scheduler import SCHEDULERS
 from replica.metrics import NullMetrics
-from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
+from replica.types import EngineConfig, GenerationRequest, GenerationResult
 
 __all__ = ["ContinuousBatchingEngine"]
 
 
-class ContinuousBatchingEngine:
-    """The continuous-batching engine of one replica (thread-safe `submit` and `abort`, single-threaded `step`).
+class ContinuousBatchingEngine(EngineReadout):
+    """The continuous-batching engine of one replica (thread-safe `submit` and `abort`, single-threaded `step`);
+    what it answers without stepping (`fits_alone`, `max_batch_for`, `running`, `fault`, ...) is its base,
+    `replica.engine.readout.EngineReadout`.
 
     Args:
         model: a transformers causal LM (its attention implementation becomes ``"scissorhands"``).
@@ -74,55 +76,6 @@ class ContinuousBatchingEngine:
         self.flight = InFlight(self.runner)
         self.reset_stats()
 
-    # ------------------------------------------------------------------ the KV budget's answers
-    def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
-        """A request's B (`KVBudget.budget_of`)."""
-        return self.kv.budget_of(prompt_tokens, max_new_tokens)
-
-    def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Slots a sequence's row needs at most (`KVBudget.final_slots`)."""
-        return self.kv.final_slots(prompt_tokens, max_new_tokens)
-
-    def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
-        """Why a request of these lengths can never run under the KV memory limit, even alone, as this engine's
-        scheduler feeds it (None: it can; `KVBudget.fits_alone`): a `Refusal` of kind ``kv_memory`` or ``policy``."""
-        return self.kv.fits_alone(prompt_tokens, max_new_tokens, self.scheduler.chunk_tokens())
-
-    def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
-        """The most new tokens (at most `most`) a request of `prompt_tokens` may ask and still run alone; 0: none."""
-        return self.kv.max_new_tokens_for(prompt_tokens, most, self.scheduler.chunk_tokens())
-
-    def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Largest batch of identical requests the memory limit (and `max_batch`) admits at once: on the paged
-        layout, as many as hold their final blocks together (so none is preempted)."""
-        cap = self.config.max_batch or 1 << 30
-        if self.kv_memory_limit_bytes is None:
-            return cap
-        return self.kv.max_batch_for(prompt_tokens, max_new_tokens, cap, self.scheduler.chunk_tokens())
-
-    # ------------------------------------------------------------------ the running batch (read by tests)
-    @property
-    def _cache(self):
-        return self.runner.cache
-
-    def _new_cache(self, group: list[Sequence] | None = None, paged: bool = True):
-        return self.runner.new_cache(group, paged)
-
-    @property
-    def _lock(self) -> threading.Condition:
-        return self.queue.lock
-
-    @property
-    def _running(self) -> list[Sequence]:
-        return self.flight.running
-
-    @property
-    def _prefilling(self) -> list[Prefill]:
-        return self.flight.prefilling
-
-    def _view(self) -> EngineView:
-        return self.flight.view(self.queue.waiting)
-
     # ------------------------------------------------------------------ submission
     def submit(
         self,
@@ -148,16 +101,6 @@ class ContinuousBatchingEngine:
         fault = self.queue.put(seq, lambda: self.life.count(seq, "received"))
         if fault is not None:  # a dead engine refuses at once rather than queue a request nobody will step
             self.life.fail(seq, "error", fault)
-
-    @property
-    def fault(self) -> str | None:
-        """Why the engine stopped serving (`stop_on_fault`); None while it is healthy."""
-        return self.queue.fault
-
-    @property
-    def healthy(self) -> bool:
-        """False once the engine stopped on a fault (`stop_on_fault`): it refuses every request."""
-        return self.queue.fault is None
 
     def stop_on_fault(self, message: str) -> int:
         """Mark the engine dead with `message` (naming the fault): every request it holds, queued or running, is
@@ -187,25 +130,6 @@ class ContinuousBatchingEngine:
                 self.life.complete(s, "stop", t)
             else:
                 self.life.fail(s, "aborted", "the client aborted the request")
-
-    def wait_for_work(self, timeout_s: float) -> bool:
-        """Block until a request is queued or running (or `timeout_s` passes); return whether one is."""
-        return self.queue.wait_for(lambda: self.flight.rows > 0, timeout_s)
-
-    @property
-    def running(self) -> int:
-        """Requests admitted and not finished: decoding, or part-way prefilled (`scheduler: mixed`)."""
-        return self.flight.rows
-
-    @property
-    def queued(self) -> int:
-        return len(self.queue)
-
-    @property
-    def generated_tokens(self) -> int:
-        """Output tokens of measured requests generated since `reset_stats` (`stats()`'s ``generated_tokens``,
-        without building the whole dict: cheap enough for a progress bar after every `step()`)."""
-        return self.life.counts["tokens"]
 
     # ------------------------------------------------------------------ one step
     def _plan(self) -> StepPlan:
@@ -367,8 +291,7 @@ class ContinuousBatchingEngine:
             "kv_cache_bytes": self.flight.kv_cache_bytes(),
             **Lifecycle.request_stats(s),
             "kv_layout": self.config.kv_layout,
-            "scheduler": self.config.scheduler,
-            "max_num_batched_tokens": self.scheduler.chunk_tokens(),
+            **self.scheduler.stats(),
             **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
             **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
         }

@@ -21,7 +21,12 @@ from replica.engine.kv_base import KVBudget
 from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan, decodes_after_prefill, same_group
 from replica.types import EngineConfig
 
-__all__ = ["SCHEDULERS", "Mixed", "PrefillFirst", "Scheduler"]
+__all__ = ["SCHEDULERS", "SCHEDULE_KEYS", "Mixed", "PrefillFirst", "Scheduler"]
+
+#: The knobs that say how a step is scheduled, as the engine's `stats()` reports them (`Scheduler.stats`): the
+#: scheduler's name and its token budget a step (None: whole prompts). A serving record's columns, and under
+#: ``mixed`` part of a serving point's id (`workloads.serving.suite`), so these names live here once.
+SCHEDULE_KEYS = ("scheduler", "max_num_batched_tokens")
 
 
 class Scheduler:
@@ -37,6 +42,10 @@ class Scheduler:
     def chunk_tokens(self) -> int | None:
         """The most prompt tokens one forward of a prompt feeds (None: the whole prompt)."""
         return self.config.max_num_batched_tokens if self.chunked else None
+
+    def stats(self) -> dict:
+        """`SCHEDULE_KEYS` for the engine's `stats()`: this scheduler's name and `chunk_tokens`."""
+        return dict(zip(SCHEDULE_KEYS, (self.config.scheduler, self.chunk_tokens())))
 
     def plan(self, view: EngineView, kv: KVBudget) -> StepPlan:
         raise NotImplementedError

@@ -96,7 +96,7 @@ def _child_affinity(cpus: frozenset[int]) -> set[int]:
         text=True,
         check=True,
     )
-    return set(eval(out.stdout))  # noqa: S307 - a list of ints printed by the child
+    return set(eval(out.stdout))  # a list of ints printed by the child
 
 
 def test_a_child_started_on_a_set_runs_there():

@@ -8,8 +8,8 @@ from ray import cloudpickle
 
 from cluster import serve_app
 from cluster.serve_app import API_KEY_ENV, build_serve_app, check_exposure, is_loopback, main
+from replica.model_loading import model_context_tokens
 from replica.openai_api import DEFAULT_MAX_BODY_BYTES, ApiKey
-from replica.static_batch import model_context_tokens
 
 KEY = "sk-serve-0123456789abcdef"
 

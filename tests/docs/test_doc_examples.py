@@ -106,7 +106,7 @@ def test_python_example_is_run_here_or_elsewhere_or_excluded_with_a_reason(page,
     if key in RUN_HERE:
         monkeypatch.chdir(tmp_path)
         namespace: dict = {"__name__": "__main__"}
-        exec(compile(code, f"{page}:{line}", "exec"), namespace)  # noqa: S102 - the page's own example, as written
+        exec(compile(code, f"{page}:{line}", "exec"), namespace)  # the page's own example, as written
         m = namespace["m"]
         assert m.completed_requests == m.sent_requests > 0 and m.failed_requests == 0, f"{page}:{line}"
         assert m.output_throughput_tok_per_s > 0 and m.stop_reason == "count"

@@ -223,7 +223,7 @@ def test_the_token_budget_binds_blocks_only_under_mixed():
 def test_mixed_full_cache_gives_the_prefill_first_tokens_on_the_embedded_model():
     """Chunks of the real model's prompts attend through the masked path, not the fused causal kernel of a whole
     prompt: a claim of equal greedy tokens is checked where rounding and near-ties are real."""
-    from replica.static_batch import load_replica_model
+    from replica.model_loading import load_replica_model
     from workloads.load.prompts import prompts_for
 
     torch.set_num_threads(2)

@@ -35,7 +35,7 @@ class _Counted(MeasuredEta):
         super().__init__(*a, **k)
         self.n = 0
 
-    def update(self, n):  # noqa: D102
+    def update(self, n):
         self.n += n
         super().update(self.n)
 

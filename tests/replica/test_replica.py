@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from replica.static_batch import BatchSpec, ModelReplica, load_replica_model
+from replica.model_loading import load_replica_model
+from replica.static_batch import BatchSpec, ModelReplica
 from scissorhands.testing import tiny_llama
 
 
@@ -128,8 +129,8 @@ def test_replica_dtype_auto_is_resolved_and_recorded(monkeypatch):
 def test_a_bad_device_is_refused_naming_the_field_before_any_load(device):
     """One check (`scissorhands.models.check_device_name`) for the loader and the run's dtype resolution, which
     the suites and `make serve` go through; a bad device failed inside torch after Ray had started before."""
+    from cluster.dtype_probe import resolve_run_dtype
     from cluster.serve_app import main as serve_main
-    from replica.static_batch import resolve_run_dtype
 
     msg = f"device: expected cpu, cuda or cuda:<index>, got '{device}'"
     with pytest.raises(ValueError) as e:

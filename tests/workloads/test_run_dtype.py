@@ -61,7 +61,7 @@ def test_local_run_resolves_once_and_every_replica_runs_it(alternating_probe):
 
 
 def test_forced_dtype_needs_no_probe(alternating_probe):
-    from replica.static_batch import resolve_run_dtype
+    from cluster.dtype_probe import resolve_run_dtype
 
     assert resolve_run_dtype("tiny-llama", "float32") == {"dtype": "float32"}
     assert probe_calls(alternating_probe) == 0

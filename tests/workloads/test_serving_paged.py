@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import yaml
+
 from workloads import sweep
+from workloads.serving.suite import ServingSuite
 
 SUITE = """
 kind: serving
@@ -82,3 +85,16 @@ def test_a_mixed_scheduler_without_paged_blocks_or_below_one_block_exits_2_namin
         assert sweep.main(args + [a for s in sets for a in ("--set", s)]) == 2
         assert field in capsys.readouterr().err
     assert not any(tmp_path.glob("*/points.jsonl"))  # nothing recorded
+
+
+def test_a_mixed_suite_id_carries_the_token_budget_even_at_its_default():
+    """The ids written when `scheduler: mixed` came in carry its token budget whatever its value (the generic rule,
+    a knob joins an id only off its default, would drop it at 512); prefill_first carries neither key."""
+    base = yaml.safe_load(SUITE)
+    first = ServingSuite(**base).identity()
+    mixed = ServingSuite(**base, scheduler="mixed").identity()
+    tuned = ServingSuite(**base, scheduler="mixed", max_num_batched_tokens=64).identity()
+    assert "scheduler" not in first and "max_num_batched_tokens" not in first
+    assert (mixed["scheduler"], mixed["max_num_batched_tokens"]) == ("mixed", 512)
+    assert (tuned["scheduler"], tuned["max_num_batched_tokens"]) == ("mixed", 64)
+    assert {k: v for k, v in mixed.items() if k not in ("scheduler", "max_num_batched_tokens")} == first

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from cluster import submit, supervise
 from cluster.connect import ClusterError, error_message, replica_resources
+from cluster.dtype_probe import resolve_run_dtype as resolve
 from cluster.placement import PlacementError, not_ready_message
 from cluster.replica_set import app_name_for, delete_leftover_apps, point_replicas
 from replica.backends.openvino import BackendUnavailable
 from replica.backends.openvino import check_available as check_openvino
-from replica.static_batch import model_context_tokens
-from replica.static_batch import resolve_run_dtype as resolve
+from replica.model_loading import model_context_tokens
 from workloads.core import results as res
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -295,7 +295,7 @@ def check_engines(suite) -> None:
 def resolve_run_dtype(
     suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float = 0.0, num_threads: int | None = None
 ) -> dict:
-    """Resolve the suite's ``dtype`` once for the whole run (`replica.static_batch.resolve_run_dtype`): in this
+    """Resolve the suite's ``dtype`` once for the whole run (`cluster.dtype_probe.resolve_run_dtype`): in this
     process when `ray` is None, else as one Ray task with a replica's resources. Every replica of the run
     then loads that concrete dtype with the same ``dtype_reason`` (``auto``'s probe is noisy under load, so
     replicas resolving on their own could disagree; docs/sweep.md).
@@ -373,7 +373,7 @@ def start_replicas(
     except PlacementError as e:  # no node can hold it, or not placed and loaded within ready_timeout_s
         rset.shutdown()
         raise SweepError(str(e), 1) from None
-    except Exception as e:  # a replica could not load its model
+    except Exception as e:  # noqa: BLE001 - a replica could not load its model
         rset.shutdown()
         raise SweepError(f"replica failed to start: {error_message(e)}", 1) from None
     print(

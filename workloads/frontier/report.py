@@ -694,6 +694,35 @@ def _error_bar(r: dict, zoom: bool) -> tuple[str, tuple[float | None, float | No
     return CI_PAIRED, (full * lo, full * hi)
 
 
+def _draw_fronts(ax, shown: list[dict], groups: list[tuple], handles: dict) -> None:
+    """Each group's Pareto frontier among the `shown` rows on `ax`: its points ringed and joined (dashed for the
+    first group, dotted after), its legend handle kept in `handles`."""
+    for k, g in enumerate(groups):
+        front = sorted(
+            (r for r in shown if r["on_frontier"] and _group(r) == g),
+            key=lambda r: r["throughput_value"],
+        )
+        if not front:
+            continue
+        name = "Pareto frontier" + (f" ({k + 1}: {g[1]}, {g[2] / MIB:.3g} MiB)" if len(groups) > 1 else "")
+        (handles[name],) = ax.plot(
+            [r["throughput_value"] for r in front],
+            [r["perplexity"] for r in front],
+            "--" if k == 0 else ":",
+            color="black",
+            lw=1,
+            zorder=2,
+        )
+        ax.scatter(
+            [r["throughput_value"] for r in front],
+            [r["perplexity"] for r in front],
+            s=160,
+            facecolors="none",
+            edgecolors="black",
+            zorder=4,
+        )
+
+
 def figure(rows: list[dict]):
     """The frontier figure (matplotlib `Figure` on an Agg canvas, drawn, labels placed) of the ok ``rows`` of
     `frontier_rows`: every point (left), and the points within `ZOOM_PERPLEXITY_FACTOR` of the lowest perplexity
@@ -752,29 +781,7 @@ def figure(rows: list[dict]):
                 )
             ax.scatter(x, y, color=colors[pol], marker=markers.get(q, "o"), s=55, zorder=3)
             labels.append((ax, x, y, ("≥ " if r["throughput_lower_bound"] else "") + r["label"]))
-        for k, g in enumerate(groups):
-            front = sorted(
-                (r for r in shown if r["on_frontier"] and _group(r) == g),
-                key=lambda r: r["throughput_value"],
-            )
-            if front:
-                name = "Pareto frontier" + (f" ({k + 1}: {g[1]}, {g[2] / MIB:.3g} MiB)" if len(groups) > 1 else "")
-                (handles[name],) = ax.plot(
-                    [r["throughput_value"] for r in front],
-                    [r["perplexity"] for r in front],
-                    "--" if k == 0 else ":",
-                    color="black",
-                    lw=1,
-                    zorder=2,
-                )
-                ax.scatter(
-                    [r["throughput_value"] for r in front],
-                    [r["perplexity"] for r in front],
-                    s=160,
-                    facecolors="none",
-                    edgecolors="black",
-                    zorder=4,
-                )
+        _draw_fronts(ax, shown, groups, handles)
         if zoom and shown:  # the zoom keeps its points (and the gate) in view, not the intervals' far ends
             ys = [r["perplexity"] for r in shown] + [g for g, _ in gates]
             pad = max((max(ys) - min(ys)) * 0.08, max(ys) * 0.002)

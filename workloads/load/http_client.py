@@ -78,6 +78,44 @@ def _status_kind(status: int, code: str | None = None) -> str:
     )
 
 
+def _reply_error(status: int, text: str) -> tuple[str, str]:
+    """(error kind, message) of an HTTP error reply whose body is `text` (OpenAI's error JSON, or anything)."""
+    try:
+        err = json.loads(text)["error"]
+        msg, code = err["message"], err.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        msg, code = text[:500], None
+    return _status_kind(status, code), f"HTTP {status}: {msg}"
+
+
+def _event_error(error) -> tuple[str, str]:
+    """(error kind, message) of a stream's error event (`data: {"error": ...}`)."""
+    err = error if isinstance(error, dict) else {"message": str(error)}
+    return REPLICA_DIED if err.get("code") == REPLICA_DIED else "server_error", str(err.get("message"))
+
+
+def _choice_ids(choice: dict) -> tuple[list[int], bool]:
+    """(the token ids of one streamed choice, whether the server sent ids): without ids, a chunk with text is one
+    token (id -1)."""
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return [int(i) for i in ids], True
+    delta = choice.get("delta") or {}
+    text = choice.get("text") if "text" in choice else delta.get("content")
+    return ([-1] if text else []), False
+
+
+def _read_usage_and_times(ev: dict, final: HTTPGenerationResult, usage_tokens: int | None) -> int | None:
+    """The completion tokens of the event's `usage` (else `usage_tokens`, the last seen); the replica's TTFT and
+    id of its `scissorhands` extension kept in `final`."""
+    if isinstance(ev.get("usage"), dict) and ev["usage"].get("completion_tokens") is not None:
+        usage_tokens = int(ev["usage"]["completion_tokens"])
+    if isinstance(ev.get("scissorhands"), dict):
+        final.replica_ttft_s = ev["scissorhands"].get("replica_ttft_s")
+        final.replica_id = ev["scissorhands"].get("replica_id") or final.replica_id
+    return usage_tokens
+
+
 #: Where a client finds its bearer token when it is given none, in order: ours (`cluster.serve_app --api-key`'s
 #: default), then the one vLLM's benchmark and OpenAI's SDK read.
 API_KEY_ENVS = (API_KEY_ENV, "OPENAI_API_KEY")
@@ -214,13 +252,7 @@ class OpenAIHTTPClient:
             async with session.post(url, json=body, headers=headers) as resp:
                 final.http_status = resp.status
                 if resp.status != 200:
-                    text = await resp.text()
-                    try:
-                        err = json.loads(text)["error"]
-                        msg, code = err["message"], err.get("code")
-                    except (ValueError, KeyError, TypeError, AttributeError):
-                        msg, code = text[:500], None
-                    yield failed(_status_kind(resp.status, code), f"HTTP {resp.status}: {msg}")
+                    yield failed(*_reply_error(resp.status, await resp.text()))
                     return
                 done = False
                 async for raw in resp.content:  # one line at a time, as it arrives
@@ -238,24 +270,12 @@ class OpenAIHTTPClient:
                         yield failed("bad_event", f"not JSON: {data[:200]!r}")
                         return
                     if "error" in ev:
-                        err = ev["error"] if isinstance(ev["error"], dict) else {"message": str(ev["error"])}
-                        kind = REPLICA_DIED if err.get("code") == REPLICA_DIED else "server_error"
-                        yield failed(kind, str(err.get("message")))
+                        yield failed(*_event_error(ev["error"]))
                         return
-                    if isinstance(ev.get("usage"), dict) and ev["usage"].get("completion_tokens") is not None:
-                        usage_tokens = int(ev["usage"]["completion_tokens"])
-                    if isinstance(ev.get("scissorhands"), dict):
-                        final.replica_ttft_s = ev["scissorhands"].get("replica_ttft_s")
-                        final.replica_id = ev["scissorhands"].get("replica_id") or final.replica_id
+                    usage_tokens = _read_usage_and_times(ev, final, usage_tokens)
                     for choice in ev.get("choices") or []:
-                        ids = choice.get("token_ids")
-                        if isinstance(ids, list):
-                            saw_ids = True
-                            n_ids = [int(i) for i in ids]
-                        else:  # no ids: a chunk with text is one token
-                            delta = choice.get("delta") or {}
-                            text = choice.get("text") if "text" in choice else delta.get("content")
-                            n_ids = [-1] if text else []
+                        n_ids, with_ids = _choice_ids(choice)
+                        saw_ids = saw_ids or with_ids
                         if n_ids:
                             counted += len(n_ids)
                             last_t = t
@@ -269,14 +289,10 @@ class OpenAIHTTPClient:
         finally:
             if own is not None:
                 await own.close()
-        if saw_ids:
-            final.output_tokens_source = "token_ids"
-        elif usage_tokens is not None:
-            final.output_tokens_source = "usage"
-            if usage_tokens > counted and last_t is not None:
-                yield StreamChunk([-1] * (usage_tokens - counted), last_t)  # several tokens in one chunk
-        else:
-            final.output_tokens_source = "chunks"
+        final.output_tokens_source = "token_ids" if saw_ids else "usage" if usage_tokens is not None else "chunks"
+        uncounted = usage_tokens - counted if final.output_tokens_source == "usage" else 0
+        if uncounted > 0 and last_t is not None:
+            yield StreamChunk([-1] * uncounted, last_t)  # several tokens in one chunk
         final.usage_completion_tokens = usage_tokens
         final.finish_time_s = self.clock()
         final.finish_reason = "length" if max(counted, usage_tokens or 0) >= request.max_new_tokens else "stop"

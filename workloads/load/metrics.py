@@ -280,6 +280,28 @@ def _pooled(records: list[RequestRecord], name: str):
         yield from (v if isinstance(v, list) else (v,))
 
 
+def _rate_shortfall_causes(
+    completed: int, arrivals: int, completed_rate: float | None, achieved_rate: float | None, offered: float
+) -> list[str]:
+    """Why a rate point fell short of the rate `offered` (req/s, the arrival times drawn): the replicas did not
+    keep up (fewer than `RATE_SHORTFALL_FRACTION` of the `arrivals` completed, or completed slower), or the load
+    generator sent slower than `SEND_SHORTFALL_FRACTION` of it; empty when neither."""
+    behind = []  # what fell short of the rate offered (the arrival times drawn)
+    if completed < RATE_SHORTFALL_FRACTION * arrivals:
+        behind.append(f"only {completed} of {arrivals} arrivals completed")
+    if completed_rate is None or completed_rate < RATE_SHORTFALL_FRACTION * offered:
+        behind.append(f"completed {completed_rate or 0:.3g} req/s")
+    causes = []
+    if behind:
+        causes.append(", ".join(behind) + f" (below {RATE_SHORTFALL_FRACTION:.0%}: the replicas did not keep up)")
+    if achieved_rate is not None and achieved_rate < SEND_SHORTFALL_FRACTION * offered:
+        causes.append(
+            f"sent {achieved_rate:.3g} req/s (below {SEND_SHORTFALL_FRACTION:.0%}: the load generator fell "
+            "behind its schedule)"
+        )
+    return causes
+
+
 def summarize(
     records: list[RequestRecord],
     *,
@@ -363,19 +385,7 @@ def summarize(
     offered = scheduled_rate or target_rate_req_per_s
     rate_shortfall = None
     if target_rate_req_per_s and offered and len(measured) >= 2:
-        behind = []  # what fell short of the rate offered (the arrival times drawn)
-        if len(ok) < RATE_SHORTFALL_FRACTION * len(measured):
-            behind.append(f"only {len(ok)} of {len(measured)} arrivals completed")
-        if completed_rate is None or completed_rate < RATE_SHORTFALL_FRACTION * offered:
-            behind.append(f"completed {completed_rate or 0:.3g} req/s")
-        causes = []
-        if behind:
-            causes.append(", ".join(behind) + f" (below {RATE_SHORTFALL_FRACTION:.0%}: the replicas did not keep up)")
-        if achieved_rate is not None and achieved_rate < SEND_SHORTFALL_FRACTION * offered:
-            causes.append(
-                f"sent {achieved_rate:.3g} req/s (below {SEND_SHORTFALL_FRACTION:.0%}: the load generator fell "
-                "behind its schedule)"
-            )
+        causes = _rate_shortfall_causes(len(ok), len(measured), completed_rate, achieved_rate, offered)
         rate_shortfall = bool(causes)
         if causes:
             warnings.append(f"rate shortfall: {offered:.3g} req/s offered, " + "; ".join(causes))

@@ -481,7 +481,7 @@ class TraceLoad(OpenLoop):
         return (len(rows) - 1) / span if len(rows) > 1 and span > 0 else None
 
     def check(self) -> None:
-        self.rows  # noqa: B018 - reads and checks the file now
+        self.rows  # reads and checks the file now
 
     def length_range(self) -> tuple[LengthDist, LengthDist]:
         """The trace's prompt and output lengths as `LengthDist(dist="trace", min, max)` (for memory

@@ -103,6 +103,71 @@ def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
     return _finish(fig, ax, out_dir / "attainment_vs_rate.png", grid_which="both")
 
 
+def _plot_batch(plt, records: list[dict], out_dir: Path) -> list[Path]:
+    """Throughput vs batch size (max_batch and serving-batch points), when the records have it."""
+    batch = []
+    for r in records:
+        if r.get("mode") == "max_batch":
+            batch.append({**r, "_batch": r.get("max_batch_size")})
+        elif r.get("mode") == "serving-batch":
+            batch.append({**r, "_batch": r.get("load")})
+    if not _series(batch, "_batch", "output_throughput_tok_per_s"):
+        return []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in _series(batch, "_batch", "output_throughput_tok_per_s").items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        for x, y in pts:
+            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
+    ax.set_xlabel("batch size (sequences)")
+    ax.set_ylabel("output throughput (tokens/s)")
+    ax.set_title("Throughput vs batch size under one KV memory limit")
+    return [_finish(fig, ax, out_dir / "throughput_vs_batch.png")]
+
+
+def _plot_latency(plt, records: list[dict], out_dir: Path) -> list[Path]:
+    """Latency (p50, p99) vs the achieved request rate (rate and capacity points), when the records have it."""
+    rate = [r for r in records if r.get("mode") in ("rate", "capacity")]  # a capacity probe is a rate point
+    if not _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s"):
+        return []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s").items():
+        (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50")
+        p99 = _series([r for r in rate if _label(r) == label], "achieved_rate_req_per_s", "e2e_latency_p99_s")
+        for pts99 in p99.values():
+            ax.plot(
+                [p[0] for p in pts99],
+                [p[1] for p in pts99],
+                marker="^",
+                ls="--",
+                color=line.get_color(),
+                label=f"{label} p99",
+            )
+    ax.set_xlabel("achieved request rate (requests/s)")
+    ax.set_ylabel("end-to-end latency (s)")
+    ax.set_title("Latency vs request rate")
+    return [_finish(fig, ax, out_dir / "latency_vs_rate.png")]
+
+
+def _plot_pareto(plt, records: list[dict], out_dir: Path) -> list[Path]:
+    """Per-user speed (1 / mean TPOT) vs throughput per replica, with each series' Pareto front."""
+    pareto = []
+    for r in records:
+        tpot, thr = r.get("tpot_mean_s"), r.get("output_throughput_tok_per_s")
+        if r.get("status") == "ok" and tpot and thr is not None:
+            pareto.append({**r, "_user": 1.0 / tpot, "_replica": thr / max(1, r.get("replicas") or 1)})
+    if not pareto:
+        return []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, pts in _series(pareto, "_user", "_replica").items():
+        sc = ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=label, s=18)
+        front = pareto_front(pts)
+        ax.plot([p[0] for p in front], [p[1] for p in front], color=sc.get_facecolor()[0], alpha=0.8)
+    ax.set_xlabel("tokens/s per user (1 / mean TPOT)")
+    ax.set_ylabel("output tokens/s per replica")
+    ax.set_title("Pareto: per-user speed vs replica throughput")
+    return [_finish(fig, ax, out_dir / "pareto_tokens_per_user.png")]
+
+
 def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None = None) -> list[Path]:
     """Write the plots the records allow (`capacity`: a capacity suite's searches, for `plot_capacity`); return
     their paths."""
@@ -112,57 +177,8 @@ def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None 
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
-    written = []
-    batch = []
-    for r in records:
-        if r.get("mode") == "max_batch":
-            batch.append({**r, "_batch": r.get("max_batch_size")})
-        elif r.get("mode") == "serving-batch":
-            batch.append({**r, "_batch": r.get("load")})
-    if _series(batch, "_batch", "output_throughput_tok_per_s"):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for label, pts in _series(batch, "_batch", "output_throughput_tok_per_s").items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-            for x, y in pts:
-                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(3, 4), fontsize=7)
-        ax.set_xlabel("batch size (sequences)")
-        ax.set_ylabel("output throughput (tokens/s)")
-        ax.set_title("Throughput vs batch size under one KV memory limit")
-        written.append(_finish(fig, ax, out_dir / "throughput_vs_batch.png"))
-    rate = [r for r in records if r.get("mode") in ("rate", "capacity")]  # a capacity probe is a rate point
-    if _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s"):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for label, pts in _series(rate, "achieved_rate_req_per_s", "e2e_latency_p50_s").items():
-            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50")
-            p99 = _series([r for r in rate if _label(r) == label], "achieved_rate_req_per_s", "e2e_latency_p99_s")
-            for pts99 in p99.values():
-                ax.plot(
-                    [p[0] for p in pts99],
-                    [p[1] for p in pts99],
-                    marker="^",
-                    ls="--",
-                    color=line.get_color(),
-                    label=f"{label} p99",
-                )
-        ax.set_xlabel("achieved request rate (requests/s)")
-        ax.set_ylabel("end-to-end latency (s)")
-        ax.set_title("Latency vs request rate")
-        written.append(_finish(fig, ax, out_dir / "latency_vs_rate.png"))
-    pareto = []
-    for r in records:
-        tpot, thr = r.get("tpot_mean_s"), r.get("output_throughput_tok_per_s")
-        if r.get("status") == "ok" and tpot and thr is not None:
-            pareto.append({**r, "_user": 1.0 / tpot, "_replica": thr / max(1, r.get("replicas") or 1)})
-    if pareto:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for label, pts in _series(pareto, "_user", "_replica").items():
-            sc = ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=label, s=18)
-            front = pareto_front(pts)
-            ax.plot([p[0] for p in front], [p[1] for p in front], color=sc.get_facecolor()[0], alpha=0.8)
-        ax.set_xlabel("tokens/s per user (1 / mean TPOT)")
-        ax.set_ylabel("output tokens/s per replica")
-        ax.set_title("Pareto: per-user speed vs replica throughput")
-        written.append(_finish(fig, ax, out_dir / "pareto_tokens_per_user.png"))
+    written = _plot_batch(plt, records, out_dir) + _plot_latency(plt, records, out_dir)
+    written += _plot_pareto(plt, records, out_dir)
     if capacity:
         path = plot_capacity(records, capacity, out_dir)
         if path is not None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from cluster.connect import error_message
 from replica import cpu_share
+from replica.engine.scheduler import SCHEDULE_KEYS
 from workloads.load.driver import run_load
 from workloads.load.metrics import summarize
 from workloads.load.slo import SLO_MISS_ERROR_KINDS
@@ -128,8 +129,7 @@ def run_point(
             # paged KV layout: sequences preempted when the block pool ran out, and the tokens prefilled again
             "kv_layout": next((s.get("kv_layout") for s in stats if "kv_layout" in s), None),
             # a step's work: whole prompts then a decode, or one token budget (mixed: decodes first, prompt chunks)
-            "scheduler": next((s.get("scheduler") for s in stats if "scheduler" in s), None),
-            "max_num_batched_tokens": next((s.get("max_num_batched_tokens") for s in stats if "scheduler" in s), None),
+            **{k: next((s.get(k) for s in stats if "scheduler" in s), None) for k in SCHEDULE_KEYS},
             # the backend that served the point (replica.backends: ours or openvino)
             "engine": next((s.get("engine") for s in stats if "engine" in s), None),
             # None when no replica's backend counts them (OpenVINO's pipeline does not: its `not_reported`)

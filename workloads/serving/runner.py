@@ -35,7 +35,7 @@ from typing import Callable, Iterator
 
 from cluster.connect import error_message, init_ray, replica_resources
 from cluster.inventory import cluster_inventory
-from replica.static_batch import TEST_MODEL_NAMES
+from replica.model_loading import TEST_MODEL_NAMES
 from scissorhands.models import load_tokenizer
 from scissorhands.testing import TINY_LLAMA_CONFIG
 from workloads.core import results as res

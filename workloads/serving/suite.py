@@ -69,6 +69,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, create_model, model_validator
 
+from replica.engine.scheduler import SCHEDULE_KEYS
 from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt, at_most_one
 from replica.types import ConfigError, EngineConfig, KVMemoryLimit
 from scissorhands import POLICIES
@@ -139,7 +140,7 @@ class ServingPoint:
 
 def _lengths(value: Any, info) -> LengthDist:
     dist = value if isinstance(value, LengthDist) else LengthDist.parse(info.field_name, value)
-    dist.upper  # noqa: B018 - bounded, for memory (ValueError naming the field otherwise)
+    dist.upper  # bounded, for memory (ValueError naming the field otherwise)
     return dist
 
 
@@ -309,8 +310,7 @@ class ServingSuite(_EngineKnobs):
                 "saturation",
                 "kv_memory_limit",
                 "slo",
-                "scheduler",
-                "max_num_batched_tokens",
+                *SCHEDULE_KEYS,  # below
                 "capacity",  # a probe's numbers depend on its rate, not on the search that picked it
             }
         )
@@ -320,7 +320,7 @@ class ServingSuite(_EngineKnobs):
         if self.slo != DEFAULT_SLO:
             ident["slo"] = self.slo.model_dump(mode="json")
         if self.scheduler == "mixed":  # likewise: prefill_first (the older engine's only scheduler) adds nothing
-            ident.update(scheduler="mixed", max_num_batched_tokens=self.max_num_batched_tokens)
+            ident.update({k: getattr(self, k) for k in SCHEDULE_KEYS})  # its token budget always, as ids had it
         # the limit under the record's names: {bytes: N} and the older kv_memory_limit_bytes are one setting (and
         # keep the ids of suites written before kv_memory_limit); full_sequences adds its own key
         lim = self.kv_limit
