@@ -218,9 +218,29 @@ class ContinuousBatchingEngine:
                 self.flight.admit(plan.chunks, plan.started)  # held from here until finished: `abort_all` sees them
             for seq, why in plan.rejected:
                 self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {why}")
+            for p, _ in plan.chunks:
+                if p.cache is None:  # before any prefill of this step takes blocks: its cached ones are claimed
+                    self._start_from_cache(p)
             if not plan.yield_newest:
                 return plan
             self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
+
+    def _start_from_cache(self, p: Prefill) -> None:
+        """Start a group just admitted from its rows' cached blocks (`PagedBudget.attach_prefix`) and count the
+        prefix cache's hit and miss tokens (the tokens its prefill takes from the cache, and those it computes); a
+        fault fails the group alone (its prefill is then skipped)."""
+        try:
+            cached = self.kv.attach_prefix(p, self.runner.new_cache)
+        except Exception as e:  # noqa: BLE001 - one group's failure never fails another request
+            self.life.fail_all(p.group, e)
+            p.group = []
+            return
+        if self.kv.prefix is None:
+            return
+        for seq in p.group:
+            seq.result.cached_prompt_tokens += cached
+            self.life.add(self.life.key(seq, "prefix_cache_hit_tokens"), cached)
+            self.life.add(self.life.key(seq, "prefix_cache_miss_tokens"), p.length - cached)
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
@@ -267,6 +287,9 @@ class ContinuousBatchingEngine:
             self.life.fail_all(group, fwd.error)
             return
         t = self.clock()
+        self.kv.register_prefix(p, chunk)  # its full blocks, computed now, are cached for the next prompts
+        for seq in group:
+            seq.result.prefilled_prompt_tokens += chunk
         self.life.prefilled(group, chunk, fwd, last)
         # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts'); a
         # cache's peak is since its first chunk, so under mixed this is an upper bound
@@ -371,7 +394,19 @@ class ContinuousBatchingEngine:
             "max_num_batched_tokens": self.scheduler.chunk_tokens(),
             **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
             **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
+            **self._prefix_stats(s),
         }
+
+    def _prefix_stats(self, s: dict) -> dict:
+        """`stats()`'s prefix cache keys: whether it is on; the prompt tokens of measured requests' prefills taken
+        from it (hits) and computed (misses), counted at each admission (a preempted request's recompute again);
+        the pool blocks holding cached entries now, and the blocks of idle entries reclaimed for other rows since
+        `reset_stats`. None for the counts when it is off."""
+        on = self.kv.prefix is not None
+        out = {"prefix_caching": on}
+        for k in ("prefix_cache_hit_tokens", "prefix_cache_miss_tokens"):
+            out[k] = s.get(k, 0) if on else None
+        return {**out, **self.kv.prefix_stats()}
 
     def abort_all(self, message: str, fault: bool = False) -> int:
         """Fail every request the engine holds and has not answered, queued or taken from the queue (wherever a
