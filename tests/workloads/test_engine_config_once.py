@@ -74,13 +74,18 @@ def test_every_engine_knob_is_a_suite_field_and_a_serve_flag_with_the_engines_de
         "max_num_batched_tokens",
         "engine",
         "openvino_kv_precision",
+        "enable_prefix_caching",
     ]
     serving = {k for k in KNOBS if k in ServingSuite.model_fields}
     assert serving == set(KNOBS) - {"kv_limit_full_sequences"}  # spelled kv_memory_limit: {full_sequences: N}
     frontier = {k for k in KNOBS if k in FrontierSuite.model_fields}
     assert frontier == {"max_batch", "max_prefill_tokens", "block_tokens", "max_num_batched_tokens"}
     flags = engine_knob_flags(argparse.ArgumentParser())
-    assert set(flags) == set(KNOBS) - set(SERVE_SETS) == frontier | {"engine", "openvino_kv_precision"}
+    assert (
+        set(flags)
+        == set(KNOBS) - set(SERVE_SETS)
+        == frontier | {"engine", "openvino_kv_precision", "enable_prefix_caching"}
+    )
     for k in serving | frontier:
         suite_kind = ServingSuite if k in serving else FrontierSuite
         assert suite_kind.model_fields[k].default == EngineConfig.model_fields[k].default, k

@@ -107,7 +107,10 @@ _SEARCH_ENGINE = {"kv_layout": "paged", "budget": "per_request", "scheduler": "m
 #: fields passed to the search (the KV limit is the suite's `kv_memory_limit`).
 #: Not the engine backend yet: its searches fix a per-request budget OpenVINO's engine has not (docs/serving.md
 #: "Engine backends"), so a frontier suite naming ``engine`` is refused as an unknown field rather than run on ours.
-_ENGINE_KNOBS = EngineConfig.knobs(exclude=(*_SEARCH_ENGINE, *KV_LIMIT_FIELDS, "engine", "openvino_kv_precision"))
+#: Nor prefix caching yet: it runs the full cache only, and a frontier compares budgeted policies with it.
+_ENGINE_KNOBS = EngineConfig.knobs(
+    exclude=(*_SEARCH_ENGINE, *KV_LIMIT_FIELDS, "engine", "openvino_kv_precision", "enable_prefix_caching")
+)
 #: The frontier fields only ``throughput: capacity`` uses.
 _CAPACITY_FIELDS = ("capacity", "slo", "num_requests", "warmup_requests", *_ENGINE_KNOBS)
 #: The settings of a capacity point's search that change its numbers (part of its id, with the engine knobs set off
