@@ -293,8 +293,11 @@ class ContinuousBatchingEngine:
         self.life.prefilled(group, chunk, fwd, last)
         # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts'); a
         # cache's peak is since its first chunk, so under mixed this is an upper bound
-        others = sum(c.kv_cache_bytes() for c in self.flight.caches() if c is not p.cache)
-        self.life.track_bytes(p.cache.peak_kv_cache_bytes + others)
+        if self.kv.prefix is None:
+            others = sum(c.kv_cache_bytes() for c in self.flight.caches() if c is not p.cache)
+            self.life.track_bytes(p.cache.peak_kv_cache_bytes + others)
+        else:  # rows share blocks: the pool counts each once (a full cache's chunk peaks at its end)
+            self.life.track_bytes(self.flight.kv_cache_bytes())
         self.life.track_running(self.running)
         if not last:
             return
@@ -361,7 +364,7 @@ class ContinuousBatchingEngine:
         with recording():
             self.metrics.set_running(self.running)
             self.metrics.set_queued(len(self.queue))
-            self.metrics.set_kv_cache(sum(c.kv_cache_bytes() for c in caches), sum(c.held_tokens() for c in caches))
+            self.metrics.set_kv_cache(self.flight.kv_cache_bytes(), sum(c.held_tokens() for c in caches))
             if self.pool is not None:
                 self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
 

@@ -85,8 +85,9 @@ def test_the_prefix_cached_full_cache_gives_the_uncached_tokens_and_returns_ever
         assert stats["prefix_cache_hit_tokens"] + stats["prefix_cache_miss_tokens"] == prompts
     if not together:  # each request after the first finds the system prompt's 9 whole blocks
         assert [got[r.request_id].cached_prompt_tokens for r in requests][1:] == [36] * 7
-    if limit == 40_000:  # the pool (about 52 blocks) cannot keep every prompt's blocks: idle ones were reclaimed
+    if limit == 40_000:  # the pool (38 blocks) cannot keep every prompt's blocks: idle ones were reclaimed
         assert stats["prefix_cache_reclaimed_blocks"] > 0
+        assert stats["peak_kv_cache_bytes"] <= limit  # shared blocks counted once, bookkeeping included
 
 
 @pytest.mark.parametrize("sched", SCHEDULERS)
@@ -101,7 +102,7 @@ def test_a_preempted_request_whose_blocks_were_reclaimed_recomputes_the_uncached
     got, engine = _serve(model, EngineConfig(**cfg, **ON), requests)
     stats = engine.stats()
     assert base.stats()["preemptions"] > 0 and stats["preemptions"] > 0
-    assert stats["prefix_cache_reclaimed_blocks"] > 0
+    assert stats["prefix_cache_reclaimed_blocks"] > 0 and stats["peak_kv_cache_bytes"] <= 40_000
     assert all(r.error is None for r in got.values())
     assert _outputs(got) == _outputs(want)
     assert engine.pool.blocks_in_use == 0
@@ -165,6 +166,9 @@ def test_requests_sharing_a_prefix_run_on_one_copy_of_its_blocks(model):
     assert len(engine._running) == 2 and held == 2 * 2 * 5  # 2 layers x 2 rows x 5 blocks (19 slots)
     assert engine.pool.blocks_in_use == 2 * (4 + 2 * 1)  # the 4 shared blocks once, each row's own fifth
     assert all(table[0][:4] == table[1][:4] for table in store_blocks)
+    bookkeeping = engine._cache.bookkeeping_bytes()
+    assert engine.stats()["kv_cache_bytes"] == engine.pool.blocks_in_use * engine.pool.block_nbytes() + bookkeeping
+    assert engine.stats()["kv_cache_bytes"] < engine._cache.kv_cache_bytes()  # the rows' own sum counts them twice
     engine.run_until_idle()
     assert [results[r.request_id].cached_prompt_tokens for r in pair] == [16, 16]
     assert engine.pool.blocks_in_use == 0
