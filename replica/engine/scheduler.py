@@ -11,6 +11,10 @@ the plan (`replica.engine.core`). One class per `EngineConfig.scheduler` (`SCHED
 * `Mixed` (paged layout): a step spends one token budget, `max_num_batched_tokens`, as vLLM V1 does: every running
   row's decode token first, then chunks of the prompts part-way fed (oldest first) and of queued requests.
 
+With prefix caching (`EngineConfig.enable_prefix_caching`) both look up each queued request's cached blocks
+(`KVBudget.look_up_prefix`): its prefill starts after them, and a cached block running rows hold already takes no
+free block (`KVBudget.shared_blocks`).
+
 Before each decode step, `preemption` names the row that must leave while the running rows' next blocks are not
 free (`KVBudget.must_preempt`): a prompt part-way fed first, else the most recently admitted row (vLLM's rule).
 """
