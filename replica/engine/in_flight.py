@@ -97,7 +97,8 @@ class InFlight:
             assert victim is self.prefilling[-1], "only the newest prompt part-way fed is preempted"
             p = self.prefilling.pop()
             self.runner.release_group(p)
-            taken = [(seq, p.fed) for seq in p.group]  # scored already (prompt_logprobs): the next prefill only feeds
+            # scored already (prompt_logprobs): the next prefill only feeds; its cached tokens were never computed
+            taken = [(seq, p.fed - p.cached) for seq in p.group]
         else:
             assert victim is self.running[-1], "only the newest running row is preempted"
             seq = self.running.pop()

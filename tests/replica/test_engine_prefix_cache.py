@@ -174,6 +174,32 @@ def test_requests_sharing_a_prefix_run_on_one_copy_of_its_blocks(model):
     assert engine.pool.blocks_in_use == 0
 
 
+def test_a_fault_starting_a_group_from_the_cache_fails_that_group_alone_and_returns_its_blocks(model):
+    prompt = list(range(1, 17))
+    engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, **ON))
+    results = {}
+    engine.submit(GenerationRequest("first", prompt, 2), lambda r: results.__setitem__(r.request_id, r))
+    engine.run_until_idle()
+    build = engine.runner.new_cache
+
+    def broken(group=None, paged=True):
+        if group and group[0].request.request_id == "hit":
+            raise RuntimeError("cache build failed")
+        return build(group, paged)
+
+    engine.runner.new_cache = broken
+    engine.submit(GenerationRequest("hit", prompt + [3], 2), lambda r: results.__setitem__(r.request_id, r))
+    engine.submit(GenerationRequest("other", [9] * 10, 2), lambda r: results.__setitem__(r.request_id, r))
+    engine.run_until_idle()
+    assert results["hit"].error_kind == "error" and "cache build failed" in results["hit"].error
+    assert results["other"].error is None and len(results["other"].output_ids) == 2
+    assert engine.pool.blocks_in_use == 0 and engine.stats()["prefix_cache_blocks"] == 2 * (4 + 2)  # still cached
+    engine.runner.new_cache = build
+    engine.submit(GenerationRequest("again", prompt + [3], 2), lambda r: results.__setitem__(r.request_id, r))
+    engine.run_until_idle()
+    assert results["again"].cached_prompt_tokens == 16 and results["again"].error is None
+
+
 def test_a_prompt_logprobs_request_scores_every_token_and_takes_nothing_from_the_cache(model):
     prompt = list(range(1, 17))
     warm = GenerationRequest("warm", prompt, 2, ignore_eos=True)
