@@ -335,6 +335,11 @@ def parse_cache(
 SERVE_SETS = ("kv_layout", "budget", "scheduler", *KV_LIMIT_FIELDS)
 
 
+def _flag_bool(text: str) -> bool | str:
+    """``true`` / ``false`` (any case) as a bool; anything else as given, for `EngineConfig` to refuse by name."""
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def engine_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
     """Add one flag per engine knob not in `SERVE_SETS` (``--<field-name>``, its type and default from
     `EngineConfig.knobs`, checked by `EngineConfig` itself); return the knobs' names (the parsed args' attributes)."""
@@ -342,7 +347,7 @@ def engine_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
     for name, (annotation, info) in EngineConfig.knobs(exclude=SERVE_SETS).items():
         args = (annotation, *typing.get_args(annotation))
         kind = (
-            float if float in args else str if str in args else int
+            _flag_bool if bool in args else float if float in args else str if str in args else int
         )  # str: a choice (--engine), checked by the config
         parser.add_argument(
             f"--{name.replace('_', '-')}",

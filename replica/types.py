@@ -221,6 +221,10 @@ class EngineConfig(FrozenConfig):
             a block), needs ``kv_layout: paged``, ``scheduler: mixed`` and a KV memory limit.
         openvino_kv_precision: ``"u8"`` (OpenVINO's CPU default, with per-block scales) or ``"bf16"`` (about twice
             the bytes a token); the KV limit's bytes become its blocks at this precision.
+        enable_prefix_caching: share full blocks of prompt tokens across requests (`replica.engine.prefix_cache`,
+            vLLM's automatic prefix caching): a request skips the prefill of the cached blocks its prompt starts
+            with. Off by default; on needs engine ``"ours"``, ``kv_layout: paged`` and a policy that keeps every
+            token (``full``): a budgeted policy runs without it.
 
     Raises:
         ConfigError (a ValueError): an unknown key, or a field out of range; the message names
@@ -246,6 +250,7 @@ class EngineConfig(FrozenConfig):
     max_num_batched_tokens: _Count = 512
     engine: _one_of(ENGINES) = "ours"
     openvino_kv_precision: _one_of(BACKEND_KV_PRECISIONS) = "u8"
+    enable_prefix_caching: bool = False
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -253,6 +258,13 @@ class EngineConfig(FrozenConfig):
         # which engine runs it is checked with the whole config (`_engine_runs_the_policy`)
         if not isinstance(value, str) or (value not in POLICIES and value not in OPENVINO_POLICIES):
             raise ValueError(f"policy: unknown policy {value!r}; valid policies: {', '.join(POLICIES)}")
+        return value
+
+    @field_validator("enable_prefix_caching", mode="before")
+    @classmethod
+    def _a_bool(cls, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"enable_prefix_caching: expected true or false, got {value!r}")
         return value
 
     @field_validator("policy_params", mode="before")
@@ -315,6 +327,14 @@ class EngineConfig(FrozenConfig):
             raise ValueError(
                 "max_length_tokens: kv_limit_full_sequences sizes the limit from full-cache rows of the workload's "
                 "longest prompt + output (tokens); give it"
+            )
+        if self.enable_prefix_caching and (
+            self.engine != "ours" or self.kv_layout != "paged" or POLICIES[self.policy].evicts
+        ):
+            raise ValueError(
+                "enable_prefix_caching: true shares the full cache's prompt blocks on engine 'ours' with kv_layout: "
+                "'paged' and policy 'full' (a budgeted policy's blocks depend on the whole sequence); accepted: false, "
+                f"or true with those (got engine {self.engine!r}, kv_layout {self.kv_layout!r}, policy {self.policy!r})"
             )
         if self.engine != "ours":  # its policy and budget: `_engine_runs_the_policy`
             return self
@@ -455,7 +475,9 @@ class GenerationResult:
     With the request's `logprobs`: `output_logprobs[i]` is `output_ids[i]`'s log-probability (nats)
     and `output_top_logprobs[i]` its alternatives as ``[[token_id, logprob], ...]``, best first. With
     `prompt_logprobs`: the same per prompt token (`prompt_logprobs[0]` and `prompt_top_logprobs[0]`
-    are None: the first token has no context).
+    are None: the first token has no context). `cached_prompt_tokens`: tokens its prefills took from the prefix
+    cache (`EngineConfig.enable_prefix_caching`); `prefilled_prompt_tokens`: tokens its prefills computed; both
+    summed over its prefills (a preempted request's recompute, its outputs included, counts again).
     """
 
     request_id: str
@@ -473,6 +495,8 @@ class GenerationResult:
     output_top_logprobs: list[list[list]] | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[list] | None] | None = None
+    cached_prompt_tokens: int = 0
+    prefilled_prompt_tokens: int = 0
 
     @property
     def output_tokens(self) -> int:

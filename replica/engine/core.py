@@ -142,9 +142,29 @@ class ContinuousBatchingEngine(EngineReadout):
                 self.flight.admit(plan.chunks, plan.started)  # held from here until finished: `abort_all` sees them
             for seq, why in plan.rejected:
                 self.life.fail(seq, "rejected", f"request cannot run under the KV memory limit: {why}")
+            for p, _ in plan.chunks:
+                if p.cache is None:  # before any prefill of this step takes blocks: its cached ones are claimed
+                    self._start_from_cache(p)
             if not plan.yield_newest:
                 return plan
             self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
+
+    def _start_from_cache(self, p: Prefill) -> None:
+        """Start a group just admitted from its rows' cached blocks (`PagedBudget.attach_prefix`) and count the
+        prefix cache's hit and miss tokens (the tokens its prefill takes from the cache, and those it computes); a
+        fault fails the group alone (its prefill is then skipped)."""
+        try:
+            cached = self.kv.attach_prefix(p, self.runner.new_cache)
+        except Exception as e:  # noqa: BLE001 - one group's failure never fails another request
+            self.life.fail_all(p.group, e)
+            p.group = []
+            return
+        if self.kv.prefix is None:
+            return
+        for seq in p.group:
+            seq.result.cached_prompt_tokens += cached
+            self.life.add(self.life.key(seq, "prefix_cache_hit_tokens"), cached)
+            self.life.add(self.life.key(seq, "prefix_cache_miss_tokens"), p.length - cached)
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
@@ -191,11 +211,17 @@ class ContinuousBatchingEngine(EngineReadout):
             self.life.fail_all(group, fwd.error)
             return
         t = self.clock()
+        self.kv.register_prefix(p, chunk)  # its full blocks, computed now, are cached for the next prompts
+        for seq in group:
+            seq.result.prefilled_prompt_tokens += chunk
         self.life.prefilled(group, chunk, fwd, last)
         # the chunk's peak beside every other live cache (the running batch's, the other part-way prompts'); a
         # cache's peak is since its first chunk, so under mixed this is an upper bound
-        others = sum(c.kv_cache_bytes() for c in self.flight.caches() if c is not p.cache)
-        self.life.track_bytes(p.cache.peak_kv_cache_bytes + others)
+        if self.kv.prefix is None:
+            others = sum(c.kv_cache_bytes() for c in self.flight.caches() if c is not p.cache)
+            self.life.track_bytes(p.cache.peak_kv_cache_bytes + others)
+        else:  # rows share blocks: the pool counts each once (a full cache's chunk peaks at its end)
+            self.life.track_bytes(self.flight.kv_cache_bytes())
         self.life.track_running(self.running)
         if not last:
             return
@@ -262,7 +288,7 @@ class ContinuousBatchingEngine(EngineReadout):
         with recording():
             self.metrics.set_running(self.running)
             self.metrics.set_queued(len(self.queue))
-            self.metrics.set_kv_cache(sum(c.kv_cache_bytes() for c in caches), sum(c.held_tokens() for c in caches))
+            self.metrics.set_kv_cache(self.flight.kv_cache_bytes(), sum(c.held_tokens() for c in caches))
             if self.pool is not None:
                 self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
 
@@ -294,7 +320,19 @@ class ContinuousBatchingEngine(EngineReadout):
             **self.scheduler.stats(),
             **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
             **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
+            **self._prefix_stats(s),
         }
+
+    def _prefix_stats(self, s: dict) -> dict:
+        """`stats()`'s prefix cache keys: whether it is on; the prompt tokens of measured requests' prefills taken
+        from it (hits) and computed (misses), counted at each admission (a preempted request's recompute again);
+        the pool blocks holding cached entries now, and the blocks of idle entries reclaimed for other rows since
+        `reset_stats`. None for the counts when it is off."""
+        on = self.kv.prefix is not None
+        out = {"prefix_caching": on}
+        for k in ("prefix_cache_hit_tokens", "prefix_cache_miss_tokens"):
+            out[k] = s.get(k, 0) if on else None
+        return {**out, **self.kv.prefix_stats()}
 
     def abort_all(self, message: str, fault: bool = False) -> int:
         """Fail every request the engine holds and has not answered, queued or taken from the queue (wherever a

@@ -35,7 +35,12 @@ class InFlight:
         return self.runner.caches(self.prefilling + self.feeding)
 
     def kv_cache_bytes(self) -> int:
-        return sum(c.kv_cache_bytes() for c in self.caches())
+        """Bytes of every live cache; with prefix caching, a block rows share counted once (the pool's blocks in
+        use) beside each cache's bookkeeping."""
+        pool = self.runner.pool
+        if getattr(pool, "cached_blocks", None) is None:
+            return sum(c.kv_cache_bytes() for c in self.caches())
+        return pool.blocks_in_use * pool.block_nbytes() + sum(c.bookkeeping_bytes() for c in self.caches())
 
     def admit(self, chunks: list[tuple[Prefill, int | None]], started: list[Prefill]) -> None:
         """Hold a plan's groups from the moment they leave the queue: `started` ones stay part-way fed
@@ -92,7 +97,8 @@ class InFlight:
             assert victim is self.prefilling[-1], "only the newest prompt part-way fed is preempted"
             p = self.prefilling.pop()
             self.runner.release_group(p)
-            taken = [(seq, p.fed) for seq in p.group]  # scored already (prompt_logprobs): the next prefill only feeds
+            # scored already (prompt_logprobs): the next prefill only feeds; its cached tokens were never computed
+            taken = [(seq, p.fed - p.cached) for seq in p.group]
         else:
             assert victim is self.running[-1], "only the newest running row is preempted"
             seq = self.running.pop()

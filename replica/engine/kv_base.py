@@ -41,6 +41,7 @@ class KVBudget:
         if self.budget_tokens is not None and config.max_length_tokens is not None:
             self.row_capacity = min(self.budget_tokens, config.max_length_tokens)
         self.pool: BlockPool | None = None
+        self.prefix = None  # the paged layout's `PrefixCachingPool` when prefix caching is on
 
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
         """A request's B: its own ``budget_from_ratio(prompt + max_new, ratio, policy)`` under ``budget: per_request``
@@ -111,6 +112,8 @@ class KVBudget:
         """Start the peak of blocks in use (`pool_stats`) from now."""
         if self.pool is not None:
             self.pool.peak_blocks_in_use = self.pool.blocks_in_use
+            if hasattr(self.pool, "reset_counts"):
+                self.pool.reset_counts()
 
     def pool_stats(self, decode_steps: int, block_steps: int) -> dict:
         """`stats()`'s block keys: the block size, the pool's blocks, the peak since `reset_peak` and the mean
@@ -122,6 +125,26 @@ class KVBudget:
             "peak_kv_blocks_in_use": pool.peak_blocks_in_use if pool is not None else None,
             "mean_kv_blocks_in_use": block_steps / decode_steps if pool is not None and decode_steps else None,
         }
+
+    # ------------------------------------------------------------------ prefix caching (the paged layout's)
+    def look_up_prefix(self, seq: Sequence) -> None:
+        """Set ``seq.cached_tokens``: the first tokens of its next prefill the prefix cache holds (none here)."""
+        seq.cached_tokens = 0
+
+    def shared_blocks(self, seq: Sequence) -> int:
+        """Blocks of `seq`'s cache hit that rows hold already (its prefill takes no free block for them)."""
+        return 0
+
+    def attach_prefix(self, p, new_cache) -> int:
+        """Start group `p` from its rows' cached blocks; the tokens each takes from the cache (none here)."""
+        return 0
+
+    def register_prefix(self, p, chunk: int) -> None:
+        """Cache the full blocks of `p`'s rows its last `chunk` tokens completed (nothing here)."""
+
+    def prefix_stats(self) -> dict:
+        """`stats()`'s prefix cache gauges and counters of the pool (none here)."""
+        return {"prefix_cache_blocks": None, "prefix_cache_reclaimed_blocks": None}
 
     def growth(self, view: EngineView, steps: int = 1) -> int:
         """What the running rows take over their next `steps` decode steps (the layout's unit; 0: nothing)."""

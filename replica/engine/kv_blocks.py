@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from replica.engine.kv_base import KVBudget
-from replica.engine.requests import EngineView, Sequence, decodes_after_prefill, steps_left
+from replica.engine.prefix_cache import PrefixCachingPool, chain_hashes, seed_rows
+from replica.engine.requests import EngineView, Prefill, Sequence, decodes_after_prefill, steps_left
 from scissorhands.paged import BlockPool, paged_rows
 
 __all__ = ["PagedBudget"]
@@ -29,7 +30,11 @@ class PagedBudget(KVBudget):
                 f"kv_memory_limit_bytes: {self.limit_bytes} bytes hold {usable} KV blocks of "
                 f"{self.block_bytes} bytes; a paged pool needs at least one block per layer ({self.num_layers})"
             )
-        self.pool = BlockPool(usable + 1, self.config.block_tokens)  # + the zero block
+        if self.config.enable_prefix_caching:  # + the zero block
+            self.pool = PrefixCachingPool(usable + 1, self.config.block_tokens, self.num_layers)
+        else:
+            self.pool = BlockPool(usable + 1, self.config.block_tokens)
+        self.prefix: PrefixCachingPool | None = self.pool if self.config.enable_prefix_caching else None
 
     # ------------------------------------------------------------------ one row
     def blocks(self, slots: int) -> int:
@@ -89,6 +94,74 @@ class PagedBudget(KVBudget):
         peak = self.prefill_peak_blocks(prompt_tokens, self.budget_of(prompt_tokens, max_new_tokens), chunk)
         usable = self.pool.usable_blocks
         return max(0, min(cap, usable // final, 1 + (usable - peak) // final if peak <= usable else 0))
+
+    # ------------------------------------------------------------------ prefix caching
+    def hashes(self, seq: Sequence) -> list[bytes]:
+        """The hashes of the full blocks of `seq`'s next prefill (`chain_hashes`, extended as it grows)."""
+        return chain_hashes(seq.prefill_ids(), self.config.block_tokens, seq.block_hashes)
+
+    def look_up_prefix(self, seq: Sequence) -> None:
+        """Set ``seq.cached_tokens`` to the whole cached blocks its next prefill starts with, at most ``prefill - 1``
+        tokens (one is always computed, so its first token has logits). None for a request that scores its prompt
+        (`prompt_logprobs`: its first prefill computes every token's log-probabilities)."""
+        seq.cached_tokens = 0
+        if self.prefix is None or (seq.request.prompt_logprobs is not None and not seq.preempted):
+            return
+        n = len(seq.prefill_ids())
+        most = (n - 1) // self.config.block_tokens
+        if most:
+            seq.cached_tokens = self.prefix.hit(self.hashes(seq), most) * self.config.block_tokens
+
+    def shared_blocks(self, seq: Sequence) -> int:
+        """Blocks of `seq`'s cache hit that rows hold already, all layers: its prefill takes no free block for
+        them (an idle cached block it claims is taken from the free ones, so it counts as new)."""
+        if self.prefix is None or not seq.cached_tokens:
+            return 0
+        hashes = seq.block_hashes[: seq.cached_tokens // self.config.block_tokens]
+        return self.num_layers * sum(self.prefix.referenced(h) for h in hashes)
+
+    def attach_prefix(self, p: Prefill, new_cache) -> int:
+        """Start `p` (admitted, not fed yet) from its rows' cached blocks: each row claims its hit and `p.cache`
+        (from ``new_cache(group)``) starts with them (`seed_rows`). Returns the tokens each row takes from the cache
+        (0: none, `p` untouched)."""
+        if self.prefix is None or not p.cached:
+            return 0
+        n = p.cached // self.config.block_tokens
+        rows = [[self.prefix.claim(h) for h in seq.block_hashes[:n]] for seq in p.group]
+        try:
+            p.cache = new_cache(p.group)
+            seed_rows(p.cache, self.prefix, rows)
+        except BaseException:
+            for row in rows:  # nothing holds them: their references go back (the group fails in its prefill)
+                for entry in row:
+                    self.prefix.release(list(entry))
+            p.cache = None
+            raise
+        return p.cached
+
+    def register_prefix(self, p: Prefill, chunk: int) -> None:
+        """Cache the full blocks of `p`'s rows its last `chunk` tokens completed (each row's block of every layer,
+        keyed by the hash of its tokens and prefix); a block another row cached first stays this row's own."""
+        if self.prefix is None or p.cache is None:
+            return
+        bt = self.config.block_tokens
+        first, end = (p.fed - chunk) // bt, p.fed // bt
+        if first >= end:
+            return
+        self.prefix.learn_shapes(p.cache)
+        tables = [layer.store.blocks for layer in p.cache.layers]
+        for i, seq in enumerate(p.group):
+            hashes = self.hashes(seq)
+            for j in range(first, end):
+                self.prefix.register(hashes[j], tuple(t[i][j] for t in tables))
+
+    def prefix_stats(self) -> dict:
+        if self.prefix is None:
+            return super().prefix_stats()
+        return {
+            "prefix_cache_blocks": self.prefix.cached_blocks,
+            "prefix_cache_reclaimed_blocks": self.prefix.reclaimed_blocks,
+        }
 
     # ------------------------------------------------------------------ the running rows
     def growth(self, view: EngineView, steps: int = 1) -> int:
@@ -171,9 +244,11 @@ class _BlockAdmission:
     def admits(self, seq: Sequence, tokens: int, joinable: bool) -> str | None:
         """``"join"``, ``"new"`` or None (wait for blocks: rows finish or are preempted)."""
         kv = self.kv
-        peak = kv.prefill_peak_blocks(tokens, seq.budget_tokens)
+        shared = kv.shared_blocks(seq)  # cached blocks rows hold already: counted once, in the pool's blocks in use
+        peak = kv.prefill_peak_blocks(tokens, seq.budget_tokens) - shared
         # what it holds once merged, with the block its first decode step may take
         steady = kv.num_layers * kv.blocks(kv.kept_slots(tokens + decodes_after_prefill([seq]), seq.budget_tokens))
+        steady -= shared
         width = kv.width(seq, tokens + 1)
         pad = kv.added_padding_blocks(self.view, self.widths, width)
         peak = max(peak, steady + pad)

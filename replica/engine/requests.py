@@ -31,6 +31,10 @@ class Sequence:
     generator: torch.Generator | None = None  # this request's sampling draws (temperature > 0)
     preempted: bool = False  # paged layout: its row was freed; its next prefill recomputes prompt + output
     unfit: str | None = None  # why it can never run under the memory limit (`fits_alone`), checked at submit
+    # prefix caching: the first tokens of its next prefill the cache holds (looked up at each plan), and the hashes
+    # of the full blocks of `prefill_ids` (`replica.engine.prefix_cache.chain_hashes`), the hit's first
+    cached_tokens: int = 0
+    block_hashes: list = field(default_factory=list)
 
     def prefill_ids(self) -> list[int]:
         """The tokens its next prefill feeds: the prompt, plus every output token after a preemption."""
@@ -49,7 +53,8 @@ class Prefill:
         self.group = group
         self.cache = None  # built at the first chunk (in the block pool on the paged layout)
         self.ids: torch.Tensor | None = None  # (n, L) the tokens to feed
-        self.fed = 0  # tokens of each row fed so far
+        self.cached = group[0].cached_tokens  # tokens of each row taken from the prefix cache, not fed
+        self.fed = self.cached  # tokens of each row fed so far (or cached)
         self.length = len(group[0].prefill_ids())
 
     @property
@@ -58,8 +63,12 @@ class Prefill:
 
 
 def same_group(a: Sequence, b: Sequence) -> bool:
-    """Whether two requests prefill in one call: the same length fed and the same budget."""
-    return len(a.prefill_ids()) == len(b.prefill_ids()) and a.budget_tokens == b.budget_tokens
+    """Whether two requests prefill in one call: the same length fed, the same budget and as many tokens cached."""
+    return (
+        len(a.prefill_ids()) == len(b.prefill_ids())
+        and a.budget_tokens == b.budget_tokens
+        and a.cached_tokens == b.cached_tokens
+    )
 
 
 def steps_left(seq: Sequence) -> int:

@@ -11,6 +11,10 @@ the plan (`replica.engine.core`). One class per `EngineConfig.scheduler` (`SCHED
 * `Mixed` (paged layout): a step spends one token budget, `max_num_batched_tokens`, as vLLM V1 does: every running
   row's decode token first, then chunks of the prompts part-way fed (oldest first) and of queued requests.
 
+With prefix caching (`EngineConfig.enable_prefix_caching`) both look up each queued request's cached blocks
+(`KVBudget.look_up_prefix`): its prefill starts after them, and a cached block running rows hold already takes no
+free block (`KVBudget.shared_blocks`).
+
 Before each decode step, `preemption` names the row that must leave while the running rows' next blocks are not
 free (`KVBudget.must_preempt`): a prompt part-way fed first, else the most recently admitted row (vLLM's rule).
 """
@@ -74,8 +78,9 @@ class PrefillFirst(Scheduler):
                 out.consumed += 1
                 out.rejected.append((seq, seq.unfit))
                 continue
+            kv.look_up_prefix(seq)  # its cached blocks now (the cache changes between steps)
             n = len(seq.prefill_ids())
-            if groups and prefill_tokens + n > self.config.max_prefill_tokens:
+            if groups and prefill_tokens + n - seq.cached_tokens > self.config.max_prefill_tokens:
                 break  # enough prefill for this step; running rows decode first
             where = admission.admits(seq, n, bool(groups) and same_group(groups[-1][0], seq))
             if where is None:
@@ -85,7 +90,7 @@ class PrefillFirst(Scheduler):
             else:
                 groups.append([seq])
             out.consumed += 1
-            prefill_tokens += n
+            prefill_tokens += n - seq.cached_tokens
         out.chunks = [(Prefill(g), None) for g in groups]
         return out
 
@@ -128,9 +133,10 @@ class Mixed(Scheduler):
             last = min(p.length - p.fed, per_step)
             return kv.chunk_blocks(p.length - last, last, p.group[0].budget_tokens, decodes_after_prefill(seqs))[0]
 
-        def longest(p: Prefill, seqs: list[Sequence], most: int, base: int) -> int:
-            """The longest chunk <= `most` tokens whose peak fits beside `base` committed blocks (0: none)."""
-            budget, was = p.group[0].budget_tokens, held(p)
+        def longest(p: Prefill, seqs: list[Sequence], most: int, base: int, was: int | None = None) -> int:
+            """The longest chunk <= `most` tokens whose peak fits beside `base` committed blocks (0: none); `was`:
+            the blocks a row holds already (default `held`; a new row: only its cached blocks rows hold)."""
+            budget, was = p.group[0].budget_tokens, held(p) if was is None else was
             lo, hi = 0, most
             while lo < hi:  # blocks grow with the chunk: bisect
                 mid = (lo + hi + 1) // 2
@@ -168,6 +174,8 @@ class Mixed(Scheduler):
                 out.consumed += 1
                 out.rejected.append((seq, seq.unfit))
                 continue
+            kv.look_up_prefix(seq)  # its cached blocks now (the cache changes between steps)
+            shared = kv.shared_blocks(seq)  # cached blocks rows hold already: no free block taken for them
             chunk = out.chunks[-1][1] if last is not None else 0
             joined = last.group + [seq] if last is not None else []
             width = kv.width(seq, len(seq.prefill_ids()) + 1)
@@ -176,27 +184,28 @@ class Mixed(Scheduler):
                 last is not None
                 and same_group(last.group[0], seq)
                 and tokens >= chunk
-                and fits(whole(last, [seq]) + pad, last.length)
-                and longest(last, joined, chunk, before_last) == chunk
+                and fits(whole(last, [seq]) + pad - shared, last.length - last.fed)
+                and longest(last, joined, chunk, before_last, min(map(kv.shared_blocks, joined))) == chunk
             ):
                 last.group.append(seq)  # fed with the newest group: its rows peak together
-                committed = before_last + last.rows * after(last, chunk, last.group)
-                reserved += whole(last, [seq]) + pad
+                committed = before_last + sum(after(last, chunk, last.group) - kv.shared_blocks(s) for s in joined)
+                reserved += whole(last, [seq]) + pad - shared
             else:
                 p = Prefill([seq])
-                need = whole(p, p.group) + pad
-                chunk = longest(p, p.group, min(p.length, tokens), committed) if fits(need, p.length) else 0
+                need = whole(p, p.group) + pad - shared
+                left = p.length - p.fed  # tokens to feed: past its cached blocks
+                chunk = longest(p, p.group, min(left, tokens), committed, shared) if fits(need, left) else 0
                 if chunk == 0:
                     break  # wait for blocks: rows finish or are preempted
                 out.chunks.append((p, chunk))
                 out.started.append(p)
                 last, before_last = p, committed
-                committed += after(p, chunk, p.group)
+                committed += after(p, chunk, p.group) - shared
                 reserved += need
             out.consumed += 1
             rows += 1
             widths.append(width)
-            feeding += len(seq.prefill_ids())
+            feeding += len(seq.prefill_ids()) - seq.cached_tokens
             tokens -= chunk
         return self._stalled(out, view)
 

@@ -74,6 +74,7 @@ def test_every_engine_knob_is_a_suite_field_and_a_serve_flag_with_the_engines_de
         "max_num_batched_tokens",
         "engine",
         "openvino_kv_precision",
+        "enable_prefix_caching",
     ]
     serving = {k for k in KNOBS if k in ServingSuite.model_fields}
     assert serving == set(KNOBS) - {"kv_limit_full_sequences"}  # spelled kv_memory_limit: {full_sequences: N}
@@ -87,7 +88,7 @@ def test_every_engine_knob_is_a_suite_field_and_a_serve_flag_with_the_engines_de
         "openvino_kv_precision",
     }
     flags = engine_knob_flags(argparse.ArgumentParser())
-    assert set(flags) == set(KNOBS) - set(SERVE_SETS) == frontier
+    assert set(flags) == set(KNOBS) - set(SERVE_SETS) == frontier | {"enable_prefix_caching"}
     for k in serving | frontier:
         suite_kind = ServingSuite if k in serving else FrontierSuite
         assert suite_kind.model_fields[k].default == EngineConfig.model_fields[k].default, k
@@ -222,3 +223,12 @@ def test_the_kv_limit_helpers_the_engine_package_exports_are_the_typed_ones_with
     assert engine.full_batch_kv_limit_bytes(model, 3, 40, 10) == 3 * 50 * 520
     with pytest.raises(ValueError, match="length_tokens"):
         full_rows_kv_bytes(model, 3, 0)
+
+
+def test_the_prefix_caching_serve_flag_reads_true_or_false_and_refuses_anything_else_naming_the_field(capsys):
+    """`make serve` runs Scissorhands caches beside the full one, so prefix caching on is refused by the engine
+    config before any model loads (exit 2, naming the field); a word that is no bool is refused the same way."""
+    assert main(["--enable-prefix-caching", "yes"]) == 2
+    assert "enable_prefix_caching: expected true or false, got 'yes'" in capsys.readouterr().err
+    assert main(["--enable-prefix-caching", "TRUE"]) == 2
+    assert "enable_prefix_caching: true shares the full cache's prompt blocks" in capsys.readouterr().err
