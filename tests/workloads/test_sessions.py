@@ -219,6 +219,11 @@ def test_every_series_at_one_load_gets_the_same_sessions_messages_and_think_time
         assert r["status"] == "ok" and r["sessions"] == 3 and r["session_rate"] == 1.0
         assert [t["turn"] for t in r["turns"]] == [0, 1, 2] and r["cached_prompt_tokens"] is None
         assert r["expected_reuse_tokens"] == (0 + 5 + 3) + 3 * 11 + 3 * 17
+    table = (tmp_path / "r" / "run" / "table.md").read_text()
+    sessions_part = table[table.index("Sessions\n") :]
+    assert "| session SLO attainment |" in sessions_part
+    turn_rows = [x for x in sessions_part.splitlines() if x.startswith("| sessions-")]
+    assert len(turn_rows) == 2 + 6  # a row per point, then a row per turn index of each point
     cfgs = [r["load_config"] for r in records]
     assert cfgs[0]["seed"] == cfgs[1]["seed"] and cfgs[0]["sessions"]["think_time_s"]["value"] == 0.01
 
