@@ -325,6 +325,8 @@ class ServingSuite(_EngineKnobs):
                 "capacity",  # a probe's numbers depend on its rate, not on the search that picked it
             }
         )
+        if self.sessions is None:  # added after these ids were written: only a sessions suite's ids carry it
+            keep.discard("sessions")
         ident = self.model_dump(include=keep, mode="json")
         # the SLO changes a point's attainment and goodput: a non-default one is part of its identity, the default
         # adds nothing (the ids of suites written before `slo:` stay as they were)
