@@ -284,3 +284,13 @@ def test_a_session_source_builds_the_same_messages_for_the_same_seed_whatever_th
     assert [a.message(s, k) for s in reversed(a.sessions) for k in (2, 1, 0)] == later
     assert a.opening(a.sessions[2]) == b.opening(b.sessions[2])
     assert a.message(a.sessions[0], 0) != a.message(a.sessions[0], 1)
+
+
+def test_a_session_trace_suite_records_its_prompt_and_answer_ranges_and_longest_conversation():
+    suite = parse_suite(
+        _sessions_suite(sessions={"trace_path": str(TRACE), "system_prompt_tokens": 2}, new_tokens=None)
+    )
+    # session a: 2 + 6 + 3 + 5 + 2 + 2 = 20 tokens before its last answer (1), session b: 2 + 4 + 2 + 3 = 11
+    assert (suite.prompt_tokens.min, suite.prompt_tokens.max) == (2 + 4, 20)
+    assert (suite.new_tokens.min, suite.new_tokens.max, suite.session_tokens) == (1, 4, 21)
+    assert suite.context_lengths()[0][1] == 21

@@ -648,14 +648,14 @@ class SessionsLoad(LoadPattern):
             new = new if isinstance(new, LengthDist) else LengthDist.parse("new_tokens", new)
             planned = []
             first = spec.message_tokens.min or spec.message_tokens.value or 1
-        longest = longest_session_tokens(spec, planned, new) - new.upper
+        longest, whole = longest_session_tokens(spec, planned, new)
         if spec.max_prompt_tokens is not None and longest > spec.max_prompt_tokens:
             raise ValueError(
                 f"sessions.max_prompt_tokens: the last turn's prompt reaches {longest} tokens (system + context + "
                 f"every earlier message and answer + its message), above the budget of {spec.max_prompt_tokens}"
             )
         prompt = LengthDist("trace", min=max(1, layers + first), max=longest)
-        return {**data, "sessions": spec, "prompt_tokens": prompt, "new_tokens": new}
+        return {**data, "sessions": spec, "prompt_tokens": prompt, "new_tokens": new, "session_tokens": whole}
 
     @classmethod
     def record_columns(cls, load: float | None, max_batch_size: int | None = None, **options) -> dict:

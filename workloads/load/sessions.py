@@ -238,13 +238,18 @@ def plan_sessions(spec: SessionSpec, new_tokens: LengthDist | None, seed: int) -
     return out
 
 
-def longest_session_tokens(spec: SessionSpec, sessions: list[PlannedSession], new_tokens: LengthDist | None) -> int:
-    """The longest sequence any session reaches (tokens): its last turn's prompt + that turn's answer, at the upper
-    bound of every drawn length (the whole conversation sits in one sequence)."""
+def longest_session_tokens(
+    spec: SessionSpec, sessions: list[PlannedSession], new_tokens: LengthDist | None
+) -> tuple[int, int]:
+    """(the longest last-turn prompt, the longest whole session) in tokens: a session's last turn's prompt is every
+    layer, message and earlier answer, and with its own answer the whole conversation sits in one sequence. Drawn
+    sessions at the upper bound of every drawn length; a trace's exactly."""
     layers = spec.system_prompt_tokens + spec.group_context_tokens
     if spec.trace_path is None:
-        return layers + spec.turns * (spec.message_tokens.upper + new_tokens.upper)
-    return layers + max(sum(t.message_tokens + t.output_tokens for t in s.turns) for s in sessions)
+        whole = layers + spec.turns * (spec.message_tokens.upper + new_tokens.upper)
+        return whole - new_tokens.upper, whole
+    whole = [layers + sum(t.message_tokens + t.output_tokens for t in s.turns) for s in sessions]
+    return max(w - s.turns[-1].output_tokens for w, s in zip(whole, sessions)), max(whole)
 
 
 class SessionSource:

@@ -206,6 +206,7 @@ class ServingSuite(_EngineKnobs):
     capacity: CapacitySearch | None = None
     # sessions mode: the conversations (workloads.load.sessions.SessionSpec); the loads are session start rates
     sessions: SessionSpec | None = None
+    session_tokens: PositiveInt | None = None  # set from `sessions`: the longest whole conversation (tokens)
 
     @property
     def max_length_tokens(self) -> int:
@@ -231,9 +232,7 @@ class ServingSuite(_EngineKnobs):
             return []
         p, n = self.prompt_tokens.upper, self.new_tokens.upper
         if self.sessions is not None:  # the whole conversation is one sequence by its last turn
-            return [
-                (f"sessions.turns: the last turn's prompt (at most {p} tokens) + its new_tokens (at most {n})", p + n)
-            ]
+            return [(f"sessions.turns: the last turn's prompt (at most {p} tokens) + its answer", self.session_tokens)]
         return [(f"prompt_tokens (at most {p}) + new_tokens (at most {n})", p + n)]
 
     @property
@@ -325,8 +324,8 @@ class ServingSuite(_EngineKnobs):
                 "capacity",  # a probe's numbers depend on its rate, not on the search that picked it
             }
         )
-        if self.sessions is None:  # added after these ids were written: only a sessions suite's ids carry it
-            keep.discard("sessions")
+        if self.sessions is None:  # added after these ids were written: only a sessions suite's ids carry them
+            keep -= {"sessions", "session_tokens"}
         ident = self.model_dump(include=keep, mode="json")
         # the SLO changes a point's attainment and goodput: a non-default one is part of its identity, the default
         # adds nothing (the ids of suites written before `slo:` stay as they were)
