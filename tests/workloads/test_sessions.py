@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from replica.continuous import StreamChunk
 from replica.types import GenerationResult
 from tests.serving_fakes import OneReplicaPool, run_virtual, virtual_clock
 from tests.suite_helpers import serving_suite
@@ -294,3 +295,24 @@ def test_a_session_trace_suite_records_its_prompt_and_answer_ranges_and_longest_
     assert (suite.prompt_tokens.min, suite.prompt_tokens.max) == (2 + 4, 20)
     assert (suite.new_tokens.min, suite.new_tokens.max, suite.session_tokens) == (1, 4, 21)
     assert suite.context_lengths()[0][1] == 21
+
+
+def test_a_streamed_answer_is_the_next_turns_history_and_one_without_token_ids_ends_its_session():
+    class Streaming:
+        def __init__(self, ids):
+            self.got, self.ids = [], ids
+
+        async def events(self, req):
+            self.got.append(req)
+            await asyncio.sleep(0.1)
+            yield StreamChunk(self.ids[:1])
+            yield StreamChunk(self.ids[1:])
+            yield GenerationResult(req.request_id, len(req.prompt_ids))
+
+    client = Streaming([41, 42])
+    _run(_config(users=1), client)
+    first, second, _ = (r.prompt_ids for r in client.got)
+    assert second[len(first) : len(first) + 2] == [41, 42]
+    client = Streaming([-1, -1])  # what the HTTP client streams for text without ids
+    result, _ = _run(_config(users=1), client)
+    assert len(client.got) == 1 and result.records[0].error_kind == "missing_token_ids"

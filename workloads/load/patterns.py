@@ -604,6 +604,12 @@ class SessionsLoad(LoadPattern):
                 rec = await run.send(index, warm, at)
                 rec.session_id, rec.turn, rec.session_turns = session.index, k, len(session.turns)
                 rec.expected_reuse_tokens = expected
+                if rec.ok and any(i < 0 for i in rec.output_ids):  # an HTTP reply of text without its token ids
+                    rec.error_kind = "missing_token_ids"
+                    rec.error = (
+                        "the reply carried text without token ids; a session's next turn sends the answer's ids "
+                        "back (our server sends them; vLLM with extra_body {return_token_ids: true})"
+                    )
                 if not rec.ok:
                     return  # the conversation cannot go on without the answer
                 answered_s = rec.finish_time_s
