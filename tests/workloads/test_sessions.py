@@ -225,6 +225,7 @@ def test_every_series_at_one_load_gets_the_same_sessions_messages_and_think_time
     assert "| session SLO attainment |" in sessions_part
     turn_rows = [x for x in sessions_part.splitlines() if x.startswith("| sessions-")]
     assert len(turn_rows) == 2 + 6  # a row per point, then a row per turn index of each point
+    assert (tmp_path / "r" / "run" / "ttft_per_turn.png").stat().st_size > 0
     cfgs = [r["load_config"] for r in records]
     assert cfgs[0]["seed"] == cfgs[1]["seed"] and cfgs[0]["sessions"]["think_time_s"]["value"] == 0.01
 
