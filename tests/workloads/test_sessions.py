@@ -230,7 +230,7 @@ def test_every_series_at_one_load_gets_the_same_sessions_messages_and_think_time
     assert cfgs[0]["seed"] == cfgs[1]["seed"] and cfgs[0]["sessions"]["think_time_s"]["value"] == 0.01
 
 
-def test_a_session_trace_turn_of_a_missing_session_is_refused_naming_the_field(tmp_path):
+def test_a_session_trace_turn_of_a_missing_session_is_refused_naming_the_field(tmp_path, capsys):
     bad = tmp_path / "t.jsonl"
     bad.write_text(
         '{"session_id": "a", "timestamp": 0, "input_length": 4, "output_length": 2}\n'
@@ -238,6 +238,12 @@ def test_a_session_trace_turn_of_a_missing_session_is_refused_naming_the_field(t
     )
     with pytest.raises(SuiteError, match=r"row 2, session_id: turn refers to session 'zz'"):
         parse_suite(_sessions_suite(sessions={"trace_path": str(bad)}, new_tokens=None))
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump(_sessions_suite(sessions={"trace_path": str(bad)}, new_tokens=None)))
+    results = tmp_path / "r"
+    assert sweep.main([str(suite), "--local", "--results-dir", str(results), "--pushgateway", "off"]) == 2
+    assert "session_id: turn refers to session 'zz'" in capsys.readouterr().err
+    assert not results.exists() or not any(results.iterdir())  # nothing recorded
     bad.write_text(
         '{"session_id": "a", "timestamp": 0, "input_length": 4, "output_length": 2}\n'
         '{"session_id": "a", "delay": -5, "input_length": 4, "output_length": 2}\n'
