@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from scissorhands.models import load_tokenizer
+from scissorhands.models import load_model, load_tokenizer
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import tiny_suite
 from workloads import sweep
@@ -21,6 +21,7 @@ from workloads.kinds import parse_suite
 from workloads.quality import points as quality_points
 from workloads.quality import turn_recall as tr
 from workloads.quality.report import markdown
+from workloads.quality.stats import wilson_interval
 
 Z2 = 1.959963984540054**2
 
@@ -215,8 +216,6 @@ def test_the_suites_points_run_on_a_tiny_model_and_fill_the_report(tokenizer):
 
 
 def _record(policy, ratio, correct_by_turn, turns=(2, 4, 8), sessions=4):
-    from workloads.quality.stats import wilson_interval
-
     ci = [wilson_interval(c, sessions) for c in correct_by_turn]
     return {
         "status": "ok",
@@ -252,8 +251,6 @@ def test_report_writes_one_row_per_point_and_a_column_per_turn():
 def test_embedded_full_cache_recalls_the_code_at_turns_2_and_4():
     """SmolLM2-135M-Instruct with the full cache answers the planted code at turns 2 and 4 (measured: 2/2 at k = 2,
     4 and 8 on sessions of 48-token fillers, seed 0; Scissorhands at 5x: 0/2 at each)."""
-    from scissorhands.models import load_model
-
     torch.set_num_threads(1)
     model, tok = load_model("embedded", dtype=torch.float32, device="cpu")
     out = tr.evaluate_turn_recall(model, tok, "full", [2, 4], sessions=2)
