@@ -8,9 +8,10 @@ have dropped what a later turn asks about. A session, in the model's chat templa
     turn 2..k-1 user: held-out sotu text (``filler_tokens`` tokens each) assistant: FILLER_REPLY
     turn k      user: QUESTION (the name)                                  assistant: ANSWER_PREFIX ... (generated)
 
-The assistant answers of turns 1..k-1 are fixed text, not generated: as SCBench's sessions carry each turn's given
-answer, the history is the same text for every policy, so turn k measures what the policy's cache kept of it (its
-own earlier answers cannot drift the prompt) and every policy is paired with the full cache on identical prompts.
+The assistant answers of turns 1..k-1 are fixed text, not generated (SCBench's multi-turn sets give each turn's
+reference answer): the history is the same text for every policy, so turn k measures what the policy's cache kept of
+it (its own earlier answers cannot drift the prompt) and every policy is paired with the full cache on identical
+prompts.
 The code is stated once in the whole prompt (the plant); the name again in the question and the answer prefix.
 
 Reuse (``reuse``): ``"none"``, the only way for now: each turn is a fresh request whose prompt is the whole
