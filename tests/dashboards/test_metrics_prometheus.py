@@ -113,9 +113,9 @@ def _paged_engine(run_id: str):
     it, so the newest rows are preempted), recording its live metrics through Ray."""
     import torch
 
+    from replica.common.types import EngineConfig
     from replica.engine import ContinuousBatchingEngine
     from replica.metrics import ReplicaMetrics
-    from replica.types import EngineConfig
     from scissorhands.testing import tiny_llama
 
     torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def _paged_engine(run_id: str):
 def _paged_run(engine) -> dict:
     import torch
 
-    from replica.types import GenerationRequest
+    from replica.common.types import GenerationRequest
 
     g = torch.Generator().manual_seed(0)
     for i in range(12):

@@ -10,14 +10,13 @@ import re
 import pytest
 from prometheus_client import generate_latest
 
+from replica.common.metric_labels import POINT_LABELS, REPLICA_LABELS
 from replica.metrics import (
     LATENCY_BUCKETS_S,
     LATENCY_TOP_S,
     METRICS,
     PAGED_LAYOUT_METRICS,
-    POINT_LABELS,
     RECORD_QUANTILES,
-    REPLICA_LABELS,
     SERVE_LATENCY_BUCKETS_MS,
     SERVE_METRICS,
     ReplicaMetrics,
