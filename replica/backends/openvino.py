@@ -2,7 +2,7 @@
 engine protocol (`replica.backends.EngineBackend`), on the same requests as ours.
 
 ``add_request(request_id, input_ids, generation_config)`` returns a handle whose ``read()`` gives the new tokens
-after each ``step()``; ``drop()`` aborts; ``get_metrics()`` gives the pool's usage (percent) and the running
+after each ``step()``; ``cancel()`` aborts (frees its KV blocks; 2026.4.1's handle has no ``drop``); ``get_metrics()`` gives the pool's usage (percent) and the running
 requests. The requests, their answers and their counters are ours (`replica.engine.request_queue.RequestQueue`,
 `replica.engine.lifecycle.Lifecycle`), so a reply, a stream and ``stats()`` read as ours do.
 
@@ -337,7 +337,7 @@ class OpenVINOEngine:
         for rid in ends:
             if rid in self.handles:
                 seq, handle = self.handles.pop(rid)
-                handle.drop()
+                handle.cancel()
                 gone.append(seq)
         t = self.clock()
         for seq in gone:
@@ -417,10 +417,10 @@ class OpenVINOEngine:
                             break
                     if done:
                         break
-            if done:  # answered by `emit` (its EOS or its length): only the pipeline's copy is left to drop
+            if done:  # answered by `emit` (its EOS or its length): only the pipeline's copy is left to cancel
                 del self.handles[rid]
                 if handle.get_status() == running:
-                    handle.drop()
+                    handle.cancel()
                 continue
             status = handle.get_status()
             if status == finished:  # an end the pipeline saw first: its length, else its stop condition (EOS)
@@ -523,7 +523,7 @@ class OpenVINOEngine:
         """Fail every queued and running request (`error_kind="error"`); `fault`: refuse every later one."""
         seqs = self.queue.drain(message if fault else None)
         for seq, handle in self.handles.values():
-            handle.drop()
+            handle.cancel()
             seqs.append(seq)
         self.handles = {}
         for seq in seqs:

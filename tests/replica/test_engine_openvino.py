@@ -34,28 +34,67 @@ class _Status:
     RUNNING = SimpleNamespace(name="RUNNING")
     FINISHED = SimpleNamespace(name="FINISHED")
     IGNORED = SimpleNamespace(name="IGNORED")
+    CANCEL = SimpleNamespace(name="CANCEL")
+    STOP = SimpleNamespace(name="STOP")
+
+
+# The public names of openvino-genai 2026.4.1's objects the backend calls: the stand-ins expose exactly these (a
+# call under another name fails here as on the real runtime) and the slow test checks them against the real one.
+HANDLE_API = {
+    "can_read",
+    "cancel",
+    "get_perf_metrics",
+    "get_status",
+    "get_vlm_perf_metrics",
+    "read",
+    "read_all",
+    "stop",
+}
+PIPELINE_API = {
+    "add_request", "finish_chat", "generate", "get_config", "get_metrics", "get_tokenizer",
+    "has_non_finished_requests", "start_chat", "step",
+}  # fmt: skip
+METRICS_USED = {"cache_usage", "scheduled_requests", "requests", "kv_cache_size_in_bytes"}
+
+
+def _public(obj) -> set[str]:
+    return {n for n in dir(obj) if not n.startswith("_")}
 
 
 class _Handle:
+    """A handle of 2026.4.1's public names only (`HANDLE_API`); its state is kept under private names."""
+
     def __init__(self, max_new: int, pipe=None):
-        self.max_new, self.out, self.unread, self.status, self.dropped = max_new, 0, [], _Status.RUNNING, False
-        self.pipe = pipe
+        self._max_new, self._out, self._unread, self._status, self._cancelled = max_new, 0, [], _Status.RUNNING, False
+        self._pipe = pipe
 
     def can_read(self):
-        return bool(self.unread)
+        return bool(self._unread)
 
     def read(self):
-        if self.pipe is not None and self.pipe.steps == _Pipeline.read_fails_at_step:
+        if self._pipe is not None and self._pipe.steps == _Pipeline.read_fails_at_step:
             _Pipeline.read_fails_at_step = None  # once
             raise RuntimeError("Exception from src/continuous_batching/pipeline_impl.cpp: read of a dropped sequence")
-        ids, self.unread = self.unread, []
+        ids, self._unread = self._unread, []
         return {0: SimpleNamespace(generated_ids=ids)}
 
-    def get_status(self):
-        return self.status
+    def read_all(self):
+        return [SimpleNamespace(generated_ids=self.read()[0].generated_ids)]
 
-    def drop(self):
-        self.dropped = True
+    def get_status(self):
+        return self._status
+
+    def cancel(self):
+        self._cancelled, self._status = True, _Status.CANCEL
+
+    def stop(self):
+        self._status = _Status.STOP
+
+    def get_perf_metrics(self):
+        return SimpleNamespace()
+
+    def get_vlm_perf_metrics(self):
+        return SimpleNamespace()
 
 
 class _Pipeline:
@@ -88,20 +127,20 @@ class _Pipeline:
         self.steps += 1
         if self.steps == _Pipeline.fail_at_step:
             raise RuntimeError(SNAPKV)
-        live = [h for h in self.handles if h.status is _Status.RUNNING and not h.dropped]
+        live = [h for h in self.handles if h._status is _Status.RUNNING]
         live = live[: _Pipeline.schedule_at_most]
         self.scheduled = len(live)
         for h in live:
-            h.unread.append(500 + h.out)
-            h.out += 1
-            if h.out == h.max_new or h.out == _Pipeline.stop_after:
-                h.status = _Status.FINISHED
+            h._unread.append(500 + h._out)
+            h._out += 1
+            if h._out == h._max_new or h._out == _Pipeline.stop_after:
+                h._status = _Status.FINISHED
 
     def get_metrics(self):
         if self.steps == _Pipeline.metrics_fail_at_step:
             _Pipeline.metrics_fail_at_step = None  # once
             raise RuntimeError("Exception from src/continuous_batching/metrics.cpp: no metrics")
-        live = sum(h.status is _Status.RUNNING and not h.dropped for h in self.handles)
+        live = sum(h._status is _Status.RUNNING for h in self.handles)
         return SimpleNamespace(cache_usage=50.0 if live else 0.0, scheduled_requests=self.scheduled, requests=live)
 
 
@@ -422,7 +461,7 @@ def test_the_real_pipeline_serves_the_embedded_model_beside_ours_full_and_evicti
         replica.shutdown()
 
 
-def test_an_aborted_request_is_dropped_from_the_pipeline_and_a_finished_one_ends_as_stop(tiny_model, scripted):
+def test_an_aborted_request_is_cancelled_in_the_pipeline_and_a_finished_one_ends_as_stop(tiny_model, scripted):
     cfg = EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES)
     eng = ovb.OpenVINOEngine(tiny_model, cfg)
     done = {}
@@ -433,7 +472,7 @@ def test_an_aborted_request_is_dropped_from_the_pipeline_and_a_finished_one_ends
     eng.finish("stopped")
     eng.step()
     handles = scripted.built[-1].handles
-    assert handles[0].dropped and handles[2].dropped and not handles[1].dropped
+    assert handles[0]._cancelled and handles[2]._cancelled and not handles[1]._cancelled
     assert done["gone"].error_kind == "aborted" and done["gone"].output_ids == [500]
     assert done["stopped"].finish_reason == "stop" and done["stopped"].error is None
     while eng.step():
@@ -441,3 +480,63 @@ def test_an_aborted_request_is_dropped_from_the_pipeline_and_a_finished_one_ends
     assert done["stays"].output_ids == [500, 501, 502, 503, 504] and done["stays"].finish_reason == "length"
     s = eng.stats()
     assert (s["completed_requests"], s["failed_requests"], s["generated_tokens"]) == (2, 1, 7)
+
+
+def test_the_stand_in_handle_and_pipeline_expose_only_the_real_runtimes_names():
+    assert _public(_Handle(3)) == HANDLE_API
+    methods = {n for n in _public(_Pipeline) if callable(getattr(_Pipeline, n))}
+    assert methods <= PIPELINE_API and {"add_request", "step", "get_metrics"} <= methods
+
+
+def test_ending_running_requests_early_keeps_the_engine_serving_the_next(tiny_model, scripted):
+    """An abort (the client gone mid-stream) and a finish (a stop string hit) while the pipeline still runs the
+    request: both cancel it there, and the next request is served, not failed with the engine's fault."""
+    eng = ovb.OpenVINOEngine(tiny_model, EngineConfig(**OV, kv_memory_limit_bytes=40 * BLOCK_BYTES))
+    done = {}
+    for rid in ("gone", "stopped"):
+        eng.submit(GenerationRequest(rid, [1, 2], max_new_tokens=50), lambda r: done.setdefault(r.request_id, r))
+    eng.step()
+    eng.abort("gone")
+    eng.finish("stopped")
+    eng.step()
+    eng.submit(GenerationRequest("next", [1, 2], max_new_tokens=3), lambda r: done.setdefault(r.request_id, r))
+    while eng.step():
+        pass
+    assert eng.healthy and eng.fault is None
+    assert done["gone"].error_kind == "aborted" and done["stopped"].finish_reason == "stop"
+    assert done["next"].error is None and done["next"].output_ids == [500, 501, 502]
+    assert [h.get_status().name for h in scripted.built[-1].handles] == ["CANCEL", "CANCEL", "FINISHED"]
+
+
+@pytest.mark.slow
+def test_the_real_runtime_has_every_name_the_backend_calls_and_serves_on_after_an_abort():
+    """The real 2026.4.1 pipeline built as the backend builds it: its handle's, pipeline's and metrics' names are the
+    stand-ins' (`HANDLE_API`, `PIPELINE_API`, `METRICS_USED`); a request aborted while running is cancelled (its KV
+    freed) and the engine then serves the next request."""
+    _real_runtime_or_skip()
+    cfg = EngineConfig(**OV, kv_memory_limit_bytes=20_000_000, max_length_tokens=80)
+    eng = ovb.OpenVINOEngine(torch.nn.Linear(1, 1), cfg)  # the model gives only its dtype (f32)
+    g, ov, np = ovb.runtime()
+    gc = g.GenerationConfig()
+    gc.max_new_tokens = 4
+    handle = eng.pipe.add_request(10_000, ov.Tensor(np.array([[1, 2, 3, 4]], dtype=np.int64)), gc)
+    assert _public(handle) == HANDLE_API and PIPELINE_API <= _public(eng.pipe)
+    assert METRICS_USED <= _public(eng.pipe.get_metrics())
+    assert {"RUNNING", "FINISHED", "CANCEL", "IGNORED", "STOP"} <= _public(g.GenerationStatus)
+    handle.cancel()
+    while eng.pipe.has_non_finished_requests():
+        eng.pipe.step()
+    done = {}
+    for rid in ("gone", "stopped"):
+        eng.submit(GenerationRequest(rid, list(range(100, 132)), 40), lambda r: done.setdefault(r.request_id, r))
+    eng.step()
+    eng.step()
+    eng.abort("gone")
+    eng.finish("stopped")
+    eng.step()
+    eng.submit(GenerationRequest("next", list(range(100, 132)), 8), lambda r: done.setdefault(r.request_id, r))
+    while eng.step():
+        pass
+    assert eng.healthy and done["gone"].error_kind == "aborted" and done["stopped"].finish_reason == "stop"
+    assert done["next"].error is None and len(done["next"].output_ids) == 8
+    assert not eng.pipe.has_non_finished_requests()  # the cancelled ones hold nothing (get_metrics lags a step)
