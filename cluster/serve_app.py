@@ -135,8 +135,8 @@ class EngineDeployment:
         stats = {**await self.replica.stats(), "node_id": self.replica.node_id, "hostname": socket.gethostname()}
         return ReplicaReply(result, stats)
 
-    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        return await self.replica.check(prompt_tokens, max_new_tokens)
+    async def check(self, prompt_tokens: int, max_new_tokens: int, logprobs: bool = False) -> str | None:
+        return await self.replica.check(prompt_tokens, max_new_tokens, logprobs)
 
     def finish(self, request_id: str, replica_tag: str | None = None) -> None:
         """`ServingReplica.finish`: `request_id` ends as completed (a stop string). `replica_tag` is this
@@ -175,8 +175,8 @@ class ServeBackend:
         self.stream_handle = handle.options(stream=True)
         self.holders: dict[str, str] = {}  # request id -> tag of the replica streaming it, while it streams
 
-    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        return await self.handle.check.remote(prompt_tokens, max_new_tokens)
+    async def check(self, prompt_tokens: int, max_new_tokens: int, logprobs: bool = False) -> str | None:
+        return await self.handle.check.remote(prompt_tokens, max_new_tokens, logprobs)
 
     async def stream(self, request: GenerationRequest):
         """The deployment's typed events of `request` in the OpenAI API's form (`replica.continuous.openai_event`)."""

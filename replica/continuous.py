@@ -215,9 +215,12 @@ class ServingReplica:
         )
         return getattr(cfg, "max_position_embeddings", None)
 
-    async def check(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
-        """Why a request of these lengths can never be served (None: it can): a `Refusal` of kind ``context``
-        (past the model's context), ``kv_memory`` or ``policy`` (`ContinuousBatchingEngine.fits_alone`)."""
+    async def check(self, prompt_tokens: int, max_new_tokens: int, logprobs: bool = False) -> Refusal | None:
+        """Why a request of these lengths can never be served (None: it can): a `Refusal` of kind ``unsupported``
+        (`logprobs`: it asks log-probabilities of an engine whose ``gives_logprobs`` is False), ``context`` (past
+        the model's context), ``kv_memory`` or ``policy`` (`ContinuousBatchingEngine.fits_alone`)."""
+        if logprobs and self.engine is not None and not getattr(self.engine, "gives_logprobs", True):
+            return Refusal("unsupported", f"engine {self.engine.config.engine!r} gives no log-probabilities")
         context = self._context_tokens()
         if context is not None and prompt_tokens + max_new_tokens > context:
             return Refusal(

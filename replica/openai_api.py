@@ -42,9 +42,10 @@ requests in flight; 503 with `Retry-After` when the backend sheds load (Ray Serv
 ends with an error event (`data: {"error": ...}`) and `[DONE]`, never a hang. A client that
 disconnects mid-stream cancels its request; the backend aborts it (`ContinuousBatchingEngine.abort`).
 
-A backend is anything with `metadata` (dict), `check(prompt_tokens, max_new_tokens) -> str | None`
+A backend is anything with `metadata` (dict), `check(prompt_tokens, max_new_tokens, logprobs=False) -> str | None`
 (why the request can never be served, or None; a `replica.common.types.Refusal` gives its `kind`, which picks the
-error code, a plain string is a KV memory refusal) and `stream(GenerationRequest)`, an async iterator
+error code, a plain string is a KV memory refusal; ``logprobs=True``, asked only of a request wanting log-probabilities,
+lets a backend without them refuse it with kind ``unsupported``: 400 naming ``logprobs`` or ``echo``) and `stream(GenerationRequest)`, an async iterator
 of `{"token_id", "time_s"}` events ending with one `{"result": GenerationResult fields}`
 (`replica.continuous.ServingReplica.stream`). A backend may also have `max_new_tokens_for(prompt_tokens, most)` (the
 longest request it serves, in one call instead of a bisection over `check`) and `finish(request_id)`: the request's text
@@ -106,7 +107,7 @@ PHASE_HEADER = "X-Scissorhands-Phase"
 class Backend(Protocol):
     metadata: dict
 
-    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None: ...
+    async def check(self, prompt_tokens: int, max_new_tokens: int, logprobs: bool = False) -> str | None: ...
 
     def stream(self, request: GenerationRequest) -> AsyncIterator[dict]: ...
 
@@ -153,8 +154,8 @@ class ReplicaBackend:
     def __init__(self, replica, metadata: dict):
         self.replica, self.metadata = replica, metadata
 
-    async def check(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        return await self.replica.check(prompt_tokens, max_new_tokens)
+    async def check(self, prompt_tokens: int, max_new_tokens: int, logprobs: bool = False) -> str | None:
+        return await self.replica.check(prompt_tokens, max_new_tokens, logprobs)
 
     async def max_new_tokens_for(self, prompt_tokens: int, most: int) -> int:
         return await self.replica.max_new_tokens_for(prompt_tokens, most)
@@ -567,6 +568,7 @@ class OpenAIServer:
         warmup = _warmup_of(request)
         model, opts, ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.parse, raw, chat)
         backend = self.backends[model]
+        await self.check_logprobs(backend, opts, len(ids), chat)
         max_tokens = await self.checked_max_tokens(backend, opts["max_tokens"], len(ids), chat)
         if self.pending[model] >= self.max_pending_requests:
             raise _retry_later(
@@ -649,6 +651,18 @@ class OpenAIServer:
         if wants_logprobs and opts["stop"]:
             raise ApiError(400, "stop: logprobs and echo are not served together with stop strings", "stop")
         return model, opts, _chat_ids(body, self.tokenizer) if chat else _prompt_ids(body, self.tokenizer)
+
+    async def check_logprobs(self, backend, opts: dict, prompt_tokens: int, chat: bool) -> None:
+        """A request asking log-probabilities (``logprobs``, ``top_logprobs``, ``echo``) of a backend that gives
+        none is refused: 400 naming the field it used (the backend's `check` with ``logprobs=True`` answers a
+        `Refusal` of kind ``unsupported``); a backend's other refusals are `checked_max_tokens`' to name."""
+        if opts["logprobs"] is None and not opts["echo"]:
+            return
+        why = await backend.check(prompt_tokens, 1, logprobs=True)
+        if getattr(why, "kind", None) != "unsupported":
+            return
+        param = "logprobs" if opts["logprobs"] is not None or chat else "echo"
+        raise ApiError(400, f"{param}: {why}; accepted: {param} absent (or false) on this model", param)
 
     async def checked_max_tokens(self, backend, max_tokens: int | None, prompt_tokens: int, chat: bool) -> int:
         """The request's `max_tokens` (its default when not given), refused (400 naming `max_tokens`) when the

@@ -28,7 +28,8 @@ class EngineBackend(Protocol):
 
     Thread-safety: `submit`, `abort` and `finish` come from any thread; `step` and the rest from the loop's.
     Every request is answered exactly once through its `on_done` (a `GenerationResult`; a failure as
-    ``error_kind`` and ``error``), tokens before it through `on_token(token_id, time_s)`.
+    ``error_kind`` and ``error``), tokens before it through `on_token(token_id, time_s)`. A backend without
+    log-probabilities sets ``gives_logprobs = False`` (absent: it gives them; `ServingReplica.check` reads it).
     """
 
     config: EngineConfig

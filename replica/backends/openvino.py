@@ -165,6 +165,9 @@ class OpenVINOEngine:
         ValueError: a config this backend cannot run (no KV memory limit, a limit under one block).
     """
 
+    #: No log-probabilities: `ServingReplica.check` refuses a request asking them (kind ``unsupported``).
+    gives_logprobs = False
+
     def __init__(
         self,
         model,

@@ -519,8 +519,9 @@ OUTCOMES = ("stop", "length", "abort", "error")
 
 
 #: Why a request can never be served: longer than the model's context, more than the KV memory limit holds for it
-#: alone, or a budget the cache policy refuses (`Refusal.kind`).
-REFUSAL_KINDS = ("context", "kv_memory", "policy")
+#: alone, a budget the cache policy refuses, or something the engine cannot give (log-probabilities on an engine
+#: without them: `ServingReplica.check`'s ``logprobs``) (`Refusal.kind`).
+REFUSAL_KINDS = ("context", "kv_memory", "policy", "unsupported")
 
 
 class Refusal(str):

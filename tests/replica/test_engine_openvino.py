@@ -354,6 +354,19 @@ def test_the_replica_refuses_by_kind_and_sizes_max_tokens_from_the_openvino_pool
         replica.shutdown()
 
 
+def test_the_openvino_replica_refuses_log_probabilities_as_unsupported_before_its_lengths(tiny_model, scripted):
+    replica = ServingReplica(model=tiny_model, engine_config=EngineConfig(**OV, kv_memory_limit_bytes=10 * BLOCK_BYTES))
+    try:
+        why = asyncio.run(replica.check(10, 5, logprobs=True))
+        assert (why.kind, str(why)) == ("unsupported", "engine 'openvino' gives no log-probabilities")
+        assert asyncio.run(replica.check(300, 40, logprobs=True)).kind == "unsupported"
+        assert asyncio.run(replica.check(10, 5)) is None
+        replica.configure(EngineConfig())  # ours gives them
+        assert asyncio.run(replica.check(10, 5, logprobs=True)) is None
+    finally:
+        replica.shutdown()
+
+
 def test_max_new_tokens_for_is_the_longest_output_fits_alone_accepts_with_and_without_eviction(tiny_model, scripted):
     evict = dict(policy="openvino_eviction", compression_ratio=4, max_length_tokens=544)  # max_cache_size 160
     for blocks, extra, prompt, most, expected in [

@@ -56,7 +56,7 @@ def test_refusals_are_typed_and_keep_their_kind_across_processes(model):
     assert type(refused) is Refusal and refused.kind == "policy" and "does not suit the policy" in refused
     with pytest.raises(ValueError, match="kind: expected one of context, kv_memory, policy"):
         Refusal("memory", "x")
-    assert REFUSAL_KINDS == ("context", "kv_memory", "policy")
+    assert REFUSAL_KINDS == ("context", "kv_memory", "policy", "unsupported")
 
 
 def test_the_replica_check_names_the_context_and_the_kv_memory_by_kind(model):
@@ -81,9 +81,9 @@ class _CountingBackend(ReplicaBackend):
         super().__init__(*args)
         self.checks = self.answers = 0
 
-    async def check(self, prompt_tokens, max_new_tokens):
+    async def check(self, prompt_tokens, max_new_tokens, logprobs=False):
         self.checks += 1
-        return await super().check(prompt_tokens, max_new_tokens)
+        return await super().check(prompt_tokens, max_new_tokens, logprobs)
 
     async def max_new_tokens_for(self, prompt_tokens, most):
         self.answers += 1

@@ -341,7 +341,7 @@ class _DyingBackend:
     def __init__(self, tokens: int):
         self.tokens = tokens
 
-    async def check(self, prompt_tokens, max_new_tokens):
+    async def check(self, prompt_tokens, max_new_tokens, logprobs=False):
         return None
 
     async def stream(self, request):

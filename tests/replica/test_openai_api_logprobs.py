@@ -68,7 +68,7 @@ class LogprobsBackend:
         self.token_ids, self.tops = list(token_ids), tops
         self.metadata: dict = {"policy": "full"}
 
-    async def check(self, prompt_tokens, max_new_tokens):
+    async def check(self, prompt_tokens, max_new_tokens, logprobs=False):
         return None
 
     async def stream(self, request):

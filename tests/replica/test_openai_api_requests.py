@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from replica import openai_api
-from replica.common.types import GenerationRequest
+from replica.common.types import GenerationRequest, Refusal
 from replica.openai_api import ApiKey, build_app
 from scissorhands.models import load_tokenizer
 from tests.http_fakes import ServerThread, char_tokenizer, sse_events
@@ -28,14 +28,25 @@ class ScriptedBackend:
     """A backend that streams `token_ids` (one every `gap_s`), then ends with `finish` ("eos" or "length");
     `fits_tokens`: prompt + max_tokens it accepts (its `check`, like a KV memory limit); records requests."""
 
-    def __init__(self, token_ids=(), *, gap_s: float = 0.0, finish: str = "length", fits_tokens: int | None = None):
+    def __init__(
+        self,
+        token_ids=(),
+        *,
+        gap_s: float = 0.0,
+        finish: str = "length",
+        fits_tokens: int | None = None,
+        gives_logprobs: bool = True,
+    ):
         self.token_ids, self.gap_s, self.finish, self.fits_tokens = list(token_ids), gap_s, finish, fits_tokens
+        self.gives_logprobs = gives_logprobs  # False: its check refuses log-probabilities as an OpenVINO replica's
         self.metadata: dict = {"policy": "full"}
         self.requests: list[GenerationRequest] = []
         self.checks = 0
 
-    async def check(self, prompt_tokens, max_new_tokens):
+    async def check(self, prompt_tokens, max_new_tokens, logprobs=False):
         self.checks += 1
+        if logprobs and not self.gives_logprobs:
+            return Refusal("unsupported", "engine 'openvino' gives no log-probabilities")
         if self.fits_tokens is not None and prompt_tokens + max_new_tokens > self.fits_tokens:
             return f"a request of {prompt_tokens} + {max_new_tokens} tokens needs more than the KV memory limit"
         return None
@@ -57,6 +68,33 @@ def serve(backend, tokenizer=None, **kw) -> ServerThread:
 
 def post(url, path, body, stream=False, headers=None):
     return requests.post(url + path, json=body, stream=stream, timeout=60, headers=headers)
+
+
+# ---------------------------------------------------------------------------- fields a backend cannot give
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/chat/completions", dict(logprobs=True), "logprobs"),
+        ("/v1/chat/completions", dict(logprobs=True, top_logprobs=2), "logprobs"),
+        ("/v1/completions", dict(logprobs=0), "logprobs"),
+        ("/v1/completions", dict(logprobs=3), "logprobs"),
+        ("/v1/completions", dict(echo=True), "echo"),
+        ("/v1/completions", dict(echo=True, max_tokens=0), "echo"),
+        ("/v1/completions", dict(echo=True, logprobs=1), "logprobs"),
+    ],
+)
+def test_log_probabilities_asked_of_a_backend_without_them_are_refused_400_naming_the_field(path, extra, param):
+    backend = ScriptedBackend([5, 6, 7], gives_logprobs=False)
+    body = {"model": "m", "max_tokens": 3, **extra}
+    body.update(dict(messages=MSGS) if "chat" in path else dict(prompt="yo"))
+    with serve(backend, context_tokens=CONTEXT) as url:
+        r = post(url, path, body)
+        err = r.json()["error"]
+        assert (r.status_code, err["type"], err["param"]) == (400, "invalid_request_error", param)
+        assert err["message"].startswith(f"{param}: engine 'openvino' gives no log-probabilities")
+        assert backend.requests == []  # refused before the backend ran anything
+        plain = post(url, path, {**{k: v for k, v in body.items() if k not in extra}, "max_tokens": 3})  # serves on
+        assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 3
 
 
 # ---------------------------------------------------------------------------- max_tokens defaults
