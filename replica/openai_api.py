@@ -69,6 +69,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from replica.common.types import MAX_LOGPROBS, GenerationRequest
 from replica.openai_fields import chat_logprobs, completion_logprobs, unsupported_field
+from replica.openvino_settings import eviction_from_policy
 from replica.token_bytes import TokenBytes
 
 __all__ = [
@@ -168,17 +169,29 @@ class ReplicaBackend:
 
 
 def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: str) -> dict:
-    """`/v1/models` metadata of one cache configuration."""
+    """`/v1/models` metadata of one cache configuration. OpenVINO's eviction (engine ``openvino``, policy
+    ``openvino_eviction``) shows what its pipeline runs, as a sweep record does: ``budget_tokens`` its
+    ``max_cache_size`` (tokens, rounded up to 32-token blocks), ``policy_params`` its ``start_size``,
+    ``recent_size``, ``max_cache_size`` and ``aggregation_mode`` (`replica.openvino_settings.eviction_from_policy`),
+    and ``openvino_max_cache_size_rounding`` (the ratio's rounding in words; None when the size was given)."""
+    policy, engine = engine_config.get("policy", "full"), engine_config.get("engine", "ours")
+    params, extra = engine_config.get("policy_params", {}), {}
+    if engine == "openvino" and policy == "openvino_eviction":
+        params, rounding = eviction_from_policy(
+            params, engine_config.get("compression_ratio"), engine_config.get("max_length_tokens")
+        )
+        budget_tokens, extra = params["max_cache_size"], {"openvino_max_cache_size_rounding": rounding}
     return {
-        "policy": engine_config.get("policy", "full"),
+        "policy": policy,
         "compression_ratio": engine_config.get("compression_ratio"),
         "budget_tokens": budget_tokens,  # None for the full cache and under budget: per_request
-        "budget": engine_config.get("budget", "fixed") if engine_config.get("policy", "full") != "full" else None,
+        "budget": engine_config.get("budget", "fixed") if policy != "full" else None,
         "kv_layout": engine_config.get("kv_layout", "preallocated"),
-        "policy_params": engine_config.get("policy_params", {}),
+        "policy_params": params,
         "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"),
         "model_spec": model_spec,
-        "engine": engine_config.get("engine", "ours"),  # the backend that serves it (replica.backends)
+        "engine": engine,  # the backend that serves it (replica.backends)
+        **extra,
     }
 
 

@@ -50,6 +50,36 @@ def test_an_openvino_cache_is_named_by_its_engine_and_runs_only_its_policies():
     assert DEFAULT_CACHES["openvino"] == ["full", "openvino_eviction:5"]
 
 
+def test_models_list_an_openvino_eviction_cache_with_its_max_cache_size_and_window_sizes(monkeypatch):
+    """`/v1/models` metadata as the pipeline runs it and as sweep records have it: ratio 5 at 512 tokens is
+    ``ceil(512 / 5) = 103`` rounded up to 128 (32-token blocks); ``b256`` is 256 as given."""
+    monkeypatch.setattr(serve_app, "check_available", lambda model_spec: None)
+    app = build_serve_app(
+        "tiny-llama",
+        ["openvino/openvino_eviction:5", "openvino/openvino_eviction:b256", "openvino/full"],
+        dtype="float32",
+        tokenizer_spec=None,
+        kv_memory_limit_bytes=KV_LIMIT,
+        max_length_tokens=512,
+    )
+    metadata = app._bound_deployment.init_args[1]
+    x5 = metadata["tiny-llama:openvino_eviction-x5"]
+    assert x5["budget_tokens"] == 128 and x5["engine"] == "openvino" and x5["compression_ratio"] == 5.0
+    assert x5["policy_params"] == {
+        "start_size": 32,
+        "recent_size": 32,
+        "max_cache_size": 128,
+        "aggregation_mode": "SUM",
+    }
+    assert x5["openvino_max_cache_size_rounding"] == "ceil(512 / 5) = 103 -> 128 (32-token blocks)"
+    b256 = metadata["tiny-llama:openvino_eviction-b256"]
+    assert b256["budget_tokens"] == 256 and b256["policy_params"]["max_cache_size"] == 256
+    assert b256["openvino_max_cache_size_rounding"] is None
+    full = metadata["tiny-llama:openvino-full"]
+    assert (full["budget_tokens"], full["policy_params"]) == (None, {})
+    assert "openvino_max_cache_size_rounding" not in full
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
