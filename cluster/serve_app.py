@@ -389,7 +389,28 @@ def serve_engine_config(
         scheduler = "mixed" if kv_layout == "paged" else "prefill_first"
     cfg = {**knobs, **cfg, "kv_layout": kv_layout, "kv_memory_limit_bytes": kv_memory_limit_bytes}
     cfg["scheduler"] = scheduler
-    return label, cfg, EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
+    try:
+        return label, cfg, EngineConfig(**cfg).resolved_budget_tokens()  # validates now, names the field
+    except ValueError as e:
+        raise ValueError(_named_by_cache(str(e), spec)) from None
+
+
+#: `EngineConfig` fields a `--cache` spec sets (its policy, ratio or b<budget>): an error in one is the spec's.
+_SPEC_FIELDS = ("policy", "policy_params", "compression_ratio", "budget_tokens")
+
+
+def _named_by_cache(message: str, spec: str) -> str:
+    """An `EngineConfig` refusal of a field `spec` set, named as ``--cache`` and the spec with its accepted forms
+    (``--cache: 'openvino/openvino_eviction:0': compression_ratio: expected a number >= 1 ...; accepted: ...``);
+    a refusal of another field (a flag's) is left as it is."""
+    field = message.partition(":")[0].split(".")[0]
+    if field not in _SPEC_FIELDS:
+        return message
+    policy = spec.rpartition("/")[2].partition(":")[0]
+    forms = f"{policy}:<ratio> (a number >= 1, e.g. {policy}:5) or {policy}:b<tokens>"
+    if spec.startswith("openvino/") or policy == "openvino_eviction":
+        forms += " (b<tokens>: its max_cache_size, a multiple of 32 above start_size + recent_size, 64)"
+    return f"--cache: {spec!r}: {message}; accepted: {forms}"
 
 
 def build_serve_app(

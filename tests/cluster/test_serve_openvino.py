@@ -89,7 +89,21 @@ def test_models_list_an_openvino_eviction_cache_with_its_max_cache_size_and_wind
         ),
         ("openvino_eviction:5", "--cache: engine 'ours' has no policy 'openvino_eviction'"),
         ("vllm/full", r"--cache: unknown engine 'vllm' in 'vllm/full' \(accepted: ours, openvino\)"),
-        ("openvino/openvino_eviction:b100", "max_cache_size: 100 is not a multiple of the KV block"),
+        (
+            "openvino/openvino_eviction:b100",
+            r"^--cache: 'openvino/openvino_eviction:b100': policy_params.max_cache_size: 100 is not a multiple of the "
+            r"KV block .*accepted: openvino_eviction:<ratio> \(a number >= 1, e.g. openvino_eviction:5\) or "
+            r"openvino_eviction:b<tokens>",
+        ),
+        (
+            "openvino/openvino_eviction:0",
+            r"^--cache: 'openvino/openvino_eviction:0': compression_ratio: expected a number >= 1 .*got 0.0; "
+            r"accepted: openvino_eviction:<ratio>",
+        ),
+        ("openvino/openvino_eviction:b64", r"^--cache: 'openvino/openvino_eviction:b64': .*must exceed start_size"),
+        ("openvino/openvino_eviction:b0", r"^--cache: 'openvino/openvino_eviction:b0': .*got 0"),
+        ("scissorhands:0.5", r"^--cache: 'scissorhands:0.5': compression_ratio: .*accepted: scissorhands:<ratio>"),
+        ("scissorhands:b0", r"^--cache: 'scissorhands:b0': budget_tokens: expected an integer >= 1"),
         ("openvino/openvino_eviction:five", "expected openvino_eviction:<ratio>"),
     ],
 )
@@ -218,3 +232,11 @@ def test_the_real_pipeline_serves_completions_and_chat_over_ray_serve_with_its_f
             assert (done, used) == ("length", 6) or (done == "stop" and 1 <= used < 6), reply
             assert reply["usage"]["total_tokens"] == reply["usage"]["prompt_tokens"] + used
             assert reply["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("spec", ["openvino/openvino_eviction:0", "openvino/openvino_eviction:b100", "scissorhands:0"])
+def test_serve_exits_2_naming_the_cache_flag_and_spec_for_a_bad_ratio_or_size(spec, monkeypatch, capsys):
+    loaded = []
+    monkeypatch.setattr(serve_app, "resolve_run_dtype", lambda *a, **k: loaded.append(1))
+    assert main(["--cache", spec]) == 2 and not loaded
+    assert f"--cache: {spec!r}: " in capsys.readouterr().err

@@ -254,22 +254,26 @@ def test_engine_ours_at_its_default_leaves_every_point_id_as_it_was(tmp_path):
 @pytest.mark.parametrize(
     ("policies", "extra", "message"),
     [
-        (["scissorhands"], {"engine": "openvino"}, r"policy: engine 'openvino' runs full, openvino_eviction"),
-        (["openvino_eviction"], {}, r"policy: 'openvino_eviction' runs on engine: openvino only"),
+        (
+            ["scissorhands"],
+            {"engine": "openvino"},
+            r"^policies\[0\]\.name: engine 'openvino' runs full, openvino_eviction",
+        ),
+        (["openvino_eviction"], {}, r"^policies\[0\]\.name: 'openvino_eviction' runs on engine: openvino only"),
         (
             [{"name": "openvino_eviction", "engine": "openvino", "params": {"aggregation_mode": "MAX"}}],
             {},
-            r"policy_params.aggregation_mode: 'MAX'; accepted: SUM, NORM_SUM",
+            r"^policies\[0\]\.params\.aggregation_mode: 'MAX'; accepted: SUM, NORM_SUM",
         ),
         (
             [{"name": "openvino_eviction", "engine": "openvino", "params": {"window": 4}}],
             {},
-            r"policy_params: openvino_eviction takes no window; accepted: aggregation_mode, start_size",
+            r"^policies\[0\]\.params: openvino_eviction takes no window; accepted: aggregation_mode, start_size",
         ),
         (
             [{"name": "openvino_eviction", "engine": "openvino", "params": {"max_cache_size": 100}}],
             {},
-            r"policy_params.max_cache_size: 100 is not a multiple of the KV block \(32 tokens\)",
+            r"^policies\[0\]\.params\.max_cache_size: 100 is not a multiple of the KV block \(32 tokens\)",
         ),
         ([{"name": "full", "engine": "vllm"}], {}, r"engine"),
     ],

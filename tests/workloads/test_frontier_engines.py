@@ -72,23 +72,26 @@ def test_an_engine_in_a_policy_entry_is_a_point_of_its_own_on_the_same_search_an
     [
         (
             {"policies": [{"name": "scissorhands", "engine": "openvino"}]},
-            r"policies\[0\] \(openvino-scissorhands\): policy: engine 'openvino' runs full, openvino_eviction, "
-            r"not 'scissorhands'",
+            r"^policies\[0\]\.name: engine 'openvino' runs full, openvino_eviction, not 'scissorhands' .*"
+            r"\(row openvino-scissorhands\)",
         ),
         (
             {"policies": ["full", {"name": "openvino_eviction", "engine": "openvino", "params": {"window": 4}}]},
-            r"policies\[1\] .*policy_params: openvino_eviction takes no window; accepted: aggregation_mode, "
+            r"^policies\[1\]\.params: openvino_eviction takes no window; accepted: aggregation_mode, "
             r"start_size, recent_size, max_cache_size",
         ),
         (
             {"policies": [{**OV_EVICT, "params": {"aggregation_mode": "MAX"}}]},
-            r"policy_params.aggregation_mode: 'MAX'; accepted: SUM, NORM_SUM",
+            r"^policies\[0\]\.params\.aggregation_mode: 'MAX'; accepted: SUM, NORM_SUM",
         ),
         (
             {"policies": [{**OV_EVICT, "params": {"max_cache_size": 100}}]},
-            r"policy_params.max_cache_size: 100 is not a multiple of the KV block \(32 tokens\)",
+            r"^policies\[0\]\.params\.max_cache_size: 100 is not a multiple of the KV block \(32 tokens\)",
         ),
-        ({"policies": ["openvino_eviction"]}, r"policy: 'openvino_eviction' runs on engine: openvino only"),
+        (
+            {"policies": ["openvino_eviction"]},
+            r"^policies\[0\]\.name: 'openvino_eviction' runs on engine: openvino only",
+        ),
         (
             {"policies": [{"name": "full", "engine": "vllm"}]},
             r"policies\[0\]\.engine: expected one of ours, openvino, got 'vllm'",
@@ -106,7 +109,7 @@ def test_an_engine_in_a_policy_entry_is_a_point_of_its_own_on_the_same_search_an
         ),
         (  # the suite's engine runs every entry that names none
             {"engine": "openvino"},
-            r"policies\[1\] \(scissorhands\): policy: engine 'openvino' runs full, openvino_eviction, not 'scissorhands'",
+            r"^policies\[1\]\.name: engine 'openvino' runs full, openvino_eviction, not 'scissorhands'",
         ),
         ({"openvino_kv_precision": "f16"}, r"openvino_kv_precision: expected one of u8, bf16, got 'f16'"),
     ],
@@ -124,9 +127,7 @@ def test_make_frontier_exits_2_before_any_point_on_a_row_its_backend_cannot_run_
     bad.write_text(yaml.safe_dump({**BASE, "policies": ["full", {"name": "tova", "engine": "openvino"}]}))
     argv = ["--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "r"), "--run-id", "run"]
     assert runner.main([str(bad), *argv]) == 2
-    assert (
-        "policies[1] (openvino-tova): policy: engine 'openvino' runs full, openvino_eviction" in capsys.readouterr().err
-    )
+    assert "policies[1].name: engine 'openvino' runs full, openvino_eviction, not 'tova'" in capsys.readouterr().err
 
     def absent(model):
         raise ovb.BackendUnavailable("engine: 'openvino' needs the openvino-genai runtime (make openvino-runtime)")

@@ -122,15 +122,15 @@ def test_backend_policies_get_passkey_points_only_at_their_ratios_without_kv_bit
         ),
         (
             {"policies": [{"name": "scissorhands", "engine": "openvino"}]},
-            r"policies\[0\]: engine 'openvino' runs full, openvino_eviction, not 'scissorhands'",
+            r"^policies\[0\]\.name: engine 'openvino' runs full, openvino_eviction, not 'scissorhands'",
         ),
         (
             {"policies": [{**OV_EVICT, "params": {"aggregation_mode": "MAX"}}]},
-            r"policies\[0\]: .*policy_params.aggregation_mode: 'MAX'; accepted: SUM, NORM_SUM",
+            r"^policies\[0\]\.params\.aggregation_mode: 'MAX'; accepted: SUM, NORM_SUM",
         ),
         (
             {"policies": [{**OV_EVICT, "params": {"window": 4}}]},
-            r"policies\[0\]: .*openvino_eviction takes no window; accepted: aggregation_mode",
+            r"^policies\[0\]\.params: openvino_eviction takes no window; accepted: aggregation_mode",
         ),
         (
             {"policies": [{**OV_FULL, "params": {"start_size": 32}}]},

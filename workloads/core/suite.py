@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Annotated, Any, ClassVar, Literal, Mapping, Sequence
 
 import yaml
@@ -75,6 +76,14 @@ Name = Annotated[str, Field(min_length=1)]
 def _one_or_many(value: Any) -> Any:
     """A scalar where a list is expected is a one-element list."""
     return value if isinstance(value, (list, tuple)) or value is None else [value]
+
+
+def in_policy_entry(message: str, index: int) -> str:
+    """An engine's refusal (`replica.common.types.EngineConfig`'s message) in a suite's field names: its policy
+    fields become entry `index`'s (``policy`` -> ``policies[i].name``, ``policy_params[.key]`` ->
+    ``policies[i].params[.key]``, wherever the message names them); other fields are left as they are."""
+    message = re.sub(r"\bpolicy_params\b", f"policies[{index}].params", message)
+    return re.sub(r"^policy(?=[:,])", f"policies[{index}].name", message)
 
 
 class PolicySpec(BaseModel):

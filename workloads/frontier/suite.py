@@ -168,6 +168,15 @@ class QualityGate(Section):
         return value
 
 
+def _in_entry(error: Exception, index: int, tag: str) -> str:
+    """A row's serving-suite error as entry `index`'s: the row's suite holds that entry alone, so its
+    ``policies[0].`` fields are our ``policies[index].`` (``policies[1].name: ... (row openvino-tova)``); an error
+    naming another field is prefixed with the entry (``policies[1] (openvino-tova): slo...``)."""
+    inner = validation_message(error, ServingSuite) if isinstance(error, ValidationError) else str(error)
+    inner = inner.replace("policies[0].", f"policies[{index}].")
+    return f"{inner} (row {tag})" if inner.startswith(f"policies[{index}].") else f"policies[{index}] ({tag}): {inner}"
+
+
 class FrontierSuite(create_model("_FrontierKnobs", __base__=SuiteBase, __module__=__name__, **_ENGINE_KNOBS)):
     """A validated frontier suite (see the module docstring for the YAML form); the engine knobs of its capacity
     search are `replica.common.types.EngineConfig`'s own fields (`EngineConfig.knobs`)."""
@@ -225,10 +234,8 @@ class FrontierSuite(create_model("_FrontierKnobs", __base__=SuiteBase, __module_
             for ratio, _ in self.budgets(pol):
                 try:
                     ServingSuite.model_validate(self.capacity_suite(pol, ratio))
-                except ValidationError as e:
-                    raise SuiteError(f"policies[{i}] ({pol.tag()}): {validation_message(e, ServingSuite)}") from None
-                except SuiteError as e:  # the engine's refusal (`ServingSuite._mode_needs`), naming its field
-                    raise SuiteError(f"policies[{i}] ({pol.tag()}): {e}") from None
+                except (ValidationError, SuiteError) as e:  # the engine's refusal (`ServingSuite._mode_needs`)
+                    raise SuiteError(_in_entry(e, i, pol.tag())) from None
         return self
 
     def capacity_suite(self, policy, ratio: float | None) -> dict:

@@ -43,7 +43,7 @@ from pydantic import Field, create_model, model_validator
 
 from replica.common.rules import PositiveInt
 from replica.openvino_settings import OPENVINO_POLICIES
-from workloads.core.suite import PolicySpec, Ratio, SuiteBase, SuiteError, point_id
+from workloads.core.suite import PolicySpec, Ratio, SuiteBase, SuiteError, in_policy_entry, point_id
 
 from .backend import backend_config
 from .evaluations import EVALUATIONS, Fewshot, Passkey, Perplexity, Persistence, Ratios, Section, TurnRecall
@@ -116,7 +116,7 @@ class _QualitySuite(SuiteBase):
                 )
             if spec.name not in OPENVINO_POLICIES:
                 raise SuiteError(
-                    f"policies[{i}]: engine 'openvino' runs {', '.join(OPENVINO_POLICIES)}, not {spec.name!r}"
+                    f"policies[{i}].name: engine 'openvino' runs {', '.join(OPENVINO_POLICIES)}, not {spec.name!r}"
                 )
             if all(self.section(name) is None for name in generation):
                 raise SuiteError(
@@ -128,8 +128,9 @@ class _QualitySuite(SuiteBase):
                     for ratio, _ in self.configs_within(spec, passkey.compression_ratios):
                         try:  # as the point builds it (its answer is at most digits + 3 tokens)
                             backend_config(spec.engine, spec.name, spec.params, ratio, length + passkey.digits + 3)
-                        except ValueError as e:
-                            raise SuiteError(f"policies[{i}]: {e}") from None
+                        except ValueError as e:  # its policy fields named as this entry's (policies[i].params...)
+                            why = in_policy_entry(str(e), i)
+                            raise SuiteError(why if why.startswith("policies[") else f"policies[{i}]: {why}") from None
         return self
 
     def context_lengths(self) -> list[tuple[str, int]]:

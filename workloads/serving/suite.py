@@ -68,6 +68,7 @@ arrivals are seeded by the rate's value, and `capacity:` is not part of a point'
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -82,6 +83,7 @@ from workloads.core.suite import (
     SuiteBase,
     SuiteError,
     budget_tag,
+    in_policy_entry,
     point_id,
 )
 from workloads.load.lengths import LengthDist
@@ -288,11 +290,15 @@ class ServingSuite(_EngineKnobs):
             raise SuiteError(
                 "budget: 'per_request' computes each request's budget from compression_ratios; drop budget_tokens"
             )
+        entry = {
+            (pol.name, json.dumps(pol.params, sort_keys=True), pol.engine): i for i, pol in enumerate(self.policies)
+        }
         for p in self.points():  # every point's engine and load configs must be valid now, not mid-sweep
             try:  # the engine's own rules (replica.common.types.EngineConfig), written once
                 self.engine_config(p)
-            except ConfigError as e:
-                raise SuiteError(str(e)) from None
+            except ConfigError as e:  # its policy fields named as the suite's entry (policies[i].name, .params)
+                i = entry[(p.policy, json.dumps(p.policy_params, sort_keys=True), p.engine)]
+                raise SuiteError(in_policy_entry(str(e), i)) from None
             self.load_config(p, max_batch=1)
         return self
 
