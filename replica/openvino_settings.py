@@ -132,3 +132,21 @@ def eviction_from_policy(
             max_length_tokens, compression_ratio, start, recent, block_tokens
         )
     return check_eviction("policy_params", ev, block_tokens), rounding
+
+
+def evicts_nothing(max_cache_size: int, longest_sequence_tokens: int) -> str | None:
+    """Why OpenVINO's eviction at `max_cache_size` (tokens) never evicts a sequence of at most
+    `longest_sequence_tokens` (its cache holds the whole sequence, so the row runs the full cache under an
+    eviction label, e.g. a ratio whose size was rounded up to the 96-token floor), or None when it may evict."""
+    if max_cache_size < longest_sequence_tokens:
+        return None
+    return f"evicts nothing: max_cache_size {max_cache_size} >= longest sequence {longest_sequence_tokens}"
+
+
+def eviction_reach(eviction: dict | None, longest_sequence_tokens: int) -> dict:
+    """A point record's ``openvino_evicts`` (False: `evicts_nothing`) and ``openvino_evicts_reason`` for the
+    eviction settings a replica ran (its stats' ``openvino_eviction``); {} for the full cache (None)."""
+    if not eviction:
+        return {}
+    why = evicts_nothing(int(eviction["max_cache_size"]), longest_sequence_tokens)
+    return {"openvino_evicts": why is None, "openvino_evicts_reason": why}

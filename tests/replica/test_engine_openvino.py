@@ -18,6 +18,7 @@ from replica.backends import openvino as ovb
 from replica.common.types import EngineConfig, GenerationRequest
 from replica.continuous import ServingReplica
 from replica.metrics import ReplicaMetrics
+from replica.openvino_settings import eviction_reach, evicts_nothing
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, uniform
 from workloads.core.run import SweepError
@@ -553,3 +554,15 @@ def test_the_real_runtime_has_every_name_the_backend_calls_and_serves_on_after_a
     assert eng.healthy and done["gone"].error_kind == "aborted" and done["stopped"].finish_reason == "stop"
     assert done["next"].error is None and len(done["next"].output_ids) == 8
     assert not eng.pipe.has_non_finished_requests()  # the cancelled ones hold nothing (get_metrics lags a step)
+
+
+def test_an_eviction_whose_max_cache_size_holds_the_longest_sequence_is_recorded_as_evicting_nothing():
+    why = "evicts nothing: max_cache_size 96 >= longest sequence 96"
+    assert evicts_nothing(96, 96) == why and evicts_nothing(96, 97) is None
+    ev = {"start_size": 32, "recent_size": 32, "max_cache_size": 96, "aggregation_mode": "SUM"}
+    assert eviction_reach(ev, 80) == {
+        "openvino_evicts": False,
+        "openvino_evicts_reason": "evicts nothing: max_cache_size 96 >= longest sequence 80",
+    }
+    assert eviction_reach(ev, 544) == {"openvino_evicts": True, "openvino_evicts_reason": None}
+    assert eviction_reach(None, 80) == {}  # the full cache: nothing to say

@@ -5,6 +5,8 @@ saying so instead of a number."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import yaml
 
@@ -174,6 +176,10 @@ def test_the_openvino_rows_search_the_same_requests_as_ours_and_are_reported_wit
     evict = by[("openvino", "openvino_eviction")]
     assert evict["budget_tokens"] == 96
     assert evict["openvino_max_cache_size_rounding"] == "ceil(32 / 4) = 8 -> 96 (32-token blocks)"
+    # 96 tokens hold every 32-token sequence: the x4 row ran the full cache, and its record and row say so
+    why = "evicts nothing: max_cache_size 96 >= longest sequence 32"
+    assert (evict["openvino_evicts"], evict["openvino_evicts_reason"]) == (False, why)
+    assert "openvino_evicts" not in by[("openvino", "full")] and "openvino_evicts" not in by[("ours", "scissorhands")]
     assert by[("openvino", "full")]["budget_tokens"] is None and by[("ours", "scissorhands")]["budget_tokens"] == 32
     # one KV byte limit for every row
     assert len({r["kv_memory_limit_bytes"] for r in recs}) == 1
@@ -190,7 +196,20 @@ def test_the_openvino_rows_search_the_same_requests_as_ours_and_are_reported_wit
         "start_size=32) x4 50 req/s at the SLO."
     )
     assert "engines: ours and openvino (OpenVINO GenAI stub)" in table
+    assert f"| openvino openvino_eviction (recent_size=32, start_size=32) x4 ({why}) |" in table
     assert (tmp_path / "run" / "frontier.png").stat().st_size > 10_000
+
+
+def test_a_suite_whose_openvino_eviction_holds_its_longest_sequence_warns_at_load_and_a_larger_one_does_not():
+    with pytest.warns(
+        UserWarning,
+        match=r"openvino_eviction@\w+-r4: OpenVINO's eviction evicts nothing: max_cache_size 96 >= longest sequence 32",
+    ):
+        parse_suite(BASE)
+    longer = {**BASE, "prompt_tokens": 120, "new_tokens": 8}  # 128 tokens: x4 -> 32 -> 96 < 128, it evicts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        parse_suite(longer)
 
 
 def _rec(pid, policy, ratio, capacity, ppl, engine="ours", **kw):

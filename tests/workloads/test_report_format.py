@@ -60,3 +60,14 @@ def test_millisecond_columns_and_the_progress_line_print_seconds_of_latency_with
     table = table_markdown([rec])
     assert "e+" not in table and "42600/50100/52000/53300*" in table
     assert describe_slo(1000.0, 0.0005, 3600.0) == "TTFT <= 1000000 ms, TPOT <= 0.5 ms, e2e <= 3600000 ms"
+
+
+def test_an_openvino_eviction_row_that_evicts_nothing_says_so_in_the_serving_table():
+    why = "evicts nothing: max_cache_size 96 >= longest sequence 80"
+    quiet = _contended_record(
+        series="rate-openvino-openvino_eviction-x2", openvino_evicts=False, openvino_evicts_reason=why
+    )
+    evicting = _contended_record(series="rate-openvino-openvino_eviction-x5", openvino_evicts=True, point_index=1)
+    table = table_markdown([quiet, evicting])
+    rows = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| rate-")]
+    assert rows == [f"rate-openvino-openvino_eviction-x2 ({why})", "rate-openvino-openvino_eviction-x5"]

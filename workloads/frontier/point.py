@@ -31,6 +31,7 @@ import torch
 from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
 from replica.generate_baseline import run_engines
+from replica.openvino_settings import eviction_reach
 from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.models import cpu_flags, cpu_model_name
 from workloads.frontier.gate import perplexity_interval
@@ -277,6 +278,8 @@ def capacity_at_slo(model, tokenizer, capacity_suite: dict) -> dict:
         else sum(b.get("preemptions") or 0 for b in bodies),
         "engine": last.get("engine") or spec.engine or suite.engine,
         **_backend_settings(last),
+        # OpenVINO's eviction whose max_cache_size holds the longest sequence runs the full cache: said here
+        **eviction_reach(_backend_settings(last).get("openvino_eviction"), suite.longest_sequence_tokens),
         "throughput_s": time.perf_counter() - t0,
     }
 

@@ -16,6 +16,7 @@ from typing import Any
 from cluster.connect import error_message
 from replica import cpu_share
 from replica.engine.scheduler import SCHEDULE_KEYS
+from replica.openvino_settings import eviction_reach
 from workloads.load.driver import run_load
 from workloads.load.metrics import summarize
 from workloads.load.sessions import SessionSource, session_metrics
@@ -144,6 +145,11 @@ def run_point(
             "preemptions": _sum_reported(stats, "preemptions"),
             "recomputed_tokens": _sum_reported(stats, "recomputed_tokens"),
             "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],
+            # OpenVINO's eviction whose max_cache_size holds the longest sequence runs the full cache: said here
+            **eviction_reach(
+                next((s["openvino_eviction"] for s in stats if s.get("openvino_eviction")), None),
+                suite.longest_sequence_tokens,
+            ),
             # requests whose prompt an earlier one of the point already had (0 unless the prompt space is tiny)
             "repeated_prompts": getattr(reqs, "repeats_sent", 0),
         }

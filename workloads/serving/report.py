@@ -148,6 +148,8 @@ def table_rows(records: list[dict]) -> list[dict]:
         d["kv_mib"] = r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None
         d["peak_running"] = ",".join(str(x) for x in r.get("peak_running_sequences_per_replica") or []) or "-"
         d["cpu"] = cpu_share.mark(r)
+        if r.get("openvino_evicts") is False:  # an eviction label on a row that ran the full cache
+            d["series"] = f"{r.get('series')} ({r.get('openvino_evicts_reason')})"
         rows.append(d)
     return rows
 

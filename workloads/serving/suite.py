@@ -69,6 +69,7 @@ arrivals are seeded by the rate's value, and `capacity:` is not part of a point'
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -77,6 +78,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 from replica.common.rules import NonNegativeInt, PositiveFloat, PositiveInt, at_most_one
 from replica.common.types import ConfigError, EngineConfig, KVMemoryLimit
 from replica.engine.scheduler import SCHEDULE_KEYS
+from replica.openvino_settings import eviction_from_policy, evicts_nothing
 from scissorhands import POLICIES
 from workloads.core.suite import (
     Name,
@@ -216,6 +218,12 @@ class ServingSuite(_EngineKnobs):
         return self.prompt_tokens.upper + self.new_tokens.upper
 
     @property
+    def longest_sequence_tokens(self) -> int:
+        """The longest sequence a request of the suite makes (tokens): a whole conversation in sessions mode, else
+        the largest prompt + the largest output."""
+        return self.session_tokens if self.sessions is not None and self.session_tokens else self.max_length_tokens
+
+    @property
     def kv_limit(self) -> KVMemoryLimit | None:
         """The suite's KV memory limit however it is spelled (`kv_memory_limit`, or the older
         `kv_memory_limit_bytes` and `kv_memory_fraction`), one typed value; None without one."""
@@ -300,7 +308,21 @@ class ServingSuite(_EngineKnobs):
                 i = entry[(p.policy, json.dumps(p.policy_params, sort_keys=True), p.engine)]
                 raise SuiteError(in_policy_entry(str(e), i)) from None
             self.load_config(p, max_batch=1)
+        self._warn_evicting_nothing()
         return self
+
+    def _warn_evicting_nothing(self) -> None:
+        """Warn (once a series) of an OpenVINO eviction row whose rounded ``max_cache_size`` holds the longest
+        sequence: it runs the full cache under its ``x<ratio>`` label (its records say so: ``openvino_evicts``)."""
+        seen = set()
+        for p in self.points():
+            if p.policy != "openvino_eviction" or p.series in seen:
+                continue
+            seen.add(p.series)
+            ev, _ = eviction_from_policy(dict(p.policy_params), p.compression_ratio, self.max_length_tokens)
+            why = evicts_nothing(ev["max_cache_size"], self.longest_sequence_tokens)
+            if why is not None:
+                warnings.warn(f"policies: series {p.series}: OpenVINO's eviction {why}; it runs the full cache")
 
     def identity(self) -> dict:
         """Suite-level settings that change a serving point's numbers (the load axis aside)."""
