@@ -159,12 +159,34 @@ class ContinuousBatchingEngine(EngineReadout):
             self.life.fail_all(p.group, e)
             p.group = []
             return
+        if self.kv.sessions is not None:
+            self._count_session(p, cached)
         if self.kv.prefix is None:
             return
         for seq in p.group:
             seq.result.cached_prompt_tokens += cached
             self.life.add(self.life.key(seq, "prefix_cache_hit_tokens"), cached)
             self.life.add(self.life.key(seq, "prefix_cache_miss_tokens"), p.length - cached)
+
+    def _count_session(self, p: Prefill, cached: int) -> None:
+        """Count a group's tokens taken from its session's kept state and those of the session's previous request
+        it computes again (`PagedBudget.attach_prefix` set them on each result)."""
+        for seq in p.group:
+            seq.result.cached_prompt_tokens += cached
+            if cached:
+                self.life.add(self.life.key(seq, "session_reused_tokens"), cached)
+                self.life.add(self.life.key(seq, "session_state_hits"))
+            elif seq.result.session_recomputed_tokens and not seq.preempted:
+                self.life.add(self.life.key(seq, "session_recomputed_tokens"), seq.result.session_recomputed_tokens)
+                self.life.add(self.life.key(seq, "session_state_misses"))
+
+    def _keep_session(self, cache, i: int, seq: Sequence) -> None:
+        """Keep row `i` of `cache` for `seq`'s session (`PagedBudget.keep_session`); a failure keeps nothing (the
+        next request of the session recomputes) and never fails a request."""
+        try:
+            self.kv.keep_session(cache, i, seq)
+        except Exception:  # noqa: BLE001 - a kept state only saves work: losing it is a recompute
+            pass
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
@@ -232,6 +254,8 @@ class ContinuousBatchingEngine(EngineReadout):
             )  # a recompute: + outputs
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
+            else:  # before the row leaves: its blocks move to the session's kept state
+                self._keep_session(p.cache, i, seq)
         self.flight.join(p, fwd.picked, keep)  # then `p` is dropped: a fault in the merge leaves it held
         if keep:
             self.life.track_bytes(self.flight.kv_cache_bytes())
@@ -252,6 +276,8 @@ class ContinuousBatchingEngine(EngineReadout):
             seq.held_slots = self.kv.held_after_decode(seq)  # the full cache's buffers grow past their capacity
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
+            else:  # before the row leaves: its blocks move to the session's kept state
+                self._keep_session(self.runner.cache, i, seq)
         self.flight.keep_running(keep)
 
     def _score_prompt(self, seq: Sequence) -> bool:
@@ -332,6 +358,14 @@ class ContinuousBatchingEngine(EngineReadout):
         out = {"prefix_caching": on}
         for k in ("prefix_cache_hit_tokens", "prefix_cache_miss_tokens"):
             out[k] = s.get(k, 0) if on else None
+        if self.kv.sessions is not None:  # kv_reuse: session_state (its keys only then)
+            for k in (
+                "session_reused_tokens",
+                "session_recomputed_tokens",
+                "session_state_hits",
+                "session_state_misses",
+            ):
+                out[k] = s.get(k, 0)
         return {**out, **self.kv.prefix_stats()}
 
     def abort_all(self, message: str, fault: bool = False) -> int:
