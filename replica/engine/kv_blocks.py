@@ -185,11 +185,14 @@ class PagedBudget(KVBudget):
             if sid is None or seq.preempted:
                 continue
             if p.cached and seq.from_session:
-                state = self.sessions.take(sid)
-                assert p.rows == 1 and state.fed_tokens == p.cached, "a session's state starts a group of its own"
-                p.cache = state.cache
-                seq.result.session_reused_tokens += p.cached
-                continue
+                state = self.sessions.states.get(sid)
+                if state is not None and state.fed_tokens == p.cached and p.rows == 1:
+                    p.cache = self.sessions.take(sid).cache
+                    seq.result.session_reused_tokens += p.cached
+                    continue
+                # another request of the session admitted in this step took the state: this one starts from text
+                p.cached = p.fed = seq.cached_tokens = 0
+                seq.from_session = False
             self.sessions.drop(sid)
             history = self.sessions.histories.get(sid)
             if history is not None:

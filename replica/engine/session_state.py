@@ -104,7 +104,7 @@ class SessionStatePool(BlockPool):
     @property
     def held_blocks(self) -> int:
         """Pool blocks the kept states hold, all layers."""
-        return sum(s.blocks for s in self.states.values())
+        return sum(s.blocks for s in list(self.states.values()))  # a copy: `stats()` reads from any thread
 
     @property
     def free_blocks(self) -> int:
@@ -157,4 +157,6 @@ class SessionStatePool(BlockPool):
 
     def bookkeeping_bytes(self) -> int:
         """Bytes of the kept states' bookkeeping (slot times, policy statistics), which lies outside the pool."""
-        return sum(getattr(x, "bookkeeping_nbytes", lambda: 0)() for s in self.states.values() for x in s.cache.layers)
+        return sum(
+            getattr(x, "bookkeeping_nbytes", lambda: 0)() for s in list(self.states.values()) for x in s.cache.layers
+        )

@@ -241,3 +241,47 @@ def test_common_prefix_tokens_counts_equal_first_tokens():
     assert common_prefix_tokens([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix_tokens([1, 2], [1, 2, 3]) == 2
     assert common_prefix_tokens([], [1]) == 0
+
+
+@pytest.mark.slow
+def test_the_full_cache_from_session_state_gives_the_tokens_of_a_prefill_from_text_on_the_embedded_model():
+    """Three sessions of four turns behind a 150-token system prompt on the real model, where rounding and near-ties
+    are real: the full cache started from each session's state gives the greedy tokens of prefilling every turn from
+    text under prefill-first and mixed chunks, every later turn reusing its whole previous turn."""
+    from replica.static_batch import load_replica_model
+
+    torch.set_num_threads(2)
+    model, _ = load_replica_model("embedded", dtype="float32")
+    model.generation_config.eos_token_id = None
+    paged = dict(kv_layout="paged", kv_memory_limit_bytes=200 * 2**20)
+    for sched in (dict(), dict(scheduler="mixed", max_num_batched_tokens=64)):
+        want = _converse(ContinuousBatchingEngine(model, EngineConfig(**paged, **sched)), system_tokens=150)
+        engine = ContinuousBatchingEngine(model, EngineConfig(**paged, **sched, **ON))
+        got = _converse(engine, system_tokens=150)
+        assert _outputs(got) == _outputs(want), sched
+        assert engine.stats()["session_state_hits"] == 9 and engine.stats()["session_recomputed_tokens"] == 0
+
+
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_two_requests_of_one_session_admitted_together_share_its_state_with_neither(model, sched):
+    """Both extend the session's state; the first admitted starts from it, the other from text, and both give the
+    tokens of a prefill from text."""
+    cfg = dict(**PAGED, **sched, kv_memory_limit_bytes=10**7)
+    first = list(range(3, 30))
+    out = {}
+    for name, kw in (("off", {}), ("on", ON)):
+        engine = ContinuousBatchingEngine(model, EngineConfig(**cfg, **kw))
+        res = {}
+        engine.submit(GenerationRequest("t0", first, 3, session_id="s"), lambda r: res.__setitem__(r.request_id, r))
+        engine.run_until_idle()
+        history = first + res["t0"].output_ids
+        for i, extra in enumerate(([1, 2], [4, 5, 6])):
+            req = GenerationRequest(f"t1-{i}", history + extra, 4, session_id="s")
+            engine.submit(req, lambda r: res.__setitem__(r.request_id, r))
+        engine.run_until_idle()
+        out[name] = res
+        assert all(r.error is None for r in res.values())
+    assert _outputs(out["on"]) == _outputs(out["off"])
+    reused = sorted(out["on"][k].session_reused_tokens for k in ("t1-0", "t1-1"))
+    recomputed = sorted(out["on"][k].session_recomputed_tokens for k in ("t1-0", "t1-1"))
+    assert reused == [0, len(first) + 2] and recomputed == [0, len(first) + 2]
