@@ -137,7 +137,7 @@ class ContinuousBatchingEngine(EngineReadout):
         answered, groups that stay part-way fed are registered; a stalled plan yields the newest such group."""
         while True:
             with self.queue.lock:  # submit only appends: the head the plan read stays the head
-                plan = self.scheduler.plan(self._view(), self.kv)
+                plan = self._planned()
                 self.queue.pop_front(plan.consumed)
                 self.flight.admit(plan.chunks, plan.started)  # held from here until finished: `abort_all` sees them
             for seq, why in plan.rejected:
@@ -148,6 +148,27 @@ class ContinuousBatchingEngine(EngineReadout):
             if not plan.yield_newest:
                 return plan
             self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
+
+    def _planned(self) -> StepPlan:
+        """`Scheduler.plan`; under ``kv_reuse: session_state`` kept states count as in use while it plans, and
+        when it admits nothing while requests wait (below the batch cap) the oldest state is reclaimed and the step
+        planned again (memory pressure: a plan with the states free would admit one), until one is admitted or no
+        state is left."""
+        sessions = self.kv.sessions
+        if sessions is None:
+            return self.scheduler.plan(self._view(), self.kv)
+        while True:
+            sessions.planning = True
+            try:
+                plan = self.scheduler.plan(self._view(), self.kv)
+            finally:
+                sessions.planning = False
+            stuck = not plan.consumed and len(self.queue) and self.flight.rows < self.scheduler.cap
+            if not stuck or not sessions.states or plan.yield_newest:
+                return plan
+            if not self.scheduler.plan(self._view(), self.kv).consumed:  # the states free: still none, so wait
+                return plan
+            sessions.reclaim_oldest()
 
     def _start_from_cache(self, p: Prefill) -> None:
         """Start a group just admitted from its rows' cached blocks (`PagedBudget.attach_prefix`) and count the

@@ -122,6 +122,9 @@ class PagedBudget(KVBudget):
     def shared_blocks(self, seq: Sequence) -> int:
         """Blocks of `seq`'s cache hit that rows hold already, all layers: its prefill takes no free block for
         them (an idle cached block it claims is taken from the free ones, so it counts as new)."""
+        if self.sessions is not None:  # a state's blocks are held from the plan on (`SessionStatePool.planning`)
+            state = self.sessions.states.get(seq.request.session_id) if seq.from_session else None
+            return state.blocks if state is not None else 0
         if self.prefix is None or not seq.cached_tokens:
             return 0
         hashes = seq.block_hashes[: seq.cached_tokens // self.config.block_tokens]

@@ -100,6 +100,9 @@ class SessionStatePool(BlockPool):
         # each session's last history, kept after its state is gone, so a recompute is counted
         self.histories: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self.reclaimed_states = self.reclaimed_blocks = 0  # since `reset_counts`
+        # while a step is planned, kept states count as in use: a request admitted in it may take one (its blocks
+        # then held from the plan on, beside every other group's prefill), and admission must not promise them too
+        self.planning = False
 
     @property
     def held_blocks(self) -> int:
@@ -108,8 +111,9 @@ class SessionStatePool(BlockPool):
 
     @property
     def free_blocks(self) -> int:
-        """Blocks a row can take now: the free stack and every kept state's (reclaimed on demand)."""
-        return len(self._free) + self.held_blocks
+        """Blocks a row can take now: the free stack and every kept state's (reclaimed on demand); while a step is
+        planned (`planning`), the free stack only (`reclaim_oldest` frees a state's when nothing else fits)."""
+        return len(self._free) + (0 if self.planning else self.held_blocks)
 
     @property
     def blocks_in_use(self) -> int:
@@ -125,13 +129,17 @@ class SessionStatePool(BlockPool):
         if n > self.free_blocks:
             raise PoolExhausted(f"{n} KV blocks needed, {self.free_blocks} free of {self.usable_blocks}")
         while len(self._free) < n:
-            _, state = self.states.popitem(last=False)
-            self.reclaimed_states += 1
-            self.reclaimed_blocks += state.blocks
-            release_cache(state.cache)
+            self.reclaim_oldest()
         taken = [self._free.pop() for _ in range(n)]
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, self.blocks_in_use)
         return taken
+
+    def reclaim_oldest(self) -> None:
+        """Free the least recently kept state's blocks (its session's next request recomputes from text)."""
+        _, state = self.states.popitem(last=False)
+        self.reclaimed_states += 1
+        self.reclaimed_blocks += state.blocks
+        release_cache(state.cache)
 
     def keep(self, session_id: str, history: list[int], cache) -> None:
         """Hold `cache` (one row, fed ``history[:-1]``) as `session_id`'s state, replacing any it held."""

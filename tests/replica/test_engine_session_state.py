@@ -183,6 +183,26 @@ def test_scissorhands_from_session_state_is_deterministic_and_counts_its_reuse(m
     }
 
 
+def test_scissorhands_under_a_tight_pool_recomputes_reclaimed_states_deterministically(model):
+    cfg = EngineConfig(**PAGED, **SH, kv_memory_limit_bytes=36_000, **ON)  # 33 blocks: some states kept, some reclaimed
+    runs = []
+    for _ in range(2):
+        engine = ContinuousBatchingEngine(model, cfg)
+        runs.append((_converse(engine, system_tokens=30), engine.stats()))
+    (got, stats), (again, _) = runs
+    assert _outputs(got) == _outputs(again)
+    assert [(r.session_reused_tokens, r.session_recomputed_tokens) for r in got.values()] == [
+        (r.session_reused_tokens, r.session_recomputed_tokens) for r in again.values()
+    ]
+    for (s, t), r in got.items():
+        if t:
+            prev = got[(s, t - 1)]
+            fed = len(prev.prompt_ids_seen) + len(prev.output_ids) - 1
+            assert (r.session_reused_tokens, r.session_recomputed_tokens) in ((fed, 0), (0, fed))
+    assert stats["session_states_reclaimed"] > 0 and stats["session_recomputed_tokens"] > 0
+    assert stats["session_state_hits"] > 0  # the pool still holds some states
+
+
 def test_a_kept_state_holds_its_blocks_until_reclaimed_least_recently_kept_first(model):
     engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, **ON))
     res = {}
