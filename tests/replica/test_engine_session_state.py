@@ -203,6 +203,36 @@ def test_scissorhands_under_a_tight_pool_recomputes_reclaimed_states_determinist
     assert stats["session_state_hits"] > 0  # the pool still holds some states
 
 
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_rows_started_from_session_state_and_preempted_give_the_tokens_of_a_prefill_from_text(model, sched):
+    """Three sessions' second turns, started from their states, decode 24 tokens in a pool too small for all three:
+    rows are preempted and recomputed from text (the reclaimed states beside them), the tokens unchanged."""
+
+    def run(kw):
+        engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED, **sched, kv_memory_limit_bytes=50_000, **kw))
+        res = {}
+        first = list(range(5, 25))
+        for s in range(3):
+            engine.submit(
+                GenerationRequest(f"a{s}", first + [s], 3, session_id=f"s{s}"),
+                lambda r: res.__setitem__(r.request_id, r),
+            )
+        engine.run_until_idle()
+        for s in range(3):
+            prompt = first + [s] + res[f"a{s}"].output_ids + [7, s]
+            engine.submit(
+                GenerationRequest(f"b{s}", prompt, 24, session_id=f"s{s}"), lambda r: res.__setitem__(r.request_id, r)
+            )
+        engine.run_until_idle()
+        return res, engine.stats()
+
+    (got, stats), (want, _) = run(ON), run({})
+    assert all(r.error is None for r in got.values())
+    assert _outputs(got) == _outputs(want)
+    assert stats["preemptions"] > 0 and stats["session_state_hits"] == 3
+    assert [got[f"b{s}"].session_reused_tokens for s in range(3)] == [23] * 3  # 21 + 3 - 1 each
+
+
 def test_a_kept_state_holds_its_blocks_until_reclaimed_least_recently_kept_first(model):
     engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, **ON))
     res = {}
