@@ -8,7 +8,7 @@ from replica.engine.kv_base import KVBudget
 from replica.engine.prefix_cache import PrefixCachingPool, chain_hashes, seed_rows
 from replica.engine.requests import EngineView, Prefill, Sequence, decodes_after_prefill, steps_left
 from replica.engine.session_state import SessionStatePool, common_prefix_tokens, split_row
-from scissorhands.paged import BlockPool, paged_rows
+from scissorhands.paged import BlockPool, paged_rows, release_cache
 
 __all__ = ["PagedBudget"]
 
@@ -211,7 +211,9 @@ class PagedBudget(KVBudget):
         history = seq.request.prompt_ids + seq.result.output_ids
         self.sessions.remember(seq.request.session_id, history)
         row = split_row(cache, i)
-        assert row.layers[0].tokens_seen == len(history) - 1, "a finished row has fed all but its last token"
+        if row.layers[0].tokens_seen != len(history) - 1:  # not the row of these tokens: keep nothing
+            release_cache(row)
+            return
         self.sessions.keep(seq.request.session_id, history, row)
 
     def session_stats(self) -> dict:
