@@ -79,6 +79,10 @@ def _replica_side(res: GenerationResult, rec: RequestRecord) -> None:
         )
     if ttft is not None:
         rec.replica_ttft_s = ttft
+    # a prefix-caching engine's count of prompt tokens it did not prefill (None: the backend does not report it)
+    cached = getattr(res, "cached_prompt_tokens", None)
+    if cached is not None:
+        rec.cached_prompt_tokens = int(cached)
 
 
 class Run:
@@ -175,6 +179,7 @@ class Run:
             rec.error = f"{len(ids)} generated ids but {len(times)} token times (one per id expected)"
             return
         rec.token_times_s = list(times)
+        rec.output_ids = list(ids)  # a session's next turn sends them back as its history
 
     async def _stream(self, req: GenerationRequest, rec: RequestRecord) -> None:
         """Consume a streamed reply: every token of a chunk gets the chunk's (arrival) time; the
@@ -193,6 +198,7 @@ class Run:
                 raise TypeError(f"the client's stream sent a {type(ev).__name__}, not a StreamChunk")
             t = self.clock() if ev.time_s is None else float(ev.time_s)
             rec.output_tokens += len(ev.token_ids)
+            rec.output_ids.extend(ev.token_ids)
             rec.token_times_s.extend([t] * len(ev.token_ids))
             rec.replica_id = ev.replica_id or rec.replica_id
             if ev.error_kind is not None:

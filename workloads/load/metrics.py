@@ -86,6 +86,14 @@ class RequestRecord:
         None  # the replica's own TTFT (its clock: received -> first token), apart from ttft_s
     )
     output_tokens_source: str | None = None  # over HTTP: token_ids | usage | chunks (workloads/load/http_client.py)
+    # sessions (workloads/load/sessions.py): which session and turn, the turns its session plans, the prompt tokens
+    # it shares with what was sent before it, and the engine's cached prompt tokens (None: not reported)
+    session_id: int | None = None
+    turn: int | None = None
+    session_turns: int | None = None
+    expected_reuse_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+    output_ids: list[int] = field(default_factory=list, repr=False)  # the generated ids: the next turn's history
 
     @property
     def sent(self) -> bool:

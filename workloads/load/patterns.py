@@ -37,6 +37,13 @@ from replica.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, Positi
 from replica.types import GenerationRequest
 from workloads.load.lengths import LengthDist, RequestStream, requests_of_lengths
 from workloads.load.metrics import RequestRecord
+from workloads.load.sessions import (
+    PlannedSession,
+    SessionSource,
+    SessionSpec,
+    longest_session_tokens,
+    plan_sessions,
+)
 from workloads.load.traces import TraceRow, read_trace
 
 ARRIVALS = ("poisson", "gamma")
@@ -65,6 +72,8 @@ class LoadConfig(FrozenConfig):
     cap_policy: Literal[CAP_POLICIES] = "delay"
     trace_path: str | None = None
     trace_time_scale: PositiveFloat = 1.0
+    sessions: SessionSpec | None = None
+    session_rate_per_s: PositiveFloat | None = None
     warmup_requests: NonNegativeInt = 0
     warmup_s: NonNegativeFloat = 0.0
     request_timeout_s: PositiveFloat | None = None
@@ -524,8 +533,158 @@ class TraceLoad(OpenLoop):
         return {**data, "prompt_tokens": prompt, "new_tokens": new}
 
 
+class SessionsLoad(LoadPattern):
+    """Multi-turn sessions (`workloads.load.sessions`): session starts arrive at `session_rate_per_s` with gamma gaps
+    of shape `burstiness` (1: Poisson), seeded by `seed`, or at a session trace's start times (then the load is the
+    trace's `trace_time_scale` and the rate is unused: give loads [1]); each session then sends its turns one after
+    another, turn k once turn k-1's answer came back and the turn's think time passed. A turn that fails ends its
+    session. The run ends when every session ended (or a bound came first). Warm-up: the first `warmup_requests`
+    turns handed out (their sessions are left out of the per-session figures)."""
+
+    name = "sessions"
+    requires = ("sessions", "session_rate_per_s")
+    bounded = True
+    load_field = "session_rate_per_s"
+    integer_loads = False
+    loads_are = "session start rates (sessions/s)"
+    suite_fields = ("sessions", "arrival", "burstiness")
+    suite_forbids = ("prompt_tokens", "trace_path")
+    record_column = "session_rate"
+
+    def plan(self, new_tokens: LengthDist | None) -> list[PlannedSession]:
+        """The point's sessions (`workloads.load.sessions.plan_sessions`, seeded by the config's `seed`)."""
+        return plan_sessions(self.cfg.sessions, new_tokens, self.cfg.seed)
+
+    def check(self) -> None:
+        if self.cfg.sessions.trace_path is not None:
+            self.plan(None)  # reads and checks the trace now
+
+    def request_source(
+        self, prompt_tokens=None, output_tokens=None, *, seed: int, tokenizer=None, vocab_size=None, prefix="req"
+    ) -> SessionSource:
+        """A `SessionSource` over `plan(output_tokens)` (the answers' lengths; `prompt_tokens` is not used: a turn's
+        prompt is its conversation so far), its texts seeded by `seed`."""
+        return SessionSource(
+            self.plan(output_tokens),
+            self.cfg.sessions,
+            seed=seed,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            prefix=prefix,
+        )
+
+    def start_times_s(self, sessions: list[PlannedSession]) -> list[float]:
+        """Each session's start (s after the run started): a trace's offsets, else the arrival process's."""
+        if all(s.start_s is not None for s in sessions):
+            return [s.start_s for s in sessions]
+        gaps = arrival_gaps_s(len(sessions), self.cfg.session_rate_per_s, self.cfg.burstiness, self.cfg.seed)
+        return [float(t) for t in np.cumsum(gaps)]
+
+    async def drive(self, run: SharedRun) -> None:
+        source = run.requests
+        if not isinstance(source, SessionSource):
+            raise TypeError("mode sessions needs its own request source (LoadConfig.pattern.request_source)")
+        sessions = source.sessions
+
+        async def one(session: PlannedSession, start_s: float) -> None:
+            at = run.start + start_s
+            await run.sleep_until(at)
+            history = source.opening(session)
+            answered_s = at
+            for k, turn in enumerate(session.turns):
+                if k:
+                    at = answered_s + turn.think_s  # the user reads the answer, then writes
+                    await run.sleep_until(at)
+                nxt = run.next_index()
+                if nxt is None:
+                    return
+                index, warm = nxt
+                expected = source.expected_reuse_tokens(session, k, history)
+                req = source.assign(index, session, k, history)
+                rec = await run.send(index, warm, at)
+                rec.session_id, rec.turn, rec.session_turns = session.index, k, len(session.turns)
+                rec.expected_reuse_tokens = expected
+                if rec.ok and any(i < 0 for i in rec.output_ids):  # an HTTP reply of text without its token ids
+                    rec.error_kind = "missing_token_ids"
+                    rec.error = (
+                        "the reply carried text without token ids; a session's next turn sends the answer's ids "
+                        "back (our server sends them; vLLM with extra_body {return_token_ids: true})"
+                    )
+                if not rec.ok:
+                    return  # the conversation cannot go on without the answer
+                answered_s = rec.finish_time_s
+                history = list(req.prompt_ids) + rec.output_ids
+
+        await asyncio.gather(*(one(s, t) for s, t in zip(sessions, self.start_times_s(sessions))))
+        run.exhausted = True
+
+    @classmethod
+    def suite_defaults(cls, data: dict, **options) -> dict:
+        """The sessions give the prompts: the suite's `prompt_tokens` is the range of a turn's prompt (turn 0's
+        shortest to the last turn's longest); `new_tokens` is each answer's length (a trace's range for a trace)."""
+        for k in cls.suite_forbids:
+            if data.get(k) is not None:
+                raise ValueError(f"{k}: not used in mode sessions (each turn's prompt is the conversation so far)")
+        if data.get("sessions") is None:
+            raise ValueError(
+                "sessions: mode sessions needs the sessions, e.g. sessions: {users: 4, turns: 3, message_tokens: 32, "
+                "think_time_s: 0.5, system_prompt_tokens: 64} (or trace_path: a multi-turn trace)"
+            )
+        try:
+            spec = data["sessions"] if isinstance(data["sessions"], SessionSpec) else SessionSpec(**data["sessions"])
+        except ValueError as e:
+            raise ValueError("; ".join(f"sessions.{part}" for part in _error_lines(e))) from None
+        except TypeError:
+            raise ValueError(f"sessions: expected a mapping, got {data['sessions']!r}") from None
+        layers = spec.system_prompt_tokens + spec.group_context_tokens
+        if spec.trace_path is not None:
+            if data.get("new_tokens") is not None:
+                raise ValueError("new_tokens: not used with sessions.trace_path (the trace gives each answer's length)")
+            try:
+                planned = plan_sessions(spec, None, 0)
+            except ValueError as e:
+                raise ValueError(str(e)) from None
+            outs = [t.output_tokens for s in planned for t in s.turns]
+            new = LengthDist("trace", min=min(outs), max=max(outs))
+            first = min(s.turns[0].message_tokens for s in planned)
+        else:
+            if data.get("new_tokens") is None:
+                raise ValueError("new_tokens: mode sessions needs each answer's length (an integer or a distribution)")
+            new = data["new_tokens"]
+            new = new if isinstance(new, LengthDist) else LengthDist.parse("new_tokens", new)
+            planned = []
+            first = spec.message_tokens.min or spec.message_tokens.value or 1
+        longest, whole = longest_session_tokens(spec, planned, new)
+        if spec.max_prompt_tokens is not None and longest > spec.max_prompt_tokens:
+            raise ValueError(
+                f"sessions.max_prompt_tokens: the last turn's prompt reaches {longest} tokens (system + context + "
+                f"every earlier message and answer + its message), above the budget of {spec.max_prompt_tokens}"
+            )
+        prompt = LengthDist("trace", min=max(1, layers + first), max=longest)
+        return {**data, "sessions": spec, "prompt_tokens": prompt, "new_tokens": new, "session_tokens": whole}
+
+    @classmethod
+    def record_columns(cls, load: float | None, max_batch_size: int | None = None, **options) -> dict:
+        return super().record_columns(load)
+
+
+def _error_lines(e: ValueError) -> list[str]:
+    """A pydantic error as `field: message` lines (a plain ValueError: its text)."""
+    errors = getattr(e, "errors", None)
+    if not callable(errors):
+        return [str(e)]
+    return [
+        ".".join(str(x) for x in err["loc"]) + ": " + str(err["msg"]).removeprefix("Value error, ")
+        if err["loc"]
+        else str(err["msg"]).removeprefix("Value error, ")
+        for err in errors()
+    ]
+
+
 #: Every load pattern by `LoadConfig.mode`; a new pattern is one class and one line here.
-LOAD_PATTERNS: dict[str, type[LoadPattern]] = {p.name: p for p in (BatchLoad, ConcurrencyLoad, RateLoad, TraceLoad)}
+LOAD_PATTERNS: dict[str, type[LoadPattern]] = {
+    p.name: p for p in (BatchLoad, ConcurrencyLoad, RateLoad, TraceLoad, SessionsLoad)
+}
 #: The record columns the patterns fill (`LoadPattern.record_column`), in a fixed order.
 RECORD_COLUMNS: tuple[str, ...] = tuple(p.record_column for p in LOAD_PATTERNS.values() if p.record_column)
 #: A suite's modes that are not a pattern's own name: mode -> (pattern, options of its suite methods).

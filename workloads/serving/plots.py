@@ -5,6 +5,7 @@
 * `latency_vs_rate.png`: p50 and p99 end-to-end latency vs achieved request rate, per policy;
 * `pareto_tokens_per_user.png`: tokens/s per user (1 / mean TPOT) vs output tokens/s per replica,
   every ok point, with each policy's Pareto front;
+* `ttft_per_turn.png` (sessions suites): p50 and p99 TTFT by turn index, per point;
 * `attainment_vs_rate.png` (capacity suites): SLO attainment vs Poisson rate per series, every probe (an ``oom``
   or ``error`` one at 0, as its search counted it), the target line and each series' capacity marked.
 """
@@ -168,6 +169,30 @@ def _plot_pareto(plt, records: list[dict], out_dir: Path) -> list[Path]:
     return [_finish(fig, ax, out_dir / "pareto_tokens_per_user.png")]
 
 
+def _plot_ttft_per_turn(plt, records: list[dict], out_dir: Path) -> list[Path]:
+    """TTFT p50 (solid) and p99 (dashed) per turn index of each sessions point (`workloads.load.sessions`)."""
+    sessions = [r for r in records if r.get("status") == "ok" and r.get("turns")]
+    if not sessions:
+        return []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for r in sessions:
+        turns = [t for t in r["turns"] if t.get("ttft_p50_s") is not None]
+        label = f"{_label(r)} at {r.get('load'):g} sessions/s"
+        (line,) = ax.plot([t["turn"] for t in turns], [t["ttft_p50_s"] for t in turns], marker="o", label=label)
+        ax.plot(
+            [t["turn"] for t in turns],
+            [t["ttft_p99_s"] for t in turns],
+            marker="^",
+            ls="--",
+            color=line.get_color(),
+            label=f"{label} p99",
+        )
+    ax.set_xlabel("turn index")
+    ax.set_ylabel("TTFT (s)")
+    ax.set_title("TTFT per turn (p50 solid, p99 dashed)")
+    return [_finish(fig, ax, out_dir / "ttft_per_turn.png")]
+
+
 def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None = None) -> list[Path]:
     """Write the plots the records allow (`capacity`: a capacity suite's searches, for `plot_capacity`); return
     their paths."""
@@ -179,6 +204,7 @@ def write_plots(records: list[dict], out_dir: Path, capacity: list[dict] | None 
     out_dir = Path(out_dir)
     written = _plot_batch(plt, records, out_dir) + _plot_latency(plt, records, out_dir)
     written += _plot_pareto(plt, records, out_dir)
+    written += _plot_ttft_per_turn(plt, records, out_dir)
     if capacity:
         path = plot_capacity(records, capacity, out_dir)
         if path is not None:

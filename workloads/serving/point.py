@@ -18,6 +18,7 @@ from replica import cpu_share
 from replica.engine.scheduler import SCHEDULE_KEYS
 from workloads.load.driver import run_load
 from workloads.load.metrics import summarize
+from workloads.load.sessions import SessionSource, session_metrics
 from workloads.load.slo import SLO_MISS_ERROR_KINDS
 from workloads.serving.pools import ReplicaPool
 from workloads.serving.suite import ServingPoint, ServingSuite
@@ -109,6 +110,13 @@ def run_point(
     flat = m.flat()
     flat["load_mode"] = flat.pop("mode")  # the record's `mode` is the suite's
     out.update(flat)
+    if isinstance(reqs, SessionSource):  # per turn and per session (workloads.load.sessions.session_metrics)
+        out.update(session_metrics(result.records, suite.slo, m.window_s))
+        if out["cached_prompt_tokens"] is not None and out["cached_prompt_tokens"] > out["expected_reuse_tokens"]:
+            out["warnings"] = list(out.get("warnings") or []) + [
+                f"the engine reported {out['cached_prompt_tokens']} cached prompt tokens, more than the "
+                f"{out['expected_reuse_tokens']} the sessions share with earlier requests"
+            ]
     if cpu_error:
         out["warnings"] = list(out.get("warnings") or []) + [
             f"CPU share not measured: sampling the replicas' CPU time failed ({cpu_error}); cpu_share fields are None"

@@ -60,6 +60,29 @@ CAPACITY_TABLE = [  # (header with unit, key, format): one row per series of a c
     ("status", "capacity_status", "s"),
 ]
 
+SESSION_TABLE = [  # (header with unit, key, format): one row per point of a sessions suite
+    ("series", "series", "s"),
+    ("load (sessions/s)", "load", "g"),
+    ("sessions", "sessions", "d"),
+    ("met SLO", "sessions_slo_met", "d"),
+    ("session SLO attainment", "session_slo_attainment", ".3f"),
+    ("session goodput (sessions/s)", "session_goodput_per_s", ".3g"),
+    ("expected reuse (tok)", "expected_reuse_tokens", "d"),
+    ("cached prompt (tok)", "cached_prompt_tokens", "d"),
+]
+
+TURN_TABLE = [  # (header with unit, key, format): one row per turn index of each point of a sessions suite
+    ("series", "series", "s"),
+    ("load (sessions/s)", "load", "g"),
+    ("turn", "turn", "d"),
+    ("n", "n", "d"),
+    ("TTFT p50/p99 (ms)", "ttft", "s"),
+    ("TPOT p50/p99 (ms)", "tpot", "s"),
+    ("SLO attainment", "slo_attainment", ".3f"),
+    ("expected reuse mean (tok)", "expected_reuse_tokens_mean", ".1f"),
+    ("cached prompt mean (tok)", "cached_prompt_tokens_mean", ".1f"),
+]
+
 #: What each status of a search means, for the capacity table's footer.
 CAPACITY_STATUS_NOTES = {
     "ok": "ok: the highest rate that passed, next to one that failed",
@@ -129,6 +152,34 @@ def table_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def sessions_markdown(records: list[dict]) -> str:
+    """A sessions suite's per-session table (a session meets the SLO when every turn does) and per-turn table (TTFT,
+    TPOT, attainment and reuse by turn index), or "" when no record has sessions."""
+    points = [r for r in sorted(records, key=lambda r: r.get("point_index", 0)) if r.get("turns") is not None]
+    if not points:
+        return ""
+    ms = lambda t, base: "/".join(  # noqa: E731 - seconds -> ms
+        significant(None if t.get(f"{base}_{p}_s") is None else t[f"{base}_{p}_s"] * 1000) for p in ("p50", "p99")
+    )
+    turns = [
+        {**t, "series": r.get("series"), "load": r.get("load"), "ttft": ms(t, "ttft"), "tpot": ms(t, "tpot")}
+        for r in points
+        for t in r["turns"]
+    ]
+    note = (
+        "A session meets the SLO when every one of its turns does (a failed turn ends its session, which misses). "
+        "Expected reuse: the prompt tokens a turn shares with what was sent before it (token-level); cached prompt: "
+        "what the engine reports it did not prefill (- where the backend does not report it)."
+    )
+    return (
+        "Sessions\n\n"
+        + markdown_table(SESSION_TABLE, points)
+        + "\nPer turn\n\n"
+        + markdown_table(TURN_TABLE, turns, footer=note)
+        + "\n"
+    )
+
+
 def slo_line(records: list[dict]) -> str:
     """The SLOs the records were judged by (each distinct one, in milliseconds), or "" when none carries one."""
     slos = sorted(
@@ -168,6 +219,7 @@ def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> s
         conditions_line(records)
         + head
         + markdown_table(TABLE, table_rows(records), footer=footer + (f"\n\n{slo}" if slo else ""))
+        + (f"\n{sessions}" if (sessions := sessions_markdown(records)) else "")
     )
 
 

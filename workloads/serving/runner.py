@@ -194,6 +194,12 @@ class ServingKind(Kind):
                 if rec.get("rate_shortfall")
                 else ""
             )
+            + (
+                f", sessions meeting the SLO {rec.get('sessions_slo_met')}/{rec.get('sessions')} "
+                f"({f(rec.get('session_slo_attainment'), '.3f')})"
+                if rec.get("sessions") is not None
+                else ""
+            )
             + "".join(f"\n          warning: {w}" for w in rec.get("warnings") or [] if not w.startswith("p99:"))
         )
 

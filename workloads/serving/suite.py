@@ -6,7 +6,7 @@ names the load::
     kind: serving
     name: serving-rate
     description: the question this suite answers
-    mode: rate                    # serving-batch | concurrency | rate | max_batch | trace | capacity
+    mode: rate                    # serving-batch | concurrency | rate | max_batch | trace | capacity | sessions
     model: embedded
     policies: [full, scissorhands]
     compression_ratios: [5]       # B = ceil((max prompt + max new) / ratio) for every sequence
@@ -36,6 +36,10 @@ names the load::
     capacity: {min_rate_req_per_s: 0.1, max_rate_req_per_s: 1.6, target_attainment: 0.99, resolution: 0.25}
                                   # capacity mode (instead of loads): per series the highest Poisson rate whose SLO
                                   #   attainment >= target, by bisection on a grid (workloads.serving.capacity)
+    sessions: {users: 4, turns: 3, message_tokens: 32, think_time_s: 0.5, system_prompt_tokens: 64,
+               group_context_tokens: 32, group_size: 2}   # sessions mode (loads: session start rates, sessions/s;
+                                  #   no prompt_tokens: a turn's prompt is the conversation so far;
+                                  #   or {trace_path: T, ...}: a multi-turn trace, workloads.load.sessions)
     replicas: 1
 
 The shared fields (model, policies, budgets, seed, replicas, placement) and their checks are
@@ -82,6 +86,7 @@ from workloads.core.suite import (
 )
 from workloads.load.lengths import LengthDist
 from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
+from workloads.load.sessions import SessionSpec
 from workloads.load.slo import DEFAULT_SLO, SLO
 from workloads.serving.capacity import CapacitySearch, probe_seed
 
@@ -200,6 +205,9 @@ class ServingSuite(_EngineKnobs):
     trace_time_scale: PositiveFloat = 1.0
     # capacity mode: the search's bracket, target, resolution and probes (workloads.serving.capacity)
     capacity: CapacitySearch | None = None
+    # sessions mode: the conversations (workloads.load.sessions.SessionSpec); the loads are session start rates
+    sessions: SessionSpec | None = None
+    session_tokens: PositiveInt | None = None  # set from `sessions`: the longest whole conversation (tokens)
 
     @property
     def max_length_tokens(self) -> int:
@@ -224,6 +232,8 @@ class ServingSuite(_EngineKnobs):
         if self.target is not None:
             return []
         p, n = self.prompt_tokens.upper, self.new_tokens.upper
+        if self.sessions is not None:  # the whole conversation is one sequence by its last turn
+            return [(f"sessions.turns: the last turn's prompt (at most {p} tokens) + its answer", self.session_tokens)]
         return [(f"prompt_tokens (at most {p}) + new_tokens (at most {n})", p + n)]
 
     @property
@@ -314,6 +324,8 @@ class ServingSuite(_EngineKnobs):
                 "capacity",  # a probe's numbers depend on its rate, not on the search that picked it
             }
         )
+        if self.sessions is None:  # added after these ids were written: only a sessions suite's ids carry them
+            keep -= {"sessions", "session_tokens"}
         ident = self.model_dump(include=keep, mode="json")
         # the SLO changes a point's attainment and goodput: a non-default one is part of its identity, the default
         # adds nothing (the ids of suites written before `slo:` stay as they were)
