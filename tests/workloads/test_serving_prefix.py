@@ -91,7 +91,7 @@ def test_a_policy_prefix_cache_outside_serving_or_not_a_boolean_exits_2_naming_t
     args = ["--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "r")]
     assert sweep.main([str(bad), *args]) == 2
     err = capsys.readouterr().err
-    assert "policies" in err and "enable_prefix_caching" in err and "boolean" in err
+    assert "policies[1].enable_prefix_caching: Input should be a valid boolean, got 'maybe'" in err
     quality = tmp_path / "quality.yaml"
     quality.write_text(
         "kind: quality\nname: q\nmodel: tiny-llama\npolicies: [{name: full, enable_prefix_caching: true}]\n"
