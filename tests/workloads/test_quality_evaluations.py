@@ -11,7 +11,16 @@ import yaml
 from scissorhands.testing import tiny_llama
 from workloads.core.suite import SuiteError, validate_suite
 from workloads.quality import points as quality_points
-from workloads.quality.evaluations import EVALUATIONS, Evaluation, Fewshot, Passkey, Perplexity, Persistence, Section
+from workloads.quality.evaluations import (
+    EVALUATIONS,
+    Evaluation,
+    Fewshot,
+    Passkey,
+    Perplexity,
+    Persistence,
+    Section,
+    TurnRecall,
+)
 from workloads.quality.report import markdown, write_report
 from workloads.quality.suite import QualityPoint, QualitySuite
 
@@ -57,6 +66,12 @@ POINT_IDS = {
         "passkey-full-r1-l256-n3-k5-s0-4a0efb75",
         "passkey-openvino-openvino_eviction-r4-l256-n3-k5-s0-41605e0f",
     ),
+    "quality_turn_recall.yaml": (
+        3,
+        "b089fa8165336632",
+        "turnrecall-full-r1-k8-n8-none-s0-cb9edeac",
+        "turnrecall-scissorhands-r5-k8-n8-none-s0-16fd8675",
+    ),
     "quality_report.yaml": (
         91,
         "4a0c44ae51ce11c7",
@@ -88,12 +103,20 @@ def test_point_ids_of_the_shipped_suites_did_not_move(name):
 
 
 def test_the_suite_has_one_section_per_registered_evaluation():
-    assert list(EVALUATIONS) == ["perplexity", "persistence", "passkey", "fewshot"]  # the order points run
-    sections = {"perplexity": Perplexity, "persistence": Persistence, "passkey": Passkey, "fewshot": Fewshot}
+    assert list(EVALUATIONS) == ["perplexity", "persistence", "passkey", "turn_recall", "fewshot"]  # run order
+    sections = {
+        "perplexity": Perplexity,
+        "persistence": Persistence,
+        "passkey": Passkey,
+        "turn_recall": TurnRecall,
+        "fewshot": Fewshot,
+    }
     for name, evaluation in EVALUATIONS.items():
         assert evaluation.section is sections[name] and issubclass(evaluation.section, Section)
         assert QualitySuite.model_fields[name].default is None  # omitted: skipped
-    with pytest.raises(SuiteError, match=r"^suite: needs at least one of perplexity, persistence, passkey, fewshot$"):
+    with pytest.raises(
+        SuiteError, match=r"^suite: needs at least one of perplexity, persistence, passkey, turn_recall, fewshot$"
+    ):
         _parse({"kind": "quality", "policies": ["full"]})
     with pytest.raises(SuiteError, match=r"perplexity\.windows"):
         _parse({"kind": "quality", "policies": ["full"], "perplexity": {"windows": 0}})
@@ -155,13 +178,17 @@ def test_ok_line_of_each_evaluation():
         == "passkey accuracy 0.75 (6/8) at 256 tokens"
     )
     assert (
+        quality_points.ok_line({"evaluation": "turn_recall", "turns": [2, 8], "sessions": 4, "correct_by_turn": [4, 1]})
+        == "turn recall k=2: 4/4, k=8: 1/4"
+    )
+    assert (
         quality_points.ok_line({"evaluation": "persistence", "persistence_ratio_mean": 0.9})
         == "mean persistence ratio 0.9"
     )
     with pytest.raises(
         ValueError,
         match=r"^evaluation: unknown evaluation 'bleu' \(valid: perplexity, persistence, "
-        r"passkey, fewshot\)$",
+        r"passkey, turn_recall, fewshot\)$",
     ):
         quality_points.ok_line({"evaluation": "bleu"})
 

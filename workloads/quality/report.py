@@ -9,7 +9,8 @@ prompt length x depth, one panel per policy and ratio).
 Confidence (``workloads.quality.stats``): perplexity cells carry the standard deviation of the
 per-window perplexities when a point has several windows; accuracy cells carry their 95% Wilson
 interval; a second table per task gives each point's accuracy difference from the full cache on the
-same documents (or passkey trials) with the exact McNemar p-value. Compression on the plots' x axis is against a 16-bit cache (the paper's
+same documents (or passkey trials) with the exact McNemar p-value; turn recall gets one table per reuse way, a
+column per turn k, each cell with its 95% Wilson interval. Compression on the plots' x axis is against a 16-bit cache (the paper's
 convention): ``ratio x 16 / kv_bits`` for quantized points, ``ratio`` otherwise.
 """
 
@@ -242,6 +243,22 @@ def markdown(records: list[dict]) -> str:
         diff = _diff_table(keys, lambda r: r.get("length_tokens"), length)
         if diff:
             parts.append(diff)
+    recall = [r for r in ok if r.get("evaluation") == "turn_recall"]
+    for reuse in sorted({r.get("reuse") for r in recall}):
+        rs = [r for r in recall if r.get("reuse") == reuse]
+        turns = sorted({k for r in rs for k in r["turns"]})
+        rows = [
+            [_label(r) + " " + _config_label(_config(r))]
+            + [_turn_cell(r, k) if k in r["turns"] else "-" for k in turns]
+            for r in sorted(rs, key=lambda r: (_policies(rs).index(_label(r)), _x(_config(r))))
+        ]
+        first = rs[0]
+        parts.append(
+            f"### Turn-k recall (reuse: {reuse}): a {first['digits']}-digit code planted in turn 1, asked in turn k; "
+            f"exact match (greedy) [95% Wilson interval], {'/'.join(str(n) for n in sorted({r['sessions'] for r in rs}))}"
+            f" sessions per k, {first['filler_tokens']}-token filler turns\n\n"
+            + _md(["policy, compression"] + [f"k={k}" for k in turns], rows)
+        )
     pers = [r for r in ok if r.get("evaluation") == "persistence"]
     for r in pers:
         ratio, share = r["persistence_ratio"], r["pivotal_share"]
@@ -265,6 +282,15 @@ def markdown(records: list[dict]) -> str:
     if errors:
         parts.append("### Failed points\n\n" + "".join(f"- `{r['point_id']}`: {r.get('error')}\n" for r in errors))
     return res.conditions_line(records) + ("\n".join(parts) if parts else "No finished points.\n")
+
+
+def _turn_cell(r: dict, k: int) -> str:
+    """``accuracy [low, high]`` of turn ``k`` of a turn-recall record."""
+    j = r["turns"].index(k)
+    return (
+        f"{r['accuracy_by_turn'][j]:.2f} [{r['accuracy_ci95_low_by_turn'][j]:.2f}, "
+        f"{r['accuracy_ci95_high_by_turn'][j]:.2f}]"
+    )
 
 
 def _f(v) -> str:

