@@ -31,9 +31,9 @@ from bench.conditions import (
     require_positive,
 )
 from replica import cpu_share
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.cpu_share import CpuMeter
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
 from scissorhands.cache import BudgetedLayer
 from scissorhands.models import load_model

@@ -48,8 +48,8 @@ import torch
 import transformers
 
 from bench.conditions import REPO_ROOT, add_threads, comma_list, conditions_line, git_commit, parser
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine, full_rows_kv_bytes
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import Policy, budget_from_ratio, cache_policy
 from scissorhands.models import BF16_CPU_FLAGS, EMBEDDED, cpu_flags, load_model
 from scissorhands.testing import tiny_llama

@@ -35,11 +35,11 @@ from bench.conditions import (
     require_positive,
 )
 from replica import cpu_share
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.cpu_share import CpuMeter
 from replica.engine import full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines
 from replica.model_loading import load_replica_model
-from replica.types import EngineConfig, GenerationRequest
 from workloads.load.prompts import prompts_for
 
 

@@ -58,13 +58,13 @@ from bench.conditions import (
 )
 from replica import cpu_share
 from replica.backends.openvino import BackendUnavailable, check_available
+from replica.common.types import ENGINES, EngineConfig, GenerationRequest
 from replica.cpu_share import CpuMeter
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate, run_generate_batch
 from replica.model_loading import load_replica_model
 from replica.openvino_settings import BACKEND_KV_PRECISIONS
 from replica.progress import MeasuredEtaBar
-from replica.types import ENGINES, EngineConfig, GenerationRequest
 from scissorhands.models import DTYPE_CHOICES, cpu_flags, cpu_model_name
 from workloads.load.prompts import prompts_for
 

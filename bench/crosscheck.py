@@ -74,7 +74,7 @@ from pathlib import Path
 
 from bench.affinity import AffinityPlan, format_cpu_list, pin_threads, pin_tree, plan_affinity, preexec
 from bench.conditions import REPO_ROOT, conditions_line, parser, require_positive
-from replica.types import GenerationRequest
+from replica.common.types import GenerationRequest
 from scissorhands.models import EMBEDDED, convert_embedded_model, load_tokenizer
 from workloads.load.driver import run_load
 from workloads.load.http_client import OpenAIHTTPClient, env_api_key

@@ -64,9 +64,9 @@ import time
 from pathlib import Path
 
 from bench.conditions import git_commit, parser, require_positive
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.generate_baseline import run_engines, run_generate
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION, POLICIES, make_cache
 from scissorhands.models import DUMMY_MODEL_IDS, dummy_config, load_dummy_model, tiny_overrides
 

@@ -44,8 +44,8 @@ from typing import Annotated, Any, ClassVar, Mapping
 
 from pydantic import Field, field_validator
 
+from replica.common.rules import FrozenConfig, check_fraction, check_number, checked
 from replica.model_loading import load_replica_model
-from replica.rules import FrozenConfig, check_fraction, check_number, checked
 from replica.static_batch import BatchSpec, ModelReplica
 from scissorhands.checks import check_int
 from scissorhands.models import resolve_dtype
@@ -111,7 +111,7 @@ class PlacementConfig(FrozenConfig):
 
     Fields: see the module docstring. ``num_cpus``/``num_gpus`` None mean "the sweep decides"
     (a share of the cluster's CPUs; 1 GPU for ``device: cuda``, else 0). A frozen pydantic model
-    (`replica.rules.FrozenConfig`); an invalid field raises PlacementError naming ``placement.<field>``.
+    (`replica.common.rules.FrozenConfig`); an invalid field raises PlacementError naming ``placement.<field>``.
     """
 
     error: ClassVar[type[ValueError]] = PlacementError

@@ -49,11 +49,7 @@ from cluster.serve_routing import StreamHolderRouter
 from cluster.signals import StopSignals
 from replica import cpu_share
 from replica.backends.openvino import BackendUnavailable, check_available
-from replica.continuous import ReplicaReply, ServingReplica, openai_event
-from replica.model_loading import model_context_tokens
-from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
-from replica.openvino_settings import OPENVINO_POLICIES
-from replica.types import (
+from replica.common.types import (
     BUDGETS,
     ENGINES,
     KV_LAYOUTS,
@@ -63,6 +59,10 @@ from replica.types import (
     GenerationRequest,
     GenerationResult,
 )
+from replica.continuous import ReplicaReply, ServingReplica, openai_event
+from replica.model_loading import model_context_tokens
+from replica.openai_api import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, ApiKey, build_app, cache_metadata
+from replica.openvino_settings import OPENVINO_POLICIES
 from scissorhands import POLICIES
 from scissorhands.models import load_tokenizer, model_id_of
 
@@ -268,7 +268,7 @@ def split_engine(spec: str, engine: str = "ours") -> tuple[str, str]:
     """``[<engine>/]<cache>`` -> (engine, cache): ``openvino/full`` -> ("openvino", "full"); no prefix: `engine`.
 
     Raises:
-        ValueError: an unknown engine, naming `--cache` and `replica.types.ENGINES`.
+        ValueError: an unknown engine, naming `--cache` and `replica.common.types.ENGINES`.
     """
     named, sep, cache = spec.rpartition("/")
     engine = named if sep else engine
@@ -330,7 +330,7 @@ def parse_cache(
 
 
 #: The engine knobs `make serve` sets itself (its own defaults: the paged layout, a budget per request, the scheduler
-#: that suits the layout, `DEFAULT_KV_MEMORY_LIMIT_BYTES`); every other knob of `replica.types.EngineConfig` is a flag
+#: that suits the layout, `DEFAULT_KV_MEMORY_LIMIT_BYTES`); every other knob of `replica.common.types.EngineConfig` is a flag
 #: generated from its field (`engine_knob_flags`: ``--max-num-batched-tokens``, ``--block-tokens``, ...).
 SERVE_SETS = ("kv_layout", "budget", "scheduler", *KV_LIMIT_FIELDS)
 
@@ -353,7 +353,7 @@ def engine_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
             f"--{name.replace('_', '-')}",
             type=kind,
             default=info.default,
-            help=f"every engine's {name} (replica.types.EngineConfig; default {info.default})",
+            help=f"every engine's {name} (replica.common.types.EngineConfig; default {info.default})",
         )
         names.append(name)
     return names
@@ -371,7 +371,7 @@ def serve_engine_config(
 ) -> tuple[str, dict, int | None]:
     """One `--cache` spec -> (label, EngineConfig fields, fixed budget or None): `parse_cache`'s fields plus the
     KV layout and memory limit every cache of the service shares, and `knobs`, any other field of
-    `replica.types.EngineConfig` (``block_tokens=32``; one not given keeps EngineConfig's default; ``engine`` is
+    `replica.common.types.EngineConfig` (``block_tokens=32``; one not given keeps EngineConfig's default; ``engine`` is
     the engine of a spec without an ``<engine>/`` prefix).
     The default is the engine people serve with: the paged layout (blocks taken as a sequence grows, the newest
     sequence preempted when the pool runs out), a ratio's budget per request, and on it the mixed scheduler (one

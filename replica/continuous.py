@@ -20,10 +20,10 @@ from typing import AsyncIterator
 import torch
 
 from replica.backends import EngineBackend, make_engine
+from replica.common.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 from replica.engine import EngineLoop
 from replica.metrics import ReplicaMetrics
 from replica.model_loading import load_replica_model
-from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 from scissorhands.models import cpu_model_name
 
 

@@ -20,8 +20,8 @@ import torch
 from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfig
 
 from replica.backends import make_engine
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.progress import MeasuredEtaBar
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
 from scissorhands.checks import check_int
 

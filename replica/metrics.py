@@ -46,7 +46,7 @@ Serve's own latency histograms (top 10 min) the same way.
 
 Warm-up: request-level metrics (generated and prefill tokens, TTFT, TPOT) carry a
 ``phase`` label, ``measured`` or ``warmup`` (the load generator marks its warm-up requests,
-`replica.types.GenerationRequest.warmup`), so the server-side figures of a point can be taken
+`replica.common.types.GenerationRequest.warmup`), so the server-side figures of a point can be taken
 over the same requests as the client's. Step-level metrics (step times, batch sizes, KV bytes)
 describe the engine, whichever requests are in the step, and have no phase.
 
@@ -80,37 +80,14 @@ import time
 from dataclasses import dataclass
 from typing import Mapping
 
-#: Prefix of every metric this project defines.
-PREFIX = "scissorhands_"
-#: Prefix Ray 2.60 puts in front of every `ray.util.metrics` name when it exports it.
-RAY_EXPORT_PREFIX = "ray_"
-
-#: Labels of every live replica metric (all low cardinality; no request ids). ``engine``: the backend that runs the
-#: replica's requests (`replica.types.ENGINES`: ours or openvino), so ours' full cache and OpenVINO's are two series.
-REPLICA_LABELS: tuple[str, ...] = ("policy", "compression_ratio", "replica", "model", "run_id", "engine")
-#: `REPLICA_LABELS`' ``engine`` of our own engine (and of the static-batch replica, which only ours runs).
-OURS_ENGINE = "ours"
-#: Label of request-level replica metrics: whose requests they count (see `PHASES`).
-PHASE_LABEL = "phase"
-#: Values of `PHASE_LABEL`: requests measured by the load generator, and its warm-up requests.
-PHASES: tuple[str, ...] = ("measured", "warmup")
-#: Labels of every per-point sweep summary (``run_id`` comes from the Pushgateway grouping key). ``engine``: the
-#: backend that served the point (a record without one ran on ours: batch and quality points).
-#: Every sweep axis is a label, so no two points of a run share a series; `budget_tokens` is
-#: the requested absolute budget ("" when the budget comes from `compression_ratio`).
-POINT_LABELS: tuple[str, ...] = (
-    "policy",
-    "compression_ratio",
-    "budget_tokens",
-    "batch_size",
-    "prompt_tokens",
-    "new_tokens",
-    "concurrency",
-    "request_rate",
-    "kv_bits",
-    "task",
-    "model",
-    "engine",
+from replica.common.metric_labels import (
+    OURS_ENGINE,
+    PHASE_LABEL,
+    PHASES,
+    POINT_LABELS,
+    PREFIX,
+    RAY_EXPORT_PREFIX,
+    REPLICA_LABELS,
 )
 
 
@@ -699,7 +676,7 @@ class ReplicaMetrics(NullMetrics):
         replica: replica id (low cardinality: one per actor, not per request).
         model: model id.
         run_id: the sweep run this replica serves.
-        engine: the backend whose figures these are (``ours`` or ``openvino``, `replica.types.ENGINES`).
+        engine: the backend whose figures these are (``ours`` or ``openvino``, `replica.common.types.ENGINES`).
         use_ray: True forces Ray metrics, False forces the in-memory recorder; None (default)
             uses Ray when `ray.is_initialized()` (always true inside an actor) and the
             in-memory recorder otherwise.

@@ -43,7 +43,7 @@ ends with an error event (`data: {"error": ...}`) and `[DONE]`, never a hang. A 
 disconnects mid-stream cancels its request; the backend aborts it (`ContinuousBatchingEngine.abort`).
 
 A backend is anything with `metadata` (dict), `check(prompt_tokens, max_new_tokens) -> str | None`
-(why the request can never be served, or None; a `replica.types.Refusal` gives its `kind`, which picks the
+(why the request can never be served, or None; a `replica.common.types.Refusal` gives its `kind`, which picks the
 error code, a plain string is a KV memory refusal) and `stream(GenerationRequest)`, an async iterator
 of `{"token_id", "time_s"}` events ending with one `{"result": GenerationResult fields}`
 (`replica.continuous.ServingReplica.stream`). A backend may also have `max_new_tokens_for(prompt_tokens, most)` (the
@@ -66,9 +66,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from replica.common.types import MAX_LOGPROBS, GenerationRequest
 from replica.openai_fields import chat_logprobs, completion_logprobs, unsupported_field
 from replica.token_bytes import TokenBytes
-from replica.types import MAX_LOGPROBS, GenerationRequest
 
 __all__ = [
     "Backend",
@@ -99,7 +99,7 @@ API_KEY_ENV = "SCISSORHANDS_API_KEY"
 OPEN_PATHS = frozenset({"/health"})
 #: The chat message roles accepted (`messages[].role`); tool and function messages need tools, which are refused.
 CHAT_ROLES = ("system", "user", "assistant")
-#: Request header carrying the load generator's phase of a request (`replica.metrics.PHASES`).
+#: Request header carrying the load generator's phase of a request (`replica.common.metric_labels.PHASES`).
 PHASE_HEADER = "X-Scissorhands-Phase"
 
 

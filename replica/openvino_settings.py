@@ -1,5 +1,5 @@
 """OpenVINO GenAI's KV settings as plain values: its eviction's parameters, its KV blocks under a byte limit, and a
-compression ratio as its ``max_cache_size``. Standard library only: `replica.types` checks an ``engine: openvino``
+compression ratio as its ``max_cache_size``. Standard library only: `replica.common.types` checks an ``engine: openvino``
 config with it, `replica.backends.openvino` runs it, and ``bench/peer_openvino.py`` (a script in the peer's own
 virtualenv, which imports no module of this repository's packages) loads this file by its path.
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from replica import cpu_share
-from replica.types import GenerationRequest, GenerationResult
+from replica.common.types import GenerationRequest, GenerationResult
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):

@@ -1,6 +1,6 @@
 """The engine backends a replica runs, behind one protocol (`EngineBackend`), by ``EngineConfig.engine``.
 
-`BACKENDS` maps each name of `replica.types.ENGINES` to its class: ``ours`` is
+`BACKENDS` maps each name of `replica.common.types.ENGINES` to its class: ``ours`` is
 `replica.engine.ContinuousBatchingEngine`; ``openvino`` is `replica.backends.openvino.OpenVINOEngine` (OpenVINO
 GenAI's ``ContinuousBatchingPipeline`` in this process: plain Python, no Ray). `ServingReplica` builds the
 config's backend with `make_engine` and steps it on its thread (`replica.engine.EngineLoop`), so every suite that
@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Callable, Protocol, runtime_checkable
 
 from replica.backends.openvino import OpenVINOEngine
+from replica.common.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 
 __all__ = ["BACKENDS", "EngineBackend", "make_engine"]
 
@@ -60,7 +60,7 @@ class EngineBackend(Protocol):
 
     def reset_stats(self) -> None: ...
     def fits_alone(self, prompt_tokens: int, max_new_tokens: int) -> Refusal | None:
-        """Why a request of these lengths can never run, even alone (None: it can): a `replica.types.Refusal` of
+        """Why a request of these lengths can never run, even alone (None: it can): a `replica.common.types.Refusal` of
         kind ``kv_memory``, ``policy`` or ``context`` (`ServingReplica.check` prefixes it with `Refusal.wrapped`)."""
         ...
 

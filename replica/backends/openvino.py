@@ -6,7 +6,7 @@ after each ``step()``; ``drop()`` aborts; ``get_metrics()`` gives the pool's usa
 requests. The requests, their answers and their counters are ours (`replica.engine.request_queue.RequestQueue`,
 `replica.engine.lifecycle.Lifecycle`), so a reply, a stream and ``stats()`` read as ours do.
 
-Settings (`replica.types.EngineConfig`, ``engine: openvino``): policy ``full`` or ``openvino_eviction``
+Settings (`replica.common.types.EngineConfig`, ``engine: openvino``): policy ``full`` or ``openvino_eviction``
 (``CacheEvictionConfig``; its parameters and the ratio's rounding to a 32-token block:
 `replica.openvino_settings.eviction_from_policy`); the KV memory limit in the same bytes as ours, as
 ``num_kv_blocks = limit // block_bytes`` (`replica.openvino_settings.blocks_for`), ``block_bytes`` measured on a
@@ -44,12 +44,12 @@ from typing import Callable
 
 import torch
 
+from replica.common.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 from replica.engine.lifecycle import Lifecycle, recording
 from replica.engine.request_queue import RequestQueue
 from replica.engine.requests import Sequence
 from replica.metrics import NullMetrics
 from replica.openvino_settings import BLOCK_TOKENS, blocks_for, eviction_from_policy
-from replica.types import EngineConfig, GenerationRequest, GenerationResult, Refusal
 
 __all__ = [
     "BackendUnavailable",

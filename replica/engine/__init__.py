@@ -20,7 +20,7 @@ submit ─► core (queue, lifecycle: the only caller of on_token / on_done / fa
 * `replica.engine.kv_budget`: `KV_BUDGETS` by `kv_layout` (``preallocated``: bytes, ``paged``: blocks);
 * `replica.engine.runner`: `ModelRunner`, prefill and decode forwards, the running batch's cache;
 * `replica.engine.limits`: the KV memory limit the benchmarks give engines (`full_batch_kv_limit_bytes`; an
-  engine's own limit is `replica.types.EngineConfig.kv_memory_limit_bytes_on`);
+  engine's own limit is `replica.common.types.EngineConfig.kv_memory_limit_bytes_on`);
 * `replica.engine.loop`: `EngineLoop`, the thread that steps the engine.
 
 The model is injected, so tests pass a tiny one. Requests join the running batch after their prefill and leave it

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from replica.common.types import EngineConfig, GenerationRequest, GenerationResult
 from replica.engine.in_flight import InFlight
 from replica.engine.kv_budget import KV_BUDGETS
 from replica.engine.lifecycle import Lifecycle, recording
@@ -22,7 +23,6 @@ from replica.engine.requests import Prefill, Sequence, StepPlan
 from replica.engine.runner import ModelRunner
 from replica.engine.scheduler import SCHEDULERS
 from replica.metrics import NullMetrics
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
 
 __all__ = ["ContinuousBatchingEngine"]
 

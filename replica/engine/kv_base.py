@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from replica.common.types import EngineConfig, Refusal
 from replica.engine.requests import EngineView, Sequence
-from replica.types import EngineConfig, Refusal
 from scissorhands import budget_from_ratio, cache_policy
 from scissorhands.paged import BlockPool
 

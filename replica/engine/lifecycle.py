@@ -10,8 +10,8 @@ from typing import Callable
 
 import torch
 
+from replica.common.types import OUTCOMES
 from replica.engine.requests import Sequence
-from replica.types import OUTCOMES
 
 #: The outcomes counted as completed requests (`GenerationResult.outcome`); the others are failed ones.
 COMPLETED_OUTCOMES = OUTCOMES[:2]

@@ -1,9 +1,9 @@
 """The KV memory limit the benchmarks give engines. An engine's own limit is resolved by its config
-(`replica.types.EngineConfig.kv_memory_limit_bytes_on`, the one place that turns a limit into bytes)."""
+(`replica.common.types.EngineConfig.kv_memory_limit_bytes_on`, the one place that turns a limit into bytes)."""
 
 from __future__ import annotations
 
-from replica.types import device_memory_bytes, full_rows_kv_bytes
+from replica.common.types import device_memory_bytes, full_rows_kv_bytes
 from scissorhands.checks import check_int
 
 __all__ = ["device_memory_bytes", "full_batch_kv_limit_bytes", "full_rows_kv_bytes"]
@@ -11,7 +11,7 @@ __all__ = ["device_memory_bytes", "full_batch_kv_limit_bytes", "full_rows_kv_byt
 
 def full_batch_kv_limit_bytes(model, full_batch: int, prompt_tokens: int, new_tokens: int) -> int:
     """The KV memory limit (bytes) that holds exactly `full_batch` full-cache sequences of `prompt_tokens`
-    + `new_tokens` tokens: ``full_batch * (P + N) * slot_bytes`` (`replica.types.full_rows_kv_bytes`), the final
+    + `new_tokens` tokens: ``full_batch * (P + N) * slot_bytes`` (`replica.common.types.full_rows_kv_bytes`), the final
     slots and the bytes per slot (all layers, bookkeeping included) of a full-cache engine preallocating ``P + N``
     per row.
 

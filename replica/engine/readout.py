@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+from replica.common.types import EngineConfig, Refusal
 from replica.engine.in_flight import InFlight
 from replica.engine.kv_base import KVBudget
 from replica.engine.lifecycle import Lifecycle
@@ -13,7 +14,6 @@ from replica.engine.request_queue import RequestQueue
 from replica.engine.requests import EngineView, Prefill, Sequence
 from replica.engine.runner import ModelRunner
 from replica.engine.scheduler import Scheduler
-from replica.types import EngineConfig, Refusal
 
 __all__ = ["EngineReadout"]
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from replica.types import GenerationRequest, GenerationResult
+from replica.common.types import GenerationRequest, GenerationResult
 
 __all__ = ["EngineView", "Prefill", "Sequence", "StepPlan", "decodes_after_prefill", "same_group", "steps_left"]
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from replica.common.types import EngineConfig
 from replica.engine.requests import Prefill, Sequence
 from replica.sampling import pick_tokens, score_prompt
-from replica.types import EngineConfig
 from scissorhands import make_cache
 from scissorhands.batching import cache_slot_bytes, measured_cache, merge_rows, row_positions, select_rows
 from scissorhands.paged import BlockPool, bookkeeping_slot_bytes, release_cache

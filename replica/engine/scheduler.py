@@ -21,9 +21,9 @@ free (`KVBudget.must_preempt`): a prompt part-way fed first, else the most recen
 
 from __future__ import annotations
 
+from replica.common.types import EngineConfig
 from replica.engine.kv_base import KVBudget
 from replica.engine.requests import EngineView, Prefill, Sequence, StepPlan, decodes_after_prefill, same_group
-from replica.types import EngineConfig
 
 __all__ = ["SCHEDULERS", "SCHEDULE_KEYS", "Mixed", "PrefillFirst", "Scheduler"]
 

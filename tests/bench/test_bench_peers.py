@@ -32,8 +32,8 @@ from bench.bench_peers import (
     summarize,
 )
 from bench.peer_openvino import Peer, blocks_for, parse_job
+from replica.common.types import EngineConfig
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig
 from scissorhands import cache_policy
 from scissorhands.models import load_tokenizer
 from scissorhands.testing import tiny_llama

@@ -85,9 +85,9 @@ def test_bench_serving_rejects_a_part_2_longer_than_the_limit_allows(capsys):
 
 
 def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(monkeypatch):
+    from replica.common.types import EngineConfig, GenerationRequest
     from replica.engine import ContinuousBatchingEngine
     from replica.model_loading import load_replica_model
-    from replica.types import EngineConfig, GenerationRequest
 
     torch.set_num_threads(1)
     model, _ = load_replica_model("tiny-llama")
@@ -121,8 +121,8 @@ def test_part_1_runs_the_engines_interleaved_and_times_each_over_its_own_steps(m
 def test_the_progress_bar_counts_every_generated_token(monkeypatch):
     """The bar reads the engine's public `generated_tokens` after each step: it ends at the planned total."""
     from replica import generate_baseline
+    from replica.common.types import EngineConfig, GenerationRequest
     from replica.model_loading import load_replica_model
-    from replica.types import EngineConfig, GenerationRequest
 
     class Bar:
         def __init__(self, total, **kwargs):
@@ -207,8 +207,8 @@ def test_latency_percentiles_are_taken_on_the_runs_own_clock():
 
 
 def test_a_queued_requests_ttft_includes_its_wait_for_the_one_running_before_it():
+    from replica.common.types import EngineConfig, GenerationRequest
     from replica.model_loading import load_replica_model
-    from replica.types import EngineConfig, GenerationRequest
 
     torch.set_num_threads(1)
     model, _ = load_replica_model("tiny-llama")

@@ -28,7 +28,7 @@ def ray_session():
 def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_replica(ray_session):
     from ray import serve
 
-    from replica.types import GenerationRequest, GenerationResult
+    from replica.common.types import GenerationRequest, GenerationResult
     from workloads.serving.pools import ServeReplicaPool
 
     pool = ServeReplicaPool(
@@ -80,7 +80,7 @@ def test_serve_pool_routes_reports_per_replica_reconfigures_and_survives_a_dead_
 
 
 def test_a_serve_call_the_load_generator_gave_up_on_is_aborted_on_its_replica(ray_session):
-    from replica.types import GenerationRequest
+    from replica.common.types import GenerationRequest
     from workloads.serving.pools import ServeReplicaPool
 
     pool = ServeReplicaPool(

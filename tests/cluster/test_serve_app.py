@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 
-from replica.types import GenerationRequest, GenerationResult
+from replica.common.types import GenerationRequest, GenerationResult
 from tests.http_fakes import sse_events
 from tests.ray_helpers import local_serve_app
 

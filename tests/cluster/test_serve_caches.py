@@ -15,8 +15,8 @@ from cluster.serve_app import (
     parse_cache,
     serve_engine_config,
 )
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest
 
 PAGED = {
     "kv_layout": "paged",

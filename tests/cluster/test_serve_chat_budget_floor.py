@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cluster.serve_app import serve_engine_config
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import DEFAULT_MIN_BUDGET_TOKENS
 from scissorhands.models.loading import load_model
 

@@ -17,9 +17,9 @@ from cluster import serve_app
 from cluster.serve_app import DEFAULT_CACHES, OPENVINO_TARGETS, build_serve_app, main, parse_cache, serve_engine_config
 from replica.backends import BACKENDS
 from replica.backends import openvino as ovb
+from replica.common.types import EngineConfig
 from replica.continuous import ServingReplica
 from replica.openai_api import ReplicaBackend, build_app
-from replica.types import EngineConfig
 from scissorhands.testing import tiny_llama
 from tests.http_fakes import char_tokenizer, sse_events
 from tests.ray_helpers import local_serve_app

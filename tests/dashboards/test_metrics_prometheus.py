@@ -130,9 +130,9 @@ def _paged_engine(run_id: str, policy: str = PAGED_POLICY, enable_prefix_caching
     it, so the newest rows are preempted), recording its live metrics through Ray."""
     import torch
 
+    from replica.common.types import EngineConfig
     from replica.engine import ContinuousBatchingEngine
     from replica.metrics import ReplicaMetrics
-    from replica.types import EngineConfig
     from scissorhands.testing import tiny_llama
 
     torch.set_num_threads(1)
@@ -150,7 +150,7 @@ def _paged_run(engine, shared_prefix_tokens: int = 0) -> dict:
     """12 requests of random prompts (each behind the same `shared_prefix_tokens` first tokens) to `engine`."""
     import torch
 
-    from replica.types import GenerationRequest
+    from replica.common.types import GenerationRequest
 
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(0, 128, (shared_prefix_tokens,), generator=g).tolist()

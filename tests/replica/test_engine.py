@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine, EngineLoop
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import make_cache
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))

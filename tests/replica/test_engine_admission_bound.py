@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest
 
 SH32 = dict(policy="scissorhands", budget_tokens=32, policy_params=dict(history_window=20, count_chunk_steps=5))
 MIXED16 = dict(kv_layout="paged", block_tokens=16, scheduler="mixed", max_num_batched_tokens=16)

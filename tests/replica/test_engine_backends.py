@@ -17,10 +17,10 @@ import yaml
 
 from replica import backends
 from replica.backends import BACKENDS, EngineBackend
+from replica.common.types import ConfigError, EngineConfig, GenerationRequest, GenerationResult, Refusal
 from replica.continuous import ServingReplica
 from replica.engine import ContinuousBatchingEngine
 from replica.openvino_settings import eviction_from_policy, max_cache_size_for
-from replica.types import ConfigError, EngineConfig, GenerationRequest, GenerationResult, Refusal
 from scissorhands import budget_from_ratio, cache_policy
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, uniform

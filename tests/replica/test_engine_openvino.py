@@ -15,9 +15,9 @@ import torch
 import yaml
 
 from replica.backends import openvino as ovb
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.continuous import ServingReplica
 from replica.metrics import ReplicaMetrics
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, uniform
 from workloads.core.run import SweepError

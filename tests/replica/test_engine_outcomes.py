@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
 from replica.metrics import NullMetrics
-from replica.types import EngineConfig, GenerationRequest
 
 
 class TPOTRecorder(NullMetrics):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replica.common.types import ConfigError, EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
 from replica.metrics import PAGED_LAYOUT_METRICS, ReplicaMetrics
-from replica.types import ConfigError, EngineConfig, GenerationRequest
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
 

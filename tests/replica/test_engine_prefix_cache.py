@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replica.common.types import ConfigError, EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
 from replica.engine.prefix_cache import PrefixCachingPool, chain_hashes
-from replica.types import ConfigError, EngineConfig, GenerationRequest
 from scissorhands.paged import PoolExhausted
 
 PAGED = dict(kv_layout="paged", block_tokens=4)

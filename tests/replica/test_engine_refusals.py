@@ -1,5 +1,5 @@
 """The engine answers the longest request it serves in one call (`max_new_tokens_for`) and says why it refuses one
-with a typed reason (`replica.types.Refusal`: context, KV memory, policy), so the OpenAI API needs neither a bisection
+with a typed reason (`replica.common.types.Refusal`: context, KV memory, policy), so the OpenAI API needs neither a bisection
 over `check` nor a search of the message (replica/engine/kv_base.py, replica/continuous.py)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pickle
 import pytest
 import requests
 
+from replica.common.types import REFUSAL_KINDS, EngineConfig, Refusal
 from replica.continuous import ServingReplica
 from replica.engine import ContinuousBatchingEngine
 from replica.openai_api import ReplicaBackend, build_app, cache_metadata
-from replica.types import REFUSAL_KINDS, EngineConfig, Refusal
 from tests.http_fakes import ServerThread, char_tokenizer
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))

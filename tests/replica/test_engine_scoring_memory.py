@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
 PAGED = dict(kv_layout="paged", block_tokens=4)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import replica.engine.runner as runner_module
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine, EngineLoop
-from replica.types import EngineConfig, GenerationRequest
 from tests.waiting import wait_for
 
 PAGED = dict(kv_layout="paged", block_tokens=4, kv_memory_limit_bytes=10**7)

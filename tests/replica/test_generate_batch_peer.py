@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import full_batch_kv_limit_bytes
 from replica.generate_baseline import generate_batch_cache_blocks, run_engines, run_generate_batch
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import ATTN_IMPLEMENTATION
 
 # the tiny model: 2 layers, 2 KV heads of 16 dims, float32: one token's keys and values in every layer

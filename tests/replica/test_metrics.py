@@ -8,17 +8,19 @@ import math
 import re
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
+from replica.common.metric_labels import POINT_LABELS, REPLICA_LABELS
+from replica.common.types import EngineConfig, GenerationRequest
+from replica.engine import ContinuousBatchingEngine
 from replica.metrics import (
     LATENCY_BUCKETS_S,
     LATENCY_TOP_S,
     METRICS,
     PAGED_LAYOUT_METRICS,
-    POINT_LABELS,
     PREFIX_CACHE_METRICS,
     RECORD_QUANTILES,
-    REPLICA_LABELS,
     SERVE_LATENCY_BUCKETS_MS,
     SERVE_METRICS,
     ReplicaMetrics,
@@ -279,11 +281,6 @@ def test_prefix_cache_metrics_count_per_phase_and_their_block_gauge_can_be_clear
 def test_an_engine_records_its_prefix_cache_counts_as_its_stats_and_none_when_off(model, prefix_caching):
     """A paged engine whose 6 prompts share a 12-token prefix, in a pool they outgrow: its live hit, miss, cached and
     reclaimed block series equal its `stats()`; with the prefix cache off, none of the series exist."""
-    import torch
-
-    from replica.engine import ContinuousBatchingEngine
-    from replica.types import EngineConfig, GenerationRequest
-
     m = ReplicaMetrics("full", None, "r", "tiny-llama", "run", use_ray=False)
     cfg = EngineConfig(
         kv_layout="paged", kv_memory_limit_bytes=30_000, block_tokens=4, enable_prefix_caching=prefix_caching

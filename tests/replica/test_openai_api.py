@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 import requests
 
+from replica.common.types import GenerationRequest
 from replica.continuous import ServingReplica
 from replica.openai_api import ReplicaBackend, build_app, cache_metadata
-from replica.types import GenerationRequest
 from tests.http_fakes import ServerThread, char_tokenizer, sse_events
 from tests.waiting import wait_for
 from workloads import sweep

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import requests
 
+from replica.common.types import OUTCOMES, GenerationResult
 from replica.continuous import ServingReplica
 from replica.openai_api import ReplicaBackend, build_app, cache_metadata
-from replica.types import OUTCOMES, GenerationResult
 from tests.http_fakes import ServerThread, char_tokenizer, sse_events
 from tests.waiting import wait_for
 

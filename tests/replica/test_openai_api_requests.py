@@ -13,8 +13,8 @@ import pytest
 import requests
 
 from replica import openai_api
+from replica.common.types import GenerationRequest
 from replica.openai_api import ApiKey, build_app
-from replica.types import GenerationRequest
 from scissorhands.models import load_tokenizer
 from tests.http_fakes import ServerThread, char_tokenizer, sse_events
 from workloads.load.http_client import API_KEY_ENVS, OpenAIHTTPClient

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import DEFAULT_MIN_BUDGET_TOKENS, POLICIES
 
 EVICTING = [name for name, cls in POLICIES.items() if cls.evicts]

@@ -1,10 +1,10 @@
-"""The shared config rules (replica.rules): one error line per field, number checks, the config base."""
+"""The shared config rules (replica.common.rules): one error line per field, number checks, the config base."""
 
 import pytest
 from pydantic import ValidationError
 
-from replica.rules import FrozenConfig, at_most_one, check_fraction, check_number, need_one_of
-from replica.types import ConfigError, EngineConfig
+from replica.common.rules import FrozenConfig, at_most_one, check_fraction, check_number, need_one_of
+from replica.common.types import ConfigError, EngineConfig
 
 
 @pytest.mark.parametrize("value", [-1, True, "2", float("inf"), float("nan"), None])
@@ -80,7 +80,7 @@ def test_one_line_names_list_items_and_leaves_a_rule_that_names_no_field_whole()
     the prefix), and a message whose text before ``": "`` is not field names is placed under the default."""
     from pydantic import BaseModel, model_validator
 
-    from replica.rules import one_line
+    from replica.common.rules import one_line
 
     class Rule(BaseModel):
         xs: list[int] = []

@@ -523,11 +523,11 @@ def test_check_int_refuses_what_is_not_a_whole_number_in_range_naming_the_field(
     "make, message",
     [
         (
-            lambda: __import__("replica.types").types.GenerationRequest("r", [1], -1),
+            lambda: __import__("replica.common.types").common.types.GenerationRequest("r", [1], -1),
             "max_new_tokens: expected an integer >= 1, got -1",
         ),
         (
-            lambda: __import__("replica.types").types.EngineConfig(max_batch=-1),
+            lambda: __import__("replica.common.types").common.types.EngineConfig(max_batch=-1),
             "max_batch: expected an integer >= 1 or null, got -1",
         ),
         (lambda: POLICIES["h2o"](recent_window=-1), "recent_window: expected an integer >= 0 or null, got -1"),

@@ -1,5 +1,5 @@
-"""`replica.types.EngineConfig` declared once: the serving and frontier suites and `make serve` take its knobs from
-it (types, checks, defaults), the KV limit is one typed value (`replica.types.KVMemoryLimit`) resolved to bytes in
+"""`replica.common.types.EngineConfig` declared once: the serving and frontier suites and `make serve` take its knobs from
+it (types, checks, defaults), the KV limit is one typed value (`replica.common.types.KVMemoryLimit`) resolved to bytes in
 one place, and a bad combination fails the whole suite when it loads (exit 2, naming the field), not a point.
 
 Sizes on the tiny model (tests/workloads/test_kv_memory_limit.py): a full-cache slot is 520 B in float32.
@@ -19,8 +19,7 @@ from ray import cloudpickle
 from cluster import serve_app
 from cluster.serve_app import SERVE_SETS, engine_knob_flags, main
 from replica import engine
-from replica.engine import ContinuousBatchingEngine
-from replica.types import (
+from replica.common.types import (
     KV_LIMIT_FIELDS,
     PER_POINT_FIELDS,
     ConfigError,
@@ -29,6 +28,7 @@ from replica.types import (
     device_memory_bytes,
     full_rows_kv_bytes,
 )
+from replica.engine import ContinuousBatchingEngine
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep

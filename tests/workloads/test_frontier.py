@@ -84,8 +84,8 @@ def test_point_ids_cover_the_limit_and_policy_parameters():
 
 def test_one_point_measures_both_numbers_on_one_cache(model):
     """Throughput at the max batch the limit admits (verified by running it) and perplexity with the same B."""
+    from replica.common.types import EngineConfig
     from replica.engine import ContinuousBatchingEngine
-    from replica.types import EngineConfig
     from scissorhands import budget_from_ratio
     from workloads.frontier.gate import perplexity_interval
     from workloads.frontier.point import run_frontier_point

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from replica.types import GenerationRequest
+from replica.common.types import GenerationRequest
 from tests.http_fakes import ServerThread
 from workloads.load.driver import run_load
 from workloads.load.http_client import OpenAIHTTPClient, _status_kind

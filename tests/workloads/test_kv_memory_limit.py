@@ -1,4 +1,4 @@
-"""A suite's KV memory limit (`replica.types.KVMemoryLimit`, serving and frontier suites alike): bytes, or
+"""A suite's KV memory limit (`replica.common.types.KVMemoryLimit`, serving and frontier suites alike): bytes, or
 full-cache rows of the suite's lengths resolved on the replica in the run's dtype, on the tiny model.
 
 tiny-llama: 2 layers x 2 KV heads; a full-cache slot is K + V of head_dim 16 plus an int16 slot time per head:
@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
+from replica.common.types import EngineConfig
 from replica.engine import ContinuousBatchingEngine, full_batch_kv_limit_bytes
-from replica.types import EngineConfig
 from scissorhands.testing import tiny_llama
 from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import yaml
 
+from replica.common.types import GenerationRequest, GenerationResult
 from replica.continuous import ReplicaReply
-from replica.types import GenerationRequest, GenerationResult
 from workloads.core.suite import SuiteError
 from workloads.kinds import load_suite
 from workloads.load.lengths import LengthDist

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from replica.common.types import GenerationRequest, GenerationResult
 from replica.continuous import StreamChunk
-from replica.types import GenerationRequest, GenerationResult
 from tests.serving_fakes import FakeReplica, Script, requests, run_virtual, virtual_clock
 from tests.suite_helpers import serving_suite, tiny_suite
 from workloads import sweep

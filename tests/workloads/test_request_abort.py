@@ -16,9 +16,9 @@ import torch
 import yaml
 
 from replica import cpu_share
+from replica.common.types import GenerationRequest
 from replica.continuous import ReplicaReply, ServingReplica
 from replica.openai_api import ReplicaBackend, build_app
-from replica.types import GenerationRequest
 from scissorhands.testing import tiny_llama
 from tests.http_fakes import ServerThread
 from workloads.core.template import run_suite

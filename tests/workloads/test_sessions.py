@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from replica.common.types import GenerationResult
 from replica.continuous import StreamChunk
-from replica.types import GenerationResult
 from tests.serving_fakes import OneReplicaPool, run_virtual, virtual_clock
 from tests.suite_helpers import serving_suite
 from workloads import sweep

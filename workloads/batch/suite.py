@@ -23,7 +23,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from replica.rules import PositiveInt
+from replica.common.rules import PositiveInt
 from replica.static_batch import BatchSpec
 from workloads.core.suite import SuiteBase, budget_tag, point_id
 

@@ -31,7 +31,8 @@ from typing import Any, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
 
-from replica.metrics import METRICS, POINT_LABELS, PREFIX, RECORD_QUANTILES, label_value, ratio_label
+from replica.common.metric_labels import POINT_LABELS, PREFIX
+from replica.metrics import METRICS, RECORD_QUANTILES, label_value, ratio_label
 from workloads.core.results import append_record, read_records
 from workloads.core.run import check_resolved_dtype
 
@@ -98,7 +99,7 @@ class SweepPusher:
     # ------------------------------------------------------------------ points
     @staticmethod
     def point_labels(record: Mapping[str, Any]) -> dict[str, str]:
-        """The label values of a record's series (`replica.metrics.POINT_LABELS`; "" when absent)."""
+        """The label values of a record's series (`replica.common.metric_labels.POINT_LABELS`; "" when absent)."""
         labels = {k: label_value(record.get(k)) for k in POINT_LABELS}
         labels.update(
             policy=str(record["policy"]),

@@ -22,7 +22,7 @@ kind's model extends `SuiteBase`::
     placement: {strategy: SPREAD, num_gpus: 1}   # optional; see cluster.placement
 
 Serving and frontier suites also state one KV memory limit per replica the same way (`KVMemoryLimit`, the engine's
-own typed limit: `replica.types.KVMemoryLimit`)::
+own typed limit: `replica.common.types.KVMemoryLimit`)::
 
     kv_memory_limit: {full_sequences: 4}   # room for 4 full-cache sequences of the suite's longest prompt +
                                            # longest output, in the run's dtype; or {bytes: 200000000}; or
@@ -56,9 +56,9 @@ from pydantic import (
 )
 
 from cluster.placement import PlacementConfig, parse_placement
+from replica.common.rules import NonNegativeInt, PositiveInt, one_line
+from replica.common.types import ENGINES
 from replica.openvino_settings import OPENVINO_POLICIES
-from replica.rules import NonNegativeInt, PositiveInt, one_line
-from replica.types import ENGINES
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
 from scissorhands.policies import get_policy
@@ -68,7 +68,7 @@ class SuiteError(ValueError):
     """A suite that cannot run; the message names the field."""
 
 
-# -- number types: the project's own (`replica.rules`: strict, 2.0 and True are not integers), and a ratio -----
+# -- number types: the project's own (`replica.common.rules`: strict, 2.0 and True are not integers), and a ratio -----
 Ratio = Annotated[float, Field(ge=1, allow_inf_nan=False)]
 Name = Annotated[str, Field(min_length=1)]
 
@@ -284,7 +284,7 @@ def budget_tag(ratio: float | None, budget: int | None) -> str:
 
 
 def validation_message(e: ValidationError, cls: type[BaseModel]) -> str:
-    """One line per error, each naming its field (``policies[1]: ...``) and what was given (`replica.rules.one_line`)."""
+    """One line per error, each naming its field (``policies[1]: ...``) and what was given (`replica.common.rules.one_line`)."""
     return one_line(e, accepted=cls.model_fields, default="suite")
 
 

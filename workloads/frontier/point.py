@@ -28,9 +28,9 @@ import time
 
 import torch
 
+from replica.common.types import EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
 from replica.generate_baseline import run_engines
-from replica.types import EngineConfig, GenerationRequest
 from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.models import cpu_flags, cpu_model_name
 from workloads.frontier.gate import perplexity_interval

@@ -10,7 +10,7 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
     compression_ratios: [2, 5]   # B = ceil((prompt_tokens + new_tokens) / ratio), the same B in both measurements
     prompt_tokens: 512           # every request's prompt (real load-test text, the same prompts for every point)
     new_tokens: 128              # every request's output (EOS ignored)
-    kv_memory_limit:             # one limit for every point (`replica.types.KVMemoryLimit`): exactly one of
+    kv_memory_limit:             # one limit for every point (`replica.common.types.KVMemoryLimit`): exactly one of
       full_sequences: 2          #   the bytes the full cache needs for this many sequences of prompt + new tokens,
                                  #   in the run's dtype (resolved on the replica)
       # bytes: 50000000          #   or an absolute limit in bytes
@@ -24,7 +24,7 @@ A frontier suite (YAML, read with ``yaml.safe_load``) has the keys every suite h
     slo: {ttft_s: 2.0, tpot_s: 0.1}   # capacity: the latency limits every request is judged by (`workloads.load.slo`)
     num_requests: 32             # capacity: measured requests a probe (after warmup_requests: 1)
     max_num_batched_tokens: 512  # capacity: the mixed scheduler's token budget a step; like block_tokens, max_batch
-                                 #   and max_prefill_tokens, an engine knob of `replica.types.EngineConfig`
+                                 #   and max_prefill_tokens, an engine knob of `replica.common.types.EngineConfig`
                                  #   (declared there once: `EngineConfig.knobs`; off its default it joins the ids)
     quality_gate:                # the report's gate (`workloads.frontier.gate`); not part of a point's identity:
       max_perplexity_increase: 0.01  # pass at perplexity <= the full cache's x (1 + this); a number > 0
@@ -66,8 +66,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt, Section
-from replica.types import KV_LIMIT_FIELDS, EngineConfig, KVMemoryLimit
+from replica.common.rules import NonNegativeInt, PositiveFloat, PositiveInt, Section
+from replica.common.types import KV_LIMIT_FIELDS, EngineConfig, KVMemoryLimit
 from workloads.core.suite import (
     SuiteBase,
     SuiteError,
@@ -124,7 +124,7 @@ class FrontierPoint:
 
 #: What a capacity point's search fixes (`FrontierSuite.capacity_suite`): the engine people serve with.
 _SEARCH_ENGINE = {"kv_layout": "paged", "budget": "per_request", "scheduler": "mixed"}
-#: The engine's other knobs, declared once in `replica.types.EngineConfig` (types, checks, defaults), as suite
+#: The engine's other knobs, declared once in `replica.common.types.EngineConfig` (types, checks, defaults), as suite
 #: fields passed to the search (the KV limit is the suite's `kv_memory_limit`); ``engine`` among them: the backend of
 #: every policy entry that names none (`replica.backends`), whose ``budget: per_request`` becomes the one
 #: ``max_cache_size`` of OpenVINO's rows (`workloads.serving.suite.ServingSuite.engine_config`).
@@ -170,7 +170,7 @@ class QualityGate(Section):
 
 class FrontierSuite(create_model("_FrontierKnobs", __base__=SuiteBase, __module__=__name__, **_ENGINE_KNOBS)):
     """A validated frontier suite (see the module docstring for the YAML form); the engine knobs of its capacity
-    search are `replica.types.EngineConfig`'s own fields (`EngineConfig.knobs`)."""
+    search are `replica.common.types.EngineConfig`'s own fields (`EngineConfig.knobs`)."""
 
     kind: Literal["frontier"]
     name: Annotated[str, Field(min_length=1, pattern=r"^[^/]+$")]

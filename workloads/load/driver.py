@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
+from replica.common.types import GenerationRequest, GenerationResult
 from replica.continuous import StreamChunk
 from replica.openai_api import REPLICA_DIED, replica_death
-from replica.types import GenerationRequest, GenerationResult
 from workloads.load.http_client import HTTPGenerationResult
 from workloads.load.metrics import PointMetrics, RequestRecord, summarize
 from workloads.load.patterns import LoadConfig

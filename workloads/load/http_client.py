@@ -49,9 +49,9 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from replica.common.types import GenerationRequest, GenerationResult
 from replica.continuous import StreamChunk
 from replica.openai_api import API_KEY_ENV, PHASE_HEADER, REPLICA_DIED
-from replica.types import GenerationRequest, GenerationResult
 
 __all__ = ["OpenAIHTTPClient", "HTTPGenerationResult"]
 

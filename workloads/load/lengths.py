@@ -11,8 +11,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import model_validator
 
-from replica.rules import FrozenConfig, PositiveFloat, PositiveInt
-from replica.types import GenerationRequest
+from replica.common.rules import FrozenConfig, PositiveFloat, PositiveInt
+from replica.common.types import GenerationRequest
 from workloads.load.prompts import make_prompts
 
 LENGTH_DISTS = ("fixed", "uniform", "normal", "lognormal")

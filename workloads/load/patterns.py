@@ -33,8 +33,8 @@ from typing import Any, Callable, ClassVar, Iterator, Literal, Protocol
 import numpy as np
 from pydantic import field_validator, model_validator
 
-from replica.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, need_one_of
-from replica.types import GenerationRequest
+from replica.common.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, need_one_of
+from replica.common.types import GenerationRequest
 from workloads.load.lengths import LengthDist, RequestStream, requests_of_lengths
 from workloads.load.metrics import RequestRecord
 from workloads.load.sessions import (

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import field_validator, model_validator
 
-from replica.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-from replica.types import GenerationRequest
+from replica.common.rules import FrozenConfig, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from replica.common.types import GenerationRequest
 from workloads.load.lengths import LengthDist
 from workloads.load.metrics import LatencyStats, RequestRecord
 from workloads.load.prompts import prompts_for

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import BeforeValidator
 
-from replica.rules import Section
+from replica.common.rules import Section
 from workloads.load.numbers import significant
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ model's dtype; OpenVINO's u8 blocks hold about twice the tokens of bf16), and st
 from __future__ import annotations
 
 from replica.backends import make_engine
-from replica.types import EngineConfig, GenerationRequest
+from replica.common.types import EngineConfig, GenerationRequest
 
 #: Prompts a backend point runs at once (its KV memory limit is this many full-cache sequences).
 MAX_CONCURRENT = 8

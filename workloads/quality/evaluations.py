@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from replica.rules import PositiveInt
+from replica.common.rules import PositiveInt
 from workloads.core.suite import Ratio
 
 from .fewshot import TASKS, evaluate_task

@@ -41,8 +41,8 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, create_model, model_validator
 
+from replica.common.rules import PositiveInt
 from replica.openvino_settings import OPENVINO_POLICIES
-from replica.rules import PositiveInt
 from workloads.core.suite import PolicySpec, Ratio, SuiteBase, SuiteError, point_id
 
 from .backend import backend_config

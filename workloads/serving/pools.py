@@ -12,8 +12,8 @@ from typing import Callable, Protocol
 from cluster.replica_set import ServeReplicaSet, app_name_for
 from cluster.serve_app import EngineDeployment
 from replica import cpu_share
+from replica.common.types import EngineConfig, GenerationRequest, GenerationResult
 from replica.continuous import ServingReplica
-from replica.types import EngineConfig, GenerationRequest, GenerationResult
 from workloads.load.driver import error_kind
 from workloads.load.http_client import API_KEY_ENVS, OpenAIHTTPClient, env_api_key
 

@@ -22,7 +22,7 @@ names the load::
     block_tokens: 16              # paged: slots per block
     budget: fixed                 # or per_request: B_i = ceil((prompt_i + new_i) / ratio) per request
     scheduler: prefill_first      # or mixed (needs kv_layout: paged): one token budget a step, decodes first,
-    max_num_batched_tokens: 512   #   then prompt chunks (replica.types.EngineConfig)
+    max_num_batched_tokens: 512   #   then prompt chunks (replica.common.types.EngineConfig)
     num_requests: 64              # and/or duration_s; measured requests per point
     warmup_requests: 1
     arrival: poisson              # rate mode: poisson | gamma (with burstiness)
@@ -44,9 +44,9 @@ names the load::
 
 The shared fields (model, policies, budgets, seed, replicas, placement) and their checks are
 `workloads.core.suite.SuiteBase`'s. The engine's knobs (`max_batch` to `max_num_batched_tokens` above) are
-`replica.types.EngineConfig`'s own fields, declared there once (`EngineConfig.knobs`), and every point's
+`replica.common.types.EngineConfig`'s own fields, declared there once (`EngineConfig.knobs`), and every point's
 `EngineConfig` is built when the suite loads (`engine_config`), so a combination the engine refuses fails the suite
-(exit 2, the engine's message naming the field), not a point. `kv_memory_limit` is `replica.types.KVMemoryLimit`,
+(exit 2, the engine's message naming the field), not a point. `kv_memory_limit` is `replica.common.types.KVMemoryLimit`,
 the engine's typed limit and the frontier's:
 ``full_sequences`` resolves on each replica (`replica.engine.full_rows_kv_bytes`, the model in the run's dtype)
 to the bytes of that many full-cache rows of ``max(prompt_tokens) + max(new_tokens)`` (the longest prompt plus
@@ -73,9 +73,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, create_model, model_validator
 
+from replica.common.rules import NonNegativeInt, PositiveFloat, PositiveInt, at_most_one
+from replica.common.types import ConfigError, EngineConfig, KVMemoryLimit
 from replica.engine.scheduler import SCHEDULE_KEYS
-from replica.rules import NonNegativeInt, PositiveFloat, PositiveInt, at_most_one
-from replica.types import ConfigError, EngineConfig, KVMemoryLimit
 from scissorhands import POLICIES
 from workloads.core.suite import (
     Name,
@@ -153,7 +153,7 @@ Length = Annotated[LengthDist, PlainValidator(_lengths), PlainSerializer(LengthD
 Load = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
-#: The engine's knobs as suite fields, declared once in `replica.types.EngineConfig` (types, checks, defaults):
+#: The engine's knobs as suite fields, declared once in `replica.common.types.EngineConfig` (types, checks, defaults):
 #: `kv_memory_limit_bytes` (the older spelling of ``kv_memory_limit: {bytes: N}``), `kv_memory_fraction`, `max_batch`,
 #: the layout, budget and scheduler and their sizes; ``full_sequences`` is only spelled as ``kv_memory_limit``.
 _EngineKnobs = create_model(
@@ -173,7 +173,7 @@ _KNOBS_ALWAYS_IN_ID = (
 
 class ServingSuite(_EngineKnobs):
     """A validated serving suite (see the module docstring for the YAML form); its engine knobs are
-    `replica.types.EngineConfig`'s own fields (`EngineConfig.knobs`), and every point's `EngineConfig` is built
+    `replica.common.types.EngineConfig`'s own fields (`EngineConfig.knobs`), and every point's `EngineConfig` is built
     when the suite loads, so a bad combination fails the suite, not a point."""
 
     #: a policy entry may set its own `enable_prefix_caching` (`workloads.core.suite.PolicySpec`): one series each
@@ -292,7 +292,7 @@ class ServingSuite(_EngineKnobs):
                 "budget: 'per_request' computes each request's budget from compression_ratios; drop budget_tokens"
             )
         for p in self.points():  # every point's engine and load configs must be valid now, not mid-sweep
-            try:  # the engine's own rules (replica.types.EngineConfig), written once
+            try:  # the engine's own rules (replica.common.types.EngineConfig), written once
                 self.engine_config(p)
             except ConfigError as e:
                 raise SuiteError(str(e)) from None
@@ -374,7 +374,7 @@ class ServingSuite(_EngineKnobs):
         return out
 
     def engine_config(self, point: ServingPoint) -> EngineConfig:
-        """`point`'s `replica.types.EngineConfig`: the suite's knobs and KV limit, the point's policy and budget.
+        """`point`'s `replica.common.types.EngineConfig`: the suite's knobs and KV limit, the point's policy and budget.
 
         Raises:
             ConfigError: a combination the engine refuses (the message names the field and what it accepts);

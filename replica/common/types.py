@@ -20,8 +20,7 @@ import psutil
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from replica.openvino_settings import BACKEND_KV_PRECISIONS, OPENVINO_POLICIES, eviction_from_policy
-from replica.rules import (
+from replica.common.rules import (
     FrozenConfig,
     PositiveInt,
     Section,
@@ -32,6 +31,7 @@ from replica.rules import (
     checked,
     need_one_of,
 )
+from replica.openvino_settings import BACKEND_KV_PRECISIONS, OPENVINO_POLICIES, eviction_from_policy
 from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.batching import sequence_slot_bytes
 from scissorhands.checks import check_int
@@ -167,7 +167,7 @@ class KVMemoryLimit(Section):
 class EngineConfig(FrozenConfig):
     """What a replica's engine runs: the cache policy and budget, and the memory it may use.
 
-    A frozen pydantic model (`replica.rules.FrozenConfig`): ``EngineConfig(**fields)`` validates every
+    A frozen pydantic model (`replica.common.rules.FrozenConfig`): ``EngineConfig(**fields)`` validates every
     field, `model_dump()` gives the mapping back; it crosses Ray as this model. Fields are attributes
     (``cfg.max_batch``); ``EngineConfig(**cfg.model_dump())`` rebuilds it.
 

@@ -2,7 +2,7 @@
 the field types, the number checks, the "give one of these" and "not both" rules, and one line per
 pydantic error naming the field.
 
-It lives in `replica/` (the lowest layer with configs) so `replica.types.EngineConfig`,
+It lives in `replica/` (the lowest layer with configs) so `replica.common.types.EngineConfig`,
 `cluster.placement.PlacementConfig` and the workloads' configs all import the same rules.
 """
 
