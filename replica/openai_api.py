@@ -178,6 +178,29 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
         "kv_memory_limit_bytes": engine_config.get("kv_memory_limit_bytes"),
         "model_spec": model_spec,
         "engine": engine_config.get("engine", "ours"),  # the backend that serves it (replica.backends)
+        "enable_prefix_caching": bool(engine_config.get("enable_prefix_caching", False)),
+    }
+
+
+def reports_cached_tokens(metadata: dict) -> bool:
+    """Whether replies of this cache configuration carry ``usage.prompt_tokens_details.cached_tokens``: our engine
+    with the prefix cache on (`EngineConfig.enable_prefix_caching`) counts them; with it off, and on OpenVINO
+    GenAI's backend (whose pipeline reports no per-request cached tokens), ``prompt_tokens_details`` is null, as
+    vLLM sends it when prefix caching is off."""
+    return bool(metadata.get("enable_prefix_caching")) and metadata.get("engine", "ours") == "ours"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, result: dict | None, cached: bool) -> dict:
+    """OpenAI's ``usage`` object; `cached`: add ``prompt_tokens_details.cached_tokens`` (the request's prompt tokens
+    its prefills took from the prefix cache, `GenerationResult.cached_prompt_tokens`), else null."""
+    details = None
+    if cached and result is not None:
+        details = {"cached_tokens": int(result.get("cached_prompt_tokens") or 0)}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": details,
     }
 
 
@@ -567,6 +590,7 @@ class OpenAIServer:
         warmup = _warmup_of(request)
         model, opts, ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.parse, raw, chat)
         backend = self.backends[model]
+        meta = getattr(backend, "metadata", None) or {}
         max_tokens = await self.checked_max_tokens(backend, opts["max_tokens"], len(ids), chat)
         if self.pending[model] >= self.max_pending_requests:
             raise _retry_later(
@@ -584,7 +608,10 @@ class OpenAIServer:
         if not opts["stream"]:
             try:
                 reply = await _until_disconnected(
-                    request, _collect(first, events, detok, rid, obj, model, self.created, chat, len(ids))
+                    request,
+                    _collect(
+                        first, events, detok, rid, obj, model, self.created, chat, len(ids), reports_cached_tokens(meta)
+                    ),
                 )
                 if opts["logprobs"] is not None or opts["echo"]:  # on the worker thread: a long echoed prompt
                     await asyncio.get_running_loop().run_in_executor(  # is detokenized token by token
@@ -612,6 +639,7 @@ class OpenAIServer:
                 chat,
                 len(ids),
                 opts["include_usage"],
+                reports_cached_tokens(meta),
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
@@ -853,7 +881,7 @@ async def _until_disconnected(request, work):
     raise ApiError(499, "the client closed the connection", type_="client_closed")
 
 
-async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_tokens) -> dict:
+async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_tokens, cached=False) -> dict:
     ids: list[int] = []
     result = None
     stopped = False
@@ -890,11 +918,7 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(ids),
-            "total_tokens": prompt_tokens + len(ids),
-        },
+        "usage": _usage(prompt_tokens, len(ids), result, cached),
         "scissorhands": _replica_times(result) if result else None,
     }
 
@@ -1006,7 +1030,7 @@ async def _counted(events: AsyncIterator[dict], release):
             await aclose()
 
 
-async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, include_usage):
+async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, include_usage, cached=False):
     """The SSE body: one chunk per token as it arrives; an error event if the backend fails."""
     created = int(time.time())
     n = 0
@@ -1068,11 +1092,7 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": n,
-                        "total_tokens": prompt_tokens + n,
-                    },
+                    "usage": _usage(prompt_tokens, n, result, cached),
                 }
             )
     except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a hang

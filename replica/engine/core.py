@@ -70,6 +70,9 @@ class ContinuousBatchingEngine(EngineReadout):
         if self.pool is None:
             with recording():  # no pool: no block series (not the pool of a paged engine these labels had before)
                 self.metrics.clear_kv_blocks()
+        if self.kv.prefix is None:
+            with recording():  # no prefix cache: no series of one (not those of an engine these labels had before)
+                self.metrics.clear_prefix_cache()
         self.scheduler = SCHEDULERS[config.scheduler](config)
         self.life = Lifecycle(clock, self.metrics, eos_token_id, self.device)
         self.queue = RequestQueue()
@@ -188,6 +191,8 @@ class ContinuousBatchingEngine(EngineReadout):
             seq.result.cached_prompt_tokens += cached
             self.life.add(self.life.key(seq, "prefix_cache_hit_tokens"), cached)
             self.life.add(self.life.key(seq, "prefix_cache_miss_tokens"), p.length - cached)
+            with recording():
+                self.metrics.add_prefix_cache_tokens(cached, p.length - cached, self.life.phase(seq))
 
     def _count_session(self, p: Prefill, cached: int) -> None:
         """Count a group's tokens taken from its session's kept state and those of the session's previous request
@@ -338,11 +343,18 @@ class ContinuousBatchingEngine(EngineReadout):
             self.metrics.set_kv_cache(self.flight.kv_cache_bytes(), sum(c.held_tokens() for c in caches))
             if self.pool is not None:
                 self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
+            if self.kv.prefix is not None:
+                reclaimed = self.kv.prefix.reclaimed_blocks
+                if reclaimed < self._reclaimed_seen:  # `reset_stats` zeroed the pool's count: count from there
+                    self._reclaimed_seen = 0
+                self.metrics.set_prefix_cache(self.kv.prefix.cached_blocks, reclaimed - self._reclaimed_seen)
+                self._reclaimed_seen = reclaimed
 
     def reset_stats(self) -> None:
         """Zero the counters and peaks reported by `stats()` (between sweep points)."""
         self.life.reset()
         self.kv.reset_peak()
+        self._reclaimed_seen = 0  # the prefix cache's reclaimed blocks already recorded (the counter's increments)
 
     def stats(self) -> dict:
         """Counters since `reset_stats` (units in the names). Request counts and generated tokens

@@ -143,6 +143,7 @@ def run_point(
             # None when no replica's backend counts them (OpenVINO's pipeline does not: its `not_reported`)
             "preemptions": _sum_reported(stats, "preemptions"),
             "recomputed_tokens": _sum_reported(stats, "recomputed_tokens"),
+            **prefix_cache_fields(stats, result.records),
             "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],
             # requests whose prompt an earlier one of the point already had (0 unless the prompt space is tiny)
             "repeated_prompts": getattr(reqs, "repeats_sent", 0),
@@ -163,6 +164,32 @@ def run_point(
     if warning:
         out["warnings"] = list(out.get("warnings") or []) + [warning]
     out.update({"stop_reason": m.stop_reason, **outcome})  # ok: `count` or `duration` (the load generator's)
+    return out
+
+
+def prefix_cache_fields(stats: list[dict], records) -> dict:
+    """The point's prefix cache figures (all None when no replica's engine has the prefix cache on:
+    `EngineConfig.enable_prefix_caching`, reported by ``prefix_caching`` in its stats; OpenVINO's reports none):
+
+    * ``prefix_cache_hit_tokens``, ``prefix_cache_miss_tokens``: the replicas' counts over the point's measured
+      requests, at admission (a preempted request's recompute counts again), and ``prefix_cache_hit_rate`` =
+      hit / (hit + miss), in 0..1 (None when nothing was admitted);
+    * ``cached_prompt_tokens_sum``: the tokens each completed measured request's prefills took from the cache
+      (`GenerationResult.cached_prompt_tokens`, summed), and ``cached_prompt_share``: that sum over those
+      requests' prompt tokens (it can pass 1 only when a preempted request's recompute hits again)."""
+    keys = ("prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "prefix_cache_hit_rate")
+    out = dict.fromkeys(keys + ("cached_prompt_tokens_sum", "cached_prompt_share"))
+    on = [s for s in stats if s.get("prefix_caching")]
+    if not on:
+        return out
+    hit = sum(s.get("prefix_cache_hit_tokens") or 0 for s in on)
+    miss = sum(s.get("prefix_cache_miss_tokens") or 0 for s in on)
+    out.update(prefix_cache_hit_tokens=hit, prefix_cache_miss_tokens=miss)
+    out["prefix_cache_hit_rate"] = hit / (hit + miss) if hit + miss else None
+    done = [r for r in records if r.ok and not r.warmup and r.cached_prompt_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in done)
+    out["cached_prompt_tokens_sum"] = sum(r.cached_prompt_tokens for r in done)
+    out["cached_prompt_share"] = out["cached_prompt_tokens_sum"] / prompt if prompt else None
     return out
 
 

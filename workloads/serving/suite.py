@@ -69,7 +69,7 @@ arrivals are seeded by the rate's value, and `capacity:` is not part of a point'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, create_model, model_validator
 
@@ -175,6 +175,9 @@ class ServingSuite(_EngineKnobs):
     """A validated serving suite (see the module docstring for the YAML form); its engine knobs are
     `replica.common.types.EngineConfig`'s own fields (`EngineConfig.knobs`), and every point's `EngineConfig` is built
     when the suite loads, so a bad combination fails the suite, not a point."""
+
+    #: a policy entry may set its own `enable_prefix_caching` (`workloads.core.suite.PolicySpec`): one series each
+    _policy_prefix_caching: ClassVar[bool] = True
 
     kind: Literal["serving"]
     mode: Literal[SERVING_MODES]
@@ -389,6 +392,8 @@ class ServingSuite(_EngineKnobs):
             budget=self.budget if point.policy in POLICIES and POLICIES[point.policy].evicts else "fixed",
             engine=point.engine or self.engine,
         )
+        if "enable_prefix_caching" in point.identity:  # the policy entry's own (its series'), over the suite's
+            fields["enable_prefix_caching"] = point.identity["enable_prefix_caching"]
         return EngineConfig(**fields)
 
     def workload_seed(self, point: ServingPoint) -> int:
