@@ -17,7 +17,8 @@ Endpoints (OpenAI's API reference; `ignore_eos` and `min_tokens` as vLLM names t
 
 Parameters: `model`, `max_tokens`, `temperature` (0 = greedy, the default), `top_p`, `seed`, `stop`
 (a string or a list; the text stops before it, `finish_reason: "stop"`), `n` (only 1),
-`ignore_eos`, `min_tokens`, `stream_options.include_usage`. Every chunk and reply also carries
+`ignore_eos`, `min_tokens`, `stream_options.include_usage`, `user` (the session: `GenerationRequest.session_id`,
+so a conversation's turns reuse its kept KV cache under `kv_reuse: session_state`). Every chunk and reply also carries
 `token_ids` (the generated ids of that chunk, an extension: load generators count tokens from
 ids, never from text) and, in the last chunk / the reply, `scissorhands` (replica-side times:
 `replica_ttft_s`, `received_time_s`, `first_token_time_s`, `replica_id`).
@@ -253,6 +254,8 @@ def _parse_common(body: dict, chat: bool = False) -> dict:
         seed=_field(body, "seed", (int,), None, check=lambda v: -(2**63) <= v < 2**64, accepted="a 64-bit integer"),
         ignore_eos=_field(body, "ignore_eos", (bool,), False, accepted="a boolean"),
         min_tokens=_field(body, "min_tokens", (int,), 0, check=lambda v: v >= 0, accepted="an integer >= 0"),
+        # OpenAI's end-user id doubles as the conversation's: the engine's kv_reuse: session_state keys on it
+        user=_field(body, "user", (str,), None, check=lambda v: bool(v), accepted="a non-empty string"),
         echo=echo,
         **_parse_logprobs(body, chat, echo),
         stream=_field(body, "stream", (bool,), False, accepted="a boolean"),
@@ -490,6 +493,7 @@ def _generation_request(rid: str, ids: list[int], max_tokens: int, opts: dict, w
             warmup=warmup,
             logprobs=opts["logprobs"],
             prompt_logprobs=opts["prompt_logprobs"],
+            session_id=opts["user"],
         )
     except ValueError as e:  # a range the request itself checks: the field is the message's first word
         raise ApiError(400, str(e), str(e).split(":")[0]) from None
