@@ -180,15 +180,18 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
         "model_spec": model_spec,
         "engine": engine_config.get("engine", "ours"),  # the backend that serves it (replica.backends)
         "enable_prefix_caching": bool(engine_config.get("enable_prefix_caching", False)),
+        "kv_reuse": engine_config.get("kv_reuse", "none"),  # session_state: a session's turns go to its replica
     }
 
 
 def reports_cached_tokens(metadata: dict) -> bool:
     """Whether replies of this cache configuration carry ``usage.prompt_tokens_details.cached_tokens``: our engine
-    with the prefix cache on (`EngineConfig.enable_prefix_caching`) counts them; with it off, and on OpenVINO
+    with the prefix cache on (`EngineConfig.enable_prefix_caching`) or a session's kept state
+    (``kv_reuse: session_state``) counts them; with it off, and on OpenVINO
     GenAI's backend (whose pipeline reports no per-request cached tokens), ``prompt_tokens_details`` is null, as
     vLLM sends it when prefix caching is off."""
-    return bool(metadata.get("enable_prefix_caching")) and metadata.get("engine", "ours") == "ours"
+    keeps = bool(metadata.get("enable_prefix_caching")) or metadata.get("kv_reuse") == "session_state"
+    return keeps and metadata.get("engine", "ours") == "ours"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, result: dict | None, cached: bool) -> dict:

@@ -83,6 +83,9 @@ def _replica_side(res: GenerationResult, rec: RequestRecord) -> None:
     cached = getattr(res, "cached_prompt_tokens", None)
     if cached is not None:
         rec.cached_prompt_tokens = int(cached)
+    hit = getattr(res, "session_affinity_hit", None)
+    if hit is not None:
+        rec.session_affinity_hit = bool(hit)
     # in process: the tokens its engine took from its session's kept state (HTTP does not say; `Run.send` clears it
     # for a request of no session)
     if not isinstance(res, HTTPGenerationResult):
