@@ -148,6 +148,10 @@ def test_the_session_state_series_reuses_each_sessions_kept_cache_and_the_other_
     # kept state never holds more than the conversation so far (what the workload expects to be reusable)
     assert kept["session_reused_tokens"] <= kept["expected_reuse_tokens"]
     assert kept["session_affinity_hits"] is None  # one replica: no affinity to judge
+    table = (tmp_path / "r" / "p" / "table.md").read_text()
+    assert "| session reused tokens |" in table and "session affinity hits" not in table
+    row = next(line for line in table.splitlines() if line.startswith("| sessions-scissorhands+reuse-session_state"))
+    assert [c.strip() for c in row.split("|")].count(str(kept["session_reused_tokens"])) == 1
 
 
 # ---------------------------------------------------------------------------- several replicas in process
