@@ -17,7 +17,8 @@ Endpoints (OpenAI's API reference; `ignore_eos` and `min_tokens` as vLLM names t
 
 Parameters: `model`, `max_tokens`, `temperature` (0 = greedy, the default), `top_p`, `seed`, `stop`
 (a string or a list; the text stops before it, `finish_reason: "stop"`), `n` (only 1),
-`ignore_eos`, `min_tokens`, `stream_options.include_usage`. Every chunk and reply also carries
+`ignore_eos`, `min_tokens`, `stream_options.include_usage`, `user` (the session: `GenerationRequest.session_id`,
+so a conversation's turns reuse its kept KV cache under `kv_reuse: session_state`). Every chunk and reply also carries
 `token_ids` (the generated ids of that chunk, an extension: load generators count tokens from
 ids, never from text) and, in the last chunk / the reply, `scissorhands` (replica-side times:
 `replica_ttft_s`, `received_time_s`, `first_token_time_s`, `replica_id`).
@@ -179,15 +180,18 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
         "model_spec": model_spec,
         "engine": engine_config.get("engine", "ours"),  # the backend that serves it (replica.backends)
         "enable_prefix_caching": bool(engine_config.get("enable_prefix_caching", False)),
+        "kv_reuse": engine_config.get("kv_reuse", "none"),  # session_state: a session's turns go to its replica
     }
 
 
 def reports_cached_tokens(metadata: dict) -> bool:
     """Whether replies of this cache configuration carry ``usage.prompt_tokens_details.cached_tokens``: our engine
-    with the prefix cache on (`EngineConfig.enable_prefix_caching`) counts them; with it off, and on OpenVINO
+    with the prefix cache on (`EngineConfig.enable_prefix_caching`) or a session's kept state
+    (``kv_reuse: session_state``) counts them; with it off, and on OpenVINO
     GenAI's backend (whose pipeline reports no per-request cached tokens), ``prompt_tokens_details`` is null, as
     vLLM sends it when prefix caching is off."""
-    return bool(metadata.get("enable_prefix_caching")) and metadata.get("engine", "ours") == "ours"
+    keeps = bool(metadata.get("enable_prefix_caching")) or metadata.get("kv_reuse") == "session_state"
+    return keeps and metadata.get("engine", "ours") == "ours"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, result: dict | None, cached: bool) -> dict:
@@ -253,6 +257,8 @@ def _parse_common(body: dict, chat: bool = False) -> dict:
         seed=_field(body, "seed", (int,), None, check=lambda v: -(2**63) <= v < 2**64, accepted="a 64-bit integer"),
         ignore_eos=_field(body, "ignore_eos", (bool,), False, accepted="a boolean"),
         min_tokens=_field(body, "min_tokens", (int,), 0, check=lambda v: v >= 0, accepted="an integer >= 0"),
+        # OpenAI's end-user id doubles as the conversation's: the engine's kv_reuse: session_state keys on it
+        user=_field(body, "user", (str,), None, check=lambda v: bool(v), accepted="a non-empty string"),
         echo=echo,
         **_parse_logprobs(body, chat, echo),
         stream=_field(body, "stream", (bool,), False, accepted="a boolean"),
@@ -490,6 +496,7 @@ def _generation_request(rid: str, ids: list[int], max_tokens: int, opts: dict, w
             warmup=warmup,
             logprobs=opts["logprobs"],
             prompt_logprobs=opts["prompt_logprobs"],
+            session_id=opts["user"],
         )
     except ValueError as e:  # a range the request itself checks: the field is the message's first word
         raise ApiError(400, str(e), str(e).split(":")[0]) from None

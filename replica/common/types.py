@@ -527,6 +527,9 @@ class GenerationResult:
     prefilled_prompt_tokens: int = 0
     session_reused_tokens: int = 0
     session_recomputed_tokens: int = 0
+    # whether the replica that served it is its session's (`replica.common.session_affinity`; set by the caller
+    # that routed it when its engine keeps session state, else None)
+    session_affinity_hit: bool | None = None
 
     @property
     def output_tokens(self) -> int:

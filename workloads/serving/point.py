@@ -144,6 +144,7 @@ def run_point(
             "preemptions": _sum_reported(stats, "preemptions"),
             "recomputed_tokens": _sum_reported(stats, "recomputed_tokens"),
             **prefix_cache_fields(stats, result.records),
+            **session_state_fields(stats, result.records),
             "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],
             # requests whose prompt an earlier one of the point already had (0 unless the prompt space is tiny)
             "repeated_prompts": getattr(reqs, "repeats_sent", 0),
@@ -190,6 +191,33 @@ def prefix_cache_fields(stats: list[dict], records) -> dict:
     prompt = sum(r.prompt_tokens for r in done)
     out["cached_prompt_tokens_sum"] = sum(r.cached_prompt_tokens for r in done)
     out["cached_prompt_share"] = out["cached_prompt_tokens_sum"] / prompt if prompt else None
+    return out
+
+
+#: The engine's counts under ``kv_reuse: session_state`` (`replica.engine.core`'s stats; absent otherwise).
+SESSION_STATE_KEYS = (
+    "session_reused_tokens",
+    "session_recomputed_tokens",
+    "session_state_hits",
+    "session_state_misses",
+)
+
+
+def session_state_fields(stats: list[dict], records) -> dict:
+    """The point's session reuse figures (all None when no replica keeps session state, `EngineConfig.kv_reuse`):
+    `SESSION_STATE_KEYS` summed over the replicas (their measured requests), ``session_reused_tokens_sum`` (each
+    completed measured request's own `GenerationResult.session_reused_tokens`, summed; None when no record has it,
+    as over HTTP), and ``session_affinity_hits`` / ``session_affinity_turns``: the turns served by their session's
+    replica, of those whose record says (several replicas keeping state; None when none says)."""
+    out = dict.fromkeys(SESSION_STATE_KEYS + ("session_reused_tokens_sum",))
+    on = [s for s in stats if "session_state_hits" in s]
+    if on:
+        out.update({k: sum(s.get(k) or 0 for s in on) for k in SESSION_STATE_KEYS})
+        done = [r for r in records if r.ok and not r.warmup and r.session_reused_tokens is not None]
+        out["session_reused_tokens_sum"] = sum(r.session_reused_tokens for r in done) if done else None
+    said = [r for r in records if not r.warmup and r.session_affinity_hit is not None]
+    out["session_affinity_turns"] = len(said) if said else None
+    out["session_affinity_hits"] = sum(r.session_affinity_hit for r in said) if said else None
     return out
 
 

@@ -46,6 +46,8 @@ TABLE = [  # (header with unit, key, format)
     ("peak KV (MiB)", "kv_mib", ".1f"),
     ("peak running", "peak_running", "s"),
     ("prefix cache hit rate", "prefix_cache_hit_rate", ".3f"),  # only when a point has it (`table_columns`)
+    ("session reused tokens", "session_reused_tokens", "d"),  # kv_reuse: session_state (likewise)
+    ("session affinity hits", "session_affinity_hits", "d"),  # several replicas keeping state (likewise)
     ("CPU share", "cpu", "s"),  # replica.cpu_share: ran / runnable of the replicas' threads, `!` contended
     ("status", "status", "s"),
     ("stop reason", "stop_reason", "s"),
@@ -200,8 +202,9 @@ def slo_line(records: list[dict]) -> str:
     )
 
 
-#: Columns shown only when some record has a value for them (the prefix cache's: null for every point without it).
-OPTIONAL_COLUMNS = frozenset({"prefix_cache_hit_rate"})
+#: Columns shown only when some record has a value for them (the prefix cache's and the session state's: null for
+#: every point without them).
+OPTIONAL_COLUMNS = frozenset({"prefix_cache_hit_rate", "session_reused_tokens", "session_affinity_hits"})
 
 
 def table_columns(records: list[dict]) -> list[tuple]:

@@ -295,9 +295,18 @@ class ServingSuite(_EngineKnobs):
             try:  # the engine's own rules (replica.common.types.EngineConfig), written once
                 self.engine_config(p)
             except ConfigError as e:
+                if "kv_reuse" in p.identity and "kv_reuse" in str(e):  # the policy entry's own: name the entry
+                    raise SuiteError(f"policies[{self._policy_index(p)}].{str(e).strip()}") from None
                 raise SuiteError(str(e)) from None
             self.load_config(p, max_batch=1)
         return self
+
+    def _policy_index(self, point: ServingPoint) -> int:
+        """The index in `policies` of the entry whose series `point` is."""
+        for i, pol in enumerate(self.policies):
+            if pol.point_fields(point.compression_ratio).items() <= point.identity.items():
+                return i
+        raise LookupError(f"no policy entry makes point {point.point_id}")
 
     def identity(self) -> dict:
         """Suite-level settings that change a serving point's numbers (the load axis aside)."""
@@ -394,6 +403,8 @@ class ServingSuite(_EngineKnobs):
         )
         if "enable_prefix_caching" in point.identity:  # the policy entry's own (its series'), over the suite's
             fields["enable_prefix_caching"] = point.identity["enable_prefix_caching"]
+        if "kv_reuse" in point.identity:  # likewise
+            fields["kv_reuse"] = point.identity["kv_reuse"]
         return EngineConfig(**fields)
 
     def workload_seed(self, point: ServingPoint) -> int:
