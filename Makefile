@@ -31,6 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 sweep: install
+	@$(call openvino_on_first_use,$(SUITE))
 	$(PY) -m workloads.sweep $(SUITE) $(ARGS)
 
 # Serving benchmark (one replica in process, embedded model): Scissorhands x5 vs full at their own max
@@ -108,6 +109,7 @@ SERVE_PORT ?= 8000
 SERVE_ARGS ?=
 SERVE_PID := $(CURDIR)/.serve.pid
 serve: install
+	@$(call openvino_on_first_use,,$(SERVE_ARGS) $(ARGS))
 	$(PY) -m cluster.serve_app --port $(SERVE_PORT) --pid-file $(SERVE_PID) $(SERVE_ARGS) $(ARGS)
 
 serve-down:
@@ -181,6 +183,12 @@ $(OPENVINO_MODEL)/.exported: $(OPENVINO_VENV)/.installed | install
 .PHONY: openvino-peer bench-peers openvino-runtime
 openvino-peer: $(OPENVINO_MODEL)/.exported
 
+# The export and the runtime made on first use: a suite file ($1) naming `engine: openvino`, or make serve's
+# arguments ($2) naming the engine or an openvino/ cache, make them before the run (the run itself refuses, exit 2
+# naming these targets, when they are missing: the Python entry points never build).
+openvino_on_first_use = if { [ -n "$(1)" ] && grep -Eq 'engine:[[:space:]]*openvino' $(1); } || \
+  echo "$(2)" | grep -Eq 'openvino'; then $(MAKE) --no-print-directory openvino-runtime openvino-peer; fi
+
 # `engine: openvino` in a suite, make serve or the frontier (replica/backends/openvino.py; docs/serving.md "Engine
 # backends"): the runtime in the replica's own venv (pyproject's `openvino` extra, no torch), and the export above.
 openvino-runtime: install
@@ -206,6 +214,7 @@ dashboards-down:
 QUALITY_SUITE ?= workloads/suites/quality.yaml
 .PHONY: quality
 quality: install
+	@$(call openvino_on_first_use,$(QUALITY_SUITE))
 	$(PY) -m workloads.quality.runner $(QUALITY_SUITE) $(ARGS)
 
 # The throughput-quality frontier (workloads/frontier; docs/benchmarks.md): per policy and ratio, capacity at the SLO
@@ -215,6 +224,7 @@ quality: install
 FRONTIER_SUITE ?= workloads/suites/frontier.yaml
 .PHONY: frontier
 frontier: install
+	@$(call openvino_on_first_use,$(FRONTIER_SUITE))
 	$(PY) -m workloads.frontier.runner $(FRONTIER_SUITE) $(ARGS)
 
 # Decode-step cost of every policy vs full, side by side in one run (embedded model, batch 8, 1,024-token prompt,

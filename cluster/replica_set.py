@@ -55,6 +55,7 @@ from cluster.placement import (
     not_ready_message,
     replica_bundle,
 )
+from cluster.serve_routing import session_first, session_key_of
 from replica import cpu_share
 from replica.openai_api import replica_death
 
@@ -62,7 +63,8 @@ from replica.openai_api import replica_death
 class LeastOutstandingRouter(FIFOMixin, RequestRouter):
     """Serve request router: candidates ranked by this handle's calls in flight on each, fewest first
     (ties: the one picked longest ago), so a burst spreads over idle replicas and a slow replica gets
-    fewer. Serve falls through the ranks when a replica has no room (``max_ongoing_requests``)."""
+    fewer; a call naming its session (``session_key``, `cluster.serve_routing.session_key_of`) ranks its
+    session's replica first. Serve falls through the ranks when a replica has no room (``max_ongoing_requests``)."""
 
     def initialize_state(self, **kwargs) -> None:
         self.outstanding: dict = {}  # replica id -> calls routed (or about to be) and not completed
@@ -83,6 +85,9 @@ class LeastOutstandingRouter(FIFOMixin, RequestRouter):
             candidate_replicas,
             key=lambda r: (self.outstanding.get(r.replica_id, 0), self.last_pick.get(r.replica_id, -1)),
         )
+        key = session_key_of(pending_request)
+        if key is not None and ranked:  # a session's turn: its replica first (it holds the session's state)
+            ranked = session_first(ranked, key)
         if rid is not None and ranked:
             self.expected[rid] = ranked[0].replica_id
             self._count(ranked[0].replica_id, +1)

@@ -45,10 +45,11 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster import loopback
 from cluster.dtype_probe import resolve_run_dtype
-from cluster.serve_routing import StreamHolderRouter
+from cluster.serve_routing import SESSION_KEY, StreamHolderRouter
 from cluster.signals import StopSignals
 from replica import cpu_share
 from replica.backends.openvino import BackendUnavailable, check_available
+from replica.common.session_affinity import keeps_session_state
 from replica.common.types import (
     BUDGETS,
     ENGINES,
@@ -123,14 +124,16 @@ class EngineDeployment:
         """A new engine with `engine_config` (`ServingReplica.configure`); returns the replica's `info()`."""
         return self.replica.configure(engine_config, run_id)
 
-    async def events(self, request: GenerationRequest):
-        """`ServingReplica.events`: one request's `StreamChunk`s, then its `GenerationResult` (typed across Ray)."""
+    async def events(self, request: GenerationRequest, session_key: str | None = None):
+        """`ServingReplica.events`: one request's `StreamChunk`s, then its `GenerationResult` (typed across Ray).
+        `session_key`: read by the router only (`cluster.serve_routing`: the session's replica first)."""
         async for ev in self.replica.events(request):
             yield ev
 
-    async def generate(self, request: GenerationRequest) -> ReplicaReply:
+    async def generate(self, request: GenerationRequest, session_key: str | None = None) -> ReplicaReply:
         """One request, answered whole, with the replica's figures after it (`ServingReplica.stats`, its
-        ``node_id`` and ``hostname``), so the caller learns every replica's figures from the replies it gets."""
+        ``node_id`` and ``hostname``), so the caller learns every replica's figures from the replies it gets.
+        `session_key`: read by the router only (`cluster.replica_set.LeastOutstandingRouter`)."""
         result = await self.replica.generate(request)
         stats = {**await self.replica.stats(), "node_id": self.replica.node_id, "hostname": socket.gethostname()}
         return ReplicaReply(result, stats)
@@ -180,7 +183,9 @@ class ServeBackend:
 
     async def stream(self, request: GenerationRequest):
         """The deployment's typed events of `request` in the OpenAI API's form (`replica.continuous.openai_event`)."""
-        gen = self.stream_handle.events.remote(request)
+        affinity = keeps_session_state(self.metadata.get("kv_reuse"), self.metadata.get("enable_prefix_caching"))
+        key = request.session_id if affinity else None  # the session's replica holds its state
+        gen = self.stream_handle.events.remote(request, **({SESSION_KEY: key} if key else {}))
         finished = False
         try:
             async for ev in gen:

@@ -63,6 +63,12 @@ Engines: every live series carries ``engine`` (`REPLICA_LABELS`). OpenVINO GenAI
 used/free blocks (its ``cache_usage`` of the pool), generated tokens, TTFT and TPOT. Its pipeline counts no
 preemptions, recomputed tokens or evicted tokens and times no prefill or decode forward apart (one fused step),
 so those series are absent for ``engine="openvino"``, never zero.
+
+Prefix cache: an engine of ours with `EngineConfig.enable_prefix_caching` counts each admission's prompt tokens
+taken from the cache and computed (`add_prefix_cache_tokens`, with ``phase``) and after every step records the
+blocks cached and those reclaimed since (`set_prefix_cache`). With the cache off, on OpenVINO GenAI's backend (its
+pipeline reports no prefix cache figures) and in static batches those series are absent, never zero (an engine
+without a prefix cache calls `clear_prefix_cache`).
 """
 
 from __future__ import annotations
@@ -250,6 +256,31 @@ METRICS: tuple[MetricSpec, ...] = (
         "Paged KV layout only: tokens whose KV a preemption freed, fed again by the sequence's next prefill "
         "(its prompt and the outputs fed so far).",
     ),
+    # the prefix cache of the paged full cache only (`enable_prefix_caching`); absent when it is off, and on OpenVINO
+    _replica(
+        "prefix_cache_hit_tokens_total",
+        "counter",
+        "Prefix cache only: prompt tokens a request's prefill took from the prefix cache (counted at admission; a "
+        "preempted request's recompute counts again).",
+        per_request=True,
+    ),
+    _replica(
+        "prefix_cache_miss_tokens_total",
+        "counter",
+        "Prefix cache only: prompt tokens a request's prefill computed, not found in the prefix cache (counted at "
+        "admission; hit + miss = the prompt tokens admitted).",
+        per_request=True,
+    ),
+    _replica(
+        "prefix_cache_reclaimed_blocks_total",
+        "counter",
+        "Prefix cache only: pool blocks of idle cached entries reclaimed (least recently used) for other rows.",
+    ),
+    _replica(
+        "kv_prefix_cache_blocks",
+        "gauge",
+        "Prefix cache only: pool blocks holding cached prefix entries now, in use or idle (all layers).",
+    ),
     # per sweep point, through the Pushgateway (grouping key: job="scissorhands_sweep", run_id, point_id)
     _point(
         "output_throughput_tokens_per_second",
@@ -330,6 +361,19 @@ METRICS_BY_NAME: dict[str, MetricSpec] = {m.name: m for m in METRICS}
 #: titled "(paged layout)" and a batch sweep never feeds them.
 PAGED_LAYOUT_METRICS: frozenset[str] = frozenset(
     PREFIX + n for n in ("kv_used_blocks", "kv_free_blocks", "preemptions_total", "recomputed_tokens_total")
+)
+
+#: Live metrics that only a replica of ours with the prefix cache on exports (`EngineConfig.enable_prefix_caching`,
+#: the paged layout); with it off, on OpenVINO GenAI's backend and in static batches they are absent, never zero, so
+#: their panels are titled "(prefix cache)".
+PREFIX_CACHE_METRICS: frozenset[str] = frozenset(
+    PREFIX + n
+    for n in (
+        "prefix_cache_hit_tokens_total",
+        "prefix_cache_miss_tokens_total",
+        "prefix_cache_reclaimed_blocks_total",
+        "kv_prefix_cache_blocks",
+    )
 )
 
 #: Ray Serve's own metrics that the dashboards read (`source="ray_serve"`): Serve defines and records
@@ -607,6 +651,15 @@ class NullMetrics:
     def add_preemption(self, recomputed_tokens: int) -> None:
         """One sequence preempted, whose next prefill recomputes `recomputed_tokens` tokens."""
 
+    def add_prefix_cache_tokens(self, hit: int, miss: int, phase: str = "measured") -> None:
+        """Prefix cache: one admission's prompt tokens taken from the cache (`hit`) and computed (`miss`)."""
+
+    def set_prefix_cache(self, blocks: int, reclaimed_blocks: int) -> None:
+        """Prefix cache: pool blocks cached now, and `reclaimed_blocks` more reclaimed since the last call."""
+
+    def clear_prefix_cache(self) -> None:
+        """Stop reporting the prefix cache's block gauge (no prefix cache any more)."""
+
     def snapshot(self, phase: str = "measured") -> dict[str, object]:
         """In-memory values by metric name (none here)."""
         return {}
@@ -762,6 +815,29 @@ class ReplicaMetrics(NullMetrics):
         self._record("preemptions_total", 1)
         if recomputed_tokens > 0:
             self._record("recomputed_tokens_total", recomputed_tokens)
+
+    def add_prefix_cache_tokens(self, hit: int, miss: int, phase: str = "measured") -> None:
+        """Prefix cache (our engine, `enable_prefix_caching`): one admission's prompt tokens its prefill takes from
+        the cache (`hit`) and computes (`miss`), of `phase`'s requests. A zero count is not recorded, so a replica
+        that never hit has no hit series yet (a Ray counter is exported from its first increment)."""
+        hit, miss = self._check("hit", hit), self._check("miss", miss)  # both checked before anything is recorded
+        if hit > 0:
+            self._record("prefix_cache_hit_tokens_total", hit, phase)
+        if miss > 0:
+            self._record("prefix_cache_miss_tokens_total", miss, phase)
+
+    def set_prefix_cache(self, blocks: int, reclaimed_blocks: int) -> None:
+        """Prefix cache: pool blocks holding cached entries now (`blocks`, all layers) and blocks of idle entries
+        reclaimed for other rows since the last call (`reclaimed_blocks`, an increment)."""
+        blocks, reclaimed_blocks = self._check("blocks", blocks), self._check("reclaimed_blocks", reclaimed_blocks)
+        self._record("kv_prefix_cache_blocks", blocks)
+        if reclaimed_blocks > 0:
+            self._record("prefix_cache_reclaimed_blocks_total", reclaimed_blocks)
+
+    def clear_prefix_cache(self) -> None:
+        """Stop reporting this recorder's prefix cache block gauge (an engine without a prefix cache took over its
+        labels), as `clear_kv_blocks` does for the pool's gauges."""
+        self._recorder.forget(_REPLICA_SPECS[PREFIX + "kv_prefix_cache_blocks"], self.tags)
 
     def snapshot(self, phase: str = "measured") -> dict[str, object]:
         """In-memory values of this recorder's labels, by project metric name ({} under Ray);

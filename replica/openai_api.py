@@ -17,7 +17,8 @@ Endpoints (OpenAI's API reference; `ignore_eos` and `min_tokens` as vLLM names t
 
 Parameters: `model`, `max_tokens`, `temperature` (0 = greedy, the default), `top_p`, `seed`, `stop`
 (a string or a list; the text stops before it, `finish_reason: "stop"`), `n` (only 1),
-`ignore_eos`, `min_tokens`, `stream_options.include_usage`. Every chunk and reply also carries
+`ignore_eos`, `min_tokens`, `stream_options.include_usage`, `user` (the session: `GenerationRequest.session_id`,
+so a conversation's turns reuse its kept KV cache under `kv_reuse: session_state`). Every chunk and reply also carries
 `token_ids` (the generated ids of that chunk, an extension: load generators count tokens from
 ids, never from text) and, in the last chunk / the reply, `scissorhands` (replica-side times:
 `replica_ttft_s`, `received_time_s`, `first_token_time_s`, `replica_id`).
@@ -192,6 +193,32 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
         "model_spec": model_spec,
         "engine": engine,  # the backend that serves it (replica.backends)
         **extra,
+        "enable_prefix_caching": bool(engine_config.get("enable_prefix_caching", False)),
+        "kv_reuse": engine_config.get("kv_reuse", "none"),  # session_state: a session's turns go to its replica
+    }
+
+
+def reports_cached_tokens(metadata: dict) -> bool:
+    """Whether replies of this cache configuration carry ``usage.prompt_tokens_details.cached_tokens``: our engine
+    with the prefix cache on (`EngineConfig.enable_prefix_caching`) or a session's kept state
+    (``kv_reuse: session_state``) counts them; with it off, and on OpenVINO
+    GenAI's backend (whose pipeline reports no per-request cached tokens), ``prompt_tokens_details`` is null, as
+    vLLM sends it when prefix caching is off."""
+    keeps = bool(metadata.get("enable_prefix_caching")) or metadata.get("kv_reuse") == "session_state"
+    return keeps and metadata.get("engine", "ours") == "ours"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, result: dict | None, cached: bool) -> dict:
+    """OpenAI's ``usage`` object; `cached`: add ``prompt_tokens_details.cached_tokens`` (the request's prompt tokens
+    its prefills took from the prefix cache, `GenerationResult.cached_prompt_tokens`), else null."""
+    details = None
+    if cached and result is not None:
+        details = {"cached_tokens": int(result.get("cached_prompt_tokens") or 0)}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": details,
     }
 
 
@@ -244,6 +271,8 @@ def _parse_common(body: dict, chat: bool = False) -> dict:
         seed=_field(body, "seed", (int,), None, check=lambda v: -(2**63) <= v < 2**64, accepted="a 64-bit integer"),
         ignore_eos=_field(body, "ignore_eos", (bool,), False, accepted="a boolean"),
         min_tokens=_field(body, "min_tokens", (int,), 0, check=lambda v: v >= 0, accepted="an integer >= 0"),
+        # OpenAI's end-user id doubles as the conversation's: the engine's kv_reuse: session_state keys on it
+        user=_field(body, "user", (str,), None, check=lambda v: bool(v), accepted="a non-empty string"),
         echo=echo,
         **_parse_logprobs(body, chat, echo),
         stream=_field(body, "stream", (bool,), False, accepted="a boolean"),
@@ -481,6 +510,7 @@ def _generation_request(rid: str, ids: list[int], max_tokens: int, opts: dict, w
             warmup=warmup,
             logprobs=opts["logprobs"],
             prompt_logprobs=opts["prompt_logprobs"],
+            session_id=opts["user"],
         )
     except ValueError as e:  # a range the request itself checks: the field is the message's first word
         raise ApiError(400, str(e), str(e).split(":")[0]) from None
@@ -582,6 +612,7 @@ class OpenAIServer:
         model, opts, ids = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.parse, raw, chat)
         backend = self.backends[model]
         await self.check_logprobs(backend, opts, len(ids), chat)
+        meta = getattr(backend, "metadata", None) or {}
         max_tokens = await self.checked_max_tokens(backend, opts["max_tokens"], len(ids), chat)
         if self.pending[model] >= self.max_pending_requests:
             raise _retry_later(
@@ -599,7 +630,10 @@ class OpenAIServer:
         if not opts["stream"]:
             try:
                 reply = await _until_disconnected(
-                    request, _collect(first, events, detok, rid, obj, model, self.created, chat, len(ids))
+                    request,
+                    _collect(
+                        first, events, detok, rid, obj, model, self.created, chat, len(ids), reports_cached_tokens(meta)
+                    ),
                 )
                 if opts["logprobs"] is not None or opts["echo"]:  # on the worker thread: a long echoed prompt
                     await asyncio.get_running_loop().run_in_executor(  # is detokenized token by token
@@ -627,6 +661,7 @@ class OpenAIServer:
                 chat,
                 len(ids),
                 opts["include_usage"],
+                reports_cached_tokens(meta),
             ),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
@@ -880,7 +915,7 @@ async def _until_disconnected(request, work):
     raise ApiError(499, "the client closed the connection", type_="client_closed")
 
 
-async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_tokens) -> dict:
+async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_tokens, cached=False) -> dict:
     ids: list[int] = []
     result = None
     stopped = False
@@ -917,11 +952,7 @@ async def _collect(first, events, detok, rid, obj, model, created, chat, prompt_
         "created": int(time.time()),
         "model": model,
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(ids),
-            "total_tokens": prompt_tokens + len(ids),
-        },
+        "usage": _usage(prompt_tokens, len(ids), result, cached),
         "scissorhands": _replica_times(result) if result else None,
     }
 
@@ -1033,7 +1064,7 @@ async def _counted(events: AsyncIterator[dict], release):
             await aclose()
 
 
-async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, include_usage):
+async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, include_usage, cached=False):
     """The SSE body: one chunk per token as it arrives; an error event if the backend fails."""
     created = int(time.time())
     n = 0
@@ -1095,11 +1126,7 @@ async def _sse(first, events, detok, rid, obj, model, chat, prompt_tokens, inclu
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": {
-                        "prompt_tokens": prompt_tokens,
-                        "completion_tokens": n,
-                        "total_tokens": prompt_tokens + n,
-                    },
+                    "usage": _usage(prompt_tokens, n, result, cached),
                 }
             )
     except Exception as e:  # noqa: BLE001 - a stream ends with an error event, never a hang

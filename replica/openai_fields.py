@@ -37,7 +37,7 @@ _COMMON = frozenset(
         "n",  # 1 only
         "stream",
         "stream_options",  # include_usage
-        "user",  # an end-user id for the caller's own bookkeeping; it changes no output
+        "user",  # the end-user id, taken as the session (GenerationRequest.session_id); it changes no output
         "ignore_eos",  # vLLM's extension
         "min_tokens",  # vLLM's extension
     }

@@ -57,6 +57,8 @@ SCHEDULERS = ("prefill_first", "mixed")
 #: The engine backends a replica runs (`replica.backends.BACKENDS`): our engine, or OpenVINO GenAI's
 #: ContinuousBatchingPipeline in process (`replica.backends.openvino`).
 ENGINES = ("ours", "openvino")
+#: `EngineConfig.kv_reuse`: how a request reuses KV computed by an earlier one (`replica.engine.session_state`)
+KV_REUSES = ("none", "session_state")
 _Count = Annotated[int, checked(check_int, 1)]
 _CountOrNone = Annotated[int | None, checked(check_int, 1, optional=True)]
 #: The `EngineConfig` field of each form of `KVMemoryLimit` (at most one given; none: no limit).
@@ -225,6 +227,14 @@ class EngineConfig(FrozenConfig):
             vLLM's automatic prefix caching): a request skips the prefill of the cached blocks its prompt starts
             with. Off by default; on needs engine ``"ours"``, ``kv_layout: paged`` and a policy that keeps every
             token (``full``): a budgeted policy runs without it.
+        kv_reuse: how a request of a session reuses the KV cache an earlier request computed, for any policy
+            (a budgeted one included): ``"none"`` (default: every request prefills its prompt) or
+            ``"session_state"`` (Sparse-vLLM's "chain" mode, `replica.engine.session_state`): when a request with a
+            `GenerationRequest.session_id` completes, its row's cache (compressed, for a budgeted policy) is kept
+            in the block pool while the session is idle, reclaimed least recently used when the pool needs blocks;
+            the session's next request whose prompt starts with that request's prompt + generated tokens prefills
+            only the tokens past them. Needs engine ``"ours"``, ``kv_layout: paged``, ``budget: fixed`` and
+            ``enable_prefix_caching: false``.
 
     Raises:
         ConfigError (a ValueError): an unknown key, or a field out of range; the message names
@@ -251,6 +261,7 @@ class EngineConfig(FrozenConfig):
     engine: _one_of(ENGINES) = "ours"
     openvino_kv_precision: _one_of(BACKEND_KV_PRECISIONS) = "u8"
     enable_prefix_caching: bool = False
+    kv_reuse: _one_of(KV_REUSES) = "none"
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -336,6 +347,15 @@ class EngineConfig(FrozenConfig):
                 "'paged' and policy 'full' (a budgeted policy's blocks depend on the whole sequence); accepted: false, "
                 f"or true with those (got engine {self.engine!r}, kv_layout {self.kv_layout!r}, policy {self.policy!r})"
             )
+        if self.kv_reuse == "session_state" and (
+            self.engine != "ours" or self.kv_layout != "paged" or self.budget != "fixed" or self.enable_prefix_caching
+        ):
+            raise ValueError(
+                "kv_reuse: 'session_state' keeps a session's row in the block pool of engine 'ours' with kv_layout: "
+                "'paged', budget: 'fixed' and enable_prefix_caching: false; accepted: "
+                f"{', '.join(KV_REUSES)} (got engine {self.engine!r}, kv_layout {self.kv_layout!r}, budget "
+                f"{self.budget!r}, enable_prefix_caching {self.enable_prefix_caching})"
+            )
         if self.engine != "ours":  # its policy and budget: `_engine_runs_the_policy`
             return self
         if self.budget == "per_request":
@@ -412,7 +432,8 @@ class GenerationRequest:
     likely alternatives (`GenerationResult.output_logprobs`). `prompt_logprobs` (0..`MAX_LOGPROBS`):
     each prompt token's log-probability given the tokens before it, the prompt fed as decoding would
     feed it (`replica.sampling.score_prompt`; `GenerationResult.prompt_logprobs`); with it,
-    `max_new_tokens` may be 0 (score only).
+    `max_new_tokens` may be 0 (score only). `session_id`: the conversation it belongs to; under
+    ``EngineConfig.kv_reuse: session_state`` its row's cache is kept for the session's next request.
 
     Raises:
         ValueError: a field out of range; the message names it and what it accepts.
@@ -429,10 +450,13 @@ class GenerationRequest:
     warmup: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    session_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"prompt_ids: request {self.request_id!r} has an empty prompt")
+        if self.session_id is not None and (not isinstance(self.session_id, str) or not self.session_id):
+            raise ValueError(f"session_id: expected a non-empty string or null, got {self.session_id!r}")
         check_int("logprobs", self.logprobs, 0, optional=True)
         check_int("prompt_logprobs", self.prompt_logprobs, 0, optional=True)
         for name in ("logprobs", "prompt_logprobs"):
@@ -477,7 +501,11 @@ class GenerationResult:
     `prompt_logprobs`: the same per prompt token (`prompt_logprobs[0]` and `prompt_top_logprobs[0]`
     are None: the first token has no context). `cached_prompt_tokens`: tokens its prefills took from the prefix
     cache (`EngineConfig.enable_prefix_caching`); `prefilled_prompt_tokens`: tokens its prefills computed; both
-    summed over its prefills (a preempted request's recompute, its outputs included, counts again).
+    summed over its prefills (a preempted request's recompute, its outputs included, counts again). Under
+    ``kv_reuse: session_state``: `session_reused_tokens`, the tokens its prefill took from its session's kept
+    state (also in `cached_prompt_tokens`), and `session_recomputed_tokens`, the tokens of the session's previous
+    request (its prompt + generated tokens but the last) that its prompt starts with and its prefill computed
+    again (the state was reclaimed, or the prompt does not extend it).
     """
 
     request_id: str
@@ -497,6 +525,11 @@ class GenerationResult:
     prompt_top_logprobs: list[list[list] | None] | None = None
     cached_prompt_tokens: int = 0
     prefilled_prompt_tokens: int = 0
+    session_reused_tokens: int = 0
+    session_recomputed_tokens: int = 0
+    # whether the replica that served it is its session's (`replica.common.session_affinity`; set by the caller
+    # that routed it when its engine keeps session state, else None)
+    session_affinity_hit: bool | None = None
 
     @property
     def output_tokens(self) -> int:

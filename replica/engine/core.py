@@ -70,6 +70,9 @@ class ContinuousBatchingEngine(EngineReadout):
         if self.pool is None:
             with recording():  # no pool: no block series (not the pool of a paged engine these labels had before)
                 self.metrics.clear_kv_blocks()
+        if self.kv.prefix is None:
+            with recording():  # no prefix cache: no series of one (not those of an engine these labels had before)
+                self.metrics.clear_prefix_cache()
         self.scheduler = SCHEDULERS[config.scheduler](config)
         self.life = Lifecycle(clock, self.metrics, eos_token_id, self.device)
         self.queue = RequestQueue()
@@ -137,7 +140,7 @@ class ContinuousBatchingEngine(EngineReadout):
         answered, groups that stay part-way fed are registered; a stalled plan yields the newest such group."""
         while True:
             with self.queue.lock:  # submit only appends: the head the plan read stays the head
-                plan = self.scheduler.plan(self._view(), self.kv)
+                plan = self._planned()
                 self.queue.pop_front(plan.consumed)
                 self.flight.admit(plan.chunks, plan.started)  # held from here until finished: `abort_all` sees them
             for seq, why in plan.rejected:
@@ -149,6 +152,27 @@ class ContinuousBatchingEngine(EngineReadout):
                 return plan
             self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
 
+    def _planned(self) -> StepPlan:
+        """`Scheduler.plan`; under ``kv_reuse: session_state`` kept states count as in use while it plans, and
+        when it admits nothing while requests wait (below the batch cap) the oldest state is reclaimed and the step
+        planned again (memory pressure: a plan with the states free would admit one), until one is admitted or no
+        state is left."""
+        sessions = self.kv.sessions
+        if sessions is None:
+            return self.scheduler.plan(self._view(), self.kv)
+        while True:
+            sessions.planning = True
+            try:
+                plan = self.scheduler.plan(self._view(), self.kv)
+            finally:
+                sessions.planning = False
+            stuck = not plan.consumed and len(self.queue) and self.flight.rows < self.scheduler.cap
+            if not stuck or not sessions.states or plan.yield_newest:
+                return plan
+            if not self.scheduler.plan(self._view(), self.kv).consumed:  # the states free: still none, so wait
+                return plan
+            sessions.reclaim_oldest()
+
     def _start_from_cache(self, p: Prefill) -> None:
         """Start a group just admitted from its rows' cached blocks (`PagedBudget.attach_prefix`) and count the
         prefix cache's hit and miss tokens (the tokens its prefill takes from the cache, and those it computes); a
@@ -159,12 +183,36 @@ class ContinuousBatchingEngine(EngineReadout):
             self.life.fail_all(p.group, e)
             p.group = []
             return
+        if self.kv.sessions is not None:
+            self._count_session(p, cached)
         if self.kv.prefix is None:
             return
         for seq in p.group:
             seq.result.cached_prompt_tokens += cached
             self.life.add(self.life.key(seq, "prefix_cache_hit_tokens"), cached)
             self.life.add(self.life.key(seq, "prefix_cache_miss_tokens"), p.length - cached)
+            with recording():
+                self.metrics.add_prefix_cache_tokens(cached, p.length - cached, self.life.phase(seq))
+
+    def _count_session(self, p: Prefill, cached: int) -> None:
+        """Count a group's tokens taken from its session's kept state and those of the session's previous request
+        it computes again (`PagedBudget.attach_prefix` set them on each result)."""
+        for seq in p.group:
+            seq.result.cached_prompt_tokens += cached
+            if cached:
+                self.life.add(self.life.key(seq, "session_reused_tokens"), cached)
+                self.life.add(self.life.key(seq, "session_state_hits"))
+            elif seq.result.session_recomputed_tokens and not seq.preempted:
+                self.life.add(self.life.key(seq, "session_recomputed_tokens"), seq.result.session_recomputed_tokens)
+                self.life.add(self.life.key(seq, "session_state_misses"))
+
+    def _keep_session(self, cache, i: int, seq: Sequence) -> None:
+        """Keep row `i` of `cache` for `seq`'s session (`PagedBudget.keep_session`); a failure keeps nothing (the
+        next request of the session recomputes) and never fails a request."""
+        try:
+            self.kv.keep_session(cache, i, seq)
+        except Exception:  # noqa: BLE001 - a kept state only saves work: losing it is a recompute
+            pass
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
@@ -232,6 +280,8 @@ class ContinuousBatchingEngine(EngineReadout):
             )  # a recompute: + outputs
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
+            else:  # before the row leaves: its blocks move to the session's kept state
+                self._keep_session(p.cache, i, seq)
         self.flight.join(p, fwd.picked, keep)  # then `p` is dropped: a fault in the merge leaves it held
         if keep:
             self.life.track_bytes(self.flight.kv_cache_bytes())
@@ -252,6 +302,8 @@ class ContinuousBatchingEngine(EngineReadout):
             seq.held_slots = self.kv.held_after_decode(seq)  # the full cache's buffers grow past their capacity
             if not self.life.emit(seq, tok, t):
                 keep.append(i)
+            else:  # before the row leaves: its blocks move to the session's kept state
+                self._keep_session(self.runner.cache, i, seq)
         self.flight.keep_running(keep)
 
     def _score_prompt(self, seq: Sequence) -> bool:
@@ -291,11 +343,18 @@ class ContinuousBatchingEngine(EngineReadout):
             self.metrics.set_kv_cache(self.flight.kv_cache_bytes(), sum(c.held_tokens() for c in caches))
             if self.pool is not None:
                 self.metrics.set_kv_blocks(used=self.pool.blocks_in_use, free=self.pool.free_blocks)
+            if self.kv.prefix is not None:
+                reclaimed = self.kv.prefix.reclaimed_blocks
+                if reclaimed < self._reclaimed_seen:  # `reset_stats` zeroed the pool's count: count from there
+                    self._reclaimed_seen = 0
+                self.metrics.set_prefix_cache(self.kv.prefix.cached_blocks, reclaimed - self._reclaimed_seen)
+                self._reclaimed_seen = reclaimed
 
     def reset_stats(self) -> None:
         """Zero the counters and peaks reported by `stats()` (between sweep points)."""
         self.life.reset()
         self.kv.reset_peak()
+        self._reclaimed_seen = 0  # the prefix cache's reclaimed blocks already recorded (the counter's increments)
 
     def stats(self) -> dict:
         """Counters since `reset_stats` (units in the names). Request counts and generated tokens
@@ -332,6 +391,14 @@ class ContinuousBatchingEngine(EngineReadout):
         out = {"prefix_caching": on}
         for k in ("prefix_cache_hit_tokens", "prefix_cache_miss_tokens"):
             out[k] = s.get(k, 0) if on else None
+        if self.kv.sessions is not None:  # kv_reuse: session_state (its keys only then)
+            for k in (
+                "session_reused_tokens",
+                "session_recomputed_tokens",
+                "session_state_hits",
+                "session_state_misses",
+            ):
+                out[k] = s.get(k, 0)
         return {**out, **self.kv.prefix_stats()}
 
     def abort_all(self, message: str, fault: bool = False) -> int:

@@ -42,6 +42,7 @@ class KVBudget:
             self.row_capacity = min(self.budget_tokens, config.max_length_tokens)
         self.pool: BlockPool | None = None
         self.prefix = None  # the paged layout's `PrefixCachingPool` when prefix caching is on
+        self.sessions = None  # the paged layout's `SessionStatePool` under kv_reuse: session_state
 
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
         """A request's B: its own ``budget_from_ratio(prompt + max_new, ratio, policy)`` under ``budget: per_request``
@@ -138,6 +139,9 @@ class KVBudget:
     def attach_prefix(self, p, new_cache) -> int:
         """Start group `p` from its rows' cached blocks; the tokens each takes from the cache (none here)."""
         return 0
+
+    def keep_session(self, cache, i: int, seq: Sequence) -> None:
+        """Keep row `i` of `cache` as `seq`'s session's state (`kv_reuse: session_state`; nothing here)."""
 
     def register_prefix(self, p, chunk: int) -> None:
         """Cache the full blocks of `p`'s rows its last `chunk` tokens completed (nothing here)."""

@@ -7,7 +7,8 @@ import math
 from replica.engine.kv_base import KVBudget
 from replica.engine.prefix_cache import PrefixCachingPool, chain_hashes, seed_rows
 from replica.engine.requests import EngineView, Prefill, Sequence, decodes_after_prefill, steps_left
-from scissorhands.paged import BlockPool, paged_rows
+from replica.engine.session_state import SessionStatePool, common_prefix_tokens, split_row
+from scissorhands.paged import BlockPool, paged_rows, release_cache
 
 __all__ = ["PagedBudget"]
 
@@ -32,9 +33,12 @@ class PagedBudget(KVBudget):
             )
         if self.config.enable_prefix_caching:  # + the zero block
             self.pool = PrefixCachingPool(usable + 1, self.config.block_tokens, self.num_layers)
+        elif self.config.kv_reuse == "session_state":
+            self.pool = SessionStatePool(usable + 1, self.config.block_tokens)
         else:
             self.pool = BlockPool(usable + 1, self.config.block_tokens)
         self.prefix: PrefixCachingPool | None = self.pool if self.config.enable_prefix_caching else None
+        self.sessions: SessionStatePool | None = self.pool if self.config.kv_reuse == "session_state" else None
 
     # ------------------------------------------------------------------ one row
     def blocks(self, slots: int) -> int:
@@ -105,6 +109,9 @@ class PagedBudget(KVBudget):
         tokens (one is always computed, so its first token has logits). None for a request that scores its prompt
         (`prompt_logprobs`: its first prefill computes every token's log-probabilities)."""
         seq.cached_tokens = 0
+        if self.sessions is not None:
+            self._look_up_session(seq)
+            return
         if self.prefix is None or (seq.request.prompt_logprobs is not None and not seq.preempted):
             return
         n = len(seq.prefill_ids())
@@ -115,6 +122,9 @@ class PagedBudget(KVBudget):
     def shared_blocks(self, seq: Sequence) -> int:
         """Blocks of `seq`'s cache hit that rows hold already, all layers: its prefill takes no free block for
         them (an idle cached block it claims is taken from the free ones, so it counts as new)."""
+        if self.sessions is not None:  # a state's blocks are held from the plan on (`SessionStatePool.planning`)
+            state = self.sessions.states.get(seq.request.session_id) if seq.from_session else None
+            return state.blocks if state is not None else 0
         if self.prefix is None or not seq.cached_tokens:
             return 0
         hashes = seq.block_hashes[: seq.cached_tokens // self.config.block_tokens]
@@ -124,6 +134,8 @@ class PagedBudget(KVBudget):
         """Start `p` (admitted, not fed yet) from its rows' cached blocks: each row claims its hit and `p.cache`
         (from ``new_cache(group)``) starts with them (`seed_rows`). Returns the tokens each row takes from the cache
         (0: none, `p` untouched)."""
+        if self.sessions is not None:
+            return self._attach_session(p)
         if self.prefix is None or not p.cached:
             return 0
         n = p.cached // self.config.block_tokens
@@ -155,7 +167,70 @@ class PagedBudget(KVBudget):
             for j in range(first, end):
                 self.prefix.register(hashes[j], tuple(t[i][j] for t in tables))
 
+    # ------------------------------------------------------------------ session state (kv_reuse: session_state)
+    def _look_up_session(self, seq: Sequence) -> None:
+        """Set ``seq.cached_tokens`` to the tokens its session's kept state has fed when its prompt starts with
+        that state's history (none for a recompute after a preemption, or a request that scores its prompt)."""
+        seq.from_session = False
+        sid = seq.request.session_id
+        if sid is None or seq.preempted or seq.request.prompt_logprobs is not None:
+            return
+        state = self.sessions.states.get(sid)
+        if state is not None and state.extended_by(seq.request.prompt_ids):
+            seq.cached_tokens, seq.from_session = state.fed_tokens, True
+
+    def _attach_session(self, p: Prefill) -> int:
+        """Start `p` (one row) from its session's kept state when `look_up_prefix` found it (`p.cache` is that
+        state's cache, out of the pool's hold); else drop the session's stale state (its request moved on) and
+        count the previous request's tokens the prompt starts with as recomputed. Returns the tokens taken."""
+        for seq in p.group:
+            sid = seq.request.session_id
+            if sid is None or seq.preempted:
+                continue
+            if p.cached and seq.from_session:
+                state = self.sessions.states.get(sid)
+                if state is not None and state.fed_tokens == p.cached and p.rows == 1:
+                    p.cache = self.sessions.take(sid).cache
+                    seq.result.session_reused_tokens += p.cached
+                    continue
+                # another request of the session admitted in this step took the state: this one starts from text
+                p.cached = p.fed = seq.cached_tokens = 0
+                seq.from_session = False
+            self.sessions.drop(sid)
+            history = self.sessions.histories.get(sid)
+            if history is not None:
+                prompt = seq.request.prompt_ids
+                seq.result.session_recomputed_tokens += min(common_prefix_tokens(prompt, history[:-1]), len(prompt) - 1)
+        return p.cached if p.cache is not None else 0
+
+    def keep_session(self, cache, i: int, seq: Sequence) -> None:
+        """Keep row `i` of `cache` as `seq`'s session's state when `seq` (a request with a session, completed)
+        has just finished there; the caller drops that row next (it holds no block after this)."""
+        if self.sessions is None or seq.request.session_id is None or seq.result.error_kind is not None:
+            return
+        history = seq.request.prompt_ids + seq.result.output_ids
+        self.sessions.remember(seq.request.session_id, history)
+        row = split_row(cache, i)
+        if row.layers[0].tokens_seen != len(history) - 1:  # not the row of these tokens: keep nothing
+            release_cache(row)
+            return
+        self.sessions.keep(seq.request.session_id, history, row)
+
+    def session_stats(self) -> dict:
+        """`stats()`'s session state gauges: states kept now, their pool blocks and bookkeeping bytes, and the
+        states (and their blocks) reclaimed for other rows since `reset_stats`; None when off."""
+        s = self.sessions
+        return {
+            "session_states": len(s.states) if s is not None else None,
+            "session_state_blocks": s.held_blocks if s is not None else None,
+            "session_state_bookkeeping_bytes": s.bookkeeping_bytes() if s is not None else None,
+            "session_states_reclaimed": s.reclaimed_states if s is not None else None,
+            "session_state_reclaimed_blocks": s.reclaimed_blocks if s is not None else None,
+        }
+
     def prefix_stats(self) -> dict:
+        if self.sessions is not None:
+            return {**super().prefix_stats(), **self.session_stats()}
         if self.prefix is None:
             return super().prefix_stats()
         return {

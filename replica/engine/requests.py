@@ -35,6 +35,7 @@ class Sequence:
     # of the full blocks of `prefill_ids` (`replica.engine.prefix_cache.chain_hashes`), the hit's first
     cached_tokens: int = 0
     block_hashes: list = field(default_factory=list)
+    from_session: bool = False  # kv_reuse: session_state: `cached_tokens` are its session's kept state's
 
     def prefill_ids(self) -> list[int]:
         """The tokens its next prefill feeds: the prompt, plus every output token after a preemption."""
@@ -63,9 +64,11 @@ class Prefill:
 
 
 def same_group(a: Sequence, b: Sequence) -> bool:
-    """Whether two requests prefill in one call: the same length fed, the same budget and as many tokens cached."""
+    """Whether two requests prefill in one call: the same length fed, the same budget and as many tokens cached (a
+    request started from its session's kept state prefills alone: that cache is one row's)."""
     return (
-        len(a.prefill_ids()) == len(b.prefill_ids())
+        not (a.from_session or b.from_session)
+        and len(a.prefill_ids()) == len(b.prefill_ids())
         and a.budget_tokens == b.budget_tokens
         and a.cached_tokens == b.cached_tokens
     )

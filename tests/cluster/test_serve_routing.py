@@ -1,13 +1,18 @@
 """`cluster.serve_routing.StreamHolderRouter`: a stop string's ``finish(request_id, replica_tag)`` goes to the replica
 whose tag it names, the one streaming the request (the end-to-end check through Serve is in
-tests/cluster/test_serve_app_openai.py)."""
+tests/cluster/test_serve_app_openai.py); a call naming its session (``session_key``) goes first to its session's
+replica, in this router and the sweep's `cluster.replica_set.LeastOutstandingRouter` (through real Serve:
+tests/cluster/test_serve_session_affinity.py)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import namedtuple
 from types import SimpleNamespace
 
+from cluster.replica_set import LeastOutstandingRouter
 from cluster.serve_routing import StreamHolderRouter
+from replica.common.session_affinity import session_replica
 
 
 def _replica(tag: str):
@@ -49,3 +54,41 @@ def test_finish_naming_its_replica_tag_by_keyword_goes_to_that_replica():
         metadata=SimpleNamespace(call_method="finish"), args=["req-7"], kwargs={"replica_tag": "b2"}
     )
     assert asyncio.run(router.choose_replicas(replicas, request)) == [[replicas[1]]]
+
+
+ReplicaID = namedtuple("ReplicaID", "unique_id")
+
+
+def _session_call(method: str, key: str | None):
+    return SimpleNamespace(
+        metadata=SimpleNamespace(call_method=method, internal_request_id=f"i-{method}-{key}"),
+        args=[object()],
+        kwargs={} if key is None else {"session_key": key},
+    )
+
+
+def test_a_call_naming_its_session_goes_first_to_the_sessions_replica_then_the_others():
+    router = object.__new__(StreamHolderRouter)
+    replicas = [_replica(t) for t in ("a1", "b2", "c3")]
+    for key in ("conv-0", "conv-1", "conv-2", "conv-3"):
+        home = session_replica(key, ["a1", "b2", "c3"])
+        (first,), rest = asyncio.run(router.choose_replicas(replicas, _session_call("events", key)))
+        assert first.replica_id.unique_id == home
+        assert sorted(r.replica_id.unique_id for r in rest) == sorted({"a1", "b2", "c3"} - {home})
+    (only,) = asyncio.run(router.choose_replicas(replicas[:1], _session_call("events", "conv-0")))
+    assert only == [replicas[0]]  # one replica: no fall-through rank
+
+
+def test_the_sweeps_least_outstanding_router_ranks_the_sessions_replica_first_however_busy():
+    router = object.__new__(LeastOutstandingRouter)
+    router.initialize_state()
+    replicas = [SimpleNamespace(replica_id=ReplicaID(t)) for t in ("a1", "b2")]  # ids key its counts
+    home = session_replica("conv-7", ["a1", "b2"])
+    busy = next(r for r in replicas if r.replica_id.unique_id == home)
+    router.outstanding[busy.replica_id] = 5  # the session's replica is the busier one
+    ranked = asyncio.run(router.choose_replicas(replicas, _session_call("generate", "conv-7")))
+    assert [r.replica_id.unique_id for (r,) in ranked] == [home, ({"a1", "b2"} - {home}).pop()]
+    assert router.outstanding[busy.replica_id] == 6  # counted on the replica it ranked first
+    # a call of no session: the least busy first, as before
+    ranked = asyncio.run(router.choose_replicas(replicas, _session_call("generate", None)))
+    assert ranked[0][0].replica_id.unique_id != home

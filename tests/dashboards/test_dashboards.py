@@ -13,7 +13,14 @@ import yaml
 
 from cluster import connect, local_head, serve_app
 from dashboards import check, serve
-from replica.metrics import METRICS, PAGED_LAYOUT_METRICS, SERVE_METRICS, catalogue_markdown, strip_sample_suffix
+from replica.metrics import (
+    METRICS,
+    PAGED_LAYOUT_METRICS,
+    PREFIX_CACHE_METRICS,
+    SERVE_METRICS,
+    catalogue_markdown,
+    strip_sample_suffix,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DASH = ROOT / "dashboards"
@@ -279,6 +286,34 @@ def test_paged_layout_panels_say_so_and_show_each_replica():
     assert seen == paged
     assert not any(
         names & paged
+        for names in (check.metric_names(t["expr"]) for _, t in check.iter_targets(BOARDS["sweep-overview.json"]))
+    )
+
+
+def test_prefix_cache_panels_say_so_read_only_its_series_and_the_hit_rate_is_hits_over_admitted_tokens():
+    """A panel of the prefix cache's series (absent with the cache off and on OpenVINO) is titled "(prefix cache)",
+    reads only those series, per replica, and says that OpenVINO has none; the hit rate panel divides the hit
+    tokens' rate by the hit + miss tokens' rate, in 0..1 (unit percentunit); the sweep overview reads none of them."""
+    board = BOARDS["live-replicas.json"]
+    prefix = {m.exported_name for m in METRICS if m.name in PREFIX_CACHE_METRICS}
+    seen, titles = set(), []
+    for panel in check.iter_panels(board):
+        names = set().union(*(check.metric_names(t["expr"]) for t in panel["targets"]))
+        if names & prefix:
+            assert names <= prefix and panel["title"].endswith("(prefix cache)"), panel["title"]
+            assert "openvino" in panel["description"] and "enable_prefix_caching" in panel["description"]
+            assert all(t["expr"].startswith("sum by (replica, ") for t in panel["targets"]), panel["title"]
+            seen |= names
+            titles.append(panel["title"])
+    assert seen == prefix and len(titles) == 3
+    [rate] = [p for p in check.iter_panels(board) if p["title"] == "Prefix cache hit rate (prefix cache)"]
+    expr = rate["targets"][0]["expr"]
+    hit = expr.split(" / ")[0]
+    assert "ray_scissorhands_prefix_cache_hit_tokens_total" in hit and "miss" not in hit
+    assert expr.endswith(" + " + hit.replace("hit_tokens", "miss_tokens") + ")")
+    assert rate["fieldConfig"]["defaults"]["unit"] == "percentunit"
+    assert not any(
+        names & prefix
         for names in (check.metric_names(t["expr"]) for _, t in check.iter_targets(BOARDS["sweep-overview.json"]))
     )
 

@@ -29,7 +29,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards import check, serve
-from replica.metrics import LATENCY_TOP_S, METRICS, PAGED_LAYOUT_METRICS, SERVE_METRICS, strip_sample_suffix
+from replica.metrics import (
+    LATENCY_TOP_S,
+    METRICS,
+    PAGED_LAYOUT_METRICS,
+    PREFIX_CACHE_METRICS,
+    SERVE_METRICS,
+    strip_sample_suffix,
+)
 from tests.waiting import free_port, wait_for
 from workloads.core.push import SweepPusher
 
@@ -101,14 +108,24 @@ class _FakeReplica:
             self.paged_engine = _paged_engine(run_id)
         return _paged_run(self.paged_engine)
 
+    def prefix_run(self, run_id: str) -> dict:
+        """One more run of the same prefix-caching paged engine (kept in the actor); its stats since the first."""
+        if not hasattr(self, "prefix_engine"):
+            self.prefix_engine = _paged_engine(run_id, PREFIX_POLICY, enable_prefix_caching=True)
+        return _paged_run(self.prefix_engine, shared_prefix_tokens=16)
+
 
 #: Policy label of the paged engine's series (the fake load's "full" series stay its own).
 PAGED_POLICY = "paged-full"
 #: The paged-layout panels' series, as Prometheus stores them (a batch sweep exports none).
 PAGED_NAMES = sorted(m.exported_name for m in METRICS if m.name in PAGED_LAYOUT_METRICS)
+#: Policy label of the prefix-caching paged engine's series.
+PREFIX_POLICY = "paged-prefix-full"
+#: The prefix cache panels' series (only an engine of ours with the prefix cache on exports them).
+PREFIX_NAMES = sorted(m.exported_name for m in METRICS if m.name in PREFIX_CACHE_METRICS)
 
 
-def _paged_engine(run_id: str):
+def _paged_engine(run_id: str, policy: str = PAGED_POLICY, enable_prefix_caching: bool = False):
     """A full-cache engine on the paged layout (tiny model, blocks of 4 slots, a 60 kB pool: 12 requests outgrow
     it, so the newest rows are preempted), recording its live metrics through Ray."""
     import torch
@@ -121,21 +138,25 @@ def _paged_engine(run_id: str):
     torch.set_num_threads(1)
     model = tiny_llama(0)
     model.generation_config.eos_token_id = None
-    metrics = ReplicaMetrics(PAGED_POLICY, None, "replica-paged", "tiny-llama", run_id)
+    metrics = ReplicaMetrics(policy, None, "replica-paged", "tiny-llama", run_id)
     assert metrics.uses_ray
-    cfg = EngineConfig(kv_layout="paged", kv_memory_limit_bytes=60_000, block_tokens=4)
+    cfg = EngineConfig(
+        kv_layout="paged", kv_memory_limit_bytes=60_000, block_tokens=4, enable_prefix_caching=enable_prefix_caching
+    )
     return ContinuousBatchingEngine(model, cfg, metrics=metrics)
 
 
-def _paged_run(engine) -> dict:
+def _paged_run(engine, shared_prefix_tokens: int = 0) -> dict:
+    """12 requests of random prompts (each behind the same `shared_prefix_tokens` first tokens) to `engine`."""
     import torch
 
     from replica.common.types import GenerationRequest
 
     g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 128, (shared_prefix_tokens,), generator=g).tolist()
     for i in range(12):
         prompt = torch.randint(0, 128, (int(torch.randint(5, 40, (1,), generator=g)),), generator=g).tolist()
-        engine.submit(GenerationRequest(f"p{i}", prompt, 39, ignore_eos=True), lambda r: None)
+        engine.submit(GenerationRequest(f"p{i}", shared + prompt, 39, ignore_eos=True), lambda r: None)
     engine.run_until_idle()
     stats = engine.stats()
     assert stats["preemptions"] > 0 and engine.pool.blocks_in_use == 0
@@ -399,8 +420,16 @@ def stack(tmp_path_factory):
             60,
             "Prometheus to scrape the paged engine's first preemptions",
         )
+        prefix_first = ray.get(actor.prefix_run.remote(RUN_ID))
+        hits = f'ray_scissorhands_prefix_cache_hit_tokens_total{{run_id="{RUN_ID}", policy="{PREFIX_POLICY}"}}'
+        wait_for(
+            lambda: check.query(prom, f"{hits} == {prefix_first['prefix_cache_hit_tokens']}"),
+            60,
+            "Prometheus to scrape the prefix-caching engine's first hits",
+        )
         paged_from = time.time()
         paged = ray.get(actor.paged_run.remote(RUN_ID))
+        prefix = ray.get(actor.prefix_run.remote(RUN_ID))
         # sweep summaries, pushed point by point
         records = _sweep_records(RUN_ID)
         pusher = SweepPusher(pushgateway, RUN_ID)
@@ -418,6 +447,7 @@ def stack(tmp_path_factory):
                 and check.query(prom, 'ray_scissorhands_decode_batch_size_exact_sum_total{policy="l21-5rows"} == 100')
                 and check.query(prom, _latency_counts_are(None))
                 and check.query(prom, f"{preempted} == {paged['preemptions']}")
+                and check.query(prom, f"{hits} == {prefix['prefix_cache_hit_tokens']}")
             ),
             60,
             "Prometheus to scrape the replica metrics and the pushed sweep",
@@ -433,6 +463,7 @@ def stack(tmp_path_factory):
             "serve_url": serve_url,
             "long_from": long_from,
             "paged_stats": paged,
+            "prefix_stats": prefix,
             "paged_from": paged_from,
         }
     finally:
@@ -551,6 +582,36 @@ def test_a_paged_engine_feeds_the_paged_panels_with_its_own_counts(stack):
             assert len(got) == 1, f"{panel['title']} [{target['refId']}]: {got}"
             if "rate(" in target["expr"]:
                 assert got[0] > 0, f"{panel['title']}: no rise over the second run"
+
+
+def test_a_prefix_caching_engine_feeds_the_prefix_cache_panels_with_its_own_counts(stack):
+    """A real paged engine with the prefix cache on (12 prompts behind one 16-token prefix, a pool they outgrow),
+    through Ray's exporter: Prometheus holds its stats' hit and miss tokens, cached and reclaimed blocks; the hit
+    rate panel reads hit / (hit + miss) over the second run; the engine without the cache has none of these series."""
+    prom, stats = stack["prometheus"], stack["prefix_stats"]
+
+    def value(name: str, policy: str = PREFIX_POLICY) -> list[float]:
+        return check.finite_values(check.query(prom, f'sum({name}{{run_id="{RUN_ID}", policy="{policy}"}})'))
+
+    assert value("ray_scissorhands_prefix_cache_hit_tokens_total") == [stats["prefix_cache_hit_tokens"]]
+    assert stats["prefix_cache_hit_tokens"] > 0
+    assert value("ray_scissorhands_prefix_cache_miss_tokens_total") == [stats["prefix_cache_miss_tokens"]]
+    assert value("ray_scissorhands_kv_prefix_cache_blocks") == [stats["prefix_cache_blocks"]]
+    reclaimed = stats["prefix_cache_reclaimed_blocks"]
+    assert value("ray_scissorhands_prefix_cache_reclaimed_blocks_total") == [reclaimed] and reclaimed > 0
+    for name in PREFIX_NAMES:  # the paged engine without a prefix cache: absent, never a zero
+        assert value(name, PAGED_POLICY) == [], name
+    board = check.load_dashboards()["live-replicas.json"]
+    panels = {p["title"]: p for p in check.iter_panels(board) if p["title"].endswith("(prefix cache)")}
+    assert len(panels) == 3
+    window = f"{math.ceil(time.time() - stack['paged_from']) + 5}s"  # from before the second run
+    values = {"run_id": RUN_ID, "engine": ".*", "policy": PREFIX_POLICY, "replica": ".*", "datasource": "prometheus"}
+    for title, panel in panels.items():
+        [got] = check.finite_values(check.query(prom, check.substitute(panel["targets"][0]["expr"], values, window)))
+        if title.startswith("Prefix cache hit rate"):
+            assert 0 < got < 1, got
+        else:
+            assert got > 0, title
 
 
 def test_every_variable_query_returns_values(stack):
@@ -938,12 +999,12 @@ def test_real_sweep_feeds_every_live_panel(stack, real_sweep):
         if file == "live-replicas.json"
         and not values
         and "ray_serve_" not in expr
-        and not check.metric_names(expr) & set(PAGED_NAMES)
+        and not check.metric_names(expr) & set(PAGED_NAMES + PREFIX_NAMES)
     ]
     assert not empty, "live panels without data during the sweep:\n" + "\n".join(empty)
-    for name in PAGED_NAMES:
+    for name in PAGED_NAMES + PREFIX_NAMES:
         seen = check.query(prom, f'count_over_time({name}{{run_id="{run_id}"}}[{window_s}s])', max(stamps))
-        assert not seen, f"a batch sweep (no block pool) exported {name}: {seen}"
+        assert not seen, f"a batch sweep (no block pool, no prefix cache) exported {name}: {seen}"
     # the replicas stay up one export + scrape interval after the last point, so the counters end whole:
     # one token per sequence per forward (prefill + every decode step)
     tokens = check.query(

@@ -8,14 +8,18 @@ import math
 import re
 
 import pytest
+import torch
 from prometheus_client import generate_latest
 
 from replica.common.metric_labels import POINT_LABELS, REPLICA_LABELS
+from replica.common.types import EngineConfig, GenerationRequest
+from replica.engine import ContinuousBatchingEngine
 from replica.metrics import (
     LATENCY_BUCKETS_S,
     LATENCY_TOP_S,
     METRICS,
     PAGED_LAYOUT_METRICS,
+    PREFIX_CACHE_METRICS,
     RECORD_QUANTILES,
     SERVE_LATENCY_BUCKETS_MS,
     SERVE_METRICS,
@@ -51,6 +55,7 @@ UNIT_SUFFIXES = (
     "_planned",
     "_perplexity",
     "_blocks",  # KV blocks of the paged layout's pool
+    "_blocks_total",  # a count of KV blocks (the prefix cache's reclaimed blocks)
     "_preemptions_total",  # a count of events is its own unit, as requests are
 )
 
@@ -158,6 +163,8 @@ def test_replica_metrics_records_in_memory_without_ray():
     m.set_kv_blocks(used=12, free=30)
     m.add_preemption(recomputed_tokens=40)
     m.add_preemption(recomputed_tokens=9)
+    m.add_prefix_cache_tokens(hit=32, miss=7)
+    m.set_prefix_cache(blocks=11, reclaimed_blocks=3)
     snap = m.snapshot()
     assert snap["scissorhands_prefill_seconds"] == (1, 0.25)
     assert snap["scissorhands_prefill_tokens_total"] == 512
@@ -174,6 +181,10 @@ def test_replica_metrics_records_in_memory_without_ray():
     assert snap["scissorhands_model_load_seconds"] == 1.5
     assert snap["scissorhands_kv_used_blocks"] == 12 and snap["scissorhands_kv_free_blocks"] == 30
     assert snap["scissorhands_preemptions_total"] == 2 and snap["scissorhands_recomputed_tokens_total"] == 49
+    assert snap["scissorhands_prefix_cache_hit_tokens_total"] == 32
+    assert snap["scissorhands_prefix_cache_miss_tokens_total"] == 7
+    assert snap["scissorhands_kv_prefix_cache_blocks"] == 11
+    assert snap["scissorhands_prefix_cache_reclaimed_blocks_total"] == 3
     assert set(snap) == {s.name for s in METRICS if s.source == "ray"}
     assert m.tags == {
         "policy": "scissorhands",
@@ -232,6 +243,64 @@ def test_paged_layout_metrics_are_marked_and_their_blocks_can_be_cleared():
         base.set_kv_blocks(used=1, free=-1)
     with pytest.raises(ValueError, match="recomputed_tokens must be a number >= 0"):
         base.add_preemption(recomputed_tokens=-2)
+
+
+def test_prefix_cache_metrics_count_per_phase_and_their_block_gauge_can_be_cleared():
+    """Hit and miss tokens are counted per phase (a zero count records nothing), reclaimed blocks are increments,
+    the cached-blocks gauge is the last value and `clear_prefix_cache` drops only that gauge; bad counts raise."""
+    assert PREFIX_CACHE_METRICS <= {m.name for m in METRICS if m.source == "ray"}
+    assert all(metric(n).help.startswith("Prefix cache only: ") for n in PREFIX_CACHE_METRICS)
+    assert "phase" in metric("scissorhands_prefix_cache_hit_tokens_total").labels
+    m = ReplicaMetrics("full", None, "r", "m", "run", use_ray=False)
+    m.add_prefix_cache_tokens(hit=0, miss=12)
+    m.add_prefix_cache_tokens(hit=8, miss=4)
+    m.add_prefix_cache_tokens(hit=16, miss=0, phase="warmup")
+    m.set_prefix_cache(blocks=6, reclaimed_blocks=0)
+    m.set_prefix_cache(blocks=4, reclaimed_blocks=3)
+    m.set_prefix_cache(blocks=5, reclaimed_blocks=2)
+    got = {k: v for k, v in m.snapshot().items() if k in PREFIX_CACHE_METRICS}
+    assert got == {
+        "scissorhands_prefix_cache_hit_tokens_total": 8,
+        "scissorhands_prefix_cache_miss_tokens_total": 16,
+        "scissorhands_prefix_cache_reclaimed_blocks_total": 5,
+        "scissorhands_kv_prefix_cache_blocks": 5,
+    }
+    warm = {k: v for k, v in m.snapshot("warmup").items() if "tokens" in k and k in PREFIX_CACHE_METRICS}
+    assert warm == {"scissorhands_prefix_cache_hit_tokens_total": 16}
+    m.clear_prefix_cache()
+    assert "scissorhands_kv_prefix_cache_blocks" not in m.snapshot()
+    assert m.snapshot()["scissorhands_prefix_cache_reclaimed_blocks_total"] == 5
+    with pytest.raises(ValueError, match="miss must be a number >= 0"):
+        m.add_prefix_cache_tokens(hit=3, miss=-1)
+    assert m.snapshot()["scissorhands_prefix_cache_hit_tokens_total"] == 8  # nothing recorded by the bad call
+    with pytest.raises(ValueError, match="phase: expected one of measured, warmup"):
+        m.add_prefix_cache_tokens(hit=3, miss=1, phase="later")
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_an_engine_records_its_prefix_cache_counts_as_its_stats_and_none_when_off(model, prefix_caching):
+    """A paged engine whose 6 prompts share a 12-token prefix, in a pool they outgrow: its live hit, miss, cached and
+    reclaimed block series equal its `stats()`; with the prefix cache off, none of the series exist."""
+    m = ReplicaMetrics("full", None, "r", "tiny-llama", "run", use_ray=False)
+    cfg = EngineConfig(
+        kv_layout="paged", kv_memory_limit_bytes=30_000, block_tokens=4, enable_prefix_caching=prefix_caching
+    )
+    engine = ContinuousBatchingEngine(model, cfg, metrics=m)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 128, (12,), generator=g).tolist()
+    for i in range(6):
+        tail = torch.randint(0, 128, (3 + 2 * i,), generator=g).tolist()
+        engine.submit(GenerationRequest(f"q{i}", shared + tail, 20, ignore_eos=True), lambda r: None)
+    engine.run_until_idle()
+    s, got = engine.stats(), m.snapshot()
+    if not prefix_caching:
+        assert not PREFIX_CACHE_METRICS & set(got) and s["prefix_cache_hit_tokens"] is None
+        return
+    assert s["prefix_cache_hit_tokens"] > 0 and s["prefix_cache_reclaimed_blocks"] > 0
+    assert got["scissorhands_prefix_cache_hit_tokens_total"] == s["prefix_cache_hit_tokens"]
+    assert got["scissorhands_prefix_cache_miss_tokens_total"] == s["prefix_cache_miss_tokens"]
+    assert got["scissorhands_prefix_cache_reclaimed_blocks_total"] == s["prefix_cache_reclaimed_blocks"]
+    assert got["scissorhands_kv_prefix_cache_blocks"] == s["prefix_cache_blocks"] > 0
 
 
 @pytest.mark.parametrize(

@@ -69,7 +69,9 @@ def test_completion_not_streamed_usage_equals_ids_and_two_models_route_to_two_ca
     assert r.status_code == 200, r.text
     body = r.json()
     ch = body["choices"][0]
-    assert len(ch["token_ids"]) == 7 and body["usage"] == dict(prompt_tokens=18, completion_tokens=7, total_tokens=25)
+    # prefix caching off: no cached-token count, as vLLM answers then (prompt_tokens_details null)
+    usage = dict(prompt_tokens=18, completion_tokens=7, total_tokens=25, prompt_tokens_details=None)
+    assert len(ch["token_ids"]) == 7 and body["usage"] == usage
     assert ch["finish_reason"] == "length" and ch["text"] == tok.decode(ch["token_ids"], skip_special_tokens=True)
     after = {m: r.engine.stats()["completed_requests"] for m, r in replicas.items()}
     assert {m: after[m] - before[m] for m in after} == {m: int(m == model_id) for m in after}
@@ -562,3 +564,53 @@ def test_every_position_has_as_many_alternatives_as_asked_on_the_tiny_model(serv
         assert top[lp["tokens"][i]] == lp["token_logprobs"][i]
     for top in lp["top_logprobs"][n_prompt:]:  # generated greedily: each token is the best, so exactly 20
         assert len(top) == 20
+
+
+PREFIX = "tiny:full-prefix"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(model, chat):
+    """With the prefix cache on, ``usage.prompt_tokens_details.cached_tokens`` is the request's cached prompt tokens:
+    0 for the first request, the full blocks of the shared prompt for the same prompt again (streamed or not; 4-token
+    blocks, so 4 * floor((n - 1) / 4): the last prompt token is always fed); off, the field is null."""
+    tok = char_tokenizer()
+    cfg = dict(kv_layout="paged", block_tokens=4, kv_memory_limit_bytes=200_000, enable_prefix_caching=True)
+    r = ServingReplica(model=model, replica_id="p", model_spec="tiny-llama")
+    r.eos_token_id = tok.eos_token_id
+    r.configure(cfg)
+    off = ServingReplica(model=model, replica_id="off", model_spec="tiny-llama")
+    off.configure(dict(kv_layout="paged", block_tokens=4, kv_memory_limit_bytes=200_000))
+    backends = {
+        PREFIX: ReplicaBackend(r, cache_metadata(cfg, None, "tiny-llama")),
+        FULL: ReplicaBackend(off, cache_metadata(dict(kv_layout="paged"), None, "tiny-llama")),
+    }
+    app = build_app(backends, tok, context_tokens=CONTEXT)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    text = "the same long prompt, shared by both requests"
+
+    def body(model_id, stream=False):
+        b = dict(model=model_id, max_tokens=3, ignore_eos=True, stream=stream)
+        if stream:
+            b["stream_options"] = {"include_usage": True}
+        return {**b, "messages": [{"role": "user", "content": text}]} if chat else {**b, "prompt": text}
+
+    try:
+        with ServerThread(app) as url:
+            first = post(url, path, body(PREFIX)).json()["usage"]
+            n = first["prompt_tokens"]
+            assert first["prompt_tokens_details"] == {"cached_tokens": 0} and n > 8
+            again = post(url, path, body(PREFIX)).json()["usage"]
+            assert again["prompt_tokens_details"] == {"cached_tokens": 4 * ((n - 1) // 4)}
+            streamed = sse(post(url, path, body(PREFIX, stream=True), stream=True))[-2]["usage"]
+            assert streamed["prompt_tokens_details"] == {"cached_tokens": 4 * ((n - 1) // 4)}
+            assert streamed["completion_tokens"] == 3
+            assert post(url, path, body(FULL)).json()["usage"]["prompt_tokens_details"] is None
+            assert (
+                sse(post(url, path, body(FULL, stream=True), stream=True))[-2]["usage"]["prompt_tokens_details"] is None
+            )
+            meta = {m["id"]: m["metadata"] for m in requests.get(url + "/v1/models", timeout=10).json()["data"]}
+            assert meta[PREFIX]["enable_prefix_caching"] is True and meta[FULL]["enable_prefix_caching"] is False
+    finally:
+        r.shutdown()
+        off.shutdown()

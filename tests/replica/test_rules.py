@@ -70,7 +70,7 @@ def test_engine_config_is_frozen_round_trips_and_raises_one_line():
         "colour: unknown key (accepted: policy, policy_params, budget_tokens, compression_ratio, "
         "max_length_tokens, kv_memory_limit_bytes, kv_memory_fraction, kv_limit_full_sequences, max_batch, "
         "max_prefill_tokens, kv_layout, budget, block_tokens, scheduler, max_num_batched_tokens, engine, openvino_kv_precision, "
-        "enable_prefix_caching)"
+        "enable_prefix_caching, kv_reuse)"
     )
     assert isinstance(e.value, ValueError)
 

@@ -75,6 +75,7 @@ def test_every_engine_knob_is_a_suite_field_and_a_serve_flag_with_the_engines_de
         "engine",
         "openvino_kv_precision",
         "enable_prefix_caching",
+        "kv_reuse",
     ]
     serving = {k for k in KNOBS if k in ServingSuite.model_fields}
     assert serving == set(KNOBS) - {"kv_limit_full_sequences"}  # spelled kv_memory_limit: {full_sequences: N}
@@ -88,7 +89,7 @@ def test_every_engine_knob_is_a_suite_field_and_a_serve_flag_with_the_engines_de
         "openvino_kv_precision",
     }
     flags = engine_knob_flags(argparse.ArgumentParser())
-    assert set(flags) == set(KNOBS) - set(SERVE_SETS) == frontier | {"enable_prefix_caching"}
+    assert set(flags) == set(KNOBS) - set(SERVE_SETS) == frontier | {"enable_prefix_caching", "kv_reuse"}
     for k in serving | frontier:
         suite_kind = ServingSuite if k in serving else FrontierSuite
         assert suite_kind.model_fields[k].default == EngineConfig.model_fields[k].default, k

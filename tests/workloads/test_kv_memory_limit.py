@@ -251,6 +251,7 @@ def test_the_shipped_suites_state_their_limits_in_full_rows():
         "serving-mixed.yaml": 2,
         "serving-paged.yaml": 2,
         "serving-peer.yaml": 4,
+        "serving-prefix.yaml": 4,
         "serving-rate.yaml": 4,
         "sessions.yaml": 4,
     }

@@ -49,6 +49,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     PlainValidator,
+    StrictBool,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -57,7 +58,7 @@ from pydantic import (
 
 from cluster.placement import PlacementConfig, parse_placement
 from replica.common.rules import NonNegativeInt, PositiveInt, one_line
-from replica.common.types import ENGINES
+from replica.common.types import ENGINES, KV_REUSES
 from replica.openvino_settings import OPENVINO_POLICIES
 from scissorhands import POLICIES, budget_from_ratio
 from scissorhands.models import DEVICE_NAMES, DTYPE_CHOICES, is_device_name
@@ -89,12 +90,19 @@ def in_policy_entry(message: str, index: int) -> str:
 class PolicySpec(BaseModel):
     """One policy of a suite: a key of `scissorhands.POLICIES` and its keyword parameters, and the engine backend that
     runs it (`engine`: None runs the suite's ``engine``, ours by default; ``openvino`` runs ``full`` or
-    ``openvino_eviction``, `replica.openvino_settings.OPENVINO_POLICIES`, checked with the point's `EngineConfig`)."""
+    ``openvino_eviction``, `replica.openvino_settings.OPENVINO_POLICIES`, checked with the point's `EngineConfig`).
+    `enable_prefix_caching`: serving suites only, this series' prefix cache (`EngineConfig.enable_prefix_caching`;
+    None: the suite's), so one suite pairs the same engine without and with it on the same requests. `kv_reuse`:
+    serving suites only, the same for `EngineConfig.kv_reuse` (``none`` or ``session_state``, which needs the suite's
+    ``budget: fixed``, the paged layout of engine ``ours`` and no prefix caching: refused at load naming
+    ``policies[i].kv_reuse``), so one suite compares a policy with and without a session's kept state."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: Name
     params: dict[str, Any] = Field(default_factory=dict)
     engine: Literal[ENGINES] | None = None
+    enable_prefix_caching: StrictBool | None = None
+    kv_reuse: Literal[KV_REUSES] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -134,11 +142,19 @@ class PolicySpec(BaseModel):
         """The policy's part of a point's identity at `compression_ratio`, the same in every suite kind (its
         `engine` only when one is named: the ids of suites written before it stay as they were)."""
         out = {"policy": self.name, "policy_params": dict(self.params), "compression_ratio": compression_ratio}
+        if self.enable_prefix_caching is not None:
+            out["enable_prefix_caching"] = self.enable_prefix_caching
+        if self.kv_reuse is not None:
+            out["kv_reuse"] = self.kv_reuse
         return out if self.engine is None else {**out, "engine": self.engine}
 
     def tag(self) -> str:
         """The policy's part of a readable point id: the engine when named, the name, a digest of explicit params."""
         name = self.name if self.engine is None else f"{self.engine}-{self.name}"
+        if self.enable_prefix_caching is not None:
+            name += "+prefix" if self.enable_prefix_caching else "-noprefix"
+        if self.kv_reuse is not None:
+            name += f"+reuse-{self.kv_reuse}"
         if not self.params:
             return name
         return f"{name}@{hashlib.sha1(json.dumps(self.params, sort_keys=True).encode()).hexdigest()[:8]}"
@@ -174,6 +190,8 @@ class SuiteBase(BaseModel):
     _list_fields: ClassVar[tuple[str, ...]] = ("compression_ratios", "budget_tokens", "policies")
     #: `policies` of a suite that names none: None (the key is required) or "all"
     _policies_default: ClassVar[str | None] = None
+    #: whether a policy may name its own `enable_prefix_caching` and `kv_reuse` (a serving suite's series)
+    _policy_prefix_caching: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
@@ -200,8 +218,20 @@ class SuiteBase(BaseModel):
     @field_validator("policies")
     @classmethod
     def _distinct(cls, value: tuple[PolicySpec, ...]) -> tuple[PolicySpec, ...]:
-        if len({(p.name, json.dumps(p.params, sort_keys=True), p.engine) for p in value}) != len(value):
+        if len(
+            {
+                (p.name, json.dumps(p.params, sort_keys=True), p.engine, p.enable_prefix_caching, p.kv_reuse)
+                for p in value
+            }
+        ) != len(value):
             raise ValueError("the same policy with the same params is listed twice")
+        if not cls._policy_prefix_caching:
+            for i, p in enumerate(value):
+                for knob in ("enable_prefix_caching", "kv_reuse"):
+                    if getattr(p, knob) is not None:
+                        raise ValueError(
+                            f"policies[{i}].{knob}: only a serving suite (kind: serving) sets it per policy"
+                        )
         return value
 
     def budget_lengths(self) -> list[int]:

@@ -128,8 +128,9 @@ _SEARCH_ENGINE = {"kv_layout": "paged", "budget": "per_request", "scheduler": "m
 #: fields passed to the search (the KV limit is the suite's `kv_memory_limit`); ``engine`` among them: the backend of
 #: every policy entry that names none (`replica.backends`), whose ``budget: per_request`` becomes the one
 #: ``max_cache_size`` of OpenVINO's rows (`workloads.serving.suite.ServingSuite.engine_config`).
-#: Not prefix caching yet: it runs the full cache only, and a frontier compares budgeted policies with it.
-_ENGINE_KNOBS = EngineConfig.knobs(exclude=(*_SEARCH_ENGINE, *KV_LIMIT_FIELDS, "enable_prefix_caching"))
+#: Not prefix caching yet: it runs the full cache only, and a frontier compares budgeted policies with it; nor
+#: ``kv_reuse``: its session state needs ``budget: fixed`` and the frontier's requests carry no session.
+_ENGINE_KNOBS = EngineConfig.knobs(exclude=(*_SEARCH_ENGINE, *KV_LIMIT_FIELDS, "enable_prefix_caching", "kv_reuse"))
 #: The frontier fields only ``throughput: capacity`` uses.
 _CAPACITY_FIELDS = ("capacity", "slo", "num_requests", "warmup_requests", *_ENGINE_KNOBS)
 #: The settings of a capacity point's search that change its numbers (part of its id, with the engine knobs set off

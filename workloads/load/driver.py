@@ -83,6 +83,13 @@ def _replica_side(res: GenerationResult, rec: RequestRecord) -> None:
     cached = getattr(res, "cached_prompt_tokens", None)
     if cached is not None:
         rec.cached_prompt_tokens = int(cached)
+    hit = getattr(res, "session_affinity_hit", None)
+    if hit is not None:
+        rec.session_affinity_hit = bool(hit)
+    # in process: the tokens its engine took from its session's kept state (HTTP does not say; `Run.send` clears it
+    # for a request of no session)
+    if not isinstance(res, HTTPGenerationResult):
+        rec.session_reused_tokens = int(getattr(res, "session_reused_tokens", 0) or 0)
 
 
 class Run:
@@ -162,6 +169,8 @@ class Run:
             rec.error_kind, rec.error = error_kind(e), f"{type(e).__name__}: {e}"[:2000]
         finally:
             rec.finish_time_s = self.clock()
+            if getattr(req, "session_id", None) is None:
+                rec.session_reused_tokens = None
         return rec
 
     @staticmethod

@@ -213,6 +213,8 @@ class OpenAIHTTPClient:
             body["seed"] = request.seed
         if getattr(request, "min_new_tokens", 0):
             body["min_tokens"] = request.min_new_tokens
+        if getattr(request, "session_id", None) is not None:
+            body["user"] = request.session_id  # the server's session (docs/serving-http.md)
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": self.tokenizer.decode(request.prompt_ids)}]
             url = f"{self.base_url}/chat/completions"

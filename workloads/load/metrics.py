@@ -93,6 +93,10 @@ class RequestRecord:
     session_turns: int | None = None
     expected_reuse_tokens: int | None = None
     cached_prompt_tokens: int | None = None
+    # kv_reuse: session_state: the prompt tokens its prefill took from its session's kept state (None: not reported)
+    session_reused_tokens: int | None = None
+    # several replicas: whether the replica that served it is its session's (None: no affinity asked)
+    session_affinity_hit: bool | None = None
     output_ids: list[int] = field(default_factory=list, repr=False)  # the generated ids: the next turn's history
 
     @property

@@ -305,12 +305,17 @@ class SessionSource:
             shared += self.spec.group_context_tokens
         return shared
 
+    def session_key(self, session: PlannedSession) -> str:
+        """The engine's `GenerationRequest.session_id` of `session`'s turns (unique within the source's prefix)."""
+        return f"{self.prefix}-s{session.index}"
+
     def assign(self, index: int, session: PlannedSession, turn: int, history: list[int]) -> GenerationRequest:
         """Request `index`: `history` + the turn's message, asking for the turn's answer length."""
         req = GenerationRequest(
             f"{self.prefix}-s{session.index}-t{turn}",
             list(history) + self.message(session, turn),
             session.turns[turn].output_tokens,
+            session_id=self.session_key(session),
         )
         self._assigned[index] = req
         return req

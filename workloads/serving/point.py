@@ -144,6 +144,8 @@ def run_point(
             # None when no replica's backend counts them (OpenVINO's pipeline does not: its `not_reported`)
             "preemptions": _sum_reported(stats, "preemptions"),
             "recomputed_tokens": _sum_reported(stats, "recomputed_tokens"),
+            **prefix_cache_fields(stats, result.records),
+            **session_state_fields(stats, result.records),
             "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],
             # OpenVINO's eviction whose max_cache_size holds the longest sequence runs the full cache: said here
             **eviction_reach(
@@ -169,6 +171,59 @@ def run_point(
     if warning:
         out["warnings"] = list(out.get("warnings") or []) + [warning]
     out.update({"stop_reason": m.stop_reason, **outcome})  # ok: `count` or `duration` (the load generator's)
+    return out
+
+
+def prefix_cache_fields(stats: list[dict], records) -> dict:
+    """The point's prefix cache figures (all None when no replica's engine has the prefix cache on:
+    `EngineConfig.enable_prefix_caching`, reported by ``prefix_caching`` in its stats; OpenVINO's reports none):
+
+    * ``prefix_cache_hit_tokens``, ``prefix_cache_miss_tokens``: the replicas' counts over the point's measured
+      requests, at admission (a preempted request's recompute counts again), and ``prefix_cache_hit_rate`` =
+      hit / (hit + miss), in 0..1 (None when nothing was admitted);
+    * ``cached_prompt_tokens_sum``: the tokens each completed measured request's prefills took from the cache
+      (`GenerationResult.cached_prompt_tokens`, summed), and ``cached_prompt_share``: that sum over those
+      requests' prompt tokens (it can pass 1 only when a preempted request's recompute hits again)."""
+    keys = ("prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "prefix_cache_hit_rate")
+    out = dict.fromkeys(keys + ("cached_prompt_tokens_sum", "cached_prompt_share"))
+    on = [s for s in stats if s.get("prefix_caching")]
+    if not on:
+        return out
+    hit = sum(s.get("prefix_cache_hit_tokens") or 0 for s in on)
+    miss = sum(s.get("prefix_cache_miss_tokens") or 0 for s in on)
+    out.update(prefix_cache_hit_tokens=hit, prefix_cache_miss_tokens=miss)
+    out["prefix_cache_hit_rate"] = hit / (hit + miss) if hit + miss else None
+    done = [r for r in records if r.ok and not r.warmup and r.cached_prompt_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in done)
+    out["cached_prompt_tokens_sum"] = sum(r.cached_prompt_tokens for r in done)
+    out["cached_prompt_share"] = out["cached_prompt_tokens_sum"] / prompt if prompt else None
+    return out
+
+
+#: The engine's counts under ``kv_reuse: session_state`` (`replica.engine.core`'s stats; absent otherwise).
+SESSION_STATE_KEYS = (
+    "session_reused_tokens",
+    "session_recomputed_tokens",
+    "session_state_hits",
+    "session_state_misses",
+)
+
+
+def session_state_fields(stats: list[dict], records) -> dict:
+    """The point's session reuse figures (all None when no replica keeps session state, `EngineConfig.kv_reuse`):
+    `SESSION_STATE_KEYS` summed over the replicas (their measured requests), ``session_reused_tokens_sum`` (each
+    completed measured request's own `GenerationResult.session_reused_tokens`, summed; None when no record has it,
+    as over HTTP), and ``session_affinity_hits`` / ``session_affinity_turns``: the turns served by their session's
+    replica, of those whose record says (several replicas keeping state; None when none says)."""
+    out = dict.fromkeys(SESSION_STATE_KEYS + ("session_reused_tokens_sum",))
+    on = [s for s in stats if "session_state_hits" in s]
+    if on:
+        out.update({k: sum(s.get(k) or 0 for s in on) for k in SESSION_STATE_KEYS})
+        done = [r for r in records if r.ok and not r.warmup and r.session_reused_tokens is not None]
+        out["session_reused_tokens_sum"] = sum(r.session_reused_tokens for r in done) if done else None
+    said = [r for r in records if not r.warmup and r.session_affinity_hit is not None]
+    out["session_affinity_turns"] = len(said) if said else None
+    out["session_affinity_hits"] = sum(r.session_affinity_hit for r in said) if said else None
     return out
 
 

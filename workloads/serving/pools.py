@@ -11,7 +11,9 @@ from typing import Callable, Protocol
 
 from cluster.replica_set import ServeReplicaSet, app_name_for
 from cluster.serve_app import EngineDeployment
+from cluster.serve_routing import SESSION_KEY
 from replica import cpu_share
+from replica.common.session_affinity import keeps_session_state, session_replica
 from replica.common.types import EngineConfig, GenerationRequest, GenerationResult
 from replica.continuous import ServingReplica
 from workloads.load.driver import error_kind
@@ -49,8 +51,65 @@ class ReplicaPool(Protocol):
     def close(self) -> None: ...
 
 
+def _keeps_state(engine_config: EngineConfig | dict) -> bool:
+    """Whether the engine keeps a session's state across its turns (so the turns go to its session's replica)."""
+    get = engine_config.get if isinstance(engine_config, dict) else lambda k, d=None: getattr(engine_config, k, d)
+    return keeps_session_state(get("kv_reuse", "none"), get("enable_prefix_caching", False))
+
+
+def mark_affinity(result: GenerationResult, session_id: str | None, replica_ids: list[str], tag_of=str) -> None:
+    """Set `result.session_affinity_hit`: whether the replica that served it (`tag_of(result.replica_id)`) is its
+    session's (`session_replica` over `replica_ids`). Nothing for a request of no session or a result of no
+    replica."""
+    if session_id is not None and result.replica_id is not None and replica_ids:
+        result.session_affinity_hit = tag_of(result.replica_id) == session_replica(session_id, replica_ids)
+
+
+class LocalClient:
+    """The load generator's client of a `LocalReplicaPool`'s replicas: a turn of a session goes to its session's
+    replica when the engine keeps session state (`affinity`; `replica.common.session_affinity`), any other request
+    to the replica with the fewest requests in flight (ties: the first)."""
+
+    def __init__(self, replicas: list[ServingReplica], affinity: bool):
+        self.replicas, self.affinity = replicas, affinity
+        self.by_id = {r.replica_id: r for r in replicas}
+        self.in_flight = {r.replica_id: 0 for r in replicas}
+
+    def _pick(self, request: GenerationRequest) -> ServingReplica:
+        if self.affinity and request.session_id is not None:
+            return self.by_id[session_replica(request.session_id, list(self.by_id))]
+        return self.by_id[min(self.in_flight, key=self.in_flight.get)]
+
+    def _mark(self, request: GenerationRequest, result: GenerationResult) -> None:
+        if self.affinity:
+            mark_affinity(result, request.session_id, list(self.by_id))
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        replica = self._pick(request)
+        self.in_flight[replica.replica_id] += 1
+        try:
+            result = await replica.generate(request)
+        finally:
+            self.in_flight[replica.replica_id] -= 1
+        self._mark(request, result)
+        return result
+
+    async def events(self, request: GenerationRequest):
+        replica = self._pick(request)
+        self.in_flight[replica.replica_id] += 1
+        try:
+            async for ev in replica.events(request):
+                if isinstance(ev, GenerationResult):
+                    self._mark(request, ev)
+                yield ev
+        finally:
+            self.in_flight[replica.replica_id] -= 1
+
+
 class LocalReplicaPool:
-    """One `ServingReplica` in this process (its engine on a thread of its own); for tests and the benchmark."""
+    """`n` `ServingReplica`s in this process (each its engine on a thread of its own, ids ``local-0``...); for tests
+    and the benchmark. With several, `client()` routes a session's turns to its session's replica when the engine
+    keeps session state (`LocalClient`)."""
 
     def __init__(
         self,
@@ -62,43 +121,54 @@ class LocalReplicaPool:
         num_threads: int | None = None,
         dtype_reason: str | None = None,
     ):
-        if n != 1:
-            raise ValueError(f"replicas: an in-process pool holds 1 replica, got {n} (Serve runs several)")
+        if n < 1:
+            raise ValueError(f"replicas: expected an integer >= 1, got {n}")
+        self.n = n
         self.kwargs = dict(
             model_spec=model_spec, dtype=dtype, device=device, num_threads=num_threads, dtype_reason=dtype_reason
         )
         self.model = model
-        self.replica = None
+        self.replicas: list[ServingReplica] = []
+        self.affinity = False
+
+    @property
+    def replica(self) -> ServingReplica | None:
+        """The first replica (the only one of a one-replica pool)."""
+        return self.replicas[0] if self.replicas else None
 
     def start(self) -> list[dict]:
         # without a given model the replica loads its own (with its tokenizer's EOS and the run's dtype reason)
-        self.replica = ServingReplica(replica_id="local-0", model=self.model, **self.kwargs)
+        self.replicas = [
+            ServingReplica(replica_id=f"local-{i}", model=self.model, **self.kwargs) for i in range(self.n)
+        ]
         return [self.replica.info()]
 
     def configure(self, engine_config: EngineConfig, run_id: str | None = None) -> None:
-        self.replica.configure(engine_config, run_id)
+        for r in self.replicas:
+            r.configure(engine_config, run_id)
+        self.affinity = self.n > 1 and _keeps_state(engine_config)
 
     def client(self):
-        return self.replica
+        return self.replica if self.n == 1 else LocalClient(self.replicas, self.affinity)
 
     def max_batch_for(self, prompt_tokens: int, max_new_tokens: int) -> int:
         return self.replica.max_batch_for(prompt_tokens, max_new_tokens)
 
     def cpu_samples(self) -> dict[str, dict]:
-        """{replica id: this process's `replica.cpu_share.sample`} (the replica runs here)."""
-        return {self.replica.replica_id: cpu_share.sample().as_dict()}
+        """{replica id: this process's `replica.cpu_share.sample`} (the replicas run here)."""
+        return {r.replica_id: cpu_share.sample().as_dict() for r in self.replicas}
 
     def stats(self, reset: bool = False) -> list[dict]:
-        """The replica's figures once it is idle (`settled`: the requests given up on aborted and counted)."""
-        settled(lambda: [asyncio.run(self.replica.stats())])
-        return [{**asyncio.run(self.replica.stats(reset)), "node_id": self.replica.node_id}]
+        """Each replica's figures once it is idle (`settled`: the requests given up on aborted and counted)."""
+        settled(lambda: [asyncio.run(r.stats()) for r in self.replicas])
+        return [{**asyncio.run(r.stats(reset)), "node_id": r.node_id} for r in self.replicas]
 
     def restart_dead(self) -> list[str]:
         return []
 
     def close(self) -> None:
-        if self.replica is not None:
-            self.replica.shutdown()
+        for r in self.replicas:
+            r.shutdown()
 
 
 class ServeClient:
@@ -109,14 +179,18 @@ class ServeClient:
     because its replica died is counted in `died` and raised to the load generator. A call the load
     generator gives up on (its `request_timeout_s`) is cancelled in Serve: the replica aborts it."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, replica_tags: list[str] | None = None):
         self.handle = handle
         self.stats: dict[str, dict] = {}
         self.died = 0
         self.cancelled = 0  # calls given up on: their replicas' figures are not in any reply
+        # the running replicas' tags when the engine keeps session state (a session's turns go to its replica:
+        # `cluster.serve_routing`), else None
+        self.replica_tags = replica_tags
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        response = self.handle.generate.remote(request)
+        key = request.session_id if self.replica_tags else None
+        response = self.handle.generate.remote(request, **({SESSION_KEY: key} if key else {}))
         try:
             reply = await response
         except asyncio.CancelledError:  # awaiting alone leaves it running on the replica
@@ -131,6 +205,8 @@ class ServeClient:
         seen = self.stats.get(stats["replica_id"])
         if seen is None or _answered(stats) >= _answered(seen):
             self.stats[stats["replica_id"]] = stats
+        if self.replica_tags:
+            mark_affinity(reply.result, key, self.replica_tags, tag_of=lambda rid: rid.rpartition("#")[2])
         return reply.result
 
 
@@ -189,8 +265,9 @@ class ServeReplicaPool:
         return [handle.info.remote().result()]
 
     def configure(self, engine_config: EngineConfig, run_id: str | None = None) -> None:
-        self.rset.broadcast("configure", engine_config, run_id)
-        self._client = ServeClient(self.rset.handle)
+        infos = self.rset.broadcast("configure", engine_config, run_id)
+        tags = sorted(rid.rpartition("#")[2] for rid in infos) if self.n > 1 and _keeps_state(engine_config) else None
+        self._client = ServeClient(self.rset.handle, tags)
 
     def client(self) -> ServeClient:
         return self._client

@@ -45,6 +45,9 @@ TABLE = [  # (header with unit, key, format)
     ("goodput (tok/s)", "goodput_tok_per_s", ".1f"),
     ("peak KV (MiB)", "kv_mib", ".1f"),
     ("peak running", "peak_running", "s"),
+    ("prefix cache hit rate", "prefix_cache_hit_rate", ".3f"),  # only when a point has it (`table_columns`)
+    ("session reused tokens", "session_reused_tokens", "d"),  # kv_reuse: session_state (likewise)
+    ("session affinity hits", "session_affinity_hits", "d"),  # several replicas keeping state (likewise)
     ("CPU share", "cpu", "s"),  # replica.cpu_share: ran / runnable of the replicas' threads, `!` contended
     ("status", "status", "s"),
     ("stop reason", "stop_reason", "s"),
@@ -201,6 +204,16 @@ def slo_line(records: list[dict]) -> str:
     )
 
 
+#: Columns shown only when some record has a value for them (the prefix cache's and the session state's: null for
+#: every point without them).
+OPTIONAL_COLUMNS = frozenset({"prefix_cache_hit_rate", "session_reused_tokens", "session_affinity_hits"})
+
+
+def table_columns(records: list[dict]) -> list[tuple]:
+    """`TABLE` less each of `OPTIONAL_COLUMNS` that no record has a value for."""
+    return [c for c in TABLE if c[1] not in OPTIONAL_COLUMNS or any(r.get(c[1]) is not None for r in records)]
+
+
 def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> str:
     """The serving points as a Markdown table under their conditions line (after the capacity of each series when
     `capacity` gives it)."""
@@ -220,7 +233,7 @@ def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> s
     return (
         conditions_line(records)
         + head
-        + markdown_table(TABLE, table_rows(records), footer=footer + (f"\n\n{slo}" if slo else ""))
+        + markdown_table(table_columns(records), table_rows(records), footer=footer + (f"\n\n{slo}" if slo else ""))
         + (f"\n{sessions}" if (sessions := sessions_markdown(records)) else "")
     )
 

@@ -68,10 +68,9 @@ arrivals are seeded by the rate's value, and `capacity:` is not part of a point'
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, create_model, model_validator
 
@@ -179,6 +178,9 @@ class ServingSuite(_EngineKnobs):
     """A validated serving suite (see the module docstring for the YAML form); its engine knobs are
     `replica.common.types.EngineConfig`'s own fields (`EngineConfig.knobs`), and every point's `EngineConfig` is built
     when the suite loads, so a bad combination fails the suite, not a point."""
+
+    #: a policy entry may set its own `enable_prefix_caching` (`workloads.core.suite.PolicySpec`): one series each
+    _policy_prefix_caching: ClassVar[bool] = True
 
     kind: Literal["serving"]
     mode: Literal[SERVING_MODES]
@@ -298,14 +300,13 @@ class ServingSuite(_EngineKnobs):
             raise SuiteError(
                 "budget: 'per_request' computes each request's budget from compression_ratios; drop budget_tokens"
             )
-        entry = {
-            (pol.name, json.dumps(pol.params, sort_keys=True), pol.engine): i for i, pol in enumerate(self.policies)
-        }
         for p in self.points():  # every point's engine and load configs must be valid now, not mid-sweep
             try:  # the engine's own rules (replica.common.types.EngineConfig), written once
                 self.engine_config(p)
             except ConfigError as e:  # its policy fields named as the suite's entry (policies[i].name, .params)
-                i = entry[(p.policy, json.dumps(p.policy_params, sort_keys=True), p.engine)]
+                i = self._policy_index(p)
+                if "kv_reuse" in p.identity and "kv_reuse" in str(e):  # the policy entry's own: name the entry
+                    raise SuiteError(f"policies[{i}].{str(e).strip()}") from None
                 raise SuiteError(in_policy_entry(str(e), i)) from None
             self.load_config(p, max_batch=1)
         self._warn_evicting_nothing()
@@ -323,6 +324,13 @@ class ServingSuite(_EngineKnobs):
             why = evicts_nothing(ev["max_cache_size"], self.longest_sequence_tokens)
             if why is not None:
                 warnings.warn(f"policies: series {p.series}: OpenVINO's eviction {why}; it runs the full cache")
+
+    def _policy_index(self, point: ServingPoint) -> int:
+        """The index in `policies` of the entry whose series `point` is."""
+        for i, pol in enumerate(self.policies):
+            if pol.point_fields(point.compression_ratio).items() <= point.identity.items():
+                return i
+        raise LookupError(f"no policy entry makes point {point.point_id}")
 
     def identity(self) -> dict:
         """Suite-level settings that change a serving point's numbers (the load axis aside)."""
@@ -417,6 +425,10 @@ class ServingSuite(_EngineKnobs):
             budget=self.budget if point.policy in POLICIES and POLICIES[point.policy].evicts else "fixed",
             engine=point.engine or self.engine,
         )
+        if "enable_prefix_caching" in point.identity:  # the policy entry's own (its series'), over the suite's
+            fields["enable_prefix_caching"] = point.identity["enable_prefix_caching"]
+        if "kv_reuse" in point.identity:  # likewise
+            fields["kv_reuse"] = point.identity["kv_reuse"]
         return EngineConfig(**fields)
 
     def workload_seed(self, point: ServingPoint) -> int:
