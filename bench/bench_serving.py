@@ -69,6 +69,11 @@ from scissorhands.models import DTYPE_CHOICES, cpu_flags, cpu_model_name
 from workloads.load.prompts import prompts_for
 
 
+def _ratio(value: float | None, base: float | None) -> str:
+    """`value / base` as ``1.23x``; ``n/a`` when the first row produced nothing (all its requests failed)."""
+    return f"{value / base:.2f}x" if value is not None and base else "n/a"
+
+
 def parse_args(argv=None):
     p = parser("bench_serving", __doc__, "about 25 minutes with --threads 2 (make bench-serving passes it)")
     p.add_argument("--model", default="embedded", help="embedded, an HF id or a local folder (tiny-llama: test only)")
@@ -413,7 +418,7 @@ def main(argv=None) -> int:
             mean = f"{r['mean_running_sequences']:.1f}" if r["mean_running_sequences"] else "-"
             dec = f"{r['decode_tok_per_s']:.1f}" if r["decode_tok_per_s"] else "-"
             lines.append(
-                f"| {label} | {r['engine']} | {r['output_tok_per_s'] / base:.2f}x | {r['output_tok_per_s']:.1f} | {dec} | "
+                f"| {label} | {r['engine']} | {_ratio(r['output_tok_per_s'], base)} | {r['output_tok_per_s']:.1f} | {dec} | "
                 f"{_pair(r['ttft_p50_s'], r['ttft_p99_s'], 1, '.1f')} | {_pair(r['tpot_p50_s'], r['tpot_p99_s'], 1000, '.0f')} | "
                 f"{_pair(r['itl_p50_s'], r['itl_p99_s'], 1000, '.0f')} | "
                 f"{r['peak_running_sequences']} / {mean} | {_reported(r['preemptions'])} | "

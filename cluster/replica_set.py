@@ -294,7 +294,7 @@ class ServeReplicaSet:
             for call in [getattr(self.handle, method).remote(*args) for _ in range(self.n)]:
                 try:
                     answer = call.result()
-                except Exception as e:  # a replica that died since: Serve replaces it, ask again
+                except Exception as e:  # noqa: BLE001 - a replica that died since: Serve replaces it, ask again
                     if replica_death(e) is None:
                         raise
                     continue

@@ -73,6 +73,15 @@ _INFERENCE_PRECISION = {torch.float32: "f32", torch.bfloat16: "bf16", torch.floa
 NOT_REPORTED = ("preemptions", "recomputed_tokens", "slot_bytes", "prefill_s", "decode_s")
 
 
+def _cancel(handle) -> None:
+    """Stop the pipeline's work on `handle` (2026.4.1's `GenerationHandle.cancel`); a handle that cannot be
+    cancelled still has its request answered by the caller, and never stops the other requests."""
+    try:
+        handle.cancel()
+    except Exception:  # noqa: BLE001 - its request is answered anyway; the pipeline drops a finished handle
+        pass
+
+
 class BackendUnavailable(RuntimeError):
     """``engine: openvino`` without its runtime or its model export; the message names the make target."""
 
@@ -340,7 +349,7 @@ class OpenVINOEngine:
         for rid in ends:
             if rid in self.handles:
                 seq, handle = self.handles.pop(rid)
-                handle.cancel()
+                _cancel(handle)
                 gone.append(seq)
         t = self.clock()
         for seq in gone:
@@ -526,7 +535,7 @@ class OpenVINOEngine:
         """Fail every queued and running request (`error_kind="error"`); `fault`: refuse every later one."""
         seqs = self.queue.drain(message if fault else None)
         for seq, handle in self.handles.values():
-            handle.cancel()
+            _cancel(handle)
             seqs.append(seq)
         self.handles = {}
         for seq in seqs:

@@ -499,9 +499,11 @@ class GenerationResult:
     With the request's `logprobs`: `output_logprobs[i]` is `output_ids[i]`'s log-probability (nats)
     and `output_top_logprobs[i]` its alternatives as ``[[token_id, logprob], ...]``, best first. With
     `prompt_logprobs`: the same per prompt token (`prompt_logprobs[0]` and `prompt_top_logprobs[0]`
-    are None: the first token has no context). `cached_prompt_tokens`: tokens its prefills took from the prefix
-    cache (`EngineConfig.enable_prefix_caching`); `prefilled_prompt_tokens`: tokens its prefills computed; both
-    summed over its prefills (a preempted request's recompute, its outputs included, counts again). Under
+    are None: the first token has no context). `cached_prompt_tokens`: prompt tokens its first admission took
+    from the prefix cache (`EngineConfig.enable_prefix_caching`), never above its prompt (OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens``; a preempted request's recompute counts in the engine's hit
+    tokens only); `prefilled_prompt_tokens`: tokens its prefills computed, summed over its prefills (a preempted
+    request's recompute, its outputs included, counts again). Under
     ``kv_reuse: session_state``: `session_reused_tokens`, the tokens its prefill took from its session's kept
     state (also in `cached_prompt_tokens`), and `session_recomputed_tokens`, the tokens of the session's previous
     request (its prompt + generated tokens but the last) that its prompt starts with and its prefill computed

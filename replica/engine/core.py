@@ -188,7 +188,8 @@ class ContinuousBatchingEngine(EngineReadout):
         if self.kv.prefix is None:
             return
         for seq in p.group:
-            seq.result.cached_prompt_tokens += cached
+            if not seq.preempted:  # the prompt's tokens served from the cache: a recompute's hits are not prompt
+                seq.result.cached_prompt_tokens += cached
             self.life.add(self.life.key(seq, "prefix_cache_hit_tokens"), cached)
             self.life.add(self.life.key(seq, "prefix_cache_miss_tokens"), p.length - cached)
             with recording():
@@ -198,7 +199,8 @@ class ContinuousBatchingEngine(EngineReadout):
         """Count a group's tokens taken from its session's kept state and those of the session's previous request
         it computes again (`PagedBudget.attach_prefix` set them on each result)."""
         for seq in p.group:
-            seq.result.cached_prompt_tokens += cached
+            if not seq.preempted:  # as `_count_prefix`: the first admission's prompt tokens only
+                seq.result.cached_prompt_tokens += cached
             if cached:
                 self.life.add(self.life.key(seq, "session_reused_tokens"), cached)
                 self.life.add(self.life.key(seq, "session_state_hits"))

@@ -139,8 +139,12 @@ class PagedBudget(KVBudget):
         if self.prefix is None or not p.cached:
             return 0
         n = p.cached // self.config.block_tokens
-        rows = [[self.prefix.claim(h) for h in seq.block_hashes[:n]] for seq in p.group]
+        rows: list[list] = []
         try:
+            for seq in p.group:  # claimed one by one, so a failure releases exactly what was claimed
+                rows.append([])
+                for h in seq.block_hashes[:n]:
+                    rows[-1].append(self.prefix.claim(h))
             p.cache = new_cache(p.group)
             seed_rows(p.cache, self.prefix, rows)
         except BaseException:

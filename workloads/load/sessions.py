@@ -289,7 +289,7 @@ class SessionSource:
     def opening(self, session: PlannedSession) -> list[int]:
         """Turn 0's prefix: the system prompt, then the session's group context (token ids)."""
         if session.group not in self._groups:
-            self._groups[session.group] = self._text(self.spec.group_context_tokens, 7 + 2 * session.group)
+            self._groups[session.group] = self._text(self.spec.group_context_tokens, -1 - session.group)
         return self._system + self._groups[session.group]
 
     def message(self, session: PlannedSession, turn: int) -> list[int]:

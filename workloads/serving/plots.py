@@ -177,7 +177,8 @@ def _plot_ttft_per_turn(plt, records: list[dict], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for r in sessions:
         turns = [t for t in r["turns"] if t.get("ttft_p50_s") is not None]
-        label = f"{_label(r)} at {r.get('load'):g} sessions/s"
+        load = r.get("load")
+        label = _label(r) if load is None else f"{_label(r)} at {load:g} sessions/s"
         (line,) = ax.plot([t["turn"] for t in turns], [t["ttft_p50_s"] for t in turns], marker="o", label=label)
         ax.plot(
             [t["turn"] for t in turns],
