@@ -207,7 +207,11 @@ def test_failed_point_is_recorded_and_the_sweep_goes_on(ray_address, tmp_path, c
 
 def test_kill_during_point_3_then_resume_starts_at_3(ray_address, tmp_path):
     """a 3-point sweep killed during point 3 leaves points 1-2 complete; resume runs only point 3."""
-    suite = write_suite(tmp_path / "s.yaml", **FULL_AT_BATCH_1, prompt_tokens=[16], new_tokens=[2, 3, 200])
+    # dtype fixed: auto's probe on the tiny model sits near its 1.2x threshold here, so a loaded machine can
+    # resolve it otherwise on resume, which the sweep refuses (tested on its own below); this test is the resume
+    suite = write_suite(
+        tmp_path / "s.yaml", **FULL_AT_BATCH_1, prompt_tokens=[16], new_tokens=[2, 3, 200], dtype="float32"
+    )
     results = tmp_path / "results"
     points = results / "k" / "points.jsonl"
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
