@@ -68,6 +68,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from replica.common.session_affinity import keeps_session_state
 from replica.common.types import MAX_LOGPROBS, GenerationRequest
 from replica.openai_fields import chat_logprobs, completion_logprobs, unsupported_field
 from replica.openvino_settings import eviction_from_policy
@@ -204,7 +205,7 @@ def reports_cached_tokens(metadata: dict) -> bool:
     (``kv_reuse: session_state``) counts them; with it off, and on OpenVINO
     GenAI's backend (whose pipeline reports no per-request cached tokens), ``prompt_tokens_details`` is null, as
     vLLM sends it when prefix caching is off."""
-    keeps = bool(metadata.get("enable_prefix_caching")) or metadata.get("kv_reuse") == "session_state"
+    keeps = keeps_session_state(metadata.get("kv_reuse"), metadata.get("enable_prefix_caching"))
     return keeps and metadata.get("engine", "ours") == "ours"
 
 

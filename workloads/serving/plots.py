@@ -125,6 +125,11 @@ def _plot_batch(plt, records: list[dict], out_dir: Path) -> list[Path]:
     return [_finish(fig, ax, out_dir / "throughput_vs_batch.png")]
 
 
+def _p99_beside(ax, p50_line, xs: list, ys: list, label: str) -> None:
+    """A series' p99 drawn dashed in the colour of its p50 line (`p50_line`), so the two read as one series."""
+    ax.plot(xs, ys, marker="^", ls="--", color=p50_line.get_color(), label=f"{label} p99")
+
+
 def _plot_latency(plt, records: list[dict], out_dir: Path) -> list[Path]:
     """Latency (p50, p99) vs the achieved request rate (rate and capacity points), when the records have it."""
     rate = [r for r in records if r.get("mode") in ("rate", "capacity")]  # a capacity probe is a rate point
@@ -135,14 +140,7 @@ def _plot_latency(plt, records: list[dict], out_dir: Path) -> list[Path]:
         (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{label} p50")
         p99 = _series([r for r in rate if _label(r) == label], "achieved_rate_req_per_s", "e2e_latency_p99_s")
         for pts99 in p99.values():
-            ax.plot(
-                [p[0] for p in pts99],
-                [p[1] for p in pts99],
-                marker="^",
-                ls="--",
-                color=line.get_color(),
-                label=f"{label} p99",
-            )
+            _p99_beside(ax, line, [p[0] for p in pts99], [p[1] for p in pts99], label)
     ax.set_xlabel("achieved request rate (requests/s)")
     ax.set_ylabel("end-to-end latency (s)")
     ax.set_title("Latency vs request rate")
@@ -180,14 +178,7 @@ def _plot_ttft_per_turn(plt, records: list[dict], out_dir: Path) -> list[Path]:
         load = r.get("load")
         label = _label(r) if load is None else f"{_label(r)} at {load:g} sessions/s"
         (line,) = ax.plot([t["turn"] for t in turns], [t["ttft_p50_s"] for t in turns], marker="o", label=label)
-        ax.plot(
-            [t["turn"] for t in turns],
-            [t["ttft_p99_s"] for t in turns],
-            marker="^",
-            ls="--",
-            color=line.get_color(),
-            label=f"{label} p99",
-        )
+        _p99_beside(ax, line, [t["turn"] for t in turns], [t["ttft_p99_s"] for t in turns], label)
     ax.set_xlabel("turn index")
     ax.set_ylabel("TTFT (s)")
     ax.set_title("TTFT per turn (p50 solid, p99 dashed)")
