@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +19,7 @@ from replica.continuous import ServingReplica
 from replica.metrics import ReplicaMetrics
 from replica.openvino_settings import eviction_reach, evicts_nothing
 from scissorhands.testing import tiny_llama
+from tests.peer_stub import real_runtime_or_skip
 from tests.suite_helpers import serving_suite, uniform
 from workloads.core.run import SweepError
 from workloads.core.template import run_suite
@@ -425,25 +425,11 @@ def test_a_suite_naming_openvino_where_it_cannot_run_exits_2_before_any_point(tm
 
 
 # ---------------------------------------------------------------------------------------------- the real backend
-PEER_SITE = Path(__file__).resolve().parents[2] / ".cache" / "venv-openvino" / "lib" / "python3.11" / "site-packages"
-
-
-def _real_runtime_or_skip() -> None:
-    """The runtime in this Python (``make openvino-runtime``), else the peer venv's (``make openvino-peer``; it
-    holds the same openvino-genai, appended after ours so our packages win); skip when neither, or no export."""
-    try:
-        import openvino_genai  # noqa: F401
-    except ImportError:
-        if not (PEER_SITE / "openvino_genai").is_dir():
-            pytest.skip("no openvino-genai runtime (make openvino-runtime or make openvino-peer)")
-        sys.path.append(str(PEER_SITE))
-    if not (ovb.EXPORT_DIR / "openvino_model.xml").is_file():
-        pytest.skip(f"no export at {ovb.EXPORT_DIR} (make openvino-peer)")
 
 
 @pytest.mark.slow
 def test_the_real_pipeline_serves_the_embedded_model_beside_ours_full_and_evicting():
-    _real_runtime_or_skip()
+    real_runtime_or_skip()
     torch.set_num_threads(2)
     replica = ServingReplica("embedded", dtype="float32")
     base = dict(**OV, kv_memory_limit_bytes=20_000_000, max_length_tokens=80)
@@ -527,7 +513,7 @@ def test_the_real_runtime_has_every_name_the_backend_calls_and_serves_on_after_a
     """The real 2026.4.1 pipeline built as the backend builds it: its handle's, pipeline's and metrics' names are the
     stand-ins' (`HANDLE_API`, `PIPELINE_API`, `METRICS_USED`); a request aborted while running is cancelled (its KV
     freed) and the engine then serves the next request."""
-    _real_runtime_or_skip()
+    real_runtime_or_skip()
     cfg = EngineConfig(**OV, kv_memory_limit_bytes=20_000_000, max_length_tokens=80)
     eng = ovb.OpenVINOEngine(torch.nn.Linear(1, 1), cfg)  # the model gives only its dtype (f32)
     g, ov, np = ovb.runtime()

@@ -6,8 +6,6 @@ GenAI pipeline retrieves the passkey on the embedded model's export."""
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +13,9 @@ import torch
 import yaml
 
 from replica import backends
-from replica.backends import openvino as ovb
 from scissorhands.models import load_tokenizer
 from scissorhands.testing import tiny_llama
+from tests.peer_stub import real_runtime_or_skip
 from workloads.core import results as res
 from workloads.core.suite import SuiteError
 from workloads.kinds import parse_suite
@@ -217,25 +215,13 @@ def test_backend_rows_are_labelled_apart_and_paired_with_our_full_cache():
 
 
 # ---------------------------------------------------------------------------------------------- the real backend
-PEER_SITE = Path(__file__).resolve().parents[2] / ".cache" / "venv-openvino" / "lib" / "python3.11" / "site-packages"
-
-
-def _real_runtime_or_skip() -> None:
-    try:
-        import openvino_genai  # noqa: F401
-    except ImportError:
-        if not (PEER_SITE / "openvino_genai").is_dir():
-            pytest.skip("no openvino-genai runtime (make openvino-runtime or make openvino-peer)")
-        sys.path.append(str(PEER_SITE))
-    if not (ovb.EXPORT_DIR / "openvino_model.xml").is_file():
-        pytest.skip(f"no export at {ovb.EXPORT_DIR} (make openvino-peer)")
 
 
 @pytest.mark.slow
 def test_the_real_pipeline_retrieves_the_passkey_full_and_evicting(tmp_path):
     """A local run of a suite with OpenVINO's full cache and its eviction at 2x, 3 trials of 256 tokens each (depths
     0, 0.5, 1), float32: the full cache retrieves 3 of 3 (ours retrieves 9 of 9 at 256 tokens)."""
-    _real_runtime_or_skip()
+    real_runtime_or_skip()
     torch.set_num_threads(2)
     suite = {
         "kind": "quality",
