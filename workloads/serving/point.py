@@ -22,6 +22,7 @@ from workloads.load.metrics import summarize
 from workloads.load.sessions import SessionSource, session_metrics
 from workloads.load.slo import SLO_MISS_ERROR_KINDS
 from workloads.serving.pools import ReplicaPool
+from workloads.serving.reuse import check_reuse
 from workloads.serving.suite import ServingPoint, ServingSuite
 
 
@@ -82,6 +83,7 @@ def run_point(
                 "error": "not even one sequence fits the KV memory limit",
             }
     cfg = suite.load_config(point, max_batch=max_batch)
+    reuse_error = None
     reqs = _requests_for(suite, point, cfg, tokenizer, vocab_size)
     if hasattr(reqs, "prepare"):  # drawn before the clock starts: a count-bound point's all, else the first 256
         reqs.prepare((cfg.num_requests or 256) + cfg.warmup_requests)
@@ -113,11 +115,16 @@ def run_point(
     out.update(flat)
     if isinstance(reqs, SessionSource):  # per turn and per session (workloads.load.sessions.session_metrics)
         out.update(session_metrics(result.records, suite.slo, m.window_s))
-        if out["cached_prompt_tokens"] is not None and out["cached_prompt_tokens"] > out["expected_reuse_tokens"]:
-            out["warnings"] = list(out.get("warnings") or []) + [
-                f"the engine reported {out['cached_prompt_tokens']} cached prompt tokens, more than the "
-                f"{out['expected_reuse_tokens']} the sessions share with earlier requests"
-            ]
+        fields, reuse_error, notes = check_reuse(
+            result.records,
+            stats,
+            suite.engine_config(point),
+            point.series,
+            caches_outlive_points=getattr(pool, "caches_outlive_points", False),
+        )
+        out.update(fields)
+        if notes:
+            out["warnings"] = list(out.get("warnings") or []) + notes
     if cpu_error:
         out["warnings"] = list(out.get("warnings") or []) + [
             f"CPU share not measured: sampling the replicas' CPU time failed ({cpu_error}); cpu_share fields are None"
@@ -171,6 +178,8 @@ def run_point(
     if warning:
         out["warnings"] = list(out.get("warnings") or []) + [warning]
     out.update({"stop_reason": m.stop_reason, **outcome})  # ok: `count` or `duration` (the load generator's)
+    if reuse_error is not None and out["status"] == "ok":  # a correctness fault: the point's numbers do not stand
+        out.update(status="error", stop_reason="reuse mismatch", error=reuse_error)
     return out
 
 

@@ -310,6 +310,10 @@ class HTTPTargetPool:
     other): it only checks that `model` is served; the server's cache configuration is its own, so
     `configure` changes nothing and the records carry the served model's `/v1/models` metadata."""
 
+    #: the server's caches hold what earlier points sent (`configure` builds no engine): a sessions point's reuse
+    #: check (`workloads.serving.reuse`) cannot bound what a turn may find cached
+    caches_outlive_points = True
+
     def __init__(self, target: str, model: str, timeout_s: float = 30.0):
         self.target, self.model, self.timeout_s = target.rstrip("/"), model, timeout_s
         self.metadata: dict = {}
