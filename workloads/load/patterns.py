@@ -358,6 +358,27 @@ class ConcurrencyLoad(LoadPattern):
         await asyncio.gather(*(worker() for _ in range(self.cfg.concurrency)))
 
 
+def _capacity_defaults(data: dict, suffix: str) -> dict:
+    """A capacity suite's raw mapping (a serving suite's `mode: capacity`, `workloads.serving.capacity`), checked:
+    the search picks its rates, so no `loads` or `saturation`, and it needs its `capacity:` bracket (fields ending in
+    `suffix`: ``req_per_s``, or ``sessions_per_s`` with a ``sessions:`` block). ValueError naming the field."""
+    mode = data.get("mode")
+    if data.get("loads") is not None:
+        raise ValueError(
+            f"loads: not used in mode {mode} (the search picks its rates from capacity: a grid from "
+            f"min_rate_{suffix} to max_rate_{suffix} at its resolution)"
+        )
+    if data.get("saturation") is not None:
+        raise ValueError(f"saturation: not used in mode {mode} (a probe passes or fails on its SLO attainment)")
+    if data.get("capacity") is None:
+        unit = "req/s" if suffix == "req_per_s" else "sessions/s"
+        raise ValueError(
+            f"capacity: mode {mode} needs the rate bracket to search, e.g. capacity: {{min_rate_{suffix}: 0.1, "
+            f"max_rate_{suffix}: 2.0}} ({unit}; optional target_attainment (0.99), resolution (0.1), max_probes)"
+        )
+    return data
+
+
 class OpenLoop(LoadPattern):
     """Open loop: sends at the times `arrivals()` yields, whatever the replies; with
     `max_concurrency` an arrival that finds the cap reached waits (`delay`) or is dropped (`drop`)."""
@@ -433,20 +454,7 @@ class RateLoad(OpenLoop):
     def suite_defaults(cls, data: dict, capacity_search: bool = False, **options) -> dict:
         if not capacity_search:
             return super().suite_defaults(data)
-        mode = data.get("mode")
-        if data.get("loads") is not None:
-            raise ValueError(
-                f"loads: not used in mode {mode} (the search picks its rates from capacity: a grid from "
-                "min_rate_req_per_s to max_rate_req_per_s at its resolution)"
-            )
-        if data.get("saturation") is not None:
-            raise ValueError(f"saturation: not used in mode {mode} (a probe passes or fails on its SLO attainment)")
-        if data.get("capacity") is None:
-            raise ValueError(
-                f"capacity: mode {mode} needs the rate bracket to search, e.g. capacity: {{min_rate_req_per_s: 0.1, "
-                "max_rate_req_per_s: 2.0} (req/s; optional target_attainment (0.99), resolution (0.1), max_probes)"
-            )
-        return data
+        return _capacity_defaults(data, "req_per_s")
 
     @classmethod
     def check_suite(cls, suite: Any, mode: str, capacity_search: bool = False, **options) -> None:
@@ -618,10 +626,21 @@ class SessionsLoad(LoadPattern):
         await asyncio.gather(*(one(s, t) for s, t in zip(sessions, self.start_times_s(sessions))))
         run.exhausted = True
 
+    # ---- option `capacity_search` (a serving suite's `mode: capacity` with a `sessions:` block): the session start
+    # rates come from the suite's `capacity:` grid, in sessions/s; a probe passes on its session SLO attainment
     @classmethod
-    def suite_defaults(cls, data: dict, **options) -> dict:
+    def suite_defaults(cls, data: dict, capacity_search: bool = False, **options) -> dict:
         """The sessions give the prompts: the suite's `prompt_tokens` is the range of a turn's prompt (turn 0's
-        shortest to the last turn's longest); `new_tokens` is each answer's length (a trace's range for a trace)."""
+        shortest to the last turn's longest); `new_tokens` is each answer's length (a trace's range for a trace).
+        In a capacity search (`capacity_search`), drawn sessions only: a trace's start times fix the rate."""
+        if capacity_search:
+            _capacity_defaults(data, "sessions_per_s")
+            trace = data.get("sessions").get("trace_path") if isinstance(data.get("sessions"), dict) else None
+            if trace is not None or getattr(data.get("sessions"), "trace_path", None) is not None:
+                raise ValueError(
+                    "sessions.trace_path: a capacity search varies the session start rate, and a trace's start times "
+                    "fix it; give drawn sessions (users, turns, message_tokens) or use mode sessions"
+                )
         for k in cls.suite_forbids:
             if data.get(k) is not None:
                 raise ValueError(f"{k}: not used in mode sessions (each turn's prompt is the conversation so far)")
@@ -664,6 +683,15 @@ class SessionsLoad(LoadPattern):
         return {**data, "sessions": spec, "prompt_tokens": prompt, "new_tokens": new, "session_tokens": whole}
 
     @classmethod
+    def check_suite(cls, suite: Any, mode: str, capacity_search: bool = False, **options) -> None:
+        if not capacity_search:
+            super().check_suite(suite, mode)
+
+    @classmethod
+    def point_loads(cls, suite: Any, capacity_search: bool = False, **options) -> list[float | None]:
+        return list(suite.capacity.grid()) if capacity_search else super().point_loads(suite)
+
+    @classmethod
     def record_columns(cls, load: float | None, max_batch_size: int | None = None, **options) -> dict:
         return super().record_columns(load)
 
@@ -700,3 +728,12 @@ MODES: dict[str, tuple[type[LoadPattern], dict]] = {
     **{n: (p, {}) for n, p in LOAD_PATTERNS.items() if n not in ALIAS_ONLY},
     **{m: (LOAD_PATTERNS[n], opts) for m, (n, opts) in MODE_ALIASES.items()},
 }
+
+
+def mode_pattern(mode: str, sessions: bool = False) -> tuple[type[LoadPattern], dict]:
+    """The pattern and options a suite's `mode` sweeps (`MODES`); `mode: capacity` with a ``sessions:`` block
+    (`sessions`) searches session start rates: the sessions pattern at the rates the search picks."""
+    pattern, options = MODES[mode]
+    if options.get("capacity_search") and sessions:
+        return SessionsLoad, options
+    return pattern, options

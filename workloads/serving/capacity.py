@@ -72,12 +72,26 @@ def _significant(x: float) -> float:
     return float(f"{x:.6g}")
 
 
+#: What a search's rates count, by unit: the suffix of its bracket fields and record keys, and the attainment a probe
+#: is judged by (a request meets the SLO; a session meets it when every one of its turns does).
+RATE_UNITS = {
+    "req/s": ("req_per_s", "slo_attainment"),
+    "sessions/s": ("sessions_per_s", "session_slo_attainment"),
+}
+
+
 class CapacitySearch(BaseModel):
-    """A serving suite's ``capacity:`` (see the module docstring); each invalid field raises ValueError naming it."""
+    """A serving suite's ``capacity:`` (see the module docstring); each invalid field raises ValueError naming it.
+
+    The bracket is in requests per second (``min_rate_req_per_s``, ``max_rate_req_per_s``: Poisson request rates) or,
+    for a suite with a ``sessions:`` block, in sessions per second (``min_rate_sessions_per_s``,
+    ``max_rate_sessions_per_s``: session start rates, judged by the session SLO attainment); one pair exactly."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    min_rate_req_per_s: Rate
-    max_rate_req_per_s: Rate
+    min_rate_req_per_s: Rate | None = None
+    max_rate_req_per_s: Rate | None = None
+    min_rate_sessions_per_s: Rate | None = None
+    max_rate_sessions_per_s: Rate | None = None
     target_attainment: float = 0.99
     resolution: float = 0.1
     max_probes: Annotated[int, Field(strict=True)] | None = None
@@ -107,11 +121,23 @@ class CapacitySearch(BaseModel):
 
     @model_validator(mode="after")
     def _a_bracket(self) -> "CapacitySearch":
-        lo, hi = self.min_rate_req_per_s, self.max_rate_req_per_s
+        pairs = {
+            unit: (getattr(self, f"min_rate_{suffix}"), getattr(self, f"max_rate_{suffix}"))
+            for unit, (suffix, _) in RATE_UNITS.items()
+        }
+        given = [unit for unit, pair in pairs.items() if any(v is not None for v in pair)]
+        if len(given) != 1 or None in pairs[given[0]]:
+            raise ValueError(
+                "capacity: give one rate bracket: min_rate_req_per_s and max_rate_req_per_s (Poisson request rates), "
+                "or min_rate_sessions_per_s and max_rate_sessions_per_s (session start rates, with a sessions: block)"
+                + (f"; got {', '.join(given)} fields" if len(given) > 1 else "")
+            )
+        lo, hi = self.min_rate, self.max_rate
+        sfx = self.rate_suffix
         if lo >= hi:
             raise ValueError(
-                f"capacity.min_rate_req_per_s, capacity.max_rate_req_per_s: the rate bracket [{lo:g}, {hi:g}] req/s "
-                "is empty or inverted; give a min_rate_req_per_s below max_rate_req_per_s"
+                f"capacity.min_rate_{sfx}, capacity.max_rate_{sfx}: the rate bracket [{lo:g}, {hi:g}] {self.unit} "
+                f"is empty or inverted; give a min_rate_{sfx} below max_rate_{sfx}"
             )
         n = len(self.grid())
         if n > MAX_GRID_RATES:
@@ -121,9 +147,37 @@ class CapacitySearch(BaseModel):
             )
         return self
 
+    @property
+    def unit(self) -> str:
+        """What the rates count: ``req/s`` (requests per second) or ``sessions/s`` (session starts per second)."""
+        return "req/s" if self.min_rate_req_per_s is not None else "sessions/s"
+
+    @property
+    def over_sessions(self) -> bool:
+        """Whether the search is over session start rates (a suite with a ``sessions:`` block)."""
+        return self.unit == "sessions/s"
+
+    @property
+    def rate_suffix(self) -> str:
+        """The unit's suffix of the bracket fields and the record keys (``req_per_s``, ``sessions_per_s``)."""
+        return RATE_UNITS[self.unit][0]
+
+    @property
+    def attainment_key(self) -> str:
+        """The record key a probe is judged by: ``slo_attainment``, or ``session_slo_attainment`` over sessions."""
+        return RATE_UNITS[self.unit][1]
+
+    @property
+    def min_rate(self) -> float:
+        return self.min_rate_req_per_s if self.unit == "req/s" else self.min_rate_sessions_per_s
+
+    @property
+    def max_rate(self) -> float:
+        return self.max_rate_req_per_s if self.unit == "req/s" else self.max_rate_sessions_per_s
+
     def grid(self) -> tuple[float, ...]:
-        """The rates every series may probe, increasing (req/s): the module docstring's grid."""
-        lo, hi, res = self.min_rate_req_per_s, self.max_rate_req_per_s, self.resolution
+        """The rates every series may probe, increasing (`unit`): the module docstring's grid."""
+        lo, hi, res = self.min_rate, self.max_rate, self.resolution
         steps = max(1, math.ceil(math.log(hi / lo) / math.log1p(res) - 1e-9))
         while True:  # one more step when rounding pushed a ratio past the resolution (a 1e-6 effect)
             q = (hi / lo) ** (1 / steps)
@@ -141,9 +195,13 @@ class CapacitySearch(BaseModel):
         """One line: the grid, the target and the probes (for the run's header and the table)."""
         rates = self.grid()
         step = (rates[-1] / rates[0]) ** (1 / (len(rates) - 1))
+        what = "session start rates" if self.over_sessions else "Poisson rates"
+        judged = (
+            "session SLO attainment (every turn of a session meets the SLO)" if self.over_sessions else "SLO attainment"
+        )
         return (
-            f"the highest of {len(rates)} Poisson rates from {rates[0]:g} to {rates[-1]:g} req/s (x{step:.3g} a step, "
-            f"resolution {self.resolution:g}) with SLO attainment >= {self.target_attainment:g}, at most "
+            f"the highest of {len(rates)} {what} from {rates[0]:g} to {rates[-1]:g} {self.unit} (x{step:.3g} a step, "
+            f"resolution {self.resolution:g}) with {judged} >= {self.target_attainment:g}, at most "
             f"{self.probes} probes a series"
         )
 
@@ -159,10 +217,11 @@ def probe_seed(seed: int) -> int:
     return seed * 1_009  # the seed a rate sweep's first load takes (`ServingSuite.workload_seed`)
 
 
-def passed(record: Mapping[str, Any], target_attainment: float) -> bool:
-    """Whether a probe's record (or point body) meets the target: ``ok`` and ``slo_attainment >= target``; an
-    ``oom`` probe, or one without arrivals (attainment null), fails (an ``error`` one is no result: `results`)."""
-    attainment = record.get("slo_attainment")
+def passed(record: Mapping[str, Any], target_attainment: float, attainment_key: str = "slo_attainment") -> bool:
+    """Whether a probe's record (or point body) meets the target: ``ok`` and its `attainment_key` (``slo_attainment``,
+    or ``session_slo_attainment`` for a search over sessions) ``>= target``; an ``oom`` probe, or one without arrivals
+    (attainment null), fails (an ``error`` one is no result: `results`)."""
+    attainment = record.get(attainment_key)
     return record.get("status") == "ok" and attainment is not None and attainment >= target_attainment
 
 
@@ -215,15 +274,37 @@ SUMMARY_KEYS = (
 )
 
 
-def summary_fields(search: Search, rates: tuple[float, ...] | list[float], target_attainment: float) -> dict:
+def summary_keys(unit: str = "req/s") -> tuple[str, ...]:
+    """`SUMMARY_KEYS` for a search in `unit`: ``capacity_sessions_per_s``, ... over sessions."""
+    suffix = RATE_UNITS[unit][0]
+    return tuple(k.replace("req_per_s", suffix) for k in SUMMARY_KEYS)
+
+
+def rate_unit(record: Mapping[str, Any]) -> str:
+    """The unit of a probe's record or a `summaries` row: ``sessions/s`` when it has the sessions keys."""
+    return (
+        "sessions/s" if "capacity_sessions_per_s" in record or record.get("capacity_unit") == "sessions/s" else "req/s"
+    )
+
+
+def rate_of(record: Mapping[str, Any], which: str = "") -> float | None:
+    """A record's capacity (`which` ``""``), or its bracket's ``lo`` / ``hi``, in its own unit (`rate_unit`)."""
+    suffix = RATE_UNITS[rate_unit(record)][0]
+    return record.get(f"capacity_{which + '_' if which else ''}{suffix}")
+
+
+def summary_fields(
+    search: Search, rates: tuple[float, ...] | list[float], target_attainment: float, unit: str = "req/s"
+) -> dict:
     """The search's state under its record keys: ``capacity_status``, ``capacity_req_per_s`` (the highest passing
     rate; only when ``ok``), the bracket ``capacity_lo_req_per_s`` (highest passing rate probed, null: none passed)
     and ``capacity_hi_req_per_s`` (lowest failing rate probed, null: none failed), ``capacity_probes`` (probes
-    used) and ``capacity_target_attainment``."""
+    used) and ``capacity_target_attainment``; over sessions (`unit` ``sessions/s``) the rates under
+    ``capacity_sessions_per_s``, ``capacity_lo_sessions_per_s`` and ``capacity_hi_sessions_per_s``."""
     lo = rates[search.lo] if search.lo is not None else None
     hi = rates[search.hi] if search.hi is not None else None
     values = (search.status, lo if search.status == "ok" else None, lo, hi, len(search.path), target_attainment)
-    return dict(zip(SUMMARY_KEYS, values, strict=True))
+    return dict(zip(summary_keys(unit), values, strict=True))
 
 
 def by_series(points: Iterable) -> dict[str, list]:
@@ -243,7 +324,7 @@ def search_series(spec: CapacitySearch, series_points: list, latest: Mapping[str
     is a result."""
     target = spec.target_attainment
     results = {
-        i: passed(latest[p.point_id], target)
+        i: passed(latest[p.point_id], target, spec.attainment_key)
         for i, p in enumerate(series_points)
         if latest.get(p.point_id, {}).get("status") in RESULT_STATUSES
     }
@@ -267,8 +348,9 @@ def summaries(spec: CapacitySearch, points: Iterable, records: Iterable[dict]) -
         out.append(
             {
                 "series": series,
-                **summary_fields(search, rates, spec.target_attainment),
+                **summary_fields(search, rates, spec.target_attainment, spec.unit),
                 "capacity_errored_probes": errored,
+                "capacity_unit": spec.unit,
             }
         )
     return out
@@ -297,7 +379,7 @@ def searches(suite, records: list[dict], run: Callable[[Any], dict]) -> Iterator
             after = search_series(spec, pts, latest)
             body.update(
                 capacity_probe=len(after.path),
-                capacity_passed=passed(body, spec.target_attainment),
-                **summary_fields(after, rates, spec.target_attainment),
+                capacity_passed=passed(body, spec.target_attainment, spec.attainment_key),
+                **summary_fields(after, rates, spec.target_attainment, spec.unit),
             )
             yield point, body, t0

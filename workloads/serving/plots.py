@@ -16,6 +16,7 @@ import collections
 from pathlib import Path
 
 from workloads.core.results import save_figure
+from workloads.serving.capacity import RATE_UNITS, rate_of, rate_unit
 
 
 def _label(r: dict) -> str:
@@ -47,14 +48,14 @@ def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]
 
 def _capacity_label(label: str, row: dict) -> str:
     """A series' legend entry: its capacity, or what its search found instead."""
-    lo, hi, status = row.get("capacity_lo_req_per_s"), row.get("capacity_hi_req_per_s"), row["capacity_status"]
+    lo, hi, status, unit = rate_of(row, "lo"), rate_of(row, "hi"), row["capacity_status"], rate_unit(row)
     if status == "ok":
-        return f"{label}: {row['capacity_req_per_s']:.3g} req/s"
+        return f"{label}: {rate_of(row):.3g} {unit}"
     if status == "below_min_rate":
-        return f"{label}: < {hi:.3g} req/s (below the bracket)"
+        return f"{label}: < {hi:.3g} {unit} (below the bracket)"
     if status == "at_least_max_rate":
-        return f"{label}: >= {lo:.3g} req/s (the bracket's top passed)"
-    bracket = f"{'-' if lo is None else format(lo, '.3g')} to {'-' if hi is None else format(hi, '.3g')} req/s"
+        return f"{label}: >= {lo:.3g} {unit} (the bracket's top passed)"
+    bracket = f"{'-' if lo is None else format(lo, '.3g')} to {'-' if hi is None else format(hi, '.3g')} {unit}"
     return f"{label}: {status.replace('_', ' ')}, {bracket}"
 
 
@@ -70,10 +71,12 @@ def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
     (a star and a dotted line at it); None when no series has a probe."""
     import matplotlib.pyplot as plt
 
+    unit = rate_unit(capacity[0]) if capacity else "req/s"
+    key = RATE_UNITS[unit][1]  # a search over sessions is judged by the session SLO attainment
     probes = collections.defaultdict(list)
     for r in records:
         if r.get("series") is not None and r.get("load") is not None:
-            attained = r.get("slo_attainment") if r.get("status") == "ok" else 0.0
+            attained = r.get(key) if r.get("status") == "ok" else 0.0
             probes[r["series"]].append((r["load"], attained, r.get("status") == "ok", r))
     if not any(probes.get(row["series"]) for row in capacity):
         return None
@@ -87,7 +90,7 @@ def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
         bad = [p for p in pts if not p[2]]
         if bad:
             ax.scatter([p[0] for p in bad], [p[1] for p in bad], marker="x", color=line.get_color(), zorder=3)
-        cap = row.get("capacity_req_per_s")
+        cap = rate_of(row)
         if cap is not None:
             at = next((p[1] for p in pts if p[0] == cap), None)
             ax.axvline(cap, color=line.get_color(), ls=":", alpha=0.8)
@@ -97,10 +100,11 @@ def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
     for t in targets:
         ax.axhline(t, color="0.3", ls="--", lw=1, label=f"target {t:g}")
     ax.set_xscale("log")
-    ax.set_xlabel("Poisson request rate (requests/s)")
-    ax.set_ylabel("SLO attainment (share of requests)")
+    sessions = unit == "sessions/s"
+    ax.set_xlabel("session start rate (sessions/s)" if sessions else "Poisson request rate (requests/s)")
+    ax.set_ylabel("session SLO attainment (share of sessions)" if sessions else "SLO attainment (share of requests)")
     ax.set_ylim(-0.03, 1.05)
-    ax.set_title("SLO attainment vs request rate; capacity marked (star)")
+    ax.set_title(f"SLO attainment vs {'session' if sessions else 'request'} rate; capacity marked (star)")
     return _finish(fig, ax, out_dir / "attainment_vs_rate.png", grid_which="both")
 
 

@@ -20,6 +20,7 @@ from workloads.core.template import Report
 from workloads.load.metrics import FLAGGED_PERCENTILES, RATE_SHORTFALL_FRACTION
 from workloads.load.numbers import significant
 from workloads.load.slo import describe_slo
+from workloads.serving.capacity import RATE_UNITS, rate_of, rate_unit
 from workloads.serving.plots import write_plots
 
 #: The percentiles of the table's TTFT and TPOT columns.
@@ -56,7 +57,7 @@ TABLE = [  # (header with unit, key, format)
 
 CAPACITY_TABLE = [  # (header with unit, key, format): one row per series of a capacity suite
     ("series", "series", "s"),
-    ("capacity (req/s)", "capacity_req_per_s", ".4g"),
+    ("capacity (req/s)", "capacity", ".4g"),  # in sessions/s for a search over sessions
     ("passes / fails at (req/s)", "bracket", "s"),
     ("probes", "capacity_probes", "d"),
     ("errored probes", "capacity_errored_probes", "d"),
@@ -98,22 +99,28 @@ CAPACITY_STATUS_NOTES = {
 
 def capacity_markdown(rows: list[dict]) -> str:
     """Each series' capacity at the SLO (`rows`: `workloads.serving.capacity.summaries`) as a Markdown table under
-    a line naming the target, and a footer saying what its statuses mean."""
+    a line naming the target, and a footer saying what its statuses mean; a search over sessions in sessions/s."""
     g = lambda v: format_value(v, ".4g")  # noqa: E731
-    body = [
-        {**r, "bracket": f"{g(r.get('capacity_lo_req_per_s'))} / {g(r.get('capacity_hi_req_per_s'))}"} for r in rows
-    ]
+    unit = rate_unit(rows[0]) if rows else "req/s"
+    body = [{**r, "capacity": rate_of(r), "bracket": f"{g(rate_of(r, 'lo'))} / {g(rate_of(r, 'hi'))}"} for r in rows]
+    columns = [(h.replace("req/s", unit), k, f) for h, k, f in CAPACITY_TABLE]
     targets = ", ".join(sorted({f"{r['capacity_target_attainment']:g}" for r in rows})) or "-"
     seen = [s for s in CAPACITY_STATUS_NOTES if any(r["capacity_status"] == s for r in rows)]
-    footer = "; ".join(CAPACITY_STATUS_NOTES[s] for s in seen) + (
+    notes = {k: v.replace("req_per_s", RATE_UNITS[unit][0]) for k, v in CAPACITY_STATUS_NOTES.items()}
+    footer = "; ".join(notes[s] for s in seen) + (
         "; errored: a probe errored, so its series stopped (resume the run to probe it again)."
         if any(r.get("capacity_errored_probes") for r in rows)
         else "."
     )
+    what = (
+        "the highest session start rate of the grid whose session SLO attainment (a session meets the SLO when "
+        "every one of its turns does) is"
+        if unit == "sessions/s"
+        else "the highest Poisson rate of the grid whose SLO attainment is"
+    )
     return (
-        f"Capacity at the SLO: per series, the highest Poisson rate of the grid whose SLO attainment is >= {targets}"
-        " (a bisection; every probe is a row of the table below).\n\n"
-        + markdown_table(CAPACITY_TABLE, body, footer=footer)
+        f"Capacity at the SLO: per series, {what} >= {targets}"
+        " (a bisection; every probe is a row of the table below).\n\n" + markdown_table(columns, body, footer=footer)
     )
 
 

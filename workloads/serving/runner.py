@@ -92,10 +92,15 @@ class ServingKind(Kind):
                 f"capacity: per series, {suite.capacity.describe()}; SLO {describe_slo(*suite.slo.record_fields().values())}"
             )
             target = suite.capacity.target_attainment
-            if target < 1 and suite.num_requests and suite.num_requests * (1 - target) < 1:
+            n, what = (
+                (suite.sessions.users, "sessions")
+                if suite.capacity.over_sessions and suite.sessions.users
+                else (suite.num_requests, "requests")
+            )
+            if target < 1 and n and n * (1 - target) < 1:
                 yield (
-                    f"capacity: {suite.num_requests} measured requests a probe: an attainment of {target:g} allows no "
-                    f"miss (at least {math.ceil(1 / (1 - target))} requests let one request miss)"
+                    f"capacity: {n} measured {what} a probe: an attainment of {target:g} allows no "
+                    f"miss (at least {math.ceil(1 / (1 - target))} {what} let one miss)"
                 )
 
     def progress(self, suite: ServingSuite, points: list[ServingPoint], latest: list[dict]) -> Progress:
@@ -233,14 +238,17 @@ def _search_line(rec: dict) -> str:
     """A capacity probe's part of its progress line: passed or not, and the search's state after it."""
     if rec.get("capacity_status") is None:
         return ""
-    f = lambda key: "-" if rec.get(key) is None else f"{rec[key]:.4g}"  # noqa: E731
+    g = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    unit = capacity.rate_unit(rec)
+    attained = rec.get(capacity.RATE_UNITS[unit][1])
     verdict = "passed" if rec.get("capacity_passed") else "failed"
     state = rec["capacity_status"]
-    bracket = f"passes at {f('capacity_lo_req_per_s')}, fails at {f('capacity_hi_req_per_s')} req/s"
-    state = f"capacity {f('capacity_req_per_s')} req/s ({bracket})" if state == "ok" else f"{state} ({bracket})"
+    bracket = f"passes at {g(capacity.rate_of(rec, 'lo'))}, fails at {g(capacity.rate_of(rec, 'hi'))} {unit}"
+    state = f"capacity {g(capacity.rate_of(rec))} {unit} ({bracket})" if state == "ok" else f"{state} ({bracket})"
+    what = "session attainment" if unit == "sessions/s" else "attainment"
     return (
-        f"\n          capacity probe {rec.get('capacity_probe')} at {f('load')} req/s {verdict} "
-        f"(attainment {f('slo_attainment')} vs target {rec.get('capacity_target_attainment'):g}); search: {state}"
+        f"\n          capacity probe {rec.get('capacity_probe')} at {g(rec.get('load'))} {unit} {verdict} "
+        f"({what} {g(attained)} vs target {rec.get('capacity_target_attainment'):g}); search: {state}"
     )
 
 

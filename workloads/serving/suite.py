@@ -88,7 +88,7 @@ from workloads.core.suite import (
     point_id,
 )
 from workloads.load.lengths import LengthDist
-from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern
+from workloads.load.patterns import ARRIVALS, CAP_POLICIES, MODES, LoadConfig, LoadPattern, mode_pattern
 from workloads.load.sessions import SessionSpec
 from workloads.load.slo import DEFAULT_SLO, SLO
 from workloads.serving.capacity import CapacitySearch, probe_seed
@@ -250,8 +250,9 @@ class ServingSuite(_EngineKnobs):
 
     @property
     def pattern(self) -> type[LoadPattern]:
-        """The load pattern the suite's `mode` sweeps (`workloads.load.patterns.MODES`)."""
-        return MODES[self.mode][0]
+        """The load pattern the suite's `mode` sweeps (`workloads.load.patterns.mode_pattern`: `mode: capacity` with a
+        `sessions:` block searches session start rates)."""
+        return mode_pattern(self.mode, self.sessions is not None)[0]
 
     @property
     def pattern_options(self) -> dict:
@@ -275,7 +276,7 @@ class ServingSuite(_EngineKnobs):
         """What the mode's pattern supplies itself (a trace's lengths), and the fields it forbids."""
         if not isinstance(data, dict) or data.get("mode") not in MODES:
             return data
-        pattern, options = MODES[data["mode"]]
+        pattern, options = mode_pattern(data["mode"], data.get("sessions") is not None)
         try:
             return pattern.suite_defaults(data, **options)
         except ValueError as e:
@@ -287,6 +288,18 @@ class ServingSuite(_EngineKnobs):
         if self.capacity is not None and not self.capacity_search:
             raise SuiteError(
                 f"capacity: only used in mode capacity (the search over Poisson rates), not in {self.mode}"
+            )
+        if self.capacity_search and self.capacity.over_sessions != (self.sessions is not None):
+            sfx = self.capacity.rate_suffix
+            raise SuiteError(
+                f"capacity.min_rate_{sfx}, capacity.max_rate_{sfx}: "
+                + (
+                    "a search over session start rates needs a sessions: block (the conversations it starts); give "
+                    "one, or search request rates with min_rate_req_per_s and max_rate_req_per_s"
+                    if self.capacity.over_sessions
+                    else "with a sessions: block mode capacity searches session start rates: give "
+                    "min_rate_sessions_per_s and max_rate_sessions_per_s (sessions/s)"
+                )
             )
         at_most_one(
             self,
