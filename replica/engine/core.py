@@ -339,6 +339,7 @@ class ContinuousBatchingEngine(EngineReadout):
         every live cache, and on the paged layout the pool's used and free blocks (the preallocated layout has no
         pool, so no block series)."""
         caches = self.flight.caches()
+        self.kv.track_held()
         with recording():
             self.metrics.set_running(self.running)
             self.metrics.set_queued(len(self.queue))
@@ -382,6 +383,7 @@ class ContinuousBatchingEngine(EngineReadout):
             **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
             **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
             **self._prefix_stats(s),
+            **self.kv.held_stats(),
         }
 
     def _prefix_stats(self, s: dict) -> dict:

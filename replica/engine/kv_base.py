@@ -43,6 +43,7 @@ class KVBudget:
         self.pool: BlockPool | None = None
         self.prefix = None  # the paged layout's `PrefixCachingPool` when prefix caching is on
         self.sessions = None  # the paged layout's `SessionStatePool` under kv_reuse: session_state
+        self.peak_held_kv_bytes = self.peak_held_bookkeeping_bytes = 0  # `track_held`'s, since `reset_peak`
 
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
         """A request's B: its own ``budget_from_ratio(prompt + max_new, ratio, policy)`` under ``budget: per_request``
@@ -109,8 +110,40 @@ class KVBudget:
     def memory_refusal(self, prompt_tokens: int, max_new_tokens: int, budget: int | None, chunk: int | None):
         raise NotImplementedError
 
+    def held_kv(self) -> tuple[int, int] | None:
+        """``(pool bytes, bookkeeping bytes)`` that KV kept for later requests holds now (no row uses it: a kept
+        session state, an idle prefix-cache entry); None when the engine keeps none (the paged layout's own)."""
+        return None
+
+    def track_held(self) -> None:
+        """Raise the peaks of `held_kv` to what it holds now (the engine calls it after every step)."""
+        held = self.held_kv()
+        if held is not None:
+            self.peak_held_kv_bytes = max(self.peak_held_kv_bytes, held[0])
+            self.peak_held_bookkeeping_bytes = max(self.peak_held_bookkeeping_bytes, held[1])
+
+    def held_stats(self) -> dict:
+        """`stats()`'s held KV keys (bytes; all None when the engine keeps nothing for later requests):
+        ``held_kv_bytes`` and ``peak_held_kv_bytes``, the pool blocks kept session states or idle prefix-cache
+        entries hold (inside the KV memory limit: the pool is sized to it, and they are reclaimed on demand), and
+        ``held_bookkeeping_bytes`` / ``peak_held_bookkeeping_bytes``, the kept states' slot times and policy
+        statistics (outside the pool, not charged against the limit: reported)."""
+        held = self.held_kv()
+        if held is None:
+            return dict.fromkeys(
+                ("held_kv_bytes", "peak_held_kv_bytes", "held_bookkeeping_bytes", "peak_held_bookkeeping_bytes")
+            )
+        return {
+            "held_kv_bytes": held[0],
+            "peak_held_kv_bytes": max(self.peak_held_kv_bytes, held[0]),
+            "held_bookkeeping_bytes": held[1],
+            "peak_held_bookkeeping_bytes": max(self.peak_held_bookkeeping_bytes, held[1]),
+        }
+
     def reset_peak(self) -> None:
-        """Start the peak of blocks in use (`pool_stats`) from now."""
+        """Start the peak of blocks in use (`pool_stats`) and of the held KV (`held_stats`) from now."""
+        held = self.held_kv()
+        self.peak_held_kv_bytes, self.peak_held_bookkeeping_bytes = held if held is not None else (0, 0)
         if self.pool is not None:
             self.pool.peak_blocks_in_use = self.pool.blocks_in_use
             if hasattr(self.pool, "reset_counts"):

@@ -232,6 +232,15 @@ class PagedBudget(KVBudget):
             "session_state_reclaimed_blocks": s.reclaimed_blocks if s is not None else None,
         }
 
+    def held_kv(self) -> tuple[int, int] | None:
+        """Kept session states: their pool blocks and their bookkeeping; idle prefix-cache entries: their pool blocks
+        (a cached block a row holds is that row's, counted in the live caches). In bytes."""
+        if self.sessions is not None:
+            return self.sessions.held_blocks * self.pool.block_nbytes(), self.sessions.bookkeeping_bytes()
+        if self.prefix is not None:
+            return self.prefix.num_layers * len(self.prefix.idle) * self.pool.block_nbytes(), 0
+        return None
+
     def prefix_stats(self) -> dict:
         if self.sessions is not None:
             return {**super().prefix_stats(), **self.session_stats()}

@@ -138,13 +138,23 @@ def _run(tmp_path: Path, pool=None, suite: str = SUITE) -> tuple[int, list[dict]
     return rc, [json.loads(x) for x in lines]
 
 
-def test_the_real_engines_reuse_what_the_sessions_share_and_pass(tmp_path):
+def test_the_real_engines_reuse_what_the_sessions_share_pass_and_record_the_kv_they_held(tmp_path):
     rc, (full, prefix, kept) = _run(tmp_path)
     assert rc == 0 and [r["status"] for r in (full, prefix, kept)] == ["ok"] * 3
     assert [r["reuse_check"] for r in (full, prefix, kept)] == ["passed"] * 3
     assert [r["reuse_over_turns"] for r in (full, prefix, kept)] == [0, 0, 0]
     assert (full["reuse_short_turns"], prefix["reuse_short_turns"], kept["reuse_short_turns"]) == (None, 0, 0)
     assert prefix["cached_prompt_tokens"] > 0 and kept["cached_prompt_tokens"] > 0  # a pass that reused something
+    # the KV kept between turns, beside the live peaks: none without state; pool bytes for both ways, bookkeeping
+    # (outside the pool) only for the kept states
+    assert (full["peak_held_kv_bytes"], full["peak_held_bookkeeping_bytes"]) == (None, None)
+    for r in (prefix, kept):
+        (stats,) = r["replica_stats"]
+        assert r["peak_held_kv_bytes"] == stats["peak_held_kv_bytes"] > 0
+        assert r["peak_held_kv_bytes_per_replica"] == [stats["peak_held_kv_bytes"]]
+        assert r["peak_held_kv_bytes"] <= r["kv_memory_limit_bytes"]
+    assert prefix["peak_held_bookkeeping_bytes"] == 0 and kept["peak_held_bookkeeping_bytes"] > 0
+    assert "| peak held KV (MiB) |" in (tmp_path / "r" / "p" / "table.md").read_text()
 
 
 class Tampering:

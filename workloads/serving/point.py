@@ -153,6 +153,7 @@ def run_point(
             "recomputed_tokens": _sum_reported(stats, "recomputed_tokens"),
             **prefix_cache_fields(stats, result.records),
             **session_state_fields(stats, result.records),
+            **held_kv_fields(stats),
             "peak_kv_blocks_in_use_per_replica": [s.get("peak_kv_blocks_in_use") for s in stats],
             # OpenVINO's eviction whose max_cache_size holds the longest sequence runs the full cache: said here
             **eviction_reach(
@@ -163,6 +164,9 @@ def run_point(
             "repeated_prompts": getattr(reqs, "repeats_sent", 0),
         }
     )
+    over = held_bookkeeping_over_limit(stats)
+    if over:
+        out["warnings"] = list(out.get("warnings") or []) + [over]
     if out["repeated_prompts"]:
         out["warnings"] = list(out.get("warnings") or []) + [
             f"{out['repeated_prompts']} request(s) repeated an earlier prompt of the point (warm-up included): "
@@ -234,6 +238,42 @@ def session_state_fields(stats: list[dict], records) -> dict:
     out["session_affinity_turns"] = len(said) if said else None
     out["session_affinity_hits"] = sum(r.session_affinity_hit for r in said) if said else None
     return out
+
+
+def held_kv_fields(stats: list[dict]) -> dict:
+    """The KV kept for later requests, beside the live caches' peaks (bytes; None when no replica's engine keeps any:
+    no prefix cache, no `kv_reuse: session_state`; `replica.engine.kv_base.KVBudget.held_stats`):
+
+    * ``peak_held_kv_bytes``: the most pool bytes kept session states or idle prefix-cache entries held on a
+      replica (its peak since the point started; the max over replicas, as ``kv_cache_bytes``), and
+      ``peak_held_kv_bytes_per_replica``. Inside the KV memory limit (the pool is the limit; reclaimed on demand).
+    * ``peak_held_bookkeeping_bytes``: the most bytes the kept session states' bookkeeping (slot times, policy
+      statistics) held on a replica: outside the pool and not charged against the limit, so reported here."""
+    per = [s.get("peak_held_kv_bytes") for s in stats]
+    book = [s["peak_held_bookkeeping_bytes"] for s in stats if s.get("peak_held_bookkeeping_bytes") is not None]
+    return {
+        "peak_held_kv_bytes": max([x for x in per if x is not None], default=None),
+        "peak_held_kv_bytes_per_replica": per,
+        "peak_held_bookkeeping_bytes": max(book, default=None),
+    }
+
+
+def held_bookkeeping_over_limit(stats: list[dict]) -> str | None:
+    """A warning when a replica's peak live KV bytes plus its kept states' peak bookkeeping (not charged against the
+    limit) pass its KV memory limit (an upper bound: the two peaks may fall at different times); else None."""
+    for s in stats:
+        book, peak, limit = (
+            s.get("peak_held_bookkeeping_bytes"),
+            s.get("peak_kv_cache_bytes"),
+            s.get("kv_memory_limit_bytes"),
+        )
+        if book and peak is not None and limit is not None and peak + book > limit:
+            return (
+                f"replica {s.get('replica_id')}: its peak KV bytes ({peak}) plus the kept session states' peak "
+                f"bookkeeping ({book}, outside the pool and not charged against the limit) pass its KV memory limit "
+                f"({limit}) by up to {peak + book - limit} bytes"
+            )
+    return None
 
 
 def _sum_reported(stats: list[dict], key: str) -> int | None:

@@ -45,6 +45,7 @@ TABLE = [  # (header with unit, key, format)
     ("goodput (req/s)", "goodput_req_per_s", ".3f"),
     ("goodput (tok/s)", "goodput_tok_per_s", ".1f"),
     ("peak KV (MiB)", "kv_mib", ".1f"),
+    ("peak held KV (MiB)", "held_kv_mib", ".2f"),  # kept session states / idle prefix-cache entries (optional)
     ("peak running", "peak_running", "s"),
     ("prefix cache hit rate", "prefix_cache_hit_rate", ".3f"),  # only when a point has it (`table_columns`)
     ("session reused tokens", "session_reused_tokens", "d"),  # kv_reuse: session_state (likewise)
@@ -156,6 +157,7 @@ def table_rows(records: list[dict]) -> list[dict]:
             f"{r['slo_attainment']:.3f} (n={r.get('slo_requests')})" if r.get("slo_attainment") is not None else "-"
         )
         d["kv_mib"] = r["kv_cache_bytes"] / MIB if r.get("kv_cache_bytes") is not None else None
+        d["held_kv_mib"] = r["peak_held_kv_bytes"] / MIB if r.get("peak_held_kv_bytes") is not None else None
         d["peak_running"] = ",".join(str(x) for x in r.get("peak_running_sequences_per_replica") or []) or "-"
         d["cpu"] = cpu_share.mark(r)
         if r.get("openvino_evicts") is False:  # an eviction label on a row that ran the full cache
@@ -213,12 +215,15 @@ def slo_line(records: list[dict]) -> str:
 
 #: Columns shown only when some record has a value for them (the prefix cache's and the session state's: null for
 #: every point without them).
-OPTIONAL_COLUMNS = frozenset({"prefix_cache_hit_rate", "session_reused_tokens", "session_affinity_hits"})
+OPTIONAL_COLUMNS = frozenset({"prefix_cache_hit_rate", "session_reused_tokens", "session_affinity_hits", "held_kv_mib"})
+#: The record key an optional column shows (its own key when not listed).
+OPTIONAL_SOURCES = {"held_kv_mib": "peak_held_kv_bytes"}
 
 
 def table_columns(records: list[dict]) -> list[tuple]:
     """`TABLE` less each of `OPTIONAL_COLUMNS` that no record has a value for."""
-    return [c for c in TABLE if c[1] not in OPTIONAL_COLUMNS or any(r.get(c[1]) is not None for r in records)]
+    has = lambda key: any(r.get(OPTIONAL_SOURCES.get(key, key)) is not None for r in records)  # noqa: E731
+    return [c for c in TABLE if c[1] not in OPTIONAL_COLUMNS or has(c[1])]
 
 
 def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> str:
