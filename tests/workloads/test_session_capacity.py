@@ -196,3 +196,21 @@ def test_a_session_trace_cannot_be_searched_over_rates(tmp_path, capsys):
 def test_a_request_capacity_search_keeps_its_keys_and_fields():
     spec = CapacitySearch(min_rate_req_per_s=1, max_rate_req_per_s=4, resolution=1)
     assert (spec.unit, spec.attainment_key, spec.grid()) == ("req/s", "slo_attainment", (1, 2, 4))
+
+
+def test_the_sessions_capacity_suite_searches_the_series_of_the_sessions_suite_under_one_limit():
+    root = Path(__file__).resolve().parents[2]
+    raw = yaml.safe_load((root / "workloads" / "suites" / "sessions-capacity.yaml").read_text())
+    suite = load_suite(str(root / "workloads" / "suites" / "sessions-capacity.yaml"))
+    sessions = load_suite(str(root / "workloads" / "suites" / "sessions.yaml"))
+    assert suite.pattern is patterns.SessionsLoad and suite.capacity.unit == "sessions/s"
+    series = lambda s: list(  # noqa: E731
+        dict.fromkeys(
+            (c.policy, c.compression_ratio, c.enable_prefix_caching, c.kv_reuse)
+            for c in (s.engine_config(p) for p in s.points())
+        )
+    )
+    assert series(suite) == series(sessions)  # the same four series
+    assert suite.sessions == sessions.sessions and raw["kv_memory_limit"] == {"full_sequences": 2}
+    assert suite.capacity.grid() == (0.25, 0.5, 1, 2, 4) and suite.capacity.probes == 3
+    assert len({suite.workload_seed(p) for p in suite.points()}) == 1  # paired at every rate

@@ -40,6 +40,11 @@ request rate whose SLO attainment stays at or above a target, found by bisection
   resumed with a larger `max_probes` goes on where a ``not_converged`` search stopped, and one resumed with another
   target or bracket reuses every probe it recorded at a rate of the new grid.
 
+**Over sessions** (a suite with a ``sessions:`` block, `workloads.load.sessions`): the bracket is
+``min_rate_sessions_per_s`` / ``max_rate_sessions_per_s``, the rates are session start rates, a probe passes on its
+``session_slo_attainment`` (a session meets the SLO when every one of its turns does), and the record keys say
+``sessions_per_s`` instead of ``req_per_s`` (`summary_keys`, `rate_of`); everything else is the same.
+
 Every probe is a full serving point (its record, table row and Prometheus series), with the search's state after
 it: ``capacity_probe`` (its place in its series' search), ``capacity_passed``, and `summary_fields`
 (``capacity_status``, ``capacity_req_per_s``, the bracket ``capacity_lo_req_per_s`` / ``capacity_hi_req_per_s``,

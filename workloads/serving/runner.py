@@ -16,7 +16,8 @@ replicas' peak KV bytes and running sequences, status and `stop_reason`.
 * `--resume RUN_ID` skips points already `ok`, `oom` or `skipped`; a point in progress when the
   sweep was killed simply runs again.
 * `mode: capacity` (`workloads.serving.capacity`): per series a search picks the next Poisson rate of its grid
-  from the last probe's SLO attainment, one probe at a time; every probe is a point, with the search's state
+  (a session start rate, judged by the session SLO attainment, with a `sessions:` block) from the last probe's SLO
+  attainment, one probe at a time; every probe is a point, with the search's state
   after it. A resumed run re-derives each search from the records: no probe recorded ok or oom runs again; an
   errored one stopped its series (exit 1) and runs again.
 * At the end: `table.md`, and PNG plots next to the results (`workloads.serving.report`).

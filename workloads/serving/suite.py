@@ -35,7 +35,9 @@ names the load::
     trace_time_scale: 0.5         #   prompt and output tokens per row (docs/load-generation.md)
     capacity: {min_rate_req_per_s: 0.1, max_rate_req_per_s: 1.6, target_attainment: 0.99, resolution: 0.25}
                                   # capacity mode (instead of loads): per series the highest Poisson rate whose SLO
-                                  #   attainment >= target, by bisection on a grid (workloads.serving.capacity)
+                                  #   attainment >= target, by bisection on a grid (workloads.serving.capacity);
+                                  #   with a sessions: block, {min_rate_sessions_per_s, max_rate_sessions_per_s}:
+                                  #   session start rates, judged by the session SLO attainment
     sessions: {users: 4, turns: 3, message_tokens: 32, think_time_s: 0.5, system_prompt_tokens: 64,
                group_context_tokens: 32, group_size: 2}   # sessions mode (loads: session start rates, sessions/s;
                                   #   no prompt_tokens: a turn's prompt is the conversation so far;
