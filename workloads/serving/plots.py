@@ -81,11 +81,14 @@ def plot_capacity(records: list[dict], capacity: list[dict], out_dir: Path):
     if not any(probes.get(row["series"]) for row in capacity):
         return None
     fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    names = [_label(probes[row["series"]][0][3]) for row in capacity if probes.get(row["series"])]
     for row in capacity:
         pts = sorted((p for p in probes.get(row["series"], []) if p[1] is not None), key=lambda p: p[0])
         if not pts:
             continue
-        label = _capacity_label(_label(pts[0][3]), row)
+        # two series of one policy (prefix caching, a way of session reuse) are told apart by their series names
+        name = _label(pts[0][3])
+        label = _capacity_label(row["series"].split("-", 1)[-1] if names.count(name) > 1 else name, row)
         (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         bad = [p for p in pts if not p[2]]
         if bad:
