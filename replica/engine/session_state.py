@@ -3,12 +3,15 @@
 left (compressed, for a budgeted policy) is the state the next one starts from.
 
 * When a request with a `GenerationRequest.session_id` completes, its row leaves its batch as a cache of its own
-  (`split_row`): its blocks stay in the pool, its bookkeeping (slot times, policy statistics, counters) is copied.
+  (`split_row`): its blocks stay in the pool, its bookkeeping (slot times, policy statistics, counters) is copied;
+  a fault part-way keeps nothing and returns the row's blocks (`SessionStatePool.keep_row`).
   The cache has fed the request's prompt and every generated token but the last (the last was picked, never fed).
 * `SessionStatePool` is the engine's `BlockPool` holding those caches, one per session (a later request of the
   session replaces it), least recently kept first. A held state's blocks are in the pool, which is sized to the KV
   memory limit; they count as free (`free_blocks`) the way vLLM counts idle cached blocks: `allocate` reclaims
   whole states, oldest first, when the free stack runs short, so a held session never blocks a running request.
+  A step's plan counts them as in use instead (`plan_free_blocks`), and a session's state for one request of the
+  step at most (`promise`: only one row can take it; another request of the session is prefilled from text).
 * The session's next request whose prompt starts with the previous request's prompt + generated tokens starts
   from the state: its prefill feeds only the tokens past what the state has seen (the last generated token and the
   new ones, at least one). Its row is alone in its prefill group (`replica.engine.requests.same_group`), so the
