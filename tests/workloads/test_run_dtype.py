@@ -226,3 +226,32 @@ def test_a_resumed_run_keeps_the_dtype_its_points_recorded_where_the_probe_now_r
     assert sweep.main([*args, "--resume", "r"]) == 2
     assert "changed field(s) ['dtype'] (dtype: 'auto' -> 'float32')" in capsys.readouterr().err
     assert points.read_text() == first and probe_calls(alternating_probe) == 1
+
+
+def test_a_resumed_serving_run_keeps_the_dtype_its_points_recorded(alternating_probe, tmp_path):
+    """As for a batch run, through the serving runner's own replica pool: the resumed run's last point runs in the
+    bfloat16 its first point recorded, the probe not asked again (it would answer float32)."""
+    from workloads import sweep
+
+    path = tmp_path / "s.yaml"
+    suite = serving_suite(
+        name="s",
+        policies=["full"],
+        mode="concurrency",
+        loads=[1, 2],
+        prompt_tokens=uniform(8, 12),
+        new_tokens=uniform(2, 3),
+        num_requests=2,
+        dtype="auto",
+    )
+    path.write_text(yaml.safe_dump(suite))
+    args = [str(path), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "r")]
+    assert sweep.main([*args, "--run-id", "s"]) == 0
+    points = tmp_path / "r" / "s" / "points.jsonl"
+    first = points.read_text().splitlines(keepends=True)[0]
+    points.write_text(first)
+    assert sweep.main([*args, "--resume", "s"]) == 0
+    records = res.read_records(str(points))
+    assert len(records) == 2 and probe_calls(alternating_probe) == 1
+    assert [r["dtype"] for r in records] == ["bfloat16", "bfloat16"]
+    assert records[0]["dtype_reason"] == records[1]["dtype_reason"]
