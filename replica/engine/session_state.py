@@ -184,7 +184,7 @@ class SessionStatePool(BlockPool):
 
         Raises: whatever failed part-way (in `split_row` or `keep`), after keeping nothing and returning to the pool
         every block row `i` held that neither the pool's free stack nor row `i` of `cache` holds now (the caller's
-        drop frees those), so no block is lost; a state kept before stays."""
+        drop frees those), so no block is lost. The session's earlier state may be gone (this request replaces it)."""
         before = _row_blocks(cache, i)
         row = None
         try:

@@ -354,7 +354,7 @@ def _planted_failure(*args, **kwargs):
     ],
 )
 def test_a_failure_keeping_a_sessions_state_returns_the_rows_blocks_and_answers_the_request(
-    model, monkeypatch, sched, where
+    model, monkeypatch, caplog, sched, where
 ):
     """A fault planted where a finished row is split off and kept: the request is answered as without the knob, no
     state is kept, every block is back in the free stack, and the failure is counted; the session's next request
@@ -387,6 +387,7 @@ def test_a_failure_keeping_a_sessions_state_returns_the_rows_blocks_and_answers_
     assert not pool.states and pool.held_blocks == 0
     assert len(pool._free) == pool.free_blocks == pool.usable_blocks  # no block lost
     assert stats["session_state_keep_failures"] == 3  # a, b, then b2 (c has no session)
+    assert "session 'b': the state of request 'b2' was not kept (RuntimeError: planted failure)" in caplog.text
     assert out["on"]["b2"].session_reused_tokens == 0
     assert out["on"]["b2"].session_recomputed_tokens == len(prompt) + 3
 
