@@ -10,6 +10,7 @@ leave.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -25,6 +26,8 @@ from replica.engine.scheduler import SCHEDULERS
 from replica.metrics import NullMetrics
 
 __all__ = ["ContinuousBatchingEngine"]
+
+log = logging.getLogger(__name__)
 
 
 class ContinuousBatchingEngine(EngineReadout):
@@ -153,22 +156,21 @@ class ContinuousBatchingEngine(EngineReadout):
             self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
 
     def _planned(self) -> StepPlan:
-        """`Scheduler.plan`; under ``kv_reuse: session_state`` kept states count as in use while it plans, and
-        when it admits nothing while requests wait (below the batch cap) the oldest state is reclaimed and the step
-        planned again (memory pressure: a plan with the states free would admit one), until one is admitted or no
-        state is left."""
+        """`Scheduler.plan`; under ``kv_reuse: session_state`` kept states count as in use while it plans
+        (`SessionStatePool.plan_free_blocks`) and each session's state is promised to one request of the step at
+        most (`SessionStatePool.promise`), and when it admits nothing while requests wait (below the batch cap) the
+        oldest state is reclaimed and the step planned again (memory pressure: a plan with the states free would
+        admit one), until one is admitted or no state is left."""
         sessions = self.kv.sessions
         if sessions is None:
             return self.scheduler.plan(self._view(), self.kv)
         while True:
-            sessions.planning = True
-            try:
-                plan = self.scheduler.plan(self._view(), self.kv)
-            finally:
-                sessions.planning = False
+            sessions.begin_plan()
+            plan = self.scheduler.plan(self._view(), self.kv)
             stuck = not plan.consumed and len(self.queue) and self.flight.rows < self.scheduler.cap
             if not stuck or not sessions.states or plan.yield_newest:
                 return plan
+            sessions.begin_plan(states_free=True)
             if not self.scheduler.plan(self._view(), self.kv).consumed:  # the states free: still none, so wait
                 return plan
             sessions.reclaim_oldest()
@@ -209,12 +211,21 @@ class ContinuousBatchingEngine(EngineReadout):
                 self.life.add(self.life.key(seq, "session_state_misses"))
 
     def _keep_session(self, cache, i: int, seq: Sequence) -> None:
-        """Keep row `i` of `cache` for `seq`'s session (`PagedBudget.keep_session`); a failure keeps nothing (the
-        next request of the session recomputes) and never fails a request."""
+        """Keep row `i` of `cache` for `seq`'s session (`PagedBudget.keep_session`). A failure keeps nothing and
+        loses no block (the row's blocks go back to the pool when the row leaves: `SessionStatePool.keep_row`), is
+        counted (``session_state_keep_failures``) and logged, and never fails a request (the session's next request
+        recomputes from text)."""
         try:
             self.kv.keep_session(cache, i, seq)
-        except Exception:  # noqa: BLE001 - a kept state only saves work: losing it is a recompute
-            pass
+        except Exception as e:  # noqa: BLE001 - a kept state only saves work: losing it is a recompute
+            self.life.add("session_state_keep_failures")
+            log.warning(
+                "session %r: the state of request %r was not kept (%s: %s); its next request recomputes it",
+                seq.request.session_id,
+                seq.request.request_id,
+                type(e).__name__,
+                e,
+            )
 
     def step(self) -> bool:
         """One scheduling iteration (aborts, plan, prefill, preemptions, one decode step, retire); False when idle.
@@ -401,6 +412,7 @@ class ContinuousBatchingEngine(EngineReadout):
                 "session_recomputed_tokens",
                 "session_state_hits",
                 "session_state_misses",
+                "session_state_keep_failures",
             ):
                 out[k] = s.get(k, 0)
         return {**out, **self.kv.prefix_stats()}

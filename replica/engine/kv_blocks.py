@@ -7,8 +7,8 @@ import math
 from replica.engine.kv_base import KVBudget
 from replica.engine.prefix_cache import PrefixCachingPool, chain_hashes, seed_rows
 from replica.engine.requests import EngineView, Prefill, Sequence, decodes_after_prefill, steps_left
-from replica.engine.session_state import SessionStatePool, common_prefix_tokens, split_row
-from scissorhands.paged import BlockPool, paged_rows, release_cache
+from replica.engine.session_state import SessionStatePool, common_prefix_tokens
+from scissorhands.paged import BlockPool, paged_rows
 
 __all__ = ["PagedBudget"]
 
@@ -39,6 +39,11 @@ class PagedBudget(KVBudget):
             self.pool = BlockPool(usable + 1, self.config.block_tokens)
         self.prefix: PrefixCachingPool | None = self.pool if self.config.enable_prefix_caching else None
         self.sessions: SessionStatePool | None = self.pool if self.config.kv_reuse == "session_state" else None
+
+    def plan_free_blocks(self) -> int:
+        """Free blocks a step's plan may promise: the pool's (`SessionStatePool.plan_free_blocks` under
+        ``kv_reuse: session_state``)."""
+        return self.sessions.plan_free_blocks() if self.sessions is not None else self.pool.free_blocks
 
     # ------------------------------------------------------------------ one row
     def blocks(self, slots: int) -> int:
@@ -122,7 +127,7 @@ class PagedBudget(KVBudget):
     def shared_blocks(self, seq: Sequence) -> int:
         """Blocks of `seq`'s cache hit that rows hold already, all layers: its prefill takes no free block for
         them (an idle cached block it claims is taken from the free ones, so it counts as new)."""
-        if self.sessions is not None:  # a state's blocks are held from the plan on (`SessionStatePool.planning`)
+        if self.sessions is not None:  # a state's blocks are held from the plan on (`SessionStatePool.promise`)
             state = self.sessions.states.get(seq.request.session_id) if seq.from_session else None
             return state.blocks if state is not None else 0
         if self.prefix is None or not seq.cached_tokens:
@@ -180,7 +185,8 @@ class PagedBudget(KVBudget):
         if sid is None or seq.preempted or seq.request.prompt_logprobs is not None:
             return
         state = self.sessions.states.get(sid)
-        if state is not None and state.extended_by(seq.request.prompt_ids):
+        # one request of a step takes the state: a second of the session is planned as a prefill from text
+        if state is not None and state.extended_by(seq.request.prompt_ids) and self.sessions.promise(sid):
             seq.cached_tokens, seq.from_session = state.fed_tokens, True
 
     def _attach_session(self, p: Prefill) -> int:
@@ -191,16 +197,17 @@ class PagedBudget(KVBudget):
             sid = seq.request.session_id
             if sid is None or seq.preempted:
                 continue
+            promised = seq.from_session  # this step's plan counted the state's blocks as this row's
             if p.cached and seq.from_session:
                 state = self.sessions.states.get(sid)
                 if state is not None and state.fed_tokens == p.cached and p.rows == 1:
                     p.cache = self.sessions.take(sid).cache
                     seq.result.session_reused_tokens += p.cached
                     continue
-                # another request of the session admitted in this step took the state: this one starts from text
-                p.cached = p.fed = seq.cached_tokens = 0
+                p.cached = p.fed = seq.cached_tokens = 0  # not expected (`promise`): start from text
                 seq.from_session = False
-            self.sessions.drop(sid)
+            if promised or sid not in self.sessions.promised:  # a state promised to a later row of the step stays
+                self.sessions.drop(sid)
             history = self.sessions.histories.get(sid)
             if history is not None:
                 prompt = seq.request.prompt_ids
@@ -209,16 +216,13 @@ class PagedBudget(KVBudget):
 
     def keep_session(self, cache, i: int, seq: Sequence) -> None:
         """Keep row `i` of `cache` as `seq`'s session's state when `seq` (a request with a session, completed)
-        has just finished there; the caller drops that row next (it holds no block after this)."""
+        has just finished there; the caller drops that row next (it holds no block after this). Raises what failed
+        part-way, nothing kept and no block lost (`SessionStatePool.keep_row`)."""
         if self.sessions is None or seq.request.session_id is None or seq.result.error_kind is not None:
             return
         history = seq.request.prompt_ids + seq.result.output_ids
         self.sessions.remember(seq.request.session_id, history)
-        row = split_row(cache, i)
-        if row.layers[0].tokens_seen != len(history) - 1:  # not the row of these tokens: keep nothing
-            release_cache(row)
-            return
-        self.sessions.keep(seq.request.session_id, history, row)
+        self.sessions.keep_row(seq.request.session_id, history, cache, i)
 
     def session_stats(self) -> dict:
         """`stats()`'s session state gauges: states kept now, their pool blocks and bookkeeping bytes, and the
@@ -324,7 +328,7 @@ class _BlockAdmission:
     def __init__(self, kv: PagedBudget, view: EngineView):
         self.kv, self.view = kv, view
         self.widths = kv.running_widths(view)  # the running batch's bookkeeping, with the rows admitted in this step
-        self.free = kv.pool.free_blocks - kv.growth(view, 1) - kv.padding_blocks(view, self.widths)
+        self.free = kv.plan_free_blocks() - kv.growth(view, 1) - kv.padding_blocks(view, self.widths)
         self.committed = 0  # blocks the rows admitted in this step hold after their prefill
         self.before_last = 0  # ... before the last group
         self.last_peak = 0  # blocks the last group's rows hold at their prefill's peak (they peak together)

@@ -3,12 +3,15 @@
 left (compressed, for a budgeted policy) is the state the next one starts from.
 
 * When a request with a `GenerationRequest.session_id` completes, its row leaves its batch as a cache of its own
-  (`split_row`): its blocks stay in the pool, its bookkeeping (slot times, policy statistics, counters) is copied.
+  (`split_row`): its blocks stay in the pool, its bookkeeping (slot times, policy statistics, counters) is copied;
+  a fault part-way keeps nothing and returns the row's blocks (`SessionStatePool.keep_row`).
   The cache has fed the request's prompt and every generated token but the last (the last was picked, never fed).
 * `SessionStatePool` is the engine's `BlockPool` holding those caches, one per session (a later request of the
   session replaces it), least recently kept first. A held state's blocks are in the pool, which is sized to the KV
   memory limit; they count as free (`free_blocks`) the way vLLM counts idle cached blocks: `allocate` reclaims
   whole states, oldest first, when the free stack runs short, so a held session never blocks a running request.
+  A step's plan counts them as in use instead (`plan_free_blocks`), and a session's state for one request of the
+  step at most (`promise`: only one row can take it; another request of the session is prefilled from text).
 * The session's next request whose prompt starts with the previous request's prompt + generated tokens starts
   from the state: its prefill feeds only the tokens past what the state has seen (the last generated token and the
   new ones, at least one). Its row is alone in its prefill group (`replica.engine.requests.same_group`), so the
@@ -88,6 +91,11 @@ def split_row(cache, i: int):
     return row
 
 
+def _row_blocks(cache, i: int) -> list[int]:
+    """The pool blocks row `i` of `cache` holds, all layers."""
+    return [b for layer in cache.layers if getattr(layer, "is_initialized", False) for b in layer.store.blocks[i]]
+
+
 class SessionStatePool(BlockPool):
     """A `BlockPool` that holds sessions' kept caches (module docstring), reclaimed least recently kept first.
 
@@ -100,9 +108,9 @@ class SessionStatePool(BlockPool):
         # each session's last history, kept after its state is gone, so a recompute is counted
         self.histories: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
         self.reclaimed_states = self.reclaimed_blocks = 0  # since `reset_counts`
-        # while a step is planned, kept states count as in use: a request admitted in it may take one (its blocks
-        # then held from the plan on, beside every other group's prefill), and admission must not promise them too
-        self.planning = False
+        # the step being planned (`begin_plan`; the engine's thread only, so `free_blocks` never depends on it)
+        self.promised: set[str] = set()
+        self.states_free_in_plan = False
 
     @property
     def held_blocks(self) -> int:
@@ -111,9 +119,32 @@ class SessionStatePool(BlockPool):
 
     @property
     def free_blocks(self) -> int:
-        """Blocks a row can take now: the free stack and every kept state's (reclaimed on demand); while a step is
-        planned (`planning`), the free stack only (`reclaim_oldest` frees a state's when nothing else fits)."""
-        return len(self._free) + (0 if self.planning else self.held_blocks)
+        """Blocks a row can take now: the free stack and every kept state's (reclaimed on demand). The same figure
+        from any thread at any time (`stats()`, `reset_stats()`): a step's plan counts with `plan_free_blocks`."""
+        return len(self._free) + self.held_blocks
+
+    def begin_plan(self, states_free: bool = False) -> None:
+        """Start planning a step (the engine's thread, under its queue lock): no session's state promised to a
+        request yet (`promise`); `states_free`: the plan counts the kept states' blocks as free (only to ask
+        whether reclaiming states would admit a request)."""
+        self.promised = set()
+        self.states_free_in_plan = states_free
+
+    def plan_free_blocks(self) -> int:
+        """Blocks the step being planned may promise: the free stack only, unless `begin_plan` said the states are
+        free. A request admitted in the step may take a kept state (its blocks held from the plan on, beside every
+        other group's prefill), so admission must not promise them too; `reclaim_oldest` frees a state's blocks
+        when nothing else fits."""
+        return len(self._free) + (self.held_blocks if self.states_free_in_plan else 0)
+
+    def promise(self, session_id: str) -> bool:
+        """Whether a request of the step being planned may start from `session_id`'s state: True for the first
+        that asks (its blocks are then counted as that request's), False for every later one of the step (only one
+        row can take a state, so a second request of the session is planned as a prefill from text)."""
+        if session_id in self.promised:
+            return False
+        self.promised.add(session_id)
+        return True
 
     @property
     def blocks_in_use(self) -> int:
@@ -146,6 +177,31 @@ class SessionStatePool(BlockPool):
         self.drop(session_id)
         self.states[session_id] = SessionState(session_id, list(history), cache, cache_blocks(cache))
         self.remember(session_id, history)
+
+    def keep_row(self, session_id: str, history: list[int], cache, i: int) -> bool:
+        """Take row `i` of `cache` out (`split_row`) and keep it as `session_id`'s state when it has fed
+        ``history[:-1]`` (else free it); True when kept. The caller drops row `i` of `cache` next.
+
+        Raises: whatever failed part-way (in `split_row` or `keep`), after keeping nothing and returning to the pool
+        every block row `i` held that neither the pool's free stack nor row `i` of `cache` holds now (the caller's
+        drop frees those), so no block is lost. The session's earlier state may be gone (this request replaces it)."""
+        before = _row_blocks(cache, i)
+        row = None
+        try:
+            row = split_row(cache, i)
+            if row.layers[0].tokens_seen != len(history) - 1:  # not the row of these tokens: keep nothing
+                release_cache(row)
+                return False
+            self.keep(session_id, history, row)
+            return True
+        except BaseException:
+            kept = self.states.get(session_id)
+            if kept is not None and row is not None and kept.cache is row:
+                del self.states[session_id]  # its blocks are freed below: no state may name them
+            free = set(self._free)
+            still = set(_row_blocks(cache, i))
+            self.release([b for b in before if b not in free and b not in still])
+            raise
 
     def remember(self, session_id: str, history: list[int]) -> None:
         self.histories[session_id] = list(history)

@@ -7,11 +7,14 @@ counts are pinned and its tokens deterministic."""
 
 from __future__ import annotations
 
+import threading
+import types
+
 import pytest
 import torch
 
 from replica.common.types import ConfigError, EngineConfig, GenerationRequest
-from replica.engine import ContinuousBatchingEngine
+from replica.engine import ContinuousBatchingEngine, session_state
 from replica.engine.session_state import SessionStatePool, common_prefix_tokens
 from scissorhands.paged import PoolExhausted
 
@@ -335,3 +338,144 @@ def test_two_requests_of_one_session_admitted_together_share_its_state_with_neit
     reused = sorted(out["on"][k].session_reused_tokens for k in ("t1-0", "t1-1"))
     recomputed = sorted(out["on"][k].session_recomputed_tokens for k in ("t1-0", "t1-1"))
     assert reused == [0, len(first) + 2] and recomputed == [0, len(first) + 2]
+
+
+def _planted_failure(*args, **kwargs):
+    raise RuntimeError("planted failure")
+
+
+@pytest.mark.parametrize("sched", SCHEDULERS)
+@pytest.mark.parametrize(
+    "where",
+    [
+        pytest.param("deepcopy", id="before-the-row-moves"),
+        pytest.param("select_rows", id="after-its-blocks-moved"),
+        pytest.param("cache_blocks", id="in-keep-after-the-split"),
+    ],
+)
+def test_a_failure_keeping_a_sessions_state_returns_the_rows_blocks_and_answers_the_request(
+    model, monkeypatch, caplog, sched, where
+):
+    """A fault planted where a finished row is split off and kept: the request is answered as without the knob, no
+    state is kept, every block is back in the free stack, and the failure is counted; the session's next request
+    is prefilled from text. Both places a row finishes are hit: a one-token request ends at its prefill, in a group
+    with one that ends at a decode step beside a row without a session that runs on."""
+    cfg = dict(**PAGED, **sched, kv_memory_limit_bytes=10**7)
+    prompt = list(range(1, 20))
+    out = {}
+    for name, kw in (("off", {}), ("on", ON)):
+        engine = ContinuousBatchingEngine(model, EngineConfig(**cfg, **kw))
+        if name == "on":
+            broken = types.SimpleNamespace(deepcopy=_planted_failure) if where == "deepcopy" else _planted_failure
+            monkeypatch.setattr(session_state, "copy" if where == "deepcopy" else where, broken)
+        res = {}
+        for rid, new, sid in (("a", 1, "a"), ("b", 4, "b"), ("c", 9, None)):
+            engine.submit(
+                GenerationRequest(rid, prompt, new, session_id=sid), lambda r: res.__setitem__(r.request_id, r)
+            )
+        engine.run_until_idle()
+        engine.submit(
+            GenerationRequest("b2", prompt + res["b"].output_ids + [5], 3, session_id="b"),
+            lambda r: res.__setitem__(r.request_id, r),
+        )
+        engine.run_until_idle()
+        monkeypatch.undo()
+        assert all(r.error is None for r in res.values()), {k: r.error for k, r in res.items()}
+        out[name] = res
+    assert _outputs(out["on"]) == _outputs(out["off"])
+    pool, stats = engine.pool, engine.stats()
+    assert not pool.states and pool.held_blocks == 0
+    assert len(pool._free) == pool.free_blocks == pool.usable_blocks  # no block lost
+    assert stats["session_state_keep_failures"] == 3  # a, b, then b2 (c has no session)
+    assert "session 'b': the state of request 'b2' was not kept (RuntimeError: planted failure)" in caplog.text
+    assert out["on"]["b2"].session_reused_tokens == 0
+    assert out["on"]["b2"].session_recomputed_tokens == len(prompt) + 3
+
+
+def _two_of_one_session(model, cfg: dict, second_head) -> dict:
+    """Per run (``off``: without the knob, ``on``: with it) the results of a session's first turn and then two
+    requests of the session submitted together: the first's prompt `second_head(history)` (history: the first
+    turn's prompt + outputs), the second's the history + 2 tokens. Every request is answered without error."""
+    first = list(range(3, 40))
+    out = {}
+    for name, kw in (("off", {}), ("on", ON)):
+        engine = ContinuousBatchingEngine(model, EngineConfig(**cfg, **kw))
+        res = {}
+        engine.submit(GenerationRequest("t0", first, 3, session_id="s"), lambda r: res.__setitem__(r.request_id, r))
+        engine.run_until_idle()
+        history = first + res["t0"].output_ids
+        for rid, prompt in (("t1-0", second_head(history)), ("t1-1", history + [4, 5])):
+            engine.submit(GenerationRequest(rid, prompt, 4, session_id="s"), lambda r: res.__setitem__(r.request_id, r))
+        engine.run_until_idle()
+        assert sorted(res) == ["t0", "t1-0", "t1-1"]  # every request answered
+        assert all(r.error is None for r in res.values()), {k: r.error for k, r in res.items()}
+        out[name] = (res, engine)
+    assert _outputs(out["on"][0]) == _outputs(out["off"][0])
+    return out["on"]
+
+
+@pytest.mark.parametrize("sched", SCHEDULERS)
+def test_two_requests_of_one_session_in_one_step_under_a_tight_pool_are_both_answered_exactly(model, sched):
+    """A session's state is counted for one request of a step at most: two requests that both extend it, submitted
+    together into a pool of 32 blocks (a prefill from text of either takes 22 at its peak, the state holds 20), are
+    both answered with the greedy tokens of a run without the knob; the first (arrival order) starts from the
+    state, the other is prefilled from text. Counting the state for both admitted them together: the second's
+    prefill from text ran out of blocks (`PoolExhausted`), or under mixed chunks stalled part-way, unanswered."""
+    cfg = dict(**PAGED, **sched, kv_memory_limit_bytes=34_000)
+    res, engine = _two_of_one_session(model, cfg, lambda history: history + [1, 2])
+    assert engine.pool.usable_blocks == 32
+    assert [res[k].session_reused_tokens for k in ("t1-0", "t1-1")] == [39, 0]  # 37 + 3 - 1
+    assert engine.stats()["session_state_hits"] == 1
+
+
+@pytest.mark.parametrize(
+    "sched",
+    [
+        pytest.param(dict(scheduler="prefill_first"), id="prefill_first"),
+        pytest.param(dict(scheduler="mixed", max_num_batched_tokens=64), id="mixed-chunks-of-64"),  # both in a step
+    ],
+)
+def test_a_request_that_does_not_extend_its_sessions_state_leaves_it_to_a_later_one_of_its_step(model, sched):
+    """The first of two requests of a step edits the session's history, the second extends it: the second starts
+    from the state (the first, prefilled from text, does not drop a state promised to a request of its step), both
+    with the tokens of a run without the knob."""
+    cfg = dict(**PAGED, **sched, kv_memory_limit_bytes=10**7)
+    res, engine = _two_of_one_session(model, cfg, lambda history: [*history[:-1], 9, 1, 2])
+    assert [res[k].session_reused_tokens for k in ("t1-0", "t1-1")] == [0, 39]
+    assert res["t1-0"].session_recomputed_tokens == 39  # the history but its last token, which it edits
+    assert engine.stats()["session_state_hits"] == 1
+
+
+def test_the_pools_block_figures_read_from_another_thread_while_a_step_is_planned_count_kept_states_free(model):
+    """`stats()` and `reset_stats()` run on other threads than the engine's steps: a thread reading the pool while
+    a step is planned (the plan counts kept states as in use, `SessionStatePool.plan_free_blocks`) sees the figures
+    of any other moment, kept states free, and the peak it resets starts from them; the plan still counts the
+    state its request takes as that request's."""
+    engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, **ON))
+    res = {}
+    prompt = list(range(1, 30))
+    engine.submit(GenerationRequest("t0", prompt, 3, session_id="s"), lambda r: res.__setitem__(r.request_id, r))
+    engine.run_until_idle()
+    pool = engine.pool
+    assert pool.held_blocks > 0 and pool.blocks_in_use == 0
+    seen = []
+    plan = engine.scheduler.plan
+
+    def planned_beside_a_reader(view, kv):
+        def read():
+            engine.reset_stats()
+            seen.append((pool.blocks_in_use, pool.free_blocks, pool.peak_blocks_in_use))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(timeout=60)
+        return plan(view, kv)
+
+    engine.scheduler.plan = planned_beside_a_reader
+    engine.submit(
+        GenerationRequest("t1", prompt + res["t0"].output_ids + [7], 2, session_id="s"),
+        lambda r: res.__setitem__(r.request_id, r),
+    )
+    engine.run_until_idle()
+    assert seen and all(s == (0, pool.usable_blocks, 0) for s in seen), seen
+    assert res["t1"].error is None and res["t1"].session_reused_tokens == len(prompt) + 2

@@ -187,3 +187,71 @@ def test_a_report_of_points_from_two_runs_that_resolved_two_dtypes_warns(tmp_pat
     err = capsys.readouterr().err
     assert "warning: dtype 'auto' resolved to bfloat16 (1 points, e.g. a) and float32 (1 points, e.g. b)" in err
     assert res.mixed_dtypes([record("a", "float32"), record("b", "float32")]) is None
+
+
+def test_a_resumed_run_keeps_the_dtype_its_points_recorded_where_the_probe_now_resolves_the_other(
+    alternating_probe, tmp_path, capsys
+):
+    """A local run resolves auto to bfloat16 (the probe's first call); resumed, where the probe would now resolve
+    float32 (its second call), it runs its last point in bfloat16 with the recorded reason, without probing (before:
+    it probed again, and the sweep refused the resume, as `check_resolved_dtype` refuses a mix). A suite that now
+    names a dtype is still refused, naming ``dtype``."""
+    from workloads import sweep
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(
+        yaml.safe_dump(tiny_batch(policies=["full"], compression_ratios=[], batch_sizes=[1], new_tokens=[2, 3]))
+    )
+    args = [str(path), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "results")]
+    assert sweep.main([*args, "--run-id", "r"]) == 0
+    points = tmp_path / "results" / "r" / "points.jsonl"
+    first, second = points.read_text().splitlines(keepends=True)
+    points.write_text(first)  # the second point still to run
+    recorded = json.loads(first)
+    assert recorded["dtype"] == "bfloat16" and probe_calls(alternating_probe) == 1
+    capsys.readouterr()
+
+    assert sweep.main([*args, "--resume", "r"]) == 0
+    records = res.read_records(str(points))
+    assert len(records) == 2 and probe_calls(alternating_probe) == 1  # not probed again
+    assert [(r["dtype"], r["dtype_reason"]) for r in records] == [(recorded["dtype"], recorded["dtype_reason"])] * 2
+    assert "dtype: 'auto' is 'bfloat16', as this run's points recorded it" in capsys.readouterr().err
+
+    path.write_text(
+        yaml.safe_dump(
+            tiny_batch(policies=["full"], compression_ratios=[], batch_sizes=[1], new_tokens=[2, 3], dtype="float32")
+        )
+    )
+    points.write_text(first)
+    assert sweep.main([*args, "--resume", "r"]) == 2
+    assert "changed field(s) ['dtype'] (dtype: 'auto' -> 'float32')" in capsys.readouterr().err
+    assert points.read_text() == first and probe_calls(alternating_probe) == 1
+
+
+def test_a_resumed_serving_run_keeps_the_dtype_its_points_recorded(alternating_probe, tmp_path):
+    """As for a batch run, through the serving runner's own replica pool: the resumed run's last point runs in the
+    bfloat16 its first point recorded, the probe not asked again (it would answer float32)."""
+    from workloads import sweep
+
+    path = tmp_path / "s.yaml"
+    suite = serving_suite(
+        name="s",
+        policies=["full"],
+        mode="concurrency",
+        loads=[1, 2],
+        prompt_tokens=uniform(8, 12),
+        new_tokens=uniform(2, 3),
+        num_requests=2,
+        dtype="auto",
+    )
+    path.write_text(yaml.safe_dump(suite))
+    args = [str(path), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "r")]
+    assert sweep.main([*args, "--run-id", "s"]) == 0
+    points = tmp_path / "r" / "s" / "points.jsonl"
+    first = points.read_text().splitlines(keepends=True)[0]
+    points.write_text(first)
+    assert sweep.main([*args, "--resume", "s"]) == 0
+    records = res.read_records(str(points))
+    assert len(records) == 2 and probe_calls(alternating_probe) == 1
+    assert [r["dtype"] for r in records] == ["bfloat16", "bfloat16"]
+    assert records[0]["dtype_reason"] == records[1]["dtype_reason"]

@@ -56,7 +56,7 @@ def replica_points(
     """
     suite = session.suite
     if session.local:
-        yield from _in_process(suite, pending, local, replica_kwargs)
+        yield from _in_process(suite, pending, local, replica_kwargs, session.run_dir)
         return
     ray, started_here = init_ray(session.args.address)
     rset = None
@@ -66,7 +66,14 @@ def replica_points(
             model_spec=suite.model, dtype=suite.dtype, device=suite.device, run_id=session.run_id, **replica_kwargs
         )
         rset, infos = start_replicas(
-            ray, suite, session.replicas, kwargs, name=suite.kind, name_prefix=replica_name, run_id=session.run_id
+            ray,
+            suite,
+            session.replicas,
+            kwargs,
+            name=suite.kind,
+            name_prefix=replica_name,
+            run_id=session.run_id,
+            run_dir=session.run_dir,
         )
         yield from dispatch_points(ray, rset, infos, pending, remote)
         wait_s = linger_s()
@@ -83,10 +90,9 @@ def replica_points(
             ray.shutdown()
 
 
-def _in_process(suite, pending: list, local, replica_kwargs: dict) -> Iterator[Finished]:
-    replica = ModelReplica(
-        suite.model, device=suite.device, replica_id="local", **resolve_run_dtype(suite), **replica_kwargs
-    )
+def _in_process(suite, pending: list, local, replica_kwargs: dict, run_dir) -> Iterator[Finished]:
+    resolved = resolve_run_dtype(suite, run_dir=run_dir)
+    replica = ModelReplica(suite.model, device=suite.device, replica_id="local", **resolved, **replica_kwargs)
     info = replica.info()
     for point in pending:
         t0 = time.time()

@@ -5,7 +5,7 @@
   `pending_points`: what a (resumed) run still has to run.
 * `runner_args`, `cli_main`: the command line every runner takes, and its exit statuses.
 * `resolve_run_dtype`, `start_replicas`: the replicas of a run (a Ray Serve deployment: `cluster.replica_set`),
-  sized to the cluster (`cluster.connect.replica_resources`), in one dtype.
+  sized to the cluster (`cluster.connect.replica_resources`), in one dtype (a resumed run's: as recorded).
 * `SweepError`: stops a run before or between points, with the exit status.
 """
 
@@ -151,11 +151,11 @@ def pending_points(points_path: str, points: list, done_statuses: tuple[str, ...
 def check_resolved_dtype(earlier: list[dict], record: dict) -> None:
     """Refuse to add `record` to a resumed run whose `earlier` records ran in another dtype.
 
-    A point's id covers the *requested* dtype; ``auto`` is resolved by each replica on its own machine
-    (`scissorhands.models.resolve_dtype`), so a run resumed elsewhere (or after a change of torch or
-    CPU) may resolve it to bfloat16 before and float32 now, and its table would mix the two. The
-    record is compared with the earlier records of the same requested dtype that ran on a replica
-    (they have a ``dtype_reason``).
+    A point's id covers the *requested* dtype; ``auto`` is resolved by a probe (`scissorhands.models.resolve_dtype`),
+    which a resumed run does not repeat (`resolve_run_dtype` takes the recorded dtype), so this is the last guard:
+    a replica that loaded another dtype anyway (records put together from two runs, a model that ignores the
+    dtype) would make its table mix the two. The record is compared with the earlier records of the same
+    requested dtype that ran on a replica (they have a ``dtype_reason``).
 
     Raises:
         SweepError: (exit 2) naming ``dtype``, the earlier and the new resolved dtype and why.
@@ -292,20 +292,51 @@ def check_engines(suite) -> None:
             raise SweepError(str(e), 2) from None
 
 
+def recorded_run_dtype(run_dir: Path | str | None, requested: str) -> dict | None:
+    """What a resumed run's points resolved ``dtype: auto`` to: ``{"dtype", "dtype_reason"}`` of the first record
+    in ``<run_dir>/points.jsonl`` that requested `requested` and ran on a replica (it has a ``dtype_reason``);
+    None for an explicit dtype (nothing to resolve), a new run, or a run none of whose points reached a replica."""
+    if requested != "auto" or run_dir is None:
+        return None
+    for r in res.read_records(str(Path(run_dir) / "points.jsonl")):
+        if r.get("dtype_requested") == requested and r.get("dtype_reason") is not None and r.get("dtype"):
+            return {"dtype": r["dtype"], "dtype_reason": r["dtype_reason"]}
+    return None
+
+
 def resolve_run_dtype(
-    suite, ray=None, *, num_cpus: float = 1.0, num_gpus: float = 0.0, num_threads: int | None = None
+    suite,
+    ray=None,
+    *,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    num_threads: int | None = None,
+    run_dir: Path | str | None = None,
 ) -> dict:
     """Resolve the suite's ``dtype`` once for the whole run (`cluster.dtype_probe.resolve_run_dtype`): in this
     process when `ray` is None, else as one Ray task with a replica's resources. Every replica of the run
     then loads that concrete dtype with the same ``dtype_reason`` (``auto``'s probe is noisy under load, so
     replicas resolving on their own could disagree; docs/sweep.md).
-    `check_resolved_dtype` still refuses a resumed run that resolves differently now.
+
+    A resumed run (`run_dir` holding points that ran) takes ``auto`` as its points recorded it
+    (`recorded_run_dtype`, the reason unchanged) without probing again: a probe near its threshold on a loaded
+    machine could resolve the other dtype, and the run would be refused (`check_resolved_dtype`) or mix its
+    numbers. A suite naming another dtype than the run recorded is refused before this (`pending_points`, naming
+    ``dtype``).
 
     Returns:
         replica keyword arguments: ``{"dtype": name}`` and, for ``auto``, ``"dtype_reason"``.
     Raises:
         SweepError: (exit 1) the probe could not run (the message names ``dtype``).
     """
+    recorded = recorded_run_dtype(run_dir, suite.dtype)
+    if recorded is not None:
+        print(
+            f"dtype: {suite.dtype!r} is {recorded['dtype']!r}, as this run's points recorded it "
+            f"({recorded['dtype_reason']}); not probed again",
+            file=sys.stderr,
+        )
+        return recorded
     try:
         return resolve(
             suite.model,
@@ -336,11 +367,13 @@ def start_replicas(
     name: str,
     name_prefix: str = "replica",
     run_id: str | None = None,
+    run_dir: Path | str | None = None,
 ):
     """Start `replicas` point replicas of `suite` (`cluster.replica_set.point_replicas`: a Serve application
     of this run's own, one placement-group bundle per replica, resources from `replica_resources` unless the
     suite's `placement:` names them) and wait until every one has loaded its model. `replica_kwargs` go to
-    `cluster.placement.PlacedReplica`, their ``dtype`` resolved once for all replicas first (`resolve_run_dtype`).
+    `cluster.placement.PlacedReplica`, their ``dtype`` resolved once for all replicas first (`resolve_run_dtype`;
+    a resumed run's `run_dir` gives the dtype its points recorded).
 
     Returns:
         (the started `ServeReplicaSet`, the replicas' `info()` dicts).
@@ -365,8 +398,10 @@ def start_replicas(
         raise SweepError(str(e), 1) from None
     delete_leftover_apps(rset.app_name)  # a killed attempt's replicas hold CPUs the probe needs
     rset.init_kwargs.update(
-        resolve_run_dtype(suite, ray, num_cpus=rset.num_cpus, num_gpus=rset.num_gpus, num_threads=rset.num_threads)
-    )  # auto: once for all replicas
+        resolve_run_dtype(
+            suite, ray, num_cpus=rset.num_cpus, num_gpus=rset.num_gpus, num_threads=rset.num_threads, run_dir=run_dir
+        )
+    )  # auto: once for all replicas (a resumed run: as its points recorded it)
     try:
         rset.start()
         infos = sorted(rset.broadcast("info").values(), key=lambda i: i["replica_id"])

@@ -69,11 +69,14 @@ class ServingKind(Kind):
         if suite.target is not None:
             return HTTPTargetPool(suite.target, suite.model), lambda: None
         if session.local:
-            return LocalReplicaPool(1, suite.model, device=suite.device, **resolve_run_dtype(suite)), lambda: None
+            resolved = resolve_run_dtype(suite, run_dir=session.run_dir)
+            return LocalReplicaPool(1, suite.model, device=suite.device, **resolved), lambda: None
         ray, started_ray = init_ray(session.args.address)
         threads, num_cpus, num_gpus = replica_resources(ray, suite.replicas, suite.device)
         session.inventory = cluster_inventory()
-        resolved = resolve_run_dtype(suite, ray, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads)
+        resolved = resolve_run_dtype(
+            suite, ray, num_cpus=num_cpus, num_gpus=num_gpus, num_threads=threads, run_dir=session.run_dir
+        )
         pool = ServeReplicaPool(
             suite.replicas,
             model_spec=suite.model,
