@@ -66,6 +66,7 @@ OURS_SH_POLICY = "scissorhands"
 PEERS = ("ov-u8", "ov-bf16", "ov-evict")
 ROW_KEYS = OURS + PEERS
 LIMITS = ("none", "limit")
+MAX_STEPS = 1_000_000  # a row still stepping after these is stuck (`run_until_idle`'s bound)
 DENOMINATOR = "ov-bf16"
 REFERENCE = "ours-full"
 FULL_ROWS = ("ours-full", "ov-u8", "ov-bf16")
@@ -349,6 +350,49 @@ def peer_job(args, requests: list[dict], runs: list[dict]) -> dict:
     }
 
 
+def schedule(stats: dict, steps: int, rows: int) -> dict:
+    """A row's schedule, from the engine's `stats()` after the run and the `steps` it took with `rows` in flight summed
+    over them: the same at every run of a commit (greedy, EOS ignored: no count depends on timing or on the tokens), so
+    a tok/s change with the same schedule is the step's time, not admission (tok/s = output tokens a step / seconds a
+    step). Keys: ``steps``, ``decode_steps``, ``prefill_calls``, ``output_tokens_per_step``, ``mean_rows_in_flight``
+    (running or part-way prefilled, counted after each step: rows that finished in it are not), ``peak_rows_in_flight``,
+    ``preemptions``, ``recomputed_tokens``, ``peak_kv_blocks_in_use`` and ``kv_pool_blocks`` (None: no pool)."""
+    return {
+        "steps": steps,
+        "decode_steps": stats["decode_steps"],
+        "prefill_calls": stats["prefill_calls"],
+        "output_tokens_per_step": stats["generated_tokens"] / steps if steps else None,
+        "mean_rows_in_flight": rows / steps if steps else None,
+        "peak_rows_in_flight": stats["peak_running_sequences"],
+        "preemptions": stats["preemptions"],
+        "recomputed_tokens": stats["recomputed_tokens"],
+        "peak_kv_blocks_in_use": stats.get("peak_kv_blocks_in_use"),
+        "kv_pool_blocks": stats.get("kv_pool_blocks"),
+    }
+
+
+def format_schedule(rows: list[dict]) -> str:
+    """The schedule of our measured rows (`schedule`) as a markdown table; empty when none has one."""
+    ours = [r for r in rows if r.get("schedule")]
+    if not ours:
+        return ""
+    lines = [
+        "| our row | KV limit | steps | decode steps | prefill calls | output tokens a step | mean rows in flight after "
+        "a step | peak rows | preemptions | recomputed tokens | peak KV blocks / pool |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in ours:
+        s = r["schedule"]
+        per_step = f"{s['output_tokens_per_step']:.2f}" if s["output_tokens_per_step"] is not None else "-"
+        mean = f"{s['mean_rows_in_flight']:.2f}" if s["mean_rows_in_flight"] is not None else "-"
+        blocks = f"{s['peak_kv_blocks_in_use']:,} / {s['kv_pool_blocks']:,}" if s["kv_pool_blocks"] else "-"
+        lines.append(
+            f"| {r['label']} | {r['limit']} | {s['steps']:,} | {s['decode_steps']:,} | {s['prefill_calls']:,} | "
+            f"{per_step} | {mean} | {s['peak_rows_in_flight']} | {s['preemptions']} | {s['recomputed_tokens']:,} | {blocks} |"
+        )
+    return "\n".join(lines)
+
+
 def run_ours(model, fields: dict, requests: list[GenerationRequest]) -> dict:
     """One of our rows alone: a 2-token warm-up, then every request submitted at once and stepped until idle.
     Never raises: a failure is the row's ``error``; a failed request fails only itself."""
@@ -356,11 +400,16 @@ def run_ours(model, fields: dict, requests: list[GenerationRequest]) -> dict:
         engine = ContinuousBatchingEngine(model, EngineConfig(**fields))
         engine.submit(GenerationRequest("warmup", requests[0].prompt_ids[:32], 2, warmup=True), lambda r: None)
         engine.run_until_idle()  # a warm-up request: counted apart in stats()' warmup_* keys
+        engine.reset_stats()  # its step is not the row's schedule
         done: dict = {}
         t0, c0 = time.perf_counter(), time.process_time()
         for r in requests:
             engine.submit(r, lambda res: done.__setitem__(res.request_id, res))
-        engine.run_until_idle()
+        steps = rows = 0
+        while engine.step() or len(engine.queue):  # `run_until_idle`, counting the rows in flight after each step
+            steps, rows = steps + 1, rows + engine.running
+            if steps > MAX_STEPS:
+                raise RuntimeError(f"engine still busy after {MAX_STEPS} steps")
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         stats = engine.stats()
     except Exception as e:  # noqa: BLE001 - a row's failure is recorded; the next rows still run
@@ -375,6 +424,7 @@ def run_ours(model, fields: dict, requests: list[GenerationRequest]) -> dict:
         "output_tokens": tokens,
         "output_tok_per_s": tokens / wall if wall > 0 else None,
         "kv_token_slots": stats["kv_memory_limit_bytes"] // stats["slot_bytes"],
+        "schedule": schedule(stats, steps, rows),
         "preemptions": stats["preemptions"],
         "peak_running_sequences": stats["peak_running_sequences"],
         "outputs": {k: list(v.output_ids) for k, v in done.items() if not v.error_kind},
@@ -566,6 +616,15 @@ def report(args, rows: list[dict], the: dict, versions: dict, peer_error: str | 
         "",
         format_table(rows),
     ]
+    sched = format_schedule(rows)
+    if sched:
+        lines += [
+            "",
+            "Our rows' schedule (the same at every run of a commit: a tok/s change with the same schedule is the "
+            "step's time, not admission):",
+            "",
+            sched,
+        ]
     failed = [r for r in rows if not r["ok"] and not r.get("not_run")]
     if failed:
         lines += ["", "Failed rows:"] + [f"- {r['label']} ({r['limit']}): {r['error']}" for r in failed]

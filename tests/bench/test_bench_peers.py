@@ -187,7 +187,8 @@ def test_a_missing_peer_venv_exits_2_with_the_redo_step_and_our_rows_still_print
     assert rc == 2
     assert "step 'venv'" in err and "redo: make openvino-peer" in err
     ours = [line for line in out.splitlines() if line.startswith("| ours, ")]
-    assert len(ours) == 4 and not any("FAILED" in line or "not run" in line for line in ours)
+    assert len(ours) == 8 and not any("FAILED" in line or "not run" in line for line in ours)  # table and schedule
+    assert sum(line.startswith("| ours, ") for line in out.split("Our rows' schedule")[1].splitlines()) == 4
     assert out.count("| OpenVINO GenAI, full, bf16 KV | ") == 2 and out.count("| not run |") == 2
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert [r["ok"] for r in doc["rows"]] == [True, True, False, True, True, False]
@@ -454,3 +455,40 @@ def test_the_peer_rows_share_the_limit_and_step_and_eviction_runs_without_split_
     assert parse_job(
         peer_job(parse_args([]), [{"id": "0", "prompt_ids": [1], "max_new_tokens": 1}], list(runs.values()))
     )
+
+
+def _our_row(argv: list[str], key: str, limit: str) -> dict:
+    """`run_ours` of row `key` under `limit` on the tiny random model, as `measure_ours` runs it."""
+    args = parse_args(TINY + argv)
+    model, tokenizer = bench_peers.load_ours(args)
+    model.generation_config.eos_token_id = None
+    the = bench_peers.plan(args, model, tokenizer)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    _, fields = bench_peers.our_configs(args, the["limit_bytes"][limit], head_dim)[key]
+    return bench_peers.run_ours(model, fields, our_requests(the["requests"]))
+
+
+def test_our_rows_record_their_schedule_without_the_warm_up():
+    """4 requests of 4, 4, 7 and 8 new tokens (prompts 20-30: all admitted in the first step, 512 tokens a step): each
+    prompt its own prefill call, a prefill's rows decode in its step (2 tokens), so the longest ends after 8 - 1 = 7
+    steps; rows in flight after steps 1-7: 4, 4, 2, 2, 2, 1, 0. The warm-up's step is not counted."""
+    row = _our_row([], "ours-full", "none")
+    assert row["ok"] and row["output_tokens"] == 4 + 4 + 7 + 8
+    s = row["schedule"]
+    assert (s["steps"], s["decode_steps"], s["prefill_calls"], s["peak_rows_in_flight"]) == (7, 7, 4, 4)
+    assert s["mean_rows_in_flight"] == pytest.approx(15 / 7) and s["output_tokens_per_step"] == pytest.approx(23 / 7)
+    assert (s["preemptions"], s["recomputed_tokens"]) == (0, 0)
+    assert s["kv_pool_blocks"] > 0 and 0 < s["peak_kv_blocks_in_use"] <= s["kv_pool_blocks"]
+
+
+@pytest.mark.parametrize("key", ["ours-full", "ours-sh"])
+def test_a_rows_schedule_under_the_limit_is_the_same_at_every_run_and_printed_under_the_table(key):
+    """The schedule separates admission from step time: under a limit that holds fewer rows than requests (64
+    full-cache slots), two runs of one row give the same schedule, and the report's schedule table says it."""
+    first, second = (_our_row(["--kv-limit-slots", "64"], key, "limit") for _ in range(2))
+    assert first["ok"] and second["ok"]
+    assert first["schedule"] == second["schedule"]
+    assert first["schedule"]["peak_rows_in_flight"] < 4  # the limit binds
+    table = bench_peers.format_schedule([{"label": key, "limit": "limit", **first}, {"label": "peer", "limit": "x"}])
+    assert table.count("\n") == 2  # header, rule and this row: a peer row has no schedule
+    assert f"| {key} | limit | {first['schedule']['steps']} |" in table
