@@ -130,7 +130,22 @@ class PagedBudget(KVBudget):
         if self.prefix is None or not seq.cached_tokens:
             return 0
         hashes = seq.block_hashes[: seq.cached_tokens // self.config.block_tokens]
-        return self.num_layers * sum(self.prefix.referenced(h) for h in hashes)
+        n = self.num_layers * sum(self.prefix.referenced(h) for h in hashes)
+        return n - self.shared_bookkeeping_blocks(n)  # its own bookkeeping of those slots it does take
+
+    def shared_bookkeeping_blocks(self, refs: int) -> int:
+        """Blocks' worth of the bookkeeping (slot times, policy statistics: dense per row) of `refs` more references to
+        shared blocks: the pool counts a shared block, and its share of the limit, once, but each row sharing it keeps
+        its own bookkeeping of its slots."""
+        per_layer_slot = self.bookkeeping_slot_bytes * self.config.block_tokens
+        return -(-refs * per_layer_slot // (self.num_layers * self.block_bytes))
+
+    def shared_charge(self) -> int:
+        """`shared_bookkeeping_blocks` of every reference to a shared block beyond its first, held now (0 without the
+        prefix cache): what the pool's free blocks do not say is taken."""
+        if self.prefix is None:
+            return 0
+        return self.shared_bookkeeping_blocks(sum(r - 1 for r in list(self.prefix.refs.values())))
 
     def attach_prefix(self, p: Prefill, new_cache) -> int:
         """Start `p` (admitted, not fed yet) from its rows' cached blocks: each row claims its hit and `p.cache`
@@ -320,7 +335,7 @@ class _BlockAdmission:
     def __init__(self, kv: PagedBudget, view: EngineView):
         self.kv, self.view = kv, view
         self.widths = kv.running_widths(view)  # the running batch's bookkeeping, with the rows admitted in this step
-        self.free = kv.pool.free_blocks - kv.growth(view, 1) - kv.padding_blocks(view, self.widths)
+        self.free = kv.pool.free_blocks - kv.growth(view, 1) - kv.padding_blocks(view, self.widths) - kv.shared_charge()
         self.committed = 0  # blocks the rows admitted in this step hold after their prefill
         self.before_last = 0  # ... before the last group
         self.last_peak = 0  # blocks the last group's rows hold at their prefill's peak (they peak together)

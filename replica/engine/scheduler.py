@@ -115,7 +115,7 @@ class Mixed(Scheduler):
         growth = kv.growth(view, 1)
         # the bookkeeping the running rows and the prompts part-way fed pad to once all are merged
         widths = kv.running_widths(view) + [kv.width(s, p.length + 1) for p in view.prefilling for s in p.group]
-        free = kv.pool.free_blocks - growth - kv.padding_blocks(view, widths)
+        free = kv.pool.free_blocks - growth - kv.padding_blocks(view, widths) - kv.shared_charge()
         committed = 0  # blocks the planned chunks add, once fed
         per_step = max(1, tokens)  # prompt tokens a step feeds while these rows run
 
