@@ -164,14 +164,14 @@ def test_with_nothing_past_the_prefix_over_budget_the_tokens_are_the_prefix_cach
 @pytest.mark.parametrize("sched", SCHEDULERS)
 def test_scissorhands_under_shared_prefix_is_deterministic_across_preemption_and_evicts(model, sched):
     requests = _shared_prefix_requests(8, seed=2, new=(20, 40))
-    cfg = EngineConfig(**PAGED, **_sh(8), **sched, kv_memory_limit_bytes=40_000, **SHARED)
+    cfg = EngineConfig(**PAGED, **_sh(16), **sched, kv_memory_limit_bytes=44_000, **SHARED)
     runs = [_serve(model, cfg, requests) for _ in range(2)]
     (got, engine), (again, _) = runs
     assert all(r.error is None for r in got.values())
     assert _outputs(got) == _outputs(again)
     stats = engine.stats()
     assert stats["preemptions"] > 0 and engine.metrics.evicted_tokens > 0
-    assert stats["peak_kv_cache_bytes"] <= 40_000
+    assert stats["peak_kv_cache_bytes"] <= 44_000
     assert stats["prefix_cache_hit_tokens"] > 0
     # compressing what follows the prefix changes the tokens (the prefix-cached full cache's differ)
     full, _ = _serve(
@@ -253,6 +253,11 @@ def test_the_kv_accounting_counts_the_pinned_prefix_beside_the_budget(model):
     assert kv.final_blocks(30, 10) == 2 * 9
     plain = ContinuousBatchingEngine(model, EngineConfig(**PAGED, **_sh(8), kv_memory_limit_bytes=10**7))
     assert plain.kv.final_blocks(30, 10) == 2 * 2 and plain.kv.pinned_of(30) == 0
+    # a request that fits alone with B slots but not with P + B is refused at submit (its recompute's peak counted)
+    tight = dict(**PAGED, **_sh(16), kv_memory_limit_bytes=40_000)
+    assert ContinuousBatchingEngine(model, EngineConfig(**tight)).fits_alone(49, 40) is None
+    refusal = ContinuousBatchingEngine(model, EngineConfig(**tight, **SHARED)).fits_alone(49, 40)
+    assert refusal is not None and refusal.kind == "kv_memory" and "it needs 38 KV blocks alone" in refusal
     # the full cache under shared_prefix pins nothing: it is the prefix-cached full cache
     full = ContinuousBatchingEngine(model, EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, **SHARED))
     assert full.kv.pinned_of(30) == 0 and full.kv.prefix is not None
