@@ -392,3 +392,15 @@ def test_a_session_field_that_would_be_ignored_is_refused_naming_it_and_its_acce
     # a group larger than the users is one partial group, as the last group of 5 users in pairs: accepted
     suite = parse_suite(_sessions_suite(sessions={**SPEC, "group_size": 4}))
     assert suite.sessions.group_size == 4
+
+
+def test_a_session_trace_longer_than_the_models_context_exits_2_naming_the_trace_not_turns(tmp_path):
+    trace = tmp_path / "long.jsonl"  # tiny-llama's context is 512 tokens; 300 + 4 + 200 + 10 = 514 > 512
+    trace.write_text(
+        '{"session_id": "a", "timestamp": 0, "input_length": 300, "output_length": 4}\n'
+        '{"session_id": "a", "delay": 10, "input_length": 200, "output_length": 10}\n'
+    )
+    long = parse_suite(_sessions_suite(sessions={"trace_path": str(trace)}, new_tokens=None))
+    with pytest.raises(SweepError, match=r"^sessions\.trace_path: the last turn's prompt \(at most 504 tokens\)") as e:
+        check_model_context(long)
+    assert e.value.code == 2
