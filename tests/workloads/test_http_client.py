@@ -103,6 +103,15 @@ SCRIPT = {
     ),
     # any other error event mid-stream
     12: [_chunk("a", [5]), {"error": {"message": "RuntimeError: boom", "code": None}}, DONE],
+    # a prefix cache's or a session's kept tokens in OpenAI's usage.prompt_tokens_details
+    13: [
+        _chunk("a", [5], "length"),
+        {
+            "choices": [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 2}},
+        },
+        DONE,
+    ],
 }
 
 
@@ -252,3 +261,10 @@ def test_records_keep_client_and_replica_ttft_apart(server, model):
     finally:
         replica.shutdown()
     assert all(r.replica_ttft_s is not None and 0 <= r.replica_ttft_s <= r.ttft_s + 1e-6 for r in local.records)
+
+
+def test_the_servers_cached_prompt_tokens_are_read_from_usage_and_none_when_it_does_not_say(server):
+    url, _ = server
+    assert _gen(url, 13, n=1).cached_prompt_tokens == 2
+    assert _gen(url, 1, n=3).cached_prompt_tokens is None  # usage without prompt_tokens_details: not reported
+    assert _gen(url, 10).cached_prompt_tokens is None  # no usage at all

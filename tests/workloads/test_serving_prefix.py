@@ -13,7 +13,7 @@ import yaml
 from workloads import sweep
 from workloads.load.metrics import RequestRecord
 from workloads.serving.point import prefix_cache_fields
-from workloads.serving.report import table_markdown
+from workloads.serving.report import sessions_markdown, table_markdown
 from workloads.serving.suite import ServingSuite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,3 +138,19 @@ def test_the_serving_prefix_suite_pairs_the_paged_full_cache_without_and_with_pr
         assert suite.engine_config(on).kv_layout == "paged"
         assert suite.workload_seed(off) == suite.workload_seed(on)
     assert suite.kv_memory_limit.full_sequences == 4 and suite.sessions.system_prompt_tokens == 128
+
+
+def test_the_sessions_table_shows_session_state_reused_and_recomputed_tokens_and_hits_and_misses():
+    turns = [{"turn": 0, "n": 2, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2, "tpot_p50_s": 0.01, "tpot_p99_s": 0.02}]
+    base = dict(load=0.5, sessions=2, sessions_slo_met=2, session_slo_attainment=1.0, session_goodput_per_s=0.1,
+                expected_reuse_tokens=100, cached_prompt_tokens=90, turns=turns)  # fmt: skip
+    kept = dict(base, series="sessions-scissorhands+reuse-session_state-r5", point_index=1, session_reused_tokens=90,
+                session_recomputed_tokens=7, session_state_hits=3, session_state_misses=1)  # fmt: skip
+    none = dict(base, series="sessions-full", point_index=0)
+    md = sessions_markdown([kept, none])
+    head = md.splitlines()[2]
+    assert "session state reused/recomputed (tok)" in head and "session state hits/misses (turns)" in head
+    rows = {x.split("|")[1].strip(): [c.strip() for c in x.split("|")[2:-1]] for x in md.splitlines()[4:6]}
+    assert rows["sessions-scissorhands+reuse-session_state-r5"][-2:] == ["90/7", "3/1"]
+    assert rows["sessions-full"][-2:] == ["-", "-"]  # no kept state: not zero, not reported
+    assert "Cached is below expected by design" in md

@@ -325,3 +325,82 @@ def test_a_streamed_answer_is_the_next_turns_history_and_one_without_token_ids_e
     client = Streaming([-1, -1])  # what the HTTP client streams for text without ids
     result, _ = _run(_config(users=1), client)
     assert len(client.got) == 1 and result.records[0].error_kind == "missing_token_ids"
+
+
+@pytest.mark.parametrize(
+    "row, field",
+    [
+        ("[1, 2, 3]", "expected a JSON object"),
+        ("null", "expected a JSON object"),
+        ('"a turn"', "expected a JSON object"),
+        ('{"session_id": "a", "timestamp": 0, "input_length": Infinity, "output_length": 2}', "input_length"),
+        ('{"session_id": "a", "timestamp": 0, "input_length": 4, "output_length": NaN}', "output_length"),
+        ('{"session_id": "a", "timestamp": true, "input_length": 4, "output_length": 2}', "timestamp"),
+        ('{"session_id": "a", "timestamp": NaN, "input_length": 4, "output_length": 2}', "timestamp"),
+    ],
+)
+def test_a_session_trace_row_that_is_not_a_turn_or_a_number_that_is_not_finite_exits_2_naming_the_field(
+    tmp_path, capsys, row, field
+):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(row + "\n")
+    with pytest.raises(SuiteError, match=rf"^sessions\.trace_path: t\.jsonl, row 1(, |: ){field}"):
+        parse_suite(_sessions_suite(sessions={"trace_path": str(bad)}, new_tokens=None))
+    suite = tmp_path / "s.yaml"
+    suite.write_text(yaml.safe_dump(_sessions_suite(sessions={"trace_path": str(bad)}, new_tokens=None)))
+    results = tmp_path / "r"
+    assert sweep.main([str(suite), "--local", "--results-dir", str(results), "--pushgateway", "off"]) == 2
+    assert "sweep: error: sessions.trace_path: t.jsonl, row 1" in capsys.readouterr().err
+    assert not results.exists() or not any(results.iterdir())  # nothing recorded
+
+
+def test_a_boolean_delay_in_a_session_trace_is_refused_not_read_as_one_millisecond(tmp_path):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text(
+        '{"session_id": "a", "timestamp": 0, "input_length": 4, "output_length": 2}\n'
+        '{"session_id": "a", "delay": true, "input_length": 4, "output_length": 2}\n'
+    )
+    with pytest.raises(ValueError, match=r"row 2, delay: a think time must be milliseconds >= 0, got True"):
+        read_session_trace(bad)
+
+
+@pytest.mark.parametrize(
+    "think, message",
+    [
+        (
+            {"dist": "fixed", "value": 1, "mean": 3},
+            r"sessions\.think_time_s: mean: not used by think time dist 'fixed'",
+        ),
+        (
+            {"dist": "exponential", "mean": 1, "min": 0, "max": 2},
+            r"sessions\.think_time_s: max: not used by think time dist 'exponential' \(it takes mean\)",
+        ),
+        ({"dist": "uniform", "min": 0, "max": 2, "value": 1}, r"value: not used by think time dist 'uniform'"),
+        ("0.5s", r"sessions\.think_time_s: expected seconds >= 0 \(a number\) or a mapping \{dist: fixed \| uniform"),
+    ],
+)
+def test_a_think_time_parameter_its_distribution_does_not_take_is_refused_naming_it(think, message):
+    with pytest.raises(SuiteError, match=message):
+        parse_suite(_sessions_suite(sessions={**SPEC, "think_time_s": think}))
+
+
+def test_a_session_field_that_would_be_ignored_is_refused_naming_it_and_its_accepted_values():
+    with pytest.raises(SuiteError, match=r"sessions\.trace_time_scale: only used with trace_path"):
+        parse_suite(_sessions_suite(sessions={**SPEC, "trace_time_scale": 2.0}))
+    parse_suite(_sessions_suite(sessions={**SPEC, "trace_time_scale": 2.0, "users": None, "turns": None,
+                                          "message_tokens": None, "trace_path": str(TRACE)}, new_tokens=None))  # fmt: skip
+    # a group larger than the users is one partial group, as the last group of 5 users in pairs: accepted
+    suite = parse_suite(_sessions_suite(sessions={**SPEC, "group_size": 4}))
+    assert suite.sessions.group_size == 4
+
+
+def test_a_session_trace_longer_than_the_models_context_exits_2_naming_the_trace_not_turns(tmp_path):
+    trace = tmp_path / "long.jsonl"  # tiny-llama's context is 512 tokens; 300 + 4 + 200 + 10 = 514 > 512
+    trace.write_text(
+        '{"session_id": "a", "timestamp": 0, "input_length": 300, "output_length": 4}\n'
+        '{"session_id": "a", "delay": 10, "input_length": 200, "output_length": 10}\n'
+    )
+    long = parse_suite(_sessions_suite(sessions={"trace_path": str(trace)}, new_tokens=None))
+    with pytest.raises(SweepError, match=r"^sessions\.trace_path: the last turn's prompt \(at most 504 tokens\)") as e:
+        check_model_context(long)
+    assert e.value.code == 2

@@ -64,6 +64,8 @@ class HTTPGenerationResult(GenerationResult):
     output_tokens_source: str | None = None  # token_ids | usage | chunks
     http_status: int | None = None
     usage_completion_tokens: int | None = None  # the server's own count, when it sends `usage`
+    # the server's usage.prompt_tokens_details.cached_tokens (OpenAI's); None when it does not say, never a made-up 0
+    cached_prompt_tokens: int | None = None
 
 
 def _status_kind(status: int, code: str | None = None) -> str:
@@ -106,10 +108,14 @@ def _choice_ids(choice: dict) -> tuple[list[int], bool]:
 
 
 def _read_usage_and_times(ev: dict, final: HTTPGenerationResult, usage_tokens: int | None) -> int | None:
-    """The completion tokens of the event's `usage` (else `usage_tokens`, the last seen); the replica's TTFT and
-    id of its `scissorhands` extension kept in `final`."""
+    """The completion tokens of the event's `usage` (else `usage_tokens`, the last seen); its cached prompt tokens
+    (``usage.prompt_tokens_details.cached_tokens``), the replica's TTFT and id of its `scissorhands` extension kept
+    in `final`."""
     if isinstance(ev.get("usage"), dict) and ev["usage"].get("completion_tokens") is not None:
         usage_tokens = int(ev["usage"]["completion_tokens"])
+    details = ev["usage"].get("prompt_tokens_details") if isinstance(ev.get("usage"), dict) else None
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        final.cached_prompt_tokens = details["cached_tokens"]
     if isinstance(ev.get("scissorhands"), dict):
         final.replica_ttft_s = ev["scissorhands"].get("replica_ttft_s")
         final.replica_id = ev["scissorhands"].get("replica_id") or final.replica_id

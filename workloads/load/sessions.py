@@ -41,6 +41,8 @@ from workloads.load.prompts import prompts_for
 from workloads.load.slo import SLO
 
 THINK_DISTS = ("fixed", "uniform", "exponential")
+#: The parameters each think time distribution takes (seconds).
+_THINK_PARAMETERS = {"fixed": ("value",), "uniform": ("min", "max"), "exponential": ("mean",)}
 
 
 class ThinkTime(FrozenConfig):
@@ -57,16 +59,23 @@ class ThinkTime(FrozenConfig):
     @model_validator(mode="before")
     @classmethod
     def _number(cls, data: Any) -> Any:
-        return (
-            {"dist": "fixed", "value": data} if isinstance(data, (int, float)) and not isinstance(data, bool) else data
-        )
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return {"dist": "fixed", "value": data}
+        if not isinstance(data, (dict, ThinkTime)):
+            raise ValueError(
+                f"expected seconds >= 0 (a number) or a mapping {{dist: {' | '.join(THINK_DISTS)}, ...}}, got {data!r}"
+            )
+        return data
 
     @model_validator(mode="after")
     def _parameters(self) -> "ThinkTime":
-        need = {"fixed": ("value",), "uniform": ("min", "max"), "exponential": ("mean",)}[self.dist]
+        need = _THINK_PARAMETERS[self.dist]
         for k in need:
             if getattr(self, k) is None:
                 raise ValueError(f"{k}: required for think time dist {self.dist!r}")
+        for k in sorted(set(_THINK_PARAMETERS["uniform"] + ("value", "mean")) - set(need)):
+            if getattr(self, k) is not None:  # silently ignored, it would mislead the reader of the suite
+                raise ValueError(f"{k}: not used by think time dist {self.dist!r} (it takes {', '.join(need)})")
         if self.dist == "uniform" and self.min > self.max:
             raise ValueError(f"max: {self.max} is below min ({self.min})")
         return self
@@ -116,6 +125,8 @@ class SessionSpec(FrozenConfig):
                 if getattr(self, k) is None:
                     raise ValueError(f"{k}: required for drawn sessions (or give trace_path)")
             self.message_tokens.upper  # noqa: B018 - bounded, for the context check
+            if "trace_time_scale" in self.model_fields_set:
+                raise ValueError("trace_time_scale: only used with trace_path (drawn sessions start at the loads)")
         else:
             for k in drawn:
                 if getattr(self, k) is not None:
@@ -157,6 +168,31 @@ class PlannedSession:
     turns: tuple[PlannedTurn, ...]
 
 
+def _finite_number(v: Any) -> bool:
+    """Whether a trace field is a finite JSON number (JSON's true/false and Python's NaN/Infinity are not)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _trace_turn(line: str, where: str) -> tuple[dict, str, list[int]]:
+    """One trace row: (the object, its `session_id`, [input_length, output_length]); ValueError naming `where` and the
+    field when the row is not a JSON object of a session's turn."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object (one turn: session_id, input_length, ...), got {row!r}")
+    if row.get("session_id") is None:
+        raise ValueError(f"{where}, session_id: required (every row is a turn of a session)")
+    lengths = []
+    for col in ("input_length", "output_length"):
+        v = row.get(col)
+        if not _finite_number(v) or v != int(v) or v < 1:
+            raise ValueError(f"{where}, {col}: expected an integer >= 1, got {v!r}")
+        lengths.append(int(v))
+    return row, str(row["session_id"]), lengths
+
+
 def read_session_trace(path: str | Path) -> list[PlannedSession]:
     """A multi-turn trace, Mooncake-style JSONL as AIPerf replays sessions: one object per turn with `session_id`,
     `input_length` (the turn's new input tokens; the history is added by the load generator), `output_length`,
@@ -166,7 +202,8 @@ def read_session_trace(path: str | Path) -> list[PlannedSession]:
     Raises:
         ValueError: naming ``trace_path`` and the row and field: a missing file, a turn (a `delay` row) whose
             `session_id` has no first turn before it (a missing session), a negative `delay` or `timestamp`, a
-            second first turn of one session, a length below 1.
+            second first turn of one session, a length below 1, a row that is not a JSON object, a number that is
+            not finite or is a boolean.
     """
     path = Path(path)
     if not path.is_file():
@@ -176,26 +213,13 @@ def read_session_trace(path: str | Path) -> list[PlannedSession]:
     for i, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        where = f"sessions.trace_path {path.name}, row {i}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e})") from None
-        sid = row.get("session_id")
-        if sid is None:
-            raise ValueError(f"{where}, session_id: required (every row is a turn of a session)")
-        sid = str(sid)
-        lengths = []
-        for col in ("input_length", "output_length"):
-            v = row.get(col)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
-                raise ValueError(f"{where}, {col}: expected an integer >= 1, got {v!r}")
-            lengths.append(int(v))
+        where = f"sessions.trace_path: {path.name}, row {i}"
+        row, sid, lengths = _trace_turn(line, where)
         if "timestamp" in row:
             if sid in starts:
                 raise ValueError(f"{where}, timestamp: session {sid!r} already started (later turns give delay)")
             ts = row["timestamp"]
-            if not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+            if not _finite_number(ts) or ts < 0:
                 raise ValueError(f"{where}, timestamp: expected milliseconds >= 0, got {ts!r}")
             starts[sid] = float(ts) / 1000.0
             turns[sid].append(PlannedTurn(lengths[0], lengths[1], 0.0))
@@ -206,7 +230,7 @@ def read_session_trace(path: str | Path) -> list[PlannedSession]:
                     "timestamp) before it"
                 )
             d = row["delay"]
-            if not isinstance(d, (int, float)) or not math.isfinite(d) or d < 0:
+            if not _finite_number(d) or d < 0:
                 raise ValueError(f"{where}, delay: a think time must be milliseconds >= 0, got {d!r}")
             turns[sid].append(PlannedTurn(lengths[0], lengths[1], float(d) / 1000.0))
         else:

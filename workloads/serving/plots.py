@@ -20,11 +20,25 @@ from workloads.serving.capacity import RATE_UNITS, rate_of, rate_unit
 
 
 def _label(r: dict) -> str:
+    """A series' legend entry: its policy and ratio or budget, and what else sets its series apart (the engine when
+    not ours, prefix caching, `kv_reuse`, the digest of explicit policy params), so two series never share a line."""
     if r.get("policy") == "full":
-        return "full"
-    if r.get("compression_ratio"):
-        return f"{r['policy']} x{r['compression_ratio']:g}"
-    return f"{r['policy']} B={r.get('budget_tokens_requested') or r.get('budget_tokens')}"
+        label = "full"
+    elif r.get("compression_ratio"):
+        label = f"{r['policy']} x{r['compression_ratio']:g}"
+    else:
+        label = f"{r['policy']} B={r.get('budget_tokens_requested') or r.get('budget_tokens')}"
+    engine, cfg = r.get("engine"), r.get("point_config") or {}
+    if engine not in (None, "ours") and not label.startswith(engine):
+        label = f"{engine} {label}"
+    if cfg.get("enable_prefix_caching") is not None:
+        label += " + prefix caching" if cfg["enable_prefix_caching"] else " no prefix caching"
+    if cfg.get("kv_reuse") is not None:
+        label += f", kv_reuse {cfg['kv_reuse']}"
+    digest = (r.get("series") or "").partition("@")[2]
+    if digest:  # two entries of one policy with other params: the digest the series id carries
+        label += f" @{digest.split('-')[0]}"
+    return label
 
 
 def _series(records, x_key, y_key):
@@ -179,6 +193,8 @@ def _plot_ttft_per_turn(plt, records: list[dict], out_dir: Path) -> list[Path]:
     sessions = [r for r in records if r.get("status") == "ok" and r.get("turns")]
     if not sessions:
         return []
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for r in sessions:
         turns = [t for t in r["turns"] if t.get("ttft_p50_s") is not None]
@@ -186,6 +202,7 @@ def _plot_ttft_per_turn(plt, records: list[dict], out_dir: Path) -> list[Path]:
         label = _label(r) if load is None else f"{_label(r)} at {load:g} sessions/s"
         (line,) = ax.plot([t["turn"] for t in turns], [t["ttft_p50_s"] for t in turns], marker="o", label=label)
         _p99_beside(ax, line, [t["turn"] for t in turns], [t["ttft_p99_s"] for t in turns], label)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # turns are whole numbers
     ax.set_xlabel("turn index")
     ax.set_ylabel("TTFT (s)")
     ax.set_title("TTFT per turn (p50 solid, p99 dashed)")

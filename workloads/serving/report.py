@@ -74,6 +74,8 @@ SESSION_TABLE = [  # (header with unit, key, format): one row per point of a ses
     ("session goodput (sessions/s)", "session_goodput_per_s", ".3g"),
     ("expected reuse (tok)", "expected_reuse_tokens", "d"),
     ("cached prompt (tok)", "cached_prompt_tokens", "d"),
+    ("session state reused/recomputed (tok)", "session_state_tokens", "s"),  # kv_reuse: session_state; else -
+    ("session state hits/misses (turns)", "session_state_turns", "s"),
 ]
 
 TURN_TABLE = [  # (header with unit, key, format): one row per turn index of each point of a sessions suite
@@ -180,14 +182,31 @@ def sessions_markdown(records: list[dict]) -> str:
         for r in points
         for t in r["turns"]
     ]
+    pair = lambda r, a, b: (  # noqa: E731 - "-" for a series that keeps no session state
+        "-" if r.get(a) is None else f"{format_value(r.get(a), 'd')}/{format_value(r.get(b), 'd')}"
+    )
+    sessions = [
+        {
+            **r,
+            "session_state_tokens": pair(r, "session_reused_tokens", "session_recomputed_tokens"),
+            "session_state_turns": pair(r, "session_state_hits", "session_state_misses"),
+        }
+        for r in points
+    ]
     note = (
         "A session meets the SLO when every one of its turns does (a failed turn ends its session, which misses). "
         "Expected reuse: the prompt tokens a turn shares with what was sent before it (token-level); cached prompt: "
-        "what the engine reports it did not prefill (- where the backend does not report it)."
+        "what the engine reports it did not prefill (- where the backend does not report it). Cached is below "
+        "expected by design where: the previous answer's last token was never fed back, so it has no KV (kept session "
+        "state: expected - 1 from turn 1 on, and 0 at turn 0: it keeps a session's own turns, not a shared system "
+        "prompt); a prefix cache shares whole blocks only; and a turn arriving while the one it shares a prefix with "
+        "still prefills finds no blocks yet. Session state reused/recomputed: the "
+        "prompt tokens taken from a session's kept cache, and those of its previous turn computed again (its state "
+        "was reclaimed or the prompt did not extend it); hits/misses: turns that started from the kept state or not."
     )
     return (
         "Sessions\n\n"
-        + markdown_table(SESSION_TABLE, points)
+        + markdown_table(SESSION_TABLE, sessions)
         + "\nPer turn\n\n"
         + markdown_table(TURN_TABLE, turns, footer=note)
         + "\n"

@@ -247,7 +247,8 @@ class ServingSuite(_EngineKnobs):
             return []
         p, n = self.prompt_tokens.upper, self.new_tokens.upper
         if self.sessions is not None:  # the whole conversation is one sequence by its last turn
-            return [(f"sessions.turns: the last turn's prompt (at most {p} tokens) + its answer", self.session_tokens)]
+            field = "sessions.turns" if self.sessions.trace_path is None else "sessions.trace_path"  # what sets it
+            return [(f"{field}: the last turn's prompt (at most {p} tokens) + its answer", self.session_tokens)]
         return [(f"prompt_tokens (at most {p}) + new_tokens (at most {n})", p + n)]
 
     @property
