@@ -11,7 +11,7 @@ import pytest
 from replica.common.types import GenerationRequest
 from tests.http_fakes import ServerThread
 from workloads.load.driver import run_load
-from workloads.load.http_client import OpenAIHTTPClient, _status_kind
+from workloads.load.http_client import HTTPGenerationResult, OpenAIHTTPClient, _read_usage_and_times, _status_kind
 from workloads.load.patterns import LoadConfig
 
 
@@ -268,3 +268,19 @@ def test_the_servers_cached_prompt_tokens_are_read_from_usage_and_none_when_it_d
     assert _gen(url, 13, n=1).cached_prompt_tokens == 2
     assert _gen(url, 1, n=3).cached_prompt_tokens is None  # usage without prompt_tokens_details: not reported
     assert _gen(url, 10).cached_prompt_tokens is None  # no usage at all
+
+
+@pytest.mark.parametrize("cached", [True, False, -1, -40, 2.5, "3", None])
+def test_a_boolean_negative_or_non_integer_cached_token_count_is_not_reported(cached):
+    final = HTTPGenerationResult("r", 3)
+    ev = {"usage": {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": cached}}}
+    _read_usage_and_times(ev, final, None)
+    assert final.cached_prompt_tokens is None
+
+
+@pytest.mark.parametrize("cached", [0, 2])
+def test_a_non_negative_integer_cached_token_count_is_read(cached):
+    final = HTTPGenerationResult("r", 3)
+    ev = {"usage": {"prompt_tokens": 3, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": cached}}}
+    _read_usage_and_times(ev, final, None)
+    assert final.cached_prompt_tokens == cached

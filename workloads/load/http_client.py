@@ -114,8 +114,10 @@ def _read_usage_and_times(ev: dict, final: HTTPGenerationResult, usage_tokens: i
     if isinstance(ev.get("usage"), dict) and ev["usage"].get("completion_tokens") is not None:
         usage_tokens = int(ev["usage"]["completion_tokens"])
     details = ev["usage"].get("prompt_tokens_details") if isinstance(ev.get("usage"), dict) else None
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        final.cached_prompt_tokens = details["cached_tokens"]
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    # JSON `true` is a Python int, and a negative count is no count: both are "not reported", never a made-up figure
+    if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0:
+        final.cached_prompt_tokens = cached
     if isinstance(ev.get("scissorhands"), dict):
         final.replica_ttft_s = ev["scissorhands"].get("replica_ttft_s")
         final.replica_id = ev["scissorhands"].get("replica_id") or final.replica_id
