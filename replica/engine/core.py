@@ -215,17 +215,20 @@ class ContinuousBatchingEngine(EngineReadout):
         """Keep row `i` of `cache` for `seq`'s session (`PagedBudget.keep_session`). A failure keeps nothing and
         loses no block (the row's blocks go back to the pool when the row leaves: `SessionStatePool.keep_row`), is
         counted (``session_state_keep_failures``) and logged, and never fails a request (the session's next request
-        recomputes from text)."""
+        recomputes from text); so is a row that was not the row of its history (nothing kept), never silently."""
         try:
-            self.kv.keep_session(cache, i, seq)
+            kept = self.kv.keep_session(cache, i, seq)
         except Exception as e:  # noqa: BLE001 - a kept state only saves work: losing it is a recompute
+            kept, why = False, f"{type(e).__name__}: {e}"
+        else:
+            why = "its row had not fed its history (prompt + answer but the last token)"
+        if kept is False:  # a reuse check reads the count as what explains the next turn's recompute
             self.life.add("session_state_keep_failures")
             log.warning(
-                "session %r: the state of request %r was not kept (%s: %s); its next request recomputes it",
+                "session %r: the state of request %r was not kept (%s); its next request recomputes it",
                 seq.request.session_id,
                 seq.request.request_id,
-                type(e).__name__,
-                e,
+                why,
             )
 
     def step(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from replica.common.types import EngineConfig, Refusal
+from replica.engine.prefix_cache import cacheable_prefix_tokens
 from replica.engine.requests import EngineView, Sequence
 from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.paged import BlockPool
@@ -53,7 +54,7 @@ class KVBudget:
         blocks (at least one prompt token is computed); 0 otherwise."""
         if not self.pins_prefix:
             return 0
-        return max(0, prompt_tokens - 1) // self.config.block_tokens * self.config.block_tokens
+        return cacheable_prefix_tokens(prompt_tokens, self.config.block_tokens)
 
     def kept_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
         """The most slots a request's row keeps per layer: its B plus its pinned prefix (`pinned_of`); None: every

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from replica.engine.kv_base import KVBudget
-from replica.engine.prefix_cache import PrefixCachingPool, chain_hashes, seed_rows
+from replica.engine.prefix_cache import PrefixCachingPool, cacheable_prefix_tokens, chain_hashes, seed_rows
 from replica.engine.requests import EngineView, Prefill, Sequence, decodes_after_prefill, steps_left
 from replica.engine.session_state import SessionStatePool, common_prefix_tokens
 from scissorhands.paged import BlockPool, paged_rows
@@ -119,8 +119,7 @@ class PagedBudget(KVBudget):
             return
         if self.prefix is None or (seq.request.prompt_logprobs is not None and not seq.preempted):
             return
-        n = len(seq.prefill_ids())
-        most = (n - 1) // self.config.block_tokens
+        most = cacheable_prefix_tokens(len(seq.prefill_ids()), self.config.block_tokens) // self.config.block_tokens
         if seq.budget_tokens is not None:  # kv_reuse: shared_prefix: only its pinned prompt blocks are whole
             most = seq.pinned_tokens // self.config.block_tokens
         if most:
@@ -234,15 +233,17 @@ class PagedBudget(KVBudget):
                 seq.result.session_recomputed_tokens += min(common_prefix_tokens(prompt, history[:-1]), len(prompt) - 1)
         return p.cached if p.cache is not None else 0
 
-    def keep_session(self, cache, i: int, seq: Sequence) -> None:
+    def keep_session(self, cache, i: int, seq: Sequence) -> bool | None:
         """Keep row `i` of `cache` as `seq`'s session's state when `seq` (a request with a session, completed)
-        has just finished there; the caller drops that row next (it holds no block after this). Raises what failed
+        has just finished there; the caller drops that row next (it holds no block after this). Returns True when
+        kept, False when the row was not the row of its history (`SessionStatePool.keep_row`: nothing kept), None
+        when there was nothing to keep (no session state, no session, a failed request). Raises what failed
         part-way, nothing kept and no block lost (`SessionStatePool.keep_row`)."""
         if self.sessions is None or seq.request.session_id is None or seq.result.error_kind is not None:
-            return
+            return None
         history = seq.request.prompt_ids + seq.result.output_ids
         self.sessions.remember(seq.request.session_id, history)
-        self.sessions.keep_row(seq.request.session_id, history, cache, i)
+        return self.sessions.keep_row(seq.request.session_id, history, cache, i)
 
     def session_stats(self) -> dict:
         """`stats()`'s session state gauges: states kept now, their pool blocks and bookkeeping bytes, and the

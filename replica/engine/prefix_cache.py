@@ -39,7 +39,17 @@ import torch
 from scissorhands.cache import INT16_MAX_TIME
 from scissorhands.paged import BlockPool, PoolExhausted
 
-__all__ = ["PrefixCachingPool", "chain_hashes", "seed_rows"]
+__all__ = ["PrefixCachingPool", "cacheable_prefix_tokens", "chain_hashes", "seed_rows"]
+
+
+def cacheable_prefix_tokens(prompt_tokens: int, block_tokens: int) -> int:
+    """The most prompt tokens a prefill of `prompt_tokens` may take from the prefix cache, in whole blocks:
+    ``floor((prompt - 1) / block_tokens) * block_tokens`` (at least one prompt token is computed, so the first token
+    has logits; 0 for an empty prompt). It is also what a budgeted row pins under ``kv_reuse: shared_prefix``
+    (`KVBudget.pinned_of`), so the blocks such a row caches. Raises ValueError for `block_tokens` < 1."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be at least 1 (got {block_tokens})")
+    return max(0, prompt_tokens - 1) // block_tokens * block_tokens
 
 
 def chain_hashes(tokens: list[int], block_tokens: int, known: list[bytes]) -> list[bytes]:

@@ -10,7 +10,7 @@ import torch
 
 from replica.common.types import ConfigError, EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
-from replica.engine.prefix_cache import PrefixCachingPool, chain_hashes
+from replica.engine.prefix_cache import PrefixCachingPool, cacheable_prefix_tokens, chain_hashes
 from scissorhands.paged import PoolExhausted
 
 PAGED = dict(kv_layout="paged", block_tokens=4)
@@ -334,3 +334,9 @@ def test_the_prefix_cached_full_cache_gives_the_uncached_tokens_on_the_embedded_
             assert cached == [0] + [144] * 3  # 9 blocks of 16
         else:  # fed in chunks: a request admitted once the system prompt's chunks were computed finds them
             assert engine.stats()["prefix_cache_hit_tokens"] == sum(cached) > 0
+
+
+def test_the_cacheable_prefix_is_the_prompts_whole_blocks_but_its_last_token():
+    assert [cacheable_prefix_tokens(n, 4) for n in (0, 1, 4, 5, 8, 9, 17)] == [0, 0, 0, 4, 4, 8, 16]
+    with pytest.raises(ValueError, match="block_tokens"):
+        cacheable_prefix_tokens(10, 0)

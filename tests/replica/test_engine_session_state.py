@@ -479,3 +479,29 @@ def test_the_pools_block_figures_read_from_another_thread_while_a_step_is_planne
     engine.run_until_idle()
     assert seen and all(s == (0, pool.usable_blocks, 0) for s in seen), seen
     assert res["t1"].error is None and res["t1"].session_reused_tokens == len(prompt) + 2
+
+
+def test_a_finished_row_that_has_not_fed_its_history_keeps_nothing_and_is_counted_not_silent(
+    model, monkeypatch, caplog
+):
+    """`SessionStatePool.keep_row` keeps nothing of a row whose clock is not its history's (``tokens_seen``): that
+    keep is counted in ``session_state_keep_failures`` and logged, as a failed keep is, so a reuse check reads it as
+    what explains the next turn's recompute; no block is lost."""
+    real = session_state.split_row
+
+    def off_by_one(cache, i):
+        row = real(cache, i)
+        row.layers[0].tokens_seen += 1  # a row of other tokens than the request's history
+        return row
+
+    monkeypatch.setattr(session_state, "split_row", off_by_one)
+    engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED, **ON, kv_memory_limit_bytes=10**7))
+    res = {}
+    engine.submit(GenerationRequest("a", list(range(1, 20)), 3, session_id="s"), lambda r: res.__setitem__("a", r))
+    engine.run_until_idle()
+    assert res["a"].error is None
+    pool, stats = engine.pool, engine.stats()
+    assert not pool.states and pool.held_blocks == 0
+    assert len(pool._free) == pool.free_blocks == pool.usable_blocks
+    assert stats["session_state_keep_failures"] == 1
+    assert "session 's': the state of request 'a' was not kept (its row had not fed its history" in caplog.text

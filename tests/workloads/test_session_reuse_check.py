@@ -29,6 +29,8 @@ def _turn(session: int, turn: int, prompt: int, expected: int, cached: int | Non
 PAGED = dict(kv_layout="paged", block_tokens=4, kv_memory_limit_bytes=400_000)
 PREFIX = EngineConfig(policy="full", enable_prefix_caching=True, **PAGED)
 STATE = EngineConfig(policy="scissorhands", budget_tokens=16, kv_reuse="session_state", **PAGED)
+SHARED = EngineConfig(policy="scissorhands", budget_tokens=16, kv_reuse="shared_prefix", **PAGED)
+FULL_SHARED = EngineConfig(policy="full", kv_reuse="shared_prefix", **PAGED)
 STATS = [{"block_tokens": 4, "preemptions": 0, "prefix_cache_reclaimed_blocks": 0}]
 
 
@@ -66,10 +68,49 @@ def test_a_prefix_cache_must_hit_the_previous_prompt_in_whole_blocks_unless_it_r
     short = _turn(0, 1, 26, 20, 12)
     fields, error, _ = check_reuse([prev, short], STATS, PREFIX, "s")
     assert fields["reuse_short_turns"] == 1 and fields["reuse_short_explained"] is False
-    assert "fewer than the 16 its prefix cache must reuse" in error and "no replica reported a reclaimed" in error
+    assert "fewer than the 16 its prefix cache must reuse" in error and "reported no reclaimed block or state" in error
     for why in ({"prefix_cache_reclaimed_blocks": 30}, {"preemptions": 1}):  # memory pressure explains it
         fields, error, notes = check_reuse([prev, short], [{**STATS[0], **why}], PREFIX, "s")
         assert error is None and fields["reuse_short_explained"] is True and "reclaimed" in notes[0]
+
+
+def test_a_shared_prefix_row_must_hit_the_previous_prompts_pinned_blocks_unless_it_reclaimed():
+    # previous prompt 17 tokens: it pinned (and registered) floor(16 / 4) = 4 blocks; the next prompt may take 6
+    prev, nxt = _turn(0, 0, 17, 0, 0), _turn(0, 1, 26, 20, 16)
+    assert demanded_reuse_tokens(nxt, prev, "shared_prefix", 4) == 16
+    # a prompt of 16 pins only 3 whole blocks (its last token is computed), where the full cache registers 4
+    prev16, nxt16 = _turn(0, 0, 16, 0, 0), _turn(0, 1, 26, 20, 12)
+    assert demanded_reuse_tokens(nxt16, prev16, "shared_prefix", 4) == 12
+    assert demanded_reuse_tokens(nxt16, prev16, "prefix_cache", 4) == 16
+    fields, error, _ = check_reuse([prev16, nxt16], STATS, SHARED, "s")
+    assert error is None and fields["reuse_short_turns"] == 0
+    fields, error, _ = check_reuse([prev, _turn(0, 1, 26, 20, 8)], STATS, SHARED, "sp")
+    assert fields["reuse_check"] == "failed" and fields["reuse_short_turns"] == 1
+    assert "series sp, session 0 turn 1" in error and "fewer than the 16 its shared prefix must reuse" in error
+    # the full cache under shared_prefix is the prefix-cached full cache: whole blocks of the previous prompt
+    _, error, _ = check_reuse([prev16, nxt16], STATS, FULL_SHARED, "f")
+    assert "fewer than the 16 its prefix cache must reuse" in error
+
+
+def test_a_shortfall_is_explained_only_by_the_replica_that_served_it_or_a_state_it_failed_to_keep():
+    prev, short = _turn(0, 0, 18, 0, 0), _turn(0, 1, 26, 20, 12)
+    prev.replica_id = short.replica_id = "a"
+    quiet = {**STATS[0], "replica_id": "a"}
+    busy = {**STATS[0], "replica_id": "b", "prefix_cache_reclaimed_blocks": 30}
+    fields, error, _ = check_reuse([prev, short], [quiet, busy], PREFIX, "s")
+    assert fields["reuse_short_explained"] is False and "fewer than the 16" in error
+    fields, error, _ = check_reuse([prev, short], [{**quiet, "preemptions": 2}, busy], PREFIX, "s")
+    assert error is None and fields["reuse_short_explained"] is True
+    # a record naming no replica falls back to every replica of the point
+    short.replica_id = None
+    assert check_reuse([prev, short], [quiet, busy], PREFIX, "s")[1] is None
+    # a session state the replica failed to keep explains its next turn's recompute
+    state_prev, state_short = _turn(0, 0, 18, 0, 0), _turn(0, 1, 26, 22, 0)
+    state_prev.replica_id = state_short.replica_id = "a"
+    fields, error, _ = check_reuse([state_prev, state_short], [quiet], STATE, "k")
+    assert fields["reuse_short_explained"] is False and error is not None
+    fields, error, _ = check_reuse([state_prev, state_short], [{**quiet, "session_state_keep_failures": 1}], STATE, "k")
+    assert error is None and fields["reuse_short_explained"] is True
 
 
 def test_turn_zero_layers_and_a_turn_off_its_sessions_replica_are_not_demanded():
@@ -112,6 +153,7 @@ policies:
   - full
   - {name: full, enable_prefix_caching: true}
   - {name: scissorhands, kv_reuse: session_state}
+  - {name: scissorhands, kv_reuse: shared_prefix}
 compression_ratios: [2]
 budget: fixed
 kv_layout: paged
@@ -139,12 +181,15 @@ def _run(tmp_path: Path, pool=None, suite: str = SUITE) -> tuple[int, list[dict]
 
 
 def test_the_real_engines_reuse_what_the_sessions_share_pass_and_record_the_kv_they_held(tmp_path):
-    rc, (full, prefix, kept) = _run(tmp_path)
-    assert rc == 0 and [r["status"] for r in (full, prefix, kept)] == ["ok"] * 3
-    assert [r["reuse_check"] for r in (full, prefix, kept)] == ["passed"] * 3
-    assert [r["reuse_over_turns"] for r in (full, prefix, kept)] == [0, 0, 0]
-    assert (full["reuse_short_turns"], prefix["reuse_short_turns"], kept["reuse_short_turns"]) == (None, 0, 0)
-    assert prefix["cached_prompt_tokens"] > 0 and kept["cached_prompt_tokens"] > 0  # a pass that reused something
+    rc, (full, prefix, kept, shared) = _run(tmp_path)
+    assert rc == 0 and [r["status"] for r in (full, prefix, kept, shared)] == ["ok"] * 4
+    assert [r["reuse_check"] for r in (full, prefix, kept, shared)] == ["passed"] * 4
+    assert [r["reuse_over_turns"] for r in (full, prefix, kept, shared)] == [0, 0, 0, 0]
+    assert [r["reuse_short_turns"] for r in (full, prefix, kept, shared)] == [None, 0, 0, 0]
+    # a pass that reused something
+    assert (
+        prefix["cached_prompt_tokens"] > 0 and kept["cached_prompt_tokens"] > 0 and shared["cached_prompt_tokens"] > 0
+    )
     # the KV kept between turns, beside the live peaks: none without state; pool bytes for both ways, bookkeeping
     # (outside the pool) only for the kept states
     assert (full["peak_held_kv_bytes"], full["peak_held_bookkeeping_bytes"]) == (None, None)
@@ -160,7 +205,7 @@ def test_the_real_engines_reuse_what_the_sessions_share_pass_and_record_the_kv_t
 def test_under_memory_pressure_the_real_engines_reclaim_and_their_shortfalls_pass_as_explained(tmp_path):
     tight = SUITE.replace("kv_memory_limit_bytes: 400000", "kv_memory_limit_bytes: 40000")
     tight = tight.replace("users: 2, turns: 3", "users: 4, turns: 3").replace("loads: [4]", "loads: [8]")
-    rc, (full, prefix, kept) = _run(tmp_path, suite=tight)
+    rc, (full, prefix, kept, _) = _run(tmp_path, suite=tight)
     assert rc == 0 and [r["status"] for r in (full, prefix, kept)] == ["ok"] * 3
     reclaimed = 0
     for r, key in ((prefix, "prefix_cache_reclaimed_blocks"), (kept, "session_states_reclaimed")):
@@ -196,7 +241,12 @@ class TamperingPool(LocalReplicaPool):
         return Tampering(self.replica, self.request_id, self.cached)
 
 
-ALL = ("sessions-full", "sessions-full+prefix", "sessions-scissorhands+reuse-session_state-r2")
+ALL = (
+    "sessions-full",
+    "sessions-full+prefix",
+    "sessions-scissorhands+reuse-session_state-r2",
+    "sessions-scissorhands+reuse-shared_prefix-r2",
+)
 
 
 @pytest.mark.parametrize(
@@ -205,9 +255,9 @@ ALL = ("sessions-full", "sessions-full+prefix", "sessions-scissorhands+reuse-ses
         # over: more than the conversation so far, on every engine
         ("s1-t1", lambda res: res.prompt_tokens - 1, "session 1 turn 1 (request", ALL),
         # within the 12 shared system prompt tokens, but the plain full cache keeps nothing and a session state is
-        # its own session's: only the prefix cache may have found them
+        # its own session's: only the prefix cache (and the shared prefix's pinned blocks) may have found them
         ("s1-t0", lambda res: 4, "session 1 turn 0", (ALL[0], ALL[2])),
-        # short: the prefix cache and the kept state hold the history, and nothing was reclaimed
+        # short: the prefix cache, the kept state and the pinned prefix hold the history, and nothing was reclaimed
         ("s0-t2", lambda res: 0, "session 0 turn 2", ALL[1:]),
     ],
 )

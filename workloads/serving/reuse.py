@@ -12,19 +12,26 @@ prompt tokens its first admission did not prefill; None where the backend does n
   none (a state is its own session's; a hit there is another session's blocks). Never
   legitimate: always a fault, unless the engine's caches outlive the point (`caches_outlive_points`: a `target:`
   server, whose cache holds what earlier points sent; then a warning).
-* **Under-reuse** (our engine keeping state, `kv_reuse: none` with prefix caching, or `kv_reuse: session_state`):
+* **Under-reuse** (our engine keeping state: `kv_reuse: none` with prefix caching, `kv_reuse: shared_prefix`, or
+  `kv_reuse: session_state`):
   a turn k > 0 (its previous turn was answered before it was sent, so what it reuses was computed) served by its
   session's replica (`session_affinity_hit` not False) that took fewer tokens than its way of reuse must:
 
-  - prefix cache: the previous turn's prompt in whole blocks, ``floor(previous prompt / block) x block`` (the cache
-    keeps full blocks of prompts, never of generated tokens), capped at ``floor((prompt - 1) / block) x block``;
+  - prefix cache (the full cache with prefix caching, under `kv_reuse: none` or `shared_prefix`): the previous turn's
+    prompt in whole blocks, ``floor(previous prompt / block) x block`` (the full cache registers every full block of
+    a prompt, never of generated tokens), capped at ``cacheable_prefix_tokens(prompt, block)``,
+    ``floor((prompt - 1) / block) x block``;
+  - shared prefix (a budgeted policy under `kv_reuse: shared_prefix`): its rows register only their pinned blocks,
+    ``cacheable_prefix_tokens(previous prompt, block)``, so ``min(cacheable(previous prompt), cacheable(prompt))``;
   - session state: the previous prompt and answer but the answer's last token (never fed), ``expected - 1``.
 
-  A shortfall is legitimate when memory pressure took the state away: a replica of the point reported reclaimed
-  prefix-cache blocks or session states, or a preemption (its recompute released blocks). Without any of these the
+  A shortfall is legitimate when memory pressure took the state away, or a state was not kept: the replica that
+  served the turn (the record's `replica_id` matched to a replica's stats; any replica of the point when the record
+  or the stats name none) reported reclaimed prefix-cache blocks or session states, a session state it failed to
+  keep (``session_state_keep_failures``), or a preemption (its recompute released blocks). Without any of these the
   cache failed to find what it holds: a fault. Turn 0's shared layers (system prompt, group context) are never
-  demanded: whether an earlier session's prefill had finished when it was sent is a matter of timing. Other ways of
-  reuse (another `kv_reuse`) are checked for over-reuse only.
+  demanded: whether an earlier session's prefill had finished when it was sent is a matter of timing. Another
+  backend is checked for over-reuse only.
 
 `check_reuse` returns the record's `REUSE_KEYS` and the error that fails the point (None when it passes).
 """
@@ -33,6 +40,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from replica.engine.prefix_cache import cacheable_prefix_tokens
+from scissorhands import POLICIES
 from workloads.load.metrics import RequestRecord
 
 __all__ = ["REUSE_KEYS", "check_reuse", "demanded_reuse_tokens", "reuse_bound_tokens"]
@@ -55,40 +64,61 @@ def demanded_reuse_tokens(
     rec: RequestRecord, previous: RequestRecord | None, way: str | None, block_tokens: int | None
 ) -> int:
     """The prompt tokens turn `rec` must take from earlier KV when nothing was reclaimed (the module docstring):
-    0 for turn 0, a turn with no previous record, or a `way` other than ``prefix_cache`` / ``session_state``."""
+    0 for turn 0, a turn with no previous record, or a `way` other than ``prefix_cache`` / ``shared_prefix`` /
+    ``session_state``."""
     if not rec.turn or previous is None or way is None:
         return 0
     if way == "session_state":
         return max(0, min((rec.expected_reuse_tokens or 0) - 1, rec.prompt_tokens - 1))
-    if way == "prefix_cache" and block_tokens:
-        whole = lambda n: (n // block_tokens) * block_tokens  # noqa: E731 - a prefix cache hits whole blocks only
-        return min(whole(previous.prompt_tokens), whole(max(0, rec.prompt_tokens - 1)))
+    if way == "prefix_cache" and block_tokens:  # the full cache registers every full block of the previous prompt
+        whole = previous.prompt_tokens // block_tokens * block_tokens
+        return min(whole, cacheable_prefix_tokens(rec.prompt_tokens, block_tokens))
+    if way == "shared_prefix" and block_tokens:  # a budgeted row registers only its pinned blocks
+        pinned = cacheable_prefix_tokens(previous.prompt_tokens, block_tokens)
+        return min(pinned, cacheable_prefix_tokens(rec.prompt_tokens, block_tokens))
     return 0
 
 
 def reuse_way(engine_config) -> str | None:
-    """How the point's engine (ours) keeps KV for later turns: ``prefix_cache``, ``session_state``, ``none`` (it keeps
-    nothing: no turn may report a cached token), or None (another backend, or another `kv_reuse`: the workload's bound
-    only)."""
+    """How the point's engine (ours) keeps KV for later turns: ``prefix_cache`` (the full cache with prefix caching,
+    `kv_reuse` none or shared_prefix), ``shared_prefix`` (a budgeted policy sharing its pinned prompt blocks),
+    ``session_state``, ``none`` (it keeps nothing: no turn may report a cached token), or None (another backend, or
+    an unknown `kv_reuse`: the workload's bound only)."""
     if engine_config is None or getattr(engine_config, "engine", "ours") != "ours":
         return None
     reuse = getattr(engine_config, "kv_reuse", "none")
     if reuse == "session_state":
         return "session_state"
+    if reuse == "shared_prefix":  # a full cache's rows are not pinned: it is the prefix-cached full cache
+        return "shared_prefix" if POLICIES[engine_config.policy].evicts else "prefix_cache"
     if reuse == "none":
         return "prefix_cache" if getattr(engine_config, "enable_prefix_caching", False) else "none"
     return None
 
 
+#: The stats keys of a replica whose count > 0 explains a shortfall: reclaimed blocks or states, a session state not
+#: kept, a preemption.
+EXPLAINING_KEYS = (
+    "prefix_cache_reclaimed_blocks",
+    "session_states_reclaimed",
+    "session_state_reclaimed_blocks",
+    "session_state_keep_failures",
+    "preemptions",
+)
+
+
 def _explained(stats: Iterable[dict]) -> bool:
-    """Whether a replica reported what makes a shortfall legitimate: reclaimed blocks or states, a preemption."""
-    keys = (
-        "prefix_cache_reclaimed_blocks",
-        "session_states_reclaimed",
-        "session_state_reclaimed_blocks",
-        "preemptions",
+    """Whether a replica of `stats` reported what makes a shortfall legitimate (`EXPLAINING_KEYS`)."""
+    return any((s.get(k) or 0) > 0 for s in stats for k in EXPLAINING_KEYS)
+
+
+def _explained_turns(short: list[RequestRecord], stats: list[dict]) -> bool:
+    """Whether every short turn is explained by the replica that served it (its record's `replica_id` among the
+    stats'), or by any replica of the point when the record or the stats do not say which."""
+    by_replica = {s["replica_id"]: s for s in stats if s.get("replica_id") is not None}
+    return all(
+        _explained([by_replica[r.replica_id]]) if r.replica_id in by_replica else _explained(stats) for r in short
     )
-    return any((s.get(k) or 0) > 0 for s in stats for k in keys)
 
 
 def _where(series: str, rec: RequestRecord) -> str:
@@ -121,7 +151,7 @@ def check_reuse(
         return {"reuse_check": "not_checked", **dict.fromkeys(REUSE_KEYS[1:])}, None, []
     way = None if caches_outlive_points else reuse_way(engine_config)
     over = [r for r in turns if r.cached_prompt_tokens > reuse_bound_tokens(r, way)]
-    demands = way in ("prefix_cache", "session_state")
+    demands = way in ("prefix_cache", "shared_prefix", "session_state")
     block = next((s.get("block_tokens") for s in stats if s.get("block_tokens")), None)
     previous = {(r.session_id, r.turn): r for r in turns}
     short = [
@@ -130,7 +160,7 @@ def check_reuse(
         if r.session_affinity_hit is not False
         and r.cached_prompt_tokens < demanded_reuse_tokens(r, previous.get((r.session_id, r.turn - 1)), way, block)
     ]
-    explained = _explained(stats) if short else None
+    explained = _explained_turns(short, stats) if short else None
     fields = {
         "reuse_check": "passed",
         "reuse_over_turns": len(over),
@@ -166,7 +196,8 @@ def check_reuse(
             fields,
             f"reuse mismatch: {_where(series, r)}: the engine reported {r.cached_prompt_tokens} cached prompt tokens, "
             f"fewer than the {need} its {way.replace('_', ' ')} must reuse (expected reuse "
-            f"{r.expected_reuse_tokens}), and no replica reported a reclaimed block or state or a preemption "
+            f"{r.expected_reuse_tokens}), and the replica that served it reported no reclaimed block or state, no "
+            f"state it failed to keep and no preemption "
             f"({len(short)} turn(s) short)",
             warnings,
         )
