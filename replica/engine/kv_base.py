@@ -70,12 +70,13 @@ class KVBudget:
         return self.budget_tokens
 
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        """Slots a sequence's row needs at most: ``B`` (budgeted) capped at what the sequence can hold (its own
+        """Slots a sequence's row needs at most: its kept slots ``P + B`` (budgeted, `kept_of`: ``P`` its pinned
+        prefix under ``kv_reuse: shared_prefix``, else 0) capped at what the sequence can hold (its own
         ``prompt + max_new - 1`` under ``budget: per_request``, else the preallocated ``min(B, max_length_tokens)`` or
         its own length if longer),
         else ``prompt + max_new - 1`` or the preallocated ``max_length_tokens``, whichever is larger. ``B`` itself
         (which a floor or a recent window may raise above ``L``) stays what the policy resolves."""
-        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        budget = self.kept_of(prompt_tokens, max_new_tokens)
         if budget is not None:
             own = max(1, prompt_tokens + max_new_tokens - 1)
             # a fixed B's rows are preallocated to row_capacity; one longer than max_length_tokens grows to its own

@@ -87,7 +87,7 @@ def test_a_budgeted_row_keeps_its_pinned_prefix_and_at_most_its_budget_past_it(m
     budget = 12
     requests = _shared_prefix_requests(4, new=(20, 30))
     pinned = {r.request_id: _pinned(len(r.prompt_ids)) for r in requests}
-    seen = []
+    seen, held = [], []
 
     def check(engine):
         if engine._cache is None:
@@ -100,11 +100,14 @@ def test_a_budgeted_row_keeps_its_pinned_prefix_and_at_most_its_budget_past_it(m
                 assert torch.equal(st[:, :p], torch.arange(p).expand(st.shape[0], p))
                 assert int(layer.held[i]) <= p + budget
             seen.append(int(engine._cache.layers[0].held[i]) - p)
+            held.append(seq.held_slots - p)  # the engine's own figure of the row's slots (admission reads it)
+            assert seq.held_slots <= seq.final_slots
 
     cfg = EngineConfig(**PAGED, **_sh(budget), **sched, kv_memory_limit_bytes=10**7, **SHARED)
     got, engine = _serve(model, cfg, requests, after_step=check)
     assert all(r.error is None for r in got.values())
     assert max(seen) == budget  # rows filled their budget past the prefix, and evicted there
+    assert max(held) == budget  # and the engine counts the P + B slots they hold
     assert engine.metrics.evicted_tokens > 0
     assert engine.pool.blocks_in_use == 0
 
@@ -249,6 +252,9 @@ def test_the_kv_accounting_counts_the_pinned_prefix_beside_the_budget(model):
     kv = engine.kv
     assert kv.pinned_of(30) == 28 and kv.pinned_of(29) == 28 and kv.pinned_of(28) == 24 and kv.pinned_of(1) == 0
     assert kv.kept_of(30, 10) == 28 + 8
+    # a row's most slots are P + B, capped by its own length (prompt + new - 1)
+    assert kv.final_slots(30, 10) == 28 + 8 and kv.final_slots(30, 2) == 31
+    assert kv.prefill_slots(30, kv.kept_of(30, 10), kv.final_slots(30, 10)) == 28 + 8
     # 2 layers x ceil((28 + 8) / 4) blocks at its end; without sharing its prefix, ceil(8 / 4)
     assert kv.final_blocks(30, 10) == 2 * 9
     plain = ContinuousBatchingEngine(model, EngineConfig(**PAGED, **_sh(8), kv_memory_limit_bytes=10**7))
