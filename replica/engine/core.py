@@ -24,6 +24,7 @@ from replica.engine.requests import Prefill, Sequence, StepPlan
 from replica.engine.runner import ModelRunner
 from replica.engine.scheduler import SCHEDULERS
 from replica.metrics import NullMetrics
+from scissorhands import POLICIES
 
 __all__ = ["ContinuousBatchingEngine"]
 
@@ -397,6 +398,8 @@ class ContinuousBatchingEngine(EngineReadout):
             **self.scheduler.stats(),
             **self.kv.pool_stats(s.get("decode_steps", 0), s.get("block_steps", 0)),
             **{k: s.get(k, 0) for k in ("preemptions", "recomputed_tokens")},
+            # tokens the policy evicted (warm-up rows' too); None for a policy that keeps every token
+            "evicted_tokens": s.get("evicted_tokens", 0) if POLICIES[self.config.policy].evicts else None,
             **self._prefix_stats(s),
             **self.kv.held_stats(),
         }

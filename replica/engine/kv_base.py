@@ -63,10 +63,14 @@ class KVBudget:
         return None if budget is None else budget + self.pinned_of(prompt_tokens)
 
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
-        """A request's B: its own ``budget_from_ratio(prompt + max_new, ratio, policy)`` under ``budget: per_request``
-        (``ceil(L / ratio)`` raised to the policy's floor and needs), else the engine's fixed B (None: keeps every token)."""
+        """A request's B: its own ``budget_from_ratio(L - P, ratio, policy)`` under ``budget: per_request`` (``L =
+        prompt + max_new``, ``P`` its pinned prefix, `pinned_of`: 0 but under ``kv_reuse: shared_prefix``, where B
+        compresses only the tokens past the prefix; ``ceil((L - P) / ratio)`` raised to the policy's floor,
+        ``min_budget_tokens``, and needs), else the engine's fixed B beside any pinned prefix (None: keeps every
+        token)."""
         if self.per_request:
-            return budget_from_ratio(prompt_tokens + max_new_tokens, self.config.compression_ratio, self.policy)
+            past_prefix = prompt_tokens + max_new_tokens - self.pinned_of(prompt_tokens)
+            return budget_from_ratio(past_prefix, self.config.compression_ratio, self.policy)
         return self.budget_tokens
 
     def final_slots(self, prompt_tokens: int, max_new_tokens: int) -> int:
@@ -107,7 +111,7 @@ class KVBudget:
             try:
                 self.check_budget(budget)
             except ValueError as e:
-                why = f"its budget of {budget} slots (budget_from_ratio(prompt + max_new, ratio, policy)) does not suit the policy: {e}"
+                why = f"its budget of {budget} slots (budget_from_ratio(prompt + max_new - pinned prefix, ratio, policy)) does not suit the policy: {e}"
                 return Refusal("policy", why)
         if self.limit_bytes is None:
             return None

@@ -95,6 +95,7 @@ class Lifecycle:
         with recording():
             self.metrics.observe_prefill(fwd.seconds, (len(group) - warm) * chunk, warm * chunk)
             self.metrics.add_evictions(fwd.evicted_tokens)
+            self.add("evicted_tokens", fwd.evicted_tokens)  # stats(): a budgeted point that evicted nothing says so
             if last:
                 self.metrics.add_generated_tokens(len(group) - warm)
                 self.metrics.add_generated_tokens(warm, "warmup")
@@ -108,6 +109,7 @@ class Lifecycle:
             self.metrics.add_generated_tokens(len(rows) - warm)
             self.metrics.add_generated_tokens(warm, "warmup")
             self.metrics.add_evictions(fwd.evicted_tokens)
+        self.add("evicted_tokens", fwd.evicted_tokens)
         self.add("decode_steps")
         self.add("block_steps", blocks_in_use)
 

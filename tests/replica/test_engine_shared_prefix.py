@@ -15,6 +15,7 @@ from replica.common.types import ConfigError, EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
 from replica.metrics import NullMetrics
 from replica.openai_api import reports_cached_tokens
+from scissorhands import budget_from_ratio, cache_policy
 
 PAGED = dict(kv_layout="paged", block_tokens=4)
 SHARED = dict(kv_reuse="shared_prefix")
@@ -267,6 +268,29 @@ def test_the_kv_accounting_counts_the_pinned_prefix_beside_the_budget(model):
     # the full cache under shared_prefix pins nothing: it is the prefix-cached full cache
     full = ContinuousBatchingEngine(model, EngineConfig(**PAGED, kv_memory_limit_bytes=10**7, **SHARED))
     assert full.kv.pinned_of(30) == 0 and full.kv.prefix is not None
+
+
+def test_a_per_request_budget_under_shared_prefix_compresses_the_tokens_past_the_prefix(model):
+    """Under ``budget: per_request`` B is the policy's budget of what it compresses, ``budget_from_ratio(L - P)``,
+    not of the whole conversation ``L``: with a short answer to a long prompt, B of ``L`` would hold every token past
+    P (the row would be the prefix-cached full cache); B of ``L - P`` evicts. Under ``budget: fixed`` B is as given."""
+    params = dict(PARAMS, min_budget_tokens=8)
+    per_request = dict(
+        policy="scissorhands", budget="per_request", compression_ratio=2, max_length_tokens=128, policy_params=params
+    )
+    cfg = EngineConfig(**PAGED, **per_request, kv_memory_limit_bytes=10**7, **SHARED)
+    kv = ContinuousBatchingEngine(model, cfg).kv
+    policy = cache_policy("scissorhands", **params)
+    # prompt 30, 10 new: P = 28, so B = budget_from_ratio(12) = max(ceil(12 / 2), floor 8) = 8, not ceil(40 / 2) = 20
+    assert kv.budget_of(30, 10) == budget_from_ratio(12, 2, policy) == 8 and kv.kept_of(30, 10) == 28 + 8
+    plain = ContinuousBatchingEngine(model, EngineConfig(**PAGED, **per_request, kv_memory_limit_bytes=10**7)).kv
+    assert plain.budget_of(30, 10) == 20  # no pinned prefix: the whole L, as before
+    fixed = ContinuousBatchingEngine(model, EngineConfig(**PAGED, **_sh(12), kv_memory_limit_bytes=10**7, **SHARED))
+    assert fixed.kv.budget_of(30, 10) == 12 and fixed.kv.kept_of(30, 10) == 28 + 12
+    # served: 37-token system prompt + own tokens, 20-29 new: the rows evict past their pinned prefix
+    got, engine = _serve(model, cfg, _shared_prefix_requests(4, new=(20, 30)))
+    assert all(r.error is None for r in got.values())
+    assert engine.metrics.evicted_tokens > 0 and engine.stats()["evicted_tokens"] == engine.metrics.evicted_tokens
 
 
 def test_shared_prefix_turns_the_prefix_cache_on_and_keeps_session_affinity():

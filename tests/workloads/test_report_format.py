@@ -5,6 +5,7 @@ import pytest
 
 from workloads.load.numbers import significant
 from workloads.load.slo import describe_slo
+from workloads.serving.point import eviction_count_fields
 from workloads.serving.report import milliseconds, table_markdown
 from workloads.serving.runner import ServingKind
 
@@ -71,3 +72,17 @@ def test_an_openvino_eviction_row_that_evicts_nothing_says_so_in_the_serving_tab
     table = table_markdown([quiet, evicting])
     rows = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| rate-")]
     assert rows == [f"rate-openvino-openvino_eviction-x2 ({why})", "rate-openvino-openvino_eviction-x5"]
+
+
+def test_our_budgeted_row_that_evicted_no_token_says_evicts_nothing_in_the_serving_table():
+    # a budget raised to the policy's floor held every token: the point ran the (prefix-cached) full cache
+    quiet = eviction_count_fields([{"evicted_tokens": 0}, {"evicted_tokens": 0}])
+    assert quiet["evicted_tokens"] == 0 and quiet["openvino_evicts"] is False
+    assert quiet["openvino_evicts_reason"].startswith("evicts nothing: ")
+    assert eviction_count_fields([{"evicted_tokens": 0}, {"evicted_tokens": 7}]) == {"evicted_tokens": 7}
+    # the full cache (None: it keeps every token) and another backend (no key) flag nothing
+    assert eviction_count_fields([{"evicted_tokens": None}]) == {} and eviction_count_fields([{}]) == {}
+    rec = _contended_record(series="sessions-scissorhands+reuse-shared_prefix-r5", **quiet)
+    table = table_markdown([rec])
+    rows = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| sessions-")]
+    assert rows == [f"sessions-scissorhands+reuse-shared_prefix-r5 ({quiet['openvino_evicts_reason']})"]

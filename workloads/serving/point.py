@@ -151,6 +151,8 @@ def run_point(
             # None when no replica's backend counts them (OpenVINO's pipeline does not: its `not_reported`)
             "preemptions": _sum_reported(stats, "preemptions"),
             "recomputed_tokens": _sum_reported(stats, "recomputed_tokens"),
+            # our budgeted engine: tokens its policy evicted (None: a policy keeping every token, or another backend)
+            **eviction_count_fields(stats),
             **prefix_cache_fields(stats, result.records),
             **session_state_fields(stats, result.records),
             **held_kv_fields(stats),
@@ -274,6 +276,22 @@ def held_bookkeeping_over_limit(stats: list[dict]) -> str | None:
                 f"({limit}) by up to {peak + book - limit} bytes"
             )
     return None
+
+
+def eviction_count_fields(stats: list[dict]) -> dict:
+    """A point record's ``evicted_tokens`` (summed over the replicas that count them: our engine with a policy that
+    evicts; None when none does) and, when that is 0, ``openvino_evicts: false`` with its reason, the flag the
+    tables already read for an eviction row that ran the full cache (`replica.openvino_settings.evicts_nothing`):
+    a budget (raised to the policy's floor, ``min_budget_tokens``) that held every token says so. {} when no
+    replica counts evictions (the OpenVINO backend: `eviction_reach` says it)."""
+    counts = [s["evicted_tokens"] for s in stats if s.get("evicted_tokens") is not None]
+    if not counts:
+        return {}
+    out = {"evicted_tokens": sum(counts)}
+    if out["evicted_tokens"] == 0:
+        out["openvino_evicts"] = False
+        out["openvino_evicts_reason"] = "evicts nothing: its budget held every token of this point (0 tokens evicted)"
+    return out
 
 
 def _sum_reported(stats: list[dict], key: str) -> int | None:
