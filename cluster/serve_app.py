@@ -357,7 +357,8 @@ def engine_knob_flags(parser: argparse.ArgumentParser) -> list[str]:
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             type=kind,
-            default=info.default,
+            # a switch not given is left out, so what implies it decides (--kv-reuse shared_prefix: the prefix cache)
+            default=None if kind is _flag_bool else info.default,
             help=f"every engine's {name} (replica.common.types.EngineConfig; default {info.default})",
         )
         names.append(name)
@@ -392,6 +393,7 @@ def serve_engine_config(
     label, cfg = parse_cache(spec, max_length_tokens, budget, knobs.pop("engine", "ours"))
     if scheduler is None:
         scheduler = "mixed" if kv_layout == "paged" else "prefill_first"
+    knobs = {k: v for k, v in knobs.items() if v is not None}  # a flag not given: EngineConfig's default
     cfg = {**knobs, **cfg, "kv_layout": kv_layout, "kv_memory_limit_bytes": kv_memory_limit_bytes}
     cfg["scheduler"] = scheduler
     try:

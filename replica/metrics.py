@@ -256,7 +256,7 @@ METRICS: tuple[MetricSpec, ...] = (
         "Paged KV layout only: tokens whose KV a preemption freed, fed again by the sequence's next prefill "
         "(its prompt and the outputs fed so far).",
     ),
-    # the prefix cache of the paged full cache only (`enable_prefix_caching`); absent when it is off, and on OpenVINO
+    # the prefix cache of the paged engine (`enable_prefix_caching`, or `kv_reuse: shared_prefix`); absent when off, on OpenVINO
     _replica(
         "prefix_cache_hit_tokens_total",
         "counter",

@@ -194,15 +194,17 @@ def cache_metadata(engine_config: dict, budget_tokens: int | None, model_spec: s
         "model_spec": model_spec,
         "engine": engine,  # the backend that serves it (replica.backends)
         **extra,
-        "enable_prefix_caching": bool(engine_config.get("enable_prefix_caching", False)),
-        "kv_reuse": engine_config.get("kv_reuse", "none"),  # session_state: a session's turns go to its replica
+        # kv_reuse: shared_prefix turns the prefix cache on (EngineConfig), whether or not the knob was given
+        "enable_prefix_caching": bool(engine_config.get("enable_prefix_caching", False))
+        or engine_config.get("kv_reuse") == "shared_prefix",
+        "kv_reuse": engine_config.get("kv_reuse", "none"),  # session_state, shared_prefix: turns go to its replica
     }
 
 
 def reports_cached_tokens(metadata: dict) -> bool:
     """Whether replies of this cache configuration carry ``usage.prompt_tokens_details.cached_tokens``: our engine
-    with the prefix cache on (`EngineConfig.enable_prefix_caching`) or a session's kept state
-    (``kv_reuse: session_state``) counts them; with it off, and on OpenVINO
+    with the prefix cache on (`EngineConfig.enable_prefix_caching`, or ``kv_reuse: shared_prefix``) or a session's
+    kept state (``kv_reuse: session_state``) counts them; with it off, and on OpenVINO
     GenAI's backend (whose pipeline reports no per-request cached tokens), ``prompt_tokens_details`` is null, as
     vLLM sends it when prefix caching is off."""
     keeps = keeps_session_state(metadata.get("kv_reuse"), metadata.get("enable_prefix_caching"))

@@ -194,6 +194,9 @@ class BudgetedLayer(CacheLayerMixin):
         self.row_drop: torch.Tensor | None = None
         # slots a row can ever hold, min(budget, its final length) (set_row_budgets): what its buffers reserve
         self.row_capacity: torch.Tensor | None = None
+        # pinned tokens per row (BudgetedCache.set_pinned_tokens), (batch_size,) int64, or None: none pinned; a
+        # row's first row_pinned[i] tokens are never evicted and hold slots beside its budget
+        self.row_pinned: torch.Tensor | None = None
         self._pending_q: int | None = None
         self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
         # False only while no slot time is negative (no padding, filler or evicted slot): attention then
@@ -252,6 +255,10 @@ class BudgetedLayer(CacheLayerMixin):
             self.row_budget, self.row_recent, self.row_drop, self.row_capacity = (
                 t.to(self.device) for t in (self.row_budget, self.row_recent, self.row_drop, self.row_capacity)
             )
+        if self.row_pinned is not None:
+            if self.row_pinned.shape[0] != b:
+                raise ValueError(f"set_pinned_tokens gave {self.row_pinned.shape[0]} counts for a batch of {b} rows")
+            self.row_pinned = self.row_pinned.to(self.device)
         self.is_initialized = True
 
     @property
@@ -287,12 +294,12 @@ class BudgetedLayer(CacheLayerMixin):
         if self.tokens_seen + q - 1 > INT16_MAX_TIME and self.store.buffers["slot_time"].dtype == torch.int16:
             self.store.retype("slot_time", torch.int32)  # row clocks never pass tokens_seen
         if self.policy.evicts:
-            budget = self.budget.resolve(self.tokens_seen + q)
+            self.budget.resolve(self.tokens_seen + q)
             if q == 1:  # Algorithm 1: full -> drop m, then append
                 if self.row_budget is None:
-                    self.evict(torch.where(self.held >= budget, self.budget.drop_tokens, 0))
+                    self.evict(torch.where(self.held >= self.kept_limit(), self.budget.drop_tokens, 0))
                 else:
-                    self.evict(torch.where(self.held >= self.row_budget, self.row_drop, 0))
+                    self.evict(torch.where(self.held >= self.kept_limit(), self.row_drop, 0))
         # slot times, broadcast over heads (and rows) by the store's write: a decode call writes the clock
         # itself (a Python int or a (b, 1, 1) view, no arange: a few small ops fewer per layer and step)
         if q == 1:
@@ -411,7 +418,7 @@ class BudgetedLayer(CacheLayerMixin):
             else:
                 out[:, :, s:e] = self._attend_chunk(query[:, :, s:e], keys, values, visible, scaling, t0 + s)
         if self.policy.evicts:  # prompt / chunk: compress to B
-            self.evict((self.held - self.row_tokens()).clamp(min=0))
+            self.evict((self.held - self.kept_limit()).clamp(min=0))
         return out.transpose(1, 2).contiguous()
 
     def _all_slots_valid(self, st: torch.Tensor) -> bool:
@@ -492,7 +499,7 @@ class BudgetedLayer(CacheLayerMixin):
         """Drop ``n_drop[i]`` tokens of sequence ``i`` in every KV head (Algorithm 2).
 
         The policy's keep score orders the candidates; the newest ``recent_window`` tokens of each
-        sequence are protected; ties drop the older token (stable sort over slots in time order).
+        sequence and its pinned first tokens (``set_pinned_tokens``) are protected; ties drop the older token (stable sort over slots in time order).
         Dropped slots are masked; then, unless simulating, every slot that no row needs is removed
         and the survivors stay in time order.
 
@@ -510,6 +517,8 @@ class BudgetedLayer(CacheLayerMixin):
         if self.row_budget is not None or r:
             newer = valid.flip(-1).cumsum(-1).flip(-1)  # tokens at or after the slot
             score = score.masked_fill(valid & (newer <= r), float("inf"))
+        if self.row_pinned is not None:  # a pinned prefix is kept like the recent window
+            score = score.masked_fill(valid & (self.token_index() < self.row_pinned[:, None, None]), float("inf"))
         order = torch.sort(score, dim=-1, stable=True).indices  # lowest keep score first
         positions = torch.arange(order.shape[-1], device=self.device).expand_as(order)
         rank = torch.empty_like(order).scatter_(-1, order, positions)  # rank of each slot
@@ -537,15 +546,24 @@ class BudgetedLayer(CacheLayerMixin):
         """Each row's budget: ``(batch_size,)`` int64 under per-sequence budgets, else the shared ``B``."""
         return self.budget.tokens if self.row_budget is None else self.row_budget
 
+    def kept_limit(self) -> torch.Tensor | int:
+        """The most tokens each row keeps: its budget (``row_tokens``) plus its pinned tokens (``set_pinned_tokens``),
+        ``(batch_size,)`` int64, or the shared ``B`` when no row has pinned tokens."""
+        return self.row_tokens() if self.row_pinned is None else self.row_tokens() + self.row_pinned
+
     def budget_capacity(self) -> int:
         """Slots a row's buffers keep after an eviction: the largest budget of any row, each capped at the slots
-        its row can ever hold (``set_row_budgets``' capacities; a row that evicts holds its whole budget)."""
-        return self.budget.tokens if self.row_budget is None else int(self.row_capacity.max())
+        its row can ever hold (``set_row_budgets``' capacities; a row that evicts holds its whole budget), plus the
+        row's pinned tokens."""
+        base = self.budget.tokens if self.row_budget is None else self.row_capacity
+        if self.row_pinned is None:
+            return base if isinstance(base, int) else int(base.max())
+        return int((base + self.row_pinned).max())
 
     def _map_rows(self, fn) -> None:
         """Apply a batch-dim operation to every per-row tensor (counters, clocks, budgets)."""
         self.held, self.pad_tokens = fn(self.held), fn(self.pad_tokens)
-        for name in ("row_time", "row_budget", "row_recent", "row_drop", "row_capacity"):
+        for name in ("row_time", "row_budget", "row_recent", "row_drop", "row_capacity", "row_pinned"):
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
 
@@ -553,7 +571,20 @@ class BudgetedLayer(CacheLayerMixin):
         """Append ``other``'s per-row tensors after this layer's (both or neither with per-row budgets)."""
         if (self.row_budget is None) != (other.row_budget is None):
             raise ValueError("cannot merge rows with per-sequence budgets and rows with the shared budget")
-        for name in ("held", "pad_tokens", "row_time", "row_budget", "row_recent", "row_drop", "row_capacity"):
+        if (self.row_pinned is None) != (other.row_pinned is None):  # the side without pinned tokens pins none
+            for layer in (self, other):
+                if layer.row_pinned is None:
+                    layer.row_pinned = torch.zeros_like(layer.held)
+        for name in (
+            "held",
+            "pad_tokens",
+            "row_time",
+            "row_budget",
+            "row_recent",
+            "row_drop",
+            "row_capacity",
+            "row_pinned",
+        ):
             if getattr(self, name) is not None:
                 setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
         self.tokens_seen = max(self.tokens_seen, other.tokens_seen)
@@ -622,7 +653,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.store = SlotStore()
         self.is_initialized = False
         self.held = self.pad_tokens = self.row_time = None
-        self.row_budget = self.row_recent = self.row_drop = self.row_capacity = None
+        self.row_budget = self.row_recent = self.row_drop = self.row_capacity = self.row_pinned = None
         self.tokens_seen = self.evicted_tokens = 0
         self._pending_q = None
         self._kv = None
@@ -738,6 +769,39 @@ class BudgetedCache(Cache):
         columns = [torch.tensor(c, dtype=torch.int64) for c in zip(*resolved)]
         for layer in self.layers:
             layer.row_budget, layer.row_recent, layer.row_drop, layer.row_capacity = columns
+
+    def set_pinned_tokens(self, tokens: list[int]) -> None:
+        """Pin each row's first ``tokens[i]`` token positions (one count per row of the cache, or of its first call
+        when it has seen none yet): they are never evicted (a keep score of +inf, as the recent window's) and hold
+        slots beside the row's budget, so row ``i`` keeps at most ``tokens[i] + B_i`` slots per KV head (``B_i`` its
+        budget: ``set_row_budgets``' or the shared one). Pinned slots are the row's oldest, so they stay its slots
+        ``0 .. tokens[i] - 1`` through every eviction; on the paged layout a compaction never writes a block that
+        holds only pinned slots (``scissorhands.paged.PagedStore.compact``), so such a block can be shared read-only
+        (TensorRT-LLM's TriAttention keeps the prompt prefix so, and compresses what follows). Rows keep their
+        counts through merges and removals (``scissorhands.batching``; a row merged from a cache without pinned
+        tokens pins none). All zeros behaves exactly as no pinned tokens.
+
+        Raises:
+            ValueError: the policy does not evict, a count not a whole number >= 0, or not one count per row.
+        """
+        if not self.policy.evicts:
+            raise ValueError(f"policy {self.policy.name!r} keeps every token: it takes no pinned tokens")
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"pinned tokens: each must be an integer >= 0, got {t!r}")
+        rows = self.layers[0].batch_size if self.layers[0].is_initialized else None
+        if rows is not None and len(tokens) != rows:
+            raise ValueError(f"pinned tokens: {len(tokens)} given for {rows} rows; give one per row")
+        for layer in self.layers:
+            device = layer.device if layer.is_initialized else None
+            layer.row_pinned = torch.tensor(list(tokens), dtype=torch.int64, device=device)
+
+    def pinned_tokens(self) -> list[int]:
+        """Each row's pinned tokens (``set_pinned_tokens``; zeros when none is set)."""
+        layer = self.layers[0]
+        if layer.row_pinned is not None:
+            return layer.row_pinned.tolist()
+        return [0] * layer.batch_size
 
     def kv_cache_bytes(self) -> int:
         """Bytes of every tensor the cache holds now, bookkeeping included."""

@@ -315,13 +315,21 @@ class PagedStore:
         st.masked_fill_(past[:, None, :], PAD)
 
     @torch.inference_mode()  # the pool is written between forward calls too (merge, leave, compact)
-    def compact(self, idx: torch.Tensor, row_slots: torch.Tensor, keep_slots) -> None:
+    def compact(
+        self, idx: torch.Tensor, row_slots: torch.Tensor, keep_slots, pinned: torch.Tensor | None = None
+    ) -> None:
         """Keep slots ``idx`` ``(batch_size, num_kv_heads, n_keep)`` (each row's own first, in order) as the
         rows' slots ``0 .. row_slots[i] - 1``; a row keeps blocks for ``max(row_slots[i], keep_slots)``
         slots (at most what it has; ``keep_slots`` an int or a ``(batch_size,)`` tensor: its budget) and
-        returns the rest."""
+        returns the rest. ``pinned`` ``(batch_size,)`` int64 (or None): each row's first slots that stay in place
+        (``BudgetedCache.set_pinned_tokens``); the row's blocks that hold only such slots are neither read nor
+        written, so a block shared read-only (a prefix cache's) stays untouched."""
         b, h, n_keep = idx.shape
         kept = torch.arange(n_keep, device=idx.device)[None, :] < row_slots[:, None]  # (b, n_keep)
+        if pinned is not None:  # whole blocks of pinned slots (in place: never evicted, the oldest) are not written
+            pos_ = torch.arange(n_keep, device=idx.device)
+            frozen = pinned // self.pool.block_tokens * self.pool.block_tokens
+            kept &= ~((pos_[None, :] < frozen[:, None]) & (idx == pos_).all(1))  # a slot that moved still moves
         src_slots = self._addresses_all(idx)  # (b, h, n_keep) pool slots of the kept slots
         self.row_slots = row_slots.clone()
         self._slots = None
@@ -339,6 +347,9 @@ class PagedStore:
         heads = torch.arange(h, device=idx.device)[None, :, None] * pool_slots
         src = torch.where(kept[:, None, :], src_slots, 0) + heads
         dst = dst[:, None, :] + heads
+        if pinned is not None:  # only the slots that move: a frozen block's address is neither read nor written
+            moving = kept[:, None, :].expand(b, h, n_keep)
+            src, dst = src[moving], dst[moving]
         for buf in self.pool.buffers.values():
             flat = buf.view(-1, *buf.shape[2:])
             moved = flat.index_select(0, src.reshape(-1))  # read every kept slot before any write
@@ -464,7 +475,7 @@ class PagedLayer(BudgetedLayer):
             return
         key = (~valid).to(torch.int64) * n + torch.arange(n, device=self.device)  # valid first, in time order
         idx = key.sort(dim=-1).indices[..., :n_keep]  # (b, h, n_keep)
-        self.store.compact(idx, self.held.clone(), self.row_tokens() if self._compacts else 0)
+        self.store.compact(idx, self.held.clone(), self.kept_limit() if self._compacts else 0, self.row_pinned)
 
     def append_rows(self, other: "PagedLayer") -> None:
         for layer, peer in ((self, other), (other, self)):  # widen int16 slot times to match

@@ -58,7 +58,7 @@ SCHEDULERS = ("prefill_first", "mixed")
 #: ContinuousBatchingPipeline in process (`replica.backends.openvino`).
 ENGINES = ("ours", "openvino")
 #: `EngineConfig.kv_reuse`: how a request reuses KV computed by an earlier one (`replica.engine.session_state`)
-KV_REUSES = ("none", "session_state")
+KV_REUSES = ("none", "session_state", "shared_prefix")
 _Count = Annotated[int, checked(check_int, 1)]
 _CountOrNone = Annotated[int | None, checked(check_int, 1, optional=True)]
 #: The `EngineConfig` field of each form of `KVMemoryLimit` (at most one given; none: no limit).
@@ -226,7 +226,7 @@ class EngineConfig(FrozenConfig):
         enable_prefix_caching: share full blocks of prompt tokens across requests (`replica.engine.prefix_cache`,
             vLLM's automatic prefix caching): a request skips the prefill of the cached blocks its prompt starts
             with. Off by default; on needs engine ``"ours"``, ``kv_layout: paged`` and a policy that keeps every
-            token (``full``): a budgeted policy runs without it.
+            token (``full``), or ``kv_reuse: shared_prefix`` (which turns it on) for a budgeted policy.
         kv_reuse: how a request of a session reuses the KV cache an earlier request computed, for any policy
             (a budgeted one included): ``"none"`` (default: every request prefills its prompt) or
             ``"session_state"`` (Sparse-vLLM's "chain" mode, `replica.engine.session_state`): when a request with a
@@ -234,7 +234,12 @@ class EngineConfig(FrozenConfig):
             in the block pool while the session is idle, reclaimed least recently used when the pool needs blocks;
             the session's next request whose prompt starts with that request's prompt + generated tokens prefills
             only the tokens past them. Needs engine ``"ours"``, ``kv_layout: paged``, ``budget: fixed`` and
-            ``enable_prefix_caching: false``.
+            ``enable_prefix_caching: false``. Or ``"shared_prefix"`` (TensorRT-LLM's TriAttention way,
+            `replica.engine.prefix_cache`): the whole full blocks of a request's prompt (at most
+            ``floor((prompt - 1) / block_tokens)``) stay uncompressed and are shared through the prefix cache; only
+            what follows them is compressed, so a budgeted row holds at most ``P + B`` slots (``P`` its pinned
+            prefix, shared). It turns ``enable_prefix_caching`` on (true or left out; false is refused) and needs
+            engine ``"ours"`` and ``kv_layout: paged``; for the full cache it is ``enable_prefix_caching: true``.
 
     Raises:
         ConfigError (a ValueError): an unknown key, or a field out of range; the message names
@@ -277,6 +282,21 @@ class EngineConfig(FrozenConfig):
         if not isinstance(value, bool):
             raise ValueError(f"enable_prefix_caching: expected true or false, got {value!r}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shared_prefix_turns_the_prefix_cache_on(cls, data: Any) -> Any:
+        # kv_reuse: shared_prefix shares its pinned prompt blocks through the prefix cache: it implies the knob
+        if isinstance(data, Mapping) and data.get("kv_reuse") == "shared_prefix":
+            value = data.get("enable_prefix_caching", True)
+            if value is not True:
+                raise ValueError(
+                    "enable_prefix_caching: kv_reuse 'shared_prefix' shares prompt blocks through the prefix cache, "
+                    f"so it turns enable_prefix_caching on; accepted: true or left out (got {value!r}), or kv_reuse: "
+                    f"{', '.join(r for r in KV_REUSES if r != 'shared_prefix')} without it"
+                )
+            data = {**data, "enable_prefix_caching": True}
+        return data
 
     @field_validator("policy_params", mode="before")
     @classmethod
@@ -339,13 +359,20 @@ class EngineConfig(FrozenConfig):
                 "max_length_tokens: kv_limit_full_sequences sizes the limit from full-cache rows of the workload's "
                 "longest prompt + output (tokens); give it"
             )
-        if self.enable_prefix_caching and (
-            self.engine != "ours" or self.kv_layout != "paged" or POLICIES[self.policy].evicts
-        ):
+        if self.kv_reuse == "shared_prefix" and (self.engine != "ours" or self.kv_layout != "paged"):
+            raise ValueError(
+                "kv_reuse: 'shared_prefix' shares uncompressed prompt blocks through the prefix cache of engine 'ours' "
+                f"with kv_layout: 'paged'; accepted: {', '.join(KV_REUSES)} (got engine {self.engine!r}, kv_layout "
+                f"{self.kv_layout!r})"
+            )
+        budgeted = self.engine == "ours" and POLICIES[self.policy].evicts and self.kv_reuse != "shared_prefix"
+        if self.enable_prefix_caching and (self.engine != "ours" or self.kv_layout != "paged" or budgeted):
             raise ValueError(
                 "enable_prefix_caching: true shares the full cache's prompt blocks on engine 'ours' with kv_layout: "
-                "'paged' and policy 'full' (a budgeted policy's blocks depend on the whole sequence); accepted: false, "
-                f"or true with those (got engine {self.engine!r}, kv_layout {self.kv_layout!r}, policy {self.policy!r})"
+                "'paged' and policy 'full' (a budgeted policy's blocks depend on the whole sequence: it shares its "
+                "uncompressed prompt prefix with kv_reuse: shared_prefix); accepted: false, or true with those (got "
+                f"engine {self.engine!r}, kv_layout {self.kv_layout!r}, policy {self.policy!r}, kv_reuse "
+                f"{self.kv_reuse!r})"
             )
         if self.kv_reuse == "session_state" and (
             self.engine != "ours" or self.kv_layout != "paged" or self.budget != "fixed" or self.enable_prefix_caching

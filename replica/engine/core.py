@@ -100,6 +100,7 @@ class ContinuousBatchingEngine(EngineReadout):
             self.kv.budget_of(prompt, new),
             on_token=on_token,
             unfit=self.fits_alone(prompt, new),
+            pinned_tokens=self.kv.pinned_of(prompt),
         )
         fault = self.queue.put(seq, lambda: self.life.count(seq, "received"))
         if fault is not None:  # a dead engine refuses at once rather than queue a request nobody will step
@@ -278,7 +279,7 @@ class ContinuousBatchingEngine(EngineReadout):
         keep = []
         for i, (seq, tok) in enumerate(zip(group, fwd.tokens)):
             seq.held_slots = self.kv.prefill_slots(
-                len(seq.prefill_ids()), seq.budget_tokens, seq.final_slots
+                len(seq.prefill_ids()), seq.kept_tokens, seq.final_slots
             )  # a recompute: + outputs
             if not self.life.emit(seq, tok, t):
                 keep.append(i)

@@ -6,7 +6,7 @@ from typing import Callable
 
 from replica.common.types import EngineConfig, Refusal
 from replica.engine.requests import EngineView, Sequence
-from scissorhands import budget_from_ratio, cache_policy
+from scissorhands import POLICIES, budget_from_ratio, cache_policy
 from scissorhands.paged import BlockPool
 
 __all__ = ["KVBudget"]
@@ -43,6 +43,22 @@ class KVBudget:
         self.pool: BlockPool | None = None
         self.prefix = None  # the paged layout's `PrefixCachingPool` when prefix caching is on
         self.sessions = None  # the paged layout's `SessionStatePool` under kv_reuse: session_state
+        # kv_reuse: shared_prefix with a budgeted policy: each row keeps its prompt's whole blocks uncompressed
+        self.pins_prefix = config.kv_reuse == "shared_prefix" and POLICIES[config.policy].evicts
+
+    def pinned_of(self, prompt_tokens: int) -> int:
+        """The prompt tokens a request's budgeted row keeps uncompressed under ``kv_reuse: shared_prefix``: the whole
+        blocks the prefix cache may hold of a prompt of `prompt_tokens`, ``floor((prompt - 1) / block_tokens)``
+        blocks (at least one prompt token is computed); 0 otherwise."""
+        if not self.pins_prefix:
+            return 0
+        return max(0, prompt_tokens - 1) // self.config.block_tokens * self.config.block_tokens
+
+    def kept_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
+        """The most slots a request's row keeps per layer: its B plus its pinned prefix (`pinned_of`); None: every
+        token."""
+        budget = self.budget_of(prompt_tokens, max_new_tokens)
+        return None if budget is None else budget + self.pinned_of(prompt_tokens)
 
     def budget_of(self, prompt_tokens: int, max_new_tokens: int) -> int | None:
         """A request's B: its own ``budget_from_ratio(prompt + max_new, ratio, policy)`` under ``budget: per_request``
@@ -74,7 +90,7 @@ class KVBudget:
 
     def held_after_decode(self, seq: Sequence) -> int:
         """The slots `seq`'s row holds after one more decode step (a buffer at its capacity is written in place)."""
-        cap = min(seq.budget_tokens, seq.final_slots) if seq.budget_tokens else self.row_capacity
+        cap = min(seq.kept_tokens, seq.final_slots) if seq.budget_tokens else self.row_capacity
         return seq.held_slots + 1 if cap is None or seq.held_slots < cap else seq.held_slots
 
     def fits_alone(self, prompt_tokens: int, max_new_tokens: int, chunk_tokens: int | None = None) -> Refusal | None:
@@ -92,7 +108,9 @@ class KVBudget:
                 return Refusal("policy", why)
         if self.limit_bytes is None:
             return None
-        why = self.memory_refusal(prompt_tokens, max_new_tokens, budget, chunk_tokens)
+        why = self.memory_refusal(
+            prompt_tokens, max_new_tokens, self.kept_of(prompt_tokens, max_new_tokens), chunk_tokens
+        )
         return None if why is None else Refusal("kv_memory", why)
 
     def max_new_tokens_for(self, prompt_tokens: int, most: int, chunk_tokens: int | None = None) -> int:

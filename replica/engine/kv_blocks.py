@@ -60,8 +60,8 @@ class PagedBudget(KVBudget):
 
     def final_blocks(self, prompt_tokens: int, max_new_tokens: int) -> int:
         """Blocks a row holds at its end, all layers: what it needs to finish alone."""
-        budget = self.budget_of(prompt_tokens, max_new_tokens)
-        return self.num_layers * self.blocks(self.kept_slots(prompt_tokens + max_new_tokens - 1, budget))
+        kept = self.kept_of(prompt_tokens, max_new_tokens)  # B + its pinned prefix (kv_reuse: shared_prefix)
+        return self.num_layers * self.blocks(self.kept_slots(prompt_tokens + max_new_tokens - 1, kept))
 
     footprint = final_blocks
 
@@ -95,7 +95,7 @@ class PagedBudget(KVBudget):
         the last one's prefill (whole, or in chunks of at most `chunk` tokens) peaking beside the others' final
         blocks."""
         final = self.final_blocks(prompt_tokens, max_new_tokens)
-        peak = self.prefill_peak_blocks(prompt_tokens, self.budget_of(prompt_tokens, max_new_tokens), chunk)
+        peak = self.prefill_peak_blocks(prompt_tokens, self.kept_of(prompt_tokens, max_new_tokens), chunk)
         usable = self.pool.usable_blocks
         return max(0, min(cap, usable // final, 1 + (usable - peak) // final if peak <= usable else 0))
 
@@ -116,6 +116,8 @@ class PagedBudget(KVBudget):
             return
         n = len(seq.prefill_ids())
         most = (n - 1) // self.config.block_tokens
+        if seq.budget_tokens is not None:  # kv_reuse: shared_prefix: only its pinned prompt blocks are whole
+            most = seq.pinned_tokens // self.config.block_tokens
         if most:
             seq.cached_tokens = self.prefix.hit(self.hashes(seq), most) * self.config.block_tokens
 
@@ -128,7 +130,22 @@ class PagedBudget(KVBudget):
         if self.prefix is None or not seq.cached_tokens:
             return 0
         hashes = seq.block_hashes[: seq.cached_tokens // self.config.block_tokens]
-        return self.num_layers * sum(self.prefix.referenced(h) for h in hashes)
+        n = self.num_layers * sum(self.prefix.referenced(h) for h in hashes)
+        return n - self.shared_bookkeeping_blocks(n)  # its own bookkeeping of those slots it does take
+
+    def shared_bookkeeping_blocks(self, refs: int) -> int:
+        """Blocks' worth of the bookkeeping (slot times, policy statistics: dense per row) of `refs` more references to
+        shared blocks: the pool counts a shared block, and its share of the limit, once, but each row sharing it keeps
+        its own bookkeeping of its slots."""
+        per_layer_slot = self.bookkeeping_slot_bytes * self.config.block_tokens
+        return -(-refs * per_layer_slot // (self.num_layers * self.block_bytes))
+
+    def shared_charge(self) -> int:
+        """`shared_bookkeeping_blocks` of every reference to a shared block beyond its first, held now (0 without the
+        prefix cache): what the pool's free blocks do not say is taken."""
+        if self.prefix is None:
+            return 0
+        return self.shared_bookkeeping_blocks(sum(r - 1 for r in list(self.prefix.refs.values())))
 
     def attach_prefix(self, p: Prefill, new_cache) -> int:
         """Start `p` (admitted, not fed yet) from its rows' cached blocks: each row claims its hit and `p.cache`
@@ -157,7 +174,9 @@ class PagedBudget(KVBudget):
 
     def register_prefix(self, p: Prefill, chunk: int) -> None:
         """Cache the full blocks of `p`'s rows its last `chunk` tokens completed (each row's block of every layer,
-        keyed by the hash of its tokens and prefix); a block another row cached first stays this row's own."""
+        keyed by the hash of its tokens and prefix); a block another row cached first stays this row's own. A
+        budgeted row (``kv_reuse: shared_prefix``) caches only its pinned prompt blocks: they are never compressed
+        nor written again (`scissorhands.paged.PagedStore.compact`), the rest of its cache depends on the policy."""
         if self.prefix is None or p.cache is None:
             return
         bt = self.config.block_tokens
@@ -168,7 +187,8 @@ class PagedBudget(KVBudget):
         tables = [layer.store.blocks for layer in p.cache.layers]
         for i, seq in enumerate(p.group):
             hashes = self.hashes(seq)
-            for j in range(first, end):
+            last = end if seq.budget_tokens is None else min(end, seq.pinned_tokens // bt)
+            for j in range(first, last):
                 self.prefix.register(hashes[j], tuple(t[i][j] for t in tables))
 
     # ------------------------------------------------------------------ session state (kv_reuse: session_state)
@@ -252,7 +272,7 @@ class PagedBudget(KVBudget):
             return 0
         rows = paged_rows(view.cache)
         return self.num_layers * sum(
-            max(0, self.blocks(self.kept_slots(n + min(steps, steps_left(seq)), seq.budget_tokens)) - held)
+            max(0, self.blocks(self.kept_slots(n + min(steps, steps_left(seq)), seq.kept_tokens)) - held)
             for seq, n, held in zip(view.running, rows.row_slots, rows.row_blocks)
         )
 
@@ -262,7 +282,7 @@ class PagedBudget(KVBudget):
         """Slots of a row of `seq` after it has seen `tokens`: what it keeps (its budget at most) rounded up to
         whole blocks. Its blocks pay for that much bookkeeping; the paged layout grows the bookkeeping a block at
         a time to the widest row (`scissorhands.paged.PagedStore.append`)."""
-        return self.blocks(self.kept_slots(tokens, seq.budget_tokens)) * self.config.block_tokens
+        return self.blocks(self.kept_slots(tokens, seq.kept_tokens)) * self.config.block_tokens
 
     def padding_blocks(self, view: EngineView, widths: list[int]) -> int:
         """Blocks' worth of the bookkeeping padding of one batch of rows of these widths (slots), padded to the
@@ -315,7 +335,7 @@ class _BlockAdmission:
     def __init__(self, kv: PagedBudget, view: EngineView):
         self.kv, self.view = kv, view
         self.widths = kv.running_widths(view)  # the running batch's bookkeeping, with the rows admitted in this step
-        self.free = kv.pool.free_blocks - kv.growth(view, 1) - kv.padding_blocks(view, self.widths)
+        self.free = kv.pool.free_blocks - kv.growth(view, 1) - kv.padding_blocks(view, self.widths) - kv.shared_charge()
         self.committed = 0  # blocks the rows admitted in this step hold after their prefill
         self.before_last = 0  # ... before the last group
         self.last_peak = 0  # blocks the last group's rows hold at their prefill's peak (they peak together)
@@ -324,9 +344,9 @@ class _BlockAdmission:
         """``"join"``, ``"new"`` or None (wait for blocks: rows finish or are preempted)."""
         kv = self.kv
         shared = kv.shared_blocks(seq)  # cached blocks rows hold already: counted once, in the pool's blocks in use
-        peak = kv.prefill_peak_blocks(tokens, seq.budget_tokens) - shared
+        peak = kv.prefill_peak_blocks(tokens, seq.kept_tokens) - shared
         # what it holds once merged, with the block its first decode step may take
-        steady = kv.num_layers * kv.blocks(kv.kept_slots(tokens + decodes_after_prefill([seq]), seq.budget_tokens))
+        steady = kv.num_layers * kv.blocks(kv.kept_slots(tokens + decodes_after_prefill([seq]), seq.kept_tokens))
         steady -= shared
         width = kv.width(seq, tokens + 1)
         pad = kv.added_padding_blocks(self.view, self.widths, width)

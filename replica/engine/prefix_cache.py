@@ -1,4 +1,4 @@
-"""Prefix caching for the paged full cache (`EngineConfig.enable_prefix_caching`), after vLLM's v1 KV cache manager
+"""Prefix caching in the paged engine (`EngineConfig.enable_prefix_caching`), after vLLM's v1 KV cache manager
 (vllm/v1/core/kv_cache_manager.py, block_pool.py): full blocks of prompt tokens are kept under a hash of their
 tokens and their prefix's hash, reference counted, shared read-only by every row whose prompt starts with the same
 tokens, kept after their rows leave and reclaimed least recently used when the pool needs blocks.
@@ -19,8 +19,13 @@ tokens, kept after their rows leave and reclaimed least recently used when the p
   them and every later step runs as it would have. At least one prompt token is always computed (the hit stops at
   ``prompt - 1`` tokens), so the first sampled token has its logits.
 
-Only the full cache shares blocks: a budgeted policy's kept slots depend on the whole sequence's attention, so a
-block of its cache is not a function of its prefix (`EngineConfig` refuses the knob with one).
+The full cache shares every full block of a prefill. A budgeted policy's kept slots depend on the whole sequence's
+attention, so a block of its compressed cache is not a function of its prefix; under ``kv_reuse: shared_prefix``
+(TensorRT-LLM's TriAttention way) a budgeted row pins its prompt's whole blocks (at most ``floor((prompt - 1) /
+block_tokens)``: `scissorhands.cache.BudgetedCache.set_pinned_tokens`), which are never evicted nor written again
+(`scissorhands.paged.PagedStore.compact` skips blocks of pinned slots only), so those blocks, and only those, are
+cached and shared; what follows them is compressed to the row's budget B (``P + B`` slots a row). `EngineConfig`
+refuses the knob with a budgeted policy otherwise.
 """
 
 from __future__ import annotations

@@ -36,6 +36,14 @@ class Sequence:
     cached_tokens: int = 0
     block_hashes: list = field(default_factory=list)
     from_session: bool = False  # kv_reuse: session_state: `cached_tokens` are its session's kept state's
+    # kv_reuse: shared_prefix: its prompt's first tokens its budgeted row keeps uncompressed and shares (whole blocks,
+    # `KVBudget.pinned_of`), held beside its budget; 0 otherwise
+    pinned_tokens: int = 0
+
+    @property
+    def kept_tokens(self) -> int | None:
+        """The most slots its row keeps per layer: its budget plus its pinned prefix (None: keeps every token)."""
+        return None if self.budget_tokens is None else self.budget_tokens + self.pinned_tokens
 
     def prefill_ids(self) -> list[int]:
         """The tokens its next prefill feeds: the prompt, plus every output token after a preemption."""
@@ -70,6 +78,7 @@ def same_group(a: Sequence, b: Sequence) -> bool:
         not (a.from_session or b.from_session)
         and len(a.prefill_ids()) == len(b.prefill_ids())
         and a.budget_tokens == b.budget_tokens
+        and a.pinned_tokens == b.pinned_tokens
         and a.cached_tokens == b.cached_tokens
     )
 

@@ -87,12 +87,15 @@ class ModelRunner:
         layout) unless `paged` is False."""
         pool = self.pool if paged else None
         if not self.per_request:
-            return make_cache(self.config.policy, self.model, pool=pool, **self.cache_kwargs)
-        budget = group[0].budget_tokens
-        kwargs = {**self.cache_kwargs, "budget_tokens": budget, "max_length": budget}
-        cache = make_cache(self.config.policy, self.model, pool=pool, **kwargs)
-        # rows of other budgets merge into one batch; each reserves at most the slots its sequence can hold
-        cache.set_row_budgets([budget] * len(group), [s.final_slots for s in group])
+            cache = make_cache(self.config.policy, self.model, pool=pool, **self.cache_kwargs)
+        else:
+            budget = group[0].budget_tokens
+            kwargs = {**self.cache_kwargs, "budget_tokens": budget, "max_length": budget}
+            cache = make_cache(self.config.policy, self.model, pool=pool, **kwargs)
+            # rows of other budgets merge into one batch; each reserves at most the slots its sequence can hold
+            cache.set_row_budgets([budget] * len(group), [s.final_slots for s in group])
+        if group and any(s.pinned_tokens for s in group):  # kv_reuse: shared_prefix: the prompt's blocks stay whole
+            cache.set_pinned_tokens([s.pinned_tokens for s in group])
         return cache
 
     def score_prompt(self, seq: Sequence) -> tuple[list, list, int]:

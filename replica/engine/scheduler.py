@@ -115,28 +115,28 @@ class Mixed(Scheduler):
         growth = kv.growth(view, 1)
         # the bookkeeping the running rows and the prompts part-way fed pad to once all are merged
         widths = kv.running_widths(view) + [kv.width(s, p.length + 1) for p in view.prefilling for s in p.group]
-        free = kv.pool.free_blocks - growth - kv.padding_blocks(view, widths)
+        free = kv.pool.free_blocks - growth - kv.padding_blocks(view, widths) - kv.shared_charge()
         committed = 0  # blocks the planned chunks add, once fed
         per_step = max(1, tokens)  # prompt tokens a step feeds while these rows run
 
         def held(p: Prefill) -> int:
-            return kv.num_layers * kv.blocks(kv.kept_slots(p.fed, p.group[0].budget_tokens))
+            return kv.num_layers * kv.blocks(kv.kept_slots(p.fed, p.group[0].kept_tokens))
 
         def after(p: Prefill, chunk: int, seqs: list[Sequence]) -> int:
             """Blocks one row of `p` holds after `chunk` more tokens."""
             end = p.fed + chunk == p.length
-            return kv.chunk_blocks(p.fed, chunk, p.group[0].budget_tokens, end and decodes_after_prefill(seqs))[1]
+            return kv.chunk_blocks(p.fed, chunk, p.group[0].kept_tokens, end and decodes_after_prefill(seqs))[1]
 
         def whole(p: Prefill, seqs: list[Sequence]) -> int:
             """Blocks one row of `p` holds at its last chunk's peak (a budgeted row holds B + chunk in the layer
             being computed) or after it, whichever is more: what it takes by the end of its prefill."""
             last = min(p.length - p.fed, per_step)
-            return kv.chunk_blocks(p.length - last, last, p.group[0].budget_tokens, decodes_after_prefill(seqs))[0]
+            return kv.chunk_blocks(p.length - last, last, p.group[0].kept_tokens, decodes_after_prefill(seqs))[0]
 
         def longest(p: Prefill, seqs: list[Sequence], most: int, base: int, was: int | None = None) -> int:
             """The longest chunk <= `most` tokens whose peak fits beside `base` committed blocks (0: none); `was`:
             the blocks a row holds already (default `held`; a new row: only its cached blocks rows hold)."""
-            budget, was = p.group[0].budget_tokens, held(p) if was is None else was
+            budget, was = p.group[0].kept_tokens, held(p) if was is None else was
             lo, hi = 0, most
             while lo < hi:  # blocks grow with the chunk: bisect
                 mid = (lo + hi + 1) // 2

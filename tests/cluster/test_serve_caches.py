@@ -4,6 +4,7 @@ is compressed as a long one is (a fixed budget sized for 2,048 tokens never evic
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from cluster.serve_app import (
     DEFAULT_KV_MEMORY_LIMIT_BYTES,
     DEFAULT_MAX_LENGTH_TOKENS,
     build_serve_app,
+    engine_knob_flags,
     parse_cache,
     serve_engine_config,
 )
@@ -52,6 +54,23 @@ def test_a_bad_layout_budget_or_missing_limit_names_the_flag_or_field():
         serve_engine_config("full", kv_layout="preallocated", scheduler="mixed")
     with pytest.raises(ValueError, match="max_num_batched_tokens: 8 is below one block"):
         serve_engine_config("full", max_num_batched_tokens=8)
+
+
+def test_kv_reuse_shared_prefix_turns_the_prefix_cache_on_unless_the_flag_says_false():
+    parser = argparse.ArgumentParser()
+    names = engine_knob_flags(parser)
+
+    def knobs(*argv):
+        args = parser.parse_args(list(argv))
+        return {k: getattr(args, k) for k in names}
+
+    _, cfg, _ = serve_engine_config("scissorhands:5", **knobs("--kv-reuse", "shared_prefix"))
+    assert cfg["kv_reuse"] == "shared_prefix" and EngineConfig(**cfg).enable_prefix_caching is True
+    assert "enable_prefix_caching" not in serve_engine_config("full", **knobs())[1]  # off: EngineConfig's default
+    with pytest.raises(ValueError, match="enable_prefix_caching: kv_reuse 'shared_prefix' shares prompt blocks"):
+        serve_engine_config(
+            "scissorhands:5", **knobs("--kv-reuse", "shared_prefix", "--enable-prefix-caching", "false")
+        )
 
 
 def test_the_service_ships_per_request_budgets_and_lists_them():

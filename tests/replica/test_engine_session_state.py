@@ -274,7 +274,7 @@ def test_session_state_is_refused_where_a_row_cannot_be_kept_naming_the_field(kw
         EngineConfig(**{"kv_memory_limit_bytes": 10**6, **kw, **ON})
 
 
-@pytest.mark.parametrize("value", ["chain", "shared_prefix", True, None])
+@pytest.mark.parametrize("value", ["chain", "shared", True, None])
 def test_kv_reuse_takes_its_named_ways_only(value):
     with pytest.raises(ConfigError, match=r"kv_reuse.*none.*session_state"):
         EngineConfig(**PAGED, kv_memory_limit_bytes=10**6, kv_reuse=value)

@@ -71,6 +71,7 @@ def test_session_replica_is_the_same_for_any_order_spreads_sessions_and_moves_on
     with pytest.raises(ValueError, match="replicas: no replica"):
         session_replica("s0", [])
     assert (keeps_session_state("session_state", False), keeps_session_state("none", True)) == (True, True)
+    assert keeps_session_state("shared_prefix", False) is True
     assert keeps_session_state("none", False) is False
 
 
@@ -117,6 +118,24 @@ def test_a_kv_reuse_the_engine_refuses_exits_2_at_load_naming_the_policy_entry(t
     assert sweep.main([str(bad), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "r")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_a_shared_prefix_entry_turns_its_series_prefix_cache_on_and_is_refused_where_it_cannot_share(tmp_path, capsys):
+    text = SUITE.replace("kv_reuse: session_state}", "kv_reuse: shared_prefix}")
+    suite = ServingSuite(**yaml.safe_load(text))
+    configs = [suite.engine_config(p) for p in suite.points()]
+    assert [(c.kv_reuse, c.enable_prefix_caching) for c in configs] == [("none", False), ("shared_prefix", True)]
+    for change, message in [
+        (("kv_layout: paged", "kv_layout: preallocated"), "policies[1].kv_reuse: 'shared_prefix' shares"),
+        (
+            ("kv_reuse: shared_prefix}", "kv_reuse: shared_prefix, enable_prefix_caching: false}"),
+            "policies[1].enable_prefix_caching: kv_reuse 'shared_prefix' shares prompt blocks",
+        ),
+    ]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text.replace(*change))
+        assert sweep.main([str(bad), "--local", "--pushgateway", "off", "--results-dir", str(tmp_path / "r")]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_kv_reuse_per_policy_outside_a_serving_suite_exits_2(tmp_path, capsys):
@@ -233,7 +252,7 @@ def test_the_http_client_sends_the_session_as_user_and_the_server_passes_it_to_t
         r.shutdown()
 
 
-def test_the_sessions_suite_pairs_four_series_of_the_three_reuse_ways():
+def test_the_sessions_suite_pairs_five_series_of_the_three_reuse_ways():
     raw = yaml.safe_load((ROOT / "workloads" / "suites" / "sessions.yaml").read_text())
     suite = ServingSuite(**raw)
     points = suite.points()
@@ -243,6 +262,7 @@ def test_the_sessions_suite_pairs_four_series_of_the_three_reuse_ways():
         ("full", None, True, "none"),
         ("scissorhands", 5.0, False, "none"),
         ("scissorhands", 5.0, False, "session_state"),
+        ("scissorhands", 5.0, True, "shared_prefix"),  # shared_prefix turns the series' prefix cache on
     ]
     assert all(c.kv_layout == "paged" and c.budget == "fixed" for c in configs)
     assert len({suite.workload_seed(p) for p in points}) == 1  # paired: the same sessions

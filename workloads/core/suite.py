@@ -93,9 +93,10 @@ class PolicySpec(BaseModel):
     ``openvino_eviction``, `replica.openvino_settings.OPENVINO_POLICIES`, checked with the point's `EngineConfig`).
     `enable_prefix_caching`: serving suites only, this series' prefix cache (`EngineConfig.enable_prefix_caching`;
     None: the suite's), so one suite pairs the same engine without and with it on the same requests. `kv_reuse`:
-    serving suites only, the same for `EngineConfig.kv_reuse` (``none`` or ``session_state``, which needs the suite's
-    ``budget: fixed``, the paged layout of engine ``ours`` and no prefix caching: refused at load naming
-    ``policies[i].kv_reuse``), so one suite compares a policy with and without a session's kept state."""
+    serving suites only, the same for `EngineConfig.kv_reuse` (``none``; ``session_state``, which needs the suite's
+    ``budget: fixed``, the paged layout of engine ``ours`` and no prefix caching; or ``shared_prefix``, which needs
+    the paged layout of engine ``ours`` and turns the series' prefix cache on: refused at load naming
+    ``policies[i].kv_reuse``), so one suite compares a policy's ways of reusing KV on the same requests."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: Name

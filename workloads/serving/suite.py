@@ -429,6 +429,9 @@ class ServingSuite(_EngineKnobs):
             fields["enable_prefix_caching"] = point.identity["enable_prefix_caching"]
         if "kv_reuse" in point.identity:  # likewise
             fields["kv_reuse"] = point.identity["kv_reuse"]
+        explicit = "enable_prefix_caching" in point.identity or "enable_prefix_caching" in self.model_fields_set
+        if fields.get("kv_reuse") == "shared_prefix" and not explicit:  # it turns the prefix cache on: no default off
+            fields.pop("enable_prefix_caching", None)
         return EngineConfig(**fields)
 
     def workload_seed(self, point: ServingPoint) -> int:
