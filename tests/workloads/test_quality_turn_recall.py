@@ -172,6 +172,38 @@ def test_session_state_cache_has_fed_the_conversation_once_under_one_budget(toke
         assert cache.evicted_tokens > 0
 
 
+def test_shared_prefix_keeps_the_prompts_whole_blocks_and_compresses_only_what_follows(tokenizer, monkeypatch):
+    """Under a budget too small for what follows the pinned prefix, the turn-k prompt's whole 16-token blocks stay
+    the row's first slots in every layer and head (never evicted), and the rest is compressed to its budget B."""
+    model = tiny_llama(seed=0, vocab_size=len(tokenizer), max_position_embeddings=2048)
+    caches = []
+    real = tr.greedy_answer
+
+    def keep_cache(model, cache, prompt_ids, new_tokens, device="cpu"):
+        caches.append(cache)
+        return real(model, cache, prompt_ids, new_tokens, device=device)
+
+    monkeypatch.setattr(tr, "greedy_answer", keep_cache)
+    out = tr.evaluate_turn_recall(
+        model, tokenizer, "scissorhands", [2, 4], sessions=2, filler_tokens=16, compression_ratio=40,
+        policy_params={"min_budget_tokens": 0}, reuse="shared_prefix",
+    )  # fmt: skip
+    n_new = out["answer_tokens"]
+    for j, cache in enumerate(caches):
+        prompt = out["prompt_tokens_by_turn"][j // 2][j % 2]
+        pinned = (prompt - 1) // 16 * 16
+        budget = out["budget_tokens_by_turn"][j // 2][j % 2]
+        assert out["pinned_tokens_by_turn"][j // 2][j % 2] == pinned == tr.pinned_prefix_tokens(prompt) > 0
+        assert budget < prompt + n_new - 1 - pinned  # what follows the prefix does not fit: the policy evicts
+        assert cache.evicted_tokens > 0 and cache.pinned_tokens() == [pinned]
+        assert cache.held_tokens() == out["held_tokens_by_turn"][j // 2][j % 2] <= pinned + budget
+        for layer in cache.layers:
+            times = layer.slot_time[0]  # (kv_heads, slots)
+            assert (times[:, :pinned] == torch.arange(pinned)).all()
+            assert (times[:, pinned:] >= pinned).all() and int(layer.held[0]) <= pinned + budget
+    assert [tr.pinned_prefix_tokens(n) for n in (1, 16, 17, 33)] == [0, 0, 16, 32]
+
+
 def test_full_cache_answers_are_the_same_under_every_reuse_way(tokenizer):
     """The full cache evicts nothing, so carrying it through the turns (or pinning a prefix) changes no answer."""
     model = tiny_llama(seed=1, vocab_size=len(tokenizer), max_position_embeddings=2048)
