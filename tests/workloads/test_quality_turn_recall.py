@@ -383,3 +383,14 @@ def test_embedded_full_cache_recalls_the_code_at_turns_2_and_4():
     out = tr.evaluate_turn_recall(model, tok, "full", [2, 4], sessions=2)
     assert out["correct_by_turn"] == [2, 2], out["answers"]
     assert all(a.strip().startswith(c) for row in out["answers"] for a, c in zip(row, out["codes"]))
+
+
+@pytest.mark.slow
+def test_embedded_full_cache_answers_the_same_under_every_reuse_way():
+    """SmolLM2-135M-Instruct with the full cache: the session's cache carried through its turns and the pinned
+    prefix answer exactly as a fresh prefill of the conversation (the code, at turns 2 and 4)."""
+    torch.set_num_threads(1)
+    model, tok = load_model("embedded", dtype=torch.float32, device="cpu")
+    runs = [tr.evaluate_turn_recall(model, tok, "full", [2, 4], sessions=1, reuse=way) for way in tr.REUSE_WAYS]
+    assert runs[0]["correct_by_turn"] == [1, 1], runs[0]["answers"]
+    assert all(run["answers"] == runs[0]["answers"] for run in runs[1:]), [run["answers"] for run in runs]
