@@ -66,11 +66,11 @@ POINT_IDS = {
         "passkey-full-r1-l256-n3-k5-s0-4a0efb75",
         "passkey-openvino-openvino_eviction-r4-l256-n3-k5-s0-41605e0f",
     ),
-    "quality_turn_recall.yaml": (
-        3,
-        "b089fa8165336632",
-        "turnrecall-full-r1-k8-n8-none-s0-cb9edeac",
-        "turnrecall-scissorhands-r5-k8-n8-none-s0-16fd8675",
+    "quality_turn_recall.yaml": (  # 4 sessions and the three reuse ways since the ways were built
+        9,
+        "5b174ba0ed739a45",
+        "turnrecall-full-r1-k8-n4-none-s0-4b8e1392",
+        "turnrecall-scissorhands-r5-k8-n4-shared_prefix-s0-900388d0",
     ),
     "quality_report.yaml": (
         91,
