@@ -153,29 +153,55 @@ class ContinuousBatchingEngine(EngineReadout):
             for p, _ in plan.chunks:
                 if p.cache is None:  # before any prefill of this step takes blocks: its cached ones are claimed
                     self._start_from_cache(p)
-            if not plan.yield_newest:
+            if plan.yield_newest:
+                self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
+            elif not plan.chunks and not self.flight.running and self.flight.prefilling:
+                self._refuse_stalled(self.flight.prefilling[-1])  # alone with the whole pool: it never goes on
+            else:
                 return plan
-            self._preempt(self.flight.prefilling[-1])  # prompts part-way fed hold the pool: the newest yields
+
+    def _refuse_stalled(self, p: Prefill) -> None:
+        """Answer `p`'s requests as rejected (their blocks freed): a prompt part-way fed that gets no chunk with
+        nothing else running and no kept state left to reclaim would wait forever (`fits_alone` should refuse
+        such a request at `submit`; this is the net under it)."""
+        for seq in self.flight.remove({s.request.request_id for s in p.group}):
+            self.life.fail(
+                seq,
+                "rejected",
+                f"request cannot run under the KV memory limit: its prompt, fed {p.fed} of {p.length} tokens, "
+                "gets no blocks for its next chunk with nothing else running",
+            )
 
     def _planned(self) -> StepPlan:
         """`Scheduler.plan`; under ``kv_reuse: session_state`` kept states count as in use while it plans
         (`SessionStatePool.plan_free_blocks`) and each session's state is promised to one request of the step at
-        most (`SessionStatePool.promise`), and when it admits nothing while requests wait (below the batch cap) the
-        oldest state is reclaimed and the step planned again (memory pressure: a plan with the states free would
-        admit one), until one is admitted or no state is left."""
+        most (`SessionStatePool.promise`). When work waits on blocks (`_waiting`: a prompt part-way fed gets no
+        chunk, or nothing is admitted while requests wait below the batch cap) and a plan with the states free
+        would feed or admit more, the oldest state is reclaimed and the step planned again (memory pressure), until
+        the work goes on or no state is left; only then may the newest prompt part-way fed yield."""
         sessions = self.kv.sessions
         if sessions is None:
             return self.scheduler.plan(self._view(), self.kv)
         while True:
             sessions.begin_plan()
             plan = self.scheduler.plan(self._view(), self.kv)
-            stuck = not plan.consumed and len(self.queue) and self.flight.rows < self.scheduler.cap
-            if not stuck or not sessions.states or plan.yield_newest:
+            if not sessions.states or not self._waiting(plan):
                 return plan
             sessions.begin_plan(states_free=True)
-            if not self.scheduler.plan(self._view(), self.kv).consumed:  # the states free: still none, so wait
-                return plan
+            free = self.scheduler.plan(self._view(), self.kv)
+            if self._fed_part_way(free) <= self._fed_part_way(plan) and not (free.consumed and not plan.consumed):
+                return plan  # the states free: no more work goes on, so they stay
             sessions.reclaim_oldest()
+
+    def _fed_part_way(self, plan: StepPlan) -> int:
+        """How many prompts part-way fed `plan` feeds a chunk of."""
+        return sum(any(p is q for q in self.flight.prefilling) for p, _ in plan.chunks)
+
+    def _waiting(self, plan: StepPlan) -> bool:
+        """Whether `plan` leaves work waiting for blocks: a prompt part-way fed without a chunk, or requests
+        queued below the batch cap with none admitted."""
+        queued = not plan.consumed and len(self.queue) and self.flight.rows < self.scheduler.cap
+        return bool(queued) or self._fed_part_way(plan) < len(self.flight.prefilling)
 
     def _start_from_cache(self, p: Prefill) -> None:
         """Start a group just admitted from its rows' cached blocks (`PagedBudget.attach_prefix`) and count the

@@ -9,6 +9,7 @@ import torch
 
 from replica.common.types import ConfigError, EngineConfig, GenerationRequest
 from replica.engine import ContinuousBatchingEngine
+from replica.engine.requests import StepPlan
 
 SH = dict(policy="scissorhands", budget_tokens=16, policy_params=dict(history_window=20, count_chunk_steps=5))
 PAGED = dict(kv_layout="paged", block_tokens=4)
@@ -289,3 +290,23 @@ def test_max_batch_counts_prompts_part_way_fed(model):
     results, engine = _serve(model, cfg, _requests(6, seed=4), check)
     assert all(r.error is None for r in results.values()) and len(results) == 6
     assert most["running"] == engine.stats()["peak_running_sequences"] == 2
+
+
+def test_a_lone_prompt_part_way_fed_that_never_gets_a_chunk_is_rejected_not_left_waiting(model, monkeypatch):
+    """The net under `fits_alone`: a prompt part-way fed that a plan gives no chunk with nothing else running (here
+    a scheduler that plans nothing from its second step on) is answered as rejected and its blocks freed, so the
+    engine goes idle with nothing held rather than step an empty plan forever; a later request still runs."""
+    cfg = dict(**PAGED, scheduler="mixed", max_num_batched_tokens=4, kv_memory_limit_bytes=10**7)
+    engine = ContinuousBatchingEngine(model, EngineConfig(**cfg))
+    res = {}
+    engine.submit(GenerationRequest("long", list(range(1, 30)), 3), lambda r: res.__setitem__(r.request_id, r))
+    assert engine.step() and len(engine.flight.prefilling) == 1 and engine.pool.blocks_in_use > 0
+    plan = engine.scheduler.plan
+    monkeypatch.setattr(engine.scheduler, "plan", lambda view, kv: StepPlan())
+    assert not engine.step()  # nothing to run after the refusal
+    assert res["long"].error_kind == "rejected" and "gets no blocks for its next chunk" in res["long"].error
+    assert not engine.flight.prefilling and engine.pool.blocks_in_use == 0
+    monkeypatch.setattr(engine.scheduler, "plan", plan)
+    engine.submit(GenerationRequest("next", list(range(1, 10)), 3), lambda r: res.__setitem__(r.request_id, r))
+    engine.run_until_idle()
+    assert res["next"].error is None and len(res["next"].output_ids) == 3

@@ -505,3 +505,39 @@ def test_a_finished_row_that_has_not_fed_its_history_keeps_nothing_and_is_counte
     assert len(pool._free) == pool.free_blocks == pool.usable_blocks
     assert stats["session_state_keep_failures"] == 1
     assert "session 's': the state of request 'a' was not kept (its row had not fed its history" in caplog.text
+
+
+def _kept_state_then_long_prompts(model, cfg: dict, long_prompts: int) -> dict:
+    """A short request of session "a" decoding while `long_prompts` long prompts of other sessions are admitted
+    under a pool of 17 blocks: with `ON`, "a" finishes part-way through their prefill, its state keeps its 4 blocks
+    and the long prompts' next chunks need them. Results by request id; the engine is left with nothing in flight."""
+    engine = ContinuousBatchingEngine(model, EngineConfig(**PAGED, **cfg, kv_memory_limit_bytes=18_000))
+    assert engine.pool.usable_blocks == 17
+    res = {}
+    engine.submit(GenerationRequest("a", [7, 8, 9], 4, session_id="a"), lambda r: res.__setitem__(r.request_id, r))
+    for i in range(long_prompts):
+        prompt = [11 + i] + list(range(20, 45))  # 26 tokens
+        req = GenerationRequest(f"b{i}", prompt, 7, session_id=f"b{i}")
+        engine.submit(req, lambda r: res.__setitem__(r.request_id, r))
+    engine.run_until_idle(10_000)
+    assert not engine.flight.prefilling and not engine.flight.running and not len(engine.queue)
+    return res
+
+
+@pytest.mark.parametrize(
+    "sched",
+    [
+        pytest.param(dict(scheduler="mixed", max_num_batched_tokens=4), id="mixed-chunks-of-4"),
+        pytest.param(dict(scheduler="mixed", max_num_batched_tokens=8), id="mixed-chunks-of-8"),
+        pytest.param(dict(scheduler="prefill_first"), id="prefill_first"),
+    ],
+)
+@pytest.mark.parametrize("long_prompts", [1, 2])
+def test_a_prompt_part_way_fed_takes_the_blocks_of_a_kept_state_rather_than_wait_forever(model, sched, long_prompts):
+    got = _kept_state_then_long_prompts(model, {**sched, **ON}, long_prompts)
+    names = ["a"] + [f"b{i}" for i in range(long_prompts)]
+    assert sorted(got) == names  # every request answered: none left part-way fed with the engine idle
+    assert all(r.error is None for r in got.values()), {k: r.error for k, r in got.items()}
+    want = _kept_state_then_long_prompts(model, sched, long_prompts)  # no state kept: the same tokens
+    assert {k: r.output_ids for k, r in got.items()} == {k: r.output_ids for k, r in want.items()}
+    assert [len(got[k].output_ids) for k in names] == [4] + [7] * long_prompts

@@ -66,11 +66,11 @@ POINT_IDS = {
         "passkey-full-r1-l256-n3-k5-s0-4a0efb75",
         "passkey-openvino-openvino_eviction-r4-l256-n3-k5-s0-41605e0f",
     ),
-    "quality_turn_recall.yaml": (
-        3,
-        "b089fa8165336632",
-        "turnrecall-full-r1-k8-n8-none-s0-cb9edeac",
-        "turnrecall-scissorhands-r5-k8-n8-none-s0-16fd8675",
+    "quality_turn_recall.yaml": (  # 3 sessions and the three reuse ways since the ways were built
+        9,
+        "7d7e54ad227d87e3",
+        "turnrecall-full-r1-k8-n3-none-s0-4e9c0048",
+        "turnrecall-scissorhands-r5-k8-n3-shared_prefix-s0-2c0898a5",
     ),
     "quality_report.yaml": (
         91,

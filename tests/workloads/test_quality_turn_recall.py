@@ -121,9 +121,117 @@ def test_every_policy_sees_the_same_prompts_and_its_budget_follows_each_prompt(t
     ]  # B = ceil(L / r) of each turn's own prompt + answer, the budget floor at least
 
 
+@pytest.mark.parametrize("k", [2, 3, 6])
+def test_session_state_calls_feed_the_turn_k_prompt_once_split_at_its_turns(tokenizer, session, k):
+    """Turn 1's prompt in one call, each fixed answer one token per call but its EOS, which opens the next turn's call
+    with the next user message; together exactly the turn-k prompt's ids."""
+    calls = tr.session_state_calls(tokenizer, session, k)
+    ids = tr.build_turn_prompt(tokenizer, session, k)["input_ids"]
+    assert [t for call in calls for t in call] == ids
+    prefills = [tokenizer.decode(c) for c in calls if len(c) > 1]
+    assert len(prefills) == k and prefills[0].endswith(
+        tr.PLANT.format(**session) + "<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert all(p.startswith("<|im_end|>\n<|im_start|>user\n") for p in prefills[1:])
+    assert all(f in prefills[j + 1] for j, f in enumerate(session["fillers"][: k - 2]))
+    assert prefills[-1].endswith(tr.ANSWER_PREFIX.format(name=session["name"]))
+    answers = tokenizer.decode([t for c in calls if len(c) == 1 for t in c])
+    assert answers == tr.PLANT_REPLY + tr.FILLER_REPLY * (k - 2)  # the answers' EOS went with the next call
+
+
+@pytest.mark.parametrize("policy, ratio", [("full", 1.0), ("scissorhands", 3.0)])
+def test_session_state_cache_has_fed_the_conversation_once_under_one_budget(tokenizer, monkeypatch, policy, ratio):
+    """One cache per session: the forward calls are `session_state_calls` then the answer's decode steps, so the cache
+    has fed the turn-k prompt + the answer but its last token, each once; its budget is the turn-k length's."""
+    model = tiny_llama(seed=0, vocab_size=len(tokenizer), max_position_embeddings=2048)
+    fed, caches = [], []
+    model.register_forward_pre_hook(lambda m, args, kw: fed.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+    real = tr.greedy_answer
+
+    def keep_cache(model, cache, prompt_ids, new_tokens, device="cpu"):
+        caches.append(cache)
+        return real(model, cache, prompt_ids, new_tokens, device=device)
+
+    monkeypatch.setattr(tr, "greedy_answer", keep_cache)
+    out = tr.evaluate_turn_recall(
+        model, tokenizer, policy, [5], sessions=1, filler_tokens=16, compression_ratio=ratio, reuse="session_state"
+    )
+    session = tr.make_session(tokenizer, 3, 16, 5, random.Random("turn-recall-0-0"))
+    calls, n_new = tr.session_state_calls(tokenizer, session, 5), out["answer_tokens"]
+    prompt = out["prompt_tokens_by_turn"][0][0]
+    assert fed[: len(calls)] == calls and len(fed) == len(calls) + n_new - 1
+    assert all(len(step) == 1 for step in fed[len(calls) :])
+    (cache,) = caches
+    assert all(layer.tokens_seen == prompt + n_new - 1 for layer in cache.layers)
+    assert out["held_tokens_by_turn"] == [[cache.held_tokens()]] and out["pinned_tokens_by_turn"] == [[0]]
+    if policy == "full":
+        assert cache.held_tokens() == prompt + n_new - 1
+    else:
+        budget = max(32, math.ceil((prompt + n_new) / ratio))
+        assert out["budget_tokens_by_turn"] == [[budget]] and cache.held_tokens() <= budget < prompt
+        assert cache.evicted_tokens > 0
+
+
+def test_shared_prefix_keeps_the_prompts_whole_blocks_and_compresses_only_what_follows(tokenizer, monkeypatch):
+    """Under a budget too small for what follows the pinned prefix, the turn-k prompt's whole 16-token blocks stay
+    the row's first slots in every layer and head (never evicted), and the rest is compressed to its budget B."""
+    model = tiny_llama(seed=0, vocab_size=len(tokenizer), max_position_embeddings=2048)
+    caches = []
+    real = tr.greedy_answer
+
+    def keep_cache(model, cache, prompt_ids, new_tokens, device="cpu"):
+        caches.append(cache)
+        return real(model, cache, prompt_ids, new_tokens, device=device)
+
+    monkeypatch.setattr(tr, "greedy_answer", keep_cache)
+    out = tr.evaluate_turn_recall(
+        model, tokenizer, "scissorhands", [2, 4], sessions=2, filler_tokens=16, compression_ratio=40,
+        policy_params={"min_budget_tokens": 0}, reuse="shared_prefix",
+    )  # fmt: skip
+    n_new = out["answer_tokens"]
+    for j, cache in enumerate(caches):
+        prompt = out["prompt_tokens_by_turn"][j // 2][j % 2]
+        pinned = (prompt - 1) // 16 * 16
+        budget = out["budget_tokens_by_turn"][j // 2][j % 2]
+        assert out["pinned_tokens_by_turn"][j // 2][j % 2] == pinned == tr.pinned_prefix_tokens(prompt) > 0
+        assert budget < prompt + n_new - 1 - pinned  # what follows the prefix does not fit: the policy evicts
+        assert cache.evicted_tokens > 0 and cache.pinned_tokens() == [pinned]
+        assert cache.held_tokens() == out["held_tokens_by_turn"][j // 2][j % 2] <= pinned + budget
+        for layer in cache.layers:
+            times = layer.slot_time[0]  # (kv_heads, slots)
+            assert (times[:, :pinned] == torch.arange(pinned)).all()
+            assert (times[:, pinned:] >= pinned).all() and int(layer.held[0]) <= pinned + budget
+    assert [tr.pinned_prefix_tokens(n) for n in (1, 16, 17, 33)] == [0, 0, 16, 32]
+
+
+def test_full_cache_answers_are_the_same_under_every_reuse_way(tokenizer):
+    """The full cache evicts nothing, so carrying it through the turns (or pinning a prefix) changes no answer."""
+    model = tiny_llama(seed=1, vocab_size=len(tokenizer), max_position_embeddings=2048)
+    runs = {
+        way: tr.evaluate_turn_recall(model, tokenizer, "full", [2, 4, 6], sessions=2, filler_tokens=16, reuse=way)
+        for way in tr.REUSE_WAYS
+    }
+    assert len(runs) == len(tr.REUSE_WAYS) >= 2
+    for way, out in runs.items():
+        assert out["answers"] == runs["none"]["answers"], way
+        assert out["held_tokens_by_turn"] == [
+            [n + out["answer_tokens"] - 1 for n in row] for row in out["prompt_tokens_by_turn"]
+        ]
+
+
+def test_a_bad_reuse_way_exits_2_naming_the_field(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**SUITE, "replicas": 1, "turn_recall": {"turns": [2], "reuse": ["none", "chain"]}}))
+    results = tmp_path / "r"
+    assert sweep.main([str(path), "--local", "--results-dir", str(results), "--pushgateway", "off"]) == 2
+    err = capsys.readouterr().err
+    assert f"turn_recall.reuse: expected one of {', '.join(tr.REUSE_WAYS)}, got 'chain'" in err
+    assert not results.exists() or not any(results.iterdir())
+
+
 def test_evaluation_refuses_bad_input(tokenizer):
     model = tiny_llama(seed=0)
-    with pytest.raises(ValueError, match=r"^reuse: expected one of none, got 'carry'$"):
+    with pytest.raises(ValueError, match=rf"^reuse: expected one of {', '.join(tr.REUSE_WAYS)}, got 'carry'$"):
         tr.evaluate_turn_recall(model, tokenizer, "full", [2], reuse="carry")
     with pytest.raises(ValueError, match="turns"):
         tr.evaluate_turn_recall(model, tokenizer, "full", [1])
@@ -149,8 +257,13 @@ SUITE = tiny_suite(
         ({"turns": [1, 4]}, r"turn_recall\.turns\[0\].*greater than or equal to 2"),
         ({"turns": []}, r"turn_recall\.turns"),
         ({"turns": [4, 4]}, r"turn_recall\.turns: each k once"),
-        ({"reuse": "carry"}, r"^turn_recall\.reuse: expected one of none, got 'carry'$"),
-        ({"reuse": "prefix"}, r"^turn_recall\.reuse: expected one of none, got 'prefix'$"),
+        ({"reuse": "carry"}, rf"^turn_recall\.reuse: expected one of {', '.join(tr.REUSE_WAYS)}, got 'carry'$"),
+        (
+            {"reuse": ["none", "prefix"]},
+            rf"^turn_recall\.reuse: expected one of {', '.join(tr.REUSE_WAYS)}, got 'prefix'$",
+        ),
+        ({"reuse": []}, r"^turn_recall\.reuse: expected one of .* or a list of them, got \[\]$"),
+        ({"reuse": ["none", "none"]}, r"^turn_recall\.reuse: each way once"),
         ({"sessions": 0}, r"turn_recall\.sessions"),
         ({"filler_tokens": 4}, r"turn_recall\.filler_tokens"),
         ({"turn": [2]}, r"turn_recall"),
@@ -179,48 +292,59 @@ def test_a_turn_beyond_the_models_context_exits_2_at_load(tmp_path, capsys):
 
 
 def test_the_suites_points_run_on_a_tiny_model_and_fill_the_report(tokenizer):
-    """Every point of the suite (full; scissorhands at 2x and 5x), run as the runner runs it, on a tiny random model
-    that shares the embedded tokenizer: the records carry per-k counts, intervals and budgets, and the report's
-    table has a row per point and a column per k."""
-    points = [p for p in parse_suite(SUITE).points() if p.kind == "turn_recall"]
-    assert [(p.policy, p.compression_ratio) for p in points] == [("full", 1.0), ("scissorhands", 2.0),
-                                                                 ("scissorhands", 5.0)]  # fmt: skip
-    assert len({p.point_id for p in points}) == 3 and all(p.point_id.startswith("turnrecall-") for p in points)
+    """Every point of the suite (full; scissorhands at 2x and 5x; each under every reuse way), run as the runner runs
+    it, on a tiny random model that shares the embedded tokenizer: the records carry per-k counts, intervals and
+    budgets, and the report's table has a row per policy, ratio and way and a column per k."""
+    suite = {**SUITE, "turn_recall": {**SUITE["turn_recall"], "reuse": list(tr.REUSE_WAYS)}}
+    points = [p for p in parse_suite(suite).points() if p.kind == "turn_recall"]
+    configs = [("full", 1.0), ("scissorhands", 2.0), ("scissorhands", 5.0)]
+    assert [(p.policy, p.compression_ratio, p.settings["reuse"]) for p in points] == [
+        (*c, way) for c in configs for way in tr.REUSE_WAYS
+    ]
+    assert len({p.point_id for p in points}) == len(points) and all(
+        p.point_id.startswith("turnrecall-") for p in points
+    )
     model = tiny_llama(seed=0, vocab_size=len(tokenizer), max_position_embeddings=1024)
     torch.set_num_threads(1)
     records = []
     for p in points:
         out = quality_points.run_point(model, tokenizer, p)
         assert out["turns"] == [2, 3] and out["sessions"] == 2 and len(out["correct_trials"]) == 4
-        assert all(0 <= c <= 2 for c in out["correct_by_turn"])
+        assert out["reuse"] == p.settings["reuse"] and all(0 <= c <= 2 for c in out["correct_by_turn"])
         for lo, acc, hi in zip(
             out["accuracy_ci95_low_by_turn"], out["accuracy_by_turn"], out["accuracy_ci95_high_by_turn"]
         ):
             assert 0 <= lo <= acc <= hi <= 1
-        if p.policy == "scissorhands":
-            n_new = out["answer_tokens"]
+        if p.policy == "scissorhands":  # B of the turn-k conversation + its answer; under shared_prefix of the
+            n_new = out["answer_tokens"]  # tokens past the pinned prefix (what it compresses), capped at their count
+            pinned = tr.pinned_prefix_tokens if p.settings["reuse"] == "shared_prefix" else lambda n: 0
             assert out["budget_tokens_by_turn"] == [
-                [max(32, math.ceil((n + n_new) / p.compression_ratio)) for n in row]
+                [
+                    min(n + n_new - pinned(n), max(32, math.ceil((n + n_new - pinned(n)) / p.compression_ratio)))
+                    for n in row
+                ]
                 for row in out["prompt_tokens_by_turn"]
             ]
         records.append(
             {**out, "status": "ok", "evaluation": "turn_recall", "point_id": p.point_id, "policy": p.policy,
              "compression_ratio": p.compression_ratio, "kv_bits": None, "model_id": "tiny"}
         )  # fmt: skip
+    full = [r["answers"] for r in records if r["policy"] == "full"]
+    assert all(a == full[0] for a in full)  # the full cache evicts nothing: every way answers alike
     md = "\n".join(" ".join(line.split()) for line in markdown(records).splitlines())
-    assert "### Turn-k recall (reuse: none)" in md and "| policy, compression | k=2 | k=3 |" in md
-    assert (
-        sum(line.startswith(("| full 1x |", "| scissorhands 2x |", "| scissorhands 5x |")) for line in md.splitlines())
-        == 3
-    )
+    assert "### Turn-k recall: a 5-digit code" in md and "| policy, compression | reuse | k=2 | k=3 |" in md
+    rows = [line for line in md.splitlines() if line.startswith(("| full 1x |", "| scissorhands "))]
+    assert [tuple(c.strip() for c in row.split("|")[1:3]) for row in rows] == [
+        (f"{pol} {r:g}x", way) for pol, r in configs for way in tr.REUSE_WAYS
+    ]
 
 
-def _record(policy, ratio, correct_by_turn, turns=(2, 4, 8), sessions=4):
+def _record(policy, ratio, correct_by_turn, turns=(2, 4, 8), sessions=4, reuse="none"):
     ci = [wilson_interval(c, sessions) for c in correct_by_turn]
     return {
         "status": "ok",
         "evaluation": "turn_recall",
-        "point_id": f"tr-{policy}-{ratio}",
+        "point_id": f"tr-{policy}-{ratio}-{reuse}",
         "policy": policy,
         "compression_ratio": ratio,
         "kv_bits": None,
@@ -228,7 +352,7 @@ def _record(policy, ratio, correct_by_turn, turns=(2, 4, 8), sessions=4):
         "sessions": sessions,
         "digits": 5,
         "filler_tokens": 48,
-        "reuse": "none",
+        "reuse": reuse,
         "correct_by_turn": list(correct_by_turn),
         "accuracy_by_turn": [c / sessions for c in correct_by_turn],
         "accuracy_ci95_low_by_turn": [lo for lo, _ in ci],
@@ -237,14 +361,21 @@ def _record(policy, ratio, correct_by_turn, turns=(2, 4, 8), sessions=4):
     }
 
 
-def test_report_writes_one_row_per_point_and_a_column_per_turn():
-    md = markdown([_record("scissorhands", 5.0, [2, 1, 0]), _record("full", 1.0, [4, 4, 3])])
+def test_report_writes_one_row_per_point_and_reuse_way_and_a_column_per_turn():
+    md = markdown(
+        [
+            _record("scissorhands", 5.0, [0, 0, 1], reuse="session_state"),
+            _record("scissorhands", 5.0, [2, 1, 0]),
+            _record("full", 1.0, [4, 4, 3]),
+        ]
+    )
     md = "\n".join(" ".join(line.split()) for line in md.splitlines())
     assert "a 5-digit code planted in turn 1, asked in turn k" in md and "4 sessions per k" in md
-    assert "| policy, compression | k=2 | k=4 | k=8 |" in md
-    assert "| full 1x | 1.00 [0.51, 1.00] | 1.00 [0.51, 1.00] | 0.75 [0.30, 0.95] |" in md
-    assert "| scissorhands 5x | 0.50 [0.15, 0.85] | 0.25 [0.05, 0.70] | 0.00 [0.00, 0.49] |" in md
-    assert md.index("| full 1x |") < md.index("| scissorhands 5x |")
+    assert "| policy, compression | reuse | k=2 | k=4 | k=8 |" in md and "way (none, session_state:" in md
+    assert "| full 1x | none | 1.00 [0.51, 1.00] | 1.00 [0.51, 1.00] | 0.75 [0.30, 0.95] |" in md
+    assert "| scissorhands 5x | none | 0.50 [0.15, 0.85] | 0.25 [0.05, 0.70] | 0.00 [0.00, 0.49] |" in md
+    assert "| scissorhands 5x | session_state | 0.00 [0.00, 0.49] | 0.00 [0.00, 0.49] | 0.25 [0.05, 0.70] |" in md
+    assert md.index("| full 1x |") < md.index("| scissorhands 5x | none |") < md.index("| scissorhands 5x | session")
 
 
 @pytest.mark.slow
@@ -256,3 +387,14 @@ def test_embedded_full_cache_recalls_the_code_at_turns_2_and_4():
     out = tr.evaluate_turn_recall(model, tok, "full", [2, 4], sessions=2)
     assert out["correct_by_turn"] == [2, 2], out["answers"]
     assert all(a.strip().startswith(c) for row in out["answers"] for a, c in zip(row, out["codes"]))
+
+
+@pytest.mark.slow
+def test_embedded_full_cache_answers_the_same_under_every_reuse_way():
+    """SmolLM2-135M-Instruct with the full cache: the session's cache carried through its turns and the pinned
+    prefix answer exactly as a fresh prefill of the conversation (the code, at turns 2 and 4)."""
+    torch.set_num_threads(1)
+    model, tok = load_model("embedded", dtype=torch.float32, device="cpu")
+    runs = [tr.evaluate_turn_recall(model, tok, "full", [2, 4], sessions=1, reuse=way) for way in tr.REUSE_WAYS]
+    assert runs[0]["correct_by_turn"] == [1, 1], runs[0]["answers"]
+    assert all(run["answers"] == runs[0]["answers"] for run in runs[1:]), [run["answers"] for run in runs]

