@@ -6,7 +6,7 @@ import pytest
 from workloads.load.numbers import significant
 from workloads.load.slo import describe_slo
 from workloads.serving.point import eviction_count_fields
-from workloads.serving.report import milliseconds, table_markdown
+from workloads.serving.report import _said_evicting_nothing, milliseconds, table_markdown
 from workloads.serving.runner import ServingKind
 
 
@@ -86,3 +86,16 @@ def test_our_budgeted_row_that_evicted_no_token_says_evicts_nothing_in_the_servi
     table = table_markdown([rec])
     rows = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| sessions-")]
     assert rows == [f"sessions-scissorhands+reuse-shared_prefix-r5 ({quiet['openvino_evicts_reason']})"]
+
+
+def test_a_capacity_row_whose_every_probe_evicted_nothing_says_so():
+    quiet = eviction_count_fields([{"evicted_tokens": 0}])
+    why = quiet["openvino_evicts_reason"]
+    recs = [
+        _contended_record(series="a", point_index=0, **quiet),
+        _contended_record(series="a", point_index=1, **quiet),
+        _contended_record(series="b", point_index=2, **quiet),
+        _contended_record(series="b", point_index=3, evicted_tokens=5),
+    ]
+    capacity = [{"series": "a", "x": 1}, {"series": "b", "x": 2}]
+    assert _said_evicting_nothing(capacity, recs) == [{"series": f"a ({why})", "x": 1}, {"series": "b", "x": 2}]

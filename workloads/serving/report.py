@@ -245,6 +245,17 @@ def table_columns(records: list[dict]) -> list[tuple]:
     return [c for c in TABLE if c[1] not in OPTIONAL_COLUMNS or has(c[1])]
 
 
+def _said_evicting_nothing(capacity: list[dict], records: list[dict]) -> list[dict]:
+    """`capacity`'s rows, the series of each whose every probe evicted nothing (``openvino_evicts`` false: an
+    eviction row that ran the full cache, or our budget that held every token) followed by that reason, as the
+    points' rows are."""
+    why: dict = {}
+    for r in records:
+        quiet = r.get("openvino_evicts_reason") if r.get("openvino_evicts") is False else None
+        why[r.get("series")] = quiet if why.get(r.get("series"), quiet) else None  # every probe, or no flag
+    return [{**c, "series": f"{c['series']} ({why[c['series']]})"} if why.get(c["series"]) else c for c in capacity]
+
+
 def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> str:
     """The serving points as a Markdown table under their conditions line (after the capacity of each series when
     `capacity` gives it)."""
@@ -260,7 +271,7 @@ def table_markdown(records: list[dict], capacity: list[dict] | None = None) -> s
         )
     slo = slo_line(records)
     footer += "".join(f"\n\n{line}" for line in cpu_share.contended_lines(records))
-    head = capacity_markdown(capacity) + "\n" if capacity else ""
+    head = capacity_markdown(_said_evicting_nothing(capacity, records)) + "\n" if capacity else ""
     return (
         conditions_line(records)
         + head
