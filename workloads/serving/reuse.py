@@ -90,7 +90,8 @@ def reuse_way(engine_config) -> str | None:
     if reuse == "session_state":
         return "session_state"
     if reuse == "shared_prefix":  # a full cache's rows are not pinned: it is the prefix-cached full cache
-        return "shared_prefix" if POLICIES[engine_config.policy].evicts else "prefix_cache"
+        policy = POLICIES.get(getattr(engine_config, "policy", "full"))
+        return "shared_prefix" if policy is not None and policy.evicts else "prefix_cache"
     if reuse == "none":
         return "prefix_cache" if getattr(engine_config, "enable_prefix_caching", False) else "none"
     return None
