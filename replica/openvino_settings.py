@@ -144,9 +144,9 @@ def evicts_nothing(max_cache_size: int, longest_sequence_tokens: int) -> str | N
 
 
 def eviction_reach(eviction: dict | None, longest_sequence_tokens: int) -> dict:
-    """A point record's ``openvino_evicts`` (False: `evicts_nothing`) and ``openvino_evicts_reason`` for the
+    """A point record's ``evicts`` (False: `evicts_nothing`) and ``evicts_reason`` for the
     eviction settings a replica ran (its stats' ``openvino_eviction``); {} for the full cache (None)."""
     if not eviction:
         return {}
     why = evicts_nothing(int(eviction["max_cache_size"]), longest_sequence_tokens)
-    return {"openvino_evicts": why is None, "openvino_evicts_reason": why}
+    return {"evicts": why is None, "evicts_reason": why}

@@ -547,8 +547,8 @@ def test_an_eviction_whose_max_cache_size_holds_the_longest_sequence_is_recorded
     assert evicts_nothing(96, 96) == why and evicts_nothing(96, 97) is None
     ev = {"start_size": 32, "recent_size": 32, "max_cache_size": 96, "aggregation_mode": "SUM"}
     assert eviction_reach(ev, 80) == {
-        "openvino_evicts": False,
-        "openvino_evicts_reason": "evicts nothing: max_cache_size 96 >= longest sequence 80",
+        "evicts": False,
+        "evicts_reason": "evicts nothing: max_cache_size 96 >= longest sequence 80",
     }
-    assert eviction_reach(ev, 544) == {"openvino_evicts": True, "openvino_evicts_reason": None}
+    assert eviction_reach(ev, 544) == {"evicts": True, "evicts_reason": None}
     assert eviction_reach(None, 80) == {}  # the full cache: nothing to say

@@ -178,8 +178,8 @@ def test_the_openvino_rows_search_the_same_requests_as_ours_and_are_reported_wit
     assert evict["openvino_max_cache_size_rounding"] == "ceil(32 / 4) = 8 -> 96 (32-token blocks)"
     # 96 tokens hold every 32-token sequence: the x4 row ran the full cache, and its record and row say so
     why = "evicts nothing: max_cache_size 96 >= longest sequence 32"
-    assert (evict["openvino_evicts"], evict["openvino_evicts_reason"]) == (False, why)
-    assert "openvino_evicts" not in by[("openvino", "full")] and "openvino_evicts" not in by[("ours", "scissorhands")]
+    assert (evict["evicts"], evict["evicts_reason"]) == (False, why)
+    assert "evicts" not in by[("openvino", "full")] and "evicts" not in by[("ours", "scissorhands")]
     assert by[("openvino", "full")]["budget_tokens"] is None and by[("ours", "scissorhands")]["budget_tokens"] == 32
     # one KV byte limit for every row
     assert len({r["kv_memory_limit_bytes"] for r in recs}) == 1

@@ -65,10 +65,8 @@ def test_millisecond_columns_and_the_progress_line_print_seconds_of_latency_with
 
 def test_an_openvino_eviction_row_that_evicts_nothing_says_so_in_the_serving_table():
     why = "evicts nothing: max_cache_size 96 >= longest sequence 80"
-    quiet = _contended_record(
-        series="rate-openvino-openvino_eviction-x2", openvino_evicts=False, openvino_evicts_reason=why
-    )
-    evicting = _contended_record(series="rate-openvino-openvino_eviction-x5", openvino_evicts=True, point_index=1)
+    quiet = _contended_record(series="rate-openvino-openvino_eviction-x2", evicts=False, evicts_reason=why)
+    evicting = _contended_record(series="rate-openvino-openvino_eviction-x5", evicts=True, point_index=1)
     table = table_markdown([quiet, evicting])
     rows = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| rate-")]
     assert rows == [f"rate-openvino-openvino_eviction-x2 ({why})", "rate-openvino-openvino_eviction-x5"]
@@ -77,20 +75,20 @@ def test_an_openvino_eviction_row_that_evicts_nothing_says_so_in_the_serving_tab
 def test_our_budgeted_row_that_evicted_no_token_says_evicts_nothing_in_the_serving_table():
     # a budget raised to the policy's floor held every token: the point ran the (prefix-cached) full cache
     quiet = eviction_count_fields([{"evicted_tokens": 0}, {"evicted_tokens": 0}])
-    assert quiet["evicted_tokens"] == 0 and quiet["openvino_evicts"] is False
-    assert quiet["openvino_evicts_reason"].startswith("evicts nothing: ")
+    assert quiet["evicted_tokens"] == 0 and quiet["evicts"] is False
+    assert quiet["evicts_reason"].startswith("evicts nothing: ")
     assert eviction_count_fields([{"evicted_tokens": 0}, {"evicted_tokens": 7}]) == {"evicted_tokens": 7}
     # the full cache (None: it keeps every token) and another backend (no key) flag nothing
     assert eviction_count_fields([{"evicted_tokens": None}]) == {} and eviction_count_fields([{}]) == {}
     rec = _contended_record(series="sessions-scissorhands+reuse-shared_prefix-r5", **quiet)
     table = table_markdown([rec])
     rows = [ln.split("|")[1].strip() for ln in table.splitlines() if ln.startswith("| sessions-")]
-    assert rows == [f"sessions-scissorhands+reuse-shared_prefix-r5 ({quiet['openvino_evicts_reason']})"]
+    assert rows == [f"sessions-scissorhands+reuse-shared_prefix-r5 ({quiet['evicts_reason']})"]
 
 
 def test_a_capacity_row_whose_every_probe_evicted_nothing_says_so():
     quiet = eviction_count_fields([{"evicted_tokens": 0}])
-    why = quiet["openvino_evicts_reason"]
+    why = quiet["evicts_reason"]
     recs = [
         _contended_record(series="a", point_index=0, **quiet),
         _contended_record(series="a", point_index=1, **quiet),

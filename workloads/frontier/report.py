@@ -546,8 +546,8 @@ def markdown(rows: list[dict]) -> str:
             capacity=_amount(r) if throughput_axis(r) == "capacity" and r.get("status") == "ok" else None,
             cpu=cpu_share.mark(r),
         )
-        if r.get("openvino_evicts") is False:  # an eviction label on a row that ran the full cache
-            r["label"] = f"{r['label']} ({r.get('openvino_evicts_reason')})"
+        if r.get("evicts") is False:  # an eviction label on a row that ran the full cache
+            r["label"] = f"{r['label']} ({r.get('evicts_reason')})"
         if r.get("status") != "ok":
             r["status"] = f"{r['status']}: {str(r.get('error'))[:80]}"
         elif not has_perplexity(r):

@@ -280,7 +280,7 @@ def held_bookkeeping_over_limit(stats: list[dict]) -> str | None:
 
 def eviction_count_fields(stats: list[dict]) -> dict:
     """A point record's ``evicted_tokens`` (summed over the replicas that count them: our engine with a policy that
-    evicts; None when none does) and, when that is 0, ``openvino_evicts: false`` with its reason, the flag the
+    evicts; None when none does) and, when that is 0, ``evicts: false`` with its reason, the flag the
     tables already read for an eviction row that ran the full cache (`replica.openvino_settings.evicts_nothing`):
     a budget (raised to the policy's floor, ``min_budget_tokens``) that held every token says so. {} when no
     replica counts evictions (the OpenVINO backend: `eviction_reach` says it)."""
@@ -289,8 +289,8 @@ def eviction_count_fields(stats: list[dict]) -> dict:
         return {}
     out = {"evicted_tokens": sum(counts)}
     if out["evicted_tokens"] == 0:
-        out["openvino_evicts"] = False
-        out["openvino_evicts_reason"] = "evicts nothing: its budget held every token of this point (0 tokens evicted)"
+        out["evicts"] = False
+        out["evicts_reason"] = "evicts nothing: its budget held every token of this point (0 tokens evicted)"
     return out
 
 

@@ -162,8 +162,8 @@ def table_rows(records: list[dict]) -> list[dict]:
         d["held_kv_mib"] = r["peak_held_kv_bytes"] / MIB if r.get("peak_held_kv_bytes") is not None else None
         d["peak_running"] = ",".join(str(x) for x in r.get("peak_running_sequences_per_replica") or []) or "-"
         d["cpu"] = cpu_share.mark(r)
-        if r.get("openvino_evicts") is False:  # an eviction label on a row that ran the full cache
-            d["series"] = f"{r.get('series')} ({r.get('openvino_evicts_reason')})"
+        if r.get("evicts") is False:  # an eviction label on a row that ran the full cache
+            d["series"] = f"{r.get('series')} ({r.get('evicts_reason')})"
         rows.append(d)
     return rows
 
@@ -246,12 +246,12 @@ def table_columns(records: list[dict]) -> list[tuple]:
 
 
 def _said_evicting_nothing(capacity: list[dict], records: list[dict]) -> list[dict]:
-    """`capacity`'s rows, the series of each whose every probe evicted nothing (``openvino_evicts`` false: an
+    """`capacity`'s rows, the series of each whose every probe evicted nothing (``evicts`` false: an
     eviction row that ran the full cache, or our budget that held every token) followed by that reason, as the
     points' rows are."""
     why: dict = {}
     for r in records:
-        quiet = r.get("openvino_evicts_reason") if r.get("openvino_evicts") is False else None
+        quiet = r.get("evicts_reason") if r.get("evicts") is False else None
         why[r.get("series")] = quiet if why.get(r.get("series"), quiet) else None  # every probe, or no flag
     return [{**c, "series": f"{c['series']} ({why[c['series']]})"} if why.get(c["series"]) else c for c in capacity]
 

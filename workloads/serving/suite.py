@@ -330,7 +330,7 @@ class ServingSuite(_EngineKnobs):
 
     def _warn_evicting_nothing(self) -> None:
         """Warn (once a series) of an OpenVINO eviction row whose rounded ``max_cache_size`` holds the longest
-        sequence: it runs the full cache under its ``x<ratio>`` label (its records say so: ``openvino_evicts``)."""
+        sequence: it runs the full cache under its ``x<ratio>`` label (its records say so: ``evicts``)."""
         seen = set()
         for p in self.points():
             if p.policy != "openvino_eviction" or p.series in seen:
