@@ -254,6 +254,7 @@ def test_the_shipped_suites_state_their_limits_in_full_rows():
         "serving-prefix.yaml": 4,
         "serving-rate.yaml": 4,
         "sessions.yaml": 4,
+        "sessions-capacity.yaml": 2,
     }
     memory_limit = load_suite("workloads/suites/memory-limit.yaml")
     cfg = memory_limit.engine_config(memory_limit.points()[0])
