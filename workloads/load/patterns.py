@@ -379,6 +379,20 @@ def _capacity_defaults(data: dict, suffix: str) -> dict:
     return data
 
 
+class _CapacitySearched:
+    """A load pattern a capacity search drives: under the search (`capacity_search`) the `capacity:` grid gives the
+    loads (`workloads.serving.capacity.CapacitySearch.grid`) and the pattern's own load checks do not apply."""
+
+    @classmethod
+    def check_suite(cls, suite: Any, mode: str, capacity_search: bool = False, **options) -> None:
+        if not capacity_search:
+            super().check_suite(suite, mode)
+
+    @classmethod
+    def point_loads(cls, suite: Any, capacity_search: bool = False, **options) -> list[float | None]:
+        return list(suite.capacity.grid()) if capacity_search else super().point_loads(suite)
+
+
 class OpenLoop(LoadPattern):
     """Open loop: sends at the times `arrivals()` yields, whatever the replies; with
     `max_concurrency` an arrival that finds the cap reached waits (`delay`) or is dropped (`drop`)."""
@@ -425,7 +439,7 @@ class OpenLoop(LoadPattern):
             await run.send(index, warm, scheduled, cap_delayed=waited)
 
 
-class RateLoad(OpenLoop):
+class RateLoad(_CapacitySearched, OpenLoop):
     """Arrivals at `rate_req_per_s` with gamma gaps of shape `burstiness` (1: Poisson), seeded by `seed`."""
 
     name = "rate"
@@ -455,15 +469,6 @@ class RateLoad(OpenLoop):
         if not capacity_search:
             return super().suite_defaults(data)
         return _capacity_defaults(data, "req_per_s")
-
-    @classmethod
-    def check_suite(cls, suite: Any, mode: str, capacity_search: bool = False, **options) -> None:
-        if not capacity_search:
-            super().check_suite(suite, mode)
-
-    @classmethod
-    def point_loads(cls, suite: Any, capacity_search: bool = False, **options) -> list[float | None]:
-        return list(suite.capacity.grid()) if capacity_search else super().point_loads(suite)
 
 
 class TraceLoad(OpenLoop):
@@ -541,7 +546,7 @@ class TraceLoad(OpenLoop):
         return {**data, "prompt_tokens": prompt, "new_tokens": new}
 
 
-class SessionsLoad(LoadPattern):
+class SessionsLoad(_CapacitySearched, LoadPattern):
     """Multi-turn sessions (`workloads.load.sessions`): session starts arrive at `session_rate_per_s` with gamma gaps
     of shape `burstiness` (1: Poisson), seeded by `seed`, or at a session trace's start times (then the load is the
     trace's `trace_time_scale` and the rate is unused: give loads [1]); each session then sends its turns one after
@@ -681,15 +686,6 @@ class SessionsLoad(LoadPattern):
             )
         prompt = LengthDist("trace", min=max(1, layers + first), max=longest)
         return {**data, "sessions": spec, "prompt_tokens": prompt, "new_tokens": new, "session_tokens": whole}
-
-    @classmethod
-    def check_suite(cls, suite: Any, mode: str, capacity_search: bool = False, **options) -> None:
-        if not capacity_search:
-            super().check_suite(suite, mode)
-
-    @classmethod
-    def point_loads(cls, suite: Any, capacity_search: bool = False, **options) -> list[float | None]:
-        return list(suite.capacity.grid()) if capacity_search else super().point_loads(suite)
 
     @classmethod
     def record_columns(cls, load: float | None, max_batch_size: int | None = None, **options) -> dict:
